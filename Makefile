@@ -1,0 +1,34 @@
+# Two entry points do all set-up: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
+EXTRAS ?= dev
+
+.PHONY: demo test lint format install clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[$(EXTRAS)]"
+	rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/nnstat demo
+
+test: $(STAMP)
+	WANDB_MODE=offline WANDB_SILENT=true $(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check nnstat integrations tests benchmarks examples
+	$(BIN)/black --check nnstat integrations tests benchmarks examples
+
+format: $(STAMP)
+	$(BIN)/black nnstat integrations tests benchmarks examples
+	$(BIN)/ruff check --fix nnstat integrations tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) build *.egg-info

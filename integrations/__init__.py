@@ -1,0 +1,1 @@
+"""Adapters to the tools users already log with: W&B, TensorBoard, HuggingFace, Lightning."""

@@ -1,0 +1,78 @@
+"""nnstat: watch a PyTorch network while it trains and explain it afterwards.
+
+The public API is resolved lazily so that ``import nnstat`` stays fast and never imports
+optional dependencies (wandb, tensorboard, transformers, lightning, matplotlib).
+
+Example:
+    >>> import nnstat, torch
+    >>> model = torch.nn.Linear(4, 2)
+    >>> W = nnstat.get_weight(model)
+    >>> round(float(W.norm(2)), 3) >= 0
+    True
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    # foundation
+    "NetDict": "nnstat.netdict",
+    "get_weight": "nnstat.netdict",
+    "get_grad": "nnstat.netdict",
+    "get_optimizer_state": "nnstat.netdict",
+    "get_update": "nnstat.netdict",
+    "compute_stats": "nnstat.netdict",
+    "UnknownStateKeyError": "nnstat.netdict",
+    "trust_ratio": "nnstat.dynamics",
+    "update_ratio": "nnstat.dynamics",
+    "Tracker": "nnstat.tracker",
+    # capture engine and statistics
+    "CaptureEngine": "nnstat.capture.engine",
+    "Mean": "nnstat.statistics",
+    "Covariance": "nnstat.statistics",
+    "KFAC": "nnstat.statistics",
+    "EKFAC": "nnstat.statistics",
+    # runs and the gradient store
+    "Run": "nnstat.run",
+    "init": "nnstat.run",
+    "setup": "nnstat.run",
+    "watch": "nnstat.run",
+    "unwatch": "nnstat.run",
+    "add_projection": "nnstat.run",
+    "finalize": "nnstat.run",
+    "eval": "nnstat.run",
+    "get_log": "nnstat.run",
+    "build_log_dataloader": "nnstat.run",
+    "GradientStore": "nnstat.store",
+    "GradientLog": "nnstat.store",
+    # noise scale
+    "noise_scale": "nnstat.gns",
+    "NoiseScale": "nnstat.gns",
+    "NoiseScaleResult": "nnstat.gns",
+    # recorder
+    "Recorder": "nnstat.recorder",
+}
+_SUBMODULES = {"influence", "integrations", "plot", "recorder", "statistics", "capture", "store"}
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        module = importlib.import_module(f"nnstat.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'nnstat' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__
