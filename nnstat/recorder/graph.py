@@ -1,0 +1,136 @@
+"""Dependency graph between registered tensors, from autograd plus manual edges.
+
+The graph is the computation graph with every unregistered operation contracted away: an edge
+``a -> b`` means that ``b`` was computed from ``a`` without passing through another registered
+tensor. Its identity is a sha256 of canonical JSON, so the same graph from two processes (or two
+trials) has the same hash; Python's per-process ``hash()`` is never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+
+import torch
+
+ROLES: tuple[str, ...] = ("input", "target", "output", "loss", "intermediate", "parameter")
+
+
+def autograd_edges(named: Sequence[tuple[str, torch.Tensor]]) -> set[tuple[str, str]]:
+    """Edges ``(parent, child)`` between the named tensors found by walking ``grad_fn``.
+
+    Tensors without autograd history (created under ``torch.no_grad()`` or not requiring grad)
+    contribute no edges; connect them with manual edges. The walk visits each autograd node
+    once, so its cost is linear in the size of the graph.
+
+    Example:
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> h = w * 2
+        >>> y = h.sum()
+        >>> sorted(autograd_edges([("w", w), ("h", h), ("y", y)]))
+        [('h', 'y'), ('w', 'h')]
+    """
+    by_node: dict[object, str] = {}
+    by_leaf: dict[int, str] = {}
+    for name, t in named:
+        if t.grad_fn is not None:
+            by_node[t.grad_fn] = name
+        elif t.requires_grad:
+            by_leaf[id(t)] = name
+
+    def own_name(node: object) -> str | None:
+        if node in by_node:
+            return by_node[node]
+        variable = getattr(node, "variable", None)
+        return by_leaf.get(id(variable)) if variable is not None else None
+
+    memo: dict[object, frozenset[str]] = {}
+
+    def ancestors(root: object) -> frozenset[str]:
+        # iterative post-order: deep graphs (long RNN unrolls) exceed Python's recursion limit
+        stack: list[tuple[object, bool]] = [(root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node in memo:
+                continue
+            parents = [p for p, _ in getattr(node, "next_functions", ()) if p is not None]
+            if not expanded:
+                stack.append((node, True))
+                stack.extend((p, False) for p in parents if p not in memo and own_name(p) is None)
+                continue
+            found: set[str] = set()
+            for p in parents:
+                name = own_name(p)
+                if name is not None:
+                    found.add(name)
+                else:
+                    found |= memo.get(p, frozenset())
+            memo[node] = frozenset(found)
+        return memo[root]
+
+    edges: set[tuple[str, str]] = set()
+    for node, child in by_node.items():
+        for parent in ancestors(node):
+            if parent != child:
+                edges.add((parent, child))
+    return edges
+
+
+def graph_document(
+    nodes: Iterable[tuple[str, str]], edges: Iterable[tuple[str, str]]
+) -> dict[str, object]:
+    """Canonical JSON-ready description: sorted ``nodes`` ``[name, role]`` and ``edges``.
+
+    Example:
+        >>> graph_document([("b", "loss"), ("a", "input")], [("a", "b")])["nodes"]
+        [['a', 'input'], ['b', 'loss']]
+    """
+    node_list = sorted({(str(n), str(r)) for n, r in nodes})
+    names = {n for n, _ in node_list}
+    edge_list = sorted({(str(a), str(b)) for a, b in edges})
+    missing = sorted({x for e in edge_list for x in e} - names)
+    if missing:
+        raise ValueError(f"graph edges name unregistered tensors: {missing}")
+    return {"nodes": [list(n) for n in node_list], "edges": [list(e) for e in edge_list]}
+
+
+def graph_hash(document: dict[str, object]) -> str:
+    """sha256 of the canonical JSON of a graph document; identical graphs share it.
+
+    Example:
+        >>> d = graph_document([("a", "input")], [])
+        >>> graph_hash(d) == graph_hash(graph_document([("a", "input")], []))
+        True
+    """
+    text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def topological_order(names: Sequence[str], edges: Iterable[tuple[str, str]]) -> list[str]:
+    """Names ordered so parents come first; ties keep the order of ``names``.
+
+    Example:
+        >>> topological_order(["c", "b", "a"], [("a", "b"), ("b", "c")])
+        ['a', 'b', 'c']
+    """
+    rank = {n: i for i, n in enumerate(names)}
+    children: dict[str, list[str]] = {n: [] for n in names}
+    indeg = dict.fromkeys(names, 0)
+    for a, b in edges:
+        if a in rank and b in rank:
+            children[a].append(b)
+            indeg[b] += 1
+    ready = sorted((n for n in names if indeg[n] == 0), key=rank.__getitem__)
+    out: list[str] = []
+    while ready:
+        n = ready.pop(0)
+        out.append(n)
+        for c in children[n]:
+            indeg[c] -= 1
+            if indeg[c] == 0:
+                ready.append(c)
+                ready.sort(key=rank.__getitem__)
+    # cycles cannot come from autograd; manual edges might add one, keep those nodes last
+    out += [n for n in names if n not in set(out)]
+    return out

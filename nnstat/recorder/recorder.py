@@ -1,0 +1,348 @@
+"""`Recorder`: named tensors and their gradients at chosen steps, with comgra's vocabulary.
+
+Per-step cost model: a batch that is neither scheduled, retroactive nor watched by anomaly rules
+costs one attribute check per `register_tensor`. An active batch keeps references to the
+registered tensors, hooks their gradients, and at `finish_batch` reduces everything in one fused
+device pass (`reduce.segment_stats`) with one host transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from nnstat.recorder.anomalies import NonFiniteError, Rule, evaluate_rules
+from nnstat.recorder.graph import ROLES
+from nnstat.recorder.reduce import STAT_NAMES, segment_stats
+from nnstat.recorder.schedule import Schedule, make_schedule
+from nnstat.recorder.stepdata import RowSet, finalize_step
+from nnstat.recorder.storage import TrialWriter
+
+log = logging.getLogger("nnstat.recorder")
+
+
+@dataclass
+class _Iteration:
+    index: int
+    names: list[str] = field(default_factory=list)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    roles: dict[str, str] = field(default_factory=dict)
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    edges: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class _Batch:
+    step: int
+    type_of_execution: str
+    scheduled: bool
+    active: bool
+    decision: bool | None = None
+    iterations: list[_Iteration] = field(default_factory=list)
+    current: _Iteration | None = None
+    kpis: dict[str, Any] = field(default_factory=dict)
+    grad_order: list[tuple[int, str]] = field(default_factory=list)
+
+
+class Recorder:
+    """Record registered tensors, parameters and their gradients at chosen steps.
+
+    Call `finish_batch` after ``loss.backward()`` and before ``optimizer.zero_grad()`` so that
+    parameter gradients are still in ``.grad``.
+
+    Example:
+        >>> import torch, nnstat
+        >>> model = torch.nn.Linear(3, 1)
+        >>> rec = nnstat.Recorder("/tmp/nnstat-rec", group="doc", every=1, overwrite=True)
+        >>> rec.track_module(model)
+        >>> rec.start_batch(0)
+        >>> x = rec.register_tensor("x", torch.randn(4, 3), role="input")
+        >>> loss = rec.register_tensor("loss", model(x).pow(2).mean(), role="loss")
+        >>> loss.backward()
+        >>> rec.finish_batch()["reason"]
+        'schedule'
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        group: str = "default",
+        trial: str = "baseline",
+        every: Schedule | dict | int | None = 100,
+        *,
+        schedules: dict[str, Schedule | dict | int | None] | None = None,
+        rules: Sequence[Rule] = (),
+        sample_k: int = 4,
+        raw_max_numel: int = 0,
+        on_nonfinite: str = "warn",
+        overwrite: bool = False,
+    ) -> None:
+        if on_nonfinite not in ("warn", "raise"):
+            raise ValueError(f"on_nonfinite must be 'warn' or 'raise', got {on_nonfinite!r}")
+        if sample_k < 0 or raw_max_numel < 0:
+            raise ValueError("sample_k and raw_max_numel must be >= 0")
+        bad = [r for r in rules if not isinstance(r, Rule)]
+        if bad:
+            raise TypeError(f"rules must be nnstat.recorder.Rule objects, got {bad!r}")
+        self.default_schedule = make_schedule(every)
+        self.schedules = {k: make_schedule(v) for k, v in (schedules or {}).items()}
+        self.rules = tuple(rules)
+        self.sample_k, self.raw_max_numel, self.on_nonfinite = sample_k, raw_max_numel, on_nonfinite
+        self.writer = TrialWriter(root, group, trial, overwrite)
+        self.path = self.writer.path
+        self.group, self.trial = group, trial
+        self._params: dict[str, torch.nn.Parameter] = {}
+        self._modules: list[dict[str, Any]] = []
+        self._batch: _Batch | None = None
+        self._kpi_log: list[dict[str, Any]] = []
+        self._prev: tuple[tuple, torch.Tensor] | None = None
+        self._mask_cache: dict[tuple, torch.Tensor] = {}
+        self.last_record: dict[str, Any] | None = None
+        self._write_trial()
+
+    # ---- setup -------------------------------------------------------------------------
+    def track_module(self, module: torch.nn.Module, prefix: str = "") -> None:
+        """Record ``module``'s parameters (values and ``.grad``) and its parameter counts."""
+        for name, p in module.named_parameters():
+            self._params[f"{prefix}{name}"] = p
+        for name, m in module.named_modules():
+            own = sum(p.numel() for p in m.parameters(recurse=False))
+            total = sum(p.numel() for p in m.parameters())
+            label = f"{prefix}{name}" if name else (prefix.rstrip(".") or "(root)")
+            self._modules.append(
+                {"name": label, "type": type(m).__name__, "params_own": own, "params_total": total}
+            )
+        self._write_trial()
+
+    def schedule_for(self, type_of_execution: str) -> Schedule:
+        return self.schedules.get(type_of_execution, self.default_schedule)
+
+    def _write_trial(self) -> None:
+        self.writer.write_trial(
+            {
+                "group": self.group,
+                "trial": self.trial,
+                "stat_names": list(STAT_NAMES),
+                "sample_k": self.sample_k,
+                "modules": self._modules,
+                "parameters": {n: list(p.shape) for n, p in self._params.items()},
+                "rules": [r.__dict__ | {"label": r.label} for r in self.rules],
+                "schedules": {k: _schedule_json(v) for k, v in self.schedules.items()},
+                "default_schedule": _schedule_json(self.default_schedule),
+            }
+        )
+
+    # ---- step structure ----------------------------------------------------------------
+    def start_batch(self, step: int, type_of_execution: str = "train") -> None:
+        """Begin a training step; decides (cheaply) whether its tensors are captured."""
+        if self._batch is not None:
+            raise RuntimeError("start_batch called twice without finish_batch")
+        sched = self.schedule_for(type_of_execution)
+        scheduled = sched.is_scheduled(int(step))
+        active = scheduled or bool(self.rules) or sched.retroactive
+        self._batch = _Batch(int(step), str(type_of_execution), scheduled, active)
+
+    def start_iteration(self) -> None:
+        """Begin one forward pass inside the batch (several per batch for multi-pass models)."""
+        b = self._require_batch("start_iteration")
+        b.current = _Iteration(len(b.iterations))
+        b.iterations.append(b.current)
+
+    def finish_iteration(self) -> None:
+        b = self._require_batch("finish_iteration")
+        if b.current is None:
+            raise RuntimeError("finish_iteration called without start_iteration")
+        b.current = None
+
+    def register_tensor(
+        self, name: str, tensor: torch.Tensor, role: str = "intermediate"
+    ) -> torch.Tensor:
+        """Register a tensor of the current iteration; returns it unchanged.
+
+        Its gradient is captured with a tensor hook when it requires grad. Works under
+        ``torch.no_grad()`` (forward values only); ``requires_grad`` is never changed.
+        """
+        b = self._batch
+        if b is None:
+            raise RuntimeError("register_tensor called outside start_batch/finish_batch")
+        if not b.active:
+            return tensor
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; valid roles are {list(ROLES)}")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"register_tensor({name!r}) needs a torch.Tensor, got {type(tensor)}")
+        if b.current is None:
+            self.start_iteration()
+        it = b.current
+        if name in it.tensors or name in self._params:
+            raise ValueError(f"tensor name {name!r} registered twice in iteration {it.index}")
+        it.names.append(name)
+        it.tensors[name] = tensor
+        it.roles[name] = role
+        if tensor.requires_grad:
+            tensor.register_hook(_GradHook(b, it, name))
+        return tensor
+
+    def add_tensor_connection(self, src: str, dst: str) -> None:
+        """Add a manual dependency edge ``src -> dst`` to the current iteration's graph."""
+        b = self._require_batch("add_tensor_connection")
+        if not b.active:
+            return
+        if b.current is None and not b.iterations:
+            self.start_iteration()
+        (b.current or b.iterations[-1]).edges.append((str(src), str(dst)))
+
+    def decide_recording_of_batch(self, record: bool) -> None:
+        """Retroactively keep (True) or drop (False) the current batch; anomalies still force it."""
+        b = self._require_batch("decide_recording_of_batch")
+        if record and not b.active:
+            raise ValueError(
+                f"batch {b.step} ({b.type_of_execution}) was not captured; use a schedule with "
+                "retroactive=True for this type_of_execution to decide after the fact"
+            )
+        b.decision = bool(record)
+
+    def record_kpi(self, name: str, value: float | torch.Tensor) -> None:
+        """Record a scalar KPI of the current batch (stored with the step when it is recorded)."""
+        b = self._require_batch("record_kpi")
+        b.kpis[str(name)] = value
+
+    def add_note(self, text: str) -> None:
+        """Append a free-text note to the trial (shown in the viewer)."""
+        step = None if self._batch is None else self._batch.step
+        self.writer.append_note({"step": step, "time": time.time(), "text": str(text)})
+
+    def _require_batch(self, what: str) -> _Batch:
+        if self._batch is None:
+            raise RuntimeError(f"{what} called outside start_batch/finish_batch")
+        return self._batch
+
+    # ---- the per-step reduction ----------------------------------------------------------
+    def finish_batch(self) -> dict[str, Any] | None:
+        """Reduce, evaluate rules, and write the step if it is recorded. Returns its record."""
+        b = self._require_batch("finish_batch")
+        self._batch = None
+        if not b.active:
+            return None
+        rows = RowSet.collect(b.iterations, self._params, self.sample_k)
+        if not rows.segments:
+            return None
+        stats = segment_stats(rows.segments)
+        keep = b.decision if b.decision is not None else b.scheduled
+        payload = [stats]
+        if self.rules:
+            masks = self._rule_masks(rows.rule_keys, stats.device)
+            hits = evaluate_rules(
+                self.rules,
+                masks,
+                stats[rows.batch_index_t(stats.device)],
+                self._prev_norm(rows, stats),
+            )
+            payload.append(hits.T.to(stats.dtype))
+        raw = rows.raw_values(self.raw_max_numel) if keep else {}
+        flat = torch.cat(
+            [p.reshape(-1) for p in payload] + [v.reshape(-1).float() for v in raw.values()]
+        )
+        host = flat.cpu().numpy()  # the one device -> host transfer of the step
+        n_stat = stats.numel()
+        stats_np = host[:n_stat].reshape(stats.shape)
+        hits_np = host[n_stat : n_stat + len(rows.batch_index) * len(self.rules)].reshape(
+            len(rows.batch_index), len(self.rules)
+        )
+        record = finalize_step(b, rows, stats_np, hits_np, self.rules)
+        forced = bool(record["anomalies"])
+        if not (keep or forced):
+            return None
+        if forced and not keep and self.raw_max_numel:
+            raw = rows.raw_values(self.raw_max_numel)
+        values = _split_raw(host[n_stat + hits_np.size :], raw) if keep else raw
+        record["reason"] = "decision" if b.decision else ("schedule" if keep else "anomaly")
+        record["kpis"] = {k: float(v) for k, v in b.kpis.items()}
+        graphs = rows.graphs(b.iterations)
+        for digest, doc in graphs.values():
+            self.writer.write_graph(digest, doc)
+        record["graphs"] = {str(i): d for i, (d, _) in graphs.items()}
+        stem = f"{b.type_of_execution}-{b.step:09d}"
+        self.writer.write_step(stem, stats_np, record, {k: v.cpu() for k, v in values.items()})
+        self.last_record = record
+        off = record.get("first_offender")
+        if off is not None:
+            msg = (
+                f"non-finite values at step {b.step} ({b.type_of_execution}); first offender: "
+                f"{off['tensor']} ({off['stream']}, iteration {off['iteration']})"
+            )
+            if self.on_nonfinite == "raise":
+                raise NonFiniteError(msg)
+            log.warning(msg)
+        return record
+
+    def _rule_masks(self, keys: tuple, device: torch.device) -> torch.Tensor:
+        mask = self._mask_cache.get(keys)
+        if mask is None:
+            m = [[r.applies(name, stream) for (name, _, stream) in keys] for r in self.rules]
+            mask = torch.tensor(m, dtype=torch.bool, device=device).reshape(len(self.rules), -1)
+            if len(self._mask_cache) > 64:
+                self._mask_cache.clear()
+            self._mask_cache[keys] = mask
+        return mask
+
+    def _prev_norm(self, rows: RowSet, stats: torch.Tensor) -> torch.Tensor | None:
+        if not any(r.kind == "norm_ratio_above" for r in self.rules):
+            return None
+        from nnstat.recorder.reduce import COL
+
+        now = stats[rows.batch_index_t(stats.device), COL["norm"]]
+        prev = None
+        if self._prev is not None:
+            old_keys, old = self._prev
+            if old_keys == rows.rule_keys:
+                prev = old
+            else:
+                pos = {k: i for i, k in enumerate(old_keys)}
+                idx = torch.tensor([pos.get(k, -1) for k in rows.rule_keys], device=stats.device)
+                padded = torch.cat([old, old.new_full((1,), float("nan"))])
+                prev = padded[idx]
+        self._prev = (rows.rule_keys, now)
+        return prev
+
+
+class _GradHook:
+    """Tensor hook storing a registered tensor's gradient (summed over backward calls)."""
+
+    __slots__ = ("batch", "it", "name")
+
+    def __init__(self, batch: _Batch, it: _Iteration, name: str) -> None:
+        self.batch, self.it, self.name = batch, it, name
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        old = self.it.grads.get(self.name)
+        self.it.grads[self.name] = grad.detach() if old is None else old + grad.detach()
+        if old is None:
+            self.batch.grad_order.append((self.it.index, self.name))
+
+
+def _split_raw(flat: np.ndarray, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out, offset = {}, 0
+    for key, v in raw.items():
+        n = v.numel()
+        out[key] = torch.from_numpy(flat[offset : offset + n].copy()).reshape(v.shape)
+        offset += n
+    return out
+
+
+def _schedule_json(s: Schedule) -> dict[str, Any]:
+    return {
+        "every": s.every,
+        "backoff": s.backoff,
+        "max_every": s.max_every,
+        "start": s.start,
+        "steps": list(s.steps),
+        "retroactive": s.retroactive,
+    }

@@ -1,0 +1,156 @@
+"""On-disk layout of a recorder folder (npy + JSON, nothing pickled), writer and readers.
+
+```
+<root>/<group>/<trial>/
+  trial.json                       format version, group, trial, stat names, schedules, rules,
+                                   modules [{name, type, params_own, params_total}]
+  graphs/<sha256>.json             dependency graphs by content hash
+  steps/<type>-<step:09d>.npy      float32 [rows, n_stats] statistics of that step
+  steps/<type>-<step:09d>.values.safetensors   raw values of small tensors (optional)
+  steps/<type>-<step:09d>.json     rows (columnar), graphs per iteration, KPIs, anomaly hits,
+                                   indicators, first non-finite offender, why it was recorded
+  notes.jsonl                      one JSON object per note
+```
+Every file is written under a temporary name and renamed; a step's JSON is written last, so a
+reader that lists ``steps/*.json`` while training runs only sees complete steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+_OWN = ("trial.json", "notes.jsonl", "graphs", "steps")
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _dumps(obj: Any) -> bytes:
+    # allow_nan=False would reject NaN statistics; JSON readers in the viewer accept NaN via
+    # a replacement, so non-finite floats are stored as strings instead of invalid JSON
+    return json.dumps(_jsonable(obj), separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if np.isfinite(obj) else str(obj)
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+class TrialWriter:
+    """Writes one trial folder. Thin: the recorder decides what, this decides where.
+
+    Example:
+        >>> w = TrialWriter("/tmp/nnstat-doc", "g", "t", overwrite=True)  # doctest: +SKIP
+    """
+
+    def __init__(self, root: str | Path, group: str, trial: str, overwrite: bool) -> None:
+        for label, value in (("group", group), ("trial", trial)):
+            if not value or "/" in value or "\\" in value or value.startswith("."):
+                raise ValueError(f"{label} must be a plain folder name, got {value!r}")
+        self.path = Path(root) / group / trial
+        existing = [self.path / n for n in _OWN if (self.path / n).exists()]
+        if existing and not overwrite:
+            raise FileExistsError(
+                f"{self.path} already holds a recording; pass overwrite=True or another trial name"
+            )
+        for p in existing:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        (self.path / "steps").mkdir(parents=True, exist_ok=True)
+        (self.path / "graphs").mkdir(exist_ok=True)
+        self._graphs: set[str] = set()
+
+    def write_trial(self, meta: dict[str, Any]) -> None:
+        _atomic_write(self.path / "trial.json", _dumps({"format_version": FORMAT_VERSION, **meta}))
+
+    def write_graph(self, digest: str, document: dict[str, Any]) -> None:
+        if digest not in self._graphs:
+            _atomic_write(self.path / "graphs" / f"{digest}.json", _dumps(document))
+            self._graphs.add(digest)
+
+    def write_step(
+        self,
+        stem: str,
+        stats: np.ndarray,
+        meta: dict[str, Any],
+        values: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        steps = self.path / "steps"
+        tmp = steps / f".{stem}.npy.tmp{os.getpid()}"
+        with open(tmp, "wb") as fh:
+            np.save(fh, np.ascontiguousarray(stats, dtype=np.float32), allow_pickle=False)
+        os.replace(tmp, steps / f"{stem}.npy")
+        if values:
+            from safetensors.torch import save_file
+
+            tmp = steps / f".{stem}.values.tmp{os.getpid()}"
+            save_file({k: v.contiguous() for k, v in values.items()}, str(tmp))
+            os.replace(tmp, steps / f"{stem}.values.safetensors")
+        _atomic_write(steps / f"{stem}.json", _dumps(meta))
+
+    def append_note(self, record: dict[str, Any]) -> None:
+        with open(self.path / "notes.jsonl", "ab") as fh:
+            fh.write(_dumps(record) + b"\n")
+
+
+def iter_trials(root: Path) -> Iterator[Path]:
+    """Trial folders under ``root`` (the root itself, a group folder, or a recorder root)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"recorder folder {root} does not exist")
+    if (root / "trial.json").exists():
+        yield root
+        return
+    for child in sorted(root.iterdir()):
+        if (child / "trial.json").exists():
+            yield child
+        elif child.is_dir():
+            yield from (g for g in sorted(child.iterdir()) if (g / "trial.json").exists())
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def read_step_meta(trial: Path) -> list[dict[str, Any]]:
+    """JSON records of every complete step of a trial, ordered by (type, step)."""
+    out = [read_json(p) for p in sorted((Path(trial) / "steps").glob("*.json"))]
+    return sorted(out, key=lambda m: (m["type_of_execution"], m["step"]))
+
+
+def read_step_stats(trial: Path, stem: str) -> np.ndarray:
+    """The ``[rows, n_stats]`` statistics array of one step (``allow_pickle=False``)."""
+    return np.load(Path(trial) / "steps" / f"{stem}.npy", allow_pickle=False)
+
+
+def read_step_values(trial: Path, stem: str) -> dict[str, torch.Tensor]:
+    """Raw values of small tensors of one step, ``"{iteration}/{stream}/{name}"`` keys."""
+    path = Path(trial) / "steps" / f"{stem}.values.safetensors"
+    if not path.exists():
+        return {}
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def read_notes(trial: Path) -> list[dict[str, Any]]:
+    path = Path(trial) / "notes.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
