@@ -1,0 +1,89 @@
+"""Per-sample squared gradient norms from the capture engine, for ``B_small = 1`` estimates.
+
+No hooks of our own: the capture engine reduces each sample's squared gradient norm during
+backward (no per-sample gradient is kept) and we read the batch gradient from ``.grad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class PerSampleNorms:
+    """Collect ``mean_i |g_i|^2`` and ``|G_B|^2`` per watched module for each captured batch.
+
+    ``last`` is ``(small, big, n)`` after a batch: dicts ``module name -> float`` with the mean
+    per-sample squared norm and the squared norm of the batch's mean gradient, and the batch
+    size ``n``. The batch gradient is ``.grad`` after backward minus ``.grad`` before, so
+    gradient accumulation across batches does not disturb it.
+    """
+
+    def __init__(self, model: nn.Module, name_filter: str | None = None, type_filter: Any = None):
+        from nnstat.capture.engine import CaptureEngine
+
+        self.engine = CaptureEngine()
+        self.names = self.engine.watch(model, name_filter=name_filter, type_filter=type_filter)
+        if not self.names:
+            raise ValueError("the capture engine found no supported module to watch in the model")
+        modules = dict(model.named_modules())
+        self.params: dict[str, list[nn.Parameter]] = {
+            n: [p for p in modules[n].parameters(recurse=False) if p.requires_grad]
+            for n in self.names
+        }
+        self.engine.add_consumer(self)
+        self._sq: dict[str, torch.Tensor] = {}
+        self.last: tuple[dict[str, float], dict[str, float], int] = ({}, {}, 0)
+
+    def covered_parameters(self) -> set[int]:
+        """ids of the parameters whose gradients the estimate covers."""
+        return {id(p) for ps in self.params.values() for p in ps}
+
+    def on_capture(self, cap: Any) -> None:
+        if cap.name in self._sq:
+            raise RuntimeError(
+                f"module {cap.name!r} was captured twice in one backward (a shared module?); "
+                "per-sample squared norms of its two uses cannot be added, exclude it with "
+                "name_filter"
+            )
+        self._sq[cap.name] = cap.per_sample_sq_norm().detach().double()
+
+    @contextmanager
+    def batch(self, batch_size: int | None = None) -> Iterator[None]:
+        before = {
+            n: [None if p.grad is None else p.grad.detach().clone() for p in ps]
+            for n, ps in self.params.items()
+        }
+        self._sq = {}
+        with self.engine.batch(batch_size=batch_size, loss_reduction="mean"):
+            yield
+        small: dict[str, float] = {}
+        big: dict[str, float] = {}
+        sizes = {int(s.shape[0]) for s in self._sq.values()}
+        if not self._sq:
+            raise RuntimeError("no watched module took part in the backward of this batch")
+        if len(sizes) != 1:
+            raise RuntimeError(f"modules saw different batch sizes {sorted(sizes)}")
+        n = sizes.pop()
+        if n < 2:
+            raise ValueError(f"per-sample noise scale needs a batch of at least 2 samples, got {n}")
+        for name, s in self._sq.items():
+            if not torch.isfinite(s).all():
+                raise ValueError(f"per-sample gradient norms of {name!r} contain NaN or Inf")
+            g_sq = 0.0
+            for p, old in zip(self.params[name], before[name]):
+                if p.grad is None:
+                    continue
+                g = p.grad.detach() if old is None else p.grad.detach() - old
+                g_sq += float(g.double().pow(2).sum())
+            small[name] = float(s.mean())
+            big[name] = g_sq
+        self._sq = {}
+        self.last = (small, big, n)
+
+    def close(self) -> None:
+        self.engine.unwatch()

@@ -1,0 +1,155 @@
+"""Random batches and gradients for :func:`nnstat.noise_scale`.
+
+Batches are drawn **with replacement** from the data: the samples are then i.i.d. draws from the
+empirical distribution, which makes the two-batch estimators exactly unbiased for the gradient
+``G`` and per-example covariance ``Sigma`` of the whole data set.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """Move tensors nested in dicts/lists/tuples to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, Mapping):
+        return type(obj)({k: to_device(v, device) for k, v in obj.items()})
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
+
+
+class BatchSource:
+    """Index-addressable ``(inputs, targets)`` pairs from a tuple, Dataset or DataLoader.
+
+    Example:
+        >>> src = BatchSource((torch.zeros(10, 3), torch.ones(10)))
+        >>> x, y = src.batch(torch.tensor([0, 1, 1]))
+        >>> tuple(x.shape), len(src)
+        ((3, 3), 10)
+    """
+
+    def __init__(self, data: Any, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")
+        self._tensors: tuple[Any, Any] | None = None
+        self._dataset: Dataset | None = None
+        self._collate: Callable[[list[Any]], Any] = default_collate
+        if isinstance(data, DataLoader):
+            self._collate = data.collate_fn or default_collate
+            data = data.dataset
+        if isinstance(data, IterableDataset):
+            raise TypeError(
+                "noise_scale needs random access to the data; an IterableDataset (or a DataLoader "
+                "over one) cannot be sampled. Pass a map-style Dataset or an (inputs, targets) tuple"
+            )
+        if isinstance(data, TensorDataset):
+            if len(data.tensors) != 2:
+                raise ValueError(
+                    f"a TensorDataset must hold (inputs, targets), got {len(data.tensors)} tensors"
+                )
+            data = tuple(data.tensors)
+        if isinstance(data, (tuple, list)) and not isinstance(data, Dataset):
+            if len(data) != 2:
+                raise ValueError(f"data must be an (inputs, targets) pair, got {len(data)} items")
+            self._tensors = (data[0], data[1])
+            self._len = self._check_lengths(data[0], data[1])
+        elif isinstance(data, Dataset):
+            self._dataset = data
+            try:
+                self._len = len(data)  # type: ignore[arg-type]
+            except TypeError as e:
+                raise TypeError("the Dataset must define __len__ to be sampled") from e
+        else:
+            raise TypeError(
+                "data must be a torch Dataset, a DataLoader or an (inputs, targets) tuple, got "
+                f"{type(data).__name__}"
+            )
+        if self._len < 2:
+            raise ValueError(f"data must hold at least 2 samples, got {self._len}")
+
+    @staticmethod
+    def _check_lengths(inputs: Any, targets: Any) -> int:
+        def first_len(obj: Any) -> int:
+            if isinstance(obj, torch.Tensor):
+                return int(obj.shape[0])
+            if isinstance(obj, Mapping):
+                return first_len(next(iter(obj.values())))
+            raise TypeError(
+                f"tuple data must hold tensors (or dicts of tensors), got {type(obj).__name__}"
+            )
+
+        n_in, n_tg = first_len(inputs), first_len(targets)
+        if n_in != n_tg:
+            raise ValueError(f"inputs have {n_in} samples but targets have {n_tg}")
+        return n_in
+
+    def __len__(self) -> int:
+        return self._len
+
+    def batch(self, idx: torch.Tensor) -> tuple[Any, Any]:
+        """The ``(inputs, targets)`` batch of the given sample indices, on the device."""
+        if self._tensors is not None:
+            x, y = (_index(t, idx) for t in self._tensors)
+        else:
+            assert self._dataset is not None
+            items = [self._dataset[int(i)] for i in idx]
+            collated = self._collate(items)
+            if not isinstance(collated, Sequence) or len(collated) != 2:
+                raise ValueError(
+                    "each dataset item must be an (input, target) pair so that "
+                    "loss_fn(model(input), target) can be computed"
+                )
+            x, y = collated
+        return to_device(x, self.device), to_device(y, self.device)
+
+
+def _index(obj: Any, idx: torch.Tensor) -> Any:
+    if isinstance(obj, Mapping):
+        return type(obj)({k: v[idx] for k, v in obj.items()})
+    return obj[idx]
+
+
+def batch_loss(model: nn.Module, loss_fn: LossFn, batch: tuple[Any, Any]) -> torch.Tensor:
+    """``loss_fn(model(x), y)`` checked to be a finite scalar (the batch MEAN loss)."""
+    x, y = batch
+    out = model(**x) if isinstance(x, Mapping) else model(x)
+    loss = loss_fn(out, y)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(
+            f"loss_fn must return the batch mean loss as a scalar tensor, got {shape}; use "
+            "reduction='mean'"
+        )
+    if not math.isfinite(float(loss.detach())):
+        raise ValueError(f"loss_fn returned a non-finite loss ({float(loss.detach())})")
+    return loss
+
+
+def mean_grads(
+    model: nn.Module, loss_fn: LossFn, batch: tuple[Any, Any], params: Sequence[nn.Parameter]
+) -> list[torch.Tensor]:
+    """Gradient of the batch-mean loss w.r.t. ``params`` (no ``.grad`` is touched)."""
+    loss = batch_loss(model, loss_fn, batch)
+    grads = torch.autograd.grad(loss, list(params), allow_unused=True)
+    out = [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, params)]
+    for g in out:
+        if not torch.isfinite(g).all():
+            raise ValueError("the gradient contains NaN or Inf; check the model and loss_fn")
+    return out
+
+
+def sq_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor squared norms as a float64 vector."""
+    if not grads:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.stack([g.double().pow(2).sum() for g in grads])

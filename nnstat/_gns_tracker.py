@@ -1,0 +1,297 @@
+"""Streaming noise-scale tracker (exported as :class:`nnstat.NoiseScale`)."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from nnstat._gns_math import check_batch_sizes, safe_ratio, two_batch
+
+if TYPE_CHECKING:
+    from nnstat._gns_capture import PerSampleNorms
+    from nnstat._gns_ddp import DDPNoiseScaleState
+
+Scalar = float | torch.Tensor
+_TOTAL = ""  # key of the whole-model statistics; layers use their names
+
+
+def _as_float(value: Scalar, what: str) -> float:
+    v = float(value.detach().double()) if isinstance(value, torch.Tensor) else float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"{what} must be finite, got {v}")
+    if v < 0:
+        raise ValueError(f"{what} is a squared norm and cannot be negative, got {v}")
+    return v
+
+
+class _Average:
+    """Separate running averages of the numerator tr(Sigma) and denominator |G|^2."""
+
+    def __init__(self, beta: float | None, window: int | None) -> None:
+        self.beta, self.window = beta, window
+        self.num = self.den = self.weight = 0.0
+        self.nums: deque[float] = deque(maxlen=window)
+        self.dens: deque[float] = deque(maxlen=window)
+
+    def add(self, trace: float, g_sq: float) -> None:
+        if self.window is not None:
+            self.nums.append(trace)
+            self.dens.append(g_sq)
+            return
+        b = self.beta
+        assert b is not None
+        self.num = b * self.num + (1 - b) * trace
+        self.den = b * self.den + (1 - b) * g_sq
+        self.weight = b * self.weight + (1 - b)  # bias correction, like Adam's 1 - beta^t
+
+    def means(self) -> tuple[float, float]:
+        if self.window is not None:
+            n = len(self.nums)
+            return (sum(self.nums) / n, sum(self.dens) / n) if n else (math.nan, math.nan)
+        if self.weight == 0:
+            return math.nan, math.nan
+        return self.num / self.weight, self.den / self.weight
+
+    def state(self) -> dict[str, Any]:
+        if self.window is not None:
+            return {"nums": list(self.nums), "dens": list(self.dens)}
+        return {"num": self.num, "den": self.den, "weight": self.weight}
+
+    def load(self, state: Mapping[str, Any]) -> None:
+        if self.window is not None:
+            self.nums.clear()
+            self.dens.clear()
+            self.nums.extend(float(v) for v in state["nums"])
+            self.dens.extend(float(v) for v in state["dens"])
+        else:
+            self.num, self.den = float(state["num"]), float(state["den"])
+            self.weight = float(state["weight"])
+
+
+class NoiseScale:
+    """Streaming gradient noise scale ``B_simple = tr(Sigma) / |G|^2`` for every training step.
+
+    Each ``update`` turns one pair of squared gradient norms (batch sizes ``b_small < b_big``)
+    into unbiased estimates of ``tr(Sigma)`` and ``|G|^2``; the two are averaged **separately**
+    (EMA with ``beta``, or a sliding ``window``) and ``value`` is the ratio of the averages.
+    Averaging the per-step ratios instead is biased and explodes whenever a noisy ``|G|^2``
+    estimate comes close to zero.
+
+    Feeds: ``update`` (norms you computed), ``update_grads`` (two gradient dicts), ``watch`` +
+    ``batch()`` (per-sample norms from the capture engine: ``b_small = 1``), or
+    ``register_ddp`` (local vs all-reduced gradient under DDP).
+
+    Example:
+        >>> gns = NoiseScale(beta=0.9)
+        >>> gns.update(g_small_sq=1.0 + 4.0 / 2, g_big_sq=1.0 + 4.0 / 8, b_small=2, b_big=8)
+        >>> gns.value
+        4.0
+        >>> gns.to_dict()["noise_scale/b_simple"]
+        4.0
+    """
+
+    def __init__(
+        self, beta: float | None = None, window: int | None = None, *, prefix: str = "noise_scale"
+    ) -> None:
+        if beta is not None and window is not None:
+            raise ValueError("give either beta (EMA) or window (sliding mean), not both")
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be a positive int, got {window!r}")
+        if window is None:
+            beta = 0.99 if beta is None else float(beta)
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"beta must be in [0, 1), got {beta}")
+        self.beta, self.window, self.prefix = beta, window, prefix
+        self.n_updates = 0
+        self._stats: dict[str, _Average] = {}
+        self._capture: PerSampleNorms | None = None
+
+    # ----------------------------------------------------------------- feeding
+    def update(
+        self,
+        g_small_sq: Scalar | Mapping[str, Scalar],
+        g_big_sq: Scalar | Mapping[str, Scalar],
+        b_small: float,
+        b_big: float,
+    ) -> None:
+        """Add one observation: squared norms of the mean gradient at two batch sizes.
+
+        Pass floats for the whole model, or dicts ``layer -> squared norm`` (same keys) to also
+        track every layer; the model total is then the sum over the layers.
+        """
+        check_batch_sizes(b_small, b_big)
+        if isinstance(g_small_sq, Mapping) != isinstance(g_big_sq, Mapping):
+            raise TypeError("g_small_sq and g_big_sq must both be scalars or both be dicts")
+        if isinstance(g_small_sq, Mapping):
+            assert isinstance(g_big_sq, Mapping)
+            if set(g_small_sq) != set(g_big_sq):
+                raise ValueError(
+                    f"layer keys differ: {sorted(set(g_small_sq) ^ set(g_big_sq))} are in only one"
+                )
+            small = {k: _as_float(v, f"g_small_sq[{k!r}]") for k, v in g_small_sq.items()}
+            big = {k: _as_float(g_big_sq[k], f"g_big_sq[{k!r}]") for k in g_small_sq}
+            pairs = {**{k: (small[k], big[k]) for k in small}}
+            pairs[_TOTAL] = (sum(small.values()), sum(big.values()))
+        else:
+            pairs = {_TOTAL: (_as_float(g_small_sq, "g_small_sq"), _as_float(g_big_sq, "g_big_sq"))}
+        for key, (s, b) in pairs.items():
+            g_sq, trace = two_batch(s, b, b_small, b_big)
+            if key not in self._stats:
+                self._stats[key] = _Average(self.beta, self.window)
+            self._stats[key].add(trace, g_sq)
+        self.n_updates += 1
+
+    def update_grads(
+        self,
+        small_grads: Mapping[str, torch.Tensor],
+        big_grads: Mapping[str, torch.Tensor],
+        b_small: float,
+        b_big: float,
+    ) -> None:
+        """Add one observation from two gradient dicts (e.g. micro-batch vs accumulated).
+
+        Both are mean gradients (of mean losses) over ``b_small`` and ``b_big`` samples, keyed by
+        parameter name, e.g. ``{n: p.grad.clone() for n, p in model.named_parameters()}``.
+        """
+        if set(small_grads) != set(big_grads):
+            raise ValueError(f"parameter names differ: {sorted(set(small_grads) ^ set(big_grads))}")
+        for k in small_grads:
+            if small_grads[k].shape != big_grads[k].shape:
+                raise ValueError(
+                    f"{k}: shapes differ, {tuple(small_grads[k].shape)} vs "
+                    f"{tuple(big_grads[k].shape)}"
+                )
+        sq = {k: small_grads[k].detach().double().pow(2).sum() for k in small_grads}
+        bq = {k: big_grads[k].detach().double().pow(2).sum() for k in big_grads}
+        self.update(sq, bq, b_small, b_big)
+
+    def watch(
+        self, model: nn.Module, name_filter: str | None = None, type_filter: Any = None
+    ) -> list[str]:
+        """Hook ``model`` through the capture engine for per-sample norms (``b_small = 1``).
+
+        Then wrap each backward in ``with gns.batch(): ...``; the loss must be the batch mean.
+        """
+        from nnstat._gns_capture import PerSampleNorms
+
+        if self._capture is not None:
+            raise RuntimeError("this NoiseScale already watches a model; call unwatch() first")
+        self._capture = PerSampleNorms(model, name_filter=name_filter, type_filter=type_filter)
+        return list(self._capture.names)
+
+    @contextmanager
+    def batch(self, batch_size: int | None = None) -> Iterator[None]:
+        """Capture one backward of the watched model and update the estimate from it.
+
+        Example (training loop)::
+
+            gns = nnstat.NoiseScale(beta=0.99); gns.watch(model)
+            for x, y in loader:
+                with gns.batch():
+                    loss_fn(model(x), y).backward()
+                opt.step(); opt.zero_grad()
+        """
+        if self._capture is None:
+            raise RuntimeError("call watch(model) before batch()")
+        with self._capture.batch(batch_size):
+            yield
+        small, big, n = self._capture.last
+        self.update(small, big, 1, n)
+
+    def unwatch(self) -> None:
+        """Remove the capture hooks (the model is left exactly as before ``watch``)."""
+        if self._capture is not None:
+            self._capture.close()
+            self._capture = None
+
+    def register_ddp(
+        self, ddp_model: nn.Module, local_batch_size: int, process_group: Any = None
+    ) -> DDPNoiseScaleState:
+        """Register a DDP communication hook feeding this tracker every synchronised backward.
+
+        ``b_small`` is ``local_batch_size`` (samples per rank), ``b_big`` the global batch.
+        """
+        from nnstat._gns_ddp import register_noise_scale_hook
+
+        return register_noise_scale_hook(ddp_model, self, local_batch_size, process_group)
+
+    # ----------------------------------------------------------------- reading
+    def _means(self, key: str = _TOTAL) -> tuple[float, float]:
+        if key not in self._stats:
+            return math.nan, math.nan
+        return self._stats[key].means()
+
+    @property
+    def value(self) -> float:
+        """``B_simple`` (``nan`` before the first update, ``inf`` while ``|G|^2 <= 0``)."""
+        trace, g_sq = self._means()
+        return math.nan if math.isnan(g_sq) else safe_ratio(trace, g_sq)
+
+    @property
+    def grad_sq_norm(self) -> float:
+        """Averaged unbiased estimate of ``|G|^2``."""
+        return self._means()[1]
+
+    @property
+    def trace_sigma(self) -> float:
+        """Averaged unbiased estimate of ``tr(Sigma)``."""
+        return self._means()[0]
+
+    def layer_values(self) -> dict[str, float]:
+        """``B_simple`` per layer (only when updates carried per-layer dicts)."""
+        return {k: safe_ratio(*self._means(k)) for k in self._stats if k != _TOTAL}
+
+    def to_dict(self) -> dict[str, float]:
+        """Flat metrics: ``noise_scale/b_simple``, ``.../grad_sq_norm``, per layer, ..."""
+        p = self.prefix
+        out = {
+            f"{p}/b_simple": self.value,
+            f"{p}/grad_sq_norm": self.grad_sq_norm,
+            f"{p}/trace_sigma": self.trace_sigma,
+        }
+        for k, v in self.layer_values().items():
+            out[f"{p}/b_simple/{k}"] = v
+        return out
+
+    def as_provider(self) -> Callable[[], dict[str, float]]:
+        """A callable returning :meth:`to_dict`, for ``Tracker.add_provider``."""
+        return self.to_dict
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state (floats and lists only)."""
+        return {
+            "version": 1,
+            "beta": self.beta,
+            "window": self.window,
+            "n_updates": self.n_updates,
+            "stats": {k: v.state() for k, v in self._stats.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the averaging mode must match this tracker's."""
+        expected = {"version", "beta", "window", "n_updates", "stats"}
+        if set(state) != expected:
+            raise ValueError(
+                f"bad NoiseScale state keys {sorted(state)}; expected {sorted(expected)}"
+            )
+        if state["version"] != 1:
+            raise ValueError(f"unsupported NoiseScale state version {state['version']!r}")
+        if state["beta"] != self.beta or state["window"] != self.window:
+            raise ValueError(
+                f"state was saved with beta={state['beta']}, window={state['window']}; this "
+                f"tracker has beta={self.beta}, window={self.window}"
+            )
+        stats = {}
+        for k, v in state["stats"].items():
+            avg = _Average(self.beta, self.window)
+            avg.load(v)
+            stats[k] = avg
+        self._stats = stats
+        self.n_updates = int(state["n_updates"])

@@ -1,0 +1,342 @@
+"""Gradient noise scale for choosing a batch size (McCandlish et al. 2018, appendix A).
+
+With per-example gradient covariance ``Sigma`` and true gradient ``G``,
+``E|G_B|^2 = |G|^2 + tr(Sigma)/B``. Measuring ``|G_B|^2`` at two (or more) batch sizes gives
+unbiased estimates of ``|G|^2`` and ``tr(Sigma)``, and the *simple noise scale*
+``B_simple = tr(Sigma)/|G|^2`` approximates the critical batch size ``B_crit``: below it, doubling
+the batch almost halves the number of steps; above it, extra samples are mostly wasted.
+
+``B_simple`` is always the ratio of separately averaged ``tr(Sigma)`` and ``|G|^2`` estimates.
+The Hessian-weighted ``B_noise = tr(H Sigma)/G^T H G`` is available with ``hessian=True`` for
+small models (exact HVPs).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from nnstat._gns_data import BatchSource, LossFn, batch_loss, mean_grads, sq_norms
+from nnstat._gns_math import (
+    check_batch_sizes,
+    fit_sq_norms,
+    geometric_ladder,
+    ratio_of_means,
+    safe_ratio,
+    two_batch,
+)
+from nnstat._gns_tracker import NoiseScale
+
+__all__ = ["LayerNoiseScale", "NoiseScale", "NoiseScaleResult", "noise_scale"]
+
+Method = Literal["two_batch", "per_sample", "fit"]
+_METHODS = ("two_batch", "per_sample", "fit")
+
+
+@dataclass(frozen=True)
+class LayerNoiseScale:
+    """Noise-scale estimates restricted to one parameter (or module, for ``per_sample``)."""
+
+    b_simple: float
+    grad_sq_norm: float
+    trace_sigma: float
+
+
+@dataclass
+class NoiseScaleResult:
+    """Result of :func:`noise_scale`.
+
+    ``b_simple = trace_sigma / grad_sq_norm`` (``inf`` when ``grad_sq_norm <= 0``: the gradient
+    is indistinguishable from noise at this sample size; the raw estimates stay available).
+    ``b_simple_stderr`` is a delta-method standard error and ``interval`` a 95% interval
+    (bootstrap over estimates for ``two_batch``/``per_sample``, +-1.96 standard errors of the fit
+    for ``fit``). ``per_layer`` is keyed by parameter name (module name for ``per_sample``).
+    """
+
+    method: str
+    b_simple: float
+    grad_sq_norm: float
+    trace_sigma: float
+    b_simple_stderr: float
+    interval: tuple[float, float]
+    n_samples: int
+    n_estimates: int
+    batch_sizes: list[int]
+    per_layer: dict[str, LayerNoiseScale] = field(default_factory=dict)
+    fit_residual: float | None = None
+    b_noise: float | None = None
+    estimates: dict[str, list[float]] = field(default_factory=dict)
+
+    def to_dict(self, prefix: str = "noise_scale") -> dict[str, float]:
+        """Flat metrics, e.g. ``noise_scale/b_simple`` and ``noise_scale/b_simple/fc1.weight``.
+
+        Example:
+            >>> r = NoiseScaleResult("two_batch", 4.0, 1.0, 4.0, 0.1, (3.8, 4.2), 10, 1, [2, 8])
+            >>> r.to_dict()["noise_scale/b_simple"]
+            4.0
+        """
+        out = {
+            f"{prefix}/b_simple": self.b_simple,
+            f"{prefix}/grad_sq_norm": self.grad_sq_norm,
+            f"{prefix}/trace_sigma": self.trace_sigma,
+            f"{prefix}/b_simple_stderr": self.b_simple_stderr,
+            f"{prefix}/b_simple_low": self.interval[0],
+            f"{prefix}/b_simple_high": self.interval[1],
+            f"{prefix}/n_samples": float(self.n_samples),
+        }
+        if self.fit_residual is not None:
+            out[f"{prefix}/fit_residual"] = self.fit_residual
+        if self.b_noise is not None:
+            out[f"{prefix}/b_noise"] = self.b_noise
+        for name, layer in self.per_layer.items():
+            out[f"{prefix}/b_simple/{name}"] = layer.b_simple
+        return out
+
+    def summary(self) -> str:
+        """One line: ``B_simple = 123 (95% CI 100-150) from 4096 samples``."""
+        lo, hi = self.interval
+        return (
+            f"B_simple = {self.b_simple:.4g} (95% interval {lo:.4g}-{hi:.4g}, {self.method}) from "
+            f"{self.n_samples} samples"
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        """Plain-data view (dataclasses turned into dicts)."""
+        return asdict(self)
+
+
+def _layers(names: list[str], g_sq: np.ndarray, trace: np.ndarray) -> dict[str, LayerNoiseScale]:
+    return {
+        n: LayerNoiseScale(safe_ratio(float(t), float(g)), float(g), float(t))
+        for n, g, t in zip(names, g_sq, trace)
+    }
+
+
+def _warn_if_noise(g_sq: float) -> None:
+    if g_sq <= 0:
+        warnings.warn(
+            f"the |G|^2 estimate is {g_sq:.3g} <= 0: the gradient is indistinguishable from noise "
+            "at this sample size, so b_simple is inf (grad_sq_norm and trace_sigma keep the raw "
+            "estimates); use more n_estimates or a larger big_batch",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _pair_result(
+    method: str,
+    small: np.ndarray,
+    big: np.ndarray,
+    b_small: int,
+    b_big: int,
+    names: list[str],
+    n_samples: int,
+    seed: int,
+) -> NoiseScaleResult:
+    """Result from per-estimate, per-layer squared norms ``small``/``big`` of shape [n, L]."""
+    g_sq, trace = two_batch(small.sum(1), big.sum(1), b_small, b_big)
+    stats = ratio_of_means(trace, g_sq, seed=seed)
+    _warn_if_noise(stats.den_mean)
+    lg, lt = two_batch(small.mean(0), big.mean(0), b_small, b_big)
+    return NoiseScaleResult(
+        method=method,
+        b_simple=stats.ratio,
+        grad_sq_norm=stats.den_mean,
+        trace_sigma=stats.num_mean,
+        b_simple_stderr=stats.stderr,
+        interval=stats.interval,
+        n_samples=n_samples,
+        n_estimates=int(small.shape[0]),
+        batch_sizes=[b_small, b_big],
+        per_layer=_layers(names, lg, lt),
+        estimates={"grad_sq_norm": g_sq.tolist(), "trace_sigma": trace.tolist()},
+    )
+
+
+def _draw(gen: torch.Generator, n_data: int, size: int) -> torch.Tensor:
+    return torch.randint(n_data, (size,), generator=gen)
+
+
+def _two_batch(model, loss_fn, src, params, b_small, b_big, n_estimates, gen):
+    """Each big batch is split into chunks of ``b_small``: one big gradient, many small ones."""
+    small = np.zeros((n_estimates, len(params)))
+    big = np.zeros((n_estimates, len(params)))
+    for i in range(n_estimates):
+        idx = _draw(gen, len(src), b_big)
+        total = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+        chunk_sq = []
+        for start in range(0, b_big, b_small):
+            part = idx[start : start + b_small]
+            grads = mean_grads(model, loss_fn, src.batch(part), params)
+            for t, g in zip(total, grads):
+                t.add_(g.double(), alpha=len(part) / b_big)
+            if len(part) == b_small:
+                chunk_sq.append(sq_norms(grads))
+        small[i] = torch.stack(chunk_sq).mean(0).numpy()
+        big[i] = sq_norms(total).numpy()
+    return small, big
+
+
+def _per_sample(model, loss_fn, src, b_big, n_estimates, gen, name_filter):
+    from nnstat._gns_capture import PerSampleNorms
+
+    collector = PerSampleNorms(model, name_filter=name_filter)
+    saved = {id(p): p.grad for p in model.parameters()}
+    try:
+        covered = collector.covered_parameters()
+        missing = [
+            n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered
+        ]
+        if missing:
+            warnings.warn(
+                f"per_sample covers only the modules the capture engine supports; left out: "
+                f"{missing}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        names = list(collector.names)
+        small = np.zeros((n_estimates, len(names)))
+        big = np.zeros((n_estimates, len(names)))
+        for i in range(n_estimates):
+            for p in model.parameters():
+                p.grad = None
+            batch = src.batch(_draw(gen, len(src), b_big))
+            with collector.batch(b_big):
+                batch_loss(model, loss_fn, batch).backward()
+            s, b, _ = collector.last
+            small[i] = [s.get(n, 0.0) for n in names]
+            big[i] = [b.get(n, 0.0) for n in names]
+    finally:
+        collector.close()
+        for p in model.parameters():
+            p.grad = saved[id(p)]
+    return small, big, names
+
+
+def _fit(model, loss_fn, src, params, names, sizes, n_estimates, gen) -> NoiseScaleResult:
+    per_size = np.zeros((len(sizes), n_estimates, len(params)))
+    for i in range(n_estimates):
+        for j, b in enumerate(sizes):
+            grads = mean_grads(model, loss_fn, src.batch(_draw(gen, len(src), b)), params)
+            per_size[j, i] = sq_norms(grads).numpy()
+    x = np.asarray(sizes, dtype=np.float64)
+    totals = per_size.sum(2)
+    se = totals.std(1, ddof=1) / math.sqrt(n_estimates) if n_estimates > 1 else None
+    fit = fit_sq_norms(x, totals.mean(1), se)
+    _warn_if_noise(fit.g_sq)
+    layer_fits = [fit_sq_norms(x, per_size[:, :, k].mean(1)) for k in range(len(params))]
+    half = 1.959964 * fit.b_simple_stderr
+    return NoiseScaleResult(
+        method="fit",
+        b_simple=fit.b_simple,
+        grad_sq_norm=fit.g_sq,
+        trace_sigma=fit.trace,
+        b_simple_stderr=fit.b_simple_stderr,
+        interval=(fit.b_simple - half, fit.b_simple + half),
+        n_samples=n_estimates * int(sum(sizes)),
+        n_estimates=n_estimates,
+        batch_sizes=list(sizes),
+        per_layer={
+            n: LayerNoiseScale(f.b_simple, f.g_sq, f.trace) for n, f in zip(names, layer_fits)
+        },
+        fit_residual=fit.residual,
+        estimates={f"sq_norm/{b}": totals[j].tolist() for j, b in enumerate(sizes)},
+    )
+
+
+def noise_scale(
+    model: nn.Module,
+    loss_fn: LossFn,
+    data: Any,
+    *,
+    method: Method = "two_batch",
+    small_batch: int = 8,
+    big_batch: int = 128,
+    batch_sizes: list[int] | None = None,
+    n_estimates: int = 32,
+    seed: int = 0,
+    hessian: bool = False,
+    hessian_samples: int = 256,
+    name_filter: str | None = None,
+) -> NoiseScaleResult:
+    """Estimate the gradient noise scale ``B_simple`` of ``model`` on ``data`` at its weights.
+
+    Args:
+        model: the network (its mode is left as is; parameters and ``.grad`` are not changed).
+        loss_fn: ``loss_fn(model(inputs), targets)`` returning the batch MEAN loss.
+        data: a map-style ``Dataset``, a ``DataLoader`` over one, or an ``(inputs, targets)``
+            tuple. Batches are drawn with replacement, so the estimates are unbiased for the
+            whole data set's ``G`` and ``Sigma``.
+        method: ``"two_batch"`` (each big batch split into small chunks), ``"per_sample"``
+            (``B_small = 1`` from per-sample norms of the capture engine, batches of
+            ``big_batch``; ``small_batch`` ignored) or ``"fit"`` (curve fit over
+            ``batch_sizes``, default a geometric ladder from ``small_batch`` to ``big_batch``).
+        n_estimates: number of independent big batches (per batch size for ``fit``).
+        seed: seed of the batch sampler (the global RNG is not touched).
+        hessian: also compute ``B_noise = tr(H Sigma)/G^T H G`` on ``hessian_samples``
+            samples with exact Hessian-vector products (small models, tensor data only).
+        name_filter: regex of module names for ``per_sample`` (default: all supported).
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> model = nn.Linear(4, 1)
+        >>> x = torch.randn(256, 4); y = x.sum(1, keepdim=True) + torch.randn(256, 1)
+        >>> r = noise_scale(model, nn.functional.mse_loss, (x, y), small_batch=4, big_batch=32)
+        >>> r.b_simple > 0
+        True
+    """
+    if method not in _METHODS:
+        raise ValueError(f"unknown method {method!r}; valid methods: {list(_METHODS)}")
+    if not isinstance(n_estimates, int) or n_estimates < 1:
+        raise ValueError(f"n_estimates must be a positive int, got {n_estimates!r}")
+    for name, v in (("small_batch", small_batch), ("big_batch", big_batch)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    params_named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not params_named:
+        raise ValueError("the model has no trainable parameters")
+    device = params_named[0][1].device
+    src = BatchSource(data, device)
+    gen = torch.Generator().manual_seed(seed)
+    names = [n for n, _ in params_named]
+    params = [p for _, p in params_named]
+
+    if method == "two_batch":
+        check_batch_sizes(small_batch, big_batch)
+        small, big = _two_batch(
+            model, loss_fn, src, params, small_batch, big_batch, n_estimates, gen
+        )
+        result = _pair_result(
+            method, small, big, small_batch, big_batch, names, n_estimates * big_batch, seed
+        )
+    elif method == "per_sample":
+        if big_batch < 2:
+            raise ValueError(f"per_sample needs big_batch >= 2 samples, got {big_batch}")
+        small, big, mod_names = _per_sample(
+            model, loss_fn, src, big_batch, n_estimates, gen, name_filter
+        )
+        result = _pair_result(
+            method, small, big, 1, big_batch, mod_names, n_estimates * big_batch, seed
+        )
+    else:
+        sizes = (
+            sorted(set(batch_sizes)) if batch_sizes else geometric_ladder(small_batch, big_batch)
+        )
+        if len(sizes) < 2 or any(not isinstance(b, int) or b < 1 for b in sizes):
+            raise ValueError(f"batch_sizes must hold at least two distinct ints >= 1, got {sizes}")
+        result = _fit(model, loss_fn, src, params, names, sizes, n_estimates, gen)
+
+    if hessian:
+        from nnstat._gns_hessian import hessian_noise_scale
+
+        n_h = min(hessian_samples, len(src))
+        perm = torch.randperm(len(src), generator=gen)[:n_h]
+        x, y = src.batch(perm)
+        result.b_noise = hessian_noise_scale(model, loss_fn, x, y).b_noise
+    return result
