@@ -1,0 +1,189 @@
+"""`ModuleCapture`: what one watched module saw during one backward pass."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nnstat.capture import rules
+
+
+class ModuleCapture:
+    """Forward rows, output gradients and per-sample gradients of one module for one backward.
+
+    Built by :class:`~nnstat.capture.engine.CaptureEngine`; consumers receive it in
+    ``on_capture(cap)``. All tensors are float32 regardless of autocast. ``backward`` holds the
+    gradient of **each sample's own loss** (already multiplied by the batch size when the loss
+    was a mean), and masked positions are zero in both streams.
+
+    Example:
+        >>> import torch, nnstat
+        >>> model = torch.nn.Linear(3, 2)
+        >>> engine = nnstat.CaptureEngine(); _ = engine.watch(model)
+        >>> caps = []
+        >>> engine.add_consumer(caps.append)
+        >>> with engine.batch():
+        ...     model(torch.randn(5, 3)).sum().backward()
+        >>> caps[0].per_sample_grad().shape
+        torch.Size([5, 2, 4])
+    """
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        kind: str,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        num_positions: int,
+    ) -> None:
+        self.name = name
+        self.module = module
+        self.kind = kind
+        self._a = a  # embedding: [N, T] long indices (-1 = no gradient), else [N, T, d_in(+1)]
+        self._b = b
+        self.num_samples = int(b.shape[0])
+        #: positions that were not masked out (the K-FAC ``A`` factor divides by their count)
+        self.num_positions = int(num_positions)
+        self.d_in, self.d_out = rules.dims(kind, module)
+
+    # ------------------------------------------------------------------ streams
+    @property
+    def is_kronecker(self) -> bool:
+        """True when the gradient is a sum of outer products ``b aᵀ`` (all kinds but layernorm)."""
+        return self.kind in rules.OUTER_KINDS
+
+    @property
+    def forward(self) -> torch.Tensor:
+        """``[N, T, d_in(+1)]`` float32 inputs in matrix form (embedding: one-hot, materialised)."""
+        if self.kind == "embedding":
+            idx = self._a
+            onehot = F.one_hot(idx.clamp(min=0), self.d_in).float()
+            return onehot * (idx >= 0).unsqueeze(-1)
+        return self._a
+
+    @property
+    def backward(self) -> torch.Tensor:
+        """``[N, T, d_out]`` float32 gradients of each sample's own loss w.r.t. the output."""
+        return self._b
+
+    @property
+    def indices(self) -> torch.Tensor:
+        """Embedding only: ``[N, T]`` indices, ``-1`` where the position has no gradient."""
+        if self.kind != "embedding":
+            raise AttributeError(f"{self.name}: indices exist only for embedding, not {self.kind}")
+        return self._a
+
+    # ------------------------------------------------------------ per-sample gradients
+    def per_sample_grad(self) -> torch.Tensor:
+        """Per-sample gradient in matrix form.
+
+        ``[N, d_out, d_in(+1)]`` for outer-product kinds (bias = last column; embedding:
+        ``[N, D, V]``; HF Conv1D: the transpose of its ``(nx, nf)`` weight), ``[N, D(+D)]`` for
+        layernorm (weight then bias). Use :meth:`per_sample_grads_by_param` for parameter shapes.
+        """
+        a, b = self._a, self._b
+        if self.kind == "layernorm":
+            w = (b * a).sum(1)
+            return torch.cat([w, b.sum(1)], dim=1) if rules.has_bias(self.module) else w
+        if self.kind == "embedding":
+            n, t = a.shape
+            valid = a >= 0
+            flat = (torch.arange(n, device=a.device).unsqueeze(1) * self.d_in + a)[valid]
+            out = b.new_zeros(n * self.d_in, self.d_out)
+            out.index_add_(0, flat, b[valid])
+            return out.reshape(n, self.d_in, self.d_out).transpose(1, 2)
+        return torch.bmm(b.transpose(1, 2), a)
+
+    def per_sample_grads_by_param(self) -> dict[str, torch.Tensor]:
+        """``{"weight": [N, *weight.shape], "bias": [N, *bias.shape]}`` (bias when present)."""
+        return rules.grads_by_param(self.kind, self.module, self.per_sample_grad())
+
+    def per_sample_sq_norm(self) -> torch.Tensor:
+        """``[N]`` squared Frobenius norm of each sample's gradient (weight and bias together).
+
+        Uses ``‖Σ_t b_t a_tᵀ‖² = Σ_{t,s} (a_t·a_s)(b_t·b_s)`` when that is cheaper than
+        materialising ``G_i``.
+        """
+        a, b = self._a, self._b
+        t = b.shape[1]
+        if self.kind == "layernorm":
+            return self.per_sample_grad().pow(2).sum(1)
+        if self.kind == "embedding":
+            if t * t > self.d_in:
+                return self.per_sample_grad().pow(2).sum((1, 2))
+            same = (a.unsqueeze(2) == a.unsqueeze(1)) & (a >= 0).unsqueeze(2)
+            return (same * torch.bmm(b, b.transpose(1, 2))).sum((1, 2))
+        if t == 1:
+            return a.pow(2).sum((1, 2)) * b.pow(2).sum((1, 2))
+        if t * (self.d_in + self.d_out) < self.d_in * self.d_out:
+            gram_a = torch.bmm(a, a.transpose(1, 2))
+            gram_b = torch.bmm(b, b.transpose(1, 2))
+            return (gram_a * gram_b).sum((1, 2))
+        return self.per_sample_grad().pow(2).sum((1, 2))
+
+    def project(self, p_in: torch.Tensor, p_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Projected per-sample gradients without materialising ``G_i``.
+
+        Outer-product kinds: ``[N, r_out * r_in]`` = ``vec(P_out @ G_i @ P_inᵀ)`` row-major, with
+        ``p_in`` ``[r_in, d_in(+1)]`` and ``p_out`` ``[r_out, d_out]``. Layernorm: ``p_in`` of
+        shape ``[r, D]`` alone, returns ``[N, r]``.
+        """
+        if not self.is_kronecker:
+            if p_out is not None:
+                raise ValueError(
+                    f"{self.name} ({self.kind}) has no Kronecker structure: pass p_in only"
+                )
+            g = self.per_sample_grad()
+            _check_proj(self.name, "p_in", p_in, g.shape[1])
+            return g @ p_in.to(g).T
+        if p_out is None:
+            raise ValueError(f"{self.name} ({self.kind}) needs both p_in and p_out")
+        _check_proj(self.name, "p_in", p_in, self.d_in)
+        _check_proj(self.name, "p_out", p_out, self.d_out)
+        p_in, p_out = p_in.to(self._b), p_out.to(self._b)
+        if self.kind == "embedding":
+            idx = self._a
+            ap = F.embedding(idx.clamp(min=0), p_in.T) * (idx >= 0).unsqueeze(-1)
+        else:
+            ap = self._a @ p_in.T
+        bp = self._b @ p_out.T
+        return torch.bmm(bp.transpose(1, 2), ap).reshape(self.num_samples, -1)
+
+    # ------------------------------------------------------------ sums for statistics
+    def forward_gram(self) -> torch.Tensor:
+        """``Σ_{n,t} a aᵀ`` over unmasked positions, ``[d_in(+1), d_in(+1)]``."""
+        if self.kind == "embedding":
+            idx = self._a[self._a >= 0]
+            counts = torch.bincount(idx, minlength=self.d_in).float()
+            return torch.diag(counts)
+        a = self._a.reshape(-1, self._a.shape[-1])
+        return a.T @ a
+
+    def backward_gram(self) -> torch.Tensor:
+        """``Σ_{n,t} b bᵀ``, ``[d_out, d_out]``."""
+        b = self._b.reshape(-1, self._b.shape[-1])
+        return b.T @ b
+
+    def forward_sum(self) -> torch.Tensor:
+        """``Σ_{n,t} a`` over unmasked positions."""
+        if self.kind == "embedding":
+            idx = self._a[self._a >= 0]
+            return torch.bincount(idx, minlength=self.d_in).float()
+        return self._a.sum((0, 1))
+
+    def backward_sum(self) -> torch.Tensor:
+        """``Σ_{n,t} b``."""
+        return self._b.sum((0, 1))
+
+    def __repr__(self) -> str:
+        return (
+            f"ModuleCapture(name={self.name!r}, kind={self.kind!r}, N={self.num_samples}, "
+            f"positions={self.num_positions}, d_in={self.d_in}, d_out={self.d_out})"
+        )
+
+
+def _check_proj(name: str, label: str, p: torch.Tensor, d: int) -> None:
+    if p.dim() != 2 or p.shape[1] != d:
+        raise ValueError(f"{name}: {label} must have shape [r, {d}], got {tuple(p.shape)}")

@@ -1,0 +1,306 @@
+"""The capture engine: the one set of module hooks in nnstat.
+
+A forward hook remembers each watched module's input and registers a tensor hook on its output;
+the tensor hook receives the gradient w.r.t. that output during backward. At the end of the
+backward pass (an autograd engine callback) every module's calls are turned into one
+:class:`ModuleCapture` and handed to the consumers.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from nnstat.capture import rules
+from nnstat.capture.capture import ModuleCapture
+
+LOSS_REDUCTIONS = ("sum", "mean")
+
+
+class UnsupportedModuleError(ValueError):
+    """A module selected explicitly for capture has no per-sample gradient rule."""
+
+
+class CaptureConsumer(Protocol):
+    def on_capture(self, cap: ModuleCapture) -> None: ...
+
+
+@dataclass(frozen=True)
+class _BatchContext:
+    batch_size: int | None
+    mask: torch.Tensor | None
+    loss_reduction: str
+
+
+@dataclass
+class _Watched:
+    name: str
+    module: nn.Module
+    kind: str
+
+
+class CaptureEngine:
+    """Watch modules and stream per-sample quantities to consumers.
+
+    Hooks do nothing outside :meth:`batch`, never change outputs, gradients or
+    ``requires_grad``, and are all removed by :meth:`unwatch`.
+
+    Example:
+        >>> import torch, nnstat
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> engine = nnstat.CaptureEngine()
+        >>> engine.watch(model)
+        ['0', '2']
+        >>> norms = {}
+        >>> engine.add_consumer(lambda cap: norms.update({cap.name: cap.per_sample_sq_norm()}))
+        >>> with engine.batch(loss_reduction="mean"):
+        ...     model(torch.randn(16, 4)).pow(2).mean().backward()
+        >>> norms["0"].shape
+        torch.Size([16])
+        >>> engine.unwatch()
+    """
+
+    def __init__(self) -> None:
+        self._watched: dict[nn.Module, _Watched] = {}
+        self._handles: list[Any] = []
+        self._consumers: list[Callable[[ModuleCapture], None]] = []
+        self._ctx: _BatchContext | None = None
+        self._pending: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor, _BatchContext]]] = {}
+        self._lock = threading.Lock()
+        self._flush_queued = False
+
+    # ---------------------------------------------------------------- selection
+    @property
+    def watched(self) -> dict[str, nn.Module]:
+        """Watched modules by name, in watch order."""
+        return {w.name: w.module for w in self._watched.values()}
+
+    def kinds(self) -> dict[str, str]:
+        """Capture kind of each watched module by name."""
+        return {w.name: w.kind for w in self._watched.values()}
+
+    def watch(
+        self,
+        model: nn.Module,
+        name_filter: str | Iterable[str] | None = None,
+        type_filter: type | str | Iterable[type | str] | None = None,
+    ) -> list[str]:
+        """Register hooks on the selected modules of ``model`` and return their names.
+
+        ``name_filter``: regex (``re.search``) or list of regexes on module names;
+        ``type_filter``: module classes or class names. Modules without parameters of their own
+        are never selected. Without filters, unsupported modules that own parameters (e.g.
+        ``nn.MultiheadAttention`` and the ``out_proj`` inside it) are skipped with one warning;
+        with a filter, selecting one raises :class:`UnsupportedModuleError`.
+        """
+        explicit = name_filter is not None or type_filter is not None
+        names = _as_list(name_filter)
+        types = _as_list(type_filter)
+        mha_prefixes = [n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)]
+        selected: list[_Watched] = []
+        unsupported: list[str] = []
+        for name, module in model.named_modules():
+            if not any(True for _ in module.parameters(recurse=False)):
+                continue
+            if names and not any(re.search(p, name) for p in names):
+                continue
+            if types and not any(_type_matches(module, t) for t in types):
+                continue
+            inside_mha = any(name.startswith(p + ".") for p in mha_prefixes if p != name)
+            kind = None if inside_mha else rules.detect_kind(module)
+            if kind is None:
+                why = (
+                    "it is inside nn.MultiheadAttention, which never calls out_proj.forward"
+                    if inside_mha
+                    else rules.unsupported_reason(module)
+                )
+                unsupported.append(f"{name or '<root>'} ({type(module).__name__}): {why}")
+                continue
+            if module in self._watched:
+                continue
+            selected.append(_Watched(name or "model", module, kind))
+        if unsupported:
+            msg = "cannot capture per-sample gradients of: " + "; ".join(unsupported)
+            if explicit:
+                raise UnsupportedModuleError(msg)
+            warnings.warn(msg + " (skipped; they are not watched)", stacklevel=2)
+        taken = {w.name for w in self._watched.values()}
+        for w in selected:
+            if w.name in taken:
+                raise ValueError(f"a module named {w.name!r} is already watched")
+            self._watched[w.module] = w
+            self._handles.append(w.module.register_forward_hook(partial(self._on_forward, w)))
+        return [w.name for w in selected]
+
+    def unwatch(self) -> None:
+        """Remove every hook and forget the watched modules and pending captures."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._watched.clear()
+        with self._lock:
+            self._pending.clear()
+
+    # ---------------------------------------------------------------- consumers
+    def add_consumer(self, consumer: CaptureConsumer | Callable[[ModuleCapture], None]) -> None:
+        """Add an object with ``on_capture(cap)`` (or a plain callable)."""
+        fn = getattr(consumer, "on_capture", consumer)
+        if not callable(fn):
+            raise TypeError(f"consumer must have on_capture(cap) or be callable, got {consumer!r}")
+        self._consumers.append(fn)
+
+    def remove_consumer(self, consumer: Any) -> None:
+        fn = getattr(consumer, "on_capture", consumer)
+        self._consumers = [c for c in self._consumers if c != fn]
+
+    # ------------------------------------------------------------------ batches
+    @contextmanager
+    def batch(
+        self,
+        batch_size: int | None = None,
+        mask: torch.Tensor | None = None,
+        loss_reduction: str = "sum",
+    ) -> Iterator[None]:
+        """Capture forward/backward passes run inside this block.
+
+        ``loss_reduction="mean"`` multiplies output gradients by ``batch_size`` (default: the
+        module's batch dimension N) so they are gradients of each sample's own loss term.
+        ``mask`` (``[N]`` or ``[N, *positions]``, nonzero = keep) zeroes excluded positions in
+        modules whose output positions match its shape.
+        """
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(
+                f"unknown loss_reduction {loss_reduction!r}; valid: {', '.join(LOSS_REDUCTIONS)}"
+            )
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size <= 0):
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or mask.dim() < 1:
+                raise ValueError("mask must be a tensor of shape [N] or [N, *positions]")
+            mask = mask.detach()
+        if self._ctx is not None:
+            raise RuntimeError("engine.batch(...) blocks cannot be nested")
+        self._ctx = _BatchContext(batch_size, mask, loss_reduction)
+        try:
+            yield
+        finally:
+            self._ctx = None
+        # a backward that ran without the autograd callback (should not happen) still counts
+        self.flush()
+
+    # -------------------------------------------------------------------- hooks
+    def _on_forward(self, w: _Watched, module: nn.Module, inputs: tuple, output: Any) -> None:
+        ctx = self._ctx
+        if ctx is None or not isinstance(output, torch.Tensor):
+            return
+        if not (torch.is_grad_enabled() and output.requires_grad) or not inputs:
+            return
+        x = inputs[0]
+        if not isinstance(x, torch.Tensor):
+            return
+        # the input travels in the closure, so a recomputed forward (activation checkpointing)
+        # pairs with its own backward and a forward whose output never gets a gradient is dropped
+        output.register_hook(partial(self._on_output_grad, module, x.detach(), ctx))
+
+    def _on_output_grad(
+        self, module: nn.Module, x: torch.Tensor, ctx: _BatchContext, grad: torch.Tensor
+    ) -> None:
+        with self._lock:
+            self._pending.setdefault(module, []).append((x, grad.detach(), ctx))
+            if not self._flush_queued:
+                self._flush_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+
+    def flush(self) -> None:
+        """Hand pending captures to the consumers (called automatically after each backward)."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            self._flush_queued = False
+        if not pending:
+            return
+        for module, w in list(self._watched.items()):
+            calls = pending.get(module)
+            if calls:
+                cap = _build_capture(w, calls)
+                for consumer in self._consumers:
+                    consumer(cap)
+
+
+def _build_capture(
+    w: _Watched, calls: list[tuple[torch.Tensor, torch.Tensor, _BatchContext]]
+) -> ModuleCapture:
+    a_parts, b_parts, positions = [], [], 0
+    n = None
+    for x, g, ctx in calls:
+        a = rules.forward_rows(w.kind, w.module, x)
+        b, pos_shape = rules.backward_rows(w.kind, w.module, g)
+        if n is None:
+            n = b.shape[0]
+        elif b.shape[0] != n:
+            raise ValueError(
+                f"{w.name}: called with batch sizes {n} and {b.shape[0]} in one backward"
+            )
+        if a.shape[1] != b.shape[1]:
+            raise ValueError(
+                f"{w.name} ({type(w.module).__name__}): input has {a.shape[1]} positions but "
+                f"the output gradient has {b.shape[1]}"
+            )
+        if ctx.loss_reduction == "mean":
+            b = b * float(ctx.batch_size or n)
+        keep = _row_mask(w, ctx.mask, n, pos_shape, b.shape[1])
+        if keep is not None:
+            b = b * keep.unsqueeze(-1)
+            if w.kind == "embedding":
+                a = a.masked_fill(~keep.bool(), -1)
+            else:
+                a = a * keep.unsqueeze(-1)
+            positions += int(keep.sum())
+        else:
+            positions += n * a.shape[1]
+        a_parts.append(a)
+        b_parts.append(b)
+    a = a_parts[0] if len(a_parts) == 1 else torch.cat(a_parts, dim=1)
+    b = b_parts[0] if len(b_parts) == 1 else torch.cat(b_parts, dim=1)
+    return ModuleCapture(w.name, w.module, w.kind, a, b, positions)
+
+
+def _row_mask(
+    w: _Watched, mask: torch.Tensor | None, n: int, pos_shape: tuple, rows: int
+) -> torch.Tensor | None:
+    """Mask per matrix row ``[N, rows]`` (float 0/1), or None when the mask does not apply."""
+    if mask is None:
+        return None
+    if mask.shape[0] != n:
+        raise ValueError(f"{w.name}: mask has {mask.shape[0]} samples but the batch has {n}")
+    m = mask.to(device=mask.device, dtype=torch.float32)
+    if m.dim() == 1:
+        return m.unsqueeze(1).expand(n, rows)
+    if tuple(m.shape[1:]) != tuple(pos_shape):
+        return None  # e.g. a head after pooling: its positions are not the mask's positions
+    m = m.reshape(n, -1)
+    if m.shape[1] != rows:  # grouped conv: one row per (location, group)
+        m = m.repeat_interleave(rows // m.shape[1], dim=1)
+    return m
+
+
+def _as_list(x: Any) -> list:
+    if x is None:
+        return []
+    if isinstance(x, (str, type)):
+        return [x]
+    return list(x)
+
+
+def _type_matches(module: nn.Module, t: type | str) -> bool:
+    if isinstance(t, str):
+        return any(c.__name__ == t for c in type(module).__mro__)
+    return isinstance(module, t)
