@@ -1,0 +1,187 @@
+"""Hook hygiene and hard cases: autocast, checkpointing, unsupported modules, no side effects."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+from torch.utils.checkpoint import checkpoint
+
+from nnstat.capture import CaptureEngine, UnsupportedModuleError
+
+
+def ref_grads(model, x, y):
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p, xi, yi):
+        out = functional_call(model, p, (xi.unsqueeze(0),))
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), yi.reshape(-1), reduction="sum")
+
+    return vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
+
+
+def collect(engine):
+    caps = {}
+    engine.add_consumer(lambda cap: caps.__setitem__(cap.name, cap.per_sample_grads_by_param()))
+    return caps
+
+
+def test_autocast_bf16_within_1e2_and_float32_stats():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    ref = ref_grads(model, x, y)
+    engine = CaptureEngine()
+    engine.watch(model)
+    dtypes = []
+    engine.add_consumer(lambda cap: dtypes.append((cap.forward.dtype, cap.backward.dtype)))
+    caps = collect(engine)
+    with engine.batch(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+        assert out.dtype == torch.bfloat16
+        F.cross_entropy(out.float(), y, reduction="sum").backward()
+    assert set(dtypes) == {(torch.float32, torch.float32)}
+    for name, got in caps.items():
+        for p, g in got.items():
+            want = ref[f"{name}.{p}"]
+            rel = (g - want).flatten(1).norm(dim=1) / want.flatten(1).norm(dim=1)
+            assert rel.max() < 1e-2, (name, p, rel.max())
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+        self.use_checkpoint = True
+        self.block = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.LayerNorm(8), nn.Linear(8, 6))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        if not self.use_checkpoint:  # torch.func cannot differentiate through checkpoint
+            return self.head(self.block(x))
+        h = checkpoint(self.block, x, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_same_grads_no_double_count(reentrant):
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant)
+    x, y = torch.randn(5, 4, 6), torch.randint(0, 3, (5, 4))
+    model.use_checkpoint = False
+    ref = ref_grads(model, x, y)
+    model.use_checkpoint = True
+    engine = CaptureEngine()
+    engine.watch(model)
+    calls = []
+    engine.add_consumer(calls.append)
+    caps = collect(engine)
+    xin = x.clone().requires_grad_(reentrant)  # reentrant checkpoint needs an input with grad
+    with engine.batch():
+        out = model(xin)
+        F.cross_entropy(out.reshape(-1, 3), y.reshape(-1), reduction="sum").backward()
+    assert sorted(c.name for c in calls) == sorted(["block.0", "block.2", "block.3", "head"])
+    for name, got in caps.items():
+        for p, g in got.items():
+            torch.testing.assert_close(g, ref[f"{name}.{p}"], rtol=1e-4, atol=1e-5)
+
+
+def test_watching_changes_nothing_and_unwatch_removes_everything():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2))
+    model[0].weight.requires_grad_(False)  # a user-frozen parameter stays frozen
+    flags = {k: p.requires_grad for k, p in model.named_parameters()}
+    x = torch.randn(3, 4)
+
+    def run():
+        model.zero_grad()
+        out = model(x)
+        out.pow(2).sum().backward()
+        return out.detach().clone(), {
+            k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None
+        }
+
+    out0, g0 = run()
+    engine = CaptureEngine()
+    engine.watch(model)
+    seen = []
+    engine.add_consumer(seen.append)
+    with engine.batch():
+        out1, g1 = run()
+    assert seen, "the watched pass captured nothing"
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    assert g1.keys() == g0.keys()
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=0, atol=0)
+    assert {k: p.requires_grad for k, p in model.named_parameters()} == flags
+    # outside a batch the hooks are inert
+    seen.clear()
+    run()
+    assert seen == []
+    engine.unwatch()
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks
+    with engine.batch():
+        run()
+    assert seen == [] and engine.watched == {}
+
+
+def test_filters_select_by_regex_and_type():
+    model = nn.Sequential(nn.Linear(2, 3), nn.Conv1d(3, 3, 1), nn.Linear(3, 1))
+    assert CaptureEngine().watch(model, name_filter=r"^[02]$") == ["0", "2"]
+    assert CaptureEngine().watch(model, type_filter=nn.Conv1d) == ["1"]
+    assert CaptureEngine().watch(model, type_filter=["Linear"]) == ["0", "2"]
+
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.ln(x)
+        return self.fc(self.attn(h, h, h, need_weights=False)[0])
+
+
+def test_multihead_attention_is_reported_not_logged_as_zeros():
+    model = Attn()
+    engine = CaptureEngine()
+    with pytest.warns(UserWarning, match="attn .*MultiheadAttention.*in_proj_weight") as rec:
+        names = engine.watch(model)
+    assert names == ["ln", "fc"]
+    assert "attn.out_proj" in str(rec[0].message)
+    with pytest.raises(UnsupportedModuleError, match="attn"):
+        CaptureEngine().watch(model, name_filter="attn")
+    with pytest.raises(UnsupportedModuleError, match="out_proj"):
+        CaptureEngine().watch(model, type_filter=nn.Linear)
+
+
+def test_unsupported_module_with_parameters_raises_when_selected():
+    model = nn.Sequential(nn.Linear(3, 3), nn.GRU(3, 3), nn.BatchNorm1d(3))
+    with pytest.raises(UnsupportedModuleError, match=r"1 \(GRU\)"):
+        CaptureEngine().watch(model, name_filter="1")
+    with pytest.raises(UnsupportedModuleError, match="scale_grad_by_freq"):
+        CaptureEngine().watch(nn.Embedding(4, 2, scale_grad_by_freq=True), type_filter="Embedding")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert CaptureEngine().watch(model) == ["0"]
+    assert len(w) == 1 and "GRU" in str(w[0].message) and "BatchNorm1d" in str(w[0].message)
+
+
+def test_batch_validates_arguments():
+    engine = CaptureEngine()
+    with pytest.raises(ValueError, match="batch_size"):
+        with engine.batch(batch_size=0):
+            pass
+    model = nn.Linear(3, 2)
+    engine.watch(model)
+    engine.add_consumer(lambda cap: None)
+    with pytest.raises(ValueError, match="mask has 4 samples but the batch has 2"):
+        with engine.batch(mask=torch.ones(4, dtype=torch.bool)):
+            model(torch.randn(2, 3)).sum().backward()
