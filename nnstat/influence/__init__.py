@@ -1,1 +1,42 @@
-"""nnstat.influence"""
+"""nnstat.influence: training-data attribution from a gradient store.
+
+Convention: ``score(q, i) = g_qᵀ (H + λI)⁻¹ g_i`` with ``g`` the gradient of each example's own
+loss and ``H`` the curvature of the **mean** training loss (λ on that scale). Positive = helpful.
+Koh & Liang's ``I_up,loss`` is the negative of this score.
+
+Example:
+    >>> import torch
+    >>> from nnstat.influence import TensorSource, compute_influence_all
+    >>> res = compute_influence_all(TensorSource(torch.randn(2, 4)), TensorSource(torch.randn(9, 4)))
+    >>> res.scores.shape
+    torch.Size([2, 9])
+"""
+
+from __future__ import annotations
+
+from .exact import exact
+from .layout import ModuleSpec
+from .lds import LDSProtocol, lds, run_lds_protocol
+from .precondition import PRECONDITIONERS, Preconditioner, clear_cache
+from .result import InfluenceResult, SelfInfluenceResult, TopKInfluence
+from .score import MODES, compute_influence_all, compute_self_influence
+from .sources import TensorSource, as_source
+
+__all__ = [
+    "MODES",
+    "PRECONDITIONERS",
+    "InfluenceResult",
+    "LDSProtocol",
+    "ModuleSpec",
+    "Preconditioner",
+    "SelfInfluenceResult",
+    "TensorSource",
+    "TopKInfluence",
+    "as_source",
+    "clear_cache",
+    "compute_influence_all",
+    "compute_self_influence",
+    "exact",
+    "lds",
+    "run_lds_protocol",
+]

@@ -1,0 +1,368 @@
+"""Preconditioners ``(H + λI)⁻¹`` for influence scores, block-diagonal over modules.
+
+``H`` approximates the curvature of the **mean** training loss in the logged (possibly projected)
+space:
+
+* ``identity``: ``H + λI`` replaced by ``I`` (plain gradient dot products; damping ignored).
+* ``raw``: ``H = (1/n) Σ_i g_i g_iᵀ`` per module (empirical Fisher of the logged rows).
+* ``kfac``: ``H = S ⊗ A`` per module (row-major ``vec``), with ``S = P_out S_full P_outᵀ`` and
+  ``A = P_in A_full P_inᵀ`` from the statistics pass and the projection matrices.
+* ``ekfac``: K-FAC eigenbases, eigenvalues corrected to ``(1/n) Σ_i (Q_Sᵀ G_i Q_A)²`` from the
+  logged rows (George et al. 2018), i.e. exact in the logged space along those eigenbases.
+
+Modules without a Kronecker structure (layernorm) use ``raw`` under ``kfac``/``ekfac``.
+``damping=None`` uses ``0.1 × mean eigenvalue`` of each module's ``H``. Eigendecompositions are
+damping-free and computed once; damped inverses are cached by ``(kind, damping)`` so a second
+call with another damping never reuses a stale inverse.
+
+Example:
+    >>> import torch
+    >>> from nnstat.influence.sources import TensorSource
+    >>> src = TensorSource(torch.randn(50, 6), layout=[ModuleSpec("fc", 0, 2, 3)])
+    >>> pre = Preconditioner.fit(src, "raw")
+    >>> pre.apply(torch.randn(4, 6), damping=0.1).shape
+    torch.Size([4, 6])
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from .layout import ModuleSpec
+from .sources import RowSource
+
+PRECONDITIONERS = ("identity", "raw", "kfac", "ekfac")
+DAMPING_HEURISTIC = 0.1  # λ = 0.1 × mean eigenvalue of the module's curvature when damping=None
+
+
+# ----------------------------------------------------------------------------- pure maths
+def symmetric_eig(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues (clamped at 0: curvature estimates are PSD up to round-off) and eigenvectors.
+
+    Example:
+        >>> import torch
+        >>> symmetric_eig(torch.eye(2) * 3)[0].tolist()
+        [3.0, 3.0]
+    """
+    m = matrix.to(torch.float64)
+    evals, evecs = torch.linalg.eigh((m + m.T) / 2)
+    return evals.clamp_min(0.0), evecs
+
+
+def resolve_damping(damping: float | None, evals: torch.Tensor) -> float:
+    """``damping`` itself, or ``DAMPING_HEURISTIC × mean eigenvalue`` when it is ``None``.
+
+    Example:
+        >>> import torch
+        >>> resolve_damping(None, torch.tensor([1.0, 3.0]))
+        0.2
+    """
+    if damping is not None:
+        damping = float(damping)
+        if not damping >= 0 or damping != damping or damping == float("inf"):
+            raise ValueError(f"damping must be a finite number >= 0, got {damping}")
+        return damping
+    value = DAMPING_HEURISTIC * float(evals.mean()) if evals.numel() else 0.0
+    # an all-zero module (dead layer) still needs a positive damping to be invertible
+    return value if value > 0 else 1e-12
+
+
+def damped_inverse(evals: torch.Tensor, evecs: torch.Tensor, damping: float) -> torch.Tensor:
+    """``(U diag(evals) Uᵀ + damping I)⁻¹`` as a float32 matrix.
+
+    Example:
+        >>> import torch
+        >>> damped_inverse(torch.tensor([1.0]), torch.eye(1), 1.0).item()
+        0.5
+    """
+    denom = evals + damping
+    if (denom <= 0).any():
+        raise ValueError("curvature + damping is singular: use a damping > 0")
+    return ((evecs / denom) @ evecs.T).to(torch.float32)
+
+
+def kron_precondition(
+    grads: torch.Tensor, q_out: torch.Tensor, q_in: torch.Tensor, denom: torch.Tensor
+) -> torch.Tensor:
+    """Apply ``(Q_S ⊗ Q_A) diag(1/denom) (Q_S ⊗ Q_A)ᵀ`` to row-major ``vec`` of ``grads``.
+
+    ``grads`` is ``[b, r_out, r_in]``; ``denom`` is ``[r_out, r_in]`` (eigenvalues + damping).
+
+    Example:
+        >>> import torch
+        >>> g = torch.ones(1, 2, 2)
+        >>> kron_precondition(g, torch.eye(2), torch.eye(2), torch.full((2, 2), 2.0))[0, 0, 0].item()
+        0.5
+    """
+    rotated = q_out.T @ grads @ q_in
+    return q_out @ (rotated / denom) @ q_in.T
+
+
+# ----------------------------------------------------------------------------- factors
+@dataclass
+class DenseFactor:
+    """``H = U diag(evals) Uᵀ`` for one module (float64)."""
+
+    evals: torch.Tensor
+    evecs: torch.Tensor
+
+
+@dataclass
+class KronFactor:
+    """``H ≈ (Q_S ⊗ Q_A) diag(vec(eig)) (Q_S ⊗ Q_A)ᵀ`` for one module."""
+
+    q_out: torch.Tensor
+    q_in: torch.Tensor
+    eig: torch.Tensor  # [r_out, r_in]
+
+
+@dataclass
+class _DampedBlock:
+    damping: float
+    matrix: torch.Tensor | None = None  # dense inverse
+    q_out: torch.Tensor | None = None
+    q_in: torch.Tensor | None = None
+    denom: torch.Tensor | None = None
+
+
+def _stat(stats: Mapping[str, torch.Tensor], module: str, stream: str) -> torch.Tensor:
+    key = f"{module}/{stream}/covariance"
+    if key not in stats:
+        have = sorted({k.split("/")[0] for k in stats}) or "none"
+        raise ValueError(
+            f"K-FAC preconditioner needs statistic {key!r}, which the run did not collect "
+            f"(modules with statistics: {have}); log with statistic='kfac' or use "
+            "preconditioner='raw'"
+        )
+    return stats[key].to(torch.float64)
+
+
+def _project(cov: torch.Tensor, proj: torch.Tensor | None, module: str, side: str) -> torch.Tensor:
+    if proj is None:
+        return cov
+    proj = proj.to(torch.float64)
+    if proj.shape[1] != cov.shape[0]:
+        raise ValueError(
+            f"module {module!r}: projection {side} has shape {tuple(proj.shape)} but the stored "
+            f"covariance is {tuple(cov.shape)}"
+        )
+    return proj @ cov @ proj.T
+
+
+def kfac_factor(
+    spec: ModuleSpec,
+    stats: Mapping[str, torch.Tensor],
+    projections: Mapping[str, torch.Tensor],
+) -> KronFactor:
+    """K-FAC factor of one module in the logged space: eigenbases of ``P S Pᵀ`` and ``P A Pᵀ``.
+
+    Example:
+        >>> import torch
+        >>> st = {"fc/forward/covariance": torch.eye(3), "fc/backward/covariance": torch.eye(2)}
+        >>> kfac_factor(ModuleSpec("fc", 0, 2, 3), st, {}).eig.shape
+        torch.Size([2, 3])
+    """
+    s = _project(
+        _stat(stats, spec.name, "backward"),
+        projections.get(f"{spec.name}/p_out"),
+        spec.name,
+        "p_out",
+    )
+    a = _project(
+        _stat(stats, spec.name, "forward"), projections.get(f"{spec.name}/p_in"), spec.name, "p_in"
+    )
+    if s.shape[0] != spec.r_out or a.shape[0] != spec.r_in:
+        raise ValueError(
+            f"module {spec.name!r}: statistics give a {s.shape[0]}x{a.shape[0]} gradient but the "
+            f"log stores {spec.r_out}x{spec.r_in}"
+        )
+    ls, qs = symmetric_eig(s)
+    la, qa = symmetric_eig(a)
+    return KronFactor(qs, qa, torch.outer(ls, la))
+
+
+# ----------------------------------------------------------------------------- fitting
+def _fit_from_rows(
+    source: RowSource,
+    dense: list[ModuleSpec],
+    kron: dict[str, KronFactor],
+    batch_size: int,
+) -> dict[str, DenseFactor | KronFactor]:
+    """One streamed pass: covariances of ``dense`` modules, corrected eigenvalues of ``kron``."""
+    covs = {m.name: torch.zeros(m.width, m.width, dtype=torch.float64) for m in dense}
+    sq = {name: torch.zeros_like(f.eig) for name, f in kron.items()}
+    specs = {m.name: m for m in source.layout}
+    n = 0
+    for _, rows in source.iter_blocks(batch_size):
+        rows = rows.to(torch.float64)
+        n += rows.shape[0]
+        for m in dense:
+            x = rows[:, m.offset : m.stop]
+            covs[m.name] += x.T @ x
+        for name, f in kron.items():
+            m = specs[name]
+            g = rows[:, m.offset : m.stop].reshape(-1, m.r_out, m.r_in)
+            sq[name] += ((f.q_out.T @ g @ f.q_in) ** 2).sum(0)
+    if n == 0:
+        raise ValueError("cannot fit a preconditioner on an empty log")
+    out: dict[str, DenseFactor | KronFactor] = {}
+    for m in dense:
+        out[m.name] = DenseFactor(*symmetric_eig(covs[m.name] / n))
+    for name, f in kron.items():
+        out[name] = KronFactor(f.q_out, f.q_in, sq[name] / n)
+    return out
+
+
+class Preconditioner:
+    """A fitted block-diagonal preconditioner; `apply` multiplies rows by ``(H + λI)⁻¹``.
+
+    Example:
+        >>> import torch
+        >>> from nnstat.influence.sources import TensorSource
+        >>> pre = Preconditioner.fit(TensorSource(torch.randn(8, 4)), "identity")
+        >>> bool((pre.apply(torch.ones(1, 4), damping=None) == 1).all())
+        True
+    """
+
+    def __init__(
+        self, kind: str, layout: list[ModuleSpec], factors: dict[str, DenseFactor | KronFactor]
+    ) -> None:
+        if kind not in PRECONDITIONERS:
+            raise ValueError(f"unknown preconditioner {kind!r}; valid: {list(PRECONDITIONERS)}")
+        self.kind = kind
+        self.layout = layout
+        self.factors = factors
+        self._cache: dict[tuple[str, float | None], list[_DampedBlock]] = {}
+
+    @classmethod
+    def fit(cls, source: RowSource, kind: str, batch_size: int = 4096) -> Preconditioner:
+        """Fit ``kind`` on a training source (a streamed pass over its rows when needed)."""
+        if kind not in PRECONDITIONERS:
+            raise ValueError(f"unknown preconditioner {kind!r}; valid: {list(PRECONDITIONERS)}")
+        layout = list(source.layout)
+        if kind == "identity":
+            return cls(kind, layout, {})
+        if kind == "raw":
+            return cls(kind, layout, _fit_from_rows(source, layout, {}, batch_size))
+        stats, projections = source.statistics(), source.projections()
+        kron = {m.name: kfac_factor(m, stats, projections) for m in layout if m.kronecker}
+        dense = [m for m in layout if not m.kronecker]
+        if kind == "kfac":
+            factors: dict[str, DenseFactor | KronFactor] = dict(kron)
+            if dense:
+                factors.update(_fit_from_rows(source, dense, {}, batch_size))
+            return cls(kind, layout, factors)
+        return cls(kind, layout, _fit_from_rows(source, dense, kron, batch_size))
+
+    def module_dampings(self, damping: float | None) -> dict[str, float]:
+        """The damping each module actually uses (resolves ``None`` with the heuristic)."""
+        out = {}
+        for m in self.layout:
+            f = self.factors.get(m.name)
+            if f is None:
+                continue
+            evals = f.evals if isinstance(f, DenseFactor) else f.eig.flatten()
+            out[m.name] = resolve_damping(damping, evals)
+        return out
+
+    def _blocks(self, damping: float | None) -> list[_DampedBlock]:
+        key = (self.kind, None if damping is None else float(damping))
+        if key not in self._cache:
+            lams = self.module_dampings(damping)
+            blocks = []
+            for m in self.layout:
+                f, lam = self.factors[m.name], lams[m.name]
+                if isinstance(f, DenseFactor):
+                    blocks.append(_DampedBlock(lam, matrix=damped_inverse(f.evals, f.evecs, lam)))
+                else:
+                    denom = f.eig + lam
+                    if (denom <= 0).any():
+                        raise ValueError("curvature + damping is singular: use a damping > 0")
+                    blocks.append(
+                        _DampedBlock(
+                            lam,
+                            q_out=f.q_out.to(torch.float32),
+                            q_in=f.q_in.to(torch.float32),
+                            denom=denom.to(torch.float32),
+                        )
+                    )
+            self._cache[key] = blocks
+        return self._cache[key]
+
+    def apply(self, rows: torch.Tensor, damping: float | None) -> torch.Tensor:
+        """``rows (H + λI)⁻¹`` block by block (``H`` symmetric, so rows or columns alike)."""
+        if self.kind == "identity":
+            return rows.to(torch.float32)
+        rows = rows.to(torch.float32)
+        out = torch.empty_like(rows)
+        for m, b in zip(self.layout, self._blocks(damping), strict=True):
+            x = rows[:, m.offset : m.stop]
+            if b.matrix is not None:
+                out[:, m.offset : m.stop] = x @ b.matrix
+            else:
+                g = x.reshape(-1, m.r_out, m.r_in)
+                y = kron_precondition(g, b.q_out, b.q_in, b.denom)
+                out[:, m.offset : m.stop] = y.reshape(x.shape)
+        return out
+
+
+# ----------------------------------------------------------------------------- cache
+@dataclass
+class _FitCache:
+    limit: int = 8
+    entries: OrderedDict = field(default_factory=OrderedDict)
+
+    def get(self, source: RowSource, kind: str, batch_size: int) -> Preconditioner:
+        key = (source.fingerprint, kind)
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return self.entries[key]
+        pre = Preconditioner.fit(source, kind, batch_size)
+        self.entries[key] = pre
+        while len(self.entries) > self.limit:
+            self.entries.popitem(last=False)
+        return pre
+
+
+_CACHE = _FitCache()
+
+
+def fitted(source: RowSource, kind: str, batch_size: int = 4096) -> Preconditioner:
+    """A preconditioner for ``source``, reused across calls (its inverses are keyed by damping).
+
+    Example:
+        >>> import torch
+        >>> from nnstat.influence.sources import TensorSource
+        >>> src = TensorSource(torch.randn(8, 4))
+        >>> fitted(src, "raw") is fitted(src, "raw")
+        True
+    """
+    return _CACHE.get(source, kind, batch_size)
+
+
+def clear_cache() -> None:
+    """Forget every fitted preconditioner (e.g. after appending rows to an in-memory log)."""
+    _CACHE.entries.clear()
+
+
+def default_preconditioner(source: RowSource) -> str:
+    """``ekfac`` when the run collected K-FAC statistics for every Kronecker module, else ``raw``.
+
+    Example:
+        >>> import torch
+        >>> from nnstat.influence.sources import TensorSource
+        >>> default_preconditioner(TensorSource(torch.zeros(2, 3)))
+        'raw'
+    """
+    stats = source.statistics()
+    kron = [m for m in source.layout if m.kronecker]
+    if kron and all(
+        f"{m.name}/forward/covariance" in stats and f"{m.name}/backward/covariance" in stats
+        for m in kron
+    ):
+        return "ekfac"
+    return "raw"

@@ -1,0 +1,294 @@
+"""Streaming influence scoring: all-pairs, top-k and self-influence.
+
+The query rows are preconditioned once (``Q' = Q (H + λI)⁻¹``); the training log is then
+streamed shard by shard and each block costs one matrix product ``Q' Tᵀ``. Memory is bounded by
+one block plus the output (or only ``n_test × 2k`` entries in top-k mode). Under
+``torch.distributed`` each rank scores every ``world_size``-th shard and the pieces are
+gathered on every rank.
+
+Modes (higher = more similar/helpful in all three), with ``M = (H + λI)⁻¹``:
+
+* ``dot``: ``g_qᵀ M g_i``
+* ``cosine``: ``g_qᵀ M g_i / (‖g_q‖_M ‖g_i‖_M)``
+* ``l2``: ``−(g_q − g_i)ᵀ M (g_q − g_i)``
+
+Example:
+    >>> import torch
+    >>> from nnstat.influence.sources import TensorSource
+    >>> train = TensorSource(torch.randn(20, 6))
+    >>> query = TensorSource(torch.randn(3, 6))
+    >>> compute_influence_all(query, train, preconditioner="raw", damping=0.1).scores.shape
+    torch.Size([3, 20])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .layout import check_compatible
+from .precondition import PRECONDITIONERS, Preconditioner, default_preconditioner, fitted
+from .result import InfluenceResult, SelfInfluenceResult, TopKInfluence
+from .sources import RowSource, as_source
+
+MODES = ("dot", "cosine", "l2")
+
+
+def _dist() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _gather(obj: Any) -> list[Any]:
+    rank, world = _dist()
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def _my_units(source: RowSource, batch_size: int) -> Iterator[tuple[tuple, list, torch.Tensor]]:
+    """``(unit key, ids, rows)`` blocks of this rank's shards; keys sort in single-process order."""
+    rank, world = _dist()
+    shards = source.iter_shards()
+    if world == 1 or len(shards) >= world:
+        for s_idx, shard in enumerate(shards):
+            if s_idx % world != rank:
+                continue
+            for b_idx, (ids, rows) in enumerate(source.iter_shard_blocks(shard, batch_size)):
+                yield (s_idx, b_idx), ids, rows
+        return
+    # fewer shards than ranks: split blocks round-robin instead
+    for b_idx, (ids, rows) in enumerate(source.iter_blocks(batch_size)):
+        if b_idx % world == rank:
+            yield (0, b_idx), ids, rows
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; valid: {list(MODES)}")
+
+
+def _prepare(
+    query: Any, train: Any, preconditioner: str | None, batch_size: int
+) -> tuple[RowSource, RowSource, Preconditioner]:
+    q, t = as_source(query), as_source(train)
+    if q.meta or t.meta:
+        check_compatible(q.meta, t.meta)
+    if [(m.name, m.offset, m.width) for m in q.layout] != [
+        (m.name, m.offset, m.width) for m in t.layout
+    ]:
+        raise ValueError(
+            "query and training logs have different module layouts: "
+            f"query {[(m.name, m.width) for m in q.layout]} vs "
+            f"train {[(m.name, m.width) for m in t.layout]}"
+        )
+    kind = preconditioner or default_preconditioner(t)
+    if kind not in PRECONDITIONERS:
+        raise ValueError(f"unknown preconditioner {kind!r}; valid: {list(PRECONDITIONERS)}")
+    return q, t, fitted(t, kind, batch_size)
+
+
+def _all_rows(source: RowSource, batch_size: int) -> tuple[list, torch.Tensor]:
+    ids, blocks = [], []
+    for b_ids, rows in source.iter_blocks(batch_size):
+        ids.extend(b_ids)
+        blocks.append(rows.to(torch.float32))
+    if not blocks:
+        raise ValueError("the query log is empty")
+    return ids, torch.cat(blocks)
+
+
+def _score_block(
+    q_pre: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    rows: torch.Tensor,
+    pre: Preconditioner,
+    damping: float | None,
+    mode: str,
+) -> torch.Tensor:
+    rows = rows.to(torch.float32)
+    scores = q_pre @ rows.T
+    if mode == "dot":
+        return scores
+    t_norm = (pre.apply(rows, damping) * rows).sum(1)  # g_iᵀ M g_i
+    if mode == "cosine":
+        denom = q_norm.clamp_min(0).sqrt()[:, None] * t_norm.clamp_min(0).sqrt()[None, :]
+        return scores / denom.clamp_min(torch.finfo(torch.float32).tiny)
+    return 2 * scores - q_norm[:, None] - t_norm[None, :]
+
+
+def compute_influence_all(
+    query: Any,
+    train: Any,
+    *,
+    mode: str = "dot",
+    preconditioner: str | None = None,
+    damping: float | None = None,
+    top_k: int | None = None,
+    batch_size: int = 4096,
+    progress: bool | None = None,
+) -> InfluenceResult | TopKInfluence:
+    """Influence of every training example on every query.
+
+    ``query`` and ``train`` may each be a `GradientLog`, a `GradientStore`, a store path, a log
+    dataloader or a `TensorSource`; they must share projection and configuration. The
+    preconditioner is fitted on ``train`` (default: ``ekfac`` when the run collected K-FAC
+    statistics, else ``raw``). With ``top_k`` the full score matrix is never held: a
+    `TopKInfluence` with the ``k`` most helpful and harmful examples per query is returned.
+
+    Example:
+        >>> import torch
+        >>> from nnstat.influence.sources import TensorSource
+        >>> train, query = TensorSource(torch.randn(30, 4)), TensorSource(torch.randn(2, 4))
+        >>> compute_influence_all(query, train, top_k=3).helpful_scores.shape
+        torch.Size([2, 3])
+    """
+    _check_mode(mode)
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    q, t, pre = _prepare(query, train, preconditioner, batch_size)
+    test_ids, q_rows = _all_rows(q, batch_size)
+    q_pre = pre.apply(q_rows, damping)
+    q_norm = (q_pre * q_rows).sum(1) if mode != "dot" else None
+    meta = {
+        "mode": mode,
+        "preconditioner": pre.kind,
+        "damping": damping,
+        "module_damping": pre.module_dampings(damping),
+    }
+    rank, _ = _dist()
+    bar = tqdm(
+        total=len(t),
+        desc="influence",
+        unit="row",
+        disable=True if rank != 0 else (None if progress is None else not progress),
+    )
+    units: list[tuple[tuple, list, torch.Tensor]] = []
+    top: _TopK | None = _TopK(top_k, len(test_ids)) if top_k else None
+    with bar:
+        for unit, ids, rows in _my_units(t, batch_size):
+            scores = _score_block(q_pre, q_norm, rows, pre, damping, mode)
+            if top is not None:
+                top.update(scores, ids)
+            else:
+                units.append((unit, ids, scores))
+            bar.update(len(ids))
+    if top is not None:
+        return top.finish(test_ids, meta)
+    pieces = sorted((u for part in _gather(units) for u in part), key=lambda u: u[0])
+    train_ids = [i for _, ids, _ in pieces for i in ids]
+    if not pieces:
+        raise ValueError("the training log is empty")
+    scores = torch.cat([s for _, _, s in pieces], dim=1)
+    return InfluenceResult(scores, test_ids, train_ids, meta)
+
+
+class _TopK:
+    """Running top-k (largest and smallest) per query; holds ``n_test × 2k`` scores only."""
+
+    def __init__(self, k: int, n_test: int) -> None:
+        self.k = k
+        self.hi_v = torch.empty(n_test, 0)
+        self.lo_v = torch.empty(n_test, 0)
+        self.hi_ids: list[list] = [[] for _ in range(n_test)]
+        self.lo_ids: list[list] = [[] for _ in range(n_test)]
+
+    @staticmethod
+    def _merge(vals, ids, scores, block_ids, k, largest):
+        cand_v = torch.cat([vals, scores], dim=1)
+        kk = min(k, cand_v.shape[1])
+        v, idx = torch.topk(cand_v, kk, dim=1, largest=largest)
+        n_old = vals.shape[1]
+        new_ids = [
+            [ids[r][j] if j < n_old else block_ids[j - n_old] for j in row]
+            for r, row in enumerate(idx.tolist())
+        ]
+        return v, new_ids
+
+    def update(self, scores: torch.Tensor, block_ids: list) -> None:
+        self.hi_v, self.hi_ids = self._merge(
+            self.hi_v, self.hi_ids, scores, block_ids, self.k, True
+        )
+        self.lo_v, self.lo_ids = self._merge(
+            self.lo_v, self.lo_ids, scores, block_ids, self.k, False
+        )
+
+    def finish(self, test_ids: list, meta: dict) -> TopKInfluence:
+        parts = _gather((self.hi_v, self.hi_ids, self.lo_v, self.lo_ids))
+        n = len(test_ids)
+        hi_v, hi_ids = torch.empty(n, 0), [[] for _ in range(n)]
+        lo_v, lo_ids = torch.empty(n, 0), [[] for _ in range(n)]
+        for p_hi_v, p_hi_ids, p_lo_v, p_lo_ids in parts:
+            for r in range(n):
+                hi_ids[r] = hi_ids[r] + p_hi_ids[r]
+                lo_ids[r] = lo_ids[r] + p_lo_ids[r]
+            hi_v, lo_v = torch.cat([hi_v, p_hi_v], 1), torch.cat([lo_v, p_lo_v], 1)
+        if hi_v.shape[1] == 0:
+            raise ValueError("the training log is empty")
+        kk = min(self.k, hi_v.shape[1])
+        hv, hi = torch.topk(hi_v, kk, dim=1, largest=True)
+        lv, li = torch.topk(lo_v, kk, dim=1, largest=False)
+        return TopKInfluence(
+            list(test_ids),
+            hv,
+            [[hi_ids[r][j] for j in row] for r, row in enumerate(hi.tolist())],
+            lv,
+            [[lo_ids[r][j] for j in row] for r, row in enumerate(li.tolist())],
+            meta,
+        )
+
+
+def compute_self_influence(
+    data: Any,
+    train: Any | None = None,
+    *,
+    preconditioner: str | None = None,
+    damping: float | None = None,
+    batch_size: int = 4096,
+    progress: bool | None = None,
+) -> SelfInfluenceResult:
+    """Self-influence ``g_iᵀ (H + λI)⁻¹ g_i`` of every row of ``data``.
+
+    The preconditioner is fitted on ``train`` when given, else on the training store the log came
+    from (``log.store``) when known, else on ``data`` itself. Equals the diagonal of
+    ``compute_influence_all(data, train)`` (``mode="dot"``).
+
+    Example:
+        >>> import torch
+        >>> from nnstat.influence.sources import TensorSource
+        >>> compute_self_influence(TensorSource(torch.randn(10, 4))).scores.shape
+        torch.Size([10])
+    """
+    d = as_source(data)
+    if train is None:
+        store = getattr(getattr(d, "log", None), "store", None)
+        train = store if store is not None else d
+    t = as_source(train)
+    if t is not d:
+        if d.meta or t.meta:
+            check_compatible(d.meta, t.meta)
+    kind = preconditioner or default_preconditioner(t)
+    pre = fitted(t, kind, batch_size)
+    ids, parts = [], []
+    for b_ids, rows in tqdm(
+        d.iter_blocks(batch_size),
+        desc="self-influence",
+        disable=None if progress is None else not progress,
+    ):
+        rows = rows.to(torch.float32)
+        ids.extend(b_ids)
+        parts.append((pre.apply(rows, damping) * rows).sum(1))
+    if not parts:
+        raise ValueError("the log is empty")
+    meta = {
+        "preconditioner": pre.kind,
+        "damping": damping,
+        "module_damping": pre.module_dampings(damping),
+    }
+    return SelfInfluenceResult(torch.cat(parts), ids, meta)

@@ -1,0 +1,249 @@
+"""One view over every kind of gradient log the influence code accepts.
+
+`as_source` turns a `GradientLog` (in memory), a `GradientStore`, a store path, a log
+dataloader (``loader.dataset.store``) or a `TensorSource` into a `RowSource`: ids, meta, layout,
+streamed row blocks, statistics and projection matrices.
+
+Example:
+    >>> import torch
+    >>> src = TensorSource(torch.ones(3, 4), ids=[7, 8, 9], layout=[ModuleSpec("fc", 0, 2, 2)])
+    >>> [ids for ids, _ in src.iter_blocks(2)]
+    [[7, 8], [9]]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from .layout import ModuleSpec, layout_from_meta, row_width, validate_layout
+
+
+@runtime_checkable
+class RowSource(Protocol):
+    """What the scorer needs from a log: see `TensorSource` for the reference implementation."""
+
+    ids: list
+    meta: dict
+    layout: list[ModuleSpec]
+    fingerprint: str
+
+    def __len__(self) -> int: ...
+
+    def iter_blocks(self, batch_size: int) -> Iterator[tuple[list, torch.Tensor]]: ...
+
+    def iter_shards(self) -> list[Any]: ...
+
+    def iter_shard_blocks(
+        self, shard: Any, batch_size: int
+    ) -> Iterator[tuple[list, torch.Tensor]]: ...
+
+    def statistics(self) -> dict[str, torch.Tensor]: ...
+
+    def projections(self) -> dict[str, torch.Tensor]: ...
+
+
+def _check_finite(rows: torch.Tensor, what: str) -> None:
+    if not torch.isfinite(rows).all():
+        bad = (~torch.isfinite(rows)).any(dim=1).nonzero().flatten()[:5].tolist()
+        raise ValueError(f"{what} contains NaN/Inf values (first bad rows: {bad})")
+
+
+class TensorSource:
+    """Rows already in memory, with their ids and per-module layout.
+
+    ``statistics`` uses the store's keys (``"{module}/forward/covariance"`` …) and
+    ``projections`` the keys ``"{module}/p_in"``, ``"{module}/p_out"``.
+
+    Example:
+        >>> import torch
+        >>> len(TensorSource(torch.zeros(5, 6), layout=[ModuleSpec("fc", 0, 2, 3)]))
+        5
+    """
+
+    def __init__(
+        self,
+        rows: torch.Tensor,
+        ids: Sequence | None = None,
+        layout: Sequence[ModuleSpec] | None = None,
+        meta: Mapping[str, Any] | None = None,
+        statistics: Mapping[str, torch.Tensor] | None = None,
+        projections: Mapping[str, torch.Tensor] | None = None,
+        shard_rows: int | None = None,
+    ) -> None:
+        if rows.dim() != 2:
+            raise ValueError(f"rows must be a 2-D tensor [n, row_width], got {tuple(rows.shape)}")
+        self.rows = rows.detach().to(torch.float32)
+        _check_finite(self.rows, "gradient rows")
+        self.ids = list(range(len(rows))) if ids is None else list(ids)
+        if len(self.ids) != len(rows):
+            raise ValueError(f"{len(self.ids)} ids for {len(rows)} rows")
+        self.meta = dict(meta or {})
+        if layout is None:
+            layout = (
+                layout_from_meta(self.meta)
+                if self.meta.get("modules")
+                else [ModuleSpec("all", 0, 1, rows.shape[1], "flat", flat_width=rows.shape[1])]
+            )
+        self.layout = list(layout)
+        validate_layout(self.layout, rows.shape[1])
+        self._statistics = dict(statistics or {})
+        self._projections = dict(projections or {})
+        self._shard_rows = shard_rows or max(len(rows), 1)
+        # a fresh key per instance: in-memory rows can change, so fits are never shared across them
+        self.fingerprint = f"tensor:{uuid.uuid4().hex}"
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def iter_blocks(self, batch_size: int) -> Iterator[tuple[list, torch.Tensor]]:
+        for start in range(0, len(self.rows), batch_size):
+            yield self.ids[start : start + batch_size], self.rows[start : start + batch_size]
+
+    def iter_shards(self) -> list[Any]:
+        return list(range(0, len(self.rows), self._shard_rows))
+
+    def iter_shard_blocks(self, shard: Any, batch_size: int) -> Iterator[tuple[list, torch.Tensor]]:
+        stop = min(shard + self._shard_rows, len(self.rows))
+        for start in range(shard, stop, batch_size):
+            end = min(start + batch_size, stop)
+            yield self.ids[start:end], self.rows[start:end]
+
+    def statistics(self) -> dict[str, torch.Tensor]:
+        return self._statistics
+
+    def projections(self) -> dict[str, torch.Tensor]:
+        return self._projections
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.exists():
+        return {}
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+class StoreSource:
+    """Adapter over a `nnstat.store.GradientStore` (streamed shard by shard from disk)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.meta = dict(store.meta)
+        self.ids = list(store.ids)
+        self.layout = layout_from_meta(self.meta)
+        width = int(getattr(store, "row_width", row_width(self.layout)))
+        validate_layout(self.layout, width)
+        self.root = Path(_store_root(store))
+        self._statistics: dict[str, torch.Tensor] | None = None
+        self._projections: dict[str, torch.Tensor] | None = None
+        stamp = ";".join(
+            f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
+            for p in sorted(self.root.glob("shards/*.npy"))
+        )
+        key = f"{self.root.resolve()}|{len(self.ids)}|{stamp}"
+        self.fingerprint = "store:" + hashlib.sha256(key.encode()).hexdigest()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def iter_blocks(self, batch_size: int) -> Iterator[tuple[list, torch.Tensor]]:
+        for ids, rows in self.store.iter_blocks(batch_size):
+            yield list(ids), torch.as_tensor(rows, dtype=torch.float32)
+
+    def iter_shards(self) -> list[Any]:
+        shards = getattr(self.store, "shards", None)
+        if shards is not None and hasattr(self.store, "iter_shard_blocks"):
+            return list(shards)
+        return [None]
+
+    def iter_shard_blocks(self, shard: Any, batch_size: int) -> Iterator[tuple[list, torch.Tensor]]:
+        if shard is None:
+            yield from self.iter_blocks(batch_size)
+            return
+        for ids, rows in self.store.iter_shard_blocks(shard, batch_size):
+            yield list(ids), torch.as_tensor(rows, dtype=torch.float32)
+
+    def statistics(self) -> dict[str, torch.Tensor]:
+        if self._statistics is None:
+            stats = getattr(self.store, "statistics", None)
+            self._statistics = dict(stats() if callable(stats) else {})
+        return self._statistics
+
+    def projections(self) -> dict[str, torch.Tensor]:
+        if self._projections is None:
+            getter = getattr(self.store, "projections", None)
+            if callable(getter):
+                self._projections = dict(getter())
+            else:
+                self._projections = _load_safetensors(self.root / "projections.safetensors")
+        return self._projections
+
+
+def _store_root(store: Any) -> str:
+    for attr in ("path", "root", "root_dir", "directory"):
+        value = getattr(store, attr, None)
+        if value is not None:
+            return os.fspath(value)
+    raise TypeError(f"cannot find the directory of {type(store).__name__}")
+
+
+class LogSource(TensorSource):
+    """Adapter over an in-memory `nnstat.store.GradientLog` (the query side)."""
+
+    def __init__(self, log: Any) -> None:
+        meta = dict(log.meta)
+        rows = torch.as_tensor(log.rows, dtype=torch.float32)
+        stats = getattr(log, "statistics", None)
+        projections = getattr(log, "projections", None)
+        super().__init__(
+            rows,
+            ids=list(log.ids),
+            layout=layout_from_meta(meta),
+            meta=meta,
+            statistics=(stats() if callable(stats) else stats) or None,
+            projections=(projections() if callable(projections) else projections) or None,
+        )
+        self.log = log
+
+
+def as_source(obj: Any) -> RowSource:
+    """Turn any accepted log object into a `RowSource`.
+
+    Accepts a `TensorSource`/`RowSource`, a `GradientLog` (has ``.rows``), a `GradientStore`
+    (has ``.iter_blocks``), a path to a store directory, or a log dataloader
+    (``loader.dataset.store``).
+
+    Example:
+        >>> import torch
+        >>> as_source(TensorSource(torch.zeros(2, 3))).layout[0].width
+        3
+    """
+    if isinstance(obj, (TensorSource, StoreSource)):
+        return obj
+    if isinstance(obj, (str, os.PathLike)):
+        from nnstat.store import GradientStore
+
+        path = Path(obj)
+        if not path.exists():
+            raise FileNotFoundError(f"no gradient store at {path}")
+        return StoreSource(GradientStore(path))
+    dataset = getattr(obj, "dataset", None)
+    if dataset is not None and getattr(dataset, "store", None) is not None:
+        return StoreSource(dataset.store)
+    if hasattr(obj, "rows") and hasattr(obj, "ids") and hasattr(obj, "meta"):
+        return LogSource(obj)
+    if hasattr(obj, "iter_blocks") and hasattr(obj, "meta"):
+        return StoreSource(obj)
+    if isinstance(obj, RowSource):
+        return obj
+    raise TypeError(
+        f"cannot read gradients from {type(obj).__name__}: pass a GradientLog, a GradientStore, "
+        "a store path, a log dataloader (loader.dataset.store) or a TensorSource"
+    )
