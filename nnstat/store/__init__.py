@@ -1,1 +1,28 @@
-"""nnstat.store"""
+"""nnstat.store: the on-disk store of (projected) per-sample gradients.
+
+Example:
+    >>> from nnstat.store import GradientStore
+    >>> store = GradientStore("./nnstat_logs/my_project")  # doctest: +SKIP
+"""
+
+from nnstat.store.format import FORMAT_VERSION, content_id
+from nnstat.store.reader import (
+    GradientLog,
+    GradientStore,
+    LogBlockDataset,
+    make_log_dataloader,
+    module_view,
+)
+from nnstat.store.writer import StoreWriteError, StoreWriter
+
+__all__ = [
+    "FORMAT_VERSION",
+    "GradientLog",
+    "GradientStore",
+    "LogBlockDataset",
+    "StoreWriteError",
+    "StoreWriter",
+    "content_id",
+    "make_log_dataloader",
+    "module_view",
+]

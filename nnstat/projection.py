@@ -1,0 +1,238 @@
+"""LoGra projections of per-sample gradients: random Gaussian or PCA of K-FAC factors.
+
+For a module whose per-sample gradient is ``G_i`` (``[d_out, d_in]``, bias as the last input
+column) the logged vector is ``vec(P_out @ G_i @ P_in.T)`` with ``P_in`` ``[r_in, d_in]`` and
+``P_out`` ``[r_out, d_out]``. Random entries are ``N(0, 1/r)`` so that
+``E ||P_out G P_inᵀ||² = ||G||²``. A side whose rank reaches the layer's dimension is the
+identity (nothing to compress, inner products exact); the real ranks are recorded.
+
+Example:
+    >>> import torch
+    >>> spec = module_spec("fc", torch.nn.Linear(10, 3))
+    >>> (spec.d_in, spec.d_out)
+    (11, 3)
+    >>> proj = random_projection(spec, rank=4, seed=0)
+    >>> tuple(proj.p_in.shape), proj.p_out is None, proj.width  # d_out=3 <= rank: identity
+    ((4, 11), True, 12)
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+PROJECTION_INITS = ("random", "pca")
+KRONECKER_KINDS = ("linear", "conv", "conv1d_hf", "embedding")
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """Shape of one watched module's per-sample gradient: ``[d_out, d_in]`` (or ``[d_in]``)."""
+
+    name: str
+    kind: str
+    d_in: int
+    d_out: int | None  # None for kinds without a Kronecker structure (layernorm)
+
+
+@dataclass
+class ModuleProjection:
+    """Projection matrices of one module (``None`` = identity on that side, i.e. no compression)."""
+
+    spec: ModuleSpec
+    r_in: int
+    r_out: int | None
+    p_in: torch.Tensor | None
+    p_out: torch.Tensor | None
+
+    @property
+    def width(self) -> int:
+        """Columns this module takes in a stored row."""
+        return self.r_in * (self.r_out or 1)
+
+
+def module_spec(name: str, module: nn.Module) -> ModuleSpec:
+    """Per-sample gradient shape of ``module``, from the capture engine's rules.
+
+    Example:
+        >>> module_spec("e", torch.nn.Embedding(7, 2))
+        ModuleSpec(name='e', kind='embedding', d_in=7, d_out=2)
+    """
+    from nnstat.capture import rules  # the engine decides what is supported and the shapes
+
+    kind = rules.detect_kind(module)
+    if kind is None:
+        raise TypeError(
+            f"module {name!r} of type {type(module).__name__} cannot be logged: "
+            f"{rules.unsupported_reason(module)}"
+        )
+    d_in, d_out = rules.dims(kind, module)
+    if kind == "layernorm":  # flat gradient: weight then bias
+        return ModuleSpec(name, kind, int(d_in) * (1 + rules.has_bias(module)), None)
+    return ModuleSpec(name, kind, int(d_in), int(d_out))
+
+
+def module_seed(seed: int, name: str) -> int:
+    """Seed of one module's Gaussian matrices: ``seed * 1_000_003 + crc32(name)`` (recorded)."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def _gaussian(r: int, d: int, gen: torch.Generator) -> torch.Tensor | None:
+    if r >= d:
+        return None
+    return torch.randn(r, d, generator=gen) / math.sqrt(r)
+
+
+def random_projection(spec: ModuleSpec, rank: int, seed: int = 0) -> ModuleProjection:
+    """Gaussian projection ``N(0, 1/r)`` on both sides, from :func:`module_seed`."""
+    _check_rank(rank)
+    gen = torch.Generator().manual_seed(module_seed(seed, spec.name))
+    r_in = min(rank, spec.d_in)
+    p_in = _gaussian(r_in, spec.d_in, gen)
+    if spec.d_out is None:
+        return ModuleProjection(spec, r_in, None, p_in, None)
+    r_out = min(rank, spec.d_out)
+    return ModuleProjection(spec, r_in, r_out, p_in, _gaussian(r_out, spec.d_out, gen))
+
+
+def _top_eigvecs(cov: torch.Tensor, r: int, what: str) -> torch.Tensor | None:
+    if cov.dim() != 2 or cov.shape[0] != cov.shape[1]:
+        raise ValueError(f"{what}: expected a square covariance, got {tuple(cov.shape)}")
+    if not torch.isfinite(cov).all():
+        raise ValueError(f"{what}: covariance has NaN/Inf entries")
+    if r >= cov.shape[0]:
+        return None
+    _, vecs = torch.linalg.eigh(cov.double())
+    return vecs[:, -r:].flip(-1).T.contiguous().float()  # top-r, largest first
+
+
+def pca_projection(
+    spec: ModuleSpec, rank: int, statistics: Mapping[str, torch.Tensor]
+) -> ModuleProjection:
+    """Top eigenvectors of the module's forward/backward covariances from a statistics pass.
+
+    Raises ``ValueError`` naming the missing keys when the statistics do not contain them — there
+    is no silent fallback to random projections.
+    """
+    _check_rank(rank)
+    if spec.d_out is None:
+        keys = [f"{spec.name}/grad/covariance"]
+    else:
+        keys = [f"{spec.name}/forward/covariance", f"{spec.name}/backward/covariance"]
+    missing = [k for k in keys if k not in statistics]
+    if missing:
+        raise ValueError(
+            f"init='pca' needs the covariances of a previous statistics pass (e.g. statistic "
+            f"'kfac'); missing {missing}"
+        )
+    r_in = min(rank, spec.d_in)
+    p_in = _top_eigvecs(statistics[keys[0]], r_in, keys[0])
+    if spec.d_out is None:
+        return ModuleProjection(spec, r_in, None, p_in, None)
+    r_out = min(rank, spec.d_out)
+    return ModuleProjection(
+        spec, r_in, r_out, p_in, _top_eigvecs(statistics[keys[1]], r_out, keys[1])
+    )
+
+
+def full_gradient(spec: ModuleSpec) -> ModuleProjection:
+    """No projection: the whole per-sample gradient is stored (``rank=None``)."""
+    return ModuleProjection(spec, spec.d_in, spec.d_out, None, None)
+
+
+def _check_rank(rank: Any) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank must be a positive int or None, got {rank!r}")
+
+
+def build_projections(
+    specs: list[ModuleSpec],
+    rank: int | None,
+    init: str = "random",
+    seed: int = 0,
+    statistics: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, ModuleProjection]:
+    """One :class:`ModuleProjection` per module, in ``specs`` order.
+
+    Example:
+        >>> specs = [module_spec("fc", torch.nn.Linear(4, 2))]
+        >>> build_projections(specs, None)["fc"].width
+        10
+    """
+    if init not in PROJECTION_INITS:
+        raise ValueError(f"unknown projection init {init!r}; valid: {list(PROJECTION_INITS)}")
+    if rank is None:
+        return {s.name: full_gradient(s) for s in specs}
+    if init == "pca":
+        if not statistics:
+            raise ValueError(
+                "init='pca' needs the forward/backward covariances of a previous statistics pass "
+                "(run a pass with statistic 'kfac' and finalize() first); none found"
+            )
+        return {s.name: pca_projection(s, rank, statistics) for s in specs}
+    return {s.name: random_projection(s, rank, seed) for s in specs}
+
+
+def projection_tensors(projections: Mapping[str, ModuleProjection]) -> dict[str, torch.Tensor]:
+    """The non-identity matrices as ``{"{module}/p_in": ..., "{module}/p_out": ...}``."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in projections.items():
+        if p.p_in is not None:
+            out[f"{name}/p_in"] = p.p_in.contiguous()
+        if p.p_out is not None:
+            out[f"{name}/p_out"] = p.p_out.contiguous()
+    return out
+
+
+def layout(projections: Mapping[str, ModuleProjection]) -> list[dict[str, Any]]:
+    """Row layout for meta.json: ``[{name, kind, d_in, d_out, r_in, r_out, offset, width}]``."""
+    rows, offset = [], 0
+    for name, p in projections.items():
+        s = p.spec
+        rows.append(
+            {
+                "name": name,
+                "kind": s.kind,
+                "d_in": s.d_in,
+                "d_out": s.d_out,
+                "r_in": p.r_in,
+                "r_out": p.r_out,
+                "projected_in": p.p_in is not None,
+                "projected_out": p.p_out is not None,
+                "offset": offset,
+                "width": p.width,
+            }
+        )
+        offset += p.width
+    return rows
+
+
+def project_capture(cap: Any, proj: ModuleProjection) -> torch.Tensor:
+    """``[N, width]`` rows of one :class:`~nnstat.capture.ModuleCapture` under ``proj``.
+
+    Uses the engine's ``project`` (projected forward/backward, never ``G_i``) when a side is
+    compressed; stores the full per-sample gradient when neither side is.
+    """
+    if proj.p_in is None and proj.p_out is None:
+        g = cap.per_sample_grad()
+        return g.reshape(g.shape[0], -1)
+    if proj.spec.d_out is None:
+        return cap.project(proj.p_in)
+    p_in = proj.p_in if proj.p_in is not None else _eye(proj.spec.d_in)
+    p_out = proj.p_out if proj.p_out is not None else _eye(proj.spec.d_out)
+    return cap.project(p_in, p_out)
+
+
+_EYES: dict[int, torch.Tensor] = {}
+
+
+def _eye(d: int) -> torch.Tensor:
+    if d not in _EYES:
+        _EYES[d] = torch.eye(d)
+    return _EYES[d]

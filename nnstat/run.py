@@ -1,0 +1,411 @@
+"""The Run: LogIX-style logging API over one capture engine, statistics and the gradient store.
+
+A :class:`Run` composes one :class:`~nnstat.capture.engine.CaptureEngine` (the only hooks),
+the statistics collector and a :class:`~nnstat.store.logger.StoreLogger` as consumers. The
+module-level functions act on the current run (the last one :func:`init` created).
+
+Example:
+    >>> import nnstat, torch
+    >>> model = torch.nn.Linear(4, 2)
+    >>> run = nnstat.init(project="doc", root_dir=__import__("tempfile").mkdtemp())
+    >>> _ = nnstat.setup({"log": "grad", "save": "grad", "statistic": "none"})
+    >>> nnstat.watch(model)
+    ['model']
+    >>> with run(data_id=[10, 11]):
+    ...     model(torch.randn(2, 4)).sum().backward()
+    >>> nnstat.finalize()
+    >>> nnstat.GradientStore(run.path).ids
+    [10, 11]
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from nnstat.projection import ModuleProjection, build_projections, module_spec, project_capture
+from nnstat.store import format as fmt
+from nnstat.store import run_support as parts
+from nnstat.store.logger import StoreLogger, filter_nonfinite
+from nnstat.store.reader import GradientLog, make_log_dataloader
+
+_CURRENT: Run | None = None
+
+
+class Run:
+    """One logging project: configuration, watched model, projection, store and statistics.
+
+    Args:
+        project: name of the store directory under ``root_dir``.
+        root_dir: parent directory of projects (default ``./nnstat_logs``).
+        config: optional initial :meth:`setup` dictionary.
+
+    Example:
+        >>> run = Run("demo", root_dir="/tmp/nnstat_doc")  # doctest: +SKIP
+        >>> with run(data_id=ids): loss.backward()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, project: str, root_dir: str | Path = "./nnstat_logs", config: dict | None = None
+    ) -> None:
+        if not project or not isinstance(project, str) or Path(project).name != project:
+            raise ValueError(f"project must be a plain directory name, got {project!r}")
+        self.project = project
+        self.path = Path(root_dir) / project
+        self.config = parts.parse_config(config or {})
+        self.engine: Any = None
+        self.model: nn.Module | None = None
+        self.mode = "log"
+        self.rank, self.world_size = parts.dist_info()
+        self._projection_args: dict[str, Any] = {"rank": None, "init": "random", "seed": 0}
+        self._projections: dict[str, ModuleProjection] | None = None
+        self._logger: StoreLogger | None = None
+        self._collector: Any = None
+        self._pass = 0
+        self._batch: dict[str, torch.Tensor] | None = None
+        self._next_auto_id = 0
+        self._eval_ids: list[Any] = []
+        self._eval_rows: list[torch.Tensor] = []
+        self._eval_seen: set[Any] = set()
+        self._warned_missing: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"Run(project={self.project!r}, path={str(self.path)!r}, mode={self.mode!r})"
+
+    # ---------------------------------------------------------------- configuration
+    def setup(self, config: dict[str, Any]) -> Run:
+        """Update the configuration (keys as in :class:`nnstat.config.RunConfig` plus the store's).
+
+        Unknown keys raise an error listing the valid ones.
+        """
+        self._require_no_open_pass("setup()")
+        self.config = parts.parse_config(config, base=self.config)
+        return self
+
+    def watch(
+        self,
+        model: nn.Module,
+        name_filter: str | list[str] | None = None,
+        type_filter: Any = None,
+    ) -> list[str]:
+        """Watch ``model``'s supported modules (regex ``name_filter``, classes ``type_filter``)."""
+        self._require_no_open_pass("watch()")
+        from nnstat.capture.engine import CaptureEngine
+
+        if self.engine is None:
+            self.engine = CaptureEngine()
+            self.engine.add_consumer(self._on_capture)
+        names = self.engine.watch(model, name_filter=name_filter, type_filter=type_filter)
+        self.model = model
+        self._projections = None  # layout changed: rebuilt from _projection_args
+        return names
+
+    def unwatch(self) -> None:
+        """Remove every hook; the model is exactly as before :meth:`watch`."""
+        if self.engine is not None:
+            self.engine.unwatch()
+        self._projections = None
+
+    def add_projection(self, rank: int | None = 64, init: str = "random", seed: int = 0) -> dict:
+        """Project every watched module's per-sample gradient to ``rank x rank`` (LoGra).
+
+        ``init="random"``: Gaussian ``N(0, 1/rank)`` from ``seed``; ``init="pca"``: top
+        eigenvectors of the forward/backward covariances of a previous statistics pass (this run's
+        or ``statistics.safetensors`` in the store), an error if there is none. ``rank=None``
+        stores full per-sample gradients. Returns the layout ``{module: (r_out, r_in)}``.
+        """
+        self._require_no_open_pass("add_projection()")
+        self._projection_args = {"rank": rank, "init": init, "seed": seed}
+        self._projections = None
+        self._build_projections()
+        assert self._projections is not None
+        return {n: (p.r_out, p.r_in) for n, p in self._projections.items()}
+
+    # ---------------------------------------------------------------------- capture
+    @contextmanager
+    def __call__(self, data_id: Any = None, mask: torch.Tensor | None = None) -> Iterator[Run]:
+        """Capture the forward/backward passes inside the block as one batch of samples.
+
+        ``data_id``: a list of ints/strings, a batch tensor (rows hashed to stable ids) or
+        ``None`` (consecutive ints). ``mask``: ``[N]`` or ``[N, positions]`` (nonzero = keep).
+        """
+        if self.engine is None or not self.engine.watched:
+            raise RuntimeError("call watch(model) before run(...)")
+        self._check_writer()
+        self._build_projections()
+        ids = None if data_id is None else fmt.normalize_ids(data_id, len(data_id))
+        logging = self.mode == "log" and self._saving()
+        if logging:
+            self._open_logger()
+            assert self._logger is not None
+        keep = self._admit(ids) if ids is not None else None
+        if self.mode == "log" and self._collector is None and self.config.statistics_on:
+            self._collector = parts.make_collector(self.config, self._pass)
+        self._batch = {}
+        restore = parts.freeze_params(self.engine) if self._skip_param_grads() else None
+        try:
+            with self.engine.batch(
+                mask=mask,
+                loss_reduction=self.config.loss_reduction,
+                **({"outputs_require_grad": True} if restore is not None else {}),
+            ):
+                yield self
+        finally:
+            if restore is not None:
+                restore()
+            batch, self._batch = self._batch, None
+        self._complete(batch, ids, keep)
+
+    def _on_capture(self, cap: Any) -> None:
+        if self._batch is None:
+            return  # someone else's engine.batch(): not ours to record
+        if self.mode == "log" and self._collector is not None:
+            self._collector.on_capture(cap)
+        if self.mode == "eval" or self._saving():
+            assert self._projections is not None
+            rows = project_capture(cap, self._projections[cap.name]).float()
+            prev = self._batch.get(cap.name)
+            # two backward passes in one block add up, like the gradients they project
+            self._batch[cap.name] = rows if prev is None else prev + rows
+
+    def _complete(self, batch: dict[str, torch.Tensor], ids: list | None, keep: Any) -> None:
+        if not (self.mode == "eval" or self._saving()):
+            return
+        assert self._projections is not None
+        if not batch:
+            raise RuntimeError(
+                "nothing was captured inside run(...): call loss.backward() inside the block "
+                "(and make sure the loss depends on a watched module)"
+            )
+        n = next(iter(batch.values())).shape[0]
+        missing = [name for name in self._projections if name not in batch]
+        new = [m for m in missing if m not in self._warned_missing]
+        if new:
+            self._warned_missing.update(new)
+            warnings.warn(
+                f"watched modules {new} received no gradient in a batch; their per-sample "
+                "gradients are stored as zeros (they did not take part in the loss)",
+                stacklevel=3,
+            )
+        cols = [
+            batch[name] if name in batch else torch.zeros(n, p.width)
+            for name, p in self._projections.items()
+        ]
+        rows = torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]
+        if ids is None:
+            ids = list(range(self._next_auto_id, self._next_auto_id + n))
+            keep = self._admit(ids)
+        elif len(ids) != n:
+            raise ValueError(f"data_id has {len(ids)} entries but the batch had {n} samples")
+        self._next_auto_id += n
+        if self.mode == "eval":
+            ids, rows, _ = filter_nonfinite(ids, rows, self.config.store.nonfinite)
+            self._eval_seen.update(ids)
+            self._eval_ids += ids
+            self._eval_rows.append(rows.detach().cpu())
+        else:
+            assert self._logger is not None
+            self._logger.add(ids, rows, keep)
+
+    def _admit(self, ids: list) -> list[bool] | None:
+        if self.mode == "eval":
+            dup = [i for i in ids if i in self._eval_seen] or _dups(ids)
+            if dup:
+                raise ValueError(f"duplicate data ids in this eval log: {dup[:5]}")
+            return None
+        if self._logger is not None:
+            return self._logger.admit(ids)
+        return None
+
+    # ------------------------------------------------------------------------ passes
+    def schedule(self) -> Iterator[int]:
+        """Run every pass the configuration needs (EKFAC: factors, then eigenvalues + grads).
+
+        Example:
+            >>> for _ in run.schedule():  # doctest: +SKIP
+            ...     for x, y in loader:
+            ...         with run(data_id=ids): loss_fn(model(x), y).backward()
+        """
+        passes = parts.config_passes(self.config)
+        for i in range(len(passes)):
+            self._pass = i
+            yield i
+            self.finalize()
+        self._pass = 0
+
+    def finalize(self) -> None:
+        """End the pass: flush the store (tqdm when long), save statistics, raise writer errors."""
+        collector, self._collector = self._collector, None
+        logger, self._logger = self._logger, None
+        try:
+            if logger is not None:
+                logger.close(progress=True)
+        finally:
+            if collector is not None:
+                parts.save_statistics(collector, self.path, self.rank)
+        if logger is None and collector is None:
+            warnings.warn("finalize(): nothing was logged in this pass", stacklevel=2)
+        self._next_auto_id = 0
+
+    def eval(self) -> Run:
+        """Analysis mode: capture projected gradients in memory (for :meth:`get_log`), save nothing."""
+        self._require_no_open_pass("eval()")
+        self.mode = "eval"
+        self._eval_ids, self._eval_rows, self._eval_seen = [], [], set()
+        self._next_auto_id = 0
+        if self._projections is None and (self.path / fmt.META_FILE).exists() and self.engine:
+            self._projections = parts.projections_from_store(self.path, self.engine)
+        return self
+
+    def train(self) -> Run:
+        """Back to logging mode (the opposite of :meth:`eval`)."""
+        self.mode = "log"
+        return self
+
+    def get_log(self) -> GradientLog:
+        """Rows captured since :meth:`eval` (or the previous ``get_log``), then cleared."""
+        if self.mode != "eval":
+            raise RuntimeError("get_log() returns what eval() mode captured: call eval() first")
+        if not self._eval_ids:
+            raise RuntimeError("get_log(): nothing captured since eval() / the last get_log()")
+        rows = torch.cat(self._eval_rows) if len(self._eval_rows) > 1 else self._eval_rows[0]
+        meta = self.store_meta()
+        stats = parts.load_tensors(self.path / fmt.STATISTICS_FILE)
+        projections = parts.projection_tensors_of(self._projections)
+        log = GradientLog(list(self._eval_ids), rows, meta, stats, projections)
+        self._eval_ids, self._eval_rows, self._eval_seen = [], [], set()
+        self._next_auto_id = 0
+        return log
+
+    def build_log_dataloader(self, batch_size: int = 1024, num_workers: int = 0) -> Any:
+        """DataLoader of ``(ids, rows)`` blocks over this run's store (after :meth:`finalize`)."""
+        self._require_no_open_pass("build_log_dataloader()")
+        return make_log_dataloader(self.path, batch_size=batch_size, num_workers=num_workers)
+
+    # ---------------------------------------------------------------------- internals
+    def store_meta(self) -> dict[str, Any]:
+        """The meta.json describing rows of this run (layout, projection hash, config)."""
+        self._build_projections()
+        assert self._projections is not None
+        return parts.build_meta(self.project, self.config, self._projection_args, self._projections)
+
+    def _saving(self) -> bool:
+        return self.config.save_grad
+
+    def _skip_param_grads(self) -> bool:
+        return self.mode == "log" and not self.config.param_grads
+
+    def _build_projections(self) -> None:
+        if self._projections is not None:
+            return
+        if self.engine is None or not self.engine.watched:
+            raise RuntimeError("call watch(model) before add_projection() / logging")
+        specs = [module_spec(n, m) for n, m in self.engine.watched.items()]
+        args = self._projection_args
+        stats = None
+        if args["init"] == "pca" and args["rank"] is not None:
+            stats = parts.finalized_statistics(self._collector, self.path)
+        self._projections = build_projections(
+            specs, args["rank"], args["init"], args["seed"], stats
+        )
+
+    def _open_logger(self) -> None:
+        if self._logger is not None:
+            return
+        assert self._projections is not None
+        meta = self.store_meta()
+        parts.write_projections(self.path, self._projections, self.rank)
+        self._logger = StoreLogger(self.path, meta, self.config.store, self.rank, self.world_size)
+
+    def _check_writer(self) -> None:
+        if self._logger is not None:
+            self._logger.writer.check()
+
+    def _require_no_open_pass(self, what: str) -> None:
+        if self._logger is not None:
+            raise RuntimeError(f"{what} during a logging pass: call finalize() first")
+
+
+def _dups(ids: list) -> list:
+    seen: set = set()
+    out = []
+    for i in ids:
+        if i in seen:
+            out.append(i)
+        seen.add(i)
+    return out
+
+
+# ------------------------------------------------------------------ module-level API
+def init(project: str, root_dir: str | Path = "./nnstat_logs", config: dict | None = None) -> Run:
+    """Create a new current :class:`Run` (calling it again starts another one).
+
+    Example:
+        >>> run = init(project="my_project")  # doctest: +SKIP
+    """
+    global _CURRENT
+    _CURRENT = Run(project, root_dir=root_dir, config=config)
+    return _CURRENT
+
+
+def current_run() -> Run:
+    """The run :func:`init` created last."""
+    if _CURRENT is None:
+        raise RuntimeError("no current run: call nnstat.init(project=...) first")
+    return _CURRENT
+
+
+def setup(config: dict[str, Any]) -> Run:
+    """:meth:`Run.setup` on the current run."""
+    return current_run().setup(config)
+
+
+def watch(model: nn.Module, name_filter: Any = None, type_filter: Any = None) -> list[str]:
+    """:meth:`Run.watch` on the current run."""
+    return current_run().watch(model, name_filter=name_filter, type_filter=type_filter)
+
+
+def unwatch() -> None:
+    """:meth:`Run.unwatch` on the current run."""
+    current_run().unwatch()
+
+
+def add_projection(rank: int | None = 64, init: str = "random", seed: int = 0) -> dict:
+    """:meth:`Run.add_projection` on the current run."""
+    return current_run().add_projection(rank=rank, init=init, seed=seed)
+
+
+def run(data_id: Any = None, mask: torch.Tensor | None = None) -> Any:
+    """``with nnstat.run(data_id=ids):`` on the current run."""
+    return current_run()(data_id=data_id, mask=mask)
+
+
+def schedule() -> Iterator[int]:
+    """:meth:`Run.schedule` on the current run."""
+    return current_run().schedule()
+
+
+def finalize() -> None:
+    """:meth:`Run.finalize` on the current run."""
+    current_run().finalize()
+
+
+def eval() -> Run:  # noqa: A001 - the seed's API name
+    """:meth:`Run.eval` on the current run."""
+    return current_run().eval()
+
+
+def get_log() -> GradientLog:
+    """:meth:`Run.get_log` on the current run."""
+    return current_run().get_log()
+
+
+def build_log_dataloader(batch_size: int = 1024, num_workers: int = 0) -> Any:
+    """:meth:`Run.build_log_dataloader` on the current run."""
+    return current_run().build_log_dataloader(batch_size=batch_size, num_workers=num_workers)

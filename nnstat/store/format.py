@@ -1,0 +1,269 @@
+"""On-disk format of the gradient store (format version 1), as pure helpers.
+
+Layout (see docs/architecture.md, "Gradient store")::
+
+    <root>/<project>/meta.json
+    <root>/<project>/projections.safetensors
+    <root>/<project>/shards/rank{r}-{n:05d}.npy        rows = samples
+    <root>/<project>/shards/rank{r}-{n:05d}.ids.json   ids of those rows
+
+A shard counts only when both files exist. Both are written under a temporary name, fsynced and
+renamed, ids first and ``.npy`` last, so a crash at any point leaves either a whole shard or an
+orphan ids file that readers ignore.
+
+Example:
+    >>> ids = normalize_ids([3, "a"], 2)
+    >>> ids
+    [3, 'a']
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+PROJECTIONS_FILE = "projections.safetensors"
+STATISTICS_FILE = "statistics.safetensors"
+SHARD_DIR = "shards"
+TMP_SUFFIX = ".tmp"
+_SHARD_RE = re.compile(r"^rank(\d+)-(\d{5,})\.npy$")
+
+# dtype name -> (numpy dtype of the file, torch dtype of the values)
+STORE_DTYPES: dict[str, tuple[Any, torch.dtype]] = {
+    "float32": (np.float32, torch.float32),
+    "float16": (np.float16, torch.float16),
+    # numpy has no bfloat16: the raw 16-bit patterns are stored as uint16 and meta.json says so.
+    "bfloat16": (np.uint16, torch.bfloat16),
+}
+
+DataId = int | str
+
+
+def shard_stem(rank: int, index: int) -> str:
+    """File stem of shard ``index`` written by process ``rank``.
+
+    Example:
+        >>> shard_stem(1, 7)
+        'rank1-00007'
+    """
+    return f"rank{rank}-{index:05d}"
+
+
+def content_id(row: torch.Tensor) -> str:
+    """Stable id of one sample's tensor: sha1 of its dtype, shape and bytes (40 hex chars).
+
+    Example:
+        >>> content_id(torch.zeros(2)) == content_id(torch.zeros(2))
+        True
+    """
+    t = row.detach().to("cpu").contiguous()
+    h = hashlib.sha1()
+    h.update(str(t.dtype).encode())
+    h.update(str(tuple(t.shape)).encode())
+    # bfloat16 & co have no numpy view; raw bytes through uint8 work for every dtype.
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def normalize_ids(data_id: Any, n: int) -> list[DataId]:
+    """Turn a user's ``data_id`` into ``n`` ids (ints or strings, types preserved).
+
+    A tensor is read as a batch: each row gets :func:`content_id`. Integers (python or numpy)
+    become ``int``; strings stay strings; anything else is an error.
+
+    Example:
+        >>> normalize_ids(torch.tensor([[1.0], [2.0]]), 2)[0] != normalize_ids(torch.tensor([[2.0]]), 1)[0]
+        True
+    """
+    if isinstance(data_id, torch.Tensor):
+        if data_id.dim() == 0:
+            raise ValueError("data_id tensor must have a batch dimension, got a scalar")
+        ids: list[DataId] = [content_id(row) for row in data_id]
+    elif isinstance(data_id, np.ndarray):
+        if data_id.dtype.kind in "iu" and data_id.ndim == 1:
+            ids = [int(x) for x in data_id]
+        else:
+            ids = [content_id(torch.from_numpy(np.ascontiguousarray(r))) for r in data_id]
+    elif isinstance(data_id, Sequence) and not isinstance(data_id, str | bytes):
+        ids = []
+        for x in data_id:
+            if isinstance(x, bool) or not isinstance(x, int | np.integer | str):
+                raise TypeError(
+                    f"data_id entries must be int or str, got {type(x).__name__} ({x!r})"
+                )
+            ids.append(x if isinstance(x, str) else int(x))
+    else:
+        raise TypeError(
+            "data_id must be a list of ints/strings, a batch tensor, or None; "
+            f"got {type(data_id).__name__}"
+        )
+    if len(ids) != n:
+        raise ValueError(f"data_id has {len(ids)} entries but the batch has {n} samples")
+    return ids
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some filesystems (and Windows) cannot open directories; rename still holds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file, fsync, rename and fsync the dir.
+
+    Example:
+        >>> import tempfile; p = Path(tempfile.mkdtemp()) / "x"; atomic_write_bytes(p, b"1")
+        >>> p.read_bytes()
+        b'1'
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    """:func:`atomic_write_bytes` of ``obj`` as indented JSON."""
+    atomic_write_bytes(Path(path), json.dumps(obj, indent=1, sort_keys=False).encode())
+
+
+def encode_rows(rows: torch.Tensor, dtype: str) -> np.ndarray:
+    """Convert a float tensor ``[b, w]`` to the numpy array stored for ``dtype``."""
+    if dtype not in STORE_DTYPES:
+        raise ValueError(f"unknown store dtype {dtype!r}; valid: {sorted(STORE_DTYPES)}")
+    if rows.dim() != 2 or not rows.dtype.is_floating_point:
+        raise TypeError(f"rows must be a 2-D float tensor, got {rows.dtype} {tuple(rows.shape)}")
+    np_dtype, torch_dtype = STORE_DTYPES[dtype]
+    t = rows.detach().to("cpu", torch_dtype).contiguous()
+    if dtype == "bfloat16":
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy().astype(np_dtype, copy=False)
+
+
+def decode_rows(array: np.ndarray, dtype: str) -> torch.Tensor:
+    """Inverse of :func:`encode_rows`, always returning float32 (a copy, safe to modify)."""
+    if dtype == "bfloat16":
+        a = np.ascontiguousarray(array).view(np.int16)
+        return torch.from_numpy(a.copy()).view(torch.bfloat16).float()
+    return torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+
+
+def write_shard(shard_dir: Path, stem: str, rows: np.ndarray, ids: list[DataId]) -> None:
+    """Write one shard atomically: ids file first, ``.npy`` last (the commit point)."""
+    if rows.shape[0] != len(ids):
+        raise ValueError(f"shard {stem}: {rows.shape[0]} rows but {len(ids)} ids")
+    atomic_write_json(Path(shard_dir) / f"{stem}.ids.json", ids)
+    buf = io.BytesIO()
+    np.save(buf, rows, allow_pickle=False)
+    atomic_write_bytes(Path(shard_dir) / f"{stem}.npy", buf.getvalue())
+
+
+def list_shards(shard_dir: Path) -> list[tuple[int, int, Path, Path]]:
+    """Complete shards in ``shard_dir`` as ``(rank, index, npy_path, ids_path)``, sorted."""
+    shard_dir = Path(shard_dir)
+    if not shard_dir.is_dir():
+        return []
+    found = []
+    for p in shard_dir.iterdir():
+        m = _SHARD_RE.match(p.name)
+        if m is None:
+            continue
+        ids_path = p.with_name(p.name[: -len(".npy")] + ".ids.json")
+        if ids_path.exists():
+            found.append((int(m.group(1)), int(m.group(2)), p, ids_path))
+    return sorted(found)
+
+
+def read_ids(ids_path: Path) -> list[DataId]:
+    """Ids of one shard, as written (ints and strings)."""
+    with open(ids_path) as f:
+        ids = json.load(f)
+    if not isinstance(ids, list):
+        raise ValueError(f"{ids_path}: expected a JSON list of ids")
+    return ids
+
+
+def next_shard_index(shard_dir: Path, rank: int) -> int:
+    """First unused shard index of ``rank`` (after complete shards and orphan id files)."""
+    shard_dir = Path(shard_dir)
+    if not shard_dir.is_dir():
+        return 0
+    pat = re.compile(rf"^rank{rank}-(\d{{5,}})\.")
+    used = [int(m.group(1)) for p in shard_dir.iterdir() if (m := pat.match(p.name))]
+    return max(used) + 1 if used else 0
+
+
+def remove_incomplete(shard_dir: Path, rank: int) -> list[Path]:
+    """Delete temporary files and orphan ids files of ``rank`` (left by a crash)."""
+    shard_dir = Path(shard_dir)
+    removed: list[Path] = []
+    if not shard_dir.is_dir():
+        return removed
+    for p in shard_dir.iterdir():
+        if not p.name.startswith(f"rank{rank}-"):
+            continue
+        orphan = (
+            p.name.endswith(".ids.json")
+            and not p.with_name(p.name[: -len(".ids.json")] + ".npy").exists()
+        )
+        if p.name.endswith(TMP_SUFFIX) or orphan:
+            p.unlink()
+            removed.append(p)
+    return removed
+
+
+def tensors_hash(tensors: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over sorted names, dtypes, shapes and bytes of ``tensors``."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        h.update(name.encode())
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def diff_dicts(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Human-readable differences between two JSON-like values (``key: old -> new``).
+
+    Example:
+        >>> diff_dicts({"a": 1, "b": {"c": 2}}, {"a": 1, "b": {"c": 3}})
+        ['b.c: 2 -> 3']
+    """
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for k in sorted(set(old) | set(new), key=str):
+            key = f"{prefix}.{k}" if prefix else str(k)
+            if k not in old:
+                out.append(f"{key}: (absent) -> {new[k]!r}")
+            elif k not in new:
+                out.append(f"{key}: {old[k]!r} -> (absent)")
+            else:
+                out += diff_dicts(old[k], new[k], key)
+        return out
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        out = []
+        for i, (a, b) in enumerate(zip(old, new, strict=True)):
+            out += diff_dicts(a, b, f"{prefix}[{i}]")
+        return out
+    return [] if old == new else [f"{prefix or '<root>'}: {old!r} -> {new!r}"]

@@ -1,0 +1,285 @@
+"""One logging pass into a store: meta.json checks, resume, duplicate ids, NaN/Inf policy.
+
+:class:`StoreLogger` sits between the Run and the background :class:`StoreWriter`. It owns the
+decisions that must be made in the training process (so errors surface where the user is):
+
+* a store that already exists is resumed only if its meta agrees on everything that shapes the
+  rows (configuration, layout, projection hash, dtype); otherwise the error lists what differs;
+* ids already stored are skipped (``on_stored_id="skip"``) or refused (``"error"``);
+* an id seen twice in one pass is an error;
+* rows with NaN/Inf follow ``nonfinite`` (``"error"``, ``"skip"`` counted in meta.json, ``"keep"``).
+
+Example:
+    >>> import tempfile, torch
+    >>> d = Path(tempfile.mkdtemp())
+    >>> meta = {"format_version": 1, "row_width": 2, "dtype": "float32", "modules": []}
+    >>> log = StoreLogger(d, meta, StoreOptions())
+    >>> log.add([0, 1], torch.ones(2, 2)); log.close()
+    2
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nnstat.store import format as fmt
+from nnstat.store.format import DataId
+from nnstat.store.writer import StoreWriter, stored_ids
+
+NONFINITE_POLICIES = ("error", "skip", "keep")
+ON_STORED_ID = ("skip", "error")
+# meta.json keys that must agree for a store to be resumed (the rest is bookkeeping)
+RESUME_KEYS = (
+    "format_version",
+    "config",
+    "dtype",
+    "row_width",
+    "modules",
+    "projection",
+    "projection_sha256",
+    "nonfinite",
+)
+
+
+@dataclass
+class StoreOptions:
+    """Store settings (``setup`` keys of the same names).
+
+    Attributes:
+        dtype: ``"float32"`` (default), ``"float16"`` or ``"bfloat16"`` (stored as uint16 bits).
+        shard_rows: rows per shard file.
+        queue_size: blocks the background writer may hold before training waits.
+        nonfinite: rows with NaN/Inf: ``"error"`` (default), ``"skip"`` (counted) or ``"keep"``.
+        on_stored_id: ids already in the store when resuming: ``"skip"`` (default) or ``"error"``.
+        size_budget_bytes: warn when the projected store size exceeds this (default 8 GiB).
+        num_samples: optional number of samples in the pass, for the up-front size check.
+    """
+
+    dtype: str = "float32"
+    shard_rows: int = 4096
+    queue_size: int = 16
+    nonfinite: str = "error"
+    on_stored_id: str = "skip"
+    size_budget_bytes: int = 8 * 2**30
+    num_samples: int | None = None
+
+    def __post_init__(self) -> None:
+        _one_of("dtype", self.dtype, tuple(fmt.STORE_DTYPES))
+        _one_of("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        _one_of("on_stored_id", self.on_stored_id, ON_STORED_ID)
+        for key in ("shard_rows", "queue_size", "size_budget_bytes"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{key} must be a positive int, got {v!r}")
+        if self.num_samples is not None and (
+            isinstance(self.num_samples, bool)
+            or not isinstance(self.num_samples, int)
+            or self.num_samples < 0
+        ):
+            raise ValueError(
+                f"num_samples must be a non-negative int or None, got {self.num_samples!r}"
+            )
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def content(self) -> dict[str, Any]:
+        """The settings that change what is stored (recorded in meta.json, checked on resume)."""
+        return {"dtype": self.dtype, "nonfinite": self.nonfinite}
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _one_of(key: str, value: Any, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"{key}={value!r} is not valid; valid values: {list(valid)}")
+
+
+def filter_nonfinite(
+    ids: list[DataId], rows: torch.Tensor, policy: str
+) -> tuple[list[DataId], torch.Tensor, int]:
+    """Apply the NaN/Inf ``policy`` to ``rows``; return kept ids, kept rows, number skipped.
+
+    Example:
+        >>> filter_nonfinite([1, 2], torch.tensor([[0.0], [float("nan")]]), "skip")[0]
+        [1]
+    """
+    _one_of("nonfinite", policy, NONFINITE_POLICIES)
+    if policy == "keep" or not len(ids):
+        return ids, rows, 0
+    finite = torch.isfinite(rows).all(dim=1)
+    if bool(finite.all()):
+        return ids, rows, 0
+    bad = [ids[j] for j in (~finite).nonzero().flatten().tolist()]
+    if policy == "error":
+        raise ValueError(
+            f"per-sample gradients of ids {bad[:5]} contain NaN/Inf "
+            "(setup({'nonfinite': 'skip'}) drops such rows, 'keep' stores them)"
+        )
+    kept = [i for i, f in zip(ids, finite.tolist(), strict=True) if f]
+    return kept, rows[finite], len(bad)
+
+
+def check_resumable(old: dict[str, Any], new: dict[str, Any], path: Path) -> None:
+    """Raise ``ValueError`` listing every difference on :data:`RESUME_KEYS`."""
+    diffs: list[str] = []
+    for key in RESUME_KEYS:
+        diffs += fmt.diff_dicts(old.get(key), new.get(key), key)
+    if diffs:
+        shown = "; ".join(diffs[:12]) + (
+            f"; ... ({len(diffs) - 12} more)" if len(diffs) > 12 else ""
+        )
+        raise ValueError(
+            f"cannot resume the gradient store {path}: it was written with a different "
+            f"configuration or projection ({shown}). Use another project name or delete the "
+            "directory to start over."
+        )
+
+
+class StoreLogger:
+    """Writes one pass of rows into the store at ``path`` (see module docstring).
+
+    Args:
+        path: the project directory (``<root_dir>/<project>``).
+        meta: the meta.json this pass would write (layout, configuration, projection hash, ...).
+        options: :class:`StoreOptions`.
+        rank: process rank (``torch.distributed``); rank 0 writes meta.json.
+        world_size: number of processes.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        meta: dict[str, Any],
+        options: StoreOptions,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.path, self.options, self.rank = Path(path), options, rank
+        self.path.mkdir(parents=True, exist_ok=True)
+        meta_path = self.path / fmt.META_FILE
+        self.meta = dict(meta, nonfinite=options.nonfinite, dtype=options.dtype)
+        self.meta.setdefault("skipped_rows", 0)
+        if meta_path.exists():
+            with open(meta_path) as f:
+                old = json.load(f)
+            check_resumable(old, self.meta, self.path)
+            self.meta["skipped_rows"] = int(old.get("skipped_rows", 0))
+        elif rank == 0:
+            fmt.atomic_write_json(meta_path, self.meta)
+        self.stored: set[DataId] = stored_ids(self.path / fmt.SHARD_DIR)
+        self.seen: set[DataId] = set()
+        self.skipped_nonfinite = 0
+        self.skipped_stored = 0
+        self.world_size = world_size
+        self._check_size()
+        self.writer = StoreWriter(
+            self.path / fmt.SHARD_DIR,
+            row_width=int(self.meta["row_width"]),
+            shard_rows=options.shard_rows,
+            dtype=options.dtype,
+            rank=rank,
+            queue_size=options.queue_size,
+        )
+        self._warned_budget = False
+
+    @property
+    def bytes_per_row(self) -> int:
+        import numpy as np
+
+        return (
+            int(self.meta["row_width"]) * np.dtype(fmt.STORE_DTYPES[self.options.dtype][0]).itemsize
+        )
+
+    def _check_size(self) -> None:
+        n = self.options.num_samples
+        if n is None:
+            return
+        total = n * self.bytes_per_row
+        free = shutil.disk_usage(self.path).free
+        if total > free:
+            raise OSError(
+                f"the gradient store needs about {total} bytes ({n} rows x {self.bytes_per_row} "
+                f"bytes) but {self.path} has {free} bytes free; add a projection (add_projection("
+                "rank=...)) or free disk space"
+            )
+        if total > self.options.size_budget_bytes:
+            warnings.warn(
+                f"the gradient store will take about {total} bytes ({n} rows x "
+                f"{self.bytes_per_row} bytes), over size_budget_bytes="
+                f"{self.options.size_budget_bytes}",
+                stacklevel=3,
+            )
+
+    def admit(self, ids: list[DataId]) -> list[bool]:
+        """Check ``ids`` before a batch runs; return which rows to keep (False = already stored).
+
+        Raises on duplicates within the pass and, with ``on_stored_id="error"``, on stored ids.
+        The ids count as seen only once :meth:`add` has them (a failed batch can be retried).
+        """
+        self.writer.check()
+        batch_seen: set[DataId] = set()
+        dup: list[DataId] = []
+        for i in ids:
+            if i in self.seen or i in batch_seen:
+                dup.append(i)
+            batch_seen.add(i)
+        if dup:
+            raise ValueError(f"duplicate data ids in this pass: {dup[:5]} (ids must be unique)")
+        keep = [i not in self.stored for i in ids]
+        if not all(keep) and self.options.on_stored_id == "error":
+            already = [i for i, k in zip(ids, keep, strict=True) if not k]
+            raise ValueError(
+                f"data ids already in the store {self.path}: {already[:5]} "
+                "(on_stored_id='error'; use 'skip' to resume)"
+            )
+        return keep
+
+    def add(self, ids: list[DataId], rows: torch.Tensor, keep: list[bool] | None = None) -> None:
+        """Queue rows (already admitted); apply the NaN/Inf policy."""
+        self.writer.check()
+        self.seen.update(ids)
+        if keep is not None and not all(keep):
+            idx = [j for j, k in enumerate(keep) if k]
+            self.skipped_stored += len(ids) - len(idx)
+            ids, rows = [ids[j] for j in idx], rows[idx]
+        ids, rows, skipped = filter_nonfinite(ids, rows, self.options.nonfinite)
+        self.skipped_nonfinite += skipped
+        self.writer.put(ids, rows.detach().to("cpu", torch.float32))
+        self._budget_warning()
+
+    def _budget_warning(self) -> None:
+        queued = (len(self.seen) - self.skipped_stored) * self.bytes_per_row
+        if not self._warned_budget and queued > self.options.size_budget_bytes:
+            self._warned_budget = True
+            warnings.warn(
+                f"the gradient store has passed size_budget_bytes={self.options.size_budget_bytes} "
+                f"({self.bytes_per_row} bytes per row)",
+                stacklevel=4,
+            )
+
+    def close(self, progress: bool = True) -> int:
+        """Flush and stop the writer, record skipped rows in meta.json; returns rows written."""
+        try:
+            written = self.writer.close(progress=progress)
+        finally:
+            skipped = self.skipped_nonfinite
+            if self.world_size > 1:
+                import torch.distributed as dist
+
+                t = torch.tensor([skipped], dtype=torch.long)
+                dist.all_reduce(t)
+                skipped = int(t.item())
+            self.meta["skipped_rows"] = int(self.meta.get("skipped_rows", 0)) + skipped
+            if self.rank == 0:
+                fmt.atomic_write_json(self.path / fmt.META_FILE, self.meta)
+        return written

@@ -1,0 +1,258 @@
+"""Reading a gradient store: :class:`GradientStore`, :class:`GradientLog` and the log loader.
+
+Shards are memory-mapped (``numpy.load(mmap_mode="r")``) and blocks of rows are sliced from them,
+so scoring reads one contiguous block per batch instead of one item per row.
+
+Example:
+    >>> import tempfile, torch
+    >>> from nnstat.store.writer import StoreWriter
+    >>> d = Path(tempfile.mkdtemp())
+    >>> fmt.atomic_write_json(d / "meta.json", {"format_version": 1, "row_width": 2,
+    ...     "dtype": "float32", "modules": [{"name": "fc", "offset": 0, "width": 2,
+    ...     "r_out": 1, "r_in": 2}]})
+    >>> w = StoreWriter(d / "shards", row_width=2); w.put(["a", "b"], torch.eye(2)); _ = w.close()
+    >>> store = GradientStore(d)
+    >>> store.ids, len(store)
+    (['a', 'b'], 2)
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from nnstat.store import format as fmt
+from nnstat.store.format import DataId
+
+
+def _module_entry(meta: dict[str, Any], name: str) -> dict[str, Any]:
+    for m in meta["modules"]:
+        if m["name"] == name:
+            return m
+    raise KeyError(
+        f"no module {name!r} in the store; modules: {[m['name'] for m in meta['modules']]}"
+    )
+
+
+def module_view(meta: dict[str, Any], rows: torch.Tensor, name: str) -> torch.Tensor:
+    """A module's slice of ``rows`` ``[b, row_width]`` reshaped to ``[b, r_out, r_in]``.
+
+    Kinds without a Kronecker structure (layernorm) come back as ``[b, 1, r]``.
+    """
+    m = _module_entry(meta, name)
+    block = rows[:, m["offset"] : m["offset"] + m["width"]]
+    return block.reshape(rows.shape[0], m.get("r_out") or 1, m["r_in"])
+
+
+@dataclass
+class GradientLog:
+    """Rows captured in memory (the query side of influence), same layout as a store.
+
+    Example:
+        >>> log = GradientLog(ids=[0], rows=torch.zeros(1, 2), meta={"row_width": 2, "modules": []})
+        >>> len(log)
+        1
+    """
+
+    ids: list[DataId]
+    rows: torch.Tensor
+    meta: dict[str, Any] = field(default_factory=dict)
+    statistics: dict[str, torch.Tensor] = field(default_factory=dict)
+    projections: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def row_width(self) -> int:
+        return int(self.rows.shape[1])
+
+    @property
+    def modules(self) -> list[dict[str, Any]]:
+        return list(self.meta.get("modules", []))
+
+    def module_view(self, name: str, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``[n, r_out, r_in]`` view of module ``name`` (of ``rows``, default all rows)."""
+        return module_view(self.meta, self.rows if rows is None else rows, name)
+
+
+class GradientStore:
+    """Read-only view of a store directory (all ranks' complete shards).
+
+    Attributes: ``path``, ``meta`` (meta.json), ``modules``, ``row_width``, ``dtype``, ``ids``
+    (in row order), ``shards`` (``.npy`` paths).
+
+    Example:
+        >>> store = GradientStore("./nnstat_logs/my_project")  # doctest: +SKIP
+        >>> for ids, block in store.iter_blocks(256): ...  # doctest: +SKIP
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        meta_path = self.path / fmt.META_FILE
+        if not meta_path.exists():
+            raise FileNotFoundError(f"{self.path} is not a gradient store: no {fmt.META_FILE}")
+        with open(meta_path) as f:
+            self.meta: dict[str, Any] = json.load(f)
+        version = self.meta.get("format_version")
+        if version != fmt.FORMAT_VERSION:
+            raise ValueError(
+                f"{meta_path}: format version {version!r}, this nnstat reads {fmt.FORMAT_VERSION}"
+            )
+        self.dtype: str = self.meta.get("dtype", "float32")
+        self.row_width: int = int(self.meta["row_width"])
+        self.shards: list[Path] = []
+        self.ids: list[DataId] = []
+        self._starts: list[int] = []
+        self._lengths: list[int] = []
+        for _rank, _idx, npy, ids_path in fmt.list_shards(self.path / fmt.SHARD_DIR):
+            ids = fmt.read_ids(ids_path)
+            self._starts.append(len(self.ids))
+            self._lengths.append(len(ids))
+            self.shards.append(npy)
+            self.ids.extend(ids)
+        self._maps: dict[int, np.ndarray] = {}
+
+    # memmaps are per process: workers of a DataLoader reopen them instead of copying them
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_maps"] = {}
+        return state
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __repr__(self) -> str:
+        return f"GradientStore({str(self.path)!r}, rows={len(self)}, row_width={self.row_width})"
+
+    @property
+    def modules(self) -> list[dict[str, Any]]:
+        return list(self.meta["modules"])
+
+    def shard_array(self, i: int) -> np.ndarray:
+        """Memory-mapped array of shard ``i`` (validated against its ids and the row width)."""
+        if i not in self._maps:
+            a = np.load(self.shards[i], mmap_mode="r", allow_pickle=False)
+            if a.ndim != 2 or a.shape != (self._lengths[i], self.row_width):
+                raise ValueError(
+                    f"{self.shards[i]}: shape {a.shape}, expected ({self._lengths[i]}, "
+                    f"{self.row_width}) from its ids file and meta.json"
+                )
+            self._maps[i] = a
+        return self._maps[i]
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` as one float32 tensor (slices across shard boundaries)."""
+        start, stop = max(0, start), min(len(self), stop)
+        if stop <= start:
+            return torch.empty(0, self.row_width)
+        parts = []
+        s = bisect.bisect_right(self._starts, start) - 1
+        while start < stop:
+            lo = start - self._starts[s]
+            hi = min(self._lengths[s], stop - self._starts[s])
+            parts.append(self.shard_array(s)[lo:hi])
+            start += hi - lo
+            s += 1
+        array = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return fmt.decode_rows(array, self.dtype)
+
+    def iter_blocks(self, batch_size: int = 1024) -> Iterator[tuple[list[DataId], torch.Tensor]]:
+        """Yield ``(ids, rows)`` blocks of up to ``batch_size`` rows in store order."""
+        for start in range(0, len(self), batch_size):
+            stop = min(start + batch_size, len(self))
+            yield self.ids[start:stop], self.rows(start, stop)
+
+    def iter_shards(self) -> Iterator[tuple[list[DataId], torch.Tensor]]:
+        """Yield ``(ids, rows)`` per shard."""
+        for i, (start, n) in enumerate(zip(self._starts, self._lengths, strict=True)):
+            yield self.ids[start : start + n], fmt.decode_rows(self.shard_array(i), self.dtype)
+
+    def iter_shard_blocks(
+        self, shard: Path | int, batch_size: int = 1024
+    ) -> Iterator[tuple[list[DataId], torch.Tensor]]:
+        """Yield ``(ids, rows)`` blocks of one shard (an entry of ``.shards`` or its index)."""
+        i = shard if isinstance(shard, int) else self.shards.index(Path(shard))
+        start, n = self._starts[i], self._lengths[i]
+        array = self.shard_array(i)
+        for lo in range(0, n, batch_size):
+            hi = min(lo + batch_size, n)
+            yield self.ids[start + lo : start + hi], fmt.decode_rows(array[lo:hi], self.dtype)
+
+    def module_view(self, rows: torch.Tensor, name: str) -> torch.Tensor:
+        """Module ``name``'s slice of ``rows`` as ``[b, r_out, r_in]``."""
+        return module_view(self.meta, rows, name)
+
+    def load(self) -> GradientLog:
+        """Every row in memory as a :class:`GradientLog` (small stores only)."""
+        return GradientLog(
+            list(self.ids),
+            self.rows(0, len(self)),
+            dict(self.meta),
+            self.statistics(),
+            self.projections(),
+        )
+
+    def projections(self) -> dict[str, torch.Tensor]:
+        """The projection matrices (``"{module}/p_in"``, ``"{module}/p_out"``), empty if none."""
+        return _load_tensors(self.path / fmt.PROJECTIONS_FILE)
+
+    def statistics(self) -> dict[str, torch.Tensor]:
+        """Statistics saved by the run (``"{module}/{stream}/{statistic}"``), empty if none."""
+        return _load_tensors(self.path / fmt.STATISTICS_FILE)
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.exists():
+        return {}
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+class LogBlockDataset(Dataset):
+    """Map-style dataset whose item ``i`` is the ``i``-th block ``(ids, rows)`` of a store."""
+
+    def __init__(self, store: GradientStore, batch_size: int) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.store, self.batch_size = store, batch_size
+
+    def __len__(self) -> int:
+        return -(-len(self.store) // self.batch_size)
+
+    def __getitem__(self, i: int) -> tuple[list[DataId], torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        start = i * self.batch_size
+        stop = min(start + self.batch_size, len(self.store))
+        return self.store.ids[start:stop], self.store.rows(start, stop)
+
+
+def _keep(item: Any) -> Any:
+    return item
+
+
+def make_log_dataloader(
+    store: GradientStore | str | Path, batch_size: int = 1024, num_workers: int = 0
+) -> DataLoader:
+    """DataLoader of ``(ids, rows)`` blocks, one block per batch; ``.dataset.store`` is the store.
+
+    Example:
+        >>> loader = make_log_dataloader("./nnstat_logs/my_project", 256)  # doctest: +SKIP
+    """
+    if not isinstance(store, GradientStore):
+        store = GradientStore(store)
+    dataset = LogBlockDataset(store, batch_size)
+    # batch_size=None: each dataset item already is a batch (a slice of a memory-mapped shard)
+    return DataLoader(
+        dataset, batch_size=None, shuffle=False, num_workers=num_workers, collate_fn=_keep
+    )

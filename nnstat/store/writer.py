@@ -1,0 +1,178 @@
+"""Background shard writer: a bounded queue drained by one thread that writes whole shards.
+
+Training only waits on disk when the queue is full. Any error in the thread is kept and raised
+in the training process by the next :meth:`StoreWriter.put`, :meth:`StoreWriter.check` or
+:meth:`StoreWriter.close` — never swallowed.
+
+Example:
+    >>> import tempfile, torch
+    >>> d = Path(tempfile.mkdtemp())
+    >>> w = StoreWriter(d, row_width=3, shard_rows=2)
+    >>> w.put([0, 1, 2], torch.ones(3, 3))
+    >>> w.close()
+    3
+    >>> len(list_shards(d))
+    2
+"""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from nnstat.store import format as fmt
+from nnstat.store.format import DataId, list_shards
+
+
+class StoreWriteError(RuntimeError):
+    """The background writer failed; the original exception is the ``__cause__``."""
+
+
+_STOP = object()
+
+
+class StoreWriter:
+    """Buffers rows into shards of ``shard_rows`` and writes them from a background thread.
+
+    Args:
+        shard_dir: directory of the shards (created if missing).
+        row_width: number of columns of every row.
+        shard_rows: rows per shard (the last shard of a pass may be smaller).
+        dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        rank: process rank, part of the shard names (``rank{r}-{n:05d}``).
+        queue_size: maximum number of pending blocks before :meth:`put` blocks.
+    """
+
+    def __init__(
+        self,
+        shard_dir: Path,
+        row_width: int,
+        shard_rows: int = 4096,
+        dtype: str = "float32",
+        rank: int = 0,
+        queue_size: int = 16,
+    ) -> None:
+        if dtype not in fmt.STORE_DTYPES:
+            raise ValueError(f"unknown store dtype {dtype!r}; valid: {sorted(fmt.STORE_DTYPES)}")
+        if shard_rows < 1 or row_width < 1 or queue_size < 1:
+            raise ValueError("shard_rows, row_width and queue_size must be positive")
+        self.shard_dir = Path(shard_dir)
+        self.shard_dir.mkdir(parents=True, exist_ok=True)
+        fmt.remove_incomplete(self.shard_dir, rank)
+        self.row_width, self.shard_rows, self.dtype, self.rank = row_width, shard_rows, dtype, rank
+        self._itemsize = np.dtype(fmt.STORE_DTYPES[dtype][0]).itemsize
+        self._index = fmt.next_shard_index(self.shard_dir, rank)
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._error: BaseException | None = None
+        self._buf_rows: list[torch.Tensor] = []
+        self._buf_ids: list[DataId] = []
+        self._buffered = 0
+        self.rows_written = 0
+        self.bytes_written = 0
+        self.shards_written: list[str] = []
+        self._thread = threading.Thread(target=self._loop, name="nnstat-store-writer", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------- training-process side
+    def check(self) -> None:
+        """Raise :class:`StoreWriteError` if the background thread failed."""
+        if self._error is not None:
+            err = self._error
+            raise StoreWriteError(
+                f"gradient store writer failed in {self.shard_dir}: {err!r}"
+            ) from err
+
+    def put(self, ids: list[DataId], rows: torch.Tensor) -> None:
+        """Queue ``rows`` ``[len(ids), row_width]`` (already on CPU is cheapest)."""
+        self.check()
+        if rows.dim() != 2 or rows.shape[1] != self.row_width or rows.shape[0] != len(ids):
+            raise ValueError(
+                f"expected rows of shape [{len(ids)}, {self.row_width}], got {tuple(rows.shape)}"
+            )
+        if len(ids):
+            self._queue.put((list(ids), rows.detach()))
+
+    def pending(self) -> int:
+        """Blocks not yet taken by the thread."""
+        return self._queue.qsize()
+
+    def close(self, progress: bool = False) -> int:
+        """Flush the partial shard, stop the thread and return the rows written (this writer).
+
+        ``progress=True`` shows a tqdm bar while the queue drains.
+        """
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join(timeout=1.0)
+            if progress and self._thread.is_alive():  # flushing is long: show where it stands
+                from tqdm.auto import tqdm
+
+                total = self._queue.qsize()
+                with tqdm(total=total, desc="nnstat: flushing gradient store", unit="block") as bar:
+                    while self._thread.is_alive():
+                        bar.update(max(0, total - self._queue.qsize() - bar.n))
+                        self._thread.join(timeout=0.1)
+                    bar.update(total - bar.n)
+            self._thread.join()
+        self.check()
+        return self.rows_written
+
+    # ----------------------------------------------------------------- background side
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                if self._error is None:
+                    self._run_guarded(self._flush)
+                return
+            if self._error is not None:
+                continue  # keep draining so put() never deadlocks; the error is raised there
+            self._run_guarded(self._add, *item)
+
+    def _run_guarded(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - kept and re-raised in the caller's thread
+            self._error = e
+
+    def _add(self, ids: list[DataId], rows: torch.Tensor) -> None:
+        self._buf_ids.extend(ids)
+        self._buf_rows.append(rows)
+        self._buffered += rows.shape[0]
+        while self._buffered >= self.shard_rows:
+            self._write(self.shard_rows)
+
+    def _flush(self) -> None:
+        if self._buffered:
+            self._write(self._buffered)
+
+    def _write(self, n: int) -> None:
+        block = torch.cat(self._buf_rows) if len(self._buf_rows) > 1 else self._buf_rows[0]
+        rows, rest = block[:n], block[n:]
+        ids, self._buf_ids = self._buf_ids[:n], self._buf_ids[n:]
+        self._buf_rows = [rest] if rest.shape[0] else []
+        self._buffered = rest.shape[0]
+        array = fmt.encode_rows(rows, self.dtype)
+        nbytes = array.nbytes
+        free = shutil.disk_usage(self.shard_dir).free
+        if nbytes > free:
+            raise OSError(f"not enough disk space for a {nbytes}-byte shard ({free} bytes free)")
+        stem = fmt.shard_stem(self.rank, self._index)
+        fmt.write_shard(self.shard_dir, stem, array, ids)
+        self._index += 1
+        self.rows_written += n
+        self.bytes_written += nbytes
+        self.shards_written.append(stem)
+
+
+def stored_ids(shard_dir: Path) -> set[DataId]:
+    """All ids of complete shards of every rank in ``shard_dir``."""
+    out: set[DataId] = set()
+    for *_, ids_path in list_shards(shard_dir):
+        out.update(fmt.read_ids(ids_path))
+    return out

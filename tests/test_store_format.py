@@ -1,0 +1,182 @@
+"""Store format, background writer, reader and log dataloader (no capture involved)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from nnstat.store import GradientStore, StoreWriteError, StoreWriter, make_log_dataloader
+from nnstat.store import format as fmt
+from nnstat.store.logger import StoreLogger, StoreOptions, check_resumable, filter_nonfinite
+
+
+def _meta(width=6, dtype="float32"):
+    return {
+        "format_version": 1,
+        "row_width": width,
+        "dtype": dtype,
+        "modules": [
+            {"name": "a", "kind": "linear", "offset": 0, "width": 4, "r_out": 2, "r_in": 2},
+            {"name": "b", "kind": "layernorm", "offset": 4, "width": 2, "r_out": None, "r_in": 2},
+        ],
+    }
+
+
+def _write(tmp_path, rows, ids, dtype="float32", shard_rows=4):
+    fmt.atomic_write_json(tmp_path / "meta.json", _meta(rows.shape[1], dtype))
+    w = StoreWriter(tmp_path / "shards", rows.shape[1], shard_rows=shard_rows, dtype=dtype)
+    for lo in range(0, len(ids), 3):  # blocks that straddle shard boundaries
+        w.put(ids[lo : lo + 3], rows[lo : lo + 3])
+    assert w.close() == len(ids)
+    return GradientStore(tmp_path)
+
+
+def test_roundtrip_ids_types_blocks_and_plain_numpy(tmp_path):
+    torch.manual_seed(0)
+    rows = torch.randn(10, 6)
+    ids = [0, "x", 2, "y", 4, 5, 6, 7, 8, "z"]
+    store = _write(tmp_path, rows, ids)
+    assert store.ids == ids and len(store) == 10 and store.row_width == 6
+    assert len(store.shards) == 3  # 4 + 4 + 2
+    torch.testing.assert_close(store.rows(0, 10), rows)
+    torch.testing.assert_close(store.rows(3, 9), rows[3:9])  # across shards
+    blocks = list(store.iter_blocks(4))
+    assert [b[0] for b in blocks] == [ids[0:4], ids[4:8], ids[8:10]]
+    torch.testing.assert_close(torch.cat([b[1] for b in blocks]), rows)
+    # a shard is a plain .npy: numpy reads it without nnstat
+    first = np.load(store.shards[0], mmap_mode="r")
+    np.testing.assert_array_equal(np.asarray(first), rows[:4].numpy())
+    assert json.loads((tmp_path / "shards" / "rank0-00000.ids.json").read_text()) == ids[:4]
+    view = store.module_view(rows[:2], "a")
+    torch.testing.assert_close(view, rows[:2, :4].reshape(2, 2, 2))
+    assert store.module_view(rows[:2], "b").shape == (2, 1, 2)
+    per_shard = list(store.iter_shard_blocks(store.shards[1], 3))
+    assert [i for i, _ in per_shard] == [ids[4:7], ids[7:8]]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_dtypes(tmp_path, dtype):
+    torch.manual_seed(0)
+    rows = torch.randn(5, 6)
+    store = _write(tmp_path, rows, list(range(5)), dtype=dtype)
+    ref = rows.to(getattr(torch, dtype)).float()
+    torch.testing.assert_close(store.rows(0, 5), ref, rtol=0, atol=0)
+    raw = np.load(store.shards[0])
+    assert raw.dtype == (np.float16 if dtype == "float16" else np.uint16)
+
+
+def test_dataloader_yields_blocks_with_workers(tmp_path):
+    rows = torch.arange(60, dtype=torch.float32).reshape(10, 6)
+    _write(tmp_path, rows, list(range(10)))
+    loader = make_log_dataloader(tmp_path, batch_size=4, num_workers=1)
+    assert isinstance(loader.dataset.store, GradientStore)
+    got = list(loader)
+    assert [ids for ids, _ in got] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    torch.testing.assert_close(torch.cat([r for _, r in got]), rows)
+
+
+def test_incomplete_shards_are_ignored_and_cleaned(tmp_path):
+    rows = torch.ones(4, 6)
+    _write(tmp_path, rows, [1, 2, 3, 4])
+    shards = tmp_path / "shards"
+    # a crash between the two renames leaves an orphan ids file; one during a write a .tmp
+    (shards / "rank0-00001.ids.json").write_text("[9]")
+    (shards / "rank0-00002.npy.tmp").write_bytes(b"garbage")
+    assert GradientStore(tmp_path).ids == [1, 2, 3, 4]
+    w = StoreWriter(shards, 6, shard_rows=4)
+    assert not (shards / "rank0-00001.ids.json").exists()
+    assert not (shards / "rank0-00002.npy.tmp").exists()
+    w.put([5], torch.zeros(1, 6))
+    w.close()
+    assert GradientStore(tmp_path).ids == [1, 2, 3, 4, 5]
+
+
+def test_writer_error_is_raised_in_caller(tmp_path, monkeypatch):
+    def boom(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fmt, "write_shard", boom)
+    w = StoreWriter(tmp_path / "shards", 2, shard_rows=1, queue_size=1)
+    w.put([0], torch.zeros(1, 2))
+    with pytest.raises(StoreWriteError, match="No space left") as info:
+        for i in range(1, 50):  # the queue keeps draining after the error: put never deadlocks
+            w.put([i], torch.zeros(1, 2))
+        w.close()
+    assert isinstance(info.value.__cause__, OSError)
+
+
+def test_shard_dir_that_is_a_file_fails_loudly(tmp_path):
+    (tmp_path / "shards").write_text("not a directory")
+    with pytest.raises(OSError):
+        StoreWriter(tmp_path / "shards", 2)
+
+
+def test_logger_duplicates_resume_and_nonfinite(tmp_path):
+    opts = StoreOptions(shard_rows=2)
+    log = StoreLogger(tmp_path, _meta(2), opts)
+    log.add([0, 1, 2], torch.zeros(3, 2), log.admit([0, 1, 2]))
+    with pytest.raises(ValueError, match="duplicate"):
+        log.admit([2, 3])
+    with pytest.raises(ValueError, match="duplicate"):
+        log.admit([5, 5])
+    log.close()
+    # resume: stored ids are skipped, new ones appended
+    log = StoreLogger(tmp_path, _meta(2), opts)
+    keep = log.admit([1, 2, 3, 4])
+    assert keep == [False, False, True, True]
+    log.add([1, 2, 3, 4], torch.ones(4, 2), keep)
+    log.close()
+    store = GradientStore(tmp_path)
+    assert sorted(store.ids) == [0, 1, 2, 3, 4]
+    # ... or refused when asked to
+    log = StoreLogger(tmp_path, _meta(2), StoreOptions(on_stored_id="error"))
+    with pytest.raises(ValueError, match="already in the store"):
+        log.admit([4])
+    log.close()
+    # NaN/Inf policy
+    rows = torch.tensor([[0.0, 1.0], [float("nan"), 0.0], [float("inf"), 1.0]])
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        filter_nonfinite([7, 8, 9], rows, "error")
+    assert filter_nonfinite([7, 8, 9], rows, "skip")[0] == [7]
+    assert filter_nonfinite([7, 8, 9], rows, "keep")[2] == 0
+
+
+def test_resume_with_different_meta_is_refused_naming_the_difference(tmp_path):
+    StoreLogger(tmp_path, _meta(2), StoreOptions()).close()
+    other = _meta(2)
+    other["modules"][0]["r_in"] = 3
+    with pytest.raises(ValueError, match=r"modules\[0\]\.r_in: 2 -> 3"):
+        StoreLogger(tmp_path, other, StoreOptions())
+    with pytest.raises(ValueError, match="nonfinite: 'error' -> 'skip'"):
+        StoreLogger(tmp_path, _meta(2), StoreOptions(nonfinite="skip"))
+    check_resumable(_meta(2), _meta(2), tmp_path)
+
+
+def test_skipped_rows_recorded_in_meta(tmp_path):
+    log = StoreLogger(tmp_path, _meta(2), StoreOptions(nonfinite="skip"))
+    rows = torch.tensor([[0.0, 1.0], [float("nan"), 0.0], [1.0, float("-inf")]])
+    log.add([1, 2, 3], rows, log.admit([1, 2, 3]))
+    log.close()
+    store = GradientStore(tmp_path)
+    assert store.ids == [1] and store.meta["skipped_rows"] == 2
+
+
+def test_options_validation_lists_valid_values():
+    with pytest.raises(ValueError, match=r"valid values: \['error', 'skip', 'keep'\]"):
+        StoreOptions(nonfinite="drop")
+    with pytest.raises(ValueError, match="bfloat16"):
+        StoreOptions(dtype="int8")
+
+
+def test_content_id_is_stable_and_sensitive():
+    x = torch.arange(6.0).reshape(2, 3)
+    a = fmt.normalize_ids(x, 2)
+    assert a == fmt.normalize_ids(x.clone(), 2) and a[0] != a[1]
+    assert fmt.content_id(x[0]) != fmt.content_id(x[0].double())
+    assert fmt.content_id(x[0]) != fmt.content_id(x[0].reshape(3, 1))
+    assert fmt.normalize_ids(np.array([3, 4]), 2) == [3, 4]
+    with pytest.raises(TypeError, match="int or str"):
+        fmt.normalize_ids([1.5, 2], 2)
+    with pytest.raises(ValueError, match="3 entries but the batch has 2"):
+        fmt.normalize_ids([1, 2, 3], 2)
