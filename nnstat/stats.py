@@ -257,7 +257,7 @@ def histograms(tensors: Sequence[torch.Tensor], bins: int = 64) -> list[Histogra
     table = summarize(tensors, ("min", "max", "numel", "nonfinite", "mean", "l2"))
     counts = []
     ranges = []
-    for t, (lo, hi, numel, nonfinite, *_rest) in zip(tensors, table.tolist(), strict=True):
+    for t, (lo, hi, *_rest) in zip(tensors, table.tolist(), strict=True):
         if not (math.isfinite(lo) and math.isfinite(hi)):
             lo, hi = 0.0, 1.0  # no finite element: empty histogram on a nominal range
         if lo == hi:

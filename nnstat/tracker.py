@@ -156,9 +156,11 @@ class Tracker:
     def _collect(self) -> list[tuple[str, str, torch.Tensor]]:
         entries: list[tuple[str, str, torch.Tensor]] = []
         if "weight" in self.groups:
-            entries += [("weight", n, p.detach()) for n, p in zip(self.names, self.params)]
+            entries += [
+                ("weight", n, p.detach()) for n, p in zip(self.names, self.params, strict=True)
+            ]
         if "grad" in self.groups:
-            missing = [n for n, p in zip(self.names, self.params) if p.grad is None]
+            missing = [n for n, p in zip(self.names, self.params, strict=True) if p.grad is None]
             if missing and not self._warned_grad:
                 warnings.warn(
                     f"Tracker: {len(missing)} parameter(s) have no gradient at this step and are "
@@ -168,12 +170,12 @@ class Tracker:
                 self._warned_grad = True
             entries += [
                 ("grad", n, p.grad.detach())
-                for n, p in zip(self.names, self.params)
+                for n, p in zip(self.names, self.params, strict=True)
                 if p.grad is not None
             ]
         if "optimizer" in self.groups:
             for key in self._state_keys():
-                for n, p in zip(self.names, self.params):
+                for n, p in zip(self.names, self.params, strict=True):
                     v = self.optimizer.state.get(p, {}).get(key)
                     if isinstance(v, torch.Tensor):
                         entries.append((key, n, v.detach()))
@@ -214,7 +216,7 @@ class Tracker:
             torch._foreach_sub_(self._prev, current)
             if SIGNED_STATS & set(self.stats):
                 torch._foreach_neg_(self._prev)
-            entries += [("update", n, d) for n, d in zip(self.names, self._prev)]
+            entries += [("update", n, d) for n, d in zip(self.names, self._prev, strict=True)]
         computed = tuple(dict.fromkeys([*self.stats, "l2"]))
         table = summarize([t for _, _, t in entries], computed)
         metrics: dict[str, Any] = {}

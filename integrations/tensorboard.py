@@ -1,0 +1,86 @@
+"""TensorBoard sink: scalars with ``group/layer/stat`` tags and device-computed histograms.
+
+``tensorboard`` is imported only when a `TensorBoardSink` is constructed.
+
+Example:
+    >>> import tempfile, torch, nnstat
+    >>> from nnstat.integrations.tensorboard import TensorBoardSink
+    >>> model = torch.nn.Linear(2, 1)
+    >>> with nnstat.Tracker(model, sinks=[TensorBoardSink(tempfile.mkdtemp())]) as tracker:
+    ...     _ = tracker.step()
+"""
+
+from __future__ import annotations
+
+import numbers
+from pathlib import Path
+from typing import Any
+
+from nnstat.stats import Histogram
+
+__all__ = ["TensorBoardSink"]
+
+
+class TensorBoardSink:
+    """Write a Tracker's flat metrics dict to TensorBoard event files.
+
+    Numbers go through ``add_scalar`` (one tag per key, so all layers share one run — unlike
+    ``add_scalars``, which opens a run per key); `nnstat.stats.Histogram` values through
+    ``add_histogram_raw`` (already binned on device, no copy of the tensor to the host).
+
+    Example:
+        >>> import tempfile
+        >>> sink = TensorBoardSink(tempfile.mkdtemp())
+        >>> sink.log({"weight/fc.weight/l2": 1.5}, step=0); sink.close()
+    """
+
+    def __init__(self, log_dir: str | Path | None = None, writer: Any | None = None, **kwargs: Any):
+        if writer is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:  # pragma: no cover - depends on the environment
+                raise ImportError(
+                    "TensorBoardSink needs the tensorboard package: pip install 'nnstat[tensorboard]'"
+                ) from e
+            writer = SummaryWriter(log_dir=None if log_dir is None else str(log_dir), **kwargs)
+        self.writer = writer
+
+    @property
+    def log_dir(self) -> str:
+        """Directory of the event files."""
+        return self.writer.log_dir
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        """Write every scalar and histogram in `metrics` at `step`."""
+        for key, value in metrics.items():
+            if isinstance(value, Histogram):
+                if value.num <= 0:
+                    continue  # TensorBoard rejects empty histograms
+                self.writer.add_histogram_raw(
+                    key,
+                    min=value.min,
+                    max=value.max,
+                    num=int(value.num),
+                    sum=value.sum,
+                    sum_squares=value.sum_squares,
+                    bucket_limits=value.edges[1:].tolist(),
+                    bucket_counts=value.counts.tolist(),
+                    global_step=step,
+                )
+            elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+                self.writer.add_scalar(key, float(value), global_step=step)
+            elif hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1:
+                self.writer.add_scalar(key, float(value.item()), global_step=step)
+            else:
+                raise TypeError(
+                    f"TensorBoardSink cannot log {key!r} of type {type(value).__name__} "
+                    "(expected a number or nnstat.stats.Histogram)"
+                )
+
+    def flush(self) -> None:
+        """Flush pending events to disk."""
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the writer."""
+        self.writer.close()

@@ -1,0 +1,73 @@
+"""Weights & Biases sink: ``wandb.log`` of the flat dict, histograms as ``wandb.Histogram``.
+
+``wandb`` is imported only when a `WandbSink` is constructed.
+
+Example:
+    >>> import os, tempfile, torch, nnstat  # doctest: +SKIP
+    >>> from nnstat.integrations.wandb import WandbSink  # doctest: +SKIP
+    >>> sink = WandbSink(project="demo", mode="offline", dir=tempfile.mkdtemp())  # doctest: +SKIP
+    >>> tracker = nnstat.Tracker(torch.nn.Linear(2, 1), sinks=[sink])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nnstat.stats import Histogram
+
+__all__ = ["WandbSink", "to_wandb"]
+
+
+def to_wandb(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Replace every `nnstat.stats.Histogram` by a ``wandb.Histogram`` (other values unchanged)."""
+    import wandb
+
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, Histogram):
+            out[k] = wandb.Histogram(np_histogram=(v.counts, v.edges))
+        else:
+            out[k] = v
+    return out
+
+
+class WandbSink:
+    """Log a Tracker's metrics to a W&B run.
+
+    Uses `run` if given, else the active ``wandb.run``, else starts one with ``wandb.init(**kwargs)``
+    (and finishes it on `close`). W&B keeps at most 512 histogram bins.
+
+    Example:
+        >>> sink = WandbSink(project="nnstat", mode="offline")  # doctest: +SKIP
+        >>> sink.log({"weight/fc.weight/l2": 1.0}, step=0); sink.close()  # doctest: +SKIP
+    """
+
+    def __init__(self, run: Any | None = None, **init_kwargs: Any) -> None:
+        try:
+            import wandb
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "WandbSink needs the wandb package: pip install 'nnstat[wandb]'"
+            ) from e
+        self._owns = False
+        if run is None:
+            run = wandb.run
+            if run is None:
+                run = wandb.init(**init_kwargs)
+                self._owns = True
+        elif init_kwargs:
+            raise ValueError(
+                f"pass either run or wandb.init arguments, not both: {list(init_kwargs)}"
+            )
+        self.run = run
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        """``run.log(metrics, step=step)`` with histograms converted."""
+        # commit now so the summary reflects this step without waiting for the next one
+        self.run.log(to_wandb(metrics), step=step, commit=True)
+
+    def close(self) -> None:
+        """Finish the run if this sink started it."""
+        if self._owns:
+            self.run.finish()
+            self._owns = False
