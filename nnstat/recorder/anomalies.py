@@ -142,7 +142,8 @@ def first_offender(
 def phi_table(indicators: pd.DataFrame) -> pd.DataFrame:
     """Pairs of binary indicator columns: counts, phi coefficient and P(B | A), sorted.
 
-    Rows are observations (recorded steps). Only pairs where A fired at least once are listed;
+    Rows are observations (recorded steps). Only pairs where both fired at least once (not
+    necessarily together) are listed;
     ``phi`` is NaN when either indicator is constant.
 
     Example:
@@ -162,6 +163,8 @@ def phi_table(indicators: pd.DataFrame) -> pd.DataFrame:
             if i == j:
                 continue
             nb = int(x[:, j].sum())
+            if nb == 0:
+                continue  # an indicator that never fired says nothing about A
             both = int((x[:, i] & x[:, j]).sum())
             n10, n01 = na - both, nb - both
             n00 = n - na - nb + both
