@@ -64,9 +64,11 @@ class Run:
         self.mode = "log"
         self.rank, self.world_size = parts.dist_info()
         self._projection_args: dict[str, Any] = {"rank": None, "init": "random", "seed": 0}
+        self._projection_set = False
         self._projections: dict[str, ModuleProjection] | None = None
         self._logger: StoreLogger | None = None
         self._collector: Any = None
+        self._stats_state: dict[str, torch.Tensor] = {}
         self._pass = 0
         self._batch: dict[str, torch.Tensor] | None = None
         self._next_auto_id = 0
@@ -122,6 +124,7 @@ class Run:
         """
         self._require_no_open_pass("add_projection()")
         self._projection_args = {"rank": rank, "init": init, "seed": seed}
+        self._projection_set = True
         self._projections = None
         self._build_projections()
         assert self._projections is not None
@@ -140,13 +143,20 @@ class Run:
         self._check_writer()
         self._build_projections()
         ids = None if data_id is None else fmt.normalize_ids(data_id, len(data_id))
-        logging = self.mode == "log" and self._saving()
+        logging = self._saving()
+        if self.mode == "log":
+            extra = [s for s, on in self._pass_spec().save.items() if on and s != "grad"]
+            if extra:
+                raise ValueError(
+                    f"the gradient store saves the 'grad' stream only; save={extra} is not "
+                    "supported (log those streams with the recorder instead)"
+                )
         if logging:
             self._open_logger()
             assert self._logger is not None
         keep = self._admit(ids) if ids is not None else None
-        if self.mode == "log" and self._collector is None and self.config.statistics_on:
-            self._collector = parts.make_collector(self.config, self._pass)
+        if self.mode == "log" and self._collector is None and self._stats_on():
+            self._collector = parts.make_collector(self.config)
         self._batch = {}
         restore = parts.freeze_params(self.engine) if self._skip_param_grads() else None
         try:
@@ -165,7 +175,7 @@ class Run:
     def _on_capture(self, cap: Any) -> None:
         if self._batch is None:
             return  # someone else's engine.batch(): not ours to record
-        if self.mode == "log" and self._collector is not None:
+        if self.mode == "log" and self._collector is not None and self._stats_on():
             self._collector.on_capture(cap)
         if self.mode == "eval" or self._saving():
             assert self._projections is not None
@@ -224,7 +234,7 @@ class Run:
         return None
 
     # ------------------------------------------------------------------------ passes
-    def schedule(self) -> Iterator[int]:
+    def schedule(self) -> Iterator[Any]:
         """Run every pass the configuration needs (EKFAC: factors, then eigenvalues + grads).
 
         Example:
@@ -232,26 +242,32 @@ class Run:
             ...     for x, y in loader:
             ...         with run(data_id=ids): loss_fn(model(x), y).backward()
         """
-        passes = parts.config_passes(self.config)
-        for i in range(len(passes)):
-            self._pass = i
-            yield i
-            self.finalize()
+        self._require_no_open_pass("schedule()")
         self._pass = 0
+        for i, spec in enumerate(self.config.passes()):
+            if self._pass != i:
+                raise RuntimeError("finalize() was called inside a schedule() loop")
+            yield spec
+            self.finalize()
 
     def finalize(self) -> None:
         """End the pass: flush the store (tqdm when long), save statistics, raise writer errors."""
-        collector, self._collector = self._collector, None
+        collector = self._collector if self._stats_on() else None
         logger, self._logger = self._logger, None
         try:
             if logger is not None:
                 logger.close(progress=True)
         finally:
             if collector is not None:
-                parts.save_statistics(collector, self.path, self.rank)
+                self._stats_state = parts.save_statistics(collector, self.path, self.rank)
+                if collector.done:
+                    self._collector = None
         if logger is None and collector is None:
             warnings.warn("finalize(): nothing was logged in this pass", stacklevel=2)
         self._next_auto_id = 0
+        # the next loop is the next pass (EK-FAC: factors, then eigenvalues); after the last,
+        # a new round starts
+        self._pass = (self._pass + 1) % len(self.config.passes())
 
     def eval(self) -> Run:
         """Analysis mode: capture projected gradients in memory (for :meth:`get_log`), save nothing."""
@@ -293,10 +309,19 @@ class Run:
         """The meta.json describing rows of this run (layout, projection hash, config)."""
         self._build_projections()
         assert self._projections is not None
-        return parts.build_meta(self.project, self.config, self._projection_args, self._projections)
+        args = dict(self._projection_args)
+        if not self._projection_set:
+            args["rank"] = self.config.default_rank
+        return parts.build_meta(self.project, self.config, args, self._projections)
+
+    def _pass_spec(self) -> Any:
+        return self.config.passes()[self._pass]
 
     def _saving(self) -> bool:
-        return self.config.save_grad
+        return self.mode == "log" and bool(self._pass_spec().save.get("grad"))
+
+    def _stats_on(self) -> bool:
+        return any(self._pass_spec().statistic.values())
 
     def _skip_param_grads(self) -> bool:
         return self.mode == "log" and not self.config.param_grads
@@ -307,10 +332,12 @@ class Run:
         if self.engine is None or not self.engine.watched:
             raise RuntimeError("call watch(model) before add_projection() / logging")
         specs = [module_spec(n, m) for n, m in self.engine.watched.items()]
-        args = self._projection_args
+        args = dict(self._projection_args)
+        if not self._projection_set:
+            args["rank"] = self.config.default_rank
         stats = None
         if args["init"] == "pca" and args["rank"] is not None:
-            stats = parts.finalized_statistics(self._collector, self.path)
+            stats = parts.finalized_statistics(self._stats_state, self.path)
         self._projections = build_projections(
             specs, args["rank"], args["init"], args["seed"], stats
         )

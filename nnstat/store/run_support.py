@@ -9,7 +9,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -20,122 +20,93 @@ from nnstat.projection import ModuleProjection, ModuleSpec, layout, projection_t
 from nnstat.store import format as fmt
 from nnstat.store.logger import StoreOptions
 
-# keys of setup() handled by the store; everything else belongs to nnstat.config.RunConfig
-STORE_KEYS = ("param_grads", *StoreOptions.keys())
+# store-only setup() keys beyond those nnstat.config.RunConfig already knows
+STORE_EXTRA_KEYS = ("shard_rows", "queue_size", "on_stored_id", "size_budget_bytes", "num_samples")
 # store options that do not change what is stored (excluded from meta.json's configuration)
 _OPERATIONAL = {"shard_rows", "queue_size", "size_budget_bytes", "num_samples", "on_stored_id"}
 
 
 @dataclass
 class RunSettings:
-    """The parsed configuration of a run: the capture/statistics part and the store part."""
+    """The parsed configuration of a run: ``RunConfig`` plus the store's extra options."""
 
     raw: dict[str, Any] = field(default_factory=dict)
     run_config: Any = None
     store: StoreOptions = field(default_factory=StoreOptions)
-    param_grads: bool = True
+
+    @property
+    def param_grads(self) -> bool:
+        return bool(self.run_config.param_grads)
+
+    @property
+    def default_rank(self) -> int | None:
+        return self.run_config.rank
+
+    def passes(self) -> list[Any]:
+        return list(self.run_config.passes())
 
     @property
     def save_grad(self) -> bool:
-        return bool(_stream_flag(self.run_config, "save", "grad"))
+        return any(bool(p.save.get("grad")) for p in self.passes())
 
     @property
     def statistics_on(self) -> bool:
-        return _has_statistics(self.run_config)
+        return any(any(p.statistic.values()) for p in self.passes())
 
     @property
     def loss_reduction(self) -> str:
-        return str(getattr(self.run_config, "loss_reduction", "sum"))
+        return str(self.run_config.loss_reduction)
 
     def content(self) -> dict[str, Any]:
         """Configuration recorded in meta.json (and compared when resuming)."""
-        out = {"run": _jsonable(_config_dict(self.run_config))}
-        out["store"] = {k: v for k, v in self.store.as_dict().items() if k not in _OPERATIONAL}
-        return out
+        run = self.run_config.to_json()
+        run.pop("param_grads", None)  # how gradients were computed, not what they are
+        return {"run": run}
 
 
 def parse_config(config: Mapping[str, Any], base: RunSettings | None = None) -> RunSettings:
-    """Merge ``config`` into ``base`` (or the defaults); unknown keys name the valid ones."""
+    """Merge ``config`` into ``base`` (or the defaults); unknown keys name all valid ones.
+
+    Keys of :class:`nnstat.config.RunConfig` plus :data:`STORE_EXTRA_KEYS`.
+    """
     from nnstat.config import RunConfig
 
     if not isinstance(config, Mapping):
         raise TypeError(f"setup() takes a dict, got {type(config).__name__}")
     base = base or RunSettings()
     raw = {**base.raw, **dict(config)}
-    store_part = {k: v for k, v in raw.items() if k in STORE_KEYS}
-    run_part = {k: v for k, v in raw.items() if k not in STORE_KEYS}
-    try:
-        run_config = RunConfig.from_dict(run_part)
-    except (KeyError, ValueError) as e:
-        unknown = [k for k in run_part if k not in RunConfig.keys()]
-        if unknown:
-            valid = sorted([*RunConfig.keys(), *STORE_KEYS])
-            raise ValueError(f"unknown setup keys {unknown}; valid keys: {valid}") from e
-        raise
-    param_grads = store_part.pop("param_grads", True)
-    if not isinstance(param_grads, bool):
-        raise ValueError(f"param_grads must be True or False, got {param_grads!r}")
-    store = replace(StoreOptions(), **store_part)
-    return RunSettings(raw, run_config, store, param_grads)
+    valid = [f.name for f in fields(RunConfig)] + list(STORE_EXTRA_KEYS)
+    unknown = [k for k in raw if k not in valid]
+    if unknown:
+        raise ValueError(
+            f"unknown configuration key {unknown[0]!r}; valid keys: {', '.join(valid)}"
+        )
+    run_config = RunConfig.from_any({k: v for k, v in raw.items() if k not in STORE_EXTRA_KEYS})
+    extras = {k: v for k, v in raw.items() if k in STORE_EXTRA_KEYS}
+    store = StoreOptions(dtype=run_config.dtype, nonfinite=run_config.nonfinite, **extras)
+    return RunSettings(raw, run_config, store)
 
 
-def _config_dict(cfg: Any) -> Any:
-    for attr in ("to_dict", "as_dict"):
-        if callable(getattr(cfg, attr, None)):
-            return getattr(cfg, attr)()
-    return repr(cfg)
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, Mapping):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, type):
-        return x.__name__
-    if x is None or isinstance(x, bool | int | float | str):
-        return x
-    return getattr(x, "__name__", None) or type(x).__name__
-
-
-def _stream_flag(cfg: Any, section: str, stream: str) -> bool:
-    value = getattr(cfg, section, None)
-    if isinstance(value, Mapping):
-        return bool(value.get(stream, False))
-    return bool(getattr(value, stream, False))
-
-
-def _has_statistics(cfg: Any) -> bool:
-    stat = getattr(cfg, "statistic", None)
-    if isinstance(stat, Mapping):
-        return any(bool(v) for v in stat.values())
-    return bool(stat) and stat != "none"
-
-
-def config_passes(settings: RunSettings) -> list[Any]:
-    """The passes the configuration needs (``RunConfig.passes()``)."""
-    return list(settings.run_config.passes())
-
-
-def make_collector(settings: RunSettings, pass_index: int) -> Any:
-    """The statistics collector of one pass."""
+def make_collector(settings: RunSettings) -> Any:
+    """The statistics collector of a run (one for all its passes)."""
     from nnstat.statistics import StatisticsCollector
 
-    return StatisticsCollector(settings.run_config, pass_index=pass_index)
+    return StatisticsCollector(settings.run_config)
 
 
-def save_statistics(collector: Any, path: Path, rank: int) -> None:
-    """Finalize ``collector`` (all-reduced under DDP) and save it in the store directory."""
+def save_statistics(collector: Any, path: Path, rank: int) -> dict[str, torch.Tensor]:
+    """End ``collector``'s pass (all-reduced under DDP), save it (rank 0), return its state."""
     collector.finalize()
     if rank == 0:
         Path(path).mkdir(parents=True, exist_ok=True)
         collector.save(path)
+    return collector.state_dict()
 
 
-def finalized_statistics(collector: Any, path: Path) -> dict[str, torch.Tensor]:
-    """Statistics of the current run, else ``statistics.safetensors`` of the store, else ``{}``."""
-    if collector is not None and getattr(collector, "finalized", False):
-        return dict(collector.state_dict())
+def finalized_statistics(state: Mapping[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    """This run's finalized statistics, else ``statistics.safetensors`` of the store, else ``{}``."""
+    if state:
+        return dict(state)
     return load_tensors(Path(path) / fmt.STATISTICS_FILE)
 
 
