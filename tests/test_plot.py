@@ -1,0 +1,199 @@
+"""nnstat.plot: every figure renders to a real PNG, and the data behind it is the right data."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+pytest.importorskip("matplotlib")
+
+import nnstat.plot as nplt  # noqa: E402
+from nnstat._plot_data import matrix_2d, metrics_frame, select_layers  # noqa: E402
+
+
+def _png(fig, path: Path) -> tuple[int, int]:
+    fig.savefig(path, dpi=100)
+    raw = path.read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG file"
+    assert len(raw) > 5_000, f"suspiciously small PNG ({len(raw)} bytes): empty figure?"
+    width, height = struct.unpack(">II", raw[16:24])
+    return width, height
+
+
+def _history(n_steps: int = 12) -> list[dict]:
+    out = []
+    for s in range(n_steps):
+        out.append(
+            {
+                "step": 10 * s,
+                "grad/fc1.weight/l2": 1.0 / (s + 1),
+                "grad/fc2.weight/l2": 100.0 / (s + 1),
+                "weight/fc1.weight/l2": 3.0,
+                "trust_ratio/fc1.weight": 50.0 + s,
+                "trust_ratio/fc2.weight": float("inf") if s == 0 else 80.0 + s,
+                "noise_scale/b_simple": 20.0 + 3 * s,
+                "noise_scale/low": 15.0 + 3 * s,
+                "noise_scale/high": 26.0 + 3 * s,
+            }
+        )
+    return out
+
+
+def test_histogram_and_heatmap_render(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    weights = {n: p.detach() for n, p in model.named_parameters()}
+    w, h = _png(nplt.histogram(weights, "0.weight"), tmp_path / "h.png")
+    assert (w, h) == (640, 380)
+    w, h = _png(nplt.histogram(weights, ["0.weight", "2.weight"], log_y=True), tmp_path / "h2.png")
+    assert (w, h) == (640, 380)
+    w, h = _png(nplt.weight_heatmap(weights, "0.weight"), tmp_path / "m.png")
+    assert 400 <= w <= 900 and 260 <= h <= 750
+    conv = torch.nn.Conv2d(3, 8, 3).weight
+    _png(nplt.weight_heatmap(conv), tmp_path / "c.png")
+
+
+def test_histogram_counts_nonfinite_and_rejects_bad_input():
+    values = torch.tensor([1.0, 2.0, float("nan"), float("inf"), 3.0])
+    fig = nplt.histogram(values)
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "nonfinite=2" in legend[0] and "n=5" in legend[0]
+    with pytest.raises(ValueError, match="layer="):
+        nplt.histogram({"a": torch.ones(3), "b": torch.ones(3)})
+    with pytest.raises(KeyError, match="available"):
+        nplt.histogram({"a": torch.ones(3)}, "nope")
+    with pytest.raises(ValueError, match="finite"):
+        nplt.histogram(torch.tensor([float("nan")]))
+
+
+def test_heatmap_shows_the_matrix_and_block_averages_large_ones():
+    w = torch.arange(12.0).reshape(3, 4) - 6
+    fig = nplt.weight_heatmap(w)
+    shown = np.asarray(fig.axes[0].get_images()[0].get_array())
+    np.testing.assert_array_equal(shown, w.numpy())
+    lo, hi = fig.axes[0].get_images()[0].get_clim()
+    assert lo == -hi == -6.0  # symmetric around zero
+    big = np.random.default_rng(0).normal(size=(10, 7))
+    small = matrix_2d(big, 4)
+    # reference: pad with NaN to a multiple of the block, average each block
+    ref_rows = [
+        np.nanmean(np.pad(big, ((0, 2), (0, 0)), constant_values=np.nan)[i : i + 3], 0)
+        for i in range(0, 12, 3)
+    ]
+    ref = np.stack(ref_rows)
+    ref = np.stack(
+        [
+            np.nanmean(np.pad(ref, ((0, 0), (0, 1)), constant_values=np.nan)[:, j : j + 2], 1)
+            for j in range(0, 8, 2)
+        ],
+        axis=1,
+    )
+    np.testing.assert_allclose(small, ref)
+    assert matrix_2d(np.ones((4, 2, 3, 3)), 512).shape == (4, 18)
+
+
+def test_metrics_frame_accepts_lists_pairs_and_frames():
+    hist = _history(3)
+    frame = metrics_frame(hist)
+    assert frame.index.tolist() == [0, 10, 20]
+    assert "step" not in frame.columns
+    pairs = metrics_frame([(5, {"a": 1.0}), (7, {"a": 2.0, "img": "not a number"})])
+    assert pairs["a"].tolist() == [1.0, 2.0] and "img" not in pairs.columns
+    long = pd.DataFrame({"step": [1, 1, 2], "tag": ["x", "y", "x"], "value": [1.0, 2.0, 3.0]})
+    wide = metrics_frame(long)
+    assert wide.loc[2, "x"] == 3.0 and np.isnan(wide.loc[2, "y"])
+    with pytest.raises(TypeError, match="history"):
+        metrics_frame(42)
+    with pytest.raises(ValueError, match="empty"):
+        metrics_frame([])
+
+
+def test_select_layers_uses_the_prefix_and_names_missing_keys():
+    frame = metrics_frame(_history(2))
+    grads = select_layers(frame, "l2", prefix="grad/")
+    assert list(grads.columns) == ["fc1.weight", "fc2.weight"]
+    assert grads["fc2.weight"].tolist() == [100.0, 50.0]
+    with pytest.raises(KeyError, match="grad/<layer>/rms"):
+        select_layers(frame, "rms", prefix="grad/")
+    with pytest.raises(KeyError, match="available"):
+        select_layers(frame, "l2", prefix="grad/", layers=["fc3.weight"])
+
+
+def test_stat_heatmap_trust_ratio_and_noise_scale_render(tmp_path):
+    hist = _history()
+    fig = nplt.stat_heatmap(hist, "l2", prefix="grad/")
+    shown = np.asarray(fig.axes[0].get_images()[0].get_array())
+    assert shown.shape == (2, 12)
+    np.testing.assert_allclose(shown[1], [100.0 / (s + 1) for s in range(12)])
+    w, h = _png(fig, tmp_path / "s.png")
+    assert w >= 600 and h >= 260
+    fig = nplt.trust_ratio_plot(hist)
+    lines = fig.axes[0].get_lines()
+    assert [ln.get_label() for ln in lines] == ["fc1.weight", "fc2.weight"]
+    assert np.isnan(lines[1].get_ydata()[0])  # inf (no update) is not drawn
+    assert _png(fig, tmp_path / "t.png") == (720, 400)
+    fig = nplt.noise_scale_plot(hist, batch_size=32)
+    assert _png(fig, tmp_path / "n.png") == (700, 380)
+    fig = nplt.noise_scale_plot([0, 1, 2], [5.0, 6.0, 7.0], ([4, 5, 6], [6, 7, 8]))
+    np.testing.assert_array_equal(fig.axes[0].get_lines()[0].get_ydata(), [5.0, 6.0, 7.0])
+    with pytest.raises(ValueError, match="shape"):
+        nplt.noise_scale_plot([0, 1], [1.0, 2.0, 3.0])
+
+
+class _Result:
+    def __init__(self, scores, test_ids, train_ids):
+        self.scores, self.test_ids, self.train_ids = scores, test_ids, train_ids
+
+
+def test_influence_figure_picks_top_and_bottom_scores(tmp_path):
+    rng = np.random.default_rng(1)
+    scores = torch.tensor(rng.normal(size=(3, 40)), dtype=torch.float32)
+    train_ids = [f"t{i}" for i in range(40)]
+    result = _Result(scores, ["a", "b", "c"], train_ids)
+    images = torch.rand(40, 8, 8)
+    fig = nplt.influence_figure(
+        torch.rand(3, 64), images, result, k=3, train_labels=list(range(40))
+    )
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    for q in range(3):
+        order = np.argsort(scores[q].numpy())
+        best, worst = order[::-1][:3], order[:3]
+        row = titles[q * 7 : (q + 1) * 7]
+        assert row[0].startswith(f"query {'abc'[q]}")
+        for title, j in zip(row[1:4], best, strict=True):
+            assert f"#t{j} · label {j}" in title and f"{scores[q, j].item():+#.3g}" in title
+        for title, j in zip(row[4:7], worst, strict=True):
+            assert f"#t{j}" in title
+    w, h = _png(fig, tmp_path / "i.png")
+    assert w == int(100 * (1.25 * 7 + 0.6)) and h == int(100 * (1.55 * 3 + 0.9))
+
+
+def test_influence_figure_accepts_mappings_and_rejects_bad_images():
+    scores = np.array([[0.5, -1.0, 2.0]])
+    images = {"x": np.zeros((3, 8, 8)), "y": np.ones((8, 8, 1)), "z": np.eye(8)}
+    fig = nplt.influence_figure([np.eye(8)], images, _Result(scores, [0], ["x", "y", "z"]), k=1)
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert "#z" in titles[1] and "#y" in titles[2]
+    with pytest.raises(ValueError, match="image_shape"):
+        nplt.influence_figure([np.zeros(10)], np.zeros((3, 10)), scores, k=1)
+    with pytest.raises(ValueError, match="k must"):
+        nplt.influence_figure([np.eye(8)], images, scores, k=0)
+
+
+def test_score_distribution(tmp_path):
+    scores = np.random.default_rng(0).normal(size=(4, 300))
+    fig = nplt.score_distribution(scores)
+    heights = sum(p.get_height() for p in fig.axes[0].patches)
+    assert heights == 1200  # every score is in a bar
+    assert _png(fig, tmp_path / "d.png") == (640, 360)
+    self_inf = np.abs(scores[0])
+    fig = nplt.score_distribution(self_inf, highlight=[3, 7], log_y=False)
+    (marks,) = [ln.get_xdata() for ln in fig.axes[0].get_lines() if ln.get_label() == "highlighted"]
+    np.testing.assert_allclose(marks, self_inf[[3, 7]])
+    with pytest.raises(ValueError, match="finite"):
+        nplt.score_distribution(np.array([np.nan]))
