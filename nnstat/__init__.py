@@ -37,6 +37,9 @@ _EXPORTS: dict[str, str] = {
     "Covariance": "nnstat.statistics",
     "KFAC": "nnstat.statistics",
     "EKFAC": "nnstat.statistics",
+    "StatisticsCollector": "nnstat.statistics",
+    "ModuleCapture": "nnstat.capture.capture",
+    "RunConfig": "nnstat.config",
     # runs and the gradient store
     "Run": "nnstat.run",
     "init": "nnstat.run",

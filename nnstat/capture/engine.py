@@ -39,6 +39,7 @@ class _BatchContext:
     batch_size: int | None
     mask: torch.Tensor | None
     loss_reduction: str
+    outputs_require_grad: bool = False
 
 
 @dataclass
@@ -169,11 +170,15 @@ class CaptureEngine:
         batch_size: int | None = None,
         mask: torch.Tensor | None = None,
         loss_reduction: str = "sum",
+        outputs_require_grad: bool = False,
     ) -> Iterator[None]:
         """Capture forward/backward passes run inside this block.
 
         ``loss_reduction="mean"`` multiplies output gradients by ``batch_size`` (default: the
         module's batch dimension N) so they are gradients of each sample's own loss term.
+        ``outputs_require_grad=True`` (used by the store's ``param_grads=False`` pass, whose
+        parameters are frozen) makes a watched output that does not require grad a detached leaf
+        that does, so its output-gradient is still captured.
         ``mask`` (``[N]`` or ``[N, *positions]``, nonzero = keep) zeroes excluded positions in
         modules whose output positions match its shape.
         """
@@ -189,7 +194,7 @@ class CaptureEngine:
             mask = mask.detach()
         if self._ctx is not None:
             raise RuntimeError("engine.batch(...) blocks cannot be nested")
-        self._ctx = _BatchContext(batch_size, mask, loss_reduction)
+        self._ctx = _BatchContext(batch_size, mask, loss_reduction, outputs_require_grad)
         try:
             yield
         finally:
@@ -198,10 +203,17 @@ class CaptureEngine:
         self.flush()
 
     # -------------------------------------------------------------------- hooks
-    def _on_forward(self, w: _Watched, module: nn.Module, inputs: tuple, output: Any) -> None:
+    def _on_forward(
+        self, w: _Watched, module: nn.Module, inputs: tuple, output: Any
+    ) -> torch.Tensor | None:
         ctx = self._ctx
         if ctx is None or not isinstance(output, torch.Tensor):
             return
+        replaced = None
+        if ctx.outputs_require_grad and torch.is_grad_enabled() and not output.requires_grad:
+            # opt-in (store's param_grads=False): parameters are frozen for the pass, so the
+            # output-gradient comes through a detached leaf instead of the weight's graph
+            output = replaced = output.detach().requires_grad_()
         if not (torch.is_grad_enabled() and output.requires_grad) or not inputs:
             return
         x = inputs[0]
@@ -210,6 +222,7 @@ class CaptureEngine:
         # the input travels in the closure, so a recomputed forward (activation checkpointing)
         # pairs with its own backward and a forward whose output never gets a gradient is dropped
         output.register_hook(partial(self._on_output_grad, module, x.detach(), ctx))
+        return replaced
 
     def _on_output_grad(
         self, module: nn.Module, x: torch.Tensor, ctx: _BatchContext, grad: torch.Tensor

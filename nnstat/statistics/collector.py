@@ -1,0 +1,232 @@
+"""`StatisticsCollector`: a capture consumer that keeps running sums and finalizes them once."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from nnstat.capture.capture import ModuleCapture
+from nnstat.statistics.stats import Covariance, Statistic
+
+if TYPE_CHECKING:  # nnstat.config imports the statistic classes from this package
+    from nnstat.config import PassSpec, RunConfig
+
+TENSORS_FILE = "statistics.safetensors"
+JSON_FILE = "statistics.json"
+
+
+class StatisticsCollector:
+    """Accumulate the statistics of a configuration over one or more passes.
+
+    ``finalize()`` ends the current pass: sums (and counts) are all-reduced across
+    ``torch.distributed`` ranks when initialised, divided once, and the next pass (if any)
+    begins. Results: :meth:`state_dict` with keys ``"{module}/{stream}/{statistic}"``.
+
+    Example:
+        >>> import torch, nnstat
+        >>> from nnstat.statistics import StatisticsCollector
+        >>> model = torch.nn.Linear(3, 2)
+        >>> engine = nnstat.CaptureEngine(); _ = engine.watch(model)
+        >>> collector = StatisticsCollector("kfac"); engine.add_consumer(collector)
+        >>> with engine.batch():
+        ...     model(torch.randn(8, 3)).sum().backward()
+        >>> collector.finalize()
+        >>> sorted(collector.state_dict())
+        ['model/backward/covariance', 'model/forward/covariance']
+    """
+
+    def __init__(
+        self,
+        config: RunConfig | Mapping[str, Any] | str | None = None,
+        prior: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        from nnstat.config import RunConfig
+
+        if isinstance(config, Mapping) and set(config) <= {"forward", "backward", "grad"}:
+            config = {"statistic": dict(config)}  # a bare low-level statistic spec
+        self.config = RunConfig.from_any(config)
+        self._passes = self.config.passes()
+        self._pass = 0
+        self._sums: dict[str, torch.Tensor] = {}
+        self._counts: dict[str, float] = {}
+        self._state: dict[str, torch.Tensor] = {
+            k: v.detach().clone() for k, v in (prior or {}).items()
+        }
+        self.counts: dict[str, float] = {}
+        self.kinds: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ passes
+    @property
+    def current_pass(self) -> PassSpec | None:
+        """The pass being accumulated, or ``None`` when every pass is finalized."""
+        return self._passes[self._pass] if self._pass < len(self._passes) else None
+
+    @property
+    def passes(self) -> list[PassSpec]:
+        return list(self._passes)
+
+    @property
+    def done(self) -> bool:
+        return self._pass >= len(self._passes)
+
+    # ---------------------------------------------------------------- consumer
+    def on_capture(self, cap: ModuleCapture) -> None:
+        """Add one module's batch to the running sums of the current pass."""
+        spec = self.current_pass
+        if spec is None:
+            raise RuntimeError("all passes of this collector are finalized; create a new one")
+        self.kinds[cap.name] = cap.kind
+        for stream, classes in spec.statistic.items():
+            for cls in classes:
+                if spec.kfac and not cap.is_kronecker and stream != "grad":
+                    # no Kronecker structure: K-FAC degenerates to the full gradient covariance
+                    if stream == "forward" and cls is Covariance:
+                        self._add(Covariance.key(cap.name, "grad"), cap, Covariance, "grad")
+                    continue
+                if spec.kfac and not cap.is_kronecker and cls.name == "eigenvalues":
+                    continue  # the covariance above is exact; its eigenbasis needs no correction
+                self._add(cls.key(cap.name, stream), cap, cls, stream)
+
+    __call__ = on_capture
+
+    def _add(self, key: str, cap: ModuleCapture, cls: type[Statistic], stream: str) -> None:
+        term, count = cls.contribution(cap, stream, self._state)
+        term = term.detach().to(torch.float32)
+        if not torch.isfinite(term).all():
+            raise FloatingPointError(f"{key}: non-finite values in this batch's contribution")
+        if key in self._sums:
+            self._sums[key] += term
+        else:
+            self._sums[key] = term.clone()
+        self._counts[key] = self._counts.get(key, 0.0) + float(count)
+
+    def finalize(self) -> None:
+        """End the current pass: all-reduce (if distributed), divide once, start the next pass."""
+        spec = self.current_pass
+        if spec is None:
+            raise RuntimeError("finalize() called after the last pass")
+        keys = sorted(self._sums)
+        if dist.is_available() and dist.is_initialized():
+            _all_reduce(keys, self._sums, self._counts)
+        for k in keys:
+            c = self._counts[k]
+            if c <= 0:
+                raise ValueError(f"{k}: no positions were captured (all masked?)")
+            self._state[k] = self._sums[k] / c
+            self.counts[k] = c
+        self._sums, self._counts = {}, {}
+        self._pass += 1
+        if any(self._needs_eigens(p) for p in self._passes[self._pass :]):
+            self._add_eigenbases()
+
+    @staticmethod
+    def _needs_eigens(p: PassSpec) -> bool:
+        return any(c.name == "eigenvalues" for c in p.statistic.get("grad", ()))
+
+    def _add_eigenbases(self) -> None:
+        for key in list(self._state):
+            mod, stream, stat = key.rsplit("/", 2)
+            if stat == "covariance" and stream in ("forward", "backward"):
+                vals, vecs = torch.linalg.eigh(self._state[key].double())
+                self._state[f"{mod}/{stream}/eigenvectors"] = vecs.float()
+                self._state[f"{mod}/{stream}/eigenvalues"] = vals.float()
+
+    # ---------------------------------------------------------------- results
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Finalized results (and K-FAC eigenbases when computed), keyed by state key."""
+        return dict(self._state)
+
+    def spectral_summary(self) -> dict[str, float]:
+        """Per factor: ``{"kfac/<module>/<factor>/<stat>": float}`` (a Tracker provider).
+
+        ``stat`` ∈ trace, max_eig, condition_number (λmax / λmin with λmin floored at
+        λmax·eps(float32)), effective_rank (exp of the entropy of λ/Σλ, Roy & Vetterli 2007).
+        Factors: ``forward`` (A), ``backward`` (S), ``grad`` (full gradient covariance).
+        """
+        out: dict[str, float] = {}
+        for key, value in self._state.items():
+            mod, stream, stat = key.rsplit("/", 2)
+            if stat != "covariance" or value.dim() != 2:
+                continue
+            for k, v in spectrum_stats(value).items():
+                out[f"kfac/{mod}/{stream}/{k}"] = v
+        return out
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write ``statistics.safetensors`` + ``statistics.json`` into directory ``path``."""
+        root = Path(path)
+        root.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.contiguous() for k, v in self._state.items()}
+        save_file(tensors, str(root / TENSORS_FILE))
+        meta = {
+            "config": self.config.to_json(),
+            "passes_done": [p.name for p in self._passes[: self._pass]],
+            "counts": self.counts,
+            "kinds": self.kinds,
+        }
+        (root / JSON_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        return root
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> StatisticsCollector:
+        """Reload a saved collector (safetensors + JSON; nothing is unpickled)."""
+        from nnstat.config import RunConfig
+
+        root = Path(path)
+        meta = json.loads((root / JSON_FILE).read_text())
+        col = cls(RunConfig.from_json(meta["config"]), prior=load_file(str(root / TENSORS_FILE)))
+        col._pass = len(meta["passes_done"])
+        col.counts = {k: float(v) for k, v in meta["counts"].items()}
+        col.kinds = dict(meta["kinds"])
+        return col
+
+
+def spectrum_stats(m: torch.Tensor) -> dict[str, float]:
+    """Trace, largest eigenvalue, condition number and effective rank of a PSD matrix."""
+    ev = torch.linalg.eigvalsh(m.double()).clamp(min=0)
+    top = float(ev[-1])
+    trace = float(ev.sum())
+    if top <= 0:
+        return {"trace": trace, "max_eig": 0.0, "condition_number": math.inf, "effective_rank": 0.0}
+    floor = top * torch.finfo(torch.float32).eps
+    p = ev / ev.sum()
+    p = p[p > 0]
+    return {
+        "trace": trace,
+        "max_eig": top,
+        "condition_number": top / max(float(ev[0]), floor),
+        "effective_rank": float(torch.exp(-(p * p.log()).sum())),
+    }
+
+
+def _all_reduce(keys: list[str], sums: dict[str, torch.Tensor], counts: dict[str, float]) -> None:
+    # every rank must hold the same keys, or the flat buffers would be summed misaligned
+    sig = torch.tensor([len(keys), zlib.crc32("\n".join(keys).encode())], dtype=torch.float64)
+    ref = sig.clone()
+    dist.broadcast(ref, src=0)
+    if not torch.equal(sig, ref):
+        raise RuntimeError(
+            f"rank {dist.get_rank()} holds statistics {keys} that differ from rank 0's; "
+            "every rank must watch the same modules and capture at least one batch"
+        )
+    if not keys:
+        return
+    flat = torch.cat([sums[k].reshape(-1).double() for k in keys])
+    cnt = torch.tensor([counts[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(flat)
+    dist.all_reduce(cnt)
+    off = 0
+    for i, k in enumerate(keys):
+        n = sums[k].numel()
+        sums[k] = flat[off : off + n].reshape(sums[k].shape).float()
+        counts[k] = float(cnt[i])
+        off += n
