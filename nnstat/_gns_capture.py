@@ -75,7 +75,7 @@ class PerSampleNorms:
             if not torch.isfinite(s).all():
                 raise ValueError(f"per-sample gradient norms of {name!r} contain NaN or Inf")
             g_sq = 0.0
-            for p, old in zip(self.params[name], before[name]):
+            for p, old in zip(self.params[name], before[name], strict=True):
                 if p.grad is None:
                     continue
                 g = p.grad.detach() if old is None else p.grad.detach() - old

@@ -141,7 +141,9 @@ def mean_grads(
     """Gradient of the batch-mean loss w.r.t. ``params`` (no ``.grad`` is touched)."""
     loss = batch_loss(model, loss_fn, batch)
     grads = torch.autograd.grad(loss, list(params), allow_unused=True)
-    out = [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, params)]
+    out = [
+        torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, params, strict=True)
+    ]
     for g in out:
         if not torch.isfinite(g).all():
             raise ValueError("the gradient contains NaN or Inf; check the model and loss_fn")

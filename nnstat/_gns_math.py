@@ -183,3 +183,21 @@ def fit_sq_norms(
     resid = y - (g_sq + trace / x)
     residual = float(np.sqrt(np.mean(resid**2)) / abs(np.mean(y))) if np.mean(y) != 0 else 0.0
     return FitResult(g_sq, trace, b_simple, b_stderr, residual)
+
+
+def doubling_ladder(small: int, big: int) -> list[int]:
+    """``small, 2 small, 4 small, ...`` up to ``big`` (``big`` appended if not reached exactly).
+
+    Sizes that are multiples of the smallest let one big batch serve every size (nested chunks).
+
+    Example:
+        >>> doubling_ladder(8, 128), doubling_ladder(3, 20)
+        ([8, 16, 32, 64, 128], [3, 6, 12, 20])
+    """
+    check_batch_sizes(small, big)
+    sizes = [int(small)]
+    while sizes[-1] * 2 <= big:
+        sizes.append(sizes[-1] * 2)
+    if sizes[-1] != big:
+        sizes.append(int(big))
+    return sizes

@@ -13,9 +13,7 @@ small models (exact HVPs).
 
 from __future__ import annotations
 
-import math
 import warnings
-from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -23,14 +21,15 @@ import torch
 from torch import nn
 
 from nnstat._gns_data import BatchSource, LossFn, batch_loss, mean_grads, sq_norms
+from nnstat._gns_fit import fit_method
 from nnstat._gns_math import (
     check_batch_sizes,
-    fit_sq_norms,
-    geometric_ladder,
+    doubling_ladder,
     ratio_of_means,
     safe_ratio,
     two_batch,
 )
+from nnstat._gns_result import LayerNoiseScale, NoiseScaleResult
 from nnstat._gns_tracker import NoiseScale
 
 __all__ = ["LayerNoiseScale", "NoiseScale", "NoiseScaleResult", "noise_scale"]
@@ -39,82 +38,10 @@ Method = Literal["two_batch", "per_sample", "fit"]
 _METHODS = ("two_batch", "per_sample", "fit")
 
 
-@dataclass(frozen=True)
-class LayerNoiseScale:
-    """Noise-scale estimates restricted to one parameter (or module, for ``per_sample``)."""
-
-    b_simple: float
-    grad_sq_norm: float
-    trace_sigma: float
-
-
-@dataclass
-class NoiseScaleResult:
-    """Result of :func:`noise_scale`.
-
-    ``b_simple = trace_sigma / grad_sq_norm`` (``inf`` when ``grad_sq_norm <= 0``: the gradient
-    is indistinguishable from noise at this sample size; the raw estimates stay available).
-    ``b_simple_stderr`` is a delta-method standard error and ``interval`` a 95% interval
-    (bootstrap over estimates for ``two_batch``/``per_sample``, +-1.96 standard errors of the fit
-    for ``fit``). ``per_layer`` is keyed by parameter name (module name for ``per_sample``).
-    """
-
-    method: str
-    b_simple: float
-    grad_sq_norm: float
-    trace_sigma: float
-    b_simple_stderr: float
-    interval: tuple[float, float]
-    n_samples: int
-    n_estimates: int
-    batch_sizes: list[int]
-    per_layer: dict[str, LayerNoiseScale] = field(default_factory=dict)
-    fit_residual: float | None = None
-    b_noise: float | None = None
-    estimates: dict[str, list[float]] = field(default_factory=dict)
-
-    def to_dict(self, prefix: str = "noise_scale") -> dict[str, float]:
-        """Flat metrics, e.g. ``noise_scale/b_simple`` and ``noise_scale/b_simple/fc1.weight``.
-
-        Example:
-            >>> r = NoiseScaleResult("two_batch", 4.0, 1.0, 4.0, 0.1, (3.8, 4.2), 10, 1, [2, 8])
-            >>> r.to_dict()["noise_scale/b_simple"]
-            4.0
-        """
-        out = {
-            f"{prefix}/b_simple": self.b_simple,
-            f"{prefix}/grad_sq_norm": self.grad_sq_norm,
-            f"{prefix}/trace_sigma": self.trace_sigma,
-            f"{prefix}/b_simple_stderr": self.b_simple_stderr,
-            f"{prefix}/b_simple_low": self.interval[0],
-            f"{prefix}/b_simple_high": self.interval[1],
-            f"{prefix}/n_samples": float(self.n_samples),
-        }
-        if self.fit_residual is not None:
-            out[f"{prefix}/fit_residual"] = self.fit_residual
-        if self.b_noise is not None:
-            out[f"{prefix}/b_noise"] = self.b_noise
-        for name, layer in self.per_layer.items():
-            out[f"{prefix}/b_simple/{name}"] = layer.b_simple
-        return out
-
-    def summary(self) -> str:
-        """One line: ``B_simple = 123 (95% CI 100-150) from 4096 samples``."""
-        lo, hi = self.interval
-        return (
-            f"B_simple = {self.b_simple:.4g} (95% interval {lo:.4g}-{hi:.4g}, {self.method}) from "
-            f"{self.n_samples} samples"
-        )
-
-    def as_json(self) -> dict[str, Any]:
-        """Plain-data view (dataclasses turned into dicts)."""
-        return asdict(self)
-
-
 def _layers(names: list[str], g_sq: np.ndarray, trace: np.ndarray) -> dict[str, LayerNoiseScale]:
     return {
         n: LayerNoiseScale(safe_ratio(float(t), float(g)), float(g), float(t))
-        for n, g, t in zip(names, g_sq, trace)
+        for n, g, t in zip(names, g_sq, trace, strict=True)
     }
 
 
@@ -174,7 +101,7 @@ def _two_batch(model, loss_fn, src, params, b_small, b_big, n_estimates, gen):
         for start in range(0, b_big, b_small):
             part = idx[start : start + b_small]
             grads = mean_grads(model, loss_fn, src.batch(part), params)
-            for t, g in zip(total, grads):
+            for t, g in zip(total, grads, strict=True):
                 t.add_(g.double(), alpha=len(part) / b_big)
             if len(part) == b_small:
                 chunk_sq.append(sq_norms(grads))
@@ -219,37 +146,6 @@ def _per_sample(model, loss_fn, src, b_big, n_estimates, gen, name_filter):
     return small, big, names
 
 
-def _fit(model, loss_fn, src, params, names, sizes, n_estimates, gen) -> NoiseScaleResult:
-    per_size = np.zeros((len(sizes), n_estimates, len(params)))
-    for i in range(n_estimates):
-        for j, b in enumerate(sizes):
-            grads = mean_grads(model, loss_fn, src.batch(_draw(gen, len(src), b)), params)
-            per_size[j, i] = sq_norms(grads).numpy()
-    x = np.asarray(sizes, dtype=np.float64)
-    totals = per_size.sum(2)
-    se = totals.std(1, ddof=1) / math.sqrt(n_estimates) if n_estimates > 1 else None
-    fit = fit_sq_norms(x, totals.mean(1), se)
-    _warn_if_noise(fit.g_sq)
-    layer_fits = [fit_sq_norms(x, per_size[:, :, k].mean(1)) for k in range(len(params))]
-    half = 1.959964 * fit.b_simple_stderr
-    return NoiseScaleResult(
-        method="fit",
-        b_simple=fit.b_simple,
-        grad_sq_norm=fit.g_sq,
-        trace_sigma=fit.trace,
-        b_simple_stderr=fit.b_simple_stderr,
-        interval=(fit.b_simple - half, fit.b_simple + half),
-        n_samples=n_estimates * int(sum(sizes)),
-        n_estimates=n_estimates,
-        batch_sizes=list(sizes),
-        per_layer={
-            n: LayerNoiseScale(f.b_simple, f.g_sq, f.trace) for n, f in zip(names, layer_fits)
-        },
-        fit_residual=fit.residual,
-        estimates={f"sq_norm/{b}": totals[j].tolist() for j, b in enumerate(sizes)},
-    )
-
-
 def noise_scale(
     model: nn.Module,
     loss_fn: LossFn,
@@ -276,7 +172,8 @@ def noise_scale(
         method: ``"two_batch"`` (each big batch split into small chunks), ``"per_sample"``
             (``B_small = 1`` from per-sample norms of the capture engine, batches of
             ``big_batch``; ``small_batch`` ignored) or ``"fit"`` (curve fit over
-            ``batch_sizes``, default a geometric ladder from ``small_batch`` to ``big_batch``).
+            ``batch_sizes``, default ``small_batch, 2*small_batch, ...`` up to ``big_batch``; one big batch
+            is cut into nested chunks so it serves every size).
         n_estimates: number of independent big batches (per batch size for ``fit``).
         seed: seed of the batch sampler (the global RNG is not touched).
         hessian: also compute ``B_noise = tr(H Sigma)/G^T H G`` on ``hessian_samples``
@@ -325,12 +222,10 @@ def noise_scale(
             method, small, big, 1, big_batch, mod_names, n_estimates * big_batch, seed
         )
     else:
-        sizes = (
-            sorted(set(batch_sizes)) if batch_sizes else geometric_ladder(small_batch, big_batch)
-        )
+        sizes = sorted(set(batch_sizes)) if batch_sizes else doubling_ladder(small_batch, big_batch)
         if len(sizes) < 2 or any(not isinstance(b, int) or b < 1 for b in sizes):
             raise ValueError(f"batch_sizes must hold at least two distinct ints >= 1, got {sizes}")
-        result = _fit(model, loss_fn, src, params, names, sizes, n_estimates, gen)
+        result = fit_method(model, loss_fn, src, params, names, sizes, n_estimates, gen, seed)
 
     if hessian:
         from nnstat._gns_hessian import hessian_noise_scale

@@ -1,0 +1,78 @@
+"""Result types of :func:`nnstat.noise_scale` (re-exported by :mod:`nnstat.gns`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LayerNoiseScale:
+    """Noise-scale estimates restricted to one parameter (or module, for ``per_sample``)."""
+
+    b_simple: float
+    grad_sq_norm: float
+    trace_sigma: float
+
+
+@dataclass
+class NoiseScaleResult:
+    """Result of :func:`noise_scale`.
+
+    ``b_simple = trace_sigma / grad_sq_norm`` (``inf`` when ``grad_sq_norm <= 0``: the gradient
+    is indistinguishable from noise at this sample size; the raw estimates stay available).
+    ``b_simple_stderr`` is a delta-method standard error and ``interval`` a 95% interval
+    (bootstrap over estimates for ``two_batch``/``per_sample``, +-1.96 standard errors of the fit
+    for ``fit``). ``per_layer`` is keyed by parameter name (module name for ``per_sample``).
+    """
+
+    method: str
+    b_simple: float
+    grad_sq_norm: float
+    trace_sigma: float
+    b_simple_stderr: float
+    interval: tuple[float, float]
+    n_samples: int
+    n_estimates: int
+    batch_sizes: list[int]
+    per_layer: dict[str, LayerNoiseScale] = field(default_factory=dict)
+    fit_residual: float | None = None
+    b_noise: float | None = None
+    estimates: dict[str, list[float]] = field(default_factory=dict)
+
+    def to_dict(self, prefix: str = "noise_scale") -> dict[str, float]:
+        """Flat metrics, e.g. ``noise_scale/b_simple`` and ``noise_scale/b_simple/fc1.weight``.
+
+        Example:
+            >>> r = NoiseScaleResult("two_batch", 4.0, 1.0, 4.0, 0.1, (3.8, 4.2), 10, 1, [2, 8])
+            >>> r.to_dict()["noise_scale/b_simple"]
+            4.0
+        """
+        out = {
+            f"{prefix}/b_simple": self.b_simple,
+            f"{prefix}/grad_sq_norm": self.grad_sq_norm,
+            f"{prefix}/trace_sigma": self.trace_sigma,
+            f"{prefix}/b_simple_stderr": self.b_simple_stderr,
+            f"{prefix}/b_simple_low": self.interval[0],
+            f"{prefix}/b_simple_high": self.interval[1],
+            f"{prefix}/n_samples": float(self.n_samples),
+        }
+        if self.fit_residual is not None:
+            out[f"{prefix}/fit_residual"] = self.fit_residual
+        if self.b_noise is not None:
+            out[f"{prefix}/b_noise"] = self.b_noise
+        for name, layer in self.per_layer.items():
+            out[f"{prefix}/b_simple/{name}"] = layer.b_simple
+        return out
+
+    def summary(self) -> str:
+        """One line: ``B_simple = 123 (95% CI 100-150) from 4096 samples``."""
+        lo, hi = self.interval
+        return (
+            f"B_simple = {self.b_simple:.4g} (95% interval {lo:.4g}-{hi:.4g}, {self.method}) from "
+            f"{self.n_samples} samples"
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        """Plain-data view (dataclasses turned into dicts)."""
+        return asdict(self)

@@ -1,0 +1,279 @@
+"""nnstat.noise_scale against closed forms and torch.func per-sample gradients.
+
+Synthetic problem: x ~ N(0, C) (C diagonal), y = w*.x + eps with eps ~ N(0, s^2), a linear
+model at w = w* + d and the squared loss. Per-example gradient g = -2 r x with r = d.x + eps, so
+G = -2 C d and Sigma = 4 [(d'Cd + s^2) C + C d d' C] (Gaussian fourth moments).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+import nnstat
+from nnstat._gns_hessian import hessian_noise_scale
+from nnstat._gns_math import fit_sq_norms, geometric_ladder, ratio_of_means, two_batch
+
+D, N, S2 = 5, 20000, 1.0
+C = torch.tensor([1.0, 2.0, 0.5, 1.5, 1.0], dtype=torch.float64)
+DELTA = torch.tensor([0.3, -0.2, 0.4, 0.1, -0.3], dtype=torch.float64)
+
+
+def closed_form() -> tuple[float, float]:
+    cd = C * DELTA
+    g_sq = 4 * float(cd @ cd)
+    trace = 4 * (float(DELTA @ cd) + S2) * float(C.sum()) + 4 * float(cd @ cd)
+    return g_sq, trace
+
+
+@pytest.fixture(scope="module")
+def problem():
+    torch.manual_seed(0)
+    x = torch.randn(N, D) * C.float().sqrt()
+    w_star = torch.randn(D)
+    y = (x @ w_star + math.sqrt(S2) * torch.randn(N)).unsqueeze(1)
+    model = nn.Linear(D, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_((w_star + DELTA.float())[None])
+    # Reference: exact per-example gradients with torch.func on the whole data set.
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p, xi, yi):
+        return nn.functional.mse_loss(functional_call(model, p, (xi[None],)), yi[None])
+
+    g = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)["weight"].reshape(N, -1).double()
+    g_mean = g.mean(0)
+    cov = (g - g_mean).T @ (g - g_mean) / N
+    truth = {"g_sq": float(g_mean @ g_mean), "trace": float(cov.trace())}
+    truth["b_simple"] = truth["trace"] / truth["g_sq"]
+    return model, x, y, truth
+
+
+def test_empirical_truth_matches_closed_form(problem):
+    _, _, _, truth = problem
+    g_sq, trace = closed_form()
+    assert truth["g_sq"] == pytest.approx(g_sq, rel=0.05)
+    assert truth["trace"] == pytest.approx(trace, rel=0.05)
+    assert truth["b_simple"] == pytest.approx(trace / g_sq, rel=0.05)
+
+
+@pytest.mark.parametrize(
+    "method,kwargs",
+    [
+        ("two_batch", dict(small_batch=8, big_batch=64, n_estimates=2000)),
+        ("fit", dict(small_batch=4, big_batch=64, n_estimates=800)),
+    ],
+)
+def test_methods_within_5_percent(problem, method, kwargs):
+    model, x, y, truth = problem
+    r = nnstat.noise_scale(model, nn.functional.mse_loss, (x, y), method=method, seed=1, **kwargs)
+    assert r.b_simple == pytest.approx(truth["b_simple"], rel=0.05)
+    assert r.grad_sq_norm == pytest.approx(truth["g_sq"], rel=0.05)
+    assert r.trace_sigma == pytest.approx(truth["trace"], rel=0.05)
+    lo, hi = r.interval
+    assert lo < truth["b_simple"] < hi
+    assert r.b_simple_stderr > 0
+    # a single parameter: the per-layer values are the totals
+    assert r.per_layer["weight"].b_simple == pytest.approx(r.b_simple, rel=1e-6)
+    flat = r.to_dict()
+    assert flat["noise_scale/b_simple"] == r.b_simple
+    assert flat["noise_scale/b_simple/weight"] == pytest.approx(r.b_simple, rel=1e-6)
+
+
+def test_two_batch_estimators_are_unbiased(problem):
+    """The mean of many independent |G|^2 and tr(Sigma) estimates is the truth (4 s.e.)."""
+    model, x, y, truth = problem
+    r = nnstat.noise_scale(
+        model, nn.functional.mse_loss, (x, y), small_batch=2, big_batch=16, n_estimates=1500
+    )
+    for key, true in (("grad_sq_norm", truth["g_sq"]), ("trace_sigma", truth["trace"])):
+        est = np.asarray(r.estimates[key])
+        se = est.std(ddof=1) / math.sqrt(est.size)
+        assert abs(est.mean() - true) < 4 * se, (key, est.mean(), true, se)
+        # single estimates are very noisy: the test has power, the estimator is not trivially exact
+        assert est.std() > 0.2 * abs(true)
+    assert r.n_samples == 1500 * 16
+
+
+def test_two_batch_formula_inverts_expectation():
+    g_sq, trace = 2.5, 40.0
+    small, big = g_sq + trace / 4, g_sq + trace / 64
+    assert two_batch(small, big, 4, 64) == pytest.approx((g_sq, trace))
+
+
+def test_curve_fit_recovers_known_parameters():
+    rng = np.random.default_rng(0)
+    b = np.array(geometric_ladder(2, 256, num=8), dtype=float)
+    y = 0.7 + 35.0 / b
+    noisy = y * (1 + 0.002 * rng.standard_normal(b.size))
+    fit = fit_sq_norms(b, noisy, stderr=0.002 * y)
+    assert fit.g_sq == pytest.approx(0.7, rel=0.01)
+    assert fit.trace == pytest.approx(35.0, rel=0.01)
+    assert fit.b_simple == pytest.approx(50.0, rel=0.02)
+    assert 0 < fit.residual < 0.01
+    assert fit.b_simple_stderr < 2.0
+    exact = fit_sq_norms(b, y)
+    assert exact.residual == pytest.approx(0.0, abs=1e-9)
+
+
+def test_ratio_of_means_not_mean_of_ratios():
+    num = np.array([10.0, 10.0, 10.0, 10.0])
+    den = np.array([0.1, 1.9, 1.0, 1.0])
+    s = ratio_of_means(num, den)
+    assert s.ratio == pytest.approx(10.0)
+    assert np.mean(num / den) > 30  # what averaging ratios would have reported
+
+
+def test_hessian_noise_scale_linear_regression_closed_form(problem):
+    """For the squared loss H = 2 X'X/n exactly; reference in numpy."""
+    model, x, y, _ = problem
+    xs, ys = x[:300], y[:300]
+    r = hessian_noise_scale(model, nn.functional.mse_loss, xs, ys)
+    X = xs.double().numpy()
+    w = model.weight.detach().double().numpy()[0]
+    res = ys.double().numpy()[:, 0] - X @ w
+    g = -2 * res[:, None] * X
+    G = g.mean(0)
+    sigma = np.cov(g.T, bias=True)
+    H = 2 * X.T @ X / len(X)
+    assert r.trace_h_sigma == pytest.approx(np.trace(H @ sigma), rel=1e-5)
+    assert r.g_h_g == pytest.approx(G @ H @ G, rel=1e-5)
+    assert r.b_noise == pytest.approx(np.trace(H @ sigma) / (G @ H @ G), rel=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:the .G.\\^2 estimate:RuntimeWarning")
+def test_hessian_noise_scale_mlp_explicit_hessian():
+    """Tiny MLP: explicit Hessian (autograd.functional.hessian) and a per-sample loop."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = torch.randn(40, 3, dtype=torch.float64), torch.randint(0, 2, (40,))
+    shapes = [p.shape for p in model.parameters()]
+    sizes = [p.numel() for p in model.parameters()]
+    names = [n for n, _ in model.named_parameters()]
+
+    def loss_of(flat: torch.Tensor, xb, yb) -> torch.Tensor:
+        ps = dict(
+            zip(
+                names,
+                [t.reshape(s) for t, s in zip(flat.split(sizes), shapes, strict=True)],
+                strict=True,
+            )
+        )
+        return nn.functional.cross_entropy(functional_call(model, ps, (xb,)), yb)
+
+    theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    H = torch.autograd.functional.hessian(lambda t: loss_of(t, x, y), theta)
+    rows = []
+    for i in range(len(x)):
+        t = theta.clone().requires_grad_(True)
+        rows.append(torch.autograd.grad(loss_of(t, x[i : i + 1], y[i : i + 1]), t)[0])
+    g = torch.stack(rows)
+    G = g.mean(0)
+    sigma = (g - G).T @ (g - G) / len(x)
+    expected = float(torch.trace(H @ sigma) / (G @ H @ G))
+    r = hessian_noise_scale(model, nn.functional.cross_entropy, x, y)
+    assert r.b_noise == pytest.approx(expected, rel=1e-6)
+    res = nnstat.noise_scale(
+        model,
+        nn.functional.cross_entropy,
+        (x, y),
+        small_batch=2,
+        big_batch=8,
+        n_estimates=2,
+        hessian=True,
+        hessian_samples=40,
+    )
+    assert res.b_noise == pytest.approx(expected, rel=1e-6)
+
+
+def test_data_forms_agree_and_model_untouched(problem):
+    model, x, y, _ = problem
+    xs, ys = x[:500], y[:500]
+    model.weight.grad = torch.full_like(model.weight, 7.0)
+    before = model.weight.detach().clone()
+    ds = torch.utils.data.TensorDataset(xs, ys)
+
+    class Plain(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(xs)
+
+        def __getitem__(self, i):
+            return xs[i], ys[i]
+
+    kw = dict(small_batch=4, big_batch=16, n_estimates=5, seed=3)
+    loss = nn.functional.mse_loss
+    ref = nnstat.noise_scale(model, loss, (xs, ys), **kw)
+    for data in (ds, Plain(), torch.utils.data.DataLoader(Plain(), batch_size=7)):
+        r = nnstat.noise_scale(model, loss, data, **kw)
+        assert r.b_simple == pytest.approx(ref.b_simple, rel=1e-6)
+    assert torch.equal(model.weight.grad, torch.full_like(model.weight, 7.0))
+    assert torch.equal(model.weight.detach(), before)
+    model.weight.grad = None
+
+
+def test_zero_gradient_gives_inf_with_warning():
+    model = nn.Linear(3, 1)
+    x, y = torch.zeros(64, 3), torch.zeros(64, 1)
+    with torch.no_grad():
+        model.weight.zero_()
+        model.bias.zero_()
+    with pytest.warns(RuntimeWarning, match="indistinguishable from noise"):
+        r = nnstat.noise_scale(model, nn.functional.mse_loss, (x, y), small_batch=2, big_batch=8)
+    assert r.b_simple == math.inf
+    assert r.grad_sq_norm == 0.0 and r.trace_sigma == 0.0
+
+
+def test_pure_noise_keeps_raw_estimates(problem):
+    """At the optimum of a noiseless-in-expectation problem |G|^2 estimates straddle 0."""
+    torch.manual_seed(0)
+    x = torch.randn(2000, 2)
+    y = torch.randn(2000, 1)  # independent of x: the least-squares optimum is w = 0
+    model = nn.Linear(2, 1, bias=False)
+    w = torch.linalg.lstsq(x, y).solution.T
+    with torch.no_grad():
+        model.weight.copy_(w)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        r = nnstat.noise_scale(
+            model, nn.functional.mse_loss, (x, y), small_batch=2, big_batch=8, n_estimates=50
+        )
+    est = np.asarray(r.estimates["grad_sq_norm"])
+    assert (est < 0).any() and (est > 0).any()
+    # the data set's gradient is exactly 0 here: the |G|^2 estimates are centred on it
+    assert abs(est.mean()) < 4 * est.std(ddof=1) / math.sqrt(est.size)
+    assert r.trace_sigma > 0
+    assert (r.b_simple == math.inf) == (r.grad_sq_norm <= 0)
+
+
+def test_bad_input():
+    model = nn.Linear(3, 1)
+    x, y = torch.randn(32, 3), torch.randn(32, 1)
+    loss = nn.functional.mse_loss
+    with pytest.raises(ValueError, match="smaller than b_big"):
+        nnstat.noise_scale(model, loss, (x, y), small_batch=16, big_batch=16)
+    with pytest.raises(ValueError, match="smaller than b_big"):
+        nnstat.noise_scale(model, loss, (x, y), small_batch=32, big_batch=8)
+    with pytest.raises(ValueError, match="big_batch >= 2"):
+        nnstat.noise_scale(model, loss, (x, y), method="per_sample", big_batch=1)
+    with pytest.raises(ValueError, match="valid methods.*two_batch"):
+        nnstat.noise_scale(model, loss, (x, y), method="hessian")
+    with pytest.raises(ValueError, match="inputs have 32 samples but targets have 31"):
+        nnstat.noise_scale(model, loss, (x, y[:31]))
+    with pytest.raises(ValueError, match="scalar"):
+        nnstat.noise_scale(model, lambda o, t: (o - t).pow(2), (x, y), small_batch=2, big_batch=4)
+    bad = x.clone()
+    bad[:] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        nnstat.noise_scale(model, loss, (bad, y), small_batch=2, big_batch=4)
+    with pytest.raises(TypeError, match="Dataset, a DataLoader or an"):
+        nnstat.noise_scale(model, loss, x, small_batch=2, big_batch=4)
+    with pytest.raises(ValueError, match="two distinct"):
+        nnstat.noise_scale(model, loss, (x, y), method="fit", batch_sizes=[4, 4])
+    with pytest.raises(ValueError, match="n_estimates"):
+        nnstat.noise_scale(model, loss, (x, y), n_estimates=0)
