@@ -137,7 +137,7 @@ class StatisticsCollector:
             mod, stream, stat = key.rsplit("/", 2)
             if stat == "covariance" and stream in ("forward", "backward"):
                 vals, vecs = torch.linalg.eigh(self._state[key].double())
-                self._state[f"{mod}/{stream}/eigenvectors"] = vecs.float()
+                self._state[f"{mod}/{stream}/eigenvectors"] = vecs.float().contiguous()
                 self._state[f"{mod}/{stream}/eigenvalues"] = vals.float()
 
     # ---------------------------------------------------------------- results
