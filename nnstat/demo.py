@@ -123,7 +123,7 @@ def train(state: DemoState) -> None:
                 state.W_before_last_step = nnstat.get_weight(model)
             opt.step()
             state.tracker.step()
-            total += float(loss) * len(idx)
+            total += loss.detach().item() * len(idx)
         print(f"epoch {epoch + 1}/{cfg.epochs}  train loss {total / n:.4f}")
     with torch.no_grad():
         pred = model(state.X_test).argmax(1)

@@ -165,7 +165,7 @@ class Tracker:
                 warnings.warn(
                     f"Tracker: {len(missing)} parameter(s) have no gradient at this step and are "
                     f"left out of grad/ (warned once): {missing[:5]}",
-                    stacklevel=3,
+                    stacklevel=4,
                 )
                 self._warned_grad = True
             entries += [

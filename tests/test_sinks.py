@@ -1,0 +1,93 @@
+"""TensorBoard and W&B sinks, read back from event files and the offline run's summary."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import nnstat
+
+
+def tracked_run(sinks, steps=3):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    tracker = nnstat.Tracker(model, opt, histograms=True, bins=10, sinks=sinks)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+        metrics = tracker.step()
+    return model, tracker, metrics
+
+
+def test_tensorboard_scalars_and_histograms_read_back(tmp_path):
+    from nnstat.integrations.tensorboard import TensorBoardSink
+    from tensorboard.backend.event_processing.event_accumulator import (
+        HISTOGRAMS,
+        SCALARS,
+        EventAccumulator,
+    )
+
+    sink = TensorBoardSink(tmp_path)
+    model, tracker, metrics = tracked_run([sink])
+    tracker.close()
+    acc = EventAccumulator(str(tmp_path), size_guidance={SCALARS: 0, HISTOGRAMS: 0})
+    acc.Reload()
+    scalars = set(acc.Tags()["scalars"])
+    expected = {k for k, v in metrics.items() if isinstance(v, float)}
+    assert expected <= scalars and len(expected) > 50
+    events = acc.Scalars("weight/2.weight/l2")
+    assert [e.step for e in events] == [0, 1, 2]
+    assert events[-1].value == pytest.approx(model[2].weight.norm().item(), rel=1e-6)
+    hist = acc.Histograms("grad/0.weight/hist")[-1].histogram_value
+    grad = model[0].weight.grad.double().numpy().ravel()
+    assert hist.num == grad.size and sum(hist.bucket) == grad.size
+    assert hist.min == pytest.approx(grad.min(), rel=1e-6)
+    assert hist.sum_squares == pytest.approx((grad**2).sum(), rel=1e-5)
+    counts, edges = np.histogram(grad, bins=10, range=(grad.min(), grad.max()))
+    np.testing.assert_allclose(hist.bucket_limit, edges[1:], rtol=1e-5)
+    assert np.abs(np.array(hist.bucket) - counts).sum() <= 2
+
+
+def test_tensorboard_rejects_unloggable_values(tmp_path):
+    from nnstat.integrations.tensorboard import TensorBoardSink
+
+    sink = TensorBoardSink(tmp_path)
+    with pytest.raises(TypeError, match="cannot log 'bad'"):
+        sink.log({"bad": "text"}, step=0)
+    sink.close()
+
+
+def test_wandb_offline_summary(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    from nnstat.integrations.wandb import WandbSink
+
+    sink = WandbSink(project="nnstat-tests", dir=str(tmp_path))
+    try:
+        model, tracker, metrics = tracked_run([sink])
+        summary = sink.run.summary._as_dict()
+        assert summary["_step"] == 2
+        assert summary["weight/2.weight/l2"] == pytest.approx(
+            model[2].weight.norm().item(), rel=1e-6
+        )
+        assert summary["trust_ratio/0.bias"] == pytest.approx(metrics["trust_ratio/0.bias"])
+        hist = summary["grad/0.weight/hist"]
+        assert hist["_type"] == "histogram" and sum(hist["values"]) == 24
+        assert len(hist["bins"]) == 11
+    finally:
+        tracker.close()
+    assert sink.run is not None and not sink._owns
+
+
+def test_integrations_import_is_lazy():
+    code = (
+        "import sys, nnstat.integrations.wandb, nnstat.integrations.tensorboard\n"
+        "print(sorted({'wandb', 'tensorboard'} & set(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,134 @@
+"""Statistic reductions against numpy/scipy."""
+
+import math
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+
+from nnstat.stats import STAT_NAMES, Description, histograms, summarize
+
+
+def reference(x: np.ndarray) -> dict[str, float]:
+    """Independent numpy/scipy version of every statistic, over the finite elements."""
+    x = np.asarray(x, dtype=np.float64).ravel()
+    fin = x[np.isfinite(x)]
+    n = fin.size
+    return {
+        "numel": float(x.size),
+        "mean": fin.mean(),
+        "var": fin.var(),
+        "std": fin.std(),
+        "skew": scipy.stats.skew(fin, bias=True),
+        "kurtosis": scipy.stats.kurtosis(fin, bias=True),
+        "min": fin.min(),
+        "max": fin.max(),
+        "abs_mean": np.abs(fin).mean(),
+        "abs_max": np.abs(fin).max(),
+        "l1": np.abs(fin).sum(),
+        "l2": np.linalg.norm(fin),
+        "rms": np.sqrt((fin**2).mean()),
+        "sparsity": float((fin == 0).sum()) / n,
+        "nonfinite": float(x.size - n),
+    }
+
+
+def check(row, x, rtol=1e-5, atol=1e-6):
+    ref = reference(x)
+    for s, v in zip(STAT_NAMES, row, strict=True):
+        assert v == pytest.approx(ref[s], rel=rtol, abs=atol), s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_every_statistic_matches_numpy_and_scipy(dtype):
+    torch.manual_seed(0)
+    xs = [
+        torch.randn(40, 30, dtype=dtype),
+        (torch.rand(500, dtype=dtype) ** 3) * 5 + 2,  # skewed, far from zero mean
+        torch.tensor([0.0, 0.0, 1.0, -2.0, 0.0], dtype=dtype),
+        torch.randn(3, 4, 5, dtype=dtype).relu(),  # sparse
+    ]
+    table = summarize(xs, STAT_NAMES)
+    assert table.shape == (4, len(STAT_NAMES)) and table.dtype == torch.float64
+    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    for row, x in zip(table.tolist(), xs, strict=True):
+        check(row, x.numpy(), rtol=tol, atol=tol)
+
+
+def test_integer_and_half_tensors_are_upcast():
+    x = torch.tensor([1, 2, 3, 10], dtype=torch.int64)
+    h = torch.tensor([0.5, -1.5, 2.0], dtype=torch.float16)
+    table = summarize([x, h], STAT_NAMES).tolist()
+    check(table[0], x.numpy())
+    check(table[1], h.float().numpy(), rtol=1e-3)
+
+
+def test_nonfinite_counted_and_stats_use_finite_part():
+    x = torch.tensor([1.0, float("nan"), 3.0, float("inf"), -float("inf"), 0.0, 8.0])
+    row = summarize([x], STAT_NAMES)[0].tolist()
+    check(row, x.numpy())
+    assert row[STAT_NAMES.index("nonfinite")] == 3
+    assert row[STAT_NAMES.index("numel")] == 7
+
+
+def test_default_cheap_stats_count_nonfinite():
+    x = torch.tensor([1.0, float("nan"), 2.0])
+    l2, rms, amax, nf = summarize([x, torch.ones(4)]).tolist()[0]
+    assert nf == 1 and l2 == pytest.approx(math.sqrt(5)) and amax == 2.0
+    assert rms == pytest.approx(math.sqrt(5 / 2))
+
+
+def test_float32_overflow_is_recomputed_in_float64():
+    x = torch.tensor([3e20, 4e20], dtype=torch.float32)
+    l2, nf = summarize([x], ["l2", "nonfinite"])[0].tolist()
+    assert nf == 0 and l2 == pytest.approx(5e20, rel=1e-6)
+
+
+def test_constant_and_empty_tensors():
+    row = dict(
+        zip(STAT_NAMES, summarize([torch.full((6,), 2.5)], STAT_NAMES)[0].tolist(), strict=True)
+    )
+    assert row["var"] == 0 and row["mean"] == 2.5
+    assert math.isnan(row["skew"]) and math.isnan(row["kurtosis"])  # as scipy: undefined
+    empty = dict(zip(STAT_NAMES, summarize([torch.empty(0)], STAT_NAMES)[0].tolist(), strict=True))
+    assert empty["numel"] == 0 and empty["nonfinite"] == 0 and math.isnan(empty["mean"])
+    nan_only = dict(
+        zip(
+            STAT_NAMES, summarize([torch.full((2,), math.nan)], STAT_NAMES)[0].tolist(), strict=True
+        )
+    )
+    assert nan_only["nonfinite"] == 2 and math.isnan(nan_only["mean"])
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="valid names are .*kurtosis"):
+        summarize([torch.ones(2)], ["l2", "kurtossis"])
+    with pytest.raises(TypeError, match="item 1"):
+        summarize([torch.ones(2), [1.0, 2.0]], ["l2"])
+    assert summarize([], ["l2", "mean"]).shape == (0, 2)
+
+
+def test_histograms_match_numpy():
+    torch.manual_seed(0)
+    x = torch.randn(1000)
+    (h,) = histograms([x], bins=16)
+    counts, edges = np.histogram(x.numpy(), bins=16, range=(x.min().item(), x.max().item()))
+    np.testing.assert_allclose(h.edges, edges, rtol=1e-6)
+    # histc and numpy may disagree on an element sitting exactly on an inner edge
+    assert np.abs(h.counts - counts).sum() <= 2 and h.counts.sum() == 1000
+    assert h.num == 1000 and h.sum == pytest.approx(x.double().sum().item(), rel=1e-5)
+    assert h.sum_squares == pytest.approx((x.double() ** 2).sum().item(), rel=1e-5)
+    (hn,) = histograms([torch.tensor([1.0, float("nan"), 2.0])], bins=4)
+    assert hn.num == 2 and hn.counts.sum() == 2
+
+
+def test_description_repr_and_frame():
+    d = Description({"a.weight": {"l2": 1.0, "mean": 0.25}, "b": {"l2": 2.0, "mean": -1.0}})
+    text = repr(d)
+    assert text.splitlines()[0].split() == ["layer", "l2", "mean"]
+    assert "a.weight" in text and "0.25" in text
+    frame = d.to_frame()
+    assert list(frame.index) == ["a.weight", "b"] and frame.loc["b", "mean"] == -1.0
+    whole = Description({"l2": 3.0})
+    assert list(whole.to_frame().columns) == ["l2"]

@@ -1,0 +1,143 @@
+"""Tracker: metrics against independently computed references."""
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+from torch import nn
+
+import nnstat
+from nnstat.stats import Histogram
+
+
+def setup(opt_cls=torch.optim.Adam, **kw):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    opt = opt_cls(model.parameters(), lr=0.05, **kw)
+    return model, opt
+
+
+def one_step(model, opt):
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(torch.randn(16, 5)), torch.randint(0, 3, (16,))).backward()
+    opt.step()
+
+
+def l2(t):
+    return float(np.linalg.norm(t.detach().double().numpy().ravel()))
+
+
+def test_default_step_matches_references():
+    model, opt = setup()
+    sink_calls = []
+    tracker = nnstat.Tracker(model, opt, sinks=[lambda m, s: sink_calls.append((s, dict(m)))])
+    for _ in range(3):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        one_step(model, opt)
+        metrics = tracker.step()
+    assert [s for s, _ in sink_calls] == [0, 1, 2] and sink_calls[-1][1] == metrics
+    for n, p in model.named_parameters():
+        st = opt.state[p]
+        assert metrics[f"weight/{n}/l2"] == pytest.approx(l2(p), rel=1e-5)
+        assert metrics[f"weight/{n}/rms"] == pytest.approx(l2(p) / math.sqrt(p.numel()), rel=1e-5)
+        assert metrics[f"grad/{n}/abs_max"] == pytest.approx(p.grad.abs().max().item(), rel=1e-6)
+        assert metrics[f"exp_avg/{n}/l2"] == pytest.approx(l2(st["exp_avg"]), rel=1e-5)
+        assert metrics[f"exp_avg_sq/{n}/abs_max"] == pytest.approx(
+            st["exp_avg_sq"].max().item(), rel=1e-6
+        )
+        assert metrics[f"grad/{n}/nonfinite"] == 0
+        upd = p.detach() - before[n]
+        assert metrics[f"update/{n}/l2"] == pytest.approx(l2(upd), rel=1e-4)
+        assert metrics[f"trust_ratio/{n}"] == pytest.approx(l2(p) / l2(upd), rel=1e-4)
+        assert metrics[f"update_ratio/{n}"] == pytest.approx(l2(upd) / l2(p), rel=1e-4)
+    assert not any(k.startswith("step/") for k in metrics)  # Adam's scalar step is not a layer stat
+
+
+def test_every_n_and_update_over_one_step_with_signed_stats():
+    model, opt = setup(torch.optim.SGD, momentum=0.9)
+    tracker = nnstat.Tracker(model, opt, every=3, stats=["mean", "min", "max", "skew", "l2"])
+    logged = []
+    for i in range(7):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        one_step(model, opt)
+        out = tracker.step()
+        if out is not None:
+            logged.append(i)
+            upd = {
+                n: (p.detach() - before[n]).double().numpy().ravel()
+                for n, p in model.named_parameters()
+            }
+            for n, u in upd.items():
+                assert out[f"update/{n}/mean"] == pytest.approx(u.mean(), rel=1e-4, abs=1e-9)
+                assert out[f"update/{n}/min"] == pytest.approx(u.min(), rel=1e-4)
+                assert out[f"update/{n}/max"] == pytest.approx(u.max(), rel=1e-4)
+                if u.size > 3:
+                    assert out[f"update/{n}/skew"] == pytest.approx(
+                        scipy.stats.skew(u, bias=True), rel=1e-3, abs=1e-4
+                    )
+            assert "momentum_buffer/0.weight/l2" in out
+    assert logged == [0, 3, 6]
+
+
+def test_histograms_providers_and_include():
+    model, opt = setup()
+    tracker = nnstat.Tracker(model, opt, histograms=True, include=r"^2\.", bins=8)
+    tracker.add_provider(lambda: {"custom/value": 1.5})
+    one_step(model, opt)
+    out = tracker.step()
+    assert out["custom/value"] == 1.5
+    assert not any("/0.weight/" in k for k in out)
+    h = out["weight/2.weight/hist"]
+    assert isinstance(h, Histogram) and h.counts.sum() == 21 and len(h.edges) == 9
+    assert tracker.latest is out
+    tracker.add_provider(lambda: [1, 2])
+    with pytest.raises(TypeError, match="not a dict"):
+        tracker.step()
+
+
+def test_missing_grad_warns_once_and_nonfinite_counted():
+    model, opt = setup()
+    tracker = nnstat.Tracker(model, opt, groups=["weight", "grad"], stats=["l2", "nonfinite"])
+    with pytest.warns(UserWarning, match="no gradient") as rec:
+        out = tracker.step()
+        tracker.step()
+    assert len(rec) == 1 and not any(k.startswith("grad/") for k in out)
+    model(torch.randn(2, 5)).sum().backward()
+    model[2].bias.grad[0] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = tracker.step()
+    assert out["grad/2.bias/nonfinite"] == 1
+    assert out["grad/2.bias/l2"] == pytest.approx(l2(model[2].bias.grad[1:]), rel=1e-5)
+
+
+def test_sinks_objects_close_and_bad_arguments():
+    class Sink:
+        def __init__(self):
+            self.rows, self.closed = [], False
+
+        def log(self, metrics, step):
+            self.rows.append(step)
+
+        def close(self):
+            self.closed = True
+
+    model, opt = setup()
+    sink = Sink()
+    with nnstat.Tracker(model, opt, sinks=[sink]) as tracker:
+        model(torch.randn(1, 5)).sum().backward()
+        tracker.step(step=10)
+    assert sink.rows == [10] and sink.closed
+    with pytest.raises(TypeError, match="log"):
+        nnstat.Tracker(model, sinks=[42])
+    with pytest.raises(ValueError, match="valid groups"):
+        nnstat.Tracker(model, groups=["weights"])
+    with pytest.raises(ValueError, match="every"):
+        nnstat.Tracker(model, every=0)
+    with pytest.raises(ValueError, match="valid names"):
+        nnstat.Tracker(model, stats=["l2", "rsm"])
+    with pytest.raises(ValueError, match="no parameter to track"):
+        nnstat.Tracker(model, include="nothing")
