@@ -59,6 +59,7 @@ def test_segment_stats_matches_numpy_with_nonfinite() -> None:
         assert_row(row, np_stats(x.numpy()))
     empty = segment_stats([torch.tensor([float("nan"), float("nan")])]).numpy()[0]
     assert np.isnan(empty[STAT_NAMES.index("mean")]) and empty[STAT_NAMES.index("nonfinite")] == 2
+    assert np.isnan(empty[STAT_NAMES.index("norm")])  # no finite entry: unknown, not zero
 
 
 class MLP(torch.nn.Module):

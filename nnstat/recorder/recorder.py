@@ -105,6 +105,9 @@ class Recorder:
         self._prev: tuple[tuple, torch.Tensor] | None = None
         self._mask_cache: dict[tuple, torch.Tensor] = {}
         self.last_record: dict[str, Any] | None = None
+        self._engine: Any = None
+        self._engine_ctx: Any = None
+        self._engine_kwargs: dict[str, Any] = {}
         self._write_trial()
 
     # ---- setup -------------------------------------------------------------------------
@@ -120,6 +123,47 @@ class Recorder:
                 {"name": label, "type": type(m).__name__, "params_own": own, "params_total": total}
             )
         self._write_trial()
+
+    def track_activations(
+        self,
+        model: torch.nn.Module,
+        name_filter: str | None = None,
+        type_filter: Any = None,
+        prefix: str = "",
+        loss_reduction: str = "sum",
+        batch_size: int | None = None,
+    ) -> list[str]:
+        """Record module inputs and output gradients through the capture engine.
+
+        Adds ``"<module>:input"`` / ``"<module>:output"`` nodes to the last iteration of each
+        recorded batch (the engine captures per backward, not per iteration). ``prefix`` must
+        match the one given to `track_module` so parameters connect to their module. The engine
+        hooks only run during recorded (or rule-watched) batches.
+
+        Example:
+            >>> rec.track_activations(model, loss_reduction="mean")  # doctest: +SKIP
+            ['fc1', 'fc2']
+        """
+        from nnstat.capture import CaptureEngine
+        from nnstat.recorder.activations import ActivationConsumer
+
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"track_activations needs an nn.Module, got {type(model).__name__}")
+        if self._engine is not None:
+            raise RuntimeError("track_activations was already called on this recorder")
+        if loss_reduction not in ("sum", "mean"):
+            raise ValueError(f"loss_reduction must be 'sum' or 'mean', got {loss_reduction!r}")
+        self._engine = CaptureEngine()
+        names = self._engine.watch(model, name_filter=name_filter, type_filter=type_filter)
+        self._engine.add_consumer(ActivationConsumer(self, prefix, loss_reduction, batch_size))
+        self._engine_kwargs = {"loss_reduction": loss_reduction, "batch_size": batch_size}
+        return names
+
+    def close(self) -> None:
+        """Remove the capture engine's hooks (if `track_activations` was used)."""
+        if self._engine is not None:
+            self._engine.unwatch()
+            self._engine = None
 
     def schedule_for(self, type_of_execution: str) -> Schedule:
         return self.schedules.get(type_of_execution, self.default_schedule)
@@ -148,6 +192,9 @@ class Recorder:
         scheduled = sched.is_scheduled(int(step))
         active = scheduled or bool(self.rules) or sched.retroactive
         self._batch = _Batch(int(step), str(type_of_execution), scheduled, active)
+        if active and self._engine is not None:
+            self._engine_ctx = self._engine.batch(**self._engine_kwargs)
+            self._engine_ctx.__enter__()
 
     def start_iteration(self) -> None:
         """Begin one forward pass inside the batch (several per batch for multi-pass models)."""
@@ -228,6 +275,9 @@ class Recorder:
     def finish_batch(self) -> dict[str, Any] | None:
         """Reduce, evaluate rules, and write the step if it is recorded. Returns its record."""
         b = self._require_batch("finish_batch")
+        if self._engine_ctx is not None:
+            ctx, self._engine_ctx = self._engine_ctx, None
+            ctx.__exit__(None, None, None)  # flushes pending captures into this batch
         self._batch = None
         if not b.active:
             return None

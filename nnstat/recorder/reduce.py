@@ -59,6 +59,7 @@ def segment_stats(segments: list[torch.Tensor]) -> torch.Tensor:
     nan = torch.full_like(mean, float("nan"))
     mean, std = torch.where(empty, nan, mean), torch.where(empty, nan, var.sqrt())
     mx, mn = torch.where(empty, nan, mx), torch.where(empty, nan, mn)
+    norm = torch.where(empty & (lengths > 0), nan, norm)
     abs_max = torch.maximum(mx.abs(), mn.abs())
     nonfinite = lengths.to(flat.dtype) - n_fin
     return torch.stack([mean, std, mn, mx, abs_max, norm, nonfinite, lengths.to(flat.dtype)], 1)

@@ -48,7 +48,8 @@ class RowSet:
                 t = it.tensors[name]
                 rs.roles[name] = it.roles[name]
                 kk = 0 if it.roles[name] == "parameter" else k
-                rs._add(name, it.index, "forward", t.detach(), kk)
+                if t is not None:  # capture-engine output nodes carry only a gradient
+                    rs._add(name, it.index, "forward", t.detach(), kk)
                 g = it.grads.get(name)
                 if g is not None:
                     rs._add(name, it.index, "gradient", g, kk)
@@ -87,7 +88,8 @@ class RowSet:
         if self._graphs is None:
             self._graphs = {}
             for it in iterations:
-                named = list(self.params.items()) + [(n, it.tensors[n]) for n in it.names]
+                named = list(self.params.items())
+                named += [(n, it.tensors[n]) for n in it.names if it.tensors[n] is not None]
                 edges = autograd_edges(named) | set(it.edges)
                 nodes = [(n, "parameter") for n in self.params]
                 nodes += [(n, it.roles[n]) for n in it.names]
@@ -154,7 +156,7 @@ def _offender(batch: Any, rows: RowSet, stats: np.ndarray) -> dict[str, Any] | N
     # forward: parameters exist before the pass, then tensors in registration (= execution) order
     fwd = [((n, PARAM_ITERATION), bad[(n, PARAM_ITERATION, "forward")]) for n in rows.params]
     for it in batch.iterations:
-        fwd += [((n, it.index), bad[(n, it.index, "forward")]) for n in it.names]
+        fwd += [((n, it.index), bad.get((n, it.index, "forward"), 0.0)) for n in it.names]
     # backward: gradient hooks fire in execution order; a parameter's gradient is produced right
     # after the gradient of the first registered tensor it feeds
     bwd = [((n, i), bad.get((n, i, "gradient"), 0.0)) for i, n in batch.grad_order]

@@ -40,6 +40,11 @@
     if (cursor !== null && cursor >= x0 && cursor <= x1) {
       el("line", { class: "cursor", x1: sx(cursor), y1: T, x2: sx(cursor), y2: H - B }, svg);
     }
+    series.forEach((s, i) => {
+      const ly = T + 10 + 12 * i;
+      el("line", { class: s.cls, x1: W - R - 110, y1: ly - 3, x2: W - R - 92, y2: ly - 3 }, svg);
+      el("text", { x: W - R - 88, y: ly }, svg).textContent = s.label;
+    });
     series.forEach((s) => {
       // a null breaks the line instead of drawing through a missing value
       let run = [];
