@@ -77,4 +77,4 @@ def full_hessian(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Te
         p = {n: t.view(s) for n, t, s in zip(names, parts, shapes, strict=True)}
         return nn.functional.cross_entropy(functional_call(model, p, (x,)), y)
 
-    return torch.autograd.functional.hessian(f, theta)
+    return torch.autograd.functional.hessian(f, theta, vectorize=True)

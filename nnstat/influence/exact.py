@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.func import functional_call, grad, jvp, vmap
+from torch.func import functional_call, grad, vmap
 
 from .result import InfluenceResult
 
@@ -112,22 +112,38 @@ class _Problem:
 
 
 def _hvp_fn(problem: _Problem, batches: list[Batch]) -> Callable[[torch.Tensor], torch.Tensor]:
-    n = sum(len(x) for x, _ in batches)
+    """Hessian-vector products of the mean training loss for a stack of vectors ``[k, P]``.
 
-    def one_vector(v: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(v)
+    The gradient graph of every batch is built once (``create_graph``) and reused: each product is
+    then a single reverse pass per batch (reverse-over-reverse), batched over the ``k`` vectors.
+    """
+    n = sum(len(x) for x, _ in batches)
+    theta = problem.theta.detach().requires_grad_(True)
+    grads = []
+    with torch.enable_grad():
         for x, y in batches:
             w = problem.mean_loss_weight(len(x), n)
-            g = grad(lambda f, x=x, y=y: problem.batch_loss(f, x, y))
-            out += w * jvp(g, (problem.theta,), (v,))[1]
-        return out
+            loss = w * problem.batch_loss(theta, x, y)
+            (g,) = torch.autograd.grad(loss, theta, create_graph=True)
+            grads.append(g)
 
     def many(vs: torch.Tensor) -> torch.Tensor:
-        try:
-            return vmap(one_vector)(vs)
-        except RuntimeError:
-            # some operators have no batching rule; products one at a time are equivalent
-            return torch.stack([one_vector(v) for v in vs])
+        out = torch.zeros_like(vs)
+        for g in grads:
+            try:
+                (h,) = torch.autograd.grad(
+                    g, theta, grad_outputs=vs, retain_graph=True, is_grads_batched=True
+                )
+            except RuntimeError:
+                # some operators have no batching rule: one vector at a time is equivalent
+                h = torch.stack(
+                    [
+                        torch.autograd.grad(g, theta, grad_outputs=v, retain_graph=True)[0]
+                        for v in vs
+                    ]
+                )
+            out += h
+        return out
 
     return many
 
