@@ -123,10 +123,15 @@ class Run:
         stores full per-sample gradients. Returns the layout ``{module: (r_out, r_in)}``.
         """
         self._require_no_open_pass("add_projection()")
+        old = (self._projection_args, self._projection_set, self._projections)
         self._projection_args = {"rank": rank, "init": init, "seed": seed}
         self._projection_set = True
         self._projections = None
-        self._build_projections()
+        try:
+            self._build_projections()
+        except BaseException:  # a refused projection leaves the previous one in place
+            self._projection_args, self._projection_set, self._projections = old
+            raise
         assert self._projections is not None
         return {n: (p.r_out, p.r_in) for n, p in self._projections.items()}
 

@@ -20,7 +20,6 @@ Example:
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import re
@@ -172,10 +171,16 @@ def write_shard(shard_dir: Path, stem: str, rows: np.ndarray, ids: list[DataId])
     """Write one shard atomically: ids file first, ``.npy`` last (the commit point)."""
     if rows.shape[0] != len(ids):
         raise ValueError(f"shard {stem}: {rows.shape[0]} rows but {len(ids)} ids")
-    atomic_write_json(Path(shard_dir) / f"{stem}.ids.json", ids)
-    buf = io.BytesIO()
-    np.save(buf, rows, allow_pickle=False)
-    atomic_write_bytes(Path(shard_dir) / f"{stem}.npy", buf.getvalue())
+    shard_dir = Path(shard_dir)
+    atomic_write_json(shard_dir / f"{stem}.ids.json", ids)
+    target = shard_dir / f"{stem}.npy"
+    tmp = target.with_name(target.name + TMP_SUFFIX)
+    with open(tmp, "wb") as f:  # streamed: no in-memory copy of the shard
+        np.save(f, rows, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+    _fsync_dir(shard_dir)
 
 
 def list_shards(shard_dir: Path) -> list[tuple[int, int, Path, Path]]:

@@ -54,7 +54,7 @@ class StoreOptions:
 
     Attributes:
         dtype: ``"float32"`` (default), ``"float16"`` or ``"bfloat16"`` (stored as uint16 bits).
-        shard_rows: rows per shard file.
+        shard_rows: rows per shard file (default: about 64 MiB per shard).
         queue_size: blocks the background writer may hold before training waits.
         nonfinite: rows with NaN/Inf: ``"error"`` (default), ``"skip"`` (counted) or ``"keep"``.
         on_stored_id: ids already in the store when resuming: ``"skip"`` (default) or ``"error"``.
@@ -63,7 +63,7 @@ class StoreOptions:
     """
 
     dtype: str = "float32"
-    shard_rows: int = 4096
+    shard_rows: int | None = None
     queue_size: int = 16
     nonfinite: str = "error"
     on_stored_id: str = "skip"
@@ -76,6 +76,8 @@ class StoreOptions:
         _one_of("on_stored_id", self.on_stored_id, ON_STORED_ID)
         for key in ("shard_rows", "queue_size", "size_budget_bytes"):
             v = getattr(self, key)
+            if key == "shard_rows" and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{key} must be a positive int, got {v!r}")
         if self.num_samples is not None and (
@@ -115,6 +117,10 @@ def filter_nonfinite(
     """
     _one_of("nonfinite", policy, NONFINITE_POLICIES)
     if policy == "keep" or not len(ids):
+        return ids, rows, 0
+    # one reduction instead of an elementwise mask: a row's sum is finite when its entries are
+    # (an overflowing sum of finite entries only sends us to the exact check below)
+    if bool(torch.isfinite(rows.sum(dim=1)).all()):
         return ids, rows, 0
     finite = torch.isfinite(rows).all(dim=1)
     if bool(finite.all()):

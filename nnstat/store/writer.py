@@ -28,6 +28,9 @@ import torch
 from nnstat.store import format as fmt
 from nnstat.store.format import DataId, list_shards
 
+#: target size of one shard file when ``shard_rows`` is not given
+SHARD_BYTES = 64 * 2**20
+
 
 class StoreWriteError(RuntimeError):
     """The background writer failed; the original exception is the ``__cause__``."""
@@ -42,7 +45,8 @@ class StoreWriter:
     Args:
         shard_dir: directory of the shards (created if missing).
         row_width: number of columns of every row.
-        shard_rows: rows per shard (the last shard of a pass may be smaller).
+        shard_rows: rows per shard (the last one of a pass may be smaller); default: about
+            64 MiB per shard.
         dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``.
         rank: process rank, part of the shard names (``rank{r}-{n:05d}``).
         queue_size: maximum number of pending blocks before :meth:`put` blocks.
@@ -52,26 +56,28 @@ class StoreWriter:
         self,
         shard_dir: Path,
         row_width: int,
-        shard_rows: int = 4096,
+        shard_rows: int | None = None,
         dtype: str = "float32",
         rank: int = 0,
         queue_size: int = 16,
     ) -> None:
         if dtype not in fmt.STORE_DTYPES:
             raise ValueError(f"unknown store dtype {dtype!r}; valid: {sorted(fmt.STORE_DTYPES)}")
+        itemsize = np.dtype(fmt.STORE_DTYPES[dtype][0]).itemsize
+        if shard_rows is None:  # about SHARD_BYTES per shard
+            shard_rows = max(1, min(65536, SHARD_BYTES // max(1, row_width * itemsize)))
         if shard_rows < 1 or row_width < 1 or queue_size < 1:
             raise ValueError("shard_rows, row_width and queue_size must be positive")
         self.shard_dir = Path(shard_dir)
         self.shard_dir.mkdir(parents=True, exist_ok=True)
         fmt.remove_incomplete(self.shard_dir, rank)
         self.row_width, self.shard_rows, self.dtype, self.rank = row_width, shard_rows, dtype, rank
-        self._itemsize = np.dtype(fmt.STORE_DTYPES[dtype][0]).itemsize
         self._index = fmt.next_shard_index(self.shard_dir, rank)
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._error: BaseException | None = None
-        self._buf_rows: list[torch.Tensor] = []
+        self._buf: np.ndarray | None = None
         self._buf_ids: list[DataId] = []
-        self._buffered = 0
+        self._fill = 0
         self.rows_written = 0
         self.bytes_written = 0
         self.shards_written: list[str] = []
@@ -141,32 +147,38 @@ class StoreWriter:
             self._error = e
 
     def _add(self, ids: list[DataId], rows: torch.Tensor) -> None:
-        self._buf_ids.extend(ids)
-        self._buf_rows.append(rows)
-        self._buffered += rows.shape[0]
-        while self._buffered >= self.shard_rows:
-            self._write(self.shard_rows)
+        array = fmt.encode_rows(rows, self.dtype)
+        pos = 0
+        while pos < len(ids):
+            if self._buf is None:  # one preallocated shard buffer, reused after each write
+                self._buf = np.empty((self.shard_rows, self.row_width), dtype=array.dtype)
+            take = min(self.shard_rows - self._fill, len(ids) - pos)
+            self._buf[self._fill : self._fill + take] = array[pos : pos + take]
+            self._buf_ids.extend(ids[pos : pos + take])
+            self._fill += take
+            pos += take
+            if self._fill == self.shard_rows:
+                self._write()
 
     def _flush(self) -> None:
-        if self._buffered:
-            self._write(self._buffered)
+        if self._fill:
+            self._write()
 
-    def _write(self, n: int) -> None:
-        block = torch.cat(self._buf_rows) if len(self._buf_rows) > 1 else self._buf_rows[0]
-        rows, rest = block[:n], block[n:]
-        ids, self._buf_ids = self._buf_ids[:n], self._buf_ids[n:]
-        self._buf_rows = [rest] if rest.shape[0] else []
-        self._buffered = rest.shape[0]
-        array = fmt.encode_rows(rows, self.dtype)
-        nbytes = array.nbytes
+    def _write(self) -> None:
+        assert self._buf is not None
+        n, ids = self._fill, self._buf_ids
+        array = self._buf[:n]
         free = shutil.disk_usage(self.shard_dir).free
-        if nbytes > free:
-            raise OSError(f"not enough disk space for a {nbytes}-byte shard ({free} bytes free)")
+        if array.nbytes > free:
+            raise OSError(
+                f"not enough disk space for a {array.nbytes}-byte shard ({free} bytes free)"
+            )
         stem = fmt.shard_stem(self.rank, self._index)
         fmt.write_shard(self.shard_dir, stem, array, ids)
         self._index += 1
+        self._fill, self._buf_ids = 0, []
         self.rows_written += n
-        self.bytes_written += nbytes
+        self.bytes_written += array.nbytes
         self.shards_written.append(stem)
 
 

@@ -1,0 +1,156 @@
+"""Logging overhead: projected per-sample gradients to disk vs a plain forward+backward, vs LogIX.
+
+A ~10M-parameter MLP (1024-2048-2048-2048-10), 4096 samples, batch 128, rank 64 on every Linear
+(LoGra: 64x64 per layer, 10x64 on the head). Each method runs the whole pass (including the
+final flush to disk) ``--repeats`` times, interleaved; the best time is reported. LogIX uses
+``add_lora()`` + ``setup({"grad": ["log"]})`` + ``save(True)`` as in its README.
+
+    .venv/bin/python benchmarks/logging_overhead.py [--samples 4096] [--repeats 3] [--no-logix]
+
+Prints a markdown table: seconds, ratio to the plain pass, bytes written per sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import nnstat
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(1024, 2048),
+        nn.ReLU(),
+        nn.Linear(2048, 2048),
+        nn.ReLU(),
+        nn.Linear(2048, 2048),
+        nn.ReLU(),
+        nn.Linear(2048, 10),
+    )
+
+
+def batches(n: int, bs: int):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 1024, generator=g)
+    y = torch.randint(0, 10, (n,), generator=g)
+    return [(list(range(i, min(i + bs, n))), x[i : i + bs], y[i : i + bs]) for i in range(0, n, bs)]
+
+
+def plain(model, data, workdir):
+    for _, x, y in data:
+        nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+        model.zero_grad(set_to_none=True)
+    return 0
+
+
+def nnstat_pass(param_grads: bool):
+    def go(model, data, workdir):
+        run = nnstat.init(project="bench", root_dir=workdir)
+        nnstat.setup(
+            {"log": "grad", "save": "grad", "statistic": "none", "param_grads": param_grads}
+        )
+        nnstat.watch(model)
+        nnstat.add_projection(rank=64)
+        for ids, x, y in data:
+            with run(data_id=ids):
+                nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+            model.zero_grad(set_to_none=True)
+        nnstat.finalize()
+        nnstat.unwatch()
+        return _bytes(Path(workdir) / "bench" / "shards")
+
+    return go
+
+
+def logix_pass(model, data, workdir):
+    from logix import LogIX
+
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    try:
+        lx = LogIX(project="bench")
+        lx.watch(model)
+        lx.add_lora()
+        lx.setup({"grad": ["log"]})
+        lx.save(True)
+        for ids, x, y in data:
+            with lx(data_id=ids):
+                nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+            model.zero_grad(set_to_none=True)
+        lx.finalize()
+    finally:
+        os.chdir(cwd)
+    return _bytes(Path(workdir) / "logix" / "bench", suffixes=(".mmap",))
+
+
+def _bytes(root: Path, suffixes=(".npy",)) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.suffix in suffixes)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-logix", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    data = batches(args.samples, args.batch)
+    methods = {
+        "plain fwd+bwd": plain,
+        "nnstat (user grads untouched)": nnstat_pass(True),
+        "nnstat (param_grads=False)": nnstat_pass(False),
+    }
+    logix_error = None
+    if not args.no_logix:
+        try:
+            import logix  # noqa: F401
+
+            methods["LogIX add_lora + save"] = logix_pass
+        except Exception as e:  # reported in the output, not hidden
+            logix_error = f"{type(e).__name__}: {e}"
+    best: dict[str, float] = {}
+    nbytes: dict[str, int] = {}
+    plain(make_model(), data[:2], None)  # warm-up
+    for _ in range(args.repeats):
+        for name, fn in methods.items():
+            model = make_model()
+            workdir = tempfile.mkdtemp(prefix="nnstat_bench_")
+            try:
+                t0 = time.perf_counter()
+                nbytes[name] = fn(model, data, workdir)
+                dt = time.perf_counter() - t0
+            except Exception as e:
+                if not name.startswith("LogIX"):
+                    raise
+                logix_error = f"{type(e).__name__}: {e}"
+                methods = {k: v for k, v in methods.items() if k != name}
+                break
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+            best[name] = min(best.get(name, float("inf")), dt)
+    base = best["plain fwd+bwd"]
+    print(
+        f"{args.samples} samples, batch {args.batch}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, best of {args.repeats}\n"
+    )
+    print("| method | seconds | ratio to plain | bytes/sample |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, t in best.items():
+        per = nbytes.get(name, 0) / args.samples
+        print(f"| {name} | {t:.2f} | {t / base:.2f}x | {per:,.0f} |")
+    if logix_error:
+        print(f"\nLogIX could not run: {logix_error}")
+
+
+if __name__ == "__main__":
+    main()

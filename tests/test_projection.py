@@ -1,0 +1,189 @@
+"""Logged rows equal P_out · G_i · P_inᵀ with G_i from torch.func per-sample gradients."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+import nnstat
+from nnstat.projection import build_projections, module_spec, random_projection
+
+
+def per_sample_grads(model, loss_of_output, *inputs):
+    """{param name: [N, *shape]} of each sample's own loss, by torch.func."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, *xs):
+        xs = tuple(x.unsqueeze(0) for x in xs)
+        return loss_of_output(functional_call(model, p, xs[:1]), *xs[1:])
+
+    return vmap(grad(loss), in_dims=(None, *([0] * len(inputs))))(params, *inputs)
+
+
+def matrix_form(g, prefix, kind="linear"):
+    """[N, d_out, d_in(+1)] from weight/bias per-sample gradients (bias = last column)."""
+    w = g[f"{prefix}weight"]
+    w = w.flatten(2) if kind == "conv" else w
+    b = g.get(f"{prefix}bias")
+    return torch.cat([w, b.unsqueeze(-1)], dim=-1) if b is not None else w
+
+
+def log_rows(tmp_path, model, batches, rank=3, seed=0, name="p"):
+    run = nnstat.init(project=name, root_dir=tmp_path)
+    nnstat.setup({"statistic": "none"})
+    nnstat.watch(model)
+    nnstat.add_projection(rank=rank, seed=seed)
+    for ids, fn in batches:
+        with run(data_id=ids):
+            fn().backward()
+    nnstat.finalize()
+    nnstat.unwatch()
+    store = nnstat.GradientStore(run.path)
+    return store, store.rows(0, len(store)), load_file(str(run.path / "projections.safetensors"))
+
+
+def expected(g_mat, proj, name, d_in, d_out):
+    p_in = proj.get(f"{name}/p_in", torch.eye(d_in))
+    p_out = proj.get(f"{name}/p_out", torch.eye(d_out))
+    return torch.einsum("ro,nod,sd->nrs", p_out, g_mat, p_in).flatten(1)
+
+
+def test_linear_with_bias_matches_torch_func(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 4))
+    x, y = torch.randn(7, 6), torch.randint(0, 4, (7,))
+
+    def loss_fn(out, t):
+        return nn.functional.cross_entropy(out, t, reduction="sum")
+
+    store, rows, proj = log_rows(
+        tmp_path, model, [(list(range(7)), lambda: loss_fn(model(x), y))], rank=3
+    )
+    g = per_sample_grads(model, loss_fn, x, y)
+    assert [m["r_in"] for m in store.modules] == [3, 3] and [m["r_out"] for m in store.modules] == [
+        3,
+        3,
+    ]
+    assert set(proj) == {"0/p_in", "0/p_out", "2/p_in", "2/p_out"}
+    for m, prefix, d_in, d_out in [(store.modules[0], "0.", 7, 5), (store.modules[1], "2.", 6, 4)]:
+        want = expected(matrix_form(g, prefix), proj, m["name"], d_in, d_out)
+        got = rows[:, m["offset"] : m["offset"] + m["width"]]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(store.module_view(rows, m["name"]), want.reshape(7, 3, 3))
+
+
+def test_sequences_sum_positions(tmp_path):
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    x = torch.randn(5, 8, 4)  # [N, T, d]
+    w = torch.randn(5, 8, 3)
+
+    def loss_fn(out, t):
+        return (out * t).sum()
+
+    _, rows, proj = log_rows(
+        tmp_path, model, [(["a", "b", "c", "d", "e"], lambda: loss_fn(model(x), w))]
+    )
+    g = per_sample_grads(model, loss_fn, x, w)
+    want = torch.cat(
+        [
+            expected(matrix_form(g, "0."), proj, "0", 5, 6),
+            expected(matrix_form(g, "2."), proj, "2", 7, 3),
+        ],
+        dim=1,
+    )
+    torch.testing.assert_close(rows, want, rtol=1e-4, atol=1e-5)
+
+
+def test_conv2d_matches_torch_func(tmp_path):
+    torch.manual_seed(2)
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 3 * 3, 2)
+    )
+    x, y = torch.randn(4, 2, 6, 6), torch.randint(0, 2, (4,))
+
+    def loss_fn(out, t):
+        return nn.functional.cross_entropy(out, t, reduction="sum")
+
+    store, rows, proj = log_rows(
+        tmp_path, model, [([0, 1, 2, 3], lambda: loss_fn(model(x), y))], rank=5
+    )
+    g = per_sample_grads(model, loss_fn, x, y)
+    conv = store.modules[0]
+    assert (conv["d_in"], conv["d_out"], conv["r_in"], conv["r_out"]) == (19, 4, 5, 4)
+    want = expected(matrix_form(g, "0.", kind="conv"), proj, "0", 19, 4)
+    torch.testing.assert_close(rows[:, : conv["width"]], want, rtol=1e-4, atol=1e-5)
+
+
+def test_full_gradients_without_projection(tmp_path):
+    torch.manual_seed(3)
+    model = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    run = nnstat.init(project="full", root_dir=tmp_path)
+    nnstat.watch(model)  # no add_projection: rank=None stores G_i itself
+    with run(data_id=[5, 6, 7, 8]):
+        model(x).pow(2).sum().backward()
+    nnstat.finalize()
+    store = nnstat.GradientStore(run.path)
+    g = per_sample_grads(model, lambda o: o.pow(2).sum(), x)
+    torch.testing.assert_close(
+        store.rows(0, 4), matrix_form(g, "").flatten(1), rtol=1e-5, atol=1e-6
+    )
+    assert store.meta["projection"]["rank"] is None and store.projections() == {}
+
+
+def test_rank_capped_and_identity_sides_recorded():
+    spec = module_spec("fc", nn.Linear(10, 4))
+    p = random_projection(spec, rank=64, seed=0)
+    assert (p.r_in, p.r_out, p.p_in, p.p_out) == (11, 4, None, None)
+    p = random_projection(spec, rank=2, seed=0)
+    assert p.p_in.shape == (2, 11) and p.p_out.shape == (2, 4)
+    again = random_projection(spec, rank=2, seed=0)
+    assert torch.equal(p.p_in, again.p_in)  # reproducible from the recorded seed
+    assert not torch.equal(p.p_in, random_projection(spec, rank=2, seed=1).p_in)
+
+
+def test_random_projection_preserves_norms_in_expectation():
+    torch.manual_seed(4)
+    spec = module_spec("fc", nn.Linear(49, 30))
+    g = torch.randn(30, 50)
+    ratios = []
+    for seed in range(300):
+        p = random_projection(spec, rank=8, seed=seed)
+        ratios.append(float((p.p_out @ g @ p.p_in.T).pow(2).sum() / g.pow(2).sum()))
+    mean = sum(ratios) / len(ratios)
+    assert abs(mean - 1.0) < 0.05, mean
+
+
+def test_pca_uses_top_eigenvectors_of_kfac_factors(tmp_path):
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    x, y = torch.randn(32, 6) * torch.linspace(0.2, 3, 6), torch.randint(0, 3, (32,))
+    run = nnstat.init(project="pca", root_dir=tmp_path)
+    nnstat.setup({"statistic": "kfac", "save": []})
+    nnstat.watch(model)
+    with pytest.raises(ValueError, match="statistics pass"):
+        nnstat.add_projection(rank=2, init="pca")  # no statistics yet: never a silent fallback
+    with run(data_id=list(range(32))):
+        nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    nnstat.finalize()
+    layout = nnstat.add_projection(rank=2, init="pca")
+    assert layout == {"0": (2, 2), "2": (2, 2)}
+    p_in = run._projections["0"].p_in
+    # independent reference: A = mean over samples of [x, 1][x, 1]ᵀ, top-2 eigenvectors
+    a = torch.cat([x, torch.ones(32, 1)], 1).double()
+    vals, vecs = torch.linalg.eigh(a.T @ a / 32)
+    top = vecs[:, -2:].flip(-1).T.float()
+    torch.testing.assert_close(p_in.abs(), top.abs(), rtol=1e-4, atol=1e-5)
+    assert torch.allclose((p_in * top).sum(1).abs(), torch.ones(2), atol=1e-5)
+
+
+def test_pca_without_statistics_is_refused():
+    specs = [module_spec("fc", nn.Linear(4, 3))]
+    with pytest.raises(ValueError, match="statistics pass"):
+        build_projections(specs, 2, "pca", statistics={})
+    with pytest.raises(ValueError, match="missing"):
+        build_projections(specs, 2, "pca", statistics={"other/forward/covariance": torch.eye(2)})
+    with pytest.raises(ValueError, match="valid"):
+        build_projections(specs, 2, "svd")
