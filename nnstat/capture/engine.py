@@ -176,11 +176,12 @@ class CaptureEngine:
 
         ``loss_reduction="mean"`` multiplies output gradients by ``batch_size`` (default: the
         module's batch dimension N) so they are gradients of each sample's own loss term.
-        ``outputs_require_grad=True`` (used by the store's ``param_grads=False`` pass, whose
-        parameters are frozen) makes a watched output that does not require grad a detached leaf
-        that does, so its output-gradient is still captured.
         ``mask`` (``[N]`` or ``[N, *positions]``, nonzero = keep) zeroes excluded positions in
         modules whose output positions match its shape.
+        ``outputs_require_grad=True`` (the store's ``param_grads=False`` pass, which freezes the
+        watched parameters to skip the weight-gradient products): a watched module whose output
+        would not require grad returns a copy that does, so its output gradient still reaches
+        the hooks. Values never change.
         """
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(
@@ -207,21 +208,24 @@ class CaptureEngine:
         self, w: _Watched, module: nn.Module, inputs: tuple, output: Any
     ) -> torch.Tensor | None:
         ctx = self._ctx
-        if ctx is None or not isinstance(output, torch.Tensor):
-            return
+        if ctx is None or not isinstance(output, torch.Tensor) or not torch.is_grad_enabled():
+            return None
+        if not inputs or not isinstance(inputs[0], torch.Tensor):
+            return None
         replaced = None
-        if ctx.outputs_require_grad and torch.is_grad_enabled() and not output.requires_grad:
-            # opt-in (store's param_grads=False): parameters are frozen for the pass, so the
-            # output-gradient comes through a detached leaf instead of the weight's graph
-            output = replaced = output.detach().requires_grad_()
-        if not (torch.is_grad_enabled() and output.requires_grad) or not inputs:
-            return
-        x = inputs[0]
-        if not isinstance(x, torch.Tensor):
-            return
+        if not output.requires_grad:
+            if not (ctx.outputs_require_grad and output.is_floating_point()):
+                return None
+            # nothing upstream needs a gradient (frozen parameters, input without grad): start
+            # the graph here; a non-leaf copy keeps downstream in-place ops (ReLU(inplace)) legal
+            replaced = output = output.detach().requires_grad_().clone()
         # the input travels in the closure, so a recomputed forward (activation checkpointing)
         # pairs with its own backward and a forward whose output never gets a gradient is dropped
-        output.register_hook(partial(self._on_output_grad, module, x.detach(), ctx))
+        hook = partial(self._on_output_grad, module, inputs[0].detach(), ctx)
+        target = _hook_target(output)
+        if target is not output:
+            hook = partial(_reshaped, hook, output.shape)
+        target.register_hook(hook)
         return replaced
 
     def _on_output_grad(
@@ -303,6 +307,30 @@ def _row_mask(
     if m.shape[1] != rows:  # grouped conv: one row per (location, group)
         m = m.repeat_interleave(rows // m.shape[1], dim=1)
     return m
+
+
+def _hook_target(output: torch.Tensor) -> torch.Tensor:
+    """The tensor whose gradient equals the output's, robust to later in-place ops.
+
+    A layer applied to ``[N, T, d]`` returns a view of a 2-D result; an in-place op on that view
+    (``ReLU(inplace=True)``) rewrites the view's history so a hook on the view never fires,
+    while a hook on its base still does.
+    """
+    base = output._base if output._is_view() else None
+    if (
+        base is not None
+        and base.requires_grad
+        and base.numel() == output.numel()
+        and base.is_contiguous()
+        and output.is_contiguous()
+        and output.data_ptr() == base.data_ptr()
+    ):
+        return base
+    return output
+
+
+def _reshaped(hook: Callable[[torch.Tensor], None], shape: torch.Size, grad: torch.Tensor) -> None:
+    hook(grad.reshape(shape))
 
 
 def _as_list(x: Any) -> list:
