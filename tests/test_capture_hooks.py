@@ -185,3 +185,54 @@ def test_batch_validates_arguments():
     with pytest.raises(ValueError, match="mask has 4 samples but the batch has 2"):
         with engine.batch(mask=torch.ones(4, dtype=torch.bool)):
             model(torch.randn(2, 3)).sum().backward()
+
+
+def test_outputs_require_grad_with_frozen_parameters():
+    """The store's param_grads=False pass: parameters frozen, per-sample grads still exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Embedding(7, 4), nn.Linear(4, 5), nn.ReLU(inplace=True), nn.Linear(5, 3)
+    )
+    x, y = torch.randint(0, 7, (4, 6)), torch.randint(0, 3, (4, 6))
+    ref = ref_grads(model, x, y)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    engine = CaptureEngine()
+    engine.watch(model)
+    caps = collect(engine)
+    with engine.batch(outputs_require_grad=True):
+        out = model(x)
+        F.cross_entropy(out.reshape(-1, 3), y.reshape(-1), reduction="sum").backward()
+    assert set(caps) == {"0", "1", "3"}
+    for name, got in caps.items():
+        for p, g in got.items():
+            torch.testing.assert_close(g, ref[f"{name}.{p}"], rtol=1e-4, atol=1e-5)
+    assert all(p.grad is None and not p.requires_grad for p in model.parameters())
+    with engine.batch():  # without the opt-in a frozen model has nothing to differentiate
+        assert not model(x).requires_grad
+
+
+@pytest.mark.parametrize("kind", ["linear", "embedding", "hf_conv1d", "layernorm"])
+def test_inplace_op_on_a_view_output_still_captured(kind):
+    """[N, T, d] layers return a view; an in-place ReLU on it must not lose the capture."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    first, x = {
+        "linear": (nn.Linear(4, 5), torch.randn(3, 2, 4)),
+        "embedding": (nn.Embedding(9, 5), torch.randint(0, 9, (3, 2))),
+        "hf_conv1d": (Conv1D(5, 4), torch.randn(3, 2, 4)),
+        "layernorm": (nn.LayerNorm(5), torch.randn(3, 2, 5)),
+    }[kind]
+    model = nn.Sequential(first, nn.ReLU(inplace=True), nn.Linear(5, 3))
+    y = torch.randint(0, 3, (3, 2))
+    ref = ref_grads(model, x, y)
+    engine = CaptureEngine()
+    engine.watch(model)
+    caps = collect(engine)
+    with engine.batch():
+        F.cross_entropy(model(x).reshape(-1, 3), y.reshape(-1), reduction="sum").backward()
+    assert set(caps) == {"0", "2"}
+    for name, got in caps.items():
+        for p, g in got.items():
+            torch.testing.assert_close(g, ref[f"{name}.{p}"], rtol=1e-4, atol=1e-5)
