@@ -185,6 +185,43 @@ def kfac_factor(
     return KronFactor(qs, qa, torch.outer(ls, la))
 
 
+def _unprojected(spec: ModuleSpec, projections: Mapping[str, torch.Tensor]) -> bool:
+    for side in ("p_out", "p_in"):
+        p = projections.get(f"{spec.name}/{side}")
+        if p is not None and (p.shape[0] != p.shape[1] or not torch.equal(p, torch.eye(len(p)))):
+            return False
+    return True
+
+
+def stored_ekfac_factor(
+    spec: ModuleSpec,
+    stats: Mapping[str, torch.Tensor],
+    projections: Mapping[str, torch.Tensor],
+) -> KronFactor | None:
+    """The statistics pass's own EK-FAC factor when it applies to the logged space, else ``None``.
+
+    It applies when the module is logged unprojected and the run saved both K-FAC eigenbases and
+    the corrected eigenvalues (``"{m}/ekfac/eigenvalues"``) with matching shapes.
+
+    Example:
+        >>> import torch
+        >>> st = {"fc/backward/eigenvectors": torch.eye(2), "fc/forward/eigenvectors": torch.eye(3),
+        ...       "fc/ekfac/eigenvalues": torch.ones(2, 3)}
+        >>> stored_ekfac_factor(ModuleSpec("fc", 0, 2, 3), st, {}).eig.shape
+        torch.Size([2, 3])
+    """
+    keys = [f"{spec.name}/backward/eigenvectors", f"{spec.name}/forward/eigenvectors"]
+    keys.append(f"{spec.name}/ekfac/eigenvalues")
+    if not all(k in stats for k in keys) or not _unprojected(spec, projections):
+        return None
+    q_out, q_in, eig = (stats[k].to(torch.float64) for k in keys)
+    if q_out.shape != (spec.r_out, spec.r_out) or q_in.shape != (spec.r_in, spec.r_in):
+        return None
+    if eig.shape != (spec.r_out, spec.r_in):
+        return None
+    return KronFactor(q_out, q_in, eig.clamp_min(0.0))
+
+
 # ----------------------------------------------------------------------------- fitting
 def _fit_from_rows(
     source: RowSource,
@@ -256,7 +293,12 @@ class Preconditioner:
             if dense:
                 factors.update(_fit_from_rows(source, dense, {}, batch_size))
             return cls(kind, layout, factors)
-        return cls(kind, layout, _fit_from_rows(source, dense, kron, batch_size))
+        stored = {m.name: stored_ekfac_factor(m, stats, projections) for m in layout if m.kronecker}
+        factors = {name: f for name, f in stored.items() if f is not None}
+        todo = {name: f for name, f in kron.items() if stored.get(name) is None}
+        if dense or todo:
+            factors.update(_fit_from_rows(source, dense, todo, batch_size))
+        return cls(kind, layout, factors)
 
     def module_dampings(self, damping: float | None) -> dict[str, float]:
         """The damping each module actually uses (resolves ``None`` with the heuristic)."""
@@ -349,6 +391,23 @@ def clear_cache() -> None:
     _CACHE.entries.clear()
 
 
+def has_kfac_statistics(source: RowSource) -> bool:
+    """True when the statistics pass saved both K-FAC factors of every Kronecker module."""
+    stats = source.statistics()
+    kron = [m for m in source.layout if m.kronecker]
+    return bool(kron) and all(
+        f"{m.name}/forward/covariance" in stats and f"{m.name}/backward/covariance" in stats
+        for m in kron
+    )
+
+
+def has_stored_ekfac(source: RowSource) -> bool:
+    """True when every Kronecker module has a usable EK-FAC factor in the saved statistics."""
+    stats, projections = source.statistics(), source.projections()
+    kron = [m for m in source.layout if m.kronecker]
+    return bool(kron) and all(stored_ekfac_factor(m, stats, projections) for m in kron)
+
+
 def default_preconditioner(source: RowSource) -> str:
     """``ekfac`` when the run collected K-FAC statistics for every Kronecker module, else ``raw``.
 
@@ -358,11 +417,4 @@ def default_preconditioner(source: RowSource) -> str:
         >>> default_preconditioner(TensorSource(torch.zeros(2, 3)))
         'raw'
     """
-    stats = source.statistics()
-    kron = [m for m in source.layout if m.kronecker]
-    if kron and all(
-        f"{m.name}/forward/covariance" in stats and f"{m.name}/backward/covariance" in stats
-        for m in kron
-    ):
-        return "ekfac"
-    return "raw"
+    return "ekfac" if has_kfac_statistics(source) else "raw"

@@ -30,9 +30,16 @@ import torch
 from tqdm.auto import tqdm
 
 from .layout import check_compatible
-from .precondition import PRECONDITIONERS, Preconditioner, default_preconditioner, fitted
+from .precondition import (
+    PRECONDITIONERS,
+    Preconditioner,
+    default_preconditioner,
+    fitted,
+    has_kfac_statistics,
+    has_stored_ekfac,
+)
 from .result import InfluenceResult, SelfInfluenceResult, TopKInfluence
-from .sources import RowSource, as_source
+from .sources import LogSource, RowSource, as_source
 
 MODES = ("dot", "cosine", "l2")
 
@@ -244,6 +251,15 @@ class _TopK:
         )
 
 
+def _self_default(data: RowSource, train: RowSource, no_train: bool) -> str:
+    if no_train and isinstance(data, LogSource):
+        # the rows of a query log are not training data: curvature must come from its statistics
+        if has_stored_ekfac(data):
+            return "ekfac"
+        return "kfac" if has_kfac_statistics(data) else "raw"
+    return default_preconditioner(train)
+
+
 def compute_self_influence(
     data: Any,
     train: Any | None = None,
@@ -255,9 +271,11 @@ def compute_self_influence(
 ) -> SelfInfluenceResult:
     """Self-influence ``g_iᵀ (H + λI)⁻¹ g_i`` of every row of ``data``.
 
-    The preconditioner is fitted on ``train`` when given, else on the training store the log came
-    from (``log.store``) when known, else on ``data`` itself. Equals the diagonal of
-    ``compute_influence_all(data, train)`` (``mode="dot"``).
+    The preconditioner is fitted on ``train`` when given, else on ``data`` itself. For an in-memory
+    query log without ``train`` (the seed's uncertainty use), the default uses only the training
+    statistics the log carries: the saved EK-FAC factor when present, else K-FAC, else ``raw`` on
+    the log's own rows. Equals the diagonal of ``compute_influence_all(data, train)``
+    (``mode="dot"``) with the same preconditioner.
 
     Example:
         >>> import torch
@@ -266,14 +284,10 @@ def compute_self_influence(
         torch.Size([10])
     """
     d = as_source(data)
-    if train is None:
-        store = getattr(getattr(d, "log", None), "store", None)
-        train = store if store is not None else d
-    t = as_source(train)
-    if t is not d:
-        if d.meta or t.meta:
-            check_compatible(d.meta, t.meta)
-    kind = preconditioner or default_preconditioner(t)
+    t = d if train is None else as_source(train)
+    if t is not d and (d.meta or t.meta):
+        check_compatible(d.meta, t.meta)
+    kind = preconditioner or _self_default(d, t, train is None)
     pre = fitted(t, kind, batch_size)
     ids, parts = [], []
     for b_ids, rows in tqdm(

@@ -237,10 +237,10 @@ def as_source(obj: Any) -> RowSource:
     dataset = getattr(obj, "dataset", None)
     if dataset is not None and getattr(dataset, "store", None) is not None:
         return StoreSource(dataset.store)
-    if hasattr(obj, "rows") and hasattr(obj, "ids") and hasattr(obj, "meta"):
-        return LogSource(obj)
     if hasattr(obj, "iter_blocks") and hasattr(obj, "meta"):
         return StoreSource(obj)
+    if hasattr(obj, "rows") and hasattr(obj, "ids") and hasattr(obj, "meta"):
+        return LogSource(obj)
     if isinstance(obj, RowSource):
         return obj
     raise TypeError(

@@ -1,0 +1,206 @@
+"""End to end: a real run writes a store, influence reads it (loader, store, path, CLI), checked
+against torch.func per-sample gradients and explicitly built K-FAC factors."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+import nnstat
+from nnstat.influence import compute_influence_all, compute_self_influence
+from nnstat.influence.cli import main as cli_main
+from nnstat.store import GradientStore
+
+N_TRAIN, BATCH = 40, 10
+
+
+def _model_and_data():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    x, y = torch.randn(N_TRAIN + 4, 6), torch.randint(0, 3, (N_TRAIN + 4,))
+    return model, (x[:N_TRAIN], y[:N_TRAIN]), (x[N_TRAIN:], y[N_TRAIN:])
+
+
+def _log_run(tmp_path, project, model, train, query, rank=None, seed=0):
+    run = nnstat.init(project=project, root_dir=tmp_path)
+    nnstat.setup({"log": "grad", "save": "grad", "statistic": "kfac"})
+    nnstat.watch(model)
+    if rank is not None:
+        nnstat.add_projection(rank=rank, init="random", seed=seed)
+    x, y = train
+    for start in range(0, N_TRAIN, BATCH):
+        with run(data_id=list(range(start, start + BATCH))):
+            loss = nn.functional.cross_entropy(
+                model(x[start : start + BATCH]), y[start : start + BATCH], reduction="sum"
+            )
+            loss.backward()
+        model.zero_grad()
+    nnstat.finalize()
+    nnstat.eval()
+    loader = nnstat.build_log_dataloader(batch_size=16)
+    with run(data_id=["q0", "q1", "q2", "q3"]):
+        nn.functional.cross_entropy(model(query[0]), query[1], reduction="sum").backward()
+    model.zero_grad()
+    log = nnstat.get_log()
+    nnstat.unwatch()
+    return loader, log, tmp_path / project
+
+
+def _grads(model, x, y):
+    """{layer: [n, d_out, d_in + 1]} per-sample gradients (bias last) via torch.func."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, xi, yi):
+        return nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
+
+    g = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    return {
+        name: torch.cat([g[f"{name}.weight"], g[f"{name}.bias"][..., None]], -1).double()
+        for name in ("0", "2")
+    }
+
+
+def _kfac_factors(model, x, y):
+    """{layer: (S, A)} for the mean loss, built from layer inputs and output gradients."""
+    z0 = model[0](x).detach().requires_grad_(True)
+    h = torch.relu(z0)
+    z2 = model[2](h)
+    loss = nn.functional.cross_entropy(z2, y, reduction="sum")  # row i = grad of sample i's loss
+    b0, b2 = torch.autograd.grad(loss, [z0, z2])
+    ones = torch.ones(len(x), 1)
+    out = {}
+    for name, a, b in (("0", torch.cat([x, ones], 1), b0), ("2", torch.cat([h, ones], 1), b2)):
+        a, b = a.detach().double(), b.double()
+        out[name] = (b.T @ b / len(x), a.T @ a / len(x))
+    return out
+
+
+def _project(g, projections, name):
+    p_out = projections.get(f"{name}/p_out")
+    p_in = projections.get(f"{name}/p_in")
+    if p_out is not None:
+        g = p_out.double() @ g
+    if p_in is not None:
+        g = g @ p_in.double().T
+    return g
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory):
+    model, train, query = _model_and_data()
+    tmp = tmp_path_factory.mktemp("influence_store")
+    loader, log, path = _log_run(tmp, "plain", model, train, query)
+    return model, train, query, loader, log, path
+
+
+def _explicit(model, train, query, projections, lam, kind):
+    gt, gq = _grads(model, *train), _grads(model, *query)
+    factors = _kfac_factors(model, *train)
+    total = torch.zeros(len(query[0]), len(train[0]), dtype=torch.float64)
+    for name in ("0", "2"):
+        t = _project(gt[name], projections, name).flatten(1)
+        q = _project(gq[name], projections, name).flatten(1)
+        if kind == "raw":
+            h = t.T @ t / len(t)
+        else:
+            s, a = factors[name]
+            p_out = projections.get(f"{name}/p_out")
+            p_in = projections.get(f"{name}/p_in")
+            s = s if p_out is None else p_out.double() @ s @ p_out.double().T
+            a = a if p_in is None else p_in.double() @ a @ p_in.double().T
+            h = torch.kron(s, a)
+        total += q @ torch.linalg.solve(h + lam * torch.eye(len(h), dtype=h.dtype), t.T)
+    return total
+
+
+def test_store_raw_scores_match_torch_func_fisher(logged):
+    model, train, query, loader, log, path = logged
+    res = compute_influence_all(log, loader, preconditioner="raw", damping=1e-2, progress=False)
+    expected = _explicit(model, train, query, {}, 1e-2, "raw")
+    torch.testing.assert_close(
+        res.scores.double(), expected, rtol=2e-3, atol=1e-3 * expected.abs().max().item()
+    )
+    assert res.test_ids == ["q0", "q1", "q2", "q3"] and res.train_ids == list(range(N_TRAIN))
+    # a GradientStore and a path give the same scores
+    for train_side in (GradientStore(path), path, str(path)):
+        other = compute_influence_all(
+            log, train_side, preconditioner="raw", damping=1e-2, progress=False
+        )
+        torch.testing.assert_close(other.scores, res.scores)
+
+
+def test_store_kfac_matches_explicit_factors(logged):
+    model, train, query, loader, log, _ = logged
+    res = compute_influence_all(log, loader, preconditioner="kfac", damping=1e-2, progress=False)
+    expected = _explicit(model, train, query, {}, 1e-2, "kfac")
+    torch.testing.assert_close(
+        res.scores.double(), expected, rtol=2e-3, atol=1e-3 * expected.abs().max().item()
+    )
+
+
+def test_projected_store_kfac_and_raw_in_projected_space(tmp_path):
+    model, train, query = _model_and_data()
+    loader, log, path = _log_run(tmp_path, "proj", model, train, query, rank=4)
+    projections = GradientStore(path).projections()
+    assert projections, "the projected run should save its projection matrices"
+    for kind in ("raw", "kfac"):
+        res = compute_influence_all(log, loader, preconditioner=kind, damping=1e-2, progress=False)
+        expected = _explicit(model, train, query, projections, 1e-2, kind)
+        torch.testing.assert_close(
+            res.scores.double(), expected, rtol=2e-3, atol=1e-3 * expected.abs().max().item()
+        )
+    # a query made with another projection seed is refused with what differs
+    other_loader, other_log, _ = _log_run(tmp_path, "proj_seed1", model, train, query, 4, seed=1)
+    with pytest.raises(ValueError, match="projection"):
+        compute_influence_all(other_log, loader, progress=False)
+
+
+def test_self_influence_of_query_log_and_of_training_store(logged):
+    _, _, _, loader, log, _ = logged
+    pairs = compute_influence_all(log, loader, preconditioner="kfac", damping=0.1, progress=False)
+    assert pairs.meta["preconditioner"] == "kfac"
+    self_q = compute_self_influence(log, damping=0.1, progress=False)
+    # a query log carries the training statistics: its default curvature is K-FAC from them
+    assert self_q.meta["preconditioner"] == "kfac" and self_q.ids == log.ids
+    explicit = compute_influence_all(log, log, preconditioner="kfac", damping=0.1, progress=False)
+    torch.testing.assert_close(self_q.scores, torch.diagonal(explicit.scores), rtol=1e-4, atol=1e-6)
+    self_t = compute_self_influence(loader, preconditioner="raw", damping=0.1, progress=False)
+    full = compute_influence_all(loader, loader, preconditioner="raw", damping=0.1, progress=False)
+    torch.testing.assert_close(self_t.scores, torch.diagonal(full.scores), rtol=1e-4, atol=1e-6)
+
+
+def test_cli_writes_top_k_and_full_tables(logged, tmp_path, capsys):
+    _, _, _, loader, _, path = logged
+    out = tmp_path / "scores.parquet"
+    code = cli_main(
+        [
+            str(path),
+            "--query",
+            str(path),
+            "--top-k",
+            "3",
+            "--out",
+            str(out),
+            "--preconditioner",
+            "raw",
+            "--damping",
+            "0.1",
+        ]
+    )
+    assert code == 0
+    frame = pd.read_parquet(out)
+    api = compute_influence_all(
+        path, path, preconditioner="raw", damping=0.1, top_k=3, progress=False
+    )
+    assert len(frame) == N_TRAIN * 3 * 2
+    helpful = frame[(frame["kind"] == "helpful") & (frame["test_id"] == 5)].sort_values("rank")
+    assert helpful["train_id"].tolist() == api.helpful_ids[5]
+    out_csv = tmp_path / "all.csv"
+    assert cli_main([str(path), "--query", str(path), "--out", str(out_csv)]) == 0
+    assert len(pd.read_csv(out_csv)) == N_TRAIN * N_TRAIN
+    assert cli_main([str(path), "--self", "--out", str(tmp_path / "self.csv")]) == 0
+    assert cli_main([str(tmp_path / "missing"), "--query", str(path)]) == 2
+    assert "no gradient store" in capsys.readouterr().err
