@@ -1,0 +1,250 @@
+"""The Run API: ids, refusals, resume, errors from the writer, passes, eval/get_log, opt-ins."""
+
+import json
+import time
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import nnstat
+from nnstat.store import StoreWriteError
+from nnstat.store import format as fmt
+
+
+def make():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 3))
+    x, y = torch.randn(24, 5), torch.randint(0, 3, (24,))
+    return model, x, y
+
+
+def step(run, model, x, y, ids=None, **kw):
+    with run(data_id=ids, **kw):
+        nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+
+
+def logged(
+    tmp_path, project="p", config=None, rank=2, batches=((0, 8), (8, 16), (16, 24)), ids=None
+):
+    model, x, y = make()
+    run = nnstat.init(project=project, root_dir=tmp_path)
+    nnstat.setup(config or {"statistic": "none"})
+    nnstat.watch(model)
+    nnstat.add_projection(rank=rank)
+    for lo, hi in batches:
+        step(run, model, x[lo:hi], y[lo:hi], None if ids is None else ids[lo:hi])
+    nnstat.finalize()
+    return run, model, x, y
+
+
+def test_id_types_are_preserved_and_auto_ids_are_consecutive(tmp_path):
+    ids = [*range(12), *[f"s{i}" for i in range(12)]]
+    run, *_ = logged(tmp_path, ids=ids)
+    assert nnstat.GradientStore(run.path).ids == ids
+    run, *_ = logged(tmp_path, project="auto")
+    assert nnstat.GradientStore(run.path).ids == list(range(24))
+
+
+def test_tensor_ids_are_content_hashes(tmp_path):
+    model, x, y = make()
+    run = nnstat.init(project="h", root_dir=tmp_path)
+    nnstat.watch(model)
+    step(run, model, x[:4], y[:4], ids=x[:4])
+    nnstat.finalize()
+    assert nnstat.GradientStore(run.path).ids == [fmt.content_id(r) for r in x[:4]]
+
+
+def test_duplicate_ids_in_a_pass_are_refused(tmp_path):
+    model, x, y = make()
+    run = nnstat.init(project="d", root_dir=tmp_path)
+    nnstat.watch(model)
+    step(run, model, x[:4], y[:4], ids=[1, 2, 3, 4])
+    with pytest.raises(ValueError, match=r"duplicate data ids.*\[4\]"):
+        step(run, model, x[4:8], y[4:8], ids=[4, 5, 6, 7])
+    with pytest.raises(ValueError, match="duplicate"):
+        step(run, model, x[4:6], y[4:6], ids=[9, 9])
+    step(run, model, x[4:8], y[4:8], ids=[5, 6, 7, 8])  # a refused batch can be retried
+    nnstat.finalize()
+    assert nnstat.GradientStore(run.path).ids == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_resume_appends_and_skips_stored_ids(tmp_path):
+    run, model, x, y = logged(tmp_path, batches=[(0, 8)], ids=list(range(24)))
+    first = nnstat.GradientStore(run.path).rows(0, 8)
+    run, *_ = logged(tmp_path, ids=list(range(24)))  # same config: the whole pass again
+    store = nnstat.GradientStore(run.path)
+    assert sorted(store.ids) == list(range(24)) and len(store) == 24
+    torch.testing.assert_close(store.rows(0, 8), first)
+    with pytest.raises(ValueError, match="already in the store"):
+        logged(tmp_path, config={"statistic": "none", "on_stored_id": "error"}, ids=list(range(24)))
+
+
+def test_resume_with_different_configuration_is_refused(tmp_path):
+    logged(tmp_path, batches=[(0, 8)])
+    with pytest.raises(ValueError, match=r"r_in: 2 -> 3"):
+        logged(tmp_path, rank=3)
+    with pytest.raises(ValueError, match="projection_sha256"):
+        model, x, y = make()
+        run = nnstat.init(project="p", root_dir=tmp_path)
+        nnstat.watch(model)
+        nnstat.add_projection(rank=2, seed=7)
+        step(run, model, x[:4], y[:4])
+    with pytest.raises(ValueError, match="dtype: 'float32' -> 'float16'"):
+        logged(tmp_path, config={"statistic": "none", "dtype": "float16"})
+
+
+def test_writer_failure_is_raised_at_next_run_or_finalize(tmp_path, monkeypatch):
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fmt, "write_shard", disk_full)
+    model, x, y = make()
+    run = nnstat.init(project="w", root_dir=tmp_path)
+    nnstat.setup({"shard_rows": 4})
+    nnstat.watch(model)
+    step(run, model, x[:4], y[:4])  # fills one shard: the background write fails
+    writer = run._logger.writer
+    for _ in range(500):
+        if writer._error is not None:
+            break
+        time.sleep(0.01)
+    with pytest.raises(StoreWriteError, match="No space left") as info:
+        step(run, model, x[4:8], y[4:8])  # raised in the training process at the next run(...)
+    assert isinstance(info.value.__cause__, OSError)
+    with pytest.raises(StoreWriteError, match="No space left"):
+        nnstat.finalize()  # ... and at finalize()
+
+
+def test_store_path_that_is_a_file_fails_in_the_caller(tmp_path):
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "shards").write_text("a file where the shard directory should be")
+    model, x, y = make()
+    run = nnstat.init(project="p", root_dir=tmp_path)
+    nnstat.watch(model)
+    with pytest.raises(OSError):
+        step(run, model, x[:4], y[:4])
+
+
+def test_nonfinite_policy(tmp_path):
+    model, x, y = make()
+    x = x.clone()
+    x[2, 0] = float("nan")
+    run = nnstat.init(project="n", root_dir=tmp_path)
+    nnstat.watch(model)
+    with pytest.raises(ValueError, match=r"ids \[2\] contain NaN/Inf"):
+        step(run, model, x[:4], y[:4], ids=[0, 1, 2, 3])
+    nnstat.finalize()
+    run = nnstat.init(project="n2", root_dir=tmp_path)
+    nnstat.setup({"nonfinite": "skip"})
+    nnstat.watch(model)
+    step(run, model, x[:4], y[:4], ids=[0, 1, 2, 3])
+    nnstat.finalize()
+    store = nnstat.GradientStore(run.path)
+    assert store.ids == [0, 1, 3] and store.meta["skipped_rows"] == 1
+    assert json.loads((run.path / "meta.json").read_text())["skipped_rows"] == 1
+
+
+def test_unknown_setup_key_lists_valid_keys(tmp_path):
+    nnstat.init(project="k", root_dir=tmp_path)
+    with pytest.raises(
+        ValueError, match="'statistics'.*valid keys:.*statistic.*nonfinite.*on_stored_id"
+    ):
+        nnstat.setup({"statistics": "kfac"})
+
+
+def test_init_again_creates_a_new_current_run(tmp_path):
+    a = nnstat.init(project="a", root_dir=tmp_path)
+    b = nnstat.init(project="b", root_dir=tmp_path)
+    assert a is not b and nnstat.run.current_run() is b
+
+
+def test_eval_log_matches_store_and_new_process_reuses_projection(tmp_path):
+    run, model, x, y = logged(tmp_path, config={"statistic": "kfac"})
+    nnstat.eval()
+    loader = nnstat.build_log_dataloader(batch_size=10)
+    assert [len(i) for i, _ in loader] == [10, 10, 4]
+    step(run, model, x[:5], y[:5], ids=["q0", "q1", "q2", "q3", "q4"])
+    log = nnstat.get_log()
+    store = nnstat.GradientStore(run.path)
+    torch.testing.assert_close(log.rows, store.rows(0, 5))
+    assert (
+        log.ids == ["q0", "q1", "q2", "q3", "q4"] and log.meta["modules"] == store.meta["modules"]
+    )
+    assert set(log.statistics) == set(store.statistics()) and log.statistics
+    # a fresh Run on the same store (e.g. another process) logs queries in the same space
+    other = nnstat.init(project="p", root_dir=tmp_path)
+    nnstat.watch(model)
+    nnstat.eval()
+    step(other, model, x[:5], y[:5])
+    torch.testing.assert_close(nnstat.get_log().rows, log.rows)
+    assert not (run.path / "shards" / "rank0-00001.npy").exists()  # eval wrote nothing
+
+
+def test_ekfac_schedule_runs_two_passes_and_logs_in_the_second(tmp_path):
+    model, x, y = make()
+    run = nnstat.init(project="e", root_dir=tmp_path)
+    nnstat.setup({"log": "grad", "save": "grad", "statistic": "ekfac"})
+    nnstat.watch(model)
+    nnstat.add_projection(rank=2)
+    names = []
+    for spec in run.schedule():
+        names.append(spec.name)
+        for lo in range(0, 24, 8):
+            step(run, model, x[lo : lo + 8], y[lo : lo + 8], ids=list(range(lo, lo + 8)))
+    assert names == ["factors", "eigenvalues"]
+    store = nnstat.GradientStore(run.path)
+    assert sorted(store.ids) == list(range(24))  # the second pass is not skipped as a resume
+    assert {"0/ekfac/eigenvalues", "2/ekfac/eigenvalues"} <= set(store.statistics())
+
+
+def test_param_grads_false_gives_same_rows_and_leaves_grads_untouched(tmp_path):
+    rows = {}
+    for pg in (True, False):
+        model, x, y = make()
+        flags = [p.requires_grad for p in model.parameters()]
+        run = nnstat.init(project=f"pg{pg}", root_dir=tmp_path)
+        nnstat.setup({"param_grads": pg})
+        nnstat.watch(model)
+        nnstat.add_projection(rank=2)
+        step(run, model, x, y)
+        with pytest.raises(RuntimeError, match="boom"):  # flags come back even on exceptions
+            with run(data_id=[100]):
+                raise RuntimeError("boom")
+        assert [p.requires_grad for p in model.parameters()] == flags
+        nnstat.finalize()
+        rows[pg] = nnstat.GradientStore(run.path).rows(0, 24)
+        grads = [p.grad for p in model.parameters()]
+        assert all(g is None for g in grads) == (not pg)
+    torch.testing.assert_close(rows[False], rows[True])
+
+
+def test_full_gradient_size_checks(tmp_path, monkeypatch):
+    model, x, y = make()
+    run = nnstat.init(project="big", root_dir=tmp_path)
+    nnstat.setup({"num_samples": 10**6, "size_budget_bytes": 10**6})
+    nnstat.watch(model)
+    with pytest.warns(UserWarning, match=r"about 228000000 bytes"):
+        step(run, model, x[:2], y[:2])  # (6x6 + 3x7) floats x 4 bytes x 1e6 rows
+    nnstat.finalize()
+    import shutil
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    run = nnstat.init(project="big2", root_dir=tmp_path)
+    nnstat.setup({"num_samples": 10**6})
+    nnstat.watch(model)
+    with pytest.raises(OSError, match="bytes free"):
+        step(run, model, x[:2], y[:2])
+
+
+def test_no_backward_inside_run_is_an_error(tmp_path):
+    model, x, _ = make()
+    run = nnstat.init(project="nb", root_dir=tmp_path)
+    nnstat.watch(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match="loss.backward"):
+            with run(data_id=[0]):
+                model(x[:1])
