@@ -30,7 +30,7 @@ class PerSampleNorms:
         self.names = self.engine.watch(model, name_filter=name_filter, type_filter=type_filter)
         if not self.names:
             raise ValueError("the capture engine found no supported module to watch in the model")
-        modules = dict(model.named_modules())
+        modules = self.engine.watched  # name -> module (the root module is named "model")
         self.params: dict[str, list[nn.Parameter]] = {
             n: [p for p in modules[n].parameters(recurse=False) if p.requires_grad]
             for n in self.names

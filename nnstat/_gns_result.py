@@ -53,8 +53,8 @@ class NoiseScaleResult:
             f"{prefix}/grad_sq_norm": self.grad_sq_norm,
             f"{prefix}/trace_sigma": self.trace_sigma,
             f"{prefix}/b_simple_stderr": self.b_simple_stderr,
-            f"{prefix}/b_simple_low": self.interval[0],
-            f"{prefix}/b_simple_high": self.interval[1],
+            f"{prefix}/low": self.interval[0],
+            f"{prefix}/high": self.interval[1],
             f"{prefix}/n_samples": float(self.n_samples),
         }
         if self.fit_residual is not None:

@@ -247,6 +247,10 @@ class NoiseScale:
         """``B_simple`` per layer (only when updates carried per-layer dicts)."""
         return {k: safe_ratio(*self._means(k)) for k in self._stats if k != _TOTAL}
 
+    def layer_estimates(self) -> dict[str, tuple[float, float]]:
+        """Averaged ``(grad_sq_norm, trace_sigma)`` per layer."""
+        return {k: self._means(k)[::-1] for k in self._stats if k != _TOTAL}
+
     def to_dict(self) -> dict[str, float]:
         """Flat metrics: ``noise_scale/b_simple``, ``.../grad_sq_norm``, per layer, ..."""
         p = self.prefix

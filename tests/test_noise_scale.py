@@ -20,6 +20,16 @@ import nnstat
 from nnstat._gns_hessian import hessian_noise_scale
 from nnstat._gns_math import fit_sq_norms, geometric_ladder, ratio_of_means, two_batch
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models on a shared 2-core machine: intra-op threads only add contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 D, N, S2 = 5, 20000, 1.0
 C = torch.tensor([1.0, 2.0, 0.5, 1.5, 1.0], dtype=torch.float64)
 DELTA = torch.tensor([0.3, -0.2, 0.4, 0.1, -0.3], dtype=torch.float64)

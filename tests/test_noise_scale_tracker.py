@@ -1,0 +1,208 @@
+"""nnstat.NoiseScale (streaming tracker) and the per-sample method through the capture engine."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+import nnstat
+from nnstat._gns_math import two_batch
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models on a shared 2-core machine: intra-op threads only add contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def gaussian_stream(steps: int, seed: int = 0, d: int = 50, g_norm: float = 1.0, trace=100.0):
+    """Squared norms of mean gradients of i.i.d. N(G, Sigma) samples, small batch inside big."""
+    rng = np.random.default_rng(seed)
+    g = np.zeros(d)
+    g[0] = g_norm
+    std = math.sqrt(trace / d)
+    for _ in range(steps):
+        samples = g + std * rng.standard_normal((64, d))
+        yield float((samples[:8].mean(0) ** 2).sum()), float((samples.mean(0) ** 2).sum())
+
+
+def test_ratio_of_averages_not_average_of_ratios():
+    """Regression test: per-step |G|^2 estimates sometimes go negative, so per-step ratios are
+    Cauchy-like and their average never settles; the ratio of averages does."""
+    stream = list(gaussian_stream(4000))
+    chunk_values, chunk_naive = [], []
+    for start in range(0, 4000, 500):
+        gns = nnstat.NoiseScale(window=500)
+        ratios = []
+        for small, big in stream[start : start + 500]:
+            gns.update(small, big, 8, 64)
+            g_sq, trace = two_batch(small, big, 8, 64)
+            ratios.append(trace / g_sq)
+        chunk_values.append(gns.value)
+        chunk_naive.append(np.mean(ratios))
+    assert np.allclose(chunk_values, 100.0, rtol=0.15), chunk_values
+    assert np.max(np.abs(np.array(chunk_naive) - 100.0)) > 50.0, chunk_naive
+    gns = nnstat.NoiseScale(window=4000)
+    for small, big in stream:
+        gns.update(small, big, 8, 64)
+    assert gns.value == pytest.approx(100.0, rel=0.05)
+    assert gns.grad_sq_norm == pytest.approx(1.0, rel=0.05)
+    assert gns.trace_sigma == pytest.approx(100.0, rel=0.05)
+
+
+def test_ema_is_ratio_of_separate_emas():
+    beta = 0.9
+    gns = nnstat.NoiseScale(beta=beta)
+    num = den = 0.0
+    for small, big in gaussian_stream(50, seed=1):
+        gns.update(small, big, 8, 64)
+        g_sq, trace = two_batch(small, big, 8, 64)
+        num = beta * num + (1 - beta) * trace
+        den = beta * den + (1 - beta) * g_sq
+    assert gns.value == pytest.approx(num / den, rel=1e-12)
+    bias = 1 - beta**50
+    assert gns.grad_sq_norm == pytest.approx(den / bias, rel=1e-12)
+    assert gns.trace_sigma == pytest.approx(num / bias, rel=1e-12)
+
+
+@pytest.mark.parametrize("kwargs", [dict(beta=0.8), dict(window=7)])
+def test_state_dict_round_trip(kwargs):
+    a = nnstat.NoiseScale(**kwargs)
+    stream = list(gaussian_stream(30, seed=2))
+    for s, b in stream[:20]:
+        a.update({"fc1": s * 0.25, "fc2": s * 0.75}, {"fc1": b * 0.25, "fc2": b * 0.75}, 8, 64)
+    b_ = nnstat.NoiseScale(**kwargs)
+    b_.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert b_.to_dict() == a.to_dict()
+    for s, b in stream[20:]:
+        for t in (a, b_):
+            t.update({"fc1": s * 0.25, "fc2": s * 0.75}, {"fc1": b * 0.25, "fc2": b * 0.75}, 8, 64)
+    assert b_.to_dict() == a.to_dict()
+    assert b_.n_updates == a.n_updates == 30
+    assert set(a.layer_values()) == {"fc1", "fc2"}
+    other = nnstat.NoiseScale(beta=0.5)
+    with pytest.raises(ValueError, match="beta="):
+        other.load_state_dict(a.state_dict())
+    with pytest.raises(ValueError, match="expected"):
+        other.load_state_dict({"beta": 0.5})
+
+
+def test_window_forgets_old_values():
+    gns = nnstat.NoiseScale(window=2)
+    gns.update(1 + 10 / 2, 1 + 10 / 8, 2, 8)  # B = 10
+    for _ in range(2):
+        gns.update(1 + 40 / 2, 1 + 40 / 8, 2, 8)  # B = 40
+    assert gns.value == pytest.approx(40.0)
+
+
+def test_update_grads_and_bad_input():
+    gns = nnstat.NoiseScale(beta=0.0)
+    small = {"w": torch.tensor([3.0, 4.0])}
+    big = {"w": torch.tensor([2.0, 2.0])}
+    gns.update_grads(small, big, 2, 8)
+    g_sq, trace = two_batch(25.0, 8.0, 2, 8)
+    assert gns.value == pytest.approx(trace / g_sq)
+    assert gns.layer_values()["w"] == pytest.approx(trace / g_sq)
+    with pytest.raises(ValueError, match="smaller than b_big"):
+        gns.update(1.0, 1.0, 8, 8)
+    with pytest.raises(ValueError, match="finite"):
+        gns.update(float("nan"), 1.0, 2, 8)
+    with pytest.raises(ValueError, match="keys differ"):
+        gns.update({"a": 1.0}, {"b": 1.0}, 2, 8)
+    with pytest.raises(ValueError, match="shapes differ"):
+        gns.update_grads({"w": torch.ones(2)}, {"w": torch.ones(3)}, 2, 8)
+    with pytest.raises(ValueError, match="not both"):
+        nnstat.NoiseScale(beta=0.9, window=3)
+    assert math.isnan(nnstat.NoiseScale().value)
+
+
+def test_pure_noise_value_is_inf():
+    gns = nnstat.NoiseScale(beta=0.5)
+    gns.update(1.0, 1.0, 2, 8)  # equal norms: |G|^2 estimate = 1 > 0, tr = 0
+    gns.update(10.0, 1.0, 2, 8)  # |G|^2 estimate -2 pushes the average below zero
+    assert gns.grad_sq_norm < 0
+    assert gns.value == math.inf
+
+
+def _reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    """Per-module mean per-sample squared norm and |G_B|^2 from torch.func."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p, xi, yi):
+        return nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
+
+    g = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
+    small, big = {}, {}
+    for mod in ("0", "2"):
+        per = [g[f"{mod}.{p}"].reshape(len(x), -1) for p in ("weight", "bias")]
+        flat = torch.cat(per, 1).double()
+        small[mod] = float(flat.pow(2).sum(1).mean())
+        big[mod] = float(flat.mean(0).pow(2).sum())
+    return small, big
+
+
+def test_tracker_per_sample_matches_torch_func_with_accumulation():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    gns = nnstat.NoiseScale(window=1)
+    assert gns.watch(model) == ["0", "2"]
+    for step in range(2):  # no zero_grad: the tracker must use this batch's gradient only
+        x, y = torch.randn(16, 5), torch.randint(0, 3, (16,))
+        with gns.batch():
+            nn.functional.cross_entropy(model(x), y).backward()
+        small, big = _reference(model, x, y)
+        for mod in ("0", "2"):
+            g_sq, trace = two_batch(small[mod], big[mod], 1, 16)
+            got = gns.layer_estimates()[mod]
+            assert got == pytest.approx((g_sq, trace), rel=1e-4, abs=1e-7), step
+            expected = trace / g_sq if g_sq > 0 else math.inf
+            assert gns.layer_values()[mod] == pytest.approx(expected, rel=1e-4)
+        g_sq, trace = two_batch(sum(small.values()), sum(big.values()), 1, 16)
+        assert gns.grad_sq_norm == pytest.approx(g_sq, rel=1e-4, abs=1e-7)
+        assert gns.trace_sigma == pytest.approx(trace, rel=1e-4)
+    gns.unwatch()
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        gns.watch(model)
+        with gns.batch():
+            nn.functional.cross_entropy(model(x[:1]), y[:1]).backward()
+    gns.unwatch()
+
+
+def test_per_sample_method_agrees_with_two_batch():
+    """Both methods are unbiased: on a small MLP their estimates agree within their errors."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+    x, y = torch.randn(512, 8), torch.randint(0, 3, (512,))
+    loss = nn.functional.cross_entropy
+    model.zero_grad()
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    ps = nnstat.noise_scale(model, loss, (x, y), method="per_sample", big_batch=64, n_estimates=300)
+    tb = nnstat.noise_scale(model, loss, (x, y), small_batch=8, big_batch=64, n_estimates=300)
+    assert set(ps.per_layer) == {"0", "2"}
+    assert ps.n_samples == 300 * 64
+    se = math.hypot(ps.b_simple_stderr, tb.b_simple_stderr)
+    assert abs(ps.b_simple - tb.b_simple) < 4 * se
+    assert ps.b_simple_stderr < 0.1 * ps.b_simple
+    # the user's gradients are left alone
+    assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight))
+    assert model[2].weight.grad is None
+
+
+def test_provider_feeds_tracker():
+    model = nn.Linear(3, 1)
+    gns = nnstat.NoiseScale(beta=0.5)
+    gns.update({"weight": 3.0}, {"weight": 1.5}, 2, 8)
+    tracker = nnstat.Tracker(model, groups=["weight"], stats=["l2"])
+    tracker.add_provider(gns.as_provider())
+    metrics = tracker.step()
+    assert metrics["noise_scale/b_simple"] == pytest.approx(gns.value)
+    assert metrics["noise_scale/b_simple/weight"] == pytest.approx(gns.value)
