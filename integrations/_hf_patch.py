@@ -1,0 +1,258 @@
+"""``patch_trainer`` and ``NNStatArguments``: the LogIX-style influence workflow on a HF Trainer.
+
+Re-exported by :mod:`nnstat.integrations.huggingface`. Unlike LogIX, which re-runs
+``trainer.train()`` with a dummy optimizer, the passes here are plain loops over the Trainer's
+own data pipeline (its collator, column filtering and ``compute_loss``), so training state,
+schedulers and checkpoints are never touched.
+
+Example:
+    >>> from transformers import Trainer  # doctest: +SKIP
+    >>> NNStatTrainer = patch_trainer(Trainer)  # doctest: +SKIP
+    >>> trainer = NNStatTrainer(nnstat_args=NNStatArguments("proj"), model=model,
+    ...                         train_dataset=train_ds)  # doctest: +SKIP
+    >>> trainer.extract_log(); result = trainer.influence(test_ds)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from nnstat.integrations._logpass import build_config, log_pass, open_run, probe_filter, query_log
+
+__all__ = ["NNStatArguments", "patch_trainer"]
+
+_DATA_IDS = ("index", "hash")
+
+
+@dataclass
+class NNStatArguments:
+    """What ``patch_trainer``'s Trainer logs and how it scores influence.
+
+    Attributes:
+        project: store directory name under ``root_dir``.
+        config: ``nnstat.setup`` dictionary or statistic preset name (``"kfac"``...).
+        lora: project per-sample gradients to ``rank × rank`` per module (LogIX's name for its
+            LoGra projection); ``False`` stores full per-sample gradients.
+        ekfac: ``None`` = EK-FAC unless ``config`` names a statistic; ``True`` forces it;
+            ``False`` uses ``config``'s statistic or ``raw``.
+        rank, init, seed: the projection (``init="pca"`` needs a previous statistics pass).
+        root_dir: parent directory of stores.
+        name_filter, type_filter: modules to watch (default: every supported one).
+        data_id: ``"index"`` (position in the dataset) or ``"hash"`` (content hash of
+            ``input_key``).
+        input_key, mask_key: batch keys of the inputs and of the padding mask (``None``: no
+            mask).
+        mode, preconditioner, damping, top_k: defaults of ``influence()`` (see
+            ``nnstat.influence.compute_influence_all``).
+        track: also add an ``NNStatCallback`` (statistics during ``trainer.train()``), with
+            ``callback_options`` as its keyword arguments.
+        progress: tqdm bars on the passes (``None``: automatic).
+
+    Example:
+        >>> NNStatArguments("proj", lora=False).effective_rank() is None
+        True
+    """
+
+    project: str = "nnstat"
+    config: dict[str, Any] | str | None = None
+    lora: bool = True
+    ekfac: bool | None = None
+    rank: int = 64
+    init: str = "random"
+    seed: int = 0
+    root_dir: str = "./nnstat_logs"
+    name_filter: Any = None
+    type_filter: Any = None
+    data_id: str = "index"
+    input_key: str = "input_ids"
+    mask_key: str | None = "attention_mask"
+    mode: str = "dot"
+    preconditioner: str | None = None
+    damping: float | None = None
+    top_k: int | None = None
+    track: bool = True
+    callback_options: dict[str, Any] = field(default_factory=dict)
+    progress: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.data_id not in _DATA_IDS:
+            raise ValueError(f"data_id must be one of {list(_DATA_IDS)}, got {self.data_id!r}")
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"rank must be a positive int, got {self.rank!r}")
+
+    def effective_rank(self) -> int | None:
+        """The projection rank, or ``None`` (full per-sample gradients) when ``lora=False``."""
+        return self.rank if self.lora else None
+
+
+def _training_arguments(nnstat_args: NNStatArguments) -> Any:
+    from transformers import TrainingArguments
+
+    out = Path(nnstat_args.root_dir) / f"{nnstat_args.project}-trainer"
+    return TrainingArguments(output_dir=str(out), report_to="none")
+
+
+def patch_trainer(trainer_cls: type) -> type:
+    """A subclass of ``trainer_cls`` (``Trainer``, ``Seq2SeqTrainer``, ...) taking
+    ``nnstat_args=NNStatArguments(...)`` (or ``args=NNStatArguments(...)`` in place of the
+    TrainingArguments) and adding ``extract_log()``, ``influence(query_dataset)`` and
+    ``self_influence()``.
+
+    Per-sample losses are each sample's **summed** token losses (``num_items_in_batch=1`` for
+    models that take it; ``mean × batch size`` otherwise), so scores match the plain API with a
+    ``reduction="sum"`` loss. The passes run the model in eval mode, batch size
+    ``per_device_eval_batch_size``, in dataset order.
+
+    Example:
+        >>> from transformers import Trainer  # doctest: +SKIP
+        >>> patch_trainer(Trainer).__name__  # doctest: +SKIP
+        'NNStatTrainer'
+    """
+    from transformers import Trainer
+
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
+        raise TypeError(
+            f"patch_trainer expects a transformers.Trainer subclass, got {trainer_cls!r}"
+        )
+
+    class NNStatTrainer(trainer_cls):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, nnstat_args: NNStatArguments | None = None, **kwargs: Any):
+            args = list(args)
+            if isinstance(kwargs.get("args"), NNStatArguments):
+                nnstat_args = kwargs.pop("args") if nnstat_args is None else nnstat_args
+                kwargs["args"] = _training_arguments(nnstat_args)
+            elif len(args) > 1 and isinstance(args[1], NNStatArguments):
+                nnstat_args = args[1] if nnstat_args is None else nnstat_args
+                args[1] = _training_arguments(nnstat_args)
+            if nnstat_args is None:
+                raise TypeError("pass nnstat_args=NNStatArguments(project=...)")
+            if not isinstance(nnstat_args, NNStatArguments):
+                raise TypeError(f"nnstat_args must be NNStatArguments, got {nnstat_args!r}")
+            super().__init__(*args, **kwargs)
+            self.nnstat_args = nnstat_args
+            self.nnstat_run: Any = None
+            self.nnstat_callback: Any = None
+            if nnstat_args.track:
+                from nnstat.integrations.huggingface import watch_trainer
+
+                self.nnstat_callback = watch_trainer(self, **nnstat_args.callback_options)
+
+        # ------------------------------------------------------------ plumbing
+        def _nnstat_open(self, loader: Any) -> Any:
+            if self.nnstat_run is None:
+                a = self.nnstat_args
+                name_filter = probe_filter(
+                    self.model,
+                    next(iter(loader)),
+                    self._nnstat_sum_loss,
+                    a.name_filter,
+                    a.type_filter,
+                )
+                config = build_config(a.config, ekfac=a.ekfac, loss_reduction="sum")
+                self.nnstat_run = open_run(
+                    self.model,
+                    a.project,
+                    a.root_dir,
+                    config,
+                    rank=a.effective_rank(),
+                    init=a.init,
+                    seed=a.seed,
+                    name_filter=name_filter,
+                    type_filter=a.type_filter,
+                )
+            return self.nnstat_run
+
+        def _nnstat_sum_loss(self, inputs: dict[str, Any]) -> torch.Tensor:
+            inputs = self._prepare_inputs(inputs)
+            n = (
+                int(inputs[self.nnstat_args.input_key].shape[0])
+                if (self.nnstat_args.input_key in inputs)
+                else None
+            )
+            if "labels" in inputs and getattr(self, "model_accepts_loss_kwargs", False):
+                loss = self.compute_loss(self.model, inputs, num_items_in_batch=1)
+                if getattr(self.args, "average_tokens_across_devices", False):
+                    # compute_loss multiplies by the process count in that case
+                    loss = loss / max(1, self.accelerator.num_processes)
+                return loss
+            if n is None:
+                raise KeyError(f"input_key {self.nnstat_args.input_key!r} not in the batch")
+            return self.compute_loss(self.model, inputs) * n
+
+        def _nnstat_kwargs(self) -> dict[str, Any]:
+            a = self.nnstat_args
+
+            def ids_fn(batch: Any, start: int) -> Any:
+                if a.data_id == "hash":
+                    return batch[a.input_key]
+                return list(range(start, start + int(batch[a.input_key].shape[0])))
+
+            def mask_fn(batch: Any) -> Any:
+                return None if a.mask_key is None else batch.get(a.mask_key)
+
+            return {"ids_fn": ids_fn, "mask_fn": mask_fn, "progress": a.progress}
+
+        def _nnstat_loader(self, dataset: Any) -> Any:
+            return self.get_eval_dataloader(dataset)
+
+        # ------------------------------------------------------------ workflow
+        def extract_log(self, dataset: Any = None) -> Any:
+            """Log projected per-sample gradients (and the statistics the config asks for) of
+            ``dataset`` (default: the training set) to the store; returns the ``Run``."""
+            dataset = self.train_dataset if dataset is None else dataset
+            if dataset is None:
+                raise ValueError("extract_log() needs a train_dataset (or a dataset argument)")
+            loader = self._nnstat_loader(dataset)
+            run = self._nnstat_open(loader)
+            log_pass(run, self.model, loader, self._nnstat_sum_loss, **self._nnstat_kwargs())
+            return run
+
+        def _nnstat_query(self, dataset: Any) -> Any:
+            if self.nnstat_run is None:
+                raise RuntimeError("call extract_log() before influence()/self_influence()")
+            loader = self._nnstat_loader(dataset)
+            return query_log(
+                self.nnstat_run, self.model, loader, self._nnstat_sum_loss, **self._nnstat_kwargs()
+            )
+
+        def influence(self, query_dataset: Any = None, **overrides: Any) -> Any:
+            """Scores of every training example for every query (``InfluenceResult``, or
+            ``TopKInfluence`` with ``top_k``). ``overrides``: ``mode``, ``preconditioner``,
+            ``damping``, ``top_k``."""
+            from nnstat.influence import compute_influence_all
+
+            query_dataset = self.eval_dataset if query_dataset is None else query_dataset
+            if query_dataset is None:
+                raise ValueError("influence() needs a query dataset (or an eval_dataset)")
+            options = self._nnstat_options(
+                overrides, ("mode", "preconditioner", "damping", "top_k")
+            )
+            log = self._nnstat_query(query_dataset)
+            return compute_influence_all(log, self.nnstat_run.path, **options)
+
+        def self_influence(self, dataset: Any = None, **overrides: Any) -> Any:
+            """Self-influence ``g_iᵀ(H+λI)⁻¹g_i`` of each training example (``dataset=None``) or
+            of each example of ``dataset`` (``SelfInfluenceResult``)."""
+            from nnstat.influence import compute_self_influence
+
+            options = self._nnstat_options(overrides, ("preconditioner", "damping"))
+            if self.nnstat_run is None:
+                raise RuntimeError("call extract_log() before self_influence()")
+            if dataset is None:
+                return compute_self_influence(self.nnstat_run.path, **options)
+            log = self._nnstat_query(dataset)
+            return compute_self_influence(log, self.nnstat_run.path, **options)
+
+        def _nnstat_options(self, overrides: dict[str, Any], keys: tuple[str, ...]) -> dict:
+            unknown = sorted(set(overrides) - set(keys))
+            if unknown:
+                raise TypeError(f"unknown option(s) {unknown}; valid: {list(keys)}")
+            return {k: overrides.get(k, getattr(self.nnstat_args, k)) for k in keys} | {
+                "progress": self.nnstat_args.progress
+            }
+
+    NNStatTrainer.__name__ = NNStatTrainer.__qualname__ = f"NNStat{trainer_cls.__name__}"
+    return NNStatTrainer

@@ -1,0 +1,276 @@
+"""Framework-neutral driver behind the HuggingFace and Lightning callbacks.
+
+A training framework calls, per optimizer step: ``begin_batch`` (before forward), ``end_backward``
+(after each backward), ``before_step`` (gradients final, weights not yet updated) and
+``after_step`` (weights updated, gradients still there). Statistics are measured only on the
+steps the framework logs; the per-step update and trust ratio come from a snapshot taken right
+before that step's optimizer update, so they describe one step, not the whole logging interval.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> hooks = StepStats(StatsOptions(noise_scale=False))
+    >>> hooks.before_step(model, opt, log=True)
+    >>> model(torch.ones(2, 3)).sum().backward(); opt.step()
+    >>> "trust_ratio/0.weight" in hooks.after_step()
+    True
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ModuleProbe", "StatsOptions", "StepStats", "shared_parameter_modules"]
+
+
+@dataclass
+class StatsOptions:
+    """What the training callbacks measure.
+
+    Attributes:
+        stats: statistics per tracked tensor (see ``nnstat.stats``; default ``l2, rms, abs_max,
+            nonfinite``).
+        groups: Tracker groups (``weight``, ``grad``, ``optimizer``, ``update``).
+        include / exclude: regexes on parameter names.
+        every: log every this many optimizer steps; ``None`` follows the framework's own
+            logging interval.
+        noise_scale: stream ``noise_scale/b_simple`` (per-sample gradient norms, B_small = 1),
+            updated every step and reported on logging steps. The training loss must be a
+            mean over the batch.
+        noise_scale_beta: EMA factor of the noise-scale averages.
+        noise_scale_filter: regex of module names for the noise scale (default: every
+            supported module whose parameters are not shared with another module).
+    """
+
+    stats: Sequence[str] | str | None = ("l2", "rms", "abs_max", "nonfinite")
+    groups: Sequence[str] = ("weight", "grad", "optimizer", "update")
+    include: str | None = None
+    exclude: str | None = None
+    every: int | None = None
+    noise_scale: bool = True
+    noise_scale_beta: float = 0.9
+    noise_scale_filter: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.every is not None and (not isinstance(self.every, int) or self.every < 1):
+            raise ValueError(f"every must be a positive int or None, got {self.every!r}")
+        if not 0.0 <= self.noise_scale_beta < 1.0:
+            raise ValueError(f"noise_scale_beta must be in [0, 1), got {self.noise_scale_beta}")
+
+
+def _names_regex(names: Sequence[str]) -> str:
+    import re
+
+    return "^(?:" + "|".join(re.escape(n) for n in names) + ")$"
+
+
+def shared_parameter_modules(model: nn.Module) -> set[str]:
+    """Names of modules owning a parameter that another module also owns (tied weights).
+
+    Example:
+        >>> m = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
+        >>> m[1].weight = m[0].weight
+        >>> sorted(shared_parameter_modules(m))
+        ['0', '1']
+    """
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
+    return {n for users in owners.values() if len(users) > 1 for n in users}
+
+
+class ModuleProbe:
+    """Watch every supported module for one forward/backward and record the batch dimension
+    each saw, to leave out modules whose per-sample gradients are undefined: inputs broadcast
+    over the batch (GPT-2's position embedding sees ``[1, T]``) or, with ``unshared=True``,
+    tied weights (one gradient from two modules).
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+        >>> probe = ModuleProbe(model)
+        >>> with probe:
+        ...     model(torch.randn(4, 2)).sum().backward()
+        >>> probe.regex()
+        '^(?:0|1)$'
+    """
+
+    def __init__(self, model: nn.Module, name_filter: Any = None, unshared: bool = False) -> None:
+        from nnstat.capture.engine import CaptureEngine
+
+        self.engine = CaptureEngine()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # unsupported modules are reported by the real watch
+            names = self.engine.watch(model, name_filter=name_filter)
+        self.excluded: dict[str, str] = {}
+        if unshared:
+            tied = shared_parameter_modules(model) & set(names)
+            self.excluded.update({n: "its parameters are shared with another module" for n in tied})
+        self.names = names
+        self.seen: dict[str, int] = {}
+        self.engine.add_consumer(self._record)
+        self._ctx: Any = None
+
+    def _record(self, cap: Any) -> None:
+        self.seen[cap.name] = int(cap.backward.shape[0])
+
+    def __enter__(self) -> ModuleProbe:
+        self._ctx = self.engine.batch(loss_reduction="sum")
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        ctx, self._ctx = self._ctx, None
+        try:
+            if ctx is not None:
+                ctx.__exit__(*exc) if exc and exc[0] is not None else ctx.__exit__(None, None, None)
+        finally:
+            self.engine.unwatch()
+
+    def keep(self) -> list[str]:
+        """Modules with well-defined per-sample gradients, in watch order."""
+        if not self.seen:
+            raise RuntimeError("the probe captured nothing: run a forward and backward inside it")
+        sizes = list(self.seen.values())
+        batch = max(set(sizes), key=lambda n: (sizes.count(n), n))
+        for name, n in self.seen.items():
+            if n != batch:
+                self.excluded.setdefault(
+                    name, f"it sees a batch of {n}, not {batch} (input broadcast over the batch)"
+                )
+        keep = [n for n in self.names if n in self.seen and n not in self.excluded]
+        if not keep:
+            raise ValueError(f"no module has per-sample gradients: {self.excluded}")
+        return keep
+
+    def regex(self) -> str:
+        """A ``name_filter`` selecting exactly :meth:`keep`."""
+        return _names_regex(self.keep())
+
+
+class StepStats:
+    """Tracker statistics and a streaming noise scale driven by framework hooks.
+
+    Example:
+        >>> hooks = StepStats(StatsOptions(noise_scale=False, groups=["weight"]))
+        >>> hooks.before_step(torch.nn.Linear(2, 1), None, log=True)
+        >>> hooks.after_step()["weight/bias/l2"] >= 0
+        True
+    """
+
+    def __init__(self, options: StatsOptions | None = None) -> None:
+        self.options = options or StatsOptions()
+        self.gns: Any = None
+        self._gns_model: nn.Module | None = None
+        self._gns_ctx: Any = None
+        self._tracker: Any = None
+        #: modules left out of the noise scale, with the reason
+        self.excluded: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ noise scale
+    def begin_batch(self, model: nn.Module) -> None:
+        """Before the forward pass of a micro-batch: start capturing per-sample norms.
+
+        The first micro-batch only probes which modules have per-sample gradients (see
+        :class:`ModuleProbe`); the noise scale watches those from the next one on.
+        """
+        if not self.options.noise_scale or not model.training:
+            return
+        if self._gns_ctx is not None:  # a batch whose backward never came (e.g. skipped)
+            self._abandon()
+        if self._gns_model is not model:
+            self.close()
+            self._gns_model = model
+            if self.options.noise_scale_filter is not None:
+                self._start_gns(model, self.options.noise_scale_filter)
+            else:
+                self._gns_ctx = ModuleProbe(model, unshared=True)
+                self._gns_ctx.__enter__()
+                return
+        if self.gns is not None:
+            self._gns_ctx = self.gns.batch()
+            self._gns_ctx.__enter__()
+
+    def _start_gns(self, model: nn.Module, name_filter: str) -> None:
+        from nnstat.gns import NoiseScale
+
+        self.gns = NoiseScale(beta=self.options.noise_scale_beta)
+        self.gns.watch(model, name_filter=name_filter)
+
+    def end_backward(self) -> None:
+        """After the backward pass of a micro-batch: fold its norms into the estimate."""
+        ctx, self._gns_ctx = self._gns_ctx, None
+        if ctx is None:
+            return
+        ctx.__exit__(None, None, None)
+        if isinstance(ctx, ModuleProbe):
+            assert self._gns_model is not None
+            regex = ctx.regex()
+            self.excluded = dict(ctx.excluded)
+            self._start_gns(self._gns_model, regex)
+
+    def _abandon(self) -> None:
+        ctx, self._gns_ctx = self._gns_ctx, None
+        if ctx is None:
+            return
+        if isinstance(ctx, ModuleProbe):
+            ctx.__exit__(None, None, None)
+            self._gns_model = None  # probe again on the next batch
+            return
+        try:
+            ctx.__exit__(None, None, None)
+        except RuntimeError as e:
+            # a capture block without a backward inside (a skipped batch) has nothing to
+            # measure; any other failure is real
+            if "took part" not in str(e):
+                raise
+
+    # ------------------------------------------------------------------ statistics
+    def before_step(self, model: nn.Module, optimizer: Any, log: bool) -> None:
+        """Gradients are final and the weights not yet updated; ``log`` says whether this step
+        is a logging step (its update is measured from the weights now)."""
+        self.end_backward()
+        if not log:
+            self._tracker = None
+            return
+        from nnstat.tracker import Tracker
+
+        opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        # a fresh Tracker snapshots the weights at construction: exactly one step's update
+        self._tracker = Tracker(
+            model,
+            opt,
+            every=2,  # measure on the first call only; no second snapshot needed
+            stats=self.options.stats,
+            include=self.options.include,
+            exclude=self.options.exclude,
+            groups=self.options.groups,
+        )
+
+    def after_step(self) -> dict[str, Any] | None:
+        """Weights updated: the metrics of this step when it is a logging step, else None."""
+        tracker, self._tracker = self._tracker, None
+        if tracker is None:
+            return None
+        with warnings.catch_warnings():
+            # frozen parameters have no gradient; they are simply absent from grad/
+            warnings.filterwarnings("ignore", message="Tracker: .* have no gradient")
+            metrics = dict(tracker.step() or {})
+        if self.gns is not None and self.gns.n_updates:
+            metrics.update(self.gns.to_dict())
+        return metrics
+
+    def close(self) -> None:
+        """Remove the noise-scale hooks (the model is left as before)."""
+        self._abandon()
+        if self.gns is not None:
+            self.gns.unwatch()
+        self.gns = None
+        self._gns_model = None

@@ -1,0 +1,230 @@
+"""Logging and query passes shared by the HuggingFace and Lightning influence helpers.
+
+Both frameworks reduce to the same plain-API calls: a :class:`nnstat.Run` watching the model,
+``for _ in run.schedule(): with run(data_id=ids): loss.backward()`` over the training data, then
+``run.eval()`` + a query pass + ``nnstat.influence.compute_influence_all``. The helpers here only
+add what frameworks need: eval mode during the passes, ids from dataset positions, progress bars.
+
+Example:
+    >>> import torch, tempfile
+    >>> model = torch.nn.Linear(3, 2)
+    >>> run = open_run(model, "doc", tempfile.mkdtemp(), {"statistic": "none"}, rank=None)
+    >>> batches = [(torch.randn(4, 3), torch.randint(0, 2, (4,)))]
+    >>> loss = lambda b: torch.nn.functional.cross_entropy(model(b[0]), b[1], reduction="sum")
+    >>> log_pass(run, model, batches, loss, progress=False)
+    >>> len(__import__("nnstat").GradientStore(run.path))
+    4
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["build_config", "open_run", "log_pass", "query_log", "batch_size_of", "probe_filter"]
+
+IdsFn = Callable[[Any, int], Any]
+
+
+def build_config(
+    config: Mapping[str, Any] | str | None,
+    *,
+    ekfac: bool | None,
+    loss_reduction: str,
+    param_grads: bool = False,
+) -> dict[str, Any]:
+    """The run configuration of an integration: the user's, completed with what it needs.
+
+    ``ekfac=None``: EK-FAC statistics unless ``config`` names a statistic; ``True`` forces
+    EK-FAC (an error if ``config`` names another); ``False``: ``config``'s statistic or ``raw``.
+
+    Example:
+        >>> build_config(None, ekfac=None, loss_reduction="sum")["statistic"]
+        'ekfac'
+    """
+    base: dict[str, Any] = {"statistic": config} if isinstance(config, str) else dict(config or {})
+    named = base.get("statistic")
+    if ekfac is True and named not in (None, "ekfac"):
+        raise ValueError(f"ekfac=True but config names statistic={named!r}; set ekfac=False")
+    if named is None:
+        base["statistic"] = "ekfac" if ekfac in (None, True) else "raw"
+    base.setdefault("log", "grad")
+    base.setdefault("save", "grad")
+    if base.setdefault("loss_reduction", loss_reduction) != loss_reduction:
+        raise ValueError(
+            f"this integration computes losses reduced by {loss_reduction!r}; config says "
+            f"loss_reduction={base['loss_reduction']!r}"
+        )
+    # a dedicated logging pass never needs the weights' own gradients
+    base.setdefault("param_grads", param_grads)
+    return base
+
+
+def open_run(
+    model: nn.Module,
+    project: str,
+    root_dir: str | Path,
+    config: dict[str, Any],
+    *,
+    rank: int | None = 64,
+    init: str = "random",
+    seed: int = 0,
+    name_filter: Any = None,
+    type_filter: Any = None,
+) -> Any:
+    """A :class:`nnstat.Run` watching ``model`` with its projection set.
+
+    Example:
+        >>> import tempfile
+        >>> run = open_run(nn.Linear(2, 2), "p", tempfile.mkdtemp(), {}, rank=None)
+        >>> run.project
+        'p'
+    """
+    from nnstat.run import Run
+
+    run = Run(project, root_dir=root_dir, config=config)
+    run.watch(model, name_filter=name_filter, type_filter=type_filter)
+    run.add_projection(rank=rank, init=init, seed=seed)
+    return run
+
+
+def batch_size_of(batch: Any) -> int:
+    """Samples in a batch: the first dimension of its first tensor.
+
+    Example:
+        >>> batch_size_of({"input_ids": torch.zeros(3, 5)})
+        3
+    """
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0])
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    if isinstance(values, Iterable) and not isinstance(values, (str, bytes)):
+        for v in values:
+            try:
+                return batch_size_of(v)
+            except TypeError:
+                continue
+    raise TypeError(f"cannot find a batch dimension in {type(batch).__name__}")
+
+
+class _EvalMode:
+    """Eval mode (no dropout: influence assumes a deterministic model) and no stale gradients,
+    restored afterwards."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.was_training = self.model.training
+        self.model.eval()
+        self.model.zero_grad(set_to_none=True)
+
+    def __exit__(self, *exc: object) -> None:
+        self.model.zero_grad(set_to_none=True)
+        self.model.train(self.was_training)
+
+
+def probe_filter(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[Any], torch.Tensor],
+    name_filter: Any = None,
+    type_filter: Any = None,
+) -> Any:
+    """The ``name_filter`` to watch: every supported module (within the user's filters) whose
+    per-sample gradients are defined, found with one forward/backward on ``batch``. Modules left
+    out are named in a warning. With ``type_filter`` the user's filters are returned as they are.
+
+    Example:
+        >>> m = nn.Linear(3, 1)
+        >>> probe_filter(m, torch.randn(2, 3), lambda b: m(b).sum())
+        '^(?:model)$'
+    """
+    from nnstat.integrations._hooks import ModuleProbe
+
+    if type_filter is not None:
+        return name_filter
+    with _EvalMode(model):
+        probe = ModuleProbe(model, name_filter=name_filter)
+        with probe:
+            loss_fn(batch).backward()
+    keep = probe.regex()
+    if probe.excluded:
+        reasons = "; ".join(f"{n}: {why}" for n, why in probe.excluded.items())
+        warnings.warn(f"not watched (no per-sample gradient): {reasons}", stacklevel=3)
+    return keep
+
+
+def _one_pass(
+    run: Any,
+    model: nn.Module,
+    batches: Iterable[Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+    ids_fn: IdsFn | None,
+    mask_fn: Callable[[Any], torch.Tensor | None] | None,
+    desc: str,
+    progress: bool | None,
+) -> None:
+    from tqdm.auto import tqdm
+
+    start = 0
+    total = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
+    for batch in tqdm(batches, desc=desc, total=total, disable=progress is False, leave=False):
+        n = batch_size_of(batch)
+        ids = list(range(start, start + n)) if ids_fn is None else ids_fn(batch, start)
+        mask = None if mask_fn is None else mask_fn(batch)
+        with run(data_id=ids, mask=mask):
+            loss = loss_fn(batch)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise TypeError(f"the loss must be a scalar tensor, got {loss!r}")
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+        start += n
+
+
+def log_pass(
+    run: Any,
+    model: nn.Module,
+    batches: Iterable[Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+    *,
+    ids_fn: IdsFn | None = None,
+    mask_fn: Callable[[Any], torch.Tensor | None] | None = None,
+    progress: bool | None = None,
+) -> None:
+    """Every pass the run's configuration needs over ``batches`` (EK-FAC: two), then finalize.
+
+    ``loss_fn(batch)`` returns the batch loss reduced as the run's ``loss_reduction`` says;
+    ``ids_fn(batch, start)`` the batch's ids (default: positions ``start, start+1, ...``, which
+    name dataset rows only when ``batches`` does not shuffle).
+    """
+    with _EvalMode(model):
+        for i, spec in enumerate(run.schedule()):
+            desc = f"nnstat log pass {i + 1} ({getattr(spec, 'name', 'grad')})"
+            _one_pass(run, model, batches, loss_fn, ids_fn, mask_fn, desc, progress)
+
+
+def query_log(
+    run: Any,
+    model: nn.Module,
+    batches: Iterable[Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+    *,
+    ids_fn: IdsFn | None = None,
+    mask_fn: Callable[[Any], torch.Tensor | None] | None = None,
+    progress: bool | None = None,
+) -> Any:
+    """Projected gradients of ``batches`` with the run's projection (a ``GradientLog``); the run
+    is back in logging mode afterwards."""
+    run.eval()
+    try:
+        with _EvalMode(model):
+            _one_pass(run, model, batches, loss_fn, ids_fn, mask_fn, "nnstat query", progress)
+        return run.get_log()
+    finally:
+        run.train()

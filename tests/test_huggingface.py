@@ -1,0 +1,215 @@
+"""HuggingFace Trainer integration on a tiny GPT-2 built from a config (no downloads): GPT-2's
+Conv1D, embeddings and layer norms go through the capture engine for real."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from nnstat.integrations.huggingface import (  # noqa: E402
+    NNStatArguments,
+    NNStatCallback,
+    patch_trainer,
+)
+
+import nnstat  # noqa: E402
+
+os.environ.setdefault("WANDB_MODE", "offline")
+VOCAB, T = 40, 8
+
+
+def _model(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randint(1, VOCAB, (n, T), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.x[i], "labels": self.x[i], "attention_mask": torch.ones(T).long()}
+
+
+def _args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True,
+                save_strategy="no", disable_tqdm=True, seed=0)  # fmt: skip
+    return transformers.TrainingArguments(**{**base, **kw})
+
+
+class _Spy(transformers.TrainerCallback):
+    """Independent reference: weights right before/after the optimizer step and the gradients."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.before, self.after, self.grads, self.logs = step, {}, {}, {}, []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+        if state.global_step + 1 == self.step:
+            self.before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def on_optimizer_step(self, args, state, control, model=None, **kw):
+        if state.global_step + 1 == self.step:
+            self.after = {n: p.detach().clone() for n, p in model.named_parameters()}
+            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        self.logs.append(dict(logs))
+
+
+def test_callback_logs_statistics_on_logging_steps_through_report_to(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    model = _model()
+    spy = _Spy(step=4)
+    args = _args(tmp_path, max_steps=4, logging_steps=2, per_device_train_batch_size=4,
+                 report_to="tensorboard", learning_rate=1e-2)  # fmt: skip
+    cb = NNStatCallback(stats=["l2", "rms"])
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=Tokens(16, 0), callbacks=[cb, spy]
+    )
+    trainer.train()
+    train_logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["step"] for h in train_logs] == [2, 4]
+    last = train_logs[-1]
+    name = "transformer.h.0.attn.c_attn.weight"
+    w0, w1 = spy.before[name], spy.after[name]
+    assert last[f"trust_ratio/{name}"] == pytest.approx(
+        float(w1.norm() / (w1 - w0).norm()), rel=1e-4
+    )
+    assert last[f"grad/{name}/l2"] == pytest.approx(float(spy.grads[name].norm()), rel=1e-4)
+    assert last[f"update/{name}/rms"] == pytest.approx(
+        float((w1 - w0).pow(2).mean().sqrt()), rel=1e-4
+    )
+    assert last[f"exp_avg/{name}/l2"] > 0
+    assert "noise_scale/b_simple" in last and "noise_scale/grad_sq_norm" in last
+    # console printers after the reporters see the Trainer's own keys only
+    assert all(not any(k.startswith("trust_ratio/") for k in logs) for logs in spy.logs)
+    # the reporter (TensorBoard) received them at the Trainer's steps
+    files = list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(files[0].parent), size_guidance={"scalars": 0}).Reload()
+    events = acc.Scalars(f"train/trust_ratio/{name}")  # HF prefixes training logs
+    assert [e.step for e in events] == [2, 4]
+    assert events[-1].value == pytest.approx(last[f"trust_ratio/{name}"], rel=1e-5)
+
+
+def test_callback_every_and_noise_scale_excludes_undefined_modules(tmp_path):
+    model = _model()
+    cb = NNStatCallback(stats=["l2"], groups=["weight"], every=3)
+    args = _args(tmp_path, max_steps=4, logging_steps=1, per_device_train_batch_size=4)
+    transformers.Trainer(
+        model=model, args=args, train_dataset=Tokens(16, 0), callbacks=[cb]
+    ).train()
+    # tied wte/lm_head and the broadcast position embedding have no per-sample gradient
+    excluded = cb.hooks.excluded
+    assert {"transformer.wte", "lm_head", "transformer.wpe"} <= set(excluded)
+    assert "batch of 1" in excluded["transformer.wpe"]
+    assert cb.hooks.gns is None  # closed at the end of training: hooks removed
+    assert all(not m._forward_hooks and not m._backward_hooks for m in model.modules())
+
+
+def _plain_api(model, tmp_path, names, train, query, rank, config):
+    """The same analysis with nnstat's plain API and a hand-written summed token loss."""
+    run = nnstat.init(project="plain", root_dir=str(tmp_path))
+    nnstat.setup(config)
+    run.watch(model, name_filter=[f"^{n}$" for n in names])
+    run.add_projection(rank=rank, init="random", seed=0)
+    model.eval()
+
+    def loss_of(x):
+        logits = model(input_ids=x).logits
+        return torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, VOCAB), x[:, 1:].reshape(-1), reduction="sum"
+        )
+
+    for _ in run.schedule():
+        for start in range(0, len(train), 8):
+            x = train.x[start : start + 8]
+            with run(data_id=list(range(start, start + len(x)))):
+                loss_of(x).backward()
+            model.zero_grad()
+    run.eval()
+    with run(data_id=list(range(len(query)))):
+        loss_of(query.x).backward()
+    model.zero_grad()
+    log = run.get_log()
+    return run, log
+
+
+@pytest.mark.parametrize("as_training_args", [False, True])
+def test_patched_trainer_matches_the_plain_api(tmp_path, as_training_args):
+    model = _model(1)
+    train, query = Tokens(16, 0), Tokens(3, 1)
+    nargs = NNStatArguments("hf", root_dir=str(tmp_path), rank=3, progress=False, track=False)
+    NNStatTrainer = patch_trainer(transformers.Trainer)
+    assert NNStatTrainer.__name__ == "NNStatTrainer"
+    if as_training_args:
+        trainer = NNStatTrainer(model=model, args=nargs, train_dataset=train)
+        trainer.args.per_device_eval_batch_size = 8
+    else:
+        trainer = NNStatTrainer(
+            nnstat_args=nargs,
+            model=model,
+            args=_args(tmp_path, per_device_eval_batch_size=8),
+            train_dataset=train,
+        )
+    with pytest.warns(UserWarning, match="transformer.wpe"):
+        run = trainer.extract_log()
+    names = list(run.engine.watched)
+    assert "transformer.h.0.attn.c_attn" in names and "transformer.wte" in names
+    assert "transformer.wpe" not in names
+    assert nnstat.GradientStore(run.path).ids == list(range(16))
+    result = trainer.influence(query)
+    self_train = trainer.self_influence()
+
+    plain_run, log = _plain_api(
+        model, tmp_path, names, train, query, rank=3,
+        config={"log": "grad", "save": "grad", "statistic": "ekfac"},
+    )  # fmt: skip
+    ref = nnstat.influence.compute_influence_all(log, plain_run.path, progress=False)
+    assert result.scores.shape == (3, 16) and result.train_ids == list(range(16))
+    assert result.meta["preconditioner"] == "ekfac"
+    torch.testing.assert_close(result.scores, ref.scores, rtol=1e-4, atol=1e-6)
+    ref_self = nnstat.influence.compute_self_influence(plain_run.path, progress=False)
+    torch.testing.assert_close(self_train.scores, ref_self.scores, rtol=1e-4, atol=1e-6)
+    top = trainer.influence(query, top_k=2)
+    assert top.helpful_ids[0] == [ref.train_ids[j] for j in ref.scores[0].topk(2).indices]
+    assert model.training is False or model.training is True  # restored, not forced
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_patch_trainer_errors(tmp_path):
+    with pytest.raises(TypeError, match="Trainer subclass"):
+        patch_trainer(object)
+    assert patch_trainer(transformers.Seq2SeqTrainer).__name__ == "NNStatSeq2SeqTrainer"
+    with pytest.raises(ValueError, match="data_id"):
+        NNStatArguments("p", data_id="row")
+    NNStatTrainer = patch_trainer(transformers.Trainer)
+    with pytest.raises(TypeError, match="nnstat_args"):
+        NNStatTrainer(model=_model(), args=_args(tmp_path))
+    trainer = NNStatTrainer(
+        nnstat_args=NNStatArguments("p", root_dir=str(tmp_path), track=False),
+        model=_model(),
+        args=_args(tmp_path),
+        train_dataset=Tokens(4, 0),
+    )
+    with pytest.raises(RuntimeError, match="extract_log"):
+        trainer.influence(Tokens(2, 1))
+    with pytest.raises(TypeError, match="valid"):
+        trainer.influence(Tokens(2, 1), modes="dot")
+    with pytest.raises(ValueError, match="ekfac=True"):
+        from nnstat.integrations._logpass import build_config
+
+        build_config({"statistic": "kfac"}, ekfac=True, loss_reduction="sum")
