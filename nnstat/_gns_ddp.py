@@ -6,8 +6,6 @@ rank gets ``mean_r |G_r|^2`` (``B_small`` = per-rank batch) and ``|G|^2`` of the
 gradient (``B_big`` = global batch) with no extra communication round.
 """
 
-from __future__ import annotations
-
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -27,7 +25,7 @@ class DDPNoiseScaleState:
     the loss must be their mean (DDP averages gradients across ranks).
     """
 
-    tracker: NoiseScale
+    tracker: "NoiseScale"
     local_batch_size: int
     process_group: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -85,7 +83,7 @@ def noise_scale_comm_hook(
 
 
 def register_noise_scale_hook(
-    ddp_model: Any, tracker: NoiseScale, local_batch_size: int, process_group: Any = None
+    ddp_model: Any, tracker: "NoiseScale", local_batch_size: int, process_group: Any = None
 ) -> DDPNoiseScaleState:
     """Register :func:`noise_scale_comm_hook` on a ``DistributedDataParallel`` model."""
     if not dist.is_available() or not dist.is_initialized():

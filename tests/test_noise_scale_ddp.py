@@ -1,0 +1,107 @@
+"""NoiseScale.register_ddp with 2 gloo processes equals a single-process reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import nnstat
+
+B, WORLD, STEPS = 8, 2, 3
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(WORLD * B, 6, generator=g), torch.randint(0, 2, (WORLD * B,), generator=g)
+
+
+def _flat_grad(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        # a tiny bucket cap gives several buckets per backward, exercising the bucket counting
+        ddp = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=1e-4)
+        gns = nnstat.NoiseScale(window=10)
+        gns.register_ddp(ddp, local_batch_size=B)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+        record = []
+        for step in range(STEPS):
+            x, y = _data(step)
+            loss = nn.functional.cross_entropy(ddp(x[rank * B : (rank + 1) * B]), y[rank * B :][:B])
+            loss.backward()
+            record.append({"grad": _flat_grad(ddp.module).tolist(), "state": gns.state_dict()})
+            opt.step()
+            opt.zero_grad()
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(record, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(120)
+def test_ddp_hook_matches_single_process(tmp_path):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref = nnstat.NoiseScale(window=10)
+    for step in range(STEPS):
+        x, y = _data(step)
+        local = []
+        for r in range(WORLD):
+            model.zero_grad()
+            nn.functional.cross_entropy(
+                model(x[r * B : (r + 1) * B]), y[r * B : (r + 1) * B]
+            ).backward()
+            local.append(_flat_grad(model).double().clone())
+        global_grad = torch.stack(local).mean(0)
+        local_sq = float(torch.stack([g.pow(2).sum() for g in local]).mean())
+        ref.update(local_sq, float(global_grad.pow(2).sum()), B, WORLD * B)
+        for r in range(WORLD):
+            got = runs[r][step]
+            # training is unchanged: the synchronised gradient is the global mean gradient
+            assert torch.allclose(
+                torch.tensor(got["grad"], dtype=torch.float64), global_grad, atol=1e-6
+            )
+            state = got["state"]["stats"][""]
+            expected = ref.state_dict()["stats"][""]
+            assert got["state"]["n_updates"] == step + 1
+            assert state["nums"] == pytest.approx(expected["nums"], rel=1e-5)
+            assert state["dens"] == pytest.approx(expected["dens"], rel=1e-5)
+        with torch.no_grad():
+            for p, g in zip(
+                model.parameters(),
+                global_grad.float().split([p.numel() for p in model.parameters()]),
+                strict=True,
+            ):
+                p.grad = g.reshape(p.shape).clone()
+        opt.step()
+
+
+def test_register_ddp_needs_distributed():
+    with pytest.raises(RuntimeError, match="not initialised"):
+        nnstat.NoiseScale().register_ddp(nn.Linear(2, 1), local_batch_size=4)
