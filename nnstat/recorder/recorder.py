@@ -20,9 +20,9 @@ import torch
 
 from nnstat.recorder.anomalies import NonFiniteError, Rule, evaluate_rules
 from nnstat.recorder.graph import ROLES
-from nnstat.recorder.reduce import STAT_NAMES, segment_stats
-from nnstat.recorder.schedule import Schedule, make_schedule
-from nnstat.recorder.stepdata import RowSet, finalize_step
+from nnstat.recorder.reduce import COL, STAT_NAMES, device_stats, fix_nonfinite, light_stats
+from nnstat.recorder.schedule import Schedule, make_schedule, schedule_json
+from nnstat.recorder.stepdata import RowSet, Selection, finalize_step, split_raw
 from nnstat.recorder.storage import TrialWriter
 
 log = logging.getLogger("nnstat.recorder")
@@ -103,7 +103,7 @@ class Recorder:
         self._batch: _Batch | None = None
         self._kpi_log: list[dict[str, Any]] = []
         self._prev: tuple[tuple, torch.Tensor] | None = None
-        self._mask_cache: dict[tuple, torch.Tensor] = {}
+        self._mask_cache: dict[tuple, Selection] = {}
         self.last_record: dict[str, Any] | None = None
         self._engine: Any = None
         self._engine_ctx: Any = None
@@ -178,8 +178,8 @@ class Recorder:
                 "modules": self._modules,
                 "parameters": {n: list(p.shape) for n, p in self._params.items()},
                 "rules": [r.__dict__ | {"label": r.label} for r in self.rules],
-                "schedules": {k: _schedule_json(v) for k, v in self.schedules.items()},
-                "default_schedule": _schedule_json(self.default_schedule),
+                "schedules": {k: schedule_json(v) for k, v in self.schedules.items()},
+                "default_schedule": schedule_json(self.default_schedule),
             }
         )
 
@@ -281,46 +281,67 @@ class Recorder:
         self._batch = None
         if not b.active:
             return None
+        keep = b.decision if b.decision is not None else b.scheduled
+        if keep:
+            reason = "decision" if b.decision else "schedule"
+            return self._record(
+                b, RowSet.collect(b.iterations, self._params, self.sample_k), reason
+            )
+        if not self.rules:
+            return None
+        # unrecorded step: only the batch-level rows the rules look at, only what they need
+        rows = RowSet.collect(b.iterations, self._params, 0)
+        sel = self._selection(rows)
+        need_abs_max = any(r.kind == "abs_max_above" for r in self.rules)
+        light = light_stats([rows.segments[i] for i in sel.rows], abs_max=need_abs_max)
+        prev = self._prev_norm(sel.keys, light[:, COL["norm"]])
+        hits = evaluate_rules(self.rules, sel.masks, light, prev)
+        if not bool(hits.any()):  # the one host transfer of an unrecorded step
+            return None
         rows = RowSet.collect(b.iterations, self._params, self.sample_k)
+        return self._record(b, rows, "anomaly", prev=prev)
+
+    def _record(
+        self, b: _Batch, rows: RowSet, reason: str, prev: torch.Tensor | None = None
+    ) -> dict[str, Any] | None:
         if not rows.segments:
             return None
-        stats = segment_stats(rows.segments)
-        keep = b.decision if b.decision is not None else b.scheduled
-        payload = [stats]
-        if self.rules:
-            masks = self._rule_masks(rows.rule_keys, stats.device)
-            hits = evaluate_rules(
-                self.rules,
-                masks,
-                stats[rows.batch_index_t(stats.device)],
-                self._prev_norm(rows, stats),
-            )
-            payload.append(hits.T.to(stats.dtype))
-        raw = rows.raw_values(self.raw_max_numel) if keep else {}
-        flat = torch.cat(
-            [p.reshape(-1) for p in payload] + [v.reshape(-1).float() for v in raw.values()]
-        )
-        host = flat.cpu().numpy()  # the one device -> host transfer of the step
+        sel = self._selection(rows) if self.rules else None
+        stats = device_stats(rows.segments)
+        payload, hits = [stats.reshape(-1)], None
+        if sel is not None:
+            picked = stats[sel.index(stats.device)]
+            if prev is None:
+                prev = self._prev_norm(sel.keys, picked[:, COL["norm"]])
+            hits = evaluate_rules(self.rules, sel.masks, picked, prev)
+            payload.append(hits.reshape(-1).to(stats.dtype))
+        raw = rows.raw_values(self.raw_max_numel)
+        payload += [v.reshape(-1).to(device=stats.device, dtype=stats.dtype) for v in raw.values()]
+        host = torch.cat(payload).cpu().numpy()  # the one device -> host transfer of the step
         n_stat = stats.numel()
-        stats_np = host[:n_stat].reshape(stats.shape)
-        hits_np = host[n_stat : n_stat + len(rows.batch_index) * len(self.rules)].reshape(
-            len(rows.batch_index), len(self.rules)
-        )
-        record = finalize_step(b, rows, stats_np, hits_np, self.rules)
-        forced = bool(record["anomalies"])
-        if not (keep or forced):
-            return None
-        if forced and not keep and self.raw_max_numel:
-            raw = rows.raw_values(self.raw_max_numel)
-        values = _split_raw(host[n_stat + hits_np.size :], raw) if keep else raw
-        record["reason"] = "decision" if b.decision else ("schedule" if keep else "anomaly")
+        stats_np = host[:n_stat].reshape(stats.shape).copy()
+        n_hit = 0 if hits is None else hits.numel()
+        hits_np = np.zeros((0, len(self.rules)))
+        if sel is not None:
+            hits_np = host[n_stat : n_stat + n_hit].reshape(len(self.rules), -1).T
+            if fix_nonfinite(stats_np, rows.segments):
+                # NaN/Inf rows now hold exact finite-only statistics: re-evaluate on them
+                exact = torch.from_numpy(stats_np[sel.rows])
+                p = None if prev is None else prev.cpu()
+                hits_np = evaluate_rules(self.rules, sel.masks.cpu(), exact, p).T.numpy()
+        else:
+            fix_nonfinite(stats_np, rows.segments)
+        record = finalize_step(b, rows, stats_np, hits_np, self.rules, sel.rows if sel else [])
+        if reason == "anomaly" and not record["anomalies"]:
+            return None  # the cheap probe overflowed float32; the exact statistics show no hit
+        record["reason"] = reason
         record["kpis"] = {k: float(v) for k, v in b.kpis.items()}
         graphs = rows.graphs(b.iterations)
         for digest, doc in graphs.values():
             self.writer.write_graph(digest, doc)
         record["graphs"] = {str(i): d for i, (d, _) in graphs.items()}
-        stem = f"{b.type_of_execution}-{b.step:09d}"
-        self.writer.write_step(stem, stats_np, record, {k: v.cpu() for k, v in values.items()})
+        values = split_raw(host[n_stat + n_hit :], raw)
+        self.writer.write_step(f"{b.type_of_execution}-{b.step:09d}", stats_np, record, values)
         self.last_record = record
         off = record.get("first_offender")
         if off is not None:
@@ -333,33 +354,33 @@ class Recorder:
             log.warning(msg)
         return record
 
-    def _rule_masks(self, keys: tuple, device: torch.device) -> torch.Tensor:
-        mask = self._mask_cache.get(keys)
-        if mask is None:
-            m = [[r.applies(name, stream) for (name, _, stream) in keys] for r in self.rules]
-            mask = torch.tensor(m, dtype=torch.bool, device=device).reshape(len(self.rules), -1)
+    def _selection(self, rows: RowSet) -> Selection:
+        """Batch-level rows some rule applies to, with the rule x row mask (cached by layout)."""
+        sel = self._mask_cache.get(rows.rule_keys)
+        if sel is None:
+            applies = [[r.applies(n, s) for (n, _, s) in rows.rule_keys] for r in self.rules]
+            pos = [j for j in range(len(rows.rule_keys)) if any(a[j] for a in applies)]
+            masks = torch.tensor([[a[j] for j in pos] for a in applies], dtype=torch.bool)
+            sel = Selection(pos, masks.reshape(len(self.rules), len(pos)), rows.rule_keys)
             if len(self._mask_cache) > 64:
                 self._mask_cache.clear()
-            self._mask_cache[keys] = mask
-        return mask
+            self._mask_cache[rows.rule_keys] = sel
+        return sel.bind(rows)
 
-    def _prev_norm(self, rows: RowSet, stats: torch.Tensor) -> torch.Tensor | None:
+    def _prev_norm(self, keys: tuple, now: torch.Tensor) -> torch.Tensor | None:
+        """Each row's norm at the previous evaluated step (NaN if unknown); stores ``now``."""
         if not any(r.kind == "norm_ratio_above" for r in self.rules):
             return None
-        from nnstat.recorder.reduce import COL
-
-        now = stats[rows.batch_index_t(stats.device), COL["norm"]]
         prev = None
         if self._prev is not None:
             old_keys, old = self._prev
-            if old_keys == rows.rule_keys:
+            if old_keys == keys:
                 prev = old
             else:
                 pos = {k: i for i, k in enumerate(old_keys)}
-                idx = torch.tensor([pos.get(k, -1) for k in rows.rule_keys], device=stats.device)
-                padded = torch.cat([old, old.new_full((1,), float("nan"))])
-                prev = padded[idx]
-        self._prev = (rows.rule_keys, now)
+                idx = torch.tensor([pos.get(k, -1) for k in keys], device=now.device)
+                prev = torch.cat([old, old.new_full((1,), float("nan"))])[idx]
+        self._prev = (keys, now)
         return prev
 
 
@@ -376,23 +397,3 @@ class _GradHook:
         self.it.grads[self.name] = grad.detach() if old is None else old + grad.detach()
         if old is None:
             self.batch.grad_order.append((self.it.index, self.name))
-
-
-def _split_raw(flat: np.ndarray, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out, offset = {}, 0
-    for key, v in raw.items():
-        n = v.numel()
-        out[key] = torch.from_numpy(flat[offset : offset + n].copy()).reshape(v.shape)
-        offset += n
-    return out
-
-
-def _schedule_json(s: Schedule) -> dict[str, Any]:
-    return {
-        "every": s.every,
-        "backoff": s.backoff,
-        "max_every": s.max_every,
-        "start": s.start,
-        "steps": list(s.steps),
-        "retroactive": s.retroactive,
-    }

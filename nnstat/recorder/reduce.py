@@ -1,65 +1,137 @@
-"""Fused statistics of many tensors in one device pass.
+"""Fused statistics of many tensors, computed on device with one host transfer.
 
-Local adapter: the foundation's `nnstat/stats.py` was not available when the recorder was written,
-so the recorder reduces through `segment_stats` here. Swap the body for the shared reduction once
-it exists; the column order (`STAT_NAMES`) is the recorder's on-disk contract.
+Why not `nnstat.stats.summarize`: it transfers to the host itself (the recorder must append rule
+hits and raw values to the same transfer, and evaluate rules on device first) and runs a
+per-tensor moment pass, while a recorded step here has hundreds of small segments (each tensor,
+its gradient, and its first k samples). `test_recorder_activations.py` checks that both agree.
 
 Statistics ignore non-finite entries (a single NaN would otherwise erase every other number) and
-count them separately in ``nonfinite``.
+count them in ``nonfinite``. The device pass assumes finite data: a float64 segment sum is
+finite exactly when its segment is, so that sum flags the (rare) segments that hold NaN/Inf,
+and `fix_nonfinite` recomputes only those, exactly, after the transfer.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 STAT_NAMES: tuple[str, ...] = ("mean", "std", "min", "max", "abs_max", "norm", "nonfinite", "numel")
 COL = {name: i for i, name in enumerate(STAT_NAMES)}
 
 
-def segment_stats(segments: list[torch.Tensor]) -> torch.Tensor:
-    """Statistics of each tensor in ``segments`` as one ``[n, len(STAT_NAMES)]`` float32 tensor.
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().reshape(-1)
+    return t.to(torch.uint8) if t.dtype == torch.bool else t
 
-    All tensors are flattened into one buffer and reduced with segment reductions, so the number
-    of kernel launches does not grow with the number of tensors. The result stays on the device
-    of the inputs. ``std`` is the population standard deviation of the finite entries.
+
+def device_stats(segments: list[torch.Tensor]) -> torch.Tensor:
+    """``[n, len(STAT_NAMES)]`` float64 statistics on the segments' device, without a sync.
+
+    Rows of segments holding NaN/Inf have ``nonfinite = 1`` as a flag (the exact count and
+    finite-only statistics come from `fix_nonfinite`).
+
+    Example:
+        >>> device_stats([torch.tensor([1.0, 3.0])])[0, COL["mean"]].item()
+        2.0
+    """
+    n = len(segments)
+    if n == 0:
+        return torch.zeros(0, len(STAT_NAMES), dtype=torch.float64)
+    device = segments[0].device
+    # float32 first (one cast for the few non-float32 tensors), one float64 cast of the buffer
+    flat = [_plain(s) for s in segments]
+    flat = [t if t.dtype == torch.float32 else t.float() for t in flat]
+    lengths = torch.tensor([t.numel() for t in flat], device=device)
+    x = torch.cat(flat).to(device=device, dtype=torch.float64)
+    s1 = torch.segment_reduce(x, "sum", lengths=lengths)
+    s2 = torch.segment_reduce(x * x, "sum", lengths=lengths)
+    # per-tensor aminmax is one vectorised kernel each and faster than segment max/min on CPU
+    nan = torch.tensor(float("nan"), dtype=torch.float64, device=device)
+    nan32 = nan.float()
+    mm = [torch.aminmax(t) if t.numel() else (nan32, nan32) for t in flat]
+    mn = torch.stack([m[0] for m in mm]).to(device=device, dtype=torch.float64)
+    mx = torch.stack([m[1] for m in mm]).to(device=device, dtype=torch.float64)
+    count = lengths.to(torch.float64)
+    mean = s1 / count
+    var = (s2 / count - mean * mean).clamp(min=0.0)
+    empty = lengths == 0
+    mean = torch.where(empty, nan, mean)
+    std = torch.where(empty, nan, var.sqrt())
+    flag = (~torch.isfinite(s1)).to(torch.float64)
+    abs_max = torch.maximum(mn.abs(), mx.abs())
+    return torch.stack([mean, std, mn, mx, abs_max, s2.sqrt(), flag, count], 1)
+
+
+def light_stats(segments: list[torch.Tensor], abs_max: bool = True) -> torch.Tensor:
+    """Only ``nonfinite`` (flag), ``abs_max`` and ``norm``: what rules need on unrecorded steps.
+
+    One fused multi-tensor norm kernel (two with ``abs_max``); the other columns are NaN.
+
+    Example:
+        >>> light_stats([torch.tensor([3.0, -4.0])])[0, COL["norm"]].item()
+        5.0
+    """
+    n = len(segments)
+    out = torch.full((n, len(STAT_NAMES)), float("nan"), dtype=torch.float64)
+    if n == 0:
+        return out
+    device = segments[0].device
+    flat = [_plain(s).float() for s in segments]
+    norm = torch.stack(torch._foreach_norm(flat, 2)).to(torch.float64)
+    out = out.to(device)
+    out[:, COL["norm"]] = norm
+    if abs_max:
+        nz = [t if t.numel() else t.new_zeros(1) for t in flat]
+        out[:, COL["abs_max"]] = torch.stack(torch._foreach_norm(nz, float("inf"))).double()
+    out[:, COL["nonfinite"]] = (~torch.isfinite(norm)).to(torch.float64)
+    out[:, COL["numel"]] = torch.tensor(
+        [t.numel() for t in flat], dtype=torch.float64, device=device
+    )
+    return out
+
+
+def exact_row(t: torch.Tensor) -> np.ndarray:
+    """Statistics of one tensor over its finite entries, in float64 on the host."""
+    x = t.detach().reshape(-1).to("cpu", torch.float64).numpy()
+    ok = np.isfinite(x)
+    f = x[ok]
+    if f.size == 0:
+        nan = float("nan")
+        return np.array([nan, nan, nan, nan, nan, nan, float((~ok).sum()), float(x.size)])
+    return np.array(
+        [
+            f.mean(),
+            f.std(),
+            f.min(),
+            f.max(),
+            np.abs(f).max(),
+            np.sqrt((f * f).sum()),
+            float((~ok).sum()),
+            float(x.size),
+        ]
+    )
+
+
+def fix_nonfinite(stats: np.ndarray, segments: list[torch.Tensor]) -> list[int]:
+    """Recompute, in place, the rows flagged non-finite by `device_stats`; returns their indices."""
+    bad = np.nonzero(stats[:, COL["nonfinite"]] > 0)[0].tolist()
+    for i in bad:
+        stats[i] = exact_row(segments[i])
+    return bad
+
+
+def segment_stats(segments: list[torch.Tensor]) -> torch.Tensor:
+    """Statistics of each tensor as a ``[n, len(STAT_NAMES)]`` float64 CPU tensor.
+
+    ``std`` is the population standard deviation of the finite entries; ``nonfinite`` counts
+    NaN/Inf entries.
 
     Example:
         >>> s = segment_stats([torch.tensor([1.0, 3.0]), torch.tensor([float("nan"), -2.0])])
         >>> s[:, COL["mean"]].tolist(), s[:, COL["nonfinite"]].tolist()
         ([2.0, -2.0], [0.0, 1.0])
     """
-    if not segments:
-        return torch.zeros(0, len(STAT_NAMES))
-    device = segments[0].device
-    flat = torch.cat(
-        [s.detach().reshape(-1).to(device=device, dtype=torch.float32) for s in segments]
-    )
-    lengths = torch.tensor([s.numel() for s in segments], device=device, dtype=torch.long)
-    n = len(segments)
-    seg_id = torch.repeat_interleave(torch.arange(n, device=device), lengths)
-    finite = torch.isfinite(flat)
-    zero = torch.zeros((), dtype=flat.dtype, device=device)
-    xf = torch.where(finite, flat, zero)
-
-    def seg_sum(v: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(n, dtype=v.dtype, device=device).index_add_(0, seg_id, v)
-
-    n_fin = seg_sum(finite.to(flat.dtype))
-    total = seg_sum(xf)
-    mean = total / n_fin.clamp(min=1)
-    centred = torch.where(finite, flat - mean[seg_id], zero)
-    var = seg_sum(centred * centred) / n_fin.clamp(min=1)
-    norm = seg_sum(xf * xf).sqrt()
-    inf = torch.tensor(float("inf"), dtype=flat.dtype, device=device)
-    mx = torch.full((n,), -float("inf"), dtype=flat.dtype, device=device)
-    mx = mx.scatter_reduce(0, seg_id, torch.where(finite, flat, -inf), reduce="amax")
-    mn = torch.full((n,), float("inf"), dtype=flat.dtype, device=device)
-    mn = mn.scatter_reduce(0, seg_id, torch.where(finite, flat, inf), reduce="amin")
-    empty = n_fin == 0
-    nan = torch.full_like(mean, float("nan"))
-    mean, std = torch.where(empty, nan, mean), torch.where(empty, nan, var.sqrt())
-    mx, mn = torch.where(empty, nan, mx), torch.where(empty, nan, mn)
-    norm = torch.where(empty & (lengths > 0), nan, norm)
-    abs_max = torch.maximum(mx.abs(), mn.abs())
-    nonfinite = lengths.to(flat.dtype) - n_fin
-    return torch.stack([mean, std, mn, mx, abs_max, norm, nonfinite, lengths.to(flat.dtype)], 1)
+    stats = device_stats(segments).cpu().numpy().copy()
+    fix_nonfinite(stats, segments)
+    return torch.from_numpy(stats)

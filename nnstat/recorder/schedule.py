@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -85,3 +86,14 @@ def make_schedule(spec: Schedule | dict | int | None) -> Schedule:
             raise ValueError(f"unknown schedule keys {unknown}; valid keys are {valid}")
         return Schedule(**spec)
     raise TypeError(f"schedule must be a Schedule, dict, int or None, got {type(spec).__name__}")
+
+
+def schedule_json(s: Schedule) -> dict[str, Any]:
+    return {
+        "every": s.every,
+        "backoff": s.backoff,
+        "max_every": s.max_every,
+        "start": s.start,
+        "steps": list(s.steps),
+        "retroactive": s.retroactive,
+    }

@@ -31,7 +31,6 @@ class RowSet:
         self.batch_index: list[int] = []
         self.roles: dict[str, str] = {}
         self.params: dict[str, torch.Tensor] = {}
-        self._bi: torch.Tensor | None = None
         self._graphs: dict[int, tuple[str, dict[str, Any]]] | None = None
 
     @classmethod
@@ -70,11 +69,6 @@ class RowSet:
         self.sample.append(sample)
         self.segments.append(t)
 
-    def batch_index_t(self, device: torch.device) -> torch.Tensor:
-        if self._bi is None or self._bi.device != device:
-            self._bi = torch.tensor(self.batch_index, dtype=torch.long, device=device)
-        return self._bi
-
     def raw_values(self, max_numel: int) -> dict[str, torch.Tensor]:
         out = {}
         for i in self.batch_index:
@@ -98,10 +92,12 @@ class RowSet:
         return self._graphs
 
 
-def anomaly_hits(rows: RowSet, stats: np.ndarray, hits: np.ndarray, rules: Sequence[Rule]):
+def anomaly_hits(
+    rows: RowSet, stats: np.ndarray, hits: np.ndarray, rules: Sequence[Rule], rule_rows: list[int]
+) -> list[dict[str, Any]]:
     out = []
     for j, r in zip(*np.nonzero(hits), strict=True):
-        i = rows.batch_index[j]
+        i = rule_rows[j]
         rule = rules[r]
         col = {"nonfinite": "nonfinite", "abs_max_above": "abs_max"}.get(rule.kind, "norm")
         out.append(
@@ -118,18 +114,26 @@ def anomaly_hits(rows: RowSet, stats: np.ndarray, hits: np.ndarray, rules: Seque
 
 
 def finalize_step(
-    batch: Any, rows: RowSet, stats: np.ndarray, hits: np.ndarray, rules: Sequence[Rule]
+    batch: Any,
+    rows: RowSet,
+    stats: np.ndarray,
+    hits: np.ndarray,
+    rules: Sequence[Rule],
+    rule_rows: list[int],
 ) -> dict[str, Any]:
-    """The JSON record of a step (anomalies, indicators, first non-finite offender, rows)."""
+    """The JSON record of a step (anomalies, indicators, first non-finite offender, rows).
+
+    ``hits[j, r]`` is rule ``r`` on row ``rule_rows[j]``.
+    """
     record: dict[str, Any] = {
         "step": batch.step,
         "type_of_execution": batch.type_of_execution,
         "time": time.time(),
-        "anomalies": anomaly_hits(rows, stats, hits, rules),
+        "anomalies": anomaly_hits(rows, stats, hits, rules, rule_rows),
     }
     indicators: dict[str, int] = {}
     for r, rule in enumerate(rules):
-        for j, i in enumerate(rows.batch_index):
+        for j, i in enumerate(rule_rows):
             if rule.applies(rows.tensor[i], rows.stream[i]):
                 key = indicator_name(rule, rows.tensor[i], rows.stream[i])
                 indicators[key] = max(indicators.get(key, 0), int(hits[j, r] > 0))
@@ -179,3 +183,36 @@ def _offender(batch: Any, rows: RowSet, stats: np.ndarray) -> dict[str, Any] | N
         return None
     (name, iteration), stream = hit
     return {"tensor": name, "iteration": iteration, "stream": stream}
+
+
+class Selection:
+    """Rows (of one RowSet) that anomaly rules apply to."""
+
+    def __init__(self, pos: list[int], masks: torch.Tensor, all_keys: tuple) -> None:
+        self.pos, self.cpu_masks = pos, masks
+        self.keys = tuple(all_keys[j] for j in pos)
+        self.rows: list[int] = []
+        self.masks = masks
+        self._index: torch.Tensor | None = None
+
+    def bind(self, rows: RowSet) -> Selection:
+        self.rows = [rows.batch_index[j] for j in self.pos]
+        self._index = None
+        dev = rows.segments[0].device if rows.segments else torch.device("cpu")
+        if self.masks.device != dev:
+            self.masks = self.cpu_masks.to(dev)
+        return self
+
+    def index(self, device: torch.device) -> torch.Tensor:
+        if self._index is None or self._index.device != device:
+            self._index = torch.tensor(self.rows, dtype=torch.long, device=device)
+        return self._index
+
+
+def split_raw(flat: np.ndarray, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out, offset = {}, 0
+    for key, v in raw.items():
+        n = v.numel()
+        out[key] = torch.from_numpy(flat[offset : offset + n].astype(np.float32)).reshape(v.shape)
+        offset += n
+    return out

@@ -49,6 +49,8 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
+        if all(type(v) in (str, int) for v in obj):  # the columnar row lists: nothing to convert
+            return obj
         return [_jsonable(v) for v in obj]
     return obj
 
