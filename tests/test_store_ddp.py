@@ -1,0 +1,90 @@
+"""Under torch.distributed each rank writes its own shards; the store reads the union."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+
+import nnstat
+
+SCRIPT = r"""
+import sys, torch, torch.distributed as dist
+from torch import nn
+import nnstat
+
+root = sys.argv[1]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)  # same model and projection on every rank
+model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2))
+g = torch.Generator().manual_seed(1)
+x, y = torch.randn(16, 4, generator=g), torch.randint(0, 2, (16,), generator=g)
+x[3 + 8 * rank, 0] = float("nan")  # one bad row per rank, skipped and counted
+run = nnstat.init(project="ddp", root_dir=root)
+nnstat.setup({"statistic": "none", "nonfinite": "skip"})
+nnstat.watch(model)
+nnstat.add_projection(rank=2)
+lo = 8 * rank  # each rank logs its half of the data
+with run(data_id=list(range(lo, lo + 8))):
+    nn.functional.cross_entropy(model(x[lo:lo + 8]), y[lo:lo + 8], reduction="sum").backward()
+nnstat.finalize()
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_gloo_ranks_write_their_own_shards(tmp_path):
+    script = tmp_path / "ddp.py"
+    script.write_text(SCRIPT)
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE="2",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(tmp_path)],
+                env=env,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    for p in procs:
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err
+    store = nnstat.GradientStore(tmp_path / "ddp")
+    names = sorted(s.name for s in store.shards)
+    assert names == ["rank0-00000.npy", "rank1-00000.npy"]
+    assert sorted(store.ids) == [i for i in range(16) if i not in (3, 11)]
+    assert store.meta["skipped_rows"] == 2  # summed over ranks
+    # the same rows as one process logging the union (minus the NaN rows)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 4, generator=g), torch.randint(0, 2, (16,), generator=g)
+    keep = [i for i in range(16) if i not in (3, 11)]
+    run = nnstat.init(project="single", root_dir=tmp_path)
+    nnstat.setup({"statistic": "none"})
+    nnstat.watch(model)
+    nnstat.add_projection(rank=2)
+    with run(data_id=keep):
+        torch.nn.functional.cross_entropy(model(x[keep]), y[keep], reduction="sum").backward()
+    nnstat.finalize()
+    single = nnstat.GradientStore(run.path)
+    ref = dict(zip(single.ids, single.rows(0, len(single)), strict=True))
+    got = store.rows(0, len(store))
+    for i, rid in enumerate(store.ids):
+        torch.testing.assert_close(got[i], ref[rid])
