@@ -256,7 +256,12 @@ class Run:
             self.finalize()
 
     def finalize(self) -> None:
-        """End the pass: flush the store (tqdm when long), save statistics, raise writer errors."""
+        """End the pass: flush the store (tqdm when long), save statistics, raise writer errors.
+
+        In eval mode there is nothing to finalize (queries stay in memory until get_log()).
+        """
+        if self.mode == "eval":
+            return
         collector = self._collector if self._stats_on() else None
         logger, self._logger = self._logger, None
         try:
@@ -281,7 +286,10 @@ class Run:
         self._eval_ids, self._eval_rows, self._eval_seen = [], [], set()
         self._next_auto_id = 0
         if self._projections is None and (self.path / fmt.META_FILE).exists() and self.engine:
-            self._projections = parts.projections_from_store(self.path, self.engine)
+            self._projections, self._projection_args = parts.projections_from_store(
+                self.path, self.engine
+            )
+            self._projection_set = True
         return self
 
     def train(self) -> Run:

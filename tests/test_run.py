@@ -178,7 +178,10 @@ def test_eval_log_matches_store_and_new_process_reuses_projection(tmp_path):
     nnstat.watch(model)
     nnstat.eval()
     step(other, model, x[:5], y[:5])
-    torch.testing.assert_close(nnstat.get_log().rows, log.rows)
+    fresh = nnstat.get_log()
+    torch.testing.assert_close(fresh.rows, log.rows)
+    for key in ("modules", "row_width", "projection", "projection_sha256", "format_version"):
+        assert fresh.meta[key] == store.meta[key], key
     assert not (run.path / "shards" / "rank0-00001.npy").exists()  # eval wrote nothing
 
 

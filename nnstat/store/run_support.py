@@ -175,8 +175,10 @@ def projection_tensors_of(
     return projection_tensors(projections) if projections else {}
 
 
-def projections_from_store(path: Path, engine: Any) -> dict[str, ModuleProjection]:
-    """Rebuild the projections of a store so a new process logs queries in the same space."""
+def projections_from_store(
+    path: Path, engine: Any
+) -> tuple[dict[str, ModuleProjection], dict[str, Any]]:
+    """The projections (and their arguments) of a store, so queries are logged in its space."""
     from nnstat.store.reader import GradientStore
 
     store = GradientStore(path)
@@ -198,7 +200,11 @@ def projections_from_store(path: Path, engine: Any) -> dict[str, ModuleProjectio
             tensors.get(f"{m['name']}/p_in"),
             tensors.get(f"{m['name']}/p_out"),
         )
-    return out
+    if fmt.tensors_hash(tensors) != store.meta.get("projection_sha256"):
+        raise ValueError(f"{path}: projections.safetensors does not match meta.json's sha256")
+    p = store.meta.get("projection", {})
+    args = {"rank": p.get("rank"), "init": p.get("init") or "random", "seed": p.get("seed", 0)}
+    return out, args
 
 
 def freeze_params(engine: Any) -> Callable[[], None]:
