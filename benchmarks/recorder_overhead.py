@@ -159,9 +159,9 @@ def main() -> None:
         # medians, not means: the shared machine adds spikes unrelated to the recorder
         avg = ((args.steps - n) * statistics.median(other) + n * rec_s) / args.steps / plain
         rec_ms = rec_s * 1e3 if kind != "plain" else float("nan")
+        rec_cells = "– | –" if kind == "plain" else f"{rec_ms:.2f} | {rec_ms / 1e3 / plain:.1f}"
         print(
-            f"| {kind} | {rec_ms:.2f} | {rec_ms / 1e3 / plain:.1f} |"
-            f" {statistics.median(other) / plain:.2f} | {avg:.2f} |"
+            f"| {kind} | {rec_cells} | {statistics.median(other) / plain:.2f} | {avg:.2f} |"
             f" {size / n if n else 0:,.0f} |"
         )
 
