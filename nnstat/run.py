@@ -212,7 +212,6 @@ class Run:
             batch[name] if name in batch else torch.zeros(n, p.width)
             for name, p in self._projections.items()
         ]
-        rows = torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]
         if ids is None:
             ids = list(range(self._next_auto_id, self._next_auto_id + n))
             keep = self._admit(ids)
@@ -220,13 +219,15 @@ class Run:
             raise ValueError(f"data_id has {len(ids)} entries but the batch had {n} samples")
         self._next_auto_id += n
         if self.mode == "eval":
+            rows = torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]
             ids, rows, _ = filter_nonfinite(ids, rows, self.config.store.nonfinite)
             self._eval_seen.update(ids)
             self._eval_ids += ids
             self._eval_rows.append(rows.detach().cpu())
         else:
             assert self._logger is not None
-            self._logger.add(ids, rows, keep)
+            # module blocks go to the writer as they are: it joins them into the shard buffer
+            self._logger.add(ids, [c.detach().cpu() for c in cols], keep)
 
     def _admit(self, ids: list) -> list[bool] | None:
         if self.mode == "eval":

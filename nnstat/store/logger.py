@@ -106,10 +106,14 @@ def _one_of(key: str, value: Any, valid: tuple[str, ...]) -> None:
         raise ValueError(f"{key}={value!r} is not valid; valid values: {list(valid)}")
 
 
-def filter_nonfinite(
-    ids: list[DataId], rows: torch.Tensor, policy: str
-) -> tuple[list[DataId], torch.Tensor, int]:
-    """Apply the NaN/Inf ``policy`` to ``rows``; return kept ids, kept rows, number skipped.
+Rows = torch.Tensor | list[torch.Tensor]
+
+
+def filter_nonfinite(ids: list[DataId], rows: Rows, policy: str) -> tuple[list[DataId], Rows, int]:
+    """Apply the NaN/Inf ``policy``; return kept ids, kept rows, number skipped.
+
+    ``rows`` is ``[n, w]`` or a list of column blocks ``[n, w_k]`` (one per module) that make up
+    the rows; the same form comes back.
 
     Example:
         >>> filter_nonfinite([1, 2], torch.tensor([[0.0], [float("nan")]]), "skip")[0]
@@ -118,11 +122,13 @@ def filter_nonfinite(
     _one_of("nonfinite", policy, NONFINITE_POLICIES)
     if policy == "keep" or not len(ids):
         return ids, rows, 0
-    # one reduction instead of an elementwise mask: a row's sum is finite when its entries are
-    # (an overflowing sum of finite entries only sends us to the exact check below)
-    if bool(torch.isfinite(rows.sum(dim=1)).all()):
+    blocks = rows if isinstance(rows, list) else [rows]
+    # one reduction per block instead of an elementwise mask: a row's sum is finite when its
+    # entries are (an overflowing sum of finite entries only sends us to the exact check below)
+    total = sum(b.sum(dim=1) for b in blocks)
+    if bool(torch.isfinite(total).all()):
         return ids, rows, 0
-    finite = torch.isfinite(rows).all(dim=1)
+    finite = torch.stack([torch.isfinite(b).all(dim=1) for b in blocks]).all(dim=0)
     if bool(finite.all()):
         return ids, rows, 0
     bad = [ids[j] for j in (~finite).nonzero().flatten().tolist()]
@@ -132,7 +138,8 @@ def filter_nonfinite(
             "(setup({'nonfinite': 'skip'}) drops such rows, 'keep' stores them)"
         )
     kept = [i for i, f in zip(ids, finite.tolist(), strict=True) if f]
-    return kept, rows[finite], len(bad)
+    out = [b[finite] for b in blocks]
+    return kept, out if isinstance(rows, list) else out[0], len(bad)
 
 
 def check_resumable(old: dict[str, Any], new: dict[str, Any], path: Path) -> None:
@@ -250,17 +257,18 @@ class StoreLogger:
             )
         return keep
 
-    def add(self, ids: list[DataId], rows: torch.Tensor, keep: list[bool] | None = None) -> None:
-        """Queue rows (already admitted); apply the NaN/Inf policy."""
+    def add(self, ids: list[DataId], rows: Rows, keep: list[bool] | None = None) -> None:
+        """Queue rows (already admitted; a tensor or per-module column blocks); NaN/Inf policy."""
         self.writer.check()
         self.seen.update(ids)
         if keep is not None and not all(keep):
             idx = [j for j, k in enumerate(keep) if k]
             self.skipped_stored += len(ids) - len(idx)
-            ids, rows = [ids[j] for j in idx], rows[idx]
+            ids = [ids[j] for j in idx]
+            rows = [b[idx] for b in rows] if isinstance(rows, list) else rows[idx]
         ids, rows, skipped = filter_nonfinite(ids, rows, self.options.nonfinite)
         self.skipped_nonfinite += skipped
-        self.writer.put(ids, rows.detach().to("cpu", torch.float32))
+        self.writer.put(ids, rows)
         self._budget_warning()
 
     def _budget_warning(self) -> None:

@@ -93,15 +93,19 @@ class StoreWriter:
                 f"gradient store writer failed in {self.shard_dir}: {err!r}"
             ) from err
 
-    def put(self, ids: list[DataId], rows: torch.Tensor) -> None:
-        """Queue ``rows`` ``[len(ids), row_width]`` (already on CPU is cheapest)."""
+    def put(self, ids: list[DataId], rows: torch.Tensor | list[torch.Tensor]) -> None:
+        """Queue ``rows`` ``[len(ids), row_width]``, or column blocks that concatenate to it.
+
+        Blocks are joined in the background thread, straight into the shard buffer.
+        """
         self.check()
-        if rows.dim() != 2 or rows.shape[1] != self.row_width or rows.shape[0] != len(ids):
-            raise ValueError(
-                f"expected rows of shape [{len(ids)}, {self.row_width}], got {tuple(rows.shape)}"
-            )
+        blocks = rows if isinstance(rows, list) else [rows]
+        width = sum(b.shape[1] if b.dim() == 2 else -1 for b in blocks)
+        if width != self.row_width or any(b.dim() != 2 or b.shape[0] != len(ids) for b in blocks):
+            shapes = [tuple(b.shape) for b in blocks]
+            raise ValueError(f"expected rows of shape [{len(ids)}, {self.row_width}], got {shapes}")
         if len(ids):
-            self._queue.put((list(ids), rows.detach()))
+            self._queue.put((list(ids), [b.detach() for b in blocks]))
 
     def pending(self) -> int:
         """Blocks not yet taken by the thread."""
@@ -146,14 +150,18 @@ class StoreWriter:
         except BaseException as e:  # noqa: BLE001 - kept and re-raised in the caller's thread
             self._error = e
 
-    def _add(self, ids: list[DataId], rows: torch.Tensor) -> None:
-        array = fmt.encode_rows(rows, self.dtype)
+    def _add(self, ids: list[DataId], blocks: list[torch.Tensor]) -> None:
+        arrays = [fmt.encode_rows(b, self.dtype) for b in blocks]
         pos = 0
         while pos < len(ids):
             if self._buf is None:  # one preallocated shard buffer, reused after each write
-                self._buf = np.empty((self.shard_rows, self.row_width), dtype=array.dtype)
+                self._buf = np.empty((self.shard_rows, self.row_width), dtype=arrays[0].dtype)
             take = min(self.shard_rows - self._fill, len(ids) - pos)
-            self._buf[self._fill : self._fill + take] = array[pos : pos + take]
+            col = 0
+            for a in arrays:
+                w = a.shape[1]
+                self._buf[self._fill : self._fill + take, col : col + w] = a[pos : pos + take]
+                col += w
             self._buf_ids.extend(ids[pos : pos + take])
             self._fill += take
             pos += take
