@@ -130,7 +130,7 @@ class ModuleProbe:
         ctx, self._ctx = self._ctx, None
         try:
             if ctx is not None:
-                ctx.__exit__(*exc) if exc and exc[0] is not None else ctx.__exit__(None, None, None)
+                ctx.__exit__(*exc)
         finally:
             self.engine.unwatch()
 
@@ -153,6 +153,10 @@ class ModuleProbe:
     def regex(self) -> str:
         """A ``name_filter`` selecting exactly :meth:`keep`."""
         return _names_regex(self.keep())
+
+
+class _Abandoned(Exception):
+    """Unwinds a capture block that is closed without being measured."""
 
 
 class StepStats:
@@ -217,20 +221,17 @@ class StepStats:
             self._start_gns(self._gns_model, regex)
 
     def _abandon(self) -> None:
+        """Close an open capture block without measuring it (a batch whose backward never came,
+        or training stopped by an exception)."""
         ctx, self._gns_ctx = self._gns_ctx, None
         if ctx is None:
             return
         if isinstance(ctx, ModuleProbe):
-            ctx.__exit__(None, None, None)
             self._gns_model = None  # probe again on the next batch
-            return
-        try:
-            ctx.__exit__(None, None, None)
-        except RuntimeError as e:
-            # a capture block without a backward inside (a skipped batch) has nothing to
-            # measure; any other failure is real
-            if "took part" not in str(e):
-                raise
+        # thrown into the capture block, this exception unwinds it (hooks off, nothing
+        # measured) and comes back out of __exit__ as "not handled"; any other error raises
+        cancel = _Abandoned("capture block closed without a measurement")
+        ctx.__exit__(_Abandoned, cancel, None)
 
     # ------------------------------------------------------------------ statistics
     def before_step(self, model: nn.Module, optimizer: Any, log: bool) -> None:

@@ -129,6 +129,12 @@ class _EvalMode:
         self.model.train(self.was_training)
 
 
+def _scalar(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise TypeError(f"the loss must be a scalar tensor, got {type(loss).__name__}: {loss!r}")
+    return loss
+
+
 def probe_filter(
     model: nn.Module,
     batch: Any,
@@ -152,7 +158,7 @@ def probe_filter(
     with _EvalMode(model):
         probe = ModuleProbe(model, name_filter=name_filter)
         with probe:
-            loss_fn(batch).backward()
+            _scalar(loss_fn(batch)).backward()
     keep = probe.regex()
     if probe.excluded:
         reasons = "; ".join(f"{n}: {why}" for n, why in probe.excluded.items())
@@ -179,10 +185,7 @@ def _one_pass(
         ids = list(range(start, start + n)) if ids_fn is None else ids_fn(batch, start)
         mask = None if mask_fn is None else mask_fn(batch)
         with run(data_id=ids, mask=mask):
-            loss = loss_fn(batch)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise TypeError(f"the loss must be a scalar tensor, got {loss!r}")
-            loss.backward()
+            _scalar(loss_fn(batch)).backward()
         model.zero_grad(set_to_none=True)
         start += n
 

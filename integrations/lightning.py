@@ -1,0 +1,288 @@
+"""Lightning integration: statistics through the module's loggers, and influence helpers.
+
+``NNStatCallback`` measures the Tracker's statistics and trust ratios on logging steps (right
+around ``on_before_optimizer_step`` / ``on_train_batch_end``, so the update is that single step's)
+and a streaming noise scale on every step, and writes them with ``logger.log_metrics`` to every
+logger of the Trainer (TensorBoard, W&B, CSV...). ``extract_log`` / ``influence`` /
+``self_influence`` run nnstat's plain logging API over a dataloader with the module's own
+``training_step`` as the loss, so their results equal the plain API's.
+
+Example:
+    >>> import lightning as L  # doctest: +SKIP
+    >>> from nnstat.integrations.lightning import NNStatCallback, extract_log, influence  # doctest: +SKIP
+    >>> trainer = L.Trainer(max_epochs=3, callbacks=[NNStatCallback()])  # doctest: +SKIP
+    >>> trainer.fit(module, train_loader)  # doctest: +SKIP
+    >>> run = extract_log(trainer, module, ordered_train_loader, project="mnist")  # doctest: +SKIP
+    >>> result = influence(trainer, module, test_loader, run)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback
+from nnstat.integrations._hooks import StatsOptions, StepStats
+from nnstat.integrations._logpass import build_config, log_pass, open_run, probe_filter, query_log
+from torch.utils.data import RandomSampler
+
+__all__ = ["NNStatCallback", "extract_log", "influence", "self_influence"]
+
+
+class NNStatCallback(Callback):
+    """Layer statistics, trust ratios and the noise scale, logged through the Trainer's loggers.
+
+    Logs every ``every`` optimizer steps (default: ``trainer.log_every_n_steps``) at
+    ``step=trainer.global_step``. ``history`` keeps every logged dict (with its ``step``) for
+    :mod:`nnstat.plot`. The noise scale uses per-sample gradient norms (B_small = 1) and assumes
+    the training loss is a batch mean; set ``noise_scale=False`` to skip it.
+
+    Example:
+        >>> cb = NNStatCallback(stats=["l2"], every=10, noise_scale=False)
+        >>> cb.options.every
+        10
+    """
+
+    def __init__(
+        self,
+        *,
+        stats: Sequence[str] | str | None = ("l2", "rms", "abs_max", "nonfinite"),
+        groups: Sequence[str] = ("weight", "grad", "optimizer", "update"),
+        include: str | None = None,
+        exclude: str | None = None,
+        every: int | None = None,
+        noise_scale: bool = True,
+        noise_scale_beta: float = 0.9,
+        noise_scale_filter: str | None = None,
+    ) -> None:
+        from nnstat.stats import validate_stats
+
+        self.options = StatsOptions(
+            stats=list(validate_stats(stats)),
+            groups=list(groups),
+            include=include,
+            exclude=exclude,
+            every=every,
+            noise_scale=noise_scale,
+            noise_scale_beta=noise_scale_beta,
+            noise_scale_filter=noise_scale_filter,
+        )
+        self.hooks = StepStats(self.options)
+        self.history: list[dict[str, Any]] = []
+        self._stepped = True
+
+    def _every(self, trainer: Any) -> int:
+        return self.options.every or int(getattr(trainer, "log_every_n_steps", 50) or 50)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int):
+        if self.options.noise_scale and self._stepped:
+            # Lightning clears gradients inside its closure, after the forward pass; the
+            # noise scale reads this batch's gradient as .grad after minus .grad before, so the
+            # previous step's gradients (which Lightning is about to drop) are dropped now
+            pl_module.zero_grad(set_to_none=True)
+            self._stepped = False
+        self.hooks.begin_batch(pl_module)
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        self.hooks.end_backward()
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self._stepped = True
+        log = (trainer.global_step + 1) % self._every(trainer) == 0
+        self.hooks.before_step(pl_module, optimizer, log)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int):
+        metrics = self.hooks.after_step()
+        if metrics is None:
+            return
+        step = int(trainer.global_step)
+        self.history.append({**metrics, "step": step})
+        for logger in getattr(trainer, "loggers", []) or []:
+            logger.log_metrics(metrics, step=step)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.hooks.close()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.hooks.close()
+
+
+# ------------------------------------------------------------------ influence helpers
+@contextmanager
+def _quiet_logging(module: Any):
+    """``self.log`` inside ``training_step`` outside a fit loop raises in Lightning; the
+    logging passes only need the loss."""
+    had = {k: k in vars(module) for k in ("log", "log_dict")}
+    module.log = lambda *a, **k: None
+    module.log_dict = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        for k, present in had.items():
+            if not present:
+                delattr(module, k)
+
+
+def _default_loss(module: Any) -> Callable[[Any, int], torch.Tensor]:
+    def loss(batch: Any, batch_idx: int) -> torch.Tensor:
+        out = module.training_step(batch, batch_idx)
+        if isinstance(out, Mapping):
+            out = out.get("loss")
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(
+                "training_step must return the loss (or a dict with 'loss') for the logging "
+                f"pass; got {type(out).__name__}. Pass loss_fn=... instead."
+            )
+        return out
+
+    return loss
+
+
+class _DeviceBatches:
+    """Re-iterable view of a dataloader moving each batch to the module's device lazily (one
+    batch in memory at a time) and remembering its index for ``training_step``."""
+
+    def __init__(self, module: Any, dataloader: Any) -> None:
+        self.module, self.dataloader, self.index = module, dataloader, 0
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    def __iter__(self) -> Any:
+        for i, batch in enumerate(self.dataloader):
+            self.index = i
+            yield self.module.transfer_batch_to_device(batch, self.module.device, 0)
+
+
+def _prepared(
+    module: Any,
+    dataloader: Any,
+    loss_fn: Callable[[Any, int], torch.Tensor] | None,
+    ids_fn: Any,
+) -> tuple[_DeviceBatches, Callable[[Any], torch.Tensor]]:
+    if ids_fn is None and isinstance(getattr(dataloader, "sampler", None), RandomSampler):
+        raise ValueError(
+            "the dataloader shuffles, so batch positions do not name dataset rows: pass a "
+            "non-shuffled dataloader (shuffle=False) or ids_fn=lambda batch, start: [...]"
+        )
+    fn = loss_fn or _default_loss(module)
+    batches = _DeviceBatches(module, dataloader)
+
+    def loss(batch: Any) -> torch.Tensor:
+        return fn(batch, batches.index)
+
+    return batches, loss
+
+
+def extract_log(
+    trainer: Any,
+    module: Any,
+    dataloader: Any,
+    *,
+    project: str = "nnstat",
+    root_dir: str = "./nnstat_logs",
+    config: Mapping[str, Any] | str | None = None,
+    rank: int | None = 64,
+    ekfac: bool | None = None,
+    init: str = "random",
+    seed: int = 0,
+    name_filter: Any = None,
+    type_filter: Any = None,
+    loss_fn: Callable[[Any, int], torch.Tensor] | None = None,
+    loss_reduction: str = "mean",
+    ids_fn: Callable[[Any, int], Any] | None = None,
+    progress: bool | None = None,
+) -> Any:
+    """Log projected per-sample gradients of ``dataloader`` (and the statistics the config
+    asks for: EK-FAC by default) with ``module``; returns the :class:`nnstat.Run`.
+
+    The loss is ``module.training_step(batch, batch_idx)`` (or ``loss_fn(batch, batch_idx)``),
+    a batch **mean** by default (``loss_reduction="mean"``). Ids are dataset positions (the
+    dataloader must not shuffle) unless ``ids_fn(batch, start)`` gives them. ``rank=None``
+    stores full per-sample gradients. ``trainer`` is accepted for symmetry with Lightning's
+    API and may be ``None``.
+
+    Example:
+        >>> run = extract_log(trainer, module, train_loader, project="p")  # doctest: +SKIP
+    """
+    del trainer  # the passes run outside the fit loop; only the module is needed
+    cfg = build_config(config, ekfac=ekfac, loss_reduction=loss_reduction)
+    batches, loss = _prepared(module, dataloader, loss_fn, ids_fn)
+    first = next(iter(batches), None)
+    if first is None:
+        raise ValueError("the dataloader is empty")
+    with _quiet_logging(module):
+        names = probe_filter(module, first, loss, name_filter, type_filter)
+        run = open_run(
+            module, project, root_dir, cfg, rank=rank, init=init, seed=seed,
+            name_filter=names, type_filter=type_filter,
+        )  # fmt: skip
+        log_pass(run, module, batches, loss, ids_fn=ids_fn, progress=progress)
+    return run
+
+
+def _query(run: Any, module: Any, dataloader: Any, loss_fn: Any, ids_fn: Any, progress: Any):
+    batches, loss = _prepared(module, dataloader, loss_fn, ids_fn)
+    with _quiet_logging(module):
+        return query_log(run, module, batches, loss, ids_fn=ids_fn, progress=progress)
+
+
+def influence(
+    trainer: Any,
+    module: Any,
+    query_dataloader: Any,
+    run: Any,
+    *,
+    mode: str = "dot",
+    preconditioner: str | None = None,
+    damping: float | None = None,
+    top_k: int | None = None,
+    loss_fn: Callable[[Any, int], torch.Tensor] | None = None,
+    ids_fn: Callable[[Any, int], Any] | None = None,
+    progress: bool | None = None,
+) -> Any:
+    """Influence of every logged training example on every query of ``query_dataloader``
+    (``InfluenceResult``, or ``TopKInfluence`` with ``top_k``); ``run`` is what
+    :func:`extract_log` returned.
+
+    Example:
+        >>> result = influence(trainer, module, test_loader, run, top_k=5)  # doctest: +SKIP
+    """
+    from nnstat.influence import compute_influence_all
+
+    del trainer
+    log = _query(run, module, query_dataloader, loss_fn, ids_fn, progress)
+    return compute_influence_all(
+        log, run.path, mode=mode, preconditioner=preconditioner, damping=damping, top_k=top_k,
+        progress=progress,
+    )  # fmt: skip
+
+
+def self_influence(
+    trainer: Any,
+    module: Any,
+    run: Any,
+    dataloader: Any = None,
+    *,
+    preconditioner: str | None = None,
+    damping: float | None = None,
+    loss_fn: Callable[[Any, int], torch.Tensor] | None = None,
+    ids_fn: Callable[[Any, int], Any] | None = None,
+    progress: bool | None = None,
+) -> Any:
+    """Self-influence of each logged training example (``dataloader=None``) or of each example
+    of ``dataloader`` (``SelfInfluenceResult``).
+
+    Example:
+        >>> self_influence(trainer, module, run).scores.shape  # doctest: +SKIP
+    """
+    from nnstat.influence import compute_self_influence
+
+    del trainer
+    options = {"preconditioner": preconditioner, "damping": damping, "progress": progress}
+    if dataloader is None:
+        return compute_self_influence(run.path, **options)
+    log = _query(run, module, dataloader, loss_fn, ids_fn, progress)
+    return compute_self_influence(log, run.path, **options)

@@ -1,0 +1,184 @@
+"""Lightning integration on a tiny LightningModule (CPU): statistics through the loggers, the
+noise scale against torch.func per-sample gradients, influence against the plain API."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+L = pytest.importorskip("lightning")
+
+from nnstat.integrations.lightning import (  # noqa: E402
+    NNStatCallback,
+    extract_log,
+    influence,
+    self_influence,
+)
+
+import nnstat  # noqa: E402
+
+
+class Tiny(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.05)
+
+
+def _data(n: int = 48, seed: int = 0) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 5, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 1).long()
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def _trainer(tmp_path, callbacks, **kw):
+    base = dict(accelerator="cpu", devices=1, enable_checkpointing=False, enable_progress_bar=False,
+                enable_model_summary=False, default_root_dir=str(tmp_path))  # fmt: skip
+    return L.Trainer(callbacks=callbacks, **{**base, **kw})
+
+
+def _per_sample_grads(module, x, y):
+    params = {k: v.detach() for k, v in module.named_parameters()}
+
+    def loss(p, xi, yi):
+        out = functional_call(module, p, (xi[None],))
+        return nn.functional.cross_entropy(out, yi[None])
+
+    return vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+
+
+class _Reference(L.Callback):
+    """Independent noise scale (torch.func per-sample gradients fed to a NoiseScale) and the
+    weights around one step."""
+
+    def __init__(self, step: int) -> None:
+        self.gns = nnstat.NoiseScale(beta=0.9)
+        self.values: dict[int, float] = {}
+        self.step, self.before, self.after = step, {}, {}
+        self.first = True
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step + 1 == self.step:
+            self.before = {k: v.detach().clone() for k, v in module.named_parameters()}
+        if self.first:  # nnstat's first batch only probes which modules to watch
+            self.first = False
+            return
+        g = _per_sample_grads(module, *batch)
+        small, big = {}, {}
+        for mod in ("net.0", "net.2"):
+            keys = [k for k in g if k.startswith(mod + ".")]
+            small[mod] = float(sum(g[k].pow(2).flatten(1).sum(1) for k in keys).mean())
+            big[mod] = float(sum(g[k].mean(0).pow(2).sum() for k in keys))
+        self.gns.update(small, big, 1, len(batch[0]))
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.values[trainer.global_step] = self.gns.value
+        if trainer.global_step == self.step:
+            self.after = {k: v.detach().clone() for k, v in module.named_parameters()}
+
+
+def test_callback_logs_through_the_loggers_and_matches_references(tmp_path):
+    import pandas as pd
+    from lightning.pytorch.loggers import CSVLogger
+
+    module = Tiny()
+    cb, ref = NNStatCallback(stats=["l2", "rms"]), _Reference(step=4)
+    logger = CSVLogger(str(tmp_path), name="csv")
+    loader = torch.utils.data.DataLoader(_data(), batch_size=8, shuffle=False)
+    trainer = _trainer(
+        tmp_path,
+        [ref, cb],  # ref's torch.func pass outside nnstat's capture
+        max_steps=6,
+        log_every_n_steps=2,
+        logger=logger,
+    )
+    trainer.fit(module, loader)
+    assert [h["step"] for h in cb.history] == [2, 4, 6]
+    at4 = cb.history[1]
+    w0, w1 = ref.before["net.0.weight"], ref.after["net.0.weight"]
+    assert at4["trust_ratio/net.0.weight"] == pytest.approx(
+        float(w1.norm() / (w1 - w0).norm()), 1e-5
+    )
+    assert at4["exp_avg/net.2.bias/l2"] > 0
+    for h in cb.history:
+        assert h["noise_scale/b_simple"] == pytest.approx(ref.values[h["step"]], rel=1e-4)
+    frame = pd.read_csv(next((tmp_path / "csv").rglob("metrics.csv")))
+    logged = frame.dropna(subset=["trust_ratio/net.0.weight"])
+    assert logged["step"].tolist() == [2, 4, 6]
+    assert logged["trust_ratio/net.0.weight"].iloc[1] == pytest.approx(
+        at4["trust_ratio/net.0.weight"], rel=1e-6
+    )
+    assert all(not m._forward_hooks and not m._backward_hooks for m in module.modules())
+
+
+def test_influence_helpers_equal_exact_dot_products_and_the_plain_api(tmp_path):
+    module, train, query = Tiny(), _data(24, 0), _data(4, 1)
+    train_loader = torch.utils.data.DataLoader(train, batch_size=8)
+    query_loader = torch.utils.data.DataLoader(query, batch_size=4)
+
+    # full per-sample gradients, identity metric: exactly g_q . g_i
+    run = extract_log(None, module, train_loader, project="full", root_dir=str(tmp_path),
+                      rank=None, config="none", progress=False)  # fmt: skip
+    res = influence(None, module, query_loader, run, preconditioner="identity", progress=False)
+    gt, gq = _per_sample_grads(module, *train.tensors), _per_sample_grads(module, *query.tensors)
+    flat = lambda g: torch.cat(  # noqa: E731 - module order, weight then bias
+        [torch.cat([g[f"{m}.weight"].flatten(1), g[f"{m}.bias"]], 1) for m in ("net.0", "net.2")], 1
+    )  # fmt: skip
+    torch.testing.assert_close(res.scores, flat(gq) @ flat(gt).T, rtol=1e-4, atol=1e-6)
+    assert res.train_ids == list(range(24)) and res.test_ids == list(range(4))
+
+    # projected + EK-FAC: the same as the plain API on the same model and data
+    run = extract_log(None, module, train_loader, project="ek", root_dir=str(tmp_path), rank=3,
+                      progress=False)  # fmt: skip
+    res = influence(None, module, query_loader, run, progress=False)
+    self_res = self_influence(None, module, run, query_loader, progress=False)
+    assert module.training and all(p.grad is None for p in module.parameters())  # restored
+    plain = nnstat.init(project="plain", root_dir=str(tmp_path))
+    nnstat.setup({"log": "grad", "save": "grad", "statistic": "ekfac", "loss_reduction": "mean"})
+    nnstat.watch(module)
+    nnstat.add_projection(rank=3, init="random", seed=0)
+    x, y = train.tensors
+    for _ in plain.schedule():
+        for s in range(0, 24, 8):
+            with plain(data_id=list(range(s, s + 8))):
+                nn.functional.cross_entropy(module(x[s : s + 8]), y[s : s + 8]).backward()
+            module.zero_grad()
+    nnstat.eval()
+    with plain(data_id=list(range(4))):
+        nn.functional.cross_entropy(module(query.tensors[0]), query.tensors[1]).backward()
+    log = nnstat.get_log()
+    ref = nnstat.influence.compute_influence_all(log, plain.path, progress=False)
+    assert res.meta["preconditioner"] == "ekfac"
+    torch.testing.assert_close(res.scores, ref.scores, rtol=1e-4, atol=1e-6)
+    ref_self = nnstat.influence.compute_self_influence(log, plain.path, progress=False)
+    torch.testing.assert_close(self_res.scores, ref_self.scores, rtol=1e-4, atol=1e-6)
+
+
+def test_influence_helpers_reject_bad_input(tmp_path):
+    module = Tiny()
+    shuffled = torch.utils.data.DataLoader(_data(16), batch_size=8, shuffle=True)
+    with pytest.raises(ValueError, match="shuffles"):
+        extract_log(None, module, shuffled, root_dir=str(tmp_path))
+    empty = torch.utils.data.DataLoader(_data(0), batch_size=8)
+    with pytest.raises(ValueError, match="empty"):
+        extract_log(None, module, empty, root_dir=str(tmp_path))
+    loader = torch.utils.data.DataLoader(_data(16), batch_size=8)
+    with pytest.raises(TypeError, match="loss"):
+        extract_log(None, module, loader, root_dir=str(tmp_path), loss_fn=lambda b, i: None)
+    with pytest.raises(ValueError, match="loss_reduction"):
+        extract_log(None, module, loader, config={"loss_reduction": "sum"})
