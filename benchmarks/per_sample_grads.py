@@ -4,7 +4,10 @@ Standalone (not a test). Everything runs side by side in one process on the same
 batches; each method materialises every per-sample gradient (weight and bias) of every layer.
 Prints a markdown table: samples/s and the time ratio to a plain forward+backward.
 
-    .venv/bin/python benchmarks/per_sample_grads.py [--repeats 5] [--threads 2]
+    .venv/bin/python benchmarks/per_sample_grads.py [--repeats 7] [--threads 1]
+
+One thread by default: on a shared, oversubscribed 2-core machine every multi-threaded op waits
+for a second core, so timings measure the scheduler instead of the methods.
 
 Requires ``opacus`` (benchmarks/requirements.txt).
 """
@@ -135,7 +138,7 @@ def bench(name: str, make: Callable[[], nn.Module], x: torch.Tensor, y: torch.Te
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch", type=int, default=128)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -237,3 +237,27 @@ def test_projection_matches_explicit_product():
         else:
             p = torch.randn(4, g.shape[1])
             torch.testing.assert_close(cap.project(p), g @ p.T, rtol=1e-4, atol=1e-4)
+
+
+def test_gram_trick_sq_norm_and_projection_with_mask_and_bias():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 32), nn.Tanh(), nn.Linear(32, 3))
+    x, y = torch.randn(4, 3, 24), torch.randint(0, 3, (4, 3))
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+
+    def masked(f, x, y, m):
+        out = f(x)
+        per_tok = F.cross_entropy(out.reshape(-1, 3), y.reshape(-1), reduction="none")
+        return (per_tok * m.reshape(-1)).sum()
+
+    caps = captured(model, lambda: ce_sum(model, x, y).backward(), mask=mask)
+    cap = caps["0"]
+    assert 3 * (cap.d_in + cap.d_out) < cap.d_in * cap.d_out  # the Gram path is taken
+    assert_matches(caps, reference_grads(model, masked, x, y, mask.float()))
+    g = cap.per_sample_grad()
+    p_in, p_out = torch.randn(5, cap.d_in), torch.randn(4, cap.d_out)
+    want = (p_out @ g @ p_in.T).reshape(4, -1)
+    torch.testing.assert_close(cap.project(p_in, p_out), want, rtol=1e-4, atol=1e-4)
+    a = cap.forward.reshape(-1, cap.d_in)
+    torch.testing.assert_close(cap.forward_gram(), a.T @ a)
+    assert cap.forward[..., -1].sum() == mask.sum()  # the bias column is 0 on masked rows

@@ -37,16 +37,32 @@ class ModuleCapture:
         a: torch.Tensor,
         b: torch.Tensor,
         num_positions: int,
+        keep: torch.Tensor | None = None,
     ) -> None:
         self.name = name
         self.module = module
         self.kind = kind
-        self._a = a  # embedding: [N, T] long indices (-1 = no gradient), else [N, T, d_in(+1)]
+        # embedding: [N, T] long indices (-1 = no gradient); else [N, T, d_in] WITHOUT the bias's
+        # ones column: it is implicit (= keep) so no [N, T, d_in + 1] copy is made unless asked
+        self._a = a
         self._b = b
+        self._keep = keep  # [N, T] float 0/1 of unmasked rows, None = all kept
+        self._bias = kind in ("linear", "conv", "conv1d_hf") and rules.has_bias(module)
         self.num_samples = int(b.shape[0])
         #: positions that were not masked out (the K-FAC ``A`` factor divides by their count)
         self.num_positions = int(num_positions)
         self.d_in, self.d_out = rules.dims(kind, module)
+
+    def _ones(self) -> torch.Tensor:
+        """The implicit bias column ``[N, T]``: 1 on kept rows, 0 on masked ones."""
+        if self._keep is not None:
+            return self._keep
+        return self._b.new_ones(self._b.shape[0], self._b.shape[1])
+
+    def _a_full(self) -> torch.Tensor:
+        if not self._bias:
+            return self._a
+        return torch.cat([self._a, self._ones().unsqueeze(-1)], dim=-1)
 
     # ------------------------------------------------------------------ streams
     @property
@@ -61,7 +77,7 @@ class ModuleCapture:
             idx = self._a
             onehot = F.one_hot(idx.clamp(min=0), self.d_in).float()
             return onehot * (idx >= 0).unsqueeze(-1)
-        return self._a
+        return self._a_full()
 
     @property
     def backward(self) -> torch.Tensor:
@@ -94,7 +110,13 @@ class ModuleCapture:
             out = b.new_zeros(n * self.d_in, self.d_out)
             out.index_add_(0, flat, b[valid])
             return out.reshape(n, self.d_in, self.d_out).transpose(1, 2)
-        return torch.bmm(b.transpose(1, 2), a)
+        bt = b.transpose(1, 2)
+        if not self._bias:
+            return torch.bmm(bt, a)
+        if b.shape[1] < self.d_out:  # appending the ones column to A is the smaller copy
+            return torch.bmm(bt, self._a_full())
+        # masked rows have b = 0, so the bias gradient is the plain sum over positions
+        return torch.cat([torch.bmm(bt, a), b.sum(1).unsqueeze(-1)], dim=-1)
 
     def per_sample_grads_by_param(self) -> dict[str, torch.Tensor]:
         """``{"weight": [N, *weight.shape], "bias": [N, *bias.shape]}`` (bias when present)."""
@@ -109,19 +131,22 @@ class ModuleCapture:
         a, b = self._a, self._b
         t = b.shape[1]
         if self.kind == "layernorm":
-            return self.per_sample_grad().pow(2).sum(1)
+            return self.per_sample_grad().square().sum(1)
         if self.kind == "embedding":
             if t * t > self.d_in:
-                return self.per_sample_grad().pow(2).sum((1, 2))
+                return self.per_sample_grad().square().sum((1, 2))
             same = (a.unsqueeze(2) == a.unsqueeze(1)) & (a >= 0).unsqueeze(2)
             return (same * torch.bmm(b, b.transpose(1, 2))).sum((1, 2))
+        # the implicit ones column adds 1 to a·a' (masked rows have b = 0 and drop out anyway)
         if t == 1:
-            return a.pow(2).sum((1, 2)) * b.pow(2).sum((1, 2))
+            return (a.square().sum((1, 2)) + self._bias) * b.square().sum((1, 2))
         if t * (self.d_in + self.d_out) < self.d_in * self.d_out:
             gram_a = torch.bmm(a, a.transpose(1, 2))
+            if self._bias:
+                gram_a = gram_a + 1.0
             gram_b = torch.bmm(b, b.transpose(1, 2))
             return (gram_a * gram_b).sum((1, 2))
-        return self.per_sample_grad().pow(2).sum((1, 2))
+        return self.per_sample_grad().square().sum((1, 2))
 
     def project(self, p_in: torch.Tensor, p_out: torch.Tensor | None = None) -> torch.Tensor:
         """Projected per-sample gradients without materialising ``G_i``.
@@ -146,6 +171,10 @@ class ModuleCapture:
         if self.kind == "embedding":
             idx = self._a
             ap = F.embedding(idx.clamp(min=0), p_in.T) * (idx >= 0).unsqueeze(-1)
+        elif self._bias:
+            # [a, 1] @ p_inᵀ without building [a, 1]; masked rows have b = 0 and drop out
+            ap = torch.addmm(p_in[:, -1], self._a.reshape(-1, self._a.shape[-1]), p_in[:, :-1].T)
+            ap = ap.reshape(*self._a.shape[:2], -1)
         else:
             ap = self._a @ p_in.T
         bp = self._b @ p_out.T
@@ -159,7 +188,13 @@ class ModuleCapture:
             counts = torch.bincount(idx, minlength=self.d_in).float()
             return torch.diag(counts)
         a = self._a.reshape(-1, self._a.shape[-1])
-        return a.T @ a
+        gram = a.T @ a
+        if not self._bias:
+            return gram
+        k = self._ones().reshape(-1)
+        col = k @ a
+        corner = (k * k).sum().reshape(1, 1)
+        return torch.cat([torch.cat([gram, col[:, None]], 1), torch.cat([col[None], corner], 1)])
 
     def backward_gram(self) -> torch.Tensor:
         """``Σ_{n,t} b bᵀ``, ``[d_out, d_out]``."""
@@ -171,7 +206,10 @@ class ModuleCapture:
         if self.kind == "embedding":
             idx = self._a[self._a >= 0]
             return torch.bincount(idx, minlength=self.d_in).float()
-        return self._a.sum((0, 1))
+        total = self._a.sum((0, 1))
+        if not self._bias:
+            return total
+        return torch.cat([total, self._ones().sum().reshape(1)])
 
     def backward_sum(self) -> torch.Tensor:
         """``Σ_{n,t} b``."""

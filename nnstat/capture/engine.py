@@ -255,7 +255,7 @@ class CaptureEngine:
 def _build_capture(
     w: _Watched, calls: list[tuple[torch.Tensor, torch.Tensor, _BatchContext]]
 ) -> ModuleCapture:
-    a_parts, b_parts, positions = [], [], 0
+    a_parts, b_parts, keep_parts, positions = [], [], [], 0
     n = None
     for x, g, ctx in calls:
         a = rules.forward_rows(w.kind, w.module, x)
@@ -285,9 +285,20 @@ def _build_capture(
             positions += n * a.shape[1]
         a_parts.append(a)
         b_parts.append(b)
+        keep_parts.append(keep)
+    if all(k is None for k in keep_parts):
+        keep = None
+    else:
+        keep = torch.cat(
+            [
+                b.new_ones(b.shape[:2]) if k is None else k
+                for k, b in zip(keep_parts, b_parts, strict=True)
+            ],
+            1,
+        )
     a = a_parts[0] if len(a_parts) == 1 else torch.cat(a_parts, dim=1)
     b = b_parts[0] if len(b_parts) == 1 else torch.cat(b_parts, dim=1)
-    return ModuleCapture(w.name, w.module, w.kind, a, b, positions)
+    return ModuleCapture(w.name, w.module, w.kind, a, b, positions, keep)
 
 
 def _row_mask(

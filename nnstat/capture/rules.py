@@ -3,8 +3,8 @@
 Every supported kind is reduced to the same shape of data so that per-sample gradients,
 projections, squared norms and K-FAC factors share one code path:
 
-* ``A``: ``[N, T, d_in(+1)]`` float32 "forward" rows (conv: unfolded patches; a trailing 1 when
-  the layer has a bias), and ``B``: ``[N, T, d_out]`` float32 "backward" rows, so that the
+* ``A``: ``[N, T, d_in]`` float32 "forward" rows (conv: unfolded patches; the bias's column of
+  ones stays implicit until someone asks for it, see ``ModuleCapture``), and ``B``: ``[N, T, d_out]`` float32 "backward" rows, so that the
   per-sample weight gradient (in ``[d_out, d_in]`` layout) is ``G_i = Σ_t b_t a_tᵀ``.
 * Embedding keeps integer indices instead of one-hot rows (``-1`` marks an excluded position).
 * LayerNorm keeps the normalised input ``x̂`` and gives ``G_i = [Σ_t b∘x̂, Σ_t b]``.
@@ -71,30 +71,29 @@ def has_bias(module: nn.Module) -> bool:
     return isinstance(getattr(module, "bias", None), torch.Tensor)
 
 
-def _append_ones(a: torch.Tensor) -> torch.Tensor:
-    return torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
-
-
 def _conv_unfold(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     """Unfold conv input to patches ``[N, L, C_in*k]`` (channel-major, like ``weight.flatten(1)``)."""
     one_d = isinstance(module, nn.Conv1d)
     if one_d:
         x = x.unsqueeze(2)
     mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-    pad = module._reversed_padding_repeated_twice
+    pad = list(module._reversed_padding_repeated_twice)  # [left, right, top, bottom]
     if one_d:
         pad = [pad[0], pad[1], 0, 0]
+    unfold_pad = (0, 0)
+    if mode == "constant" and pad[0] == pad[1] and pad[2] == pad[3]:
+        unfold_pad, pad = (pad[2], pad[0]), [0, 0, 0, 0]  # let unfold pad: no copy of x
     if any(pad):
         x = F.pad(x, pad, mode=mode)
     ks = (1, *module.kernel_size) if one_d else module.kernel_size
     st = (1, *module.stride) if one_d else module.stride
     dl = (1, *module.dilation) if one_d else module.dilation
-    cols = F.unfold(x, kernel_size=ks, dilation=dl, stride=st)
+    cols = F.unfold(x, kernel_size=ks, dilation=dl, padding=unfold_pad, stride=st)
     return cols.transpose(1, 2)
 
 
 def forward_rows(kind: str, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Matrix-form forward rows ``[N, T, d_in(+1)]`` of one module call.
+    """Matrix-form forward rows ``[N, T, d_in]`` of one module call (no bias column).
 
     For embedding the result is the ``[N, T]`` long index tensor (``-1`` = no gradient).
     """
@@ -106,15 +105,11 @@ def forward_rows(kind: str, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
             raise ValueError(
                 f"{type(module).__name__}: expected input [N, ..., d_in], got {tuple(x.shape)}"
             )
-        a = x.detach().float().reshape(n, -1, x.shape[-1])
-        a = _append_ones(a) if has_bias(module) else a
-        return a
+        return x.detach().float().reshape(n, -1, x.shape[-1])
     if kind == "conv":
         cols = _conv_unfold(module, x.detach().float())
         g = module.groups
-        a = cols.reshape(n, cols.shape[1] * g, cols.shape[2] // g)
-        a = _append_ones(a) if has_bias(module) else a
-        return a
+        return cols.reshape(n, cols.shape[1] * g, cols.shape[2] // g)
     if kind == "embedding":
         idx = x.detach().reshape(n, -1).long()
         if module.padding_idx is not None:
