@@ -6,6 +6,7 @@ backward (no per-sample gradient is kept) and we read the batch gradient from ``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -50,7 +51,7 @@ class PerSampleNorms:
                 "per-sample squared norms of its two uses cannot be added, exclude it with "
                 "name_filter"
             )
-        self._sq[cap.name] = cap.per_sample_sq_norm().detach().double()
+        self._sq[cap.name] = cap.per_sample_sq_norm().detach()
 
     @contextmanager
     def batch(self, batch_size: int | None = None) -> Iterator[None]:
@@ -61,29 +62,45 @@ class PerSampleNorms:
         self._sq = {}
         with self.engine.batch(batch_size=batch_size, loss_reduction="mean"):
             yield
-        small: dict[str, float] = {}
-        big: dict[str, float] = {}
-        sizes = {int(s.shape[0]) for s in self._sq.values()}
-        if not self._sq:
+        captured, self._sq = self._sq, {}
+        if not captured:
             raise RuntimeError("no watched module took part in the backward of this batch")
+        sizes = {int(s.shape[0]) for s in captured.values()}
         if len(sizes) != 1:
             raise RuntimeError(f"modules saw different batch sizes {sorted(sizes)}")
         n = sizes.pop()
         if n < 2:
             raise ValueError(f"per-sample noise scale needs a batch of at least 2 samples, got {n}")
-        for name, s in self._sq.items():
-            if not torch.isfinite(s).all():
-                raise ValueError(f"per-sample gradient norms of {name!r} contain NaN or Inf")
-            g_sq = 0.0
+        # Reductions stay in the gradients' dtype (no float64 copies of large weights: that
+        # alone tripled the step time of a 1024-wide MLP) and come back in one .tolist().
+        names = list(captured)
+        small = torch.stack([captured[k].float() for k in names]).mean(1)
+        big = self._batch_grad_sq(names, before)
+        small_l, big_l = small.tolist(), big.tolist()
+        for k, s, b in zip(names, small_l, big_l, strict=True):
+            if not (math.isfinite(s) and math.isfinite(b)):
+                raise ValueError(f"gradient norms of {k!r} contain NaN or Inf")
+        self.last = (
+            dict(zip(names, small_l, strict=True)),
+            dict(zip(names, big_l, strict=True)),
+            n,
+        )
+
+    def _batch_grad_sq(
+        self, names: list[str], before: dict[str, list[torch.Tensor | None]]
+    ) -> torch.Tensor:
+        """Squared norm of this batch's gradient per module, in one fused reduction."""
+        grads, seg = [], []
+        for i, name in enumerate(names):
             for p, old in zip(self.params[name], before[name], strict=True):
-                if p.grad is None:
-                    continue
-                g = p.grad.detach() if old is None else p.grad.detach() - old
-                g_sq += float(g.double().pow(2).sum())
-            small[name] = float(s.mean())
-            big[name] = g_sq
-        self._sq = {}
-        self.last = (small, big, n)
+                if p.grad is not None:
+                    grads.append(p.grad.detach() if old is None else p.grad.detach() - old)
+                    seg.append(i)
+        out = torch.zeros(len(names), dtype=torch.float32)
+        if grads:
+            norms = torch.stack([n.float().cpu() for n in torch._foreach_norm(grads)])
+            out.index_add_(0, torch.tensor(seg), norms.square())
+        return out
 
     def close(self) -> None:
         self.engine.unwatch()

@@ -8,10 +8,11 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 
-from nnstat._gns_math import check_batch_sizes, safe_ratio, two_batch
+from nnstat._gns_math import check_batch_sizes, ratio_of_means, safe_ratio, two_batch
 
 if TYPE_CHECKING:
     from nnstat._gns_capture import PerSampleNorms
@@ -247,6 +248,15 @@ class NoiseScale:
         """``B_simple`` per layer (only when updates carried per-layer dicts)."""
         return {k: safe_ratio(*self._means(k)) for k in self._stats if k != _TOTAL}
 
+    @property
+    def interval(self) -> tuple[float, float]:
+        """95% bootstrap interval of ``value`` over the window (``nan`` in EMA mode)."""
+        avg = self._stats.get(_TOTAL)
+        if avg is None or avg.window is None or len(avg.nums) < 2:
+            return math.nan, math.nan
+        stats = ratio_of_means(np.asarray(avg.nums), np.asarray(avg.dens), n_boot=200)
+        return stats.interval
+
     def layer_estimates(self) -> dict[str, tuple[float, float]]:
         """Averaged ``(grad_sq_norm, trace_sigma)`` per layer."""
         return {k: self._means(k)[::-1] for k in self._stats if k != _TOTAL}
@@ -259,6 +269,8 @@ class NoiseScale:
             f"{p}/grad_sq_norm": self.grad_sq_norm,
             f"{p}/trace_sigma": self.trace_sigma,
         }
+        if self.window is not None:
+            out[f"{p}/low"], out[f"{p}/high"] = self.interval
         for k, v in self.layer_values().items():
             out[f"{p}/b_simple/{k}"] = v
         return out

@@ -57,6 +57,9 @@ def test_ratio_of_averages_not_average_of_ratios():
     assert gns.value == pytest.approx(100.0, rel=0.05)
     assert gns.grad_sq_norm == pytest.approx(1.0, rel=0.05)
     assert gns.trace_sigma == pytest.approx(100.0, rel=0.05)
+    lo, hi = gns.interval
+    assert lo < 100.0 < hi and hi - lo < 0.2 * gns.value
+    assert gns.to_dict()["noise_scale/low"] == lo
 
 
 def test_ema_is_ratio_of_separate_emas():
