@@ -78,11 +78,12 @@ def bench(name: str, make: Callable[[], nn.Module], x: torch.Tensor, y: torch.Te
     what = {"fn": lambda cap: cap.per_sample_grad()}
     engine.add_consumer(lambda cap: sink.append(what["fn"](cap)))
 
+    # every method materialises its per-sample gradients and frees them inside the timed region
     def nnstat_psg():
-        sink.clear()
         model.zero_grad()
         with engine.batch():
             F.cross_entropy(model(x), y, reduction="sum").backward()
+        sink.clear()
 
     def nnstat_sq_norms():
         what["fn"] = lambda cap: cap.per_sample_sq_norm()
@@ -93,6 +94,7 @@ def bench(name: str, make: Callable[[], nn.Module], x: torch.Tensor, y: torch.Te
 
     def func_vmap():
         sink[:] = list(per_sample(params, x, y).values())
+        sink.clear()
 
     params = {k: v.detach() for k, v in model.named_parameters()}
 
@@ -117,11 +119,12 @@ def bench(name: str, make: Callable[[], nn.Module], x: torch.Tensor, y: torch.Te
             gsm = GradSampleModule(make())
 
         def opacus_psg():
-            gsm.zero_grad(set_to_none=True)
             with warnings.catch_warnings():  # "full backward hook ... no inputs require grad"
                 warnings.simplefilter("ignore")
                 F.cross_entropy(gsm(x), y, reduction="sum").backward()
             sink[:] = [p.grad_sample for p in gsm.parameters()]
+            sink.clear()
+            gsm.zero_grad(set_to_none=True)  # also drops grad_sample
 
         methods["Opacus GradSampleModule"] = opacus_psg
     results = timed(methods, repeats)

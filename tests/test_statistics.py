@@ -298,3 +298,23 @@ def test_nonfinite_contribution_is_an_error():
     with pytest.raises(FloatingPointError, match="model/forward/covariance"):
         with engine.batch():
             model(torch.tensor([[float("nan"), 1.0]])).sum().backward()
+
+
+def test_oversized_dense_factors_are_refused_with_the_module_named(monkeypatch):
+    import nnstat.statistics.stats as st
+
+    monkeypatch.setattr(st, "MAX_FACTOR_DIM", 6)
+    monkeypatch.setattr(st, "MAX_RAW_DIM", 10)
+    model = nn.Sequential(nn.Embedding(7, 3), nn.Linear(3, 2))
+    engine = CaptureEngine()
+    engine.watch(model)
+    for cfg, match in [
+        ("kfac", r"0 \(Embedding\): the forward covariance would be 7x7"),
+        ("raw", r"the raw gradient covariance would be 21x21"),
+    ]:
+        col = StatisticsCollector(cfg)
+        engine.add_consumer(col)
+        with pytest.raises(ValueError, match=match):
+            with engine.batch():
+                model(torch.tensor([[1, 2]])).sum().backward()
+        engine.remove_consumer(col)

@@ -11,6 +11,7 @@ from nnstat.statistics.collector import StatisticsCollector, spectrum_stats
 from nnstat.statistics.stats import (
     EKFAC,
     KFAC,
+    MAX_FACTOR_DIM,
     MAX_RAW_DIM,
     STATISTICS,
     Covariance,
@@ -22,6 +23,7 @@ from nnstat.statistics.stats import (
 __all__ = [
     "EKFAC",
     "KFAC",
+    "MAX_FACTOR_DIM",
     "MAX_RAW_DIM",
     "STATISTICS",
     "Covariance",

@@ -22,6 +22,16 @@ STREAMS = ("forward", "backward", "grad")
 
 #: largest flattened per-sample gradient whose full covariance ("raw") may be accumulated
 MAX_RAW_DIM = 8192
+#: largest dense K-FAC factor (a 16384² float32 matrix is 1 GiB)
+MAX_FACTOR_DIM = 16384
+
+
+def _check_factor(cap: ModuleCapture, stream: str, d: int) -> None:
+    if d > MAX_FACTOR_DIM:
+        raise ValueError(
+            f"{cap.name} ({type(cap.module).__name__}): the {stream} covariance would be "
+            f"{d}x{d} (limit {MAX_FACTOR_DIM}); leave this module out with watch(name_filter=...)"
+        )
 
 
 class Statistic:
@@ -76,8 +86,10 @@ class Covariance(Statistic):
     @classmethod
     def contribution(cls, cap, stream, prior):
         if stream == "forward":
+            _check_factor(cap, stream, cap.d_in)
             return cap.forward_gram(), cap.num_positions
         if stream == "backward":
+            _check_factor(cap, stream, cap.d_out)
             return cap.backward_gram(), cap.num_samples
         g = cap.per_sample_grad().reshape(cap.num_samples, -1)
         if g.shape[1] > MAX_RAW_DIM:
