@@ -25,6 +25,7 @@ from nnstat.recorder import (
 )
 from nnstat.recorder.graph import topological_order
 from nnstat.recorder.schedule import make_schedule
+from nnstat.recorder.storage import read_kpis
 
 
 def np_stats(x: np.ndarray) -> dict[str, float]:
@@ -265,9 +266,11 @@ def test_multiple_iterations_have_their_own_rows_and_graphs(tmp_path) -> None:
             rec.register_tensor("extra", state * 2)
         rec.finish_iteration()
         total = total + state.pow(2).sum()
+    rec.register_tensor("total", total, role="loss")  # after finish_iteration: the last pass
     total.backward()
     record = rec.finish_batch()
     assert record["iterations"] == 3
+    assert ("total", 2) in zip(record["rows"]["tensor"], record["rows"]["iteration"], strict=True)
     stats = read_step_stats(rec.path, "train-000000000")
     meta = read_step_meta(rec.path)[0]
     for it, s in enumerate(states):
@@ -283,6 +286,7 @@ def test_multiple_iterations_have_their_own_rows_and_graphs(tmp_path) -> None:
     assert g["0"] == g["1"]
     doc2 = json.loads((rec.path / "graphs" / f"{g['2']}.json").read_text())
     assert ["state", "extra"] in doc2["edges"] and ["cell.weight", "state"] in doc2["edges"]
+    assert ["state", "total"] in doc2["edges"]
 
 
 def test_storage_is_readable_during_training_and_never_pickles(tmp_path) -> None:
@@ -291,11 +295,18 @@ def test_storage_is_readable_during_training_and_never_pickles(tmp_path) -> None
     rec = Recorder(tmp_path, every=2)
     rec.track_module(model)
     x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
-    seen = []
-    for step in range(5):
-        one_step(rec, model, x, y, step)
+    seen, losses = [], []
+    for step in range(6):
+        _, _, loss = one_step(rec, model, x, y, step)
+        losses.append(float(loss.detach()))
         seen.append(len(read_step_meta(rec.path)))
-    assert seen == [1, 1, 2, 2, 3]
+    assert seen == [1, 1, 2, 2, 3, 3]
+    # KPIs of every step, recorded or not; step 5 is buffered until a recorded step or close()
+    assert [r["step"] for r in read_kpis(rec.path)] == [0, 1, 2, 3, 4]
+    rec.close()
+    kpis = read_kpis(rec.path)
+    assert [r["step"] for r in kpis] == [0, 1, 2, 3, 4, 5]
+    assert [r["kpis"]["loss"] for r in kpis] == pytest.approx(losses)
     leftovers = [p.name for p in rec.path.rglob(".*")]
     assert leftovers == []
     for npy in (rec.path / "steps").glob("*.npy"):

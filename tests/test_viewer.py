@@ -193,6 +193,8 @@ def test_export_over_file_url_compare_and_anomaly_link(root, browser, tmp_path) 
         p.page.click(f"#tabs button[data-tab='{tab}']")
         assert p.page.is_visible(f"#tab-{tab}")
     assert "scaled: input scale 3.0" in p.page.inner_text("#tab-notes")
+    p.page.click("#tabs button[data-tab='kpis']")
+    assert p.page.locator("#tab-kpis svg.kpi-plot polyline.series-a").count() >= 1
     p.page.click("#tabs button[data-tab='network']")
     assert "fc1" in p.page.inner_text("#tab-network")
     p.page.screenshot(path="/tmp/nnstat_viewer_export.png", full_page=True)

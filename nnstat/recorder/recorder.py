@@ -22,7 +22,7 @@ from nnstat.recorder.anomalies import NonFiniteError, Rule, evaluate_rules
 from nnstat.recorder.graph import ROLES
 from nnstat.recorder.reduce import COL, STAT_NAMES, device_stats, fix_nonfinite, light_stats
 from nnstat.recorder.schedule import Schedule, make_schedule, schedule_json
-from nnstat.recorder.stepdata import RowSet, Selection, finalize_step, split_raw
+from nnstat.recorder.stepdata import RowSet, Selection, finalize_step, kpi_records, split_raw
 from nnstat.recorder.storage import TrialWriter
 
 log = logging.getLogger("nnstat.recorder")
@@ -101,7 +101,7 @@ class Recorder:
         self._params: dict[str, torch.nn.Parameter] = {}
         self._modules: list[dict[str, Any]] = []
         self._batch: _Batch | None = None
-        self._kpi_log: list[dict[str, Any]] = []
+        self._kpi_log: list[tuple[str, int, dict[str, Any]]] = []
         self._prev: tuple[tuple, torch.Tensor] | None = None
         self._mask_cache: dict[tuple, Selection] = {}
         self.last_record: dict[str, Any] | None = None
@@ -160,7 +160,8 @@ class Recorder:
         return names
 
     def close(self) -> None:
-        """Remove the capture engine's hooks (if `track_activations` was used)."""
+        """Write buffered KPIs and remove the capture engine's hooks (`track_activations`)."""
+        self.flush_kpis()
         if self._engine is not None:
             self._engine.unwatch()
             self._engine = None
@@ -211,8 +212,9 @@ class Recorder:
     def register_tensor(
         self, name: str, tensor: torch.Tensor, role: str = "intermediate"
     ) -> torch.Tensor:
-        """Register a tensor of the current iteration; returns it unchanged.
+        """Register a tensor of the current (or, after `finish_iteration`, the last) iteration.
 
+        Returns the tensor unchanged.
         Its gradient is captured with a tensor hook when it requires grad. Works under
         ``torch.no_grad()`` (forward values only); ``requires_grad`` is never changed.
         """
@@ -225,9 +227,10 @@ class Recorder:
             raise ValueError(f"unknown role {role!r}; valid roles are {list(ROLES)}")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"register_tensor({name!r}) needs a torch.Tensor, got {type(tensor)}")
-        if b.current is None:
+        if b.current is None and not b.iterations:
             self.start_iteration()
-        it = b.current
+        # after finish_iteration (e.g. the loss of a multi-pass model) the last pass owns it
+        it = b.current or b.iterations[-1]
         if name in it.tensors or name in self._params:
             raise ValueError(f"tensor name {name!r} registered twice in iteration {it.index}")
         it.names.append(name)
@@ -257,7 +260,11 @@ class Recorder:
         b.decision = bool(record)
 
     def record_kpi(self, name: str, value: float | torch.Tensor) -> None:
-        """Record a scalar KPI of the current batch (stored with the step when it is recorded)."""
+        """Record a scalar KPI of the current batch, on every step (recorded or not).
+
+        Tensors are kept on device and converted in one transfer when the buffer is written
+        (at recorded steps, every 256 steps and at `close`), so no step waits on a sync.
+        """
         b = self._require_batch("record_kpi")
         b.kpis[str(name)] = value
 
@@ -279,6 +286,10 @@ class Recorder:
             ctx, self._engine_ctx = self._engine_ctx, None
             ctx.__exit__(None, None, None)  # flushes pending captures into this batch
         self._batch = None
+        if b.kpis:
+            self._kpi_log.append((b.type_of_execution, b.step, b.kpis))
+            if len(self._kpi_log) >= 256:
+                self.flush_kpis()
         if not b.active:
             return None
         keep = b.decision if b.decision is not None else b.scheduled
@@ -343,6 +354,7 @@ class Recorder:
         values = split_raw(host[n_stat + n_hit :], raw)
         self.writer.write_step(f"{b.type_of_execution}-{b.step:09d}", stats_np, record, values)
         self.last_record = record
+        self.flush_kpis()
         off = record.get("first_offender")
         if off is not None:
             msg = (
@@ -353,6 +365,13 @@ class Recorder:
                 raise NonFiniteError(msg)
             log.warning(msg)
         return record
+
+    def flush_kpis(self) -> None:
+        """Append buffered KPIs to ``kpis.jsonl`` (tensor values: one transfer per device)."""
+        if not self._kpi_log:
+            return
+        log_, self._kpi_log = self._kpi_log, []
+        self.writer.append_kpis(kpi_records(log_))
 
     def _selection(self, rows: RowSet) -> Selection:
         """Batch-level rows some rule applies to, with the rule x row mask (cached by layout)."""

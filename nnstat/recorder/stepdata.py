@@ -216,3 +216,25 @@ def split_raw(flat: np.ndarray, raw: dict[str, torch.Tensor]) -> dict[str, torch
         out[key] = torch.from_numpy(flat[offset : offset + n].astype(np.float32)).reshape(v.shape)
         offset += n
     return out
+
+
+def kpi_records(log: list[tuple[str, int, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """``[{"type", "step", "kpis"}]`` with tensor values moved to the host, one transfer per device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for _, _, kpis in log:
+        for v in kpis.values():
+            if isinstance(v, torch.Tensor):
+                if v.numel() != 1:
+                    raise ValueError(
+                        f"a KPI must be a scalar, got a tensor of shape {tuple(v.shape)}"
+                    )
+                by_device.setdefault(v.device, []).append(v.detach().reshape(()).double())
+    host = {d: iter(torch.stack(ts).cpu().tolist()) for d, ts in by_device.items()}
+    out = []
+    for kind, step, kpis in log:
+        vals = {
+            k: next(host[v.device]) if isinstance(v, torch.Tensor) else float(v)
+            for k, v in kpis.items()
+        }
+        out.append({"type": kind, "step": step, "kpis": vals})
+    return out

@@ -10,6 +10,7 @@
   steps/<type>-<step:09d>.json     rows (columnar), graphs per iteration, KPIs, anomaly hits,
                                    indicators, first non-finite offender, why it was recorded
   notes.jsonl                      one JSON object per note
+  kpis.jsonl                       {"type", "step", "kpis"} for every step with KPIs
 ```
 Every file is written under a temporary name and renamed; a step's JSON is written last, so a
 reader that lists ``steps/*.json`` while training runs only sees complete steps.
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 FORMAT_VERSION = 1
-_OWN = ("trial.json", "notes.jsonl", "graphs", "steps")
+_OWN = ("trial.json", "notes.jsonl", "kpis.jsonl", "graphs", "steps")
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -106,6 +107,10 @@ class TrialWriter:
             os.replace(tmp, steps / f"{stem}.values.safetensors")
         _atomic_write(steps / f"{stem}.json", _dumps(meta))
 
+    def append_kpis(self, records: list[dict[str, Any]]) -> None:
+        with open(self.path / "kpis.jsonl", "ab") as fh:
+            fh.write(b"".join(_dumps(r) + b"\n" for r in records))
+
     def append_note(self, record: dict[str, Any]) -> None:
         with open(self.path / "notes.jsonl", "ab") as fh:
             fh.write(_dumps(record) + b"\n")
@@ -156,3 +161,17 @@ def read_notes(trial: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+def read_kpis(trial: Path) -> list[dict[str, Any]]:
+    """Every step's KPIs (recorded or not); a partly written last line is ignored."""
+    path = Path(trial) / "kpis.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # the writer is appending this line right now
+    return out

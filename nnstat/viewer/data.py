@@ -9,6 +9,7 @@ from typing import Any
 from nnstat.recorder.storage import (
     iter_trials,
     read_json,
+    read_kpis,
     read_notes,
     read_step_meta,
     read_step_stats,
@@ -18,6 +19,13 @@ from nnstat.recorder.storage import (
 def _clean(x: float) -> float | None:
     # JSON has no NaN/Inf; the page shows null as a dash
     return float(x) if math.isfinite(x) else None
+
+
+def _clean_kpi(record: dict[str, Any]) -> dict[str, Any]:
+    kpis = {}
+    for k, v in record.get("kpis", {}).items():
+        kpis[k] = _clean(float(v)) if isinstance(v, int | float | str) else None
+    return {"type": record.get("type"), "step": record.get("step"), "kpis": kpis}
 
 
 def load_bundle(root: str | Path) -> dict[str, Any]:
@@ -57,6 +65,7 @@ def load_bundle(root: str | Path) -> dict[str, Any]:
                 "modules": meta.get("modules", []),
                 "rules": meta.get("rules", []),
                 "notes": read_notes(tdir),
+                "kpis": [_clean_kpi(r) for r in read_kpis(tdir)],
                 "steps": steps,
             }
         )

@@ -119,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"nnstat view: {exc}", file=sys.stderr)
         return 2
-    print(f"nnstat view: serving {args.root} at http://127.0.0.1:{srv.server_address[1]}/", flush=True)
+    print(
+        f"nnstat view: serving {args.root} at http://127.0.0.1:{srv.server_address[1]}/", flush=True
+    )
     try:
         srv.serve_forever()
     except KeyboardInterrupt:

@@ -162,11 +162,7 @@
       '<p class="hint">No anomaly rule fired in the recorded steps.</p>';
     $("tab-anomalies").querySelectorAll("a.jump").forEach((a) => a.addEventListener("click", () =>
       jump(Number(a.dataset.i), a.dataset.t, Number(a.dataset.it), a.dataset.s)));
-    const names = [...new Set(t.steps.flatMap((s) => Object.keys(s.kpis || {})))].sort();
-    $("tab-kpis").innerHTML = names.length ? `<table><tr><th>step</th>${names.map((n) =>
-      `<th>${esc(n)}</th>`).join("")}</tr>` + t.steps.map((s) => `<tr><td>${esc(s.type_of_execution)} ${s.step}</td>` +
-      names.map((n) => `<td>${fmt((s.kpis || {})[n])}</td>`).join("") + "</tr>").join("") + "</table>" :
-      '<p class="hint">No KPIs recorded.</p>';
+    renderKpis(t);
     $("tab-notes").innerHTML = t.notes.length ? "<ul>" + t.notes.map((n) =>
       `<li>${n.step === null ? "" : "step " + n.step + ": "}${esc(n.text)}</li>`).join("") + "</ul>" :
       '<p class="hint">No notes.</p>';
@@ -175,6 +171,26 @@
       "<th>own parameters</th><th>total parameters</th></tr>" + mods.map((m) =>
       `<tr><td>${esc(m.name)}</td><td>${esc(m.type)}</td><td>${m.params_own}</td>` +
       `<td>${m.params_total}</td></tr>`).join("") + "</table>" : '<p class="hint">No module tracked.</p>';
+  }
+
+  // KPIs of every step (kpis.jsonl), one small plot per KPI, the compared trial dashed
+  function renderKpis(t) {
+    const log = t.kpis && t.kpis.length ? t.kpis : t.steps.map((s) =>
+      ({ type: s.type_of_execution, step: s.step, kpis: s.kpis || {} }));
+    const type = step() ? step().type_of_execution : (log[0] || {}).type;
+    const names = [...new Set(log.flatMap((r) => Object.keys(r.kpis)))].sort();
+    const box = $("tab-kpis");
+    if (!names.length) { box.innerHTML = '<p class="hint">No KPIs recorded.</p>'; return; }
+    box.innerHTML = names.map((n, i) => `<div class="kpi"><h3>${esc(n)}</h3>` +
+      `<svg class="kpi-plot" id="kpi-${i}"></svg></div>`).join("");
+    const other = S.compare.startsWith("trial:") ? S.data.trials.find((x) => x.id === S.compare.slice(6)) : null;
+    const pts = (tr, n) => (tr.kpis || []).filter((r) => r.type === type && n in r.kpis)
+      .map((r) => [r.step, r.kpis[n]]);
+    names.forEach((n, i) => {
+      const series = [{ label: t.id, cls: "series-a", points: pts(t, n) }];
+      if (other) series.push({ label: other.id, cls: "series-b", points: pts(other, n) });
+      window.NNPlot.draw($(`kpi-${i}`), series, step() ? step().step : null);
+    });
   }
 
   function renderLegend() {
@@ -212,6 +228,7 @@
       document.querySelectorAll("#tabs button, .tab").forEach((x) => x.classList.remove("active"));
       b.classList.add("active");
       $(`tab-${b.dataset.tab}`).classList.add("active");
+      if (b.dataset.tab === "kpis") renderKpis(trial());  // plots need a visible box to size
     }));
   }
 
