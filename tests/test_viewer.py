@@ -156,6 +156,10 @@ def test_served_page_graph_click_and_step_change(root, browser) -> None:
             assert shown == pytest.approx(float(stats[row, norm_col]), rel=1e-3)
             values.append(shown)
         assert values[0] != values[1]
+        # two steps side by side: step 1 with step 0 in the compare column
+        p.page.select_option("#sel-compare", "step:0")
+        assert float(p.cell("norm", 3)) == values[0] and float(p.cell("norm", 1)) == values[1]
+        p.page.select_option("#sel-compare", "none")
         p.page.select_option("#sel-scope", "1")  # sample 1 of the batch
         assert float(p.cell("norm", 1)) < values[1]
         p.close()
@@ -216,3 +220,16 @@ def test_server_routes_and_cli_errors(root, tmp_path, capsys) -> None:
     assert main([str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert 'id="graph"' in render_page()
+
+
+def test_bundle_of_a_trial_still_without_steps(tmp_path) -> None:
+    from nnstat.viewer.data import load_bundle
+
+    rec = Recorder(tmp_path, group="g", trial="fresh", every=None)
+    rec.add_note("started")
+    bundle = load_bundle(tmp_path / "g")
+    assert [(t["id"], t["steps"], t["notes"][0]["text"]) for t in bundle["trials"]] == [
+        ("fresh", [], "started")
+    ]
+    with pytest.raises(FileNotFoundError, match="no recorder trials"):
+        load_bundle(tmp_path / "g" / "fresh" / "steps")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from nnstat.capture.rules import has_bias
 
 
@@ -60,3 +62,25 @@ class ActivationConsumer:
             full = f"{module_prefix}{pname}"
             if full in self.recorder._params:
                 it.edges.append((full, dst))
+
+
+def attach_engine(
+    recorder: Any,
+    model: torch.nn.Module,
+    name_filter: str | None,
+    type_filter: Any,
+    prefix: str,
+    loss_reduction: str,
+    batch_size: int | None,
+) -> tuple[Any, list[str]]:
+    """A `CaptureEngine` watching ``model`` that feeds ``recorder``; returns it and the names."""
+    from nnstat.capture import CaptureEngine
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"track_activations needs an nn.Module, got {type(model).__name__}")
+    if loss_reduction not in ("sum", "mean"):
+        raise ValueError(f"loss_reduction must be 'sum' or 'mean', got {loss_reduction!r}")
+    engine = CaptureEngine()
+    names = engine.watch(model, name_filter=name_filter, type_filter=type_filter)
+    engine.add_consumer(ActivationConsumer(recorder, prefix, loss_reduction, batch_size))
+    return engine, names

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 
 from nnstat.recorder.anomalies import NonFiniteError, Rule, evaluate_rules
+from nnstat.recorder.batch import Batch, GradHook, Iteration
 from nnstat.recorder.graph import ROLES
 from nnstat.recorder.reduce import COL, STAT_NAMES, device_stats, fix_nonfinite, light_stats
 from nnstat.recorder.schedule import Schedule, make_schedule, schedule_json
@@ -26,29 +26,6 @@ from nnstat.recorder.stepdata import RowSet, Selection, finalize_step, kpi_recor
 from nnstat.recorder.storage import TrialWriter
 
 log = logging.getLogger("nnstat.recorder")
-
-
-@dataclass
-class _Iteration:
-    index: int
-    names: list[str] = field(default_factory=list)
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    roles: dict[str, str] = field(default_factory=dict)
-    grads: dict[str, torch.Tensor] = field(default_factory=dict)
-    edges: list[tuple[str, str]] = field(default_factory=list)
-
-
-@dataclass
-class _Batch:
-    step: int
-    type_of_execution: str
-    scheduled: bool
-    active: bool
-    decision: bool | None = None
-    iterations: list[_Iteration] = field(default_factory=list)
-    current: _Iteration | None = None
-    kpis: dict[str, Any] = field(default_factory=dict)
-    grad_order: list[tuple[int, str]] = field(default_factory=list)
 
 
 class Recorder:
@@ -100,7 +77,7 @@ class Recorder:
         self.group, self.trial = group, trial
         self._params: dict[str, torch.nn.Parameter] = {}
         self._modules: list[dict[str, Any]] = []
-        self._batch: _Batch | None = None
+        self._batch: Batch | None = None
         self._kpi_log: list[tuple[str, int, dict[str, Any]]] = []
         self._prev: tuple[tuple, torch.Tensor] | None = None
         self._mask_cache: dict[tuple, Selection] = {}
@@ -144,18 +121,13 @@ class Recorder:
             >>> rec.track_activations(model, loss_reduction="mean")  # doctest: +SKIP
             ['fc1', 'fc2']
         """
-        from nnstat.capture import CaptureEngine
-        from nnstat.recorder.activations import ActivationConsumer
+        from nnstat.recorder.activations import attach_engine
 
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"track_activations needs an nn.Module, got {type(model).__name__}")
         if self._engine is not None:
             raise RuntimeError("track_activations was already called on this recorder")
-        if loss_reduction not in ("sum", "mean"):
-            raise ValueError(f"loss_reduction must be 'sum' or 'mean', got {loss_reduction!r}")
-        self._engine = CaptureEngine()
-        names = self._engine.watch(model, name_filter=name_filter, type_filter=type_filter)
-        self._engine.add_consumer(ActivationConsumer(self, prefix, loss_reduction, batch_size))
+        self._engine, names = attach_engine(
+            self, model, name_filter, type_filter, prefix, loss_reduction, batch_size
+        )
         self._engine_kwargs = {"loss_reduction": loss_reduction, "batch_size": batch_size}
         return names
 
@@ -192,7 +164,7 @@ class Recorder:
         sched = self.schedule_for(type_of_execution)
         scheduled = sched.is_scheduled(int(step))
         active = scheduled or bool(self.rules) or sched.retroactive
-        self._batch = _Batch(int(step), str(type_of_execution), scheduled, active)
+        self._batch = Batch(int(step), str(type_of_execution), scheduled, active)
         if active and self._engine is not None:
             self._engine_ctx = self._engine.batch(**self._engine_kwargs)
             self._engine_ctx.__enter__()
@@ -200,7 +172,7 @@ class Recorder:
     def start_iteration(self) -> None:
         """Begin one forward pass inside the batch (several per batch for multi-pass models)."""
         b = self._require_batch("start_iteration")
-        b.current = _Iteration(len(b.iterations))
+        b.current = Iteration(len(b.iterations))
         b.iterations.append(b.current)
 
     def finish_iteration(self) -> None:
@@ -237,7 +209,7 @@ class Recorder:
         it.tensors[name] = tensor
         it.roles[name] = role
         if tensor.requires_grad:
-            tensor.register_hook(_GradHook(b, it, name))
+            tensor.register_hook(GradHook(b, it, name))
         return tensor
 
     def add_tensor_connection(self, src: str, dst: str) -> None:
@@ -273,7 +245,7 @@ class Recorder:
         step = None if self._batch is None else self._batch.step
         self.writer.append_note({"step": step, "time": time.time(), "text": str(text)})
 
-    def _require_batch(self, what: str) -> _Batch:
+    def _require_batch(self, what: str) -> Batch:
         if self._batch is None:
             raise RuntimeError(f"{what} called outside start_batch/finish_batch")
         return self._batch
@@ -313,7 +285,7 @@ class Recorder:
         return self._record(b, rows, "anomaly", prev=prev)
 
     def _record(
-        self, b: _Batch, rows: RowSet, reason: str, prev: torch.Tensor | None = None
+        self, b: Batch, rows: RowSet, reason: str, prev: torch.Tensor | None = None
     ) -> dict[str, Any] | None:
         if not rows.segments:
             return None
@@ -401,18 +373,3 @@ class Recorder:
                 prev = torch.cat([old, old.new_full((1,), float("nan"))])[idx]
         self._prev = (keys, now)
         return prev
-
-
-class _GradHook:
-    """Tensor hook storing a registered tensor's gradient (summed over backward calls)."""
-
-    __slots__ = ("batch", "it", "name")
-
-    def __init__(self, batch: _Batch, it: _Iteration, name: str) -> None:
-        self.batch, self.it, self.name = batch, it, name
-
-    def __call__(self, grad: torch.Tensor) -> None:
-        old = self.it.grads.get(self.name)
-        self.it.grads[self.name] = grad.detach() if old is None else old + grad.detach()
-        if old is None:
-            self.batch.grad_order.append((self.it.index, self.name))
