@@ -233,3 +233,20 @@ def test_bundle_of_a_trial_still_without_steps(tmp_path) -> None:
     ]
     with pytest.raises(FileNotFoundError, match="no recorder trials"):
         load_bundle(tmp_path / "g" / "fresh" / "steps")
+
+
+def test_export_survives_hostile_tensor_names(browser, tmp_path) -> None:
+    name = "h</script><!--<b>x</b>"
+    rec = Recorder(tmp_path, group="g", trial="t", every=1)
+    rec.start_batch(0)
+    w = torch.ones(3, requires_grad=True)
+    rec.register_tensor("w", w, role="parameter")
+    h = rec.register_tensor(name, w * 2)
+    rec.register_tensor("loss", h.sum(), role="loss")
+    rec.finish_batch()
+    out = tmp_path / "report.html"
+    assert main([str(tmp_path / "g"), "--export", str(out)]) == 0
+    p = Page(browser, out.as_uri())
+    assert p.node_names() == {"w", name, "loss"}
+    assert p.page.locator("#graph .node b").count() == 0  # shown as text, never as markup
+    p.close()

@@ -38,7 +38,8 @@ def render_page(data: dict | None = None) -> str:
     for name in ("graph.js", "plot.js", "app.js"):
         js = (STATIC / name).read_text(encoding="utf-8").replace("</", "<\\/")
         html = html.replace(f'<script src="static/{name}"></script>', f"<script>\n{js}</script>")
-    blob = json.dumps(data, allow_nan=False, separators=(",", ":")).replace("</", "<\\/")
+    # every "<" as \u003c: no tensor name can close the script element or open a comment
+    blob = json.dumps(data, allow_nan=False, separators=(",", ":")).replace("<", "\\u003c")
     tag = '<script id="nnstat-data" type="application/json"></script>'
     return html.replace(tag, f'<script id="nnstat-data" type="application/json">{blob}</script>')
 
