@@ -76,6 +76,16 @@ def _top_lists(result: Any, k: int) -> list[tuple[Any, int | None, list, list]]:
     return out
 
 
+def _fmt(score: float) -> str:
+    """Compact signed score: ``+2960``, ``+275``, ``+1.23``, ``-0.00451``, ``+1.2e+07``."""
+    a = abs(score)
+    if a >= 1e5:
+        return f"{score:+.2e}"
+    if a >= 100:
+        return f"{score:+.0f}"
+    return f"{score:+#.3g}"
+
+
 def _label(labels: Any, key: Any, position: int | None) -> str:
     if labels is None:
         return ""
@@ -154,11 +164,11 @@ def influence_figure(
         show(grid[r + 1, 0], _image(query_images, qid, qpos, image_shape), caption, "black")
         for c, (tid, tpos, score) in enumerate(helpful):
             lab = _label(train_labels, tid, tpos)
-            text = f"{score:+#.3g}\n#{tid}" + (f" · label {lab}" if lab else "")
+            text = f"{_fmt(score)}\n#{tid}" + (f" · label {lab}" if lab else "")
             show(grid[r + 1, 2 + c], _image(train_images, tid, tpos, image_shape), text, _HELPFUL)
         for c, (tid, tpos, score) in enumerate(harmful):
             lab = _label(train_labels, tid, tpos)
-            text = f"{score:+#.3g}\n#{tid}" + (f" · label {lab}" if lab else "")
+            text = f"{_fmt(score)}\n#{tid}" + (f" · label {lab}" if lab else "")
             show(
                 grid[r + 1, 3 + k + c], _image(train_images, tid, tpos, image_shape), text, _HARMFUL
             )

@@ -128,7 +128,7 @@ def weight_heatmap(
     rows, cols = mat.shape
     aspect = cols / max(rows, 1)
     width = float(np.clip(3.0 + 4.0 * min(aspect, 1.6), 4.0, 9.0))
-    height = float(np.clip(width / max(aspect, 0.35), 2.6, 7.5))
+    height = float(np.clip(width / max(aspect, 0.35), 2.6, 5.0))
     fig = _figure(width, height)
     ax = fig.add_subplot()
     n_out, n_in = (
@@ -261,8 +261,12 @@ def noise_scale_plot(
             raise KeyError(f"no 'noise_scale/b_simple' in history; keys: {list(frame.columns)[:8]}")
         frame = frame[frame["noise_scale/b_simple"].notna()]
         x, y = frame.index.to_numpy(dtype=float), frame["noise_scale/b_simple"].to_numpy()
-        if {"noise_scale/low", "noise_scale/high"} <= set(frame.columns):
-            interval = (frame["noise_scale/low"].to_numpy(), frame["noise_scale/high"].to_numpy())
+        for low, high in (("low", "high"), ("b_simple_low", "b_simple_high")):
+            keys = {f"noise_scale/{low}", f"noise_scale/{high}"}
+            if keys <= set(frame.columns):
+                lo, hi = frame[f"noise_scale/{low}"], frame[f"noise_scale/{high}"]
+                interval = (lo.to_numpy(), hi.to_numpy())
+                break
     else:
         x, y = to_numpy(steps), to_numpy(b_simple)
     if x.shape != y.shape:

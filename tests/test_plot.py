@@ -14,6 +14,7 @@ pytest.importorskip("matplotlib")
 
 import nnstat.plot as nplt  # noqa: E402
 from nnstat._plot_data import matrix_2d, metrics_frame, select_layers  # noqa: E402
+from nnstat._plot_influence import _fmt  # noqa: E402
 
 
 def _png(fig, path: Path) -> tuple[int, int]:
@@ -166,7 +167,7 @@ def test_influence_figure_picks_top_and_bottom_scores(tmp_path):
         row = titles[q * 7 : (q + 1) * 7]
         assert row[0].startswith(f"query {'abc'[q]}")
         for title, j in zip(row[1:4], best, strict=True):
-            assert f"#t{j} · label {j}" in title and f"{scores[q, j].item():+#.3g}" in title
+            assert f"#t{j} · label {j}" in title and _fmt(scores[q, j].item()) in title
         for title, j in zip(row[4:7], worst, strict=True):
             assert f"#t{j}" in title
     w, h = _png(fig, tmp_path / "i.png")
@@ -183,6 +184,12 @@ def test_influence_figure_accepts_mappings_and_rejects_bad_images():
         nplt.influence_figure([np.zeros(10)], np.zeros((3, 10)), scores, k=1)
     with pytest.raises(ValueError, match="k must"):
         nplt.influence_figure([np.eye(8)], images, scores, k=0)
+
+
+def test_score_format_is_compact():
+    assert [_fmt(v) for v in (2960.4, 275.2, 1.2345, -0.0045123, 1.2e7)] == [
+        "+2960", "+275", "+1.23", "-0.00451", "+1.20e+07",
+    ]  # fmt: skip
 
 
 def test_score_distribution(tmp_path):
