@@ -30,11 +30,21 @@ def collect(engine):
     return caps
 
 
-def test_autocast_bf16_within_1e2_and_float32_stats():
+@pytest.mark.parametrize("arch", ["mlp", "cnn"])
+def test_autocast_bf16_within_1e2_and_float32_stats(arch):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
-    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    if arch == "mlp":
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+        x = torch.randn(8, 16)
+    else:
+        model = nn.Sequential(
+            nn.Conv2d(2, 6, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(6 * 5 * 5, 4)
+        )
+        x = torch.randn(8, 2, 5, 5)
+    y = torch.randint(0, 4, (8,))
     ref = ref_grads(model, x, y)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # torch.func under the same autocast
+        ref16 = ref_grads(model, x, y)
     engine = CaptureEngine()
     engine.watch(model)
     dtypes = []
@@ -44,12 +54,25 @@ def test_autocast_bf16_within_1e2_and_float32_stats():
         out = model(x)
         assert out.dtype == torch.bfloat16
         F.cross_entropy(out.float(), y, reduction="sum").backward()
-    assert set(dtypes) == {(torch.float32, torch.float32)}
+    assert set(dtypes) == {(torch.float32, torch.float32)} and len(caps) == 2
+
+    def rel(a, b):
+        return (a - b).flatten(1).norm(dim=1) / b.flatten(1).norm(dim=1)
+
     for name, got in caps.items():
         for p, g in got.items():
-            want = ref[f"{name}.{p}"]
-            rel = (g - want).flatten(1).norm(dim=1) / want.flatten(1).norm(dim=1)
-            assert rel.max() < 1e-2, (name, p, rel.max())
+            want, want16 = ref[f"{name}.{p}"], ref16[f"{name}.{p}"].float()
+            # exact w.r.t. what autocast computed (float32 maths on bf16 output gradients)
+            assert rel(g, want16).max() < 1e-2, (name, p, rel(g, want16).max())
+            # and within 1e-2 of float32 per sample for the MLP. The bf16 conv's error vs float32
+            # is larger, but torch.func under the same autocast deviates as much (bf16's own
+            # error, not the capture's): ours must be no worse
+            if arch == "mlp":
+                assert rel(g, want).max() < 1e-2, (name, p, rel(g, want).max())
+            else:
+                assert rel(g, want).max() <= rel(want16, want).max() * 1.05 + 1e-3
+                batch_err = (g - want).norm() / want.norm()
+                assert batch_err <= (want16 - want).norm() / want.norm() * 1.05 + 1e-3
 
 
 class Checkpointed(nn.Module):
