@@ -259,3 +259,32 @@ def test_inplace_op_on_a_view_output_still_captured(kind):
     for name, got in caps.items():
         for p, g in got.items():
             torch.testing.assert_close(g, ref[f"{name}.{p}"], rtol=1e-4, atol=1e-5)
+
+
+def test_forward_consumers_see_values_also_under_no_grad():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+
+    class Fwd:
+        def __init__(self):
+            self.seen = []
+
+        def on_forward(self, name, module, inp, out):
+            self.seen.append((name, inp.clone(), out.clone()))
+
+    fwd = Fwd()
+    engine = CaptureEngine()
+    engine.watch(model)
+    engine.add_consumer(fwd)
+    with engine.batch(), torch.no_grad():
+        out = model(x)
+    assert [n for n, _, _ in fwd.seen] == ["0", "2"]
+    torch.testing.assert_close(fwd.seen[0][1], x)
+    torch.testing.assert_close(fwd.seen[1][2], out)
+    model(x)  # outside a batch: nothing
+    assert len(fwd.seen) == 2
+    engine.remove_consumer(fwd)
+    with engine.batch():
+        model(x)
+    assert len(fwd.seen) == 2

@@ -74,6 +74,7 @@ class CaptureEngine:
         self._watched: dict[nn.Module, _Watched] = {}
         self._handles: list[Any] = []
         self._consumers: list[Callable[[ModuleCapture], None]] = []
+        self._forward_consumers: list[Callable[[str, nn.Module, Any, Any], None]] = []
         self._ctx: _BatchContext | None = None
         self._pending: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor, _BatchContext]]] = {}
         self._lock = threading.Lock()
@@ -153,15 +154,27 @@ class CaptureEngine:
 
     # ---------------------------------------------------------------- consumers
     def add_consumer(self, consumer: CaptureConsumer | Callable[[ModuleCapture], None]) -> None:
-        """Add an object with ``on_capture(cap)`` (or a plain callable)."""
+        """Add an object with ``on_capture(cap)`` (or a plain callable).
+
+        An object may also define ``on_forward(name, module, input, output)``: it is called by
+        the same forward hook inside :meth:`batch` for every watched module call, also under
+        ``torch.no_grad()`` (values as computed, not detached copies; it fires again when
+        activation checkpointing recomputes a forward).
+        """
         fn = getattr(consumer, "on_capture", consumer)
-        if not callable(fn):
+        on_forward = getattr(consumer, "on_forward", None)
+        if not callable(fn) and not callable(on_forward):
             raise TypeError(f"consumer must have on_capture(cap) or be callable, got {consumer!r}")
-        self._consumers.append(fn)
+        if callable(fn):
+            self._consumers.append(fn)
+        if callable(on_forward):
+            self._forward_consumers.append(on_forward)
 
     def remove_consumer(self, consumer: Any) -> None:
         fn = getattr(consumer, "on_capture", consumer)
+        on_forward = getattr(consumer, "on_forward", None)
         self._consumers = [c for c in self._consumers if c != fn]
+        self._forward_consumers = [c for c in self._forward_consumers if c != on_forward]
 
     # ------------------------------------------------------------------ batches
     @contextmanager
@@ -208,7 +221,11 @@ class CaptureEngine:
         self, w: _Watched, module: nn.Module, inputs: tuple, output: Any
     ) -> torch.Tensor | None:
         ctx = self._ctx
-        if ctx is None or not isinstance(output, torch.Tensor) or not torch.is_grad_enabled():
+        if ctx is None:
+            return None
+        for fn in self._forward_consumers:
+            fn(w.name, module, inputs[0] if inputs else None, output)
+        if not isinstance(output, torch.Tensor) or not torch.is_grad_enabled():
             return None
         if not inputs or not isinstance(inputs[0], torch.Tensor):
             return None
