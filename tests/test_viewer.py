@@ -17,7 +17,13 @@ from urllib.parse import urlparse
 import pytest
 import torch
 
-from nnstat.recorder import Recorder, nonfinite, read_step_meta, read_step_stats
+from nnstat.recorder import (
+    Recorder,
+    nonfinite,
+    read_step_meta,
+    read_step_stats,
+    read_step_values,
+)
 from nnstat.viewer.server import main, render_page, serve_in_thread
 
 # overridable so tests/test_viewer_ci.py can check what happens when the browser is missing
@@ -29,7 +35,9 @@ def record(root: Path, trial: str, scale: float, poison_step: int | None = None)
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({"fc1": torch.nn.Linear(5, 6), "fc2": torch.nn.Linear(6, 3)})
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    rec = Recorder(root, group="g", trial=trial, every=2, rules=[nonfinite()], sample_k=2)
+    rec = Recorder(
+        root, group="g", trial=trial, every=2, rules=[nonfinite()], sample_k=2, raw_max_numel=3
+    )
     rec.track_module(model)
     rec.add_note(f"{trial}: input scale {scale}")
     data = torch.randn(24, 5) * scale
@@ -162,6 +170,16 @@ def test_served_page_graph_click_and_step_change(root, browser) -> None:
         p.page.select_option("#sel-compare", "none")
         p.page.select_option("#sel-scope", "1")  # sample 1 of the batch
         assert float(p.cell("norm", 1)) < values[1]
+        p.page.select_option("#sel-scope", "-1")
+        # raw values of a small tensor (3 elements <= raw_max_numel) under the statistics
+        p.page.click("#graph .node[data-name='fc2.bias']")
+        shown_raw = p.page.eval_on_selector_all(
+            "#raw-values td", "tds => tds.map(t => Number(t.textContent))"
+        )
+        stem = f"train-{metas[1]['step']:09d}"
+        raw = read_step_values(root / "baseline", stem)["-1/forward/fc2.bias"]
+        assert shown_raw == pytest.approx(raw.tolist(), rel=1e-3)
+        p.page.screenshot(path="/tmp/nnstat_viewer_raw.png")
         p.close()
     finally:
         srv.shutdown()

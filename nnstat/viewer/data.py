@@ -13,6 +13,7 @@ from nnstat.recorder.storage import (
     read_notes,
     read_step_meta,
     read_step_stats,
+    read_step_values,
 )
 
 
@@ -52,6 +53,10 @@ def load_bundle(root: str | Path) -> dict[str, Any]:
                 continue  # JSON is written last, so this only happens if files were deleted
             step["key"] = stem
             step["stats"] = [[_clean(v) for v in row] for row in stats.tolist()]
+            step["values"] = {
+                key: {"shape": list(t.shape), "data": [_clean(v) for v in t.reshape(-1).tolist()]}
+                for key, t in read_step_values(tdir, stem).items()
+            }
             for digest in step.get("graphs", {}).values():
                 if digest not in graphs:
                     graphs[digest] = read_json(tdir / "graphs" / f"{digest}.json")

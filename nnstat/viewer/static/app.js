@@ -119,8 +119,22 @@
       `<div class="neighbours">inputs: ${parents.map((p) => `<span>${esc(p)}</span>`).join("") || "–"}` +
       `<br>consumers: ${children.map((c) => `<span>${esc(c)}</span>`).join("") || "–"}</div>` +
       `<p class="hint">${nb.length} neighbour(s); scope ${S.sample < 0 ? "batch" : "sample " + S.sample}</p>` +
-      `<table id="stats-table"><tr>${head.map((h) => `<th>${esc(h)}</th>`).join("")}</tr>${rows}</table>`;
+      `<table id="stats-table"><tr>${head.map((h) => `<th>${esc(h)}</th>`).join("")}</tr>${rows}</table>` +
+      rawValues(st, n);
     renderPlot();
+  }
+
+  // raw values of small tensors (Recorder(raw_max_numel=...)), for the selected stream
+  function rawValues(st, n) {
+    const vals = st.values || {};
+    const v = vals[`${S.iteration}/${S.stream}/${n}`] || vals[`-1/${S.stream}/${n}`];
+    if (!v) return "";
+    const cols = v.shape.length ? v.shape[v.shape.length - 1] : 1;
+    const cells = v.data.map((x) => `<td>${fmt(x)}</td>`);
+    const rows = [];
+    for (let i = 0; i < cells.length; i += cols) rows.push(`<tr>${cells.slice(i, i + cols).join("")}</tr>`);
+    return `<h3>${esc(S.stream)} values, shape [${v.shape.join(", ")}]</h3>` +
+      `<table id="raw-values">${rows.join("")}</table>`;
   }
 
   function renderPlot() {
