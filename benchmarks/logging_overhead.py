@@ -2,7 +2,9 @@
 
 A ~10M-parameter MLP (1024-2048-2048-2048-10), 4096 samples, batch 128, rank 64 on every Linear
 (LoGra: 64x64 per layer, 10x64 on the head). Each method runs the whole pass (including the
-final flush to disk) ``--repeats`` times, interleaved; the best time is reported. LogIX uses
+final flush to disk) ``--repeats`` rounds, interleaved; each method's time is divided by the
+plain pass of the same round (the machine is shared, load drifts) and the median ratio is
+reported. LogIX uses
 ``add_lora()`` + ``setup({"grad": ["log"]})`` + ``save(True)`` as in its README.
 
     .venv/bin/python benchmarks/logging_overhead.py [--samples 4096] [--repeats 3] [--no-logix]
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -118,36 +121,38 @@ def main() -> None:
             methods["LogIX add_lora + save"] = logix_pass
         except Exception as e:  # reported in the output, not hidden
             logix_error = f"{type(e).__name__}: {e}"
-    best: dict[str, float] = {}
+    times: dict[str, list[float]] = {name: [] for name in methods}
     nbytes: dict[str, int] = {}
     plain(make_model(), data[:2], None)  # warm-up
     for _ in range(args.repeats):
-        for name, fn in methods.items():
+        for name, fn in list(methods.items()):
             model = make_model()
             workdir = tempfile.mkdtemp(prefix="nnstat_bench_")
             try:
                 t0 = time.perf_counter()
                 nbytes[name] = fn(model, data, workdir)
-                dt = time.perf_counter() - t0
+                times[name].append(time.perf_counter() - t0)
             except Exception as e:
                 if not name.startswith("LogIX"):
                     raise
                 logix_error = f"{type(e).__name__}: {e}"
-                methods = {k: v for k, v in methods.items() if k != name}
-                break
+                del methods[name], times[name]
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
-            best[name] = min(best.get(name, float("inf")), dt)
-    base = best["plain fwd+bwd"]
+    # the machine is shared: each method is compared with the plain pass of the same round
+    # (adjacent in time), and the median over rounds is reported
+    base = times["plain fwd+bwd"]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"{args.samples} samples, batch {args.batch}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, best of {args.repeats}\n"
+        f"{torch.get_num_threads()} threads, {args.repeats} rounds, load average {load:.1f}\n"
     )
-    print("| method | seconds | ratio to plain | bytes/sample |")
+    print("| method | median seconds | median ratio to plain (same round) | bytes/sample |")
     print("| --- | ---: | ---: | ---: |")
-    for name, t in best.items():
+    for name, ts in times.items():
+        ratio = statistics.median(t / b for t, b in zip(ts, base, strict=True))
         per = nbytes.get(name, 0) / args.samples
-        print(f"| {name} | {t:.2f} | {t / base:.2f}x | {per:,.0f} |")
+        print(f"| {name} | {statistics.median(ts):.2f} | {ratio:.2f}x | {per:,.0f} |")
     if logix_error:
         print(f"\nLogIX could not run: {logix_error}")
 

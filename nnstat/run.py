@@ -71,6 +71,7 @@ class Run:
         self._stats_state: dict[str, torch.Tensor] = {}
         self._pass = 0
         self._batch: dict[str, torch.Tensor] | None = None
+        self._batch_flags = (False, False)
         self._next_auto_id = 0
         self._eval_ids: list[Any] = []
         self._eval_rows: list[torch.Tensor] = []
@@ -147,7 +148,7 @@ class Run:
             raise RuntimeError("call watch(model) before run(...)")
         self._check_writer()
         self._build_projections()
-        ids = None if data_id is None else fmt.normalize_ids(data_id, len(data_id))
+        ids = None if data_id is None else fmt.normalize_ids(data_id)
         logging = self._saving()
         if self.mode == "log":
             extra = [s for s, on in self._pass_spec().save.items() if on and s != "grad"]
@@ -163,6 +164,11 @@ class Run:
         if self.mode == "log" and self._collector is None and self._stats_on():
             self._collector = parts.make_collector(self.config)
         self._batch = {}
+        # decided once per batch: the hooks below run per module
+        self._batch_flags = (
+            self.mode == "eval" or logging,
+            self.mode == "log" and self._stats_on(),
+        )
         restore = parts.freeze_params(self.engine) if self._skip_param_grads() else None
         try:
             with self.engine.batch(
@@ -180,9 +186,10 @@ class Run:
     def _on_capture(self, cap: Any) -> None:
         if self._batch is None:
             return  # someone else's engine.batch(): not ours to record
-        if self.mode == "log" and self._collector is not None and self._stats_on():
+        project, stats = self._batch_flags
+        if stats and self._collector is not None:
             self._collector.on_capture(cap)
-        if self.mode == "eval" or self._saving():
+        if project:
             assert self._projections is not None
             rows = project_capture(cap, self._projections[cap.name]).float()
             prev = self._batch.get(cap.name)
@@ -273,9 +280,11 @@ class Run:
                 self._stats_state = parts.save_statistics(collector, self.path, self.rank)
                 if collector.done:
                     self._collector = None
-        if logger is None and collector is None:
-            warnings.warn("finalize(): nothing was logged in this pass", stacklevel=2)
         self._next_auto_id = 0
+        if logger is None and collector is None:
+            # an empty pass is not a pass: the next loop is still this one
+            warnings.warn("finalize(): nothing was logged in this pass", stacklevel=2)
+            return
         # the next loop is the next pass (EK-FAC: factors, then eigenvalues); after the last,
         # a new round starts
         self._pass = (self._pass + 1) % len(self.config.passes())

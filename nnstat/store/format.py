@@ -75,8 +75,8 @@ def content_id(row: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def normalize_ids(data_id: Any, n: int) -> list[DataId]:
-    """Turn a user's ``data_id`` into ``n`` ids (ints or strings, types preserved).
+def normalize_ids(data_id: Any, n: int | None = None) -> list[DataId]:
+    """Turn a user's ``data_id`` into ids (ints or strings, types preserved); ``n`` checks the count.
 
     A tensor is read as a batch: each row gets :func:`content_id`. Integers (python or numpy)
     become ``int``; strings stay strings; anything else is an error.
@@ -90,6 +90,8 @@ def normalize_ids(data_id: Any, n: int) -> list[DataId]:
             raise ValueError("data_id tensor must have a batch dimension, got a scalar")
         ids: list[DataId] = [content_id(row) for row in data_id]
     elif isinstance(data_id, np.ndarray):
+        if data_id.ndim == 0:
+            raise ValueError("data_id array must have a batch dimension, got a scalar")
         if data_id.dtype.kind in "iu" and data_id.ndim == 1:
             ids = [int(x) for x in data_id]
         else:
@@ -107,7 +109,7 @@ def normalize_ids(data_id: Any, n: int) -> list[DataId]:
             "data_id must be a list of ints/strings, a batch tensor, or None; "
             f"got {type(data_id).__name__}"
         )
-    if len(ids) != n:
+    if n is not None and len(ids) != n:
         raise ValueError(f"data_id has {len(ids)} entries but the batch has {n} samples")
     return ids
 
