@@ -268,3 +268,13 @@ def test_preconditioner_apply_matches_explicit_inverse():
     fisher = rows.T @ rows / 40
     expected = x @ torch.linalg.inv(fisher + 0.3 * torch.eye(6, dtype=torch.float64))
     torch.testing.assert_close(pre.apply(x.float(), 0.3).double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_nonfinite_training_rows_are_named():
+    layout = [ModuleSpec("fc", 0, 2, 2)]
+    train = TensorSource(torch.randn(6, 4), ids=list("abcdef"), layout=layout)
+    train.rows[3, 1] = float("inf")
+    train.finite = False  # as a store written with nonfinite="keep" reports
+    query = TensorSource(torch.randn(2, 4), layout=layout)
+    with pytest.raises(ValueError, match=r"\['d'\]"):
+        compute_influence_all(query, train, preconditioner="identity", progress=False)

@@ -76,6 +76,16 @@ def _my_units(source: RowSource, batch_size: int) -> Iterator[tuple[tuple, list,
             yield (0, b_idx), ids, rows
 
 
+def auto_batch_size(row_width: int, budget_bytes: int = 64 << 20) -> int:
+    """Rows per block so that one float32 block stays near ``budget_bytes`` (256 to 65536 rows).
+
+    Example:
+        >>> auto_batch_size(1024)
+        16384
+    """
+    return int(min(65536, max(256, budget_bytes // (4 * max(row_width, 1)))))
+
+
 def _check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid: {list(MODES)}")
@@ -115,19 +125,28 @@ def _score_block(
     q_pre: torch.Tensor,
     q_norm: torch.Tensor | None,
     rows: torch.Tensor,
+    ids: list,
     pre: Preconditioner,
     damping: float | None,
     mode: str,
+    out: torch.Tensor | None = None,
+    check_finite: bool = True,
 ) -> torch.Tensor:
+    """Scores ``[b, n_test]`` (train-major, so a block is a contiguous slice of the output)."""
     rows = rows.to(torch.float32)
-    scores = q_pre @ rows.T
+    scores = torch.matmul(rows, q_pre.T, out=out)
+    if check_finite and not torch.isfinite(scores).all():
+        bad = (~torch.isfinite(scores)).any(1).nonzero().flatten()[:5].tolist()
+        raise ValueError(f"training rows {[ids[i] for i in bad]} contain NaN/Inf values")
     if mode == "dot":
         return scores
     t_norm = (pre.apply(rows, damping) * rows).sum(1)  # g_iᵀ M g_i
     if mode == "cosine":
-        denom = q_norm.clamp_min(0).sqrt()[:, None] * t_norm.clamp_min(0).sqrt()[None, :]
-        return scores / denom.clamp_min(torch.finfo(torch.float32).tiny)
-    return 2 * scores - q_norm[:, None] - t_norm[None, :]
+        denom = t_norm.clamp_min(0).sqrt()[:, None] * q_norm.clamp_min(0).sqrt()[None, :]
+        scores /= denom.clamp_min(torch.finfo(torch.float32).tiny)
+    else:
+        scores.mul_(2).sub_(t_norm[:, None]).sub_(q_norm[None, :])
+    return scores
 
 
 def compute_influence_all(
@@ -138,7 +157,7 @@ def compute_influence_all(
     preconditioner: str | None = None,
     damping: float | None = None,
     top_k: int | None = None,
-    batch_size: int = 4096,
+    batch_size: int | None = None,
     progress: bool | None = None,
 ) -> InfluenceResult | TopKInfluence:
     """Influence of every training example on every query.
@@ -159,7 +178,9 @@ def compute_influence_all(
     _check_mode(mode)
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
-    q, t, pre = _prepare(query, train, preconditioner, batch_size)
+    q, t = as_source(query), as_source(train)
+    batch_size = batch_size or auto_batch_size(max(m.stop for m in t.layout))
+    q, t, pre = _prepare(q, t, preconditioner, batch_size)
     test_ids, q_rows = _all_rows(q, batch_size)
     q_pre = pre.apply(q_rows, damping)
     q_norm = (q_pre * q_rows).sum(1) if mode != "dot" else None
@@ -176,68 +197,76 @@ def compute_influence_all(
         unit="row",
         disable=True if rank != 0 else (None if progress is None else not progress),
     )
-    units: list[tuple[tuple, list, torch.Tensor]] = []
     top: _TopK | None = _TopK(top_k, len(test_ids)) if top_k else None
+    _, world = _dist()
+    # single process: one preallocated [n_train, n_test] buffer, each block written in place
+    buffer = torch.empty(len(t), len(test_ids)) if top is None and world == 1 else None
+    units: list[tuple[tuple, list, torch.Tensor]] = []
+    filled = 0
     with bar:
         for unit, ids, rows in _my_units(t, batch_size):
-            scores = _score_block(q_pre, q_norm, rows, pre, damping, mode)
+            out = buffer[filled : filled + len(ids)] if buffer is not None else None
+            scores = _score_block(q_pre, q_norm, rows, ids, pre, damping, mode, out, not t.finite)
             if top is not None:
                 top.update(scores, ids)
-            else:
+            elif buffer is None:
                 units.append((unit, ids, scores))
+            else:
+                units.append((unit, ids, None))
+            filled += len(ids)
             bar.update(len(ids))
     if top is not None:
         return top.finish(test_ids, meta)
+    if buffer is not None:
+        if filled != len(t):
+            raise RuntimeError(f"the training log yielded {filled} rows, expected {len(t)}")
+        train_ids = [i for _, ids, _ in units for i in ids]
+        return InfluenceResult(buffer.T, test_ids, train_ids, meta)
     pieces = sorted((u for part in _gather(units) for u in part), key=lambda u: u[0])
     train_ids = [i for _, ids, _ in pieces for i in ids]
     if not pieces:
         raise ValueError("the training log is empty")
-    scores = torch.cat([s for _, _, s in pieces], dim=1)
+    scores = torch.cat([s for _, _, s in pieces], dim=0).T
     return InfluenceResult(scores, test_ids, train_ids, meta)
 
 
 class _TopK:
-    """Running top-k (largest and smallest) per query; holds ``n_test × 2k`` scores only."""
+    """Running top-k (largest and smallest) per query; holds ``n_test × 2k`` scores plus the
+    processed ids, never the score matrix."""
 
     def __init__(self, k: int, n_test: int) -> None:
         self.k = k
+        self.ids: list = []
         self.hi_v = torch.empty(n_test, 0)
         self.lo_v = torch.empty(n_test, 0)
-        self.hi_ids: list[list] = [[] for _ in range(n_test)]
-        self.lo_ids: list[list] = [[] for _ in range(n_test)]
+        self.hi_i = torch.empty(n_test, 0, dtype=torch.long)
+        self.lo_i = torch.empty(n_test, 0, dtype=torch.long)
 
-    @staticmethod
-    def _merge(vals, ids, scores, block_ids, k, largest):
-        cand_v = torch.cat([vals, scores], dim=1)
-        kk = min(k, cand_v.shape[1])
-        v, idx = torch.topk(cand_v, kk, dim=1, largest=largest)
-        n_old = vals.shape[1]
-        new_ids = [
-            [ids[r][j] if j < n_old else block_ids[j - n_old] for j in row]
-            for r, row in enumerate(idx.tolist())
-        ]
-        return v, new_ids
+    def _merge(self, vals, pos, scores, offset, largest):
+        kk = min(self.k, scores.shape[1])
+        bv, bi = torch.topk(scores, kk, dim=1, largest=largest)
+        cand_v, cand_i = torch.cat([vals, bv], 1), torch.cat([pos, bi + offset], 1)
+        v, j = torch.topk(cand_v, min(self.k, cand_v.shape[1]), dim=1, largest=largest)
+        return v, cand_i.gather(1, j)
 
-    def update(self, scores: torch.Tensor, block_ids: list) -> None:
-        self.hi_v, self.hi_ids = self._merge(
-            self.hi_v, self.hi_ids, scores, block_ids, self.k, True
-        )
-        self.lo_v, self.lo_ids = self._merge(
-            self.lo_v, self.lo_ids, scores, block_ids, self.k, False
-        )
+    def update(self, scores_t: torch.Tensor, block_ids: list) -> None:
+        scores = scores_t.T.contiguous()  # [n_test, b]: topk along a contiguous dim is ~6x faster
+        offset = len(self.ids)
+        self.ids.extend(block_ids)
+        self.hi_v, self.hi_i = self._merge(self.hi_v, self.hi_i, scores, offset, True)
+        self.lo_v, self.lo_i = self._merge(self.lo_v, self.lo_i, scores, offset, False)
+
+    def _named(self, pos: torch.Tensor) -> list[list]:
+        return [[self.ids[j] for j in row] for row in pos.tolist()]
 
     def finish(self, test_ids: list, meta: dict) -> TopKInfluence:
-        parts = _gather((self.hi_v, self.hi_ids, self.lo_v, self.lo_ids))
-        n = len(test_ids)
-        hi_v, hi_ids = torch.empty(n, 0), [[] for _ in range(n)]
-        lo_v, lo_ids = torch.empty(n, 0), [[] for _ in range(n)]
-        for p_hi_v, p_hi_ids, p_lo_v, p_lo_ids in parts:
-            for r in range(n):
-                hi_ids[r] = hi_ids[r] + p_hi_ids[r]
-                lo_ids[r] = lo_ids[r] + p_lo_ids[r]
-            hi_v, lo_v = torch.cat([hi_v, p_hi_v], 1), torch.cat([lo_v, p_lo_v], 1)
+        parts = _gather((self.hi_v, self._named(self.hi_i), self.lo_v, self._named(self.lo_i)))
+        hi_v = torch.cat([p[0] for p in parts], 1)
+        lo_v = torch.cat([p[2] for p in parts], 1)
         if hi_v.shape[1] == 0:
             raise ValueError("the training log is empty")
+        hi_ids = [sum((p[1][r] for p in parts), []) for r in range(len(test_ids))]
+        lo_ids = [sum((p[3][r] for p in parts), []) for r in range(len(test_ids))]
         kk = min(self.k, hi_v.shape[1])
         hv, hi = torch.topk(hi_v, kk, dim=1, largest=True)
         lv, li = torch.topk(lo_v, kk, dim=1, largest=False)
@@ -266,7 +295,7 @@ def compute_self_influence(
     *,
     preconditioner: str | None = None,
     damping: float | None = None,
-    batch_size: int = 4096,
+    batch_size: int | None = None,
     progress: bool | None = None,
 ) -> SelfInfluenceResult:
     """Self-influence ``g_iᵀ (H + λI)⁻¹ g_i`` of every row of ``data``.
@@ -285,6 +314,7 @@ def compute_self_influence(
     """
     d = as_source(data)
     t = d if train is None else as_source(train)
+    batch_size = batch_size or auto_batch_size(max(m.stop for m in t.layout))
     if t is not d and (d.meta or t.meta):
         check_compatible(d.meta, t.meta)
     kind = preconditioner or _self_default(d, t, train is None)

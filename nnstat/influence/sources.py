@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import uuid
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -33,6 +34,7 @@ class RowSource(Protocol):
     meta: dict
     layout: list[ModuleSpec]
     fingerprint: str
+    finite: bool  # rows are known to hold no NaN/Inf (no per-block check needed)
 
     def __len__(self) -> int: ...
 
@@ -96,6 +98,7 @@ class TensorSource:
         self._statistics = dict(statistics or {})
         self._projections = dict(projections or {})
         self._shard_rows = shard_rows or max(len(rows), 1)
+        self.finite = True  # checked above
         # a fresh key per instance: in-memory rows can change, so fits are never shared across them
         self.fingerprint = f"tensor:{uuid.uuid4().hex}"
 
@@ -141,6 +144,8 @@ class StoreSource:
         width = int(getattr(store, "row_width", row_width(self.layout)))
         validate_layout(self.layout, width)
         self.root = Path(_store_root(store))
+        # the writer refused ("error") or dropped ("skip") non-finite rows; "keep" stored them
+        self.finite = self.meta.get("nonfinite", "error") in ("error", "skip")
         self._statistics: dict[str, torch.Tensor] | None = None
         self._projections: dict[str, torch.Tensor] | None = None
         stamp = ";".join(
@@ -160,15 +165,37 @@ class StoreSource:
     def iter_shards(self) -> list[Any]:
         shards = getattr(self.store, "shards", None)
         if shards is not None and hasattr(self.store, "iter_shard_blocks"):
-            return list(shards)
+            return list(range(len(shards)))
         return [None]
 
     def iter_shard_blocks(self, shard: Any, batch_size: int) -> Iterator[tuple[list, torch.Tensor]]:
         if shard is None:
             yield from self.iter_blocks(batch_size)
             return
+        mapped = self._mapped_float32(shard)
+        if mapped is not None:
+            ids = self.store.ids
+            start = self.store._starts[shard] if hasattr(self.store, "_starts") else None
+            if start is not None:
+                for lo in range(0, len(mapped), batch_size):
+                    hi = min(lo + batch_size, len(mapped))
+                    yield ids[start + lo : start + hi], mapped[lo:hi]
+                return
         for ids, rows in self.store.iter_shard_blocks(shard, batch_size):
             yield list(ids), torch.as_tensor(rows, dtype=torch.float32)
+
+    def _mapped_float32(self, shard: Any) -> torch.Tensor | None:
+        """A float32 shard as a read-only tensor over its memory map: scoring only reads it, so
+        the copy the generic reader makes (to hand out writable rows) is skipped."""
+        if getattr(self.store, "dtype", None) != "float32" or not isinstance(shard, int):
+            return None
+        getter = getattr(self.store, "shard_array", None)
+        if getter is None:
+            return None
+        array = getter(shard)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "non-writable array": never written
+            return torch.from_numpy(array)
 
     def statistics(self) -> dict[str, torch.Tensor]:
         if self._statistics is None:
