@@ -117,7 +117,12 @@ class TrialWriter:
 
 
 def iter_trials(root: Path) -> Iterator[Path]:
-    """Trial folders under ``root`` (the root itself, a group folder, or a recorder root)."""
+    """Trial folders under ``root`` (the root itself, a group folder, or a recorder root).
+
+    Example:
+        >>> [t.name for t in iter_trials(Path("runs/recorder"))]  # doctest: +SKIP
+        ['baseline', 'scaled']
+    """
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"recorder folder {root} does not exist")
@@ -136,18 +141,31 @@ def read_json(path: Path) -> Any:
 
 
 def read_step_meta(trial: Path) -> list[dict[str, Any]]:
-    """JSON records of every complete step of a trial, ordered by (type, step)."""
+    """JSON records of every complete step of a trial, ordered by (type, step).
+
+    Example:
+        >>> [m["step"] for m in read_step_meta(Path("runs/recorder/g/baseline"))]  # doctest: +SKIP
+        [0, 100, 200]
+    """
     out = [read_json(p) for p in sorted((Path(trial) / "steps").glob("*.json"))]
     return sorted(out, key=lambda m: (m["type_of_execution"], m["step"]))
 
 
 def read_step_stats(trial: Path, stem: str) -> np.ndarray:
-    """The ``[rows, n_stats]`` statistics array of one step (``allow_pickle=False``)."""
+    """The ``[rows, n_stats]`` statistics array of one step (``allow_pickle=False``).
+
+    Example:
+        >>> read_step_stats(Path("runs/recorder/g/baseline"), "train-000000100")  # doctest: +SKIP
+    """
     return np.load(Path(trial) / "steps" / f"{stem}.npy", allow_pickle=False)
 
 
 def read_step_values(trial: Path, stem: str) -> dict[str, torch.Tensor]:
-    """Raw values of small tensors of one step, ``"{iteration}/{stream}/{name}"`` keys."""
+    """Raw values of small tensors of one step, ``"{iteration}/{stream}/{name}"`` keys.
+
+    Example:
+        >>> read_step_values(Path("runs/recorder/g/t"), "train-000000000")["0/forward/loss"]  # doctest: +SKIP
+    """
     path = Path(trial) / "steps" / f"{stem}.values.safetensors"
     if not path.exists():
         return {}
@@ -164,7 +182,11 @@ def read_notes(trial: Path) -> list[dict[str, Any]]:
 
 
 def read_kpis(trial: Path) -> list[dict[str, Any]]:
-    """Every step's KPIs (recorded or not); a partly written last line is ignored."""
+    """Every step's KPIs (recorded or not); a partly written last line is ignored.
+
+    Example:
+        >>> [r["kpis"]["loss"] for r in read_kpis(Path("runs/recorder/g/t"))][:2]  # doctest: +SKIP
+    """
     path = Path(trial) / "kpis.jsonl"
     if not path.exists():
         return []
