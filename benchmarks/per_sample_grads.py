@@ -85,6 +85,19 @@ def bench(name: str, make: Callable[[], nn.Module], x: torch.Tensor, y: torch.Te
             F.cross_entropy(model(x), y, reduction="sum").backward()
         sink.clear()
 
+    def nnstat_frozen():
+        # a dedicated logging pass (the store's param_grads=False): no weight-gradient products
+        flags = [(p, p.requires_grad) for p in model.parameters()]
+        for p, _ in flags:
+            p.requires_grad_(False)
+        try:
+            with engine.batch(outputs_require_grad=True):
+                F.cross_entropy(model(x), y, reduction="sum").backward()
+        finally:
+            for p, f in flags:
+                p.requires_grad_(f)
+        sink.clear()
+
     def nnstat_sq_norms():
         what["fn"] = lambda cap: cap.per_sample_sq_norm()
         try:
@@ -106,6 +119,7 @@ def bench(name: str, make: Callable[[], nn.Module], x: torch.Tensor, y: torch.Te
     methods = {
         "plain fwd+bwd": plain,
         "nnstat CaptureEngine": nnstat_psg,
+        "nnstat, parameters frozen (param_grads=False)": nnstat_frozen,
         "nnstat, squared norms only (no G_i)": nnstat_sq_norms,
         "torch.func vmap": func_vmap,
     }
