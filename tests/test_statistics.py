@@ -318,3 +318,12 @@ def test_oversized_dense_factors_are_refused_with_the_module_named(monkeypatch):
             with engine.batch():
                 model(torch.tensor([[1, 2]])).sum().backward()
         engine.remove_consumer(col)
+
+
+def test_finalize_without_any_capture_is_an_error_not_an_empty_result():
+    col = StatisticsCollector("kfac")
+    with pytest.raises(RuntimeError, match="nothing was captured in pass 'statistics'"):
+        col.finalize()
+    none = StatisticsCollector("none")
+    none.finalize()  # a logging-only pass has nothing to compute
+    assert none.done and none.state_dict() == {}

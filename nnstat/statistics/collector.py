@@ -115,6 +115,11 @@ class StatisticsCollector:
         if spec is None:
             raise RuntimeError("finalize() called after the last pass")
         keys = sorted(self._sums)
+        if not keys and any(spec.statistic.values()):
+            raise RuntimeError(
+                f"finalize(): nothing was captured in pass {spec.name!r}; add the collector to the "
+                "engine (engine.add_consumer(collector)) and run backward inside engine.batch()"
+            )
         if dist.is_available() and dist.is_initialized():
             _all_reduce(keys, self._sums, self._counts)
         for k in keys:
