@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -38,6 +36,7 @@ __all__ = [
     "histograms",
     "validate_stats",
     "Description",
+    "Workspace",
 ]
 
 #: Every statistic `summarize` knows, in display order.
@@ -91,24 +90,101 @@ def _work_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _moments(x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Two-pass moments of a flat floating tensor (all elements finite)."""
+class Workspace:
+    """Reusable scratch buffers for the moment pass (fresh large allocations cost page faults).
+
+    A long-lived caller (the Tracker) keeps one; `summarize` makes a temporary one otherwise.
+
+    Example:
+        >>> ws = Workspace()
+        >>> a, b = ws.get(10, torch.float32, torch.device("cpu"))
+        >>> a.shape, b.shape
+        (torch.Size([10]), torch.Size([10]))
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(
+        self, n: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two flat buffers of `n` elements (contents undefined)."""
+        key = (dtype, device)
+        buf = self._bufs.get(key)
+        if buf is None or buf.shape[1] < n:
+            buf = torch.empty((2, n), dtype=dtype, device=device)
+            self._bufs[key] = buf
+        return buf[0, :n], buf[1, :n]
+
+
+#: Elements per block of the CPU moment pass: a block and its two scratch copies stay in the L2
+#: cache, so the ~8 reductions per block read cache, not memory (about 2.5x faster than
+#: full-tensor passes on CPU). Accelerators use one block (kernel launches dominate there).
+CHUNK = 1 << 16
+
+_MOMENT_KEYS = ("mean", "m2", "m3", "m4", "min", "max", "zeros", "l1", "l2")
+
+
+def _moments(x: torch.Tensor, ws: Workspace | None = None) -> dict[str, torch.Tensor]:
+    """Central moments (m_k = mean of (x - mean)^k), min/max, zero count, l1, l2 of a flat tensor.
+
+    Blocks are centred on their own mean and combined exactly in float64 with the binomial
+    shift ``sum (x - mu)^k = sum_j C(k, j) (c - mu)^(k - j) sum (x - c)^j``.
+    """
     n = x.numel()
     if n == 0:
-        nan = torch.full((), math.nan, dtype=x.dtype, device=x.device)
-        return dict.fromkeys(("mean", "m2", "m3", "m4", "min", "max", "zeros"), nan)
-    mean = x.sum() / n
-    d = x - mean
-    d2 = d * d
-    m2 = d2.sum() / n
-    m3 = (d2 * d).sum() / n
-    m4 = (d2 * d2).sum() / n
-    lo, hi = torch.aminmax(x)
-    zeros = (x == 0).sum().to(x.dtype)
+        nan = torch.full((), math.nan, dtype=torch.float64, device=x.device)
+        return dict.fromkeys(_MOMENT_KEYS, nan)
+    chunk = CHUNK if x.device.type == "cpu" else n
+    d_buf, d2_buf = (ws or Workspace()).get(min(chunk, n), x.dtype, x.device)
+    rows = []
+    for start in range(0, n, chunk):
+        xc = x[start : start + chunk]
+        m = xc.numel()
+        d, d2 = d_buf[:m], d2_buf[:m]
+        s = xc.sum()
+        torch.sub(xc, s / m, out=d)
+        torch.mul(d, d, out=d2)
+        lo, hi = torch.aminmax(xc)
+        rows.append(
+            torch.stack(
+                [
+                    s,
+                    d2.sum(),
+                    torch.dot(d2, d),
+                    torch.dot(d2, d2),
+                    lo,
+                    hi,
+                    torch.count_nonzero(xc).to(x.dtype),
+                    torch.linalg.vector_norm(xc, 1),
+                ]
+            )
+        )
+    r = torch.stack(rows).to(torch.float64)  # [blocks, 8]
+    sums, s2, s3, s4 = r[:, 0], r[:, 1], r[:, 2], r[:, 3]
+    counts = torch.full_like(sums, float(chunk))
+    counts[-1] = n - chunk * (len(rows) - 1)
+    centres = sums / counts
+    mean = sums.sum() / n
+    delta = centres - mean
+    m2 = (s2 + counts * delta**2).sum() / n
+    m3 = (s3 + 3 * delta * s2 + counts * delta**3).sum() / n
+    m4 = (s4 + 4 * delta * s3 + 6 * delta**2 * s2 + counts * delta**4).sum() / n
+    l2 = (s2 + counts * centres**2).sum().sqrt()
     # like scipy: a (numerically) constant tensor has undefined skew/kurtosis
     eps = torch.finfo(x.dtype).eps
     m2 = torch.where(m2 <= (eps * mean) ** 2, torch.zeros_like(m2), m2)
-    return {"mean": mean, "m2": m2, "m3": m3, "m4": m4, "min": lo, "max": hi, "zeros": zeros}
+    return {
+        "mean": mean,
+        "m2": m2,
+        "m3": m3,
+        "m4": m4,
+        "min": r[:, 4].min(),
+        "max": r[:, 5].max(),
+        "zeros": n - r[:, 6].sum(),
+        "l1": r[:, 7].sum(),
+        "l2": l2,
+    }
 
 
 def _exact_row(t: torch.Tensor, stats: tuple[str, ...]) -> torch.Tensor:
@@ -145,7 +221,9 @@ def _exact_row(t: torch.Tensor, stats: tuple[str, ...]) -> torch.Tensor:
 
 
 def summarize(
-    tensors: Sequence[torch.Tensor], stats: Sequence[str] | str | None = DEFAULT_STATS
+    tensors: Sequence[torch.Tensor],
+    stats: Sequence[str] | str | None = DEFAULT_STATS,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """Statistics of each tensor: a float64 CPU tensor of shape ``[len(tensors), len(stats)]``.
 
@@ -165,6 +243,11 @@ def summarize(
             raise TypeError(f"summarize expects tensors, item {i} is {type(t).__name__}")
     if not tensors:
         return torch.zeros((0, len(stats)), dtype=torch.float64)
+    from nnstat.distributed import any_dtensor, summarize_sharded
+
+    if any_dtensor(tensors):
+        # sharded parameters (FSDP fully_shard): local shards reduced across ranks, no gather
+        return summarize_sharded(tensors, stats)
     flat = [t.detach().reshape(-1) for t in tensors]
     flat = [t if t.is_floating_point() else t.to(torch.float32) for t in flat]
     numels = [t.numel() for t in flat]
@@ -176,25 +259,12 @@ def summarize(
 
     need = set(stats)
     n_vec = torch.tensor(numels, dtype=torch.float64, device=dev)
-    # l2 doubles as the finiteness probe: NaN/Inf anywhere (or float32 overflow) makes it non-finite
-    l2 = column(torch._foreach_norm(flat, 2))
-    cols: dict[str, torch.Tensor] = {
-        "numel": n_vec,
-        "l2": l2,
-        "rms": l2 / n_vec.sqrt(),
-        "nonfinite": torch.zeros_like(l2),
-    }
-    if need & {"l1", "abs_mean"}:
-        cols["l1"] = column(torch._foreach_norm(flat, 1))
-        cols["abs_mean"] = cols["l1"] / n_vec
-    if "abs_max" in need:
-        # the inf-norm of an empty tensor is an error; empty tensors are recomputed below anyway
-        cols["abs_max"] = column(
-            torch._foreach_norm([x if x.numel() else x.new_zeros(1) for x in flat], math.inf)
-        )
+    cols: dict[str, torch.Tensor] = {"numel": n_vec}
     if need - _NORM_STATS:
-        mo = [_moments(x.to(_work_dtype(x))) for x in flat]
-        m = {k: column([row[k] for row in mo]) for k in mo[0]}
+        # one blocked pass gives every statistic (l2, l1, abs_max included)
+        ws = workspace or Workspace()
+        mo = [_moments(x.to(_work_dtype(x)), ws) for x in flat]
+        m = {k: column([row[k] for row in mo]) for k in _MOMENT_KEYS}
         m2 = m["m2"]
         cols.update(
             mean=m["mean"],
@@ -204,8 +274,26 @@ def summarize(
             kurtosis=m["m4"] / (m2 * m2) - 3.0,
             min=m["min"],
             max=m["max"],
+            abs_max=torch.maximum(m["max"], -m["min"]),
             sparsity=m["zeros"] / n_vec,
+            l1=m["l1"],
+            l2=m["l2"],
         )
+    else:
+        cols["l2"] = column(torch._foreach_norm(flat, 2))
+        if need & {"l1", "abs_mean"}:
+            cols["l1"] = column(torch._foreach_norm(flat, 1))
+        if "abs_max" in need:
+            # aminmax is several times faster than the inf-norm on CPU; empty tensors are
+            # recomputed below anyway
+            mm = [torch.aminmax(x) if x.numel() else (x.new_zeros(()),) * 2 for x in flat]
+            cols["abs_max"] = torch.maximum(column([b for _, b in mm]), -column([a for a, _ in mm]))
+    # l2 doubles as the finiteness probe: NaN/Inf anywhere (or float32 overflow) makes it non-finite
+    l2 = cols["l2"]
+    cols["rms"] = l2 / n_vec.sqrt()
+    cols["nonfinite"] = torch.zeros_like(l2)
+    if "l1" in cols:
+        cols["abs_mean"] = cols["l1"] / n_vec
     # the single host transfer of the common case
     table = torch.stack([cols[s] for s in stats] + [l2], dim=1).cpu()
     probe = table[:, -1]
@@ -216,75 +304,6 @@ def summarize(
         fixed = torch.stack([_exact_row(tensors[i], stats) for i in bad]).cpu()
         table[bad] = fixed
     return table
-
-
-@dataclass(frozen=True)
-class Histogram:
-    """A histogram computed on device: ``counts[i]`` elements fall in ``[edges[i], edges[i+1])``.
-
-    ``num``/``sum``/``sum_squares``/``min``/``max`` describe the finite elements (what
-    TensorBoard's histogram protocol expects). Sinks turn it into their native format.
-
-    Example:
-        >>> h = histograms([torch.tensor([0.0, 1.0, 1.0])], bins=2)[0]
-        >>> h.counts.tolist(), h.num
-        ([1.0, 2.0], 3.0)
-    """
-
-    counts: np.ndarray
-    edges: np.ndarray
-    min: float
-    max: float
-    num: float
-    sum: float
-    sum_squares: float
-
-
-def histograms(tensors: Sequence[torch.Tensor], bins: int = 64) -> list[Histogram]:
-    """Histograms of the finite elements of each tensor (``torch.histc`` on device).
-
-    Two host transfers for the whole list (ranges, then counts), not one per tensor.
-
-    Example:
-        >>> [h.counts.sum() for h in histograms([torch.arange(10.0)], bins=5)]
-        [np.float64(10.0)]
-    """
-    if bins < 1:
-        raise ValueError(f"bins must be >= 1, got {bins}")
-    tensors = list(tensors)
-    if not tensors:
-        return []
-    table = summarize(tensors, ("min", "max", "numel", "nonfinite", "mean", "l2"))
-    counts = []
-    ranges = []
-    for t, (lo, hi, *_rest) in zip(tensors, table.tolist(), strict=True):
-        if not (math.isfinite(lo) and math.isfinite(hi)):
-            lo, hi = 0.0, 1.0  # no finite element: empty histogram on a nominal range
-        if lo == hi:
-            lo, hi = lo - 0.5, hi + 0.5
-        ranges.append((lo, hi))
-        x = t.detach().reshape(-1)
-        x = x if x.dtype in (torch.float32, torch.float64) else x.float()
-        # histc counts every element in [lo, hi] and ignores NaN; Inf lies outside the range
-        counts.append(torch.histc(x, bins=bins, min=lo, max=hi).to(torch.float64))
-    counts_host = torch.stack([c.cpu() for c in counts]).numpy()
-    out = []
-    for (lo, hi), c, (mn, mx, numel, nonfinite, mean, l2) in zip(
-        ranges, counts_host, table.tolist(), strict=True
-    ):
-        num = numel - nonfinite
-        out.append(
-            Histogram(
-                counts=c,
-                edges=np.linspace(lo, hi, bins + 1),
-                min=mn if num else 0.0,
-                max=mx if num else 0.0,
-                num=num,
-                sum=mean * num if num else 0.0,
-                sum_squares=l2 * l2 if num else 0.0,
-            )
-        )
-    return out
 
 
 def _fmt(v: float) -> str:
@@ -333,3 +352,7 @@ class Description(dict):
         return "\n".join(line.rstrip() for line in lines)
 
     __str__ = __repr__
+
+
+# histograms live in their own module; re-exported here for one import site
+from nnstat.histogram import Histogram, histograms  # noqa: E402

@@ -24,9 +24,11 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from nnstat.distributed import local_tensor
 from nnstat.dynamics import ratio_from_norms
+from nnstat.histogram import DEFAULT_MAX_ELEMENTS, HIST_SUMMARY, histograms
 from nnstat.netdict import select_names
-from nnstat.stats import DEFAULT_STATS, SIGNED_STATS, histograms, summarize, validate_stats
+from nnstat.stats import DEFAULT_STATS, SIGNED_STATS, Workspace, summarize, validate_stats
 
 __all__ = ["Tracker", "Sink", "GROUPS"]
 
@@ -39,6 +41,10 @@ class Sink(Protocol):
     """Anything with ``log(metrics, step)``; plain callables ``f(metrics, step)`` work too."""
 
     def log(self, metrics: dict[str, Any], step: int) -> None: ...
+
+
+def _local(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [local_tensor(t) for t in tensors]
 
 
 def _as_log(sink: Any) -> Callable[[dict[str, Any], int], None]:
@@ -56,7 +62,8 @@ class Tracker:
     ``"<group>/<layer>/<stat>"`` with groups ``weight``, ``grad``, each optimizer state key
     (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``...) and ``update`` (the change made by the
     last optimizer step), plus ``"trust_ratio/<layer>"`` and ``"update_ratio/<layer>"``. With
-    ``histograms=True`` keys ``"<group>/<layer>/hist"`` hold `nnstat.stats.Histogram` objects.
+    ``histograms=True`` keys ``"<group>/<layer>/hist"`` hold `nnstat.stats.Histogram` objects
+    (counts from at most `hist_max_elements` elements per tensor, see `nnstat.histogram`).
 
     Updates need a snapshot of the weights before the step: the Tracker keeps one copy of the
     tracked parameters and refreshes it only on the call before a logged step.
@@ -81,6 +88,7 @@ class Tracker:
         groups: Sequence[str] = GROUPS,
         state_keys: Sequence[str] | None = None,
         bins: int = 64,
+        hist_max_elements: int | None = DEFAULT_MAX_ELEMENTS,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Tracker expects an nn.Module, got {type(model).__name__}")
@@ -95,6 +103,8 @@ class Tracker:
         self.stats = validate_stats(stats)
         self.histograms = histograms
         self.bins = bins
+        self.hist_max_elements = hist_max_elements
+        self._workspace = Workspace()
         self.groups = (
             tuple(groups) if optimizer is not None else tuple(g for g in groups if g != "optimizer")
         )
@@ -192,7 +202,8 @@ class Tracker:
         metrics = None if call % self.every else self._measure()
         if self._prev is not None and (call + 1) % self.every == 0:
             # snapshot the weights the next (logged) step's update is measured from
-            torch._foreach_copy_(self._prev, [p.detach() for p in self.params])
+            # on local shards: DTensor (FSDP fully_shard) has no foreach sharding rules
+            torch._foreach_copy_(_local(self._prev), _local([p.detach() for p in self.params]))
         if metrics is None:
             return None
         for provider in self._providers:
@@ -213,12 +224,14 @@ class Tracker:
         if has_update:
             current = [p.detach() for p in self.params]
             # in place: _prev becomes W_prev - W_curr, negated only if a signed statistic needs it
-            torch._foreach_sub_(self._prev, current)
+            torch._foreach_sub_(_local(self._prev), _local(current))
             if SIGNED_STATS & set(self.stats):
-                torch._foreach_neg_(self._prev)
+                torch._foreach_neg_(_local(self._prev))
             entries += [("update", n, d) for n, d in zip(self.names, self._prev, strict=True)]
-        computed = tuple(dict.fromkeys([*self.stats, "l2"]))
-        table = summarize([t for _, _, t in entries], computed)
+        extra = HIST_SUMMARY if self.histograms else ()
+        computed = tuple(dict.fromkeys([*self.stats, "l2", *extra]))
+        tensors = [t for _, _, t in entries]
+        table = summarize(tensors, computed, workspace=self._workspace)
         metrics: dict[str, Any] = {}
         values = table.tolist()
         for (group, name, _), row in zip(entries, values, strict=True):
@@ -235,7 +248,8 @@ class Tracker:
                 metrics[f"trust_ratio/{name}"] = r
                 metrics[f"update_ratio/{name}"] = u
         if self.histograms:
-            hists = histograms([t for _, _, t in entries], bins=self.bins)
+            summary = table[:, [computed.index(c) for c in HIST_SUMMARY]]
+            hists = histograms(tensors, self.bins, self.hist_max_elements, summary=summary)
             for (group, name, _), h in zip(entries, hists, strict=True):
                 metrics[f"{group}/{name}/hist"] = h
         return metrics

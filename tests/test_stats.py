@@ -132,3 +132,18 @@ def test_description_repr_and_frame():
     assert list(frame.index) == ["a.weight", "b"] and frame.loc["b", "mean"] == -1.0
     whole = Description({"l2": 3.0})
     assert list(whole.to_frame().columns) == ["l2"]
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 1 << 16])
+def test_blocked_moments_combine_exactly(monkeypatch, chunk):
+    import nnstat.stats as st
+
+    monkeypatch.setattr(st, "CHUNK", chunk)
+    torch.manual_seed(1)
+    # far-from-zero mean and heavy skew: the block combination must not lose precision
+    x = torch.distributions.Gamma(2.0, 3.0).sample((1000,)) + 50.0
+    x[::13] = 0.0
+    big = torch.randn(200_003) * 0.01 + 0.3
+    for t in (x, big):
+        row = st.summarize([t], STAT_NAMES)[0].tolist()
+        check(row, t.numpy(), rtol=2e-4, atol=1e-5)

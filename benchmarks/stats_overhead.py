@@ -1,0 +1,152 @@
+"""Cost of logging statistics every step, relative to a plain training step (one process).
+
+A ~10M-parameter MLP trained with Adam on CPU. Variants, each on its own identically initialised
+model, measured in interleaved rounds so machine load hits all of them alike:
+
+* plain                      forward + backward + Adam step
+* hand-written norms         + ``p.norm().item()`` of every weight and gradient
+* nnstat Tracker (default)   + l2, rms, abs_max, nonfinite of weights, grads, Adam states and
+                               updates, plus trust ratios (fused, one host transfer)
+* nnstat Tracker (full+hist) + all 15 statistics and 64-bin histograms of all of the above
+* wandb.watch(log="all")     offline, ``log_freq=1``, one ``wandb.log`` per step
+* TensorBoard add_histogram  ``SummaryWriter.add_histogram`` of every parameter and gradient
+
+Run:  WANDB_MODE=offline .venv/bin/python benchmarks/stats_overhead.py [--steps 5 --rounds 6]
+Prints a markdown table of median step times and ratios to the plain step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import nnstat
+
+
+def make(width: int, depth: int, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(1024, width), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers.append(nn.Linear(width, 10))
+    model = nn.Sequential(*layers)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-4)
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, X: torch.Tensor, y: torch.Tensor):
+    opt.zero_grad(set_to_none=True)
+    loss = nn.functional.cross_entropy(model(X), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def variants(args: argparse.Namespace, tmp: str) -> dict[str, Callable[[], None]]:
+    """name -> a closure doing one training step with that kind of logging."""
+    X = torch.randn(args.batch, 1024)
+    y = torch.randint(0, 10, (args.batch,))
+    out: dict[str, Callable[[], None]] = {}
+
+    model, opt = make(args.width, args.depth)
+    out["plain step"] = lambda: train_step(model, opt, X, y)
+
+    m2, o2 = make(args.width, args.depth)
+
+    def manual() -> None:
+        train_step(m2, o2, X, y)
+        for p in m2.parameters():
+            _ = (p.detach().norm().item(), p.grad.norm().item())
+
+    out["hand-written per-layer norms"] = manual
+
+    m3, o3 = make(args.width, args.depth)
+    t3 = nnstat.Tracker(m3, o3)
+    out["nnstat Tracker, default stats"] = lambda: (train_step(m3, o3, X, y), t3.step())
+
+    m4, o4 = make(args.width, args.depth)
+    t4 = nnstat.Tracker(m4, o4, stats=None, histograms=True)
+    out["nnstat Tracker, all stats + histograms"] = lambda: (train_step(m4, o4, X, y), t4.step())
+
+    if not args.no_peers:
+        import wandb
+        from torch.utils.tensorboard import SummaryWriter
+
+        m5, o5 = make(args.width, args.depth)
+        run = wandb.init(project="nnstat-bench", dir=tmp, mode="offline")
+        run.watch(m5, log="all", log_freq=1)
+
+        def watched() -> None:
+            loss = train_step(m5, o5, X, y)
+            run.log({"loss": loss.item()})
+
+        out['wandb.watch(log="all", log_freq=1)'] = watched
+
+        m6, o6 = make(args.width, args.depth)
+        writer = SummaryWriter(os.path.join(tmp, "tb"))
+        counter = [0]
+
+        def tb_hist() -> None:
+            train_step(m6, o6, X, y)
+            for n, p in m6.named_parameters():
+                writer.add_histogram(f"weight/{n}", p.detach(), counter[0])
+                writer.add_histogram(f"grad/{n}", p.grad, counter[0])
+            counter[0] += 1
+
+        out["TensorBoard add_histogram (weights+grads)"] = tb_hist
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--depth", type=int, default=3, help="hidden layers")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--no-peers", action="store_true", help="skip wandb and TensorBoard")
+    args = p.parse_args()
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = variants(args, tmp)
+        n_params = sum(p.numel() for p in make(args.width, args.depth)[0].parameters())
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        for fn in runs.values():  # warm-up (allocations, Adam state, first snapshot)
+            fn()
+            fn()
+        for r in range(args.rounds):
+            order = list(runs.items())
+            order = order[r % len(order) :] + order[: r % len(order)]  # rotate start variant
+            for name, fn in order:
+                for _ in range(args.steps):
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - t0)
+        base = statistics.median(times["plain step"])
+        print(
+            f"\n{n_params / 1e6:.1f}M-parameter MLP, Adam, batch {args.batch}, "
+            f"{torch.get_num_threads()} threads, {platform.machine()} CPU "
+            f"({os.cpu_count()} cores), torch {torch.__version__}, "
+            f"median of {args.rounds * args.steps} steps\n"
+        )
+        print("| variant | step (ms) | ratio to plain step |")
+        print("| --- | ---: | ---: |")
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            print(f"| {name} | {med * 1e3:.1f} | {med / base:.2f}x |")
+        if not args.no_peers:
+            import wandb
+
+            wandb.finish()
+
+
+if __name__ == "__main__":
+    main()
