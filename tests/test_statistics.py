@@ -327,3 +327,21 @@ def test_finalize_without_any_capture_is_an_error_not_an_empty_result():
     none = StatisticsCollector("none")
     none.finalize()  # a logging-only pass has nothing to compute
     assert none.done and none.state_dict() == {}
+
+
+def test_spectral_summary_is_a_tracker_provider():
+    from nnstat.tracker import Tracker
+
+    model, batches = make_model(), make_batches()
+    engine = CaptureEngine()
+    engine.watch(model)
+    col = StatisticsCollector("kfac")
+    engine.add_consumer(col)
+    run_pass(model, engine, batches)
+    col.finalize()
+    logged = []
+    tracker = Tracker(model, stats=["l2"], groups=["weight"], sinks=[lambda m, s: logged.append(m)])
+    tracker.add_provider(col.spectral_summary)
+    tracker.step()
+    assert logged[0]["kfac/2/backward/max_eig"] == col.spectral_summary()["kfac/2/backward/max_eig"]
+    assert "weight/0.weight/l2" in logged[0]
