@@ -261,3 +261,17 @@ def test_gram_trick_sq_norm_and_projection_with_mask_and_bias():
     a = cap.forward.reshape(-1, cap.d_in)
     torch.testing.assert_close(cap.forward_gram(), a.T @ a)
     assert cap.forward[..., -1].sum() == mask.sum()  # the bias column is 0 on masked rows
+
+
+def test_grouped_conv_mask_over_output_positions():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 6, 3, groups=2, padding=1, stride=2))
+    x = torch.randn(3, 4, 6, 5)
+    mask = torch.rand(3, 3, 3) > 0.4
+
+    def masked(f, x, m):
+        return (f(x).square() * m.unsqueeze(1)).sum()
+
+    caps = captured(model, lambda: model(x).square().sum().backward(), mask=mask)
+    assert caps["0"].num_positions == int(mask.sum()) * 2  # one row per (location, group)
+    assert_matches(caps, reference_grads(model, masked, x, mask.float()))
