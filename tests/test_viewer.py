@@ -237,6 +237,12 @@ def test_server_routes_and_cli_errors(root, tmp_path, capsys) -> None:
         srv.server_close()
     assert main([str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    # the console script dispatches `nnstat view` here
+    from nnstat.cli import main as cli_main
+
+    out = tmp_path / "cli.html"
+    assert cli_main(["view", str(root), "--export", str(out)]) == 0
+    assert out.read_text().count('id="nnstat-data"') == 1
     assert 'id="graph"' in render_page()
 
 
