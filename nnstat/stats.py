@@ -280,14 +280,18 @@ def summarize(
             l2=m["l2"],
         )
     else:
-        cols["l2"] = column(torch._foreach_norm(flat, 2))
+        if "abs_max" in need:
+            from nnstat.stats_fused import sumsq_min_max
+
+            # one blocked read gives l2 and abs_max (the inf-norm kernel is slow on CPU);
+            # empty tensors are recomputed below anyway
+            smm = sumsq_min_max(flat).to(dev)
+            cols["l2"] = smm[:, 0].sqrt()
+            cols["abs_max"] = torch.maximum(smm[:, 2], -smm[:, 1])
+        else:
+            cols["l2"] = column(torch._foreach_norm(flat, 2))
         if need & {"l1", "abs_mean"}:
             cols["l1"] = column(torch._foreach_norm(flat, 1))
-        if "abs_max" in need:
-            # aminmax is several times faster than the inf-norm on CPU; empty tensors are
-            # recomputed below anyway
-            mm = [torch.aminmax(x) if x.numel() else (x.new_zeros(()),) * 2 for x in flat]
-            cols["abs_max"] = torch.maximum(column([b for _, b in mm]), -column([a for a, _ in mm]))
     # l2 doubles as the finiteness probe: NaN/Inf anywhere (or float32 overflow) makes it non-finite
     l2 = cols["l2"]
     cols["rms"] = l2 / n_vec.sqrt()

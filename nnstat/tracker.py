@@ -24,11 +24,19 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from nnstat.distributed import local_tensor
+from nnstat.distributed import any_dtensor, local_tensor
 from nnstat.dynamics import ratio_from_norms
 from nnstat.histogram import DEFAULT_MAX_ELEMENTS, HIST_SUMMARY, histograms
 from nnstat.netdict import select_names
-from nnstat.stats import DEFAULT_STATS, SIGNED_STATS, Workspace, summarize, validate_stats
+from nnstat.stats import (
+    DEFAULT_STATS,
+    SIGNED_STATS,
+    Workspace,
+    _exact_row,
+    summarize,
+    validate_stats,
+)
+from nnstat.stats_fused import FUSED_STATS, light_columns, weight_update_norms
 
 __all__ = ["Tracker", "Sink", "GROUPS"]
 
@@ -129,6 +137,8 @@ class Tracker:
         self.latest: dict[str, Any] = {}
         # the update of the first logged step is measured from the weights at construction
         self._prev: list[torch.Tensor] | None = None
+        # second snapshot for the fused pass (allocated on first use)
+        self._spare: list[torch.Tensor] | None = None
         if "update" in self.groups:
             self._prev = [p.detach().clone() for p in self.params]
 
@@ -163,9 +173,9 @@ class Tracker:
                     keys[k] = None
         return tuple(keys)
 
-    def _collect(self) -> list[tuple[str, str, torch.Tensor]]:
+    def _collect(self, weights: bool = True) -> list[tuple[str, str, torch.Tensor]]:
         entries: list[tuple[str, str, torch.Tensor]] = []
-        if "weight" in self.groups:
+        if weights and "weight" in self.groups:
             entries += [
                 ("weight", n, p.detach()) for n, p in zip(self.names, self.params, strict=True)
             ]
@@ -199,8 +209,15 @@ class Tracker:
         call = self._calls
         self._calls += 1
         step = call if step is None else step
-        metrics = None if call % self.every else self._measure()
-        if self._prev is not None and (call + 1) % self.every == 0:
+        refresh = self._prev is not None and (call + 1) % self.every == 0
+        metrics = None
+        if call % self.every == 0:
+            if self._fused_ok():
+                metrics = self._measure_fused(refresh)
+                refresh = False  # the fused pass refreshed the snapshot on the way
+            else:
+                metrics = self._measure()
+        if refresh:
             # snapshot the weights the next (logged) step's update is measured from
             # on local shards: DTensor (FSDP fully_shard) has no foreach sharding rules
             torch._foreach_copy_(_local(self._prev), _local([p.detach() for p in self.params]))
@@ -216,6 +233,56 @@ class Tracker:
         for log in self._sinks:
             log(metrics, step)
         self.latest = metrics
+        return metrics
+
+    def _fused_ok(self) -> bool:
+        return (
+            self._prev is not None
+            and "weight" in self.groups
+            and not self.histograms
+            and set(self.stats) <= FUSED_STATS
+            and not any_dtensor(self.params)
+        )
+
+    def _measure_fused(self, refresh: bool) -> dict[str, Any]:
+        """Default statistics with weights and updates from one blocked pass (`stats_fused`)."""
+        computed = tuple(dict.fromkeys([*self.stats, "l2"]))
+        entries = self._collect(weights=False)
+        current = [p.detach() for p in self.params]
+        if refresh and self._spare is None:
+            self._spare = [torch.empty_like(t) for t in self._prev]
+        norms = weight_update_norms(
+            current, self._prev, self._spare if refresh else None, self._workspace
+        )
+        numel = torch.tensor([t.numel() for t in current], dtype=torch.float64)
+        tables = []
+        for lo in (0, 3):
+            cols = light_columns(numel, norms[:, lo], norms[:, lo + 1], norms[:, lo + 2])
+            table = torch.stack([cols[s] for s in computed], dim=1)
+            for i in (~torch.isfinite(cols["l2"])).nonzero().flatten().tolist():
+                # NaN/Inf (or float32 overflow): exact statistics of the finite part; the old
+                # snapshot is still intact because the new one went to the spare buffer
+                t = current[i] if lo == 0 else current[i] - self._prev[i]
+                table[i] = _exact_row(t, computed).cpu()
+            tables.append(table)
+        w_table, u_table = tables
+        others = summarize([t for _, _, t in entries], computed, workspace=self._workspace)
+        metrics: dict[str, Any] = {}
+        rows = [("weight", n, r) for n, r in zip(self.names, w_table.tolist(), strict=True)]
+        rows += [(g, n, r) for (g, n, _), r in zip(entries, others.tolist(), strict=True)]
+        rows += [("update", n, r) for n, r in zip(self.names, u_table.tolist(), strict=True)]
+        for group, name, row in rows:
+            for s, v in zip(computed, row, strict=True):
+                if s in self.stats:
+                    metrics[f"{group}/{name}/{s}"] = v
+        l2 = computed.index("l2")
+        tr = ratio_from_norms(w_table[:, l2], u_table[:, l2]).tolist()
+        ur = ratio_from_norms(u_table[:, l2], w_table[:, l2]).tolist()
+        for name, r, u in zip(self.names, tr, ur, strict=True):
+            metrics[f"trust_ratio/{name}"] = r
+            metrics[f"update_ratio/{name}"] = u
+        if refresh:
+            self._prev, self._spare = self._spare, self._prev
         return metrics
 
     def _measure(self) -> dict[str, Any]:

@@ -141,3 +141,35 @@ def test_sinks_objects_close_and_bad_arguments():
         nnstat.Tracker(model, stats=["l2", "rsm"])
     with pytest.raises(ValueError, match="no parameter to track"):
         nnstat.Tracker(model, include="nothing")
+
+
+def test_fused_default_path_every_two_with_nonfinite_weights():
+    model, opt = setup()
+    tracker = nnstat.Tracker(model, opt, every=2)
+    assert tracker._fused_ok()
+    for i in range(5):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        one_step(model, opt)
+        if i == 4:
+            with torch.no_grad():
+                model[0].bias[1] = float("inf")
+        out = tracker.step()
+        assert (out is not None) == (i % 2 == 0)
+        if out is None:
+            continue
+        for n, p in model.named_parameters():
+            w = p.detach().double()
+            upd = w - before[n].double()
+            if i == 4 and n == "0.bias":
+                finite = torch.isfinite(w)
+                assert out["weight/0.bias/nonfinite"] == 1
+                assert out["weight/0.bias/l2"] == pytest.approx(l2(w[finite]), rel=1e-6)
+                assert out["update/0.bias/nonfinite"] == 1
+                assert out["update/0.bias/abs_max"] == pytest.approx(
+                    upd[torch.isfinite(upd)].abs().max().item(), rel=1e-6
+                )
+                continue
+            assert out[f"weight/{n}/abs_max"] == pytest.approx(w.abs().max().item(), rel=1e-6)
+            assert out[f"update/{n}/l2"] == pytest.approx(l2(upd), rel=1e-4)
+            assert out[f"update/{n}/abs_max"] == pytest.approx(upd.abs().max().item(), rel=1e-4)
+            assert out[f"trust_ratio/{n}"] == pytest.approx(l2(w) / l2(upd), rel=1e-4)
