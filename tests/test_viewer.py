@@ -274,3 +274,35 @@ def test_export_survives_hostile_tensor_names(browser, tmp_path) -> None:
     assert p.node_names() == {"w", name, "loss"}
     assert p.page.locator("#graph .node b").count() == 0  # shown as text, never as markup
     p.close()
+
+
+def test_served_page_refresh_shows_steps_written_meanwhile(browser, tmp_path) -> None:
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(3))
+    rec = Recorder(tmp_path, group="g", trial="live", every=1)
+    rec.track_module(torch.nn.ParameterDict({"w": w}))
+
+    def step(i: int) -> None:
+        rec.start_batch(i)
+        h = rec.register_tensor("h", w * (i + 1))
+        rec.register_tensor("loss", h.pow(2).sum(), role="loss").backward()
+        rec.finish_batch()
+        w.grad = None
+
+    step(0)
+    srv, url = serve_in_thread(tmp_path / "g")
+    try:
+        p = Page(browser, url)
+        assert p.page.locator("#sel-step option").count() == 1
+        step(1)  # "training" writes a step while the page is open
+        p.page.click("#refresh")
+        p.page.wait_for_selector("body[data-refreshed]")
+        assert p.page.locator("#sel-step option").count() == 2
+        p.page.select_option("#sel-step", "1")
+        p.page.click("#graph .node[data-name='h']")
+        assert float(p.cell("norm", 1)) == pytest.approx(float((w * 2).detach().norm()), rel=1e-3)
+        p.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    rec.close()

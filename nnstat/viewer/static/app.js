@@ -255,10 +255,25 @@
     document.body.setAttribute("data-ready", "1");
   }
 
+  function fetchData() {
+    return fetch("api/data").then((r) => {
+      if (!r.ok) throw new Error(`api/data: HTTP ${r.status}`);
+      return r.json();
+    });
+  }
+
   const inline = $("nnstat-data").textContent.trim();
   if (inline) start(JSON.parse(inline));
-  else fetch("api/data").then((r) => {
-    if (!r.ok) throw new Error(`api/data: HTTP ${r.status}`);
-    return r.json();
-  }).then(start).catch((e) => showError(String(e)));
+  else {
+    fetchData().then(start).catch((e) => showError(String(e)));
+    // served mode: re-read the folder while training writes it, keeping the selection
+    $("refresh").hidden = false;
+    $("refresh").addEventListener("click", () => fetchData().then((data) => {
+      const id = trial().id;
+      S.data = data;
+      S.trial = Math.max(0, data.trials.findIndex((t) => t.id === id));
+      renderAll();
+      document.body.setAttribute("data-refreshed", String(Date.now()));
+    }).catch((e) => showError(String(e))));
+  }
 })();
