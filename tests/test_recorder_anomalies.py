@@ -147,3 +147,13 @@ def test_correlate_reads_recorded_indicators(tmp_path) -> None:
     assert ab["p_b_given_a"] == pytest.approx(1.0) and ab["count"] == low.sum()
     with pytest.raises(ValueError, match="no recorded steps"):
         correlate(tmp_path / "default" / "baseline" / "graphs")
+
+
+def test_rules_that_match_no_tensor_leave_recording_intact(tmp_path) -> None:
+    rec = Recorder(tmp_path, every=2, rules=[nonfinite(pattern="^nothing$")])
+    for step in range(3):
+        rec.start_batch(step)
+        rec.register_tensor("h", torch.full((2,), float(step)))
+        record = rec.finish_batch()
+        assert (record is not None) == (step % 2 == 0)
+    assert record["indicators"] == {} and record["anomalies"] == []

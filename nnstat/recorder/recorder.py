@@ -306,7 +306,7 @@ class Recorder:
         n_hit = 0 if hits is None else hits.numel()
         hits_np = np.zeros((0, len(self.rules)))
         if sel is not None:
-            hits_np = host[n_stat : n_stat + n_hit].reshape(len(self.rules), -1).T
+            hits_np = host[n_stat : n_stat + n_hit].reshape(len(self.rules), len(sel.rows)).T
             if fix_nonfinite(stats_np, rows.segments):
                 # NaN/Inf rows now hold exact finite-only statistics: re-evaluate on them
                 exact = torch.from_numpy(stats_np[sel.rows])
@@ -318,7 +318,7 @@ class Recorder:
         if reason == "anomaly" and not record["anomalies"]:
             return None  # the cheap probe overflowed float32; the exact statistics show no hit
         record["reason"] = reason
-        record["kpis"] = {k: float(v) for k, v in b.kpis.items()}
+        record["kpis"] = {k: _scalar(v) for k, v in b.kpis.items()}
         graphs = rows.graphs(b.iterations)
         for digest, doc in graphs.values():
             self.writer.write_graph(digest, doc)
@@ -373,3 +373,7 @@ class Recorder:
                 prev = torch.cat([old, old.new_full((1,), float("nan"))])[idx]
         self._prev = (keys, now)
         return prev
+
+
+def _scalar(v: float | torch.Tensor) -> float:
+    return float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
