@@ -26,7 +26,7 @@ __all__ = ["Histogram", "histograms", "HIST_SUMMARY", "DEFAULT_MAX_ELEMENTS"]
 
 #: Columns of the summary `histograms` needs (a `nnstat.stats.summarize` table with these stats).
 HIST_SUMMARY: tuple[str, ...] = ("min", "max", "numel", "nonfinite", "mean", "l2")
-DEFAULT_MAX_ELEMENTS = 2**18
+DEFAULT_MAX_ELEMENTS = 2**16
 _BLOCK = 1024  # contiguous run length of the subsample (whole cache lines, not strided reads)
 
 
