@@ -18,7 +18,13 @@ from nnstat.recorder.graph import autograd_edges, graph_document, graph_hash
 from nnstat.recorder.recorder import Recorder
 from nnstat.recorder.reduce import STAT_NAMES, segment_stats
 from nnstat.recorder.schedule import Schedule
-from nnstat.recorder.storage import iter_trials, read_step_meta, read_step_stats, read_step_values
+from nnstat.recorder.storage import (
+    iter_trials,
+    read_kpis,
+    read_step_meta,
+    read_step_stats,
+    read_step_values,
+)
 
 __all__ = [
     "Recorder",
@@ -40,4 +46,5 @@ __all__ = [
     "read_step_meta",
     "read_step_stats",
     "read_step_values",
+    "read_kpis",
 ]
