@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .exact import exact
 from .layout import ModuleSpec
-from .lds import LDSProtocol, lds, run_lds_protocol
+from .lds import LDSProtocol, lds, lds_per_query, run_lds_protocol, subset_masks
 from .precondition import PRECONDITIONERS, Preconditioner, clear_cache
 from .result import InfluenceResult, SelfInfluenceResult, TopKInfluence
 from .score import MODES, compute_influence_all, compute_self_influence
@@ -38,5 +38,7 @@ __all__ = [
     "compute_self_influence",
     "exact",
     "lds",
+    "lds_per_query",
+    "subset_masks",
     "run_lds_protocol",
 ]
