@@ -20,6 +20,8 @@ Example:
 
 from __future__ import annotations
 
+import sys
+import types
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -459,3 +461,13 @@ def get_log() -> GradientLog:
 def build_log_dataloader(batch_size: int = 1024, num_workers: int = 0) -> Any:
     """:meth:`Run.build_log_dataloader` on the current run."""
     return current_run().build_log_dataloader(batch_size=batch_size, num_workers=num_workers)
+
+
+class _CallableModule(types.ModuleType):
+    """Makes ``nnstat.run`` (this module) usable as ``with nnstat.run(data_id=ids):``."""
+
+    def __call__(self, data_id: Any = None, mask: torch.Tensor | None = None) -> Any:
+        return run(data_id=data_id, mask=mask)
+
+
+sys.modules[__name__].__class__ = _CallableModule

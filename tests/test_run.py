@@ -251,3 +251,24 @@ def test_no_backward_inside_run_is_an_error(tmp_path):
         with pytest.raises(RuntimeError, match="loss.backward"):
             with run(data_id=[0]):
                 model(x[:1])
+
+
+def test_module_run_is_callable_and_finalize_shows_progress_when_slow(
+    tmp_path, monkeypatch, capsys
+):
+    real = fmt.write_shard
+
+    def slow(*args, **kwargs):
+        time.sleep(0.4)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(fmt, "write_shard", slow)
+    model, x, y = make()
+    run = nnstat.init(project="slow", root_dir=tmp_path)
+    nnstat.setup({"shard_rows": 1})
+    nnstat.watch(model)
+    with nnstat.run(data_id=[1, 2, 3, 4]):  # the module itself works as the context manager
+        nn.functional.cross_entropy(model(x[:4]), y[:4], reduction="sum").backward()
+    nnstat.finalize()
+    assert "flushing gradient store" in capsys.readouterr().err
+    assert nnstat.GradientStore(run.path).ids == [1, 2, 3, 4]
