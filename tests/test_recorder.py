@@ -204,6 +204,15 @@ def test_autograd_edges_skip_unregistered_ops_and_handle_depth() -> None:
     for _ in range(3000):  # deeper than Python's recursion limit
         z = z * 1.0
     assert autograd_edges([("w", w), ("z", z)]) == {("w", "z")}
+    # outputs of one multi-output op are told apart by their output number
+    u, v = (w * 3).chunk(3)[:2]
+    s = u.sum() * v.sum()
+    assert autograd_edges([("w", w), ("u", u), ("v", v), ("s", s)]) == {
+        ("w", "u"),
+        ("w", "v"),
+        ("u", "s"),
+        ("v", "s"),
+    }
     assert topological_order(["c", "b", "a"], [("a", "b"), ("b", "c")]) == ["a", "b", "c"]
     with pytest.raises(ValueError, match="unregistered"):
         graph_document([("a", "input")], [("a", "b")])

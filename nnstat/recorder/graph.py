@@ -31,17 +31,19 @@ def autograd_edges(named: Sequence[tuple[str, torch.Tensor]]) -> set[tuple[str, 
         >>> sorted(autograd_edges([("w", w), ("h", h), ("y", y)]))
         [('h', 'y'), ('w', 'h')]
     """
-    by_node: dict[object, str] = {}
+    # keyed by (node, output_nr): outputs of one multi-output op (split, chunk) share a node
+    by_node: dict[tuple[object, int], str] = {}
     by_leaf: dict[int, str] = {}
     for name, t in named:
         if t.grad_fn is not None:
-            by_node[t.grad_fn] = name
+            by_node[(t.grad_fn, t.output_nr)] = name
         elif t.requires_grad:
             by_leaf[id(t)] = name
 
-    def own_name(node: object) -> str | None:
-        if node in by_node:
-            return by_node[node]
+    def own_name(node: object, nr: int) -> str | None:
+        name = by_node.get((node, nr))
+        if name is not None:
+            return name
         variable = getattr(node, "variable", None)
         return by_leaf.get(id(variable)) if variable is not None else None
 
@@ -54,14 +56,16 @@ def autograd_edges(named: Sequence[tuple[str, torch.Tensor]]) -> set[tuple[str, 
             node, expanded = stack.pop()
             if node in memo:
                 continue
-            parents = [p for p, _ in getattr(node, "next_functions", ()) if p is not None]
+            parents = [(p, nr) for p, nr in getattr(node, "next_functions", ()) if p is not None]
             if not expanded:
                 stack.append((node, True))
-                stack.extend((p, False) for p in parents if p not in memo and own_name(p) is None)
+                stack.extend(
+                    (p, False) for p, nr in parents if p not in memo and own_name(p, nr) is None
+                )
                 continue
             found: set[str] = set()
-            for p in parents:
-                name = own_name(p)
+            for p, nr in parents:
+                name = own_name(p, nr)
                 if name is not None:
                     found.add(name)
                 else:
@@ -70,7 +74,7 @@ def autograd_edges(named: Sequence[tuple[str, torch.Tensor]]) -> set[tuple[str, 
         return memo[root]
 
     edges: set[tuple[str, str]] = set()
-    for node, child in by_node.items():
+    for (node, _), child in by_node.items():
         for parent in ancestors(node):
             if parent != child:
                 edges.add((parent, child))
