@@ -31,6 +31,8 @@ class RowSet:
         self.batch_index: list[int] = []
         self.roles: dict[str, str] = {}
         self.params: dict[str, torch.Tensor] = {}
+        #: (tensor, iteration, stream) of each batch-level row: the layout rules are cached by
+        self.rule_keys: tuple[tuple[str, int, str], ...] = ()
         self._graphs: dict[int, tuple[str, dict[str, Any]]] | None = None
 
     @classmethod
