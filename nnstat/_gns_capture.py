@@ -72,35 +72,31 @@ class PerSampleNorms:
         if n < 2:
             raise ValueError(f"per-sample noise scale needs a batch of at least 2 samples, got {n}")
         # Reductions stay in the gradients' dtype (no float64 copies of large weights: that
-        # alone tripled the step time of a 1024-wide MLP) and come back in one .tolist().
+        # alone tripled the step time of a 1024-wide MLP) and come back in one .tolist(): this
+        # runs every training step, so Python and per-op overhead matter.
         names = list(captured)
-        small = torch.stack([captured[k].float() for k in names]).mean(1)
-        big = self._batch_grad_sq(names, before)
-        small_l, big_l = small.tolist(), big.tolist()
-        for k, s, b in zip(names, small_l, big_l, strict=True):
-            if not (math.isfinite(s) and math.isfinite(b)):
+        grads, owner = [], []
+        for i, name in enumerate(names):
+            for p, old in zip(self.params[name], before[name], strict=True):
+                if p.grad is not None:
+                    grads.append(p.grad.detach() if old is None else p.grad.detach() - old)
+                    owner.append(i)
+        parts = [torch.stack([captured[k] for k in names]).float().mean(1)]
+        if grads:
+            parts.append(torch.stack(torch._foreach_norm(grads)).float().cpu().square())
+        values = torch.cat(parts).tolist()
+        small_l, norms = values[: len(names)], values[len(names) :]
+        big_l = [0.0] * len(names)
+        for i, v in zip(owner, norms, strict=True):
+            big_l[i] += v
+        for k, s_, b_ in zip(names, small_l, big_l, strict=True):
+            if not (math.isfinite(s_) and math.isfinite(b_)):
                 raise ValueError(f"gradient norms of {k!r} contain NaN or Inf")
         self.last = (
             dict(zip(names, small_l, strict=True)),
             dict(zip(names, big_l, strict=True)),
             n,
         )
-
-    def _batch_grad_sq(
-        self, names: list[str], before: dict[str, list[torch.Tensor | None]]
-    ) -> torch.Tensor:
-        """Squared norm of this batch's gradient per module, in one fused reduction."""
-        grads, seg = [], []
-        for i, name in enumerate(names):
-            for p, old in zip(self.params[name], before[name], strict=True):
-                if p.grad is not None:
-                    grads.append(p.grad.detach() if old is None else p.grad.detach() - old)
-                    seg.append(i)
-        out = torch.zeros(len(names), dtype=torch.float32)
-        if grads:
-            norms = torch.stack([n.float().cpu() for n in torch._foreach_norm(grads)])
-            out.index_add_(0, torch.tensor(seg), norms.square())
-        return out
 
     def close(self) -> None:
         self.engine.unwatch()

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nnstat._gns_math import check_batch_sizes, ratio_of_means, safe_ratio, two_batch
+from nnstat._gns_math import check_batch_sizes, ratio_of_means, safe_ratio
 
 if TYPE_CHECKING:
     from nnstat._gns_capture import PerSampleNorms
@@ -22,13 +22,8 @@ Scalar = float | torch.Tensor
 _TOTAL = ""  # key of the whole-model statistics; layers use their names
 
 
-def _as_float(value: Scalar, what: str) -> float:
-    v = float(value.detach().double()) if isinstance(value, torch.Tensor) else float(value)
-    if not math.isfinite(v):
-        raise ValueError(f"{what} must be finite, got {v}")
-    if v < 0:
-        raise ValueError(f"{what} is a squared norm and cannot be negative, got {v}")
-    return v
+def _as_float(value: Scalar) -> float:
+    return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
 
 
 class _Average:
@@ -131,21 +126,33 @@ class NoiseScale:
             raise TypeError("g_small_sq and g_big_sq must both be scalars or both be dicts")
         if isinstance(g_small_sq, Mapping):
             assert isinstance(g_big_sq, Mapping)
-            if set(g_small_sq) != set(g_big_sq):
+            keys = list(g_small_sq)
+            if len(keys) != len(g_big_sq) or any(k not in g_big_sq for k in keys):
                 raise ValueError(
                     f"layer keys differ: {sorted(set(g_small_sq) ^ set(g_big_sq))} are in only one"
                 )
-            small = {k: _as_float(v, f"g_small_sq[{k!r}]") for k, v in g_small_sq.items()}
-            big = {k: _as_float(g_big_sq[k], f"g_big_sq[{k!r}]") for k in g_small_sq}
-            pairs = {**{k: (small[k], big[k]) for k in small}}
-            pairs[_TOTAL] = (sum(small.values()), sum(big.values()))
+            small = [_as_float(g_small_sq[k]) for k in keys]
+            big = [_as_float(g_big_sq[k]) for k in keys]
+            keys.append(_TOTAL)
+            small.append(sum(small))
+            big.append(sum(big))
         else:
-            pairs = {_TOTAL: (_as_float(g_small_sq, "g_small_sq"), _as_float(g_big_sq, "g_big_sq"))}
-        for key, (s, b) in pairs.items():
-            g_sq, trace = two_batch(s, b, b_small, b_big)
-            if key not in self._stats:
-                self._stats[key] = _Average(self.beta, self.window)
-            self._stats[key].add(trace, g_sq)
+            keys, small, big = [_TOTAL], [_as_float(g_small_sq)], [_as_float(g_big_sq)]
+        for k, s, b in zip(keys, small, big, strict=True):
+            if not (math.isfinite(s) and math.isfinite(b)) or s < 0 or b < 0:
+                where = "" if k == _TOTAL else f" of layer {k!r}"
+                raise ValueError(
+                    f"squared norms{where} must be finite and >= 0, got g_small_sq={s}, "
+                    f"g_big_sq={b}"
+                )
+        # the two-batch solution of McCandlish et al. (appendix A), inlined: this runs per step
+        c_g = 1.0 / (b_big - b_small)
+        c_t = 1.0 / (1.0 / b_small - 1.0 / b_big)
+        for k, s, b in zip(keys, small, big, strict=True):
+            avg = self._stats.get(k)
+            if avg is None:
+                avg = self._stats[k] = _Average(self.beta, self.window)
+            avg.add((s - b) * c_t, (b_big * b - b_small * s) * c_g)
         self.n_updates += 1
 
     def update_grads(
