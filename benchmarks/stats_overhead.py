@@ -12,7 +12,9 @@ model, measured in interleaved rounds so machine load hits all of them alike:
 * TensorBoard add_histogram  ``SummaryWriter.add_histogram`` of every parameter and gradient
 
 Run:  WANDB_MODE=offline .venv/bin/python benchmarks/stats_overhead.py [--steps 5 --rounds 6]
-Prints a markdown table of median step times and ratios to the plain step.
+      [--threads 1] [--batch 256] [--no-peers]
+Prints a markdown table of median wall and CPU (process) times per step and their ratios to the
+plain step; on a shared machine the CPU-time ratio is the steadier of the two.
 """
 
 from __future__ import annotations
@@ -112,13 +114,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--no-peers", action="store_true", help="skip wandb and TensorBoard")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
     with tempfile.TemporaryDirectory() as tmp:
         runs = variants(args, tmp)
         n_params = sum(p.numel() for p in make(args.width, args.depth)[0].parameters())
         times: dict[str, list[float]] = {k: [] for k in runs}
+        cpu: dict[str, list[float]] = {k: [] for k in runs}
         for fn in runs.values():  # warm-up (allocations, Adam state, first snapshot)
             fn()
             fn()
@@ -127,21 +133,27 @@ def main() -> None:
             order = order[r % len(order) :] + order[: r % len(order)]  # rotate start variant
             for name, fn in order:
                 for _ in range(args.steps):
-                    t0 = time.perf_counter()
+                    c0, t0 = time.process_time(), time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - t0)
+                    # CPU time of the process: less sensitive to other jobs on a shared machine
+                    cpu[name].append(time.process_time() - c0)
         base = statistics.median(times["plain step"])
+        base_cpu = statistics.median(cpu["plain step"])
         print(
             f"\n{n_params / 1e6:.1f}M-parameter MLP, Adam, batch {args.batch}, "
             f"{torch.get_num_threads()} threads, {platform.machine()} CPU "
             f"({os.cpu_count()} cores), torch {torch.__version__}, "
             f"median of {args.rounds * args.steps} steps\n"
         )
-        print("| variant | step (ms) | ratio to plain step |")
-        print("| --- | ---: | ---: |")
+        print("| variant | wall ms / step | wall / plain | CPU ms / step | CPU / plain |")
+        print("| --- | ---: | ---: | ---: | ---: |")
         for name, ts in times.items():
-            med = statistics.median(ts)
-            print(f"| {name} | {med * 1e3:.1f} | {med / base:.2f}x |")
+            med, med_cpu = statistics.median(ts), statistics.median(cpu[name])
+            print(
+                f"| {name} | {med * 1e3:.1f} | {med / base:.2f}x "
+                f"| {med_cpu * 1e3:.1f} | {med_cpu / base_cpu:.2f}x |"
+            )
         if not args.no_peers:
             import wandb
 

@@ -1,7 +1,7 @@
 """Histograms computed on device with ``torch.histc``, two host transfers for a whole list.
 
 Large tensors are histogrammed on an evenly spread subsample of contiguous blocks (at most
-`max_elements` elements, default 2**18), because ``torch.histc`` is the slowest reduction on CPU;
+`max_elements` elements, default 2**16), because ``torch.histc`` is the slowest reduction on CPU;
 the counts are then rescaled so they sum to the number of finite elements. ``min``, ``max``,
 ``num``, ``sum`` and ``sum_squares`` are always exact. Pass ``max_elements=None`` for exact
 counts.
