@@ -226,6 +226,8 @@ def test_export_over_file_url_compare_and_anomaly_link(root, browser, tmp_path) 
 def test_server_routes_and_cli_errors(root, tmp_path, capsys) -> None:
     srv, url = serve_in_thread(root)
     try:
+        assert main([str(root), "--port", str(srv.server_address[1])]) == 2  # port taken
+        assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
         data = json.loads(urllib.request.urlopen(url + "api/data").read())
         assert [t["id"] for t in data["trials"]] == ["baseline", "scaled"]
         for bad in ("static/../server.py", "static/index.html.bak", "etc/passwd"):

@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"nnstat view: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # typically the port is taken
+        print(f"nnstat view: cannot listen on 127.0.0.1:{args.port}: {exc}", file=sys.stderr)
+        return 2
     print(
         f"nnstat view: serving {args.root} at http://127.0.0.1:{srv.server_address[1]}/", flush=True
     )
