@@ -99,7 +99,7 @@ def test_writer_failure_is_raised_at_next_run_or_finalize(tmp_path, monkeypatch)
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(fmt, "write_shard", disk_full)
+    monkeypatch.setattr(fmt.ShardFile, "commit", disk_full)
     model, x, y = make()
     run = nnstat.init(project="w", root_dir=tmp_path)
     nnstat.setup({"shard_rows": 4})
@@ -256,13 +256,13 @@ def test_no_backward_inside_run_is_an_error(tmp_path):
 def test_module_run_is_callable_and_finalize_shows_progress_when_slow(
     tmp_path, monkeypatch, capsys
 ):
-    real = fmt.write_shard
+    real = fmt.ShardFile.commit
 
     def slow(*args, **kwargs):
         time.sleep(0.4)
         real(*args, **kwargs)
 
-    monkeypatch.setattr(fmt, "write_shard", slow)
+    monkeypatch.setattr(fmt.ShardFile, "commit", slow)
     model, x, y = make()
     run = nnstat.init(project="slow", root_dir=tmp_path)
     nnstat.setup({"shard_rows": 1})

@@ -96,7 +96,7 @@ def test_writer_error_is_raised_in_caller(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(fmt, "write_shard", boom)
+    monkeypatch.setattr(fmt.ShardFile, "commit", boom)
     w = StoreWriter(tmp_path / "shards", 2, shard_rows=1, queue_size=1)
     w.put([0], torch.zeros(1, 2))
     with pytest.raises(StoreWriteError, match="No space left") as info:

@@ -7,9 +7,10 @@ Layout (see docs/architecture.md, "Gradient store")::
     <root>/<project>/shards/rank{r}-{n:05d}.npy        rows = samples
     <root>/<project>/shards/rank{r}-{n:05d}.ids.json   ids of those rows
 
-A shard counts only when both files exist. Both are written under a temporary name, fsynced and
-renamed, ids first and ``.npy`` last, so a crash at any point leaves either a whole shard or an
-orphan ids file that readers ignore.
+A shard counts only when both files exist. The ``.npy`` is streamed to a temporary name, its
+header fixed and fsynced, then the ids file is written (temporary name, fsync, rename) and the
+``.npy`` renamed last, so a crash at any point leaves either a whole shard or an orphan ids file /
+temporary file that readers ignore.
 
 Example:
     >>> ids = normalize_ids([3, "a"], 2)
@@ -23,6 +24,7 @@ import hashlib
 import json
 import os
 import re
+import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -169,20 +171,105 @@ def decode_rows(array: np.ndarray, dtype: str) -> torch.Tensor:
     return torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
 
 
-def write_shard(shard_dir: Path, stem: str, rows: np.ndarray, ids: list[DataId]) -> None:
-    """Write one shard atomically: ids file first, ``.npy`` last (the commit point)."""
-    if rows.shape[0] != len(ids):
-        raise ValueError(f"shard {stem}: {rows.shape[0]} rows but {len(ids)} ids")
-    shard_dir = Path(shard_dir)
-    atomic_write_json(shard_dir / f"{stem}.ids.json", ids)
-    target = shard_dir / f"{stem}.npy"
-    tmp = target.with_name(target.name + TMP_SUFFIX)
-    with open(tmp, "wb") as f:  # streamed: no in-memory copy of the shard
-        np.save(f, rows, allow_pickle=False)
+_HEADER_BYTES = 128  # fixed, so the row count can be rewritten in place when a shard closes
+
+
+def npy_header(rows: int, width: int, np_dtype: Any) -> bytes:
+    """A ``.npy`` (format 1.0) header of exactly 128 bytes for a C-order ``[rows, width]`` array.
+
+    Example:
+        >>> len(npy_header(3, 4, np.float32))
+        128
+    """
+    descr = np.dtype(np_dtype).str
+    d = f"{{'descr': {descr!r}, 'fortran_order': False, 'shape': ({rows}, {width}), }}"
+    body = d.ljust(_HEADER_BYTES - 10 - 1) + "\n"
+    if len(body) != _HEADER_BYTES - 10:
+        raise ValueError(f"npy header too long for shape ({rows}, {width})")
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(body)) + body.encode("latin1")
+
+
+class ShardFile:
+    """One shard being streamed to ``{stem}.npy.tmp``; :meth:`commit` makes it count.
+
+    Rows arrive as column blocks (one per module) and go to the file with ``os.writev`` straight
+    from the blocks' memory, so no joined copy of the rows is ever made.
+    """
+
+    def __init__(self, shard_dir: Path, stem: str, width: int, np_dtype: Any) -> None:
+        self.dir, self.stem, self.width = Path(shard_dir), stem, width
+        self.np_dtype = np.dtype(np_dtype)
+        self.target = self.dir / f"{stem}.npy"
+        self.tmp = self.target.with_name(self.target.name + TMP_SUFFIX)
+        self.rows = 0
+        self._f = open(self.tmp, "wb")
+        self._f.write(npy_header(0, width, self.np_dtype))
+        self._f.flush()
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.width * self.np_dtype.itemsize
+
+    def append(self, blocks: list[np.ndarray]) -> None:
+        """Write rows given as column blocks ``[b, w_k]`` whose widths add up to ``width``."""
+        n = blocks[0].shape[0]
+        if sum(b.shape[1] for b in blocks) != self.width or any(b.shape[0] != n for b in blocks):
+            raise ValueError(
+                f"{self.stem}: blocks {[b.shape for b in blocks]} != [*, {self.width}]"
+            )
+        if any(b.dtype != self.np_dtype for b in blocks):
+            raise TypeError(f"{self.stem}: blocks must be {self.np_dtype}")
+        blocks = [np.ascontiguousarray(b) for b in blocks]
+        if len(blocks) == 1 or not hasattr(os, "writev"):
+            joined = blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
+            self._f.write(memoryview(joined).cast("B"))
+        else:
+            views = [memoryview(b[i]).cast("B") for i in range(n) for b in blocks]
+            _writev_all(self._f.fileno(), views)
+        self.rows += n
+
+    def commit(self, ids: list[DataId]) -> None:
+        """Fix the header, fsync, write the ids file, then rename the ``.npy`` into place."""
+        if len(ids) != self.rows:
+            raise ValueError(f"shard {self.stem}: {self.rows} rows but {len(ids)} ids")
+        f = self._f
+        f.seek(0)
+        f.write(npy_header(self.rows, self.width, self.np_dtype))
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, target)
-    _fsync_dir(shard_dir)
+        f.close()
+        atomic_write_json(self.dir / f"{self.stem}.ids.json", ids)
+        os.replace(self.tmp, self.target)
+        _fsync_dir(self.dir)
+
+    def abort(self) -> None:
+        """Close and delete the temporary file (the shard never counted)."""
+        self._f.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def _writev_all(fd: int, views: list[memoryview]) -> None:
+    for i in range(0, len(views), 512):  # below IOV_MAX (1024 on Linux)
+        chunk = views[i : i + 512]
+        written = os.writev(fd, chunk)
+        want = sum(v.nbytes for v in chunk)
+        if written < want:  # short write (rare for regular files): finish plainly
+            rest = memoryview(b"".join(chunk))[written:]
+            while rest:
+                rest = rest[os.write(fd, rest) :]
+
+
+def write_shard(shard_dir: Path, stem: str, rows: np.ndarray, ids: list[DataId]) -> None:
+    """Write one whole ``[n, w]`` shard atomically (see :class:`ShardFile`)."""
+    if rows.shape[0] != len(ids):
+        raise ValueError(f"shard {stem}: {rows.shape[0]} rows but {len(ids)} ids")
+    shard = ShardFile(shard_dir, stem, rows.shape[1], rows.dtype)
+    try:
+        shard.append([rows])
+        shard.commit(ids)
+    except BaseException:
+        shard.abort()
+        raise
 
 
 def list_shards(shard_dir: Path) -> list[tuple[int, int, Path, Path]]:

@@ -75,9 +75,8 @@ class StoreWriter:
         self._index = fmt.next_shard_index(self.shard_dir, rank)
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._error: BaseException | None = None
-        self._buf: np.ndarray | None = None
-        self._buf_ids: list[DataId] = []
-        self._fill = 0
+        self._shard: fmt.ShardFile | None = None
+        self._shard_ids: list[DataId] = []
         self.rows_written = 0
         self.bytes_written = 0
         self.shards_written: list[str] = []
@@ -139,6 +138,8 @@ class StoreWriter:
             if item is _STOP:
                 if self._error is None:
                     self._run_guarded(self._flush)
+                if self._shard is not None:  # after an error: the partial shard never counts
+                    self._run_guarded(self._shard.abort)
                 return
             if self._error is not None:
                 continue  # keep draining so put() never deadlocks; the error is raised there
@@ -154,40 +155,42 @@ class StoreWriter:
         arrays = [fmt.encode_rows(b, self.dtype) for b in blocks]
         pos = 0
         while pos < len(ids):
-            if self._buf is None:  # one preallocated shard buffer, reused after each write
-                self._buf = np.empty((self.shard_rows, self.row_width), dtype=arrays[0].dtype)
-            take = min(self.shard_rows - self._fill, len(ids) - pos)
-            col = 0
-            for a in arrays:
-                w = a.shape[1]
-                self._buf[self._fill : self._fill + take, col : col + w] = a[pos : pos + take]
-                col += w
-            self._buf_ids.extend(ids[pos : pos + take])
-            self._fill += take
+            if self._shard is None:
+                self._open_shard(arrays[0].dtype)
+            assert self._shard is not None
+            take = min(self.shard_rows - self._shard.rows, len(ids) - pos)
+            self._shard.append([a[pos : pos + take] for a in arrays])
+            self._shard_ids.extend(ids[pos : pos + take])
             pos += take
-            if self._fill == self.shard_rows:
-                self._write()
+            if self._shard.rows == self.shard_rows:
+                self._commit()
+
+    def _open_shard(self, np_dtype: np.dtype) -> None:
+        need = self.shard_rows * self.row_width * np.dtype(np_dtype).itemsize
+        free = shutil.disk_usage(self.shard_dir).free
+        if need > free:
+            raise OSError(f"not enough disk space for a {need}-byte shard ({free} bytes free)")
+        stem = fmt.shard_stem(self.rank, self._index)
+        self._shard = fmt.ShardFile(self.shard_dir, stem, self.row_width, np_dtype)
+        self._shard_ids = []
 
     def _flush(self) -> None:
-        if self._fill:
-            self._write()
+        if self._shard is not None and self._shard.rows:
+            self._commit()
 
-    def _write(self) -> None:
-        assert self._buf is not None
-        n, ids = self._fill, self._buf_ids
-        array = self._buf[:n]
-        free = shutil.disk_usage(self.shard_dir).free
-        if array.nbytes > free:
-            raise OSError(
-                f"not enough disk space for a {array.nbytes}-byte shard ({free} bytes free)"
-            )
-        stem = fmt.shard_stem(self.rank, self._index)
-        fmt.write_shard(self.shard_dir, stem, array, ids)
+    def _commit(self) -> None:
+        shard, self._shard = self._shard, None
+        assert shard is not None
+        try:
+            shard.commit(self._shard_ids)
+        except BaseException:
+            shard.abort()
+            raise
         self._index += 1
-        self._fill, self._buf_ids = 0, []
-        self.rows_written += n
-        self.bytes_written += array.nbytes
-        self.shards_written.append(stem)
+        self.rows_written += shard.rows
+        self.bytes_written += shard.nbytes
+        self.shards_written.append(shard.stem)
+        self._shard_ids = []
 
 
 def stored_ids(shard_dir: Path) -> set[DataId]:
