@@ -90,8 +90,20 @@ def _draw(gen: torch.Generator, n_data: int, size: int) -> torch.Tensor:
     return torch.randint(n_data, (size,), generator=gen)
 
 
-def _two_batch(model, loss_fn, src, params, b_small, b_big, n_estimates, gen):
-    """Each big batch is split into chunks of ``b_small``: one big gradient, many small ones."""
+def _two_batch(
+    model: nn.Module,
+    loss_fn: LossFn,
+    src: BatchSource,
+    params: list[nn.Parameter],
+    b_small: int,
+    b_big: int,
+    n_estimates: int,
+    gen: torch.Generator,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each big batch is split into chunks of ``b_small``: one big gradient, many small ones.
+
+    A last chunk shorter than ``b_small`` counts towards the big gradient only.
+    """
     small = np.zeros((n_estimates, len(params)))
     big = np.zeros((n_estimates, len(params)))
     for i in range(n_estimates):
@@ -110,7 +122,15 @@ def _two_batch(model, loss_fn, src, params, b_small, b_big, n_estimates, gen):
     return small, big
 
 
-def _per_sample(model, loss_fn, src, b_big, n_estimates, gen, name_filter):
+def _per_sample(
+    model: nn.Module,
+    loss_fn: LossFn,
+    src: BatchSource,
+    b_big: int,
+    n_estimates: int,
+    gen: torch.Generator,
+    name_filter: str | None,
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
     from nnstat._gns_capture import PerSampleNorms
 
     collector = PerSampleNorms(model, name_filter=name_filter)
@@ -172,13 +192,22 @@ def noise_scale(
         method: ``"two_batch"`` (each big batch split into small chunks), ``"per_sample"``
             (``B_small = 1`` from per-sample norms of the capture engine, batches of
             ``big_batch``; ``small_batch`` ignored) or ``"fit"`` (curve fit over
-            ``batch_sizes``, default ``small_batch, 2*small_batch, ...`` up to ``big_batch``; one big batch
-            is cut into nested chunks so it serves every size).
+            ``batch_sizes``, default ``small_batch, 2*small_batch, ...`` up to ``big_batch``;
+            one big batch is cut into nested chunks so it serves every size).
         n_estimates: number of independent big batches (per batch size for ``fit``).
         seed: seed of the batch sampler (the global RNG is not touched).
         hessian: also compute ``B_noise = tr(H Sigma)/G^T H G`` on ``hessian_samples``
             samples with exact Hessian-vector products (small models, tensor data only).
         name_filter: regex of module names for ``per_sample`` (default: all supported).
+
+    Returns:
+        A :class:`NoiseScaleResult`. ``b_simple`` is ``inf`` (with a ``RuntimeWarning``) when the
+        ``|G|^2`` estimate is <= 0; the raw estimates stay in ``grad_sq_norm``/``trace_sigma``.
+        ``per_layer`` is keyed by parameter name (module name for ``per_sample``).
+
+    Raises:
+        ValueError: ``small_batch >= big_batch``, ``per_sample`` with ``big_batch < 2``, an
+            unknown ``method``, mismatched data, a non-scalar or non-finite loss.
 
     Example:
         >>> _ = torch.manual_seed(0)
