@@ -187,3 +187,50 @@ def test_pca_without_statistics_is_refused():
         build_projections(specs, 2, "pca", statistics={"other/forward/covariance": torch.eye(2)})
     with pytest.raises(ValueError, match="valid"):
         build_projections(specs, 2, "svd")
+
+
+def test_masked_sequence_positions_are_excluded(tmp_path):
+    torch.manual_seed(6)
+    model = nn.Linear(4, 3)
+    x, w = torch.randn(3, 5, 4), torch.randn(3, 5, 3)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    run = nnstat.init(project="mask", root_dir=tmp_path)
+    nnstat.watch(model)
+    nnstat.add_projection(rank=2)
+    with run(data_id=[0, 1, 2], mask=mask):
+        (model(x) * w * mask.unsqueeze(-1)).sum().backward()
+    nnstat.finalize()
+    store = nnstat.GradientStore(run.path)
+    proj = store.projections()
+
+    def loss_fn(out, t, m):
+        return (out * t * m.unsqueeze(-1)).sum()
+
+    g = per_sample_grads(model, loss_fn, x, w, mask.float())
+    want = expected(matrix_form(g, ""), proj, "model", 5, 3)
+    torch.testing.assert_close(store.rows(0, 3), want, rtol=1e-4, atol=1e-5)
+
+
+def test_embedding_and_layernorm_rows(tmp_path):
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Embedding(11, 6), nn.LayerNorm(6), nn.Linear(6, 2))
+    idx, t = torch.randint(0, 11, (4, 5)), torch.randn(4, 5, 2)
+
+    def loss_fn(out, target):
+        return (out * target).sum()
+
+    store, rows, proj = log_rows(
+        tmp_path, model, [([0, 1, 2, 3], lambda: loss_fn(model(idx), t))], rank=3
+    )
+    g = per_sample_grads(model, loss_fn, idx, t)
+    emb, ln = store.modules[0], store.modules[1]
+    assert emb["kind"] == "embedding" and ln["kind"] == "layernorm" and ln["r_out"] is None
+    # embedding: G_i = [D, V] (weight gradient transposed), projected on both sides
+    want = expected(g["0.weight"].transpose(1, 2), proj, "0", 11, 6)
+    torch.testing.assert_close(rows[:, : emb["width"]], want, rtol=1e-4, atol=1e-5)
+    # layernorm: flat [weight, bias] gradient times p_in [r, 12]
+    flat = torch.cat([g["1.weight"], g["1.bias"]], dim=1)
+    want = flat @ proj["1/p_in"].T
+    torch.testing.assert_close(
+        rows[:, ln["offset"] : ln["offset"] + ln["width"]], want, rtol=1e-4, atol=1e-5
+    )
