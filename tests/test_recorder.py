@@ -316,6 +316,9 @@ def test_storage_is_readable_during_training_and_never_pickles(tmp_path) -> None
     kpis = read_kpis(rec.path)
     assert [r["step"] for r in kpis] == [0, 1, 2, 3, 4, 5]
     assert [r["kpis"]["loss"] for r in kpis] == pytest.approx(losses)
+    with open(rec.path / "kpis.jsonl", "a") as fh:
+        fh.write('{"type": "train", "st')  # a line the writer is still appending
+    assert len(read_kpis(rec.path)) == 6
     leftovers = [p.name for p in rec.path.rglob(".*")]
     assert leftovers == []
     for npy in (rec.path / "steps").glob("*.npy"):

@@ -12,8 +12,9 @@
   notes.jsonl                      one JSON object per note
   kpis.jsonl                       {"type", "step", "kpis"} for every step with KPIs
 ```
-Every file is written under a temporary name and renamed; a step's JSON is written last, so a
-reader that lists ``steps/*.json`` while training runs only sees complete steps.
+Every step file is written under a temporary name and renamed; a step's JSON is written last, so
+a reader that lists ``steps/*.json`` while training runs only sees complete steps. The ``.jsonl``
+logs are appended one line per record; readers ignore a partly written last line.
 """
 
 from __future__ import annotations
@@ -175,19 +176,15 @@ def read_step_values(trial: Path, stem: str) -> dict[str, torch.Tensor]:
 
 
 def read_notes(trial: Path) -> list[dict[str, Any]]:
-    path = Path(trial) / "notes.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
-
-
-def read_kpis(trial: Path) -> list[dict[str, Any]]:
-    """Every step's KPIs (recorded or not); a partly written last line is ignored.
+    """Notes of a trial; a partly written last line is ignored.
 
     Example:
-        >>> [r["kpis"]["loss"] for r in read_kpis(Path("runs/recorder/g/t"))][:2]  # doctest: +SKIP
+        >>> [n["text"] for n in read_notes(Path("runs/recorder/g/t"))]  # doctest: +SKIP
     """
-    path = Path(trial) / "kpis.jsonl"
+    return _read_jsonl(Path(trial) / "notes.jsonl")
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     out = []
@@ -197,3 +194,12 @@ def read_kpis(trial: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             break  # the writer is appending this line right now
     return out
+
+
+def read_kpis(trial: Path) -> list[dict[str, Any]]:
+    """Every step's KPIs (recorded or not); a partly written last line is ignored.
+
+    Example:
+        >>> [r["kpis"]["loss"] for r in read_kpis(Path("runs/recorder/g/t"))][:2]  # doctest: +SKIP
+    """
+    return _read_jsonl(Path(trial) / "kpis.jsonl")
