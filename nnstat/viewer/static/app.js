@@ -66,7 +66,7 @@
     const n = Math.max(step().iterations, 1);
     S.iteration = Math.min(S.iteration, n - 1);
     options($("sel-iteration"), [...Array(n).keys()].map((i) => [i, String(i)]), S.iteration);
-    const k = Math.max(-1, ...step().rows.sample) + 1;
+    const k = step().rows.sample.reduce((m, s) => Math.max(m, s), -1) + 1;
     if (S.sample >= k) S.sample = -1;
     options($("sel-scope"), [[-1, "batch"], ...[...Array(k).keys()].map((i) => [i, `sample ${i}`])],
       S.sample);
