@@ -202,25 +202,8 @@ class Run:
         if not (self.mode == "eval" or self._saving()):
             return
         assert self._projections is not None
-        if not batch:
-            raise RuntimeError(
-                "nothing was captured inside run(...): call loss.backward() inside the block "
-                "(and make sure the loss depends on a watched module)"
-            )
-        n = next(iter(batch.values())).shape[0]
-        missing = [name for name in self._projections if name not in batch]
-        new = [m for m in missing if m not in self._warned_missing]
-        if new:
-            self._warned_missing.update(new)
-            warnings.warn(
-                f"watched modules {new} received no gradient in a batch; their per-sample "
-                "gradients are stored as zeros (they did not take part in the loss)",
-                stacklevel=3,
-            )
-        cols = [
-            batch[name] if name in batch else torch.zeros(n, p.width)
-            for name, p in self._projections.items()
-        ]
+        cols = parts.module_blocks(batch, self._projections, self._warned_missing)
+        n = cols[0].shape[0]
         if ids is None:
             ids = list(range(self._next_auto_id, self._next_auto_id + n))
             keep = self._admit(ids)
@@ -235,7 +218,7 @@ class Run:
             self._eval_rows.append(rows.detach().cpu())
         else:
             assert self._logger is not None
-            # module blocks go to the writer as they are: it joins them into the shard buffer
+            # module blocks go to the writer as they are: it writes them row by row (writev)
             self._logger.add(ids, [c.detach().cpu() for c in cols], keep)
 
     def _admit(self, ids: list) -> list[bool] | None:

@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -205,6 +206,33 @@ def projections_from_store(
     p = store.meta.get("projection", {})
     args = {"rank": p.get("rank"), "init": p.get("init") or "random", "seed": p.get("seed", 0)}
     return out, args
+
+
+def module_blocks(
+    batch: Mapping[str, torch.Tensor],
+    projections: Mapping[str, ModuleProjection],
+    warned: set[str],
+) -> list[torch.Tensor]:
+    """One ``[N, width]`` block per module in layout order; zeros for modules without gradient.
+
+    A watched module that took no part in the loss has a zero gradient: stored as zeros, with a
+    one-time warning naming it. Nothing captured at all is an error (no backward in the block).
+    """
+    if not batch:
+        raise RuntimeError(
+            "nothing was captured inside run(...): call loss.backward() inside the block "
+            "(and make sure the loss depends on a watched module)"
+        )
+    n = next(iter(batch.values())).shape[0]
+    new = [m for m in projections if m not in batch and m not in warned]
+    if new:
+        warned.update(new)
+        warnings.warn(
+            f"watched modules {new} received no gradient in a batch; their per-sample "
+            "gradients are stored as zeros (they did not take part in the loss)",
+            stacklevel=4,
+        )
+    return [batch[m] if m in batch else torch.zeros(n, p.width) for m, p in projections.items()]
 
 
 def freeze_params(engine: Any) -> Callable[[], None]:
