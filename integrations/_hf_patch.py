@@ -150,6 +150,7 @@ def patch_trainer(trainer_cls: type) -> type:
                     self._nnstat_sum_loss,
                     a.name_filter,
                     a.type_filter,
+                    stacklevel=5,
                 )
                 config = build_config(a.config, ekfac=a.ekfac, loss_reduction="sum")
                 self.nnstat_run = open_run(

@@ -141,6 +141,7 @@ def probe_filter(
     loss_fn: Callable[[Any], torch.Tensor],
     name_filter: Any = None,
     type_filter: Any = None,
+    stacklevel: int = 3,
 ) -> Any:
     """The ``name_filter`` to watch: every supported module (within the user's filters) whose
     per-sample gradients are defined, found with one forward/backward on ``batch``. Modules left
@@ -162,7 +163,7 @@ def probe_filter(
     keep = probe.regex()
     if probe.excluded:
         reasons = "; ".join(f"{n}: {why}" for n, why in probe.excluded.items())
-        warnings.warn(f"not watched (no per-sample gradient): {reasons}", stacklevel=3)
+        warnings.warn(f"not watched (no per-sample gradient): {reasons}", stacklevel=stacklevel)
     return keep
 
 
