@@ -290,6 +290,10 @@ def main() -> None:
                 "Kronfluence 1.0.1 default (EK-FAC)",
                 lambda: kronfluence_scores(base, train, query, root),
             )
+            record(
+                "Kronfluence 1.0.1 EK-FAC, damping_factor=None (its heuristic)",
+                lambda: kronfluence_scores(base, train, query, root, heuristic_damping=True),
+            )
 
     print(
         f"\ndigits, MLP 64-{args.hidden}-10 ({n_params} parameters), {args.n_train} train / "
