@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -33,6 +34,7 @@ from nnstat.stats import (
     SIGNED_STATS,
     Workspace,
     _exact_row,
+    cpu_single_thread,
     summarize,
     validate_stats,
 )
@@ -210,13 +212,9 @@ class Tracker:
         self._calls += 1
         step = call if step is None else step
         refresh = self._prev is not None and (call + 1) % self.every == 0
-        metrics = None
-        if call % self.every == 0:
-            if self._fused_ok():
-                metrics = self._measure_fused(refresh)
-                refresh = False  # the fused pass refreshed the snapshot on the way
-            else:
-                metrics = self._measure()
+        on_cpu = all(p.device.type == "cpu" for p in self.params)
+        with cpu_single_thread() if on_cpu else contextlib.nullcontext():
+            metrics, refresh = self._record(call, refresh)
         if refresh:
             # snapshot the weights the next (logged) step's update is measured from
             # on local shards: DTensor (FSDP fully_shard) has no foreach sharding rules
@@ -234,6 +232,13 @@ class Tracker:
             log(metrics, step)
         self.latest = metrics
         return metrics
+
+    def _record(self, call: int, refresh: bool) -> tuple[dict[str, Any] | None, bool]:
+        if call % self.every:
+            return None, refresh
+        if self._fused_ok():
+            return self._measure_fused(refresh), False  # the fused pass refreshed the snapshot
+        return self._measure(), refresh
 
     def _fused_ok(self) -> bool:
         return (
