@@ -272,6 +272,16 @@ def _influence_section(rep: Any, state: Any, ex: DemoExtras) -> None:
         train_labels=state.y_train, query_captions=captions, max_queries=12,
     )  # fmt: skip
     rep.figure(fig, "Top helpful and harmful training digits (score, training index, label).")
+    top = ex.influence.top_k(3)
+    rep.bullets(
+        [
+            f"test #{q}: true {int(state.y_test[q])}, predicted {int(pred[q])}; most helpful "
+            + ", ".join(f"#{i} (label {int(state.y_train[i])})" for i in top.helpful_ids[r])
+            + "; most harmful "
+            + ", ".join(f"#{i} (label {int(state.y_train[i])})" for i in top.harmful_ids[r])
+            for r, q in enumerate(top.test_ids)
+        ]
+    )
     rep.figure(
         nplt.score_distribution(ex.influence), "All influence scores of the misclassified digits."
     )
