@@ -148,23 +148,16 @@ def _plain_api(model, tmp_path, names, train, query, rank, config):
     return run, log
 
 
-@pytest.mark.parametrize("as_training_args", [False, True])
-def test_patched_trainer_matches_the_plain_api(tmp_path, as_training_args):
+def test_patched_trainer_matches_the_plain_api(tmp_path):
     model = _model(1)
     train, query = Tokens(16, 0), Tokens(3, 1)
     nargs = NNStatArguments("hf", root_dir=str(tmp_path), rank=3, progress=False, track=False)
     NNStatTrainer = patch_trainer(transformers.Trainer)
     assert NNStatTrainer.__name__ == "NNStatTrainer"
-    if as_training_args:
-        trainer = NNStatTrainer(model=model, args=nargs, train_dataset=train)
-        trainer.args.per_device_eval_batch_size = 8
-    else:
-        trainer = NNStatTrainer(
-            nnstat_args=nargs,
-            model=model,
-            args=_args(tmp_path, per_device_eval_batch_size=8),
-            train_dataset=train,
-        )
+    # the seed's spelling: NNStatArguments passed as the TrainingArguments
+    trainer = NNStatTrainer(model=model, args=nargs, train_dataset=train)
+    assert trainer.nnstat_args is nargs
+    trainer.args.per_device_eval_batch_size = 8
     with pytest.warns(UserWarning, match="transformer.wpe"):
         run = trainer.extract_log()
     names = list(run.engine.watched)
@@ -205,6 +198,16 @@ def test_patch_trainer_errors(tmp_path):
         args=_args(tmp_path),
         train_dataset=Tokens(4, 0),
     )
+    assert isinstance(trainer.args, transformers.TrainingArguments)
+    assert trainer.nnstat_callback is None
+    tracked = NNStatTrainer(
+        nnstat_args=NNStatArguments("q", root_dir=str(tmp_path)),
+        model=_model(),
+        args=_args(tmp_path, report_to="tensorboard"),
+    )
+    order = [type(c).__name__ for c in tracked.callback_handler.callbacks]
+    i = order.index("NNStatCallback")
+    assert order[i + 1 : i + 3] == ["TensorBoardCallback", "_StripInjected"]
     with pytest.raises(RuntimeError, match="extract_log"):
         trainer.influence(Tokens(2, 1))
     with pytest.raises(TypeError, match="valid"):
