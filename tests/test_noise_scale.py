@@ -78,6 +78,7 @@ def test_empirical_truth_matches_closed_form(problem):
     [
         ("two_batch", dict(small_batch=8, big_batch=64, n_estimates=2000)),
         ("fit", dict(small_batch=4, big_batch=64, n_estimates=800)),
+        ("per_sample", dict(big_batch=64, n_estimates=1000)),
     ],
 )
 def test_methods_within_5_percent(problem, method, kwargs):
@@ -89,11 +90,15 @@ def test_methods_within_5_percent(problem, method, kwargs):
     lo, hi = r.interval
     assert lo < truth["b_simple"] < hi
     assert r.b_simple_stderr > 0
-    # a single parameter: the per-layer values are the totals
-    assert r.per_layer["weight"].b_simple == pytest.approx(r.b_simple, rel=1e-6)
+    # a single parameter: the per-layer values are the totals (per_sample keys modules)
+    layer = "model" if method == "per_sample" else "weight"
+    assert list(r.per_layer) == [layer]
+    assert r.per_layer[layer].b_simple == pytest.approx(r.b_simple, rel=1e-6)
     flat = r.to_dict()
     assert flat["noise_scale/b_simple"] == r.b_simple
-    assert flat["noise_scale/b_simple/weight"] == pytest.approx(r.b_simple, rel=1e-6)
+    assert flat[f"noise_scale/b_simple/{layer}"] == pytest.approx(r.b_simple, rel=1e-6)
+    if method == "fit":
+        assert r.fit_residual is not None and r.fit_residual < 0.05
 
 
 def test_two_batch_estimators_are_unbiased(problem):
@@ -109,6 +114,22 @@ def test_two_batch_estimators_are_unbiased(problem):
         # single estimates are very noisy: the test has power, the estimator is not trivially exact
         assert est.std() > 0.2 * abs(true)
     assert r.n_samples == 1500 * 16
+
+
+@pytest.mark.parametrize("sizes,nested", [([4, 8, 16, 32], True), ([3, 8, 20], False)])
+def test_fit_squared_norms_are_unbiased(problem, sizes, nested):
+    """Every batch size's mean |G_B|^2 matches |G|^2 + tr(Sigma)/B (4 s.e.), nested or not."""
+    model, x, y, truth = problem
+    n = 400
+    r = nnstat.noise_scale(
+        model, nn.functional.mse_loss, (x, y), method="fit", batch_sizes=sizes, n_estimates=n
+    )
+    assert r.batch_sizes == sizes
+    assert r.n_samples == n * (max(sizes) if nested else sum(sizes))
+    for b in sizes:
+        est = np.asarray(r.estimates[f"sq_norm/{b}"])
+        expected = truth["g_sq"] + truth["trace"] / b
+        assert abs(est.mean() - expected) < 4 * est.std(ddof=1) / math.sqrt(n), b
 
 
 def test_two_batch_formula_inverts_expectation():
