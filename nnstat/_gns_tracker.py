@@ -223,7 +223,17 @@ class NoiseScale:
     ) -> DDPNoiseScaleState:
         """Register a DDP communication hook feeding this tracker every synchronised backward.
 
-        ``b_small`` is ``local_batch_size`` (samples per rank), ``b_big`` the global batch.
+        ``b_small`` is ``local_batch_size`` (samples per rank), ``b_big`` the global batch; the
+        loss must be the mean over the rank's samples. With gradient accumulation under
+        ``no_sync()``, average the micro-batch losses (divide each by their number) and pass
+        the samples per rank per optimizer step. Whole-model values only (no per-layer split).
+        The returned state's ``local_batch_size`` can be changed between steps.
+
+        Example::
+
+            ddp_model = torch.nn.parallel.DistributedDataParallel(model)
+            gns = nnstat.NoiseScale(beta=0.95)
+            gns.register_ddp(ddp_model, local_batch_size=32)
         """
         from nnstat._gns_ddp import register_noise_scale_hook
 
