@@ -147,3 +147,16 @@ def test_blocked_moments_combine_exactly(monkeypatch, chunk):
     for t in (x, big):
         row = st.summarize([t], STAT_NAMES)[0].tolist()
         check(row, t.numpy(), rtol=2e-4, atol=1e-5)
+
+
+def test_summarize_restores_the_thread_count():
+    from nnstat.stats import cpu_single_thread
+
+    before = torch.get_num_threads()
+    summarize([torch.randn(100)], STAT_NAMES)
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError):
+        with cpu_single_thread():
+            assert torch.get_num_threads() == 1
+            raise RuntimeError("boom")
+    assert torch.get_num_threads() == before
