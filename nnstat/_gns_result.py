@@ -41,7 +41,7 @@ class NoiseScaleResult:
     estimates: dict[str, list[float]] = field(default_factory=dict)
 
     def to_dict(self, prefix: str = "noise_scale") -> dict[str, float]:
-        """Flat metrics, e.g. ``noise_scale/b_simple`` and ``noise_scale/b_simple/fc1.weight``.
+        """Flat metrics, e.g. ``noise_scale/b_simple`` and ``noise_scale/fc1.weight/b_simple`` (``<group>/<layer>/<stat>``).
 
         Example:
             >>> r = NoiseScaleResult("two_batch", 4.0, 1.0, 4.0, 0.1, (3.8, 4.2), 10, 1, [2, 8])
@@ -62,7 +62,7 @@ class NoiseScaleResult:
         if self.b_noise is not None:
             out[f"{prefix}/b_noise"] = self.b_noise
         for name, layer in self.per_layer.items():
-            out[f"{prefix}/b_simple/{name}"] = layer.b_simple
+            out[f"{prefix}/{name}/b_simple"] = layer.b_simple
         return out
 
     def summary(self) -> str:

@@ -279,7 +279,7 @@ class NoiseScale:
         return {k: self._means(k)[::-1] for k in self._stats if k != _TOTAL}
 
     def to_dict(self) -> dict[str, float]:
-        """Flat metrics: ``noise_scale/b_simple``, ``.../grad_sq_norm``, per layer, ..."""
+        """Flat metrics: ``noise_scale/b_simple``, ``noise_scale/grad_sq_norm``, ``noise_scale/<layer>/b_simple``, ..."""
         p = self.prefix
         out = {
             f"{p}/b_simple": self.value,
@@ -289,7 +289,7 @@ class NoiseScale:
         if self.window is not None:
             out[f"{p}/low"], out[f"{p}/high"] = self.interval
         for k, v in self.layer_values().items():
-            out[f"{p}/b_simple/{k}"] = v
+            out[f"{p}/{k}/b_simple"] = v
         return out
 
     def as_provider(self) -> Callable[[], dict[str, float]]:

@@ -96,7 +96,7 @@ def test_methods_within_5_percent(problem, method, kwargs):
     assert r.per_layer[layer].b_simple == pytest.approx(r.b_simple, rel=1e-6)
     flat = r.to_dict()
     assert flat["noise_scale/b_simple"] == r.b_simple
-    assert flat[f"noise_scale/b_simple/{layer}"] == pytest.approx(r.b_simple, rel=1e-6)
+    assert flat[f"noise_scale/{layer}/b_simple"] == pytest.approx(r.b_simple, rel=1e-6)
     if method == "fit":
         assert r.fit_residual is not None and r.fit_residual < 0.05
 

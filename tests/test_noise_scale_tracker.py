@@ -208,4 +208,4 @@ def test_provider_feeds_tracker():
     tracker.add_provider(gns.as_provider())
     metrics = tracker.step()
     assert metrics["noise_scale/b_simple"] == pytest.approx(gns.value)
-    assert metrics["noise_scale/b_simple/weight"] == pytest.approx(gns.value)
+    assert metrics["noise_scale/weight/b_simple"] == pytest.approx(gns.value)
