@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from nnstat.distributed import any_dtensor, norms_sharded, summarize_sharded
 from nnstat.stats import Description, summarize, validate_stats
 
 __all__ = ["NetDict", "select_names"]
@@ -199,6 +200,9 @@ class NetDict(Mapping[str, torch.Tensor]):
         """
         if not self._data:
             return {}
+        if any_dtensor(list(self._data.values())):
+            # sharded layers: norms of the local shards reduced across ranks, never gathered
+            return dict(zip(self._data, norms_sharded(list(self._data.values()), p), strict=True))
         tensors = [t.detach().reshape(-1) for t in self._data.values()]
         tensors = [t if t.is_floating_point() else t.float() for t in tensors]
         norms = torch._foreach_norm(tensors, p)
@@ -261,6 +265,9 @@ class NetDict(Mapping[str, torch.Tensor]):
             out = Description(
                 {n: dict(zip(stats, row, strict=True)) for n, row in zip(names, table, strict=True)}
             )
+        elif any_dtensor(tensors):
+            row = summarize_sharded(tensors, stats, combine=True)[0].tolist()
+            out = Description(zip(stats, row, strict=True))
         else:
             dev = tensors[0].device
             flat = torch.cat([t.detach().reshape(-1).to(dev) for t in tensors])

@@ -158,6 +158,16 @@ def _numel(shape: tuple) -> int:
     return out
 
 
+def _weight_shape(module: nn.Module) -> tuple[int, ...]:
+    """Linear/conv weight shape from the module's attributes, not the live tensor: under FSDP1
+    (``use_orig_params``) ``module.weight`` is a flat local slice outside forward."""
+    if isinstance(module, nn.Linear):
+        return (module.out_features, module.in_features)
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return (module.out_channels, module.in_channels // module.groups, *module.kernel_size)
+    return tuple(module.weight.shape)
+
+
 def dims(kind: str, module: nn.Module) -> tuple[int, int]:
     """``(d_in(+1), d_out)`` of the matrix form (layernorm: ``(D, D)`` of the normalised shape)."""
     bias = int(has_bias(module))
@@ -166,7 +176,7 @@ def dims(kind: str, module: nn.Module) -> tuple[int, int]:
     if kind == "conv1d_hf":
         return module.weight.shape[0] + bias, module.weight.shape[1]
     if kind == "conv":
-        return module.weight[0].numel() + bias, module.out_channels
+        return _numel(_weight_shape(module)[1:]) + bias, module.out_channels
     if kind == "embedding":
         return module.num_embeddings, module.embedding_dim
     if kind == "layernorm":
@@ -181,10 +191,11 @@ def grads_by_param(kind: str, module: nn.Module, g: torch.Tensor) -> dict[str, t
     out: dict[str, torch.Tensor] = {}
     bias = has_bias(module)
     if kind == "layernorm":
-        d = module.weight.numel()
-        out["weight"] = g[:, :d].reshape(n, *module.weight.shape)
+        shape = tuple(module.normalized_shape)
+        d = _numel(shape)
+        out["weight"] = g[:, :d].reshape(n, *shape)
         if bias:
-            out["bias"] = g[:, d:].reshape(n, *module.bias.shape)
+            out["bias"] = g[:, d:].reshape(n, *shape)
         return out
     if kind == "embedding":
         out["weight"] = g.transpose(1, 2)
@@ -193,7 +204,7 @@ def grads_by_param(kind: str, module: nn.Module, g: torch.Tensor) -> dict[str, t
     if kind == "conv1d_hf":
         out["weight"] = w.transpose(1, 2)
     else:
-        out["weight"] = w.reshape(n, *module.weight.shape)
+        out["weight"] = w.reshape(n, *_weight_shape(module))
     if bias:
         out["bias"] = g[..., -1]
     return out

@@ -1,0 +1,156 @@
+"""The per-rank workflow of tests/test_compat_dist.py (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+import nnstat
+from nnstat.capture import CaptureEngine
+from nnstat.statistics import StatisticsCollector
+
+WORLD = 2
+# unequal shards (5 and 3 samples) catch an average of per-rank averages
+SPLITS = ((0, 5), (5, 8))
+LR, MOMENTUM = 0.1, 0.9
+STATS = ("numel", "mean", "var", "skew", "kurtosis", "min", "max", "abs_max", "l1", "l2")
+STATS += ("sparsity", "nonfinite")
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def model() -> nn.Module:
+    # 7 rows: FSDP shards them unevenly (4 + 3) and the 3-row head as 2 + 1
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 7), nn.Tanh(), nn.LayerNorm(7), nn.Linear(7, 3))
+
+
+def wrap(kind: str, m: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """``(wrapped model to train, inner module whose submodules are watched)``."""
+    if kind == "ddp":
+        w = nn.parallel.DistributedDataParallel(m)
+        return w, w.module
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(m[0])
+        fully_shard(m[3])
+        fully_shard(m)
+        return m, m
+    if kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        w = FSDP(m, device_id=torch.device("cpu"), use_orig_params=True)
+        return w, w.module
+    raise ValueError(kind)
+
+
+def collect_ekfac(train: nn.Module, x: torch.Tensor, y: torch.Tensor, inner=None) -> dict:
+    engine = CaptureEngine()
+    engine.watch(inner if inner is not None else train)
+    col = StatisticsCollector("ekfac")
+    engine.add_consumer(col)
+    for _ in col.passes:
+        # the same number of batches on every rank: each FSDP forward is a collective
+        for idx in torch.arange(len(x)).tensor_split(2):
+            with engine.batch(loss_reduction="mean"):
+                F.cross_entropy(train(x[idx]), y[idx]).backward()
+            train.zero_grad()
+        col.finalize()
+    engine.unwatch()
+    return col.state_dict()
+
+
+def _gathered(kind: str, train: nn.Module):
+    """FSDP1 exposes flat 1-D slices without placements: NetDicts need the full parameters."""
+    if kind != "fsdp1":
+        return contextlib.nullcontext()
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return FSDP.summon_full_params(train, with_grads=True)
+
+
+def _netdict_and_tracker(kind: str, rank: int, x, y, out_dir: str) -> None:
+    m = model()
+    train, inner = wrap(kind, m)
+    opt = torch.optim.SGD(train.parameters(), lr=LR, momentum=MOMENTUM)
+    # FSDP1: no Tracker (its optimizer states are flat slices, see the README table)
+    tracker = None if kind == "fsdp1" else nnstat.Tracker(inner, opt, stats=STATS)
+    engine = CaptureEngine()
+    engine.watch(inner)
+    psg: dict[str, torch.Tensor] = {}
+
+    def keep(cap) -> None:
+        for p, g in cap.per_sample_grads_by_param().items():
+            psg[f"{cap.name}.{p}"] = g.contiguous()
+
+    engine.add_consumer(keep)
+    with engine.batch(loss_reduction="sum"):
+        F.cross_entropy(train(x), y, reduction="sum").backward()
+    engine.unwatch()
+    save_file(psg, os.path.join(out_dir, f"psg-rank{rank}.safetensors"))
+    with _gathered(kind, train):
+        G = nnstat.get_grad(inner)
+    opt.step()
+    metrics = tracker.step() if tracker is not None else None
+    with _gathered(kind, train):
+        W = nnstat.get_weight(inner)
+    res = {
+        "tracker": metrics,
+        "describe_layers": W.describe_layers(stats=STATS, prefix="w/"),
+        "describe_grad": dict(G.describe(stats=STATS)),
+        "layer_norms": W.layer_norms(2),
+        "norm1": W.norm(1),
+    }
+    with open(os.path.join(out_dir, f"netdict-rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+
+
+def _store_and_influence(kind: str, rank: int, x, y, out_dir: str) -> None:
+    m = model()
+    train, inner = wrap(kind, m)
+    lo, hi = SPLITS[rank]
+    run = nnstat.init(project="store", root_dir=out_dir)
+    nnstat.setup({"statistic": "none"})
+    nnstat.watch(inner)
+    nnstat.add_projection(rank=2)
+    with run(data_id=list(range(lo, hi))):
+        F.cross_entropy(train(x), y, reduction="sum").backward()
+    nnstat.finalize()
+    nnstat.unwatch()
+    dist.barrier()  # every rank's shard is on disk before anyone reads the union
+    path = os.path.join(out_dir, "store")
+    query = nnstat.GradientStore(path)
+    res = nnstat.influence.compute_influence_all(query, path, preconditioner="identity")
+    torch.save(
+        {"scores": res.scores, "train_ids": res.train_ids, "query_ids": res.test_ids},
+        os.path.join(out_dir, f"influence-rank{rank}.pt"),
+    )
+
+
+def worker(rank: int, world: int, port: int, kind: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        x, y = data()
+        lo, hi = SPLITS[rank]
+        x, y = x[lo:hi], y[lo:hi]
+        _netdict_and_tracker(kind, rank, x, y, out_dir)
+        m = model()
+        train, inner = wrap(kind, m)
+        state = collect_ekfac(train, x, y, inner)
+        save_file(state, os.path.join(out_dir, f"ekfac-rank{rank}.safetensors"))
+        _store_and_influence(kind, rank, x, y, out_dir)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,201 @@
+"""Every capability under DDP, FSDP2 (``fully_shard``, DTensor parameters) and FSDP1
+(``FullyShardedDataParallel`` on CPU, ``use_orig_params=True``), 2 gloo processes each.
+
+One spawn per wrapper (module-scoped, cached) runs the whole workflow and saves what every rank
+saw; each test then checks one capability against an independent single-process reference:
+``torch.func`` per-sample gradients, numpy/scipy statistics of the unsharded tensors, closed-form
+projections and dot products.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from _compat_worker import LR, MOMENTUM, SPLITS, STATS, WORLD, data, model, worker
+from safetensors.torch import load_file
+from torch.func import functional_call, grad, vmap
+
+import nnstat
+
+WRAPPERS = ("ddp", "fsdp2", "fsdp1")
+pytestmark = pytest.mark.timeout(300)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    cache: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in cache:
+            out = tmp_path_factory.mktemp(kind)
+            mp.spawn(worker, args=(WORLD, _free_port(), kind, str(out)), nprocs=WORLD, join=True)
+            cache[kind] = str(out)
+        return cache[kind]
+
+    return get
+
+
+def _per_sample_ref() -> dict[str, torch.Tensor]:
+    m = model()
+    x, y = data()
+    params = {k: v.detach() for k, v in m.named_parameters()}
+
+    def loss(p, xi, yi):
+        return F.cross_entropy(functional_call(m, p, (xi[None],)), yi[None], reduction="sum")
+
+    return vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+
+
+def _after_step() -> dict[str, dict[str, np.ndarray]]:
+    """Unsharded tensors after one SGD step on the mean over ranks of the local sum losses."""
+    m = model()
+    x, y = data()
+    w0 = {n: p.detach().clone() for n, p in m.named_parameters()}
+    opt = torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM)
+    (F.cross_entropy(m(x), y, reduction="sum") / WORLD).backward()
+    opt.step()
+    out: dict[str, dict[str, np.ndarray]] = {"weight": {}, "grad": {}, "update": {}}
+    out["momentum_buffer"] = {}
+    for n, p in m.named_parameters():
+        out["weight"][n] = p.detach().numpy().ravel().astype(np.float64)
+        out["grad"][n] = p.grad.numpy().ravel().astype(np.float64)
+        out["momentum_buffer"][n] = opt.state[p]["momentum_buffer"].numpy().ravel().astype(float)
+        out["update"][n] = (p.detach() - w0[n]).numpy().ravel().astype(np.float64)
+    return out
+
+
+def _np_stats(v: np.ndarray) -> dict[str, float]:
+    return {
+        "numel": float(v.size),
+        "mean": float(v.mean()),
+        "var": float(v.var()),
+        "skew": float(scipy.stats.skew(v)),
+        "kurtosis": float(scipy.stats.kurtosis(v)),
+        "min": float(v.min()),
+        "max": float(v.max()),
+        "abs_max": float(np.abs(v).max()),
+        "l1": float(np.abs(v).sum()),
+        "l2": float(np.linalg.norm(v)),
+        "sparsity": float((v == 0).mean()),
+        "nonfinite": 0.0,
+    }
+
+
+def _close(got: float, want: float, what: str) -> None:
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-5), what
+
+
+@pytest.mark.parametrize("kind", WRAPPERS)
+def test_netdict_describe_tracker_equal_unsharded(spawned, kind):
+    out = spawned(kind)
+    ref = _after_step()
+    for rank in range(WORLD):
+        res = json.loads(open(os.path.join(out, f"netdict-rank{rank}.json")).read())
+        # Tracker: weight, grad, optimizer state and update of every layer (not FSDP1)
+        for group in ("weight", "grad", "momentum_buffer", "update") if res["tracker"] else ():
+            for name, v in ref[group].items():
+                want = _np_stats(v)
+                for s in STATS:
+                    _close(res["tracker"][f"{group}/{name}/{s}"], want[s], f"{group}/{name}/{s}")
+        # describe per layer and for the whole network, and NetDict norms
+        for name, v in ref["weight"].items():
+            want = _np_stats(v)
+            for s in STATS:
+                _close(res["describe_layers"][f"w/{name}/{s}"], want[s], f"{name}/{s}")
+            _close(res["layer_norms"][name], want["l2"], f"{name} norm")
+        whole = _np_stats(np.concatenate(list(ref["grad"].values())))
+        for s in STATS:
+            _close(res["describe_grad"][s], whole[s], f"whole grad {s}")
+        _close(res["norm1"], float(sum(np.abs(v).sum() for v in ref["weight"].values())), "l1")
+
+
+@pytest.mark.parametrize("kind", WRAPPERS)
+def test_capture_per_sample_grads_match_torch_func(spawned, kind):
+    out = spawned(kind)
+    ref = _per_sample_ref()
+    for rank in range(WORLD):
+        lo, hi = SPLITS[rank]
+        got = load_file(os.path.join(out, f"psg-rank{rank}.safetensors"))
+        assert set(got) == set(ref)
+        for k, v in ref.items():
+            torch.testing.assert_close(got[k], v[lo:hi], rtol=1e-4, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("kind", WRAPPERS)
+def test_statistics_ekfac_equal_single_process_union(spawned, kind):
+    from _compat_worker import collect_ekfac
+
+    out = spawned(kind)
+    x, y = data()
+    want = collect_ekfac(model(), x, y)
+    for rank in range(WORLD):
+        got = load_file(os.path.join(out, f"ekfac-rank{rank}.safetensors"))
+        assert set(got) == set(want)
+        for k in want:
+            if k.endswith("eigenvectors"):  # defined up to sign
+                overlap = (got[k] * want[k]).sum(0).abs()
+                torch.testing.assert_close(overlap, torch.ones_like(overlap), atol=1e-3, rtol=0)
+                continue
+            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def _projected_ref(store: nnstat.GradientStore) -> dict[int, torch.Tensor]:
+    """Store rows from torch.func per-sample gradients and the stored projections."""
+    ref = _per_sample_ref()
+    proj = store.projections()
+    rows = []
+    for spec in store.modules:
+        name = spec["name"]
+        w, b = ref[f"{name}.weight"], ref.get(f"{name}.bias")
+        if spec["kind"] == "layernorm":
+            g = torch.cat([w, b], 1)
+            p = proj.get(f"{name}/p_in")
+            rows.append(g if p is None else g @ p.T)
+            continue
+        g = torch.cat([w, b[:, :, None]], 2) if b is not None else w
+        p_in, p_out = proj.get(f"{name}/p_in"), proj.get(f"{name}/p_out")
+        if p_in is not None:
+            g = g @ p_in.T
+        if p_out is not None:
+            g = p_out @ g
+        rows.append(g.reshape(len(g), -1))
+    full = torch.cat(rows, 1)
+    return {i: full[i] for i in range(len(full))}
+
+
+@pytest.mark.parametrize("kind", WRAPPERS)
+def test_store_per_rank_shards_union_every_id_once(spawned, kind):
+    out = spawned(kind)
+    store = nnstat.GradientStore(os.path.join(out, "store"))
+    assert sorted(s.name for s in store.shards) == ["rank0-00000.npy", "rank1-00000.npy"]
+    assert sorted(store.ids) == list(range(SPLITS[-1][1]))  # every id exactly once
+    ref = _projected_ref(store)
+    rows = store.rows(0, len(store))
+    for i, rid in enumerate(store.ids):
+        torch.testing.assert_close(rows[i], ref[rid], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", WRAPPERS)
+def test_influence_split_across_ranks_and_gathered(spawned, kind):
+    out = spawned(kind)
+    store = nnstat.GradientStore(os.path.join(out, "store"))
+    rows = store.rows(0, len(store))
+    for rank in range(WORLD):
+        got = torch.load(os.path.join(out, f"influence-rank{rank}.pt"), weights_only=True)
+        assert got["train_ids"] == store.ids
+        q = [store.ids.index(i) for i in got["query_ids"]]
+        torch.testing.assert_close(got["scores"], rows[q] @ rows.T, rtol=1e-4, atol=1e-5)
