@@ -24,6 +24,8 @@ def to_device(obj: Any, device: torch.device) -> Any:
         return obj.to(device)
     if isinstance(obj, Mapping):
         return type(obj)({k: to_device(v, device) for k, v in obj.items()})
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(to_device(v, device) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_device(v, device) for v in obj)
     return obj
