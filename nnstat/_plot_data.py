@@ -94,10 +94,16 @@ def metrics_frame(history: Any) -> pd.DataFrame:
 
 
 def select_layers(
-    frame: pd.DataFrame, stat: str | None, prefix: str = "", layers: Sequence[str] | None = None
+    frame: pd.DataFrame,
+    stat: str | None,
+    prefix: str = "",
+    layers: Sequence[str] | None = None,
+    include: str | None = None,
+    exclude: str | None = None,
 ) -> pd.DataFrame:
     """Columns ``{prefix}{layer}/{stat}`` (or ``{prefix}{layer}`` when ``stat`` is None), renamed
-    to the layer name, in the order they first appear.
+    to the layer name, in the order they first appear; ``include``/``exclude`` are regexes on
+    the layer name (``re.search``).
 
     Example:
         >>> f = metrics_frame([{"grad/a/l2": 1.0, "grad/b/l2": 2.0, "weight/a/l2": 5.0}])
@@ -109,8 +115,14 @@ def select_layers(
     chosen: dict[str, str] = {}
     for col in frame.columns:
         m = pattern.fullmatch(col)
-        if m and (stat is not None or "/" not in m.group("layer")):
-            chosen.setdefault(m.group("layer"), col)
+        if not m or (stat is None and "/" in m.group("layer")):
+            continue
+        name = m.group("layer")
+        if include is not None and not re.search(include, name):
+            continue
+        if exclude is not None and re.search(exclude, name):
+            continue
+        chosen.setdefault(name, col)
     if layers is not None:
         missing = [name for name in layers if name not in chosen]
         if missing:

@@ -159,6 +159,8 @@ def stat_heatmap(
     *,
     prefix: str = "weight/",
     layers: Sequence[str] | None = None,
+    include: str | None = None,
+    exclude: str | None = None,
     log: bool | None = None,
     cmap: str = "viridis",
     title: str | None = None,
@@ -167,7 +169,8 @@ def stat_heatmap(
 
     ``history`` is a list of flat metric dicts as the Tracker or ``describe_layers`` produce
     (keys ``"{prefix}{layer}/{stat}"``), ``(step, dict)`` pairs, or a pandas frame (see
-    :func:`metrics_frame`). ``log=None`` picks a log colour scale when the positive values span
+    :func:`metrics_frame`); ``include``/``exclude`` are regexes on layer names. ``log=None``
+    picks a log colour scale when the positive values span
     more than two decades.
 
     Example:
@@ -176,7 +179,7 @@ def stat_heatmap(
     """
     from matplotlib.colors import LogNorm
 
-    table = select_layers(metrics_frame(history), stat, prefix, layers)
+    table = select_layers(metrics_frame(history), stat, prefix, layers, include, exclude)
     values = table.to_numpy(dtype=float).T  # layers × steps
     positive = values[np.isfinite(values) & (values > 0)]
     if log is None:
@@ -190,7 +193,7 @@ def stat_heatmap(
         np.ma.masked_invalid(values), aspect="auto", cmap=cmap, norm=norm, interpolation="nearest"
     )
     ax.set_yticks(range(n_layers), list(table.columns), fontsize=8)
-    ticks = np.unique(np.linspace(0, n_steps - 1, min(n_steps, 8)).round().astype(int))
+    ticks = _step_ticks(steps)
     ax.set_xticks(ticks, [str(steps[t]) for t in ticks])
     ax.set_xlabel("step")
     fig.colorbar(image, ax=ax, label=stat + (" (log)" if norm is not None else ""))
@@ -199,40 +202,69 @@ def stat_heatmap(
     return fig
 
 
+def _step_ticks(steps: np.ndarray, n: int = 8) -> np.ndarray:
+    """Column indices whose steps are round numbers (10, 20, ... rather than 5, 20, 40, 55)."""
+    from matplotlib.ticker import MaxNLocator
+
+    nice = MaxNLocator(nbins=n, integer=True, steps=[1, 2, 5, 10]).tick_values(
+        steps.min(), steps.max()
+    )
+    idx = np.unique(np.clip(np.searchsorted(steps, nice), 0, len(steps) - 1))
+    exact = idx[np.isin(steps[idx], nice)]
+    return (
+        exact
+        if len(exact) >= 2
+        else np.unique(np.linspace(0, len(steps) - 1, min(len(steps), n)).round().astype(int))
+    )
+
+
 def trust_ratio_plot(
     history: Any,
     *,
     prefix: str = "trust_ratio/",
     stat: str | None = None,
     layers: Sequence[str] | None = None,
-    log: bool = True,
+    include: str | None = None,
+    exclude: str | None = None,
+    log: bool | None = None,
     title: str | None = None,
 ) -> Figure:
     """Trust ratio ‖W_t‖ / ‖W_t − W_{t−1}‖ per layer over steps, one line per layer.
 
-    Keys are ``"{prefix}{layer}"`` (or ``"{prefix}{layer}/{stat}"`` when ``stat`` is given).
-    Infinite values (layers that did not move) are left out of the lines.
+    Keys are ``"{prefix}{layer}"`` (or ``"{prefix}{layer}/{stat}"`` when ``stat`` is given);
+    ``include``/``exclude`` are regexes on layer names (e.g. ``include="weight$"``). Infinite
+    values (layers that did not move) are left out of the lines. ``log=None`` uses a log scale
+    when the values span more than a factor 20. Beyond 10 layers the colours follow depth.
 
     Example:
         >>> hist = [{"trust_ratio/fc.weight": 100.0 + s, "step": s} for s in range(5)]
         >>> fig = trust_ratio_plot(hist)
     """
-    table = select_layers(metrics_frame(history), stat, prefix, layers)
-    fig = _figure(7.2, 4.0)
+    table = select_layers(metrics_frame(history), stat, prefix, layers, include, exclude)
+    table = table.replace([np.inf, -np.inf], np.nan)
+    n = len(table.columns)
+    ncol = 1 if n <= 12 else 2 if n <= 30 else 3
+    longest = max(len(c) for c in table.columns)
+    fig = _figure(5.2 + ncol * (0.6 + 0.065 * longest), max(3.8, 0.7 + 0.16 * -(-n // ncol)))
     ax = fig.add_subplot()
-    cmap = _cycle(len(table.columns))
+    colours = _cycle(n)
     for i, name in enumerate(table.columns):
-        series = table[name].replace([np.inf, -np.inf], np.nan)
-        ax.plot(table.index, series, label=name, color=cmap[i], linewidth=1.4)
-    if log:
-        ax.set_yscale("log")
+        ax.plot(table.index, table[name], label=name, color=colours[i], linewidth=1.3)
+    _auto_log(ax, table.to_numpy(dtype=float), log)
     ax.set_xlabel("step")
     ax.set_ylabel("‖W‖ / ‖ΔW‖")
     ax.grid(alpha=0.3, which="both")
-    ncol = 1 if len(table.columns) <= 8 else 2
     ax.legend(fontsize=7, frameon=False, loc="center left", bbox_to_anchor=(1.0, 0.5), ncol=ncol)
     ax.set_title(title or "trust ratio per layer (higher = smaller relative update)", fontsize=10)
     return fig
+
+
+def _auto_log(ax: Any, values: np.ndarray, log: bool | None) -> None:
+    positive = values[np.isfinite(values) & (values > 0)]
+    if log is None:
+        log = positive.size > 0 and positive.max() / positive.min() > 20.0
+    if log:
+        ax.set_yscale("log")
 
 
 def noise_scale_plot(
@@ -241,7 +273,7 @@ def noise_scale_plot(
     interval: tuple[Sequence[float], Sequence[float]] | None = None,
     *,
     batch_size: int | None = None,
-    log: bool = True,
+    log: bool | None = None,
     title: str | None = None,
 ) -> Figure:
     """The simple noise scale B_simple = tr(Σ)/‖G‖² over training, with its interval band.
@@ -273,6 +305,9 @@ def noise_scale_plot(
         raise ValueError(f"steps {x.shape} and b_simple {y.shape} differ in shape")
     fig = _figure(7.0, 3.8)
     ax = fig.add_subplot()
+    finite = y[np.isfinite(y) & (y > 0)]
+    if log is None:
+        log = finite.size > 0 and finite.max() / finite.min() > 20.0
     shown = np.where(np.isfinite(y) & (y > 0 if log else True), y, np.nan)
     if interval is not None:
         low, high = to_numpy(interval[0]), to_numpy(interval[1])
@@ -297,5 +332,7 @@ def noise_scale_plot(
 def _cycle(n: int) -> list:
     from matplotlib import colormaps
 
-    cmap = colormaps["tab10" if n <= 10 else "tab20"]
-    return [cmap(i % cmap.N) for i in range(n)]
+    if n <= 10:
+        return [colormaps["tab10"](i) for i in range(n)]
+    # many layers: a sequential map keeps neighbours (depth) in similar colours
+    return [colormaps["viridis"](i / max(n - 1, 1) * 0.92) for i in range(n)]

@@ -114,6 +114,13 @@ def test_metrics_frame_accepts_lists_pairs_and_frames():
         metrics_frame([])
 
 
+def test_heatmap_ticks_are_round_steps():
+    hist = [{"step": s, "grad/a/l2": 1.0} for s in range(5, 125, 5)]
+    fig = nplt.stat_heatmap(hist, "l2", prefix="grad/")
+    labels = [int(t.get_text()) for t in fig.axes[0].get_xticklabels()]
+    assert len(labels) >= 3 and all(v % 10 == 0 for v in labels)
+
+
 def test_select_layers_uses_the_prefix_and_names_missing_keys():
     frame = metrics_frame(_history(2))
     grads = select_layers(frame, "l2", prefix="grad/")
@@ -123,6 +130,7 @@ def test_select_layers_uses_the_prefix_and_names_missing_keys():
         select_layers(frame, "rms", prefix="grad/")
     with pytest.raises(KeyError, match="available"):
         select_layers(frame, "l2", prefix="grad/", layers=["fc3.weight"])
+    assert list(select_layers(frame, "l2", "grad/", exclude="fc1").columns) == ["fc2.weight"]
 
 
 def test_stat_heatmap_trust_ratio_and_noise_scale_render(tmp_path):
@@ -137,7 +145,11 @@ def test_stat_heatmap_trust_ratio_and_noise_scale_render(tmp_path):
     lines = fig.axes[0].get_lines()
     assert [ln.get_label() for ln in lines] == ["fc1.weight", "fc2.weight"]
     assert np.isnan(lines[1].get_ydata()[0])  # inf (no update) is not drawn
-    assert _png(fig, tmp_path / "t.png") == (720, 400)
+    w, h = _png(fig, tmp_path / "t.png")
+    assert w >= 600 and h >= 380
+    only = nplt.trust_ratio_plot(hist, include="fc2")
+    assert [ln.get_label() for ln in only.axes[0].get_lines()] == ["fc2.weight"]
+    assert only.axes[0].get_yscale() == "linear"  # 80..91: no need for a log scale
     fig = nplt.noise_scale_plot(hist, batch_size=32)
     assert _png(fig, tmp_path / "n.png") == (700, 380)
     fig = nplt.noise_scale_plot([0, 1, 2], [5.0, 6.0, 7.0], ([4, 5, 6], [6, 7, 8]))
