@@ -271,6 +271,7 @@ def _influence_section(rep: Any, state: Any, ex: DemoExtras) -> None:
         {i: img_test[i] for i in wrong}, img_train, ex.influence, k=TOP_K,
         train_labels=state.y_train, query_captions=captions, max_queries=12,
     )  # fmt: skip
+    fig.savefig(state.config.log_dir / "influence.png")  # also on its own, for slides and docs
     rep.figure(fig, "Top helpful and harmful training digits (score, training index, label).")
     top = ex.influence.top_k(3)
     rep.bullets(
