@@ -76,7 +76,9 @@ class Tracker:
     (counts from at most `hist_max_elements` elements per tensor, see `nnstat.histogram`).
 
     Updates need a snapshot of the weights before the step: the Tracker keeps one copy of the
-    tracked parameters and refreshes it only on the call before a logged step.
+    tracked parameters (two with the default statistics, whose fused pass writes the next
+    snapshot while it reads the weights) and refreshes it only on the call before a logged step.
+    On CPU the statistic passes run on one intra-op thread (`nnstat.stats.cpu_single_thread`).
 
     Example:
         >>> model = torch.nn.Linear(2, 1)
