@@ -4,10 +4,12 @@ A ~10M-parameter MLP (1024-2048-2048-2048-10), 4096 samples, batch 128, rank 64 
 (LoGra: 64x64 per layer, 10x64 on the head). Each method runs the whole pass (including the
 final flush to disk) ``--repeats`` rounds, interleaved; each method's time is divided by the
 plain pass of the same round (the machine is shared, load drifts) and the median ratio is
-reported. LogIX uses
+reported, for wall time and for the process's CPU time (all threads; steadier than wall time
+on a loaded machine). LogIX uses
 ``add_lora()`` + ``setup({"grad": ["log"]})`` + ``save(True)`` as in its README.
 
-    .venv/bin/python benchmarks/logging_overhead.py [--samples 4096] [--repeats 3] [--no-logix]
+    .venv/bin/python benchmarks/logging_overhead.py [--samples 4096] [--repeats 3] [--threads 1]
+        [--no-logix]
 
 Prints a markdown table: seconds, ratio to the plain pass, bytes written per sample.
 """
@@ -105,8 +107,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-logix", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     data = batches(args.samples, args.batch)
     methods = {
         "plain fwd+bwd": plain,
@@ -122,6 +126,7 @@ def main() -> None:
         except Exception as e:  # reported in the output, not hidden
             logix_error = f"{type(e).__name__}: {e}"
     times: dict[str, list[float]] = {name: [] for name in methods}
+    cpu: dict[str, list[float]] = {name: [] for name in methods}
     nbytes: dict[str, int] = {}
     plain(make_model(), data[:2], None)  # warm-up
     for _ in range(args.repeats):
@@ -129,14 +134,15 @@ def main() -> None:
             model = make_model()
             workdir = tempfile.mkdtemp(prefix="nnstat_bench_")
             try:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 nbytes[name] = fn(model, data, workdir)
                 times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
             except Exception as e:
                 if not name.startswith("LogIX"):
                     raise
                 logix_error = f"{type(e).__name__}: {e}"
-                del methods[name], times[name]
+                del methods[name], times[name], cpu[name]
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
     # the machine is shared: each method is compared with the plain pass of the same round
@@ -147,12 +153,21 @@ def main() -> None:
         f"{args.samples} samples, batch {args.batch}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, {args.repeats} rounds, load average {load:.1f}\n"
     )
-    print("| method | median seconds | median ratio to plain (same round) | bytes/sample |")
-    print("| --- | ---: | ---: | ---: |")
+    print(
+        "| method | wall s (median) | wall ratio to plain | CPU s (median) | CPU ratio to plain "
+        "| bytes/sample |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, ts in times.items():
         ratio = statistics.median(t / b for t, b in zip(ts, base, strict=True))
+        cratio = statistics.median(
+            c / b for c, b in zip(cpu[name], cpu["plain fwd+bwd"], strict=True)
+        )
         per = nbytes.get(name, 0) / args.samples
-        print(f"| {name} | {statistics.median(ts):.2f} | {ratio:.2f}x | {per:,.0f} |")
+        print(
+            f"| {name} | {statistics.median(ts):.2f} | {ratio:.2f}x | "
+            f"{statistics.median(cpu[name]):.2f} | {cratio:.2f}x | {per:,.0f} |"
+        )
     if logix_error:
         print(f"\nLogIX could not run: {logix_error}")
 
