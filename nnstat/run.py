@@ -280,11 +280,8 @@ class Run:
         self.mode = "eval"
         self._eval_ids, self._eval_rows, self._eval_seen = [], [], set()
         self._next_auto_id = 0
-        if self._projections is None and (self.path / fmt.META_FILE).exists() and self.engine:
-            self._projections, self._projection_args = parts.projections_from_store(
-                self.path, self.engine
-            )
-            self._projection_set = True
+        if self._projections is None and self.engine is not None and self.engine.watched:
+            self._build_projections()  # from the store when it exists (see below)
         return self
 
     def train(self) -> Run:
@@ -339,6 +336,17 @@ class Run:
             return
         if self.engine is None or not self.engine.watched:
             raise RuntimeError("call watch(model) before add_projection() / logging")
+        if (
+            self.mode == "eval"
+            and not self._projection_set
+            and (self.path / fmt.META_FILE).exists()
+        ):
+            # queries of an existing store (e.g. in a new process) use the store's projection
+            self._projections, self._projection_args = parts.projections_from_store(
+                self.path, self.engine
+            )
+            self._projection_set = True
+            return
         specs = [module_spec(n, m) for n, m in self.engine.watched.items()]
         args = dict(self._projection_args)
         if not self._projection_set:

@@ -175,8 +175,8 @@ def test_eval_log_matches_store_and_new_process_reuses_projection(tmp_path):
     assert set(log.statistics) == set(store.statistics()) and log.statistics
     # a fresh Run on the same store (e.g. another process) logs queries in the same space
     other = nnstat.init(project="p", root_dir=tmp_path)
+    nnstat.eval()  # before watch(): the projection still comes from the store
     nnstat.watch(model)
-    nnstat.eval()
     step(other, model, x[:5], y[:5])
     fresh = nnstat.get_log()
     torch.testing.assert_close(fresh.rows, log.rows)
