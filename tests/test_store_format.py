@@ -180,3 +180,19 @@ def test_content_id_is_stable_and_sensitive():
         fmt.normalize_ids([1.5, 2], 2)
     with pytest.raises(ValueError, match="3 entries but the batch has 2"):
         fmt.normalize_ids([1, 2, 3], 2)
+
+
+def test_bad_dtype_in_writer_is_raised_in_caller(tmp_path):
+    w = StoreWriter(tmp_path / "shards", 2)
+    w.put([0, 1], torch.ones(2, 2, dtype=torch.int64))  # the thread's conversion fails
+    with pytest.raises(StoreWriteError, match="2-D float tensor") as info:
+        w.close()
+    assert isinstance(info.value.__cause__, TypeError)
+
+
+def test_shard_that_disagrees_with_its_ids_is_refused(tmp_path):
+    store = _write(tmp_path, torch.ones(4, 6), [1, 2, 3, 4])
+    (tmp_path / "shards" / "rank0-00000.ids.json").write_text("[1, 2, 3]")
+    store = GradientStore(tmp_path)
+    with pytest.raises(ValueError, match=r"expected \(3, 6\)"):
+        store.rows(0, 3)
