@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import sys
 import types
 import warnings
@@ -79,6 +80,7 @@ class Run:
         self._eval_rows: list[torch.Tensor] = []
         self._eval_seen: set[Any] = set()
         self._warned_missing: set[str] = set()
+        self._atexit = False
 
     def __repr__(self) -> str:
         return f"Run(project={self.project!r}, path={str(self.path)!r}, mode={self.mode!r})"
@@ -365,6 +367,17 @@ class Run:
         meta = self.store_meta()
         parts.write_projections(self.path, self._projections, self.rank)
         self._logger = StoreLogger(self.path, meta, self.config.store, self.rank, self.world_size)
+        if not self._atexit:
+            self._atexit = True
+            atexit.register(self._warn_unfinalized)
+
+    def _warn_unfinalized(self) -> None:
+        if self._logger is not None:
+            warnings.warn(
+                f"nnstat: the logging pass of {self.path} was never finalize()d; rows not yet in "
+                "a whole shard are lost (the store keeps its complete shards and can be resumed)",
+                stacklevel=1,
+            )
 
     def _check_writer(self) -> None:
         if self._logger is not None:
@@ -393,6 +406,12 @@ def init(project: str, root_dir: str | Path = "./nnstat_logs", config: dict | No
         >>> run = init(project="my_project")  # doctest: +SKIP
     """
     global _CURRENT
+    if _CURRENT is not None and _CURRENT._logger is not None:
+        warnings.warn(
+            f"init(): the current run {_CURRENT.project!r} has a logging pass that was not "
+            "finalize()d; it stays open (call its finalize() to flush it)",
+            stacklevel=2,
+        )
     _CURRENT = Run(project, root_dir=root_dir, config=config)
     return _CURRENT
 

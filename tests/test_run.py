@@ -79,6 +79,7 @@ def test_resume_appends_and_skips_stored_ids(tmp_path):
     torch.testing.assert_close(store.rows(0, 8), first)
     with pytest.raises(ValueError, match="already in the store"):
         logged(tmp_path, config={"statistic": "none", "on_stored_id": "error"}, ids=list(range(24)))
+    nnstat.finalize()
 
 
 def test_resume_with_different_configuration_is_refused(tmp_path):
@@ -251,6 +252,7 @@ def test_no_backward_inside_run_is_an_error(tmp_path):
         with pytest.raises(RuntimeError, match="loss.backward"):
             with run(data_id=[0]):
                 model(x[:1])
+        nnstat.finalize()
 
 
 def test_module_run_is_callable_and_finalize_shows_progress_when_slow(
