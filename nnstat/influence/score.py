@@ -221,12 +221,13 @@ def compute_influence_all(
         if filled != len(t):
             raise RuntimeError(f"the training log yielded {filled} rows, expected {len(t)}")
         train_ids = [i for _, ids, _ in units for i in ids]
-        return InfluenceResult(buffer.T.contiguous(), test_ids, train_ids, meta)
+        # a transposed view of the train-major buffer: packing it would cost another full pass
+        return InfluenceResult(buffer.T, test_ids, train_ids, meta)
     pieces = sorted((u for part in _gather(units) for u in part), key=lambda u: u[0])
     train_ids = [i for _, ids, _ in pieces for i in ids]
     if not pieces:
         raise ValueError("the training log is empty")
-    scores = torch.cat([s for _, _, s in pieces], dim=0).T.contiguous()
+    scores = torch.cat([s for _, _, s in pieces], dim=0).T
     return InfluenceResult(scores, test_ids, train_ids, meta)
 
 
