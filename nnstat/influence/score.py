@@ -118,7 +118,7 @@ def _all_rows(source: RowSource, batch_size: int) -> tuple[list, torch.Tensor]:
         blocks.append(rows.to(torch.float32))
     if not blocks:
         raise ValueError("the query log is empty")
-    return ids, torch.cat(blocks)
+    return ids, blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
 def _score_block(
@@ -220,7 +220,8 @@ def compute_influence_all(
     if buffer is not None:
         if filled != len(t):
             raise RuntimeError(f"the training log yielded {filled} rows, expected {len(t)}")
-        train_ids = [i for _, ids, _ in units for i in ids]
+        # blocks come in the source's row order, so its id list is the column order
+        train_ids = list(t.ids)
         # a transposed view of the train-major buffer: packing it would cost another full pass
         return InfluenceResult(buffer.T, test_ids, train_ids, meta)
     pieces = sorted((u for part in _gather(units) for u in part), key=lambda u: u[0])
