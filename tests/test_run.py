@@ -274,3 +274,15 @@ def test_module_run_is_callable_and_finalize_shows_progress_when_slow(
     nnstat.finalize()
     assert "flushing gradient store" in capsys.readouterr().err
     assert nnstat.GradientStore(run.path).ids == [1, 2, 3, 4]
+
+
+def test_setup_rank_is_the_default_projection(tmp_path):
+    model, x, y = make()
+    run = nnstat.init(project="r", root_dir=tmp_path)
+    nnstat.setup({"rank": 2})
+    nnstat.watch(model)
+    step(run, model, x[:4], y[:4])
+    nnstat.finalize()
+    store = nnstat.GradientStore(run.path)
+    assert [(m["r_out"], m["r_in"]) for m in store.modules] == [(2, 2), (2, 2)]
+    assert store.meta["projection"]["rank"] == 2 and store.projections()
