@@ -1,0 +1,132 @@
+"""Cost of nnstat's HF Trainer callback vs. wandb.watch, side by side in one process.
+
+    python benchmarks/hf_callback_overhead.py [--steps 60] [--repeats 3]
+
+A 4-layer GPT-2 (n_embd 128, built from a config) trained by ``transformers.Trainer`` on random
+tokens (batch 16, 64 tokens), ``logging_steps=10``, W&B offline. Rows, each the median wall time
+of the training loop relative to a plain Trainer (``report_to="none"``):
+
+* ``report_to="wandb"`` with ``WANDB_WATCH=all`` (HF's own wandb.watch: weight and gradient
+  histograms of every parameter every ``logging_steps``),
+* ``NNStatCallback(noise_scale=False)``: the Tracker's default statistics (l2, rms, abs_max,
+  nonfinite of weights, grads, Adam states and updates, trust ratios) on logging steps,
+* ``NNStatCallback()``: the same plus the per-sample noise scale on **every** step.
+
+Prints a markdown table; the last column is the time spent inside the callback's own event
+methods (robust to a busy machine; the per-sample capture runs inside backward and shows only in
+the ratio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import transformers
+from nnstat.integrations.huggingface import NNStatCallback
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.x = torch.randint(0, 512, (n, 64), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+class _Timer(transformers.TrainerCallback):
+    """Times the training loop only (not Trainer construction or W&B start-up)."""
+
+    def on_train_begin(self, *a, **k):
+        self.start = time.perf_counter()
+
+    def on_train_end(self, *a, **k):
+        self.seconds = time.perf_counter() - self.start
+
+
+class _TimedNNStat(NNStatCallback):
+    """NNStatCallback that also sums the time spent in its own event methods."""
+
+    seconds = 0.0
+
+    def __getattribute__(self, name: str):
+        attr = super().__getattribute__(name)
+        if not name.startswith("on_") or not callable(attr):
+            return attr
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return attr(*a, **k)
+            finally:
+                type(self).seconds += time.perf_counter() - t0
+
+        return timed
+
+
+def run(kind: str, steps: int, out: str) -> tuple[float, float]:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=512, n_positions=64, n_embd=128, n_layer=4, n_head=4,
+                                  bos_token_id=0, eos_token_id=0)  # fmt: skip
+    _TimedNNStat.seconds = 0.0
+    model = transformers.GPT2LMHeadModel(cfg)
+    report = "wandb" if kind == "wandb.watch" else "none"
+    os.environ["WANDB_WATCH"] = "all" if kind == "wandb.watch" else "false"
+    args = transformers.TrainingArguments(
+        output_dir=out, max_steps=steps, per_device_train_batch_size=16, logging_steps=10,
+        report_to=report, save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    timer = _Timer()
+    callbacks: list = [timer]
+    if kind.startswith("nnstat"):
+        callbacks.append(_TimedNNStat(noise_scale=kind == "nnstat + noise scale"))
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=Tokens(steps * 16), callbacks=callbacks
+    )
+    trainer.train()
+    if report == "wandb":
+        import wandb
+
+        wandb.finish()
+    return timer.seconds, _TimedNNStat.seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args()
+    kinds = ["plain", "wandb.watch", "nnstat stats", "nnstat + noise scale"]
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    inside: dict[str, list[float]] = {k: [] for k in kinds}
+    with tempfile.TemporaryDirectory() as out:
+        os.environ.setdefault("WANDB_DIR", out)
+        run("plain", 10, out)  # warm-up
+        for _ in range(a.repeats):
+            for k in kinds:  # interleaved so machine noise hits every row alike
+                total, own = run(k, a.steps, out)
+                times[k].append(total)
+                inside[k].append(own)
+    base = statistics.median(times["plain"])
+    print(f"\n{a.steps} steps, GPT-2 4x128, batch 16x64 tokens, logging_steps=10, median of "
+          f"{a.repeats}\n")  # fmt: skip
+    print("| training loop | seconds | ratio to plain | in nnstat's callback methods |")
+    print("| --- | ---: | ---: | ---: |")
+    for k in kinds:
+        t = statistics.median(times[k])
+        own = f"{statistics.median(inside[k]):.2f} s" if k.startswith("nnstat") else ""
+        print(f"| {k} | {t:.2f} | {t / base:.2f}x | {own} |")
+
+
+if __name__ == "__main__":
+    main()
