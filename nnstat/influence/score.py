@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from nnstat.distributed import rank_world
+
 from .layout import check_compatible
 from .precondition import (
     PRECONDITIONERS,
@@ -45,9 +47,7 @@ MODES = ("dot", "cosine", "l2")
 
 
 def _dist() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
+    return rank_world()
 
 
 def _gather(obj: Any) -> list[Any]:

@@ -122,9 +122,9 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def dist_info() -> tuple[int, int]:
     """``(rank, world_size)`` under an initialised ``torch.distributed``, else ``(0, 1)``."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
+    from nnstat.distributed import rank_world
+
+    return rank_world()
 
 
 def build_meta(
