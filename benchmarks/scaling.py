@@ -10,7 +10,9 @@ Five sweeps, each fitted with a log-log least-squares line ``cost = c * x^k`` (k
 * ``Tracker.step()`` (default statistics: weight, grad, Adam states, update) vs parameter count.
 
 Expected: bytes exactly linear in samples; logging and scoring time linear in rows and queries
-(k ~ 1 once fixed costs are amortised). Prints markdown tables; ``--quick`` shrinks the sweeps.
+(k ~ 1 once fixed costs are amortised). Times are CPU seconds of the process (all threads, best
+of ``--repeats``), one intra-op thread by default, so other jobs on a shared machine distort
+them far less than wall time. Prints markdown tables; ``--quick`` shrinks the sweeps.
 
     .venv/bin/python benchmarks/scaling.py            # 1k -> 64k samples, ~10 minutes on 2 cores
     .venv/bin/python benchmarks/scaling.py --quick    # 1k -> 8k, ~1 minute
@@ -44,12 +46,17 @@ def fit_exponent(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float
     return float(k), float(np.exp(logc))
 
 
+def clock() -> float:
+    """CPU seconds of this process (all threads): robust to other jobs on a shared machine."""
+    return time.process_time()
+
+
 def best_of(fn: Callable[[], object], repeats: int) -> float:
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return min(times)
 
 
@@ -89,15 +96,15 @@ def log_pass(model: nn.Module, n: int, batch: int, workdir: str | None) -> int:
 
 
 def timed_log(width: int, n: int, batch: int, repeats: int) -> tuple[float, float, int]:
-    """``(plain seconds, logging seconds, bytes)``, best of `repeats` each."""
+    """``(plain CPU seconds, logging CPU seconds, bytes)``, best of `repeats` each."""
     plain = best_of(lambda: log_pass(mlp(width), n, batch, None), repeats)
     nbytes, times = 0, []
     for _ in range(repeats):
         d = tempfile.mkdtemp(prefix="nnstat_scale_")
         try:
-            t0 = time.perf_counter()
+            t0 = clock()
             nbytes = log_pass(mlp(width), n, batch, d)
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
         finally:
             shutil.rmtree(d, ignore_errors=True)
     return plain, min(times), nbytes
@@ -159,7 +166,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sweeps (about a minute)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     quick, rep = args.quick, args.repeats
     samples = [1024 * 2**i for i in range(4 if quick else 7)]  # 1k .. 8k or 64k
     widths = [64, 128, 256, 512] if quick else [64, 128, 256, 512, 1024]
@@ -169,18 +178,18 @@ def main() -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
-        f"load average {load:.1f}, best of {rep}"
+        f"load average {load:.1f}, best of {rep}, CPU seconds of the process (time.process_time)"
     )
 
     res = [(n, *timed_log(128, n, 256, rep)) for n in samples]
     fits = {
-        "logging seconds": fit_exponent(samples, [r[2] for r in res]),
-        "overhead seconds": fit_exponent(samples, [max(r[2] - r[1], 1e-9) for r in res]),
+        "logging CPU seconds": fit_exponent(samples, [r[2] for r in res]),
+        "overhead CPU seconds": fit_exponent(samples, [max(r[2] - r[1], 1e-9) for r in res]),
         "bytes": fit_exponent(samples, [r[3] for r in res]),
     }
     table(
         "Logging vs samples (MLP 64-128-128-10, rank 16, batch 256)",
-        ["samples", "plain s", "logging s", "overhead s", "bytes", "bytes/sample"],
+        ["samples", "plain CPU s", "logging CPU s", "overhead CPU s", "bytes", "bytes/sample"],
         [
             (n, f"{p:.3f}", f"{t:.3f}", f"{t - p:.3f}", f"{b:,}", f"{b / n:.0f}")
             for n, p, t, b in res
@@ -191,13 +200,13 @@ def main() -> None:
     n_w = 2048 if quick else 8192
     res = [(w, *timed_log(w, n_w, 256, rep)) for w in widths]
     fits = {
-        "logging seconds": fit_exponent(widths, [r[2] for r in res]),
-        "overhead seconds": fit_exponent(widths, [max(r[2] - r[1], 1e-9) for r in res]),
-        "plain seconds": fit_exponent(widths, [r[1] for r in res]),
+        "logging CPU seconds": fit_exponent(widths, [r[2] for r in res]),
+        "overhead CPU seconds": fit_exponent(widths, [max(r[2] - r[1], 1e-9) for r in res]),
+        "plain CPU seconds": fit_exponent(widths, [r[1] for r in res]),
     }
     table(
         f"Logging vs hidden width ({n_w} samples, rank 16 per layer)",
-        ["width", "plain s", "logging s", "overhead s", "bytes/sample"],
+        ["width", "plain CPU s", "logging CPU s", "overhead CPU s", "bytes/sample"],
         [(w, f"{p:.3f}", f"{t:.3f}", f"{t - p:.3f}", f"{b / n_w:.0f}") for w, p, t, b in res],
         fits,
     )
@@ -212,7 +221,7 @@ def main() -> None:
             out.append((rows, score_time(root, meta, q_fixed, rep)))
         table(
             f"Scoring vs stored rows ({width} columns, {q_fixed} queries, all pairs)",
-            ["rows", "seconds", "rows/s"],
+            ["rows", "CPU seconds", "rows/s"],
             [(r, f"{t:.3f}", f"{r / t:,.0f}") for r, t in out],
             {"seconds": fit_exponent(*zip(*out, strict=True))},
         )
@@ -221,7 +230,7 @@ def main() -> None:
         out = [(q, score_time(root, meta, q, rep)) for q in query_sweep]
         table(
             f"Scoring vs queries ({rows_fixed} rows x {width} columns, all pairs)",
-            ["queries", "seconds", "query x row pairs/s"],
+            ["queries", "CPU seconds", "query x row pairs/s"],
             [(q, f"{t:.3f}", f"{q * rows_fixed / t:,.0f}") for q, t in out],
             {"seconds": fit_exponent(*zip(*out, strict=True))},
         )
@@ -229,11 +238,11 @@ def main() -> None:
     out = [tracker_time(w, rep * 3) for w in track_widths]
     table(
         "Tracker.step() vs parameter count (MLP, Adam, default stats, 4 groups)",
-        ["parameters", "seconds", "parameters/s"],
+        ["parameters", "CPU seconds", "parameters/s"],
         [(f"{n:,}", f"{t:.4f}", f"{n / t:,.0f}") for n, t in out],
         {"seconds": fit_exponent(*zip(*out, strict=True))},
     )
-    print(f"\nbest-of-{rep} wall times; exponents from log-log least squares")
+    print(f"\nbest-of-{rep} CPU times; exponents from log-log least squares")
 
 
 if __name__ == "__main__":
