@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, default="dot")
     p.add_argument("--preconditioner", choices=PRECONDITIONERS, default=None)
     p.add_argument("--damping", type=float, default=None, help="default: 0.1 x mean eigenvalue")
-    p.add_argument("--batch-size", type=int, default=None, help="rows per block (default: ~64 MB)")
+    p.add_argument("--batch-size", type=int, default=None, help="rows per block (default: ~16 MB)")
     p.add_argument(
         "--self",
         dest="self_influence",

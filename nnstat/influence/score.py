@@ -76,12 +76,12 @@ def _my_units(source: RowSource, batch_size: int) -> Iterator[tuple[tuple, list,
             yield (0, b_idx), ids, rows
 
 
-def auto_batch_size(row_width: int, budget_bytes: int = 64 << 20) -> int:
+def auto_batch_size(row_width: int, budget_bytes: int = 16 << 20) -> int:
     """Rows per block so that one float32 block stays near ``budget_bytes`` (256 to 65536 rows).
 
     Example:
         >>> auto_batch_size(1024)
-        16384
+        4096
     """
     return int(min(65536, max(256, budget_bytes // (4 * max(row_width, 1)))))
 
@@ -179,7 +179,11 @@ def compute_influence_all(
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     q, t = as_source(query), as_source(train)
-    batch_size = batch_size or auto_batch_size(max(m.stop for m in t.layout))
+    if not batch_size:
+        batch_size = auto_batch_size(max(m.stop for m in t.layout))
+        if top_k:
+            # per-block selection has a fixed cost per call: fewer, larger blocks amortise it
+            batch_size = min(65536, 4 * batch_size)
     q, t, pre = _prepare(q, t, preconditioner, batch_size)
     test_ids, q_rows = _all_rows(q, batch_size)
     q_pre = pre.apply(q_rows, damping)
