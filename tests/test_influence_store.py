@@ -10,8 +10,9 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import nnstat
-from nnstat.influence import compute_influence_all, compute_self_influence
+from nnstat.influence import as_source, compute_influence_all, compute_self_influence
 from nnstat.influence.cli import main as cli_main
+from nnstat.influence.precondition import fitted
 from nnstat.store import GradientStore
 
 N_TRAIN, BATCH = 40, 10
@@ -204,3 +205,39 @@ def test_cli_writes_top_k_and_full_tables(logged, tmp_path, capsys):
     assert cli_main([str(path), "--self", "--out", str(tmp_path / "self.csv")]) == 0
     assert cli_main([str(tmp_path / "missing"), "--query", str(path)]) == 2
     assert "no gradient store" in capsys.readouterr().err
+
+
+def test_stored_ekfac_statistics_are_used_and_match_explicit(tmp_path):
+    model, train, query = _model_and_data()
+    run = nnstat.init(project="ekfac", root_dir=tmp_path)
+    nnstat.setup({"log": "grad", "save": "grad", "statistic": "ekfac"})
+    nnstat.watch(model)
+    x, y = train
+    for _ in run.schedule():  # factors, then eigenvalues + rows
+        for start in range(0, N_TRAIN, BATCH):
+            with run(data_id=list(range(start, start + BATCH))):
+                sl = slice(start, start + BATCH)
+                nn.functional.cross_entropy(model(x[sl]), y[sl], reduction="sum").backward()
+            model.zero_grad()
+    nnstat.eval()
+    loader = nnstat.build_log_dataloader(batch_size=16)
+    with run(data_id=["q0", "q1", "q2", "q3"]):
+        nn.functional.cross_entropy(model(query[0]), query[1], reduction="sum").backward()
+    model.zero_grad()
+    log = nnstat.get_log()
+    nnstat.unwatch()
+    res = compute_influence_all(log, loader, preconditioner="ekfac", damping=1e-2, progress=False)
+    assert fitted(as_source(loader), "ekfac").origin == {"0": "statistics", "2": "statistics"}
+    gt, gq = _grads(model, *train), _grads(model, *query)
+    factors = _kfac_factors(model, *train)
+    expected = torch.zeros(4, N_TRAIN, dtype=torch.float64)
+    for name in ("0", "2"):
+        s, a = factors[name]
+        basis = torch.kron(torch.linalg.eigh(s)[1], torch.linalg.eigh(a)[1])
+        t, q = gt[name].flatten(1), gq[name].flatten(1)
+        corrected = torch.diagonal(basis.T @ (t.T @ t / len(t)) @ basis)
+        h = basis @ torch.diag(corrected) @ basis.T
+        expected += q @ torch.linalg.solve(h + 1e-2 * torch.eye(len(h), dtype=h.dtype), t.T)
+    torch.testing.assert_close(
+        res.scores.double(), expected, rtol=2e-3, atol=1e-3 * expected.abs().max().item()
+    )

@@ -274,6 +274,8 @@ class Preconditioner:
         self.layout = layout
         self.factors = factors
         self._cache: dict[tuple[str, float | None], list[_DampedBlock]] = {}
+        # where each module's curvature came from: "rows", "statistics" or "statistics+rows"
+        self.origin: dict[str, str] = {}
 
     @classmethod
     def fit(cls, source: RowSource, kind: str, batch_size: int = 4096) -> Preconditioner:
@@ -298,7 +300,14 @@ class Preconditioner:
         todo = {name: f for name, f in kron.items() if stored.get(name) is None}
         if dense or todo:
             factors.update(_fit_from_rows(source, dense, todo, batch_size))
-        return cls(kind, layout, factors)
+        pre = cls(kind, layout, factors)
+        pre.origin = {
+            m.name: (
+                "rows" if not m.kronecker else "statistics+rows" if m.name in todo else "statistics"
+            )
+            for m in layout
+        }
+        return pre
 
     def module_dampings(self, damping: float | None) -> dict[str, float]:
         """The damping each module actually uses (resolves ``None`` with the heuristic)."""
