@@ -11,8 +11,8 @@ from torch.func import functional_call, grad, vmap
 
 import nnstat
 from nnstat.influence import as_source, compute_influence_all, compute_self_influence
+from nnstat.influence.cache import fitted
 from nnstat.influence.cli import main as cli_main
-from nnstat.influence.precondition import fitted
 from nnstat.store import GradientStore
 
 N_TRAIN, BATCH = 40, 10

@@ -26,9 +26,8 @@ Example:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -359,71 +358,3 @@ class Preconditioner:
                 y = kron_precondition(g, b.q_out, b.q_in, b.denom)
                 out[:, m.offset : m.stop] = y.reshape(x.shape)
         return out
-
-
-# ----------------------------------------------------------------------------- cache
-@dataclass
-class _FitCache:
-    limit: int = 8
-    entries: OrderedDict = field(default_factory=OrderedDict)
-
-    def get(self, source: RowSource, kind: str, batch_size: int) -> Preconditioner:
-        key = (source.fingerprint, kind)
-        if key in self.entries:
-            self.entries.move_to_end(key)
-            return self.entries[key]
-        pre = Preconditioner.fit(source, kind, batch_size)
-        self.entries[key] = pre
-        while len(self.entries) > self.limit:
-            self.entries.popitem(last=False)
-        return pre
-
-
-_CACHE = _FitCache()
-
-
-def fitted(source: RowSource, kind: str, batch_size: int = 4096) -> Preconditioner:
-    """A preconditioner for ``source``, reused across calls (its inverses are keyed by damping).
-
-    Example:
-        >>> import torch
-        >>> from nnstat.influence.sources import TensorSource
-        >>> src = TensorSource(torch.randn(8, 4))
-        >>> fitted(src, "raw") is fitted(src, "raw")
-        True
-    """
-    return _CACHE.get(source, kind, batch_size)
-
-
-def clear_cache() -> None:
-    """Forget every fitted preconditioner (e.g. after appending rows to an in-memory log)."""
-    _CACHE.entries.clear()
-
-
-def has_kfac_statistics(source: RowSource) -> bool:
-    """True when the statistics pass saved both K-FAC factors of every Kronecker module."""
-    stats = source.statistics()
-    kron = [m for m in source.layout if m.kronecker]
-    return bool(kron) and all(
-        f"{m.name}/forward/covariance" in stats and f"{m.name}/backward/covariance" in stats
-        for m in kron
-    )
-
-
-def has_stored_ekfac(source: RowSource) -> bool:
-    """True when every Kronecker module has a usable EK-FAC factor in the saved statistics."""
-    stats, projections = source.statistics(), source.projections()
-    kron = [m for m in source.layout if m.kronecker]
-    return bool(kron) and all(stored_ekfac_factor(m, stats, projections) for m in kron)
-
-
-def default_preconditioner(source: RowSource) -> str:
-    """``ekfac`` when the run collected K-FAC statistics for every Kronecker module, else ``raw``.
-
-    Example:
-        >>> import torch
-        >>> from nnstat.influence.sources import TensorSource
-        >>> default_preconditioner(TensorSource(torch.zeros(2, 3)))
-        'raw'
-    """
-    return "ekfac" if has_kfac_statistics(source) else "raw"

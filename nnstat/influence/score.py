@@ -31,15 +31,9 @@ from tqdm.auto import tqdm
 
 from nnstat.distributed import rank_world
 
+from .cache import default_preconditioner, fitted, has_kfac_statistics, has_stored_ekfac
 from .layout import check_compatible
-from .precondition import (
-    PRECONDITIONERS,
-    Preconditioner,
-    default_preconditioner,
-    fitted,
-    has_kfac_statistics,
-    has_stored_ekfac,
-)
+from .precondition import PRECONDITIONERS, Preconditioner
 from .result import InfluenceResult, SelfInfluenceResult, TopKInfluence
 from .sources import LogSource, RowSource, as_source
 
