@@ -85,20 +85,25 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"unknown mode {mode!r}; valid: {list(MODES)}")
 
 
+def _check_pair(q: RowSource, t: RowSource) -> None:
+    """Refuse a query and a training log that were not made with the same projection/layout."""
+    if q.meta and t.meta:  # a bare TensorSource has no meta: its layout is checked below
+        check_compatible(q.meta, t.meta)
+    if [(m.name, m.offset, m.r_out, m.r_in, m.width) for m in q.layout] != [
+        (m.name, m.offset, m.r_out, m.r_in, m.width) for m in t.layout
+    ]:
+        raise ValueError(
+            "query and training logs have different module layouts: "
+            f"query {[(m.name, m.r_out, m.r_in) for m in q.layout]} vs "
+            f"train {[(m.name, m.r_out, m.r_in) for m in t.layout]}"
+        )
+
+
 def _prepare(
     query: Any, train: Any, preconditioner: str | None, batch_size: int
 ) -> tuple[RowSource, RowSource, Preconditioner]:
     q, t = as_source(query), as_source(train)
-    if q.meta or t.meta:
-        check_compatible(q.meta, t.meta)
-    if [(m.name, m.offset, m.width) for m in q.layout] != [
-        (m.name, m.offset, m.width) for m in t.layout
-    ]:
-        raise ValueError(
-            "query and training logs have different module layouts: "
-            f"query {[(m.name, m.width) for m in q.layout]} vs "
-            f"train {[(m.name, m.width) for m in t.layout]}"
-        )
+    _check_pair(q, t)
     kind = preconditioner or default_preconditioner(t)
     if kind not in PRECONDITIONERS:
         raise ValueError(f"unknown preconditioner {kind!r}; valid: {list(PRECONDITIONERS)}")
@@ -315,8 +320,8 @@ def compute_self_influence(
     d = as_source(data)
     t = d if train is None else as_source(train)
     batch_size = batch_size or auto_batch_size(max(m.stop for m in t.layout))
-    if t is not d and (d.meta or t.meta):
-        check_compatible(d.meta, t.meta)
+    if t is not d:
+        _check_pair(d, t)
     kind = preconditioner or _self_default(d, t, train is None)
     pre = fitted(t, kind, batch_size)
     ids, parts = [], []
