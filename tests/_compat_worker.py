@@ -138,6 +138,32 @@ def _store_and_influence(kind: str, rank: int, x, y, out_dir: str) -> None:
     )
 
 
+def _recorder(kind: str, rank: int, x, y, out_dir: str) -> None:
+    from nnstat.recorder import STAT_NAMES, Recorder, read_step_meta, read_step_stats
+
+    m = model()
+    train, inner = wrap(kind, m)
+    rec = Recorder(os.path.join(out_dir, f"rec{rank}"), every=1)
+    rec.track_module(inner)
+    rec.track_activations(inner, loss_reduction="sum")
+    rec.start_batch(0)
+    loss = F.cross_entropy(train(x), y, reduction="sum")
+    rec.register_tensor("loss", loss, role="loss")
+    loss.backward()
+    rec.finish_batch()
+    rec.close()
+    meta = read_step_meta(rec.path)[0]
+    stats = read_step_stats(rec.path, "train-000000000")
+    r = meta["rows"]
+    rows = {
+        f"{t}|{st}": dict(zip(STAT_NAMES, stats[i].tolist(), strict=True))
+        for i, (t, st, smp) in enumerate(zip(r["tensor"], r["stream"], r["sample"], strict=True))
+        if smp == -1
+    }
+    with open(os.path.join(out_dir, f"recorder-rank{rank}.json"), "w") as f:
+        json.dump(rows, f)
+
+
 def worker(rank: int, world: int, port: int, kind: str, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -152,5 +178,6 @@ def worker(rank: int, world: int, port: int, kind: str, out_dir: str) -> None:
         state = collect_ekfac(train, x, y, inner)
         save_file(state, os.path.join(out_dir, f"ekfac-rank{rank}.safetensors"))
         _store_and_influence(kind, rank, x, y, out_dir)
+        _recorder(kind, rank, x, y, out_dir)
     finally:
         dist.destroy_process_group()

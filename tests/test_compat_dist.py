@@ -199,3 +199,30 @@ def test_influence_split_across_ranks_and_gathered(spawned, kind):
         assert got["train_ids"] == store.ids
         q = [store.ids.index(i) for i in got["query_ids"]]
         torch.testing.assert_close(got["scores"], rows[q] @ rows.T, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", WRAPPERS)
+def test_recorder_parameters_and_activations(spawned, kind):
+    out = spawned(kind)
+    ref = _after_step()
+    w0 = {n: p.detach().double().numpy().ravel() for n, p in model().named_parameters()}
+    x, y = data()
+    for rank in range(WORLD):
+        rows = json.loads(open(os.path.join(out, f"recorder-rank{rank}.json")).read())
+        if kind != "fsdp1":  # FSDP1 parameters are flat per-rank slices (README table)
+            for name, v in w0.items():
+                got = rows[f"{name}|forward"]
+                _close(got["norm"], float(np.linalg.norm(v)), f"{name} norm")
+                _close(got["std"], float(v.std()), f"{name} std")
+                _close(got["numel"], float(v.size), f"{name} numel")
+                g = ref["grad"][name]
+                _close(rows[f"{name}|gradient"]["norm"], float(np.linalg.norm(g)), f"{name} grad")
+                _close(rows[f"{name}|gradient"]["max"], float(g.max()), f"{name} grad max")
+        # activations are per-rank data: this rank's batch, unwrapped model
+        lo, hi = SPLITS[rank]
+        m = model()
+        z = m[0](x[lo:hi]).detach().requires_grad_(True)
+        h = m[2](m[1](z))
+        (gz,) = torch.autograd.grad(F.cross_entropy(m[3](h), y[lo:hi], reduction="sum"), z)
+        _close(rows["3:input|forward"]["norm"], float(h.norm()), "3:input")
+        _close(rows["0:output|gradient"]["norm"], float(gz.norm()), "0:output grad")

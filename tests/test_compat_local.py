@@ -222,3 +222,41 @@ def test_tracker_and_describe_match_numpy(mode):
         assert metrics[f"update/{k}/l2"] == pytest.approx(0.1 * np.linalg.norm(g), rel=rel)
         assert metrics[f"update/{k}/max"] == pytest.approx(float((-0.1 * g).max()), rel=rel)
         assert metrics[f"grad/{k}/nonfinite"] == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_recorder_activations_match_autograd(mode, tmp_path):
+    from nnstat.recorder import STAT_NAMES, Recorder, read_step_meta, read_step_stats
+
+    m = model()
+    x, y = data()
+    rec = Recorder(tmp_path, every=1)
+    rec.track_module(m)
+    rec.track_activations(m, loss_reduction="sum")
+    rec.start_batch(0)
+    out = rec.register_tensor("out", forward(mode, m, x), role="output")
+    loss = rec.register_tensor("loss", F.cross_entropy(out, y, reduction="sum"), role="loss")
+    loss.backward()
+    rec.finish_batch()
+    rec.close()
+    meta = read_step_meta(rec.path)[0]
+    stats = read_step_stats(rec.path, "train-000000000")
+    r = meta["rows"]
+    keys = list(zip(r["tensor"], r["stream"], r["sample"], strict=True))
+    col = {s: i for i, s in enumerate(STAT_NAMES)}
+    # independent reference: the last layer's input and the first layer's output gradient
+    with _amp(mode):
+        z = m[0](x).detach().requires_grad_(True)
+        h = m[2](m[1](z))
+        logits = m[3](h).float()
+    (gz,) = torch.autograd.grad(F.cross_entropy(logits, y, reduction="sum"), z)
+    rel = 3e-2 if mode == "autocast" else 1e-5
+    # a recomputed forward (checkpointing) must not add a second record
+    assert keys.count(("0:input", "forward", -1)) == 1
+    assert keys.count(("3:input", "forward", -1)) == 1
+    got_x = stats[keys.index(("0:input", "forward", -1))][col["norm"]]
+    np.testing.assert_allclose(got_x, float(x.norm()), rtol=1e-5)
+    got_h = stats[keys.index(("3:input", "forward", -1))][col["norm"]]
+    np.testing.assert_allclose(got_h, float(h.float().norm()), rtol=rel)
+    got_g = stats[keys.index(("0:output", "gradient", -1))][col["norm"]]
+    np.testing.assert_allclose(got_g, float(gz.float().norm()), rtol=rel)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from nnstat.distributed import any_dtensor, is_dtensor, summarize_sharded
+
 STAT_NAMES: tuple[str, ...] = ("mean", "std", "min", "max", "abs_max", "norm", "nonfinite", "numel")
 COL = {name: i for i, name in enumerate(STAT_NAMES)}
 
@@ -38,6 +40,8 @@ def device_stats(segments: list[torch.Tensor]) -> torch.Tensor:
     n = len(segments)
     if n == 0:
         return torch.zeros(0, len(STAT_NAMES), dtype=torch.float64)
+    if any_dtensor(segments):
+        return _sharded(segments)
     device = segments[0].device
     # float32 first (one cast for the few non-float32 tensors), one float64 cast of the buffer
     flat = [_plain(s) for s in segments]
@@ -63,6 +67,13 @@ def device_stats(segments: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([mean, std, mn, mx, abs_max, s2.sqrt(), flag, count], 1)
 
 
+def _sharded(segments: list[torch.Tensor]) -> torch.Tensor:
+    """FSDP-sharded (DTensor) parameters: local shards reduced across ranks, exact non-finite
+    counts (every rank must record the same segments: it runs collectives)."""
+    names = ["l2" if s == "norm" else s for s in STAT_NAMES]
+    return summarize_sharded(segments, names)
+
+
 def light_stats(segments: list[torch.Tensor], abs_max: bool = True) -> torch.Tensor:
     """Only ``nonfinite`` (flag), ``abs_max`` and ``norm``: what rules need on unrecorded steps.
 
@@ -76,6 +87,8 @@ def light_stats(segments: list[torch.Tensor], abs_max: bool = True) -> torch.Ten
     out = torch.full((n, len(STAT_NAMES)), float("nan"), dtype=torch.float64)
     if n == 0:
         return out
+    if any_dtensor(segments):
+        return _sharded(segments)
     device = segments[0].device
     flat = [_plain(s).float() for s in segments]
     norm = torch.stack(torch._foreach_norm(flat, 2)).to(torch.float64)
@@ -117,7 +130,8 @@ def fix_nonfinite(stats: np.ndarray, segments: list[torch.Tensor]) -> list[int]:
     """Recompute, in place, the rows flagged non-finite by `device_stats`; returns their indices."""
     bad = np.nonzero(stats[:, COL["nonfinite"]] > 0)[0].tolist()
     for i in bad:
-        stats[i] = exact_row(segments[i])
+        if not is_dtensor(segments[i]):  # sharded rows are exact already
+            stats[i] = exact_row(segments[i])
     return bad
 
 
