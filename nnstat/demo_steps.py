@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import platform
+import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -96,7 +97,10 @@ def log_training_gradients(state: Any) -> None:
     ex, cfg = extras(state), state.config
     t0 = time.perf_counter()
     root = cfg.log_dir / "gradients"
-    run = nnstat.init(project=f"digits-seed{cfg.seed}-{int(time.time())}", root_dir=root)
+    # a new demo run logs a new model: the previous run's store would be refused (other
+    # projection) or, with the same seed, resumed; the demo owns this folder, so start afresh
+    shutil.rmtree(root / "digits", ignore_errors=True)
+    run = nnstat.init(project="digits", root_dir=root)
     nnstat.setup({"log": "grad", "save": "grad", "statistic": "ekfac"})
     nnstat.watch(state.model)
     nnstat.add_projection(rank=RANK, init="random", seed=cfg.seed)
