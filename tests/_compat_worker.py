@@ -47,6 +47,15 @@ def wrap(kind: str, m: nn.Module) -> tuple[nn.Module, nn.Module]:
         fully_shard(m[3])
         fully_shard(m)
         return m, m
+    if kind == "hsdp":
+        # a 2-D mesh: replicated over the 2 ranks, sharded within each (size-1) group
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+        for mod in (m[0], m[3], m):
+            fully_shard(mod, mesh=mesh)
+        return m, m
     if kind == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 

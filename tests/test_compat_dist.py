@@ -1,5 +1,6 @@
-"""Every capability under DDP, FSDP2 (``fully_shard``, DTensor parameters) and FSDP1
-(``FullyShardedDataParallel`` on CPU, ``use_orig_params=True``), 2 gloo processes each.
+"""Every capability under DDP, FSDP2 (``fully_shard``, DTensor parameters), HSDP (``fully_shard``
+on a 2-D replicate x shard mesh) and FSDP1 (``FullyShardedDataParallel`` on CPU,
+``use_orig_params=True``), 2 gloo processes each.
 
 One spawn per wrapper (module-scoped, cached) runs the whole workflow and saves what every rank
 saw; each test then checks one capability against an independent single-process reference:
@@ -25,7 +26,7 @@ from torch.func import functional_call, grad, vmap
 
 import nnstat
 
-WRAPPERS = ("ddp", "fsdp2", "fsdp1")
+WRAPPERS = ("ddp", "fsdp2", "fsdp1", "hsdp")
 pytestmark = pytest.mark.timeout(300)
 
 
