@@ -1,0 +1,93 @@
+"""The shard-combination maths of nnstat.distributed against numpy/scipy on the whole tensor."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+import torch.distributed as dist
+
+from nnstat import distributed as nd
+from nnstat.stats import STAT_NAMES, summarize
+
+
+def _numpy_row(x: np.ndarray) -> dict[str, float]:
+    f = x[np.isfinite(x)]
+    return {
+        "numel": float(x.size),
+        "nonfinite": float(x.size - f.size),
+        "mean": f.mean(),
+        "var": f.var(),
+        "std": f.std(),
+        "skew": scipy.stats.skew(f),
+        "kurtosis": scipy.stats.kurtosis(f),
+        "min": f.min(),
+        "max": f.max(),
+        "abs_mean": np.abs(f).mean(),
+        "abs_max": np.abs(f).max(),
+        "l1": np.abs(f).sum(),
+        "l2": np.linalg.norm(f),
+        "rms": np.sqrt((f * f).mean()),
+        "sparsity": (f == 0).mean(),
+    }
+
+
+def test_uneven_shards_with_nonfinite_and_empty_pieces_combine_to_the_whole():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(101, generator=g) * 3 + 5  # a large mean stresses the moment shifts
+    x[[3, 50]] = float("nan")
+    x[77] = float("inf")
+    x[10:14] = 0.0
+    pieces = [x[:0], x[:40], x[40:41], x[41:41], x[41:]]  # empty shards, as FSDP gives
+    rows = torch.stack([nd._partial_row(p) for p in pieces])
+    combined = nd._combine(rows.unsqueeze(1))
+    got = nd._finish(combined, STAT_NAMES, torch.finfo(torch.float32).eps)[0].tolist()
+    want = _numpy_row(x.double().numpy())
+    for s, v in zip(STAT_NAMES, got, strict=True):
+        assert v == pytest.approx(want[s], rel=1e-9, abs=1e-12), s
+    # and the unsharded path of nnstat agrees (float32 moment pass there)
+    ref = summarize([x], STAT_NAMES)[0].tolist()
+    for s, a, b in zip(STAT_NAMES, got, ref, strict=True):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-6), s
+
+
+def test_all_nonfinite_and_empty_tensors_match_summarize():
+    xs = [torch.full((3,), float("nan")), torch.zeros(0), torch.tensor([2.0, 2.0])]
+    got = nd.summarize_sharded(xs, STAT_NAMES)
+    ref = summarize(xs, STAT_NAMES)
+    torch.testing.assert_close(got, ref, equal_nan=True)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, math.inf, -math.inf, 0])
+def test_norms_match_numpy(p):
+    x = torch.tensor([3.0, -4.0, 0.0, 0.5])
+    want = float(np.linalg.norm(x.numpy(), ord=p))
+    assert nd.norms_sharded([x], p)[0] == pytest.approx(want)
+
+
+@pytest.fixture
+def single_rank_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_partial_placement_is_refused_and_shard_equals_plain(single_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    assert nd.rank_world() == (0, 1)
+    mesh = init_device_mesh("cpu", (1,))
+    x = torch.randn(5, 3)
+    sharded = DTensor.from_local(x, mesh, [Shard(0)], run_check=False)
+    torch.testing.assert_close(
+        summarize([sharded], STAT_NAMES), summarize([x], STAT_NAMES), rtol=1e-4, atol=1e-6
+    )
+    pending = DTensor.from_local(x, mesh, [Partial()], run_check=False)
+    with pytest.raises(ValueError, match="Partial"):
+        summarize([pending], ["l2"])
