@@ -108,8 +108,9 @@ def shard_groups(t: torch.Tensor) -> tuple[Any, ...]:
             groups.append(t.device_mesh.get_group(dim))
         elif not placement.is_replicate():
             raise ValueError(
-                f"cannot describe a DTensor with placement {placement} on mesh dim {dim}: only "
-                "Shard and Replicate placements hold the tensor's values (redistribute first)"
+                f"cannot describe a DTensor with a {type(placement).__name__} placement "
+                f"({placement}) on mesh dim {dim}: only Shard and Replicate placements hold the "
+                "tensor's values (redistribute first)"
             )
     return tuple(groups)
 
