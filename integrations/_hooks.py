@@ -234,10 +234,20 @@ class StepStats:
         ctx.__exit__(_Abandoned, cancel, None)
 
     # ------------------------------------------------------------------ statistics
-    def before_step(self, model: nn.Module, optimizer: Any, log: bool) -> None:
+    def before_step(
+        self, model: nn.Module, optimizer: Any, log: bool, measure_open_batch: bool = True
+    ) -> None:
         """Gradients are final and the weights not yet updated; ``log`` says whether this step
-        is a logging step (its update is measured from the weights now)."""
-        self.end_backward()
+        is a logging step (its update is measured from the weights now).
+
+        ``measure_open_batch``: a capture block still open holds the last micro-batch's backward
+        (frameworks without an after-backward event); ``False`` when the framework reports every
+        backward, so a block still open had none (a skipped batch) and is discarded.
+        """
+        if measure_open_batch:
+            self.end_backward()
+        else:
+            self._abandon()
         if not log:
             self._tracker = None
             return

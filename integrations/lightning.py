@@ -91,7 +91,8 @@ class NNStatCallback(Callback):
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         self._stepped = True
         log = (trainer.global_step + 1) % self._every(trainer) == 0
-        self.hooks.before_step(pl_module, optimizer, log)
+        # every backward was reported by on_after_backward: a capture still open saw none
+        self.hooks.before_step(pl_module, optimizer, log, measure_open_batch=False)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int):
         metrics = self.hooks.after_step()

@@ -169,6 +169,22 @@ def test_influence_helpers_equal_exact_dot_products_and_the_plain_api(tmp_path):
     torch.testing.assert_close(self_res.scores, ref_self.scores, rtol=1e-4, atol=1e-6)
 
 
+class SkipsABatch(Tiny):
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx == 2 else super().training_step(batch, batch_idx)
+
+
+def test_callback_survives_a_skipped_batch(tmp_path):
+    # Lightning calls on_before_optimizer_step without a backward when training_step
+    # returns None: the open capture block is discarded, not measured
+    cb = NNStatCallback(every=1)
+    loader = torch.utils.data.DataLoader(_data(48), batch_size=8)
+    _trainer(tmp_path, [cb], max_epochs=1, logger=False).fit(SkipsABatch(), loader)
+    assert [h["step"] for h in cb.history] == [1, 2, 3, 4, 5, 6]
+    assert sum("noise_scale/b_simple" in h for h in cb.history) == 5  # the first batch probes
+    assert cb.hooks.gns is None and cb.hooks._gns_ctx is None
+
+
 def test_influence_helpers_reject_bad_input(tmp_path):
     module = Tiny()
     shuffled = torch.utils.data.DataLoader(_data(16), batch_size=8, shuffle=True)
