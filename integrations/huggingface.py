@@ -108,16 +108,18 @@ class NNStatCallback(TrainerCallback):
     def place(self, handler: CallbackHandler) -> None:
         """Put this callback right before the reporting callbacks (and a cleaner right after
         them), so the reporters see nnstat's keys in the very log dict they write."""
-        callbacks = handler.callbacks
-        if self in callbacks:
-            callbacks.remove(self)
-        callbacks[:] = [c for c in callbacks if not isinstance(c, _StripInjected)]
+        # a new list, not an in-place edit: this may run inside the handler's loop over the
+        # old list, which must go on visiting every callback exactly once
+        callbacks = [
+            c for c in handler.callbacks if c is not self and not isinstance(c, _StripInjected)
+        ]
         reporters = _reporter_classes()
         idx = [i for i, c in enumerate(callbacks) if reporters and isinstance(c, reporters)]
         first = idx[0] if idx else len(callbacks)
         callbacks.insert(first, self)
         last = (idx[-1] + 2) if idx else first + 1
         callbacks.insert(last, _StripInjected(self))
+        handler.callbacks = callbacks
         self._placed = True
 
     def _place_from_caller(self) -> None:

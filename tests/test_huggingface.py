@@ -54,6 +54,10 @@ class _Spy(transformers.TrainerCallback):
 
     def __init__(self, step: int) -> None:
         self.step, self.before, self.after, self.grads, self.logs = step, {}, {}, {}, []
+        self.began = 0
+
+    def on_train_begin(self, args, state, control, **kw):
+        self.began += 1
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
         if state.global_step + 1 == self.step:
@@ -83,6 +87,7 @@ def test_callback_logs_statistics_on_logging_steps_through_report_to(tmp_path, m
     trainer.train()
     train_logs = [h for h in trainer.state.log_history if "loss" in h]
     assert [h["step"] for h in train_logs] == [2, 4]
+    assert spy.began == 1  # re-placing the callback mid-event skipped or repeated no callback
     last = train_logs[-1]
     name = "transformer.h.0.attn.c_attn.weight"
     w0, w1 = spy.before[name], spy.after[name]
@@ -107,11 +112,12 @@ def test_callback_logs_statistics_on_logging_steps_through_report_to(tmp_path, m
 
 def test_callback_every_and_noise_scale_excludes_undefined_modules(tmp_path):
     model = _model()
-    cb = NNStatCallback(stats=["l2"], groups=["weight"], every=3)
+    cb, spy = NNStatCallback(stats=["l2"], groups=["weight"], every=3), _Spy(step=99)
     args = _args(tmp_path, max_steps=4, logging_steps=1, per_device_train_batch_size=4)
     transformers.Trainer(
-        model=model, args=args, train_dataset=Tokens(16, 0), callbacks=[cb]
+        model=model, args=args, train_dataset=Tokens(16, 0), callbacks=[cb, spy]
     ).train()
+    assert spy.began == 1  # no reporter: nnstat moves to the end while the event is dispatched
     # tied wte/lm_head and the broadcast position embedding have no per-sample gradient
     excluded = cb.hooks.excluded
     assert {"transformer.wte", "lm_head", "transformer.wpe"} <= set(excluded)
