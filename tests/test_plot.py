@@ -198,6 +198,20 @@ def test_influence_figure_accepts_mappings_and_rejects_bad_images():
         nplt.influence_figure([np.eye(8)], images, scores, k=0)
 
 
+def test_influence_figure_takes_the_influence_result_types():
+    from nnstat.influence import InfluenceResult
+
+    scores = torch.tensor([[0.5, -1.0, 2.0, 0.1], [3.0, 0.0, -2.0, 1.0]])
+    full = InfluenceResult(scores, ["a", "b"], [10, 11, 12, 13])
+    images = {i: torch.rand(8, 8) for i in (10, 11, 12, 13)}
+    queries = {"a": torch.rand(8, 8), "b": torch.rand(8, 8)}
+    for result in (full, full.top_k(2)):  # the full matrix and a TopKInfluence
+        fig = nplt.influence_figure(queries, images, result, k=2)
+        titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+        assert titles[0].startswith("query a") and "#12" in titles[1] and "#11" in titles[3]
+        assert titles[5].startswith("query b") and "#10" in titles[6] and "#12" in titles[8]
+
+
 def test_score_format_is_compact():
     assert [_fmt(v) for v in (2960.4, 275.2, 1.2345, -0.0045123, 1.2e7)] == [
         "+2960", "+275", "+1.23", "-0.00451", "+1.20e+07",
