@@ -33,7 +33,6 @@ from nnstat.stats import (
     DEFAULT_STATS,
     SIGNED_STATS,
     Workspace,
-    _exact_row,
     cpu_single_thread,
     summarize,
     validate_stats,
@@ -76,8 +75,8 @@ class Tracker:
     (counts from at most `hist_max_elements` elements per tensor, see `nnstat.histogram`).
 
     Updates need a snapshot of the weights before the step: the Tracker keeps one copy of the
-    tracked parameters (two with the default statistics, whose fused pass writes the next
-    snapshot while it reads the weights) and refreshes it only on the call before a logged step.
+    tracked parameters, refreshed only on the call before a logged step (with the default
+    statistics the fused pass rewrites it block by block while it reads the weights).
     On CPU the statistic passes run on one intra-op thread (`nnstat.stats.cpu_single_thread`).
 
     Example:
@@ -141,8 +140,6 @@ class Tracker:
         self.latest: dict[str, Any] = {}
         # the update of the first logged step is measured from the weights at construction
         self._prev: list[torch.Tensor] | None = None
-        # second snapshot for the fused pass (allocated on first use)
-        self._spare: list[torch.Tensor] | None = None
         if "update" in self.groups:
             self._prev = [p.detach().clone() for p in self.params]
 
@@ -256,22 +253,14 @@ class Tracker:
         computed = tuple(dict.fromkeys([*self.stats, "l2"]))
         entries = self._collect(weights=False)
         current = [p.detach() for p in self.params]
-        if refresh and self._spare is None:
-            self._spare = [torch.empty_like(t) for t in self._prev]
-        norms = weight_update_norms(
-            current, self._prev, self._spare if refresh else None, self._workspace
-        )
+        # exact over the finite part by itself (non-finite blocks are redone in float64 before
+        # the snapshot block is overwritten), so no second pass and no spare snapshot
+        norms = weight_update_norms(current, self._prev, refresh, self._workspace)
         numel = torch.tensor([t.numel() for t in current], dtype=torch.float64)
         tables = []
-        for lo in (0, 3):
-            cols = light_columns(numel, norms[:, lo], norms[:, lo + 1], norms[:, lo + 2])
-            table = torch.stack([cols[s] for s in computed], dim=1)
-            for i in (~torch.isfinite(cols["l2"])).nonzero().flatten().tolist():
-                # NaN/Inf (or float32 overflow): exact statistics of the finite part; the old
-                # snapshot is still intact because the new one went to the spare buffer
-                t = current[i] if lo == 0 else current[i] - self._prev[i]
-                table[i] = _exact_row(t, computed).cpu()
-            tables.append(table)
+        for lo in (0, 4):
+            cols = light_columns(numel, *(norms[:, lo + k] for k in range(4)))
+            tables.append(torch.stack([cols[s] for s in computed], dim=1))
         w_table, u_table = tables
         others = summarize([t for _, _, t in entries], computed, workspace=self._workspace)
         metrics: dict[str, Any] = {}
@@ -288,8 +277,6 @@ class Tracker:
         for name, r, u in zip(self.names, tr, ur, strict=True):
             metrics[f"trust_ratio/{name}"] = r
             metrics[f"update_ratio/{name}"] = u
-        if refresh:
-            self._prev, self._spare = self._spare, self._prev
         return metrics
 
     def _measure(self) -> dict[str, Any]:

@@ -160,3 +160,44 @@ def test_summarize_restores_the_thread_count():
             assert torch.get_num_threads() == 1
             raise RuntimeError("boom")
     assert torch.get_num_threads() == before
+
+
+def _light_reference(x: np.ndarray) -> list[float]:
+    """[sumsq, min, max, nonfinite] over the finite elements, numpy in float64."""
+    x = np.asarray(x, dtype=np.float64).ravel()
+    fin = x[np.isfinite(x)]
+    if not fin.size:
+        return [0.0, math.inf, -math.inf, float(x.size)]
+    return [float(fin @ fin), fin.min(), fin.max(), float(x.size - fin.size)]
+
+
+@pytest.mark.parametrize("refresh", [False, True])
+def test_fused_weight_update_pass_is_exact_with_nonfinite_blocks(monkeypatch, refresh):
+    import nnstat.stats_fused as sf
+
+    monkeypatch.setattr(sf, "BLOCK", 64)  # several blocks per tensor
+    torch.manual_seed(0)
+    cur = [torch.randn(300), torch.randn(7, 20), torch.randn(0), torch.full((5,), 1e25)]
+    prev = [c + 0.01 * torch.randn_like(c) for c in cur]
+    cur[0][10] = float("nan")  # weight and update non-finite in block 0
+    prev[0][200] = float("inf")  # only the update non-finite, in block 3
+    cur[1][0, 0] = float("-inf")
+    # cur[3] is finite but its float32 sum of squares overflows: exact float64 path
+    old = [p.clone() for p in prev]
+    table = sf.weight_update_norms(cur, prev, refresh=refresh)
+    assert table.shape == (4, 8) and table.dtype == torch.float64
+    for i, (c, p) in enumerate(zip(cur, old, strict=True)):
+        c64, p64 = c.double().numpy(), p.double().numpy()
+        expected = _light_reference(c64) + _light_reference(c64 - p64)
+        np.testing.assert_allclose(table[i].numpy(), expected, rtol=1e-5)
+        # refresh rewrites the snapshot with the current weights, else it is left alone
+        torch.testing.assert_close(prev[i], c if refresh else p, rtol=0, atol=0, equal_nan=True)
+    cols = sf.light_columns(
+        torch.tensor([300.0, 0.0], dtype=torch.float64), *table[[0, 2], :4].T.contiguous()
+    )
+    fin = cur[0][torch.isfinite(cur[0])].double()
+    assert cols["rms"][0].item() == pytest.approx(fin.pow(2).mean().sqrt().item(), rel=1e-6)
+    assert cols["nonfinite"][0].item() == 1
+    assert math.isnan(cols["abs_max"][1].item()) and math.isnan(cols["rms"][1].item())
+    with pytest.raises(ValueError, match="differ"):
+        sf.weight_update_norms([torch.zeros(2)], [torch.zeros(3)])
