@@ -103,11 +103,30 @@ def _netdict_and_tracker(kind: str, rank: int, x, y, out_dir: str) -> None:
         for p, g in cap.per_sample_grads_by_param().items():
             psg[f"{cap.name}.{p}"] = g.contiguous()
 
-    engine.add_consumer(keep)
+    seen: dict[str, torch.Tensor] = {}
+
+    class Watcher:
+        """What a forward hook sees while the layer computes (FSDP: the unsharded weight)."""
+
+        on_capture = staticmethod(keep)
+
+        @staticmethod
+        def on_forward(name, module, inp, out) -> None:
+            w = module.weight
+            # cloned now: FSDP frees the unsharded storage after the forward
+            full = w.full_tensor() if hasattr(w, "full_tensor") else w
+            seen[f"{name}.weight"] = full.detach().clone()
+            seen[f"{name}.is_dtensor"] = torch.tensor(float(hasattr(w, "full_tensor")))
+
+    engine.add_consumer(Watcher())
     with engine.batch(loss_reduction="sum"):
         F.cross_entropy(train(x), y, reduction="sum").backward()
     engine.unwatch()
     save_file(psg, os.path.join(out_dir, f"psg-rank{rank}.safetensors"))
+    save_file(
+        {k: v.clone().contiguous() for k, v in seen.items()},
+        os.path.join(out_dir, f"seen-rank{rank}.safetensors"),
+    )
     with _gathered(kind, train):
         G = nnstat.get_grad(inner)
     opt.step()

@@ -137,6 +137,20 @@ def test_capture_per_sample_grads_match_torch_func(spawned, kind):
 
 
 @pytest.mark.parametrize("kind", WRAPPERS)
+def test_capture_forward_hook_sees_the_whole_weight(spawned, kind):
+    out = spawned(kind)
+    init = dict(model().named_parameters())
+    for rank in range(WORLD):
+        seen = load_file(os.path.join(out, f"seen-rank{rank}.safetensors"))
+        for name in ("0", "2", "3"):
+            # DDP/FSDP1: the whole weight as a plain tensor; FSDP2 reshards a fully_shard-ed
+            # layer before later forward hooks run, so it is a DTensor of the whole weight then
+            resharded = kind in ("fsdp2", "hsdp") and name != "2"
+            assert float(seen[f"{name}.is_dtensor"]) == float(resharded), name
+            torch.testing.assert_close(seen[f"{name}.weight"], init[f"{name}.weight"].detach())
+
+
+@pytest.mark.parametrize("kind", WRAPPERS)
 def test_statistics_ekfac_equal_single_process_union(spawned, kind):
     from _compat_worker import collect_ekfac
 
