@@ -5,16 +5,20 @@ model, measured in interleaved rounds so machine load hits all of them alike:
 
 * plain                      forward + backward + Adam step
 * hand-written norms         + ``p.norm().item()`` of every weight and gradient
+* hand-written, 5 groups     + l2 only of weights, grads, both Adam states and updates with
+                               ``torch._foreach_norm`` (+ the snapshot copy the update needs):
+                               the same memory traffic as the Tracker's default, fewer statistics
 * nnstat Tracker (default)   + l2, rms, abs_max, nonfinite of weights, grads, Adam states and
                                updates, plus trust ratios (fused, one host transfer)
 * nnstat Tracker (full+hist) + all 15 statistics and 64-bin histograms of all of the above
 * wandb.watch(log="all")     offline, ``log_freq=1``, one ``wandb.log`` per step
 * TensorBoard add_histogram  ``SummaryWriter.add_histogram`` of every parameter and gradient
 
-Run:  WANDB_MODE=offline .venv/bin/python benchmarks/stats_overhead.py [--steps 5 --rounds 6]
+Run:  WANDB_MODE=offline .venv/bin/python benchmarks/stats_overhead.py [--steps 2 --rounds 12]
       [--threads 1] [--batch 256] [--no-peers]
-Prints a markdown table of median wall and CPU (process) times per step and their ratios to the
-plain step; on a shared machine the CPU-time ratio is the steadier of the two.
+Prints a markdown table of median wall and CPU (process) times per step and the median over
+rounds of each round's ratio to the plain step of the same round; on a shared machine the
+CPU-time ratio is the steadier of the two.
 """
 
 from __future__ import annotations
@@ -69,6 +73,23 @@ def variants(args: argparse.Namespace, tmp: str) -> dict[str, Callable[[], None]
 
     out["hand-written per-layer norms"] = manual
 
+    m7, o7 = make(args.width, args.depth)
+    p7 = [p.detach() for p in m7.parameters()]
+    prev7 = [p.clone() for p in p7]
+
+    def manual_groups() -> None:
+        train_step(m7, o7, X, y)
+        states = [o7.state[p] for p in m7.parameters()]
+        norms = torch._foreach_norm(p7) + torch._foreach_norm([p.grad for p in m7.parameters()])
+        norms += torch._foreach_norm([s["exp_avg"] for s in states])
+        norms += torch._foreach_norm([s["exp_avg_sq"] for s in states])
+        torch._foreach_sub_(prev7, p7)
+        norms += torch._foreach_norm(prev7)
+        torch._foreach_copy_(prev7, p7)
+        _ = torch.stack(norms).tolist()
+
+    out["hand-written l2 of the 5 groups (foreach)"] = manual_groups
+
     m3, o3 = make(args.width, args.depth)
     t3 = nnstat.Tracker(m3, o3)
     out["nnstat Tracker, default stats"] = lambda: (train_step(m3, o3, X, y), t3.step())
@@ -111,8 +132,8 @@ def main() -> None:
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--depth", type=int, default=3, help="hidden layers")
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
-    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")
+    p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--no-peers", action="store_true", help="skip wandb and TensorBoard")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     args = p.parse_args()
@@ -128,31 +149,44 @@ def main() -> None:
         for fn in runs.values():  # warm-up (allocations, Adam state, first snapshot)
             fn()
             fn()
+        # per round: every variant runs `steps` steps back to back (rotated start), and each
+        # variant's time is divided by the plain step's time of the SAME round, so slow drifts
+        # of the machine load cancel in the ratio; medians over rounds are reported
+        ratio: dict[str, list[float]] = {k: [] for k in runs}
+        ratio_cpu: dict[str, list[float]] = {k: [] for k in runs}
         for r in range(args.rounds):
             order = list(runs.items())
             order = order[r % len(order) :] + order[: r % len(order)]  # rotate start variant
+            wall_r: dict[str, float] = {}
+            cpu_r: dict[str, float] = {}
             for name, fn in order:
+                w_sum = c_sum = 0.0
                 for _ in range(args.steps):
                     c0, t0 = time.process_time(), time.perf_counter()
                     fn()
-                    times[name].append(time.perf_counter() - t0)
+                    w, c = time.perf_counter() - t0, time.process_time() - c0
+                    times[name].append(w)
                     # CPU time of the process: less sensitive to other jobs on a shared machine
-                    cpu[name].append(time.process_time() - c0)
-        base = statistics.median(times["plain step"])
-        base_cpu = statistics.median(cpu["plain step"])
+                    cpu[name].append(c)
+                    w_sum, c_sum = w_sum + w, c_sum + c
+                wall_r[name], cpu_r[name] = w_sum, c_sum
+            for name in runs:
+                ratio[name].append(wall_r[name] / wall_r["plain step"])
+                ratio_cpu[name].append(cpu_r[name] / cpu_r["plain step"])
         print(
             f"\n{n_params / 1e6:.1f}M-parameter MLP, Adam, batch {args.batch}, "
             f"{torch.get_num_threads()} threads, {platform.machine()} CPU "
             f"({os.cpu_count()} cores), torch {torch.__version__}, "
-            f"median of {args.rounds * args.steps} steps\n"
+            f"{args.rounds} rounds x {args.steps} steps, load average "
+            f"{os.getloadavg()[0]:.1f}\n"
         )
         print("| variant | wall ms / step | wall / plain | CPU ms / step | CPU / plain |")
         print("| --- | ---: | ---: | ---: | ---: |")
         for name, ts in times.items():
             med, med_cpu = statistics.median(ts), statistics.median(cpu[name])
             print(
-                f"| {name} | {med * 1e3:.1f} | {med / base:.2f}x "
-                f"| {med_cpu * 1e3:.1f} | {med_cpu / base_cpu:.2f}x |"
+                f"| {name} | {med * 1e3:.1f} | {statistics.median(ratio[name]):.2f}x "
+                f"| {med_cpu * 1e3:.1f} | {statistics.median(ratio_cpu[name]):.2f}x |"
             )
         if not args.no_peers:
             import wandb

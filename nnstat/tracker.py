@@ -31,7 +31,6 @@ from nnstat.histogram import DEFAULT_MAX_ELEMENTS, HIST_SUMMARY, histograms
 from nnstat.netdict import select_names
 from nnstat.stats import (
     DEFAULT_STATS,
-    SIGNED_STATS,
     Workspace,
     cpu_single_thread,
     summarize,
@@ -284,10 +283,10 @@ class Tracker:
         has_update = self._prev is not None
         if has_update:
             current = [p.detach() for p in self.params]
-            # in place: _prev becomes W_prev - W_curr, negated only if a signed statistic needs it
-            torch._foreach_sub_(_local(self._prev), _local(current))
-            if SIGNED_STATS & set(self.stats):
-                torch._foreach_neg_(_local(self._prev))
+            # in place and in one pass: _prev becomes W_curr - W_prev (out= may alias an input;
+            # a foreach sub_ would give W_prev - W_curr and need a second, negating pass)
+            for prev, cur in zip(_local(self._prev), _local(current), strict=True):
+                torch.sub(cur, prev, out=prev)
             entries += [("update", n, d) for n, d in zip(self.names, self._prev, strict=True)]
         extra = HIST_SUMMARY if self.histograms else ()
         computed = tuple(dict.fromkeys([*self.stats, "l2", *extra]))
