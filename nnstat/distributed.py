@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,9 +74,15 @@ def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
 
 
 def is_dtensor(t: Any) -> bool:
-    """True for a ``torch.distributed.tensor.DTensor`` (without importing it eagerly)."""
-    cls = type(t)
-    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+    """True for a ``torch.distributed.tensor.DTensor`` (or subclass), without importing it.
+
+    Example:
+        >>> is_dtensor(torch.ones(1))
+        False
+    """
+    # no DTensor can exist before its module is imported: keeps `import nnstat` light
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def any_dtensor(tensors: Sequence[Any]) -> bool:
