@@ -213,20 +213,53 @@ def layout(projections: Mapping[str, ModuleProjection]) -> list[dict[str, Any]]:
     return rows
 
 
-def project_capture(cap: Any, proj: ModuleProjection) -> torch.Tensor:
+def project_capture(
+    cap: Any, proj: ModuleProjection, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[N, width]`` rows of one :class:`~nnstat.capture.ModuleCapture` under ``proj``.
 
     Uses the engine's ``project`` (projected forward/backward, never ``G_i``) when a side is
-    compressed; stores the full per-sample gradient when neither side is.
+    compressed; stores the full per-sample gradient when neither side is. ``out`` (a float32
+    ``[N, width]`` tensor, e.g. a column slice of a reused row buffer) receives the rows.
+
+    Example:
+        >>> import nnstat
+        >>> lin = torch.nn.Linear(6, 5)
+        >>> engine = nnstat.CaptureEngine(); _ = engine.watch(lin); caps = []
+        >>> engine.add_consumer(caps.append)
+        >>> with engine.batch():
+        ...     lin(torch.randn(3, 6)).sum().backward()
+        >>> proj = random_projection(module_spec("model", lin), rank=2)
+        >>> project_capture(caps[0], proj).shape
+        torch.Size([3, 4])
     """
     if proj.p_in is None and proj.p_out is None:
         g = cap.per_sample_grad()
-        return g.reshape(g.shape[0], -1)
+        rows = g.reshape(g.shape[0], -1)
+        return rows if out is None else out.copy_(rows)
+    p_in, p_out = _kernels(proj)
     if proj.spec.d_out is None:
-        return cap.project(proj.p_in)
+        return cap.project(p_in, out=out)
+    return cap.project(p_in, p_out, out=out)
+
+
+def _kernels(proj: ModuleProjection) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``p_in``, ``p_out`` as the engine multiplies them, cached on ``proj``.
+
+    Same values, column-major storage: the engine multiplies by ``p.T`` (and ``p_in[:, :-1].T``
+    with a bias), which is then a contiguous operand, the fastest matmul layout.
+    """
+    cached = proj.__dict__.get("_kernels")
+    if cached is not None and cached[0] is proj.p_in and cached[1] is proj.p_out:
+        return cached[2], cached[3]
     p_in = proj.p_in if proj.p_in is not None else _eye(proj.spec.d_in)
-    p_out = proj.p_out if proj.p_out is not None else _eye(proj.spec.d_out)
-    return cap.project(p_in, p_out)
+    p_out = None
+    if proj.spec.d_out is not None:
+        p_out = proj.p_out if proj.p_out is not None else _eye(proj.spec.d_out)
+        p_out = p_out.T.contiguous().T
+    p_in = p_in.T.contiguous().T
+    proj.__dict__["_kernels"] = (proj.p_in, proj.p_out, p_in, p_out)
+    return p_in, p_out
 
 
 _EYES: dict[int, torch.Tensor] = {}

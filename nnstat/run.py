@@ -75,6 +75,10 @@ class Run:
         self._pass = 0
         self._batch: dict[str, torch.Tensor] | None = None
         self._batch_flags = (False, False)
+        # logging passes assemble each batch's rows in place in one of the writer's reused
+        # buffers (module m writes columns _columns[m]); eval mode keeps fresh tensors
+        self._rowbuf: torch.Tensor | None = None
+        self._columns: dict[str, slice] = {}
         self._next_auto_id = 0
         self._eval_ids: list[Any] = []
         self._eval_rows: list[torch.Tensor] = []
@@ -168,6 +172,7 @@ class Run:
         if self.mode == "log" and self._collector is None and self._stats_on():
             self._collector = parts.make_collector(self.config)
         self._batch = {}
+        self._rowbuf = None
         # decided once per batch: the hooks below run per module
         self._batch_flags = (
             self.mode == "eval" or logging,
@@ -185,7 +190,8 @@ class Run:
             if restore is not None:
                 restore()
             batch, self._batch = self._batch, None
-        self._complete(batch, ids, keep)
+            rowbuf, self._rowbuf = self._rowbuf, None
+        self._complete(batch, ids, keep, rowbuf)
 
     def _on_capture(self, cap: Any) -> None:
         if self._batch is None:
@@ -195,17 +201,51 @@ class Run:
             self._collector.on_capture(cap)
         if project:
             assert self._projections is not None
-            rows = project_capture(cap, self._projections[cap.name]).float()
+            proj = self._projections[cap.name]
             prev = self._batch.get(cap.name)
+            if prev is None and self.mode == "log" and self._logger is not None:
+                out = self._row_buffer(cap.num_samples)[:, self._columns[cap.name]]
+                if cap.backward.device == out.device:
+                    project_capture(cap, proj, out=out)
+                else:  # an accelerator: one transfer of the projected rows
+                    out.copy_(project_capture(cap, proj))
+                self._batch[cap.name] = out
+                return
+            rows = project_capture(cap, proj).float()
             # two backward passes in one block add up, like the gradients they project
-            self._batch[cap.name] = rows if prev is None else prev + rows
+            self._batch[cap.name] = rows if prev is None else prev.add_(rows)
 
-    def _complete(self, batch: dict[str, torch.Tensor], ids: list | None, keep: Any) -> None:
+    def _row_buffer(self, n: int) -> torch.Tensor:
+        if self._rowbuf is None:
+            assert self._logger is not None and self._projections is not None
+            self._rowbuf = self._logger.writer.row_buffer(n)
+            offset = 0
+            for name, p in self._projections.items():
+                self._columns[name] = slice(offset, offset + p.width)
+                offset += p.width
+        elif self._rowbuf.shape[0] != n:
+            raise ValueError(
+                f"watched modules saw different batch sizes in one run(...) block "
+                f"({self._rowbuf.shape[0]} and {n})"
+            )
+        return self._rowbuf
+
+    def _complete(
+        self,
+        batch: dict[str, torch.Tensor],
+        ids: list | None,
+        keep: Any,
+        rowbuf: torch.Tensor | None = None,
+    ) -> None:
         if not (self.mode == "eval" or self._saving()):
             return
         assert self._projections is not None
         cols = parts.module_blocks(batch, self._projections, self._warned_missing)
         n = cols[0].shape[0]
+        if rowbuf is not None:
+            for name, col in zip(self._projections, cols, strict=True):
+                if name not in batch:  # the reused buffer holds an older batch's values there
+                    rowbuf[:, self._columns[name]] = col
         if ids is None:
             ids = list(range(self._next_auto_id, self._next_auto_id + n))
             keep = self._admit(ids)
@@ -218,6 +258,10 @@ class Run:
             self._eval_seen.update(ids)
             self._eval_ids += ids
             self._eval_rows.append(rows.detach().cpu())
+        elif rowbuf is not None:
+            assert self._logger is not None
+            # the rows were assembled in place: one contiguous block, one write in the thread
+            self._logger.add(ids, rowbuf, keep, recycle=rowbuf)
         else:
             assert self._logger is not None
             # module blocks go to the writer as they are: it writes them row by row (writev)

@@ -148,12 +148,19 @@ class ModuleCapture:
             return (gram_a * gram_b).sum((1, 2))
         return self.per_sample_grad().square().sum((1, 2))
 
-    def project(self, p_in: torch.Tensor, p_out: torch.Tensor | None = None) -> torch.Tensor:
+    def project(
+        self,
+        p_in: torch.Tensor,
+        p_out: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Projected per-sample gradients without materialising ``G_i``.
 
         Outer-product kinds: ``[N, r_out * r_in]`` = ``vec(P_out @ G_i @ P_inᵀ)`` row-major, with
         ``p_in`` ``[r_in, d_in(+1)]`` and ``p_out`` ``[r_out, d_out]``. Layernorm: ``p_in`` of
-        shape ``[r, D]`` alone, returns ``[N, r]``.
+        shape ``[r, D]`` alone, returns ``[N, r]``. ``out`` (optional, float32, may be a column
+        slice of a wider row buffer) receives the result and is returned: a caller that reuses
+        its buffers never allocates the ``[N, r_out * r_in]`` result.
         """
         if not self.is_kronecker:
             if p_out is not None:
@@ -162,7 +169,7 @@ class ModuleCapture:
                 )
             g = self.per_sample_grad()
             _check_proj(self.name, "p_in", p_in, g.shape[1])
-            return g @ p_in.to(g).T
+            return _into(g @ p_in.to(g).T, out)
         if p_out is None:
             raise ValueError(f"{self.name} ({self.kind}) needs both p_in and p_out")
         _check_proj(self.name, "p_in", p_in, self.d_in)
@@ -178,7 +185,14 @@ class ModuleCapture:
         else:
             ap = self._a @ p_in.T
         bp = self._b @ p_out.T
-        return torch.bmm(bp.transpose(1, 2), ap).reshape(self.num_samples, -1)
+        n, r_out, r_in = self.num_samples, bp.shape[-1], ap.shape[-1]
+        if out is None:
+            return torch.bmm(bp.transpose(1, 2), ap).reshape(n, -1)
+        _check_out(self.name, out, n, r_out * r_in)
+        if bp.shape[1] == 1:  # one position: the outer product, written in place (no bmm temp)
+            torch.mul(bp.reshape(n, r_out, 1), ap.reshape(n, 1, r_in), out=out.view(n, r_out, r_in))
+            return out
+        return _into(torch.bmm(bp.transpose(1, 2), ap).reshape(n, -1), out)
 
     # ------------------------------------------------------------ sums for statistics
     def forward_gram(self) -> torch.Tensor:
@@ -220,6 +234,22 @@ class ModuleCapture:
             f"ModuleCapture(name={self.name!r}, kind={self.kind!r}, N={self.num_samples}, "
             f"positions={self.num_positions}, d_in={self.d_in}, d_out={self.d_out})"
         )
+
+
+def _check_out(name: str, out: torch.Tensor, n: int, width: int) -> None:
+    if out.shape != (n, width) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(
+            f"{name}: out must be a float32 [{n}, {width}] tensor with contiguous rows, got "
+            f"{out.dtype} {tuple(out.shape)} strides {out.stride()}"
+        )
+
+
+def _into(rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return rows
+    _check_out("project", out, rows.shape[0], rows.shape[1])
+    out.copy_(rows)
+    return out
 
 
 def _check_proj(name: str, label: str, p: torch.Tensor, d: int) -> None:

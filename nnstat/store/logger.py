@@ -257,8 +257,18 @@ class StoreLogger:
             )
         return keep
 
-    def add(self, ids: list[DataId], rows: Rows, keep: list[bool] | None = None) -> None:
-        """Queue rows (already admitted; a tensor or per-module column blocks); NaN/Inf policy."""
+    def add(
+        self,
+        ids: list[DataId],
+        rows: Rows,
+        keep: list[bool] | None = None,
+        recycle: torch.Tensor | None = None,
+    ) -> None:
+        """Queue rows (already admitted; a tensor or per-module column blocks); NaN/Inf policy.
+
+        ``recycle``: the writer's :meth:`~StoreWriter.row_buffer` holding ``rows``, handed back
+        to the writer with them.
+        """
         self.writer.check()
         self.seen.update(ids)
         if keep is not None and not all(keep):
@@ -268,7 +278,7 @@ class StoreLogger:
             rows = [b[idx] for b in rows] if isinstance(rows, list) else rows[idx]
         ids, rows, skipped = filter_nonfinite(ids, rows, self.options.nonfinite)
         self.skipped_nonfinite += skipped
-        self.writer.put(ids, rows)
+        self.writer.put(ids, rows, recycle=recycle)
         self._budget_warning()
 
     def _budget_warning(self) -> None:

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import queue
 import shutil
 import threading
@@ -30,6 +31,10 @@ from nnstat.store.format import DataId, list_shards
 
 #: target size of one shard file when ``shard_rows`` is not given
 SHARD_BYTES = 64 * 2**20
+
+
+#: free row buffers kept for reuse (more are released to the allocator)
+_KEEP_BUFFERS = 4
 
 
 class StoreWriteError(RuntimeError):
@@ -80,6 +85,9 @@ class StoreWriter:
         self.rows_written = 0
         self.bytes_written = 0
         self.shards_written: list[str] = []
+        # rows are assembled in reused buffers: fresh multi-MB tensors every batch cost page
+        # faults (expensive under virtualisation) in the training thread
+        self._free: collections.deque[torch.Tensor] = collections.deque()
         self._thread = threading.Thread(target=self._loop, name="nnstat-store-writer", daemon=True)
         self._thread.start()
 
@@ -92,10 +100,28 @@ class StoreWriter:
                 f"gradient store writer failed in {self.shard_dir}: {err!r}"
             ) from err
 
-    def put(self, ids: list[DataId], rows: torch.Tensor | list[torch.Tensor]) -> None:
+    def row_buffer(self, n: int) -> torch.Tensor:
+        """A float32 ``[n, row_width]`` buffer to fill and pass to :meth:`put` as ``recycle``.
+
+        Its content is undefined. The writer takes it back once the rows are on disk, so the
+        same few buffers circulate instead of a fresh allocation per batch.
+        """
+        while self._free:
+            buf = self._free.pop()
+            if buf.shape[0] >= n:
+                return buf[:n]
+        return torch.empty(n, self.row_width)
+
+    def put(
+        self,
+        ids: list[DataId],
+        rows: torch.Tensor | list[torch.Tensor],
+        recycle: torch.Tensor | None = None,
+    ) -> None:
         """Queue ``rows`` ``[len(ids), row_width]``, or column blocks that concatenate to it.
 
-        Blocks are joined in the background thread, straight into the shard buffer.
+        Blocks are joined in the background thread, straight into the shard file. ``recycle``: a
+        :meth:`row_buffer` the rows live in (or were copied from); it is reused once written.
         """
         self.check()
         blocks = rows if isinstance(rows, list) else [rows]
@@ -104,7 +130,14 @@ class StoreWriter:
             shapes = [tuple(b.shape) for b in blocks]
             raise ValueError(f"expected rows of shape [{len(ids)}, {self.row_width}], got {shapes}")
         if len(ids):
-            self._queue.put((list(ids), [b.detach() for b in blocks]))
+            self._queue.put((list(ids), [b.detach() for b in blocks], recycle))
+        elif recycle is not None:
+            self._release(recycle)
+
+    def _release(self, buf: torch.Tensor) -> None:
+        base = buf._base if buf._base is not None else buf
+        if len(self._free) < _KEEP_BUFFERS:
+            self._free.append(base)  # deque append/pop are atomic: no lock with the thread
 
     def pending(self) -> int:
         """Blocks not yet taken by the thread."""
@@ -151,7 +184,16 @@ class StoreWriter:
         except BaseException as e:  # noqa: BLE001 - kept and re-raised in the caller's thread
             self._error = e
 
-    def _add(self, ids: list[DataId], blocks: list[torch.Tensor]) -> None:
+    def _add(
+        self, ids: list[DataId], blocks: list[torch.Tensor], recycle: torch.Tensor | None
+    ) -> None:
+        try:
+            self._write(ids, blocks)
+        finally:
+            if recycle is not None:
+                self._release(recycle)
+
+    def _write(self, ids: list[DataId], blocks: list[torch.Tensor]) -> None:
         arrays = [fmt.encode_rows(b, self.dtype) for b in blocks]
         pos = 0
         while pos < len(ids):
