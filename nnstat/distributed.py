@@ -37,6 +37,9 @@ __all__ = [
     "summarize_sharded",
     "norms_sharded",
     "any_dtensor",
+    "clean_name",
+    "fsdp1_shards",
+    "fsdp1_view",
 ]
 
 # column layout of a partial row; every column but MIN/MAX combines by summation
@@ -277,3 +280,70 @@ def norms_sharded(tensors: Sequence[torch.Tensor], p: float = 2) -> list[float]:
         v = float(part)
         out.append(v if p in (0, math.inf, -math.inf) else v ** (1.0 / p))
     return out
+
+
+# --------------------------------------------------------------------------- FSDP1 (flat slices)
+_FSDP_PREFIX = "_fsdp_wrapped_module."
+_MESHES: dict[int, Any] = {}
+
+
+def clean_name(name: str) -> str:
+    """A parameter name without FSDP1's wrapper prefixes (the unwrapped model's name).
+
+    Example:
+        >>> clean_name("_fsdp_wrapped_module.0.weight")
+        '0.weight'
+    """
+    return name.replace(_FSDP_PREFIX, "")
+
+
+def fsdp1_shards(model: Any) -> dict[int, tuple[int, Any, Any]]:
+    """``id(param) -> (numel of the whole parameter, process group, flat parameter)`` for the
+    parameters of FSDP1 units that are currently sharded (``{}`` for any other model).
+
+    With ``use_orig_params=True`` each such parameter is this rank's contiguous slice of the
+    flattened parameter (possibly empty); `fsdp1_view` turns it into a 1-D DTensor of the whole.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    if fsdp is None:
+        return {}
+    out: dict[int, tuple[int, Any, Any]] = {}
+    for mod in model.modules():
+        handle = (
+            getattr(mod, "_handle", None)
+            if isinstance(mod, fsdp.FullyShardedDataParallel)
+            else None
+        )
+        if handle is None or not handle.is_sharded(handle.flat_param):
+            continue
+        flat = handle.flat_param
+        if not handle._use_orig_params:
+            raise ValueError(
+                "statistics of an FSDP1 model need FullyShardedDataParallel(..., "
+                "use_orig_params=True) (or wrap the call in FSDP.summon_full_params)"
+            )
+        for p, numel in zip(flat._params, flat._numels, strict=True):
+            out[id(p)] = (int(numel), mod.process_group, flat)
+    return out
+
+
+def fsdp1_view(local: torch.Tensor, info: tuple[int, Any, Any]) -> torch.Tensor:
+    """This rank's flat FSDP1 slice as a 1-D DTensor of the whole parameter (no communication).
+
+    Statistics of the result are those of the whole (flattened) parameter, reduced across ranks.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    numel, group, _ = info
+    mesh = _MESHES.get(id(group))
+    if mesh is None:
+        mesh = _MESHES[id(group)] = DeviceMesh.from_group(group, local.device.type)
+    return DTensor.from_local(
+        local.detach().reshape(-1),
+        mesh,
+        [Shard(0)],
+        run_check=False,
+        shape=torch.Size([numel]),
+        stride=(1,),
+    )

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from nnstat.distributed import clean_name, fsdp1_shards, fsdp1_view
 from nnstat.netdict import NetDict, select_names
 
 __all__ = [
@@ -65,7 +66,8 @@ def _params(
 ) -> list[tuple[str, nn.Parameter]]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
-    named = list(model.named_parameters())
+    # FSDP1 wrappers add a prefix: keys are the unwrapped model's names
+    named = [(clean_name(n), p) for n, p in model.named_parameters()]
     if not named:
         raise ValueError(f"{type(model).__name__} has no parameters")
     keep = set(select_names([n for n, _ in named], include, exclude))
@@ -75,6 +77,22 @@ def _params(
             f"parameters are {[n for n, _ in named][:10]}"
         )
     return [(n, p) for n, p in named if n in keep]
+
+
+def _view(t: torch.Tensor, p: torch.Tensor, shards: dict) -> torch.Tensor:
+    """`t` (a tensor of parameter `p`), as a DTensor of the whole when `p` is an FSDP1 slice."""
+    info = shards.get(id(p))
+    return t if info is None else fsdp1_view(t, info)
+
+
+def _grad(p: torch.Tensor, shards: dict) -> torch.Tensor | None:
+    info = shards.get(id(p))
+    if info is None:
+        return p.grad
+    g = p.grad
+    if g is None and p.numel() == 0 and info[2].grad is not None:
+        g = p.detach()  # the backward ran, but this rank holds no slice of the parameter
+    return None if g is None else fsdp1_view(g, info)
 
 
 def _take(t: torch.Tensor, device: str | torch.device | None, copy: bool) -> torch.Tensor:
@@ -103,7 +121,10 @@ def get_weight(
         >>> list(W)
         ['bias']
     """
-    return NetDict({n: _take(p, device, copy) for n, p in _params(model, include, exclude)})
+    shards = fsdp1_shards(model)
+    return NetDict(
+        {n: _take(_view(p, p, shards), device, copy) for n, p in _params(model, include, exclude)}
+    )
 
 
 def get_grad(
@@ -128,10 +149,12 @@ def get_grad(
     if missing not in ("warn", "ignore", "raise"):
         raise ValueError(f"missing must be 'warn', 'ignore' or 'raise', got {missing!r}")
     params = _params(model, include, exclude)
+    shards = fsdp1_shards(model)
     out, absent = {}, []
     for n, p in params:
-        if p.grad is not None:
-            out[n] = _take(p.grad, device, copy)
+        g = _grad(p, shards)
+        if g is not None:
+            out[n] = _take(g, device, copy)
         elif p.requires_grad:
             absent.append(n)
     if not out:
@@ -190,10 +213,13 @@ def get_optimizer_state(
     if key not in existing:
         raise UnknownStateKeyError(key, existing, type(optimizer).__name__)
     out = {}
+    shards = fsdp1_shards(model)
     for n, p in _params(model, include, exclude):
         v = optimizer.state.get(p, {}).get(key)
+        if v is None and id(p) in shards and p.numel() == 0:
+            v = p.detach()  # FSDP1: this rank holds no slice of the parameter (nor of its state)
         if isinstance(v, torch.Tensor):
-            out[n] = _take(v, device, copy)
+            out[n] = _take(_view(v, p, shards), device, copy)
     return NetDict(out)
 
 
@@ -248,9 +274,10 @@ def compute_stats(
         stats=stats, prefix="weight/", layerwise=layerwise
     )
     named = _params(model, include, exclude)
-    with_grad = [n for n, p in named if p.grad is not None]
+    shards = fsdp1_shards(model)
+    with_grad = [n for n, p in named if _grad(p, shards) is not None]
     if len(with_grad) < len(named):
-        absent = [n for n, p in named if p.grad is None and p.requires_grad]
+        absent = [n for n, p in named if _grad(p, shards) is None and p.requires_grad]
         if absent:
             warnings.warn(
                 f"{len(absent)} parameter(s) have no gradient and are left out of grad/: "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 
@@ -80,15 +79,6 @@ def collect_ekfac(train: nn.Module, x: torch.Tensor, y: torch.Tensor, inner=None
     return col.state_dict()
 
 
-def _gathered(kind: str, train: nn.Module):
-    """FSDP1 exposes flat 1-D slices without placements: NetDicts need the full parameters."""
-    if kind != "fsdp1":
-        return contextlib.nullcontext()
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    return FSDP.summon_full_params(train, with_grads=True)
-
-
 def _netdict_and_tracker(kind: str, rank: int, x, y, out_dir: str) -> None:
     m = model()
     train, inner = wrap(kind, m)
@@ -127,18 +117,20 @@ def _netdict_and_tracker(kind: str, rank: int, x, y, out_dir: str) -> None:
         {k: v.clone().contiguous() for k, v in seen.items()},
         os.path.join(out_dir, f"seen-rank{rank}.safetensors"),
     )
-    with _gathered(kind, train):
-        G = nnstat.get_grad(inner)
+    # FSDP1: the wrapper knows the slices (its flat parameters); no gather
+    src = train if kind == "fsdp1" else inner
+    G = nnstat.get_grad(src)
     opt.step()
     metrics = tracker.step() if tracker is not None else None
-    with _gathered(kind, train):
-        W = nnstat.get_weight(inner)
+    W = nnstat.get_weight(src)
+    M = nnstat.get_optimizer_state(src, opt, "momentum_buffer")
     res = {
         "tracker": metrics,
         "describe_layers": W.describe_layers(stats=STATS, prefix="w/"),
         "describe_grad": dict(G.describe(stats=STATS)),
         "layer_norms": W.layer_norms(2),
         "norm1": W.norm(1),
+        "describe_momentum": M.describe_layers(stats=STATS, prefix="m/"),
     }
     with open(os.path.join(out_dir, f"netdict-rank{rank}.json"), "w") as f:
         json.dump(res, f)

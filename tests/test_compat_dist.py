@@ -118,6 +118,10 @@ def test_netdict_describe_tracker_equal_unsharded(spawned, kind):
             for s in STATS:
                 _close(res["describe_layers"][f"w/{name}/{s}"], want[s], f"{name}/{s}")
             _close(res["layer_norms"][name], want["l2"], f"{name} norm")
+        for name, v in ref["momentum_buffer"].items():
+            want = _np_stats(v)
+            for s in STATS:
+                _close(res["describe_momentum"][f"m/{name}/{s}"], want[s], f"momentum {name}/{s}")
         whole = _np_stats(np.concatenate(list(ref["grad"].values())))
         for s in STATS:
             _close(res["describe_grad"][s], whole[s], f"whole grad {s}")
