@@ -45,6 +45,9 @@ class StatsOptions:
             updated every step and reported on logging steps. The training loss must be a
             mean over the batch.
         noise_scale_beta: EMA factor of the noise-scale averages.
+        noise_scale_every: measure the noise scale on one micro-batch in this many (per-sample
+            norms cost a few forward-backward fractions on sequence models; the EMA just sees
+            fewer, equally unbiased observations).
         noise_scale_filter: regex of module names for the noise scale (default: every
             supported module whose parameters are not shared with another module).
     """
@@ -57,8 +60,13 @@ class StatsOptions:
     noise_scale: bool = True
     noise_scale_beta: float = 0.9
     noise_scale_filter: str | None = None
+    noise_scale_every: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.noise_scale_every, int) or self.noise_scale_every < 1:
+            raise ValueError(
+                f"noise_scale_every must be a positive int, got {self.noise_scale_every!r}"
+            )
         if self.every is not None and (not isinstance(self.every, int) or self.every < 1):
             raise ValueError(f"every must be a positive int or None, got {self.every!r}")
         if not 0.0 <= self.noise_scale_beta < 1.0:
@@ -177,6 +185,7 @@ class StepStats:
         self._tracker: Any = None
         #: modules left out of the noise scale, with the reason
         self.excluded: dict[str, str] = {}
+        self._micro = 0
 
     # ------------------------------------------------------------------ noise scale
     def begin_batch(self, model: nn.Module) -> None:
@@ -198,7 +207,8 @@ class StepStats:
                 self._gns_ctx = ModuleProbe(model, unshared=True)
                 self._gns_ctx.__enter__()
                 return
-        if self.gns is not None:
+        self._micro += 1
+        if self.gns is not None and self._micro % self.options.noise_scale_every == 0:
             self._gns_ctx = self.gns.batch()
             self._gns_ctx.__enter__()
 

@@ -65,7 +65,7 @@ class NNStatCallback(TrainerCallback):
 
     Args:
         stats, groups, include, exclude, every, noise_scale, noise_scale_beta,
-        noise_scale_filter: see :class:`nnstat.integrations._hooks.StatsOptions`;
+        noise_scale_filter, noise_scale_every: see :class:`nnstat.integrations._hooks.StatsOptions`;
             ``every=None`` follows ``TrainingArguments.logging_steps``.
 
     Example:
@@ -85,6 +85,7 @@ class NNStatCallback(TrainerCallback):
         noise_scale: bool = True,
         noise_scale_beta: float = 0.9,
         noise_scale_filter: str | None = None,
+        noise_scale_every: int = 1,
     ) -> None:
         from nnstat.stats import validate_stats
 
@@ -97,6 +98,7 @@ class NNStatCallback(TrainerCallback):
             noise_scale=noise_scale,
             noise_scale_beta=noise_scale_beta,
             noise_scale_filter=noise_scale_filter,
+            noise_scale_every=noise_scale_every,
         )
         self.hooks = StepStats(self.options)
         self.latest: dict[str, Any] = {}

@@ -56,6 +56,7 @@ class NNStatCallback(Callback):
         noise_scale: bool = True,
         noise_scale_beta: float = 0.9,
         noise_scale_filter: str | None = None,
+        noise_scale_every: int = 1,
     ) -> None:
         from nnstat.stats import validate_stats
 
@@ -68,6 +69,7 @@ class NNStatCallback(Callback):
             noise_scale=noise_scale,
             noise_scale_beta=noise_scale_beta,
             noise_scale_filter=noise_scale_filter,
+            noise_scale_every=noise_scale_every,
         )
         self.hooks = StepStats(self.options)
         self.history: list[dict[str, Any]] = []

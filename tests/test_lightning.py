@@ -198,3 +198,21 @@ def test_influence_helpers_reject_bad_input(tmp_path):
         extract_log(None, module, loader, root_dir=str(tmp_path), loss_fn=lambda b, i: None)
     with pytest.raises(ValueError, match="loss_reduction"):
         extract_log(None, module, loader, config={"loss_reduction": "sum"})
+
+
+def test_step_stats_noise_scale_every():
+    from nnstat.integrations._hooks import StatsOptions, StepStats
+
+    with pytest.raises(ValueError, match="noise_scale_every"):
+        StatsOptions(noise_scale_every=0)
+    module = Tiny()
+    hooks = StepStats(StatsOptions(noise_scale_every=2))
+    x, y = _data(40).tensors
+    for s in range(0, 40, 8):  # 5 micro-batches: one probe, then every second one measured
+        hooks.begin_batch(module)
+        nn.functional.cross_entropy(module(x[s : s + 8]), y[s : s + 8]).backward()
+        hooks.end_backward()
+        module.zero_grad()
+    assert hooks.gns.n_updates == 2
+    hooks.close()
+    assert all(not m._forward_hooks and not m._backward_hooks for m in module.modules())
