@@ -40,6 +40,8 @@ __all__ = [
     "clean_name",
     "fsdp1_shards",
     "fsdp1_view",
+    "fsdp1_whole",
+    "fsdp1_grad",
 ]
 
 # column layout of a partial row; every column but MIN/MAX combines by summation
@@ -347,3 +349,25 @@ def fsdp1_view(local: torch.Tensor, info: tuple[int, Any, Any]) -> torch.Tensor:
         shape=torch.Size([numel]),
         stride=(1,),
     )
+
+
+def fsdp1_whole(t: torch.Tensor, param: Any, shards: dict[int, tuple[int, Any, Any]]) -> Any:
+    """`t` (a tensor belonging to `param`) as a DTensor of the whole when `param` is an FSDP1
+    slice listed in `shards` (from `fsdp1_shards`); unchanged otherwise."""
+    info = shards.get(id(param))
+    return t if info is None else fsdp1_view(t, info)
+
+
+def fsdp1_grad(param: Any, shards: dict[int, tuple[int, Any, Any]]) -> torch.Tensor | None:
+    """``param.grad``, for an FSDP1 slice as a DTensor of the whole gradient.
+
+    A rank holding no slice of the parameter gets an empty local gradient once the backward ran
+    (the flat parameter has a gradient), so every rank lists the same tensors.
+    """
+    info = shards.get(id(param))
+    if info is None:
+        return param.grad
+    g = param.grad
+    if g is None and param.numel() == 0 and info[2].grad is not None:
+        g = param.detach()
+    return None if g is None else fsdp1_view(g, info)

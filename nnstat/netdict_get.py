@@ -20,7 +20,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from nnstat.distributed import clean_name, fsdp1_shards, fsdp1_view
+from nnstat.distributed import clean_name, fsdp1_shards
+from nnstat.distributed import fsdp1_grad as _grad
+from nnstat.distributed import fsdp1_whole as _view
 from nnstat.netdict import NetDict, select_names
 
 __all__ = [
@@ -77,22 +79,6 @@ def _params(
             f"parameters are {[n for n, _ in named][:10]}"
         )
     return [(n, p) for n, p in named if n in keep]
-
-
-def _view(t: torch.Tensor, p: torch.Tensor, shards: dict) -> torch.Tensor:
-    """`t` (a tensor of parameter `p`), as a DTensor of the whole when `p` is an FSDP1 slice."""
-    info = shards.get(id(p))
-    return t if info is None else fsdp1_view(t, info)
-
-
-def _grad(p: torch.Tensor, shards: dict) -> torch.Tensor | None:
-    info = shards.get(id(p))
-    if info is None:
-        return p.grad
-    g = p.grad
-    if g is None and p.numel() == 0 and info[2].grad is not None:
-        g = p.detach()  # the backward ran, but this rank holds no slice of the parameter
-    return None if g is None else fsdp1_view(g, info)
 
 
 def _take(t: torch.Tensor, device: str | torch.device | None, copy: bool) -> torch.Tensor:

@@ -25,7 +25,14 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from nnstat.distributed import any_dtensor, local_tensor
+from nnstat.distributed import (
+    any_dtensor,
+    clean_name,
+    fsdp1_grad,
+    fsdp1_shards,
+    fsdp1_whole,
+    local_tensor,
+)
 from nnstat.dynamics import ratio_from_norms
 from nnstat.histogram import DEFAULT_MAX_ELEMENTS, HIST_SUMMARY, histograms
 from nnstat.netdict import select_names
@@ -119,7 +126,8 @@ class Tracker:
             tuple(groups) if optimizer is not None else tuple(g for g in groups if g != "optimizer")
         )
         self.state_keys = None if state_keys is None else tuple(state_keys)
-        named = list(model.named_parameters())
+        # FSDP1 wrappers add a prefix: keys are the unwrapped model's names
+        named = [(clean_name(n), p) for n, p in model.named_parameters()]
         names = select_names([n for n, _ in named], include, exclude)
         if not names:
             raise ValueError(
@@ -129,6 +137,7 @@ class Tracker:
         lookup = dict(named)
         self.names = names
         self.params = [lookup[n] for n in names]
+        self._fsdp1 = bool(fsdp1_shards(model))
         self._sinks: list[Callable[[dict[str, Any], int], None]] = []
         self._sink_objects: list[Any] = []
         for s in sinks:
@@ -175,12 +184,16 @@ class Tracker:
 
     def _collect(self, weights: bool = True) -> list[tuple[str, str, torch.Tensor]]:
         entries: list[tuple[str, str, torch.Tensor]] = []
+        # FSDP1: flat per-rank slices become DTensors of the whole (reduced, never gathered)
+        shards = fsdp1_shards(self.model) if self._fsdp1 else {}
         if weights and "weight" in self.groups:
             entries += [
-                ("weight", n, p.detach()) for n, p in zip(self.names, self.params, strict=True)
+                ("weight", n, fsdp1_whole(p.detach(), p, shards))
+                for n, p in zip(self.names, self.params, strict=True)
             ]
         if "grad" in self.groups:
-            missing = [n for n, p in zip(self.names, self.params, strict=True) if p.grad is None]
+            grads = [fsdp1_grad(p, shards) for p in self.params]
+            missing = [n for n, g in zip(self.names, grads, strict=True) if g is None]
             if missing and not self._warned_grad:
                 warnings.warn(
                     f"Tracker: {len(missing)} parameter(s) have no gradient at this step and are "
@@ -189,16 +202,18 @@ class Tracker:
                 )
                 self._warned_grad = True
             entries += [
-                ("grad", n, p.grad.detach())
-                for n, p in zip(self.names, self.params, strict=True)
-                if p.grad is not None
+                ("grad", n, g.detach())
+                for n, g in zip(self.names, grads, strict=True)
+                if g is not None
             ]
         if "optimizer" in self.groups:
             for key in self._state_keys():
                 for n, p in zip(self.names, self.params, strict=True):
                     v = self.optimizer.state.get(p, {}).get(key)
+                    if v is None and id(p) in shards and p.numel() == 0:
+                        v = p.detach()  # FSDP1: no slice of this parameter on this rank
                     if isinstance(v, torch.Tensor):
-                        entries.append((key, n, v.detach()))
+                        entries.append((key, n, fsdp1_whole(v.detach(), p, shards)))
         return entries
 
     def step(self, step: int | None = None) -> dict[str, Any] | None:
@@ -245,6 +260,7 @@ class Tracker:
             and not self.histograms
             and set(self.stats) <= FUSED_STATS
             and not any_dtensor(self.params)
+            and not self._fsdp1
         )
 
     def _measure_fused(self, refresh: bool) -> dict[str, Any]:
@@ -287,7 +303,11 @@ class Tracker:
             # a foreach sub_ would give W_prev - W_curr and need a second, negating pass)
             for prev, cur in zip(_local(self._prev), _local(current), strict=True):
                 torch.sub(cur, prev, out=prev)
-            entries += [("update", n, d) for n, d in zip(self.names, self._prev, strict=True)]
+            shards = fsdp1_shards(self.model) if self._fsdp1 else {}
+            entries += [
+                ("update", n, fsdp1_whole(d, p, shards))
+                for n, d, p in zip(self.names, self._prev, self.params, strict=True)
+            ]
         extra = HIST_SUMMARY if self.histograms else ()
         computed = tuple(dict.fromkeys([*self.stats, "l2", *extra]))
         tensors = [t for _, _, t in entries]

@@ -83,8 +83,9 @@ def _netdict_and_tracker(kind: str, rank: int, x, y, out_dir: str) -> None:
     m = model()
     train, inner = wrap(kind, m)
     opt = torch.optim.SGD(train.parameters(), lr=LR, momentum=MOMENTUM)
-    # FSDP1: no Tracker (its optimizer states are flat slices, see the README table)
-    tracker = None if kind == "fsdp1" else nnstat.Tracker(inner, opt, stats=STATS)
+    # FSDP1: the wrapper knows the slices (its flat parameters); nothing is gathered
+    src = train if kind == "fsdp1" else inner
+    tracker = nnstat.Tracker(src, opt, stats=STATS)
     engine = CaptureEngine()
     engine.watch(inner)
     psg: dict[str, torch.Tensor] = {}
@@ -117,11 +118,9 @@ def _netdict_and_tracker(kind: str, rank: int, x, y, out_dir: str) -> None:
         {k: v.clone().contiguous() for k, v in seen.items()},
         os.path.join(out_dir, f"seen-rank{rank}.safetensors"),
     )
-    # FSDP1: the wrapper knows the slices (its flat parameters); no gather
-    src = train if kind == "fsdp1" else inner
     G = nnstat.get_grad(src)
     opt.step()
-    metrics = tracker.step() if tracker is not None else None
+    metrics = tracker.step()
     W = nnstat.get_weight(src)
     M = nnstat.get_optimizer_state(src, opt, "momentum_buffer")
     res = {

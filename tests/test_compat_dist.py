@@ -106,8 +106,8 @@ def test_netdict_describe_tracker_equal_unsharded(spawned, kind):
     ref = _after_step()
     for rank in range(WORLD):
         res = json.loads(open(os.path.join(out, f"netdict-rank{rank}.json")).read())
-        # Tracker: weight, grad, optimizer state and update of every layer (not FSDP1)
-        for group in ("weight", "grad", "momentum_buffer", "update") if res["tracker"] else ():
+        # Tracker: weight, grad, optimizer state and update of every layer
+        for group in ("weight", "grad", "momentum_buffer", "update"):
             for name, v in ref[group].items():
                 want = _np_stats(v)
                 for s in STATS:
