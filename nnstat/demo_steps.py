@@ -187,7 +187,7 @@ def write_report(state: Any) -> None:
             "noise scale B_simple (last estimate)": _interval(last_noise) if noise else "n/a",
             "gradient store": str(ex.run.path) if ex.run else "n/a",
             "TensorBoard logs": str(cfg.log_dir / "tensorboard"),
-            "wall time": f"{time.perf_counter() - ex.started:.1f} s",
+            "time from training to report": f"{time.perf_counter() - ex.started:.1f} s",
         }
     )
     rep.section(
