@@ -163,7 +163,7 @@ def _recorder(kind: str, rank: int, x, y, out_dir: str) -> None:
     m = model()
     train, inner = wrap(kind, m)
     rec = Recorder(os.path.join(out_dir, f"rec{rank}"), every=1)
-    rec.track_module(inner)
+    rec.track_module(train if kind == "fsdp1" else inner)  # FSDP1: the wrapper knows the slices
     rec.track_activations(inner, loss_reduction="sum")
     rec.start_batch(0)
     loss = F.cross_entropy(train(x), y, reduction="sum")

@@ -228,15 +228,14 @@ def test_recorder_parameters_and_activations(spawned, kind):
     x, y = data()
     for rank in range(WORLD):
         rows = json.loads(open(os.path.join(out, f"recorder-rank{rank}.json")).read())
-        if kind != "fsdp1":  # FSDP1 parameters are flat per-rank slices (README table)
-            for name, v in w0.items():
-                got = rows[f"{name}|forward"]
-                _close(got["norm"], float(np.linalg.norm(v)), f"{name} norm")
-                _close(got["std"], float(v.std()), f"{name} std")
-                _close(got["numel"], float(v.size), f"{name} numel")
-                g = ref["grad"][name]
-                _close(rows[f"{name}|gradient"]["norm"], float(np.linalg.norm(g)), f"{name} grad")
-                _close(rows[f"{name}|gradient"]["max"], float(g.max()), f"{name} grad max")
+        for name, v in w0.items():
+            got = rows[f"{name}|forward"]
+            _close(got["norm"], float(np.linalg.norm(v)), f"{name} norm")
+            _close(got["std"], float(v.std()), f"{name} std")
+            _close(got["numel"], float(v.size), f"{name} numel")
+            g = ref["grad"][name]
+            _close(rows[f"{name}|gradient"]["norm"], float(np.linalg.norm(g)), f"{name} grad")
+            _close(rows[f"{name}|gradient"]["max"], float(g.max()), f"{name} grad max")
         # activations are per-rank data: this rank's batch, unwrapped model
         lo, hi = SPLITS[rank]
         m = model()

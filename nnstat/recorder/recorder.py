@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nnstat.distributed import clean_name, fsdp1_shards
 from nnstat.recorder.anomalies import NonFiniteError, Rule, evaluate_rules
 from nnstat.recorder.batch import Batch, GradHook, Iteration
 from nnstat.recorder.graph import ROLES
@@ -76,6 +77,7 @@ class Recorder:
         self.path = self.writer.path
         self.group, self.trial = group, trial
         self._params: dict[str, torch.nn.Parameter] = {}
+        self._fsdp1: dict[int, tuple] = {}
         self._modules: list[dict[str, Any]] = []
         self._batch: Batch | None = None
         self._kpi_log: list[tuple[str, int, dict[str, Any]]] = []
@@ -91,7 +93,9 @@ class Recorder:
     def track_module(self, module: torch.nn.Module, prefix: str = "") -> None:
         """Record ``module``'s parameters (values and ``.grad``) and its parameter counts."""
         for name, p in module.named_parameters():
-            self._params[f"{prefix}{name}"] = p
+            self._params[f"{prefix}{clean_name(name)}"] = p
+        # FSDP1 wrapper: its parameters are flat per-rank slices, described as whole tensors
+        self._fsdp1.update(fsdp1_shards(module))
         for name, m in module.named_modules():
             own = sum(p.numel() for p in m.parameters(recurse=False))
             total = sum(p.numel() for p in m.parameters())
@@ -268,12 +272,12 @@ class Recorder:
         if keep:
             reason = "decision" if b.decision else "schedule"
             return self._record(
-                b, RowSet.collect(b.iterations, self._params, self.sample_k), reason
+                b, RowSet.collect(b.iterations, self._params, self.sample_k, self._fsdp1), reason
             )
         if not self.rules:
             return None
         # unrecorded step: only the batch-level rows the rules look at, only what they need
-        rows = RowSet.collect(b.iterations, self._params, 0)
+        rows = RowSet.collect(b.iterations, self._params, 0, self._fsdp1)
         sel = self._selection(rows)
         need_abs_max = any(r.kind == "abs_max_above" for r in self.rules)
         light = light_stats([rows.segments[i] for i in sel.rows], abs_max=need_abs_max)
@@ -281,7 +285,7 @@ class Recorder:
         hits = evaluate_rules(self.rules, sel.masks, light, prev)
         if not bool(hits.any()):  # the one host transfer of an unrecorded step
             return None
-        rows = RowSet.collect(b.iterations, self._params, self.sample_k)
+        rows = RowSet.collect(b.iterations, self._params, self.sample_k, self._fsdp1)
         return self._record(b, rows, "anomaly", prev=prev)
 
     def _record(

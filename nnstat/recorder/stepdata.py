@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nnstat.distributed import fsdp1_grad, fsdp1_whole
 from nnstat.recorder.anomalies import Rule, first_offender, indicator_name
 from nnstat.recorder.graph import autograd_edges, graph_document, graph_hash
 from nnstat.recorder.reduce import COL
@@ -36,14 +37,22 @@ class RowSet:
         self._graphs: dict[int, tuple[str, dict[str, Any]]] | None = None
 
     @classmethod
-    def collect(cls, iterations: Sequence[Any], params: dict[str, torch.Tensor], k: int) -> RowSet:
+    def collect(
+        cls,
+        iterations: Sequence[Any],
+        params: dict[str, torch.Tensor],
+        k: int,
+        shards: dict | None = None,
+    ) -> RowSet:
         rs = cls()
         rs.params = params
+        shards = shards or {}  # FSDP1 slices (nnstat.distributed.fsdp1_shards): whole-tensor views
         for name, p in params.items():
             rs.roles[name] = "parameter"
-            rs._add(name, PARAM_ITERATION, "forward", p.detach(), 0)
-            if p.grad is not None:
-                rs._add(name, PARAM_ITERATION, "gradient", p.grad.detach(), 0)
+            rs._add(name, PARAM_ITERATION, "forward", fsdp1_whole(p.detach(), p, shards), 0)
+            g = fsdp1_grad(p, shards)
+            if g is not None:
+                rs._add(name, PARAM_ITERATION, "gradient", g.detach(), 0)
         for it in iterations:
             for name in it.names:
                 t = it.tensors[name]
