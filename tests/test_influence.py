@@ -278,3 +278,40 @@ def test_nonfinite_training_rows_are_named():
     query = TensorSource(torch.randn(2, 4), layout=layout)
     with pytest.raises(ValueError, match=r"\['d'\]"):
         compute_influence_all(query, train, preconditioner="identity", progress=False)
+
+
+def test_top_k_chunked_selection_matches_numpy_sort():
+    # blocks large enough for the chunked pre-selection (with a tail shorter than a chunk)
+    import numpy as np
+
+    from nnstat.influence.topk import TOPK_CHUNK, block_candidates
+
+    gen = torch.Generator().manual_seed(3)
+    n, width, k = 1500, 6, 4
+    train = torch.randn(n, width, generator=gen)
+    query = torch.randn(5, width, generator=gen)
+    ids = [f"t{i}" for i in range(n)]
+    block = 11 * TOPK_CHUNK + 17
+    top = compute_influence_all(
+        TensorSource(query),
+        TensorSource(train, ids=ids),
+        preconditioner="identity",
+        top_k=k,
+        batch_size=block,
+        progress=False,
+    )
+    ref = query.double().numpy() @ train.double().numpy().T
+    order = np.argsort(-ref, axis=1, kind="stable")
+    assert top.helpful_ids == [[ids[j] for j in row[:k]] for row in order]
+    assert top.harmful_ids == [[ids[j] for j in row[::-1][:k]] for row in order]
+    want = np.take_along_axis(ref, order[:, :k], 1)
+    np.testing.assert_allclose(top.helpful_scores.numpy(), want, rtol=1e-5, atol=1e-5)
+    # the candidates of one block hold each query's exact top-k and bottom-k scores
+    s = torch.randn(5, block, generator=gen)
+    hv, hr, lv, lr = block_candidates(s, k)
+    assert hv.shape[1] < block  # something was pruned
+    for q in range(5):
+        row = s[q].numpy()
+        np.testing.assert_array_equal(np.sort(hv[q].numpy())[-k:], np.sort(row)[-k:])
+        np.testing.assert_array_equal(np.sort(lv[q].numpy())[:k], np.sort(row)[:k])
+        assert torch.equal(s[q, hr[q]], hv[q]) and torch.equal(s[q, lr[q]], lv[q])
