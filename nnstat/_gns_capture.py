@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nnstat.distributed import rank_world
+
 
 class PerSampleNorms:
     """Collect ``mean_i |g_i|^2`` and ``|G_B|^2`` per watched module for each captured batch.
@@ -38,6 +40,10 @@ class PerSampleNorms:
         }
         self.engine.add_consumer(self)
         self._sq: dict[str, torch.Tensor] = {}
+        # under torch.distributed, DDP/FSDP have averaged .grad over ranks by the time we read
+        # it: the batch gradient then comes from the captures (this rank's samples only)
+        self._local_big = False
+        self._big: dict[str, torch.Tensor] = {}
         self.last: tuple[dict[str, float], dict[str, float], int] = ({}, {}, 0)
 
     def covered_parameters(self) -> set[int]:
@@ -52,17 +58,21 @@ class PerSampleNorms:
                 "name_filter"
             )
         self._sq[cap.name] = cap.per_sample_sq_norm().detach()
+        if self._local_big:
+            self._big[cap.name] = batch_grad_sq(cap)
 
     @contextmanager
     def batch(self, batch_size: int | None = None) -> Iterator[None]:
+        self._sq, self._big = {}, {}
+        self._local_big = rank_world()[1] > 1
         before = {
             n: [None if p.grad is None else p.grad.detach().clone() for p in ps]
-            for n, ps in self.params.items()
+            for n, ps in (() if self._local_big else self.params.items())
         }
-        self._sq = {}
         with self.engine.batch(batch_size=batch_size, loss_reduction="mean"):
             yield
         captured, self._sq = self._sq, {}
+        local_big, self._big = self._big, {}
         if not captured:
             raise RuntimeError("no watched module took part in the backward of this batch")
         sizes = {int(s.shape[0]) for s in captured.values()}
@@ -76,13 +86,16 @@ class PerSampleNorms:
         # runs every training step, so Python and per-op overhead matter.
         names = list(captured)
         grads, owner = [], []
-        for i, name in enumerate(names):
+        for i, name in enumerate(names if not local_big else ()):
             for p, old in zip(self.params[name], before[name], strict=True):
                 if p.grad is not None:
                     grads.append(p.grad.detach() if old is None else p.grad.detach() - old)
                     owner.append(i)
         parts = [torch.stack([captured[k] for k in names]).float().mean(1)]
-        if grads:
+        if local_big:
+            parts.append(torch.stack([local_big[k] for k in names]).float().cpu() / (n * n))
+            owner = list(range(len(names)))
+        elif grads:
             parts.append(torch.stack(torch._foreach_norm(grads)).float().cpu().square())
         values = torch.cat(parts).tolist()
         small_l, norms = values[: len(names)], values[len(names) :]
@@ -100,3 +113,27 @@ class PerSampleNorms:
 
     def close(self) -> None:
         self.engine.unwatch()
+
+
+def batch_grad_sq(cap: Any) -> torch.Tensor:
+    """``|sum_i G_i|^2`` of one module from its capture (the batch gradient without ``.grad``).
+
+    Example:
+        >>> from nnstat.capture import CaptureEngine
+        >>> m = nn.Linear(2, 1); e = CaptureEngine(); _ = e.watch(m); out = {}
+        >>> e.add_consumer(lambda c: out.update(sq=batch_grad_sq(c)))
+        >>> with e.batch(): m(torch.ones(3, 2)).sum().backward()
+        >>> round(float(out["sq"]), 4)  # weight grad [3, 3], bias grad 3
+        27.0
+    """
+    b = cap.backward
+    if cap.kind == "layernorm":
+        g = cap.per_sample_grad().sum(0)
+    elif cap.kind == "embedding":
+        idx, rows = cap.indices.reshape(-1), b.reshape(-1, b.shape[-1])
+        keep = idx >= 0
+        g = b.new_zeros(cap.d_in, b.shape[-1]).index_add_(0, idx[keep], rows[keep])
+    else:
+        a = cap.forward
+        g = b.reshape(-1, b.shape[-1]).T @ a.reshape(-1, a.shape[-1])
+    return g.double().pow(2).sum()

@@ -183,6 +183,18 @@ def _recorder(kind: str, rank: int, x, y, out_dir: str) -> None:
         json.dump(rows, f)
 
 
+def _noise_scale(kind: str, rank: int, x, y, out_dir: str) -> None:
+    m = model()
+    train, inner = wrap(kind, m)
+    gns = nnstat.NoiseScale(window=4)
+    gns.watch(inner)
+    with gns.batch():
+        F.cross_entropy(train(x), y).backward()
+    gns.unwatch()
+    with open(os.path.join(out_dir, f"gns-rank{rank}.json"), "w") as f:
+        json.dump({"value": gns.value, "grad_sq_norm": gns.grad_sq_norm}, f)
+
+
 def worker(rank: int, world: int, port: int, kind: str, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -198,5 +210,6 @@ def worker(rank: int, world: int, port: int, kind: str, out_dir: str) -> None:
         save_file(state, os.path.join(out_dir, f"ekfac-rank{rank}.safetensors"))
         _store_and_influence(kind, rank, x, y, out_dir)
         _recorder(kind, rank, x, y, out_dir)
+        _noise_scale(kind, rank, x, y, out_dir)
     finally:
         dist.destroy_process_group()

@@ -244,3 +244,20 @@ def test_recorder_parameters_and_activations(spawned, kind):
         (gz,) = torch.autograd.grad(F.cross_entropy(m[3](h), y[lo:hi], reduction="sum"), z)
         _close(rows["3:input|forward"]["norm"], float(h.norm()), "3:input")
         _close(rows["0:output|gradient"]["norm"], float(gz.norm()), "0:output grad")
+
+
+@pytest.mark.parametrize("kind", WRAPPERS)
+def test_noise_scale_per_sample_mode_uses_this_ranks_batch(spawned, kind):
+    out = spawned(kind)
+    ref = _per_sample_ref()
+    for rank in range(WORLD):
+        lo, hi = SPLITS[rank]
+        n = hi - lo
+        # b_small = 1 (one sample's gradient), b_big = this rank's batch: both local, although
+        # the wrapper has averaged .grad over the ranks
+        per = torch.cat([v[lo:hi].reshape(n, -1) for v in ref.values()], 1).double()
+        want = nnstat.NoiseScale(window=4)
+        want.update(float(per.pow(2).sum(1).mean()), float(per.mean(0).pow(2).sum()), 1, n)
+        got = json.loads(open(os.path.join(out, f"gns-rank{rank}.json")).read())
+        assert got["grad_sq_norm"] == pytest.approx(want.grad_sq_norm, rel=1e-4)
+        assert got["value"] == pytest.approx(want.value, rel=1e-4)
