@@ -3,12 +3,11 @@
 A ~10M-parameter MLP (1024-2048-2048-2048-10), 4096 samples, batch 128, rank 64 on every Linear
 (LoGra: 64x64 per layer, 10x64 on the head). Each method runs the whole pass (including the
 final flush to disk) ``--repeats`` rounds, interleaved; each method's time is divided by the
-plain pass of the same round (the machine is shared, load drifts) and the median ratio is
-reported, for wall time and for the process's CPU time (all threads; steadier than wall time
-on a loaded machine). LogIX uses
-``add_lora()`` + ``setup({"grad": ["log"]})`` + ``save(True)`` as in its README.
+plain pass of the same round (the machine is shared, load drifts; rounds alternate the order
+of the methods) and the median ratio is reported, for wall time and for the process's CPU time
+(all threads; steadier than wall time on a loaded machine). LogIX uses ``add_lora()`` + ``setup({"grad": ["log"]})`` + ``save(True)`` as in its README.
 
-    .venv/bin/python benchmarks/logging_overhead.py [--samples 4096] [--repeats 3] [--threads 1]
+    .venv/bin/python benchmarks/logging_overhead.py [--samples 4096] [--repeats 5] [--threads 1]
         [--no-logix]
 
 Prints a markdown table: seconds, ratio to the plain pass, bytes written per sample.
@@ -105,7 +104,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-logix", action="store_true")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
@@ -129,8 +128,12 @@ def main() -> None:
     cpu: dict[str, list[float]] = {name: [] for name in methods}
     nbytes: dict[str, int] = {}
     plain(make_model(), data[:2], None)  # warm-up
-    for _ in range(args.repeats):
-        for name, fn in list(methods.items()):
+    for r in range(args.repeats):
+        # ABBA order: a load drift within a round penalises every method equally over rounds
+        order = list(methods.items())
+        for name, fn in order if r % 2 == 0 else order[::-1]:
+            if name not in methods:
+                continue
             model = make_model()
             workdir = tempfile.mkdtemp(prefix="nnstat_bench_")
             try:
