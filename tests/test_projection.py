@@ -234,3 +234,62 @@ def test_embedding_and_layernorm_rows(tmp_path):
     torch.testing.assert_close(
         rows[:, ln["offset"] : ln["offset"] + ln["width"]], want, rtol=1e-4, atol=1e-5
     )
+
+
+def test_reused_row_buffers_zero_missing_modules_and_add_two_backwards(tmp_path):
+    # the logging pass assembles rows in a few reused buffers: a module without gradient in a
+    # later batch must be stored as zeros (not an older batch's values), two backward passes in
+    # one block add up, and rows queued while the next batch is assembled stay intact
+    torch.manual_seed(0)
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 5), nn.Linear(4, 5)
+
+        def forward(self, x, use_b=True):
+            return self.a(x) + (self.b(x) if use_b else 0)
+
+    model = Two()
+    x, y = torch.randn(20, 4), torch.randint(0, 5, (20,))
+
+    def loss_fn(out, t):
+        return nn.functional.cross_entropy(out, t, reduction="sum")
+
+    run = nnstat.init(project="reuse", root_dir=tmp_path)
+    nnstat.setup({"statistic": "none", "queue_size": 1, "shard_rows": 3})
+    nnstat.watch(model)
+    nnstat.add_projection(rank=2)
+    plan = [(0, 6, True), (6, 10, False), (10, 13, True), (13, 20, True)]
+    for lo, hi, use_b in plan:
+        with run(data_id=list(range(lo, hi))):
+            loss_fn(model(x[lo:hi], use_b), y[lo:hi]).backward()
+            if hi == 20:  # a second backward in the same block
+                (model(x[lo:hi]) ** 2).sum().backward()
+    nnstat.finalize()
+    store = nnstat.GradientStore(run.path)
+    rows = store.rows(0, len(store))
+    proj = load_file(str(run.path / "projections.safetensors"))
+    assert store.ids == list(range(20))
+    for lo, hi, use_b in plan:
+
+        def total(out, t, use_b=use_b, hi=hi):
+            extra = (out**2).sum() if hi == 20 else 0
+            return loss_fn(out, t) + extra
+
+        def fwd(m, xs, use_b=use_b):
+            return m(xs, use_b)
+
+        params = {k: v.detach() for k, v in model.named_parameters()}
+
+        def loss(p, xi, yi, use_b=use_b, total=total):
+            out = functional_call(model, p, (xi.unsqueeze(0), use_b))
+            return total(out, yi.unsqueeze(0))
+
+        g = vmap(grad(loss), in_dims=(None, 0, 0))(params, x[lo:hi], y[lo:hi])
+        for m in store.modules:
+            want = expected(matrix_form(g, m["name"] + "."), proj, m["name"], 5, 5)
+            got = rows[lo:hi, m["offset"] : m["offset"] + m["width"]]
+            if m["name"] == "b" and not use_b:
+                assert torch.count_nonzero(got) == 0
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
