@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -79,6 +80,22 @@ def collect_ekfac(train: nn.Module, x: torch.Tensor, y: torch.Tensor, inner=None
     return col.state_dict()
 
 
+@contextlib.contextmanager
+def _no_full_gather():
+    """Statistics must come from local shards: gathering a DTensor fails the test."""
+    from torch.distributed.tensor import DTensor
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a DTensor was gathered or redistributed")
+
+    saved = DTensor.full_tensor, DTensor.redistribute
+    DTensor.full_tensor = DTensor.redistribute = refuse
+    try:
+        yield
+    finally:
+        DTensor.full_tensor, DTensor.redistribute = saved
+
+
 def _netdict_and_tracker(kind: str, rank: int, x, y, out_dir: str) -> None:
     m = model()
     train, inner = wrap(kind, m)
@@ -118,19 +135,20 @@ def _netdict_and_tracker(kind: str, rank: int, x, y, out_dir: str) -> None:
         {k: v.clone().contiguous() for k, v in seen.items()},
         os.path.join(out_dir, f"seen-rank{rank}.safetensors"),
     )
-    G = nnstat.get_grad(src)
-    opt.step()
-    metrics = tracker.step()
-    W = nnstat.get_weight(src)
-    M = nnstat.get_optimizer_state(src, opt, "momentum_buffer")
-    res = {
-        "tracker": metrics,
-        "describe_layers": W.describe_layers(stats=STATS, prefix="w/"),
-        "describe_grad": dict(G.describe(stats=STATS)),
-        "layer_norms": W.layer_norms(2),
-        "norm1": W.norm(1),
-        "describe_momentum": M.describe_layers(stats=STATS, prefix="m/"),
-    }
+    with _no_full_gather():
+        G = nnstat.get_grad(src)
+        opt.step()
+        metrics = tracker.step()
+        W = nnstat.get_weight(src)
+        M = nnstat.get_optimizer_state(src, opt, "momentum_buffer")
+        res = {
+            "tracker": metrics,
+            "describe_layers": W.describe_layers(stats=STATS, prefix="w/"),
+            "describe_grad": dict(G.describe(stats=STATS)),
+            "layer_norms": W.layer_norms(2),
+            "norm1": W.norm(1),
+            "describe_momentum": M.describe_layers(stats=STATS, prefix="m/"),
+        }
     with open(os.path.join(out_dir, f"netdict-rank{rank}.json"), "w") as f:
         json.dump(res, f)
 
