@@ -196,3 +196,35 @@ def test_shard_that_disagrees_with_its_ids_is_refused(tmp_path):
     store = GradientStore(tmp_path)
     with pytest.raises(ValueError, match=r"expected \(3, 6\)"):
         store.rows(0, 3)
+
+
+@pytest.mark.parametrize("refuse_direct", [False, True])
+def test_direct_shard_file_spans_the_staging_buffer(tmp_path, monkeypatch, refuse_direct):
+    # rows cross several fills of a small staging buffer and end unaligned; with O_DIRECT
+    # refused by the filesystem (EINVAL) the same bytes are written the ordinary way
+    import errno
+    import os
+
+    from nnstat.store.direct import DirectShardFile, StagingBuffer
+
+    if refuse_direct:
+        real_open = os.open
+
+        def no_direct(path, flags, *args):
+            if flags & getattr(os, "O_DIRECT", 0):
+                raise OSError(errno.EINVAL, "O_DIRECT not supported")
+            return real_open(path, flags, *args)
+
+        monkeypatch.setattr(os, "open", no_direct)
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((1003, 7)).astype(np.float32)  # 28 bytes per row
+    shard = DirectShardFile(tmp_path, "rank0-00000", 7, np.float32, StagingBuffer(8192))
+    if refuse_direct:
+        assert not shard.direct
+    for lo, hi in [(0, 1), (1, 300), (300, 301), (301, 1003)]:
+        shard.append([data[lo:hi, :3], data[lo:hi, 3:]] if lo == 1 else [data[lo:hi]])
+    shard.commit(list(range(1003)))
+    got = np.load(tmp_path / "rank0-00000.npy", allow_pickle=False)
+    np.testing.assert_array_equal(got, data)
+    assert (tmp_path / "rank0-00000.npy").stat().st_size == 128 + data.nbytes
+    assert not list(tmp_path.glob("*.tmp"))

@@ -232,15 +232,19 @@ class ShardFile:
         """Fix the header, fsync, write the ids file, then rename the ``.npy`` into place."""
         if len(ids) != self.rows:
             raise ValueError(f"shard {self.stem}: {self.rows} rows but {len(ids)} ids")
+        self._seal()
+        atomic_write_json(self.dir / f"{self.stem}.ids.json", ids)
+        os.replace(self.tmp, self.target)
+        _fsync_dir(self.dir)
+
+    def _seal(self) -> None:
+        """Everything on disk: the final header, fsync, file closed."""
         f = self._f
         f.seek(0)
         f.write(npy_header(self.rows, self.width, self.np_dtype))
         f.flush()
         os.fsync(f.fileno())
         f.close()
-        atomic_write_json(self.dir / f"{self.stem}.ids.json", ids)
-        os.replace(self.tmp, self.target)
-        _fsync_dir(self.dir)
 
     def abort(self) -> None:
         """Close and delete the temporary file (the shard never counted)."""

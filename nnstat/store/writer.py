@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import shutil
 import threading
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from nnstat.store import format as fmt
+from nnstat.store.direct import DirectShardFile, StagingBuffer
 from nnstat.store.format import DataId, list_shards
 
 #: target size of one shard file when ``shard_rows`` is not given
@@ -81,6 +83,7 @@ class StoreWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._error: BaseException | None = None
         self._shard: fmt.ShardFile | None = None
+        self._stage: StagingBuffer | None = None  # the direct-I/O staging buffer, made once
         self._shard_ids: list[DataId] = []
         self.rows_written = 0
         self.bytes_written = 0
@@ -213,7 +216,14 @@ class StoreWriter:
         if need > free:
             raise OSError(f"not enough disk space for a {need}-byte shard ({free} bytes free)")
         stem = fmt.shard_stem(self.rank, self._index)
-        self._shard = fmt.ShardFile(self.shard_dir, stem, self.row_width, np_dtype)
+        if hasattr(os, "O_DIRECT"):
+            if self._stage is None:
+                self._stage = StagingBuffer()
+            self._shard = DirectShardFile(
+                self.shard_dir, stem, self.row_width, np_dtype, self._stage
+            )
+        else:
+            self._shard = fmt.ShardFile(self.shard_dir, stem, self.row_width, np_dtype)
         self._shard_ids = []
 
     def _flush(self) -> None:
