@@ -1,7 +1,9 @@
-"""`nnstat demo`: train a small MLP on scikit-learn's digits with nnstat watching.
+"""`nnstat demo`: train a small MLP on scikit-learn's digits with nnstat watching, then explain it.
 
-The demo is a sequence of small steps (`load_digits_data`, `build`, `train`, `report`) so later
-features can add their own step. ``NNSTAT_DEMO_QUICK=1`` shortens it (used by the tests).
+The demo is a sequence of small steps: `load_digits_data`, `build`, `watch_training` (history
+and noise scale), `train`, `log_training_gradients` (EK-FAC + projected per-sample gradients to
+a gradient store), `explain_misclassified` (influence), `report` (console) and `write_report`
+(the self-contained HTML report). ``NNSTAT_DEMO_QUICK=1`` shortens it (used by the tests).
 
 Example:
     >>> from nnstat.demo import main
@@ -22,6 +24,12 @@ import torch
 from torch import nn
 
 import nnstat
+from nnstat.demo_steps import (
+    explain_misclassified,
+    log_training_gradients,
+    watch_training,
+    write_report,
+)
 from nnstat.dynamics import trust_ratio
 
 __all__ = ["main", "DemoConfig", "DemoState"]
@@ -50,6 +58,8 @@ class DemoState:
     y_train: torch.Tensor | None = None
     X_test: torch.Tensor | None = None
     y_test: torch.Tensor | None = None
+    images_train: torch.Tensor | None = None  # raw 8x8 images for the report's figures
+    images_test: torch.Tensor | None = None
     model: nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     tracker: nnstat.Tracker | None = None
@@ -57,24 +67,27 @@ class DemoState:
     accuracy: float = float("nan")
     wandb_dir: str | None = None
     notes: list[str] = field(default_factory=list)
+    extras: Any = None  # nnstat.demo_steps.DemoExtras
 
 
 def load_digits_data(state: DemoState) -> None:
     """8x8 digits from scikit-learn (bundled, no download), standardised, 80/20 split."""
     from sklearn.datasets import load_digits
 
-    X, y = load_digits(return_X_y=True)
-    X = torch.tensor(X, dtype=torch.float32)
-    y = torch.tensor(y, dtype=torch.long)
+    digits = load_digits()
+    X = torch.tensor(digits.data, dtype=torch.float32)
+    y = torch.tensor(digits.target, dtype=torch.long)
+    images = torch.tensor(digits.images, dtype=torch.float32)
     g = torch.Generator().manual_seed(state.config.seed)
     perm = torch.randperm(len(X), generator=g)
-    X, y = X[perm], y[perm]
+    X, y, images = X[perm], y[perm], images[perm]
     if state.config.quick:
-        X, y = X[:400], y[:400]
+        X, y, images = X[:400], y[:400], images[:400]
     X = (X - X.mean(0)) / (X.std(0) + 1e-6)
     n_train = int(0.8 * len(X))
     state.X_train, state.y_train = X[:n_train], y[:n_train]
     state.X_test, state.y_test = X[n_train:], y[n_train:]
+    state.images_train, state.images_test = images[:n_train], images[n_train:]
 
 
 def build(state: DemoState) -> None:
@@ -150,8 +163,17 @@ def report(state: DemoState) -> None:
         print(note)
 
 
-#: The demo's steps, in order; later features append theirs before `report`.
-STEPS = [load_digits_data, build, train, report]
+#: The demo's steps, in order.
+STEPS = [
+    load_digits_data,
+    build,
+    watch_training,
+    train,
+    log_training_gradients,
+    explain_misclassified,
+    report,
+    write_report,
+]
 
 
 def _parse(argv: list[str]) -> DemoConfig:
