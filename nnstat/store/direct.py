@@ -42,6 +42,9 @@ class StagingBuffer:
             raise ValueError(f"staging buffer size must be a multiple of {_ALIGN}, got {nbytes}")
         self.map = mmap.mmap(-1, nbytes)
         self.view = memoryview(self.map)
+        # copies go through numpy, which releases the GIL for them (a memoryview slice
+        # assignment would hold it for the whole copy and stall the training thread)
+        self.array = np.frombuffer(self.map, dtype=np.uint8)
         self.nbytes = nbytes
 
 
@@ -90,11 +93,11 @@ class DirectShardFile(fmt.ShardFile):
         if any(b.dtype != self.np_dtype for b in blocks):
             raise TypeError(f"{self.stem}: blocks must be {self.np_dtype}")
         rows = blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
-        src = memoryview(np.ascontiguousarray(rows)).cast("B")
+        src = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
         stage, pos = self._stage, 0
         while pos < len(src):
             take = min(stage.nbytes - self._fill, len(src) - pos)
-            stage.view[self._fill : self._fill + take] = src[pos : pos + take]
+            np.copyto(stage.array[self._fill : self._fill + take], src[pos : pos + take])
             self._fill += take
             pos += take
             if self._fill == stage.nbytes:
