@@ -16,9 +16,10 @@ model, measured in interleaved rounds so machine load hits all of them alike:
 
 Run:  WANDB_MODE=offline .venv/bin/python benchmarks/stats_overhead.py [--steps 2 --rounds 12]
       [--threads 1] [--batch 256] [--no-peers]
-Prints a markdown table of median wall and CPU (process) times per step and the median over
-rounds of each round's ratio to the plain step of the same round; on a shared machine the
-CPU-time ratio is the steadier of the two.
+Prints a markdown table of median wall and CPU (process) times per step, their ratios to the
+plain step's medians, and the median over rounds of each round's CPU ratio to the plain step of
+the same round (drift of the machine load cancels in it, but each round has few samples); on a
+shared machine the CPU-time ratios are the steadier ones.
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ def variants(args: argparse.Namespace, tmp: str) -> dict[str, Callable[[], None]
             for n, p in m6.named_parameters():
                 writer.add_histogram(f"weight/{n}", p.detach(), counter[0])
                 writer.add_histogram(f"grad/{n}", p.grad, counter[0])
+            writer.flush()  # its writer thread would charge the next variant otherwise
             counter[0] += 1
 
         out["TensorBoard add_histogram (weights+grads)"] = tb_hist
@@ -150,17 +152,15 @@ def main() -> None:
             fn()
             fn()
         # per round: every variant runs `steps` steps back to back (rotated start), and each
-        # variant's time is divided by the plain step's time of the SAME round, so slow drifts
+        # variant's CPU time is divided by the plain step's of the SAME round, so slow drifts
         # of the machine load cancel in the ratio; medians over rounds are reported
-        ratio: dict[str, list[float]] = {k: [] for k in runs}
         ratio_cpu: dict[str, list[float]] = {k: [] for k in runs}
         for r in range(args.rounds):
             order = list(runs.items())
             order = order[r % len(order) :] + order[: r % len(order)]  # rotate start variant
-            wall_r: dict[str, float] = {}
             cpu_r: dict[str, float] = {}
             for name, fn in order:
-                w_sum = c_sum = 0.0
+                c_sum = 0.0
                 for _ in range(args.steps):
                     c0, t0 = time.process_time(), time.perf_counter()
                     fn()
@@ -168,10 +168,9 @@ def main() -> None:
                     times[name].append(w)
                     # CPU time of the process: less sensitive to other jobs on a shared machine
                     cpu[name].append(c)
-                    w_sum, c_sum = w_sum + w, c_sum + c
-                wall_r[name], cpu_r[name] = w_sum, c_sum
+                    c_sum += c
+                cpu_r[name] = c_sum
             for name in runs:
-                ratio[name].append(wall_r[name] / wall_r["plain step"])
                 ratio_cpu[name].append(cpu_r[name] / cpu_r["plain step"])
         print(
             f"\n{n_params / 1e6:.1f}M-parameter MLP, Adam, batch {args.batch}, "
@@ -180,13 +179,19 @@ def main() -> None:
             f"{args.rounds} rounds x {args.steps} steps, load average "
             f"{os.getloadavg()[0]:.1f}\n"
         )
-        print("| variant | wall ms / step | wall / plain | CPU ms / step | CPU / plain |")
-        print("| --- | ---: | ---: | ---: | ---: |")
+        print(
+            "| variant | wall ms / step | wall / plain | CPU ms / step | CPU / plain "
+            "| CPU / plain, per round |"
+        )
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        base = statistics.median(times["plain step"])
+        base_cpu = statistics.median(cpu["plain step"])
         for name, ts in times.items():
             med, med_cpu = statistics.median(ts), statistics.median(cpu[name])
             print(
-                f"| {name} | {med * 1e3:.1f} | {statistics.median(ratio[name]):.2f}x "
-                f"| {med_cpu * 1e3:.1f} | {statistics.median(ratio_cpu[name]):.2f}x |"
+                f"| {name} | {med * 1e3:.1f} | {med / base:.2f}x "
+                f"| {med_cpu * 1e3:.1f} | {med_cpu / base_cpu:.2f}x "
+                f"| {statistics.median(ratio_cpu[name]):.2f}x |"
             )
         if not args.no_peers:
             import wandb
