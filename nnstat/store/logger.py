@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import warnings
 from dataclasses import asdict, dataclass, fields
@@ -123,10 +124,9 @@ def filter_nonfinite(ids: list[DataId], rows: Rows, policy: str) -> tuple[list[D
     if policy == "keep" or not len(ids):
         return ids, rows, 0
     blocks = rows if isinstance(rows, list) else [rows]
-    # one reduction per block instead of an elementwise mask: a row's sum is finite when its
-    # entries are (an overflowing sum of finite entries only sends us to the exact check below)
-    total = sum(b.sum(dim=1) for b in blocks)
-    if bool(torch.isfinite(total).all()):
+    # one scalar reduction per block instead of an elementwise mask: a NaN/Inf entry makes the
+    # sum NaN/Inf (an overflowing sum of finite entries only sends us to the exact check below)
+    if all(math.isfinite(float(b.sum())) for b in blocks):
         return ids, rows, 0
     finite = torch.stack([torch.isfinite(b).all(dim=1) for b in blocks]).all(dim=0)
     if bool(finite.all()):
