@@ -8,6 +8,8 @@ into (measured 17 ms instead of 20 ms per 10.5M parameters on one core). Weights
 cost three memory streams in total instead of about eight with separate reductions, a
 subtraction and a copy.
 
+On CPU (float32/float64) the block reductions are numpy calls on views of the same memory: they
+cost less per call than torch's and return Python floats, so nothing is stacked per block.
 Blocks holding NaN/Inf (or whose float32 sum of squares overflows) are reduced exactly in
 float64 over their finite elements on the spot, before the snapshot block is overwritten, so the
 result is exact without keeping the old snapshot around.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from nnstat.stats import Workspace
@@ -36,6 +39,59 @@ __all__ = ["weight_update_norms", "FUSED_STATS", "light_columns", "sumsq_min_max
 FUSED_STATS = frozenset({"numel", "l2", "rms", "abs_max", "nonfinite"})
 #: Block length: a block, its difference and the output stay in L2 cache.
 BLOCK = 1 << 16
+
+
+def _numpy_ok(t: torch.Tensor) -> bool:
+    # numpy's float reductions beat torch's per-call cost on cache-sized CPU blocks (min/max
+    # 4 vs 5.6 us, dot 2.9 vs 3.3 us per 64K floats) and return Python scalars, so no per-block
+    # stacking: about 7 us less per block, ~6 ms per tracked step of a 10M-parameter model
+    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64)
+
+
+def _np_block_norms(x: np.ndarray, block: int) -> list[float]:
+    """``[sum(x^2), min, max, #non-finite]`` of a flat CPU array, block by block (see below)."""
+    acc = [0.0, math.inf, -math.inf, 0.0]
+    for start in range(0, x.size, block):
+        b = x[start : start + block]
+        sq = float(b.dot(b))
+        if math.isfinite(sq):
+            acc[0] += sq
+            acc[1] = min(acc[1], float(b.min()))
+            acc[2] = max(acc[2], float(b.max()))
+        else:
+            _merge(acc, _finite_part(torch.from_numpy(b)).tolist())
+    return acc
+
+
+def _merge(acc: list[float], part: Sequence[float]) -> None:
+    acc[0] += part[0]
+    acc[1] = min(acc[1], part[1])
+    acc[2] = max(acc[2], part[2])
+    acc[3] += part[3]
+
+
+def _np_weight_update(
+    w: np.ndarray, p: np.ndarray, d_buf: np.ndarray, refresh: bool, block: int
+) -> list[float]:
+    aw = [0.0, math.inf, -math.inf, 0.0]
+    ad = [0.0, math.inf, -math.inf, 0.0]
+    for start in range(0, w.size, block):
+        wb, pb = w[start : start + block], p[start : start + block]
+        d = d_buf[: wb.size]
+        np.subtract(wb, pb, out=d)
+        sw, sd = float(wb.dot(wb)), float(d.dot(d))
+        if math.isfinite(sw + sd):
+            aw[0] += sw
+            aw[1], aw[2] = min(aw[1], float(wb.min())), max(aw[2], float(wb.max()))
+            ad[0] += sd
+            ad[1], ad[2] = min(ad[1], float(d.min())), max(ad[2], float(d.max()))
+        else:
+            # exact now, while the old snapshot block still exists
+            _merge(aw, _finite_part(torch.from_numpy(wb)).tolist())
+            _merge(ad, _finite_part(torch.from_numpy(d)).tolist())
+        if refresh:
+            np.copyto(pb, wb)
+    return aw + ad
 
 
 def _finite_part(x: torch.Tensor) -> torch.Tensor:
@@ -77,6 +133,12 @@ def weight_update_norms(
             continue
         block = BLOCK if w.device.type == "cpu" else n
         d_buf, _ = ws.get(min(block, n), w.dtype, w.device)
+        if _numpy_ok(w) and p.dtype == w.dtype and p.device == w.device:
+            # overflow/NaN are detected and handled per block, so numpy need not warn about them
+            with np.errstate(over="ignore", invalid="ignore"):
+                acc = _np_weight_update(w.numpy(), p.numpy(), d_buf.numpy(), refresh, block)
+            rows.append(torch.tensor(acc, dtype=torch.float64))
+            continue
         parts, exact = [], {}
         for k, start in enumerate(range(0, n, block)):
             wb, pb = w[start : start + block], p[start : start + block]
@@ -162,6 +224,15 @@ def sumsq_min_max(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         n = x.numel()
         if n == 0:
             rows.append(torch.tensor([0.0, float("nan"), float("nan")], device=x.device))
+            continue
+        if _numpy_ok(x):
+            # non-finite blocks give their finite part here; callers detect non-finite values
+            # from the sum of squares, so keep NaN there for them (they recompute exactly)
+            # overflow/NaN are detected and handled per block, so numpy need not warn about them
+            with np.errstate(over="ignore", invalid="ignore"):
+                acc = _np_block_norms(x.numpy(), BLOCK)
+            sq = math.nan if acc[3] else acc[0]
+            rows.append(torch.tensor([sq, acc[1], acc[2]], dtype=torch.float64))
             continue
         block = BLOCK if x.device.type == "cpu" else n
         parts = []
