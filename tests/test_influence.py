@@ -315,3 +315,20 @@ def test_top_k_chunked_selection_matches_numpy_sort():
         np.testing.assert_array_equal(np.sort(hv[q].numpy())[-k:], np.sort(row)[-k:])
         np.testing.assert_array_equal(np.sort(lv[q].numpy())[:k], np.sort(row)[:k])
         assert torch.equal(s[q, hr[q]], hv[q]) and torch.equal(s[q, lr[q]], lv[q])
+
+
+@pytest.mark.parametrize("mode", ["cosine", "l2"])
+def test_top_k_chunked_modes_match_full_matrix(mode):
+    from nnstat.influence.topk import TOPK_CHUNK
+
+    gen = torch.Generator().manual_seed(4)
+    train = TensorSource(torch.randn(900, 5, generator=gen))
+    query = TensorSource(torch.randn(3, 5, generator=gen))
+    kw = dict(mode=mode, preconditioner="raw", damping=0.1, progress=False)
+    full = compute_influence_all(query, train, **kw)
+    top = compute_influence_all(query, train, top_k=3, batch_size=8 * TOPK_CHUNK, **kw)
+    want = torch.topk(full.scores, 3, dim=1)
+    torch.testing.assert_close(top.helpful_scores, want.values, rtol=1e-5, atol=1e-5)
+    assert top.helpful_ids == want.indices.tolist()
+    low = torch.topk(full.scores, 3, dim=1, largest=False)
+    assert top.harmful_ids == low.indices.tolist()

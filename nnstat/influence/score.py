@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -266,10 +267,15 @@ class _TopK:
         self.lo_i = torch.empty(n_test, 0, dtype=torch.long)
 
     def _merge(self, vals, pos, cand_v, cand_rows, offset, largest):
-        cand_v = torch.cat([vals, cand_v], 1)
-        cand_i = torch.cat([pos, cand_rows + offset], 1)
-        v, j = torch.topk(cand_v, min(self.k, cand_v.shape[1]), dim=1, largest=largest)
-        return v, cand_i.gather(1, j)
+        # small arrays: numpy keeps this off the intra-op thread pool (see block_candidates)
+        cand_v = np.concatenate([vals.numpy(), cand_v.numpy()], 1)
+        cand_i = np.concatenate([pos.numpy(), cand_rows.numpy() + offset], 1)
+        kk = min(self.k, cand_v.shape[1])
+        if kk < cand_v.shape[1]:
+            j = np.argpartition(-cand_v if largest else cand_v, kk - 1, axis=1)[:, :kk]
+            cand_v = np.take_along_axis(cand_v, j, 1)
+            cand_i = np.take_along_axis(cand_i, j, 1)
+        return torch.from_numpy(cand_v), torch.from_numpy(cand_i)
 
     def update(self, scores: torch.Tensor, block_ids: list) -> None:
         """Merge a query-major block of scores ``[n_test, b]`` (columns = ``block_ids``)."""

@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 #: rows per chunk of the top-k pre-selection (see `block_candidates`)
@@ -42,17 +43,19 @@ def block_candidates(
         hv, hj = torch.topk(scores, kk, dim=1)
         lv, lj = torch.topk(scores, kk, dim=1, largest=False)
         return hv, hj, lv, lj
-    scores = scores.contiguous()
-    chunks = scores[:, : nc * chunk].view(n_test, nc, chunk)
-    flat = scores.reshape(-1)
-    within = torch.arange(chunk)
-    base = torch.arange(n_test).unsqueeze(1) * b
-    tail = torch.arange(nc * chunk, b).expand(n_test, b - nc * chunk)
+    # numpy, single-threaded: a dozen small parallel kernels per block each wait for every
+    # intra-op thread, which on a loaded machine costs far more than the work itself
+    s = np.ascontiguousarray(scores.detach().cpu().numpy())
+    chunks = s[:, : nc * chunk].reshape(n_test, nc, chunk)
+    flat = s.reshape(-1)
+    within = np.arange(chunk)
+    base = (np.arange(n_test) * b)[:, None]
+    tail = np.broadcast_to(np.arange(nc * chunk, b), (n_test, b - nc * chunk))
     out = []
     for largest in (True, False):
-        extreme = chunks.amax(dim=2) if largest else chunks.amin(dim=2)  # [n_test, nc]
-        _, cj = torch.topk(extreme, k, dim=1, largest=largest)  # the k best chunks per query
-        rows = ((cj * chunk).unsqueeze(-1) + within).reshape(n_test, k * chunk)
-        rows = torch.cat([rows, tail], 1)
-        out += [flat[(rows + base).reshape(-1)].view(n_test, -1), rows]
+        key = -chunks.max(axis=2) if largest else chunks.min(axis=2)  # [n_test, nc]
+        cj = np.argpartition(key, k - 1, axis=1)[:, :k]  # the k best chunks of every query
+        rows = (cj[:, :, None] * chunk + within).reshape(n_test, k * chunk)
+        rows = np.concatenate([rows, tail], 1)
+        out += [torch.from_numpy(flat[rows + base]), torch.from_numpy(rows)]
     return out[0], out[1], out[2], out[3]
