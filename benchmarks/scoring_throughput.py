@@ -87,10 +87,14 @@ def main() -> None:
 
             methods[f"nnstat {kind}, {'top-10' if top_k else 'all pairs'} (from the store)"] = score
         # interleaved rounds: on a shared machine every method sees the same load; the ratio is
-        # taken within each round (adjacent runs) and its median reported
+        # taken within each round and its median reported
         times: dict[str, list[float]] = {label: [] for label in methods}
-        for _ in range(args.repeat):
-            for label, fn in methods.items():
+        labels = list(methods)
+        for r in range(args.repeat):
+            # rotate the order: the method right after numpy pays for re-faulting the memory
+            # numpy's freed result returned to the OS, so that cost moves around the methods
+            for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
+                fn = methods[label]
                 t0 = time.perf_counter()
                 fn()
                 times[label].append(time.perf_counter() - t0)

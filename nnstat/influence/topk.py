@@ -43,17 +43,20 @@ def block_candidates(
         hv, hj = torch.topk(scores, kk, dim=1)
         lv, lj = torch.topk(scores, kk, dim=1, largest=False)
         return hv, hj, lv, lj
-    # numpy, single-threaded: a dozen small parallel kernels per block each wait for every
-    # intra-op thread, which on a loaded machine costs far more than the work itself
-    s = np.ascontiguousarray(scores.detach().cpu().numpy())
-    chunks = s[:, : nc * chunk].reshape(n_test, nc, chunk)
-    flat = s.reshape(-1)
+    scores = scores.detach().contiguous()
+    # the two passes over the whole block are torch reductions (parallel, vectorised); the
+    # small steps after them run in numpy, single-threaded: as a dozen small parallel kernels per
+    # block each waited for every intra-op thread, which on a loaded machine cost far more than
+    # the work itself
+    chunks = scores[:, : nc * chunk].view(n_test, nc, chunk)
+    maxima, minima = chunks.amax(dim=2).numpy(), chunks.amin(dim=2).numpy()
+    flat = scores.numpy().reshape(-1)
     within = np.arange(chunk)
     base = (np.arange(n_test) * b)[:, None]
     tail = np.broadcast_to(np.arange(nc * chunk, b), (n_test, b - nc * chunk))
     out = []
     for largest in (True, False):
-        key = -chunks.max(axis=2) if largest else chunks.min(axis=2)  # [n_test, nc]
+        key = -maxima if largest else minima  # [n_test, nc]
         cj = np.argpartition(key, k - 1, axis=1)[:, :k]  # the k best chunks of every query
         rows = (cj[:, :, None] * chunk + within).reshape(n_test, k * chunk)
         rows = np.concatenate([rows, tail], 1)
