@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import tempfile
 import time
 from pathlib import Path
@@ -89,11 +90,13 @@ def main() -> None:
         # interleaved rounds: on a shared machine every method sees the same load; the ratio is
         # taken within each round and its median reported
         times: dict[str, list[float]] = {label: [] for label in methods}
-        labels = list(methods)
         for r in range(args.repeat):
-            # rotate the order: the method right after numpy pays for re-faulting the memory
-            # numpy's freed result returned to the OS, so that cost moves around the methods
-            for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
+            # a new order every round (seeded): whichever method runs right after numpy pays for
+            # re-faulting the memory numpy's freed result returned to the OS, so that cost moves
+            # around the methods instead of always landing on the same one
+            labels = list(methods)
+            random.Random(r).shuffle(labels)
+            for label in labels:
                 fn = methods[label]
                 t0 = time.perf_counter()
                 fn()
