@@ -205,7 +205,7 @@ def test_direct_shard_file_spans_the_staging_buffer(tmp_path, monkeypatch, refus
     import errno
     import os
 
-    from nnstat.store.direct import DirectShardFile, StagingBuffer
+    from nnstat.store.direct import HEADER_BYTES, DirectShardFile, StagingBuffer
 
     if refuse_direct:
         real_open = os.open
@@ -226,5 +226,25 @@ def test_direct_shard_file_spans_the_staging_buffer(tmp_path, monkeypatch, refus
     shard.commit(list(range(1003)))
     got = np.load(tmp_path / "rank0-00000.npy", allow_pickle=False)
     np.testing.assert_array_equal(got, data)
-    assert (tmp_path / "rank0-00000.npy").stat().st_size == 128 + data.nbytes
+    assert (tmp_path / "rank0-00000.npy").stat().st_size == HEADER_BYTES + data.nbytes
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_direct_shard_writes_aligned_rows_in_place(tmp_path):
+    # page-aligned rows of whole 4 KiB blocks go to the disk without the staging copy; a
+    # misaligned piece in between falls back to the stage; the bytes on disk are the same
+    import mmap
+
+    from nnstat.store.direct import HEADER_BYTES, DirectShardFile, StagingBuffer
+
+    width = 1024  # 4096 bytes per float32 row
+    aligned = np.frombuffer(mmap.mmap(-1, 8 * width * 4), dtype=np.float32).reshape(8, width)
+    aligned[:] = np.random.default_rng(1).standard_normal((8, width))
+    odd = np.random.default_rng(2).standard_normal((3, width)).astype(np.float32)[:, :]
+    shard = DirectShardFile(tmp_path, "rank0-00000", width, np.float32, StagingBuffer(8192))
+    for part in (aligned[:4], odd[:, :], aligned[4:]):
+        shard.append([part])
+    shard.commit(list(range(11)))
+    got = np.load(tmp_path / "rank0-00000.npy", mmap_mode="r", allow_pickle=False)
+    np.testing.assert_array_equal(got, np.concatenate([aligned[:4], odd, aligned[4:]]))
+    assert (tmp_path / "rank0-00000.npy").stat().st_size == HEADER_BYTES + 11 * width * 4

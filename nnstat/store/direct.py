@@ -32,6 +32,8 @@ from nnstat.store import format as fmt
 #: bytes staged before one direct write (a multiple of every logical block size in use)
 STAGE_BYTES = 4 * 2**20
 _ALIGN = 4096
+#: npy header size of a direct shard: one block, so the rows start block-aligned
+HEADER_BYTES = _ALIGN
 
 
 class StagingBuffer:
@@ -79,7 +81,7 @@ class DirectShardFile(fmt.ShardFile):
                 raise
             self.direct = False  # the filesystem refuses O_DIRECT: ordinary writes
             self._fd = os.open(self.tmp, flags, 0o644)
-        header = fmt.npy_header(0, width, self.np_dtype)
+        header = fmt.npy_header(0, width, self.np_dtype, HEADER_BYTES)
         stage.view[: len(header)] = header
         self._fill = len(header)  # bytes of the file held in the stage, not yet written
 
@@ -95,6 +97,20 @@ class DirectShardFile(fmt.ShardFile):
         rows = blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
         src = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
         stage, pos = self._stage, 0
+        if (
+            self.direct
+            and self._fill % _ALIGN == 0
+            and len(src) % _ALIGN == 0
+            and src.ctypes.data % _ALIGN == 0
+        ):
+            # block-aligned rows at a block-aligned file offset (the writer's row buffers are
+            # page-aligned and shards hold whole blocks of rows): the disk reads them in place
+            if self._fill:
+                self._write(stage.view[: self._fill])
+                self._fill = 0
+            self._write(memoryview(src))
+            self.rows += n
+            return
         while pos < len(src):
             take = min(stage.nbytes - self._fill, len(src) - pos)
             np.copyto(stage.array[self._fill : self._fill + take], src[pos : pos + take])
@@ -128,7 +144,7 @@ class DirectShardFile(fmt.ShardFile):
 
     def _seal(self) -> None:
         """Write the tail, fix the header, fsync and close (the rest of ``commit`` is shared)."""
-        size = len(fmt.npy_header(0, self.width, self.np_dtype)) + self.nbytes
+        size = HEADER_BYTES + self.nbytes
         if self._fill:
             # a direct write needs whole blocks: pad the tail, then cut the file to its size
             end = -(-self._fill // _ALIGN) * _ALIGN if self.direct else self._fill
@@ -140,7 +156,7 @@ class DirectShardFile(fmt.ShardFile):
         fd = os.open(self.tmp, os.O_WRONLY)  # the header is 128 bytes: an ordinary write
         try:
             os.ftruncate(fd, size)
-            os.pwrite(fd, fmt.npy_header(self.rows, self.width, self.np_dtype), 0)
+            os.pwrite(fd, fmt.npy_header(self.rows, self.width, self.np_dtype, HEADER_BYTES), 0)
             os.fsync(fd)  # also flushes the device cache after the direct writes
         finally:
             os.close(fd)

@@ -174,8 +174,9 @@ def decode_rows(array: np.ndarray, dtype: str) -> torch.Tensor:
 _HEADER_BYTES = 128  # fixed, so the row count can be rewritten in place when a shard closes
 
 
-def npy_header(rows: int, width: int, np_dtype: Any) -> bytes:
-    """A ``.npy`` (format 1.0) header of exactly 128 bytes for a C-order ``[rows, width]`` array.
+def npy_header(rows: int, width: int, np_dtype: Any, nbytes: int = _HEADER_BYTES) -> bytes:
+    """A ``.npy`` (format 1.0) header of exactly ``nbytes`` (a multiple of 64, default 128) for a
+    C-order ``[rows, width]`` array.
 
     Example:
         >>> len(npy_header(3, 4, np.float32))
@@ -183,8 +184,8 @@ def npy_header(rows: int, width: int, np_dtype: Any) -> bytes:
     """
     descr = np.dtype(np_dtype).str
     d = f"{{'descr': {descr!r}, 'fortran_order': False, 'shape': ({rows}, {width}), }}"
-    body = d.ljust(_HEADER_BYTES - 10 - 1) + "\n"
-    if len(body) != _HEADER_BYTES - 10:
+    body = d.ljust(nbytes - 10 - 1) + "\n"
+    if len(body) != nbytes - 10 or nbytes % 64 or nbytes > 10000:
         raise ValueError(f"npy header too long for shape ({rows}, {width})")
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(body)) + body.encode("latin1")
 

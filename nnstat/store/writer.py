@@ -18,6 +18,8 @@ Example:
 from __future__ import annotations
 
 import collections
+import math
+import mmap
 import os
 import queue
 import shutil
@@ -71,8 +73,11 @@ class StoreWriter:
         if dtype not in fmt.STORE_DTYPES:
             raise ValueError(f"unknown store dtype {dtype!r}; valid: {sorted(fmt.STORE_DTYPES)}")
         itemsize = np.dtype(fmt.STORE_DTYPES[dtype][0]).itemsize
-        if shard_rows is None:  # about SHARD_BYTES per shard
-            shard_rows = max(1, min(65536, SHARD_BYTES // max(1, row_width * itemsize)))
+        if shard_rows is None:  # about SHARD_BYTES per shard, a whole number of 4 KiB blocks
+            row_bytes = max(1, row_width * itemsize)
+            per_block = 4096 // math.gcd(row_bytes, 4096)  # rows that fill whole blocks
+            shard_rows = max(1, min(65536, SHARD_BYTES // row_bytes))
+            shard_rows = max(per_block, shard_rows // per_block * per_block)
         if shard_rows < 1 or row_width < 1 or queue_size < 1:
             raise ValueError("shard_rows, row_width and queue_size must be positive")
         self.shard_dir = Path(shard_dir)
@@ -113,7 +118,11 @@ class StoreWriter:
             buf = self._free.pop()
             if buf.shape[0] >= n:
                 return buf[:n]
-        return torch.empty(n, self.row_width)
+        # page-aligned (an anonymous mapping), so direct I/O can write the rows in place
+        count = n * self.row_width
+        return torch.frombuffer(mmap.mmap(-1, count * 4), dtype=torch.float32, count=count).view(
+            n, self.row_width
+        )
 
     def put(
         self,
@@ -138,9 +147,10 @@ class StoreWriter:
             self._release(recycle)
 
     def _release(self, buf: torch.Tensor) -> None:
-        base = buf._base if buf._base is not None else buf
+        base = buf._base if buf._base is not None else buf  # the whole buffer, flat or not
         if len(self._free) < _KEEP_BUFFERS:
-            self._free.append(base)  # deque append/pop are atomic: no lock with the thread
+            # deque append/pop are atomic: no lock with the thread
+            self._free.append(base.view(-1, self.row_width))
 
     def pending(self) -> int:
         """Blocks not yet taken by the thread."""
