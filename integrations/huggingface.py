@@ -194,7 +194,9 @@ class NNStatCallback(TrainerCallback):
         self.hooks.close()
 
 
-def watch_trainer(trainer: Any, callback: NNStatCallback | None = None, **kwargs: Any):
+def watch_trainer(
+    trainer: Any, callback: NNStatCallback | None = None, **kwargs: Any
+) -> NNStatCallback:
     """Add an :class:`NNStatCallback` to ``trainer`` in the right place (before the reporters).
 
     Example:
