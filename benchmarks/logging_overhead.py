@@ -5,7 +5,8 @@ A ~10M-parameter MLP (1024-2048-2048-2048-10), 4096 samples, batch 128, rank 64 
 final flush to disk) ``--repeats`` rounds, interleaved; each method's time is divided by the
 plain pass of the same round (the machine is shared, load drifts; rounds alternate the order
 of the methods) and the median ratio is reported, for wall time and for the process's CPU time
-(all threads; steadier than wall time on a loaded machine). LogIX uses ``add_lora()`` + ``setup({"grad": ["log"]})`` + ``save(True)`` as in its README.
+(all threads; steadier than wall time on a loaded machine). LogIX uses ``add_lora()`` +
+``setup({"grad": ["log"]})`` + ``save(True)`` as in its README.
 
     .venv/bin/python benchmarks/logging_overhead.py [--samples 4096] [--repeats 5] [--threads 1]
         [--no-logix]
