@@ -2,17 +2,19 @@
 
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_subpackage_is_listed_in_pyproject():
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
     on_disk = {
-        ".".join(p.parent.relative_to(ROOT).parts)
-        for p in (ROOT / "nnstat").rglob("__init__.py")
+        ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "nnstat").rglob("__init__.py")
     }
     on_disk.add("nnstat.integrations")
     assert on_disk <= listed, f"add to [tool.setuptools] packages: {sorted(on_disk - listed)}"
