@@ -235,6 +235,17 @@ def module_blocks(
     return [batch[m] if m in batch else torch.zeros(n, p.width) for m, p in projections.items()]
 
 
+def duplicate_ids(ids: list) -> list:
+    """The entries of ``ids`` that repeat an earlier entry, in order."""
+    seen: set = set()
+    out = []
+    for i in ids:
+        if i in seen:
+            out.append(i)
+        seen.add(i)
+    return out
+
+
 def freeze_params(engine: Any) -> Callable[[], None]:
     """Turn off ``requires_grad`` of watched modules' parameters; return the restore function."""
     saved: list[tuple[torch.nn.Parameter, bool]] = []
