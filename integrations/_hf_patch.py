@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from nnstat.integrations._logpass import build_config, log_pass, open_run, probe_filter, query_log
+from nnstat.integrations._logpass import (
+    PassData,
+    build_config,
+    log_pass,
+    open_run,
+    probe_filter,
+    query_log,
+)
 
 __all__ = ["NNStatArguments", "patch_trainer"]
 
@@ -183,7 +190,7 @@ def patch_trainer(trainer_cls: type) -> type:
                 raise KeyError(f"input_key {self.nnstat_args.input_key!r} not in the batch")
             return self.compute_loss(self.model, inputs) * n
 
-        def _nnstat_kwargs(self) -> dict[str, Any]:
+        def _nnstat_data(self, loader: Any) -> PassData:
             a = self.nnstat_args
 
             def ids_fn(batch: Any, start: int) -> Any:
@@ -194,7 +201,14 @@ def patch_trainer(trainer_cls: type) -> type:
             def mask_fn(batch: Any) -> Any:
                 return None if a.mask_key is None else batch.get(a.mask_key)
 
-            return {"ids_fn": ids_fn, "mask_fn": mask_fn, "progress": a.progress}
+            return PassData(
+                self.model,
+                loader,
+                self._nnstat_sum_loss,
+                ids_fn=ids_fn,
+                mask_fn=mask_fn,
+                progress=a.progress,
+            )
 
         def _nnstat_loader(self, dataset: Any) -> Any:
             return self.get_eval_dataloader(dataset)
@@ -208,16 +222,14 @@ def patch_trainer(trainer_cls: type) -> type:
                 raise ValueError("extract_log() needs a train_dataset (or a dataset argument)")
             loader = self._nnstat_loader(dataset)
             run = self._nnstat_open(loader)
-            log_pass(run, self.model, loader, self._nnstat_sum_loss, **self._nnstat_kwargs())
+            log_pass(run, self._nnstat_data(loader))
             return run
 
         def _nnstat_query(self, dataset: Any) -> Any:
             if self.nnstat_run is None:
                 raise RuntimeError("call extract_log() before influence()/self_influence()")
             loader = self._nnstat_loader(dataset)
-            return query_log(
-                self.nnstat_run, self.model, loader, self._nnstat_sum_loss, **self._nnstat_kwargs()
-            )
+            return query_log(self.nnstat_run, self._nnstat_data(loader))
 
         def influence(self, query_dataset: Any = None, **overrides: Any) -> Any:
             """Scores of every training example for every query (``InfluenceResult``, or

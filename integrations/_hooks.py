@@ -27,7 +27,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ModuleProbe", "StatsOptions", "StepStats", "shared_parameter_modules"]
+__all__ = [
+    "ModuleProbe",
+    "StatsCallbackBase",
+    "StatsOptions",
+    "StepStats",
+    "shared_parameter_modules",
+]
 
 
 @dataclass
@@ -295,3 +301,48 @@ class StepStats:
             self.gns.unwatch()
         self.gns = None
         self._gns_model = None
+
+
+class StatsCallbackBase:
+    """The constructor the HuggingFace and Lightning ``NNStatCallback`` share.
+
+    It validates the options (see :class:`StatsOptions`), builds the :class:`StepStats` driver
+    and then calls :meth:`_init_state` for the framework's own bookkeeping.
+
+    Example:
+        >>> cb = StatsCallbackBase(stats=["l2"], noise_scale=False)
+        >>> cb.options.stats, type(cb.hooks).__name__
+        (['l2'], 'StepStats')
+    """
+
+    def __init__(
+        self,
+        *,
+        stats: Sequence[str] | str | None = ("l2", "rms", "abs_max", "nonfinite"),
+        groups: Sequence[str] = ("weight", "grad", "optimizer", "update"),
+        include: str | None = None,
+        exclude: str | None = None,
+        every: int | None = None,
+        noise_scale: bool = True,
+        noise_scale_beta: float = 0.9,
+        noise_scale_filter: str | None = None,
+        noise_scale_every: int = 1,
+    ) -> None:
+        from nnstat.stats import validate_stats
+
+        self.options = StatsOptions(
+            stats=list(validate_stats(stats)),
+            groups=list(groups),
+            include=include,
+            exclude=exclude,
+            every=every,
+            noise_scale=noise_scale,
+            noise_scale_beta=noise_scale_beta,
+            noise_scale_filter=noise_scale_filter,
+            noise_scale_every=noise_scale_every,
+        )
+        self.hooks = StepStats(self.options)
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """Framework-specific attributes; subclasses override."""

@@ -11,7 +11,7 @@ Example:
     >>> run = open_run(model, "doc", tempfile.mkdtemp(), {"statistic": "none"}, rank=None)
     >>> batches = [(torch.randn(4, 3), torch.randint(0, 2, (4,)))]
     >>> loss = lambda b: torch.nn.functional.cross_entropy(model(b[0]), b[1], reduction="sum")
-    >>> log_pass(run, model, batches, loss, progress=False)
+    >>> log_pass(run, PassData(model, batches, loss, progress=False))
     >>> len(__import__("nnstat").GradientStore(run.path))
     4
 """
@@ -20,13 +20,22 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["build_config", "open_run", "log_pass", "query_log", "batch_size_of", "probe_filter"]
+__all__ = [
+    "PassData",
+    "build_config",
+    "open_run",
+    "log_pass",
+    "query_log",
+    "batch_size_of",
+    "probe_filter",
+]
 
 IdsFn = Callable[[Any, int], Any]
 
@@ -167,68 +176,62 @@ def probe_filter(
     return keep
 
 
-def _one_pass(
-    run: Any,
-    model: nn.Module,
-    batches: Iterable[Any],
-    loss_fn: Callable[[Any], torch.Tensor],
-    ids_fn: IdsFn | None,
-    mask_fn: Callable[[Any], torch.Tensor | None] | None,
-    desc: str,
-    progress: bool | None,
-) -> None:
-    from tqdm.auto import tqdm
-
-    start = 0
-    total = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
-    for batch in tqdm(batches, desc=desc, total=total, disable=progress is False, leave=False):
-        n = batch_size_of(batch)
-        ids = list(range(start, start + n)) if ids_fn is None else ids_fn(batch, start)
-        mask = None if mask_fn is None else mask_fn(batch)
-        with run(data_id=ids, mask=mask):
-            _scalar(loss_fn(batch)).backward()
-        model.zero_grad(set_to_none=True)
-        start += n
-
-
-def log_pass(
-    run: Any,
-    model: nn.Module,
-    batches: Iterable[Any],
-    loss_fn: Callable[[Any], torch.Tensor],
-    *,
-    ids_fn: IdsFn | None = None,
-    mask_fn: Callable[[Any], torch.Tensor | None] | None = None,
-    progress: bool | None = None,
-) -> None:
-    """Every pass the run's configuration needs over ``batches`` (EK-FAC: two), then finalize.
+@dataclass
+class PassData:
+    """What a logging or query pass runs over.
 
     ``loss_fn(batch)`` returns the batch loss reduced as the run's ``loss_reduction`` says;
     ``ids_fn(batch, start)`` the batch's ids (default: positions ``start, start+1, ...``, which
-    name dataset rows only when ``batches`` does not shuffle).
+    name dataset rows only when ``batches`` does not shuffle); ``mask_fn(batch)`` an optional
+    ``[N]`` / ``[N, positions]`` mask; ``progress=False`` hides the progress bar.
+
+    Example:
+        >>> m = nn.Linear(3, 1)
+        >>> PassData(m, [torch.randn(2, 3)], lambda b: m(b).sum()).progress is None
+        True
     """
-    with _EvalMode(model):
+
+    model: nn.Module
+    batches: Iterable[Any]
+    loss_fn: Callable[[Any], torch.Tensor]
+    ids_fn: IdsFn | None = None
+    mask_fn: Callable[[Any], torch.Tensor | None] | None = None
+    progress: bool | None = None
+
+    def run_pass(self, run: Any, desc: str) -> None:
+        """One pass of ``run(data_id=..., mask=...)`` + backward over every batch."""
+        from tqdm.auto import tqdm
+
+        batches = self.batches
+        start = 0
+        total = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
+        off = self.progress is False
+        for batch in tqdm(batches, desc=desc, total=total, disable=off, leave=False):
+            n = batch_size_of(batch)
+            ids = (
+                list(range(start, start + n)) if self.ids_fn is None else self.ids_fn(batch, start)
+            )
+            mask = None if self.mask_fn is None else self.mask_fn(batch)
+            with run(data_id=ids, mask=mask):
+                _scalar(self.loss_fn(batch)).backward()
+            self.model.zero_grad(set_to_none=True)
+            start += n
+
+
+def log_pass(run: Any, data: PassData) -> None:
+    """Every pass the run's configuration needs over ``data`` (EK-FAC: two), then finalize."""
+    with _EvalMode(data.model):
         for i, spec in enumerate(run.schedule()):
-            desc = f"nnstat log pass {i + 1} ({getattr(spec, 'name', 'grad')})"
-            _one_pass(run, model, batches, loss_fn, ids_fn, mask_fn, desc, progress)
+            data.run_pass(run, f"nnstat log pass {i + 1} ({getattr(spec, 'name', 'grad')})")
 
 
-def query_log(
-    run: Any,
-    model: nn.Module,
-    batches: Iterable[Any],
-    loss_fn: Callable[[Any], torch.Tensor],
-    *,
-    ids_fn: IdsFn | None = None,
-    mask_fn: Callable[[Any], torch.Tensor | None] | None = None,
-    progress: bool | None = None,
-) -> Any:
-    """Projected gradients of ``batches`` with the run's projection (a ``GradientLog``); the run
+def query_log(run: Any, data: PassData) -> Any:
+    """Projected gradients of ``data`` with the run's projection (a ``GradientLog``); the run
     is back in logging mode afterwards."""
     run.eval()
     try:
-        with _EvalMode(model):
-            _one_pass(run, model, batches, loss_fn, ids_fn, mask_fn, "nnstat query", progress)
+        with _EvalMode(data.model):
+            data.run_pass(run, "nnstat query")
         return run.get_log()
     finally:
         run.train()

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 from nnstat.integrations._hf_patch import NNStatArguments, patch_trainer
-from nnstat.integrations._hooks import StatsOptions, StepStats
+from nnstat.integrations._hooks import StatsCallbackBase
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
@@ -51,7 +50,7 @@ class _StripInjected(TrainerCallback):
         self.owner._injected = []
 
 
-class NNStatCallback(TrainerCallback):
+class NNStatCallback(StatsCallbackBase, TrainerCallback):
     """Layer statistics, trust ratios and the noise scale on the Trainer's logging steps.
 
     Keys are the Tracker's (``weight/<param>/<stat>``, ``grad/...``, ``exp_avg/...``,
@@ -74,33 +73,7 @@ class NNStatCallback(TrainerCallback):
         ['l2', 'rms']
     """
 
-    def __init__(
-        self,
-        *,
-        stats: Sequence[str] | str | None = ("l2", "rms", "abs_max", "nonfinite"),
-        groups: Sequence[str] = ("weight", "grad", "optimizer", "update"),
-        include: str | None = None,
-        exclude: str | None = None,
-        every: int | None = None,
-        noise_scale: bool = True,
-        noise_scale_beta: float = 0.9,
-        noise_scale_filter: str | None = None,
-        noise_scale_every: int = 1,
-    ) -> None:
-        from nnstat.stats import validate_stats
-
-        self.options = StatsOptions(
-            stats=list(validate_stats(stats)),
-            groups=list(groups),
-            include=include,
-            exclude=exclude,
-            every=every,
-            noise_scale=noise_scale,
-            noise_scale_beta=noise_scale_beta,
-            noise_scale_filter=noise_scale_filter,
-            noise_scale_every=noise_scale_every,
-        )
-        self.hooks = StepStats(self.options)
+    def _init_state(self) -> None:
         self.latest: dict[str, Any] = {}
         self._pending: dict[str, Any] | None = None
         self._injected: list[str] = []

@@ -18,20 +18,27 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback
-from nnstat.integrations._hooks import StatsOptions, StepStats
-from nnstat.integrations._logpass import build_config, log_pass, open_run, probe_filter, query_log
+from nnstat.integrations._hooks import StatsCallbackBase
+from nnstat.integrations._logpass import (
+    PassData,
+    build_config,
+    log_pass,
+    open_run,
+    probe_filter,
+    query_log,
+)
 from torch.utils.data import RandomSampler
 
 __all__ = ["NNStatCallback", "extract_log", "influence", "self_influence"]
 
 
-class NNStatCallback(Callback):
+class NNStatCallback(StatsCallbackBase, Callback):
     """Layer statistics, trust ratios and the noise scale, logged through the Trainer's loggers.
 
     Logs every ``every`` optimizer steps (default: ``trainer.log_every_n_steps``) at
@@ -45,33 +52,7 @@ class NNStatCallback(Callback):
         10
     """
 
-    def __init__(
-        self,
-        *,
-        stats: Sequence[str] | str | None = ("l2", "rms", "abs_max", "nonfinite"),
-        groups: Sequence[str] = ("weight", "grad", "optimizer", "update"),
-        include: str | None = None,
-        exclude: str | None = None,
-        every: int | None = None,
-        noise_scale: bool = True,
-        noise_scale_beta: float = 0.9,
-        noise_scale_filter: str | None = None,
-        noise_scale_every: int = 1,
-    ) -> None:
-        from nnstat.stats import validate_stats
-
-        self.options = StatsOptions(
-            stats=list(validate_stats(stats)),
-            groups=list(groups),
-            include=include,
-            exclude=exclude,
-            every=every,
-            noise_scale=noise_scale,
-            noise_scale_beta=noise_scale_beta,
-            noise_scale_filter=noise_scale_filter,
-            noise_scale_every=noise_scale_every,
-        )
-        self.hooks = StepStats(self.options)
+    def _init_state(self) -> None:
         self.history: list[dict[str, Any]] = []
         self._stepped = True
 
@@ -222,14 +203,14 @@ def extract_log(
             module, project, root_dir, cfg, rank=rank, init=init, seed=seed,
             name_filter=names, type_filter=type_filter,
         )  # fmt: skip
-        log_pass(run, module, batches, loss, ids_fn=ids_fn, progress=progress)
+        log_pass(run, PassData(module, batches, loss, ids_fn=ids_fn, progress=progress))
     return run
 
 
 def _query(run: Any, module: Any, dataloader: Any, loss_fn: Any, ids_fn: Any, progress: Any):
     batches, loss = _prepared(module, dataloader, loss_fn, ids_fn)
     with _quiet_logging(module):
-        return query_log(run, module, batches, loss, ids_fn=ids_fn, progress=progress)
+        return query_log(run, PassData(module, batches, loss, ids_fn=ids_fn, progress=progress))
 
 
 def influence(
