@@ -87,13 +87,7 @@ class DirectShardFile(fmt.ShardFile):
 
     def append(self, blocks: list[np.ndarray]) -> None:
         """Write rows given as column blocks ``[b, w_k]`` whose widths add up to ``width``."""
-        n = blocks[0].shape[0]
-        if sum(b.shape[1] for b in blocks) != self.width or any(b.shape[0] != n for b in blocks):
-            raise ValueError(
-                f"{self.stem}: blocks {[b.shape for b in blocks]} != [*, {self.width}]"
-            )
-        if any(b.dtype != self.np_dtype for b in blocks):
-            raise TypeError(f"{self.stem}: blocks must be {self.np_dtype}")
+        n = fmt.check_blocks(self.stem, blocks, self.width, self.np_dtype)
         rows = blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
         src = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
         stage, pos = self._stage, 0

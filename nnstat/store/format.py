@@ -190,6 +190,17 @@ def npy_header(rows: int, width: int, np_dtype: Any, nbytes: int = _HEADER_BYTES
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(body)) + body.encode("latin1")
 
 
+def check_blocks(stem: str, blocks: Sequence[np.ndarray], width: int, np_dtype: Any) -> int:
+    """The row count ``b`` of column blocks ``[b, w_k]`` (same ``b``, widths adding up to
+    ``width``, all of ``np_dtype``); otherwise an error naming the shard ``stem``."""
+    n = blocks[0].shape[0]
+    if sum(b.shape[1] for b in blocks) != width or any(b.shape[0] != n for b in blocks):
+        raise ValueError(f"{stem}: blocks {[b.shape for b in blocks]} != [*, {width}]")
+    if any(b.dtype != np_dtype for b in blocks):
+        raise TypeError(f"{stem}: blocks must be {np_dtype}")
+    return n
+
+
 class ShardFile:
     """One shard being streamed to ``{stem}.npy.tmp``; :meth:`commit` makes it count.
 
@@ -213,13 +224,7 @@ class ShardFile:
 
     def append(self, blocks: list[np.ndarray]) -> None:
         """Write rows given as column blocks ``[b, w_k]`` whose widths add up to ``width``."""
-        n = blocks[0].shape[0]
-        if sum(b.shape[1] for b in blocks) != self.width or any(b.shape[0] != n for b in blocks):
-            raise ValueError(
-                f"{self.stem}: blocks {[b.shape for b in blocks]} != [*, {self.width}]"
-            )
-        if any(b.dtype != self.np_dtype for b in blocks):
-            raise TypeError(f"{self.stem}: blocks must be {self.np_dtype}")
+        n = check_blocks(self.stem, blocks, self.width, self.np_dtype)
         blocks = [np.ascontiguousarray(b) for b in blocks]
         if len(blocks) == 1 or not hasattr(os, "writev"):
             joined = blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
