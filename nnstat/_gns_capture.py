@@ -38,6 +38,7 @@ class PerSampleNorms:
             n: [p for p in modules[n].parameters(recurse=False) if p.requires_grad]
             for n in self.names
         }
+        self._flat = [(i, p) for i, n in enumerate(self.names) for p in self.params[n]]
         self.engine.add_consumer(self)
         self._sq: dict[str, torch.Tensor] = {}
         # under torch.distributed, DDP/FSDP have averaged .grad over ranks by the time we read
@@ -57,7 +58,7 @@ class PerSampleNorms:
                 "per-sample squared norms of its two uses cannot be added, exclude it with "
                 "name_filter"
             )
-        self._sq[cap.name] = cap.per_sample_sq_norm().detach()
+        self._sq[cap.name] = cap.per_sample_sq_norm()
         if self._local_big:
             self._big[cap.name] = batch_grad_sq(cap)
 
@@ -65,43 +66,54 @@ class PerSampleNorms:
     def batch(self, batch_size: int | None = None) -> Iterator[None]:
         self._sq, self._big = {}, {}
         self._local_big = rank_world()[1] > 1
-        before = {
-            n: [None if p.grad is None else p.grad.detach().clone() for p in ps]
-            for n, ps in (() if self._local_big else self.params.items())
-        }
+        # flat (module index, parameter) list and .grad snapshots: this runs every training step,
+        # and after zero_grad(set_to_none=True) every snapshot is None (nothing to clone)
+        flat = () if self._local_big else self._flat
+        before = [None if p.grad is None else p.grad.detach().clone() for _, p in flat]
         with self.engine.batch(batch_size=batch_size, loss_reduction="mean"):
             yield
         captured, self._sq = self._sq, {}
         local_big, self._big = self._big, {}
         if not captured:
             raise RuntimeError("no watched module took part in the backward of this batch")
-        sizes = {int(s.shape[0]) for s in captured.values()}
-        if len(sizes) != 1:
+        sq = list(captured.values())
+        n = int(sq[0].shape[0])
+        if any(int(s.shape[0]) != n for s in sq):
+            sizes = {int(s.shape[0]) for s in sq}
             raise RuntimeError(f"modules saw different batch sizes {sorted(sizes)}")
-        n = sizes.pop()
         if n < 2:
             raise ValueError(f"per-sample noise scale needs a batch of at least 2 samples, got {n}")
         # Reductions stay in the gradients' dtype (no float64 copies of large weights: that
         # alone tripled the step time of a 1024-wide MLP) and come back in one .tolist(): this
         # runs every training step, so Python and per-op overhead matter.
         names = list(captured)
-        grads, owner = [], []
-        for i, name in enumerate(names if not local_big else ()):
-            for p, old in zip(self.params[name], before[name], strict=True):
-                if p.grad is not None:
-                    grads.append(p.grad.detach() if old is None else p.grad.detach() - old)
-                    owner.append(i)
-        parts = [torch.stack([captured[k] for k in names]).float().mean(1)]
+        m = len(names)
+        small_t = torch.stack(sq).mean(1)
+        if small_t.dtype != torch.float32:
+            small_t = small_t.float()
         if local_big:
-            parts.append(torch.stack([local_big[k] for k in names]).float().cpu() / (n * n))
-            owner = list(range(len(names)))
-        elif grads:
-            parts.append(torch.stack(torch._foreach_norm(grads)).float().cpu().square())
-        values = torch.cat(parts).tolist()
-        small_l, norms = values[: len(names)], values[len(names) :]
-        big_l = [0.0] * len(names)
-        for i, v in zip(owner, norms, strict=True):
-            big_l[i] += v
+            big_t = torch.stack([local_big[k] for k in names]).float().cpu() / (n * n)
+            values = torch.cat([small_t.cpu(), big_t]).tolist()
+            small_l, big_l = values[:m], values[m:]
+        else:
+            pos = {k: i for i, k in enumerate(names)}
+            grads, owner = [], []
+            for (i, p), old in zip(flat, before, strict=True):
+                j = pos.get(self.names[i])
+                if j is not None and p.grad is not None:
+                    grads.append(p.grad.detach() if old is None else p.grad.detach() - old)
+                    owner.append(j)
+            parts = [small_t]
+            if grads:
+                norms = torch.stack(torch._foreach_norm(grads))
+                parts.append(norms if norms.dtype == torch.float32 else norms.float())
+            cat = torch.cat(parts) if len(parts) > 1 else parts[0]
+            values = (cat if cat.device.type == "cpu" else cat.cpu()).tolist()
+            small_l = values[:m]
+            big_l = [0.0] * m
+            # the norms come back unsquared: one fewer kernel, squared here in double
+            for j, v in zip(owner, values[m:], strict=True):
+                big_l[j] += v * v
         for k, s_, b_ in zip(names, small_l, big_l, strict=True):
             if not (math.isfinite(s_) and math.isfinite(b_)):
                 raise ValueError(f"gradient norms of {k!r} contain NaN or Inf")

@@ -138,6 +138,12 @@ class NoiseScale:
             big.append(sum(big))
         else:
             keys, small, big = [_TOTAL], [_as_float(g_small_sq)], [_as_float(g_big_sq)]
+        self._add(keys, small, big, b_small, b_big)
+
+    def _add(
+        self, keys: list[str], small: list[float], big: list[float], b_small: float, b_big: float
+    ) -> None:
+        """``update`` after its input checks: plain float lists, the total's key last."""
         for k, s, b in zip(keys, small, big, strict=True):
             if not (math.isfinite(s) and math.isfinite(b)) or s < 0 or b < 0:
                 where = "" if k == _TOTAL else f" of layer {k!r}"
@@ -210,7 +216,12 @@ class NoiseScale:
         with self._capture.batch(batch_size):
             yield
         small, big, n = self._capture.last
-        self.update(small, big, 1, n)
+        # floats, per layer, finite (checked by the capture): skip update()'s input conversion
+        check_batch_sizes(1, n)
+        keys, s_l, b_l = [*small, _TOTAL], [*small.values()], [*big.values()]
+        s_l.append(sum(s_l))
+        b_l.append(sum(b_l))
+        self._add(keys, s_l, b_l, 1, n)
 
     def unwatch(self) -> None:
         """Remove the capture hooks (the model is left exactly as before ``watch``)."""

@@ -38,6 +38,8 @@ class ModuleCapture:
         b: torch.Tensor,
         num_positions: int,
         keep: torch.Tensor | None = None,
+        dims: tuple[int, int] | None = None,
+        bias: bool | None = None,
     ) -> None:
         self.name = name
         self.module = module
@@ -47,11 +49,15 @@ class ModuleCapture:
         self._a = a
         self._b = b
         self._keep = keep  # [N, T] float 0/1 of unmasked rows, None = all kept
-        self._bias = kind in ("linear", "conv", "conv1d_hf") and rules.has_bias(module)
+        # dims/bias may come precomputed (the engine does it once at watch time: this object is
+        # built per module per backward, so attribute probing here is a fixed per-step cost)
+        if bias is None:
+            bias = rules.has_bias(module)
+        self._bias = bias and kind in ("linear", "conv", "conv1d_hf")
         self.num_samples = int(b.shape[0])
         #: positions that were not masked out (the K-FAC ``A`` factor divides by their count)
         self.num_positions = int(num_positions)
-        self.d_in, self.d_out = rules.dims(kind, module)
+        self.d_in, self.d_out = rules.dims(kind, module) if dims is None else dims
 
     def _ones(self) -> torch.Tensor:
         """The implicit bias column ``[N, T]``: 1 on kept rows, 0 on masked ones."""
@@ -139,7 +145,10 @@ class ModuleCapture:
             return (same * torch.bmm(b, b.transpose(1, 2))).sum((1, 2))
         # the implicit ones column adds 1 to a·a' (masked rows have b = 0 and drop out anyway)
         if t == 1:
-            return (a.square().sum((1, 2)) + self._bias) * b.square().sum((1, 2))
+            # three kernels: (|a|^2 + 1) |b|^2 = |b|^2 + |a|^2 |b|^2 with the bias's 1
+            a2, b2 = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
+            na, nb = torch.linalg.vecdot(a2, a2), torch.linalg.vecdot(b2, b2)
+            return torch.addcmul(nb, na, nb) if self._bias else na * nb
         if t * (self.d_in + self.d_out) < self.d_in * self.d_out:
             gram_a = torch.bmm(a, a.transpose(1, 2))
             if self._bias:
