@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from nnstat.distributed import is_distributed
+
 if TYPE_CHECKING:
     from nnstat._gns_tracker import NoiseScale
 
@@ -86,7 +88,7 @@ def register_noise_scale_hook(
     ddp_model: Any, tracker: "NoiseScale", local_batch_size: int, process_group: Any = None
 ) -> DDPNoiseScaleState:
     """Register :func:`noise_scale_comm_hook` on a ``DistributedDataParallel`` model."""
-    if not dist.is_available() or not dist.is_initialized():
+    if not is_distributed():
         raise RuntimeError("torch.distributed is not initialised; call init_process_group first")
     if not hasattr(ddp_model, "register_comm_hook"):
         raise TypeError("register_ddp needs a torch.nn.parallel.DistributedDataParallel model")

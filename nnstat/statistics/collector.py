@@ -15,6 +15,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from nnstat.capture.capture import ModuleCapture
+from nnstat.distributed import is_distributed
 from nnstat.statistics.stats import Covariance, Statistic
 
 if TYPE_CHECKING:  # nnstat.config imports the statistic classes from this package
@@ -120,7 +121,7 @@ class StatisticsCollector:
                 f"finalize(): nothing was captured in pass {spec.name!r}; add the collector to the "
                 "engine (engine.add_consumer(collector)) and run backward inside engine.batch()"
             )
-        if dist.is_available() and dist.is_initialized():
+        if is_distributed():
             _all_reduce(keys, self._sums, self._counts)
         for k in keys:
             c = self._counts[k]
