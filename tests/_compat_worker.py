@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 
@@ -229,5 +230,10 @@ def worker(rank: int, world: int, port: int, kind: str, out_dir: str) -> None:
         _store_and_influence(kind, rank, x, y, out_dir)
         _recorder(kind, rank, x, y, out_dir)
         _noise_scale(kind, rank, x, y, out_dir)
+        # Tear down only once both ranks are done, and after the DDP/FSDP wrappers (whose C++
+        # reducers hold the process group) are collected: destroying the group under a live
+        # reducer aborted a rank at exit ("terminate called without an active exception").
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
