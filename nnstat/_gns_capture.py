@@ -7,13 +7,14 @@ backward (no per-sample gradient is kept) and we read the batch gradient from ``
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
+from nnstat.capture.capture import ModuleCapture
 from nnstat.distributed import rank_world
 
 
@@ -40,80 +41,47 @@ class PerSampleNorms:
         }
         self._flat = [(i, p) for i, n in enumerate(self.names) for p in self.params[n]]
         self.engine.add_consumer(self)
-        self._sq: dict[str, torch.Tensor] = {}
-        # under torch.distributed, DDP/FSDP have averaged .grad over ranks by the time we read
-        # it: the batch gradient then comes from the captures (this rank's samples only)
-        self._local_big = False
-        self._big: dict[str, torch.Tensor] = {}
+        self._caps: list[ModuleCapture] = []  # this batch's captures, reduced at its end
+        self._seen: set[str] = set()
         self.last: tuple[dict[str, float], dict[str, float], int] = ({}, {}, 0)
 
     def covered_parameters(self) -> set[int]:
         """ids of the parameters whose gradients the estimate covers."""
         return {id(p) for ps in self.params.values() for p in ps}
 
-    def on_capture(self, cap: Any) -> None:
-        if cap.name in self._sq:
-            raise RuntimeError(
-                f"module {cap.name!r} was captured twice in one backward (a shared module?); "
-                "per-sample squared norms of its two uses cannot be added, exclude it with "
-                "name_filter"
-            )
-        self._sq[cap.name] = cap.per_sample_sq_norm()
-        if self._local_big:
-            self._big[cap.name] = batch_grad_sq(cap)
+    def on_backward(self, caps: list[ModuleCapture]) -> None:
+        for cap in caps:
+            if cap.name in self._seen:
+                raise RuntimeError(
+                    f"module {cap.name!r} was captured twice in one batch (a shared module or a "
+                    "second backward?); per-sample squared norms of its two uses cannot be "
+                    "added, exclude it with name_filter"
+                )
+            self._seen.add(cap.name)
+        # reduced once per batch in batch(): all modules' norms then share one foreach kernel
+        self._caps.extend(caps)
 
     @contextmanager
     def batch(self, batch_size: int | None = None) -> Iterator[None]:
-        self._sq, self._big = {}, {}
-        self._local_big = rank_world()[1] > 1
+        self._caps, self._seen = [], set()
+        local_big = rank_world()[1] > 1
         # flat (module index, parameter) list and .grad snapshots: this runs every training step,
         # and after zero_grad(set_to_none=True) every snapshot is None (nothing to clone)
-        flat = () if self._local_big else self._flat
+        flat = () if local_big else self._flat
         before = [None if p.grad is None else p.grad.detach().clone() for _, p in flat]
         with self.engine.batch(batch_size=batch_size, loss_reduction="mean"):
             yield
-        captured, self._sq = self._sq, {}
-        local_big, self._big = self._big, {}
-        if not captured:
+        caps, self._caps = self._caps, []
+        if not caps:
             raise RuntimeError("no watched module took part in the backward of this batch")
-        sq = list(captured.values())
-        n = int(sq[0].shape[0])
-        if any(int(s.shape[0]) != n for s in sq):
-            sizes = {int(s.shape[0]) for s in sq}
+        sizes = {c.num_samples for c in caps}
+        if len(sizes) > 1:
             raise RuntimeError(f"modules saw different batch sizes {sorted(sizes)}")
+        n = sizes.pop()
         if n < 2:
             raise ValueError(f"per-sample noise scale needs a batch of at least 2 samples, got {n}")
-        # Reductions stay in the gradients' dtype (no float64 copies of large weights: that
-        # alone tripled the step time of a 1024-wide MLP) and come back in one .tolist(): this
-        # runs every training step, so Python and per-op overhead matter.
-        names = list(captured)
-        m = len(names)
-        small_t = torch.stack(sq).mean(1)
-        if small_t.dtype != torch.float32:
-            small_t = small_t.float()
-        if local_big:
-            big_t = torch.stack([local_big[k] for k in names]).float().cpu() / (n * n)
-            values = torch.cat([small_t.cpu(), big_t]).tolist()
-            small_l, big_l = values[:m], values[m:]
-        else:
-            pos = {k: i for i, k in enumerate(names)}
-            grads, owner = [], []
-            for (i, p), old in zip(flat, before, strict=True):
-                j = pos.get(self.names[i])
-                if j is not None and p.grad is not None:
-                    grads.append(p.grad.detach() if old is None else p.grad.detach() - old)
-                    owner.append(j)
-            parts = [small_t]
-            if grads:
-                norms = torch.stack(torch._foreach_norm(grads))
-                parts.append(norms if norms.dtype == torch.float32 else norms.float())
-            cat = torch.cat(parts) if len(parts) > 1 else parts[0]
-            values = (cat if cat.device.type == "cpu" else cat.cpu()).tolist()
-            small_l = values[:m]
-            big_l = [0.0] * m
-            # the norms come back unsquared: one fewer kernel, squared here in double
-            for j, v in zip(owner, values[m:], strict=True):
-                big_l[j] += v * v
+        names = [c.name for c in caps]
+        small_l, big_l = self._reduce(caps, n, flat, before, local_big)
         for k, s_, b_ in zip(names, small_l, big_l, strict=True):
             if not (math.isfinite(s_) and math.isfinite(b_)):
                 raise ValueError(f"gradient norms of {k!r} contain NaN or Inf")
@@ -122,6 +90,58 @@ class PerSampleNorms:
             dict(zip(names, big_l, strict=True)),
             n,
         )
+
+    def _reduce(
+        self,
+        caps: list[ModuleCapture],
+        n: int,
+        flat: Sequence[tuple[int, nn.Parameter]],
+        before: list[torch.Tensor | None],
+        local_big: bool,
+    ) -> tuple[list[float], list[float]]:
+        """Mean per-sample and batch-gradient squared norms per module, one host transfer.
+
+        This runs every training step, and on small models each kernel launch costs about as
+        much as the arithmetic: the per-sample norms of one-position layers and every gradient
+        norm go through ONE ``torch._foreach_norm`` (in the tensors' own dtype: no float64
+        copies of large weights) and a single ``.tolist()``; squares and sums happen in Python
+        floats on a handful of values.
+        """
+        norm_in: list[torch.Tensor] = []  # tensors whose Frobenius norms are needed
+        scalars: list[torch.Tensor] = []  # 0-d values that are already the final numbers
+        spans: list[tuple[int, int, float]] = []  # per module: norm_in[i:j] times c, or j < 0
+        for cap in caps:
+            factors = cap.sq_norm_factors()
+            if factors is None:
+                spans.append((len(scalars), -1, 1.0))
+                scalars.append(cap.per_sample_sq_norm().mean())
+            else:
+                spans.append((len(norm_in), len(norm_in) + len(factors[0]), factors[1] / n))
+                norm_in.extend(factors[0])
+        owner: list[int] = []
+        n_factors = len(norm_in)
+        if local_big:
+            # DDP/FSDP averaged .grad over ranks already: this rank's batch gradient instead
+            scalars.extend(batch_grad_sq(cap) / (n * n) for cap in caps)
+        else:
+            pos = {c.name: j for j, c in enumerate(caps)}
+            for (i, p), old in zip(flat, before, strict=True):
+                j = pos.get(self.names[i])
+                if j is not None and p.grad is not None:
+                    norm_in.append(p.grad.detach() if old is None else p.grad.detach() - old)
+                    owner.append(j)
+        parts = [*(torch._foreach_norm(norm_in) if norm_in else ()), *scalars]
+        values = torch.stack(parts).tolist()
+        norms, rest = values[: len(norm_in)], values[len(norm_in) :]
+        small = []
+        for i, j, c in spans:
+            small.append(rest[i] if j < 0 else c * sum(v * v for v in norms[i:j]))
+        if local_big:
+            return small, rest[len(rest) - len(caps) :]
+        big = [0.0] * len(caps)
+        for j, v in zip(owner, norms[n_factors:], strict=True):
+            big[j] += v * v
+        return small, big
 
     def close(self) -> None:
         self.engine.unwatch()

@@ -40,6 +40,7 @@ class ModuleCapture:
         keep: torch.Tensor | None = None,
         dims: tuple[int, int] | None = None,
         bias: bool | None = None,
+        scale: float = 1.0,
     ) -> None:
         self.name = name
         self.module = module
@@ -47,7 +48,11 @@ class ModuleCapture:
         # embedding: [N, T] long indices (-1 = no gradient); else [N, T, d_in] WITHOUT the bias's
         # ones column: it is implicit (= keep) so no [N, T, d_in + 1] copy is made unless asked
         self._a = a
-        self._b = b
+        # `backward` is b * scale (the mean-loss rescaling), multiplied only when first needed:
+        # squared norms apply scale^2 to [N] values instead of scaling [N, T, d_out]
+        self._b_raw = b
+        self._scale = float(scale)
+        self._b_scaled: torch.Tensor | None = b if self._scale == 1.0 else None
         self._keep = keep  # [N, T] float 0/1 of unmasked rows, None = all kept
         # dims/bias may come precomputed (the engine does it once at watch time: this object is
         # built per module per backward, so attribute probing here is a fixed per-step cost)
@@ -59,11 +64,18 @@ class ModuleCapture:
         self.num_positions = int(num_positions)
         self.d_in, self.d_out = rules.dims(kind, module) if dims is None else dims
 
+    @property
+    def _b(self) -> torch.Tensor:
+        b = self._b_scaled
+        if b is None:
+            b = self._b_scaled = self._b_raw * self._scale
+        return b
+
     def _ones(self) -> torch.Tensor:
         """The implicit bias column ``[N, T]``: 1 on kept rows, 0 on masked ones."""
         if self._keep is not None:
             return self._keep
-        return self._b.new_ones(self._b.shape[0], self._b.shape[1])
+        return self._b_raw.new_ones(self._b_raw.shape[0], self._b_raw.shape[1])
 
     def _a_full(self) -> torch.Tensor:
         if not self._bias:
@@ -134,6 +146,17 @@ class ModuleCapture:
         Uses ``‖Σ_t b_t a_tᵀ‖² = Σ_{t,s} (a_t·a_s)(b_t·b_s)`` when that is cheaper than
         materialising ``G_i``.
         """
+        if self._is_plain_row():
+            # row norms are one vectorised reduction each (3x faster than square().sum() on
+            # [512, 2048]); the rest is in place on [N]
+            na = torch.linalg.vector_norm(self._a, dim=(1, 2))
+            nb = torch.linalg.vector_norm(self._b_raw, dim=(1, 2))
+            if self._scale != 1.0:
+                nb.mul_(self._scale)
+            if self._bias:  # (|a|^2 + 1) |b|^2 = |b|^2 + |a|^2 |b|^2 (the bias's implicit 1)
+                nb2 = nb.square_()
+                return torch.addcmul(nb2, na.square_(), nb2)
+            return na.mul_(nb).square_()
         a, b = self._a, self._b
         t = b.shape[1]
         if self.kind == "layernorm":
@@ -144,15 +167,6 @@ class ModuleCapture:
             same = (a.unsqueeze(2) == a.unsqueeze(1)) & (a >= 0).unsqueeze(2)
             return (same * torch.bmm(b, b.transpose(1, 2))).sum((1, 2))
         # the implicit ones column adds 1 to a·a' (masked rows have b = 0 and drop out anyway)
-        if t == 1:
-            # row norms are one vectorised reduction each (3x faster than square().sum() on
-            # [512, 2048]); the rest is in place on [N]
-            na = torch.linalg.vector_norm(a.reshape(a.shape[0], -1), dim=1)
-            nb = torch.linalg.vector_norm(b.reshape(b.shape[0], -1), dim=1)
-            if self._bias:  # (|a|^2 + 1) |b|^2 = |b|^2 + |a|^2 |b|^2 (the bias's implicit 1)
-                nb2 = nb.square_()
-                return torch.addcmul(nb2, na.square_(), nb2)
-            return na.mul_(nb).square_()
         if t * (self.d_in + self.d_out) < self.d_in * self.d_out:
             gram_a = torch.bmm(a, a.transpose(1, 2))
             if self._bias:
@@ -160,6 +174,36 @@ class ModuleCapture:
             gram_b = torch.bmm(b, b.transpose(1, 2))
             return (gram_a * gram_b).sum((1, 2))
         return self.per_sample_grad().square().sum((1, 2))
+
+    def sq_norm_factors(self) -> tuple[list[torch.Tensor], float] | None:
+        """``(tensors, c)`` with ``Σ_i ‖G_i‖² = c · Σ_k ‖tensors[k]‖²_F``, or None.
+
+        For one-position outer products (an MLP's layers) ``‖G_i‖² = ‖a_i‖² ‖b_i‖² (+ ‖b_i‖²``
+        for the bias), so the row-scaled ``b_i ‖a_i‖`` (and ``b``) carry the batch's summed
+        per-sample squared norms: one ``torch._foreach_norm`` over many modules' factors then
+        replaces half a dozen kernels per module (the noise-scale tracker's per-step path).
+        None for other captures (use :meth:`per_sample_sq_norm`).
+
+        Example:
+            >>> import torch, nnstat
+            >>> m = torch.nn.Linear(3, 2); e = nnstat.CaptureEngine(); _ = e.watch(m); caps = []
+            >>> e.add_consumer(caps.append)
+            >>> with e.batch(): m(torch.randn(4, 3)).sum().backward()
+            >>> ts, c = caps[0].sq_norm_factors()
+            >>> bool(torch.isclose(c * sum(t.square().sum() for t in ts),
+            ...                    caps[0].per_sample_sq_norm().sum()))
+            True
+        """
+        if not self._is_plain_row():
+            return None
+        # both [N, 1, d]: the [N, 1, 1] row norms broadcast without a reshape
+        scaled = self._b_raw * torch.linalg.vector_norm(self._a, dim=(1, 2), keepdim=True)
+        b = self._b_raw
+        return ([scaled, b] if self._bias else [scaled]), self._scale * self._scale
+
+    def _is_plain_row(self) -> bool:
+        """One position per sample and an outer-product gradient ``b aᵀ`` (dense inputs)."""
+        return self._b_raw.shape[1] == 1 and self.kind in _ROW_KINDS
 
     def project(
         self,
@@ -247,6 +291,9 @@ class ModuleCapture:
             f"ModuleCapture(name={self.name!r}, kind={self.kind!r}, N={self.num_samples}, "
             f"positions={self.num_positions}, d_in={self.d_in}, d_out={self.d_out})"
         )
+
+
+_ROW_KINDS = ("linear", "conv", "conv1d_hf")
 
 
 def _check_out(name: str, out: torch.Tensor, n: int, width: int) -> None:

@@ -82,6 +82,7 @@ class CaptureEngine:
         self._handles: list[Any] = []
         self._consumers: list[Callable[[ModuleCapture], None]] = []
         self._forward_consumers: list[Callable[[str, nn.Module, Any, Any], None]] = []
+        self._backward_consumers: list[Callable[[list[ModuleCapture]], None]] = []
         self._ctx: _BatchContext | None = None
         self._pending: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor, _BatchContext]]] = {}
         self._lock = threading.Lock()
@@ -167,21 +168,33 @@ class CaptureEngine:
         the same forward hook inside :meth:`batch` for every watched module call, also under
         ``torch.no_grad()`` (values as computed, not detached copies; it fires again when
         activation checkpointing recomputes a forward).
+        An object may define ``on_backward(caps)`` instead of (or besides) ``on_capture``: it
+        receives the list of all captures of one backward at once, in watch order, so it can
+        batch its work over modules (e.g. one kernel over every module's
+        :meth:`~nnstat.capture.capture.ModuleCapture.sq_norm_factors`).
         """
         fn = getattr(consumer, "on_capture", consumer)
         on_forward = getattr(consumer, "on_forward", None)
-        if not callable(fn) and not callable(on_forward):
-            raise TypeError(f"consumer must have on_capture(cap) or be callable, got {consumer!r}")
+        on_backward = getattr(consumer, "on_backward", None)
+        if not any(callable(f) for f in (fn, on_forward, on_backward)):
+            raise TypeError(
+                "consumer must have on_capture(cap), on_backward(caps) or on_forward(...), or "
+                f"be callable, got {consumer!r}"
+            )
         if callable(fn):
             self._consumers.append(fn)
         if callable(on_forward):
             self._forward_consumers.append(on_forward)
+        if callable(on_backward):
+            self._backward_consumers.append(on_backward)
 
     def remove_consumer(self, consumer: Any) -> None:
         fn = getattr(consumer, "on_capture", consumer)
         on_forward = getattr(consumer, "on_forward", None)
+        on_backward = getattr(consumer, "on_backward", None)
         self._consumers = [c for c in self._consumers if c != fn]
         self._forward_consumers = [c for c in self._forward_consumers if c != on_forward]
+        self._backward_consumers = [c for c in self._backward_consumers if c != on_backward]
 
     # ------------------------------------------------------------------ batches
     @contextmanager
@@ -267,14 +280,18 @@ class CaptureEngine:
         with self._lock:
             pending, self._pending = self._pending, {}
             self._flush_queued = False
-        if not pending:
+        if not pending or not (self._consumers or self._backward_consumers):
             return
+        caps = []
         for module, w in list(self._watched.items()):
             calls = pending.get(module)
             if calls:
                 cap = _build_capture(w, calls)
                 for consumer in self._consumers:
                     consumer(cap)
+                caps.append(cap)
+        for batch_consumer in self._backward_consumers:
+            batch_consumer(caps)
 
 
 def _build_capture(
@@ -350,9 +367,10 @@ def _build_plain(
     b = (g if g.dtype == torch.float32 else g.float()).reshape(n, -1, g.shape[-1])
     if a.shape[1] != b.shape[1]:
         return _build_capture_general(w, [(x, g, ctx)])
-    if ctx.loss_reduction == "mean":
-        b = b * float(ctx.batch_size or n)
-    return ModuleCapture(w.name, w.module, w.kind, a, b, n * a.shape[1], None, w.dims, w.bias)
+    scale = float(ctx.batch_size or n) if ctx.loss_reduction == "mean" else 1.0
+    return ModuleCapture(
+        w.name, w.module, w.kind, a, b, n * a.shape[1], None, w.dims, w.bias, scale
+    )
 
 
 def _row_mask(
