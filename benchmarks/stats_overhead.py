@@ -14,12 +14,16 @@ model, measured in interleaved rounds so machine load hits all of them alike:
 * wandb.watch(log="all")     offline, ``log_freq=1``, one ``wandb.log`` per step
 * TensorBoard add_histogram  ``SummaryWriter.add_histogram`` of every parameter and gradient
 
-Run:  WANDB_MODE=offline .venv/bin/python benchmarks/stats_overhead.py [--steps 2 --rounds 12]
+The Tracker runs twice: with background statistics (step t's reductions on a worker thread
+while step t+1 trains; its CPU time counts, since the process's CPU time covers every thread)
+and synchronously.
+
+Run:  WANDB_MODE=offline .venv/bin/python benchmarks/stats_overhead.py [--steps 4 --rounds 12]
       [--threads 1] [--batch 256] [--no-peers]
-Prints a markdown table of median wall and CPU (process) times per step, their ratios to the
-plain step's medians, and the median over rounds of each round's CPU ratio to the plain step of
-the same round (drift of the machine load cancels in it, but each round has few samples); on a
-shared machine the CPU-time ratios are the steadier ones.
+Prints a markdown table of median (over rounds) wall and CPU (process) times per step, their
+ratios to the plain step's medians, and the medians of each round's ratio to the plain step of
+the same round (drift of the machine load cancels in those). A variant's block of steps ends
+with waiting for its background statistics, so nothing it computes is left uncharged.
 """
 
 from __future__ import annotations
@@ -56,8 +60,14 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, X: torch.Tensor, y:
     return loss
 
 
-def variants(args: argparse.Namespace, tmp: str) -> dict[str, Callable[[], None]]:
-    """name -> a closure doing one training step with that kind of logging."""
+def variants(
+    args: argparse.Namespace, tmp: str, flushes: dict[str, Callable[[], None]]
+) -> dict[str, Callable[[], None]]:
+    """name -> a closure doing one training step with that kind of logging.
+
+    `flushes` receives, per Tracker variant, the call that waits for its background statistics
+    (run inside the variant's timed block, so work left at the end of a block is charged to it).
+    """
     X = torch.randn(args.batch, 1024)
     y = torch.randint(0, 10, (args.batch,))
     out: dict[str, Callable[[], None]] = {}
@@ -91,13 +101,19 @@ def variants(args: argparse.Namespace, tmp: str) -> dict[str, Callable[[], None]
 
     out["hand-written l2 of the 5 groups (foreach)"] = manual_groups
 
-    m3, o3 = make(args.width, args.depth)
-    t3 = nnstat.Tracker(m3, o3)
-    out["nnstat Tracker, default stats"] = lambda: (train_step(m3, o3, X, y), t3.step())
+    def tracked(label: str, **kw) -> None:
+        m, o = make(args.width, args.depth)
+        t = nnstat.Tracker(m, o, **kw)
+        out[label] = lambda: (train_step(m, o, X, y), t.step())
+        flushes[label] = t.flush
 
-    m4, o4 = make(args.width, args.depth)
-    t4 = nnstat.Tracker(m4, o4, stats=None, histograms=True)
-    out["nnstat Tracker, all stats + histograms"] = lambda: (train_step(m4, o4, X, y), t4.step())
+    modes = [("background", {"background": True}), ("synchronous", {"background": False})]
+    for mode, kw in modes:
+        tracked(f"nnstat Tracker, default stats ({mode})", **kw)
+    for mode, kw in modes:
+        tracked(
+            f"nnstat Tracker, all stats + histograms ({mode})", stats=None, histograms=True, **kw
+        )
 
     if not args.no_peers:
         import wandb
@@ -134,7 +150,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--depth", type=int, default=3, help="hidden layers")
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per variant per round")
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--no-peers", action="store_true", help="skip wandb and TensorBoard")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
@@ -144,34 +160,30 @@ def main() -> None:
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
     with tempfile.TemporaryDirectory() as tmp:
-        runs = variants(args, tmp)
+        flushes: dict[str, Callable[[], None]] = {}
+        runs = variants(args, tmp, flushes)
         n_params = sum(p.numel() for p in make(args.width, args.depth)[0].parameters())
-        times: dict[str, list[float]] = {k: [] for k in runs}
+        for name, fn in runs.items():  # warm-up (allocations, Adam state, first snapshot)
+            fn()
+            fn()
+            flushes.get(name, lambda: None)()
+        # per round: every variant runs `steps` steps back to back (rotated start) and then
+        # waits for its background statistics (inside its timed block); per-step means of the
+        # block are divided by the plain step's of the SAME round, so slow drifts of the
+        # machine load cancel in the ratio; medians over rounds are reported
+        wall: dict[str, list[float]] = {k: [] for k in runs}
         cpu: dict[str, list[float]] = {k: [] for k in runs}
-        for fn in runs.values():  # warm-up (allocations, Adam state, first snapshot)
-            fn()
-            fn()
-        # per round: every variant runs `steps` steps back to back (rotated start), and each
-        # variant's CPU time is divided by the plain step's of the SAME round, so slow drifts
-        # of the machine load cancel in the ratio; medians over rounds are reported
-        ratio_cpu: dict[str, list[float]] = {k: [] for k in runs}
         for r in range(args.rounds):
             order = list(runs.items())
             order = order[r % len(order) :] + order[: r % len(order)]  # rotate start variant
-            cpu_r: dict[str, float] = {}
             for name, fn in order:
-                c_sum = 0.0
+                c0, t0 = time.process_time(), time.perf_counter()
                 for _ in range(args.steps):
-                    c0, t0 = time.process_time(), time.perf_counter()
                     fn()
-                    w, c = time.perf_counter() - t0, time.process_time() - c0
-                    times[name].append(w)
-                    # CPU time of the process: less sensitive to other jobs on a shared machine
-                    cpu[name].append(c)
-                    c_sum += c
-                cpu_r[name] = c_sum
-            for name in runs:
-                ratio_cpu[name].append(cpu_r[name] / cpu_r["plain step"])
+                flushes.get(name, lambda: None)()
+                # CPU time of the process (every thread, the statistics worker included)
+                wall[name].append((time.perf_counter() - t0) / args.steps)
+                cpu[name].append((time.process_time() - c0) / args.steps)
         print(
             f"\n{n_params / 1e6:.1f}M-parameter MLP, Adam, batch {args.batch}, "
             f"{torch.get_num_threads()} threads, {platform.machine()} CPU "
@@ -180,18 +192,19 @@ def main() -> None:
             f"{os.getloadavg()[0]:.1f}\n"
         )
         print(
-            "| variant | wall ms / step | wall / plain | CPU ms / step | CPU / plain "
-            "| CPU / plain, per round |"
+            "| variant | wall ms / step | wall / plain | wall / plain, per round "
+            "| CPU ms / step | CPU / plain | CPU / plain, per round |"
         )
-        print("| --- | ---: | ---: | ---: | ---: | ---: |")
-        base = statistics.median(times["plain step"])
-        base_cpu = statistics.median(cpu["plain step"])
-        for name, ts in times.items():
-            med, med_cpu = statistics.median(ts), statistics.median(cpu[name])
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        base, base_cpu = wall["plain step"], cpu["plain step"]
+        med = statistics.median
+        for name in runs:
+            w, c = wall[name], cpu[name]
+            rw = med([a / b for a, b in zip(w, base, strict=True)])
+            rc = med([a / b for a, b in zip(c, base_cpu, strict=True)])
             print(
-                f"| {name} | {med * 1e3:.1f} | {med / base:.2f}x "
-                f"| {med_cpu * 1e3:.1f} | {med_cpu / base_cpu:.2f}x "
-                f"| {statistics.median(ratio_cpu[name]):.2f}x |"
+                f"| {name} | {med(w) * 1e3:.1f} | {med(w) / med(base):.2f}x | {rw:.2f}x "
+                f"| {med(c) * 1e3:.1f} | {med(c) / med(base_cpu):.2f}x | {rc:.2f}x |"
             )
         if not args.no_peers:
             import wandb

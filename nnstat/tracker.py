@@ -1,8 +1,10 @@
 """Tracker: one line in a training loop logs weight/grad/optimizer-state/update statistics.
 
-Each logged step reduces every tracked tensor with one fused `nnstat.stats.summarize` call (one
-host transfer), derives trust ratios from the same norms, adds the metrics of registered
-providers, and hands one flat dict to every sink.
+Each logged step reduces every tracked tensor (fused blocked passes, one host transfer per
+group, `nnstat.tracker_compute`), derives trust ratios from the same norms, adds the metrics of
+registered providers, and hands one flat dict to every sink. On CPU the reductions of step ``t``
+run by default on a background thread (`nnstat.background`) while step ``t + 1`` trains; the
+optimizer's step pre-hook waits for them before the weights change.
 
 Example:
     >>> import torch, nnstat
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -33,19 +36,14 @@ from nnstat.distributed import (
     fsdp1_whole,
     local_tensor,
 )
-from nnstat.dynamics import ratio_from_norms
-from nnstat.histogram import DEFAULT_MAX_ELEMENTS, HIST_SUMMARY, histograms
+from nnstat.histogram import DEFAULT_MAX_ELEMENTS
 from nnstat.netdict import select_names
-from nnstat.stats import (
-    DEFAULT_STATS,
-    Workspace,
-    cpu_single_thread,
-    summarize,
-    validate_stats,
-)
-from nnstat.stats_fused import FUSED_STATS, light_columns, weight_update_norms
+from nnstat.stats import DEFAULT_STATS, Workspace, cpu_single_thread, validate_stats
+from nnstat.stats_fused import FUSED_STATS
+from nnstat.tracker_background import BackgroundSteps, StepMetrics, _Pending
+from nnstat.tracker_compute import StepPlan, assemble, tasks
 
-__all__ = ["Tracker", "Sink", "GROUPS"]
+__all__ = ["Tracker", "Sink", "GROUPS", "StepMetrics"]
 
 #: What a Tracker can watch; ``"optimizer"`` expands to the optimizer's per-parameter states.
 GROUPS: tuple[str, ...] = ("weight", "grad", "optimizer", "update")
@@ -58,10 +56,6 @@ class Sink(Protocol):
     def log(self, metrics: dict[str, Any], step: int) -> None: ...
 
 
-def _local(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [local_tensor(t) for t in tensors]
-
-
 def _as_log(sink: Any) -> Callable[[dict[str, Any], int], None]:
     if hasattr(sink, "log") and callable(sink.log):
         return sink.log
@@ -70,7 +64,7 @@ def _as_log(sink: Any) -> Callable[[dict[str, Any], int], None]:
     raise TypeError(f"a sink needs a log(metrics, step) method or must be callable, got {sink!r}")
 
 
-class Tracker:
+class Tracker(BackgroundSteps):
     """Log statistics of a model (and its optimizer) every `every` calls of `step`.
 
     Call `step()` once per training iteration, after ``optimizer.step()``. Metric keys:
@@ -84,6 +78,16 @@ class Tracker:
     tracked parameters, refreshed only on the call before a logged step (with the default
     statistics the fused pass rewrites it block by block while it reads the weights).
     On CPU the statistic passes run on one intra-op thread (`nnstat.stats.cpu_single_thread`).
+
+    ``background`` (CPU only): ``True`` reduces step ``t`` on a worker thread while step
+    ``t + 1`` trains (`nnstat.tracker_background`: the optimizer's step pre-hook waits for it,
+    in-place gradients are read synchronously, a version check guards the rest); ``False`` is
+    synchronous; ``None`` (default) picks background when training runs on one torch thread,
+    with an optimizer, outside ``torch.distributed`` (with more torch threads the worker competes
+    with OpenMP for the cores, measured slower). The numbers are bit-identical either way. In
+    background mode `step` returns a `StepMetrics` mapping that waits on first read, sinks get
+    step ``t`` at the next `step`/`flush`/`close` (or exit), and step ``t``'s gradients stay
+    referenced until the next optimizer step.
 
     Example:
         >>> model = torch.nn.Linear(2, 1)
@@ -106,6 +110,7 @@ class Tracker:
         state_keys: Sequence[str] | None = None,
         bins: int = 64,
         hist_max_elements: int | None = DEFAULT_MAX_ELEMENTS,
+        background: bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Tracker expects an nn.Module, got {type(model).__name__}")
@@ -121,7 +126,19 @@ class Tracker:
         self.histograms = histograms
         self.bins = bins
         self.hist_max_elements = hist_max_elements
-        self._workspace = Workspace()
+        self._workspaces: dict[str, Workspace] = {}
+        if background not in (None, True, False):
+            raise TypeError(f"background must be None (auto), True or False, got {background!r}")
+        if background and optimizer is None and {"weight", "update"} & set(groups):
+            raise ValueError(
+                "background=True needs the optimizer when weights or updates are tracked: its "
+                "step pre-hook keeps the weights unchanged while the background thread reads them"
+            )
+        self.background = background
+        self._sync_only = False
+        self._pending: _Pending | None = None
+        self._hook: Any = None
+        self._grad_storages: list[weakref.ref] | None = None
         self.groups = (
             tuple(groups) if optimizer is not None else tuple(g for g in groups if g != "optimizer")
         )
@@ -145,7 +162,7 @@ class Tracker:
         self._providers: list[Callable[[], Mapping[str, Any]]] = []
         self._calls = 0
         self._warned_grad = False
-        self.latest: dict[str, Any] = {}
+        self._latest: Mapping[str, Any] = {}
         # the update of the first logged step is measured from the weights at construction
         self._prev: list[torch.Tensor] | None = None
         if "update" in self.groups:
@@ -182,15 +199,19 @@ class Tracker:
                     keys[k] = None
         return tuple(keys)
 
-    def _collect(self, weights: bool = True) -> list[tuple[str, str, torch.Tensor]]:
-        entries: list[tuple[str, str, torch.Tensor]] = []
+    def _collect(self, weights: bool = True) -> list[tuple[str, list[str], list[torch.Tensor]]]:
+        """``(group, names, tensors)`` of every group but updates."""
+        out: list[tuple[str, list[str], list[torch.Tensor]]] = []
         # FSDP1: flat per-rank slices become DTensors of the whole (reduced, never gathered)
         shards = fsdp1_shards(self.model) if self._fsdp1 else {}
         if weights and "weight" in self.groups:
-            entries += [
-                ("weight", n, fsdp1_whole(p.detach(), p, shards))
-                for n, p in zip(self.names, self.params, strict=True)
-            ]
+            out.append(
+                (
+                    "weight",
+                    list(self.names),
+                    [fsdp1_whole(p.detach(), p, shards) for p in self.params],
+                )
+            )
         if "grad" in self.groups:
             grads = [fsdp1_grad(p, shards) for p in self.params]
             missing = [n for n, g in zip(self.names, grads, strict=True) if g is None]
@@ -201,60 +222,27 @@ class Tracker:
                     stacklevel=4,
                 )
                 self._warned_grad = True
-            entries += [
-                ("grad", n, g.detach())
-                for n, g in zip(self.names, grads, strict=True)
-                if g is not None
+            kept = [
+                (n, g.detach()) for n, g in zip(self.names, grads, strict=True) if g is not None
             ]
+            if kept:
+                out.append(("grad", [n for n, _ in kept], [g for _, g in kept]))
         if "optimizer" in self.groups:
             for key in self._state_keys():
+                names, tensors = [], []
                 for n, p in zip(self.names, self.params, strict=True):
                     v = self.optimizer.state.get(p, {}).get(key)
                     if v is None and id(p) in shards and p.numel() == 0:
                         v = p.detach()  # FSDP1: no slice of this parameter on this rank
                     if isinstance(v, torch.Tensor):
-                        entries.append((key, n, fsdp1_whole(v.detach(), p, shards)))
-        return entries
+                        names.append(n)
+                        tensors.append(fsdp1_whole(v.detach(), p, shards))
+                if names:
+                    out.append((key, names, tensors))
+        return out
 
-    def step(self, step: int | None = None) -> dict[str, Any] | None:
-        """Record statistics if this call is a logging step; returns the metrics (else None).
-
-        `step` defaults to the number of previous calls.
-        """
-        call = self._calls
-        self._calls += 1
-        step = call if step is None else step
-        refresh = self._prev is not None and (call + 1) % self.every == 0
-        on_cpu = all(p.device.type == "cpu" for p in self.params)
-        with cpu_single_thread() if on_cpu else contextlib.nullcontext():
-            metrics, refresh = self._record(call, refresh)
-        if refresh:
-            # snapshot the weights the next (logged) step's update is measured from
-            # on local shards: DTensor (FSDP fully_shard) has no foreach sharding rules
-            torch._foreach_copy_(_local(self._prev), _local([p.detach() for p in self.params]))
-        if metrics is None:
-            return None
-        for provider in self._providers:
-            extra = provider()
-            if not isinstance(extra, Mapping):
-                raise TypeError(
-                    f"provider {provider!r} returned {type(extra).__name__}, not a dict"
-                )
-            metrics.update(extra)
-        for log in self._sinks:
-            log(metrics, step)
-        self.latest = metrics
-        return metrics
-
-    def _record(self, call: int, refresh: bool) -> tuple[dict[str, Any] | None, bool]:
-        if call % self.every:
-            return None, refresh
-        if self._fused_ok():
-            return self._measure_fused(refresh), False  # the fused pass refreshed the snapshot
-        return self._measure(), refresh
-
-    def _fused_ok(self) -> bool:
-        return (
+    def _plan(self, refresh: bool) -> StepPlan:
+        fused = (
             self._prev is not None
             and "weight" in self.groups
             and not self.histograms
@@ -262,85 +250,103 @@ class Tracker:
             and not any_dtensor(self.params)
             and not self._fsdp1
         )
+        plan = StepPlan(
+            names=list(self.names),
+            stats=self.stats,
+            fused=fused,
+            refresh=refresh,
+            groups=self._collect(weights=not fused),
+            histograms=self.histograms,
+            bins=self.bins,
+            hist_max_elements=self.hist_max_elements,
+            weight_in_groups="weight" in self.groups,
+        )
+        if self._prev is not None:
+            plan.weights = [p.detach() for p in self.params]
+            plan.prev = self._prev
+            if self._fsdp1:
+                shards = fsdp1_shards(self.model)
+                plan.update_views = [
+                    fsdp1_whole(d, p, shards) for d, p in zip(self._prev, self.params, strict=True)
+                ]
+        return plan
 
-    def _measure_fused(self, refresh: bool) -> dict[str, Any]:
-        """Default statistics with weights and updates from one blocked pass (`stats_fused`)."""
-        computed = tuple(dict.fromkeys([*self.stats, "l2"]))
-        entries = self._collect(weights=False)
-        current = [p.detach() for p in self.params]
-        # exact over the finite part by itself (non-finite blocks are redone in float64 before
-        # the snapshot block is overwritten), so no second pass and no spare snapshot
-        norms = weight_update_norms(current, self._prev, refresh, self._workspace)
-        numel = torch.tensor([t.numel() for t in current], dtype=torch.float64)
-        tables = []
-        for lo in (0, 4):
-            cols = light_columns(numel, *(norms[:, lo + k] for k in range(4)))
-            tables.append(torch.stack([cols[s] for s in computed], dim=1))
-        w_table, u_table = tables
-        others = summarize([t for _, _, t in entries], computed, workspace=self._workspace)
-        metrics: dict[str, Any] = {}
-        rows = [("weight", n, r) for n, r in zip(self.names, w_table.tolist(), strict=True)]
-        rows += [(g, n, r) for (g, n, _), r in zip(entries, others.tolist(), strict=True)]
-        rows += [("update", n, r) for n, r in zip(self.names, u_table.tolist(), strict=True)]
-        for group, name, row in rows:
-            for s, v in zip(computed, row, strict=True):
-                if s in self.stats:
-                    metrics[f"{group}/{name}/{s}"] = v
-        l2 = computed.index("l2")
-        tr = ratio_from_norms(w_table[:, l2], u_table[:, l2]).tolist()
-        ur = ratio_from_norms(u_table[:, l2], w_table[:, l2]).tolist()
-        for name, r, u in zip(self.names, tr, ur, strict=True):
-            metrics[f"trust_ratio/{name}"] = r
-            metrics[f"update_ratio/{name}"] = u
+    def step(self, step: int | None = None) -> Mapping[str, Any] | None:
+        """Record statistics if this call is a logging step; returns the metrics (else None).
+
+        `step` defaults to the number of previous calls. With background statistics the
+        returned `StepMetrics` fills in when first read (or at the next `step`, `flush`,
+        `close`); sinks receive every step's plain dict, in order.
+        """
+        call = self._calls
+        self._calls += 1
+        step = call if step is None else step
+        self._finish_pending()
+        refresh = self._prev is not None and (call + 1) % self.every == 0
+        if call % self.every:
+            if refresh:
+                # snapshot the weights the next (logged) step's update is measured from
+                # on local shards: DTensor (FSDP fully_shard) has no foreach sharding rules
+                torch._foreach_copy_(
+                    [local_tensor(t) for t in self._prev],
+                    [local_tensor(p.detach()) for p in self.params],
+                )
+            return None
+        on_cpu = all(p.device.type == "cpu" for p in self.params)
+        plan = self._plan(refresh)
+        extra = self._provided()
+        todo = tasks(plan, self._workspaces)
+        background = self._background_ok(on_cpu)  # outside cpu_single_thread: reads threads
+        with cpu_single_thread() if on_cpu else contextlib.nullcontext():
+            if background:
+                return self._schedule(step, plan, todo, extra)
+            results = {k: fn() for k, fn, _ in todo}
+        metrics = assemble(plan, results)
+        metrics.update(extra)
+        self._deliver(metrics, step)
         return metrics
 
-    def _measure(self) -> dict[str, Any]:
-        entries = self._collect()
-        has_update = self._prev is not None
-        if has_update:
-            current = [p.detach() for p in self.params]
-            # in place and in one pass: _prev becomes W_curr - W_prev (out= may alias an input;
-            # a foreach sub_ would give W_prev - W_curr and need a second, negating pass)
-            for prev, cur in zip(_local(self._prev), _local(current), strict=True):
-                torch.sub(cur, prev, out=prev)
-            shards = fsdp1_shards(self.model) if self._fsdp1 else {}
-            entries += [
-                ("update", n, fsdp1_whole(d, p, shards))
-                for n, d, p in zip(self.names, self._prev, self.params, strict=True)
-            ]
-        extra = HIST_SUMMARY if self.histograms else ()
-        computed = tuple(dict.fromkeys([*self.stats, "l2", *extra]))
-        tensors = [t for _, _, t in entries]
-        table = summarize(tensors, computed, workspace=self._workspace)
-        metrics: dict[str, Any] = {}
-        values = table.tolist()
-        for (group, name, _), row in zip(entries, values, strict=True):
-            for s, v in zip(computed, row, strict=True):
-                if s in self.stats:
-                    metrics[f"{group}/{name}/{s}"] = v
-        if has_update and "weight" in self.groups:
-            l2 = table[:, computed.index("l2")]
-            w_rows = [i for i, e in enumerate(entries) if e[0] == "weight"]
-            u_rows = [i for i, e in enumerate(entries) if e[0] == "update"]
-            tr = ratio_from_norms(l2[w_rows], l2[u_rows]).tolist()
-            ur = ratio_from_norms(l2[u_rows], l2[w_rows]).tolist()
-            for name, r, u in zip(self.names, tr, ur, strict=True):
-                metrics[f"trust_ratio/{name}"] = r
-                metrics[f"update_ratio/{name}"] = u
-        if self.histograms:
-            summary = table[:, [computed.index(c) for c in HIST_SUMMARY]]
-            hists = histograms(tensors, self.bins, self.hist_max_elements, summary=summary)
-            for (group, name, _), h in zip(entries, hists, strict=True):
-                metrics[f"{group}/{name}/hist"] = h
-        return metrics
+    def _provided(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for provider in self._providers:
+            extra = provider()
+            if not isinstance(extra, Mapping):
+                raise TypeError(
+                    f"provider {provider!r} returned {type(extra).__name__}, not a dict"
+                )
+            out.update(extra)
+        return out
+
+    def _deliver(
+        self, metrics: dict[str, Any], step: int, handle: StepMetrics | None = None
+    ) -> None:
+        for log in self._sinks:
+            log(metrics, step)
+        self._latest = metrics if handle is None else handle
+
+    @property
+    def latest(self) -> Mapping[str, Any]:
+        """The metrics of the last logged step (waits for background statistics)."""
+        self._finish_pending()
+        return self._latest
 
     # -- lifecycle ------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Wait for background statistics and hand them to the sinks (re-raises their errors)."""
+        self._finish_pending()
+
     def close(self) -> None:
-        """Close every sink that has a ``close()`` method."""
-        for s in self._sink_objects:
-            close = getattr(s, "close", None)
-            if callable(close):
-                close()
+        """Flush, remove the optimizer hook and close every sink that has a ``close()``."""
+        try:
+            self.flush()
+        finally:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+            for s in self._sink_objects:
+                close = getattr(s, "close", None)
+                if callable(close):
+                    close()
 
     def __enter__(self) -> Tracker:
         return self

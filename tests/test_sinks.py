@@ -21,6 +21,7 @@ def tracked_run(sinks, steps=3):
         model(torch.randn(8, 4)).pow(2).mean().backward()
         opt.step()
         metrics = tracker.step()
+    tracker.flush()  # background statistics: the last step reaches the sinks here
     return model, tracker, metrics
 
 

@@ -30,14 +30,20 @@ def l2(t):
     return float(np.linalg.norm(t.detach().double().numpy().ravel()))
 
 
-def test_default_step_matches_references():
+@pytest.mark.parametrize("background", [True, False])
+def test_default_step_matches_references(background):
     model, opt = setup()
     sink_calls = []
-    tracker = nnstat.Tracker(model, opt, sinks=[lambda m, s: sink_calls.append((s, dict(m)))])
+    tracker = nnstat.Tracker(
+        model, opt, sinks=[lambda m, s: sink_calls.append((s, dict(m)))], background=background
+    )
     for _ in range(3):
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         one_step(model, opt)
         metrics = tracker.step()
+    # background: step 2 reaches the sinks when read, flushed or at the next step
+    assert [s for s, _ in sink_calls] == ([0, 1] if background else [0, 1, 2])
+    tracker.flush()
     assert [s for s, _ in sink_calls] == [0, 1, 2] and sink_calls[-1][1] == metrics
     for n, p in model.named_parameters():
         st = opt.state[p]
@@ -146,7 +152,6 @@ def test_sinks_objects_close_and_bad_arguments():
 def test_fused_default_path_every_two_with_nonfinite_weights():
     model, opt = setup()
     tracker = nnstat.Tracker(model, opt, every=2)
-    assert tracker._fused_ok()
     for i in range(5):
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         one_step(model, opt)
@@ -173,3 +178,4 @@ def test_fused_default_path_every_two_with_nonfinite_weights():
             assert out[f"update/{n}/l2"] == pytest.approx(l2(upd), rel=1e-4)
             assert out[f"update/{n}/abs_max"] == pytest.approx(upd.abs().max().item(), rel=1e-4)
             assert out[f"trust_ratio/{n}"] == pytest.approx(l2(w) / l2(upd), rel=1e-4)
+    assert tracker._plan(refresh=False).fused

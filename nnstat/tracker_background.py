@@ -1,0 +1,261 @@
+"""Background statistics of the Tracker: scheduling, the safety checks, delivery in order.
+
+`BackgroundSteps` is the part of `nnstat.tracker.Tracker` that hands a logged step's
+reductions to the worker thread (`nnstat.background`) and collects them later:
+
+* weights and optimizer states change only inside ``optimizer.step()``: a step pre-hook waits
+  for the worker before the optimizer touches them (registered while a step is pending);
+* gradients that share storage with the previous logged step's (``zero_grad(set_to_none=False)``,
+  DDP bucket views, accumulation into the same tensor) are reduced synchronously, as on the first
+  logged step (no history yet);
+* every tensor the worker reads has its ``_version`` recorded; if one changed before the join,
+  its numbers may be torn: they are dropped with a warning naming the tensor and the Tracker
+  stays synchronous from then on (``p.data`` writes bypass version counters and cannot be seen);
+* a worker exception is re-raised in the training thread at the next ``step``/``flush``/
+  ``close`` or when the step's metrics are read; pending steps are flushed at exit.
+
+Example:
+    >>> import torch, nnstat
+    >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> seen = []
+    >>> tracker = nnstat.Tracker(model, opt, background=True, sinks=[lambda m, s: seen.append(s)])
+    >>> model(torch.ones(1, 2)).sum().backward(); opt.step()
+    >>> metrics = tracker.step()      # returns at once; the worker reduces step 0
+    >>> tracker.flush(); seen
+    [0]
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import traceback
+import warnings
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nnstat.background import Job, submit
+from nnstat.distributed import any_dtensor, is_distributed
+from nnstat.tracker_compute import StepPlan, assemble
+
+__all__ = ["BackgroundSteps", "StepMetrics"]
+
+
+class BackgroundSteps:
+    """Mixin of `nnstat.tracker.Tracker`: the background path (see the module docstring)."""
+
+    # set by Tracker.__init__
+    background: bool | None
+    optimizer: Any
+    names: list[str]
+    params: list[torch.Tensor]
+    _prev: list[torch.Tensor] | None
+    _fsdp1: bool
+    _sync_only: bool
+    _pending: _Pending | None
+    _hook: Any
+    _grad_storages: list[weakref.ref] | None
+
+    def _background_ok(self, on_cpu: bool) -> bool:
+        wanted = self.background
+        if wanted is None:
+            # auto: single-process CPU training on one torch thread with an optimizer to hook.
+            # With more torch threads the worker competes with OpenMP's threads for the cores
+            # (measured slower than synchronous statistics, README "Statistics overhead")
+            wanted = (
+                self.optimizer is not None and torch.get_num_threads() == 1 and not is_distributed()
+            )
+        return (
+            wanted
+            and on_cpu
+            and not self._sync_only
+            and not self._fsdp1
+            and not any_dtensor(self.params)
+        )
+
+    def _grads_reused(self, plan: StepPlan) -> bool:
+        """Whether a gradient shares storage with the previous logged step's (written in place:
+        ``zero_grad(set_to_none=False)``, DDP bucket views, accumulation), or no history yet."""
+        grads = next((t for g, _, t in plan.groups if g == "grad"), [])
+        before, self._grad_storages = self._grad_storages, [
+            weakref.ref(g.untyped_storage()) for g in grads
+        ]
+        if before is None:
+            return True
+        alive = {id(s) for s in (r() for r in before) if s is not None}
+        return any(id(g.untyped_storage()) in alive for g in grads)
+
+    def _schedule(
+        self, step: int, plan: StepPlan, todo: list[Any], extra: dict[str, Any]
+    ) -> StepMetrics:
+        # gradients written in place must be read now; everything else waits in place for the
+        # worker (weights and optimizer states change only in optimizer.step: pre-hook)
+        inline = {"group:grad"} if self._grads_reused(plan) else set()
+        remote = [(k, fn) for k, fn, _ in todo if k not in inline]
+        watched = []
+        for group, names, tensors in plan.groups:
+            if f"group:{group}" not in inline:
+                watched += [(group, n, t, t._version) for n, t in zip(names, tensors, strict=True)]
+        if plan.fused and plan.weights is not None:
+            watched += [
+                ("weight", n, t, t._version) for n, t in zip(plan.names, plan.weights, strict=True)
+            ]
+        job = submit(lambda: {k: fn() for k, fn in remote})
+        pending = _Pending(step, plan, job, extra, watched, StepMetrics(self, step))
+        self._pending = pending
+        _PENDING.add(self)
+        _register_atexit()
+        if self.optimizer is not None and self._hook is None:
+            ref = weakref.ref(self)
+
+            def wait_for_statistics(optimizer: Any, args: Any, kwargs: Any) -> None:
+                tracker = ref()
+                if tracker is not None and tracker._pending is not None:
+                    tracker._join(tracker._pending)
+
+            self._hook = self.optimizer.register_step_pre_hook(wait_for_statistics)
+        # overlap: tasks that must run now do so while the worker reads the rest
+        pending.local = {k: fn() for k, fn, _ in todo if k in inline}
+        return pending.handle
+
+    def _join(self, pending: _Pending) -> None:
+        """Wait for the worker and check nothing it read changed meanwhile (safe in hooks)."""
+        if pending.joined:
+            return
+        pending.job.wait()
+        pending.joined = True
+        pending.conflicts = [(g, n) for g, n, t, v in pending.watched if t._version != v]
+        pending.watched = []
+        if pending.conflicts:
+            self._sync_only = True
+            torn = {n for g, n in pending.conflicts if g == "weight"}
+            if self._prev is not None:
+                # the snapshot of these layers was copied from weights being modified
+                for n, prev, p in zip(self.names, self._prev, self.params, strict=True):
+                    if n in torn:
+                        prev.copy_(p.detach())
+
+    def _finish_pending(self) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        self._join(pending)
+        self._pending = None
+        _PENDING.discard(self)
+        if self._hook is not None:
+            self._hook.remove()  # re-registered with the next background step
+            self._hook = None
+        job = pending.job
+        if job.error is not None:
+            err = job.error
+            if hasattr(err, "add_note"):
+                err.add_note(f"(raised in nnstat's background statistics of step {pending.step})")
+            raise err
+        metrics = assemble(pending.plan, {**pending.local, **job.result()})
+        if pending.conflicts:
+            self._drop_torn(metrics, pending)
+        metrics.update(pending.extra)
+        pending.handle._data = metrics
+        self._deliver(metrics, pending.step, pending.handle)
+
+    def _drop_torn(self, metrics: dict[str, Any], pending: _Pending) -> None:
+        prefixes = []
+        for group, name in pending.conflicts:
+            prefixes.append(f"{group}/{name}/")
+            if group == "weight":
+                prefixes += [f"update/{name}/", f"trust_ratio/{name}", f"update_ratio/{name}"]
+        for key in [k for k in metrics if k.startswith(tuple(prefixes))]:
+            del metrics[key]
+        labels = [f"{g}/{n}" for g, n in pending.conflicts]
+        warnings.warn(
+            f"Tracker: {labels[:5]}{' ...' if len(labels) > 5 else ''} changed in place while "
+            f"the background thread read them (between tracker.step() and the next "
+            f"optimizer.step()); their statistics of step {pending.step} are skipped (those "
+            f"values no longer exist), the update of the next logged step is measured from the "
+            f"weights as they are now, and statistics are computed synchronously from now on",
+            stacklevel=4,
+        )
+
+
+class StepMetrics(Mapping[str, Any]):
+    """The metrics of a step whose statistics run in the background.
+
+    A read-only mapping: the first read waits for the worker (and hands the step to the sinks
+    if that has not happened yet). ``dict(m)`` gives a plain dict, e.g. for ``json.dump``.
+
+    Example:
+        >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> import nnstat
+        >>> m = nnstat.Tracker(model, opt, background=True, stats=["l2"], groups=["weight"]).step()
+        >>> sorted(m)
+        ['weight/bias/l2', 'weight/weight/l2']
+    """
+
+    def __init__(self, tracker: BackgroundSteps, step: int) -> None:
+        self._tracker = tracker
+        self.step = step
+        self._data: dict[str, Any] | None = None
+
+    def _resolve(self) -> dict[str, Any]:
+        if self._data is None:
+            pending = self._tracker._pending
+            if pending is not None and pending.handle is self:
+                self._tracker._finish_pending()
+            if self._data is None:
+                raise RuntimeError(f"the statistics of step {self.step} failed (raised before)")
+        return self._data
+
+    def __getitem__(self, key: str) -> Any:
+        return self._resolve()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._resolve())
+
+    def __len__(self) -> int:
+        return len(self._resolve())
+
+    def __repr__(self) -> str:
+        return f"StepMetrics(step={self.step}, {self._resolve()!r})"
+
+
+@dataclass(eq=False)
+class _Pending:
+    step: int
+    plan: StepPlan
+    job: Job
+    extra: dict[str, Any]
+    watched: list[tuple[str, str, torch.Tensor, int]]
+    handle: StepMetrics
+    local: dict[str, Any] = field(default_factory=dict)
+    joined: bool = False
+    conflicts: list[tuple[str, str]] = field(default_factory=list)
+
+
+# trackers with background statistics not yet handed to their sinks (kept alive until then)
+_PENDING: set[BackgroundSteps] = set()
+_ATEXIT = [False]
+
+
+def _register_atexit() -> None:
+    # registered at first use, i.e. after the sinks' own libraries (atexit runs last-in
+    # first-out, so the statistics reach W&B/TensorBoard before those shut down)
+    if not _ATEXIT[0]:
+        atexit.register(_flush_all)
+        _ATEXIT[0] = True
+
+
+def _flush_all() -> None:
+    errors = []
+    for tracker in list(_PENDING):
+        try:
+            tracker.flush()
+        except BaseException as e:  # flush every tracker, then report every failure
+            errors.append(e)
+    for e in errors[1:]:
+        traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+    if errors:
+        raise errors[0]

@@ -1,0 +1,251 @@
+"""Background statistics: bit-identical to the synchronous path, guarded, nothing lost."""
+
+import math
+import subprocess
+import sys
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+from torch import nn
+
+import nnstat
+import nnstat.tracker_compute
+from nnstat.background import submit
+from nnstat.stats import Histogram
+from nnstat.tracker_background import StepMetrics
+
+
+def setup(seed=0, opt_cls=torch.optim.Adam):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 3))
+    return model, opt_cls(model.parameters(), lr=0.05)
+
+
+def batch(i):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+
+def train(model, opt, i, set_to_none=True):
+    opt.zero_grad(set_to_none=set_to_none)
+    x, y = batch(i)
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def flat(t):
+    return t.detach().double().numpy().ravel()
+
+
+def same(a, b):
+    """Exact equality of metric values (NaN equal to NaN; histograms field by field)."""
+    if isinstance(a, Histogram):
+        return (
+            np.array_equal(a.counts, b.counts)
+            and np.array_equal(a.edges, b.edges)
+            and (a.min, a.max, a.num, a.sum, a.sum_squares)
+            == (b.min, b.max, b.num, b.sum, b.sum_squares)
+        )
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"every": 2}, {"stats": None, "histograms": True, "bins": 8}],
+    ids=["default", "every2", "full+hist"],
+)
+def test_background_bit_identical_to_sync_and_matches_numpy(kw):
+    (m_bg, o_bg), (m_sy, o_sy) = setup(), setup()
+    bg = nnstat.Tracker(m_bg, o_bg, background=True, **kw)
+    sy = nnstat.Tracker(m_sy, o_sy, background=False, **kw)
+    full = "histograms" in kw
+    for i in range(5):
+        # the update is the change made by the last optimizer step
+        before = {n: p.detach().clone() for n, p in m_bg.named_parameters()}
+        train(m_bg, o_bg, i)
+        train(m_sy, o_sy, i)
+        a, b = bg.step(), sy.step()
+        if a is None:
+            assert b is None
+            continue
+        assert isinstance(a, StepMetrics) and isinstance(b, dict)
+        # the worker reduced step i while nothing is read yet; the values are final now
+        assert sorted(a) == sorted(b) and len(a) > 40
+        assert all(same(a[k], b[k]) for k in b), [k for k in b if not same(a[k], b[k])]
+        for n, p in m_bg.named_parameters():
+            st = o_bg.state[p]
+            upd = flat(p) - flat(before[n])
+            refs = {
+                "weight": flat(p),
+                "grad": flat(p.grad),
+                "exp_avg": flat(st["exp_avg"]),
+                "exp_avg_sq": flat(st["exp_avg_sq"]),
+                "update": upd,
+            }
+            for group, x in refs.items():
+                assert a[f"{group}/{n}/l2"] == pytest.approx(np.linalg.norm(x), rel=1e-5)
+                assert a[f"{group}/{n}/abs_max"] == pytest.approx(np.abs(x).max(), rel=1e-5)
+                if full and x.size > 3 and x.std() > 0:
+                    assert a[f"{group}/{n}/skew"] == pytest.approx(
+                        scipy.stats.skew(x, bias=True), rel=1e-3, abs=1e-4
+                    )
+                    assert a[f"{group}/{n}/kurtosis"] == pytest.approx(
+                        scipy.stats.kurtosis(x, bias=True), rel=1e-3, abs=1e-4
+                    )
+                    counts, _ = np.histogram(x, bins=8, range=(x.min(), x.max()))
+                    assert np.abs(a[f"{group}/{n}/hist"].counts - counts).sum() <= 2
+            assert a[f"trust_ratio/{n}"] == pytest.approx(
+                np.linalg.norm(flat(p)) / np.linalg.norm(upd), rel=1e-4
+            )
+    bg.close()
+
+
+def test_sinks_get_every_step_in_order_when_read_flushed_or_next_step():
+    model, opt = setup()
+    seen = []
+    tracker = nnstat.Tracker(model, opt, background=True, sinks=[lambda m, s: seen.append(s)])
+    train(model, opt, 0)
+    first = tracker.step(step=10)
+    assert seen == []  # still on the worker
+    train(model, opt, 1)  # the optimizer's pre-hook waited for step 10's statistics
+    second = tracker.step(step=11)
+    assert seen == [10] and "weight/0.weight/l2" in first
+    assert second["grad/0.bias/l2"] == pytest.approx(np.linalg.norm(flat(model[0].bias.grad)))
+    assert seen == [10, 11] and tracker.latest is second
+    train(model, opt, 2)
+    tracker.step(step=12)
+    tracker.close()
+    assert seen == [10, 11, 12] and not opt._optimizer_step_pre_hooks
+
+
+def test_in_place_gradients_are_reduced_synchronously():
+    (m_bg, o_bg), (m_sy, o_sy) = setup(), setup()
+    bg = nnstat.Tracker(m_bg, o_bg, background=True)
+    sy = nnstat.Tracker(m_sy, o_sy, background=False)
+    with warnings.catch_warnings():
+        # zero_grad(set_to_none=False) zeroes step t's gradients before the next optimizer
+        # step: read in the background they would trip the version check (a warning)
+        warnings.simplefilter("error")
+        for i in range(4):
+            train(m_bg, o_bg, i, set_to_none=False)
+            train(m_sy, o_sy, i, set_to_none=False)
+            a, b = dict(bg.step()), sy.step()
+            assert a == b
+            assert a["grad/2.weight/l2"] == pytest.approx(np.linalg.norm(flat(m_bg[2].weight.grad)))
+    assert not bg._sync_only
+
+
+def test_version_conflict_warns_skips_tensor_and_falls_back_to_sync():
+    model, opt = setup()
+    tracker = nnstat.Tracker(model, opt, background=True)
+    train(model, opt, 0)
+    tracker.step()
+    train(model, opt, 1)
+    out = tracker.step()
+    assert isinstance(out, StepMetrics)
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # in place, between tracker.step() and the next optimizer step
+    moved_from = model[0].weight.detach().clone()
+    with pytest.warns(UserWarning, match=r"weight/0\.weight.*skipped") as rec:
+        train(model, opt, 2)
+        nxt = tracker.step()
+    assert len(rec) == 1
+    # step 1: the torn tensor and what depends on it are gone, the rest was delivered
+    assert not any(k.startswith(("weight/0.weight/", "update/0.weight/")) for k in out)
+    assert "trust_ratio/0.weight" not in out and "trust_ratio/0.bias" in out
+    assert "grad/0.weight/l2" in out and "exp_avg/0.weight/l2" in out
+    # synchronous from now on; the next update is measured from the weights at the join
+    assert tracker._sync_only and isinstance(nxt, dict)
+    upd = flat(model[0].weight) - flat(moved_from)
+    assert nxt["update/0.weight/l2"] == pytest.approx(np.linalg.norm(upd), rel=1e-4)
+    assert nxt["weight/0.weight/l2"] == pytest.approx(np.linalg.norm(flat(model[0].weight)))
+
+
+@pytest.mark.parametrize("collect", ["step", "flush", "close", "read"])
+def test_worker_exception_is_raised_in_training_thread(collect, monkeypatch):
+    model, opt = setup()
+    tracker = nnstat.Tracker(model, opt, background=True)
+    train(model, opt, 0)
+    tracker.step()
+    tracker.flush()  # step 0 done before the failure is injected
+    where = []
+
+    def boom(*args, **kwargs):
+        where.append(threading.current_thread().name)
+        raise FloatingPointError("boom in the worker")
+
+    monkeypatch.setattr(nnstat.tracker_compute, "weight_update_norms", boom)
+    train(model, opt, 1)
+    out = tracker.step()  # returns: the failure happens on the worker
+    train(model, opt, 2)  # the pre-hook waits and keeps the error for the training thread
+    with pytest.raises(FloatingPointError, match="boom in the worker"):
+        if collect == "step":
+            tracker.step()
+        elif collect == "flush":
+            tracker.flush()
+        elif collect == "close":
+            tracker.close()
+        else:
+            out["weight/0.weight/l2"]
+    assert where == ["nnstat-statistics"]
+    tracker.close()
+    assert not opt._optimizer_step_pre_hooks
+
+
+def test_unclosed_tracker_is_flushed_at_exit(tmp_path):
+    log = tmp_path / "steps.txt"
+    code = f"""
+import torch, nnstat
+torch.manual_seed(0)
+model = torch.nn.Linear(3, 2); opt = torch.optim.Adam(model.parameters())
+def sink(metrics, step):
+    with open({str(log)!r}, "a") as f:
+        f.write(f"{{step}} {{metrics['weight/weight/l2']:.6f}}\\n")
+tracker = nnstat.Tracker(model, opt, background=True, sinks=[sink])
+for i in range(3):
+    opt.zero_grad(); model(torch.randn(4, 3)).sum().backward(); opt.step(); tracker.step()
+print(f"{{model.weight.norm().item():.6f}}")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    rows = log.read_text().split("\n")[:-1]
+    assert [r.split()[0] for r in rows] == ["0", "1", "2"]
+    assert rows[-1].split()[1] == out.stdout.strip()
+
+
+def test_worker_runs_one_thread_without_changing_the_process_setting():
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert submit(torch.get_num_threads).result() == 1
+        assert torch.get_num_threads() == 2
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert seen == [2]  # new threads still inherit the training thread's setting
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_background_option_policy_and_errors():
+    n = torch.get_num_threads()
+    model, opt = setup()
+    try:
+        for threads, kind in [(1, StepMetrics), (2, dict)]:
+            torch.set_num_threads(threads)
+            tracker = nnstat.Tracker(model, opt, stats=["l2"])
+            train(model, opt, 0)
+            assert isinstance(tracker.step(), kind)
+            tracker.close()
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(n)
+    assert isinstance(nnstat.Tracker(model, background=False, groups=["weight"]).step(), dict)
+    with pytest.raises(ValueError, match="needs the optimizer"):
+        nnstat.Tracker(model, background=True)
+    with pytest.raises(TypeError, match="background must be"):
+        nnstat.Tracker(model, opt, background="yes")
