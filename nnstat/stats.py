@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from nnstat.stats_moments import _MOMENT_KEYS, Workspace, _moments
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -115,96 +117,6 @@ def validate_stats(stats: Sequence[str] | str | None) -> tuple[str, ...]:
 
 def _work_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-class Workspace:
-    """Reusable scratch buffers for the moment pass (fresh large allocations cost page faults).
-
-    A long-lived caller (the Tracker) keeps one; `summarize` makes a temporary one otherwise.
-
-    Example:
-        >>> ws = Workspace()
-        >>> a, b = ws.get(10, torch.float32, torch.device("cpu"))
-        >>> a.shape, b.shape
-        (torch.Size([10]), torch.Size([10]))
-    """
-
-    def __init__(self) -> None:
-        self._bufs: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-    def get(
-        self, n: int, dtype: torch.dtype, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two flat buffers of `n` elements (contents undefined)."""
-        key = (dtype, device)
-        buf = self._bufs.get(key)
-        if buf is None or buf.shape[1] < n:
-            buf = torch.empty((2, n), dtype=dtype, device=device)
-            self._bufs[key] = buf
-        return buf[0, :n], buf[1, :n]
-
-
-#: Elements per block of the CPU moment pass: a block and its two scratch copies stay in the L2
-#: cache, so the ~8 reductions per block read cache, not memory (about 2.5x faster than
-#: full-tensor passes on CPU). Accelerators use one block (kernel launches dominate there).
-CHUNK = 1 << 16
-
-_MOMENT_KEYS = ("mean", "m2", "m3", "m4", "min", "max", "zeros", "l1", "l2")
-
-
-def _moments(x: torch.Tensor, ws: Workspace | None = None) -> dict[str, torch.Tensor]:
-    """Central moments (m_k = mean of (x - mean)^k), min/max, zero count, l1, l2 of a flat tensor.
-
-    Blocks are centred on their own mean and combined exactly in float64 with the binomial
-    shift ``sum (x - mu)^k = sum_j C(k, j) (c - mu)^(k - j) sum (x - c)^j``.
-    """
-    n = x.numel()
-    if n == 0:
-        nan = torch.full((), math.nan, dtype=torch.float64, device=x.device)
-        return dict.fromkeys(_MOMENT_KEYS, nan)
-    chunk = CHUNK if x.device.type == "cpu" else n
-    d_buf, d2_buf = (ws or Workspace()).get(min(chunk, n), x.dtype, x.device)
-    rows = []
-    for start in range(0, n, chunk):
-        xc = x[start : start + chunk]
-        m = xc.numel()
-        d, d2 = d_buf[:m], d2_buf[:m]
-        s = xc.sum()
-        torch.sub(xc, s / m, out=d)
-        torch.mul(d, d, out=d2)
-        s2, s3, s4 = d2.sum(), torch.dot(d2, d), torch.dot(d2, d2)
-        # sign(x) . sign(x) counts non-zeros and sign(x) . x is the l1 norm: two dot products
-        # on cached data instead of the (several times slower) count_nonzero and 1-norm kernels
-        torch.sign(xc, out=d)
-        # amin + amax beat the fused aminmax kernel on CPU
-        rows.append(
-            torch.stack([s, s2, s3, s4, xc.amin(), xc.amax(), torch.dot(d, d), torch.dot(d, xc)])
-        )
-    r = torch.stack(rows).to(torch.float64)  # [blocks, 8]
-    sums, s2, s3, s4 = r[:, 0], r[:, 1], r[:, 2], r[:, 3]
-    counts = torch.full_like(sums, float(chunk))
-    counts[-1] = n - chunk * (len(rows) - 1)
-    centres = sums / counts
-    mean = sums.sum() / n
-    delta = centres - mean
-    m2 = (s2 + counts * delta**2).sum() / n
-    m3 = (s3 + 3 * delta * s2 + counts * delta**3).sum() / n
-    m4 = (s4 + 4 * delta * s3 + 6 * delta**2 * s2 + counts * delta**4).sum() / n
-    l2 = (s2 + counts * centres**2).sum().sqrt()
-    # like scipy: a (numerically) constant tensor has undefined skew/kurtosis
-    eps = torch.finfo(x.dtype).eps
-    m2 = torch.where(m2 <= (eps * mean) ** 2, torch.zeros_like(m2), m2)
-    return {
-        "mean": mean,
-        "m2": m2,
-        "m3": m3,
-        "m4": m4,
-        "min": r[:, 4].min(),
-        "max": r[:, 5].max(),
-        "zeros": n - r[:, 6].sum(),  # r[:, 6] counts non-zeros
-        "l1": r[:, 7].sum(),
-        "l2": l2,
-    }
 
 
 def _exact_row(t: torch.Tensor, stats: tuple[str, ...]) -> torch.Tensor:

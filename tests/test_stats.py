@@ -137,8 +137,9 @@ def test_description_repr_and_frame():
 @pytest.mark.parametrize("chunk", [7, 64, 1 << 16])
 def test_blocked_moments_combine_exactly(monkeypatch, chunk):
     import nnstat.stats as st
+    import nnstat.stats_moments
 
-    monkeypatch.setattr(st, "CHUNK", chunk)
+    monkeypatch.setattr(nnstat.stats_moments, "CHUNK", chunk)
     torch.manual_seed(1)
     # far-from-zero mean and heavy skew: the block combination must not lose precision
     x = torch.distributions.Gamma(2.0, 3.0).sample((1000,)) + 50.0
@@ -147,6 +148,22 @@ def test_blocked_moments_combine_exactly(monkeypatch, chunk):
     for t in (x, big):
         row = st.summarize([t], STAT_NAMES)[0].tolist()
         check(row, t.numpy(), rtol=2e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [64, 1 << 16])
+def test_moments_of_tiny_and_mixed_magnitudes(monkeypatch, chunk):
+    """Values near 1e-10 (Adam's exp_avg_sq) have float32-denormal fourth powers; the pass
+    rescales by a power of two taken from the first block, and falls back when a later block is
+    so much larger that the rescaled powers overflow."""
+    import nnstat.stats_moments
+
+    monkeypatch.setattr(nnstat.stats_moments, "CHUNK", chunk)
+    torch.manual_seed(2)
+    tiny = torch.rand(5000) ** 3 * 1e-10
+    mixed = torch.cat([torch.rand(64) * 1e-12, torch.randn(3000) * 1e4])
+    for t in (tiny, mixed):
+        row = summarize([t], STAT_NAMES)[0].tolist()
+        check(row, t.numpy(), rtol=2e-4, atol=0.0)
 
 
 def test_summarize_restores_the_thread_count():
