@@ -22,7 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from nnstat.projection import ModuleProjection, build_projections, module_spec, project_capture
+from nnstat.projection import (
+    ForwardFactors,
+    ModuleProjection,
+    build_projections,
+    module_spec,
+    project_capture,
+)
 from nnstat.store import format as fmt
 from nnstat.store import run_support as parts
 from nnstat.store.logger import StoreLogger, filter_nonfinite
@@ -67,6 +73,10 @@ class Run:
         # buffers (module m writes columns _columns[m]); eval mode keeps fresh tensors
         self._rowbuf: torch.Tensor | None = None
         self._columns: dict[str, slice] = {}
+        # input halves of single-call Linear rows, computed while the input is in cache; rows
+        # built from them are certified finite without a pass over the row buffer
+        self._factors = ForwardFactors()
+        self._all_finite = True
         self._next_auto_id = 0
         self._eval_ids: list[Any] = []
         self._eval_rows: list[torch.Tensor] = []
@@ -100,6 +110,7 @@ class Run:
         if self.engine is None:
             self.engine = CaptureEngine()
             self.engine.add_consumer(self._on_capture)
+            self.engine.add_consumer(self._factors)
         names = self.engine.watch(model, name_filter=name_filter, type_filter=type_filter)
         self.model = model
         self._projections = None  # layout changed: rebuilt from _projection_args
@@ -167,6 +178,10 @@ class Run:
             self.mode == "log" and self._stats_on(),
         )
         restore = parts.freeze_params(self.engine) if self._skip_param_grads() else None
+        self._all_finite = True
+        if self.mode == "log" and logging and mask is None:
+            assert self._projections is not None
+            self._factors.start(self._projections)
         try:
             with self.engine.batch(
                 mask=mask,
@@ -175,6 +190,7 @@ class Run:
             ):
                 yield self
         finally:
+            self._factors.stop()
             if restore is not None:
                 restore()
             batch, self._batch = self._batch, None
@@ -193,12 +209,18 @@ class Run:
             prev = self._batch.get(cap.name)
             if prev is None and self.mode == "log" and self._logger is not None:
                 out = self._row_buffer(cap.num_samples)[:, self._columns[cap.name]]
-                if cap.backward.device == out.device:
+                finite = self._factors.rows(cap, proj, out)
+                if finite is not None:
+                    self._all_finite &= finite
+                elif cap.backward.device == out.device:
+                    self._all_finite = False
                     project_capture(cap, proj, out=out)
                 else:  # an accelerator: one transfer of the projected rows
+                    self._all_finite = False
                     out.copy_(project_capture(cap, proj))
                 self._batch[cap.name] = out
                 return
+            self._all_finite = False  # a sum of backward passes: checked on the rows
             rows = project_capture(cap, proj).float()
             # two backward passes in one block add up, like the gradients they project
             self._batch[cap.name] = rows if prev is None else prev.add_(rows)
@@ -249,7 +271,7 @@ class Run:
         elif rowbuf is not None:
             assert self._logger is not None
             # the rows were assembled in place: one contiguous block, one write in the thread
-            self._logger.add(ids, rowbuf, keep, recycle=rowbuf)
+            self._logger.add(ids, rowbuf, keep, recycle=rowbuf, finite=self._all_finite)
         else:
             assert self._logger is not None
             # module blocks go to the writer as they are: it writes them row by row (writev)

@@ -269,3 +269,116 @@ def _eye(d: int) -> torch.Tensor:
     if d not in _EYES:
         _EYES[d] = torch.eye(d)
     return _EYES[d]
+
+
+def forward_factor(proj: ModuleProjection, x: torch.Tensor, bias: bool) -> torch.Tensor:
+    """``[N, r_in]`` = ``[x, 1] @ P_inᵀ`` (``x @ P_inᵀ`` without bias): the input half of a row.
+
+    Example:
+        >>> lin = torch.nn.Linear(6, 5)
+        >>> proj = random_projection(module_spec("fc", lin), rank=2)
+        >>> forward_factor(proj, torch.randn(3, 6), bias=True).shape
+        torch.Size([3, 2])
+    """
+    p_in, _ = _kernels(proj)
+    if bias:
+        return torch.addmm(p_in[:, -1], x, p_in[:, :-1].T)
+    return x @ p_in.T
+
+
+def outer_rows(
+    proj: ModuleProjection, ap: torch.Tensor, b: torch.Tensor, out: torch.Tensor
+) -> bool:
+    """Write ``vec(P_out b_i ⊗ ap_i)`` (one position per sample) into ``out``; True = all finite.
+
+    ``ap`` ``[N, r_in]`` from :func:`forward_factor`, ``b`` ``[N, d_out]`` output gradients. The
+    finiteness certificate costs two ``[N, r]`` reductions instead of a pass over the rows: when
+    both factors are finite and ``max|bp_i| * max|ap_i|`` does not overflow, no entry of row i
+    (a rounded product bounded by that one) can be NaN/Inf.
+
+    Example:
+        >>> lin = torch.nn.Linear(6, 5)
+        >>> proj = random_projection(module_spec("fc", lin), rank=2)
+        >>> ap = forward_factor(proj, torch.randn(3, 6), bias=True)
+        >>> outer_rows(proj, ap, torch.randn(3, 5), torch.empty(3, 4))
+        True
+    """
+    if proj.p_out is None:  # identity output side (d_out <= rank): no product needed
+        bp = b
+    else:
+        bp = b @ _kernels(proj)[1].T  # type: ignore[union-attr]
+    n, r_out, r_in = bp.shape[0], bp.shape[1], ap.shape[1]
+    torch.mul(bp.view(n, r_out, 1), ap.view(n, 1, r_in), out=out.view(n, r_out, r_in))
+    bound = bp.abs().amax(1).mul_(ap.abs().amax(1))
+    return bool(torch.isfinite(bound).all())
+
+
+class ForwardFactors:
+    """Input halves of projected rows computed in the forward hook, while the input is in cache.
+
+    A Linear called once per batch on ``[N, d_in]`` float32 input has a one-position
+    per-sample gradient ``b_i a_iᵀ``: its projected row is the outer product of
+    ``P_out b_i`` and ``P_in [a_i, 1]``. The second factor is computed here from the forward
+    input (cheaper than re-reading the input from memory after the backward); :meth:`rows`
+    finishes the row from the capture. Anything else (a second call in the batch, a sequence,
+    a mask, another kind, autocast dtypes) is left to :func:`project_capture`.
+
+    Example:
+        >>> import nnstat
+        >>> lin = torch.nn.Linear(6, 5)
+        >>> proj = {"model": random_projection(module_spec("model", lin), rank=2)}
+        >>> engine = nnstat.CaptureEngine(); _ = engine.watch(lin)
+        >>> ff = ForwardFactors(); ff.start(proj); engine.add_consumer(ff); caps = []
+        >>> engine.add_consumer(caps.append)
+        >>> with engine.batch():
+        ...     lin(torch.randn(3, 6)).sum().backward()
+        >>> out = torch.empty(3, 4)
+        >>> ff.rows(caps[0], proj["model"], out)
+        True
+        >>> torch.allclose(out, project_capture(caps[0], proj["model"]), atol=1e-6)
+        True
+    """
+
+    def __init__(self) -> None:
+        self.projections: Mapping[str, ModuleProjection] = {}
+        self.active = False
+        self._ap: dict[str, torch.Tensor | None] = {}
+
+    def start(self, projections: Mapping[str, ModuleProjection]) -> None:
+        """Collect factors under ``projections`` for the batch that begins (until :meth:`stop`)."""
+        self.projections = projections
+        self._ap.clear()
+        self.active = True
+
+    def stop(self) -> None:
+        self.active = False
+        self._ap.clear()
+
+    def on_forward(self, name: str, module: nn.Module, x: Any, output: Any) -> None:
+        if not self.active:
+            return
+        if name in self._ap:  # a second call in this batch: no single outer product
+            self._ap[name] = None
+            return
+        proj = self.projections.get(name)
+        ok = (
+            proj is not None
+            and proj.spec.kind == "linear"
+            and isinstance(x, torch.Tensor)
+            and x.dim() == 2
+            and x.dtype == torch.float32
+            and torch.is_grad_enabled()
+        )
+        bias = ok and getattr(module, "bias", None) is not None
+        self._ap[name] = forward_factor(proj, x.detach(), bias) if ok else None  # type: ignore
+
+    def rows(self, cap: Any, proj: ModuleProjection, out: torch.Tensor) -> bool | None:
+        """Fill ``out`` from the stored factor: True/False = rows certified finite or not;
+        None = this capture is not the single-call case (use :func:`project_capture`)."""
+        ap = self._ap.get(cap.name)
+        if ap is None or cap.kind != "linear" or ap.shape[0] != cap.num_samples:
+            return None
+        b = cap.backward
+        if b.dim() != 3 or b.shape[1] != 1 or cap.num_positions != cap.num_samples:
+            return None
+        return outer_rows(proj, ap, b.view(b.shape[0], b.shape[2]), out)

@@ -293,3 +293,98 @@ def test_reused_row_buffers_zero_missing_modules_and_add_two_backwards(tmp_path)
             if m["name"] == "b" and not use_b:
                 assert torch.count_nonzero(got) == 0
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _func_rows(model, loss_fn, x, y, proj, store):
+    """Expected rows of every module from torch.func per-sample gradients."""
+    g = per_sample_grads(model, loss_fn, x, y)
+    cols = []
+    for m in store.modules:
+        prefix = "" if m["name"] == "model" else m["name"] + "."
+        cols.append(expected(matrix_form(g, prefix), proj, m["name"], m["d_in"], m["d_out"]))
+    return torch.cat(cols, dim=1)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_forward_factor_rows_match_torch_func_with_identity_side(tmp_path, reduction):
+    # the head has d_out = 2 <= rank: its output side is the identity; rows of single-call
+    # Linears are built from factors computed in the forward hook
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2, bias=False))
+    x, y = torch.randn(9, 6), torch.randint(0, 2, (9,))
+    run = nnstat.init(project="f", root_dir=tmp_path)
+    nnstat.setup({"statistic": "none", "loss_reduction": reduction})
+    nnstat.watch(model)
+    nnstat.add_projection(rank=3)
+    with run(data_id=list(range(9))):
+        nn.functional.cross_entropy(model(x), y, reduction=reduction).backward()
+    nnstat.finalize()
+    store = nnstat.GradientStore(run.path)
+    proj = load_file(str(run.path / "projections.safetensors"))
+    assert "2/p_out" not in proj and store.modules[1]["projected_out"] is False
+
+    def own_loss(out, t):  # each sample's own loss term
+        return nn.functional.cross_entropy(out, t, reduction="sum")
+
+    want = _func_rows(model, own_loss, x, y, proj, store)
+    torch.testing.assert_close(store.rows(0, 9), want, rtol=1e-4, atol=1e-5)
+
+
+def test_module_called_twice_falls_back_to_the_summed_capture(tmp_path):
+    torch.manual_seed(2)
+    lin = nn.Linear(4, 4)
+    model = nn.Sequential(lin, nn.Tanh(), lin)  # weight sharing: two calls per batch
+    x, y = torch.randn(5, 4), torch.randn(5, 4)
+
+    def loss_fn(out, t):
+        return ((out - t) ** 2).sum()
+
+    store, rows, proj = log_rows(
+        tmp_path, model, [(list(range(5)), lambda: loss_fn(model(x), y))], rank=2
+    )
+    g = per_sample_grads(model, loss_fn, x, y)
+    want = expected(matrix_form(g, "0."), proj, store.modules[0]["name"], 5, 4)
+    torch.testing.assert_close(rows, want, rtol=1e-4, atol=1e-5)
+
+
+def test_outer_rows_certificate_catches_overflow_of_finite_factors():
+    from nnstat.projection import forward_factor, outer_rows
+
+    lin = nn.Linear(3, 4)
+    proj = random_projection(module_spec("fc", lin), rank=2, seed=0)
+    ap = forward_factor(proj, torch.randn(5, 3), bias=True)
+    out = torch.empty(5, 4)
+    assert outer_rows(proj, ap, torch.randn(5, 4), out) is True
+    assert torch.isfinite(out).all()
+    big = torch.randn(5, 4) * 1e30  # finite factors whose products overflow float32
+    assert outer_rows(proj, ap * 1e15, big, out) is False
+    assert not torch.isfinite(out).all()
+    nan = torch.randn(5, 4)
+    nan[3, 1] = float("nan")
+    assert outer_rows(proj, ap, nan, out) is False
+
+
+def test_overflowing_rows_follow_the_nonfinite_policy(tmp_path):
+    # inputs and output gradients are finite, their outer products are not
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(3, 4))
+    x = torch.randn(4, 3)
+    x[1] *= 1e25
+    scale = torch.tensor([1.0, 1e25, 1.0, 1.0]).unsqueeze(1)
+    run = nnstat.init(project="o", root_dir=tmp_path)
+    nnstat.setup({"statistic": "none"})
+    nnstat.watch(model)
+    nnstat.add_projection(rank=2)
+    with pytest.raises(ValueError, match=r"ids \[1\] contain NaN/Inf"):
+        with run(data_id=[0, 1, 2, 3]):
+            (model(x) * scale).sum().backward()
+    nnstat.finalize()
+    run = nnstat.init(project="o2", root_dir=tmp_path)
+    nnstat.setup({"statistic": "none", "nonfinite": "skip"})
+    nnstat.watch(model)
+    nnstat.add_projection(rank=2)
+    with run(data_id=[0, 1, 2, 3]):
+        (model(x) * scale).sum().backward()
+    nnstat.finalize()
+    store = nnstat.GradientStore(run.path)
+    assert store.ids == [0, 2, 3] and store.meta["skipped_rows"] == 1

@@ -98,6 +98,8 @@ def normalize_ids(data_id: Any, n: int | None = None) -> list[DataId]:
             ids = [int(x) for x in data_id]
         else:
             ids = [content_id(torch.from_numpy(np.ascontiguousarray(r))) for r in data_id]
+    elif type(data_id) is list and all(type(x) is int for x in data_id):
+        ids = list(data_id)  # the common case, one C-level pass (exact ints: bool is excluded)
     elif isinstance(data_id, Sequence) and not isinstance(data_id, str | bytes):
         ids = []
         for x in data_id:
