@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nnstat.capture.capture import ModuleCapture
+from nnstat.capture.capture import ModuleCapture, sq_norm_factors
 from nnstat.distributed import rank_world
 
 
@@ -110,8 +110,7 @@ class PerSampleNorms:
         norm_in: list[torch.Tensor] = []  # tensors whose Frobenius norms are needed
         scalars: list[torch.Tensor] = []  # 0-d values that are already the final numbers
         spans: list[tuple[int, int, float]] = []  # per module: norm_in[i:j] times c, or j < 0
-        for cap in caps:
-            factors = cap.sq_norm_factors()
+        for cap, factors in zip(caps, sq_norm_factors(caps), strict=True):
             if factors is None:
                 spans.append((len(scalars), -1, 1.0))
                 scalars.append(cap.per_sample_sq_norm().mean())
@@ -128,10 +127,11 @@ class PerSampleNorms:
             for (i, p), old in zip(flat, before, strict=True):
                 j = pos.get(self.names[i])
                 if j is not None and p.grad is not None:
-                    norm_in.append(p.grad.detach() if old is None else p.grad.detach() - old)
+                    norm_in.append(p.grad if old is None else p.grad - old)
                     owner.append(j)
-        parts = [*(torch._foreach_norm(norm_in) if norm_in else ()), *scalars]
-        values = torch.stack(parts).tolist()
+        with torch.no_grad():  # .grad may carry a graph (create_graph=True): build none
+            parts = [*(torch._foreach_norm(norm_in) if norm_in else ()), *scalars]
+            values = torch.stack(parts).tolist()
         norms, rest = values[: len(norm_in)], values[len(norm_in) :]
         small = []
         for i, j, c in spans:

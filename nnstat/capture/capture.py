@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -63,6 +65,30 @@ class ModuleCapture:
         #: positions that were not masked out (the K-FAC ``A`` factor divides by their count)
         self.num_positions = int(num_positions)
         self.d_in, self.d_out = rules.dims(kind, module) if dims is None else dims
+
+    @classmethod
+    def _plain(
+        cls,
+        name: str,
+        module: nn.Module,
+        kind: str,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        n: int,
+        num_positions: int,
+        dims: tuple[int, int],
+        bias: bool,
+        scale: float,
+    ) -> ModuleCapture:
+        """The engine's per-step constructor: arguments already validated and converted
+        (``bias`` already restricted to the kinds with a ones column), no mask."""
+        self = cls.__new__(cls)
+        self.name, self.module, self.kind = name, module, kind
+        self._a, self._b_raw, self._scale, self._keep = a, b, scale, None
+        self._b_scaled = b if scale == 1.0 else None
+        self._bias, self.num_samples, self.num_positions = bias, n, num_positions
+        self.d_in, self.d_out = dims
+        return self
 
     @property
     def _b(self) -> torch.Tensor:
@@ -182,7 +208,8 @@ class ModuleCapture:
         for the bias), so the row-scaled ``b_i ‖a_i‖`` (and ``b``) carry the batch's summed
         per-sample squared norms: one ``torch._foreach_norm`` over many modules' factors then
         replaces half a dozen kernels per module (the noise-scale tracker's per-step path).
-        None for other captures (use :meth:`per_sample_sq_norm`).
+        None for other captures (use :meth:`per_sample_sq_norm`). :func:`sq_norm_factors`
+        does this for many captures with fewer kernels.
 
         Example:
             >>> import torch, nnstat
@@ -194,12 +221,7 @@ class ModuleCapture:
             ...                    caps[0].per_sample_sq_norm().sum()))
             True
         """
-        if not self._is_plain_row():
-            return None
-        # both [N, 1, d]: the [N, 1, 1] row norms broadcast without a reshape
-        scaled = self._b_raw * torch.linalg.vector_norm(self._a, dim=(1, 2), keepdim=True)
-        b = self._b_raw
-        return ([scaled, b] if self._bias else [scaled]), self._scale * self._scale
+        return sq_norm_factors([self])[0]
 
     def _is_plain_row(self) -> bool:
         """One position per sample and an outer-product gradient ``b aᵀ`` (dense inputs)."""
@@ -294,6 +316,37 @@ class ModuleCapture:
 
 
 _ROW_KINDS = ("linear", "conv", "conv1d_hf")
+
+
+def sq_norm_factors(
+    caps: Sequence[ModuleCapture],
+) -> list[tuple[list[torch.Tensor], float] | None]:
+    """:meth:`ModuleCapture.sq_norm_factors` of each capture, the row scalings in one kernel.
+
+    Example:
+        >>> import torch, nnstat
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        >>> engine = nnstat.CaptureEngine(); _ = engine.watch(model); caps = []
+        >>> engine.add_consumer(caps.append)
+        >>> with engine.batch():
+        ...     model(torch.randn(5, 3)).sum().backward()
+        >>> [len(f[0]) for f in sq_norm_factors(caps)]  # b * |a| and b (the bias) per layer
+        [2, 2]
+    """
+    rows = [c for c in caps if c._is_plain_row()]
+    if not rows:
+        return [None] * len(caps)
+    # a and b are both [N, 1, d]: the [N, 1, 1] row norms of a broadcast onto b
+    norms = [torch.linalg.vector_norm(c._a, dim=(1, 2), keepdim=True) for c in rows]
+    scaled = iter(torch._foreach_mul([c._b_raw for c in rows], norms))
+    out: list[tuple[list[torch.Tensor], float] | None] = []
+    for c in caps:
+        if not c._is_plain_row():
+            out.append(None)
+            continue
+        t = next(scaled)
+        out.append(([t, c._b_raw] if c._bias else [t], c._scale * c._scale))
+    return out
 
 
 def _check_out(name: str, out: torch.Tensor, n: int, width: int) -> None:

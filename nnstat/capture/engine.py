@@ -53,7 +53,8 @@ class _Watched:
 
     def __post_init__(self) -> None:
         self.dims = rules.dims(self.kind, self.module)
-        self.bias = rules.has_bias(self.module)
+        # the implicit ones column exists only for kinds with a matrix-form bias
+        self.bias = rules.has_bias(self.module) and self.kind in ("linear", "conv", "conv1d_hf")
 
 
 class CaptureEngine:
@@ -84,6 +85,7 @@ class CaptureEngine:
         self._forward_consumers: list[Callable[[str, nn.Module, Any, Any], None]] = []
         self._backward_consumers: list[Callable[[list[ModuleCapture]], None]] = []
         self._ctx: _BatchContext | None = None
+        self._contexts: dict[tuple, _BatchContext] = {}
         self._pending: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor, _BatchContext]]] = {}
         self._lock = threading.Lock()
         self._flush_queued = False
@@ -228,7 +230,14 @@ class CaptureEngine:
             mask = mask.detach()
         if self._ctx is not None:
             raise RuntimeError("engine.batch(...) blocks cannot be nested")
-        self._ctx = _BatchContext(batch_size, mask, loss_reduction, outputs_require_grad)
+        if mask is None:  # immutable, so reused: this runs every training step
+            key = (batch_size, loss_reduction, outputs_require_grad)
+            ctx = self._contexts.get(key)
+            if ctx is None:
+                ctx = self._contexts[key] = _BatchContext(batch_size, None, *key[1:])
+        else:
+            ctx = _BatchContext(batch_size, mask, loss_reduction, outputs_require_grad)
+        self._ctx = ctx
         try:
             yield
         finally:
@@ -359,18 +368,24 @@ def _build_plain(
 ) -> ModuleCapture:
     """The common case (one call, no mask, linear rows) with the fewest tensor ops: same
     result as the general path, which costs a dozen Python calls per module per step."""
-    n = g.shape[0]
-    if x.dim() < 2 or x.shape[0] != n:
+    xs, gs = x.shape, g.shape
+    n = gs[0]
+    if len(xs) < 2 or xs[0] != n:
         return _build_capture_general(w, [(x, g, ctx)])  # raises the general path's error
     # x and g are already detached (hooks); float() only when needed (it is a no-op call else)
-    a = (x if x.dtype == torch.float32 else x.float()).reshape(n, -1, x.shape[-1])
-    b = (g if g.dtype == torch.float32 else g.float()).reshape(n, -1, g.shape[-1])
-    if a.shape[1] != b.shape[1]:
-        return _build_capture_general(w, [(x, g, ctx)])
+    if x.dtype != torch.float32:
+        x = x.float()
+    if g.dtype != torch.float32:
+        g = g.float()
+    if len(xs) == 2 and len(gs) == 2:  # [N, d]: one position, unsqueeze is the cheapest view
+        a, b, t = x.unsqueeze(1), g.unsqueeze(1), 1
+    else:
+        a, b = x.reshape(n, -1, xs[-1]), g.reshape(n, -1, gs[-1])
+        t = a.shape[1]
+        if t != b.shape[1]:
+            return _build_capture_general(w, [(x, g, ctx)])
     scale = float(ctx.batch_size or n) if ctx.loss_reduction == "mean" else 1.0
-    return ModuleCapture(
-        w.name, w.module, w.kind, a, b, n * a.shape[1], None, w.dims, w.bias, scale
-    )
+    return ModuleCapture._plain(w.name, w.module, w.kind, a, b, n, n * t, w.dims, w.bias, scale)
 
 
 def _row_mask(
