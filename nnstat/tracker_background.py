@@ -105,6 +105,9 @@ class BackgroundSteps:
                 ("weight", n, t, t._version) for n, t in zip(plan.names, plan.weights, strict=True)
             ]
         job = submit(lambda: {k: fn() for k, fn in remote})
+        # the tasks hold what they read; keep only names here so step t's gradients are freed
+        # as soon as the worker and the version check are done with them
+        plan.groups = [(g, names, []) for g, names, _ in plan.groups]
         pending = _Pending(step, plan, job, extra, watched, StepMetrics(self, step))
         self._pending = pending
         _PENDING.add(self)
