@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+import threading
 import traceback
 import warnings
 import weakref
@@ -96,19 +97,43 @@ class BackgroundSteps:
         # worker (weights and optimizer states change only in optimizer.step: pre-hook)
         inline = {"group:grad"} if self._grads_reused(plan) else set()
         remote = [(k, fn) for k, fn, _ in todo if k not in inline]
-        watched = []
+        watched, grad_watch = [], []
         for group, names, tensors in plan.groups:
             if f"group:{group}" not in inline:
-                watched += [(group, n, t, t._version) for n, t in zip(names, tensors, strict=True)]
+                rows = [(group, n, t, t._version) for n, t in zip(names, tensors, strict=True)]
+                (grad_watch if group == "grad" else watched).extend(rows)
         if plan.fused and plan.weights is not None:
             watched += [
                 ("weight", n, t, t._version) for n, t in zip(plan.names, plan.weights, strict=True)
             ]
-        job = submit(lambda: {k: fn() for k, fn in remote})
+        guard = threading.Event()
+        late_conflicts: list[tuple[str, str]] = []
+        # what the optimizer changes first, so its pre-hook waits only for that part; step t's
+        # gradients are not touched by step t + 1 (set_to_none gave those new tensors), so their
+        # reduction may run on during optimizer.step()
+        guarded = [(k, fn) for k, fn in remote if k != "group:grad"]
+        late = [(k, fn) for k, fn in remote if k == "group:grad"]
+
+        def run() -> dict[str, Any]:
+            out = {}
+            try:
+                for k, fn in guarded:
+                    out[k] = fn()
+            finally:
+                guard.set()
+            for k, fn in late:
+                out[k] = fn()
+            # checked here, then let go: nobody but the worker still holds these gradients
+            late_conflicts.extend((g, n) for g, n, t, v in grad_watch if t._version != v)
+            grad_watch.clear()
+            return out
+
+        job = submit(run)
         # the tasks hold what they read; keep only names here so step t's gradients are freed
         # as soon as the worker and the version check are done with them
         plan.groups = [(g, names, []) for g, names, _ in plan.groups]
         pending = _Pending(step, plan, job, extra, watched, StepMetrics(self, step))
+        pending.guard, pending.late_conflicts = guard, late_conflicts
         self._pending = pending
         _PENDING.add(self)
         _register_atexit()
@@ -118,29 +143,38 @@ class BackgroundSteps:
             def wait_for_statistics(optimizer: Any, args: Any, kwargs: Any) -> None:
                 tracker = ref()
                 if tracker is not None and tracker._pending is not None:
-                    tracker._join(tracker._pending)
+                    tracker._join(tracker._pending, whole=False)
 
             self._hook = self.optimizer.register_step_pre_hook(wait_for_statistics)
         # overlap: tasks that must run now do so while the worker reads the rest
         pending.local = {k: fn() for k, fn, _ in todo if k in inline}
         return pending.handle
 
-    def _join(self, pending: _Pending) -> None:
-        """Wait for the worker and check nothing it read changed meanwhile (safe in hooks)."""
-        if pending.joined:
+    def _join(self, pending: _Pending, whole: bool = True) -> None:
+        """Wait for the worker (only for what the optimizer changes unless `whole`) and check
+        nothing it read changed meanwhile (safe inside the optimizer's pre-hook)."""
+        if not pending.joined:
+            pending.guard.wait()
+            pending.joined = True
+            self._conflicts(pending, [(g, n) for g, n, t, v in pending.watched if t._version != v])
+            pending.watched = []
+        if whole and not pending.job.done():
+            pending.job.wait()
+        if whole and pending.late_conflicts:
+            self._conflicts(pending, pending.late_conflicts)
+            pending.late_conflicts = []
+
+    def _conflicts(self, pending: _Pending, found: list[tuple[str, str]]) -> None:
+        if not found:
             return
-        pending.job.wait()
-        pending.joined = True
-        pending.conflicts = [(g, n) for g, n, t, v in pending.watched if t._version != v]
-        pending.watched = []
-        if pending.conflicts:
-            self._sync_only = True
-            torn = {n for g, n in pending.conflicts if g == "weight"}
-            if self._prev is not None:
-                # the snapshot of these layers was copied from weights being modified
-                for n, prev, p in zip(self.names, self._prev, self.params, strict=True):
-                    if n in torn:
-                        prev.copy_(p.detach())
+        pending.conflicts += found
+        self._sync_only = True
+        torn = {n for g, n in found if g == "weight"}
+        if self._prev is not None and torn:
+            # the snapshot of these layers was copied from weights being modified
+            for n, prev, p in zip(self.names, self._prev, self.params, strict=True):
+                if n in torn:
+                    prev.copy_(p.detach())
 
     def _finish_pending(self) -> None:
         pending = self._pending
@@ -236,6 +270,8 @@ class _Pending:
     local: dict[str, Any] = field(default_factory=dict)
     joined: bool = False
     conflicts: list[tuple[str, str]] = field(default_factory=list)
+    guard: threading.Event = field(default_factory=threading.Event)
+    late_conflicts: list[tuple[str, str]] = field(default_factory=list)
 
 
 # trackers with background statistics not yet handed to their sinks (kept alive until then)

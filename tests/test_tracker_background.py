@@ -165,6 +165,33 @@ def test_version_conflict_warns_skips_tensor_and_falls_back_to_sync():
     assert nxt["weight/0.weight/l2"] == pytest.approx(np.linalg.norm(flat(model[0].weight)))
 
 
+def test_gradient_changed_while_the_worker_reads_it_is_skipped(monkeypatch):
+    model, opt = setup()
+    tracker = nnstat.Tracker(model, opt, background=True)
+    train(model, opt, 0)
+    tracker.step()  # first logged step: gradients read synchronously (no history yet)
+    tracker.flush()
+    gate = threading.Event()
+    fused = nnstat.tracker_compute.weight_update_norms
+
+    def held(*args, **kwargs):
+        assert gate.wait(10)
+        return fused(*args, **kwargs)
+
+    # the worker reduces weights first and step 1's gradients last: hold it at the weights
+    monkeypatch.setattr(nnstat.tracker_compute, "weight_update_norms", held)
+    train(model, opt, 1)
+    out = tracker.step()
+    kept = model[2].weight.grad
+    kept.mul_(3)  # someone still holding step 1's gradient writes it in place
+    gate.set()
+    with pytest.warns(UserWarning, match=r"grad/2\.weight"):
+        tracker.flush()
+    assert "grad/2.weight/l2" not in out and "grad/0.weight/l2" in out
+    assert "weight/2.weight/l2" in out and tracker._sync_only
+    tracker.close()
+
+
 @pytest.mark.parametrize("collect", ["step", "flush", "close", "read"])
 def test_worker_exception_is_raised_in_training_thread(collect, monkeypatch):
     model, opt = setup()
