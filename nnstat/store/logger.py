@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -205,8 +206,9 @@ class StoreLogger:
         )
         self._warned_budget = False
 
-    @property
+    @functools.cached_property
     def bytes_per_row(self) -> int:
+        """Bytes of one stored row (asked once per batch by the budget check: cached)."""
         import numpy as np
 
         return (
