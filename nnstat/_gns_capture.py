@@ -43,6 +43,8 @@ class PerSampleNorms:
         self.engine.add_consumer(self)
         self._caps: list[ModuleCapture] = []  # this batch's captures, reduced at its end
         self._seen: set[str] = set()
+        self._local_big = False  # under DDP/FSDP: batch gradient from the captures
+        self._before: list[torch.Tensor | None] = []
         self.last: tuple[dict[str, float], dict[str, float], int] = ({}, {}, 0)
 
     def covered_parameters(self) -> set[int]:
@@ -63,33 +65,51 @@ class PerSampleNorms:
 
     @contextmanager
     def batch(self, batch_size: int | None = None) -> Iterator[None]:
-        self._caps, self._seen = [], set()
-        local_big = rank_world()[1] > 1
-        # flat (module index, parameter) list and .grad snapshots: this runs every training step,
-        # and after zero_grad(set_to_none=True) every snapshot is None (nothing to clone)
-        flat = () if local_big else self._flat
-        before = [None if p.grad is None else p.grad.detach().clone() for _, p in flat]
-        with self.engine.batch(batch_size=batch_size, loss_reduction="mean"):
+        """Capture one backward; ``last`` then holds its per-module values."""
+        self.begin(batch_size)
+        try:
             yield
+        except BaseException:
+            self.abort()
+            raise
+        names, small, big, n = self.end()
+        self.last = (dict(zip(names, small, strict=True)), dict(zip(names, big, strict=True)), n)
+
+    def begin(self, batch_size: int | None = None) -> None:
+        """Open a batch (``batch()`` without a generator: the tracker calls this every step)."""
+        self._caps, self._seen = [], set()
+        self._local_big = rank_world()[1] > 1
+        # .grad snapshots so gradient accumulation does not disturb the batch gradient; after
+        # zero_grad(set_to_none=True) every snapshot is None (nothing to clone)
+        self._before = [] if self._local_big else [p.grad for _, p in self._flat]
+        if any(g is not None for g in self._before):
+            self._before = [None if g is None else g.detach().clone() for g in self._before]
+        self.engine._begin(batch_size, None, "mean", False)
+
+    def abort(self) -> None:
+        """Close a batch whose block raised: nothing is reduced."""
+        self.engine._abort()
+        self._caps = []
+
+    def end(self) -> tuple[list[str], list[float], list[float], int]:
+        """Close the batch: ``(module names, mean_i |g_i|^2, |G_B|^2, n)`` per module."""
+        self.engine._end()
         caps, self._caps = self._caps, []
         if not caps:
             raise RuntimeError("no watched module took part in the backward of this batch")
-        sizes = {c.num_samples for c in caps}
-        if len(sizes) > 1:
-            raise RuntimeError(f"modules saw different batch sizes {sorted(sizes)}")
-        n = sizes.pop()
+        n = caps[0].num_samples
+        if any(c.num_samples != n for c in caps):
+            sizes = sorted({c.num_samples for c in caps})
+            raise RuntimeError(f"modules saw different batch sizes {sizes}")
         if n < 2:
             raise ValueError(f"per-sample noise scale needs a batch of at least 2 samples, got {n}")
+        flat = () if self._local_big else self._flat
+        small, big = self._reduce(caps, n, flat, self._before, self._local_big)
         names = [c.name for c in caps]
-        small_l, big_l = self._reduce(caps, n, flat, before, local_big)
-        for k, s_, b_ in zip(names, small_l, big_l, strict=True):
+        for k, s_, b_ in zip(names, small, big, strict=True):
             if not (math.isfinite(s_) and math.isfinite(b_)):
                 raise ValueError(f"gradient norms of {k!r} contain NaN or Inf")
-        self.last = (
-            dict(zip(names, small_l, strict=True)),
-            dict(zip(names, big_l, strict=True)),
-            n,
-        )
+        return names, small, big, n
 
     def _reduce(
         self,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -68,6 +68,24 @@ class _Average:
         else:
             self.num, self.den = float(state["num"]), float(state["den"])
             self.weight = float(state["weight"])
+
+
+class _TrackedBatch:
+    """``NoiseScale.batch()``: a plain context manager (no generator), as it runs every step."""
+
+    __slots__ = ("tracker", "capture", "batch_size")
+
+    def __init__(self, tracker: NoiseScale, capture: PerSampleNorms, batch_size: int | None):
+        self.tracker, self.capture, self.batch_size = tracker, capture, batch_size
+
+    def __enter__(self) -> None:
+        self.capture.begin(self.batch_size)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self.capture.abort()
+            return
+        self.tracker._add_captured(*self.capture.end())
 
 
 class NoiseScale:
@@ -199,8 +217,7 @@ class NoiseScale:
         self._capture = PerSampleNorms(model, name_filter=name_filter, type_filter=type_filter)
         return list(self._capture.names)
 
-    @contextmanager
-    def batch(self, batch_size: int | None = None) -> Iterator[None]:
+    def batch(self, batch_size: int | None = None) -> AbstractContextManager[None]:
         """Capture one backward of the watched model and update the estimate from it.
 
         Example (training loop)::
@@ -213,15 +230,14 @@ class NoiseScale:
         """
         if self._capture is None:
             raise RuntimeError("call watch(model) before batch()")
-        with self._capture.batch(batch_size):
-            yield
-        small, big, n = self._capture.last
+        return _TrackedBatch(self, self._capture, batch_size)
+
+    def _add_captured(self, names: list[str], small: list[float], big: list[float], n: int) -> None:
         # floats, per layer, finite (checked by the capture): skip update()'s input conversion
         check_batch_sizes(1, n)
-        keys, s_l, b_l = [*small, _TOTAL], [*small.values()], [*big.values()]
-        s_l.append(sum(s_l))
-        b_l.append(sum(b_l))
-        self._add(keys, s_l, b_l, 1, n)
+        small.append(sum(small))
+        big.append(sum(big))
+        self._add([*names, _TOTAL], small, big, 1, n)
 
     def unwatch(self) -> None:
         """Remove the capture hooks (the model is left exactly as before ``watch``)."""

@@ -180,6 +180,35 @@ def test_tracker_per_sample_matches_torch_func_with_accumulation():
     gns.unwatch()
 
 
+def test_tracker_batch_that_raises_leaves_no_stale_capture():
+    """An exception inside ``with gns.batch()`` updates nothing, and the next batch uses only
+    its own captures (a stale one would make a module look captured twice)."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    gns = nnstat.NoiseScale(window=1)
+    gns.watch(model)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    with pytest.raises(KeyError):
+        with gns.batch():
+            nn.functional.cross_entropy(model(x), y).backward()
+            raise KeyError("user error after backward")
+    assert gns.n_updates == 0 and math.isnan(gns.value)
+    model.zero_grad(set_to_none=True)
+    with gns.batch():
+        nn.functional.cross_entropy(model(x), y).backward()
+    small, big = _reference(model, x, y)
+    g_sq, trace = two_batch(sum(small.values()), sum(big.values()), 1, 8)
+    assert gns.n_updates == 1
+    assert gns.grad_sq_norm == pytest.approx(g_sq, rel=1e-4, abs=1e-7)
+    assert gns.trace_sigma == pytest.approx(trace, rel=1e-4)
+    with pytest.raises(RuntimeError, match="no watched module"):
+        with gns.batch():  # grad mode off: nothing captured, a clear error
+            with torch.no_grad():
+                model(x)
+    assert gns.n_updates == 1
+    gns.unwatch()
+
+
 def test_per_sample_method_agrees_with_two_batch():
     """Both methods are unbiased: on a small MLP their estimates agree within their errors."""
     torch.manual_seed(0)

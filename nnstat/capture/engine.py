@@ -218,31 +218,46 @@ class CaptureEngine:
         would not require grad returns a copy that does, so its output gradient still reaches
         the hooks. Values never change.
         """
-        if loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(
-                f"unknown loss_reduction {loss_reduction!r}; valid: {', '.join(LOSS_REDUCTIONS)}"
-            )
-        if batch_size is not None and (not isinstance(batch_size, int) or batch_size <= 0):
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if mask is not None:
-            if not isinstance(mask, torch.Tensor) or mask.dim() < 1:
-                raise ValueError("mask must be a tensor of shape [N] or [N, *positions]")
-            mask = mask.detach()
-        if self._ctx is not None:
-            raise RuntimeError("engine.batch(...) blocks cannot be nested")
+        self._begin(batch_size, mask, loss_reduction, outputs_require_grad)
+        try:
+            yield
+        finally:
+            self._ctx = None
+        # a backward that ran without the autograd callback (should not happen) still counts
+        self.flush()
+
+    def _begin(
+        self,
+        batch_size: int | None,
+        mask: torch.Tensor | None,
+        loss_reduction: str,
+        outputs_require_grad: bool,
+    ) -> None:
+        """Validate and open a batch (``batch()`` without its generator, for per-step callers
+        that close it with ``_end()``)."""
+        _check_batch_args(batch_size, loss_reduction)
         if mask is None:  # immutable, so reused: this runs every training step
             key = (batch_size, loss_reduction, outputs_require_grad)
             ctx = self._contexts.get(key)
             if ctx is None:
                 ctx = self._contexts[key] = _BatchContext(batch_size, None, *key[1:])
         else:
-            ctx = _BatchContext(batch_size, mask, loss_reduction, outputs_require_grad)
+            if not isinstance(mask, torch.Tensor) or mask.dim() < 1:
+                raise ValueError("mask must be a tensor of shape [N] or [N, *positions]")
+            ctx = _BatchContext(batch_size, mask.detach(), loss_reduction, outputs_require_grad)
+        if self._ctx is not None:
+            raise RuntimeError("engine.batch(...) blocks cannot be nested")
         self._ctx = ctx
-        try:
-            yield
-        finally:
-            self._ctx = None
-        # a backward that ran without the autograd callback (should not happen) still counts
+
+    def _abort(self) -> None:
+        """Close a batch whose block raised, dropping its pending captures."""
+        self._ctx = None
+        with self._lock:
+            self._pending = {}
+
+    def _end(self) -> None:
+        """Close the batch opened by ``_begin`` and hand over anything still pending."""
+        self._ctx = None
         self.flush()
 
     # -------------------------------------------------------------------- hooks
@@ -269,7 +284,7 @@ class CaptureEngine:
         # the input travels in the closure, so a recomputed forward (activation checkpointing)
         # pairs with its own backward and a forward whose output never gets a gradient is dropped
         hook = partial(self._on_output_grad, module, inputs[0].detach(), ctx)
-        target = _hook_target(output)
+        target = _hook_target(output) if output._is_view() else output
         if target is not output:
             hook = partial(_reshaped, hook, output.shape)
         target.register_hook(hook)
@@ -278,8 +293,14 @@ class CaptureEngine:
     def _on_output_grad(
         self, module: nn.Module, x: torch.Tensor, ctx: _BatchContext, grad: torch.Tensor
     ) -> None:
+        if grad.requires_grad:  # create_graph=True: keep no graph alive through captures
+            grad = grad.detach()
         with self._lock:
-            self._pending.setdefault(module, []).append((x, grad.detach(), ctx))
+            calls = self._pending.get(module)
+            if calls is None:
+                self._pending[module] = [(x, grad, ctx)]
+            else:
+                calls.append((x, grad, ctx))
             if not self._flush_queued:
                 self._flush_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self.flush)
@@ -301,6 +322,15 @@ class CaptureEngine:
                 caps.append(cap)
         for batch_consumer in self._backward_consumers:
             batch_consumer(caps)
+
+
+def _check_batch_args(batch_size: int | None, loss_reduction: str) -> None:
+    if loss_reduction not in LOSS_REDUCTIONS:
+        raise ValueError(
+            f"unknown loss_reduction {loss_reduction!r}; valid: {', '.join(LOSS_REDUCTIONS)}"
+        )
+    if batch_size is not None and (not isinstance(batch_size, int) or batch_size <= 0):
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
 
 
 def _build_capture(
