@@ -294,15 +294,19 @@ class Tracker(BackgroundSteps):
             return None
         on_cpu = all(p.device.type == "cpu" for p in self.params)
         plan = self._plan(refresh)
-        extra = self._provided()
         todo = tasks(plan, self._workspaces)
         background = self._background_ok(on_cpu)  # outside cpu_single_thread: reads threads
         with cpu_single_thread() if on_cpu else contextlib.nullcontext():
             if background:
-                return self._schedule(step, plan, todo, extra)
-            results = {k: fn() for k, fn, _ in todo}
+                handle = self._schedule(step, plan, todo)
+            else:
+                results = {k: fn() for k, fn, _ in todo}
+        if background:
+            # providers run while the worker reduces this step (their values are step t's)
+            self._pending.extra = self._provided()
+            return handle
         metrics = assemble(plan, results)
-        metrics.update(extra)
+        metrics.update(self._provided())
         self._deliver(metrics, step)
         return metrics
 

@@ -90,9 +90,7 @@ class BackgroundSteps:
         alive = {id(s) for s in (r() for r in before) if s is not None}
         return any(id(g.untyped_storage()) in alive for g in grads)
 
-    def _schedule(
-        self, step: int, plan: StepPlan, todo: list[Any], extra: dict[str, Any]
-    ) -> StepMetrics:
+    def _schedule(self, step: int, plan: StepPlan, todo: list[Any]) -> StepMetrics:
         # gradients written in place must be read now; everything else waits in place for the
         # worker (weights and optimizer states change only in optimizer.step: pre-hook)
         inline = {"group:grad"} if self._grads_reused(plan) else set()
@@ -132,7 +130,7 @@ class BackgroundSteps:
         # the tasks hold what they read; keep only names here so step t's gradients are freed
         # as soon as the worker and the version check are done with them
         plan.groups = [(g, names, []) for g, names, _ in plan.groups]
-        pending = _Pending(step, plan, job, extra, watched, StepMetrics(self, step))
+        pending = _Pending(step, plan, job, watched, StepMetrics(self, step))
         pending.guard, pending.late_conflicts = guard, late_conflicts
         self._pending = pending
         _PENDING.add(self)
@@ -264,10 +262,10 @@ class _Pending:
     step: int
     plan: StepPlan
     job: Job
-    extra: dict[str, Any]
     watched: list[tuple[str, str, torch.Tensor, int]]
     handle: StepMetrics
     local: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
     joined: bool = False
     conflicts: list[tuple[str, str]] = field(default_factory=list)
     guard: threading.Event = field(default_factory=threading.Event)
