@@ -40,11 +40,13 @@ class PerSampleNorms:
             for n in self.names
         }
         self._flat = [(i, p) for i, n in enumerate(self.names) for p in self.params[n]]
+        self._owner = [i for i, _ in self._flat]
         self.engine.add_consumer(self)
         self._caps: list[ModuleCapture] = []  # this batch's captures, reduced at its end
         self._seen: set[str] = set()
         self._local_big = False  # under DDP/FSDP: batch gradient from the captures
         self._before: list[torch.Tensor | None] = []
+        self._accumulating = False  # .grad held values before this batch
         self.last: tuple[dict[str, float], dict[str, float], int] = ({}, {}, 0)
 
     def covered_parameters(self) -> set[int]:
@@ -82,7 +84,8 @@ class PerSampleNorms:
         # .grad snapshots so gradient accumulation does not disturb the batch gradient; after
         # zero_grad(set_to_none=True) every snapshot is None (nothing to clone)
         self._before = [] if self._local_big else [p.grad for _, p in self._flat]
-        if any(g is not None for g in self._before):
+        self._accumulating = any(g is not None for g in self._before)
+        if self._accumulating:
             self._before = [None if g is None else g.detach().clone() for g in self._before]
         self.engine._begin(batch_size, None, "mean", False)
 
@@ -142,6 +145,15 @@ class PerSampleNorms:
         if local_big:
             # DDP/FSDP averaged .grad over ranks already: this rank's batch gradient instead
             scalars.extend(batch_grad_sq(cap) / (n * n) for cap in caps)
+        elif len(caps) == len(self.names) and not self._accumulating:
+            # every watched module captured (in watch order), no accumulation: the per-step
+            # case, with the parameter -> module map precomputed
+            grads = [p.grad for _, p in flat]
+            owner = self._owner
+            if any(g is None for g in grads):
+                owner = [j for j, g in zip(owner, grads, strict=True) if g is not None]
+                grads = [g for g in grads if g is not None]
+            norm_in.extend(grads)
         else:
             pos = {c.name: j for j, c in enumerate(caps)}
             for (i, p), old in zip(flat, before, strict=True):

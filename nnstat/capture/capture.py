@@ -336,6 +336,13 @@ def sq_norm_factors(
     rows = [c for c in caps if c._is_plain_row()]
     if not rows:
         return [None] * len(caps)
+    if len(rows) == len(caps):  # every module (an MLP): the per-step case, fewest Python ops
+        norms = [torch.linalg.vector_norm(c._a, dim=(1, 2), keepdim=True) for c in caps]
+        scaled = torch._foreach_mul([c._b_raw for c in caps], norms)
+        return [
+            ([t, c._b_raw] if c._bias else [t], c._scale * c._scale)
+            for t, c in zip(scaled, caps, strict=True)
+        ]
     # a and b are both [N, 1, d]: the [N, 1, 1] row norms of a broadcast onto b
     norms = [torch.linalg.vector_norm(c._a, dim=(1, 2), keepdim=True) for c in rows]
     scaled = iter(torch._foreach_mul([c._b_raw for c in rows], norms))
