@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import threading
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -287,7 +288,14 @@ class CaptureEngine:
         target = _hook_target(output) if output._is_view() else output
         if target is not output:
             hook = partial(_reshaped, hook, output.shape)
-        target.register_hook(hook)
+        if type(target) is torch.Tensor and target._backward_hooks is None and target.grad_fn:
+            # what Tensor.register_hook does for a fresh non-leaf tensor, minus the removable
+            # handle we never use (a third of the per-layer hook cost on small models); any
+            # other tensor (subclasses, existing hooks, leaves) goes through the public API
+            target._backward_hooks = OrderedDict(nnstat_capture=hook)
+            target.grad_fn._register_hook_dict(target)
+        else:
+            target.register_hook(hook)
         return replaced
 
     def _on_output_grad(
