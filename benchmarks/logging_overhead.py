@@ -9,17 +9,25 @@ of the methods) and the median ratio is reported, for wall time and for the proc
 ``setup({"grad": ["log"]})`` + ``save(True)`` as in its README.
 
     .venv/bin/python benchmarks/logging_overhead.py [--samples 4096] [--repeats 5] [--threads 1]
-        [--no-logix]
+        [--no-logix] [--steady-malloc]
 
-Prints a markdown table: seconds, ratio to the plain pass, bytes written per sample.
+Prints a markdown table: seconds, ratio to the plain pass, page faults per pass, bytes written
+per sample. Page faults: glibc returns freed multi-MB blocks (the parameter gradients every
+step) to the OS or keeps them depending on the order of frees, so a pass takes 10k to 200k page
+faults (0.05-0.4 s of kernel time on a VM) more or less at random, for every method.
+``--steady-malloc`` re-runs the script with glibc's dynamic thresholds fixed
+(``MALLOC_MMAP_THRESHOLD_=32 MiB``, ``MALLOC_TRIM_THRESHOLD_=1 GiB``: freed memory is kept), which
+removes that noise and shows the steady state of every method.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -108,7 +116,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-logix", action="store_true")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument(
+        "--steady-malloc", action="store_true", help="fix glibc's trim/mmap thresholds (see above)"
+    )
     args = ap.parse_args()
+    if args.steady_malloc and "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+        # glibc reads these once, at start-up: run the script again with them set
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(32 * 2**20))
+        env["MALLOC_TRIM_THRESHOLD_"] = str(2**30)
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     if args.threads:
         torch.set_num_threads(args.threads)
     data = batches(args.samples, args.batch)
@@ -127,6 +143,7 @@ def main() -> None:
             logix_error = f"{type(e).__name__}: {e}"
     times: dict[str, list[float]] = {name: [] for name in methods}
     cpu: dict[str, list[float]] = {name: [] for name in methods}
+    faults: dict[str, list[int]] = {name: [] for name in methods}
     nbytes: dict[str, int] = {}
     plain(make_model(), data[:2], None)  # warm-up
     for r in range(args.repeats):
@@ -138,15 +155,17 @@ def main() -> None:
             model = make_model()
             workdir = tempfile.mkdtemp(prefix="nnstat_bench_")
             try:
+                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 t0, c0 = time.perf_counter(), time.process_time()
                 nbytes[name] = fn(model, data, workdir)
                 times[name].append(time.perf_counter() - t0)
                 cpu[name].append(time.process_time() - c0)
+                faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
             except Exception as e:
                 if not name.startswith("LogIX"):
                     raise
                 logix_error = f"{type(e).__name__}: {e}"
-                del methods[name], times[name], cpu[name]
+                del methods[name], times[name], cpu[name], faults[name]
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
     # the machine is shared: each method is compared with the plain pass of the same round
@@ -155,13 +174,14 @@ def main() -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"{args.samples} samples, batch {args.batch}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, {args.repeats} rounds, load average {load:.1f}\n"
+        f"{torch.get_num_threads()} threads, {args.repeats} rounds, load average {load:.1f}, "
+        f"glibc thresholds {'fixed' if 'MALLOC_TRIM_THRESHOLD_' in os.environ else 'default'}\n"
     )
     print(
         "| method | wall s (median) | wall ratio to plain | CPU s (median) | CPU ratio to plain "
-        "| bytes/sample |"
+        "| page faults (median) | bytes/sample |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, ts in times.items():
         ratio = statistics.median(t / b for t, b in zip(ts, base, strict=True))
         cratio = statistics.median(
@@ -170,7 +190,8 @@ def main() -> None:
         per = nbytes.get(name, 0) / args.samples
         print(
             f"| {name} | {statistics.median(ts):.2f} | {ratio:.2f}x | "
-            f"{statistics.median(cpu[name]):.2f} | {cratio:.2f}x | {per:,.0f} |"
+            f"{statistics.median(cpu[name]):.2f} | {cratio:.2f}x | "
+            f"{statistics.median(faults[name]):,.0f} | {per:,.0f} |"
         )
     if logix_error:
         print(f"\nLogIX could not run: {logix_error}")
