@@ -73,6 +73,7 @@ class BackgroundSteps:
         return (
             wanted
             and on_cpu
+            and (self.optimizer is None or _hook_target(self.optimizer) is not None)
             and not self._sync_only
             and not self._fsdp1
             and not any_dtensor(self.params)
@@ -104,6 +105,16 @@ class BackgroundSteps:
             watched += [
                 ("weight", n, t, t._version) for n, t in zip(plan.names, plan.weights, strict=True)
             ]
+        # first: a failure here must not leave a step pending
+        if self.optimizer is not None and self._hook is None:
+            ref = weakref.ref(self)
+
+            def wait_for_statistics(optimizer: Any, args: Any, kwargs: Any) -> None:
+                tracker = ref()
+                if tracker is not None and tracker._pending is not None:
+                    tracker._join(tracker._pending, whole=False)
+
+            self._hook = _hook_target(self.optimizer).register_step_pre_hook(wait_for_statistics)
         guard = threading.Event()
         late_conflicts: list[tuple[str, str]] = []
         # what the optimizer changes first, so its pre-hook waits only for that part; step t's
@@ -135,17 +146,14 @@ class BackgroundSteps:
         self._pending = pending
         _PENDING.add(self)
         _register_atexit()
-        if self.optimizer is not None and self._hook is None:
-            ref = weakref.ref(self)
-
-            def wait_for_statistics(optimizer: Any, args: Any, kwargs: Any) -> None:
-                tracker = ref()
-                if tracker is not None and tracker._pending is not None:
-                    tracker._join(tracker._pending, whole=False)
-
-            self._hook = self.optimizer.register_step_pre_hook(wait_for_statistics)
         # overlap: tasks that must run now do so while the worker reads the rest
-        pending.local = {k: fn() for k, fn, _ in todo if k in inline}
+        try:
+            pending.local = {k: fn() for k, fn, _ in todo if k in inline}
+        except BaseException:
+            pending.job.wait()  # this step cannot be completed: nothing of it is delivered
+            self._pending = None
+            _PENDING.discard(self)
+            raise
         return pending.handle
 
     def _join(self, pending: _Pending, whole: bool = True) -> None:
@@ -270,6 +278,19 @@ class _Pending:
     conflicts: list[tuple[str, str]] = field(default_factory=list)
     guard: threading.Event = field(default_factory=threading.Event)
     late_conflicts: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _hook_target(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The optimizer whose ``step()`` runs step pre-hooks: wrappers that never ran
+    ``Optimizer.__init__`` (accelerate's ``AcceleratedOptimizer``) delegate to ``.optimizer``."""
+    seen = 0
+    while optimizer is not None and seen < 8:
+        if isinstance(optimizer, torch.optim.Optimizer) and hasattr(
+            optimizer, "_optimizer_step_pre_hooks"
+        ):
+            return optimizer
+        optimizer, seen = getattr(optimizer, "optimizer", None), seen + 1
+    return None
 
 
 # trackers with background statistics not yet handed to their sinks (kept alive until then)

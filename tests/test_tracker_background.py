@@ -276,3 +276,45 @@ def test_background_option_policy_and_errors():
         nnstat.Tracker(model, background=True)
     with pytest.raises(TypeError, match="background must be"):
         nnstat.Tracker(model, opt, background="yes")
+
+
+class Wrapped(torch.optim.Optimizer):
+    """Like accelerate's AcceleratedOptimizer: never runs Optimizer.__init__, delegates."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none)
+
+
+def test_optimizer_wrapper_is_hooked_through_its_inner_optimizer():
+    (m_bg, o_bg), (m_sy, o_sy) = setup(), setup()
+    wrapped = Wrapped(o_bg)
+    bg = nnstat.Tracker(m_bg, wrapped, background=True)
+    sy = nnstat.Tracker(m_sy, o_sy, background=False)
+    for i in range(3):
+        train(m_bg, wrapped, i)
+        train(m_sy, o_sy, i)
+        a, b = bg.step(), sy.step()
+        assert isinstance(a, StepMetrics) and len(o_bg._optimizer_step_pre_hooks) == 1
+        assert dict(a) == b
+    bg.close()
+    assert not o_bg._optimizer_step_pre_hooks
+    # nothing to hook: synchronous
+    orphan = Wrapped(None)
+    model, _ = setup()
+    assert isinstance(
+        nnstat.Tracker(model, orphan, background=True, groups=["weight"]).step(), dict
+    )
