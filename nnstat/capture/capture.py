@@ -49,12 +49,14 @@ class ModuleCapture:
         self.kind = kind
         # embedding: [N, T] long indices (-1 = no gradient); else [N, T, d_in] WITHOUT the bias's
         # ones column: it is implicit (= keep) so no [N, T, d_in + 1] copy is made unless asked
-        self._a = a
+        self._a3: torch.Tensor | None = a
+        self._x2: torch.Tensor | None = None  # [N, d] one-position inputs (viewed 3-D lazily)
         # `backward` is b * scale (the mean-loss rescaling), multiplied only when first needed:
         # squared norms apply scale^2 to [N] values instead of scaling [N, T, d_out]
-        self._b_raw = b
+        self._b3: torch.Tensor | None = b
+        self._g2: torch.Tensor | None = None
         self._scale = float(scale)
-        self._b_scaled: torch.Tensor | None = b if self._scale == 1.0 else None
+        self._b_scaled: torch.Tensor | None = None
         self._keep = keep  # [N, T] float 0/1 of unmasked rows, None = all kept
         # dims/bias may come precomputed (the engine does it once at watch time: this object is
         # built per module per backward, so attribute probing here is a fixed per-step cost)
@@ -84,17 +86,38 @@ class ModuleCapture:
         (``bias`` already restricted to the kinds with a ones column), no mask."""
         self = cls.__new__(cls)
         self.name, self.module, self.kind = name, module, kind
-        self._a, self._b_raw, self._scale, self._keep = a, b, scale, None
-        self._b_scaled = b if scale == 1.0 else None
+        # [N, d] one-position rows stay 2-D until a method needs [N, 1, d] (the noise scale's
+        # per-step path never does: two views fewer per module per step)
+        if a.dim() == 2:
+            self._a3, self._b3, self._x2, self._g2 = None, None, a, b
+        else:
+            self._a3, self._b3, self._x2, self._g2 = a, b, None, None
+        self._scale, self._keep = scale, None
+        self._b_scaled = None
         self._bias, self.num_samples, self.num_positions = bias, n, num_positions
         self.d_in, self.d_out = dims
         return self
 
     @property
+    def _a(self) -> torch.Tensor:
+        a = self._a3
+        if a is None:
+            a = self._a3 = self._x2.unsqueeze(1)
+        return a
+
+    @property
+    def _b_raw(self) -> torch.Tensor:
+        b = self._b3
+        if b is None:
+            b = self._b3 = self._g2.unsqueeze(1)
+        return b
+
+    @property
     def _b(self) -> torch.Tensor:
         b = self._b_scaled
         if b is None:
-            b = self._b_scaled = self._b_raw * self._scale
+            b = self._b_raw
+            b = self._b_scaled = b if self._scale == 1.0 else b * self._scale
         return b
 
     def _ones(self) -> torch.Tensor:
@@ -225,7 +248,9 @@ class ModuleCapture:
 
     def _is_plain_row(self) -> bool:
         """One position per sample and an outer-product gradient ``b aᵀ`` (dense inputs)."""
-        return self._b_raw.shape[1] == 1 and self.kind in _ROW_KINDS
+        if self._g2 is None and self._b3.shape[1] != 1:
+            return False
+        return self.kind in _ROW_KINDS
 
     def project(
         self,
@@ -337,14 +362,19 @@ def sq_norm_factors(
     if not rows:
         return [None] * len(caps)
     if len(rows) == len(caps):  # every module (an MLP): the per-step case, fewest Python ops
-        norms = [torch.linalg.vector_norm(c._a, dim=(1, 2), keepdim=True) for c in caps]
-        scaled = torch._foreach_mul([c._b_raw for c in caps], norms)
+        b = [c._g2 if c._g2 is not None else c._b3 for c in caps]
+        # rows along the last dim ([N, d] or [N, 1, d]): the row norms broadcast onto b
+        norms = [
+            torch.linalg.vector_norm(c._x2 if c._x2 is not None else c._a3, dim=-1, keepdim=True)
+            for c in caps
+        ]
+        scaled = torch._foreach_mul(b, norms)
         return [
-            ([t, c._b_raw] if c._bias else [t], c._scale * c._scale)
-            for t, c in zip(scaled, caps, strict=True)
+            ([t, bi] if c._bias else [t], c._scale * c._scale)
+            for t, bi, c in zip(scaled, b, caps, strict=True)
         ]
     # a and b are both [N, 1, d]: the [N, 1, 1] row norms of a broadcast onto b
-    norms = [torch.linalg.vector_norm(c._a, dim=(1, 2), keepdim=True) for c in rows]
+    norms = [torch.linalg.vector_norm(c._a, dim=-1, keepdim=True) for c in rows]
     scaled = iter(torch._foreach_mul([c._b_raw for c in rows], norms))
     out: list[tuple[list[torch.Tensor], float] | None] = []
     for c in caps:

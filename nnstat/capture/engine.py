@@ -415,8 +415,8 @@ def _build_plain(
         x = x.float()
     if g.dtype != torch.float32:
         g = g.float()
-    if len(xs) == 2 and len(gs) == 2:  # [N, d]: one position, unsqueeze is the cheapest view
-        a, b, t = x.unsqueeze(1), g.unsqueeze(1), 1
+    if len(xs) == 2 and len(gs) == 2:  # [N, d]: one position (ModuleCapture views it lazily)
+        a, b, t = x, g, 1
     else:
         a, b = x.reshape(n, -1, xs[-1]), g.reshape(n, -1, gs[-1])
         t = a.shape[1]
