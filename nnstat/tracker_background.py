@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import traceback
@@ -296,6 +297,18 @@ def _hook_target(optimizer: Any) -> torch.optim.Optimizer | None:
 # trackers with background statistics not yet handed to their sinks (kept alive until then)
 _PENDING: set[BackgroundSteps] = set()
 _ATEXIT = [False]
+
+
+def _forget_pending() -> None:
+    # a forked child has no worker thread: its copies of pending steps would never complete,
+    # and they belong to the parent, which delivers them (the child's sinks must not repeat them)
+    for tracker in list(_PENDING):
+        tracker._pending = None
+    _PENDING.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pending)
 
 
 def _register_atexit() -> None:

@@ -1,6 +1,7 @@
 """Background statistics: bit-identical to the synchronous path, guarded, nothing lost."""
 
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -318,3 +319,20 @@ def test_optimizer_wrapper_is_hooked_through_its_inner_optimizer():
     assert isinstance(
         nnstat.Tracker(model, orphan, background=True, groups=["weight"]).step(), dict
     )
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_drops_the_parents_pending_step():
+    model, opt = setup()
+    seen = []
+    tracker = nnstat.Tracker(model, opt, background=True, sinks=[lambda m, s: seen.append(s)])
+    train(model, opt, 0)
+    tracker.step()
+    pid = os.fork()
+    if pid == 0:  # child: no worker thread here; flushing must neither hang nor deliver
+        tracker.flush()
+        os._exit(0 if seen == [] and tracker._pending is None else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    tracker.flush()
+    assert seen == [0]
