@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "trust_ratio": "nnstat.dynamics",
     "update_ratio": "nnstat.dynamics",
     "Tracker": "nnstat.tracker",
+    "StepMetrics": "nnstat.tracker_background",
     # capture engine and statistics
     "CaptureEngine": "nnstat.capture.engine",
     "Mean": "nnstat.statistics",
