@@ -48,9 +48,9 @@ class HandWritten:
 
     Same quantities as ``nnstat.NoiseScale`` (per layer and total, EMA of tr(Sigma) and |G|^2
     separately): a forward hook keeps each Linear's input and registers a hook on its output;
-    after backward, the per-sample squared norms ``(|a_i|^2 + 1)|b_i|^2`` and the batch gradient
-    norms come from one ``_foreach_mul`` and one ``_foreach_norm``, one ``.tolist()``, and the
-    EMAs are Python floats. No validation, no generality: what nnstat is measured against.
+    after backward, the per-sample squared norms ``(|a_i|^2 + 1)|b_i|^2`` (row norms, one
+    ``_foreach_mul``) and the batch gradient norms come from one ``_foreach_norm`` and one
+    ``.tolist()``, and the EMAs are Python floats. No validation, no generality: what nnstat is measured against.
     """
 
     def __init__(self, model: nn.Module, beta: float = 0.99) -> None:
@@ -82,8 +82,9 @@ class HandWritten:
         finally:
             self.on = False
         n, m = self.acts[0].shape[0], len(self.layers)
-        row = [torch.linalg.vector_norm(a, dim=1, keepdim=True) for a in self.acts]
-        factors = [*torch._foreach_mul(self.grads, row), *self.grads]
+        na = [torch.linalg.vector_norm(a, dim=1) for a in self.acts]
+        nb = [torch.linalg.vector_norm(g, dim=1) for g in self.grads]
+        factors = [*torch._foreach_mul(nb, na), *nb]  # |a_i||b_i| and |b_i| per layer, [N]
         v = torch.stack(torch._foreach_norm(factors + [p.grad for p in self.params])).tolist()
         # output gradients of a mean loss are 1/n of each sample's own: scale n^2, mean 1/n
         small = [(v[k] ** 2 + v[m + k] ** 2) * n for k in range(m)]

@@ -228,9 +228,10 @@ class ModuleCapture:
         """``(tensors, c)`` with ``Σ_i ‖G_i‖² = c · Σ_k ‖tensors[k]‖²_F``, or None.
 
         For one-position outer products (an MLP's layers) ``‖G_i‖² = ‖a_i‖² ‖b_i‖² (+ ‖b_i‖²``
-        for the bias), so the row-scaled ``b_i ‖a_i‖`` (and ``b``) carry the batch's summed
-        per-sample squared norms: one ``torch._foreach_norm`` over many modules' factors then
-        replaces half a dozen kernels per module (the noise-scale tracker's per-step path).
+        for the bias), so the per-sample products ``‖a_i‖ ‖b_i‖`` (and ``‖b_i‖``) carry the
+        batch's summed per-sample squared norms: one ``torch._foreach_norm`` over many modules'
+        factors then replaces half a dozen kernels per module (the noise-scale tracker's
+        per-step path).
         None for other captures (use :meth:`per_sample_sq_norm`). :func:`sq_norm_factors`
         does this for many captures with fewer kernels.
 
@@ -355,34 +356,32 @@ def sq_norm_factors(
         >>> engine.add_consumer(caps.append)
         >>> with engine.batch():
         ...     model(torch.randn(5, 3)).sum().backward()
-        >>> [len(f[0]) for f in sq_norm_factors(caps)]  # b * |a| and b (the bias) per layer
+        >>> [len(f[0]) for f in sq_norm_factors(caps)]  # |a_i||b_i| and |b_i| (bias) per layer
         [2, 2]
     """
     rows = [c for c in caps if c._is_plain_row()]
     if not rows:
         return [None] * len(caps)
     if len(rows) == len(caps):  # every module (an MLP): the per-step case, fewest Python ops
-        b = [c._g2 if c._g2 is not None else c._b3 for c in caps]
-        # rows along the last dim ([N, d] or [N, 1, d]): the row norms broadcast onto b
-        norms = [
-            torch.linalg.vector_norm(c._x2 if c._x2 is not None else c._a3, dim=-1, keepdim=True)
-            for c in caps
-        ]
-        scaled = torch._foreach_mul(b, norms)
+        # rows along the last dim ([N, d] or [N, 1, d]); each stream is read once, the products
+        # are on [N] values (scaling b itself would read it three times: slower on wide layers)
+        na = [torch.linalg.vector_norm(c._x2 if c._x2 is not None else c._a3, dim=-1) for c in caps]
+        nb = [torch.linalg.vector_norm(c._g2 if c._g2 is not None else c._b3, dim=-1) for c in caps]
+        prod = torch._foreach_mul(nb, na)
         return [
-            ([t, bi] if c._bias else [t], c._scale * c._scale)
-            for t, bi, c in zip(scaled, b, caps, strict=True)
+            ([t, b] if c._bias else [t], c._scale * c._scale)
+            for t, b, c in zip(prod, nb, caps, strict=True)
         ]
-    # a and b are both [N, 1, d]: the [N, 1, 1] row norms of a broadcast onto b
-    norms = [torch.linalg.vector_norm(c._a, dim=-1, keepdim=True) for c in rows]
-    scaled = iter(torch._foreach_mul([c._b_raw for c in rows], norms))
+    na = [torch.linalg.vector_norm(c._a, dim=-1) for c in rows]  # [N, 1]: one position
+    nb = [torch.linalg.vector_norm(c._b_raw, dim=-1) for c in rows]
+    prods = iter(zip(torch._foreach_mul(nb, na), nb, strict=True))
     out: list[tuple[list[torch.Tensor], float] | None] = []
     for c in caps:
         if not c._is_plain_row():
             out.append(None)
             continue
-        t = next(scaled)
-        out.append(([t, c._b_raw] if c._bias else [t], c._scale * c._scale))
+        t, b = next(prods)
+        out.append(([t, b] if c._bias else [t], c._scale * c._scale))
     return out
 
 
