@@ -87,7 +87,7 @@ class BackgroundSteps:
         before, self._grad_storages = self._grad_storages, [
             weakref.ref(g.untyped_storage()) for g in grads
         ]
-        if before is None:
+        if not before:  # no gradients seen yet: nothing to compare with
             return True
         alive = {id(s) for s in (r() for r in before) if s is not None}
         return any(id(g.untyped_storage()) in alive for g in grads)
