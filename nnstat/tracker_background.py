@@ -3,8 +3,10 @@
 `BackgroundSteps` is the part of `nnstat.tracker.Tracker` that hands a logged step's
 reductions to the worker thread (`nnstat.background`) and collects them later:
 
-* weights and optimizer states change only inside ``optimizer.step()``: a step pre-hook waits
-  for the worker before the optimizer touches them (registered while a step is pending);
+* weights and optimizer states change only inside ``optimizer.step()``: the worker reduces them
+  first and a step pre-hook waits for that part before the optimizer touches them (registered
+  while a step is pending); step t's gradients (new tensors after ``set_to_none``) come last and
+  may be reduced during the next ``optimizer.step()``;
 * gradients that share storage with the previous logged step's (``zero_grad(set_to_none=False)``,
   DDP bucket views, accumulation into the same tensor) are reduced synchronously, as on the first
   logged step (no history yet);
@@ -12,7 +14,8 @@ reductions to the worker thread (`nnstat.background`) and collects them later:
   its numbers may be torn: they are dropped with a warning naming the tensor and the Tracker
   stays synchronous from then on (``p.data`` writes bypass version counters and cannot be seen);
 * a worker exception is re-raised in the training thread at the next ``step``/``flush``/
-  ``close`` or when the step's metrics are read; pending steps are flushed at exit.
+  ``close`` or when the step's metrics are read; pending steps are flushed at exit (a forked
+  child forgets its parent's).
 
 Example:
     >>> import torch, nnstat
@@ -217,8 +220,7 @@ class BackgroundSteps:
         labels = [f"{g}/{n}" for g, n in pending.conflicts]
         warnings.warn(
             f"Tracker: {labels[:5]}{' ...' if len(labels) > 5 else ''} changed in place while "
-            f"the background thread read them (between tracker.step() and the next "
-            f"optimizer.step()); their statistics of step {pending.step} are skipped (those "
+            f"the background thread read them (after tracker.step()); their statistics of step {pending.step} are skipped (those "
             f"values no longer exist), the update of the next logged step is measured from the "
             f"weights as they are now, and statistics are computed synchronously from now on",
             stacklevel=4,
