@@ -162,13 +162,16 @@ class NoiseScale:
         self, keys: list[str], small: list[float], big: list[float], b_small: float, b_big: float
     ) -> None:
         """``update`` after its input checks: plain float lists, the total's key last."""
-        for k, s, b in zip(keys, small, big, strict=True):
-            if not (math.isfinite(s) and math.isfinite(b)) or s < 0 or b < 0:
-                where = "" if k == _TOTAL else f" of layer {k!r}"
-                raise ValueError(
-                    f"squared norms{where} must be finite and >= 0, got g_small_sq={s}, "
-                    f"g_big_sq={b}"
-                )
+        # one C-level pass for the common all-valid case (NaN/Inf survive the sum); the loop
+        # names the offender (and is the authority when a huge but finite sum overflowed)
+        if not (math.isfinite(sum(small) + sum(big)) and min(small) >= 0 and min(big) >= 0):
+            for k, s, b in zip(keys, small, big, strict=True):
+                if not (math.isfinite(s) and math.isfinite(b)) or s < 0 or b < 0:
+                    where = "" if k == _TOTAL else f" of layer {k!r}"
+                    raise ValueError(
+                        f"squared norms{where} must be finite and >= 0, got g_small_sq={s}, "
+                        f"g_big_sq={b}"
+                    )
         # the two-batch solution of McCandlish et al. (appendix A), inlined: this runs per step
         c_g = 1.0 / (b_big - b_small)
         c_t = 1.0 / (1.0 / b_small - 1.0 / b_big)

@@ -209,6 +209,25 @@ def test_tracker_batch_that_raises_leaves_no_stale_capture():
     gns.unwatch()
 
 
+def test_nonfinite_or_negative_norms_are_named():
+    gns = nnstat.NoiseScale(window=3)
+    with pytest.raises(ValueError, match="layer 'b'.*finite and >= 0"):
+        gns.update({"a": 1.0, "b": -0.5}, {"a": 0.5, "b": 0.1}, 2, 8)
+    with pytest.raises(ValueError, match="layer 'a'.*g_big_sq=inf"):
+        gns.update({"a": 1.0, "b": 0.5}, {"a": math.inf, "b": 0.1}, 2, 8)
+    assert gns.n_updates == 0
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    gns.watch(model)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    x[3, 1] = math.nan  # one sample's NaN reaches every layer's norms
+    with pytest.raises(ValueError, match="gradient norms of '0' contain NaN or Inf"):
+        with gns.batch():
+            nn.functional.cross_entropy(model(x), y).backward()
+    assert gns.n_updates == 0
+    gns.unwatch()
+
+
 def test_per_sample_method_agrees_with_two_batch():
     """Both methods are unbiased: on a small MLP their estimates agree within their errors."""
     torch.manual_seed(0)
