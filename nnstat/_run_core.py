@@ -22,13 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from nnstat.projection import (
-    ForwardFactors,
-    ModuleProjection,
-    build_projections,
-    module_spec,
-    project_capture,
-)
+from nnstat._run_rows import BatchRows
+from nnstat.projection import ForwardFactors, ModuleProjection, build_projections, module_spec
 from nnstat.store import format as fmt
 from nnstat.store import run_support as parts
 from nnstat.store.logger import StoreLogger, filter_nonfinite
@@ -67,16 +62,9 @@ class Run:
         self._collector: Any = None
         self._stats_state: dict[str, torch.Tensor] = {}
         self._pass = 0
-        self._batch: dict[str, torch.Tensor] | None = None
         self._batch_flags = (False, False)
-        # logging passes assemble each batch's rows in place in one of the writer's reused
-        # buffers (module m writes columns _columns[m]); eval mode keeps fresh tensors
-        self._rowbuf: torch.Tensor | None = None
-        self._columns: dict[str, slice] = {}
-        # input halves of single-call Linear rows, computed while the input is in cache; rows
-        # built from them are certified finite without a pass over the row buffer
-        self._factors = ForwardFactors()
-        self._all_finite = True
+        # each run(...) block's rows, assembled in place in the writer's reused buffers
+        self._rows = BatchRows(ForwardFactors())
         self._next_auto_id = 0
         self._eval_ids: list[Any] = []
         self._eval_rows: list[torch.Tensor] = []
@@ -110,7 +98,7 @@ class Run:
         if self.engine is None:
             self.engine = CaptureEngine()
             self.engine.add_consumer(self._on_capture)
-            self.engine.add_consumer(self._factors)
+            self.engine.add_consumer(self._rows.factors)
         names = self.engine.watch(model, name_filter=name_filter, type_filter=type_filter)
         self.model = model
         self._projections = None  # layout changed: rebuilt from _projection_args
@@ -170,18 +158,14 @@ class Run:
         keep = self._admit(ids) if ids is not None else None
         if self.mode == "log" and self._collector is None and self._stats_on():
             self._collector = parts.make_collector(self.config)
-        self._batch = {}
-        self._rowbuf = None
         # decided once per batch: the hooks below run per module
         self._batch_flags = (
             self.mode == "eval" or logging,
             self.mode == "log" and self._stats_on(),
         )
         restore = parts.freeze_params(self.engine) if self._skip_param_grads() else None
-        self._all_finite = True
-        if self.mode == "log" and logging and mask is None:
-            assert self._projections is not None
-            self._factors.start(self._projections)
+        assert self._projections is not None
+        self._rows.begin(self._projections, self.mode == "log" and logging and mask is None)
         try:
             with self.engine.batch(
                 mask=mask,
@@ -190,55 +174,20 @@ class Run:
             ):
                 yield self
         finally:
-            self._factors.stop()
             if restore is not None:
                 restore()
-            batch, self._batch = self._batch, None
-            rowbuf, self._rowbuf = self._rowbuf, None
+            batch, rowbuf = self._rows.end()
         self._complete(batch, ids, keep, rowbuf)
 
     def _on_capture(self, cap: Any) -> None:
-        if self._batch is None:
+        if not self._rows.open:
             return  # someone else's engine.batch(): not ours to record
         project, stats = self._batch_flags
         if stats and self._collector is not None:
             self._collector.on_capture(cap)
         if project:
-            assert self._projections is not None
-            proj = self._projections[cap.name]
-            prev = self._batch.get(cap.name)
-            if prev is None and self.mode == "log" and self._logger is not None:
-                out = self._row_buffer(cap.num_samples)[:, self._columns[cap.name]]
-                finite = self._factors.rows(cap, proj, out)
-                if finite is not None:
-                    self._all_finite &= finite
-                elif cap.backward.device == out.device:
-                    self._all_finite = False
-                    project_capture(cap, proj, out=out)
-                else:  # an accelerator: one transfer of the projected rows
-                    self._all_finite = False
-                    out.copy_(project_capture(cap, proj))
-                self._batch[cap.name] = out
-                return
-            self._all_finite = False  # a sum of backward passes: checked on the rows
-            rows = project_capture(cap, proj).float()
-            # two backward passes in one block add up, like the gradients they project
-            self._batch[cap.name] = rows if prev is None else prev.add_(rows)
-
-    def _row_buffer(self, n: int) -> torch.Tensor:
-        if self._rowbuf is None:
-            assert self._logger is not None and self._projections is not None
-            self._rowbuf = self._logger.writer.row_buffer(n)
-            offset = 0
-            for name, p in self._projections.items():
-                self._columns[name] = slice(offset, offset + p.width)
-                offset += p.width
-        elif self._rowbuf.shape[0] != n:
-            raise ValueError(
-                f"watched modules saw different batch sizes in one run(...) block "
-                f"({self._rowbuf.shape[0]} and {n})"
-            )
-        return self._rowbuf
+            in_place = self.mode == "log" and self._logger is not None
+            self._rows.add(cap, self._logger.writer if in_place else None)
 
     def _complete(
         self,
@@ -255,7 +204,7 @@ class Run:
         if rowbuf is not None:
             for name, col in zip(self._projections, cols, strict=True):
                 if name not in batch:  # the reused buffer holds an older batch's values there
-                    rowbuf[:, self._columns[name]] = col
+                    rowbuf[:, self._rows.columns[name]] = col
         if ids is None:
             ids = list(range(self._next_auto_id, self._next_auto_id + n))
             keep = self._admit(ids)
@@ -271,7 +220,7 @@ class Run:
         elif rowbuf is not None:
             assert self._logger is not None
             # the rows were assembled in place: one contiguous block, one write in the thread
-            self._logger.add(ids, rowbuf, keep, recycle=rowbuf, finite=self._all_finite)
+            self._logger.add(ids, rowbuf, keep, recycle=rowbuf, finite=self._rows.all_finite)
         else:
             assert self._logger is not None
             # module blocks go to the writer as they are: it writes them row by row (writev)
