@@ -109,3 +109,53 @@ def test_sq_norm_factors_none_for_sequences():
         lin(torch.randn(2, 5, 4)).sum().backward()
     engine.unwatch()
     assert caps[0].sq_norm_factors() is None
+
+
+class SeqThenHead(nn.Module):
+    """A per-token Linear (several positions: no factors), a conv whose output is 1x1 (one
+    position, [N, 1, d] rows) and a head on the pooled features (one position, [N, d])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Linear(4, 6)
+        self.conv = nn.Conv1d(6, 5, kernel_size=3)
+        self.head = nn.Linear(5, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, 3, 4]
+        h = torch.tanh(self.tok(x))  # [N, 3, 6]
+        c = torch.tanh(self.conv(h.transpose(1, 2)))  # [N, 5, 1]
+        return self.head(c.squeeze(-1))
+
+
+def test_sq_norm_factors_of_mixed_captures_match_torch_func():
+    from nnstat.capture.capture import sq_norm_factors
+
+    torch.manual_seed(5)
+    model = SeqThenHead()
+    x, y = torch.randn(7, 3, 4), torch.randint(0, 3, (7,))
+    engine = CaptureEngine()
+    engine.watch(model)
+    batches = []
+
+    class Keep:
+        def on_backward(self, caps):
+            batches.append(caps)
+
+    engine.add_consumer(Keep())
+    with engine.batch(loss_reduction="mean"):
+        F.cross_entropy(model(x), y).backward()
+    engine.unwatch()
+    (caps,) = batches
+    assert [c.name for c in caps] == ["tok", "conv", "head"]
+    factors = sq_norm_factors(caps)
+    assert factors[0] is None  # three positions: no row factorisation
+    ref = reference_sq_norms(model, x, y)
+    for cap, f in zip(caps[1:], factors[1:], strict=True):
+        tensors, c = f
+        got = c * sum(float(t.double().pow(2).sum()) for t in tensors)
+        assert got == pytest.approx(float(ref[cap.name].sum()), rel=1e-5), cap.name
+        one, c_one = cap.sq_norm_factors()  # the per-capture method agrees with the batch
+        assert c_one * sum(float(t.double().pow(2).sum()) for t in one) == pytest.approx(got)
+    torch.testing.assert_close(
+        caps[0].per_sample_sq_norm().double(), ref["tok"], rtol=1e-4, atol=1e-6
+    )
