@@ -50,7 +50,8 @@ class HandWritten:
     separately): a forward hook keeps each Linear's input and registers a hook on its output;
     after backward, the per-sample squared norms ``(|a_i|^2 + 1)|b_i|^2`` (row norms, one
     ``_foreach_mul``) and the batch gradient norms come from one ``_foreach_norm`` and one
-    ``.tolist()``, and the EMAs are Python floats. No validation, no generality: what nnstat is measured against.
+    ``.tolist()``, and the EMAs are Python floats. No validation, no generality: what nnstat is
+    measured against.
     """
 
     def __init__(self, model: nn.Module, beta: float = 0.99) -> None:

@@ -309,7 +309,8 @@ class NoiseScale:
         return {k: self._means(k)[::-1] for k in self._stats if k != _TOTAL}
 
     def to_dict(self) -> dict[str, float]:
-        """Flat metrics: ``noise_scale/b_simple``, ``noise_scale/grad_sq_norm``, ``noise_scale/<layer>/b_simple``, ..."""
+        """Flat metrics: ``noise_scale/b_simple``, ``noise_scale/grad_sq_norm``,
+        ``noise_scale/<layer>/b_simple``, ..."""
         p = self.prefix
         out = {
             f"{p}/b_simple": self.value,

@@ -14,7 +14,6 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
@@ -22,9 +21,18 @@ import torch
 from torch import nn
 
 from nnstat.capture import rules
+from nnstat.capture._build import (
+    LOSS_REDUCTIONS,
+    _BatchContext,
+    _build_capture,
+    _check_batch_args,
+    _hook_target,
+    _reshaped,
+    _Watched,
+)
 from nnstat.capture.capture import ModuleCapture
 
-LOSS_REDUCTIONS = ("sum", "mean")
+__all__ = ["LOSS_REDUCTIONS", "CaptureConsumer", "CaptureEngine", "UnsupportedModuleError"]
 
 
 class UnsupportedModuleError(ValueError):
@@ -35,29 +43,6 @@ class CaptureConsumer(Protocol):
     def on_capture(self, cap: ModuleCapture) -> None: ...
 
 
-@dataclass(frozen=True)
-class _BatchContext:
-    batch_size: int | None
-    mask: torch.Tensor | None
-    loss_reduction: str
-    outputs_require_grad: bool = False
-
-
-@dataclass
-class _Watched:
-    name: str
-    module: nn.Module
-    kind: str
-    # fixed per module, so computed once at watch time instead of per backward
-    dims: tuple[int, int] = (0, 0)
-    bias: bool = False
-
-    def __post_init__(self) -> None:
-        self.dims = rules.dims(self.kind, self.module)
-        # the implicit ones column exists only for kinds with a matrix-form bias
-        self.bias = rules.has_bias(self.module) and self.kind in ("linear", "conv", "conv1d_hf")
-
-
 class CaptureEngine:
     """Watch modules and stream per-sample quantities to consumers.
 
@@ -66,7 +51,8 @@ class CaptureEngine:
 
     Example:
         >>> import torch, nnstat
-        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> nn = torch.nn
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
         >>> engine = nnstat.CaptureEngine()
         >>> engine.watch(model)
         ['0', '2']
@@ -330,143 +316,6 @@ class CaptureEngine:
                 caps.append(cap)
         for batch_consumer in self._backward_consumers:
             batch_consumer(caps)
-
-
-def _check_batch_args(batch_size: int | None, loss_reduction: str) -> None:
-    if loss_reduction not in LOSS_REDUCTIONS:
-        raise ValueError(
-            f"unknown loss_reduction {loss_reduction!r}; valid: {', '.join(LOSS_REDUCTIONS)}"
-        )
-    if batch_size is not None and (not isinstance(batch_size, int) or batch_size <= 0):
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-
-
-def _build_capture(
-    w: _Watched, calls: list[tuple[torch.Tensor, torch.Tensor, _BatchContext]]
-) -> ModuleCapture:
-    if len(calls) == 1 and calls[0][2].mask is None and w.kind in _PLAIN_KINDS:
-        return _build_plain(w, *calls[0])
-    return _build_capture_general(w, calls)
-
-
-def _build_capture_general(
-    w: _Watched, calls: list[tuple[torch.Tensor, torch.Tensor, _BatchContext]]
-) -> ModuleCapture:
-    a_parts, b_parts, keep_parts, positions = [], [], [], 0
-    n = None
-    for x, g, ctx in calls:
-        a = rules.forward_rows(w.kind, w.module, x)
-        b, pos_shape = rules.backward_rows(w.kind, w.module, g)
-        if n is None:
-            n = b.shape[0]
-        elif b.shape[0] != n:
-            raise ValueError(
-                f"{w.name}: called with batch sizes {n} and {b.shape[0]} in one backward"
-            )
-        if a.shape[1] != b.shape[1]:
-            raise ValueError(
-                f"{w.name} ({type(w.module).__name__}): input has {a.shape[1]} positions but "
-                f"the output gradient has {b.shape[1]}"
-            )
-        if ctx.loss_reduction == "mean":
-            b = b * float(ctx.batch_size or n)
-        keep = _row_mask(w, ctx.mask, n, pos_shape, b.shape[1])
-        if keep is not None:
-            b = b * keep.unsqueeze(-1)
-            if w.kind == "embedding":
-                a = a.masked_fill(~keep.bool(), -1)
-            else:
-                a = a * keep.unsqueeze(-1)
-            positions += int(keep.sum())
-        else:
-            positions += n * a.shape[1]
-        a_parts.append(a)
-        b_parts.append(b)
-        keep_parts.append(keep)
-    if all(k is None for k in keep_parts):
-        keep = None
-    else:
-        keep = torch.cat(
-            [
-                b.new_ones(b.shape[:2]) if k is None else k
-                for k, b in zip(keep_parts, b_parts, strict=True)
-            ],
-            1,
-        )
-    a = a_parts[0] if len(a_parts) == 1 else torch.cat(a_parts, dim=1)
-    b = b_parts[0] if len(b_parts) == 1 else torch.cat(b_parts, dim=1)
-    return ModuleCapture(w.name, w.module, w.kind, a, b, positions, keep, w.dims, w.bias)
-
-
-_PLAIN_KINDS = ("linear", "conv1d_hf")
-
-
-def _build_plain(
-    w: _Watched, x: torch.Tensor, g: torch.Tensor, ctx: _BatchContext
-) -> ModuleCapture:
-    """The common case (one call, no mask, linear rows) with the fewest tensor ops: same
-    result as the general path, which costs a dozen Python calls per module per step."""
-    xs, gs = x.shape, g.shape
-    n = gs[0]
-    if len(xs) < 2 or xs[0] != n:
-        return _build_capture_general(w, [(x, g, ctx)])  # raises the general path's error
-    # x and g are already detached (hooks); float() only when needed (it is a no-op call else)
-    if x.dtype != torch.float32:
-        x = x.float()
-    if g.dtype != torch.float32:
-        g = g.float()
-    if len(xs) == 2 and len(gs) == 2:  # [N, d]: one position (ModuleCapture views it lazily)
-        a, b, t = x, g, 1
-    else:
-        a, b = x.reshape(n, -1, xs[-1]), g.reshape(n, -1, gs[-1])
-        t = a.shape[1]
-        if t != b.shape[1]:
-            return _build_capture_general(w, [(x, g, ctx)])
-    scale = float(ctx.batch_size or n) if ctx.loss_reduction == "mean" else 1.0
-    return ModuleCapture._plain(w.name, w.module, w.kind, a, b, n, n * t, w.dims, w.bias, scale)
-
-
-def _row_mask(
-    w: _Watched, mask: torch.Tensor | None, n: int, pos_shape: tuple, rows: int
-) -> torch.Tensor | None:
-    """Mask per matrix row ``[N, rows]`` (float 0/1), or None when the mask does not apply."""
-    if mask is None:
-        return None
-    if mask.shape[0] != n:
-        raise ValueError(f"{w.name}: mask has {mask.shape[0]} samples but the batch has {n}")
-    m = mask.to(device=mask.device, dtype=torch.float32)
-    if m.dim() == 1:
-        return m.unsqueeze(1).expand(n, rows)
-    if tuple(m.shape[1:]) != tuple(pos_shape):
-        return None  # e.g. a head after pooling: its positions are not the mask's positions
-    m = m.reshape(n, -1)
-    if m.shape[1] != rows:  # grouped conv: one row per (location, group)
-        m = m.repeat_interleave(rows // m.shape[1], dim=1)
-    return m
-
-
-def _hook_target(output: torch.Tensor) -> torch.Tensor:
-    """The tensor whose gradient equals the output's, robust to later in-place ops.
-
-    A layer applied to ``[N, T, d]`` returns a view of a 2-D result; an in-place op on that view
-    (``ReLU(inplace=True)``) rewrites the view's history so a hook on the view never fires,
-    while a hook on its base still does.
-    """
-    base = output._base if output._is_view() else None
-    if (
-        base is not None
-        and base.requires_grad
-        and base.numel() == output.numel()
-        and base.is_contiguous()
-        and output.is_contiguous()
-        and output.data_ptr() == base.data_ptr()
-    ):
-        return base
-    return output
-
-
-def _reshaped(hook: Callable[[torch.Tensor], None], shape: torch.Size, grad: torch.Tensor) -> None:
-    hook(grad.reshape(shape))
 
 
 def _as_list(x: Any) -> list:
