@@ -274,12 +274,15 @@ class CaptureEngine:
         target = _hook_target(output) if output._is_view() else output
         if target is not output:
             hook = partial(_reshaped, hook, output.shape)
-        if type(target) is torch.Tensor and target._backward_hooks is None and target.grad_fn:
+        fresh = type(target) is torch.Tensor and target._backward_hooks is None
+        register = getattr(target.grad_fn, "_register_hook_dict", None) if fresh else None
+        if register is not None:
             # what Tensor.register_hook does for a fresh non-leaf tensor, minus the removable
             # handle we never use (a third of the per-layer hook cost on small models); any
-            # other tensor (subclasses, existing hooks, leaves) goes through the public API
+            # other tensor (subclasses, existing hooks, leaves), or a torch without this
+            # private method, goes through the public API
             target._backward_hooks = OrderedDict(nnstat_capture=hook)
-            target.grad_fn._register_hook_dict(target)
+            register(target)
         else:
             target.register_hook(hook)
         return replaced
