@@ -13,8 +13,11 @@ Example:
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from nnstat.integrations._owners import FlushOwners
 
 from nnstat.stats import Histogram
 
@@ -44,6 +47,11 @@ class TensorBoardSink:
                 ) from e
             writer = SummaryWriter(log_dir=None if log_dir is None else str(log_dir), **kwargs)
         self.writer = writer
+        self._owners = FlushOwners()
+
+    def attach(self, flush: Callable[[], None]) -> None:
+        """Call ``flush`` (a Tracker's) when this sink closes, before the writer does."""
+        self._owners.add(flush)
 
     @property
     def log_dir(self) -> str:
@@ -82,5 +90,6 @@ class TensorBoardSink:
         self.writer.flush()
 
     def close(self) -> None:
-        """Flush and close the writer."""
+        """Deliver the attached Trackers' pending steps, then flush and close the writer."""
+        self._owners.flush()
         self.writer.close()

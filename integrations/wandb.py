@@ -11,7 +11,10 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+from nnstat.integrations._owners import FlushOwners
 
 from nnstat.stats import Histogram
 
@@ -60,6 +63,24 @@ class WandbSink:
                 f"pass either run or wandb.init arguments, not both: {list(init_kwargs)}"
             )
         self.run = run
+        self._owners = FlushOwners()
+
+    def attach(self, flush: Callable[[], None]) -> None:
+        """Call ``flush`` (a Tracker's) before the run finishes (see ``_owners``).
+
+        The run's ``finish`` is wrapped on this instance (``wandb.finish()`` calls it), so a
+        loop ending in ``wandb.finish()`` still logs a background Tracker's last step.
+        """
+        self._owners.add(flush)
+        if len(self._owners) > 1:
+            return
+        finish = self.run.finish
+
+        def finish_after_flush(*args: Any, **kwargs: Any) -> Any:
+            self._owners.flush()
+            return finish(*args, **kwargs)
+
+        self.run.finish = finish_after_flush
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """``run.log(metrics, step=step)`` with histograms converted."""

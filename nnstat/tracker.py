@@ -173,6 +173,9 @@ class Tracker(BackgroundSteps):
         """Send every logged dict to `sink` (``sink.log(metrics, step)`` or ``sink(metrics, step)``)."""
         self._sinks.append(_as_log(sink))
         self._sink_objects.append(sink)
+        attach = getattr(sink, "attach", None)
+        if callable(attach):  # e.g. W&B: flush pending background steps before wandb.finish()
+            attach(self.flush)
 
     def add_provider(self, provider: Callable[[], Mapping[str, Any]]) -> None:
         """Merge ``provider()`` (a flat ``{key: value}`` dict) into every logged step.

@@ -92,3 +92,59 @@ def test_integrations_import_is_lazy():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_wandb_finish_delivers_pending_background_step(tmp_path, monkeypatch):
+    # the seed's loop ends with wandb.finish(), never tracker.close(): with background
+    # statistics the last step is still pending then and must reach the run before it finishes
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    import wandb
+    from nnstat.integrations.wandb import WandbSink
+
+    run = wandb.init(project="nnstat-tests", dir=str(tmp_path))
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    tracker = nnstat.Tracker(model, opt, stats=["l2"], background=True, sinks=[WandbSink()])
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+        tracker.step()
+    logged = []
+    original_log = run.log
+
+    def log(data, **kw):  # a log into a finished run raises: this one must come first
+        original_log(data, **kw)
+        logged.append((kw["step"], data["weight/weight/l2"]))
+
+    monkeypatch.setattr(run, "log", log)
+    wandb.finish()
+    # steps 0 and 1 went out at the following step() calls, step 2 at finish
+    assert [s for s, _ in logged] == [2]
+    assert logged[0][1] == pytest.approx(model.weight.norm().item(), rel=1e-6)
+    tracker.close()  # nothing left to deliver: no error, no second delivery
+    assert len(logged) == 1
+
+
+def test_tensorboard_close_delivers_pending_background_step(tmp_path):
+    from nnstat.integrations.tensorboard import TensorBoardSink
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sink = TensorBoardSink(tmp_path)
+    tracker = nnstat.Tracker(model, opt, stats=["l2"], background=True, sinks=[sink])
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+        tracker.step()
+    sink.close()  # the user closes the sink, not the Tracker: step 2 must still be written
+    acc = EventAccumulator(str(tmp_path), size_guidance={SCALARS: 0})
+    acc.Reload()
+    events = acc.Scalars("weight/weight/l2")
+    assert [e.step for e in events] == [0, 1, 2]
+    assert events[-1].value == pytest.approx(model.weight.norm().item(), rel=1e-6)
