@@ -231,7 +231,8 @@ class StepMetrics(Mapping[str, Any]):
     """The metrics of a step whose statistics run in the background.
 
     A read-only mapping: the first read waits for the worker (and hands the step to the sinks
-    if that has not happened yet). ``dict(m)`` gives a plain dict, e.g. for ``json.dump``.
+    if that has not happened yet), so reading it every step gives up the overlap: log through
+    sinks to keep it. ``dict(m)`` or ``m.copy()`` gives a plain dict, e.g. for ``json.dump``.
 
     Example:
         >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -266,6 +267,10 @@ class StepMetrics(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"StepMetrics(step={self.step}, {self._resolve()!r})"
+
+    def copy(self) -> dict[str, Any]:
+        """A plain dict of the metrics (``wandb.log(tracker.step())`` copies what it gets)."""
+        return dict(self._resolve())
 
 
 @dataclass(eq=False)

@@ -148,3 +148,29 @@ def test_tensorboard_close_delivers_pending_background_step(tmp_path):
     events = acc.Scalars("weight/weight/l2")
     assert [e.step for e in events] == [0, 1, 2]
     assert events[-1].value == pytest.approx(model.weight.norm().item(), rel=1e-6)
+
+
+def test_wandb_log_of_a_background_step_result(tmp_path, monkeypatch):
+    # wandb.log(tracker.step()) is the natural loop; wandb copies what it is given
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    import wandb
+
+    run = wandb.init(project="nnstat-tests", dir=str(tmp_path))
+    try:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        with nnstat.Tracker(model, opt, stats=["l2"], background=True) as tracker:
+            for step in range(2):
+                opt.zero_grad()
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                opt.step()
+                metrics = tracker.step()
+                assert type(metrics.copy()) is dict and metrics.copy() == dict(metrics)
+                wandb.log(metrics, step=step, commit=True)
+        summary = run.summary._as_dict()
+        assert summary["_step"] == 1
+        assert summary["weight/weight/l2"] == pytest.approx(model.weight.norm().item(), rel=1e-6)
+    finally:
+        wandb.finish()
