@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from nnstat.capture.capture import ModuleCapture, sq_norm_factors
+from nnstat.capture.capture import ModuleCapture
+from nnstat.capture.norms import sq_norm_factors
 from nnstat.distributed import rank_world
 
 

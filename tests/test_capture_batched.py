@@ -128,7 +128,7 @@ class SeqThenHead(nn.Module):
 
 
 def test_sq_norm_factors_of_mixed_captures_match_torch_func():
-    from nnstat.capture.capture import sq_norm_factors
+    from nnstat.capture.norms import sq_norm_factors
 
     torch.manual_seed(5)
     model = SeqThenHead()

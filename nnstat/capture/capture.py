@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -245,6 +243,8 @@ class ModuleCapture:
             ...                    caps[0].per_sample_sq_norm().sum()))
             True
         """
+        from nnstat.capture.norms import sq_norm_factors  # norms imports this module
+
         return sq_norm_factors([self])[0]
 
     def _is_plain_row(self) -> bool:
@@ -342,47 +342,6 @@ class ModuleCapture:
 
 
 _ROW_KINDS = ("linear", "conv", "conv1d_hf")
-
-
-def sq_norm_factors(
-    caps: Sequence[ModuleCapture],
-) -> list[tuple[list[torch.Tensor], float] | None]:
-    """:meth:`ModuleCapture.sq_norm_factors` of each capture, the row scalings in one kernel.
-
-    Example:
-        >>> import torch, nnstat
-        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
-        >>> engine = nnstat.CaptureEngine(); _ = engine.watch(model); caps = []
-        >>> engine.add_consumer(caps.append)
-        >>> with engine.batch():
-        ...     model(torch.randn(5, 3)).sum().backward()
-        >>> [len(f[0]) for f in sq_norm_factors(caps)]  # |a_i||b_i| and |b_i| (bias) per layer
-        [2, 2]
-    """
-    rows = [c for c in caps if c._is_plain_row()]
-    if not rows:
-        return [None] * len(caps)
-    if len(rows) == len(caps):  # every module (an MLP): the per-step case, fewest Python ops
-        # rows along the last dim ([N, d] or [N, 1, d]); each stream is read once, the products
-        # are on [N] values (scaling b itself would read it three times: slower on wide layers)
-        na = [torch.linalg.vector_norm(c._x2 if c._x2 is not None else c._a3, dim=-1) for c in caps]
-        nb = [torch.linalg.vector_norm(c._g2 if c._g2 is not None else c._b3, dim=-1) for c in caps]
-        prod = torch._foreach_mul(nb, na)
-        return [
-            ([t, b] if c._bias else [t], c._scale * c._scale)
-            for t, b, c in zip(prod, nb, caps, strict=True)
-        ]
-    na = [torch.linalg.vector_norm(c._a, dim=-1) for c in rows]  # [N, 1]: one position
-    nb = [torch.linalg.vector_norm(c._b_raw, dim=-1) for c in rows]
-    prods = iter(zip(torch._foreach_mul(nb, na), nb, strict=True))
-    out: list[tuple[list[torch.Tensor], float] | None] = []
-    for c in caps:
-        if not c._is_plain_row():
-            out.append(None)
-            continue
-        t, b = next(prods)
-        out.append(([t, b] if c._bias else [t], c._scale * c._scale))
-    return out
 
 
 def _check_out(name: str, out: torch.Tensor, n: int, width: int) -> None:
