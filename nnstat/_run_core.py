@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from nnstat._run_rows import BatchRows
-from nnstat.projection import ForwardFactors, ModuleProjection, build_projections, module_spec
+from nnstat.projection import ModuleProjection, build_projections, module_spec
 from nnstat.store import format as fmt
 from nnstat.store import run_support as parts
 from nnstat.store.logger import StoreLogger, filter_nonfinite
@@ -64,7 +64,7 @@ class Run:
         self._pass = 0
         self._batch_flags = (False, False)
         # each run(...) block's rows, assembled in place in the writer's reused buffers
-        self._rows = BatchRows(ForwardFactors())
+        self._rows = BatchRows()
         self._next_auto_id = 0
         self._eval_ids: list[Any] = []
         self._eval_rows: list[torch.Tensor] = []
@@ -98,7 +98,6 @@ class Run:
         if self.engine is None:
             self.engine = CaptureEngine()
             self.engine.add_consumer(self._on_capture)
-            self.engine.add_consumer(self._rows.factors)
         names = self.engine.watch(model, name_filter=name_filter, type_filter=type_filter)
         self.model = model
         self._projections = None  # layout changed: rebuilt from _projection_args
@@ -165,7 +164,7 @@ class Run:
         )
         restore = parts.freeze_params(self.engine) if self._skip_param_grads() else None
         assert self._projections is not None
-        self._rows.begin(self._projections, self.mode == "log" and logging and mask is None)
+        self._rows.begin(self._projections)
         try:
             with self.engine.batch(
                 mask=mask,
@@ -220,7 +219,7 @@ class Run:
         elif rowbuf is not None:
             assert self._logger is not None
             # the rows were assembled in place: one contiguous block, one write in the thread
-            self._logger.add(ids, rowbuf, keep, recycle=rowbuf, finite=self._rows.all_finite)
+            self._logger.add(ids, rowbuf, keep, recycle=rowbuf)
         else:
             assert self._logger is not None
             # module blocks go to the writer as they are: it writes them row by row (writev)

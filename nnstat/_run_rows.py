@@ -19,27 +19,21 @@ from typing import Any
 
 import torch
 
-from nnstat.projection import ForwardFactors, ModuleProjection, project_capture
+from nnstat.projection import ModuleProjection, project_capture
 
 
 class BatchRows:
-    """Per-block row assembly: module → rows, the shared row buffer and its finiteness.
-
-    ``factors`` is the :class:`~nnstat.projection.ForwardFactors` consumer the run registered
-    on its engine: rows built from its input halves are certified finite without a pass over
-    the row buffer.
+    """Per-block row assembly: module → rows and the shared row buffer.
 
     Example:
         >>> rows = BatchRows()
-        >>> rows.begin({}, forward_factors=False)
+        >>> rows.begin({})
         >>> rows.end()
         ({}, None)
     """
 
-    def __init__(self, factors: ForwardFactors | None = None) -> None:
-        self.factors = factors if factors is not None else ForwardFactors()
+    def __init__(self) -> None:
         self.columns: dict[str, slice] = {}
-        self.all_finite = True
         self._projections: Mapping[str, ModuleProjection] = {}
         self._rows: dict[str, torch.Tensor] | None = None
         self._buffer: torch.Tensor | None = None
@@ -49,16 +43,13 @@ class BatchRows:
         """True between :meth:`begin` and :meth:`end`."""
         return self._rows is not None
 
-    def begin(self, projections: Mapping[str, ModuleProjection], forward_factors: bool) -> None:
-        """Start a block under ``projections`` (``forward_factors``: let the forward hook help)."""
+    def begin(self, projections: Mapping[str, ModuleProjection]) -> None:
+        """Start a block under ``projections``."""
         self._projections = projections
-        self._rows, self._buffer, self.all_finite = {}, None, True
-        if forward_factors:
-            self.factors.start(projections)
+        self._rows, self._buffer = {}, None
 
     def end(self) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         """Close the block: ``(module → rows, the row buffer or None)``."""
-        self.factors.stop()
         rows, self._rows = self._rows or {}, None
         buffer, self._buffer = self._buffer, None
         return rows, buffer
@@ -70,18 +61,12 @@ class BatchRows:
         prev = self._rows.get(cap.name)
         if prev is None and writer is not None:
             out = self._row_buffer(writer, cap.num_samples)[:, self.columns[cap.name]]
-            finite = self.factors.rows(cap, proj, out)
-            if finite is not None:
-                self.all_finite &= finite
-            elif cap.backward.device == out.device:
-                self.all_finite = False
+            if cap.backward.device == out.device:
                 project_capture(cap, proj, out=out)
             else:  # an accelerator: one transfer of the projected rows
-                self.all_finite = False
                 out.copy_(project_capture(cap, proj))
             self._rows[cap.name] = out
             return
-        self.all_finite = False  # a sum of backward passes: checked on the rows
         rows = project_capture(cap, proj).float()
         self._rows[cap.name] = rows if prev is None else prev.add_(rows)
 

@@ -265,13 +265,11 @@ class StoreLogger:
         rows: Rows,
         keep: list[bool] | None = None,
         recycle: torch.Tensor | None = None,
-        finite: bool = False,
     ) -> None:
         """Queue rows (already admitted; a tensor or per-module column blocks); NaN/Inf policy.
 
         ``recycle``: the writer's :meth:`~StoreWriter.row_buffer` holding ``rows``, handed back
-        to the writer with them. ``finite=True``: the caller certified every entry finite
-        (:func:`nnstat.projection.outer_rows`), so the NaN/Inf pass over the rows is skipped.
+        to the writer with them.
         """
         self.writer.check()
         self.seen.update(ids)
@@ -280,9 +278,7 @@ class StoreLogger:
             self.skipped_stored += len(ids) - len(idx)
             ids = [ids[j] for j in idx]
             rows = [b[idx] for b in rows] if isinstance(rows, list) else rows[idx]
-        skipped = 0
-        if not finite:
-            ids, rows, skipped = filter_nonfinite(ids, rows, self.options.nonfinite)
+        ids, rows, skipped = filter_nonfinite(ids, rows, self.options.nonfinite)
         self.skipped_nonfinite += skipped
         self.writer.put(ids, rows, recycle=recycle)
         self._budget_warning()
