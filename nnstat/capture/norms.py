@@ -45,24 +45,15 @@ def sq_norm_factors(
     rows = [c for c in caps if c._is_plain_row()]
     if not rows:
         return [None] * len(caps)
-    if len(rows) == len(caps):  # every module (an MLP): the per-step case, fewest Python ops
-        # rows along the last dim ([N, d] or [N, 1, d]); each stream is read once, the products
-        # are on [N] values (scaling b itself would read it three times: slower on wide layers)
-        na = [torch.linalg.vector_norm(c._x2 if c._x2 is not None else c._a3, dim=-1) for c in caps]
-        nb = [torch.linalg.vector_norm(c._g2 if c._g2 is not None else c._b3, dim=-1) for c in caps]
-        prod = torch._foreach_mul(nb, na)
-        return [
-            ([t, b] if c._bias else [t], c._scale * c._scale)
-            for t, b, c in zip(prod, nb, caps, strict=True)
-        ]
-    na = [torch.linalg.vector_norm(c._a, dim=-1) for c in rows]  # [N, 1]: one position
-    nb = [torch.linalg.vector_norm(c._b_raw, dim=-1) for c in rows]
-    prods = iter(zip(torch._foreach_mul(nb, na), nb, strict=True))
-    out: list[tuple[list[torch.Tensor], float] | None] = []
-    for c in caps:
-        if not c._is_plain_row():
-            out.append(None)
-            continue
-        t, b = next(prods)
-        out.append(([t, b] if c._bias else [t], c._scale * c._scale))
-    return out
+    # rows along the last dim ([N, d] or [N, 1, d]); each stream is read once, the products are
+    # on [N] values (scaling b itself would read it three times: slower on wide layers)
+    na = [torch.linalg.vector_norm(c._x2 if c._x2 is not None else c._a3, dim=-1) for c in rows]
+    nb = [torch.linalg.vector_norm(c._g2 if c._g2 is not None else c._b3, dim=-1) for c in rows]
+    factors = [
+        ([t, b] if c._bias else [t], c._scale * c._scale)
+        for t, b, c in zip(torch._foreach_mul(nb, na), nb, rows, strict=True)
+    ]
+    if len(rows) == len(caps):  # every module (an MLP): the per-step case
+        return factors
+    it = iter(factors)
+    return [next(it) if c._is_plain_row() else None for c in caps]
