@@ -303,7 +303,7 @@ class Tracker(BackgroundSteps):
             if background:
                 handle = self._schedule(step, plan, todo)
             else:
-                results = {k: fn() for k, fn, _ in todo}
+                results = {k: fn() for k, fn in todo}
         if background:
             # providers run while the worker reduces this step (their values are step t's)
             self._pending.extra = self._provided()

@@ -99,7 +99,7 @@ class BackgroundSteps:
         # gradients written in place must be read now; everything else waits in place for the
         # worker (weights and optimizer states change only in optimizer.step: pre-hook)
         inline = {"group:grad"} if self._grads_reused(plan) else set()
-        remote = [(k, fn) for k, fn, _ in todo if k not in inline]
+        remote = [(k, fn) for k, fn in todo if k not in inline]
         watched, grad_watch = [], []
         for group, names, tensors in plan.groups:
             if f"group:{group}" not in inline:
@@ -152,7 +152,7 @@ class BackgroundSteps:
         _register_atexit()
         # overlap: tasks that must run now do so while the worker reads the rest
         try:
-            pending.local = {k: fn() for k, fn, _ in todo if k in inline}
+            pending.local = {k: fn() for k, fn in todo if k in inline}
         except BaseException:
             pending.job.wait()  # this step cannot be completed: nothing of it is delivered
             self._pending = None

@@ -2,16 +2,15 @@
 
 A `StepPlan` lists what one logged step reads: the weights with their snapshot (for updates)
 and every other group (gradients, optimizer states...). `tasks` turns it into a few
-independent tasks (one per group; weights and updates together when the fused pass applies),
-each with an estimated cost. The Tracker runs them inline, on the background worker, or split
-over both threads; a task computes the same numbers wherever it runs, so every schedule gives
-bit-identical metrics. `assemble` then builds the flat ``"<group>/<layer>/<stat>"`` dict.
+independent tasks (one per group; weights and updates together when the fused pass applies).
+The Tracker runs them inline or on the background worker; a task computes the same numbers
+wherever it runs, so both give bit-identical metrics. `assemble` then builds the flat ``"<group>/<layer>/<stat>"`` dict.
 
 Example:
     >>> import torch
     >>> w, prev = [torch.tensor([3.0, 4.0])], [torch.tensor([3.0, 3.0])]
     >>> plan = StepPlan(["w"], ("l2",), fused=True, weights=w, prev=prev, refresh=True)
-    >>> results = {key: fn() for key, fn, _cost in tasks(plan)}
+    >>> results = {key: fn() for key, fn in tasks(plan)}
     >>> metrics = assemble(plan, results)
     >>> metrics["weight/w/l2"], metrics["update/w/l2"], metrics["trust_ratio/w"]
     (5.0, 1.0, 5.0)
@@ -33,7 +32,7 @@ from nnstat.stats_fused import light_columns, weight_update_norms
 
 __all__ = ["StepPlan", "tasks", "assemble"]
 
-Task = tuple[str, Callable[[], Any], float]
+Task = tuple[str, Callable[[], Any]]
 
 
 @dataclass
@@ -67,12 +66,8 @@ class StepPlan:
         return tuple(dict.fromkeys([*self.stats, "l2", *extra]))
 
 
-def _cost(tensors: list[torch.Tensor], per_element: float) -> float:
-    return per_element * sum(t.numel() for t in tensors)
-
-
 def tasks(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> list[Task]:
-    """``(key, fn, cost)`` per independent task; ``fn()`` returns what `assemble` needs.
+    """``(key, fn)`` per independent task; ``fn()`` returns what `assemble` needs.
 
     `workspaces` maps a task key to its scratch buffers (tasks may run concurrently, so each
     gets its own); missing keys get a fresh `Workspace`.
@@ -89,9 +84,7 @@ def tasks(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> lis
         return run
 
     for group, _names, tensors in plan.groups:
-        # a full moment pass costs several times a norm pass per element
-        per = 1.0 if set(computed) <= {"numel", "l2", "rms", "abs_max", "nonfinite"} else 4.0
-        out.append((f"group:{group}", group_task(tensors, f"group:{group}"), _cost(tensors, per)))
+        out.append((f"group:{group}", group_task(tensors, f"group:{group}")))
     if plan.prev is not None and plan.weights is not None:
         w, prev = plan.weights, plan.prev
         if plan.fused:
@@ -101,7 +94,7 @@ def tasks(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> lis
                     w, prev, plan.refresh, ws.setdefault("update", Workspace())
                 )
 
-            out.append(("update", fused, _cost(w, 2.0)))
+            out.append(("update", fused))
         else:
             views = plan.update_views if plan.update_views is not None else prev
 
@@ -117,7 +110,7 @@ def tasks(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> lis
                     )
                 return table, hists
 
-            out.append(("update", update, _cost(w, 6.0)))
+            out.append(("update", update))
     return out
 
 
