@@ -8,7 +8,7 @@ Example:
     >>> rep.section("Summary", "Trained a small MLP.")
     >>> rep.table({"test accuracy": "0.97"})
     >>> path = rep.write(pathlib.Path(tempfile.mkdtemp()) / "report.html")
-    >>> "<h2>Summary</h2>" in path.read_text()
+    >>> ">Summary</h2>" in path.read_text()
     True
 """
 
