@@ -175,8 +175,8 @@ class Run:
         finally:
             if restore is not None:
                 restore()
-            batch, rowbuf = self._rows.end()
-        self._complete(batch, ids, keep, rowbuf)
+            batch, rowbuf, factors = self._rows.end()
+        self._complete(batch, ids, keep, rowbuf, factors)
 
     def _on_capture(self, cap: Any) -> None:
         if not self._rows.open:
@@ -194,6 +194,7 @@ class Run:
         ids: list | None,
         keep: Any,
         rowbuf: torch.Tensor | None = None,
+        factors: list | None = None,
     ) -> None:
         if not (self.mode == "eval" or self._saving()):
             return
@@ -219,7 +220,7 @@ class Run:
         elif rowbuf is not None:
             assert self._logger is not None
             # the rows were assembled in place: one contiguous block, one write in the thread
-            self._logger.add(ids, rowbuf, keep, recycle=rowbuf)
+            self._logger.add(ids, rowbuf, keep, recycle=rowbuf, factors=factors)
         else:
             assert self._logger is not None
             # module blocks go to the writer as they are: it writes them row by row (writev)

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from nnstat.projection import ModuleProjection, project_capture
+from nnstat.projection import ModuleProjection, project_capture, row_factors
+from nnstat.store import outer
 
 
 class BatchRows:
@@ -29,7 +30,7 @@ class BatchRows:
         >>> rows = BatchRows()
         >>> rows.begin({})
         >>> rows.end()
-        ({}, None)
+        ({}, None, None)
     """
 
     def __init__(self) -> None:
@@ -37,6 +38,9 @@ class BatchRows:
         self._projections: Mapping[str, ModuleProjection] = {}
         self._rows: dict[str, torch.Tensor] | None = None
         self._buffer: torch.Tensor | None = None
+        # modules whose rows are outer products left for the writer to form (see store.outer)
+        self._outer: list[outer.OuterFactors] = []
+        self._all_outer = True
 
     @property
     def open(self) -> bool:
@@ -47,12 +51,24 @@ class BatchRows:
         """Start a block under ``projections``."""
         self._projections = projections
         self._rows, self._buffer = {}, None
+        self._outer, self._all_outer = [], True
 
-    def end(self) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-        """Close the block: ``(module → rows, the row buffer or None)``."""
+    def end(
+        self,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, list[outer.OuterFactors] | None]:
+        """Close the block: ``(module → rows, the row buffer or None, factors or None)``.
+
+        Factors come back only when every module's rows in the buffer are outer products not
+        yet formed; otherwise the block's rows are all in place (formed here if need be).
+        """
         rows, self._rows = self._rows or {}, None
         buffer, self._buffer = self._buffer, None
-        return rows, buffer
+        factors, self._outer = self._outer, []
+        if factors and not self._all_outer:
+            assert buffer is not None
+            outer.fill(buffer, factors)
+            factors = []
+        return rows, buffer, factors or None
 
     def add(self, cap: Any, writer: Any | None) -> None:
         """Project one module's capture; in place into ``writer``'s row buffer when given."""
@@ -60,13 +76,26 @@ class BatchRows:
         proj = self._projections[cap.name]
         prev = self._rows.get(cap.name)
         if prev is None and writer is not None:
-            out = self._row_buffer(writer, cap.num_samples)[:, self.columns[cap.name]]
-            if cap.backward.device == out.device:
+            buf = self._row_buffer(writer, cap.num_samples)
+            out = buf[:, self.columns[cap.name]]
+            b = cap.backward
+            factors = None
+            if b.dtype == torch.float32 and b.device == buf.device and len(buf):
+                factors = row_factors(cap, proj)
+            if factors is not None:
+                self._outer.append(outer.OuterFactors(self.columns[cap.name], *factors))
+            elif b.device == buf.device:
+                self._all_outer = False
                 project_capture(cap, proj, out=out)
             else:  # an accelerator: one transfer of the projected rows
+                self._all_outer = False
                 out.copy_(project_capture(cap, proj))
             self._rows[cap.name] = out
             return
+        if self._outer:  # a second backward adds to the rows: form the pending ones first
+            assert self._buffer is not None
+            outer.fill(self._buffer, self._outer)
+            self._outer, self._all_outer = [], False
         rows = project_capture(cap, proj).float()
         self._rows[cap.name] = rows if prev is None else prev.add_(rows)
 

@@ -243,6 +243,30 @@ def project_capture(
     return cap.project(p_in, p_out, out=out)
 
 
+def row_factors(cap: Any, proj: ModuleProjection) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(P_out b_i, P_in [a_i, 1])`` ``[N, r_out]``, ``[N, r_in]`` whose outer products are
+    :func:`project_capture`'s rows, or ``None`` when the rows are not one outer product per
+    sample (several positions, no Kronecker structure, or an uncompressed layer).
+
+    Example:
+        >>> import nnstat
+        >>> lin = torch.nn.Linear(6, 5)
+        >>> engine = nnstat.CaptureEngine(); _ = engine.watch(lin); caps = []
+        >>> engine.add_consumer(caps.append)
+        >>> with engine.batch():
+        ...     lin(torch.randn(3, 6)).sum().backward()
+        >>> proj = random_projection(module_spec("model", lin), rank=2)
+        >>> b, a = row_factors(caps[0], proj)
+        >>> torch.equal((b[:, :, None] * a[:, None, :]).reshape(3, -1), project_capture(caps[0], proj))
+        True
+    """
+    if (proj.p_in is None and proj.p_out is None) or proj.spec.d_out is None:
+        return None
+    p_in, p_out = _kernels(proj)
+    assert p_out is not None
+    return cap.row_factors(p_in, p_out)
+
+
 def _kernels(proj: ModuleProjection) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``p_in``, ``p_out`` as the engine multiplies them, cached on ``proj``.
 

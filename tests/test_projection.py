@@ -49,7 +49,7 @@ def expected(g_mat, proj, name, d_in, d_out):
     return torch.einsum("ro,nod,sd->nrs", p_out, g_mat, p_in).flatten(1)
 
 
-def test_linear_with_bias_matches_torch_func(tmp_path):
+def test_linear_with_bias_matches_torch_func(tmp_path, rows_formed_in):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 4))
     x, y = torch.randn(7, 6), torch.randint(0, 4, (7,))
@@ -236,7 +236,7 @@ def test_embedding_and_layernorm_rows(tmp_path):
     )
 
 
-def test_reused_row_buffers_zero_missing_modules_and_add_two_backwards(tmp_path):
+def test_reused_row_buffers_zero_missing_modules_and_add_two_backwards(tmp_path, rows_formed_in):
     # the logging pass assembles rows in a few reused buffers: a module without gradient in a
     # later batch must be stored as zeros (not an older batch's values), two backward passes in
     # one block add up, and rows queued while the next batch is assembled stay intact
@@ -346,7 +346,7 @@ def test_module_called_twice_falls_back_to_the_summed_capture(tmp_path):
     torch.testing.assert_close(rows, want, rtol=1e-4, atol=1e-5)
 
 
-def test_overflowing_rows_follow_the_nonfinite_policy(tmp_path):
+def test_overflowing_rows_follow_the_nonfinite_policy(tmp_path, rows_formed_in):
     # inputs and output gradients are finite, their outer products are not
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(3, 4))

@@ -70,7 +70,7 @@ def test_duplicate_ids_in_a_pass_are_refused(tmp_path):
     assert nnstat.GradientStore(run.path).ids == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
-def test_resume_appends_and_skips_stored_ids(tmp_path):
+def test_resume_appends_and_skips_stored_ids(tmp_path, rows_formed_in):
     run, model, x, y = logged(tmp_path, batches=[(0, 8)], ids=list(range(24)))
     first = nnstat.GradientStore(run.path).rows(0, 8)
     run, *_ = logged(tmp_path, ids=list(range(24)))  # same config: the whole pass again
@@ -128,7 +128,7 @@ def test_store_path_that_is_a_file_fails_in_the_caller(tmp_path):
         step(run, model, x[:4], y[:4])
 
 
-def test_nonfinite_policy(tmp_path):
+def test_nonfinite_policy(tmp_path, rows_formed_in):
     model, x, y = make()
     x = x.clone()
     x[2, 0] = float("nan")
@@ -203,7 +203,7 @@ def test_ekfac_schedule_runs_two_passes_and_logs_in_the_second(tmp_path):
     assert {"0/ekfac/eigenvalues", "2/ekfac/eigenvalues"} <= set(store.statistics())
 
 
-def test_param_grads_false_gives_same_rows_and_leaves_grads_untouched(tmp_path):
+def test_param_grads_false_gives_same_rows_and_leaves_grads_untouched(tmp_path, rows_formed_in):
     rows = {}
     for pg in (True, False):
         model, x, y = make()

@@ -275,6 +275,34 @@ class ModuleCapture:
             g = self.per_sample_grad()
             _check_proj(self.name, "p_in", p_in, g.shape[1])
             return _into(g @ p_in.to(g).T, out)
+        bp, ap = self._projected_factors(p_in, p_out)
+        n, r_out, r_in = self.num_samples, bp.shape[-1], ap.shape[-1]
+        if out is None:
+            return torch.bmm(bp.transpose(1, 2), ap).reshape(n, -1)
+        _check_out(self.name, out, n, r_out * r_in)
+        if bp.shape[1] == 1:  # one position: the outer product, written in place (no bmm temp)
+            torch.mul(bp.reshape(n, r_out, 1), ap.reshape(n, 1, r_in), out=out.view(n, r_out, r_in))
+            return out
+        return _into(torch.bmm(bp.transpose(1, 2), ap).reshape(n, -1), out)
+
+    def row_factors(
+        self, p_in: torch.Tensor, p_out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(P_out b_i, P_in a_i)`` as ``[N, r_out]``, ``[N, r_in]`` when each projected row is
+        their outer product (one position per sample), else ``None``.
+
+        ``project(p_in, p_out)[i]`` equals ``vec(outer(bp[i], ap[i]))`` bit for bit: a caller
+        may form the rows later (the gradient store does, in its writer thread).
+        """
+        if not self._is_plain_row():
+            return None
+        bp, ap = self._projected_factors(p_in, p_out)
+        return bp.reshape(self.num_samples, -1), ap.reshape(self.num_samples, -1)
+
+    def _projected_factors(
+        self, p_in: torch.Tensor, p_out: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``b @ p_outᵀ`` ``[N, T, r_out]`` and ``[a, 1] @ p_inᵀ`` ``[N, T, r_in]``."""
         if p_out is None:
             raise ValueError(f"{self.name} ({self.kind}) needs both p_in and p_out")
         _check_proj(self.name, "p_in", p_in, self.d_in)
@@ -289,15 +317,7 @@ class ModuleCapture:
             ap = ap.reshape(*self._a.shape[:2], -1)
         else:
             ap = self._a @ p_in.T
-        bp = self._b @ p_out.T
-        n, r_out, r_in = self.num_samples, bp.shape[-1], ap.shape[-1]
-        if out is None:
-            return torch.bmm(bp.transpose(1, 2), ap).reshape(n, -1)
-        _check_out(self.name, out, n, r_out * r_in)
-        if bp.shape[1] == 1:  # one position: the outer product, written in place (no bmm temp)
-            torch.mul(bp.reshape(n, r_out, 1), ap.reshape(n, 1, r_in), out=out.view(n, r_out, r_in))
-            return out
-        return _into(torch.bmm(bp.transpose(1, 2), ap).reshape(n, -1), out)
+        return self._b @ p_out.T, ap
 
     # ------------------------------------------------------------ sums for statistics
     def forward_gram(self) -> torch.Tensor:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from nnstat.store import format as fmt
+from nnstat.store import outer
 from nnstat.store.format import DataId
 from nnstat.store.writer import StoreWriter, stored_ids
 
@@ -265,14 +266,31 @@ class StoreLogger:
         rows: Rows,
         keep: list[bool] | None = None,
         recycle: torch.Tensor | None = None,
+        factors: list[outer.OuterFactors] | None = None,
     ) -> None:
         """Queue rows (already admitted; a tensor or per-module column blocks); NaN/Inf policy.
 
         ``recycle``: the writer's :meth:`~StoreWriter.row_buffer` holding ``rows``, handed back
-        to the writer with them.
+        to the writer with them. ``factors``: the rows are those outer products, not yet formed
+        (``rows`` is the row buffer): the writer forms them when the factors certify the block
+        finite and every row is kept; otherwise they are formed here and checked as rows.
         """
         self.writer.check()
         self.seen.update(ids)
+        if factors:
+            check = (keep is not None and not all(keep)) or (
+                self.options.nonfinite != "keep" and not outer.certified(factors)
+            )
+            # on the writer's thread only when it has a core to itself: otherwise it would take
+            # one from torch's threads mid-GEMM (measured slower at 2 threads on 2 cores)
+            in_writer = not check and outer.idle_core()
+            if not in_writer:
+                assert isinstance(rows, torch.Tensor)
+                outer.fill(rows, factors)
+            if not check:
+                self.writer.put(ids, rows, recycle=recycle, factors=factors if in_writer else None)
+                self._budget_warning()
+                return
         if keep is not None and not all(keep):
             idx = [j for j, k in enumerate(keep) if k]
             self.skipped_stored += len(ids) - len(idx)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from nnstat.store import format as fmt
+from nnstat.store import outer
 from nnstat.store.direct import DirectShardFile, StagingBuffer
 from nnstat.store.format import DataId, list_shards
 
@@ -133,11 +134,14 @@ class StoreWriter:
         ids: list[DataId],
         rows: torch.Tensor | list[torch.Tensor],
         recycle: torch.Tensor | None = None,
+        factors: list[outer.OuterFactors] | None = None,
     ) -> None:
         """Queue ``rows`` ``[len(ids), row_width]``, or column blocks that concatenate to it.
 
         Blocks are joined in the background thread, straight into the shard file. ``recycle``: a
         :meth:`row_buffer` the rows live in (or were copied from); it is reused once written.
+        ``factors``: columns of ``rows`` (a tensor) the thread fills with these outer products
+        before writing (see :mod:`nnstat.store.outer`).
         """
         self.check()
         blocks = rows if isinstance(rows, list) else [rows]
@@ -146,7 +150,7 @@ class StoreWriter:
             shapes = [tuple(b.shape) for b in blocks]
             raise ValueError(f"expected rows of shape [{len(ids)}, {self.row_width}], got {shapes}")
         if len(ids):
-            self._queue.put((list(ids), [b.detach() for b in blocks], recycle))
+            self._queue.put((list(ids), [b.detach() for b in blocks], recycle, factors))
         elif recycle is not None:
             self._release(recycle)
 
@@ -202,9 +206,15 @@ class StoreWriter:
             self._error = e
 
     def _add(
-        self, ids: list[DataId], blocks: list[torch.Tensor], recycle: torch.Tensor | None
+        self,
+        ids: list[DataId],
+        blocks: list[torch.Tensor],
+        recycle: torch.Tensor | None,
+        factors: list[outer.OuterFactors] | None,
     ) -> None:
         try:
+            if factors:
+                outer.fill(blocks[0], factors, in_thread=True)
             self._write(ids, blocks)
         finally:
             if recycle is not None:

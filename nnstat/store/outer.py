@@ -1,0 +1,93 @@
+"""Rows formed from their per-sample factors after the batch: ``row_i = vec(b_i ⊗ a_i)``.
+
+A one-position Linear's projected row is the outer product of two short vectors (``P_out g_i``
+and ``P_in [x_i, 1]``). Writing those products is the memory-bound part of logging (a 64x64
+block per sample and module, 6.6 MB per batch of 128 on a 10M-parameter MLP), and reading them
+back for the NaN/Inf check is as much again. The Run hands the factors to the store instead:
+
+* the NaN/Inf check is a certificate on the factors (:func:`certified`): every entry of
+  ``b ⊗ a`` is finite when ``max|b| * max|a|`` is (exact in float64), so the training thread
+  decides the policy from 2 x 64 numbers per sample and module, before the rows exist;
+* the writer thread forms the rows (:func:`fill`) in the row buffer right before writing them,
+  on its own core when torch leaves one idle.
+
+The rows are bit-identical to :meth:`~nnstat.capture.ModuleCapture.project` (one float32
+multiply per entry either way).
+
+Example:
+    >>> b, a = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 4.0, 5.0]])
+    >>> rows = torch.empty(1, 6)
+    >>> factors = [OuterFactors(slice(0, 6), b, a)]
+    >>> certified(factors)
+    True
+    >>> fill(rows, factors).tolist()
+    [[3.0, 4.0, 5.0, 6.0, 8.0, 10.0]]
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+@dataclass(frozen=True)
+class OuterFactors:
+    """One module's rows still to be formed: ``rows[:, cols][i] = vec(outer(b[i], a[i]))``.
+
+    Attributes:
+        cols: the module's columns in the row buffer.
+        b: ``[N, r_out]`` float32 projected output gradients.
+        a: ``[N, r_in]`` float32 projected inputs.
+    """
+
+    cols: slice
+    b: torch.Tensor
+    a: torch.Tensor
+
+
+def certified(factors: list[OuterFactors]) -> bool:
+    """True when every entry of every row the factors make is finite (one host sync).
+
+    ``|b_k a_l| <= max|b| max|a|``, and a float32 product whose exact value is at most the
+    largest float32 rounds to a finite number: finite maxima whose product (exact in float64)
+    stays within range prove the whole block finite. ``False`` means "check the rows" (NaN/Inf
+    in a factor, or a product that might overflow), not that a row is bad.
+    """
+    if not factors:
+        return True
+    maxima = torch.stack(
+        torch._foreach_norm([t for f in factors for t in (f.b, f.a)], float("inf"))
+    ).tolist()
+    return all(mb * ma <= _FLOAT32_MAX for mb, ma in zip(maxima[0::2], maxima[1::2], strict=True))
+
+
+def fill(rows: torch.Tensor, factors: list[OuterFactors], in_thread: bool = False) -> torch.Tensor:
+    """Write each module's outer products into its columns of ``rows`` (float32 ``[N, W]``).
+
+    ``in_thread=True`` (the writer thread): numpy's multiply, which runs on the calling thread
+    alone and releases the GIL, so no second pool of torch threads starts next to training's.
+    Otherwise torch's multiply, on torch's threads. Both round each product once: same bits.
+    """
+    for f in factors:
+        n, r_out, r_in = f.b.shape[0], f.b.shape[1], f.a.shape[1]
+        out = rows[:, f.cols].view(n, r_out, r_in)
+        b, a = f.b.detach().view(n, r_out, 1), f.a.detach().view(n, 1, r_in)
+        if in_thread:
+            np.multiply(b.numpy(), a.numpy(), out=out.numpy())
+        else:
+            torch.mul(b, a, out=out)
+    return rows
+
+
+def idle_core() -> bool:
+    """True when torch's threads leave a core of this process free (for the writer thread)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    return torch.get_num_threads() < cores
