@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import atexit
+import functools
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -315,14 +316,17 @@ class Run:
         return make_log_dataloader(self.path, batch_size=batch_size, num_workers=num_workers)
 
     # ---------------------------------------------------------------------- internals
-    def store_meta(self) -> dict[str, Any]:
-        """The meta.json describing rows of this run (layout, projection hash, config)."""
+    def store_meta(self, hashed: bool = True) -> dict[str, Any]:
+        """The meta.json describing rows of this run (layout, projection hash, config).
+
+        ``hashed=False`` leaves ``projection_sha256`` ``None`` (the store fills it in later).
+        """
         self._build_projections()
         assert self._projections is not None
         args = dict(self._projection_args)
         if not self._projection_set:
             args["rank"] = self.config.default_rank
-        return parts.build_meta(self.project, self.config, args, self._projections)
+        return parts.build_meta(self.project, self.config, args, self._projections, hashed)
 
     def _pass_spec(self) -> Any:
         return self.config.passes()[self._pass]
@@ -367,9 +371,11 @@ class Run:
         if self._logger is not None:
             return
         assert self._projections is not None
-        meta = self.store_meta()
-        parts.write_projections(self.path, self._projections, self.rank)
-        self._logger = StoreLogger(self.path, meta, self.config.store, self.rank, self.world_size)
+        meta = self.store_meta(hashed=False)
+        prepare = functools.partial(parts.prepare_store, self.path, self._projections, self.rank)
+        self._logger = StoreLogger(
+            self.path, meta, self.config.store, self.rank, self.world_size, prepare=prepare
+        )
         if not self._atexit:
             self._atexit = True
             atexit.register(self._warn_unfinalized)

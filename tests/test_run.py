@@ -118,6 +118,44 @@ def test_writer_failure_is_raised_at_next_run_or_finalize(tmp_path, monkeypatch)
         nnstat.finalize()  # ... and at finalize()
 
 
+def test_meta_is_written_by_the_writer_with_the_hash_of_the_saved_projections(tmp_path):
+    import hashlib
+
+    from safetensors.numpy import load_file
+
+    run, *_ = logged(tmp_path)
+    meta = json.loads((run.path / "meta.json").read_text())
+    saved = load_file(str(run.path / "projections.safetensors"))
+    h = hashlib.sha256()  # the recipe of meta.json's projection_sha256, over the file's arrays
+    for name in sorted(saved):
+        h.update(name.encode() + f"torch.{saved[name].dtype}{saved[name].shape}".encode())
+        h.update(saved[name].tobytes())
+    assert len(saved) == 4 and meta["projection_sha256"] == h.hexdigest()
+
+
+def test_failure_to_save_projections_is_raised_and_no_shard_is_written(tmp_path, monkeypatch):
+    from nnstat.store import run_support
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(run_support, "write_projections", read_only)
+    model, x, y = make()
+    run = nnstat.init(project="ro", root_dir=tmp_path)
+    nnstat.setup({"shard_rows": 4})
+    nnstat.watch(model)
+    step(run, model, x[:4], y[:4])  # the writer's first job (meta + projections) fails
+    for _ in range(500):
+        if run._logger.writer._error is not None:
+            break
+        time.sleep(0.01)
+    with pytest.raises(StoreWriteError, match="Permission denied"):
+        step(run, model, x[4:8], y[4:8])
+    with pytest.raises(StoreWriteError, match="Permission denied"):
+        nnstat.finalize()
+    assert not list((run.path / "shards").glob("*.npy")) and not (run.path / "meta.json").exists()
+
+
 def test_store_path_that_is_a_file_fails_in_the_caller(tmp_path):
     (tmp_path / "p").mkdir()
     (tmp_path / "p" / "shards").write_text("a file where the shard directory should be")

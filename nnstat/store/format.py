@@ -345,7 +345,8 @@ def tensors_hash(tensors: Mapping[str, torch.Tensor]) -> str:
         t = tensors[name].detach().to("cpu").contiguous()
         h.update(name.encode())
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
     return h.hexdigest()
 
 

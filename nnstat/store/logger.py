@@ -25,6 +25,7 @@ import json
 import math
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,11 @@ class StoreLogger:
         options: :class:`StoreOptions`.
         rank: process rank (``torch.distributed``); rank 0 writes meta.json.
         world_size: number of processes.
+        prepare: completes ``meta`` in place and writes what must exist with it (the Run: the
+            projection hash and ``projections.safetensors``). For a new store it runs in the
+            writer's thread, then meta.json is written there, before any shard: the first
+            batch does not wait on hashing and fsyncs. Resuming, it runs here, before the
+            comparison with the stored meta.json.
     """
 
     def __init__(
@@ -178,19 +184,23 @@ class StoreLogger:
         options: StoreOptions,
         rank: int = 0,
         world_size: int = 1,
+        prepare: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.path, self.options, self.rank = Path(path), options, rank
         self.path.mkdir(parents=True, exist_ok=True)
         meta_path = self.path / fmt.META_FILE
         self.meta = dict(meta, nonfinite=options.nonfinite, dtype=options.dtype)
         self.meta.setdefault("skipped_rows", 0)
-        if meta_path.exists():
+        fresh = not meta_path.exists()
+        # meta.json is rewritten at close only over a complete start (see _start)
+        self._started = not fresh
+        if not fresh:
+            if prepare is not None:
+                prepare(self.meta)  # a resumed store is compared with the complete meta
             with open(meta_path) as f:
                 old = json.load(f)
             check_resumable(old, self.meta, self.path)
             self.meta["skipped_rows"] = int(old.get("skipped_rows", 0))
-        elif rank == 0:
-            fmt.atomic_write_json(meta_path, self.meta)
         self.stored: set[DataId] = stored_ids(self.path / fmt.SHARD_DIR)
         self.seen: set[DataId] = set()
         self.skipped_nonfinite = 0
@@ -205,7 +215,18 @@ class StoreLogger:
             rank=rank,
             queue_size=options.queue_size,
         )
+        if fresh:
+            # the writer's first job, ahead of every shard: a store on disk always has its
+            # meta.json (and what `prepare` writes) before its first shard
+            self.writer.submit(functools.partial(self._start, prepare))
         self._warned_budget = False
+
+    def _start(self, prepare: Callable[[dict[str, Any]], None] | None) -> None:
+        if prepare is not None:
+            prepare(self.meta)
+        if self.rank == 0:
+            fmt.atomic_write_json(self.path / fmt.META_FILE, self.meta)
+        self._started = True
 
     @functools.cached_property
     def bytes_per_row(self) -> int:
@@ -324,6 +345,6 @@ class StoreLogger:
                 dist.all_reduce(t)
                 skipped = int(t.item())
             self.meta["skipped_rows"] = int(self.meta.get("skipped_rows", 0)) + skipped
-            if self.rank == 0:
+            if self.rank == 0 and self._started:
                 fmt.atomic_write_json(self.path / fmt.META_FILE, self.meta)
         return written

@@ -132,10 +132,13 @@ def build_meta(
     settings: RunSettings,
     projection_args: Mapping[str, Any],
     projections: Mapping[str, ModuleProjection],
+    hashed: bool = True,
 ) -> dict[str, Any]:
-    """meta.json for rows made with ``projections`` (see docs/architecture.md)."""
+    """meta.json for rows made with ``projections`` (see docs/architecture.md).
+
+    ``hashed=False``: ``projection_sha256`` is ``None``, for :func:`prepare_store` to fill in.
+    """
     mods = layout(projections)
-    tensors = projection_tensors(projections)
     return {
         "format_version": fmt.FORMAT_VERSION,
         "nnstat_version": nnstat.__version__,
@@ -152,10 +155,21 @@ def build_meta(
             "p_in then p_out, N(0, 1/r); identity where r >= dim",
         },
         "projection_seed": projection_args["seed"],
-        "projection_sha256": fmt.tensors_hash(tensors),
+        "projection_sha256": (
+            fmt.tensors_hash(projection_tensors(projections)) if hashed else None
+        ),
         "nonfinite": settings.store.nonfinite,
         "skipped_rows": 0,
     }
+
+
+def prepare_store(
+    path: Path, projections: Mapping[str, ModuleProjection], rank: int, meta: dict[str, Any]
+) -> None:
+    """Complete ``meta`` with the projection hash and save the projections (rank 0, once)."""
+    if meta.get("projection_sha256") is None:
+        meta["projection_sha256"] = fmt.tensors_hash(projection_tensors(projections))
+    write_projections(path, projections, rank)
 
 
 def write_projections(path: Path, projections: Mapping[str, ModuleProjection], rank: int) -> None:

@@ -24,6 +24,7 @@ import os
 import queue
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -154,6 +155,11 @@ class StoreWriter:
         elif recycle is not None:
             self._release(recycle)
 
+    def submit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` in the thread, in order with the rows (an error is raised like theirs)."""
+        self.check()
+        self._queue.put(fn)
+
     def _release(self, buf: torch.Tensor) -> None:
         base = buf._base if buf._base is not None else buf  # the whole buffer, flat or not
         if len(self._free) < _KEEP_BUFFERS:
@@ -197,7 +203,10 @@ class StoreWriter:
                 return
             if self._error is not None:
                 continue  # keep draining so put() never deadlocks; the error is raised there
-            self._run_guarded(self._add, *item)
+            if callable(item):
+                self._run_guarded(item)
+            else:
+                self._run_guarded(self._add, *item)
 
     def _run_guarded(self, fn, *args) -> None:
         try:
