@@ -194,7 +194,12 @@ def test_layernorm_affine(shape, bias):
     assert_matches(caps, reference_grads(model, ce_sum, x, y))
 
 
-def test_module_called_twice_and_inplace_relu():
+@pytest.mark.parametrize("hook_api", ["private", "public fallback"])
+def test_module_called_twice_and_inplace_relu(hook_api, monkeypatch):
+    if hook_api == "public fallback":  # as on a torch without the private registration method
+        from nnstat.capture import engine as engine_module
+
+        monkeypatch.setattr(engine_module, "_REGISTER_HOOK_DICT", "_no_such_method")
     torch.manual_seed(0)
 
     class Shared(nn.Module):
@@ -216,6 +221,23 @@ def test_module_called_twice_and_inplace_relu():
     with engine.batch():
         ce_sum(model, x, y).backward()
     assert sorted(c.name for c in calls) == ["fc", "head"]  # once per module per backward
+    assert_matches({c.name: c for c in calls}, reference_grads(model, ce_sum, x, y))
+    # a user's own hook on a watched output (public API either way) still runs, and so do ours
+    seen = []
+    engine = CaptureEngine()
+    engine.watch(model)
+    engine.add_consumer(calls.append)
+
+    def users_hook(module, inputs, out):
+        out.register_hook(lambda g: seen.append(tuple(g.shape)))
+
+    handle = model.head.register_forward_hook(users_hook)
+    calls.clear()
+    with engine.batch():
+        ce_sum(model, x, y).backward()
+    handle.remove()
+    engine.unwatch()
+    assert seen == [(5, 2)] and sorted(c.name for c in calls) == ["fc", "head"]
     assert_matches({c.name: c for c in calls}, reference_grads(model, ce_sum, x, y))
 
 

@@ -34,6 +34,10 @@ from nnstat.capture.capture import ModuleCapture
 
 __all__ = ["LOSS_REDUCTIONS", "CaptureConsumer", "CaptureEngine", "UnsupportedModuleError"]
 
+#: the private grad_fn method Tensor.register_hook uses (a test sets a missing name to take the
+#: public-API fallback every other torch would)
+_REGISTER_HOOK_DICT = "_register_hook_dict"
+
 
 class UnsupportedModuleError(ValueError):
     """A module selected explicitly for capture has no per-sample gradient rule."""
@@ -275,7 +279,7 @@ class CaptureEngine:
         if target is not output:
             hook = partial(_reshaped, hook, output.shape)
         fresh = type(target) is torch.Tensor and target._backward_hooks is None
-        register = getattr(target.grad_fn, "_register_hook_dict", None) if fresh else None
+        register = getattr(target.grad_fn, _REGISTER_HOOK_DICT, None) if fresh else None
         if register is not None:
             # what Tensor.register_hook does for a fresh non-leaf tensor, minus the removable
             # handle we never use (a third of the per-layer hook cost on small models); any
