@@ -80,29 +80,43 @@ class _Worker:
         return job
 
     def _start(self) -> None:
-        n = torch.get_num_threads()
-        ready = threading.Event()
         self._queue = queue.SimpleQueue()
-        self._thread = threading.Thread(
-            target=self._loop, args=(ready,), name="nnstat-statistics", daemon=True
-        )
-        self._thread.start()
-        ready.wait()
-        # torch.set_num_threads also sets the default new threads inherit; the worker's call
-        # below changed it to 1, so put back the training thread's value (its own OpenMP
-        # setting is per thread and was never touched)
-        torch.set_num_threads(n)
+        self._thread = start_one_thread_worker(self._loop, "nnstat-statistics")
 
-    def _loop(self, ready: threading.Event) -> None:
-        # cache-blocked passes: one intra-op thread (thread-local for OpenMP/MKL), so the worker
-        # takes one core and reductions round exactly as on the synchronous one-thread path;
-        # get_num_threads first: it runs torch's once-per-thread initialisation, which would
-        # otherwise later reset this thread to the process-wide count
+    def _loop(self) -> None:
+        while True:
+            self._queue.get()._run()
+
+
+def start_one_thread_worker(target: Callable[[], None], name: str) -> threading.Thread:
+    """Start daemon thread ``name`` running ``target()`` with torch on one intra-op thread there.
+
+    The worker takes one core, and its reductions round exactly as on the synchronous
+    one-thread path; the caller's thread count is unchanged.
+
+    Example:
+        >>> done = threading.Event()
+        >>> t = start_one_thread_worker(done.set, "example"); t.join(); done.is_set()
+        True
+    """
+    n = torch.get_num_threads()
+    ready = threading.Event()
+
+    def run() -> None:
+        # thread-local for OpenMP/MKL; get_num_threads first: it runs torch's once-per-thread
+        # initialisation, which would otherwise later reset this thread to the process count
         torch.get_num_threads()
         torch.set_num_threads(1)
         ready.set()
-        while True:
-            self._queue.get()._run()
+        target()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    ready.wait()
+    # torch.set_num_threads also sets the default new threads inherit; the worker's call above
+    # changed it to 1, so put back the caller's value (its own OpenMP setting was never touched)
+    torch.set_num_threads(n)
+    return thread
 
 
 _WORKER = _Worker()

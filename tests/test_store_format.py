@@ -58,10 +58,14 @@ def test_roundtrip_ids_types_blocks_and_plain_numpy(tmp_path):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_dtypes(tmp_path, dtype):
     torch.manual_seed(0)
-    rows = torch.randn(5, 6)
-    store = _write(tmp_path, rows, list(range(5)), dtype=dtype)
-    ref = rows.to(getattr(torch, dtype)).float()
-    torch.testing.assert_close(store.rows(0, 5), ref, rtol=0, atol=0)
+    rows = torch.randn(8, 6) * torch.logspace(-9, 6, 8).unsqueeze(1)  # under/overflow included
+    # rounding ties, the largest finite halves, just past them, signed zero and subnormals
+    rows[0] = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 65504.0, 65519.0, 65520.0, -0.0])
+    rows[1] = torch.tensor([2**-24, 2**-25, 3 * 2**-26, -(2**-20), 1e-30, float("inf")])
+    store = _write(tmp_path, rows, list(range(8)), dtype=dtype)
+    ref = rows.to(getattr(torch, dtype)).float()  # torch's conversion is the reference
+    torch.testing.assert_close(store.rows(0, 8), ref, rtol=0, atol=0)
+    assert torch.equal(torch.signbit(store.rows(0, 8)), torch.signbit(ref))
     raw = np.load(store.shards[0])
     assert raw.dtype == (np.float16 if dtype == "float16" else np.uint16)
 
