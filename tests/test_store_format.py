@@ -68,6 +68,16 @@ def test_half_precision_dtypes(tmp_path, dtype):
     assert torch.equal(torch.signbit(store.rows(0, 8)), torch.signbit(ref))
     raw = np.load(store.shards[0])
     assert raw.dtype == (np.float16 if dtype == "float16" else np.uint16)
+    # column blocks (one per module) and whole-row blocks of changing sizes in one pass
+    w = StoreWriter(tmp_path / "blocks", 6, shard_rows=5, dtype=dtype)
+    w.put([0, 1, 2], [rows[:3, :2], rows[:3, 2:]])
+    w.put([3], rows[3:4])
+    w.put([4, 5, 6, 7], [rows[4:, :5], rows[4:, 5:]])
+    assert w.close() == 8
+    got = np.concatenate([np.load(p) for p in sorted((tmp_path / "blocks").glob("*.npy"))])
+    want = rows.to(getattr(torch, dtype))
+    want = want.view(torch.int16).numpy().view(np.uint16) if dtype == "bfloat16" else want.numpy()
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
 def test_dataloader_yields_blocks_with_workers(tmp_path):

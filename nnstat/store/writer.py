@@ -235,7 +235,11 @@ class StoreWriter:
                 self._release(recycle)
 
     def _write(self, ids: list[DataId], blocks: list[torch.Tensor]) -> None:
-        arrays = [self._encode(b) for b in blocks]
+        # one reused 16-bit buffer: a single block (column blocks are encoded one by one)
+        if len(blocks) == 1:
+            arrays = [self._encode(blocks[0])]
+        else:
+            arrays = [fmt.encode_rows(b, self.dtype) for b in blocks]
         pos = 0
         while pos < len(ids):
             if self._shard is None:
