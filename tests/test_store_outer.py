@@ -40,7 +40,8 @@ def test_certificate_is_sound_and_refuses_nonfinite_or_overflowing_factors():
         b = torch.randn(3, 4, generator=g) * scale_b
         a = torch.randn(3, 5, generator=g) * scale_a
         f = [_factors(b, a)]
-        rows = (b.numpy()[:, :, None] * a.numpy()[:, None, :]).reshape(3, -1)
+        with np.errstate(over="ignore"):  # overflowing products are the point
+            rows = (b.numpy()[:, :, None] * a.numpy()[:, None, :]).reshape(3, -1)
         if outer.certified(f):  # sound: a certified block has no NaN/Inf
             assert np.isfinite(rows).all()
         largest = max(b.abs().max().item(), a.abs().max().item())
@@ -82,3 +83,16 @@ def test_logging_forms_one_position_rows_in_the_writer_only_with_an_idle_core(
     want = ("nnstat-store-writer", True) if idle else (threading.current_thread().name, False)
     assert threads == [want, want]
     assert nnstat.GradientStore(run.path).ids == list(range(10))
+
+
+def test_idle_core_counts_torch_threads_of_every_local_process(monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert outer.idle_core()  # 2 of 4 cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert not outer.idle_core()  # two processes x 2 threads
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert outer.idle_core()

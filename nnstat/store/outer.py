@@ -89,9 +89,16 @@ def fill(rows: torch.Tensor, factors: list[OuterFactors], in_thread: bool = Fals
 
 
 def idle_core() -> bool:
-    """True when torch's threads leave a core of this process free (for the writer thread)."""
+    """True when torch's threads leave a core of this machine free (for the writer thread).
+
+    Processes of one node under ``torchrun`` (``LOCAL_WORLD_SIZE``) share its cores.
+    """
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         cores = os.cpu_count() or 1
-    return torch.get_num_threads() < cores
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return torch.get_num_threads() * local < cores
