@@ -6,8 +6,8 @@ block per sample and module, 6.6 MB per batch of 128 on a 10M-parameter MLP), an
 back for the NaN/Inf check is as much again. The Run hands the factors to the store instead:
 
 * the NaN/Inf check is a certificate on the factors (:func:`certified`): every entry of
-  ``b ⊗ a`` is finite when ``max|b| * max|a|`` is (exact in float64), so the training thread
-  decides the policy from 2 x 64 numbers per sample and module, before the rows exist;
+  ``b ⊗ a`` is finite when the product of the two factors' norms is well within float32 range,
+  so the training thread decides the policy from the factors, before the rows exist;
 * the writer thread forms the rows (:func:`fill`) in the row buffer right before writing them,
   on its own core when torch leaves one idle.
 
@@ -53,21 +53,22 @@ class OuterFactors:
 def certified(factors: list[OuterFactors]) -> bool:
     """True when every entry of every row the factors make is finite (one host sync).
 
-    Each entry is ``b_k a_l`` with ``|b_k a_l| <= M**2``, ``M`` the largest magnitude among all
-    the factors, and a float32 product whose exact value is at most the largest float32 rounds
-    to a finite number: ``M**2`` within range (exact in float64) proves the whole block finite.
-    One reduction over all factors (two kernels: a concatenation and a min/max), instead of one
-    per factor, which cost 8x as much on a 4-layer MLP. ``False`` means "check the rows" (NaN/Inf
-    in a factor, or ``M >= 1.8e19``), not that a row is bad.
+    Each entry of a module's rows is ``b_k a_l`` with ``|b_k a_l| <= ||b||_F ||a||_F`` (the
+    Frobenius norms of the module's whole factor blocks), and a float32 product whose exact
+    value is at most the largest float32 rounds to a finite number: norm products within half
+    of that range (slack for the norms' own rounding) prove the block finite. One multi-tensor
+    norm call for all modules: 18 us on the benchmark MLP at two threads, against 170 us for
+    per-tensor max-abs reductions. ``False`` means "check the rows" (NaN/Inf in a factor, or
+    norms too large to decide), not that a row is bad.
     """
     if not factors:
         return True
-    flat = torch.cat([t.detach().reshape(-1) for f in factors for t in (f.b, f.a)])
-    if not flat.numel():
-        return True
-    lo, hi = torch.stack(torch.aminmax(flat)).tolist()
-    largest = max(-lo, hi)  # NaN compares False below
-    return largest * largest <= _FLOAT32_MAX
+    norms = torch.stack(
+        torch._foreach_norm([t.detach() for f in factors for t in (f.b, f.a)], 2)
+    ).tolist()
+    limit = _FLOAT32_MAX / 2
+    # NaN compares False
+    return all(nb * na <= limit for nb, na in zip(norms[0::2], norms[1::2], strict=True))
 
 
 def fill(rows: torch.Tensor, factors: list[OuterFactors], in_thread: bool = False) -> torch.Tensor:
