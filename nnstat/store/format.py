@@ -152,13 +152,21 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(Path(path), json.dumps(obj, indent=1, sort_keys=False).encode())
 
 
-def encode_rows(rows: torch.Tensor, dtype: str) -> np.ndarray:
-    """Convert a float tensor ``[b, w]`` to the numpy array stored for ``dtype``."""
+def encode_rows(rows: torch.Tensor, dtype: str, out: np.ndarray | None = None) -> np.ndarray:
+    """Convert a float tensor ``[b, w]`` to the numpy array stored for ``dtype``.
+
+    ``out`` (a ``[b, w]`` array of the stored numpy dtype) receives a 16-bit conversion and is
+    returned; float32 rows come back as they are (a view when already float32 on the CPU).
+    """
     if dtype not in STORE_DTYPES:
         raise ValueError(f"unknown store dtype {dtype!r}; valid: {sorted(STORE_DTYPES)}")
     if rows.dim() != 2 or not rows.dtype.is_floating_point:
         raise TypeError(f"rows must be a 2-D float tensor, got {rows.dtype} {tuple(rows.shape)}")
     np_dtype, torch_dtype = STORE_DTYPES[dtype]
+    if out is not None and dtype != "float32":
+        target = torch.from_numpy(out.view(np.int16) if dtype == "bfloat16" else out)
+        target.view(torch_dtype).copy_(rows.detach())
+        return out
     t = rows.detach().to("cpu", torch_dtype).contiguous()
     if dtype == "bfloat16":
         return t.view(torch.int16).numpy().view(np.uint16)

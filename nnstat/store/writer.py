@@ -255,20 +255,12 @@ class StoreWriter:
     def _encode(self, rows: torch.Tensor) -> np.ndarray:
         """The rows as stored. A 16-bit dtype is converted into one reused page-aligned buffer
         (a fresh tensor per batch would page fault and miss the in-place direct write)."""
-        if (
-            self.dtype == "float32"
-            or rows.device.type != "cpu"
-            or rows.dim() != 2
-            or not rows.dtype.is_floating_point
-        ):
+        if self.dtype == "float32" or rows.device.type != "cpu" or rows.dim() != 2:
             return fmt.encode_rows(rows, self.dtype)
         n, w = rows.shape
         if self._half is None or self._half.size < n * w:
             self._half = anon_array(n * w, fmt.STORE_DTYPES[self.dtype][0])
-        out = self._half[: n * w].reshape(n, w)
-        target = torch.from_numpy(out.view(np.int16) if self.dtype == "bfloat16" else out)
-        target.view(fmt.STORE_DTYPES[self.dtype][1]).copy_(rows.detach())
-        return out
+        return fmt.encode_rows(rows, self.dtype, out=self._half[: n * w].reshape(n, w))
 
     def _open_shard(self, np_dtype: np.dtype) -> None:
         need = self.shard_rows * self.row_width * np.dtype(np_dtype).itemsize
