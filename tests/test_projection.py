@@ -370,3 +370,36 @@ def test_overflowing_rows_follow_the_nonfinite_policy(tmp_path, rows_formed_in):
     nnstat.finalize()
     store = nnstat.GradientStore(run.path)
     assert store.ids == [0, 2, 3] and store.meta["skipped_rows"] == 1
+
+
+@pytest.mark.parametrize("sequence", [False, True])
+def test_rows_beyond_float16_range_follow_the_nonfinite_policy(tmp_path, rows_formed_in, sequence):
+    # finite in float32, infinite once stored as float16: the policy sees what would be stored
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(3, 4))
+    x = torch.randn(4, 2, 3) if sequence else torch.randn(4, 3)
+    x[2] *= 1e3
+    scale = torch.tensor([1.0, 1.0, 1e3, 1.0]).reshape(4, *([1] * (x.dim() - 1)))
+
+    def log(project, policy):
+        run = nnstat.init(project=project, root_dir=tmp_path)
+        nnstat.setup({"statistic": "none", "dtype": "float16", "nonfinite": policy})
+        nnstat.watch(model)
+        nnstat.add_projection(rank=2)
+        with run(data_id=[0, 1, 2, 3]):
+            (model(x) * scale).sum().backward()
+        nnstat.finalize()
+        nnstat.unwatch()
+        return nnstat.GradientStore(run.path), run
+
+    with pytest.raises(ValueError, match=r"ids \[2\] contain NaN/Inf or values float16 stores"):
+        log("err", "error")
+    nnstat.finalize()
+    nnstat.unwatch()
+    store, run = log("skip", "skip")
+    assert store.ids == [0, 1, 3] and store.meta["skipped_rows"] == 1
+    rows = store.rows(0, 3)
+    assert torch.isfinite(rows).all() and rows.abs().max() > 0
+    store, _ = log("keep", "keep")
+    kept = store.rows(0, 4)
+    assert torch.isinf(kept[2]).any() and torch.isfinite(kept[[0, 1, 3]]).all()

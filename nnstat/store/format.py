@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import struct
@@ -150,6 +151,22 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 def atomic_write_json(path: Path, obj: Any) -> None:
     """:func:`atomic_write_bytes` of ``obj`` as indented JSON."""
     atomic_write_bytes(Path(path), json.dumps(obj, indent=1, sort_keys=False).encode())
+
+
+def overflow_threshold(dtype: str) -> float:
+    """The smallest magnitude that ``dtype`` storage rounds to infinity (``inf`` for float32).
+
+    Largest finite value plus half its spacing (round to nearest, ties to even go up there).
+
+    Example:
+        >>> overflow_threshold("float16")
+        65520.0
+    """
+    if dtype == "float32":
+        return math.inf
+    info = torch.finfo(STORE_DTYPES[dtype][1])
+    _, exponent = math.frexp(info.max)  # max = m * 2**exponent, 0.5 <= m < 1
+    return float(info.max) + math.ldexp(info.eps, exponent - 2)  # + half the spacing at max
 
 
 def encode_rows(rows: torch.Tensor, dtype: str, out: np.ndarray | None = None) -> np.ndarray:

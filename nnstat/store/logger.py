@@ -113,36 +113,56 @@ def _one_of(key: str, value: Any, valid: tuple[str, ...]) -> None:
 Rows = torch.Tensor | list[torch.Tensor]
 
 
-def filter_nonfinite(ids: list[DataId], rows: Rows, policy: str) -> tuple[list[DataId], Rows, int]:
+def filter_nonfinite(
+    ids: list[DataId], rows: Rows, policy: str, dtype: str = "float32"
+) -> tuple[list[DataId], Rows, int]:
     """Apply the NaN/Inf ``policy``; return kept ids, kept rows, number skipped.
 
     ``rows`` is ``[n, w]`` or a list of column blocks ``[n, w_k]`` (one per module) that make up
-    the rows; the same form comes back.
+    the rows; the same form comes back. With a 16-bit store ``dtype``, a value that storage
+    would round to infinity (``|x| >= format.overflow_threshold(dtype)``) counts as Inf: the
+    policy sees what would be stored, not only what was computed.
 
     Example:
         >>> filter_nonfinite([1, 2], torch.tensor([[0.0], [float("nan")]]), "skip")[0]
         [1]
+        >>> filter_nonfinite([1, 2], torch.tensor([[7e4], [1.0]]), "skip", "float16")[0]
+        [2]
     """
     _one_of("nonfinite", policy, NONFINITE_POLICIES)
     if policy == "keep" or not len(ids):
         return ids, rows, 0
     blocks = rows if isinstance(rows, list) else [rows]
+    limit = fmt.overflow_threshold(dtype)
     # one scalar reduction per block instead of an elementwise mask: a NaN/Inf entry makes the
     # sum NaN/Inf (an overflowing sum of finite entries only sends us to the exact check below)
-    if all(math.isfinite(float(b.sum())) for b in blocks):
+    if all(math.isfinite(float(b.sum())) and _below(b, limit) for b in blocks):
         return ids, rows, 0
-    finite = torch.stack([torch.isfinite(b).all(dim=1) for b in blocks]).all(dim=0)
+    finite = torch.stack([_rows_ok(b, limit) for b in blocks]).all(dim=0)
     if bool(finite.all()):
         return ids, rows, 0
     bad = [ids[j] for j in (~finite).nonzero().flatten().tolist()]
     if policy == "error":
+        beyond = f" or values {dtype} stores as Inf (|x| >= {limit:g})" if limit < math.inf else ""
         raise ValueError(
-            f"per-sample gradients of ids {bad[:5]} contain NaN/Inf "
+            f"per-sample gradients of ids {bad[:5]} contain NaN/Inf{beyond} "
             "(setup({'nonfinite': 'skip'}) drops such rows, 'keep' stores them)"
         )
     kept = [i for i, f in zip(ids, finite.tolist(), strict=True) if f]
     out = [b[finite] for b in blocks]
     return kept, out if isinstance(rows, list) else out[0], len(bad)
+
+
+def _below(block: torch.Tensor, limit: float) -> bool:
+    if limit == math.inf or not block.numel():
+        return True
+    lo, hi = torch.stack(torch.aminmax(block)).tolist()
+    return max(-lo, hi) < limit  # NaN compares False
+
+
+def _rows_ok(block: torch.Tensor, limit: float) -> torch.Tensor:
+    ok = torch.isfinite(block).all(dim=1)
+    return ok if limit == math.inf else ok & (block.abs() < limit).all(dim=1)
 
 
 def check_resumable(old: dict[str, Any], new: dict[str, Any], path: Path) -> None:
@@ -299,8 +319,9 @@ class StoreLogger:
         self.writer.check()
         self.seen.update(ids)
         if factors:
+            limit = fmt.overflow_threshold(self.options.dtype)
             check = (keep is not None and not all(keep)) or (
-                self.options.nonfinite != "keep" and not outer.certified(factors)
+                self.options.nonfinite != "keep" and not outer.certified(factors, limit)
             )
             # on the writer's thread only when it has a core to itself: otherwise it would take
             # one from torch's threads mid-GEMM (measured slower at 2 threads on 2 cores)
@@ -317,7 +338,7 @@ class StoreLogger:
             self.skipped_stored += len(ids) - len(idx)
             ids = [ids[j] for j in idx]
             rows = [b[idx] for b in rows] if isinstance(rows, list) else rows[idx]
-        ids, rows, skipped = filter_nonfinite(ids, rows, self.options.nonfinite)
+        ids, rows, skipped = filter_nonfinite(ids, rows, self.options.nonfinite, self.options.dtype)
         self.skipped_nonfinite += skipped
         self.writer.put(ids, rows, recycle=recycle)
         self._budget_warning()

@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -50,8 +51,9 @@ class OuterFactors:
     a: torch.Tensor
 
 
-def certified(factors: list[OuterFactors]) -> bool:
-    """True when every entry of every row the factors make is finite (one host sync).
+def certified(factors: list[OuterFactors], limit: float = math.inf) -> bool:
+    """True when every entry of every row the factors make is finite (one host sync), and
+    below ``limit`` in magnitude (a 16-bit store's overflow threshold) when one is given.
 
     Each entry of a module's rows is ``b_k a_l`` with ``|b_k a_l| <= ||b||_F ||a||_F`` (the
     Frobenius norms of the module's whole factor blocks), and a float32 product whose exact
@@ -66,9 +68,9 @@ def certified(factors: list[OuterFactors]) -> bool:
     norms = torch.stack(
         torch._foreach_norm([t.detach() for f in factors for t in (f.b, f.a)], 2)
     ).tolist()
-    limit = _FLOAT32_MAX / 2
+    bound = min(limit, _FLOAT32_MAX) / 2
     # NaN compares False
-    return all(nb * na <= limit for nb, na in zip(norms[0::2], norms[1::2], strict=True))
+    return all(nb * na <= bound for nb, na in zip(norms[0::2], norms[1::2], strict=True))
 
 
 def fill(rows: torch.Tensor, factors: list[OuterFactors], in_thread: bool = False) -> torch.Tensor:
