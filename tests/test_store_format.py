@@ -262,3 +262,14 @@ def test_direct_shard_writes_aligned_rows_in_place(tmp_path):
     got = np.load(tmp_path / "rank0-00000.npy", mmap_mode="r", allow_pickle=False)
     np.testing.assert_array_equal(got, np.concatenate([aligned[:4], odd, aligned[4:]]))
     assert (tmp_path / "rank0-00000.npy").stat().st_size == HEADER_BYTES + 11 * width * 4
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_overflow_threshold_is_where_torch_starts_rounding_to_inf(dtype):
+    limit = np.float32(fmt.overflow_threshold(dtype))
+    assert float(limit) == fmt.overflow_threshold(dtype)  # a float32 value, exactly
+    below = np.nextafter(limit, np.float32(0))
+    x = torch.from_numpy(np.array([limit, below, -limit, -below], dtype=np.float32))
+    stored = x.to(getattr(torch, dtype))
+    assert torch.isinf(stored[[0, 2]]).all() and torch.isfinite(stored[[1, 3]]).all()
+    assert fmt.overflow_threshold("float32") == float("inf")
