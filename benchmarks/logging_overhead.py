@@ -9,7 +9,12 @@ of the methods) and the median ratio is reported, for wall time and for the proc
 ``setup({"grad": ["log"]})`` + ``save(True)`` as in its README.
 
     .venv/bin/python benchmarks/logging_overhead.py [--samples 4096] [--repeats 5] [--threads 1]
-        [--no-logix] [--steady-malloc]
+        [--no-logix] [--steady-malloc] [--breakdown]
+
+``--breakdown`` adds diagnostic variants of the nnstat pass: float16 rows, the same pass with
+the shard files' write calls replaced by no-ops (everything else, fsyncs included, runs), and
+with no writer at all (rows are assembled, then the buffer is handed straight back): the
+differences split the overhead into computing the rows and writing them.
 
 Prints a markdown table: seconds, ratio to the plain pass, page faults per pass, bytes written
 per sample. Page faults: glibc returns freed multi-MB blocks (the parameter gradients every
@@ -23,6 +28,7 @@ removes that noise and shows the steady state of every method.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import shutil
@@ -65,11 +71,21 @@ def plain(model, data, workdir):
     return 0
 
 
-def nnstat_pass(param_grads: bool):
+def nnstat_pass(param_grads: bool, dtype: str = "float32", io: str = "full"):
     def go(model, data, workdir):
+        with _io_mode(io):
+            return run_pass(model, data, workdir)
+
+    def run_pass(model, data, workdir):
         run = nnstat.init(project="bench", root_dir=workdir)
         nnstat.setup(
-            {"log": "grad", "save": "grad", "statistic": "none", "param_grads": param_grads}
+            {
+                "log": "grad",
+                "save": "grad",
+                "statistic": "none",
+                "param_grads": param_grads,
+                "dtype": dtype,
+            }
         )
         nnstat.watch(model)
         nnstat.add_projection(rank=64)
@@ -82,6 +98,35 @@ def nnstat_pass(param_grads: bool):
         return _bytes(Path(workdir) / "bench" / "shards")
 
     return go
+
+
+@contextlib.contextmanager
+def _io_mode(io: str):
+    """Diagnostics only: "nowrite" makes the shard files' write calls no-ops, "nowriter" hands
+    every row buffer straight back instead of queueing it (patched for the pass, then undone)."""
+    from nnstat.store import direct, writer
+
+    saved = []
+
+    def patch(obj, name, fn):
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, fn)
+
+    if io == "nowrite":
+        # Linux shards always go through DirectShardFile (O_DIRECT or its buffered fallback)
+        patch(direct.DirectShardFile, "_write", lambda self, data: None)
+    elif io == "nowriter":
+
+        def put(self, ids, rows, recycle=None, factors=None):
+            if recycle is not None:
+                self._release(recycle)
+
+        patch(writer.StoreWriter, "put", put)
+    try:
+        yield
+    finally:
+        for obj, name, fn in reversed(saved):
+            setattr(obj, name, fn)
 
 
 def logix_pass(model, data, workdir):
@@ -119,6 +164,7 @@ def main() -> None:
     ap.add_argument(
         "--steady-malloc", action="store_true", help="fix glibc's trim/mmap thresholds (see above)"
     )
+    ap.add_argument("--breakdown", action="store_true", help="add the diagnostic variants")
     args = ap.parse_args()
     if args.steady_malloc and "MALLOC_TRIM_THRESHOLD_" not in os.environ:
         # glibc reads these once, at start-up: run the script again with them set
@@ -133,6 +179,10 @@ def main() -> None:
         "nnstat (user grads untouched)": nnstat_pass(True),
         "nnstat (param_grads=False)": nnstat_pass(False),
     }
+    if args.breakdown:
+        methods["nnstat, float16 rows"] = nnstat_pass(True, dtype="float16")
+        methods["nnstat, write calls as no-ops (diagnostic)"] = nnstat_pass(True, io="nowrite")
+        methods["nnstat, no writer (diagnostic)"] = nnstat_pass(True, io="nowriter")
     logix_error = None
     if not args.no_logix:
         try:
