@@ -14,7 +14,9 @@ of the methods) and the median ratio is reported, for wall time and for the proc
 ``--breakdown`` adds diagnostic variants of the nnstat pass: float16 rows, the same pass with
 the shard files' write calls replaced by no-ops (everything else, fsyncs included, runs), and
 with no writer at all (rows are assembled, then the buffer is handed straight back): the
-differences split the overhead into computing the rows and writing them.
+differences split the overhead into computing the rows and writing them. It also times, in one
+more pass, the training thread's share per batch: the projection GEMMs (with their small
+bookkeeping), forming the rows there, and everything the Run and the capture engine do.
 
 Prints a markdown table: seconds, ratio to the plain pass, page faults per pass, bytes written
 per sample. Page faults: glibc returns freed multi-MB blocks (the parameter gradients every
@@ -35,6 +37,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -127,6 +130,45 @@ def _io_mode(io: str):
     finally:
         for obj, name, fn in reversed(saved):
             setattr(obj, name, fn)
+
+
+def timed_shares(data) -> dict[str, float]:
+    """ms per batch the training thread spends in each part of the nnstat pass (one pass)."""
+    from nnstat import _run_core
+    from nnstat.capture import capture, engine
+    from nnstat.store import outer
+
+    spent: dict[str, float] = {}
+    saved = []
+
+    def timer(obj, name, label):
+        fn = getattr(obj, name)
+        saved.append((obj, name, fn))
+
+        def timed(*args, **kwargs):
+            if threading.current_thread() is not threading.main_thread():
+                return fn(*args, **kwargs)  # the writer's share is not the training thread's
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
+
+        setattr(obj, name, timed)
+
+    timer(capture.ModuleCapture, "_projected_factors", "projection GEMMs")
+    timer(outer, "fill", "forming rows in the training thread")
+    timer(engine.CaptureEngine, "flush", "engine flush (includes the GEMMs)")
+    timer(engine.CaptureEngine, "_on_forward", "forward hooks")
+    timer(_run_core.Run, "_complete", "Run._complete (includes forming rows)")
+    workdir = tempfile.mkdtemp(prefix="nnstat_bench_")
+    try:
+        nnstat_pass(True)(make_model(), data, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        for obj, name, fn in reversed(saved):
+            setattr(obj, name, fn)
+    return {k: v * 1e3 / len(data) for k, v in spent.items()}
 
 
 def logix_pass(model, data, workdir):
@@ -245,6 +287,10 @@ def main() -> None:
         )
     if logix_error:
         print(f"\nLogIX could not run: {logix_error}")
+    if args.breakdown:
+        print("\ntraining thread, one more nnstat pass (ms per batch):")
+        for label, ms in timed_shares(data).items():
+            print(f"  {label}: {ms:.2f}")
 
 
 if __name__ == "__main__":

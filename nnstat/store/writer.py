@@ -40,8 +40,6 @@ from nnstat.store.format import DataId, list_shards
 SHARD_BYTES = 64 * 2**20
 
 
-#: free row buffers kept for reuse (more are released to the allocator)
-_KEEP_BUFFERS = 4
 _ANON_FLAGS = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 _ANON_FLAGS |= getattr(mmap, "MAP_POPULATE", 0)
 
@@ -100,6 +98,10 @@ class StoreWriter:
         self.row_width, self.shard_rows, self.dtype, self.rank = row_width, shard_rows, dtype, rank
         self._index = fmt.next_shard_index(self.shard_dir, rank)
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        # every buffer that can be in flight (the queue's, one being written, one being filled)
+        # is kept for reuse: a slow fsync lets the queue fill, and re-mapping the buffers it
+        # took costs the training thread ~1.2 ms each the next time (6.6 MB, populated)
+        self._keep_buffers = queue_size + 2
         self._error: BaseException | None = None
         self._shard: fmt.ShardFile | None = None
         self._stage: StagingBuffer | None = None  # the direct-I/O staging buffer, made once
@@ -167,7 +169,7 @@ class StoreWriter:
 
     def _release(self, buf: torch.Tensor) -> None:
         base = buf._base if buf._base is not None else buf  # the whole buffer, flat or not
-        if len(self._free) < _KEEP_BUFFERS:
+        if len(self._free) < self._keep_buffers:
             # deque append/pop are atomic: no lock with the thread
             self._free.append(base.view(-1, self.row_width))
 
