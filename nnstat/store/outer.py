@@ -30,7 +30,6 @@ import math
 import os
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -73,21 +72,17 @@ def certified(factors: list[OuterFactors], limit: float = math.inf) -> bool:
     return all(nb * na <= bound for nb, na in zip(norms[0::2], norms[1::2], strict=True))
 
 
-def fill(rows: torch.Tensor, factors: list[OuterFactors], in_thread: bool = False) -> torch.Tensor:
+def fill(rows: torch.Tensor, factors: list[OuterFactors]) -> torch.Tensor:
     """Write each module's outer products into its columns of ``rows`` (float32 ``[N, W]``).
 
-    ``in_thread=True`` (the writer thread): numpy's multiply, which runs on the calling thread
-    alone and releases the GIL, so no second pool of torch threads starts next to training's.
-    Otherwise torch's multiply, on torch's threads. Both round each product once: same bits.
+    One torch multiply per module, on the calling thread's torch threads (the writer thread has
+    one: :func:`nnstat.background.start_one_thread_worker`). Each product is rounded once, as in
+    :meth:`~nnstat.capture.ModuleCapture.project`: same bits.
     """
     for f in factors:
         n, r_out, r_in = f.b.shape[0], f.b.shape[1], f.a.shape[1]
         out = rows[:, f.cols].view(n, r_out, r_in)
-        b, a = f.b.detach().view(n, r_out, 1), f.a.detach().view(n, 1, r_in)
-        if in_thread:
-            np.multiply(b.numpy(), a.numpy(), out=out.numpy())
-        else:
-            torch.mul(b, a, out=out)
+        torch.mul(f.b.detach().view(n, r_out, 1), f.a.detach().view(n, 1, r_in), out=out)
     return rows
 
 

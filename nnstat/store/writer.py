@@ -230,7 +230,7 @@ class StoreWriter:
     ) -> None:
         try:
             if factors:
-                outer.fill(blocks[0], factors, in_thread=True)
+                outer.fill(blocks[0], factors)
             self._write(ids, blocks)
         finally:
             if recycle is not None:
