@@ -134,8 +134,8 @@ def _io_mode(io: str):
 
 def timed_shares(data) -> dict[str, float]:
     """ms per batch the training thread spends in each part of the nnstat pass (one pass)."""
-    from nnstat import _run_core
     from nnstat.capture import capture, engine
+    from nnstat.run import core as _run_core
     from nnstat.store import outer
 
     spent: dict[str, float] = {}

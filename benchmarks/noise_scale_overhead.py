@@ -27,7 +27,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import nnstat
-from nnstat._gns_hessian import hessian_noise_scale
+from nnstat.gns.hessian import hessian_noise_scale
 
 
 def digits() -> tuple[torch.Tensor, torch.Tensor]:

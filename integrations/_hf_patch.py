@@ -143,7 +143,7 @@ def patch_trainer(trainer_cls: type) -> type:
             self.nnstat_run: Any = None
             self.nnstat_callback: Any = None
             if nnstat_args.track:
-                from nnstat.integrations.huggingface import watch_trainer
+                from nnstat.integrations._hf_callback import watch_trainer
 
                 self.nnstat_callback = watch_trainer(self, **nnstat_args.callback_options)
 

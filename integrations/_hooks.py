@@ -41,7 +41,7 @@ class StatsOptions:
     """What the training callbacks measure.
 
     Attributes:
-        stats: statistics per tracked tensor (see ``nnstat.stats``; default ``l2, rms, abs_max,
+        stats: statistics per tracked tensor (see ``nnstat.describe``; default ``l2, rms, abs_max,
             nonfinite``).
         groups: Tracker groups (``weight``, ``grad``, ``optimizer``, ``update``).
         include / exclude: regexes on parameter names.
@@ -328,7 +328,7 @@ class StatsCallbackBase:
         noise_scale_filter: str | None = None,
         noise_scale_every: int = 1,
     ) -> None:
-        from nnstat.stats import validate_stats
+        from nnstat.describe import validate_stats
 
         self.options = StatsOptions(
             stats=list(validate_stats(stats)),

@@ -19,7 +19,7 @@ from typing import Any
 
 from nnstat.integrations._owners import FlushOwners
 
-from nnstat.stats import Histogram
+from nnstat.describe import Histogram
 
 __all__ = ["TensorBoardSink"]
 
@@ -28,7 +28,7 @@ class TensorBoardSink:
     """Write a Tracker's flat metrics dict to TensorBoard event files.
 
     Numbers go through ``add_scalar`` (one tag per key, so all layers share one run — unlike
-    ``add_scalars``, which opens a run per key); `nnstat.stats.Histogram` values through
+    ``add_scalars``, which opens a run per key); `nnstat.describe.Histogram` values through
     ``add_histogram_raw`` (already binned on device, no copy of the tensor to the host).
 
     Example:
@@ -82,7 +82,7 @@ class TensorBoardSink:
             else:
                 raise TypeError(
                     f"TensorBoardSink cannot log {key!r} of type {type(value).__name__} "
-                    "(expected a number or nnstat.stats.Histogram)"
+                    "(expected a number or nnstat.describe.Histogram)"
                 )
 
     def flush(self) -> None:

@@ -16,13 +16,13 @@ from typing import Any
 
 from nnstat.integrations._owners import FlushOwners
 
-from nnstat.stats import Histogram
+from nnstat.describe import Histogram
 
 __all__ = ["WandbSink", "to_wandb"]
 
 
 def to_wandb(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Replace every `nnstat.stats.Histogram` by a ``wandb.Histogram`` (other values unchanged)."""
+    """Replace every `nnstat.describe.Histogram` by a ``wandb.Histogram`` (other values unchanged)."""
     import wandb
 
     out = {}

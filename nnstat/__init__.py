@@ -28,19 +28,19 @@ _EXPORTS: dict[str, str] = {
     "get_update": "nnstat.netdict",
     "compute_stats": "nnstat.netdict",
     "UnknownStateKeyError": "nnstat.netdict",
-    "trust_ratio": "nnstat.dynamics",
-    "update_ratio": "nnstat.dynamics",
+    "trust_ratio": "nnstat.netdict",
+    "update_ratio": "nnstat.netdict",
     "Tracker": "nnstat.tracker",
-    "StepMetrics": "nnstat.tracker_background",
+    "StepMetrics": "nnstat.tracker",
     # capture engine and statistics
-    "CaptureEngine": "nnstat.capture.engine",
+    "CaptureEngine": "nnstat.capture",
     "Mean": "nnstat.statistics",
     "Covariance": "nnstat.statistics",
     "KFAC": "nnstat.statistics",
     "EKFAC": "nnstat.statistics",
     "StatisticsCollector": "nnstat.statistics",
-    "ModuleCapture": "nnstat.capture.capture",
-    "RunConfig": "nnstat.config",
+    "ModuleCapture": "nnstat.capture",
+    "RunConfig": "nnstat.statistics",
     # runs and the gradient store
     "Run": "nnstat.run",
     "init": "nnstat.run",
@@ -61,7 +61,20 @@ _EXPORTS: dict[str, str] = {
     # recorder
     "Recorder": "nnstat.recorder",
 }
-_SUBMODULES = {"influence", "integrations", "plot", "recorder", "statistics", "capture", "store"}
+_SUBMODULES = {
+    "capture",
+    "describe",
+    "gns",
+    "influence",
+    "integrations",
+    "netdict",
+    "plot",
+    "recorder",
+    "run",
+    "statistics",
+    "store",
+    "tracker",
+}
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 

@@ -204,7 +204,7 @@ def _finish(rows: torch.Tensor, stats: Sequence[str], eps: float) -> torch.Tenso
     has = n > 0
     mean = torch.where(has, rows[:, _SUM] / safe, nan)
     m2 = torch.where(has, rows[:, _S2] / safe, nan)
-    # like scipy (and nnstat.stats): a numerically constant tensor has undefined skew/kurtosis
+    # like scipy (and nnstat.describe): a numerically constant tensor has undefined skew/kurtosis
     m2 = torch.where(m2 <= (eps * mean) ** 2, torch.zeros_like(m2), m2)
     m3 = torch.where(has, rows[:, _S3] / safe, nan)
     m4 = torch.where(has, rows[:, _S4] / safe, nan)
@@ -234,7 +234,7 @@ def _finish(rows: torch.Tensor, stats: Sequence[str], eps: float) -> torch.Tenso
 def summarize_sharded(
     tensors: Sequence[torch.Tensor], stats: Sequence[str], combine: bool = False
 ) -> torch.Tensor:
-    """`nnstat.stats.summarize` for lists that hold DTensors: statistics of the whole tensors.
+    """`nnstat.describe.summarize` for lists that hold DTensors: statistics of the whole tensors.
 
     Every rank must call it with the same list (it runs collectives). Ordinary tensors are taken
     as replicated (each rank already holds all of it). With ``combine=True`` the result is one

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from nnstat import distributed as nd
-from nnstat.stats import STAT_NAMES, summarize
+from nnstat.describe import STAT_NAMES, summarize
 
 
 def _numpy_row(x: np.ndarray) -> dict[str, float]:

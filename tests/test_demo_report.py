@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from nnstat.demo_report import HtmlReport  # noqa: E402
+from nnstat.demo.report import HtmlReport  # noqa: E402
 
 
 def _images(page: str) -> list[bytes]:

@@ -10,7 +10,7 @@ from torch import nn
 
 import nnstat
 from nnstat import NetDict
-from nnstat.stats import STAT_NAMES
+from nnstat.describe import STAT_NAMES
 
 
 class Block(nn.Module):

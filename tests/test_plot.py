@@ -13,8 +13,8 @@ import torch
 pytest.importorskip("matplotlib")
 
 import nnstat.plot as nplt  # noqa: E402
-from nnstat._plot_data import matrix_2d, metrics_frame, select_layers  # noqa: E402
-from nnstat._plot_influence import _fmt  # noqa: E402
+from nnstat.plot.data import matrix_2d, metrics_frame, select_layers  # noqa: E402
+from nnstat.plot.influence import _fmt  # noqa: E402
 
 
 def _png(fig, path: Path) -> tuple[int, int]:

@@ -7,7 +7,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import nnstat
-from nnstat.projection import build_projections, module_spec, random_projection
+from nnstat.store.projection import build_projections, module_spec, random_projection
 
 
 def per_sample_grads(model, loss_of_output, *inputs):

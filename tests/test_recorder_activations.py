@@ -1,4 +1,4 @@
-"""Module activations through the capture engine; the recorder's reduction vs nnstat.stats."""
+"""Module activations through the capture engine; the recorder's reduction vs nnstat.describe."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from nnstat.recorder import STAT_NAMES, Recorder, read_step_meta, read_step_stat
 
 
 def test_segment_stats_agree_with_foundation_summarize() -> None:
-    from nnstat.stats import summarize
+    from nnstat.describe import summarize
 
     torch.manual_seed(0)
     xs = [torch.randn(4, 9), torch.randn(17) * 3 + 1, torch.randn(2, 3, 5)]

@@ -134,7 +134,7 @@ def test_meta_is_written_by_the_writer_with_the_hash_of_the_saved_projections(tm
 
 
 def test_failure_to_save_projections_is_raised_and_no_shard_is_written(tmp_path, monkeypatch):
-    from nnstat.store import run_support
+    from nnstat.run import support as run_support
 
     def read_only(*args, **kwargs):
         raise PermissionError(13, "Permission denied")

@@ -301,7 +301,7 @@ def test_nonfinite_contribution_is_an_error():
 
 
 def test_oversized_dense_factors_are_refused_with_the_module_named(monkeypatch):
-    import nnstat.statistics.stats as st
+    import nnstat.statistics.operations as st
 
     monkeypatch.setattr(st, "MAX_FACTOR_DIM", 6)
     monkeypatch.setattr(st, "MAX_RAW_DIM", 10)

@@ -7,7 +7,7 @@ import pytest
 import scipy.stats
 import torch
 
-from nnstat.stats import STAT_NAMES, Description, histograms, summarize
+from nnstat.describe import STAT_NAMES, Description, histograms, summarize
 
 
 def reference(x: np.ndarray) -> dict[str, float]:
@@ -136,10 +136,10 @@ def test_description_repr_and_frame():
 
 @pytest.mark.parametrize("chunk", [7, 64, 1 << 16])
 def test_blocked_moments_combine_exactly(monkeypatch, chunk):
-    import nnstat.stats as st
-    import nnstat.stats_moments
+    import nnstat.describe as st
+    import nnstat.describe.moments
 
-    monkeypatch.setattr(nnstat.stats_moments, "CHUNK", chunk)
+    monkeypatch.setattr(nnstat.describe.moments, "CHUNK", chunk)
     torch.manual_seed(1)
     # far-from-zero mean and heavy skew: the block combination must not lose precision
     x = torch.distributions.Gamma(2.0, 3.0).sample((1000,)) + 50.0
@@ -155,9 +155,9 @@ def test_moments_of_tiny_and_mixed_magnitudes(monkeypatch, chunk):
     """Values near 1e-10 (Adam's exp_avg_sq) have float32-denormal fourth powers; the pass
     rescales by a power of two taken from the first block, and falls back when a later block is
     so much larger that the rescaled powers overflow."""
-    import nnstat.stats_moments
+    import nnstat.describe.moments
 
-    monkeypatch.setattr(nnstat.stats_moments, "CHUNK", chunk)
+    monkeypatch.setattr(nnstat.describe.moments, "CHUNK", chunk)
     torch.manual_seed(2)
     tiny = torch.rand(5000) ** 3 * 1e-10
     mixed = torch.cat([torch.rand(64) * 1e-12, torch.randn(3000) * 1e4])
@@ -167,7 +167,7 @@ def test_moments_of_tiny_and_mixed_magnitudes(monkeypatch, chunk):
 
 
 def test_summarize_restores_the_thread_count():
-    from nnstat.stats import cpu_single_thread
+    from nnstat.describe import cpu_single_thread
 
     before = torch.get_num_threads()
     summarize([torch.randn(100)], STAT_NAMES)
@@ -191,7 +191,7 @@ def _light_reference(x: np.ndarray) -> list[float]:
 @pytest.mark.parametrize("use_numpy", [True, False])
 @pytest.mark.parametrize("refresh", [False, True])
 def test_fused_weight_update_pass_is_exact_with_nonfinite_blocks(monkeypatch, refresh, use_numpy):
-    import nnstat.stats_fused as sf
+    import nnstat.describe.fused as sf
 
     monkeypatch.setattr(sf, "BLOCK", 64)  # several blocks per tensor
     if not use_numpy:  # the torch path (accelerators, half precision)
@@ -225,7 +225,7 @@ def test_fused_weight_update_pass_is_exact_with_nonfinite_blocks(monkeypatch, re
 
 @pytest.mark.parametrize("use_numpy", [True, False])
 def test_blocked_sumsq_min_max(monkeypatch, use_numpy):
-    import nnstat.stats_fused as sf
+    import nnstat.describe.fused as sf
 
     monkeypatch.setattr(sf, "BLOCK", 64)
     if not use_numpy:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import nnstat
-from nnstat.stats import Histogram
+from nnstat.describe import Histogram
 
 
 def setup(opt_cls=torch.optim.Adam, **kw):

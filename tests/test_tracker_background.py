@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 import nnstat
-import nnstat.tracker_compute
+import nnstat.tracker.compute
 from nnstat.background import submit
-from nnstat.stats import Histogram
-from nnstat.tracker_background import StepMetrics
+from nnstat.describe import Histogram
+from nnstat.tracker.background import StepMetrics
 
 
 def setup(seed=0, opt_cls=torch.optim.Adam):
@@ -173,14 +173,14 @@ def test_gradient_changed_while_the_worker_reads_it_is_skipped(monkeypatch):
     tracker.step()  # first logged step: gradients read synchronously (no history yet)
     tracker.flush()
     gate = threading.Event()
-    fused = nnstat.tracker_compute.weight_update_norms
+    fused = nnstat.tracker.compute.weight_update_norms
 
     def held(*args, **kwargs):
         assert gate.wait(10)
         return fused(*args, **kwargs)
 
     # the worker reduces weights first and step 1's gradients last: hold it at the weights
-    monkeypatch.setattr(nnstat.tracker_compute, "weight_update_norms", held)
+    monkeypatch.setattr(nnstat.tracker.compute, "weight_update_norms", held)
     train(model, opt, 1)
     out = tracker.step()
     kept = model[2].weight.grad
@@ -206,7 +206,7 @@ def test_worker_exception_is_raised_in_training_thread(collect, monkeypatch):
         where.append(threading.current_thread().name)
         raise FloatingPointError("boom in the worker")
 
-    monkeypatch.setattr(nnstat.tracker_compute, "weight_update_norms", boom)
+    monkeypatch.setattr(nnstat.tracker.compute, "weight_update_norms", boom)
     train(model, opt, 1)
     out = tracker.step()  # returns: the failure happens on the worker
     train(model, opt, 2)  # the pre-hook waits and keeps the error for the training thread

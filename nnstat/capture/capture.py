@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nnstat.capture import rules
+from nnstat.capture.norms import sq_norm_factors
 
 
 class ModuleCapture:
@@ -243,8 +244,6 @@ class ModuleCapture:
             ...                    caps[0].per_sample_sq_norm().sum()))
             True
         """
-        from nnstat.capture.norms import sq_norm_factors  # norms imports this module
-
         return sq_norm_factors([self])[0]
 
     def _is_plain_row(self) -> bool:

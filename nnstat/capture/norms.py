@@ -19,18 +19,20 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
-
-from nnstat.capture.capture import ModuleCapture
 
 __all__ = ["sq_norm_factors"]
 
 
 def sq_norm_factors(
-    caps: Sequence[ModuleCapture],
+    caps: Sequence[Any],
 ) -> list[tuple[list[torch.Tensor], float] | None]:
     """:meth:`ModuleCapture.sq_norm_factors` of each capture, the row scalings in one kernel.
+
+    `caps` are :class:`~nnstat.capture.ModuleCapture` objects (typed loosely: that module imports
+    this one, and imports point one way).
 
     Example:
         >>> import torch, nnstat

@@ -1,6 +1,6 @@
 """Fused statistics of many tensors, computed on device with one host transfer.
 
-Why not `nnstat.stats.summarize`: it transfers to the host itself (the recorder must append rule
+Why not `nnstat.describe.summarize`: it transfers to the host itself (the recorder must append rule
 hits and raw values to the same transfer, and evaluate rules on device first) and runs a
 per-tensor moment pass, while a recorded step here has hundreds of small segments (each tensor,
 its gradient, and its first k samples). `test_recorder_activations.py` checks that both agree.

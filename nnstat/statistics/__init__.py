@@ -1,5 +1,8 @@
 """nnstat.statistics: Mean, Covariance, KFAC, EKFAC as basic operations over capture streams.
 
+`RunConfig` (what ``nnstat.setup`` takes) says which streams each pass extracts and saves and
+which statistics it updates; the collector is built from it and stores it beside its factors.
+
 Example:
     >>> from nnstat.statistics import Covariance, StatisticsCollector
     >>> collector = StatisticsCollector({"forward": [Covariance], "backward": [Covariance]})
@@ -8,7 +11,8 @@ Example:
 """
 
 from nnstat.statistics.collector import StatisticsCollector, spectrum_stats
-from nnstat.statistics.stats import (
+from nnstat.statistics.config import PassSpec, RunConfig
+from nnstat.statistics.operations import (
     EKFAC,
     KFAC,
     MAX_FACTOR_DIM,
@@ -28,6 +32,8 @@ __all__ = [
     "STATISTICS",
     "Covariance",
     "Mean",
+    "PassSpec",
+    "RunConfig",
     "Statistic",
     "StatisticsCollector",
     "ekfac_apply",

@@ -8,7 +8,7 @@ import os
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,10 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from nnstat.capture.capture import ModuleCapture
 from nnstat.distributed import is_distributed
-from nnstat.statistics.stats import Covariance, Statistic
-
-if TYPE_CHECKING:  # nnstat.config imports the statistic classes from this package
-    from nnstat.config import PassSpec, RunConfig
+from nnstat.statistics.config import PassSpec, RunConfig
+from nnstat.statistics.operations import Covariance, Statistic
 
 TENSORS_FILE = "statistics.safetensors"
 JSON_FILE = "statistics.json"
@@ -50,7 +48,6 @@ class StatisticsCollector:
         config: RunConfig | Mapping[str, Any] | str | None = None,
         prior: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        from nnstat.config import RunConfig
 
         if isinstance(config, Mapping) and set(config) <= {"forward", "backward", "grad"}:
             config = {"statistic": dict(config)}  # a bare low-level statistic spec
@@ -185,7 +182,6 @@ class StatisticsCollector:
     @classmethod
     def load(cls, path: str | os.PathLike) -> StatisticsCollector:
         """Reload a saved collector (safetensors + JSON; nothing is unpickled)."""
-        from nnstat.config import RunConfig
 
         root = Path(path)
         meta = json.loads((root / JSON_FILE).read_text())

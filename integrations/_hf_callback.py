@@ -1,0 +1,172 @@
+"""The HuggingFace Trainer callback (re-exported by :mod:`nnstat.integrations.huggingface`).
+
+Example:
+    >>> from nnstat.integrations.huggingface import NNStatCallback  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+from nnstat.integrations._hooks import StatsCallbackBase
+from transformers import TrainerCallback
+from transformers.trainer_callback import CallbackHandler
+
+__all__ = ["NNStatCallback", "watch_trainer"]
+
+
+def _reporter_classes() -> tuple[type, ...]:
+    try:
+        from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+    except ImportError:  # pragma: no cover - older/newer layouts
+        return ()
+    return tuple(c for c in INTEGRATION_TO_CALLBACK.values() if isinstance(c, type))
+
+
+class _StripInjected(TrainerCallback):
+    """Runs right after the reporters: removes nnstat's keys from the log dict again, so the
+    console progress bar does not print hundreds of layer statistics."""
+
+    def __init__(self, owner: NNStatCallback) -> None:
+        self.owner = owner
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any):
+        if logs is not None:
+            for key in self.owner._injected:
+                logs.pop(key, None)
+        self.owner._injected = []
+
+
+class NNStatCallback(StatsCallbackBase, TrainerCallback):
+    """Layer statistics, trust ratios and the noise scale on the Trainer's logging steps.
+
+    Keys are the Tracker's (``weight/<param>/<stat>``, ``grad/...``, ``exp_avg/...``,
+    ``update/...``, ``trust_ratio/<param>``) plus ``noise_scale/b_simple`` etc.; W&B and TensorBoard show them
+    under ``train/`` as they do with every training log. The update and trust ratio of a logged step
+    are those of that single optimizer step.
+
+    The noise scale uses per-sample gradient norms of each micro-batch (B_small = 1), which
+    assumes the model's loss is a mean over the batch (the HF default). Set
+    ``noise_scale=False`` to skip it.
+
+    Args:
+        stats, groups, include, exclude, every, noise_scale, noise_scale_beta,
+        noise_scale_filter, noise_scale_every: see :class:`nnstat.integrations._hooks.StatsOptions`;
+            ``every=None`` follows ``TrainingArguments.logging_steps``.
+
+    Example:
+        >>> cb = NNStatCallback(stats=["l2", "rms"], noise_scale=False)
+        >>> cb.options.stats
+        ['l2', 'rms']
+    """
+
+    def _init_state(self) -> None:
+        self.latest: dict[str, Any] = {}
+        self._pending: dict[str, Any] | None = None
+        self._injected: list[str] = []
+        self._placed = False
+
+    # ---------------------------------------------------------------- placement
+    def place(self, handler: CallbackHandler) -> None:
+        """Put this callback right before the reporting callbacks (and a cleaner right after
+        them), so the reporters see nnstat's keys in the very log dict they write."""
+        # a new list, not an in-place edit: this may run inside the handler's loop over the
+        # old list, which must go on visiting every callback exactly once
+        callbacks = [
+            c for c in handler.callbacks if c is not self and not isinstance(c, _StripInjected)
+        ]
+        reporters = _reporter_classes()
+        idx = [i for i, c in enumerate(callbacks) if reporters and isinstance(c, reporters)]
+        first = idx[0] if idx else len(callbacks)
+        callbacks.insert(first, self)
+        last = (idx[-1] + 2) if idx else first + 1
+        callbacks.insert(last, _StripInjected(self))
+        handler.callbacks = callbacks
+        self._placed = True
+
+    def _place_from_caller(self) -> None:
+        # Callbacks given to Trainer(callbacks=[...]) come after the reporters, whose on_log
+        # would then run before ours. The handler dispatching this event is our caller's
+        # `self`; it is found on the stack (HF's CallbackHandler.call_event).
+        frame = sys._getframe(1)
+        for _ in range(6):
+            if frame is None:
+                break
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, CallbackHandler) and self in owner.callbacks:
+                self.place(owner)
+                return
+            frame = frame.f_back
+        warnings.warn(
+            "NNStatCallback could not find the Trainer's callback handler; use "
+            "watch_trainer(trainer) so the reporters receive nnstat's metrics "
+            "(they stay available in trainer.state.log_history)",
+            stacklevel=3,
+        )
+
+    # ---------------------------------------------------------------- events
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self._placed:
+            self._place_from_caller()
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any):
+        if model is not None:
+            self.hooks.begin_batch(model)
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any):
+        # gradient accumulation: one noise-scale observation per micro-batch
+        self.hooks.end_backward()
+        if model is not None:
+            self.hooks.begin_batch(model)
+
+    def _logs_step(self, args: Any, state: Any, step: int) -> bool:
+        if self.options.every is not None:
+            return step % self.options.every == 0
+        strategy = str(getattr(args.logging_strategy, "value", args.logging_strategy))
+        if strategy != "steps":
+            return False
+        every = state.logging_steps or args.logging_steps
+        return step % int(every) == 0 or (step == 1 and bool(args.logging_first_step))
+
+    def on_pre_optimizer_step(
+        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kw
+    ) -> None:
+        log = model is not None and self._logs_step(args, state, state.global_step + 1)
+        self.hooks.before_step(model, optimizer, log)
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        metrics = self.hooks.after_step()
+        if metrics is not None:
+            self.latest = metrics
+            self._pending = metrics
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any):
+        if self._pending is None or logs is None or "loss" not in logs:
+            return  # only training logs carry the statistics (not eval/final summaries)
+        metrics, self._pending = self._pending, None
+        fresh = [k for k in metrics if k not in logs]
+        logs.update({k: metrics[k] for k in fresh})
+        self._injected = fresh
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update({k: metrics[k] for k in fresh})
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.hooks.close()
+
+
+def watch_trainer(
+    trainer: Any, callback: NNStatCallback | None = None, **kwargs: Any
+) -> NNStatCallback:
+    """Add an :class:`NNStatCallback` to ``trainer`` in the right place (before the reporters).
+
+    Example:
+        >>> cb = watch_trainer(trainer, stats=["l2"])  # doctest: +SKIP
+    """
+    if callback is None:
+        callback = NNStatCallback(**kwargs)
+    elif kwargs:
+        raise ValueError(f"pass either a callback or its options, not both: {list(kwargs)}")
+    callback.place(trainer.callback_handler)
+    return callback

@@ -1,0 +1,42 @@
+"""nnstat.describe: the statistics of tensors, reduced on device with one host transfer.
+
+`summarize` (fused norms, moments, sparsity, NaN/Inf counts), `histograms`, the one-pass
+weight/update norms a Tracker needs (`nnstat.describe.fused`) and the ratio conventions of the
+trust ratio. Everything here works on plain tensors: NetDict, the Tracker and the recorder
+build on it.
+
+Example:
+    >>> import torch
+    >>> from nnstat.describe import summarize
+    >>> summarize([torch.tensor([3.0, 4.0])], ("l2", "max")).tolist()
+    [[5.0, 4.0]]
+"""
+
+from nnstat.describe.histogram import DEFAULT_MAX_ELEMENTS, HIST_SUMMARY, Histogram, histograms
+from nnstat.describe.moments import Workspace
+from nnstat.describe.ratios import ratio_from_norms
+from nnstat.describe.summary import (
+    DEFAULT_STATS,
+    SIGNED_STATS,
+    STAT_NAMES,
+    Description,
+    cpu_single_thread,
+    summarize,
+    validate_stats,
+)
+
+__all__ = [
+    "DEFAULT_MAX_ELEMENTS",
+    "DEFAULT_STATS",
+    "HIST_SUMMARY",
+    "SIGNED_STATS",
+    "STAT_NAMES",
+    "Description",
+    "Histogram",
+    "Workspace",
+    "cpu_single_thread",
+    "histograms",
+    "ratio_from_norms",
+    "summarize",
+    "validate_stats",
+]

@@ -1,0 +1,141 @@
+"""The blocked moment pass behind `nnstat.describe.summarize` (every statistic but the norms).
+
+Each cache-sized block is reduced ~11 times while it is in L2 (sum, centred powers up to the
+fourth, min, max, sign dot products for l1 and the zero count), and the blocks are combined
+exactly in float64. `Workspace` keeps the scratch buffers between calls.
+
+Example:
+    >>> import torch
+    >>> m = _moments(torch.tensor([1.0, 2.0, 3.0, 6.0]))
+    >>> float(m["mean"]), float(m["m2"]), float(m["max"])
+    (3.0, 3.5, 6.0)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["Workspace", "CHUNK"]
+
+
+class Workspace:
+    """Reusable scratch buffers for the moment pass (fresh large allocations cost page faults).
+
+    A long-lived caller (the Tracker) keeps one; `summarize` makes a temporary one otherwise.
+
+    Example:
+        >>> ws = Workspace()
+        >>> a, b = ws.get(10, torch.float32, torch.device("cpu"))
+        >>> a.shape, b.shape
+        (torch.Size([10]), torch.Size([10]))
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(
+        self, n: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two flat buffers of `n` elements (contents undefined)."""
+        key = (dtype, device)
+        buf = self._bufs.get(key)
+        if buf is None or buf.shape[1] < n:
+            buf = torch.empty((2, n), dtype=dtype, device=device)
+            self._bufs[key] = buf
+        return buf[0, :n], buf[1, :n]
+
+
+#: Elements per block of the CPU moment pass: a block and its two scratch copies stay in the L2
+#: cache, so the ~8 reductions per block read cache, not memory (about 2.5x faster than
+#: full-tensor passes on CPU). Accelerators use one block (kernel launches dominate there).
+CHUNK = 1 << 16
+
+_MOMENT_KEYS = ("mean", "m2", "m3", "m4", "min", "max", "zeros", "l1", "l2")
+
+
+def _denormal_scale(head: torch.Tensor) -> float:
+    """A power of two bringing a CPU float32 tensor's magnitude near 1 when it is far from it.
+
+    Fourth powers of deviations of values around 1e-10 (Adam's ``exp_avg_sq``) are float32
+    denormals, which the CPU computes about 2.3x slower (measured: 46 vs 20 ms per 10.5M
+    elements) and with fewer significant bits. The magnitude comes from the first block.
+    """
+    if head.device.type != "cpu" or head.dtype != torch.float32 or not head.numel():
+        return 1.0
+    a = max(abs(head.amin().item()), abs(head.amax().item()))
+    if not math.isfinite(a) or a == 0.0:
+        return 1.0
+    exponent = math.frexp(a)[1]
+    return math.ldexp(1.0, -exponent) if abs(exponent) > 16 else 1.0
+
+
+def _moment_rows(
+    x: torch.Tensor, chunk: int, scale: float, d_buf: torch.Tensor, d2_buf: torch.Tensor
+) -> torch.Tensor:
+    """Per block ``[sum, sum d^2, sum d^3, sum d^4, min, max, #non-zeros, l1]`` (float64), with
+    ``d = (x - block mean) * scale``."""
+    rows = []
+    for start in range(0, x.numel(), chunk):
+        xc = x[start : start + chunk]
+        m = xc.numel()
+        d, d2 = d_buf[:m], d2_buf[:m]
+        s = xc.sum()
+        torch.sub(xc, s / m, out=d)
+        if scale != 1.0:
+            d.mul_(scale)  # a power of two: exact, only the exponent moves
+        torch.mul(d, d, out=d2)
+        s2, s3, s4 = d2.sum(), torch.dot(d2, d), torch.dot(d2, d2)
+        # sign(x) . sign(x) counts non-zeros and sign(x) . x is the l1 norm: two dot products
+        # on cached data instead of the (several times slower) count_nonzero and 1-norm kernels
+        torch.sign(xc, out=d)
+        # amin + amax beat the fused aminmax kernel on CPU
+        rows.append(
+            torch.stack([s, s2, s3, s4, xc.amin(), xc.amax(), torch.dot(d, d), torch.dot(d, xc)])
+        )
+    return torch.stack(rows).to(torch.float64)
+
+
+def _moments(x: torch.Tensor, ws: Workspace | None = None) -> dict[str, torch.Tensor]:
+    """Central moments (m_k = mean of (x - mean)^k), min/max, zero count, l1, l2 of a flat tensor.
+
+    Blocks are centred on their own mean and combined exactly in float64 with the binomial
+    shift ``sum (x - mu)^k = sum_j C(k, j) (c - mu)^(k - j) sum (x - c)^j``.
+    """
+    n = x.numel()
+    if n == 0:
+        nan = torch.full((), math.nan, dtype=torch.float64, device=x.device)
+        return dict.fromkeys(_MOMENT_KEYS, nan)
+    chunk = CHUNK if x.device.type == "cpu" else n
+    d_buf, d2_buf = (ws or Workspace()).get(min(chunk, n), x.dtype, x.device)
+    scale = _denormal_scale(x[:chunk])
+    r = _moment_rows(x, chunk, scale, d_buf, d2_buf)
+    if scale != 1.0 and not bool(torch.isfinite(r[:, 1:4]).all()):
+        # a later block far larger than the first overflowed once scaled: plain pass instead
+        scale = 1.0
+        r = _moment_rows(x, chunk, scale, d_buf, d2_buf)
+    sums, s2, s3, s4 = r[:, 0], r[:, 1] / scale**2, r[:, 2] / scale**3, r[:, 3] / scale**4
+    counts = torch.full_like(sums, float(chunk))
+    counts[-1] = n - chunk * (r.shape[0] - 1)
+    centres = sums / counts
+    mean = sums.sum() / n
+    delta = centres - mean
+    m2 = (s2 + counts * delta**2).sum() / n
+    m3 = (s3 + 3 * delta * s2 + counts * delta**3).sum() / n
+    m4 = (s4 + 4 * delta * s3 + 6 * delta**2 * s2 + counts * delta**4).sum() / n
+    l2 = (s2 + counts * centres**2).sum().sqrt()
+    # like scipy: a (numerically) constant tensor has undefined skew/kurtosis
+    eps = torch.finfo(x.dtype).eps
+    m2 = torch.where(m2 <= (eps * mean) ** 2, torch.zeros_like(m2), m2)
+    return {
+        "mean": mean,
+        "m2": m2,
+        "m3": m3,
+        "m4": m4,
+        "min": r[:, 4].min(),
+        "max": r[:, 5].max(),
+        "zeros": n - r[:, 6].sum(),  # r[:, 6] counts non-zeros
+        "l1": r[:, 7].sum(),
+        "l2": l2,
+    }

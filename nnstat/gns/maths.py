@@ -1,0 +1,214 @@
+"""Pure estimators behind :mod:`nnstat.gns` (McCandlish et al. 2018, appendix A).
+
+Everything here works on floats or numpy arrays and has no torch state, so it is easy to test
+against closed forms.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+ArrayLike = float | np.ndarray
+
+
+def check_batch_sizes(b_small: float, b_big: float) -> None:
+    """Raise a ``ValueError`` unless ``1 <= b_small < b_big`` (both finite).
+
+    Example:
+        >>> check_batch_sizes(8, 128)
+    """
+    for name, value in (("b_small", b_small), ("b_big", b_big)):
+        if not math.isfinite(float(value)) or float(value) < 1:
+            raise ValueError(f"{name} must be a finite batch size >= 1, got {value!r}")
+    if float(b_small) >= float(b_big):
+        raise ValueError(
+            f"b_small must be smaller than b_big (got b_small={b_small}, b_big={b_big}); the "
+            "two-batch estimator needs two different batch sizes"
+        )
+
+
+def two_batch(
+    g_small_sq: ArrayLike, g_big_sq: ArrayLike, b_small: float, b_big: float
+) -> tuple[ArrayLike, ArrayLike]:
+    """Unbiased estimates of ``|G|^2`` and ``tr(Sigma)`` from two squared gradient norms.
+
+    Uses ``E|G_B|^2 = |G|^2 + tr(Sigma)/B`` at two batch sizes and solves the 2x2 system.
+
+    Example:
+        >>> two_batch(1.0 + 4.0 / 2, 1.0 + 4.0 / 8, 2, 8)
+        (1.0, 4.0)
+    """
+    check_batch_sizes(b_small, b_big)
+    g_sq = (b_big * g_big_sq - b_small * g_small_sq) / (b_big - b_small)
+    trace = (g_small_sq - g_big_sq) / (1.0 / b_small - 1.0 / b_big)
+    return g_sq, trace
+
+
+def safe_ratio(num: float, den: float) -> float:
+    """``num / den``, or ``inf`` when the gradient estimate ``den`` is not positive.
+
+    Example:
+        >>> safe_ratio(4.0, 2.0), safe_ratio(4.0, -1.0)
+        (2.0, inf)
+    """
+    return float(num) / float(den) if den > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class RatioStats:
+    """Ratio of means with its delta-method standard error and a bootstrap interval."""
+
+    ratio: float
+    num_mean: float
+    den_mean: float
+    stderr: float
+    interval: tuple[float, float]
+
+
+def ratio_of_means(
+    num: np.ndarray, den: np.ndarray, *, n_boot: int = 1000, level: float = 0.95, seed: int = 0
+) -> RatioStats:
+    """``mean(num) / mean(den)`` (never the mean of ratios) with uncertainty.
+
+    ``num`` and ``den`` are paired per-estimate values (``tr(Sigma)_i`` and ``|G|^2_i``). The
+    standard error uses the delta method; the interval is a percentile bootstrap over the
+    pairs, where resamples with a non-positive denominator count as ``inf``.
+
+    Example:
+        >>> s = ratio_of_means(np.array([4.0, 6.0]), np.array([1.0, 1.0]))
+        >>> s.ratio
+        5.0
+    """
+    num = np.asarray(num, dtype=np.float64).ravel()
+    den = np.asarray(den, dtype=np.float64).ravel()
+    if num.shape != den.shape or num.size == 0:
+        raise ValueError(f"num and den must be non-empty and paired, got {num.shape}, {den.shape}")
+    n = num.size
+    nm, dm = float(num.mean()), float(den.mean())
+    ratio = safe_ratio(nm, dm)
+    if n > 1 and math.isfinite(ratio):
+        cov = np.cov(num, den, ddof=1)
+        var = (cov[0, 0] - 2 * ratio * cov[0, 1] + ratio**2 * cov[1, 1]) / (n * dm**2)
+        stderr = math.sqrt(max(float(var), 0.0))
+    else:
+        stderr = math.nan if n == 1 else math.inf
+    if n > 1:
+        rng = np.random.default_rng(seed)
+        idx = rng.integers(0, n, size=(n_boot, n))
+        bn, bd = num[idx].mean(axis=1), den[idx].mean(axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            boot = np.where(bd > 0, bn / np.where(bd > 0, bd, 1.0), np.inf)
+        boot.sort()
+        alpha = (1.0 - level) / 2
+        lo = float(boot[int(math.floor(alpha * (n_boot - 1)))])
+        hi = float(boot[int(math.ceil((1 - alpha) * (n_boot - 1)))])
+    else:
+        lo = hi = math.nan
+    return RatioStats(ratio, nm, dm, stderr, (lo, hi))
+
+
+def geometric_ladder(small: int, big: int, num: int = 5) -> list[int]:
+    """Distinct integer batch sizes spaced geometrically from ``small`` to ``big``.
+
+    Example:
+        >>> geometric_ladder(8, 128)
+        [8, 16, 32, 64, 128]
+    """
+    check_batch_sizes(small, big)
+    sizes = np.unique(np.round(np.geomspace(small, big, num=num)).astype(int))
+    return [int(s) for s in sizes]
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """Least-squares fit of ``|G_B|^2 = g_sq + trace / B``."""
+
+    g_sq: float
+    trace: float
+    b_simple: float
+    b_simple_stderr: float
+    residual: float  # RMS of the residuals divided by the mean of |G_B|^2 (relative)
+
+
+def fit_sq_norms(
+    batch_sizes: np.ndarray, mean_sq: np.ndarray, stderr: np.ndarray | None = None
+) -> FitResult:
+    """Fit ``|G_B|^2 = |G|^2 + tr(Sigma)/B`` with ``scipy.optimize.curve_fit``.
+
+    ``stderr`` (per batch size) weights the fit; the parameter covariance then gives the
+    standard error of ``B_simple = tr(Sigma)/|G|^2`` by the delta method.
+
+    Example:
+        >>> b = np.array([1.0, 2.0, 4.0, 8.0])
+        >>> r = fit_sq_norms(b, 2.0 + 6.0 / b)
+        >>> round(r.g_sq, 6), round(r.trace, 6), round(r.b_simple, 6)
+        (2.0, 6.0, 3.0)
+    """
+    from scipy.optimize import curve_fit
+
+    x = np.asarray(batch_sizes, dtype=np.float64)
+    y = np.asarray(mean_sq, dtype=np.float64)
+    if x.ndim != 1 or x.shape != y.shape or np.unique(x).size < 2:
+        raise ValueError("the fit needs at least two distinct batch sizes with one value each")
+    if not np.all(np.isfinite(y)):
+        raise ValueError(f"squared gradient norms must be finite, got {y.tolist()}")
+    sigma = None
+    if stderr is not None:
+        s = np.asarray(stderr, dtype=np.float64)
+        if np.all(np.isfinite(s)) and np.all(s > 0):
+            sigma = s
+    # Start from the exact two-point solution at the extremes so the fit cannot wander off.
+    lo, hi = int(np.argmin(x)), int(np.argmax(x))
+    p0 = two_batch(y[lo], y[hi], x[lo], x[hi])
+    with warnings.catch_warnings():
+        # A perfect fit (noise-free data) makes the covariance degenerate; that is not an error.
+        warnings.simplefilter("ignore", category=RuntimeWarning)
+        from scipy.optimize import OptimizeWarning
+
+        warnings.simplefilter("ignore", category=OptimizeWarning)
+        popt, pcov = curve_fit(
+            lambda b, g, t: g + t / b, x, y, p0=p0, sigma=sigma, absolute_sigma=sigma is not None
+        )
+    g_sq, trace = float(popt[0]), float(popt[1])
+    b_simple = safe_ratio(trace, g_sq)
+    if math.isfinite(b_simple) and np.all(np.isfinite(pcov)) and trace != 0:
+        rel = pcov[1, 1] / trace**2 + pcov[0, 0] / g_sq**2 - 2 * pcov[0, 1] / (trace * g_sq)
+        b_stderr = abs(b_simple) * math.sqrt(max(float(rel), 0.0))
+    else:
+        b_stderr = math.inf
+    resid = y - (g_sq + trace / x)
+    residual = float(np.sqrt(np.mean(resid**2)) / abs(np.mean(y))) if np.mean(y) != 0 else 0.0
+    return FitResult(g_sq, trace, b_simple, b_stderr, residual)
+
+
+def doubling_ladder(small: int, big: int) -> list[int]:
+    """``small, 2 small, 4 small, ...`` up to ``big`` (``big`` appended if not reached exactly).
+
+    Sizes that are multiples of the smallest let one big batch serve every size (nested chunks).
+
+    Example:
+        >>> doubling_ladder(8, 128), doubling_ladder(3, 20)
+        ([8, 16, 32, 64, 128], [3, 6, 12, 20])
+    """
+    check_batch_sizes(small, big)
+    sizes = [int(small)]
+    while sizes[-1] * 2 <= big:
+        sizes.append(sizes[-1] * 2)
+    if sizes[-1] != big:
+        sizes.append(int(big))
+    return sizes
+
+
+def warn_if_noise(g_sq: float) -> None:
+    if g_sq <= 0:
+        warnings.warn(
+            f"the |G|^2 estimate is {g_sq:.3g} <= 0: the gradient is indistinguishable from noise "
+            "at this sample size, so b_simple is inf (grad_sq_norm and trace_sigma keep the raw "
+            "estimates); use more n_estimates or a larger big_batch",
+            RuntimeWarning,
+            stacklevel=3,
+        )

@@ -1,0 +1,357 @@
+"""Streaming noise-scale tracker (exported as :class:`nnstat.NoiseScale`)."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from nnstat.gns.ddp import DDPNoiseScaleState, register_noise_scale_hook
+from nnstat.gns.maths import check_batch_sizes, ratio_of_means, safe_ratio
+from nnstat.gns.persample import PerSampleNorms
+
+Scalar = float | torch.Tensor
+_TOTAL = ""  # key of the whole-model statistics; layers use their names
+
+
+def _as_float(value: Scalar) -> float:
+    return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+
+
+class _Average:
+    """Separate running averages of the numerator tr(Sigma) and denominator |G|^2."""
+
+    def __init__(self, beta: float | None, window: int | None) -> None:
+        self.beta, self.window = beta, window
+        self.num = self.den = self.weight = 0.0
+        self.nums: deque[float] = deque(maxlen=window)
+        self.dens: deque[float] = deque(maxlen=window)
+
+    def add(self, trace: float, g_sq: float) -> None:
+        if self.window is not None:
+            self.nums.append(trace)
+            self.dens.append(g_sq)
+            return
+        b = self.beta
+        assert b is not None
+        self.num = b * self.num + (1 - b) * trace
+        self.den = b * self.den + (1 - b) * g_sq
+        self.weight = b * self.weight + (1 - b)  # bias correction, like Adam's 1 - beta^t
+
+    def means(self) -> tuple[float, float]:
+        if self.window is not None:
+            n = len(self.nums)
+            return (sum(self.nums) / n, sum(self.dens) / n) if n else (math.nan, math.nan)
+        if self.weight == 0:
+            return math.nan, math.nan
+        return self.num / self.weight, self.den / self.weight
+
+    def state(self) -> dict[str, Any]:
+        if self.window is not None:
+            return {"nums": list(self.nums), "dens": list(self.dens)}
+        return {"num": self.num, "den": self.den, "weight": self.weight}
+
+    def load(self, state: Mapping[str, Any]) -> None:
+        if self.window is not None:
+            self.nums.clear()
+            self.dens.clear()
+            self.nums.extend(float(v) for v in state["nums"])
+            self.dens.extend(float(v) for v in state["dens"])
+        else:
+            self.num, self.den = float(state["num"]), float(state["den"])
+            self.weight = float(state["weight"])
+
+
+class _TrackedBatch:
+    """``NoiseScale.batch()``: a plain context manager (no generator), as it runs every step."""
+
+    __slots__ = ("tracker", "capture", "batch_size")
+
+    def __init__(self, tracker: NoiseScale, capture: PerSampleNorms, batch_size: int | None):
+        self.tracker, self.capture, self.batch_size = tracker, capture, batch_size
+
+    def __enter__(self) -> None:
+        self.capture.begin(self.batch_size)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self.capture.abort()
+            return
+        self.tracker._add_captured(*self.capture.end())
+
+
+class NoiseScale:
+    """Streaming gradient noise scale ``B_simple = tr(Sigma) / |G|^2`` for every training step.
+
+    Each ``update`` turns one pair of squared gradient norms (batch sizes ``b_small < b_big``)
+    into unbiased estimates of ``tr(Sigma)`` and ``|G|^2``; the two are averaged **separately**
+    (EMA with ``beta``, or a sliding ``window``) and ``value`` is the ratio of the averages.
+    Averaging the per-step ratios instead is biased and explodes whenever a noisy ``|G|^2``
+    estimate comes close to zero.
+
+    Feeds: ``update`` (norms you computed), ``update_grads`` (two gradient dicts), ``watch`` +
+    ``batch()`` (per-sample norms from the capture engine: ``b_small = 1``), or
+    ``register_ddp`` (local vs all-reduced gradient under DDP).
+
+    Example:
+        >>> gns = NoiseScale(beta=0.9)
+        >>> gns.update(g_small_sq=1.0 + 4.0 / 2, g_big_sq=1.0 + 4.0 / 8, b_small=2, b_big=8)
+        >>> gns.value
+        4.0
+        >>> gns.to_dict()["noise_scale/b_simple"]
+        4.0
+    """
+
+    def __init__(
+        self, beta: float | None = None, window: int | None = None, *, prefix: str = "noise_scale"
+    ) -> None:
+        if beta is not None and window is not None:
+            raise ValueError("give either beta (EMA) or window (sliding mean), not both")
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be a positive int, got {window!r}")
+        if window is None:
+            beta = 0.99 if beta is None else float(beta)
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"beta must be in [0, 1), got {beta}")
+        self.beta, self.window, self.prefix = beta, window, prefix
+        self.n_updates = 0
+        self._stats: dict[str, _Average] = {}
+        self._capture: PerSampleNorms | None = None
+
+    # ----------------------------------------------------------------- feeding
+    def update(
+        self,
+        g_small_sq: Scalar | Mapping[str, Scalar],
+        g_big_sq: Scalar | Mapping[str, Scalar],
+        b_small: float,
+        b_big: float,
+    ) -> None:
+        """Add one observation: squared norms of the mean gradient at two batch sizes.
+
+        Pass floats for the whole model, or dicts ``layer -> squared norm`` (same keys) to also
+        track every layer; the model total is then the sum over the layers.
+        """
+        check_batch_sizes(b_small, b_big)
+        if isinstance(g_small_sq, Mapping) != isinstance(g_big_sq, Mapping):
+            raise TypeError("g_small_sq and g_big_sq must both be scalars or both be dicts")
+        if isinstance(g_small_sq, Mapping):
+            assert isinstance(g_big_sq, Mapping)
+            keys = list(g_small_sq)
+            if len(keys) != len(g_big_sq) or any(k not in g_big_sq for k in keys):
+                raise ValueError(
+                    f"layer keys differ: {sorted(set(g_small_sq) ^ set(g_big_sq))} are in only one"
+                )
+            small = [_as_float(g_small_sq[k]) for k in keys]
+            big = [_as_float(g_big_sq[k]) for k in keys]
+            keys.append(_TOTAL)
+            small.append(sum(small))
+            big.append(sum(big))
+        else:
+            keys, small, big = [_TOTAL], [_as_float(g_small_sq)], [_as_float(g_big_sq)]
+        self._add(keys, small, big, b_small, b_big)
+
+    def _add(
+        self, keys: list[str], small: list[float], big: list[float], b_small: float, b_big: float
+    ) -> None:
+        """``update`` after its input checks: plain float lists, the total's key last."""
+        # one C-level pass for the common all-valid case (NaN/Inf survive the sum); the loop
+        # names the offender (and is the authority when a huge but finite sum overflowed)
+        if not (math.isfinite(sum(small) + sum(big)) and min(small) >= 0 and min(big) >= 0):
+            for k, s, b in zip(keys, small, big, strict=True):
+                if not (math.isfinite(s) and math.isfinite(b)) or s < 0 or b < 0:
+                    where = "" if k == _TOTAL else f" of layer {k!r}"
+                    raise ValueError(
+                        f"squared norms{where} must be finite and >= 0, got g_small_sq={s}, "
+                        f"g_big_sq={b}"
+                    )
+        # the two-batch solution of McCandlish et al. (appendix A), inlined: this runs per step
+        c_g = 1.0 / (b_big - b_small)
+        c_t = 1.0 / (1.0 / b_small - 1.0 / b_big)
+        for k, s, b in zip(keys, small, big, strict=True):
+            avg = self._stats.get(k)
+            if avg is None:
+                avg = self._stats[k] = _Average(self.beta, self.window)
+            avg.add((s - b) * c_t, (b_big * b - b_small * s) * c_g)
+        self.n_updates += 1
+
+    def update_grads(
+        self,
+        small_grads: Mapping[str, torch.Tensor],
+        big_grads: Mapping[str, torch.Tensor],
+        b_small: float,
+        b_big: float,
+    ) -> None:
+        """Add one observation from two gradient dicts (e.g. micro-batch vs accumulated).
+
+        Both are mean gradients (of mean losses) over ``b_small`` and ``b_big`` samples, keyed by
+        parameter name, e.g. ``{n: p.grad.clone() for n, p in model.named_parameters()}``.
+        """
+        if set(small_grads) != set(big_grads):
+            raise ValueError(f"parameter names differ: {sorted(set(small_grads) ^ set(big_grads))}")
+        for k in small_grads:
+            if small_grads[k].shape != big_grads[k].shape:
+                raise ValueError(
+                    f"{k}: shapes differ, {tuple(small_grads[k].shape)} vs "
+                    f"{tuple(big_grads[k].shape)}"
+                )
+        sq = {k: small_grads[k].detach().double().pow(2).sum() for k in small_grads}
+        bq = {k: big_grads[k].detach().double().pow(2).sum() for k in big_grads}
+        self.update(sq, bq, b_small, b_big)
+
+    def watch(
+        self, model: nn.Module, name_filter: str | None = None, type_filter: Any = None
+    ) -> list[str]:
+        """Hook ``model`` through the capture engine for per-sample norms (``b_small = 1``).
+
+        Then wrap each backward in ``with gns.batch(): ...``; the loss must be the batch mean.
+        """
+
+        if self._capture is not None:
+            raise RuntimeError("this NoiseScale already watches a model; call unwatch() first")
+        self._capture = PerSampleNorms(model, name_filter=name_filter, type_filter=type_filter)
+        return list(self._capture.names)
+
+    def batch(self, batch_size: int | None = None) -> AbstractContextManager[None]:
+        """Capture one backward of the watched model and update the estimate from it.
+
+        Example (training loop)::
+
+            gns = nnstat.NoiseScale(beta=0.99); gns.watch(model)
+            for x, y in loader:
+                with gns.batch():
+                    loss_fn(model(x), y).backward()
+                opt.step(); opt.zero_grad()
+        """
+        if self._capture is None:
+            raise RuntimeError("call watch(model) before batch()")
+        return _TrackedBatch(self, self._capture, batch_size)
+
+    def _add_captured(self, names: list[str], small: list[float], big: list[float], n: int) -> None:
+        # floats, per layer, finite (checked by the capture): skip update()'s input conversion
+        check_batch_sizes(1, n)
+        small.append(sum(small))
+        big.append(sum(big))
+        self._add([*names, _TOTAL], small, big, 1, n)
+
+    def unwatch(self) -> None:
+        """Remove the capture hooks (the model is left exactly as before ``watch``)."""
+        if self._capture is not None:
+            self._capture.close()
+            self._capture = None
+
+    def register_ddp(
+        self, ddp_model: nn.Module, local_batch_size: int, process_group: Any = None
+    ) -> DDPNoiseScaleState:
+        """Register a DDP communication hook feeding this tracker every synchronised backward.
+
+        ``b_small`` is ``local_batch_size`` (samples per rank), ``b_big`` the global batch; the
+        loss must be the mean over the rank's samples. With gradient accumulation under
+        ``no_sync()``, average the micro-batch losses (divide each by their number) and pass
+        the samples per rank per optimizer step. Whole-model values only (no per-layer split).
+        The returned state's ``local_batch_size`` can be changed between steps.
+
+        Example::
+
+            ddp_model = torch.nn.parallel.DistributedDataParallel(model)
+            gns = nnstat.NoiseScale(beta=0.95)
+            gns.register_ddp(ddp_model, local_batch_size=32)
+        """
+
+        return register_noise_scale_hook(ddp_model, self, local_batch_size, process_group)
+
+    # ----------------------------------------------------------------- reading
+    def _means(self, key: str = _TOTAL) -> tuple[float, float]:
+        if key not in self._stats:
+            return math.nan, math.nan
+        return self._stats[key].means()
+
+    @property
+    def value(self) -> float:
+        """``B_simple`` (``nan`` before the first update, ``inf`` while ``|G|^2 <= 0``)."""
+        trace, g_sq = self._means()
+        return math.nan if math.isnan(g_sq) else safe_ratio(trace, g_sq)
+
+    @property
+    def grad_sq_norm(self) -> float:
+        """Averaged unbiased estimate of ``|G|^2``."""
+        return self._means()[1]
+
+    @property
+    def trace_sigma(self) -> float:
+        """Averaged unbiased estimate of ``tr(Sigma)``."""
+        return self._means()[0]
+
+    def layer_values(self) -> dict[str, float]:
+        """``B_simple`` per layer (only when updates carried per-layer dicts)."""
+        return {k: safe_ratio(*self._means(k)) for k in self._stats if k != _TOTAL}
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        """95% bootstrap interval of ``value`` over the window (``nan`` in EMA mode)."""
+        avg = self._stats.get(_TOTAL)
+        if avg is None or avg.window is None or len(avg.nums) < 2:
+            return math.nan, math.nan
+        stats = ratio_of_means(np.asarray(avg.nums), np.asarray(avg.dens), n_boot=200)
+        return stats.interval
+
+    def layer_estimates(self) -> dict[str, tuple[float, float]]:
+        """Averaged ``(grad_sq_norm, trace_sigma)`` per layer."""
+        return {k: self._means(k)[::-1] for k in self._stats if k != _TOTAL}
+
+    def to_dict(self) -> dict[str, float]:
+        """Flat metrics: ``noise_scale/b_simple``, ``noise_scale/grad_sq_norm``,
+        ``noise_scale/<layer>/b_simple``, ..."""
+        p = self.prefix
+        out = {
+            f"{p}/b_simple": self.value,
+            f"{p}/grad_sq_norm": self.grad_sq_norm,
+            f"{p}/trace_sigma": self.trace_sigma,
+        }
+        if self.window is not None:
+            out[f"{p}/low"], out[f"{p}/high"] = self.interval
+        for k, v in self.layer_values().items():
+            out[f"{p}/{k}/b_simple"] = v
+        return out
+
+    def as_provider(self) -> Callable[[], dict[str, float]]:
+        """A callable returning :meth:`to_dict`, for ``Tracker.add_provider``."""
+        return self.to_dict
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state (floats and lists only)."""
+        return {
+            "version": 1,
+            "beta": self.beta,
+            "window": self.window,
+            "n_updates": self.n_updates,
+            "stats": {k: v.state() for k, v in self._stats.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the averaging mode must match this tracker's."""
+        expected = {"version", "beta", "window", "n_updates", "stats"}
+        if set(state) != expected:
+            raise ValueError(
+                f"bad NoiseScale state keys {sorted(state)}; expected {sorted(expected)}"
+            )
+        if state["version"] != 1:
+            raise ValueError(f"unsupported NoiseScale state version {state['version']!r}")
+        if state["beta"] != self.beta or state["window"] != self.window:
+            raise ValueError(
+                f"state was saved with beta={state['beta']}, window={state['window']}; this "
+                f"tracker has beta={self.beta}, window={self.window}"
+            )
+        stats = {}
+        for k, v in state["stats"].items():
+            avg = _Average(self.beta, self.window)
+            avg.load(v)
+            stats[k] = avg
+        self._stats = stats
+        self.n_updates = int(state["n_updates"])

@@ -1,0 +1,397 @@
+"""The :class:`Run` class behind :mod:`nnstat.run` (re-exported there; import it from there).
+
+The module-level functions that act on the current run live in :mod:`nnstat.run`; this module
+holds the stateful class: configuration, capture hooks, passes, eval-mode queries.
+
+Example:
+    >>> from nnstat.run import Run
+    >>> run = Run("demo", root_dir=__import__("tempfile").mkdtemp())
+    >>> run.mode
+    'log'
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from nnstat.run import support as parts
+from nnstat.run.rows import BatchRows
+from nnstat.store import format as fmt
+from nnstat.store.logger import StoreLogger, filter_nonfinite
+from nnstat.store.projection import ModuleProjection, build_projections, module_spec
+from nnstat.store.reader import GradientLog, make_log_dataloader
+
+
+class Run:
+    """One logging project: configuration, watched model, projection, store and statistics.
+
+    Args:
+        project: name of the store directory under ``root_dir``.
+        root_dir: parent directory of projects (default ``./nnstat_logs``).
+        config: optional initial :meth:`setup` dictionary.
+
+    Example:
+        >>> run = Run("demo", root_dir="/tmp/nnstat_doc")  # doctest: +SKIP
+        >>> with run(data_id=ids): loss.backward()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, project: str, root_dir: str | Path = "./nnstat_logs", config: dict | None = None
+    ) -> None:
+        if not project or not isinstance(project, str) or Path(project).name != project:
+            raise ValueError(f"project must be a plain directory name, got {project!r}")
+        self.project = project
+        self.path = Path(root_dir) / project
+        self.config = parts.parse_config(config or {})
+        self.engine: Any = None
+        self.model: nn.Module | None = None
+        self.mode = "log"
+        self.rank, self.world_size = parts.dist_info()
+        self._projection_args: dict[str, Any] = {"rank": None, "init": "random", "seed": 0}
+        self._projection_set = False
+        self._projections: dict[str, ModuleProjection] | None = None
+        self._logger: StoreLogger | None = None
+        self._collector: Any = None
+        self._stats_state: dict[str, torch.Tensor] = {}
+        self._pass = 0
+        self._batch_flags = (False, False)
+        # each run(...) block's rows, assembled in place in the writer's reused buffers
+        self._rows = BatchRows()
+        self._next_auto_id = 0
+        self._eval_ids: list[Any] = []
+        self._eval_rows: list[torch.Tensor] = []
+        self._eval_seen: set[Any] = set()
+        self._warned_missing: set[str] = set()
+        self._atexit = False
+
+    def __repr__(self) -> str:
+        return f"Run(project={self.project!r}, path={str(self.path)!r}, mode={self.mode!r})"
+
+    # ---------------------------------------------------------------- configuration
+    def setup(self, config: dict[str, Any]) -> Run:
+        """Update the configuration (keys as in :class:`nnstat.statistics.config.RunConfig` plus the store's).
+
+        Unknown keys raise an error listing the valid ones.
+        """
+        self._require_no_open_pass("setup()")
+        self.config = parts.parse_config(config, base=self.config)
+        return self
+
+    def watch(
+        self,
+        model: nn.Module,
+        name_filter: str | list[str] | None = None,
+        type_filter: Any = None,
+    ) -> list[str]:
+        """Watch ``model``'s supported modules (regex ``name_filter``, classes ``type_filter``)."""
+        self._require_no_open_pass("watch()")
+        from nnstat.capture.engine import CaptureEngine
+
+        if self.engine is None:
+            self.engine = CaptureEngine()
+            self.engine.add_consumer(self._on_capture)
+        names = self.engine.watch(model, name_filter=name_filter, type_filter=type_filter)
+        self.model = model
+        self._projections = None  # layout changed: rebuilt from _projection_args
+        return names
+
+    def unwatch(self) -> None:
+        """Remove every hook; the model is exactly as before :meth:`watch`."""
+        if self.engine is not None:
+            self.engine.unwatch()
+        self._projections = None
+
+    def add_projection(self, rank: int | None = 64, init: str = "random", seed: int = 0) -> dict:
+        """Project every watched module's per-sample gradient to ``rank x rank`` (LoGra).
+
+        ``init="random"``: Gaussian ``N(0, 1/rank)`` from ``seed``; ``init="pca"``: top
+        eigenvectors of the forward/backward covariances of a previous statistics pass (this run's
+        or ``statistics.safetensors`` in the store), an error if there is none. ``rank=None``
+        stores full per-sample gradients. Returns the layout ``{module: (r_out, r_in)}``.
+        """
+        self._require_no_open_pass("add_projection()")
+        old = (self._projection_args, self._projection_set, self._projections)
+        self._projection_args = {"rank": rank, "init": init, "seed": seed}
+        self._projection_set = True
+        self._projections = None
+        try:
+            self._build_projections()
+        except BaseException:  # a refused projection leaves the previous one in place
+            self._projection_args, self._projection_set, self._projections = old
+            raise
+        assert self._projections is not None
+        return {n: (p.r_out, p.r_in) for n, p in self._projections.items()}
+
+    # ---------------------------------------------------------------------- capture
+    @contextmanager
+    def __call__(self, data_id: Any = None, mask: torch.Tensor | None = None) -> Iterator[Run]:
+        """Capture the forward/backward passes inside the block as one batch of samples.
+
+        ``data_id``: a list of ints/strings, a batch tensor (rows hashed to stable ids) or
+        ``None`` (consecutive ints). ``mask``: ``[N]`` or ``[N, positions]`` (nonzero = keep).
+        """
+        if self.engine is None or not self.engine.watched:
+            raise RuntimeError("call watch(model) before run(...)")
+        self._check_writer()
+        self._build_projections()
+        ids = None if data_id is None else fmt.normalize_ids(data_id)
+        logging = self._saving()
+        if self.mode == "log":
+            extra = [s for s, on in self._pass_spec().save.items() if on and s != "grad"]
+            if extra:
+                raise ValueError(
+                    f"the gradient store saves the 'grad' stream only; save={extra} is not "
+                    "supported (log those streams with the recorder instead)"
+                )
+        if logging:
+            self._open_logger()
+            assert self._logger is not None
+        keep = self._admit(ids) if ids is not None else None
+        if self.mode == "log" and self._collector is None and self._stats_on():
+            self._collector = parts.make_collector(self.config)
+        # decided once per batch: the hooks below run per module
+        self._batch_flags = (
+            self.mode == "eval" or logging,
+            self.mode == "log" and self._stats_on(),
+        )
+        restore = parts.freeze_params(self.engine) if self._skip_param_grads() else None
+        assert self._projections is not None
+        self._rows.begin(self._projections)
+        try:
+            with self.engine.batch(
+                mask=mask,
+                loss_reduction=self.config.loss_reduction,
+                **({"outputs_require_grad": True} if restore is not None else {}),
+            ):
+                yield self
+        finally:
+            if restore is not None:
+                restore()
+            batch, rowbuf, factors = self._rows.end()
+        self._complete(batch, ids, keep, rowbuf, factors)
+
+    def _on_capture(self, cap: Any) -> None:
+        if not self._rows.open:
+            return  # someone else's engine.batch(): not ours to record
+        project, stats = self._batch_flags
+        if stats and self._collector is not None:
+            self._collector.on_capture(cap)
+        if project:
+            in_place = self.mode == "log" and self._logger is not None
+            self._rows.add(cap, self._logger.writer if in_place else None)
+
+    def _complete(
+        self,
+        batch: dict[str, torch.Tensor],
+        ids: list | None,
+        keep: Any,
+        rowbuf: torch.Tensor | None = None,
+        factors: list | None = None,
+    ) -> None:
+        if not (self.mode == "eval" or self._saving()):
+            return
+        assert self._projections is not None
+        cols = parts.module_blocks(batch, self._projections, self._warned_missing)
+        n = cols[0].shape[0]
+        if rowbuf is not None:
+            for name, col in zip(self._projections, cols, strict=True):
+                if name not in batch:  # the reused buffer holds an older batch's values there
+                    rowbuf[:, self._rows.columns[name]] = col
+        if ids is None:
+            ids = list(range(self._next_auto_id, self._next_auto_id + n))
+            keep = self._admit(ids)
+        elif len(ids) != n:
+            raise ValueError(f"data_id has {len(ids)} entries but the batch had {n} samples")
+        self._next_auto_id += n
+        if self.mode == "eval":
+            rows = torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]
+            ids, rows, _ = filter_nonfinite(ids, rows, self.config.store.nonfinite)
+            self._eval_seen.update(ids)
+            self._eval_ids += ids
+            self._eval_rows.append(rows.detach().cpu())
+        elif rowbuf is not None:
+            assert self._logger is not None
+            # the rows were assembled in place: one contiguous block, one write in the thread
+            self._logger.add(ids, rowbuf, keep, recycle=rowbuf, factors=factors)
+        else:
+            assert self._logger is not None
+            # module blocks go to the writer as they are: it writes them row by row (writev)
+            self._logger.add(ids, [c.detach().cpu() for c in cols], keep)
+
+    def _admit(self, ids: list) -> list[bool] | None:
+        if self.mode == "eval":
+            dup = [i for i in ids if i in self._eval_seen] or parts.duplicate_ids(ids)
+            if dup:
+                raise ValueError(f"duplicate data ids in this eval log: {dup[:5]}")
+            return None
+        if self._logger is not None:
+            return self._logger.admit(ids)
+        return None
+
+    # ------------------------------------------------------------------------ passes
+    def schedule(self) -> Iterator[Any]:
+        """Run every pass the configuration needs (EKFAC: factors, then eigenvalues + grads).
+
+        Example:
+            >>> for _ in run.schedule():  # doctest: +SKIP
+            ...     for x, y in loader:
+            ...         with run(data_id=ids): loss_fn(model(x), y).backward()
+        """
+        self._require_no_open_pass("schedule()")
+        self._pass = 0
+        for i, spec in enumerate(self.config.passes()):
+            if self._pass != i:
+                raise RuntimeError("finalize() was called inside a schedule() loop")
+            yield spec
+            self.finalize()
+
+    def finalize(self) -> None:
+        """End the pass: flush the store (tqdm when long), save statistics, raise writer errors.
+
+        In eval mode there is nothing to finalize (queries stay in memory until get_log()).
+        """
+        if self.mode == "eval":
+            return
+        collector = self._collector if self._stats_on() else None
+        logger, self._logger = self._logger, None
+        try:
+            if logger is not None:
+                logger.close(progress=True)
+        finally:
+            if collector is not None:
+                self._stats_state = parts.save_statistics(collector, self.path, self.rank)
+                if collector.done:
+                    self._collector = None
+        self._next_auto_id = 0
+        if logger is None and collector is None:
+            # an empty pass is not a pass: the next loop is still this one
+            warnings.warn("finalize(): nothing was logged in this pass", stacklevel=2)
+            return
+        # the next loop is the next pass (EK-FAC: factors, then eigenvalues); after the last,
+        # a new round starts
+        self._pass = (self._pass + 1) % len(self.config.passes())
+
+    def eval(self) -> Run:
+        """Analysis mode: capture projected gradients in memory (for :meth:`get_log`), save nothing."""
+        self._require_no_open_pass("eval()")
+        self.mode = "eval"
+        self._eval_ids, self._eval_rows, self._eval_seen = [], [], set()
+        self._next_auto_id = 0
+        if self._projections is None and self.engine is not None and self.engine.watched:
+            self._build_projections()  # from the store when it exists (see below)
+        return self
+
+    def train(self) -> Run:
+        """Back to logging mode (the opposite of :meth:`eval`)."""
+        self.mode = "log"
+        return self
+
+    def get_log(self) -> GradientLog:
+        """Rows captured since :meth:`eval` (or the previous ``get_log``), then cleared."""
+        if self.mode != "eval":
+            raise RuntimeError("get_log() returns what eval() mode captured: call eval() first")
+        if not self._eval_ids:
+            raise RuntimeError("get_log(): nothing captured since eval() / the last get_log()")
+        rows = torch.cat(self._eval_rows) if len(self._eval_rows) > 1 else self._eval_rows[0]
+        meta = self.store_meta()
+        stats = parts.load_tensors(self.path / fmt.STATISTICS_FILE)
+        projections = parts.projection_tensors_of(self._projections)
+        log = GradientLog(list(self._eval_ids), rows, meta, stats, projections)
+        self._eval_ids, self._eval_rows, self._eval_seen = [], [], set()
+        self._next_auto_id = 0
+        return log
+
+    def build_log_dataloader(self, batch_size: int = 1024, num_workers: int = 0) -> Any:
+        """DataLoader of ``(ids, rows)`` blocks over this run's store (after :meth:`finalize`)."""
+        self._require_no_open_pass("build_log_dataloader()")
+        return make_log_dataloader(self.path, batch_size=batch_size, num_workers=num_workers)
+
+    # ---------------------------------------------------------------------- internals
+    def store_meta(self, hashed: bool = True) -> dict[str, Any]:
+        """The meta.json describing rows of this run (layout, projection hash, config).
+
+        ``hashed=False`` leaves ``projection_sha256`` ``None`` (the store fills it in later).
+        """
+        self._build_projections()
+        assert self._projections is not None
+        args = dict(self._projection_args)
+        if not self._projection_set:
+            args["rank"] = self.config.default_rank
+        return parts.build_meta(self.project, self.config, args, self._projections, hashed)
+
+    def _pass_spec(self) -> Any:
+        return self.config.passes()[self._pass]
+
+    def _saving(self) -> bool:
+        return self.mode == "log" and bool(self._pass_spec().save.get("grad"))
+
+    def _stats_on(self) -> bool:
+        return any(self._pass_spec().statistic.values())
+
+    def _skip_param_grads(self) -> bool:
+        return self.mode == "log" and not self.config.param_grads
+
+    def _build_projections(self) -> None:
+        if self._projections is not None:
+            return
+        if self.engine is None or not self.engine.watched:
+            raise RuntimeError("call watch(model) before add_projection() / logging")
+        if (
+            self.mode == "eval"
+            and not self._projection_set
+            and (self.path / fmt.META_FILE).exists()
+        ):
+            # queries of an existing store (e.g. in a new process) use the store's projection
+            self._projections, self._projection_args = parts.projections_from_store(
+                self.path, self.engine
+            )
+            self._projection_set = True
+            return
+        specs = [module_spec(n, m) for n, m in self.engine.watched.items()]
+        args = dict(self._projection_args)
+        if not self._projection_set:
+            args["rank"] = self.config.default_rank
+        stats = None
+        if args["init"] == "pca" and args["rank"] is not None:
+            stats = parts.finalized_statistics(self._stats_state, self.path)
+        self._projections = build_projections(
+            specs, args["rank"], args["init"], args["seed"], stats
+        )
+
+    def _open_logger(self) -> None:
+        if self._logger is not None:
+            return
+        assert self._projections is not None
+        meta = self.store_meta(hashed=False)
+        prepare = functools.partial(parts.prepare_store, self.path, self._projections, self.rank)
+        self._logger = StoreLogger(
+            self.path, meta, self.config.store, self.rank, self.world_size, prepare=prepare
+        )
+        if not self._atexit:
+            self._atexit = True
+            atexit.register(self._warn_unfinalized)
+
+    def _warn_unfinalized(self) -> None:
+        if self._logger is not None:
+            warnings.warn(
+                f"nnstat: the logging pass of {self.path} was never finalize()d; rows not yet in "
+                "a whole shard are lost (the store keeps its complete shards and can be resumed)",
+                stacklevel=1,
+            )
+
+    def _check_writer(self) -> None:
+        if self._logger is not None:
+            self._logger.writer.check()
+
+    def _require_no_open_pass(self, what: str) -> None:
+        if self._logger is not None:
+            raise RuntimeError(f"{what} during a logging pass: call finalize() first")

@@ -1,0 +1,279 @@
+"""Pieces of :class:`nnstat.run.Run` that are plain functions: configuration, meta, I/O, DDP.
+
+Example:
+    >>> settings = parse_config({"log": "grad", "save": "grad", "statistic": "kfac"})
+    >>> settings.save_grad, settings.store.nonfinite
+    (True, 'error')
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nnstat import __version__
+from nnstat.store import format as fmt
+from nnstat.store.logger import StoreOptions
+from nnstat.store.projection import ModuleProjection, ModuleSpec, layout, projection_tensors
+
+# store-only setup() keys beyond those nnstat.statistics.config.RunConfig already knows
+STORE_EXTRA_KEYS = ("shard_rows", "queue_size", "on_stored_id", "size_budget_bytes", "num_samples")
+# store options that do not change what is stored (excluded from meta.json's configuration)
+_OPERATIONAL = {"shard_rows", "queue_size", "size_budget_bytes", "num_samples", "on_stored_id"}
+
+
+@dataclass
+class RunSettings:
+    """The parsed configuration of a run: ``RunConfig`` plus the store's extra options."""
+
+    raw: dict[str, Any] = field(default_factory=dict)
+    run_config: Any = None
+    store: StoreOptions = field(default_factory=StoreOptions)
+
+    @property
+    def param_grads(self) -> bool:
+        return bool(self.run_config.param_grads)
+
+    @property
+    def default_rank(self) -> int | None:
+        return self.run_config.rank
+
+    def passes(self) -> list[Any]:
+        return list(self.run_config.passes())
+
+    @property
+    def save_grad(self) -> bool:
+        return any(bool(p.save.get("grad")) for p in self.passes())
+
+    @property
+    def statistics_on(self) -> bool:
+        return any(any(p.statistic.values()) for p in self.passes())
+
+    @property
+    def loss_reduction(self) -> str:
+        return str(self.run_config.loss_reduction)
+
+    def content(self) -> dict[str, Any]:
+        """Configuration recorded in meta.json (and compared when resuming)."""
+        run = self.run_config.to_json()
+        run.pop("param_grads", None)  # how gradients were computed, not what they are
+        return {"run": run}
+
+
+def parse_config(config: Mapping[str, Any], base: RunSettings | None = None) -> RunSettings:
+    """Merge ``config`` into ``base`` (or the defaults); unknown keys name all valid ones.
+
+    Keys of :class:`nnstat.statistics.config.RunConfig` plus :data:`STORE_EXTRA_KEYS`.
+    """
+    from nnstat.statistics.config import RunConfig
+
+    if not isinstance(config, Mapping):
+        raise TypeError(f"setup() takes a dict, got {type(config).__name__}")
+    base = base or RunSettings()
+    raw = {**base.raw, **dict(config)}
+    valid = [f.name for f in fields(RunConfig)] + list(STORE_EXTRA_KEYS)
+    unknown = [k for k in raw if k not in valid]
+    if unknown:
+        raise ValueError(
+            f"unknown configuration key {unknown[0]!r}; valid keys: {', '.join(valid)}"
+        )
+    run_config = RunConfig.from_any({k: v for k, v in raw.items() if k not in STORE_EXTRA_KEYS})
+    extras = {k: v for k, v in raw.items() if k in STORE_EXTRA_KEYS}
+    store = StoreOptions(dtype=run_config.dtype, nonfinite=run_config.nonfinite, **extras)
+    return RunSettings(raw, run_config, store)
+
+
+def make_collector(settings: RunSettings) -> Any:
+    """The statistics collector of a run (one for all its passes)."""
+    from nnstat.statistics import StatisticsCollector
+
+    return StatisticsCollector(settings.run_config)
+
+
+def save_statistics(collector: Any, path: Path, rank: int) -> dict[str, torch.Tensor]:
+    """End ``collector``'s pass (all-reduced under DDP), save it (rank 0), return its state."""
+    collector.finalize()
+    if rank == 0:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        collector.save(path)
+    return collector.state_dict()
+
+
+def finalized_statistics(state: Mapping[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    """This run's finalized statistics, else ``statistics.safetensors`` of the store, else ``{}``."""
+    if state:
+        return dict(state)
+    return load_tensors(Path(path) / fmt.STATISTICS_FILE)
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """safetensors file as a dict, ``{}`` when absent."""
+    if not Path(path).exists():
+        return {}
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def dist_info() -> tuple[int, int]:
+    """``(rank, world_size)`` under an initialised ``torch.distributed``, else ``(0, 1)``."""
+    from nnstat.distributed import rank_world
+
+    return rank_world()
+
+
+def build_meta(
+    project: str,
+    settings: RunSettings,
+    projection_args: Mapping[str, Any],
+    projections: Mapping[str, ModuleProjection],
+    hashed: bool = True,
+) -> dict[str, Any]:
+    """meta.json for rows made with ``projections`` (see docs/architecture.md).
+
+    ``hashed=False``: ``projection_sha256`` is ``None``, for :func:`prepare_store` to fill in.
+    """
+    mods = layout(projections)
+    return {
+        "format_version": fmt.FORMAT_VERSION,
+        "nnstat_version": __version__,
+        "project": project,
+        "config": settings.content(),
+        "dtype": settings.store.dtype,
+        "row_width": sum(m["width"] for m in mods),
+        "modules": mods,
+        "projection": {
+            "rank": projection_args["rank"],
+            "init": projection_args["init"] if projection_args["rank"] is not None else None,
+            "seed": projection_args["seed"],
+            "seed_rule": "torch.Generator().manual_seed(seed * 1000003 + crc32(name)); "
+            "p_in then p_out, N(0, 1/r); identity where r >= dim",
+        },
+        "projection_seed": projection_args["seed"],
+        "projection_sha256": (
+            fmt.tensors_hash(projection_tensors(projections)) if hashed else None
+        ),
+        "nonfinite": settings.store.nonfinite,
+        "skipped_rows": 0,
+    }
+
+
+def prepare_store(
+    path: Path, projections: Mapping[str, ModuleProjection], rank: int, meta: dict[str, Any]
+) -> None:
+    """Complete ``meta`` with the projection hash and save the projections (rank 0, once)."""
+    if meta.get("projection_sha256") is None:
+        meta["projection_sha256"] = fmt.tensors_hash(projection_tensors(projections))
+    write_projections(path, projections, rank)
+
+
+def write_projections(path: Path, projections: Mapping[str, ModuleProjection], rank: int) -> None:
+    """Save ``projections.safetensors`` once (rank 0); a resumed store keeps its file."""
+    target = Path(path) / fmt.PROJECTIONS_FILE
+    if rank != 0 or target.exists():
+        return
+    from safetensors.torch import save
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    tensors = projection_tensors(projections)
+    fmt.atomic_write_bytes(target, save(tensors) if tensors else save({}))
+
+
+def projection_tensors_of(
+    projections: Mapping[str, ModuleProjection] | None,
+) -> dict[str, torch.Tensor]:
+    return projection_tensors(projections) if projections else {}
+
+
+def projections_from_store(
+    path: Path, engine: Any
+) -> tuple[dict[str, ModuleProjection], dict[str, Any]]:
+    """The projections (and their arguments) of a store, so queries are logged in its space."""
+    from nnstat.store.reader import GradientStore
+
+    store = GradientStore(path)
+    tensors = store.projections()
+    watched = list(engine.watched)
+    stored = [m["name"] for m in store.modules]
+    if watched != stored:
+        raise ValueError(
+            f"the watched modules {watched} differ from the store's {stored} ({path}); watch the "
+            "same modules of the same model to log queries against this store"
+        )
+    out: dict[str, ModuleProjection] = {}
+    for m in store.modules:
+        spec = ModuleSpec(m["name"], m["kind"], int(m["d_in"]), m["d_out"])
+        out[m["name"]] = ModuleProjection(
+            spec,
+            int(m["r_in"]),
+            m["r_out"],
+            tensors.get(f"{m['name']}/p_in"),
+            tensors.get(f"{m['name']}/p_out"),
+        )
+    if fmt.tensors_hash(tensors) != store.meta.get("projection_sha256"):
+        raise ValueError(f"{path}: projections.safetensors does not match meta.json's sha256")
+    p = store.meta.get("projection", {})
+    args = {"rank": p.get("rank"), "init": p.get("init") or "random", "seed": p.get("seed", 0)}
+    return out, args
+
+
+def module_blocks(
+    batch: Mapping[str, torch.Tensor],
+    projections: Mapping[str, ModuleProjection],
+    warned: set[str],
+) -> list[torch.Tensor]:
+    """One ``[N, width]`` block per module in layout order; zeros for modules without gradient.
+
+    A watched module that took no part in the loss has a zero gradient: stored as zeros, with a
+    one-time warning naming it. Nothing captured at all is an error (no backward in the block).
+    """
+    if not batch:
+        raise RuntimeError(
+            "nothing was captured inside run(...): call loss.backward() inside the block "
+            "(and make sure the loss depends on a watched module)"
+        )
+    n = next(iter(batch.values())).shape[0]
+    new = [m for m in projections if m not in batch and m not in warned]
+    if new:
+        warned.update(new)
+        warnings.warn(
+            f"watched modules {new} received no gradient in a batch; their per-sample "
+            "gradients are stored as zeros (they did not take part in the loss)",
+            stacklevel=4,
+        )
+    return [batch[m] if m in batch else torch.zeros(n, p.width) for m, p in projections.items()]
+
+
+def duplicate_ids(ids: list) -> list:
+    """The entries of ``ids`` that repeat an earlier entry, in order."""
+    seen: set = set()
+    out = []
+    for i in ids:
+        if i in seen:
+            out.append(i)
+        seen.add(i)
+    return out
+
+
+def freeze_params(engine: Any) -> Callable[[], None]:
+    """Turn off ``requires_grad`` of watched modules' parameters; return the restore function."""
+    saved: list[tuple[torch.nn.Parameter, bool]] = []
+    seen: set[int] = set()
+    for module in engine.watched.values():
+        for p in module.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                saved.append((p, p.requires_grad))
+    for p, _ in saved:
+        p.requires_grad_(False)
+
+    def restore() -> None:
+        for p, flag in saved:
+            p.requires_grad_(flag)
+
+    return restore
