@@ -208,3 +208,33 @@ def grads_by_param(kind: str, module: nn.Module, g: torch.Tensor) -> dict[str, t
     if bias:
         out["bias"] = g[..., -1]
     return out
+
+
+def matrix_from_params(
+    kind: str, module: nn.Module, params: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """Inverse of `grads_by_param`: ``{param_name: [N, *param.shape]}`` to the matrix form.
+
+    ``[N, d_out, d_in(+1)]`` for outer-product kinds (bias = last column), ``[N, D(+D)]`` for
+    layernorm (weight then bias) — the layout of `ModuleCapture.per_sample_grad` and of a
+    gradient store's rows before projection.
+
+    Example:
+        >>> lin = torch.nn.Linear(3, 2)
+        >>> g = torch.randn(4, 2, 4)
+        >>> torch.equal(matrix_from_params("linear", lin, grads_by_param("linear", lin, g)), g)
+        True
+    """
+    w = params["weight"]
+    n = w.shape[0]
+    bias = has_bias(module)
+    if kind == "layernorm":
+        parts = [w.reshape(n, -1)] + ([params["bias"].reshape(n, -1)] if bias else [])
+        return torch.cat(parts, dim=1)
+    if kind == "embedding":
+        return w.transpose(1, 2)
+    if kind == "conv1d_hf":
+        w = w.transpose(1, 2)
+    else:
+        w = w.reshape(n, w.shape[1], -1)
+    return torch.cat([w, params["bias"].unsqueeze(-1)], dim=-1) if bias else w

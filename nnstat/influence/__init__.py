@@ -19,17 +19,20 @@ from .exact import exact
 from .layout import ModuleSpec
 from .lds import LDSProtocol, lds, lds_per_query, run_lds_protocol, subset_masks
 from .precondition import PRECONDITIONERS, Preconditioner
+from .refine import CURVATURES, Refinement, preconditioned_cg
 from .result import InfluenceResult, SelfInfluenceResult, TopKInfluence
 from .score import MODES, compute_influence_all, compute_self_influence
 from .sources import TensorSource, as_source
 
 __all__ = [
+    "CURVATURES",
     "MODES",
     "PRECONDITIONERS",
     "InfluenceResult",
     "LDSProtocol",
     "ModuleSpec",
     "Preconditioner",
+    "Refinement",
     "SelfInfluenceResult",
     "TensorSource",
     "TopKInfluence",
@@ -40,6 +43,7 @@ __all__ = [
     "exact",
     "lds",
     "lds_per_query",
+    "preconditioned_cg",
     "subset_masks",
     "run_lds_protocol",
 ]

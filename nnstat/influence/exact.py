@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -30,15 +30,23 @@ from .result import InfluenceResult
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def _batches(data: Any, batch_size: int, dtype: torch.dtype) -> list[Batch]:
-    """Materialise ``data`` (tuple of tensors, Dataset or DataLoader) as a list of batches."""
+def iter_batches(data: Any, batch_size: int, dtype: torch.dtype) -> Iterator[Batch]:
+    """Yield ``(inputs, targets)`` batches of ``data`` (a tuple of tensors, Dataset or DataLoader),
+    floating tensors cast to ``dtype``; a DataLoader is iterated afresh on every call.
+
+    Example:
+        >>> import torch
+        >>> X, Y = torch.zeros(5, 2), torch.zeros(5, dtype=torch.long)
+        >>> [len(x) for x, _ in iter_batches((X, Y), 2, torch.float64)]
+        [2, 2, 1]
+    """
     if isinstance(data, (tuple, list)) and len(data) == 2 and isinstance(data[0], torch.Tensor):
         x, y = data
         if len(x) != len(y):
             raise ValueError(f"inputs have {len(x)} rows but targets {len(y)}")
-        loader: Any = [
+        loader: Any = (
             (x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, len(x), batch_size)
-        ]
+        )
     elif isinstance(data, torch.utils.data.DataLoader):
         loader = data
     elif isinstance(data, torch.utils.data.Dataset):
@@ -48,14 +56,19 @@ def _batches(data: Any, batch_size: int, dtype: torch.dtype) -> list[Batch]:
             f"data must be an (inputs, targets) tuple of tensors, a Dataset or a DataLoader, "
             f"got {type(data).__name__}"
         )
-    out = []
     for batch in loader:
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise ValueError("each batch must be an (inputs, targets) pair")
-        x, y = batch
-        x = x.to(dtype) if x.is_floating_point() else x
-        y = y.to(dtype) if y.is_floating_point() else y
-        out.append((x, y))
+        bx, by = batch  # not x, y: the generator above reads those lazily
+        yield (
+            bx.to(dtype) if bx.is_floating_point() else bx,
+            by.to(dtype) if by.is_floating_point() else by,
+        )
+
+
+def _batches(data: Any, batch_size: int, dtype: torch.dtype) -> list[Batch]:
+    """All of `iter_batches` in memory (the exact path holds its data: small models only)."""
+    out = list(iter_batches(data, batch_size, dtype))
     if not out:
         raise ValueError("empty data")
     return out

@@ -35,6 +35,7 @@ from nnstat.distributed import rank_world
 from .cache import default_preconditioner, fitted, has_kfac_statistics, has_stored_ekfac
 from .layout import check_compatible
 from .precondition import PRECONDITIONERS, Preconditioner
+from .refine import Refinement, refine_queries
 from .result import InfluenceResult, SelfInfluenceResult, TopKInfluence
 from .sources import LogSource, RowSource, as_source
 from .topk import block_candidates
@@ -167,6 +168,7 @@ def compute_influence_all(
     top_k: int | None = None,
     batch_size: int | None = None,
     progress: bool | None = None,
+    refine: Refinement | None = None,
 ) -> InfluenceResult | TopKInfluence:
     """Influence of every training example on every query.
 
@@ -175,6 +177,10 @@ def compute_influence_all(
     preconditioner is fitted on ``train`` (default: ``ekfac`` when the run collected K-FAC
     statistics, else ``raw``). With ``top_k`` the full score matrix is never held: a
     `TopKInfluence` with the ``k`` most helpful and harmful examples per query is returned.
+
+    With ``refine=Refinement(...)`` each query's ``(H + λI)⁻¹ g_q`` is refined by preconditioned
+    conjugate gradient on the exact curvature of the training loss (``mode="dot"`` only; see
+    :mod:`nnstat.influence.refine`); ``result.meta["refine"]`` reports the cost.
 
     Example:
         >>> import torch
@@ -192,16 +198,34 @@ def compute_influence_all(
         if top_k:
             # per-block selection has a fixed cost per call: fewer, larger blocks amortise it
             batch_size = min(65536, 4 * batch_size)
-    q, t, pre = _prepare(q, t, preconditioner, batch_size)
-    test_ids, q_rows = _all_rows(q, batch_size)
-    q_pre = pre.apply(q_rows, damping)
-    q_norm = (q_pre * q_rows).sum(1) if mode != "dot" else None
-    meta = {
-        "mode": mode,
-        "preconditioner": pre.kind,
-        "damping": damping,
-        "module_damping": pre.module_dampings(damping),
-    }
+    if refine is not None and refine.steps > 0:
+        if mode != "dot":
+            raise ValueError(f"refinement scores mode='dot' only, got mode={mode!r}")
+        _check_pair(q, t)
+        test_ids, _, q_pre, report = refine_queries(
+            refine, q, t, damping, preconditioner, batch_size, refine.query_data
+        )
+        pre, q_norm = Preconditioner("identity", list(t.layout), {}), None  # dot mode: unused
+        meta = {
+            "mode": mode,
+            "preconditioner": "refined",
+            "damping": refine.damping if refine.damping is not None else damping,
+            "module_damping": report["module_damping"],
+            "refine": report,
+        }
+    else:
+        q, t, pre = _prepare(q, t, preconditioner, batch_size)
+        test_ids, q_rows = _all_rows(q, batch_size)
+        q_pre = pre.apply(q_rows, damping)
+        q_norm = (q_pre * q_rows).sum(1) if mode != "dot" else None
+        meta = {
+            "mode": mode,
+            "preconditioner": pre.kind,
+            "damping": damping,
+            "module_damping": pre.module_dampings(damping),
+        }
+        if refine is not None:
+            meta["refine"] = {"steps": 0, "products": 0, "passes": 0}
     rank, _ = _dist()
     bar = tqdm(
         total=len(t),
@@ -326,6 +350,7 @@ def compute_self_influence(
     damping: float | None = None,
     batch_size: int | None = None,
     progress: bool | None = None,
+    refine: Refinement | None = None,
 ) -> SelfInfluenceResult:
     """Self-influence ``g_iᵀ (H + λI)⁻¹ g_i`` of every row of ``data``.
 
@@ -334,6 +359,11 @@ def compute_self_influence(
     statistics the log carries: the saved EK-FAC factor when present, else K-FAC, else ``raw`` on
     the log's own rows. Equals the diagonal of ``compute_influence_all(data, train)``
     (``mode="dot"``) with the same preconditioner.
+
+    With ``refine=Refinement(...)`` every row's ``(H + λI)⁻¹ g_i`` is refined on the exact
+    curvature (one solve per row: ``steps`` passes over the training data per ``query_batch``
+    rows); the rows' full gradients come from ``refine.query_data``, else ``refine.train_data``,
+    in the order of ``data``.
 
     Example:
         >>> import torch
@@ -346,6 +376,18 @@ def compute_self_influence(
     batch_size = batch_size or auto_batch_size(max(m.stop for m in t.layout))
     if t is not d:
         _check_pair(d, t)
+    if refine is not None and refine.steps > 0:
+        grads_of = refine.query_data if refine.query_data is not None else refine.train_data
+        ids, rows, solved, report = refine_queries(
+            refine, d, t, damping, preconditioner, batch_size, grads_of
+        )
+        meta = {
+            "preconditioner": "refined",
+            "damping": refine.damping if refine.damping is not None else damping,
+            "module_damping": report["module_damping"],
+            "refine": report,
+        }
+        return SelfInfluenceResult((solved * rows).sum(1), ids, meta)
     kind = preconditioner or _self_default(d, t, train is None)
     pre = fitted(t, kind, batch_size)
     ids, parts = [], []
@@ -364,4 +406,6 @@ def compute_self_influence(
         "damping": damping,
         "module_damping": pre.module_dampings(damping),
     }
+    if refine is not None:
+        meta["refine"] = {"steps": 0, "products": 0, "passes": 0}
     return SelfInfluenceResult(torch.cat(parts), ids, meta)

@@ -1,0 +1,667 @@
+"""Influence refined by preconditioned conjugate gradient on exact curvature products.
+
+K-FAC-family curvature (``ekfac``, ``kfac``) gives an approximate ``(H + λI)⁻¹``. Refinement uses
+it not as the answer but as the preconditioner of a few conjugate-gradient steps on the *exact*
+curvature of the mean training loss (the idea of ASTRA, Wang et al. 2025): for every query,
+``(H + D) x = g_q`` is solved approximately in the full parameter space of the logged modules,
+then ``x`` is projected with the store's own projections and scored against the stored rows.
+
+* ``H``: the Hessian (``curvature="hessian"``) or the Gauss-Newton matrix (``"ggn"``, positive
+  semi-definite, for non-convex models whose Hessian is indefinite) of the mean loss over
+  ``train_data``; products are batched over a block of queries with ``torch.func`` and each
+  conjugate-gradient step is one streamed pass over ``train_data``.
+* Preconditioner (full space, block-diagonal over modules): the statistics pass's EK-FAC when it
+  ran, else K-FAC from its covariances, else the rows' own covariance (unprojected store, small
+  modules), else a scaled identity ``(τ + λ)⁻¹ I`` with ``τ`` the mean gradient second moment.
+* ``D``: the damping, per module the same as in the preconditioner (``damping=None``:
+  ``0.1 ×`` the mean eigenvalue of the module's preconditioner curvature).
+* Start at ``x₀ = 0``: ``steps`` steps cost ``steps`` passes per block of queries. The first step
+  is the preconditioned gradient rescaled, so it ranks like the unrefined score; ``steps=0``
+  returns the unrefined scores exactly. With ``warm_start=True`` the start is the preconditioned
+  gradient, which costs one more pass.
+
+A conjugate-gradient step never increases the ``(H + D)``-norm error while ``H + D`` is positive
+definite. An indefinite direction under ``"hessian"`` raises, naming the queries and the fix.
+
+Example:
+    >>> import torch
+    >>> from nnstat.influence import TensorSource, compute_influence_all
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.Linear(3, 2)
+    >>> X, Y = torch.randn(40, 3), torch.randint(0, 2, (40,))
+    >>> loss = torch.nn.functional.cross_entropy
+    >>> def rows(x, y):  # unprojected per-sample gradients as a store would hold them
+    ...     g = torch.func.vmap(torch.func.grad(lambda p, a, b: loss(
+    ...         torch.func.functional_call(model, p, (a[None],)), b[None])), (None, 0, 0))(
+    ...         dict(model.named_parameters()), x, y)
+    ...     return torch.cat([g["weight"], g["bias"][..., None]], -1).flatten(1)
+    >>> lay = [ModuleSpec("model", 0, 2, 4)]
+    >>> train = TensorSource(rows(X, Y), layout=lay)
+    >>> query = TensorSource(rows(X[:2], Y[:2]), layout=lay)
+    >>> refine = Refinement(model, loss, (X, Y), query_data=(X[:2], Y[:2]), steps=3,
+    ...                     damping=0.01, preconditioner="identity")
+    >>> res = compute_influence_all(query, train, refine=refine, damping=0.01)
+    >>> res.scores.shape, res.meta["refine"]["passes"]
+    (torch.Size([2, 40]), 3)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, jvp, vjp, vmap
+from tqdm.auto import tqdm
+
+from nnstat.capture import rules
+
+from .exact import iter_batches
+from .layout import ModuleSpec
+from .precondition import (
+    DenseFactor,
+    KronFactor,
+    _fit_from_rows,
+    kfac_factor,
+    resolve_damping,
+    stored_ekfac_factor,
+    symmetric_eig,
+)
+from .sources import RowSource
+
+CURVATURES = ("hessian", "ggn")
+REFINE_PRECONDITIONERS = ("ekfac", "kfac", "raw", "identity")
+#: Largest module (columns of its unprojected gradient) whose row covariance is eigendecomposed
+#: for the ``raw`` fallback; wider modules fall back to the scaled identity.
+MAX_RAW_WIDTH = 2048
+
+__all__ = ["CURVATURES", "Refinement", "preconditioned_cg"]
+
+
+@dataclass
+class Refinement:
+    """How to refine influence scores with exact curvature (pass as ``refine=`` to
+    `compute_influence_all` / `compute_self_influence`).
+
+    Attributes:
+        model: the trained model, with the weights the gradient store was logged from (put it in
+            ``eval()`` mode if it has dropout or batch norm).
+        loss_fn: ``loss_fn(outputs, targets)`` -> the batch loss reduced as ``loss_reduction``.
+        train_data: the training data of the store, an ``(inputs, targets)`` tuple of tensors, a
+            Dataset or a DataLoader (iterated once per conjugate-gradient step; keep it unshuffled).
+        query_data: the queries' data, in the query log's order (its per-example gradients are
+            checked against the log's rows); ``None`` reads them from the log when the store is
+            unprojected. For self-influence it defaults to ``train_data``.
+        steps: conjugate-gradient steps; 0 gives the unrefined scores exactly.
+        curvature: ``"hessian"`` (default) or ``"ggn"`` (Gauss-Newton).
+        damping: ``λ`` of system and preconditioner; ``None`` = per module ``0.1 ×`` the mean
+            eigenvalue of its preconditioner curvature (``compute_influence_all``'s ``damping``
+            is used when this is ``None`` and that is given).
+        preconditioner: ``None`` (EK-FAC > K-FAC > raw > scaled identity, whatever the store
+            has), or one of ``"ekfac"``, ``"kfac"``, ``"raw"``, ``"identity"`` (plain CG).
+        batch_size: training examples per curvature product.
+        query_batch: queries refined together (memory grows with it).
+        loss_reduction: how ``loss_fn`` reduces a batch, ``"mean"`` or ``"sum"``.
+        warm_start: start at the preconditioned gradient (one more pass) instead of 0.
+        dtype: compute dtype (``torch.float64`` for small models and tests).
+        progress: show a progress bar (``None``: when interactive).
+
+    Example:
+        >>> import torch
+        >>> r = Refinement(torch.nn.Linear(2, 2), torch.nn.functional.cross_entropy,
+        ...                (torch.randn(4, 2), torch.tensor([0, 1, 0, 1])), steps=5)
+        >>> r.curvature, r.steps
+        ('hessian', 5)
+    """
+
+    model: nn.Module
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    train_data: Any
+    query_data: Any = None
+    steps: int = 5
+    curvature: str = "hessian"
+    damping: float | None = None
+    preconditioner: str | None = None
+    batch_size: int = 256
+    query_batch: int = 32
+    loss_reduction: str = "mean"
+    warm_start: bool = False
+    dtype: torch.dtype = torch.float32
+    progress: bool | None = None
+    _owner: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(self.model).__name__}")
+        if not callable(self.loss_fn):
+            raise TypeError("loss_fn must be callable: loss_fn(outputs, targets) -> scalar")
+        if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 0:
+            raise ValueError(f"steps must be an int >= 0, got {self.steps!r}")
+        if self.curvature not in CURVATURES:
+            raise ValueError(f"curvature must be one of {list(CURVATURES)}, got {self.curvature!r}")
+        if self.preconditioner is not None and self.preconditioner not in REFINE_PRECONDITIONERS:
+            raise ValueError(
+                f"preconditioner must be None or one of {list(REFINE_PRECONDITIONERS)}, "
+                f"got {self.preconditioner!r}"
+            )
+        if self.loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
+        for name in ("batch_size", "query_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.damping is not None:
+            resolve_damping(self.damping, torch.zeros(0))  # validates
+
+
+# ----------------------------------------------------------------------------- pure maths
+def preconditioned_cg(
+    matvec: Callable[[torch.Tensor], torch.Tensor],
+    precondition: Callable[[torch.Tensor], torch.Tensor],
+    rhs: torch.Tensor,
+    steps: int,
+    x0: torch.Tensor | None = None,
+    tol: float = 1e-12,
+    on_step: Callable[[torch.Tensor], None] | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``steps`` iterations of preconditioned CG on ``A x_k = rhs_k`` for every row ``k``.
+
+    ``matvec`` and ``precondition`` map ``[k, P]`` to ``[k, P]`` (``A`` and ``M ≈ A⁻¹``
+    symmetric). Rows whose relative residual falls under ``tol`` stop; ``matvec`` then sees only
+    the active rows. Returns ``(x, info)``: ``info["products"]`` counts single-vector products,
+    ``info["passes"]`` calls of ``matvec``, ``info["residual"]`` the final relative residuals.
+    Raises ``ValueError`` when ``pᵀAp <= 0`` for an active row (``A`` is not positive definite
+    along that direction), with ``err.rows`` the offending row indices.
+
+    Example:
+        >>> import torch
+        >>> A = torch.tensor([[4.0, 1.0], [1.0, 3.0]], dtype=torch.float64)
+        >>> b = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
+        >>> x, info = preconditioned_cg(lambda v: v @ A, lambda r: r / 4, b, steps=2)
+        >>> torch.allclose(x @ A, b), info["passes"]
+        (True, 2)
+    """
+    k = rhs.shape[0]
+    b_norm = rhs.norm(dim=1).clamp_min(torch.finfo(rhs.dtype).tiny)
+    products = passes = 0
+    if x0 is None:
+        x = torch.zeros_like(rhs)
+        r = rhs.clone()
+    else:
+        x = x0.clone()
+        r = rhs - matvec(x)
+        products, passes = k, 1
+    z = precondition(r)
+    p = z.clone()
+    rz = (r * z).sum(1)
+    active = r.norm(dim=1) / b_norm > tol
+    for _ in range(steps):
+        if on_step is not None:
+            on_step(x)
+        idx = active.nonzero().flatten()
+        if len(idx) == 0:
+            break
+        ap = matvec(p[idx])
+        products += len(idx)
+        passes += 1
+        pap = (p[idx] * ap).sum(1)
+        bad = pap <= 0
+        if bad.any():
+            err = ValueError("not positive definite")
+            err.rows = idx[bad].tolist()  # type: ignore[attr-defined]
+            err.curvature = pap[bad].tolist()  # type: ignore[attr-defined]
+            raise err
+        alpha = rz[idx] / pap
+        x[idx] += alpha[:, None] * p[idx]
+        r[idx] -= alpha[:, None] * ap
+        z_new = precondition(r[idx])
+        rz_new = (r[idx] * z_new).sum(1)
+        beta = rz_new / rz[idx]
+        p[idx] = z_new + beta[:, None] * p[idx]
+        rz[idx] = rz_new
+        active[idx] = r[idx].norm(dim=1) / b_norm[idx] > tol
+    if on_step is not None:
+        on_step(x)
+    info = {"products": products, "passes": passes, "residual": r.norm(dim=1) / b_norm}
+    return x, info
+
+
+# ----------------------------------------------------------------------------- the model side
+@dataclass
+class _Slot:
+    """One logged module: where its parameters sit in the flat vector and its store layout."""
+
+    spec: ModuleSpec  # the store's layout entry (projected widths)
+    module: nn.Module
+    kind: str
+    d_out: int | None
+    d_in: int
+    params: list[tuple[str, str, torch.Size, int, int]]  # (key, full name, shape, offset, numel)
+    p_out: torch.Tensor | None = None
+    p_in: torch.Tensor | None = None
+
+
+def _find_module(model: nn.Module, name: str) -> nn.Module:
+    modules = dict(model.named_modules())
+    if name in modules and name:
+        return modules[name]
+    if name == "model":  # the engine's name for a watched root module
+        return model
+    raise ValueError(
+        f"the store logged module {name!r}, which the refinement model does not have "
+        f"(its modules: {[n for n in modules if n][:10]}...): pass the model the store was "
+        "logged from"
+    )
+
+
+class _Flat:
+    """The logged modules' parameters as one flat vector, and conversions to their layouts."""
+
+    def __init__(self, model: nn.Module, source: RowSource, dtype: torch.dtype) -> None:
+        meta_modules = {m["name"]: m for m in (source.meta or {}).get("modules", [])}
+        projections = source.projections()
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.slots: list[_Slot] = []
+        offset = 0
+        for spec in source.layout:
+            module = _find_module(model, spec.name)
+            kind = rules.detect_kind(module)
+            if kind is None:
+                raise ValueError(f"module {spec.name!r}: {rules.unsupported_reason(module)}")
+            d_in, d_out = rules.dims(kind, module)
+            if kind == "layernorm":
+                d_in, d_out = d_in * (1 + rules.has_bias(module)), None
+            info = meta_modules.get(spec.name)
+            if info is not None and (info.get("d_in"), info.get("d_out")) != (d_in, d_out):
+                raise ValueError(
+                    f"module {spec.name!r}: the store logged a {info.get('d_out')}x"
+                    f"{info.get('d_in')} gradient, the refinement model has {d_out}x{d_in}: "
+                    "pass the model the store was logged from"
+                )
+            p_out = projections.get(f"{spec.name}/p_out")
+            p_in = projections.get(f"{spec.name}/p_in")
+            r_in = d_in if p_in is None else p_in.shape[0]
+            r_out = (d_out or 1) if p_out is None else p_out.shape[0]
+            if spec.width != r_in * r_out:
+                raise ValueError(
+                    f"module {spec.name!r} takes {spec.width} columns in the log, but its "
+                    f"{d_out}x{d_in} gradient with the store's projections gives {r_out * r_in}: "
+                    "a log without meta must hold unprojected rows"
+                )
+            params = []
+            for key, p in module.named_parameters(recurse=False):
+                if not p.requires_grad:
+                    continue
+                params.append((key, names[id(p)], p.shape, offset, p.numel()))
+                offset += p.numel()
+            self.slots.append(
+                _Slot(
+                    spec,
+                    module,
+                    kind,
+                    d_out,
+                    d_in,
+                    params,
+                    None if p_out is None else p_out.to(dtype),
+                    None if p_in is None else p_in.to(dtype),
+                )
+            )
+        self.size = offset
+        self.names = [full for s in self.slots for _, full, _, _, _ in s.params]
+        self.projected = any(s.p_in is not None or s.p_out is not None for s in self.slots)
+
+    # flat [k, P] <-> per-module matrix form [k, d_out, d_in(+1)] (layernorm [k, D(+D)])
+    def matrix(self, flat: torch.Tensor, s: _Slot) -> torch.Tensor:
+        k = flat.shape[0]
+        params = {
+            key: flat[:, off : off + n].reshape(k, *shape) for key, _, shape, off, n in s.params
+        }
+        return rules.matrix_from_params(s.kind, s.module, params)
+
+    def write(self, out: torch.Tensor, s: _Slot, mat: torch.Tensor) -> None:
+        for key, value in rules.grads_by_param(s.kind, s.module, mat).items():
+            _, _, _, off, n = next(p for p in s.params if p[0] == key)
+            out[:, off : off + n] = value.reshape(len(value), n)
+
+    def to_dict(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        lead = flat.shape[:-1]
+        return {
+            full: flat[..., off : off + n].reshape(*lead, *shape)
+            for s in self.slots
+            for _, full, shape, off, n in s.params
+        }
+
+    def from_dict(self, tensors: Mapping[str, torch.Tensor], lead: int) -> torch.Tensor:
+        return torch.cat([tensors[n].reshape(lead, -1) for n in self.names], dim=1)
+
+    def project(self, flat: torch.Tensor) -> torch.Tensor:
+        """``vec(P_out X P_inᵀ)`` of every module: flat parameters to the store's row layout."""
+        parts = []
+        for s in self.slots:
+            x = self.matrix(flat, s)
+            if s.kind == "layernorm":
+                parts.append(x if s.p_in is None else x @ s.p_in.T)
+                continue
+            if s.p_out is not None:
+                x = s.p_out @ x
+            if s.p_in is not None:
+                x = x @ s.p_in.T
+            parts.append(x.reshape(len(x), -1))
+        return torch.cat(parts, dim=1)
+
+    def from_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Unprojected store rows to flat parameters (the inverse of `project` without P)."""
+        out = rows.new_zeros(len(rows), self.size)
+        for s in self.slots:
+            block = rows[:, s.spec.offset : s.spec.stop]
+            mat = block if s.kind == "layernorm" else block.reshape(-1, s.d_out, s.d_in)
+            self.write(out, s, mat)
+        return out
+
+
+class _Curvature:
+    """Exact curvature-vector products of the mean training loss, streamed over the data."""
+
+    def __init__(self, refine: Refinement, flat: _Flat) -> None:
+        self.r = refine
+        self.flat = flat
+        dtype = refine.dtype
+        model = refine.model
+        self.theta = {
+            n: p.detach().to(dtype) for n, p in model.named_parameters() if n in set(flat.names)
+        }
+        self.rest = {
+            n: p.detach().to(dtype) for n, p in model.named_parameters() if n not in self.theta
+        }
+        self.rest.update(
+            {n: (b.to(dtype) if b.is_floating_point() else b) for n, b in model.named_buffers()}
+        )
+        self.n_train: int | None = None
+        self.passes = 0
+
+    def _outputs(self, params: Mapping[str, torch.Tensor], x: Any) -> Any:
+        return functional_call(self.r.model, {**params, **self.rest}, (x,))
+
+    def _loss(self, params: Mapping[str, torch.Tensor], x: Any, y: Any) -> torch.Tensor:
+        loss = self.r.loss_fn(self._outputs(params, x), y)
+        if loss.dim() != 0:
+            raise ValueError(
+                f"loss_fn must return a scalar batch loss (reduced as loss_reduction="
+                f"{self.r.loss_reduction!r}), got shape {tuple(loss.shape)}"
+            )
+        return loss
+
+    def batches(self, data: Any) -> Iterator[tuple[Any, Any]]:
+        return iter_batches(data, self.r.batch_size, self.r.dtype)
+
+    def example_grads(self, data: Any) -> torch.Tensor:
+        """``[n, P]`` gradients of each example's own loss (flat, logged modules only)."""
+
+        def one(params, xi, yi):
+            return self._loss(params, xi.unsqueeze(0), yi.unsqueeze(0))
+
+        per = vmap(grad(one), in_dims=(None, 0, 0))
+        parts = [self.flat.from_dict(per(self.theta, x, y), len(x)) for x, y in self.batches(data)]
+        if not parts:
+            raise ValueError("empty query data")
+        return torch.cat(parts)
+
+    def _count(self) -> int:
+        if self.n_train is None:
+            self.n_train = sum(len(x) for x, _ in self.batches(self.r.train_data))
+            if self.n_train == 0:
+                raise ValueError("refinement needs training data: train_data is empty")
+        return self.n_train
+
+    def _batch_product(self, vs: dict[str, torch.Tensor], x: Any, y: Any, w: float):
+        theta = self.theta
+        if self.r.curvature == "hessian":
+            g = grad(lambda p: w * self._loss(p, x, y))
+
+            def one(v):
+                return jvp(g, (theta,), (v,))[1]
+
+        else:
+            out, pullback = vjp(lambda p: self._outputs(p, x), theta)
+            out = out.detach()
+            lgrad = grad(lambda o: w * self.r.loss_fn(o, y))
+
+            def one(v):
+                ju = jvp(lambda p: self._outputs(p, x), (theta,), (v,))[1]
+                hju = jvp(lgrad, (out,), (ju,))[1]
+                return pullback(hju)[0]
+
+        try:
+            return vmap(one)(vs)
+        except RuntimeError:
+            # an operator without a batching rule: one vector at a time is the same product
+            k = len(next(iter(vs.values())))
+            res = [one({n: t[i] for n, t in vs.items()}) for i in range(k)]
+            return {n: torch.stack([r[n] for r in res]) for n in res[0]}
+
+    def product(self, v: torch.Tensor) -> torch.Tensor:
+        """``H v`` for a block of flat vectors ``[k, P]`` (one pass over the training data)."""
+        n = self._count()
+        vs = self.flat.to_dict(v)
+        out = torch.zeros_like(v)
+        seen = 0
+        for x, y in self.batches(self.r.train_data):
+            w = len(x) / n if self.r.loss_reduction == "mean" else 1.0 / n
+            out += self.flat.from_dict(self._batch_product(vs, x, y, w), len(v))
+            seen += len(x)
+        if seen != n:
+            raise ValueError(
+                f"train_data yielded {seen} examples in one pass and {n} in another: refinement "
+                "iterates it once per step, so it must not change (a DataLoader with a sampler "
+                "that drops or repeats examples?)"
+            )
+        self.passes += 1
+        return out
+
+
+class _FullPreconditioner:
+    """Block-diagonal ``(C + λI)⁻¹`` in the full parameter space of the logged modules."""
+
+    def __init__(
+        self, flat: _Flat, source: RowSource, kind: str | None, damping: float | None, bs: int
+    ) -> None:
+        self.flat = flat
+        stats = source.statistics()
+        self.blocks: list[tuple[str, Any]] = []
+        self.origin: dict[str, str] = {}
+        self.damping: dict[str, float] = {}
+        for s in flat.slots:
+            factor, origin = self._factor(s, stats, source, kind, bs)
+            if isinstance(factor, KronFactor):
+                evals = factor.eig.flatten()
+            elif isinstance(factor, DenseFactor):
+                evals = factor.evals
+            else:
+                evals = torch.tensor([float(factor)], dtype=torch.float64)
+            lam = resolve_damping(damping, evals)
+            self.damping[s.spec.name] = lam
+            self.origin[s.spec.name] = origin
+            self.blocks.append((origin, self._damped(factor, lam)))
+
+    @staticmethod
+    def _factor(s: _Slot, stats, source: RowSource, kind: str | None, bs: int):
+        full = ModuleSpec(s.spec.name, 0, s.d_out or 1, s.d_in, s.kind, None if s.d_out else s.d_in)
+        want = kind or "ekfac"
+        if want == "identity":
+            return 0.0, "identity"
+        if full.kronecker and want in ("ekfac", "kfac"):
+            if want == "ekfac":
+                f = stored_ekfac_factor(full, stats, {})
+                if f is not None:
+                    return f, "ekfac"
+            keys = [f"{s.spec.name}/forward/covariance", f"{s.spec.name}/backward/covariance"]
+            if all(k in stats for k in keys):
+                return kfac_factor(full, stats, {}), "kfac"
+        cov = stats.get(f"{s.spec.name}/grad/covariance")
+        if cov is not None and cov.shape == (full.width, full.width):
+            return DenseFactor(*symmetric_eig(cov)), "raw (statistics)"
+        unprojected = s.p_in is None and s.p_out is None
+        if unprojected and full.width <= MAX_RAW_WIDTH:
+            return _fit_from_rows(source, [s.spec], {}, bs)[s.spec.name], "raw (rows)"
+        if kind not in (None, "identity"):
+            raise ValueError(
+                f"module {s.spec.name!r}: no {kind} curvature in the full space (the run saved no "
+                f"such statistics{'' if unprojected else ' and the store is projected'}); log "
+                "with statistic='kfac' or 'ekfac', or use preconditioner=None"
+            )
+        # mean second moment of the gradient: E‖P g‖² = ‖g‖² for the store's projections
+        total, n = 0.0, 0
+        for _, rows in source.iter_blocks(bs):
+            total += float(rows[:, s.spec.offset : s.spec.stop].double().square().sum())
+            n += len(rows)
+        return total / max(n, 1) / full.width, "scaled identity"
+
+    def _damped(self, factor: Any, lam: float) -> Any:
+        if isinstance(factor, KronFactor):
+            return (factor.q_out, factor.q_in, 1.0 / (factor.eig + lam))
+        if isinstance(factor, DenseFactor):
+            return ((factor.evecs / (factor.evals + lam)) @ factor.evecs.T,)
+        return 1.0 / (float(factor) + lam)
+
+    def damping_vector(self, dtype: torch.dtype) -> torch.Tensor:
+        parts = []
+        for s in self.flat.slots:
+            n = sum(p[4] for p in s.params)
+            parts.append(torch.full((n,), self.damping[s.spec.name], dtype=dtype))
+        return torch.cat(parts)
+
+    def __call__(self, r: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(r)
+        for s, (_, block) in zip(self.flat.slots, self.blocks, strict=True):
+            g = self.flat.matrix(r, s)
+            if isinstance(block, float):
+                y = g * block
+            elif len(block) == 1:  # dense, on the row-major vec of the matrix form
+                y = (g.reshape(len(g), -1) @ block[0].to(g.dtype)).reshape(g.shape)
+            else:
+                q_out, q_in, inv = (t.to(g.dtype) for t in block)
+                y = q_out @ ((q_out.T @ g @ q_in) * inv) @ q_in.T
+            self.flat.write(out, s, y)
+        return out
+
+
+def _check_against_rows(
+    flat: _Flat, grads: torch.Tensor, rows: torch.Tensor, ids: list, meta: Mapping
+) -> None:
+    """Refuse query data whose gradients are not the log's rows (other weights, loss or order)."""
+    if len(grads) != len(rows):
+        raise ValueError(
+            f"the refinement's query data has {len(grads)} examples but the log has "
+            f"{len(rows)} rows: pass the data the log was captured from, in the same order"
+        )
+    proj = flat.project(grads).to(torch.float32)
+    rows = rows.to(torch.float32)
+    err = (proj - rows).norm(dim=1) / rows.norm(dim=1).clamp_min(1e-30)
+    tol = 1e-2 if str(meta.get("dtype", "float32")) in ("float16", "bfloat16") else 1e-3
+    bad = (err > tol).nonzero().flatten()
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(
+            f"the gradients of the refinement's query data do not match the logged rows for "
+            f"{len(bad)} of {len(rows)} examples (first: id {ids[i]!r}, relative difference "
+            f"{float(err[i]):.3g}): the model's weights, the loss function or the order of the "
+            "data differ from when the log was captured"
+        )
+
+
+def refine_queries(
+    refine: Refinement,
+    query: RowSource,
+    train: RowSource,
+    damping: float | None,
+    kind: str | None,
+    batch_size: int,
+    query_data: Any,
+) -> tuple[list, torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """``(ids, rows, refined, report)``: the query log's ids and rows, the refined projected
+    rows ``[n, width]`` that scores are dotted with, and the cost report for
+    ``result.meta["refine"]``."""
+    start = time.perf_counter()
+    dtype = refine.dtype
+    flat = _Flat(refine.model, train, dtype)
+    ids, rows = [], []
+    for b_ids, b_rows in query.iter_blocks(batch_size):
+        ids.extend(b_ids)
+        rows.append(b_rows.to(torch.float32))
+    if not rows:
+        raise ValueError("the query log is empty")
+    q_rows = torch.cat(rows)
+    curv = _Curvature(refine, flat)
+    if query_data is not None:
+        g = curv.example_grads(query_data)
+        _check_against_rows(flat, g, q_rows, ids, query.meta or {})
+    elif flat.projected:
+        raise ValueError(
+            "the store is projected, so the queries' full gradients cannot be read from the "
+            "log: pass Refinement(query_data=...) (the data the log was captured from, in order)"
+        )
+    else:
+        g = flat.from_rows(q_rows).to(dtype)
+    g = g.to(dtype)
+    damping = refine.damping if refine.damping is not None else damping
+    pre = _FullPreconditioner(flat, train, refine.preconditioner or kind, damping, batch_size)
+    lam = pre.damping_vector(dtype)
+
+    def matvec(v: torch.Tensor) -> torch.Tensor:
+        return curv.product(v) + lam * v
+
+    blocks = range(0, len(g), refine.query_batch)
+    n_passes = refine.steps + int(refine.warm_start)
+    bar = tqdm(
+        total=len(blocks) * n_passes,
+        desc="refine",
+        unit="pass",
+        disable=None if refine.progress is None else not refine.progress,
+    )
+    solved, products, residual = [], 0, []
+    with bar:
+        for lo in blocks:
+            b = g[lo : lo + refine.query_batch]
+
+            def counted(v: torch.Tensor) -> torch.Tensor:
+                out = matvec(v)
+                bar.update(1)
+                return out
+
+            try:
+                x, info = preconditioned_cg(
+                    counted, pre, b, refine.steps, x0=pre(b) if refine.warm_start else None
+                )
+            except ValueError as e:
+                bad = [ids[lo + i] for i in getattr(e, "rows", [])]
+                if not bad:
+                    raise
+                raise ValueError(
+                    f"curvature='{refine.curvature}' is not positive definite along a conjugate-"
+                    f"gradient direction for queries {bad[:5]} (pᵀ(H+λI)p = "
+                    f"{min(e.curvature):.3g}): the Hessian of this loss is indefinite there. Use "  # type: ignore[attr-defined]
+                    "Refinement(curvature='ggn') (positive semi-definite) or a larger damping"
+                ) from None
+            solved.append(flat.project(x).to(torch.float32))
+            products += info["products"]
+            residual.append(info["residual"])
+    report = {
+        "steps": refine.steps,
+        "curvature": refine.curvature,
+        "warm_start": refine.warm_start,
+        "products": products,
+        "passes": curv.passes,
+        "passes_per_block": n_passes,
+        "n_train": curv.n_train,
+        "seconds": time.perf_counter() - start,
+        "preconditioner": dict(pre.origin),
+        "module_damping": dict(pre.damping),
+        "max_residual": float(torch.cat(residual).max()),
+    }
+    if not math.isfinite(report["max_residual"]):
+        raise ValueError("refinement produced NaN/Inf: check the data and the damping")
+    return ids, q_rows, torch.cat(solved), report

@@ -1,0 +1,245 @@
+"""Refinement (preconditioned CG on exact curvature) against explicit Hessian / Gauss-Newton
+matrices of a tiny model, on real stores (projected and not) written by a run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+import nnstat
+from nnstat.influence import (
+    Refinement,
+    compute_influence_all,
+    compute_self_influence,
+    preconditioned_cg,
+)
+from nnstat.influence.refine import _Flat, refine_queries
+from nnstat.influence.sources import as_source
+
+N_TRAIN, N_QUERY, BATCH = 36, 4, 12
+LOSS = nn.functional.cross_entropy
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    x = torch.randn(N_TRAIN + N_QUERY, 4)
+    y = torch.randint(0, 3, (N_TRAIN + N_QUERY,))
+    return model, (x[:N_TRAIN], y[:N_TRAIN]), (x[N_TRAIN:], y[N_TRAIN:])
+
+
+def _log(tmp_path, project, model, train, query, rank=None, statistic="ekfac"):
+    run = nnstat.init(project=project, root_dir=tmp_path)
+    nnstat.setup({"log": "grad", "save": "grad", "statistic": statistic})
+    nnstat.watch(model)
+    if rank is not None:
+        nnstat.add_projection(rank=rank, seed=3)
+    x, y = train
+    for _ in run.schedule():
+        for s in range(0, N_TRAIN, BATCH):
+            with run(data_id=list(range(s, s + BATCH))):
+                LOSS(model(x[s : s + BATCH]), y[s : s + BATCH], reduction="sum").backward()
+            model.zero_grad()
+    nnstat.eval()
+    with run(data_id=[f"q{i}" for i in range(N_QUERY)]):
+        LOSS(model(query[0]), query[1], reduction="sum").backward()
+    model.zero_grad()
+    log = nnstat.get_log()
+    nnstat.unwatch()
+    return nnstat.GradientStore(tmp_path / project), log
+
+
+def _flat_params(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+
+
+def _loss_at(model, flat, x, y):
+    shapes = [(n, p.shape) for n, p in model.named_parameters()]
+    parts = torch.split(flat, [s.numel() for _, s in shapes])
+    params = {n: t.view(s) for (n, s), t in zip(shapes, parts, strict=True)}
+    return LOSS(functional_call(model.double(), params, (x.double(),)), y)
+
+
+def _explicit_hessian(model, train):
+    x, y = train
+    h = torch.autograd.functional.hessian(lambda f: _loss_at(model, f, x, y), _flat_params(model))
+    model.float()
+    return h
+
+
+def _explicit_ggn(model, train):
+    """(1/n) Σ_i J_iᵀ H_i J_i with H_i = diag(p_i) - p_i p_iᵀ (softmax cross-entropy)."""
+    x, y = train
+    flat = _flat_params(model)
+    shapes = [(n, p.shape) for n, p in model.named_parameters()]
+
+    def outputs(f):
+        parts = torch.split(f, [s.numel() for _, s in shapes])
+        params = {n: t.view(s) for (n, s), t in zip(shapes, parts, strict=True)}
+        return functional_call(model.double(), params, (x.double(),))
+
+    jac = torch.autograd.functional.jacobian(outputs, flat)  # [n, C, P]
+    p = torch.softmax(outputs(flat), -1).detach()
+    hl = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+    model.float()
+    return torch.einsum("icp,icd,idq->pq", jac, hl, jac) / len(x)
+
+
+def _example_grads(model, data):
+    x, y = data
+    flat = _flat_params(model)
+    rows = []
+    for i in range(len(x)):
+        f = flat.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(_loss_at(model, f, x[i : i + 1], y[i : i + 1]), f)
+        rows.append(g)
+    model.float()
+    return torch.stack(rows)
+
+
+def _reference(model, store, log, train, query, curvature_matrix, lam):
+    """Scores (P x_q)ᵀ row_i with x_q = (C + λI)⁻¹ g_q solved explicitly in float64."""
+    g_q = _example_grads(model, query)
+    x = torch.linalg.solve(curvature_matrix + lam * torch.eye(len(curvature_matrix)), g_q.T).T
+    flat = _Flat(model, as_source(store), torch.float64)
+    q_proj = flat.project(x)
+    rows = torch.cat([r for _, r in store.iter_blocks(1000)]).double()
+    return q_proj @ rows.T
+
+
+@pytest.mark.parametrize("rank", [None, 2])
+@pytest.mark.parametrize("curvature", ["hessian", "ggn"])
+def test_refinement_converges_to_the_explicit_solution(tmp_path, rank, curvature):
+    model, train, query = _setup()
+    store, log = _log(tmp_path, "p", model, train, query, rank=rank)
+    if curvature == "hessian":
+        c = _explicit_hessian(model, train)
+    else:
+        c = _explicit_ggn(model, train)
+    lam = 0.05 + max(0.0, -float(torch.linalg.eigvalsh(c).min()))
+    ref = _reference(model, store, log, train, query, c, lam)
+    n_params = sum(p.numel() for p in model.parameters())
+    refine = Refinement(
+        model, LOSS, train, query_data=query, steps=n_params + 5, curvature=curvature,
+        damping=lam, dtype=torch.float64, batch_size=10,
+    )  # fmt: skip
+    res = compute_influence_all(log, store, refine=refine)
+    assert res.scores.shape == (N_QUERY, N_TRAIN)
+    err = (res.scores.double() - ref).abs().max() / ref.abs().max()
+    assert err < 1e-5, err
+    info = res.meta["refine"]
+    assert info["curvature"] == curvature and info["passes"] <= n_params + 5
+    assert info["max_residual"] < 1e-6
+    assert set(info["module_damping"].values()) == {lam}
+
+
+def test_zero_steps_gives_the_unrefined_scores_exactly(tmp_path):
+    model, train, query = _setup()
+    store, log = _log(tmp_path, "p", model, train, query, rank=2)
+    plain = compute_influence_all(log, store)
+    zero = compute_influence_all(log, store, refine=Refinement(model, LOSS, train, steps=0))
+    assert torch.equal(plain.scores, zero.scores)
+    assert zero.meta["refine"]["passes"] == 0
+    s_plain = compute_self_influence(store)
+    s_zero = compute_self_influence(store, refine=Refinement(model, LOSS, train, steps=0))
+    assert torch.equal(s_plain.scores, s_zero.scores)
+
+
+def test_each_step_does_not_increase_the_energy_error(tmp_path):
+    """On the real curvature: x_k from k = 0..K steps, error in the (H + λI)-norm."""
+    model, train, query = _setup()
+    store, log = _log(tmp_path, "p", model, train, query)  # unprojected: rows are x itself
+    h = _explicit_hessian(model, train)
+    lam = 0.05 + max(0.0, -float(torch.linalg.eigvalsh(h).min()))
+    a = h + lam * torch.eye(len(h))
+    g_q = _example_grads(model, query)
+    exact = torch.linalg.solve(a, g_q.T).T
+    flat = _Flat(model, as_source(store), torch.float64)
+    errors = []
+    for k in range(0, 8):
+        refine = Refinement(
+            model, LOSS, train, query_data=query, steps=k, damping=lam, dtype=torch.float64
+        )
+        if k == 0:
+            x = torch.zeros_like(exact)
+        else:
+            _, _, solved, _ = refine_queries(
+                refine, as_source(log), as_source(store), None, None, 64, query
+            )
+            x = flat.from_rows(solved.double())
+        e = x - exact
+        errors.append(((e @ a) * e).sum(1))
+    errors = torch.stack(errors)  # [steps, queries]
+    assert (errors[1:] <= errors[:-1] * (1 + 1e-6) + 1e-12).all(), errors
+    assert (errors[-1] < 0.5 * errors[0]).all()
+
+
+def test_preconditioned_cg_energy_error_is_monotone_on_a_random_spd_system():
+    gen = torch.Generator().manual_seed(1)
+    q, _ = torch.linalg.qr(torch.randn(30, 30, generator=gen, dtype=torch.float64))
+    a = q @ torch.diag(torch.logspace(-2, 2, 30, dtype=torch.float64)) @ q.T
+    b = torch.randn(3, 30, generator=gen, dtype=torch.float64)
+    m = torch.diag(1 / torch.diagonal(a))
+    exact = torch.linalg.solve(a, b.T).T
+    seen = []
+    x, info = preconditioned_cg(lambda v: v @ a, lambda r: r @ m, b, 200, on_step=seen.append)
+    energy = torch.stack([(((s - exact) @ a) * (s - exact)).sum(1) for s in seen])
+    assert (energy[1:] <= energy[:-1] * (1 + 1e-9) + 1e-20).all()
+    assert torch.allclose(x, exact, rtol=1e-6, atol=1e-8)
+    assert info["products"] <= 3 * 200 and info["residual"].max() < 1e-9
+
+
+def test_indefinite_hessian_is_reported_not_scored(tmp_path):
+    model, train, query = _setup()
+    store, log = _log(tmp_path, "p", model, train, query)
+
+    def concave(out, target):  # negative curvature everywhere
+        return -(out**2).mean()
+
+    # unprojected store: the queries come from the log; the curvature is that of `concave`
+    refine = Refinement(model, concave, train, steps=3, damping=1e-6)
+    with pytest.raises(ValueError, match="not positive definite.*curvature='ggn'"):
+        compute_influence_all(log, store, refine=refine)
+
+
+def test_query_data_that_is_not_the_log_is_refused(tmp_path):
+    model, train, query = _setup()
+    store, log = _log(tmp_path, "p", model, train, query, rank=2)
+    shuffled = (query[0].flip(0), query[1].flip(0))
+    with pytest.raises(ValueError, match="do not match the logged rows"):
+        compute_influence_all(
+            log, store, refine=Refinement(model, LOSS, train, query_data=shuffled)
+        )
+    with pytest.raises(ValueError, match="has 3 examples but the log has 4"):
+        short = (query[0][:3], query[1][:3])
+        compute_influence_all(log, store, refine=Refinement(model, LOSS, train, query_data=short))
+    with pytest.raises(ValueError, match="projected.*query_data"):
+        compute_influence_all(log, store, refine=Refinement(model, LOSS, train))
+    with pytest.raises(ValueError, match="mode='dot'"):
+        compute_influence_all(
+            log, store, mode="cosine", refine=Refinement(model, LOSS, train, query_data=query)
+        )
+
+
+def test_refined_self_influence_is_the_diagonal_of_all_pairs(tmp_path):
+    model, train, query = _setup()
+    store, _ = _log(tmp_path, "p", model, train, query, rank=2)
+    refine = Refinement(model, LOSS, train, steps=4, curvature="ggn", dtype=torch.float64)
+    selfs = compute_self_influence(store, refine=refine)
+    pairs = compute_influence_all(
+        store, store, refine=Refinement(**{**refine.__dict__, "query_data": train})
+    )
+    assert selfs.ids == list(range(N_TRAIN))
+    assert torch.allclose(selfs.scores, torch.diagonal(pairs.scores), rtol=1e-5, atol=1e-7)
+    assert selfs.meta["refine"]["passes"] == 4 * 2  # two blocks of query_batch=32 rows
+
+
+def test_refinement_validates_its_arguments():
+    model, train, _ = _setup()
+    for bad in ({"steps": -1}, {"curvature": "fisher"}, {"preconditioner": "nope"}):
+        with pytest.raises(ValueError):
+            Refinement(model, LOSS, train, **bad)
+    with pytest.raises(TypeError):
+        Refinement("model", LOSS, train)
