@@ -18,14 +18,10 @@ import nnstat
 
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^(\s*)```\s*([\w+-]*)")
-# docs/architecture.md states internal contracts as signatures, not runnable examples
-NOT_RUN = {"docs/architecture.md"}
 # pages that need not open with an example (cost arithmetic, no API to show)
 NO_EXAMPLE_REQUIRED = {"docs/scaling.md"}
 PAGES = ["README.md"] + [
-    p.relative_to(ROOT).as_posix()
-    for p in sorted((ROOT / "docs").glob("*.md"))
-    if p.relative_to(ROOT).as_posix() not in NOT_RUN
+    p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "docs").glob("*.md"))
 ]
 PUBLIC_INTEGRATIONS = {"wandb", "tensorboard", "huggingface", "lightning"}
 NNSTAT_PATH = re.compile(r"\bnnstat((?:\.\w+)+)")
