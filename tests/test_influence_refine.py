@@ -15,7 +15,7 @@ from nnstat.influence import (
     compute_self_influence,
     preconditioned_cg,
 )
-from nnstat.influence.refine import _Flat, refine_queries
+from nnstat.influence.refine import _Flat, fit_fisher_statistics, refine_queries
 from nnstat.influence.sources import as_source
 
 N_TRAIN, N_QUERY, BATCH = 36, 4, 12
@@ -243,3 +243,42 @@ def test_refinement_validates_its_arguments():
             Refinement(model, LOSS, train, **bad)
     with pytest.raises(TypeError):
         Refinement("model", LOSS, train)
+
+
+@pytest.mark.parametrize("fisher", ["true", "empirical", "sampled"])
+def test_refit_fisher_factors_match_their_closed_form(fisher):
+    """Softmax regression: the output gradient is p − e_c, so S has a closed form."""
+    torch.manual_seed(1)
+    model = nn.Linear(5, 4)
+    x, y = torch.randn(64, 5), torch.randint(0, 4, (64,))
+    p = torch.softmax(model(x).detach(), -1).double()
+    samples = 400 if fisher == "sampled" else 1
+    refine = Refinement(model, LOSS, (x, y), fisher=fisher, fisher_samples=samples, batch_size=16)
+    stats = fit_fisher_statistics(refine, ["model"], "kfac")
+    if fisher == "empirical":
+        e = p - nn.functional.one_hot(y, 4).double()
+        s_ref = e.T @ e / len(x)
+    else:
+        s_ref = (torch.diag_embed(p) - p[:, :, None] * p[:, None, :]).mean(0)
+    a = torch.cat([x, torch.ones(len(x), 1)], 1).double()
+    a_ref = a.T @ a / len(x)  # float32 sums over up to 400 draws x 64 rows
+    assert torch.allclose(stats["model/forward/covariance"].double(), a_ref, rtol=1e-4, atol=1e-5)
+    tol = 0.1 * s_ref.abs().max() if fisher == "sampled" else 1e-6
+    assert (stats["model/backward/covariance"].double() - s_ref).abs().max() < tol
+    assert all(p.grad is None for p in model.parameters())  # .grad left as it was
+
+
+def test_true_fisher_preconditioner_changes_the_path_not_the_solution(tmp_path):
+    model, train, query = _setup()
+    store, log = _log(tmp_path, "p", model, train, query, statistic="none")
+    c = _explicit_ggn(model, train)
+    ref = _reference(model, store, log, train, query, c, 0.05)
+    n_params = sum(p.numel() for p in model.parameters())
+    refine = Refinement(
+        model, LOSS, train, steps=n_params + 5, curvature="ggn", damping=0.05, fisher="true",
+        dtype=torch.float64,
+    )  # fmt: skip
+    res = compute_influence_all(log, store, refine=refine)
+    assert (res.scores.double() - ref).abs().max() / ref.abs().max() < 1e-5
+    assert set(res.meta["refine"]["preconditioner"].values()) == {"ekfac"}
+    assert res.meta["refine"]["fisher"] == "true"

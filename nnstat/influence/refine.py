@@ -74,12 +74,20 @@ from .precondition import (
 from .sources import RowSource
 
 CURVATURES = ("hessian", "ggn")
+FISHERS = ("store", "empirical", "true", "sampled")
+# statistics that average output-gradient terms (scaled by the class count under fisher="true")
+_BACKWARD_KEYS = (
+    "/backward/covariance",
+    "/backward/eigenvalues",
+    "/ekfac/eigenvalues",
+    "/grad/covariance",
+)
 REFINE_PRECONDITIONERS = ("ekfac", "kfac", "raw", "identity")
 #: Largest module (columns of its unprojected gradient) whose row covariance is eigendecomposed
 #: for the ``raw`` fallback; wider modules fall back to the scaled identity.
 MAX_RAW_WIDTH = 2048
 
-__all__ = ["CURVATURES", "Refinement", "preconditioned_cg"]
+__all__ = ["CURVATURES", "FISHERS", "Refinement", "fit_fisher_statistics", "preconditioned_cg"]
 
 
 @dataclass
@@ -107,6 +115,13 @@ class Refinement:
         query_batch: queries refined together (memory grows with it).
         loss_reduction: how ``loss_fn`` reduces a batch, ``"mean"`` or ``"sum"``.
         warm_start: start at the preconditioned gradient (one more pass) instead of 0.
+        fisher: where the K-FAC/EK-FAC preconditioner's factors come from: ``"store"`` (the run's
+            statistics), or refit from ``train_data`` (two passes) with the real targets
+            (``"empirical"``), with the expectation over the model's predicted classes
+            (``"true"``: the true Fisher = Gauss-Newton matrix of softmax cross-entropy, one
+            backward per class) or with ``fisher_samples`` targets drawn from it (``"sampled"``).
+            ``"true"``/``"sampled"`` need logits ``[..., C]`` and class-index targets.
+        fisher_samples: draws per example for ``fisher="sampled"``.
         dtype: compute dtype (``torch.float64`` for small models and tests).
         progress: show a progress bar (``None``: when interactive).
 
@@ -130,6 +145,8 @@ class Refinement:
     query_batch: int = 32
     loss_reduction: str = "mean"
     warm_start: bool = False
+    fisher: str = "store"
+    fisher_samples: int = 1
     dtype: torch.dtype = torch.float32
     progress: bool | None = None
     _owner: Any = field(default=None, repr=False, compare=False)
@@ -148,6 +165,10 @@ class Refinement:
                 f"preconditioner must be None or one of {list(REFINE_PRECONDITIONERS)}, "
                 f"got {self.preconditioner!r}"
             )
+        if self.fisher not in FISHERS:
+            raise ValueError(f"fisher must be one of {list(FISHERS)}, got {self.fisher!r}")
+        if not isinstance(self.fisher_samples, int) or self.fisher_samples < 1:
+            raise ValueError(f"fisher_samples must be a positive int, got {self.fisher_samples!r}")
         if self.loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
         for name in ("batch_size", "query_batch"):
@@ -463,14 +484,109 @@ class _Curvature:
         return out
 
 
+def _class_logits(outputs: Any, targets: Any) -> torch.Tensor:
+    if (
+        not isinstance(outputs, torch.Tensor)
+        or not outputs.is_floating_point()
+        or not isinstance(targets, torch.Tensor)
+        or targets.is_floating_point()
+        or tuple(targets.shape) != tuple(outputs.shape[:-1])
+    ):
+        raise ValueError(
+            "fisher='true'/'sampled' needs class logits [..., C] and integer targets [...] "
+            "(softmax cross-entropy); use fisher='empirical' or 'store' for other losses"
+        )
+    return outputs
+
+
+def fit_fisher_statistics(
+    refine: Refinement, module_names: list[str], preset: str = "ekfac"
+) -> dict[str, torch.Tensor]:
+    """K-FAC/EK-FAC statistics of the logged modules refit from ``refine.train_data``.
+
+    ``refine.fisher`` says with which output gradients: ``"empirical"`` the real targets'
+    loss, ``"true"`` every class ``c`` weighted by ``p_c`` (``g = √p_c (p − e_c)`` on the
+    logits, an exact expectation: the true Fisher of softmax cross-entropy), ``"sampled"``
+    ``fisher_samples`` targets drawn from ``p``. Keys as in a run's ``statistics.safetensors``.
+    The model's ``.grad`` is restored afterwards.
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Linear(3, 4)
+        >>> r = Refinement(m, torch.nn.functional.cross_entropy,
+        ...                (torch.randn(16, 3), torch.randint(0, 4, (16,))), fisher="true")
+        >>> sorted(fit_fisher_statistics(r, ["model"], "kfac"))
+        ['model/backward/covariance', 'model/forward/covariance']
+    """
+    import re
+
+    from nnstat.capture import CaptureEngine
+    from nnstat.statistics import StatisticsCollector
+
+    model = refine.model
+    engine = CaptureEngine()
+    if module_names == ["model"]:
+        engine.watch(model)
+    else:
+        engine.watch(model, name_filter="^(" + "|".join(map(re.escape, module_names)) + ")$")
+    collector = StatisticsCollector(preset)
+    engine.add_consumer(collector)
+    saved = {p: p.grad for p in model.parameters()}
+    gen = torch.Generator().manual_seed(0)
+    n_classes = 1
+    try:
+        for _ in collector.passes:
+            for x, y in iter_batches(refine.train_data, refine.batch_size, torch.float32):
+                if refine.fisher == "empirical":
+                    with engine.batch(loss_reduction=refine.loss_reduction):
+                        refine.loss_fn(model(x), y).backward()
+                    continue
+                draws = refine.fisher_samples if refine.fisher == "sampled" else None
+                c = 0
+                while c < (draws or n_classes):
+                    with engine.batch(loss_reduction="sum"):
+                        logits = _class_logits(model(x), y)
+                        p = torch.softmax(logits.detach().float(), -1)
+                        n_classes = p.shape[-1]
+                        if draws is None:  # class c, weighted by √p_c
+                            onehot = torch.zeros_like(p)
+                            onehot[..., c] = 1
+                            g = p[..., c : c + 1].sqrt() * (p - onehot)
+                        else:
+                            drawn = torch.multinomial(p.reshape(-1, n_classes), 1, generator=gen)
+                            onehot = torch.zeros_like(p).reshape(-1, n_classes)
+                            onehot.scatter_(1, drawn, 1.0)
+                            g = p - onehot.reshape(p.shape)
+                        logits.backward(g.to(logits.dtype))
+                    c += 1
+            collector.finalize()
+    finally:
+        engine.unwatch()
+        for p, g in saved.items():
+            p.grad = g
+    state = collector.state_dict()
+    if refine.fisher == "true":
+        # C backward passes per batch were averaged as C·N samples: the expectation is a sum
+        for key in state:
+            if key.endswith(_BACKWARD_KEYS):
+                state[key] = state[key] * n_classes
+    return state
+
+
 class _FullPreconditioner:
     """Block-diagonal ``(C + λI)⁻¹`` in the full parameter space of the logged modules."""
 
     def __init__(
-        self, flat: _Flat, source: RowSource, kind: str | None, damping: float | None, bs: int
+        self,
+        flat: _Flat,
+        source: RowSource,
+        kind: str | None,
+        damping: float | None,
+        bs: int,
+        stats: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.flat = flat
-        stats = source.statistics()
+        stats = source.statistics() if stats is None else stats
         self.blocks: list[tuple[str, Any]] = []
         self.origin: dict[str, str] = {}
         self.damping: dict[str, float] = {}
@@ -608,7 +724,12 @@ def refine_queries(
         g = flat.from_rows(q_rows).to(dtype)
     g = g.to(dtype)
     damping = refine.damping if refine.damping is not None else damping
-    pre = _FullPreconditioner(flat, train, refine.preconditioner or kind, damping, batch_size)
+    kind = refine.preconditioner or kind
+    stats = None
+    if refine.fisher != "store" and kind != "identity":
+        preset = "kfac" if kind in ("kfac", "raw") else "ekfac"
+        stats = fit_fisher_statistics(refine, [sl.spec.name for sl in flat.slots], preset)
+    pre = _FullPreconditioner(flat, train, kind, damping, batch_size, stats)
     lam = pre.damping_vector(dtype)
 
     def matvec(v: torch.Tensor) -> torch.Tensor:
@@ -653,6 +774,7 @@ def refine_queries(
         "steps": refine.steps,
         "curvature": refine.curvature,
         "warm_start": refine.warm_start,
+        "fisher": refine.fisher,
         "products": products,
         "passes": curv.passes,
         "passes_per_block": n_passes,
