@@ -1,314 +1,786 @@
-"""Attribution quality: LDS of nnstat's presets vs LogIX and Kronfluence on the same model.
+"""Attribution quality: LDS of nnstat (unrefined, refined, exact) vs LogIX and Kronfluence.
 
-Task: scikit-learn digits (bundled, no download), a 64-h-10 tanh MLP trained full-batch with Adam.
-Every method scores the same trained model; the LDS uses the same retraining protocol
-(`nnstat.influence.run_lds_protocol`: m random 50% subsets, models retrained from scratch, query
-losses recorded). Also checks `nnstat.influence.exact` against the influence computed from the
-explicitly built Hessian (Spearman over all pairs). Prints markdown tables.
+Tasks on scikit-learn data (bundled, no download): a 64-h-10 tanh MLP on digits, multinomial
+logistic regression on digits (one ``nn.Linear(64, 10)``), a small CNN on the 8x8 digit images,
+optionally logistic regression on breast cancer. Each is trained with full-batch L-BFGS to
+convergence on ``mean CE + wd/2 ||θ||²`` and/or with full-batch Adam (``weight_decay=wd``, the
+same objective, a fixed number of steps). Every method scores the same trained model; the LDS
+uses the same retraining protocol (`nnstat.influence.run_lds_protocol`: ``m`` random 50% subsets,
+each retrained from scratch with the same procedure as the scored model, query losses recorded).
 
-    .venv/bin/python benchmarks/influence_quality.py            # peers: pip install -r benchmarks/requirements.txt
-    .venv/bin/python benchmarks/influence_quality.py --no-peers
+Methods, side by side: nnstat ``identity`` / ``raw`` / ``kfac`` / ``ekfac`` (a damping sweep for
+``raw`` and ``ekfac``), `Refinement` with k = 1, 2, 5, 10 steps on the Hessian and on the
+Gauss-Newton matrix (warm start at k = 5, a damping sweep and other preconditioners at k = 5,
+the Fisher source of its preconditioner when nnstat has the ``fisher`` field), `exact` influence
+(CG on Hessian-vector products) next to the influence from the explicitly built Hessian and GGN;
+LogIX K-FAC and EK-FAC and Kronfluence EK-FAC at their defaults and at nnstat's damping values.
+Reported per task x training x store projection: LDS (mean ± s.e. over queries), Spearman
+against exact influence over all query x train pairs, cost. Markdown tables on stdout, all
+numbers in the ``--out`` JSON.
+
+    .venv/bin/python benchmarks/influence_quality.py --out /tmp/iq.json  # peers: requirements.txt
+    .venv/bin/python benchmarks/influence_quality.py --no-peers --tasks logreg --train lbfgs
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import json
 import os
 import shutil
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from scipy.stats import spearmanr
-from sklearn.datasets import load_digits
+from sklearn.datasets import load_breast_cancer, load_digits
 from torch import nn
+from torch.func import functional_call, grad, jacrev, vmap
 
 import nnstat
-from nnstat.influence import compute_influence_all, exact, lds_per_query, run_lds_protocol
+from nnstat.influence import (
+    Refinement,
+    compute_influence_all,
+    exact,
+    lds_per_query,
+    run_lds_protocol,
+)
+
+CE = nn.functional.cross_entropy
+HAS_FISHER = "fisher" in {f.name for f in dataclasses.fields(Refinement)}
 
 
-def load_data(n_train: int, n_query: int):
-    x, y = load_digits(return_X_y=True)
+# ------------------------------------------------------------------------------ tasks
+@dataclasses.dataclass
+class Task:
+    name: str
+    describe: str
+    make_model: Callable[[], nn.Module]
+    train: tuple[torch.Tensor, torch.Tensor]
+    query: tuple[torch.Tensor, torch.Tensor]
+
+
+def _split(x: np.ndarray, y: np.ndarray, n_train: int, n_query: int, image: bool = False):
     x = (x - x.mean(0)) / (x.std(0) + 1e-6)
     perm = np.random.default_rng(0).permutation(len(x))
     x, y = torch.tensor(x[perm], dtype=torch.float32), torch.tensor(y[perm])
+    if image:
+        x = x.reshape(-1, 1, 8, 8)
     return (x[:n_train], y[:n_train]), (
         x[n_train : n_train + n_query],
         y[n_train : n_train + n_query],
     )
 
 
-def make_model(hidden: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, 10))
+def make_task(name: str, args) -> Task:
+    if name == "cancer":
+        x, y = load_breast_cancer(return_X_y=True)
+        train, query = _split(x, y, args.n_train, args.n_query)
+        return Task(
+            name, "breast cancer, logistic regression 30-2", lambda: nn.Linear(30, 2), train, query
+        )
+    x, y = load_digits(return_X_y=True)
+    train, query = _split(x, y, args.n_train, args.n_query, image=name == "cnn")
+    if name == "mlp":
+        h = args.hidden
+        return Task(
+            name,
+            f"digits, MLP 64-{h}-10 (tanh)",
+            lambda: nn.Sequential(nn.Linear(64, h), nn.Tanh(), nn.Linear(h, 10)),
+            train,
+            query,
+        )
+    if name == "logreg":
+        return Task(
+            name, "digits, logistic regression 64-10", lambda: nn.Linear(64, 10), train, query
+        )
+    if name == "cnn":
+        return Task(
+            name,
+            "digits 8x8, CNN conv3x3(1→8)-ReLU-conv3x3(8→8)-ReLU-linear(128→10)",
+            lambda: nn.Sequential(
+                nn.Conv2d(1, 8, 3),
+                nn.ReLU(),
+                nn.Conv2d(8, 8, 3),
+                nn.ReLU(),
+                nn.Flatten(),
+                nn.Linear(128, 10),
+            ),
+            train,
+            query,
+        )
+    raise ValueError(f"unknown task {name!r}")
 
 
-def trainer(train, hidden: int, steps: int, lr: float, wd: float):
-    x, y = train
+def l2(model: nn.Module) -> torch.Tensor:
+    return sum(p.square().sum() for p in model.parameters())
+
+
+def trainer(task: Task, method: str, args) -> Callable[[torch.Tensor], nn.Module]:
+    """``train_fn(indices) -> model``: the scored model and every LDS retraining use it."""
+    x, y = task.train
 
     def train_fn(indices: torch.Tensor) -> nn.Module:
-        model = make_model(hidden)
-        opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=wd)
+        model = task.make_model()
         xs, ys = x[indices], y[indices]
-        for _ in range(steps):
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(xs), ys).backward()
-            opt.step()
+        if method == "adam":
+            opt = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.wd)
+            for _ in range(args.steps):
+                opt.zero_grad()
+                CE(model(xs), ys).backward()
+                opt.step()
+        else:  # full batch L-BFGS on mean CE + wd/2 ||θ||² (the same objective as Adam's)
+            opt = torch.optim.LBFGS(
+                model.parameters(),
+                lr=1.0,
+                max_iter=args.lbfgs_iter,
+                max_eval=2 * args.lbfgs_iter,
+                history_size=50,
+                tolerance_grad=1e-7,
+                tolerance_change=1e-12,
+                line_search_fn="strong_wolfe",
+            )
+
+            def closure():
+                opt.zero_grad()
+                loss = CE(model(xs), ys) + 0.5 * args.wd * l2(model)
+                loss.backward()
+                return loss
+
+            opt.step(closure)
         return model.eval()
 
     return train_fn
 
 
+def objective_grad_norm(model: nn.Module, task: Task, wd: float) -> float:
+    model.zero_grad()
+    (CE(model(task.train[0]), task.train[1]) + 0.5 * wd * l2(model)).backward()
+    norm = torch.sqrt(sum(p.grad.square().sum() for p in model.parameters())).item()
+    model.zero_grad()
+    return norm
+
+
 # ------------------------------------------------------------------------------ nnstat
-def nnstat_logs(model, train, query, root: Path, project: str, projection=None):
-    """Log the training set (statistics + per-sample rows) and the queries; return (log, loader)."""
+def nnstat_logs(model, train, query, root: Path, project: str, rank=None, init="random"):
+    """Log the training set (EK-FAC statistics + per-sample rows) and the queries."""
     run = nnstat.init(project=project, root_dir=root)
-    nnstat.watch(model)
     x, y = train
-    batches = [(list(range(i, min(i + 100, len(x)))),) for i in range(0, len(x), 100)]
-
-    def one_pass():
-        for (ids,) in batches:
-            with run(data_id=ids):
-                nn.functional.cross_entropy(model(x[ids]), y[ids], reduction="sum").backward()
-            model.zero_grad()
-        nnstat.finalize()
-
-    if projection is not None and projection[0] == "pca":
-        # PCA bases come from the K-FAC factors of the unprojected run's statistics pass
+    batches = [list(range(i, min(i + 100, len(x)))) for i in range(0, len(x), 100)]
+    if rank is not None and init == "pca":
+        # PCA bases come from the K-FAC factors of the unprojected run's statistics
+        full = project.rsplit("_rank", 1)[0] + "_full"
         (root / project).mkdir(parents=True, exist_ok=True)
-        shutil.copy(root / "full" / "statistics.safetensors", root / project)
-    nnstat.setup({"log": "grad", "save": "grad", "statistic": "kfac"})
-    if projection is not None:
-        nnstat.add_projection(rank=projection[1], init=projection[0], seed=0)
-    one_pass()
+        shutil.copy(root / full / "statistics.safetensors", root / project)
+    nnstat.setup({"log": "grad", "save": "grad", "statistic": "ekfac"})
+    nnstat.watch(model)
+    if rank is not None:
+        nnstat.add_projection(rank=rank, init=init, seed=0)
+    for _ in run.schedule():
+        for ids in batches:
+            with run(data_id=ids):
+                CE(model(x[ids]), y[ids], reduction="sum").backward()
+            model.zero_grad()
     nnstat.eval()
     loader = nnstat.build_log_dataloader(batch_size=4096)
     with run(data_id=[f"q{i}" for i in range(len(query[0]))]):
-        nn.functional.cross_entropy(model(query[0]), query[1], reduction="sum").backward()
+        CE(model(query[0]), query[1], reduction="sum").backward()
     model.zero_grad()
     log = nnstat.get_log()
     nnstat.unwatch()
     return log, loader
 
 
+def in_train_order(res) -> torch.Tensor:
+    """Scores with columns in training-index order (store ids are the positions)."""
+    order = np.argsort(np.asarray([int(i) for i in res.train_ids]))
+    return res.scores[:, torch.as_tensor(order)].float()
+
+
+def mean_eigenvalue(loader) -> float:
+    """Trace / width of the block-diagonal curvature (E‖g‖² / columns of the store rows)."""
+    total, n, width = 0.0, 0, 0
+    for _, rows in loader.dataset.store.iter_blocks(4096):
+        total += float(rows.double().square().sum())
+        n, width = n + len(rows), rows.shape[1]
+    return total / n / width
+
+
 # ------------------------------------------------------------------------------ peers
-def logix_scores(model, train, query, root: Path) -> torch.Tensor:
-    """LogIX defaults: K-FAC statistics, `compute_influence_all` with default damping."""
-    import logix
+def logix_scores(model, train, query, root: Path, project: str, hessian: str, dampings):
+    """LogIX 0.1.1 K-FAC or EK-FAC (its scheduler's passes); one score matrix per damping."""
+    from logix import LogIX, LogIXScheduler
 
     cwd = os.getcwd()
     os.chdir(root)
     try:
         Path("config.yaml").write_text("logging:\n  flush_threshold: 1000000000\n")
-        run = logix.init(project="logix_bench", config="config.yaml")
-        # logix-ai 0.1.1's setup format; the README's {"log": "grad", ...} is silently ignored
-        logix.setup({"grad": ["log"], "forward": ["covariance"], "backward": ["covariance"]})
-        logix.watch(model)
-        run.save(True)
+        run = LogIX(project=project, config="config.yaml")
+        for m in model.modules():
+            if isinstance(m, nn.Conv2d):
+                # LogIX's patch extraction transposes its input in place, which breaks autograd
+                # when that input is a ReLU output: hand it a clone (same values and gradients)
+                m.register_forward_pre_hook(lambda mod, a: (a[0].clone(), *a[1:]))
+        run.watch(model)
         x, y = train
-        for i in range(0, len(x), 100):
-            ids = [str(j) for j in range(i, min(i + 100, len(x)))]
-            with run(data_id=ids):
-                model.zero_grad()
-                nn.functional.cross_entropy(
-                    model(x[i : i + 100]), y[i : i + 100], reduction="sum"
-                ).backward()
-        logix.finalize()
-        logix.eval()
-        loader = logix.build_log_dataloader()
+        for _ in LogIXScheduler(run, hessian=hessian, save="grad"):
+            for i in range(0, len(x), 100):
+                ids = [str(j) for j in range(i, min(i + 100, len(x)))]
+                with run(data_id=ids):
+                    model.zero_grad()
+                    CE(model(x[i : i + 100]), y[i : i + 100], reduction="sum").backward()
+            run.finalize()
+        run.eval()
+        # LogIX keeps updating its statistics in eval mode: log the queries without them
+        run.setup({"grad": ["log"]})
+        loader = run.build_log_dataloader()
         with run(data_id=[f"q{i}" for i in range(len(query[0]))]):
             model.zero_grad()
-            nn.functional.cross_entropy(model(query[0]), query[1], reduction="sum").backward()
-        res = run.influence.compute_influence_all(logix.get_log(), loader)
-        order = [res["tgt_ids"].index(str(i)) for i in range(len(x))]
-        return res["influence"][:, order].float()
+            CE(model(query[0]), query[1], reduction="sum").backward()
+        qlog = run.get_log()
+        model.zero_grad()
+        # precondition_kfac adds the damping to the EK-FAC eigenvalues in place: restore them
+        saved = {k: v.clone() for k, v in getattr(run.state, "ekfac_eigval_state", {}).items()}
+        out = []
+        for damping in dampings:
+            for k, v in saved.items():
+                run.state.ekfac_eigval_state[k] = v.clone()
+            res = run.influence.compute_influence_all(qlog, loader, damping=damping)
+            order = [res["tgt_ids"].index(str(i)) for i in range(len(x))]
+            out.append(res["influence"][:, order].float())
+        return out
     finally:
         os.chdir(cwd)
 
 
-def kronfluence_scores(model, train, query, root: Path, heuristic_damping=False) -> torch.Tensor:
-    """Kronfluence defaults: EK-FAC factors (true Fisher), default ScoreArguments (damping 1e-8);
-    ``heuristic_damping`` switches to its ``damping_factor=None`` (0.1 x mean eigenvalue)."""
+def kronfluence_scores(model, train, query, root: Path, name: str, dampings):
+    """Kronfluence 1.0.1 EK-FAC (true Fisher, its default); one score matrix per damping_factor
+    (``None`` = its heuristic, 0.1 x mean eigenvalue per module)."""
     from kronfluence.analyzer import Analyzer, prepare_model
     from kronfluence.arguments import ScoreArguments
-    from kronfluence.task import Task
+    from kronfluence.task import Task as KTask
 
-    class ClassificationTask(Task):
+    class ClassificationTask(KTask):
         def compute_train_loss(self, batch, model, sample=False):
             inputs, targets = batch
             logits = model(inputs)
             if sample:
                 with torch.no_grad():
                     targets = torch.multinomial(torch.softmax(logits.detach(), -1), 1).flatten()
-            return nn.functional.cross_entropy(logits, targets, reduction="sum")
+            return CE(logits, targets, reduction="sum")
 
         def compute_measurement(self, batch, model):
             inputs, targets = batch
-            return nn.functional.cross_entropy(model(inputs), targets, reduction="sum")
+            return CE(model(inputs), targets, reduction="sum")
 
     task = ClassificationTask()
     model = prepare_model(copy.deepcopy(model), task)
-    name = "bench_heuristic" if heuristic_damping else "bench"
     analyzer = Analyzer(name, model, task, cpu=True, disable_tqdm=True, output_dir=str(root))
     train_ds = torch.utils.data.TensorDataset(*train)
     query_ds = torch.utils.data.TensorDataset(*query)
     analyzer.fit_all_factors("factors", train_ds, per_device_batch_size=100)
-    analyzer.compute_pairwise_scores(
-        "scores",
-        "factors",
-        query_ds,
-        train_ds,
-        per_device_query_batch_size=len(query[0]),
-        per_device_train_batch_size=100,
-        score_args=ScoreArguments(damping_factor=None) if heuristic_damping else None,
+    out = []
+    for i, damping in enumerate(dampings):
+        analyzer.compute_pairwise_scores(
+            f"scores{i}",
+            "factors",
+            query_ds,
+            train_ds,
+            per_device_query_batch_size=len(query[0]),
+            per_device_train_batch_size=100,
+            score_args=ScoreArguments(damping_factor=damping),
+        )
+        out.append(analyzer.load_pairwise_scores(f"scores{i}")["all_modules"].float())
+    return out
+
+
+# ------------------------------------------------------------------------------ explicit
+class Explicit:
+    """Float64 Hessian, Gauss-Newton matrix and per-example gradients of the mean CE."""
+
+    def __init__(self, model: nn.Module, train, query) -> None:
+        m64 = copy.deepcopy(model).double()
+        names = [n for n, _ in m64.named_parameters()]
+        shapes = [p.shape for _, p in m64.named_parameters()]
+        sizes = [p.numel() for _, p in m64.named_parameters()]
+        theta = torch.cat([p.detach().reshape(-1) for p in m64.parameters()])
+
+        def outputs(flat, x):
+            parts = torch.split(flat, sizes)
+            p = {n: t.view(s) for n, t, s in zip(names, parts, shapes, strict=True)}
+            return functional_call(m64, p, (x,))
+
+        def loss(flat, x, y):
+            return CE(outputs(flat, x), y)
+
+        x, y = train[0].double(), train[1]
+        self.hessian = jacrev(grad(loss), chunk_size=128)(theta, x, y)
+        self.hessian = (self.hessian + self.hessian.T) / 2
+        jac = jacrev(outputs, chunk_size=128)(theta, x)  # [n, C, P]
+        p = torch.softmax(outputs(theta, x), -1).detach()
+        hl = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+        hj = torch.einsum("icd,idq->icq", hl, jac)
+        self.ggn = jac.reshape(-1, len(theta)).T @ hj.reshape(-1, len(theta)) / len(x)
+
+        def one(flat, xi, yi):
+            return loss(flat, xi[None], yi[None])
+
+        per = vmap(grad(one), in_dims=(None, 0, 0))
+        self.g_train = per(theta, x, y)
+        self.g_query = per(theta, query[0].double(), query[1])
+        self.evals = torch.linalg.eigvalsh(self.hessian)
+        self.ggn_evals = torch.linalg.eigvalsh(self.ggn)
+
+    def scores(self, matrix: torch.Tensor, damping: float) -> torch.Tensor:
+        a = matrix + damping * torch.eye(len(matrix), dtype=matrix.dtype)
+        return (self.g_query @ torch.linalg.solve(a, self.g_train.T)).float()
+
+
+# ------------------------------------------------------------------------------ scoring
+class Board:
+    """Rows of one task x training x projection: LDS, Spearman vs exact, cost."""
+
+    def __init__(self, proto, reference: torch.Tensor | None) -> None:
+        self.proto = proto
+        self.reference = reference
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, method: str, scores: torch.Tensor | None, **info) -> dict[str, Any]:
+        row: dict[str, Any] = {"method": method, "lds": None, "sem": None, "spearman": None}
+        if scores is not None:
+            per_q = lds_per_query(scores, self.proto.subset_masks, self.proto.subset_losses)
+            per_q = per_q[~np.isnan(per_q)]
+            row["lds"] = float(per_q.mean())
+            row["sem"] = float(per_q.std(ddof=1) / np.sqrt(len(per_q)))
+            row["n_queries_scored"] = len(per_q)
+            if self.reference is not None:
+                row["spearman"] = float(
+                    spearmanr(scores.flatten().numpy(), self.reference.flatten().numpy()).statistic
+                )
+        row.update(info)
+        self.rows.append(row)
+        print(f"  {fmt_row(row)}", flush=True)
+        return row
+
+    def run(self, method: str, fn: Callable[[], Any], **info) -> dict[str, Any]:
+        """``fn() -> scores`` or ``(scores, info)``; errors become a status, never a crash."""
+        t = time.perf_counter()
+        try:
+            out = fn()
+        except Exception as e:  # reported, not hidden
+            secs = time.perf_counter() - t
+            msg = str(e)
+            if "not positive definite" in msg:
+                status = "indefinite"
+            else:
+                status = f"failed: {type(e).__name__}: {msg.splitlines()[0][:120] if msg else ''}"
+                if not isinstance(e, ValueError):
+                    traceback.print_exc()
+            return self.add(method, None, seconds=secs, status=status, error=msg[:500], **info)
+        secs = time.perf_counter() - t
+        scores, extra = out if isinstance(out, tuple) else (out, {})
+        return self.add(method, scores, seconds=secs, status="ok", **{**info, **extra})
+
+
+def fmt_damping(row: dict[str, Any]) -> str:
+    d = row.get("module_damping")
+    if isinstance(d, dict) and d:
+        lo, hi = min(d.values()), max(d.values())
+        return f"{lo:.2g}" if np.isclose(lo, hi) else f"{lo:.2g}–{hi:.2g}"
+    d = row.get("damping")
+    return "" if d is None else (d if isinstance(d, str) else f"{d:.3g}")
+
+
+def fmt_row(row: dict[str, Any]) -> str:
+    if row["lds"] is None:
+        lds = row.get("status", "")
+    else:
+        lds = f"{row['lds']:.3f} ± {row['sem']:.3f}"
+    rho = "" if row["spearman"] is None else f"{row['spearman']:.3f}"
+    secs = f"{row['seconds']:.1f}" if row.get("seconds") is not None else ""
+    prod = "" if row.get("products") is None else str(row["products"])
+    passes = "" if row.get("passes") is None else str(row["passes"])
+    if row.get("passes_per_block") is not None:
+        passes += f" ({row['passes_per_block']}/block)"
+    return (
+        f"| {row['method']} | {lds} | {rho} | {secs} | {prod} | {passes} | "
+        f"{fmt_damping(row)} | {row.get('note', '')} |"
     )
-    return analyzer.load_pairwise_scores("scores")["all_modules"].float()
 
 
-# ------------------------------------------------------------------------------ exact
-def flat_loss_fn(model, x, y):
-    names = [n for n, _ in model.named_parameters()]
-    shapes = [p.shape for _, p in model.named_parameters()]
-    sizes = [p.numel() for _, p in model.named_parameters()]
+def refined(log, loader, refine: Refinement):
+    res = compute_influence_all(log, loader, refine=refine, progress=False)
+    info = res.meta["refine"]
+    extra = {
+        "products": info["products"],
+        "passes": info["passes"],
+        "passes_per_block": info.get("passes_per_block"),
+        "refine_seconds": info["seconds"],
+        "module_damping": info["module_damping"],
+        "preconditioner_origin": info["preconditioner"],
+        "max_residual": info.get("max_residual"),
+        "note": ", ".join(sorted(set(info["preconditioner"].values()))),
+    }
+    if info.get("fisher", "store") != "store":
+        extra["note"] += f" refit ({info['fisher']} Fisher: +2 statistics passes, not counted)"
+    return in_train_order(res), extra
 
-    def f(flat):
-        parts = torch.split(flat, sizes)
-        p = {n: t.view(s) for n, t, s in zip(names, parts, shapes, strict=True)}
-        return nn.functional.cross_entropy(torch.func.functional_call(model, p, (x,)), y)
 
-    theta = torch.cat([p.detach().reshape(-1) for _, p in model.named_parameters()])
-    return f, theta
+def unrefined(log, loader, kind: str, damping: float | None):
+    res = compute_influence_all(log, loader, preconditioner=kind, damping=damping, progress=False)
+    extra = {"module_damping": res.meta.get("module_damping") if kind != "identity" else None}
+    return in_train_order(res), extra
 
 
-def explicit_influence(model, train, query, damping: float) -> torch.Tensor:
-    m64 = copy.deepcopy(model).double()
-    f, theta = flat_loss_fn(m64, train[0].double(), train[1])
-    h = torch.autograd.functional.hessian(f, theta, vectorize=True)
+# ------------------------------------------------------------------------------ one setting
+def damping_sweep(tau: float, gamma: float | None, wd: float | None) -> dict[str, float]:
+    """Relative to τ (mean eigenvalue of the empirical Fisher, what damping=None scales),
+    0.1 × γ (mean eigenvalue of the GGN = true Fisher) and the L2 coefficient."""
+    out = {"0.01τ": 0.01 * tau, "0.1τ": 0.1 * tau, "τ": tau, "10τ": 10 * tau}
+    if gamma is not None:
+        out["0.1γ"] = 0.1 * gamma
+    if wd is not None:
+        out["wd"] = wd
+    return out
 
-    def grads(x, y):
-        rows = []
-        for i in range(len(x)):
-            fi, _ = flat_loss_fn(m64, x[i : i + 1].double(), y[i : i + 1])
-            rows.append(torch.func.grad(fi)(theta))
-        return torch.stack(rows)
 
-    g_t, g_q = grads(*train), grads(*query)
-    return g_q @ torch.linalg.solve(h + damping * torch.eye(len(h), dtype=h.dtype), g_t.T), h
+def bench_store(board: Board, ctx: dict[str, Any], log, loader, args, projected: bool) -> None:
+    """Every nnstat method on one store (unprojected or projected)."""
+    model, train, query = ctx["model"], ctx["train"], ctx["query"]
+    tau = mean_eigenvalue(loader)
+    tau_full, gamma, wd, lam_ref = ctx["tau_full"], ctx["gamma"], args.wd, ctx["lam_ref"]
+    # in a projected store the curvature lives on another scale: only relative values there
+    sweep = damping_sweep(tau, None if projected else gamma, None if projected else wd)
+    sweep_full = damping_sweep(tau_full, gamma, wd)
+    board.rows.append({"method": "_meta", "tau_store": tau, "tau_full": tau_full, "gamma": gamma})
+    print(
+        f"  (store mean eigenvalue τ = {tau:.3g}; full space: τ = {tau_full:.3g}, "
+        f"GGN mean eigenvalue γ = {gamma:.3g}, wd = {wd:g})"
+    )
+    for kind in ("identity", "raw", "kfac", "ekfac"):
+        board.run(
+            f"nnstat {kind}" + (" (default damping)" if kind != "identity" else ""),
+            lambda kind=kind: unrefined(log, loader, kind, None),
+            group="unrefined",
+            preconditioner=kind,
+        )
+    for kind in ("raw", "ekfac"):
+        for label, lam in sweep.items():
+            board.run(
+                f"nnstat {kind}, λ = {label}",
+                lambda kind=kind, lam=lam: unrefined(log, loader, kind, lam),
+                group="unrefined sweep",
+                preconditioner=kind,
+                damping=lam,
+            )
+
+    def refine(steps, curvature, **kw) -> Refinement:
+        return Refinement(
+            model,
+            CE,
+            train,
+            query_data=query,
+            steps=steps,
+            curvature=curvature,
+            progress=False,
+            **kw,
+        )
+
+    def go(name: str, group: str, steps: int, curvature: str, **kw) -> None:
+        board.run(
+            name,
+            lambda: refined(log, loader, refine(steps, curvature, **kw)),
+            group=group,
+            steps=steps,
+            curvature=curvature,
+            **{k: v for k, v in kw.items() if k != "warm_start"},
+            warm_start=kw.get("warm_start", False),
+        )
+
+    curvatures = ("hessian", "ggn")
+    # k curves, cold (x0 = 0) and warm (x0 = preconditioned gradient, one more pass per block:
+    # warm k-1 costs what cold k does), at the default damping and two larger ones
+    for label, lam in (("default", None), ("0.1γ", 0.1 * gamma), ("wd", wd)):
+        for c in curvatures:
+            for k in (1, 2, 5, 10):
+                go(f"refine k={k}, {c}, λ = {label}", "refine", k, c, damping=lam)
+            for k in (1, 4, 5, 9):
+                go(
+                    f"refine k={k}, {c}, λ = {label}, warm start",
+                    "refine warm",
+                    k,
+                    c,
+                    damping=lam,
+                    warm_start=True,
+                )
+    for c in curvatures:
+        for label, lam in sweep_full.items():
+            go(f"refine k=5, {c}, λ = {label}", "refine sweep", 5, c, damping=lam)
+        go(f"refine k=10, {c}, λ = λ_exact", "refine sweep", 10, c, damping=lam_ref)
+    for label, lam in (("0.1τ", 0.1 * tau_full), ("0.1γ", 0.1 * gamma)):
+        for c in curvatures:
+            for pre in ("ekfac", "kfac", "raw", "identity"):
+                go(
+                    f"refine k=5, {c}, preconditioner={pre}, λ = {label}",
+                    "refine preconditioner",
+                    5,
+                    c,
+                    damping=lam,
+                    preconditioner=pre,
+                )
+    if HAS_FISHER:
+        for label, lam in (("default", None), ("0.1γ", 0.1 * gamma)):
+            for c in curvatures:
+                for fisher in ("store", "empirical", "true", "sampled"):
+                    go(
+                        f"refine k=5, {c}, fisher={fisher}, λ = {label}",
+                        "refine fisher",
+                        5,
+                        c,
+                        damping=lam,
+                        fisher=fisher,
+                    )
+
+
+def bench_setting(task: Task, method: str, args, root: Path) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    train_fn = trainer(task, method, args)
+    t = time.perf_counter()
+    base = train_fn(torch.arange(len(task.train[0])))
+    t_train = time.perf_counter() - t
+    n_params = sum(p.numel() for p in base.parameters())
+    gnorm = objective_grad_norm(base, task, args.wd)
+    with torch.no_grad():
+        acc_train = (base(task.train[0]).argmax(1) == task.train[1]).float().mean().item()
+        acc_query = (base(task.query[0]).argmax(1) == task.query[1]).float().mean().item()
+
+    def query_losses(model):
+        return CE(model(task.query[0]), task.query[1], reduction="none")
+
+    t = time.perf_counter()
+    proto = run_lds_protocol(train_fn, len(task.train[0]), query_losses, m=args.m, seed=1)
+    t_proto = time.perf_counter() - t
+
+    t = time.perf_counter()
+    ex = Explicit(base, task.train, task.query)
+    t_explicit = time.perf_counter() - t
+    lam_min = float(ex.evals.min())
+    lam_heur = max(0.1 * float(ex.evals.clamp_min(0).mean()), -1.5 * lam_min, 1e-4)
+    # the Hessian of the training objective is H + wd·I: λ = wd is the principled damping when
+    # that is positive definite (a converged minimum), else the heuristic of the old benchmark
+    lam_ref = args.wd if lam_min + args.wd > 1e-3 * args.wd else lam_heur
+    tau_full = float(ex.g_train.square().sum(1).mean()) / ex.g_train.shape[1]
+    gamma = float(ex.ggn_evals.mean())
+    header = {
+        "task": task.name,
+        "describe": task.describe,
+        "train": method,
+        "n_params": n_params,
+        "n_train": len(task.train[0]),
+        "n_query": len(task.query[0]),
+        "m": args.m,
+        "train_seconds": t_train,
+        "objective_grad_norm": gnorm,
+        "train_accuracy": acc_train,
+        "query_accuracy": acc_query,
+        "protocol_seconds": t_proto,
+        "explicit_seconds": t_explicit,
+        "hessian_eig_min": lam_min,
+        "hessian_eig_max": float(ex.evals.max()),
+        "hessian_eig_mean": float(ex.evals.mean()),
+        "ggn_eig_mean": float(ex.ggn_evals.mean()),
+        "lambda_heuristic": lam_heur,
+        "lambda_exact": lam_ref,
+        "tau_full": tau_full,
+        "gamma": gamma,
+        "wd": args.wd,
+        "threads": torch.get_num_threads(),
+    }
+    print(
+        f"\n### {task.describe}, {method} ({n_params} parameters)\n\n"
+        f"train {t_train:.1f} s, ‖∇objective‖ = {gnorm:.2e}, accuracy train {acc_train:.3f} / "
+        f"query {acc_query:.3f}; LDS protocol {t_proto:.0f} s (m = {args.m}); Hessian eigenvalues "
+        f"[{lam_min:.3g}, {float(ex.evals.max()):.3g}], λ_exact = {lam_ref:.3g} "
+        f"({'wd' if lam_ref == args.wd else 'heuristic'}), λ_heur = {lam_heur:.3g}\n",
+        flush=True,
+    )
+    results = []
+    t = time.perf_counter()
+    try:
+        ref = exact(base, CE, task.train, task.query, damping=lam_ref).scores
+        ref_status = "ok"
+    except Exception as e:  # reported
+        ref, ref_status = ex.scores(ex.hessian, lam_ref), f"failed: {e}"
+    t_exact = time.perf_counter() - t
+    explicit_ref = ex.scores(ex.hessian, lam_ref)
+    common = Board(proto, ref)
+    common.add(
+        f"nnstat exact (CG, λ = {lam_ref:.3g})",
+        ref if ref_status == "ok" else None,
+        seconds=t_exact,
+        status=ref_status,
+        group="exact",
+        damping=lam_ref,
+    )
+    common.add("explicit Hessian (same λ)", explicit_ref, group="exact", damping=lam_ref)
+    common.add("explicit GGN (same λ)", ex.scores(ex.ggn, lam_ref), group="exact", damping=lam_ref)
+    for label, lam in (
+        ("λ_heur", lam_heur),
+        ("wd", args.wd),
+        ("0.1τ", 0.1 * tau_full),
+        ("0.1γ", 0.1 * gamma),
+    ):
+        if lam == lam_ref:
+            continue
+        if lam_min + lam > 0:
+            common.add(
+                f"explicit Hessian, λ = {label}",
+                ex.scores(ex.hessian, lam),
+                group="exact",
+                damping=lam,
+            )
+        else:
+            common.add(
+                f"explicit Hessian, λ = {label}",
+                None,
+                status="indefinite",
+                group="exact",
+                damping=lam,
+            )
+        common.add(f"explicit GGN, λ = {label}", ex.scores(ex.ggn, lam), group="exact", damping=lam)
+    header["exact_vs_explicit_spearman"] = float(
+        spearmanr(ref.flatten().numpy(), explicit_ref.flatten().numpy()).statistic
+    )
+    if not args.no_peers:
+        sweep = damping_sweep(tau_full, gamma, args.wd)
+        for hessian in ("kfac", "ekfac"):
+            dampings = [None, *sweep.values()]
+            labels = ["default (0.1 × mean eigenvalue of the first module)", *sweep]
+            t = time.perf_counter()
+            try:
+                out = logix_scores(
+                    copy.deepcopy(base),
+                    task.train,
+                    task.query,
+                    root,
+                    f"logix_{task.name}_{method}_{hessian}",
+                    hessian,
+                    dampings,
+                )
+            except Exception as e:
+                traceback.print_exc()
+                common.add(f"LogIX {hessian}", None, status=f"failed: {e}", group="peer")
+                continue
+            secs = (time.perf_counter() - t) / len(dampings)
+            for label, lam, s in zip(labels, dampings, out, strict=True):
+                common.add(
+                    f"LogIX 0.1.1 {hessian.upper()}, λ = {label}",
+                    s,
+                    seconds=secs,
+                    group="peer",
+                    peer="logix",
+                    damping=lam,
+                )
+        dampings = [1e-8, None, *sweep.values()]
+        labels = ["1e-8 (default)", "heuristic (damping_factor=None)", *sweep]
+        t = time.perf_counter()
+        try:
+            out = kronfluence_scores(
+                base, task.train, task.query, root, f"kf_{task.name}_{method}", dampings
+            )
+            secs = (time.perf_counter() - t) / len(dampings)
+            for label, lam, s in zip(labels, dampings, out, strict=True):
+                common.add(
+                    f"Kronfluence 1.0.1 EK-FAC, λ = {label}",
+                    s,
+                    seconds=secs,
+                    group="peer",
+                    peer="kronfluence",
+                    damping=lam,
+                )
+        except Exception as e:
+            traceback.print_exc()
+            common.add("Kronfluence EK-FAC", None, status=f"failed: {e}", group="peer")
+    results.append({**header, "projection": "shared (store-independent)", "rows": common.rows})
+    print_table(common.rows)
+    ctx = {
+        "model": base,
+        "train": task.train,
+        "query": task.query,
+        "tau_full": tau_full,
+        "lam_ref": lam_ref,
+        "gamma": gamma,
+    }
+    for rank in args.ranks:
+        project = f"{task.name}_{method}_" + ("full" if rank is None else f"rank{rank}")
+        t = time.perf_counter()
+        log, loader = nnstat_logs(base, task.train, task.query, root, project, rank, args.proj_init)
+        t_log = time.perf_counter() - t
+        label = "unprojected" if rank is None else f"rank {rank} per side ({args.proj_init})"
+        print(f"\n#### nnstat store: {label} (logging {t_log:.1f} s)\n", flush=True)
+        board = Board(proto, ref)
+        bench_store(board, ctx, log, loader, args, projected=rank is not None)
+        results.append(
+            {**header, "projection": label, "logging_seconds": t_log, "rows": board.rows}
+        )
+        print_table(board.rows)
+    return results
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        "\n| method | LDS (mean ± s.e.) | Spearman vs exact | time (s) | products | passes | "
+        "damping | note |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for row in rows:
+        if not row["method"].startswith("_"):
+            print(fmt_row(row))
+    print(flush=True)
 
 
 # ------------------------------------------------------------------------------ main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tasks", default="mlp,logreg,cnn", help="of mlp, logreg, cnn, cancer")
+    ap.add_argument("--train", choices=["lbfgs", "adam", "both"], default="both")
     ap.add_argument("--n-train", type=int, default=300)
     ap.add_argument("--n-query", type=int, default=40)
     ap.add_argument("--hidden", type=int, default=24)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--lr", type=float, default=0.01)
-    ap.add_argument("--wd", type=float, default=1e-3)
+    ap.add_argument("--steps", type=int, default=300, help="Adam steps")
+    ap.add_argument("--lr", type=float, default=0.01, help="Adam learning rate")
+    ap.add_argument("--lbfgs-iter", type=int, default=1000, help="L-BFGS iterations (max)")
+    ap.add_argument("--wd", type=float, default=1e-3, help="L2 coefficient (both trainings)")
     ap.add_argument("--m", type=int, default=50, help="LDS subsets")
-    ap.add_argument("--rank", type=int, default=8, help="projection rank per side")
+    ap.add_argument("--ranks", default="none,8", help="store projections: none and/or ranks")
+    ap.add_argument("--proj-init", choices=["random", "pca"], default="random")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--out", type=Path, default=None, help="JSON file for all results")
     args = ap.parse_args()
-    torch.manual_seed(0)
-    train, query = load_data(args.n_train, args.n_query)
-    train_fn = trainer(train, args.hidden, args.steps, args.lr, args.wd)
-    torch.manual_seed(0)
-    base = train_fn(torch.arange(args.n_train))
-    n_params = sum(p.numel() for p in base.parameters())
-
-    def query_losses(model):
-        return nn.functional.cross_entropy(model(query[0]), query[1], reduction="none")
-
-    t0 = time.perf_counter()
-    proto = run_lds_protocol(train_fn, args.n_train, query_losses, alpha=0.5, m=args.m, seed=1)
-    t_proto = time.perf_counter() - t0
-
-    rows: list[tuple[str, float, float, float]] = []
-
-    def record(name: str, fn) -> torch.Tensor | None:
-        t = time.perf_counter()
-        try:
-            scores = fn()
-        except Exception:  # a peer that fails is reported, not hidden
-            print(f"{name} failed:\n{traceback.format_exc()}")
-            rows.append((name, float("nan"), float("nan"), time.perf_counter() - t))
-            return None
-        per_q = lds_per_query(scores, proto.subset_masks, proto.subset_losses)
-        per_q = per_q[~np.isnan(per_q)]
-        sem = per_q.std(ddof=1) / np.sqrt(len(per_q))
-        rows.append((name, float(per_q.mean()), float(sem), time.perf_counter() - t))
-        return scores
-
+    args.ranks = [None if r.strip().lower() == "none" else int(r) for r in args.ranks.split(",")]
+    torch.set_num_threads(args.threads)
+    trainings = ["lbfgs", "adam"] if args.train == "both" else [args.train]
+    print(f"nnstat refinement `fisher` field: {'yes' if HAS_FISHER else 'not yet'}")
+    config = {k: v for k, v in vars(args).items() if k != "out"}
+    results: list[dict[str, Any]] = []
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
-        root = Path(d)
-        logs = {}
-        t = time.perf_counter()
-        logs["full"] = nnstat_logs(base, train, query, root, "full")
-        t_log = time.perf_counter() - t
-        for kind in ("ekfac", "kfac", "raw", "identity"):
-            label = f"nnstat {kind}" + (" (default)" if kind == "ekfac" else "")
-            record(
-                label,
-                lambda kind=kind: compute_influence_all(
-                    *logs["full"], preconditioner=kind, progress=False
-                ).scores,
-            )
-        for init in ("random", "pca"):
-            log, loader = nnstat_logs(base, train, query, root, f"proj_{init}", (init, args.rank))
-            for kind in ("ekfac", "raw"):
-                record(
-                    f"nnstat {kind}, projected rank {args.rank} ({init})",
-                    lambda kind=kind, log=log, loader=loader: compute_influence_all(
-                        log, loader, preconditioner=kind, progress=False
-                    ).scores,
-                )
-        # exact: damping on the mean-loss scale, large enough for H + λI to be positive definite
-        f, theta = flat_loss_fn(copy.deepcopy(base).double(), train[0].double(), train[1])
-        eig = torch.linalg.eigvalsh(torch.autograd.functional.hessian(f, theta, vectorize=True))
-        lam = max(0.1 * eig.clamp_min(0).mean().item(), -1.5 * eig.min().item(), 1e-4)
-        ex = record(
-            f"nnstat exact (CG, λ={lam:.2g})",
-            lambda: exact(base, nn.functional.cross_entropy, train, query, damping=lam).scores,
-        )
-        explicit, _ = explicit_influence(base, train, query, lam)
-        record("explicit Hessian (reference)", lambda: explicit.float())
-        rho = (
-            spearmanr(ex.flatten().numpy(), explicit.flatten().numpy()).statistic
-            if ex is not None
-            else float("nan")
-        )
-        if not args.no_peers:
-            record(
-                "LogIX 0.1.1 default (K-FAC)",
-                lambda: logix_scores(copy.deepcopy(base), train, query, root),
-            )
-            record(
-                "Kronfluence 1.0.1 default (EK-FAC)",
-                lambda: kronfluence_scores(base, train, query, root),
-            )
-            record(
-                "Kronfluence 1.0.1 EK-FAC, damping_factor=None (its heuristic)",
-                lambda: kronfluence_scores(base, train, query, root, heuristic_damping=True),
-            )
-
-    print(
-        f"\ndigits, MLP 64-{args.hidden}-10 ({n_params} parameters), {args.n_train} train / "
-        f"{args.n_query} queries, LDS over m={args.m} subsets (alpha=0.5, retrained "
-        f"{args.steps} Adam steps; protocol {t_proto:.0f} s), torch threads "
-        f"{torch.get_num_threads()}; nnstat logging pass {t_log:.1f} s\n"
-    )
-    print("| method | LDS (mean ± s.e. over queries) | time (s) |")
-    print("| --- | ---: | ---: |")
-    for name, value, sem, secs in rows:
-        print(f"| {name} | {value:.3f} ± {sem:.3f} | {secs:.1f} |")
-    print(
-        f"\n`exact` vs explicit-Hessian influence: Spearman {rho:.4f} over all "
-        f"{explicit.numel()} pairs (λ = {lam:.3g})"
-    )
+        for name in args.tasks.split(","):
+            task = make_task(name.strip(), args)
+            for method in trainings:
+                results.extend(bench_setting(task, method, args, Path(d)))
+                if args.out is not None:
+                    payload = {"config": config, "has_fisher": HAS_FISHER, "results": results}
+                    args.out.write_text(json.dumps(payload, indent=1, default=str))
+    print(f"total {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":

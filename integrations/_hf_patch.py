@@ -23,10 +23,12 @@ import torch
 from nnstat.integrations._logpass import (
     PassData,
     build_config,
+    eval_mode,
     log_pass,
     open_run,
     probe_filter,
     query_log,
+    refinement,
 )
 
 __all__ = ["NNStatArguments", "patch_trainer"]
@@ -231,10 +233,12 @@ def patch_trainer(trainer_cls: type) -> type:
             loader = self._nnstat_loader(dataset)
             return query_log(self.nnstat_run, self._nnstat_data(loader))
 
-        def influence(self, query_dataset: Any = None, **overrides: Any) -> Any:
+        def influence(self, query_dataset: Any = None, refine: Any = None, **overrides: Any) -> Any:
             """Scores of every training example for every query (``InfluenceResult``, or
             ``TopKInfluence`` with ``top_k``). ``overrides``: ``mode``, ``preconditioner``,
-            ``damping``, ``top_k``."""
+            ``damping``, ``top_k``. ``refine=5`` refines the scores with 5 conjugate-gradient
+            steps on the exact Hessian of the trainer's loss over its training set (or pass a
+            `nnstat.influence.Refinement`)."""
             from nnstat.influence import compute_influence_all
 
             query_dataset = self.eval_dataset if query_dataset is None else query_dataset
@@ -244,20 +248,40 @@ def patch_trainer(trainer_cls: type) -> type:
                 overrides, ("mode", "preconditioner", "damping", "top_k")
             )
             log = self._nnstat_query(query_dataset)
-            return compute_influence_all(log, self.nnstat_run.path, **options)
+            query = self._nnstat_data(self._nnstat_loader(query_dataset))
+            with eval_mode(self.model):
+                refinement_ = refinement(refine, self._nnstat_train_data(), query, "sum")
+                return compute_influence_all(
+                    log, self.nnstat_run.path, refine=refinement_, **options
+                )
 
-        def self_influence(self, dataset: Any = None, **overrides: Any) -> Any:
+        def self_influence(self, dataset: Any = None, refine: Any = None, **overrides: Any) -> Any:
             """Self-influence ``g_iᵀ(H+λI)⁻¹g_i`` of each training example (``dataset=None``) or
-            of each example of ``dataset`` (``SelfInfluenceResult``)."""
+            of each example of ``dataset`` (``SelfInfluenceResult``); ``refine`` as in
+            `influence`."""
             from nnstat.influence import compute_self_influence
 
             options = self._nnstat_options(overrides, ("preconditioner", "damping"))
             if self.nnstat_run is None:
                 raise RuntimeError("call extract_log() before self_influence()")
-            if dataset is None:
-                return compute_self_influence(self.nnstat_run.path, **options)
-            log = self._nnstat_query(dataset)
-            return compute_self_influence(log, self.nnstat_run.path, **options)
+            train = self._nnstat_train_data()
+            with eval_mode(self.model):
+                if dataset is None:
+                    refinement_ = refinement(refine, train, train, "sum")
+                    return compute_self_influence(
+                        self.nnstat_run.path, refine=refinement_, **options
+                    )
+                log = self._nnstat_query(dataset)
+                query = self._nnstat_data(self._nnstat_loader(dataset))
+                refinement_ = refinement(refine, train, query, "sum")
+                return compute_self_influence(
+                    log, self.nnstat_run.path, refine=refinement_, **options
+                )
+
+        def _nnstat_train_data(self) -> PassData:
+            if self.train_dataset is None:
+                raise ValueError("refinement needs the trainer's train_dataset")
+            return self._nnstat_data(self._nnstat_loader(self.train_dataset))
 
         def _nnstat_options(self, overrides: dict[str, Any], keys: tuple[str, ...]) -> dict:
             unknown = sorted(set(overrides) - set(keys))

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nnstat.influence.refine import batch_len as batch_size_of
+
 __all__ = [
     "PassData",
     "build_config",
@@ -35,6 +37,8 @@ __all__ = [
     "query_log",
     "batch_size_of",
     "probe_filter",
+    "refinement",
+    "eval_mode",
 ]
 
 IdsFn = Callable[[Any, int], Any]
@@ -100,25 +104,6 @@ def open_run(
     run.watch(model, name_filter=name_filter, type_filter=type_filter)
     run.add_projection(rank=rank, init=init, seed=seed)
     return run
-
-
-def batch_size_of(batch: Any) -> int:
-    """Samples in a batch: the first dimension of its first tensor.
-
-    Example:
-        >>> batch_size_of({"input_ids": torch.zeros(3, 5)})
-        3
-    """
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0])
-    values = batch.values() if isinstance(batch, Mapping) else batch
-    if isinstance(values, Iterable) and not isinstance(values, (str, bytes)):
-        for v in values:
-            try:
-                return batch_size_of(v)
-            except TypeError:
-                continue
-    raise TypeError(f"cannot find a batch dimension in {type(batch).__name__}")
 
 
 class _EvalMode:
@@ -235,3 +220,40 @@ def query_log(run: Any, data: PassData) -> Any:
         return run.get_log()
     finally:
         run.train()
+
+
+def eval_mode(model: nn.Module) -> _EvalMode:
+    """The context the passes run in (eval mode, no stale gradients), for refined scoring too."""
+    return _EvalMode(model)
+
+
+def refinement(refine: Any, train: PassData, query: PassData | None, loss_reduction: str) -> Any:
+    """``refine=`` of an integration's influence call as a `nnstat.influence.Refinement`: an
+    int is the number of steps, on the integration's own loss and data, with the Gauss-Newton
+    curvature (framework models are non-convex: their Hessian is indefinite in general); a
+    Refinement is used as given; ``None`` stays ``None``.
+
+    Example:
+        >>> m = nn.Linear(3, 2)
+        >>> data = PassData(m, [(torch.randn(4, 3), torch.tensor([0, 1, 0, 1]))],
+        ...                 lambda b: nn.functional.cross_entropy(m(b[0]), b[1], reduction="sum"))
+        >>> refinement(5, data, None, "sum").steps
+        5
+    """
+    from nnstat.influence import Refinement
+
+    if refine is None or isinstance(refine, Refinement):
+        return refine
+    if isinstance(refine, bool) or not isinstance(refine, int):
+        raise TypeError(f"refine must be a number of steps or a Refinement, got {refine!r}")
+    return Refinement(
+        train.model,
+        None,
+        train.batches,
+        query_data=None if query is None else query.batches,
+        batch_loss=train.loss_fn,
+        loss_reduction=loss_reduction,
+        steps=refine,
+        curvature="ggn",
+        progress=train.progress,
+    )

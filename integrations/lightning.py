@@ -28,12 +28,16 @@ from nnstat.integrations._hooks import StatsCallbackBase
 from nnstat.integrations._logpass import (
     PassData,
     build_config,
+    eval_mode,
     log_pass,
     open_run,
     probe_filter,
     query_log,
+    refinement,
 )
 from torch.utils.data import RandomSampler
+
+from nnstat.influence import Refinement
 
 __all__ = ["NNStatCallback", "extract_log", "influence", "self_influence"]
 
@@ -213,6 +217,22 @@ def _query(run: Any, module: Any, dataloader: Any, loss_fn: Any, ids_fn: Any, pr
         return query_log(run, PassData(module, batches, loss, ids_fn=ids_fn, progress=progress))
 
 
+def _refinement(refine, run, module, train_dataloader, query_dataloader, loss_fn, progress):
+    if refine is None:
+        return None
+    if train_dataloader is None and not isinstance(refine, Refinement):
+        raise ValueError("refine= needs train_dataloader=... (the data the store was logged from)")
+    if isinstance(refine, Refinement):
+        return refine
+    train_batches, train_loss = _prepared(module, train_dataloader, loss_fn, None)
+    train = PassData(module, train_batches, train_loss, progress=progress)
+    query = None
+    if query_dataloader is not None:
+        q_batches, q_loss = _prepared(module, query_dataloader, loss_fn, None)
+        query = PassData(module, q_batches, q_loss, progress=progress)
+    return refinement(refine, train, query, run.config.loss_reduction)
+
+
 def influence(
     trainer: Any,
     module: Any,
@@ -226,10 +246,14 @@ def influence(
     loss_fn: Callable[[Any, int], torch.Tensor] | None = None,
     ids_fn: Callable[[Any, int], Any] | None = None,
     progress: bool | None = None,
+    refine: int | Refinement | None = None,
+    train_dataloader: Any = None,
 ) -> Any:
     """Influence of every logged training example on every query of ``query_dataloader``
     (``InfluenceResult``, or ``TopKInfluence`` with ``top_k``); ``run`` is what
-    :func:`extract_log` returned.
+    :func:`extract_log` returned. ``refine=5`` refines the scores with 5 conjugate-gradient
+    steps on the Gauss-Newton curvature of the module's loss over ``train_dataloader`` (the
+    unshuffled data the store was logged from), or pass a `nnstat.influence.Refinement`.
 
     Example:
         >>> result = influence(trainer, module, test_loader, run, top_k=5)  # doctest: +SKIP
@@ -238,10 +262,14 @@ def influence(
 
     del trainer
     log = _query(run, module, query_dataloader, loss_fn, ids_fn, progress)
-    return compute_influence_all(
-        log, run.path, mode=mode, preconditioner=preconditioner, damping=damping, top_k=top_k,
-        progress=progress,
-    )  # fmt: skip
+    with _quiet_logging(module), eval_mode(module):
+        refined = _refinement(
+            refine, run, module, train_dataloader, query_dataloader, loss_fn, progress
+        )
+        return compute_influence_all(
+            log, run.path, mode=mode, preconditioner=preconditioner, damping=damping,
+            top_k=top_k, progress=progress, refine=refined,
+        )  # fmt: skip
 
 
 def self_influence(
@@ -255,9 +283,11 @@ def self_influence(
     loss_fn: Callable[[Any, int], torch.Tensor] | None = None,
     ids_fn: Callable[[Any, int], Any] | None = None,
     progress: bool | None = None,
+    refine: int | Refinement | None = None,
+    train_dataloader: Any = None,
 ) -> Any:
     """Self-influence of each logged training example (``dataloader=None``) or of each example
-    of ``dataloader`` (``SelfInfluenceResult``).
+    of ``dataloader`` (``SelfInfluenceResult``); ``refine`` as in :func:`influence`.
 
     Example:
         >>> self_influence(trainer, module, run).scores.shape  # doctest: +SKIP
@@ -266,7 +296,11 @@ def self_influence(
 
     del trainer
     options = {"preconditioner": preconditioner, "damping": damping, "progress": progress}
-    if dataloader is None:
-        return compute_self_influence(run.path, **options)
+    with _quiet_logging(module), eval_mode(module):
+        queries = train_dataloader if dataloader is None else dataloader
+        refined = _refinement(refine, run, module, train_dataloader, queries, loss_fn, progress)
+        if dataloader is None:
+            return compute_self_influence(run.path, refine=refined, **options)
     log = _query(run, module, dataloader, loss_fn, ids_fn, progress)
-    return compute_self_influence(log, run.path, **options)
+    with _quiet_logging(module), eval_mode(module):
+        return compute_self_influence(log, run.path, refine=refined, **options)

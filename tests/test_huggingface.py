@@ -188,6 +188,31 @@ def test_patched_trainer_matches_the_plain_api(tmp_path):
     assert model.training is False or model.training is True  # restored, not forced
     assert all(p.grad is None for p in model.parameters())
 
+    # refinement on the trainer's own loss and data = the plain Refinement on a hand-written
+    # loss: the trainer's per-sample loss is the sum over its predicted tokens
+    refined = trainer.influence(query, refine=2)
+    assert refined.meta["refine"]["passes"] == 2 and refined.meta["refine"]["steps"] == 2
+
+    def sum_loss(b):
+        return model(**b).loss * b["labels"][:, 1:].numel()
+
+    def loader(ds):
+        return torch.utils.data.DataLoader(ds, batch_size=8)
+
+    model.eval()
+    plain = nnstat.influence.Refinement(
+        model, None, loader(train), query_data=loader(query), batch_loss=sum_loss,
+        loss_reduction="sum", steps=2, curvature="ggn", progress=False,
+    )  # fmt: skip
+    ref_refined = nnstat.influence.compute_influence_all(log, plain_run.path, refine=plain)
+    torch.testing.assert_close(refined.scores, ref_refined.scores, rtol=1e-3, atol=1e-6)
+    assert not torch.allclose(refined.scores, result.scores, rtol=1e-2)
+    zero = trainer.influence(query, refine=0)
+    torch.testing.assert_close(zero.scores, result.scores, rtol=0, atol=0)
+    self_refined = trainer.self_influence(refine=1)
+    assert self_refined.scores.shape == (16,) and self_refined.meta["refine"]["steps"] == 1
+    assert all(p.grad is None for p in model.parameters())
+
 
 def test_patch_trainer_errors(tmp_path):
     with pytest.raises(TypeError, match="Trainer subclass"):

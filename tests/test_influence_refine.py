@@ -282,3 +282,35 @@ def test_true_fisher_preconditioner_changes_the_path_not_the_solution(tmp_path):
     assert (res.scores.double() - ref).abs().max() / ref.abs().max() < 1e-5
     assert set(res.meta["refine"]["preconditioner"].values()) == {"ekfac"}
     assert res.meta["refine"]["fisher"] == "true"
+
+
+@pytest.mark.parametrize("curvature", ["hessian", "ggn"])
+def test_batch_loss_refinement_on_framework_batches(tmp_path, curvature):
+    """Dict batches and a batch_loss (as HF/Lightning give them): autograd Hessian products and
+    engine-captured query gradients reach the explicit solution too."""
+    model, train, query = _setup()
+    store, log = _log(tmp_path, "p", model, train, query, rank=2)
+    h = _explicit_hessian(model, train) if curvature == "hessian" else _explicit_ggn(model, train)
+    lam = 0.05 + max(0.0, -float(torch.linalg.eigvalsh(h).min()))
+    ref = _reference(model, store, log, train, query, h, lam)
+
+    def dicts(data, size):
+        return [
+            {"x": data[0][i : i + size], "y": data[1][i : i + size]}
+            for i in range(0, len(data[0]), size)
+        ]
+
+    def batch_loss(b):
+        return LOSS(model(b["x"]), b["y"], reduction="sum")
+
+    n_params = sum(p.numel() for p in model.parameters())
+    refine = Refinement(
+        model, None, dicts(train, 10), query_data=dicts(query, 3), batch_loss=batch_loss,
+        loss_reduction="sum", steps=n_params + 5, damping=lam, dtype=torch.float64,
+        curvature=curvature,
+    )  # fmt: skip
+    res = compute_influence_all(log, store, refine=refine)
+    assert (res.scores.double() - ref).abs().max() / ref.abs().max() < 1e-4
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(TypeError, match="exactly one"):
+        Refinement(model, LOSS, [], batch_loss=batch_loss)

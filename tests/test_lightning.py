@@ -168,6 +168,24 @@ def test_influence_helpers_equal_exact_dot_products_and_the_plain_api(tmp_path):
     ref_self = nnstat.influence.compute_self_influence(log, plain.path, progress=False)
     torch.testing.assert_close(self_res.scores, ref_self.scores, rtol=1e-4, atol=1e-6)
 
+    # refinement through training_step (autograd double backward, engine query gradients) = the
+    # plain Refinement on (inputs, targets) tensors (torch.func products, vmap query gradients)
+    refined = influence(None, module, query_loader, run, refine=3, train_dataloader=train_loader,
+                        progress=False)  # fmt: skip
+    plain_refine = nnstat.influence.Refinement(
+        module, nn.functional.cross_entropy, train.tensors, query_data=query.tensors, steps=3,
+        curvature="ggn", progress=False,
+    )  # fmt: skip
+    ref_refined = nnstat.influence.compute_influence_all(log, plain.path, refine=plain_refine)
+    torch.testing.assert_close(refined.scores, ref_refined.scores, rtol=1e-3, atol=1e-6)
+    assert refined.meta["refine"]["passes"] == 3
+    self_refined = self_influence(None, module, run, refine=2, train_dataloader=train_loader,
+                                  progress=False)  # fmt: skip
+    assert self_refined.scores.shape == (24,) and self_refined.meta["refine"]["steps"] == 2
+    with pytest.raises(ValueError, match="train_dataloader"):
+        influence(None, module, query_loader, run, refine=3, progress=False)
+    assert module.training and all(p.grad is None for p in module.parameters())
+
 
 class SkipsABatch(Tiny):
     def training_step(self, batch, batch_idx):

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +101,11 @@ class Refinement:
         loss_fn: ``loss_fn(outputs, targets)`` -> the batch loss reduced as ``loss_reduction``.
         train_data: the training data of the store, an ``(inputs, targets)`` tuple of tensors, a
             Dataset or a DataLoader (iterated once per conjugate-gradient step; keep it unshuffled).
+        batch_loss: instead of ``loss_fn``, for framework batches (dicts, ...): ``batch_loss(batch)``
+            -> the batch loss reduced as ``loss_reduction``, computed by calling ``model``; the
+            data are then iterables of such batches. Curvature products then use autograd double
+            backward (``"ggn"`` takes the model's output, or its ``.logits``, as the point where
+            the loss starts) and the queries' gradients come from the capture engine.
         query_data: the queries' data, in the query log's order (its per-example gradients are
             checked against the log's rows); ``None`` reads them from the log when the store is
             unprojected. For self-influence it defaults to ``train_data``.
@@ -134,9 +139,10 @@ class Refinement:
     """
 
     model: nn.Module
-    loss_fn: Callable[[Any, Any], torch.Tensor]
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
     train_data: Any
     query_data: Any = None
+    batch_loss: Callable[[Any], torch.Tensor] | None = None
     steps: int = 5
     curvature: str = "hessian"
     damping: float | None = None
@@ -154,8 +160,14 @@ class Refinement:
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(self.model).__name__}")
-        if not callable(self.loss_fn):
-            raise TypeError("loss_fn must be callable: loss_fn(outputs, targets) -> scalar")
+        if (self.loss_fn is None) == (self.batch_loss is None):
+            raise TypeError(
+                "give exactly one of loss_fn(outputs, targets) and batch_loss(batch) -> scalar"
+            )
+        if not callable(self.loss_fn or self.batch_loss):
+            raise TypeError("loss_fn / batch_loss must be callable")
+        if self.batch_loss is not None and self.fisher in ("true", "sampled"):
+            raise ValueError(f"fisher={self.fisher!r} needs loss_fn(outputs, targets) logits")
         if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 0:
             raise ValueError(f"steps must be an int >= 0, got {self.steps!r}")
         if self.curvature not in CURVATURES:
@@ -384,6 +396,13 @@ class _Flat:
         return out
 
 
+def _twice_differentiable() -> Any:
+    """Attention through the math kernel: the fused CPU/flash kernels have no second derivative."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
 class _Curvature:
     """Exact curvature-vector products of the mean training loss, streamed over the data."""
 
@@ -457,11 +476,13 @@ class _Curvature:
                 return pullback(hju)[0]
 
         try:
-            return vmap(one)(vs)
+            with _twice_differentiable():
+                return vmap(one)(vs)
         except RuntimeError:
             # an operator without a batching rule: one vector at a time is the same product
             k = len(next(iter(vs.values())))
-            res = [one({n: t[i] for n, t in vs.items()}) for i in range(k)]
+            with _twice_differentiable():
+                res = [one({n: t[i] for n, t in vs.items()}) for i in range(k)]
             return {n: torch.stack([r[n] for r in res]) for n in res[0]}
 
     def product(self, v: torch.Tensor) -> torch.Tensor:
@@ -482,6 +503,163 @@ class _Curvature:
             )
         self.passes += 1
         return out
+
+
+def batch_len(batch: Any) -> int:
+    """Samples in a batch: the first dimension of its first tensor (dicts, tuples, nested).
+
+    Example:
+        >>> batch_len({"input_ids": torch.zeros(3, 5), "labels": torch.zeros(3, 5)})
+        3
+    """
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0])
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"cannot find a batch dimension in {type(batch).__name__}")
+    for v in values:
+        try:
+            return batch_len(v)
+        except TypeError:
+            continue
+    raise TypeError(f"cannot find a batch dimension in {type(batch).__name__}")
+
+
+def _logits(out: Any) -> torch.Tensor:
+    """The tensor of a model's output the loss is computed from (``.logits`` of HF outputs)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if logits is None and isinstance(out, Mapping):
+        logits = out.get("logits")
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(
+            f"curvature='ggn' needs the model to return a tensor or an output with .logits, got "
+            f"{type(out).__name__}"
+        )
+    return logits
+
+
+def _batched_grad(
+    outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """``[∂(Σ outputs·v_k)/∂inputs for every k]`` stacked: ``vs`` carry a leading ``[k]``."""
+    try:
+        return list(
+            torch.autograd.grad(
+                outputs, inputs, grad_outputs=vs, is_grads_batched=True, retain_graph=True,
+                allow_unused=True, materialize_grads=True,
+            )
+        )  # fmt: skip
+    except RuntimeError:  # an operator without a batching rule: one vector at a time
+        k = len(vs[0])
+        rows = [
+            torch.autograd.grad(
+                outputs, inputs, [t[i] for t in vs], retain_graph=True, allow_unused=True,
+                materialize_grads=True,
+            )
+            for i in range(k)
+        ]  # fmt: skip
+        return [torch.stack([r[j] for r in rows]) for j in range(len(inputs))]
+
+
+class _BatchLossCurvature:
+    """Curvature products by double backward through ``batch_loss`` (any batch format), and the
+    queries' gradients from the capture engine (the same per-sample gradients the store holds)."""
+
+    def __init__(self, refine: Refinement, flat: _Flat) -> None:
+        self.r = refine
+        self.flat = flat
+        by_name = dict(refine.model.named_parameters())
+        self.params = [by_name[n] for n in flat.names]
+        self.n_train: int | None = None
+        self.passes = 0
+
+    def example_grads(self, data: Any) -> torch.Tensor:
+        from nnstat.capture import CaptureEngine
+
+        engine = CaptureEngine()
+        slots = {s.spec.name: s for s in self.flat.slots}
+        caps: list[Any] = []
+        if list(slots) == ["model"]:
+            engine.watch(self.r.model)
+        else:
+            import re
+
+            engine.watch(self.r.model, name_filter="^(" + "|".join(map(re.escape, slots)) + ")$")
+        engine.add_consumer(lambda cap: caps.append((cap.name, cap.per_sample_grad().detach())))
+        saved = {p: p.grad for p in self.params}
+        parts = []
+        try:
+            for batch in data:
+                caps.clear()
+                with engine.batch(loss_reduction=self.r.loss_reduction):
+                    self.r.batch_loss(batch).backward()
+                n = batch_len(batch)
+                out = torch.zeros(n, self.flat.size, dtype=self.r.dtype)
+                for name, mat in caps:
+                    self.flat.write(out, slots[name], mat.to(self.r.dtype))
+                parts.append(out)
+        finally:
+            engine.unwatch()
+            for p, g in saved.items():
+                p.grad = g
+        if not parts:
+            raise ValueError("empty query data")
+        return torch.cat(parts)
+
+    def product(self, v: torch.Tensor) -> torch.Tensor:
+        """``H v`` (or ``G v``) for flat vectors ``[k, P]``: one pass, double backward per batch."""
+        batches = list(self.r.train_data) if self.n_train is None else self.r.train_data
+        if self.n_train is None:
+            self.n_train = sum(batch_len(b) for b in batches)
+            if self.n_train == 0:
+                raise ValueError("refinement needs training data: train_data is empty")
+        n, k = self.n_train, len(v)
+        vs = [
+            v[:, off : off + size].reshape(k, *shape).to(p.dtype)
+            for s in self.flat.slots
+            for (_, _, shape, off, size), p in zip(s.params, self._of(s), strict=True)
+        ]
+        out = torch.zeros_like(v)
+        for batch in batches:
+            w = batch_len(batch) / n if self.r.loss_reduction == "mean" else 1.0 / n
+            with torch.enable_grad(), _twice_differentiable():
+                if self.r.curvature == "hessian":
+                    loss = w * self.r.batch_loss(batch)
+                    grads = torch.autograd.grad(loss, self.params, create_graph=True)
+                    hv = _batched_grad(grads, self.params, vs)
+                else:
+                    hv = self._ggn(batch, w, vs)
+            out += torch.cat([h.reshape(k, -1) for h in hv], 1).to(v.dtype)
+        self.passes += 1
+        return out
+
+    def _ggn(self, batch: Any, w: float, vs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``Jᵀ H_L J v`` with ``z`` the model's output logits, all by reverse mode: ``J v`` is
+        the derivative of ``u ↦ Jᵀu`` (linear in ``u``) in direction ``v``."""
+        seen: list[torch.Tensor] = []
+        handle = self.r.model.register_forward_hook(lambda m, a, out: seen.append(_logits(out)))
+        try:
+            loss = w * self.r.batch_loss(batch)
+        finally:
+            handle.remove()
+        if len(seen) != 1:
+            raise ValueError(
+                f"curvature='ggn' needs exactly one call of the model per batch_loss, saw "
+                f"{len(seen)}"
+            )
+        z = seen[0]
+        gz = torch.autograd.grad(loss, z, create_graph=True)[0]
+        u = torch.zeros_like(z, requires_grad=True)
+        jtu = torch.autograd.grad(z, self.params, grad_outputs=u, create_graph=True)
+        jv = _batched_grad(jtu, [u], vs)[0]  # [k, *z.shape]
+        hjv = _batched_grad([gz], [z], [jv])[0]
+        return _batched_grad([z], self.params, [hjv])
+
+    def _of(self, s: _Slot) -> list[torch.Tensor]:
+        by_name = dict(zip(self.flat.names, self.params, strict=True))
+        return [by_name[full] for _, full, _, _, _ in s.params]
 
 
 def _class_logits(outputs: Any, targets: Any) -> torch.Tensor:
@@ -711,7 +889,9 @@ def refine_queries(
     if not rows:
         raise ValueError("the query log is empty")
     q_rows = torch.cat(rows)
-    curv = _Curvature(refine, flat)
+    curv = (
+        _Curvature(refine, flat) if refine.batch_loss is None else _BatchLossCurvature(refine, flat)
+    )
     if query_data is not None:
         g = curv.example_grads(query_data)
         _check_against_rows(flat, g, q_rows, ids, query.meta or {})
