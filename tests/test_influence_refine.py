@@ -314,3 +314,16 @@ def test_batch_loss_refinement_on_framework_batches(tmp_path, curvature):
     assert all(p.grad is None for p in model.parameters())
     with pytest.raises(TypeError, match="exactly one"):
         Refinement(model, LOSS, [], batch_loss=batch_loss)
+
+
+def test_ggn_through_batch_loss_refuses_a_loss_that_bypasses_the_output(tmp_path):
+    model, train, query = _setup()
+    store, log = _log(tmp_path, "p", model, train, query)
+
+    def regularised(b):  # the L2 term reaches the weights without passing through the logits
+        return LOSS(model(b[0]), b[1], reduction="sum") + model[0].weight.square().sum()
+
+    refine = Refinement(model, None, [train], batch_loss=regularised, loss_reduction="sum",
+                        curvature="ggn", steps=2)  # fmt: skip
+    with pytest.raises(ValueError, match="other than through"):
+        compute_influence_all(log, store, refine=refine)

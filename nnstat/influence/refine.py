@@ -574,6 +574,7 @@ class _BatchLossCurvature:
         self.params = [by_name[n] for n in flat.names]
         self.n_train: int | None = None
         self.passes = 0
+        self._checked = False
 
     def example_grads(self, data: Any) -> torch.Tensor:
         from nnstat.capture import CaptureEngine
@@ -637,20 +638,41 @@ class _BatchLossCurvature:
 
     def _ggn(self, batch: Any, w: float, vs: list[torch.Tensor]) -> list[torch.Tensor]:
         """``Jᵀ H_L J v`` with ``z`` the model's output logits, all by reverse mode: ``J v`` is
-        the derivative of ``u ↦ Jᵀu`` (linear in ``u``) in direction ``v``."""
-        seen: list[torch.Tensor] = []
-        handle = self.r.model.register_forward_hook(lambda m, a, out: seen.append(_logits(out)))
+        the derivative of ``u ↦ Jᵀu`` (linear in ``u``) in direction ``v``.
+
+        ``z`` is the output of the last module call to finish inside ``batch_loss`` (the model
+        itself, or e.g. ``self.net`` in a Lightning ``training_step``); on the first batch the
+        loss gradient is checked to flow through ``z`` alone, else the split would be wrong.
+        """
+        seen: list[Any] = []
+        handles = [
+            m.register_forward_hook(lambda m, a, out: seen.append(out))
+            for m in self.r.model.modules()
+        ]
         try:
             loss = w * self.r.batch_loss(batch)
         finally:
-            handle.remove()
-        if len(seen) != 1:
-            raise ValueError(
-                f"curvature='ggn' needs exactly one call of the model per batch_loss, saw "
-                f"{len(seen)}"
-            )
-        z = seen[0]
+            for h in handles:
+                h.remove()
+        if not seen:
+            raise ValueError("curvature='ggn': batch_loss never called the model")
+        z = _logits(seen[-1])
         gz = torch.autograd.grad(loss, z, create_graph=True)[0]
+        if not self._checked:
+            direct = torch.autograd.grad(loss, self.params, retain_graph=True, allow_unused=True)
+            via = torch.autograd.grad(
+                z, self.params, gz.detach(), retain_graph=True, allow_unused=True
+            )
+            for a, b in zip(direct, via, strict=True):
+                a = torch.zeros(()) if a is None else a
+                b = torch.zeros(()) if b is None else b
+                if not torch.allclose(a, b, rtol=1e-4, atol=1e-6 * float(a.abs().max()) + 1e-12):
+                    raise ValueError(
+                        "curvature='ggn': the loss depends on the parameters other than through "
+                        "the model's last output (several model calls, or a regulariser?); use "
+                        "curvature='hessian', or loss_fn(outputs, targets) with (inputs, targets)"
+                    )
+            self._checked = True
         u = torch.zeros_like(z, requires_grad=True)
         jtu = torch.autograd.grad(z, self.params, grad_outputs=u, create_graph=True)
         jv = _batched_grad(jtu, [u], vs)[0]  # [k, *z.shape]
