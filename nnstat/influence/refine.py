@@ -71,7 +71,7 @@ from .precondition import (
     stored_ekfac_factor,
     symmetric_eig,
 )
-from .sources import RowSource
+from .sources import RowSource, all_rows
 
 CURVATURES = ("hessian", "ggn")
 FISHERS = ("store", "empirical", "true", "sampled")
@@ -904,13 +904,7 @@ def refine_queries(
     start = time.perf_counter()
     dtype = refine.dtype
     flat = _Flat(refine.model, train, dtype)
-    ids, rows = [], []
-    for b_ids, b_rows in query.iter_blocks(batch_size):
-        ids.extend(b_ids)
-        rows.append(b_rows.to(torch.float32))
-    if not rows:
-        raise ValueError("the query log is empty")
-    q_rows = torch.cat(rows)
+    ids, q_rows = all_rows(query, batch_size)
     curv = (
         _Curvature(refine, flat) if refine.batch_loss is None else _BatchLossCurvature(refine, flat)
     )

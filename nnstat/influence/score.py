@@ -37,7 +37,7 @@ from .layout import check_compatible
 from .precondition import PRECONDITIONERS, Preconditioner
 from .refine import Refinement, refine_queries
 from .result import InfluenceResult, SelfInfluenceResult, TopKInfluence
-from .sources import LogSource, RowSource, as_source
+from .sources import LogSource, RowSource, all_rows, as_source
 from .topk import block_candidates
 
 MODES = ("dot", "cosine", "l2")
@@ -111,16 +111,6 @@ def _prepare(
     if kind not in PRECONDITIONERS:
         raise ValueError(f"unknown preconditioner {kind!r}; valid: {list(PRECONDITIONERS)}")
     return q, t, fitted(t, kind, batch_size)
-
-
-def _all_rows(source: RowSource, batch_size: int) -> tuple[list, torch.Tensor]:
-    ids, blocks = [], []
-    for b_ids, rows in source.iter_blocks(batch_size):
-        ids.extend(b_ids)
-        blocks.append(rows.to(torch.float32))
-    if not blocks:
-        raise ValueError("the query log is empty")
-    return ids, blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
 def _score_block(
@@ -215,7 +205,7 @@ def compute_influence_all(
         }
     else:
         q, t, pre = _prepare(q, t, preconditioner, batch_size)
-        test_ids, q_rows = _all_rows(q, batch_size)
+        test_ids, q_rows = all_rows(q, batch_size)
         q_pre = pre.apply(q_rows, damping)
         q_norm = (q_pre * q_rows).sum(1) if mode != "dot" else None
         meta = {

@@ -274,3 +274,19 @@ def as_source(obj: Any) -> RowSource:
         f"cannot read gradients from {type(obj).__name__}: pass a GradientLog, a GradientStore, "
         "a store path, a log dataloader (loader.dataset.store) or a TensorSource"
     )
+
+
+def all_rows(source: RowSource, batch_size: int) -> tuple[list, torch.Tensor]:
+    """Every id and row of ``source`` in memory (float32): the query side of scoring.
+
+    Example:
+        >>> all_rows(TensorSource(torch.ones(3, 2)), 2)[1].shape
+        torch.Size([3, 2])
+    """
+    ids, blocks = [], []
+    for b_ids, rows in source.iter_blocks(batch_size):
+        ids.extend(b_ids)
+        blocks.append(rows.to(torch.float32))
+    if not blocks:
+        raise ValueError("the query log is empty")
+    return ids, blocks[0] if len(blocks) == 1 else torch.cat(blocks)
