@@ -101,6 +101,67 @@ def test_constant_and_empty_tensors():
     assert nan_only["nonfinite"] == 2 and math.isnan(nan_only["mean"])
 
 
+def _as_dict(row):
+    return dict(zip(STAT_NAMES, row, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [1000, 200_000])
+@pytest.mark.filterwarnings("ignore:Precision loss:RuntimeWarning")
+def test_constant_tensor_has_nan_skew_and_kurtosis_like_scipy(dtype, n):
+    """Issue #15: 1,000 copies of 0.1 gave skew=-inf/kurtosis=+inf and 200,000 gave finite
+    nonsense (rounding residues of the block means divided by a zeroed or tiny variance)."""
+    from nnstat.netdict import NetDict
+
+    for value in (0.1, 1e-10, 1e6, 0.0):
+        t = torch.full((n,), value, dtype=dtype)
+        x = t.double().numpy()  # the values actually stored, exactly
+        ref_skew, ref_kurt = scipy.stats.skew(x, bias=True), scipy.stats.kurtosis(x, bias=True)
+        assert math.isnan(ref_skew) and math.isnan(ref_kurt)  # the reference calls it undefined
+        for row in (
+            _as_dict(summarize([t], STAT_NAMES)[0].tolist()),
+            dict(NetDict({"a": t}).describe()),  # the public entry point of the issue
+        ):
+            assert math.isnan(row["skew"]) and math.isnan(row["kurtosis"]), (value, row)
+            assert row["var"] == 0.0 and row["std"] == 0.0
+            assert row["mean"] == pytest.approx(x.mean(), rel=1e-12, abs=0)
+            assert row["min"] == row["max"] == x[0]
+            assert row["l2"] == pytest.approx(np.linalg.norm(x), rel=1e-9)
+
+
+@pytest.mark.filterwarnings("ignore:Precision loss:RuntimeWarning")
+def test_ulp_spread_tensor_is_numerically_constant_like_scipy():
+    """Values one ulp apart have m2 below scipy's (eps * mean)^2: undefined skew/kurtosis, while
+    a spread of a few thousand ulps is an ordinary distribution and matches scipy."""
+    rng = np.random.default_rng(3)
+    for v in (0.1, 3.0, 1e6):
+        x = np.where(rng.random(200_000) < 0.3, np.nextafter(v, 2 * v), v)
+        assert math.isnan(scipy.stats.skew(x)) and math.isnan(scipy.stats.kurtosis(x))
+        row = _as_dict(summarize([torch.from_numpy(x)], STAT_NAMES)[0].tolist())
+        assert math.isnan(row["skew"]) and math.isnan(row["kurtosis"]) and row["var"] == 0.0
+        wide = v + v * 1e-12 * rng.standard_normal(200_000)
+        row = _as_dict(summarize([torch.from_numpy(wide)], STAT_NAMES)[0].tolist())
+        assert row["var"] == pytest.approx(wide.var(), rel=1e-6)
+        assert row["skew"] == pytest.approx(scipy.stats.skew(wide), abs=1e-3)
+        assert row["kurtosis"] == pytest.approx(scipy.stats.kurtosis(wide), abs=1e-3)
+
+
+@pytest.mark.parametrize("n", [768, 200_000])
+def test_float32_moments_of_a_narrow_spread_match_scipy(n):
+    """A LayerNorm weight near 1 with a spread of ~1e-6 (a few ulps) has each block centred on a
+    rounded mean whose residue is as large as the spread: the combination must keep that
+    first-moment term, or skew is off by ~0.1 and kurtosis by as much."""
+    rng = np.random.default_rng(4)
+    for rel in (1e-4, 1e-6):
+        x32 = (1.0 + rel * rng.standard_normal(n)).astype(np.float32)
+        x = x32.astype(np.float64)
+        row = _as_dict(summarize([torch.from_numpy(x32)], STAT_NAMES)[0].tolist())
+        assert row["mean"] == pytest.approx(x.mean(), rel=1e-12)
+        assert row["var"] == pytest.approx(x.var(), rel=1e-4)
+        assert row["skew"] == pytest.approx(scipy.stats.skew(x), abs=1e-3)
+        assert row["kurtosis"] == pytest.approx(scipy.stats.kurtosis(x), abs=1e-3)
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="valid names are .*kurtosis"):
         summarize([torch.ones(2)], ["l2", "kurtossis"])

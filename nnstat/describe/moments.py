@@ -1,6 +1,6 @@
 """The blocked moment pass behind `nnstat.describe.summarize` (every statistic but the norms).
 
-Each cache-sized block is reduced ~11 times while it is in L2 (sum, centred powers up to the
+Each cache-sized block is reduced ~12 times while it is in L2 (sum, centred powers up to the
 fourth, min, max, sign dot products for l1 and the zero count), and the blocks are combined
 exactly in float64. `Workspace` keeps the scratch buffers between calls.
 
@@ -74,25 +74,32 @@ def _denormal_scale(head: torch.Tensor) -> float:
 def _moment_rows(
     x: torch.Tensor, chunk: int, scale: float, d_buf: torch.Tensor, d2_buf: torch.Tensor
 ) -> torch.Tensor:
-    """Per block ``[sum, sum d^2, sum d^3, sum d^4, min, max, #non-zeros, l1]`` (float64), with
-    ``d = (x - block mean) * scale``."""
+    """Per block ``[c, sum d, sum d^2, sum d^3, sum d^4, min, max, #non-zeros, l1]`` (float64),
+    with ``d = (x - c) * scale`` and ``c`` the block mean rounded to the dtype of `x`.
+
+    ``sum d`` is not zero: ``c`` and the block sum it comes from are rounded, and for data whose
+    spread is a few ulps of its mean (a LayerNorm weight near 1, a constant tensor) that residue
+    is as large as the spread. Keeping it makes the combination exact in the centre used.
+    """
     rows = []
     for start in range(0, x.numel(), chunk):
         xc = x[start : start + chunk]
         m = xc.numel()
         d, d2 = d_buf[:m], d2_buf[:m]
-        s = xc.sum()
-        torch.sub(xc, s / m, out=d)
+        c = xc.sum() / m
+        torch.sub(xc, c, out=d)
         if scale != 1.0:
             d.mul_(scale)  # a power of two: exact, only the exponent moves
         torch.mul(d, d, out=d2)
-        s2, s3, s4 = d2.sum(), torch.dot(d2, d), torch.dot(d2, d2)
+        s1, s2, s3, s4 = d.sum(), d2.sum(), torch.dot(d2, d), torch.dot(d2, d2)
         # sign(x) . sign(x) counts non-zeros and sign(x) . x is the l1 norm: two dot products
         # on cached data instead of the (several times slower) count_nonzero and 1-norm kernels
         torch.sign(xc, out=d)
         # amin + amax beat the fused aminmax kernel on CPU
         rows.append(
-            torch.stack([s, s2, s3, s4, xc.amin(), xc.amax(), torch.dot(d, d), torch.dot(d, xc)])
+            torch.stack(
+                [c, s1, s2, s3, s4, xc.amin(), xc.amax(), torch.dot(d, d), torch.dot(d, xc)]
+            )
         )
     return torch.stack(rows).to(torch.float64)
 
@@ -100,8 +107,9 @@ def _moment_rows(
 def _moments(x: torch.Tensor, ws: Workspace | None = None) -> dict[str, torch.Tensor]:
     """Central moments (m_k = mean of (x - mean)^k), min/max, zero count, l1, l2 of a flat tensor.
 
-    Blocks are centred on their own mean and combined exactly in float64 with the binomial
-    shift ``sum (x - mu)^k = sum_j C(k, j) (c - mu)^(k - j) sum (x - c)^j``.
+    Blocks are centred on their own (rounded) mean ``c`` and combined in float64 with the
+    binomial shift ``sum (x - mu)^k = sum_j C(k, j) (c - mu)^(k - j) sum (x - c)^j``, the
+    ``j = 1`` term included; ``mu`` itself is ``sum (m c + sum (x - c)) / n``.
     """
     n = x.numel()
     if n == 0:
@@ -111,31 +119,36 @@ def _moments(x: torch.Tensor, ws: Workspace | None = None) -> dict[str, torch.Te
     d_buf, d2_buf = (ws or Workspace()).get(min(chunk, n), x.dtype, x.device)
     scale = _denormal_scale(x[:chunk])
     r = _moment_rows(x, chunk, scale, d_buf, d2_buf)
-    if scale != 1.0 and not bool(torch.isfinite(r[:, 1:4]).all()):
+    if scale != 1.0 and not bool(torch.isfinite(r[:, 1:5]).all()):
         # a later block far larger than the first overflowed once scaled: plain pass instead
         scale = 1.0
         r = _moment_rows(x, chunk, scale, d_buf, d2_buf)
-    sums, s2, s3, s4 = r[:, 0], r[:, 1] / scale**2, r[:, 2] / scale**3, r[:, 3] / scale**4
-    counts = torch.full_like(sums, float(chunk))
+    centres, s1, s2 = r[:, 0], r[:, 1] / scale, r[:, 2] / scale**2
+    s3, s4 = r[:, 3] / scale**3, r[:, 4] / scale**4
+    counts = torch.full_like(centres, float(chunk))
     counts[-1] = n - chunk * (r.shape[0] - 1)
-    centres = sums / counts
-    mean = sums.sum() / n
+    mean = (counts * centres + s1).sum() / n
     delta = centres - mean
-    m2 = (s2 + counts * delta**2).sum() / n
-    m3 = (s3 + 3 * delta * s2 + counts * delta**3).sum() / n
-    m4 = (s4 + 4 * delta * s3 + 6 * delta**2 * s2 + counts * delta**4).sum() / n
-    l2 = (s2 + counts * centres**2).sum().sqrt()
-    # like scipy: a (numerically) constant tensor has undefined skew/kurtosis
+    m2 = (s2 + 2 * delta * s1 + counts * delta**2).sum() / n
+    m3 = (s3 + 3 * delta * s2 + 3 * delta**2 * s1 + counts * delta**3).sum() / n
+    m4 = (s4 + 4 * delta * s3 + 6 * delta**2 * s2 + 4 * delta**3 * s1 + counts * delta**4).sum() / n
+    l2 = (s2 + 2 * centres * s1 + counts * centres**2).sum().sqrt()
+    # like scipy: a (numerically) constant tensor has undefined skew/kurtosis, NaN rather than
+    # the ratio of rounding residues (which was +-inf or finite nonsense)
     eps = torch.finfo(x.dtype).eps
-    m2 = torch.where(m2 <= (eps * mean) ** 2, torch.zeros_like(m2), m2)
+    constant = m2 <= (eps * mean) ** 2
+    nan = torch.full_like(m2, math.nan)
+    m2 = torch.where(constant, torch.zeros_like(m2), m2)
+    m3 = torch.where(constant, nan, m3)
+    m4 = torch.where(constant, nan, m4)
     return {
         "mean": mean,
         "m2": m2,
         "m3": m3,
         "m4": m4,
-        "min": r[:, 4].min(),
-        "max": r[:, 5].max(),
-        "zeros": n - r[:, 6].sum(),  # r[:, 6] counts non-zeros
-        "l1": r[:, 7].sum(),
+        "min": r[:, 5].min(),
+        "max": r[:, 6].max(),
+        "zeros": n - r[:, 7].sum(),  # r[:, 7] counts non-zeros
+        "l1": r[:, 8].sum(),
         "l2": l2,
     }
