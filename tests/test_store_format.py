@@ -12,14 +12,17 @@ from nnstat.store.logger import StoreLogger, StoreOptions, check_resumable, filt
 
 
 def _meta(width=6, dtype="float32"):
+    # a linear module and a layernorm filling the row (4 + 2 columns), or one linear [1, width]
+    two = [
+        {"name": "a", "kind": "linear", "offset": 0, "width": 4, "r_out": 2, "r_in": 2},
+        {"name": "b", "kind": "layernorm", "offset": 4, "width": 2, "r_out": None, "r_in": 2},
+    ]
+    one = [{"name": "a", "kind": "linear", "offset": 0, "width": width, "r_out": 1, "r_in": width}]
     return {
         "format_version": 1,
         "row_width": width,
         "dtype": dtype,
-        "modules": [
-            {"name": "a", "kind": "linear", "offset": 0, "width": 4, "r_out": 2, "r_in": 2},
-            {"name": "b", "kind": "layernorm", "offset": 4, "width": 2, "r_out": None, "r_in": 2},
-        ],
+        "modules": two if width == 6 else one,
     }
 
 

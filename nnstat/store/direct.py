@@ -161,3 +161,4 @@ class DirectShardFile(fmt.ShardFile):
             os.close(self._fd)
             self._fd = -1
         self.tmp.unlink(missing_ok=True)
+        fmt.remove_orphan_ids(self.dir, self.stem)

@@ -26,9 +26,9 @@ import math
 import os
 import re
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -78,20 +78,46 @@ def content_id(row: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def content_ids(batch: torch.Tensor) -> list[str]:
+    """One :func:`content_id` per row of ``batch`` (its dimension 0): content hashing asked
+    for explicitly, whatever the dtype and shape (``data_id="hash"`` uses it).
+
+    Example:
+        >>> content_ids(torch.tensor([3, 4]))[0] == content_id(torch.tensor(3))
+        True
+    """
+    if batch.dim() == 0:
+        raise ValueError("content_ids needs a batch dimension, got a scalar tensor")
+    return [content_id(row) for row in batch]
+
+
+def _is_integer_tensor(t: torch.Tensor) -> bool:
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
 def normalize_ids(data_id: Any, n: int | None = None) -> list[DataId]:
     """Turn a user's ``data_id`` into ids (ints or strings, types preserved); ``n`` checks the count.
 
-    A tensor is read as a batch: each row gets :func:`content_id`. Integers (python or numpy)
-    become ``int``; strings stay strings; anything else is an error.
+    * a list/sequence of ints and strings: kept as they are (numpy integers become ``int``);
+    * a **1-D integer** tensor or array (what a ``DataLoader`` collates dataset indices into):
+      a list of int ids, so rows trace back to dataset indices;
+    * any other tensor or array (floating point, bool, or more than one dimension): a batch
+      whose rows are hashed, one :func:`content_id` each. To hash a 1-D integer tensor, ask for
+      it: :func:`content_ids`, or ``run(data_id="hash")`` (the Run hashes the model's input).
 
     Example:
+        >>> normalize_ids(torch.tensor([7, 3]))
+        [7, 3]
         >>> normalize_ids(torch.tensor([[1.0], [2.0]]), 2)[0] != normalize_ids(torch.tensor([[2.0]]), 1)[0]
         True
     """
     if isinstance(data_id, torch.Tensor):
         if data_id.dim() == 0:
             raise ValueError("data_id tensor must have a batch dimension, got a scalar")
-        ids: list[DataId] = [content_id(row) for row in data_id]
+        if data_id.dim() == 1 and _is_integer_tensor(data_id):
+            ids: list[DataId] = [int(x) for x in data_id.tolist()]
+        else:
+            ids = content_ids(data_id)
     elif isinstance(data_id, np.ndarray):
         if data_id.ndim == 0:
             raise ValueError("data_id array must have a batch dimension, got a scalar")
@@ -111,8 +137,8 @@ def normalize_ids(data_id: Any, n: int | None = None) -> list[DataId]:
             ids.append(x if isinstance(x, str) else int(x))
     else:
         raise TypeError(
-            "data_id must be a list of ints/strings, a batch tensor, or None; "
-            f"got {type(data_id).__name__}"
+            "data_id must be a list of ints/strings, a 1-D integer tensor of ids, a batch "
+            f'tensor to hash, "hash" (in run(...)) or None; got {type(data_id).__name__}'
         )
     if n is not None and len(ids) != n:
         raise ValueError(f"data_id has {len(ids)} entries but the batch has {n} samples")
@@ -140,11 +166,16 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """
     path = Path(path)
     tmp = path.with_name(path.name + TMP_SUFFIX)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # a failed write (disk full, ...) leaves the old file as it was and nothing beside it
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 
@@ -283,6 +314,14 @@ class ShardFile:
         """Close and delete the temporary file (the shard never counted)."""
         self._f.close()
         self.tmp.unlink(missing_ok=True)
+        remove_orphan_ids(self.dir, self.stem)
+
+
+def remove_orphan_ids(shard_dir: Path, stem: str) -> None:
+    """Delete ``{stem}.ids.json`` when its ``.npy`` never got renamed into place (a commit that
+    failed between the two renames): readers ignore it, but it would outlive the error."""
+    if not (Path(shard_dir) / f"{stem}.npy").exists():
+        (Path(shard_dir) / f"{stem}.ids.json").unlink(missing_ok=True)
 
 
 def _writev_all(fd: int, views: list[memoryview]) -> None:
@@ -325,12 +364,180 @@ def list_shards(shard_dir: Path) -> list[tuple[int, int, Path, Path]]:
     return sorted(found)
 
 
+def read_json(path: Path) -> Any:
+    """The JSON value in the file at ``path``; a damaged file is a ``ValueError`` naming it.
+
+    Example:
+        >>> import tempfile; p = Path(tempfile.mkdtemp()) / "m.json"; _ = p.write_text("{")
+        >>> read_json(p)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: .../m.json: not valid JSON (Expecting property name ... at line 1, column 2); ...
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        return json.loads(data.decode("utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); the file "
+            f"is damaged or was cut short ({len(data)} bytes)"
+        ) from e
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path}: not valid JSON (byte {e.start} is not UTF-8 text); the file is damaged"
+        ) from e
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """A store's ``meta.json`` (:func:`read_json`) with the fields every reader relies on
+    checked: ``format_version`` (this version), ``row_width`` (a positive int), ``dtype`` (one of
+    :data:`STORE_DTYPES`, default float32) and ``modules`` (a list of ``{name, offset, width,
+    r_in}`` inside the row). Anything else is a ``ValueError`` naming the file and the field.
+
+    Example:
+        >>> import tempfile; p = Path(tempfile.mkdtemp()) / "meta.json"
+        >>> atomic_write_json(p, {"format_version": 1, "modules": []})
+        >>> read_meta(p)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: .../meta.json: missing 'row_width' ...
+    """
+    meta = read_json(path)
+    if not isinstance(meta, dict):
+        raise ValueError(
+            f"{path}: expected a JSON object (a store's meta), got {type(meta).__name__}"
+        )
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{path}: format version {version!r}, this nnstat reads {FORMAT_VERSION}")
+    problems: list[str] = []
+    width = meta.get("row_width")
+    if "row_width" not in meta:
+        problems.append("missing 'row_width' (columns per row)")
+    elif isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        problems.append(f"'row_width' must be a positive int, got {width!r}")
+        width = None
+    if meta.get("dtype", "float32") not in STORE_DTYPES:
+        problems.append(f"'dtype' {meta.get('dtype')!r} is not one of {sorted(STORE_DTYPES)}")
+    modules = meta.get("modules")
+    if not isinstance(modules, list):
+        problems.append(f"'modules' must be a list, got {modules!r}")
+        modules = []
+    for i, m in enumerate(modules):
+        if not isinstance(m, dict):
+            problems.append(f"modules[{i}] must be an object, got {m!r}")
+            continue
+        missing = [k for k in ("name", "offset", "width", "r_in") if k not in m]
+        if missing:
+            problems.append(f"modules[{i}] ({m.get('name')!r}) misses {missing}")
+            continue
+        ints = (m["offset"], m["width"])
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in ints):
+            problems.append(f"modules[{i}] ({m['name']!r}): offset/width must be ints >= 0")
+        elif isinstance(width, int) and m["offset"] + m["width"] > width:
+            problems.append(
+                f"modules[{i}] ({m['name']!r}) ends at column {m['offset'] + m['width']}, "
+                f"past row_width {width}"
+            )
+    if problems:
+        raise ValueError(
+            f"{path}: " + "; ".join(problems) + " (the file is damaged or not a "
+            "gradient store's meta.json)"
+        )
+    return meta
+
+
+class NpyHeader(NamedTuple):
+    """What a ``.npy`` header says: ``shape``, ``dtype``, ``fortran_order`` and ``offset`` (the
+    byte where the data starts)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    fortran_order: bool
+    offset: int
+
+
+def read_npy_header(path: Path) -> NpyHeader:
+    """The header of the ``.npy`` file at ``path``, checked against the file's size: a file too
+    short for the data its header announces (cut short by a copy or a full disk), a damaged
+    header or an object dtype (which would need pickle) is a ``ValueError`` naming the file.
+
+    Example:
+        >>> import tempfile; p = Path(tempfile.mkdtemp()) / "a.npy"
+        >>> np.save(p, np.zeros((3, 2), np.float32)); read_npy_header(p).shape
+        (3, 2)
+        >>> _ = p.write_bytes(p.read_bytes()[:-4]); read_npy_header(p)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: .../a.npy: truncated: its header says shape (3, 2) float32 (24 bytes ...
+    """
+    import numpy.lib.format as npf
+
+    path = Path(path)
+    with open(path, "rb") as f:
+        try:
+            version = npf.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = npf.read_array_header_1_0(f)
+            else:
+                shape, fortran, dtype = npf.read_array_header_2_0(f)
+        except (ValueError, OSError, EOFError, SyntaxError) as e:
+            raise ValueError(f"{path}: not a readable .npy file ({e})") from e
+        offset = f.tell()
+        size = os.fstat(f.fileno()).st_size
+    if dtype.hasobject:
+        raise ValueError(f"{path}: object dtype {dtype}; the store never writes (or unpickles) one")
+    need = math.prod(shape) * dtype.itemsize
+    if size - offset < need:
+        raise ValueError(
+            f"{path}: truncated: its header says shape {tuple(shape)} {dtype} ({need} bytes of "
+            f"data) but the file holds {size - offset} bytes after the header"
+        )
+    return NpyHeader(tuple(shape), dtype, bool(fortran), offset)
+
+
+def load_npy(path: Path, mmap_mode: str | None = "r") -> np.ndarray:
+    """``numpy.load(path, mmap_mode, allow_pickle=False)`` after :func:`read_npy_header`, so a
+    damaged or truncated file is a ``ValueError`` naming it (numpy's own errors do not)."""
+    read_npy_header(path)
+    try:
+        return np.load(path, mmap_mode=mmap_mode, allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path}: cannot read the array ({e})") from e
+
+
+def load_safetensors(path: Path, missing_ok: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file at ``path`` (``{}`` when absent and ``missing_ok``);
+    a damaged file is a ``ValueError`` naming it (safetensors' own error does not).
+
+    Example:
+        >>> import tempfile; p = Path(tempfile.mkdtemp()) / "x.safetensors"
+        >>> _ = p.write_bytes(b"garbage!"); load_safetensors(p)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: .../x.safetensors: not a readable safetensors file (...)...
+    """
+    path = Path(path)
+    if not path.exists():
+        if missing_ok:
+            return {}
+        raise FileNotFoundError(f"{path}: no such file")
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, ValueError, OSError, RuntimeError) as e:
+        raise ValueError(
+            f"{path}: not a readable safetensors file ({e}); it is damaged or was cut short"
+        ) from e
+
+
 def read_ids(ids_path: Path) -> list[DataId]:
-    """Ids of one shard, as written (ints and strings)."""
-    with open(ids_path) as f:
-        ids = json.load(f)
+    """Ids of one shard, as written (ints and strings); anything else names the file."""
+    ids = read_json(ids_path)
     if not isinstance(ids, list):
-        raise ValueError(f"{ids_path}: expected a JSON list of ids")
+        raise ValueError(f"{ids_path}: expected a JSON list of ids, got {type(ids).__name__}")
+    bad = [x for x in ids if isinstance(x, bool) or not isinstance(x, int | str)]
+    if bad:
+        raise ValueError(f"{ids_path}: ids must be ints or strings, got {bad[:3]!r}")
     return ids
 
 
@@ -399,3 +606,39 @@ def diff_dicts(old: Any, new: Any, prefix: str = "") -> list[str]:
             out += diff_dicts(a, b, f"{prefix}[{i}]")
         return out
     return [] if old == new else [f"{prefix or '<root>'}: {old!r} -> {new!r}"]
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)`` (Python 3.11+); on 3.10 the note joins the message."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    elif error.args and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]}\n{note}", *error.args[1:])
+    else:
+        error.args = (*error.args, note)
+
+
+class ModelChangedError(ValueError):
+    """The watched parameters differ from those the store's rows were computed with
+    (``meta.json`` ``params_sha256``): adding rows would mix two models in one store."""
+
+
+def params_hash(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 over ``(name, tensor)`` pairs **in the given order** (unlike :func:`tensors_hash`,
+    which sorts): each pair adds its name, then ``f"{dtype}{tuple(shape)}"``, then the raw
+    bytes of the whole tensor (on the CPU, contiguous). The Run passes the watched parameters
+    as ``"{module}.{param}"`` in watch order (``nnstat.run.support.params_fingerprint``).
+
+    Example:
+        >>> a = [("w", torch.ones(2))]
+        >>> params_hash(a) == params_hash([("w", torch.ones(2))]) != params_hash([("w", torch.zeros(2))])
+        True
+    """
+    h = hashlib.sha256()
+    for name, tensor in named:
+        t = tensor.detach().to("cpu").contiguous()
+        h.update(name.encode())
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()

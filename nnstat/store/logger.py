@@ -3,8 +3,11 @@
 :class:`StoreLogger` sits between the Run and the background :class:`StoreWriter`. It owns the
 decisions that must be made in the training process (so errors surface where the user is):
 
+* one writer per rank: the rank's lock (:class:`~nnstat.store.writer.WriterLock`) is taken
+  before the store is read, so a second process is refused before it touches anything;
 * a store that already exists is resumed only if its meta agrees on everything that shapes the
-  rows (configuration, layout, projection hash, dtype); otherwise the error lists what differs;
+  rows (configuration, layout, projection hash, dtype) and on the weights they were computed
+  with (``params_sha256``, :func:`check_same_params`); otherwise the error lists what differs;
 * ids already stored are skipped (``on_stored_id="skip"``) or refused (``"error"``);
 * an id seen twice in one pass is an error;
 * rows with NaN/Inf follow ``nonfinite`` (``"error"``, ``"skip"`` counted in meta.json, ``"keep"``).
@@ -21,7 +24,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import json
 import math
 import shutil
 import warnings
@@ -35,7 +37,7 @@ import torch
 from nnstat.store import format as fmt
 from nnstat.store import outer
 from nnstat.store.format import DataId
-from nnstat.store.writer import StoreWriter, stored_ids
+from nnstat.store.writer import StoreWriteError, StoreWriter, WriterLock, stored_ids
 
 NONFINITE_POLICIES = ("error", "skip", "keep")
 ON_STORED_ID = ("skip", "error")
@@ -181,6 +183,23 @@ def check_resumable(old: dict[str, Any], new: dict[str, Any], path: Path) -> Non
         )
 
 
+def check_same_params(old: dict[str, Any], new: dict[str, Any], path: Path) -> None:
+    """Raise :class:`~nnstat.store.format.ModelChangedError` when ``old`` (the store's meta) and
+    ``new`` both record ``params_sha256`` and they differ: the watched parameters are not those
+    the stored rows were computed with. A meta without it (older stores) is not checked."""
+    before, now = old.get("params_sha256"), new.get("params_sha256")
+    if before is None or now is None or before == now:
+        return
+    raise fmt.ModelChangedError(
+        f"cannot add to the gradient store {path}: its rows were computed with other weights of "
+        f"the watched parameters (meta.json params_sha256 {before[:12]}..., the model now "
+        f"{now[:12]}...); the model changed since (a training step, another checkpoint), and "
+        "one store mixing two models describes neither. Log into a new store (another project "
+        "name) or replace this one: nnstat.init(project=..., overwrite=True) / "
+        "Run(..., overwrite=True)."
+    )
+
+
 class StoreLogger:
     """Writes one pass of rows into the store at ``path`` (see module docstring).
 
@@ -207,39 +226,65 @@ class StoreLogger:
         prepare: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.path, self.options, self.rank = Path(path), options, rank
-        self.path.mkdir(parents=True, exist_ok=True)
+        shard_dir = self.path / fmt.SHARD_DIR
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        # before anything is read: what this pass decides (fresh or resumed, which ids are
+        # stored) holds only while no other writer of this rank changes the store
+        lock = WriterLock(shard_dir, rank)
+        try:
+            self._open(meta, options, world_size, prepare)
+            self.writer = StoreWriter(
+                shard_dir,
+                row_width=int(self.meta["row_width"]),
+                shard_rows=options.shard_rows,
+                dtype=options.dtype,
+                rank=rank,
+                queue_size=options.queue_size,
+                lock=lock,
+            )
+        except BaseException:
+            lock.release()
+            raise
+        if self._fresh:
+            # the writer's first job, ahead of every shard: a store on disk always has its
+            # meta.json (and what `prepare` writes) before its first shard
+            self.writer.submit(functools.partial(self._start, prepare))
+        self._warned_budget = False
+
+    def _open(
+        self,
+        meta: dict[str, Any],
+        options: StoreOptions,
+        world_size: int,
+        prepare: Callable[[dict[str, Any]], None] | None,
+    ) -> None:
         meta_path = self.path / fmt.META_FILE
         self.meta = dict(meta, nonfinite=options.nonfinite, dtype=options.dtype)
         self.meta.setdefault("skipped_rows", 0)
-        fresh = not meta_path.exists()
+        self._fresh = fresh = not meta_path.exists()
         # meta.json is rewritten at close only over a complete start (see _start)
         self._started = not fresh
         if not fresh:
+            old = fmt.read_json(meta_path)
+            if not isinstance(old, dict):
+                raise ValueError(f"{meta_path}: expected a JSON object, got {type(old).__name__}")
+            check_same_params(old, self.meta, self.path)  # the most actionable difference first
             if prepare is not None:
                 prepare(self.meta)  # a resumed store is compared with the complete meta
-            with open(meta_path) as f:
-                old = json.load(f)
             check_resumable(old, self.meta, self.path)
             self.meta["skipped_rows"] = int(old.get("skipped_rows", 0))
+            # unchanged by this pass until statistics are saved (the Run records their hash)
+            self.meta["statistics_sha256"] = old.get("statistics_sha256")
+            if old.get("params_sha256") is None:
+                # an older store: its rows' weights are unknown, so this pass cannot vouch
+                # for them either
+                self.meta.pop("params_sha256", None)
         self.stored: set[DataId] = stored_ids(self.path / fmt.SHARD_DIR)
         self.seen: set[DataId] = set()
         self.skipped_nonfinite = 0
         self.skipped_stored = 0
         self.world_size = world_size
         self._check_size()
-        self.writer = StoreWriter(
-            self.path / fmt.SHARD_DIR,
-            row_width=int(self.meta["row_width"]),
-            shard_rows=options.shard_rows,
-            dtype=options.dtype,
-            rank=rank,
-            queue_size=options.queue_size,
-        )
-        if fresh:
-            # the writer's first job, ahead of every shard: a store on disk always has its
-            # meta.json (and what `prepare` writes) before its first shard
-            self.writer.submit(functools.partial(self._start, prepare))
-        self._warned_budget = False
 
     def _start(self, prepare: Callable[[dict[str, Any]], None] | None) -> None:
         if prepare is not None:
@@ -353,19 +398,34 @@ class StoreLogger:
                 stacklevel=4,
             )
 
-    def close(self, progress: bool = True) -> int:
-        """Flush and stop the writer, record skipped rows in meta.json; returns rows written."""
+    def close(self, progress: bool = True, collective: bool = True) -> int:
+        """Flush and stop the writer, record skipped rows in meta.json; returns rows written.
+
+        A writer failure is raised as :class:`~nnstat.store.writer.StoreWriteError` even when
+        the meta.json rewrite fails after it (that error is added to it as a note: the first
+        failure is the cause, a full disk fails both). ``collective=False`` (at interpreter
+        exit, where other ranks may be gone) skips the all-reduce of skipped rows: this rank's
+        count only.
+        """
         try:
             written = self.writer.close(progress=progress)
-        finally:
-            skipped = self.skipped_nonfinite
-            if self.world_size > 1:
-                import torch.distributed as dist
-
-                t = torch.tensor([skipped], dtype=torch.long)
-                dist.all_reduce(t)
-                skipped = int(t.item())
-            self.meta["skipped_rows"] = int(self.meta.get("skipped_rows", 0)) + skipped
-            if self.rank == 0 and self._started:
-                fmt.atomic_write_json(self.path / fmt.META_FILE, self.meta)
+        except StoreWriteError as e:
+            try:
+                self._rewrite_meta(collective)
+            except Exception as also:  # noqa: BLE001 - reported on the error being raised
+                fmt.add_note(e, f"meta.json was not rewritten either: {also!r}")
+            raise
+        self._rewrite_meta(collective)
         return written
+
+    def _rewrite_meta(self, collective: bool) -> None:
+        skipped = self.skipped_nonfinite
+        if self.world_size > 1 and collective:
+            import torch.distributed as dist
+
+            t = torch.tensor([skipped], dtype=torch.long)
+            dist.all_reduce(t)  # every rank, also after its own writer failed: no rank hangs
+            skipped = int(t.item())
+        self.meta["skipped_rows"] = int(self.meta.get("skipped_rows", 0)) + skipped
+        if self.rank == 0 and self._started:
+            fmt.atomic_write_json(self.path / fmt.META_FILE, self.meta)

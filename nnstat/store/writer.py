@@ -49,12 +49,85 @@ def anon_array(count: int, dtype: Any) -> np.ndarray:
     private and populated up front (half the cost of faulting in a shared mapping page by page:
     measured 1.2 ms vs 2.2 ms for 6.6 MB on a 2-core VM)."""
     nbytes = count * np.dtype(dtype).itemsize
+    if nbytes == 0:  # mmap refuses a zero-length mapping (EINVAL): an empty batch has no rows
+        return np.empty(0, dtype=dtype)
     m = mmap.mmap(-1, nbytes, flags=_ANON_FLAGS) if _ANON_FLAGS else mmap.mmap(-1, nbytes)
     return np.frombuffer(m, dtype=dtype, count=count)
 
 
 class StoreWriteError(RuntimeError):
     """The background writer failed; the original exception is the ``__cause__``."""
+
+
+class StoreLockedError(RuntimeError):
+    """Another writer (another process, or an unfinished pass of this one) holds the lock of the
+    same rank of the same store."""
+
+
+def lock_path(shard_dir: Path, rank: int) -> Path:
+    """The lock file of ``rank``'s writer in ``shard_dir`` (``rank{r}.lock``; never a shard)."""
+    return Path(shard_dir) / f"rank{rank}.lock"
+
+
+class WriterLock:
+    """An exclusive ``fcntl.flock`` on ``shards/rank{r}.lock``, held for a writer's life.
+
+    Two writers of one rank would interleave shard indices and delete each other's temporary
+    files (each cleans its rank's leftovers on open), so the second is refused. The kernel
+    drops the lock when the holder's process dies (SIGKILL included): a crash never leaves a
+    stale lock, and the next writer takes it. The file itself stays (removing it would let a
+    third process lock a new file while a second still holds the old one). The holder's pid is
+    written in it for the error message. Platforms without ``fcntl`` (Windows) do not lock.
+
+    Args:
+        shard_dir: directory of the shards (must exist).
+        rank: the rank whose shards the holder writes.
+    """
+
+    def __init__(self, shard_dir: Path, rank: int) -> None:
+        self.path = lock_path(shard_dir, rank)
+        self._fd: int | None = None
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no advisory locks to take
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            same = holder == str(os.getpid())
+            who = (
+                "an earlier logging pass of this process that was not finalize()d"
+                if same
+                else f"another process (pid {holder})"
+            )
+            raise StoreLockedError(
+                f"{self.path}: {who} is writing rank {rank} of the gradient store "
+                f"{Path(shard_dir).parent}; two writers of one rank would corrupt its shards. "
+                + (
+                    "Call finalize() on that run first."
+                    if same
+                    else "Wait until it has finished, or log into another project."
+                )
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Unlock (closing the descriptor drops the flock); idempotent."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 _STOP = object()
@@ -71,6 +144,11 @@ class StoreWriter:
         dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``.
         rank: process rank, part of the shard names (``rank{r}-{n:05d}``).
         queue_size: maximum number of pending blocks before :meth:`put` blocks.
+        lock: this rank's :class:`WriterLock`, already taken (the logger takes it before it
+            reads the store); by default the writer takes it. Released by :meth:`close`.
+
+    Raises:
+        StoreLockedError: another writer of the same rank is writing into ``shard_dir``.
     """
 
     def __init__(
@@ -81,6 +159,7 @@ class StoreWriter:
         dtype: str = "float32",
         rank: int = 0,
         queue_size: int = 16,
+        lock: WriterLock | None = None,
     ) -> None:
         if dtype not in fmt.STORE_DTYPES:
             raise ValueError(f"unknown store dtype {dtype!r}; valid: {sorted(fmt.STORE_DTYPES)}")
@@ -94,9 +173,17 @@ class StoreWriter:
             raise ValueError("shard_rows, row_width and queue_size must be positive")
         self.shard_dir = Path(shard_dir)
         self.shard_dir.mkdir(parents=True, exist_ok=True)
-        fmt.remove_incomplete(self.shard_dir, rank)
+        # the lock first: only the holder may delete this rank's leftovers (a live writer's
+        # temporary file looks exactly like a crashed one's)
+        self._lock = lock if lock is not None else WriterLock(self.shard_dir, rank)
+        try:
+            fmt.remove_incomplete(self.shard_dir, rank)
+            index = fmt.next_shard_index(self.shard_dir, rank)
+        except BaseException:
+            self._lock.release()
+            raise
         self.row_width, self.shard_rows, self.dtype, self.rank = row_width, shard_rows, dtype, rank
-        self._index = fmt.next_shard_index(self.shard_dir, rank)
+        self._index = index
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         # every buffer that can be in flight (the queue's, one being written, one being filled)
         # is kept for reuse: a slow fsync lets the queue fill, and re-mapping the buffers it
@@ -195,6 +282,7 @@ class StoreWriter:
                         self._thread.join(timeout=0.1)
                     bar.update(total - bar.n)
             self._thread.join()
+        self._lock.release()  # the thread is done: nothing of this writer touches the files
         self.check()
         return self.rows_written
 
