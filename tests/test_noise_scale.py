@@ -308,3 +308,155 @@ def test_bad_input():
         nnstat.noise_scale(model, loss, (x, y), method="fit", batch_sizes=[4, 4])
     with pytest.raises(ValueError, match="n_estimates"):
         nnstat.noise_scale(model, loss, (x, y), n_estimates=0)
+
+
+# -- uncertainty outputs against independent references (issue #15) --------------------------
+
+
+def _delta_stderr(num: np.ndarray, den: np.ndarray) -> float:
+    """Delta method for mean(num)/mean(den): gradient (1/d, -a/d^2) through the sample
+    covariance of the pair means (ddof=1, divided by n)."""
+    a, d = num.mean(), den.mean()
+    grad = np.array([1.0 / d, -a / d**2])
+    cov_of_means = np.cov(np.stack([num, den]), ddof=1) / num.size
+    return float(np.sqrt(grad @ cov_of_means @ grad))
+
+
+def _percentile_bootstrap(num, den, n_boot, level, seed):
+    """Resample pairs with numpy's Generator(seed); 'lower'/'higher' quantiles at (1 -+ level)/2
+    (the bracketing order statistics, so the interval never shrinks below the level)."""
+    idx = np.random.default_rng(seed).integers(0, num.size, size=(n_boot, num.size))
+    boot = num[idx].mean(1) / den[idx].mean(1)
+    alpha = (1 - level) / 2
+    return (
+        float(np.quantile(boot, alpha, method="lower")),
+        float(np.quantile(boot, 1 - alpha, method="higher")),
+    )
+
+
+def _correlated_pairs(rng, n):
+    """num ~ N(4, 1), den ~ N(2, 0.25) with correlation 0.5: mean(num)/mean(den) -> 2."""
+    z = rng.standard_normal((2, n))
+    den = 2.0 + 0.5 * z[0]
+    num = 4.0 + 0.5 * z[0] + math.sqrt(0.75) * z[1]
+    return num, den
+
+
+def test_ratio_of_means_stderr_and_interval_match_numpy_references():
+    rng = np.random.default_rng(11)
+    num, den = _correlated_pairs(rng, 60)
+    for level, seed, n_boot in ((0.95, 0, 1000), (0.8, 7, 333), (0.5, 3, 200)):
+        s = ratio_of_means(num, den, n_boot=n_boot, level=level, seed=seed)
+        assert s.ratio == pytest.approx(num.mean() / den.mean(), rel=1e-14)
+        assert s.stderr == pytest.approx(_delta_stderr(num, den), rel=1e-12)
+        assert s.interval == pytest.approx(
+            _percentile_bootstrap(num, den, n_boot, level, seed), rel=1e-14
+        )
+    # the seed is the bootstrap's: another seed moves the interval, not the point estimate
+    a, b = ratio_of_means(num, den, seed=1), ratio_of_means(num, den, seed=2)
+    assert a.interval != b.interval and a.ratio == b.ratio and a.stderr == b.stderr
+
+
+def test_ratio_of_means_stderr_is_the_spread_and_interval_covers_at_its_level():
+    """Over 400 independent data sets with a known ratio of means (2): the delta-method standard
+    error matches the estimator's empirical spread (10%), and the bootstrap intervals cover the
+    truth at their nominal level (binomial s.e. 1.5% at 90%, 2.5% at 50%)."""
+    rng = np.random.default_rng(5)
+    reps, ratios, ses = 400, [], []
+    hits = {0.9: 0, 0.5: 0}
+    for r in range(reps):
+        num, den = _correlated_pairs(rng, 80)
+        for level in hits:
+            s = ratio_of_means(num, den, n_boot=400, level=level, seed=r)
+            hits[level] += s.interval[0] <= 2.0 <= s.interval[1]
+        ratios.append(s.ratio)
+        ses.append(s.stderr)
+    assert np.mean(ses) == pytest.approx(np.std(ratios, ddof=1), rel=0.1)
+    assert 0.85 <= hits[0.9] / reps <= 0.95
+    assert 0.42 <= hits[0.5] / reps <= 0.58
+
+
+def _wls(b: np.ndarray, y: np.ndarray, sigma: np.ndarray | None):
+    """Least squares of y = g + t / b in closed form (normal equations), its parameter
+    covariance (absolute sigma when given, else scaled by the residual variance), B = t/g with
+    its delta-method standard error, and the RMS residual relative to mean(y)."""
+    A = np.stack([np.ones_like(b), 1.0 / b], 1)
+    w = np.ones_like(b) if sigma is None else 1.0 / sigma**2
+    AtWA = A.T @ (w[:, None] * A)
+    g, t = np.linalg.solve(AtWA, A.T @ (w * y))
+    resid = y - A @ np.array([g, t])
+    cov = np.linalg.inv(AtWA)
+    if sigma is None:
+        cov = cov * (resid @ resid) / (b.size - 2)
+    grad = np.array([-t / g**2, 1.0 / g])
+    return (
+        g,
+        t,
+        t / g,
+        float(np.sqrt(grad @ cov @ grad)),
+        np.sqrt(np.mean(resid**2)) / abs(y.mean()),
+    )
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_fit_stderr_and_residual_match_closed_form_least_squares(weighted):
+    rng = np.random.default_rng(2)
+    b = np.array(geometric_ladder(2, 256, num=7), dtype=float)
+    y0 = 0.7 + 35.0 / b
+    sigma = 0.02 * y0
+    y = y0 + sigma * rng.standard_normal(b.size)
+    fit = fit_sq_norms(b, y, stderr=sigma if weighted else None)
+    g, t, bs, se, residual = _wls(b, y, sigma if weighted else None)
+    assert (fit.g_sq, fit.trace, fit.b_simple) == pytest.approx((g, t, bs), rel=1e-6)
+    assert fit.b_simple_stderr == pytest.approx(se, rel=1e-5)
+    assert fit.residual == pytest.approx(residual, rel=1e-6)
+    assert fit.residual > 0.005  # the noise is visible: not a vacuous comparison of zeros
+
+
+def test_fit_stderr_is_the_spread_of_b_simple():
+    """300 noisy data sets from known |G|^2 = 0.7, tr = 35 with known per-size noise: the mean
+    reported standard error matches the empirical spread of b_simple (10%)."""
+    rng = np.random.default_rng(9)
+    b = np.array([4.0, 8.0, 16.0, 32.0, 64.0])
+    y0 = 0.7 + 35.0 / b
+    sigma = 0.01 * y0
+    fits = [fit_sq_norms(b, y0 + sigma * rng.standard_normal(b.size), sigma) for _ in range(300)]
+    spread = np.std([f.b_simple for f in fits], ddof=1)
+    assert np.mean([f.b_simple_stderr for f in fits]) == pytest.approx(spread, rel=0.1)
+
+
+def test_noise_scale_uncertainty_is_that_of_its_own_estimates(problem):
+    """two_batch: stderr and interval are the delta method and the seeded percentile bootstrap
+    of the returned per-estimate (tr, |G|^2) pairs. fit: the stderr is the spread and the
+    interval the 2.5/97.5% order statistics of b_simple refitted on big batches resampled with
+    numpy's Generator(seed), weighted by each size's standard error of the mean."""
+    model, x, y, _ = problem
+    loss = nn.functional.mse_loss
+    r = nnstat.noise_scale(model, loss, (x, y), small_batch=4, big_batch=16, n_estimates=40, seed=6)
+    num, den = np.asarray(r.estimates["trace_sigma"]), np.asarray(r.estimates["grad_sq_norm"])
+    assert r.b_simple_stderr == pytest.approx(_delta_stderr(num, den), rel=1e-12)
+    assert r.interval == pytest.approx(_percentile_bootstrap(num, den, 1000, 0.95, 6), rel=1e-14)
+
+    sizes, n_est, seed, n_boot = [4, 8, 16, 32], 24, 4, 200
+    r = nnstat.noise_scale(
+        model, loss, (x, y), method="fit", batch_sizes=sizes, n_estimates=n_est, seed=seed
+    )
+    b = np.asarray(sizes, dtype=float)
+    totals = np.stack([np.asarray(r.estimates[f"sq_norm/{s}"]) for s in sizes])
+
+    def refit(cols):
+        t = totals[:, cols]
+        return _wls(b, t.mean(1), t.std(1, ddof=1) / math.sqrt(n_est))
+
+    full = refit(np.arange(n_est))
+    assert r.fit_residual == pytest.approx(full[4], rel=1e-6)
+    assert r.b_simple == pytest.approx(full[2], rel=1e-6)
+    rng = np.random.default_rng(seed)
+    fits = [refit(rng.integers(0, n_est, n_est)) for _ in range(n_boot)]
+    # a resample whose |G|^2 fit is <= 0 has b_simple = inf: it sorts last, and the spread is
+    # that of the finite ones
+    boot = np.sort([bs if g > 0 else math.inf for g, _, bs, _, _ in fits])
+    assert np.isfinite(boot).sum() > 0.9 * n_boot
+    assert r.b_simple_stderr == pytest.approx(np.std(boot[np.isfinite(boot)], ddof=1), rel=1e-5)
+    lo, hi = int(0.025 * (n_boot - 1)), int(0.975 * (n_boot - 1))
+    assert r.interval == pytest.approx((boot[lo], boot[hi]), rel=1e-5)

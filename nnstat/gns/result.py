@@ -21,9 +21,12 @@ class NoiseScaleResult:
 
     ``b_simple = trace_sigma / grad_sq_norm`` (``inf`` when ``grad_sq_norm <= 0``: the gradient
     is indistinguishable from noise at this sample size; the raw estimates stay available).
-    ``b_simple_stderr`` is a delta-method standard error and ``interval`` a 95% interval
-    (bootstrap over estimates for ``two_batch``/``per_sample``, +-1.96 standard errors of the fit
-    for ``fit``). ``per_layer`` is keyed by parameter name (module name for ``per_sample``).
+    For ``two_batch``/``per_sample``, ``b_simple_stderr`` is the delta-method standard error of
+    the ratio of means and ``interval`` a 95% percentile bootstrap over the estimates. For
+    ``fit`` both come from refitting on resampled big batches (the spread of the refitted
+    ``b_simple`` and its 2.5/97.5% order statistics); with ``n_estimates=1`` the standard error
+    is the delta method on the fit's covariance and the interval is NaN. ``per_layer`` is keyed
+    by parameter name (module name for ``per_sample``).
     """
 
     method: str
