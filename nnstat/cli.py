@@ -29,12 +29,20 @@ def main(argv: list[str] | None = None) -> int:
         >>> main(["--help"])  # doctest: +SKIP
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):
         print(_usage())
-        return 0 if argv else 2
+        return 0
+    # usage errors in argparse's format: usage on stderr, then one line saying what is wrong
+    if not argv:
+        print(f"{_usage()}\nnnstat: error: a command is required", file=sys.stderr)
+        return 2
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
-        print(f"nnstat: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        choices = ", ".join(COMMANDS)
+        print(
+            f"{_usage()}\nnnstat: error: unknown command {command!r} (choose from {choices})",
+            file=sys.stderr,
+        )
         return 2
     module, func, _ = COMMANDS[command]
     result = getattr(importlib.import_module(module), func)(rest)

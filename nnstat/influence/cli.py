@@ -12,13 +12,38 @@ Example:
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 import pandas as pd
 
+from nnstat.store.format import META_FILE
+
 from .precondition import PRECONDITIONERS
 from .score import MODES, compute_influence_all, compute_self_influence
+
+OUT_SUFFIXES = (".parquet", ".csv")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _damping(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,12 +53,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("store", help="training gradient store directory")
     p.add_argument("--query", help="query gradient store directory (same projection)")
-    p.add_argument("--top-k", type=int, default=None, help="keep only k helpful + k harmful")
+    p.add_argument(
+        "--top-k", type=_positive_int, default=None, help="keep only k helpful + k harmful"
+    )
     p.add_argument("--out", default=None, help="output file (.parquet or .csv)")
     p.add_argument("--mode", choices=MODES, default="dot")
     p.add_argument("--preconditioner", choices=PRECONDITIONERS, default=None)
-    p.add_argument("--damping", type=float, default=None, help="default: 0.1 x mean eigenvalue")
-    p.add_argument("--batch-size", type=int, default=None, help="rows per block (default: ~16 MB)")
+    p.add_argument(
+        "--damping", type=_damping, default=None, help=">= 0 (default: 0.1 x mean eigenvalue)"
+    )
+    p.add_argument(
+        "--batch-size", type=_positive_int, default=None, help="rows per block (default: ~16 MB)"
+    )
     p.add_argument(
         "--self",
         dest="self_influence",
@@ -54,11 +85,17 @@ def _write(frame: pd.DataFrame, out: str | None) -> None:
             frame[col] = frame[col].astype(str)
     if path.suffix == ".parquet":
         frame.to_parquet(path, index=False)
-    elif path.suffix == ".csv":
+    else:  # main() accepts only OUT_SUFFIXES
         frame.to_csv(path, index=False)
-    else:
-        raise SystemExit(f"nnstat influence: --out must end in .parquet or .csv, got {out!r}")
     print(f"wrote {len(frame)} rows to {path}", file=sys.stderr)
+
+
+def _usage_error(parser: argparse.ArgumentParser, message: str) -> int:
+    # argparse's own format (usage, then "prog: error: ..."), returned instead of raised so
+    # callers of main() get the exit status like for every other outcome
+    parser.print_usage(sys.stderr)
+    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,15 +104,22 @@ def main(argv: list[str] | None = None) -> int:
     Example:
         >>> main(["/no/such/store", "--query", "/no/such/query"])  # doctest: +SKIP
     """
-    args = _parser().parse_args(argv)
-    for path in (args.store, args.query):
-        if path is not None and not Path(path).is_dir():
-            print(f"nnstat influence: no gradient store at {path}", file=sys.stderr)
-            return 2
+    parser = _parser()
+    args = parser.parse_args(argv)
+    for label, path in (("STORE", args.store), ("--query", args.query)):
+        if path is None:
+            continue
+        if not Path(path).is_dir():
+            return _usage_error(parser, f"{label}: no gradient store at {path}")
+        # checked here, before any work, so a typo costs no scoring time
+        if not (Path(path) / META_FILE).is_file():
+            return _usage_error(parser, f"{label}: {path} is not a gradient store (no {META_FILE})")
+    if args.out is not None and Path(args.out).suffix not in OUT_SUFFIXES:
+        return _usage_error(parser, f"--out must end in .parquet or .csv, got {args.out!r}")
     if args.self_influence:
-        if args.query is not None:
-            print("nnstat influence: --self takes no --query", file=sys.stderr)
-            return 2
+        for flag, given in (("--query", args.query), ("--top-k", args.top_k)):
+            if given is not None:
+                return _usage_error(parser, f"--self takes no {flag}")
         res = compute_self_influence(
             args.store,
             preconditioner=args.preconditioner,
@@ -85,8 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         _write(res.to_frame(), args.out)
         return 0
     if args.query is None:
-        print("nnstat influence: --query is required (or --self)", file=sys.stderr)
-        return 2
+        return _usage_error(parser, "--query is required (or --self)")
     res = compute_influence_all(
         args.query,
         args.store,

@@ -2,23 +2,36 @@
 
 Serves on 127.0.0.1 only, with the standard library's ``http.server``. Every asset is a file in
 ``nnstat/viewer/static``; the page never loads anything from another origin.
+
+A recorder folder is untrusted input: `nnstat.viewer.data` checks every file, the page puts every
+value into the DOM as text, and a Content-Security-Policy (a header when served, a ``<meta>`` in
+an export) allows only the viewer's own scripts, so even a value that slipped through as markup
+could not run. The server answers only requests whose ``Host`` names 127.0.0.1 or localhost
+with its port, so a web page in the browser cannot reach it through DNS rebinding.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
 import json
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import urlsplit
 
 from nnstat.viewer.data import load_bundle
 
 STATIC = Path(__file__).parent / "static"
 _TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
 _ASSETS = ("app.js", "graph.js", "plot.js", "style.css")
+# served page: only this origin's scripts and styles, data from api/data, nothing else
+CSP_SERVED = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+    "img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
 
 
 def render_page(data: dict | None = None) -> str:
@@ -31,17 +44,39 @@ def render_page(data: dict | None = None) -> str:
     html = (STATIC / "index.html").read_text(encoding="utf-8")
     if data is None:
         return html
-    css = (STATIC / "style.css").read_text(encoding="utf-8")
-    html = html.replace(
-        '<link rel="stylesheet" href="static/style.css">', f"<style>\n{css}</style>"
-    )
+    css = "\n" + (STATIC / "style.css").read_text(encoding="utf-8")
+    html = _swap(html, '<link rel="stylesheet" href="static/style.css">', f"<style>{css}</style>")
+    scripts = []
     for name in ("graph.js", "plot.js", "app.js"):
-        js = (STATIC / name).read_text(encoding="utf-8").replace("</", "<\\/")
-        html = html.replace(f'<script src="static/{name}"></script>', f"<script>\n{js}</script>")
+        js = "\n" + (STATIC / name).read_text(encoding="utf-8").replace("</", "<\\/")
+        html = _swap(html, f'<script src="static/{name}"></script>', f"<script>{js}</script>")
+        scripts.append(js)
+    # a file:// page has no origin to name, so the inlined scripts and style are allowed by their
+    # hashes: an inline script or event handler that is not one of them never runs, and no
+    # request leaves the page (no connect-src, images from data: only)
+    csp = (
+        f"default-src 'none'; script-src {' '.join(_hash(js) for js in scripts)}; "
+        f"style-src {_hash(css)}; img-src data:; base-uri 'none'; form-action 'none'"
+    )
+    meta = f'<meta http-equiv="Content-Security-Policy" content="{csp}">'
+    html = _swap(html, '<meta charset="utf-8">', f'<meta charset="utf-8">\n{meta}')
     # every "<" as \u003c: no tensor name can close the script element or open a comment
     blob = json.dumps(data, allow_nan=False, separators=(",", ":")).replace("<", "\\u003c")
     tag = '<script id="nnstat-data" type="application/json"></script>'
-    return html.replace(tag, f'<script id="nnstat-data" type="application/json">{blob}</script>')
+    return _swap(html, tag, f'<script id="nnstat-data" type="application/json">{blob}</script>')
+
+
+def _swap(html: str, old: str, new: str) -> str:
+    # index.html and this function change together; a missed placeholder would ship a page that
+    # silently loads nothing, so it is an error here
+    if html.count(old) != 1:
+        raise RuntimeError(f"nnstat/viewer/static/index.html must hold {old!r} exactly once")
+    return html.replace(old, new)
+
+
+def _hash(text: str) -> str:
+    digest = base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode("ascii")
+    return f"'sha256-{digest}'"
 
 
 def export(root: str | Path, out: str | Path) -> Path:
@@ -55,6 +90,23 @@ def export(root: str | Path, out: str | Path) -> Path:
     return out
 
 
+def host_allowed(host: str | None, port: int) -> bool:
+    """Whether a request's ``Host`` header names this loopback server (127.0.0.1 or localhost).
+
+    A page from another site that rebinds its own name to 127.0.0.1 still sends its own name as
+    ``Host``; refusing it keeps the recorder folder away from that page.
+
+    Example:
+        >>> host_allowed("localhost:8050", 8050), host_allowed("evil.example:8050", 8050)
+        (True, False)
+    """
+    if host is None:
+        return False
+    names = ("127.0.0.1", "localhost")
+    allowed = {f"{n}:{port}" for n in names} | (set(names) if port == 80 else set())
+    return host.strip().lower() in allowed
+
+
 def make_server(root: str | Path, port: int = 8050) -> ThreadingHTTPServer:
     """An HTTP server for ``root`` bound to 127.0.0.1 (``port=0`` picks a free port).
 
@@ -62,28 +114,53 @@ def make_server(root: str | Path, port: int = 8050) -> ThreadingHTTPServer:
         >>> srv = make_server("runs/recorder", port=0)  # doctest: +SKIP
         >>> srv.serve_forever()  # doctest: +SKIP
     """
-    root = Path(root)
     load_bundle(root)  # fail early with a clear message on a wrong folder
+    return _server(Path(root), port)
 
+
+def _server(root: Path, port: int) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server API)
-            path = urlparse(self.path).path
+            host = self.headers.get("Host")
+            if host is None:
+                self._send(400, "text/plain", b"missing Host header")
+                return
+            own = self.server.server_address[1]
+            if not host_allowed(host, own):
+                msg = f"Host {host!r} is not this server: open http://127.0.0.1:{own}/"
+                self._send(403, "text/plain", msg.encode("utf-8"))
+                return
+            path = urlsplit(self.path).path
             if path in ("/", "/index.html"):
                 self._send(200, "text/html", render_page().encode("utf-8"))
             elif path == "/api/data":
-                body = json.dumps(load_bundle(root), allow_nan=False, separators=(",", ":"))
-                self._send(200, "application/json", body.encode("utf-8"))
+                self._send_data()
             elif path.startswith("/static/") and path[len("/static/") :] in _ASSETS:
                 f = STATIC / path[len("/static/") :]
                 self._send(200, _TYPES[f.suffix], f.read_bytes())
             else:
                 self._send(404, "text/plain", b"not found")
 
+        def _send_data(self) -> None:
+            try:
+                bundle = load_bundle(root)
+            except OSError as exc:
+                # the folder went away or became unreadable while serving: the page says so
+                self._send(500, "text/plain", f"cannot read {root}: {exc}".encode())
+                return
+            except Exception:
+                self._send(500, "text/plain", b"internal error: see the nnstat view terminal")
+                raise  # socketserver prints the traceback to the terminal
+            body = json.dumps(bundle, allow_nan=False, separators=(",", ":"))
+            self._send(200, "application/json", body.encode("utf-8"))
+
         def _send(self, code: int, ctype: str, body: bytes) -> None:
             self.send_response(code)
             self.send_header("Content-Type", f"{ctype}; charset=utf-8")
             self.send_header("Content-Length", str(len(body)))
             self.send_header("Cache-Control", "no-store")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.send_header("Content-Security-Policy", CSP_SERVED)
             self.end_headers()
             self.wfile.write(body)
 
@@ -108,18 +185,27 @@ def main(argv: list[str] | None = None) -> int:
     """
     p = argparse.ArgumentParser(prog="nnstat view", description="browse a recorder folder")
     p.add_argument("root", help="recorder folder: <root>, <root>/<group> or one trial folder")
-    p.add_argument("--port", type=int, default=8050, help="port on 127.0.0.1 (default 8050)")
+    p.add_argument(
+        "--port", type=_port, default=8050, help="port on 127.0.0.1 (default 8050, 0: any free)"
+    )
     p.add_argument("--export", metavar="HTML", help="write one self-contained file and exit")
     args = p.parse_args(argv)
     try:
-        if args.export:
-            out = export(args.root, args.export)
-            print(f"wrote {out}")
-            return 0
-        srv = make_server(args.root, args.port)
-    except FileNotFoundError as exc:
-        print(f"nnstat view: {exc}", file=sys.stderr)
-        return 2
+        bundle = load_bundle(args.root)
+    except OSError as exc:  # FileNotFoundError: no such folder, or no trial.json in it
+        return _usage_error(p, str(exc))
+    for problem in bundle["problems"]:
+        print(f"nnstat view: skipped {problem['file']}: {problem['message']}", file=sys.stderr)
+    if args.export:
+        out = Path(args.export)
+        try:
+            out.write_text(render_page(bundle), encoding="utf-8")
+        except OSError as exc:
+            return _usage_error(p, f"argument --export: cannot write {out}: {exc}")
+        print(f"wrote {out}")
+        return 0
+    try:
+        srv = _server(Path(args.root), args.port)
     except OSError as exc:  # typically the port is taken
         print(f"nnstat view: cannot listen on 127.0.0.1:{args.port}: {exc}", file=sys.stderr)
         return 2
@@ -133,6 +219,26 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         srv.server_close()
     return 0
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"must be a port number 0-65535 (0: any free), got {text!r}"
+        )
+    return port
+
+
+def _usage_error(parser: argparse.ArgumentParser, message: str) -> int:
+    # argparse's own format (usage, then "prog: error: ..."), returned instead of raised so
+    # callers of main() get the exit status like for every other outcome
+    parser.print_usage(sys.stderr)
+    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

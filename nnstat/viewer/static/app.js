@@ -9,13 +9,22 @@
   function showError(msg) { const e = $("error"); e.hidden = false; e.textContent = msg; }
   window.addEventListener("error", (ev) => showError(String(ev.message)));
 
-  function esc(s) {
-    return String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;",
-      '"': "&quot;", "'": "&#39;" }[c]));
+  // Every value from the recorder folder enters the DOM as a text node or an attribute value,
+  // never parsed as markup: a hostile folder shows odd text, runs nothing.
+  function h(tag, attrs, ...children) {
+    const e = document.createElement(tag);
+    for (const k in attrs || {}) e.setAttribute(k, String(attrs[k]));
+    children.flat().forEach((c) => {
+      if (c !== null && c !== undefined) e.append(c instanceof Node ? c : String(c));
+    });
+    return e;
   }
+  const hint = (text) => h("p", { class: "hint" }, text);
+  // names come from the folder: "constructor" or "__proto__" must not find Object's members
+  const own = (obj, key) =>
+    (obj && Object.prototype.hasOwnProperty.call(obj, key) ? obj[key] : undefined);
   function options(sel, items, value) {
-    sel.innerHTML = items.map(([v, label]) =>
-      `<option value="${esc(v)}">${esc(label)}</option>`).join("");
+    sel.replaceChildren(...items.map(([v, label]) => h("option", { value: v }, label)));
     sel.value = String(value);
   }
   const trial = () => S.data.trials[S.trial];
@@ -40,8 +49,8 @@
     return i === undefined ? null : st.stats[i][col];
   }
   function graphDoc(st, it) {
-    const digest = st.graphs && st.graphs[String(it)];
-    if (digest && S.data.graphs[digest]) return S.data.graphs[digest];
+    const digest = own(st.graphs, String(it));
+    if (digest && own(S.data.graphs, digest)) return own(S.data.graphs, digest);
     const nodes = Object.entries(st.roles || {}).filter(([, r]) => r === "parameter");
     return { nodes: nodes.map(([n, r]) => [n, r]), edges: [] };
   }
@@ -98,12 +107,12 @@
     const nb = window.NNGraph.highlight($("graph"), S.selected, S.rel);
     const box = $("details");
     if (!S.selected) {
-      box.innerHTML = '<p class="hint">Click a node of the graph.</p>';
+      box.replaceChildren(hint("Click a node of the graph."));
       renderPlot();
       return;
     }
     const st = step(), other = compareStep(), n = S.selected;
-    const role = (st.roles || {})[n] || "";
+    const role = own(st.roles, n) || "";
     const head = ["statistic", "forward", "gradient"];
     if (other) head.push("compare fwd", "compare grad");
     const rows = S.data.stat_names.map((s) => {
@@ -111,30 +120,31 @@
         value(st, n, S.iteration, "gradient", S.sample, s)];
       if (other) cells.push(value(other, n, S.iteration, "forward", S.sample, s),
         value(other, n, S.iteration, "gradient", S.sample, s));
-      return `<tr data-stat="${esc(s)}"><td>${esc(s)}</td>` +
-        cells.map((v) => `<td>${fmt(v)}</td>`).join("") + "</tr>";
-    }).join("");
-    const parents = S.rel.parents[n] || [], children = S.rel.children[n] || [];
-    box.innerHTML = `<h3 id="sel-name">${esc(n)} <small>(${esc(role)})</small></h3>` +
-      `<div class="neighbours">inputs: ${parents.map((p) => `<span>${esc(p)}</span>`).join("") || "–"}` +
-      `<br>consumers: ${children.map((c) => `<span>${esc(c)}</span>`).join("") || "–"}</div>` +
-      `<p class="hint">${nb.length} neighbour(s); scope ${S.sample < 0 ? "batch" : "sample " + S.sample}</p>` +
-      `<table id="stats-table"><tr>${head.map((h) => `<th>${esc(h)}</th>`).join("")}</tr>${rows}</table>` +
-      rawValues(st, n);
+      return h("tr", { "data-stat": s }, h("td", {}, s), cells.map((v) => h("td", {}, fmt(v))));
+    });
+    const names = (list) => (list.length ? list.map((x) => h("span", {}, x)) : "–");
+    box.replaceChildren(
+      h("h3", { id: "sel-name" }, n, " ", h("small", {}, `(${role})`)),
+      h("div", { class: "neighbours" }, "inputs: ", names(own(S.rel.parents, n) || []), h("br"),
+        "consumers: ", names(own(S.rel.children, n) || [])),
+      hint(`${nb.length} neighbour(s); scope ${S.sample < 0 ? "batch" : "sample " + S.sample}`),
+      h("table", { id: "stats-table" }, h("tr", {}, head.map((x) => h("th", {}, x))), rows),
+      ...rawValues(st, n));
     renderPlot();
   }
 
   // raw values of small tensors (Recorder(raw_max_numel=...)), for the selected stream
   function rawValues(st, n) {
-    const vals = st.values || {};
-    const v = vals[`${S.iteration}/${S.stream}/${n}`] || vals[`-1/${S.stream}/${n}`];
-    if (!v) return "";
-    const cols = v.shape.length ? v.shape[v.shape.length - 1] : 1;
-    const cells = v.data.map((x) => `<td>${fmt(x)}</td>`);
+    const v = own(st.values, `${S.iteration}/${S.stream}/${n}`) ||
+      own(st.values, `-1/${S.stream}/${n}`);
+    if (!v) return [];
+    const cols = Math.max(v.shape.length ? v.shape[v.shape.length - 1] : 1, 1);
     const rows = [];
-    for (let i = 0; i < cells.length; i += cols) rows.push(`<tr>${cells.slice(i, i + cols).join("")}</tr>`);
-    return `<h3>${esc(S.stream)} values, shape [${v.shape.join(", ")}]</h3>` +
-      `<table id="raw-values">${rows.join("")}</table>`;
+    for (let i = 0; i < v.data.length; i += cols) {
+      rows.push(h("tr", {}, v.data.slice(i, i + cols).map((x) => h("td", {}, fmt(x)))));
+    }
+    return [h("h3", {}, `${S.stream} values, shape [${v.shape.join(", ")}]`),
+      h("table", { id: "raw-values" }, rows)];
   }
 
   function renderPlot() {
@@ -164,58 +174,89 @@
     const t = trial();
     const items = [];
     t.steps.forEach((s, i) => {
+      const where = `${s.type_of_execution} ${s.step}: `;
+      const link = (cls, target, text) => {
+        const a = h("a", { class: cls }, text);
+        a.addEventListener("click", () => jump(i, target.tensor, target.iteration, target.stream));
+        return a;
+      };
       const off = s.first_offender;
-      if (off) items.push(`<li>${esc(s.type_of_execution)} ${s.step}: first non-finite ` +
-        `<a class="jump offender-link" data-i="${i}" data-t="${esc(off.tensor)}" data-it="${off.iteration}" ` +
-        `data-s="${esc(off.stream)}">${esc(off.tensor)} (${esc(off.stream)})</a></li>`);
-      (s.anomalies || []).forEach((a) => items.push(`<li>${esc(s.type_of_execution)} ${s.step}: ` +
-        `${esc(a.rule)} on <a class="jump" data-i="${i}" data-t="${esc(a.tensor)}" data-it="${a.iteration}" ` +
-        `data-s="${esc(a.stream)}">${esc(a.indicator)}</a> (value ${fmt(a.value)})</li>`));
+      if (off) items.push(h("li", {}, where, "first non-finite ",
+        link("jump offender-link", off, `${off.tensor} (${off.stream})`)));
+      s.anomalies.forEach((a) => items.push(h("li", {}, where, `${a.rule} on `,
+        link("jump", a, a.indicator), ` (value ${fmt(a.value)})`)));
     });
-    $("tab-anomalies").innerHTML = items.length ? `<ul>${items.join("")}</ul>` :
-      '<p class="hint">No anomaly rule fired in the recorded steps.</p>';
-    $("tab-anomalies").querySelectorAll("a.jump").forEach((a) => a.addEventListener("click", () =>
-      jump(Number(a.dataset.i), a.dataset.t, Number(a.dataset.it), a.dataset.s)));
+    $("tab-anomalies").replaceChildren(items.length ? h("ul", {}, items) :
+      hint("No anomaly rule fired in the recorded steps."));
     renderKpis(t);
-    $("tab-notes").innerHTML = t.notes.length ? "<ul>" + t.notes.map((n) =>
-      `<li>${n.step === null ? "" : "step " + n.step + ": "}${esc(n.text)}</li>`).join("") + "</ul>" :
-      '<p class="hint">No notes.</p>';
-    const mods = t.modules || [];
-    $("tab-network").innerHTML = mods.length ? "<table><tr><th>module</th><th>type</th>" +
-      "<th>own parameters</th><th>total parameters</th></tr>" + mods.map((m) =>
-      `<tr><td>${esc(m.name)}</td><td>${esc(m.type)}</td><td>${m.params_own}</td>` +
-      `<td>${m.params_total}</td></tr>`).join("") + "</table>" : '<p class="hint">No module tracked.</p>';
+    $("tab-notes").replaceChildren(t.notes.length ? h("ul", {}, t.notes.map((n) =>
+      h("li", {}, n.step === null ? "" : `step ${n.step}: `, n.text))) : hint("No notes."));
+    const head = ["module", "type", "own parameters", "total parameters"];
+    $("tab-network").replaceChildren(t.modules.length ? h("table", {},
+      h("tr", {}, head.map((x) => h("th", {}, x))),
+      t.modules.map((m) => h("tr", {}, [m.name, m.type, m.params_own, m.params_total]
+        .map((x) => h("td", {}, x))))) : hint("No module tracked."));
   }
 
   // KPIs of every step (kpis.jsonl), one small plot per KPI, the compared trial dashed
+  // (the steps' own KPIs for a trial written before kpis.jsonl existed)
+  const kpiLog = (tr) => (tr.kpis.length ? tr.kpis : tr.steps.map((s) =>
+    ({ type: s.type_of_execution, step: s.step, kpis: s.kpis })));
   function renderKpis(t) {
-    const log = t.kpis && t.kpis.length ? t.kpis : t.steps.map((s) =>
-      ({ type: s.type_of_execution, step: s.step, kpis: s.kpis || {} }));
+    const log = kpiLog(t);
     const type = step() ? step().type_of_execution : (log[0] || {}).type;
     const names = [...new Set(log.flatMap((r) => Object.keys(r.kpis)))].sort();
     const box = $("tab-kpis");
-    if (!names.length) { box.innerHTML = '<p class="hint">No KPIs recorded.</p>'; return; }
-    box.innerHTML = names.map((n, i) => `<div class="kpi"><h3>${esc(n)}</h3>` +
-      `<svg class="kpi-plot" id="kpi-${i}"></svg></div>`).join("");
-    const other = S.compare.startsWith("trial:") ? S.data.trials.find((x) => x.id === S.compare.slice(6)) : null;
-    const pts = (tr, n) => (tr.kpis || []).filter((r) => r.type === type && n in r.kpis)
-      .map((r) => [r.step, r.kpis[n]]);
+    if (!names.length) { box.replaceChildren(hint("No KPIs recorded.")); return; }
+    const plots = names.map(() => {
+      const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
+      svg.setAttribute("class", "kpi-plot");
+      return svg;
+    });
+    box.replaceChildren(...names.map((n, i) => h("div", { class: "kpi" }, h("h3", {}, n), plots[i])));
+    const other = S.compare.startsWith("trial:") ?
+      S.data.trials.find((x) => x.id === S.compare.slice(6)) : null;
+    const pts = (tr, n) => kpiLog(tr).filter((r) => r.type === type && own(r.kpis, n) !== undefined)
+      .map((r) => [r.step, own(r.kpis, n)]);
     names.forEach((n, i) => {
       const series = [{ label: t.id, cls: "series-a", points: pts(t, n) }];
       if (other) series.push({ label: other.id, cls: "series-b", points: pts(other, n) });
-      window.NNPlot.draw($(`kpi-${i}`), series, step() ? step().step : null);
+      window.NNPlot.draw(plots[i], series, step() ? step().step : null);
     });
   }
 
   function renderLegend() {
     const roles = ["input", "target", "output", "loss", "intermediate", "parameter"];
-    $("legend").innerHTML = roles.map((r) =>
-      `<span><i style="background: var(--${r})"></i>${r}</span>`).join("");
+    $("legend").replaceChildren(...roles.map((r) => {
+      const swatch = h("i");
+      // through CSSOM: the page's Content-Security-Policy refuses style="..." attributes
+      swatch.style.setProperty("background", `var(--${r})`);
+      return h("span", {}, swatch, r);
+    }));
+  }
+
+  // files the server refused (wrong format, outside the folder): listed, never silently dropped
+  function renderProblems() {
+    const list = S.data.problems || [];
+    const box = $("problems");
+    box.hidden = !list.length;
+    box.replaceChildren(h("h3", {}, `${list.length} file(s) or record(s) skipped`),
+      h("ul", {}, list.map((p) => h("li", {}, h("code", {}, p.file), `: ${p.message}`))));
   }
 
   function renderAll() {
+    renderProblems();
+    if (!S.data.trials.length) {
+      ["sel-trial", "sel-step", "sel-iteration", "sel-scope", "sel-stat", "sel-compare"]
+        .forEach((id) => $(id).replaceChildren());
+      $("graph").replaceChildren();
+      $("details").replaceChildren(hint("No readable trial: see the skipped files above."));
+      ["anomalies", "kpis", "notes", "network"].forEach((tab) => $(`tab-${tab}`).replaceChildren());
+      return;
+    }
     if (!fillSelectors()) {
-      $("details").innerHTML = '<p class="hint">This trial has no recorded step yet.</p>';
+      $("graph").replaceChildren();
+      $("details").replaceChildren(hint("This trial has no recorded step yet."));
       renderTabs();
       return;
     }
@@ -242,13 +283,14 @@
       document.querySelectorAll("#tabs button, .tab").forEach((x) => x.classList.remove("active"));
       b.classList.add("active");
       $(`tab-${b.dataset.tab}`).classList.add("active");
-      if (b.dataset.tab === "kpis") renderKpis(trial());  // plots need a visible box to size
+      // plots need a visible box to size
+      if (b.dataset.tab === "kpis" && S.data.trials.length) renderKpis(trial());
     }));
   }
 
   function start(data) {
     S.data = data;
-    if (!data.stat_names.includes(S.stat)) S.stat = data.stat_names[0];
+    if (!data.stat_names.includes(S.stat)) S.stat = data.stat_names[0] || "";
     renderLegend();
     bind();
     renderAll();
@@ -256,10 +298,9 @@
   }
 
   function fetchData() {
-    return fetch("api/data").then((r) => {
-      if (!r.ok) throw new Error(`api/data: HTTP ${r.status}`);
-      return r.json();
-    });
+    return fetch("api/data").then((r) => (r.ok ? r.json() : r.text().then((text) => {
+      throw new Error(`api/data: HTTP ${r.status}: ${text}`);
+    })));
   }
 
   const inline = $("nnstat-data").textContent.trim();
@@ -269,8 +310,11 @@
     // served mode: re-read the folder while training writes it, keeping the selection
     $("refresh").hidden = false;
     $("refresh").addEventListener("click", () => fetchData().then((data) => {
-      const id = trial().id;
+      $("error").hidden = true;
+      if (!S.data) { start(data); return; }  // the first load had failed
+      const id = S.data.trials.length ? trial().id : null;
       S.data = data;
+      if (!data.stat_names.includes(S.stat)) S.stat = data.stat_names[0] || "";
       S.trial = Math.max(0, data.trials.findIndex((t) => t.id === id));
       renderAll();
       document.body.setAttribute("data-refreshed", String(Date.now()));

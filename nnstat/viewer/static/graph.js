@@ -11,14 +11,18 @@
     return e;
   }
 
+  // maps keyed by tensor names from the recorder folder: without a prototype, a tensor named
+  // "constructor" or "__proto__" is an ordinary key instead of Object's member
+  const dict = () => Object.create(null);
+
   function layout(doc) {
     const names = doc.nodes.map((n) => n[0]);
-    const parents = {}, children = {};
+    const parents = dict(), children = dict();
     names.forEach((n) => { parents[n] = []; children[n] = []; });
     doc.edges.forEach(([a, b]) => {
       if (a in parents && b in parents) { children[a].push(b); parents[b].push(a); }
     });
-    const layer = {}, indeg = {};
+    const layer = dict(), indeg = dict();
     names.forEach((n) => { indeg[n] = parents[n].length; layer[n] = 0; });
     const queue = names.filter((n) => indeg[n] === 0);
     while (queue.length) {
@@ -36,7 +40,7 @@
     });
     const layers = [];
     names.forEach((n) => { (layers[layer[n]] = layers[layer[n]] || []).push(n); });
-    const pos = {};
+    const pos = dict();
     layers.forEach((col, li) => {
       if (!col) return;
       const bary = (n) => {
