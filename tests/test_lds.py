@@ -8,7 +8,7 @@ import torch
 from scipy.stats import spearmanr
 
 from nnstat.influence import lds, run_lds_protocol
-from nnstat.influence.lds import lds_per_query
+from nnstat.influence.lds import lds_per_query, subset_masks
 
 
 def _hand_made():
@@ -84,3 +84,83 @@ def test_retraining_protocol_is_deterministic_with_seeds():
     assert (a.subset_masks.sum(1) == 12).all()
     scores = torch.randn(3, 24)
     assert a.evaluate(scores) == pytest.approx(lds(scores, a.subset_masks, a.subset_losses))
+
+
+# -- the protocol's subsets, repeats and per-run seeding (issue #15) --------------------------
+
+
+def _recording_protocol(seed: int, m: int, repeats: int, extra_draws: int = 0):
+    """A protocol whose 'model' is the first draw of each global RNG inside its training run;
+    `query_loss_fn` reports those draws and the subset's index sum, and every run is logged."""
+    import random
+
+    log = []
+
+    def train_fn(idx):
+        draws = (torch.rand(()).item(), float(np.random.rand()), random.random())
+        # RNG consumed after the draws: must not leak into later runs (each run is seeded)
+        torch.rand(extra_draws), np.random.rand(extra_draws), [random.random()] * extra_draws
+        log.append((idx.clone(), draws))
+        return draws, idx
+
+    def query_loss_fn(model):
+        draws, idx = model
+        return torch.tensor([*draws, float(idx.sum())], dtype=torch.float64)
+
+    proto = run_lds_protocol(
+        train_fn,
+        30,
+        query_loss_fn,
+        alpha=0.4,
+        m=m,
+        seed=seed,
+        seeds_per_subset=repeats,
+        progress=False,
+    )
+    return proto, log
+
+
+def test_protocol_averages_repeats_each_seeded_from_seed_subset_and_repeat():
+    m, k = 4, 3
+    proto, log = _recording_protocol(seed=7, m=m, repeats=k)
+    assert len(log) == m * k and proto.subset_losses.shape == (m, 4)
+    # the masks are the public subset_masks of the protocol's seed
+    assert torch.equal(proto.subset_masks, subset_masks(30, m, 0.4, seed=7))
+    draws = np.array([d for _, d in log]).reshape(m, k, 3)  # [subset, repeat, rng]
+    for j in range(m):
+        # every repeat trains on subset j, and the recorded loss is the mean over the repeats
+        for idx, _ in log[j * k : (j + 1) * k]:
+            assert torch.equal(idx, proto.subset_masks[j].nonzero().flatten())
+        expected = torch.tensor(
+            [*draws[j].mean(0), float(log[j * k][0].sum())], dtype=torch.float64
+        )
+        torch.testing.assert_close(proto.subset_losses[j], expected, rtol=1e-15, atol=0)
+    # torch, numpy and random are each reseeded per run: all m*k runs draw differently...
+    for r in range(3):
+        assert len(set(draws[:, :, r].ravel().tolist())) == m * k
+    # ... reproducibly, whatever the runs consume after their draws ...
+    again, log2 = _recording_protocol(seed=7, m=m, repeats=k, extra_draws=5)
+    assert torch.equal(again.subset_losses, proto.subset_losses)
+    assert [d for _, d in log2] == [d for _, d in log]
+    # ... and run (j, r) does not depend on how many repeats or subsets there are
+    single, log1 = _recording_protocol(seed=7, m=m + 2, repeats=1)
+    assert [d for _, d in log1][:m] == [tuple(draws[j, 0]) for j in range(m)]
+    assert torch.equal(single.subset_masks[:m], proto.subset_masks)
+    # another protocol seed changes every run's training randomness
+    _, log8 = _recording_protocol(seed=8, m=m, repeats=k)
+    assert not set(d for _, d in log8) & set(d for _, d in log)
+
+
+def test_subset_masks_are_distinct_uniform_and_seed_reproducible():
+    n, m, alpha = 20, 400, 0.5
+    a = subset_masks(n, m, alpha, seed=3)
+    assert torch.equal(a, subset_masks(n, m, alpha, seed=3))
+    assert not torch.equal(a, subset_masks(n, m, alpha, seed=4))
+    assert (a.sum(1) == 10).all()
+    # subsets are drawn independently: (almost) all distinct (C(20, 10) = 184756 possible)
+    assert len({tuple(row) for row in a.int().tolist()}) >= m - 2
+    # every example is included with probability alpha: Binomial(400, 0.5), s.d. 10
+    counts = a.sum(0).numpy()
+    assert np.all(np.abs(counts - m * alpha) < 45), counts
+    # a prefix of subsets does not depend on how many are drawn
+    assert torch.equal(subset_masks(n, 7, alpha, seed=3), a[:7])
