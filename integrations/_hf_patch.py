@@ -197,7 +197,10 @@ def patch_trainer(trainer_cls: type) -> type:
 
             def ids_fn(batch: Any, start: int) -> Any:
                 if a.data_id == "hash":
-                    return batch[a.input_key]
+                    # asked for explicitly: a 1-D integer tensor alone would be taken as ids
+                    from nnstat.store.format import content_ids
+
+                    return content_ids(batch[a.input_key])
                 return list(range(start, start + int(batch[a.input_key].shape[0])))
 
             def mask_fn(batch: Any) -> Any:
@@ -216,15 +219,29 @@ def patch_trainer(trainer_cls: type) -> type:
             return self.get_eval_dataloader(dataset)
 
         # ------------------------------------------------------------ workflow
-        def extract_log(self, dataset: Any = None) -> Any:
+        def extract_log(self, dataset: Any = None, overwrite: bool = False) -> Any:
             """Log projected per-sample gradients (and the statistics the config asks for) of
-            ``dataset`` (default: the training set) to the store; returns the ``Run``."""
+            ``dataset`` (default: the training set) to the store; returns the ``Run``.
+
+            A store logged with other weights (``extract_log()`` → ``train()`` →
+            ``extract_log()``) is refused; ``overwrite=True`` replaces it."""
+            from nnstat.store.format import ModelChangedError, add_note
+
             dataset = self.train_dataset if dataset is None else dataset
             if dataset is None:
                 raise ValueError("extract_log() needs a train_dataset (or a dataset argument)")
             loader = self._nnstat_loader(dataset)
             run = self._nnstat_open(loader)
-            log_pass(run, self._nnstat_data(loader))
+            run.overwrite = run.overwrite or overwrite
+            try:
+                log_pass(run, self._nnstat_data(loader))
+            except ModelChangedError as e:
+                add_note(
+                    e,
+                    "With a Trainer: trainer.extract_log(overwrite=True) replaces the store, or "
+                    "NNStatArguments(project=<new name>) logs into a new one.",
+                )
+                raise
             return run
 
         def _nnstat_query(self, dataset: Any) -> Any:

@@ -89,8 +89,10 @@ def open_run(
     seed: int = 0,
     name_filter: Any = None,
     type_filter: Any = None,
+    overwrite: bool = False,
 ) -> Any:
-    """A :class:`nnstat.Run` watching ``model`` with its projection set.
+    """A :class:`nnstat.Run` watching ``model`` with its projection set (``overwrite``: its
+    first logging pass replaces the store, see :class:`nnstat.run.Run`).
 
     Example:
         >>> import tempfile
@@ -100,7 +102,7 @@ def open_run(
     """
     from nnstat.run import Run
 
-    run = Run(project, root_dir=root_dir, config=config)
+    run = Run(project, root_dir=root_dir, config=config, overwrite=overwrite)
     run.watch(model, name_filter=name_filter, type_filter=type_filter)
     run.add_projection(rank=rank, init=init, seed=seed)
     return run

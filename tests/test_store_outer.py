@@ -81,7 +81,10 @@ def test_logging_forms_one_position_rows_in_the_writer_only_with_an_idle_core(
     nnstat.add_projection(rank=2)
     for lo in (0, 5):
         with run(data_id=list(range(lo, lo + 5))):
-            nn.functional.cross_entropy(model(x[lo : lo + 5]), y[lo : lo + 5]).backward()
+            loss = nn.functional.cross_entropy(
+                model(x[lo : lo + 5]), y[lo : lo + 5], reduction="sum"
+            )
+            loss.backward()
     nnstat.finalize()
     nnstat.unwatch()
     # the writer thread forms rows on one torch thread, beside training's own

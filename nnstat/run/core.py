@@ -16,7 +16,7 @@ import atexit
 import functools
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +24,21 @@ import torch
 from torch import nn
 
 from nnstat.run import support as parts
+from nnstat.run.reduction import MeanLossProbe
 from nnstat.run.rows import BatchRows
 from nnstat.store import format as fmt
-from nnstat.store.logger import StoreLogger, filter_nonfinite
+from nnstat.store.logger import StoreLogger, check_same_params, filter_nonfinite
 from nnstat.store.projection import ModuleProjection, build_projections, module_spec
 from nnstat.store.reader import GradientLog, make_log_dataloader
+from nnstat.store.writer import StoreWriteError
+
+
+def _first_input(found: list[torch.Tensor], module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of ``data_id="hash"``: keep the first tensor of the model's first call."""
+    if not found:
+        t = parts.first_tensor(args, kwargs)
+        if t is not None:
+            found.append(t.detach())
 
 
 class Run:
@@ -38,6 +48,11 @@ class Run:
         project: name of the store directory under ``root_dir``.
         root_dir: parent directory of projects (default ``./nnstat_logs``).
         config: optional initial :meth:`setup` dictionary.
+        overwrite: start the store afresh: the first logging pass of this run deletes what
+            the store holds (rows, projections, statistics, meta.json) before it writes. Needed
+            to log a changed model (after training) into a store of the old one, which is
+            refused otherwise. Eval-mode queries never delete. Settable later
+            (``run.overwrite = True``): it applies at the next first pass of a schedule.
 
     Example:
         >>> run = Run("demo", root_dir="/tmp/nnstat_doc")  # doctest: +SKIP
@@ -45,7 +60,11 @@ class Run:
     """
 
     def __init__(
-        self, project: str, root_dir: str | Path = "./nnstat_logs", config: dict | None = None
+        self,
+        project: str,
+        root_dir: str | Path = "./nnstat_logs",
+        config: dict | None = None,
+        overwrite: bool = False,
     ) -> None:
         if not project or not isinstance(project, str) or Path(project).name != project:
             raise ValueError(f"project must be a plain directory name, got {project!r}")
@@ -72,6 +91,15 @@ class Run:
         self._eval_seen: set[Any] = set()
         self._warned_missing: set[str] = set()
         self._atexit = False
+        self.overwrite = bool(overwrite)
+        # params_sha256 of the weights of the open pass (None: no pass begun), of the first
+        # pass of the current schedule round, and of the current eval log
+        self._pass_params: str | None = None
+        self._round_params: str | None = None
+        self._eval_params: str | None = None
+        self._probe_reduction = True  # the first block of a pass / eval log checks the loss
+        self._warned_once: set[str] = set()
+        self._writer_error: StoreWriteError | None = None  # raised again by finalize()
 
     def __repr__(self) -> str:
         return f"Run(project={self.project!r}, path={str(self.path)!r}, mode={self.mode!r})"
@@ -136,14 +164,24 @@ class Run:
     def __call__(self, data_id: Any = None, mask: torch.Tensor | None = None) -> Iterator[Run]:
         """Capture the forward/backward passes inside the block as one batch of samples.
 
-        ``data_id``: a list of ints/strings, a batch tensor (rows hashed to stable ids) or
-        ``None`` (consecutive ints). ``mask``: ``[N]`` or ``[N, positions]`` (nonzero = keep).
+        ``data_id``: a list of ints/strings or a 1-D integer tensor (a ``DataLoader``'s batch of
+        dataset indices): the ids, as they are; ``"hash"``: each sample's content hash
+        (:func:`~nnstat.store.format.content_id` of its row of the first tensor passed to the
+        watched model's forward in the block, e.g. the token ids or images); any other tensor
+        (float, or more than one dimension): its rows hashed the same way; ``None``:
+        consecutive ints. ``mask``: ``[N]`` or ``[N, positions]`` (nonzero = keep).
         """
         if self.engine is None or not self.engine.watched:
             raise RuntimeError("call watch(model) before run(...)")
         self._check_writer()
         self._build_projections()
-        ids = None if data_id is None else fmt.normalize_ids(data_id)
+        hash_input = isinstance(data_id, str) and data_id == "hash"
+        if isinstance(data_id, str) and not hash_input:
+            raise TypeError(
+                f"data_id={data_id!r}: a string is not a batch of ids; pass a list of ids, or "
+                'data_id="hash" to hash the model\'s input'
+            )
+        ids = None if data_id is None or hash_input else fmt.normalize_ids(data_id)
         logging = self._saving()
         if self.mode == "log":
             extra = [s for s, on in self._pass_spec().save.items() if on and s != "grad"]
@@ -152,10 +190,15 @@ class Run:
                     f"the gradient store saves the 'grad' stream only; save={extra} is not "
                     "supported (log those streams with the recorder instead)"
                 )
+        if self.mode == "log" and (logging or self._stats_on()):
+            self._begin_pass()
+        elif self.mode == "eval" and self._eval_params is None:
+            self._eval_params = parts.params_fingerprint(self.engine)
         if logging:
             self._open_logger()
             assert self._logger is not None
-        keep = self._admit(ids) if ids is not None else None
+        with self._writer_errors():
+            keep = self._admit(ids) if ids is not None else None
         if self.mode == "log" and self._collector is None and self._stats_on():
             self._collector = parts.make_collector(self.config)
         # decided once per batch: the hooks below run per module
@@ -164,20 +207,87 @@ class Run:
             self.mode == "log" and self._stats_on(),
         )
         restore = parts.freeze_params(self.engine) if self._skip_param_grads() else None
+        probe = self._reduction_probe(logging)
+        inputs: list[torch.Tensor] = []
+        hook = None
+        if hash_input:
+            assert self.model is not None
+            hook = self.model.register_forward_pre_hook(
+                functools.partial(_first_input, inputs), with_kwargs=True
+            )
         assert self._projections is not None
         self._rows.begin(self._projections)
         try:
-            with self.engine.batch(
-                mask=mask,
-                loss_reduction=self.config.loss_reduction,
-                **({"outputs_require_grad": True} if restore is not None else {}),
+            with (
+                self.engine.batch(
+                    mask=mask,
+                    loss_reduction=self.config.loss_reduction,
+                    **({"outputs_require_grad": True} if restore is not None else {}),
+                ),
+                probe if probe is not None else nullcontext(),
             ):
                 yield self
         finally:
+            if hook is not None:
+                hook.remove()
             if restore is not None:
                 restore()
             batch, rowbuf, factors = self._rows.end()
-        self._complete(batch, ids, keep, rowbuf, factors)
+        if probe is not None and batch:
+            self._probe_reduction = False
+            self._warn_mean_loss(probe, next(iter(batch.values())).shape[0])
+        with self._writer_errors():
+            if hash_input:
+                ids = self._input_ids(inputs, batch)
+                keep = self._admit(ids)
+            self._complete(batch, ids, keep, rowbuf, factors)
+
+    def _input_ids(self, inputs: list[torch.Tensor], batch: dict[str, torch.Tensor]) -> list:
+        """``data_id="hash"``: content ids of the rows of the model's first input tensor."""
+        if not inputs:
+            raise RuntimeError(
+                'data_id="hash" hashes the first tensor passed to the watched model, but '
+                f"{type(self.model).__name__}.forward was not called inside this run(...) "
+                "block; pass the ids (data_id=[...]) instead"
+            )
+        x = inputs[0]
+        n = next(iter(batch.values())).shape[0] if batch else None
+        if x.dim() == 0 or (n is not None and x.shape[0] != n):
+            raise ValueError(
+                f'data_id="hash": the model\'s first input has shape {tuple(x.shape)}, which '
+                f"is not a batch of the {n} samples captured; pass the ids (data_id=[...]) or "
+                "the tensor to hash (data_id=tensor) instead"
+            )
+        return fmt.content_ids(x)
+
+    def _reduction_probe(self, logging: bool) -> MeanLossProbe | None:
+        """A :class:`~nnstat.run.reduction.MeanLossProbe` for the first block of a pass or eval
+        log under ``loss_reduction="sum"`` (once the user was warned, no more)."""
+        active = self.mode == "eval" or logging or self._stats_on()
+        compiled = hasattr(self.model, "_orig_mod")  # torch.compile: no function mode inside
+        if (
+            not active
+            or compiled
+            or not self._probe_reduction
+            or self.config.loss_reduction != "sum"
+            or "mean loss" in self._warned_once
+        ):
+            return None
+        return MeanLossProbe()
+
+    def _warn_mean_loss(self, probe: MeanLossProbe, n: int) -> None:
+        what = probe.mean_over_batch(n)
+        if what is None:
+            return
+        self._warned_once.add("mean loss")
+        warnings.warn(
+            f"nnstat: the loss of this run(...) block is a mean over its {n} samples ({what}), "
+            "but the run's loss_reduction is 'sum' (the default): every stored gradient is its "
+            "sample's gradient divided by the batch size (and a short last batch by its own "
+            "size). Compute each sample's own loss summed (e.g. cross_entropy(..., "
+            "reduction='sum')), or setup({'loss_reduction': 'mean'}) for a mean over the batch.",
+            stacklevel=4,
+        )
 
     def _on_capture(self, cap: Any) -> None:
         if not self._rows.open:
@@ -248,6 +358,7 @@ class Run:
         """
         self._require_no_open_pass("schedule()")
         self._pass = 0
+        self._round_params = None
         for i, spec in enumerate(self.config.passes()):
             if self._pass != i:
                 raise RuntimeError("finalize() was called inside a schedule() loop")
@@ -263,14 +374,28 @@ class Run:
             return
         collector = self._collector if self._stats_on() else None
         logger, self._logger = self._logger, None
+        self._pass_params, self._probe_reduction = None, True
+        error: BaseException | None = self._writer_error
+        self._writer_error = None
         try:
             if logger is not None:
                 logger.close(progress=True)
-        finally:
-            if collector is not None:
+        except BaseException as e:  # raised below, after the statistics were saved
+            error = e
+        if collector is not None:
+            try:
                 self._stats_state = parts.save_statistics(collector, self.path, self.rank)
+                parts.record_statistics_hash(self.path, self.rank)
+            except BaseException as e:
+                if error is None:
+                    raise
+                # the writer's failure stays the error raised (often the cause of this one)
+                fmt.add_note(error, f"the statistics were not saved either: {e!r}")
+            finally:
                 if collector.done:
                     self._collector = None
+        if error is not None:
+            raise error
         self._next_auto_id = 0
         if logger is None and collector is None:
             # an empty pass is not a pass: the next loop is still this one
@@ -286,6 +411,7 @@ class Run:
         self.mode = "eval"
         self._eval_ids, self._eval_rows, self._eval_seen = [], [], set()
         self._next_auto_id = 0
+        self._eval_params, self._probe_reduction = None, True
         if self._projections is None and self.engine is not None and self.engine.watched:
             self._build_projections()  # from the store when it exists (see below)
         return self
@@ -302,12 +428,18 @@ class Run:
         if not self._eval_ids:
             raise RuntimeError("get_log(): nothing captured since eval() / the last get_log()")
         rows = torch.cat(self._eval_rows) if len(self._eval_rows) > 1 else self._eval_rows[0]
-        meta = self.store_meta()
         stats = parts.load_tensors(self.path / fmt.STATISTICS_FILE)
+        # the weights when this log's first block was captured; scoring compares them with the
+        # store's (meta["params_sha256"])
+        meta = self.store_meta(
+            params_sha256=self._eval_params,
+            statistics_sha256=fmt.tensors_hash(stats) if stats else None,
+        )
         projections = parts.projection_tensors_of(self._projections)
         log = GradientLog(list(self._eval_ids), rows, meta, stats, projections)
         self._eval_ids, self._eval_rows, self._eval_seen = [], [], set()
         self._next_auto_id = 0
+        self._eval_params, self._probe_reduction = None, True
         return log
 
     def build_log_dataloader(self, batch_size: int = 1024, num_workers: int = 0) -> Any:
@@ -316,17 +448,66 @@ class Run:
         return make_log_dataloader(self.path, batch_size=batch_size, num_workers=num_workers)
 
     # ---------------------------------------------------------------------- internals
-    def store_meta(self, hashed: bool = True) -> dict[str, Any]:
+    def store_meta(
+        self,
+        hashed: bool = True,
+        params_sha256: str | None = None,
+        statistics_sha256: str | None = None,
+    ) -> dict[str, Any]:
         """The meta.json describing rows of this run (layout, projection hash, config).
 
-        ``hashed=False`` leaves ``projection_sha256`` ``None`` (the store fills it in later).
+        ``hashed=False`` leaves ``projection_sha256`` ``None`` (the store fills it in later);
+        ``params_sha256``/``statistics_sha256`` as in ``nnstat.run.support.build_meta``.
         """
         self._build_projections()
         assert self._projections is not None
         args = dict(self._projection_args)
         if not self._projection_set:
             args["rank"] = self.config.default_rank
-        return parts.build_meta(self.project, self.config, args, self._projections, hashed)
+        return parts.build_meta(
+            self.project,
+            self.config,
+            args,
+            self._projections,
+            hashed,
+            params_sha256=params_sha256,
+            statistics_sha256=statistics_sha256,
+        )
+
+    def _begin_pass(self) -> None:
+        """At the first block of a logging pass: ``overwrite``, then the weights' fingerprint,
+        refused when the store's rows (or this schedule's earlier passes) had other weights."""
+        if self._pass_params is not None:
+            return
+        if self.overwrite and self._pass == 0:
+            parts.clear_store(self.path, self.rank, self.world_size)
+            self.overwrite = False
+        current = parts.params_fingerprint(self.engine)
+        meta_path = self.path / fmt.META_FILE
+        if meta_path.exists():
+            old = fmt.read_json(meta_path)
+            old = old if isinstance(old, dict) else {}
+            check_same_params(old, {"params_sha256": current}, self.path)
+            if old.get("params_sha256") is None and "unchecked weights" not in self._warned_once:
+                self._warned_once.add("unchecked weights")
+                warnings.warn(
+                    f"{meta_path} has no params_sha256 (written before nnstat recorded the "
+                    "weights): this pass cannot check that the stored rows were computed with "
+                    "the same weights as its own",
+                    stacklevel=4,
+                )
+        if self._pass > 0 and self._round_params not in (None, current):
+            names = [p.name for p in self.config.passes()]
+            raise fmt.ModelChangedError(
+                f"the watched parameters changed between pass {names[0]!r} and pass "
+                f"{names[self._pass]!r} of one schedule() (an optimizer step inside the loop?): "
+                "the statistics of one pass would describe other weights than the next. Keep "
+                "the model fixed for the whole schedule; after training, log into a new "
+                "project or with overwrite=True."
+            )
+        if self._pass == 0:
+            self._round_params = current
+        self._pass_params = current
 
     def _pass_spec(self) -> Any:
         return self.config.passes()[self._pass]
@@ -371,26 +552,52 @@ class Run:
         if self._logger is not None:
             return
         assert self._projections is not None
-        meta = self.store_meta(hashed=False)
+        meta = self.store_meta(hashed=False, params_sha256=self._pass_params)
         prepare = functools.partial(parts.prepare_store, self.path, self._projections, self.rank)
         self._logger = StoreLogger(
             self.path, meta, self.config.store, self.rank, self.world_size, prepare=prepare
         )
         if not self._atexit:
             self._atexit = True
-            atexit.register(self._warn_unfinalized)
+            atexit.register(self._flush_at_exit)
 
-    def _warn_unfinalized(self) -> None:
-        if self._logger is not None:
-            warnings.warn(
-                f"nnstat: the logging pass of {self.path} was never finalize()d; rows not yet in "
-                "a whole shard are lost (the store keeps its complete shards and can be resumed)",
-                stacklevel=1,
-            )
+    def _flush_at_exit(self) -> None:
+        """A pass never finalize()d: its rows are flushed at exit (whole shards, meta.json),
+        so none is lost; its statistics are not saved (their all-reduce needs every rank)."""
+        logger, self._logger = self._logger, None
+        if logger is None:
+            return
+        warnings.warn(
+            f"nnstat: the logging pass of {self.path} was never finalize()d; its rows are "
+            "flushed at exit, but its statistics are not saved. Call finalize() after each "
+            "pass (or loop over run.schedule(), which does).",
+            stacklevel=1,
+        )
+        # no all-reduce: other ranks may be gone; an error here is printed by atexit
+        logger.close(progress=False, collective=False)
 
     def _check_writer(self) -> None:
-        if self._logger is not None:
-            self._logger.writer.check()
+        with self._writer_errors():
+            if self._logger is not None:
+                self._logger.writer.check()
+
+    @contextmanager
+    def _writer_errors(self) -> Iterator[None]:
+        """A writer failure ends the pass where it surfaces: the writer is stopped (its lock
+        released, so another run may write the store) and the error is kept for finalize()."""
+        try:
+            yield
+        except StoreWriteError as e:
+            logger, self._logger = self._logger, None
+            if logger is not None:
+                try:
+                    logger.close(progress=False)
+                except StoreWriteError:
+                    pass  # the failure being raised, seen again by close()
+                except Exception as also:  # noqa: BLE001 - reported on the error being raised
+                    fmt.add_note(e, f"closing the store failed too: {also!r}")
+            self._writer_error = e
+            raise
 
     def _require_no_open_pass(self, what: str) -> None:
         if self._logger is not None:

@@ -46,8 +46,15 @@ _CURRENT: Run | None = None
 
 
 # ------------------------------------------------------------------ module-level API
-def init(project: str, root_dir: str | Path = "./nnstat_logs", config: dict | None = None) -> Run:
+def init(
+    project: str,
+    root_dir: str | Path = "./nnstat_logs",
+    config: dict | None = None,
+    overwrite: bool = False,
+) -> Run:
     """Create a new current :class:`Run` (calling it again starts another one).
+
+    ``overwrite=True``: its first logging pass replaces what the store holds (see :class:`Run`).
 
     Example:
         >>> run = init(project="my_project")  # doctest: +SKIP
@@ -59,7 +66,7 @@ def init(project: str, root_dir: str | Path = "./nnstat_logs", config: dict | No
             "finalize()d; it stays open (call its finalize() to flush it)",
             stacklevel=2,
         )
-    _CURRENT = Run(project, root_dir=root_dir, config=config)
+    _CURRENT = Run(project, root_dir=root_dir, config=config, overwrite=overwrite)
     return _CURRENT
 
 

@@ -75,6 +75,12 @@ class BatchRows:
         assert self._rows is not None
         proj = self._projections[cap.name]
         prev = self._rows.get(cap.name)
+        if cap.num_samples == 0:  # an empty batch (a filtered last batch): nothing to project
+            if prev is None:
+                buf = self._row_buffer(writer, 0) if writer is not None else None
+                empty = torch.zeros(0, proj.width)
+                self._rows[cap.name] = empty if buf is None else buf[:, self.columns[cap.name]]
+            return
         if prev is None and writer is not None:
             buf = self._row_buffer(writer, cap.num_samples)
             out = buf[:, self.columns[cap.name]]

@@ -8,8 +8,9 @@ Example:
 
 from __future__ import annotations
 
+import re
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from nnstat import __version__
 from nnstat.store import format as fmt
 from nnstat.store.logger import StoreOptions
 from nnstat.store.projection import ModuleProjection, ModuleSpec, layout, projection_tensors
+from nnstat.store.writer import WriterLock
 
 # store-only setup() keys beyond those nnstat.statistics.config.RunConfig already knows
 STORE_EXTRA_KEYS = ("shard_rows", "queue_size", "on_stored_id", "size_budget_bytes", "num_samples")
@@ -112,12 +114,87 @@ def finalized_statistics(state: Mapping[str, torch.Tensor], path: Path) -> dict[
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """safetensors file as a dict, ``{}`` when absent."""
-    if not Path(path).exists():
-        return {}
-    from safetensors.torch import load_file
+    """safetensors file as a dict, ``{}`` when absent (a damaged file names itself)."""
+    return fmt.load_safetensors(Path(path))
 
-    return load_file(str(path))
+
+def statistics_hash(path: Path) -> str | None:
+    """``format.tensors_hash`` of the store's ``statistics.safetensors``, ``None`` without one."""
+    target = Path(path) / fmt.STATISTICS_FILE
+    return fmt.tensors_hash(fmt.load_safetensors(target)) if target.exists() else None
+
+
+def record_statistics_hash(path: Path, rank: int) -> None:
+    """Rank 0: put the hash of the statistics just saved into meta.json (when the store has
+    one), so meta.json always names the statistics that go with its rows."""
+    meta_path = Path(path) / fmt.META_FILE
+    if rank != 0 or not meta_path.exists():
+        return
+    meta = fmt.read_json(meta_path)
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path}: expected a JSON object, got {type(meta).__name__}")
+    meta["statistics_sha256"] = statistics_hash(path)
+    fmt.atomic_write_json(meta_path, meta)
+
+
+def watched_parameters(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """``("{module}.{param}", full tensor)`` of every watched module's own parameters, in watch
+    order (registration order within a module). A DTensor (FSDP2) is gathered with
+    ``full_tensor()``, a collective: every rank hashes the same whole weights. FSDP1 flat
+    parameters are hashed as each rank holds them (outside forward: its shard)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        DTensor = ()  # noqa: N806
+    for name, module in engine.watched.items():
+        for pname, p in module.named_parameters(recurse=False):
+            t = p.detach()
+            yield f"{name}.{pname}", t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def params_fingerprint(engine: Any) -> str:
+    """``meta["params_sha256"]``: :func:`nnstat.store.format.params_hash` of
+    :func:`watched_parameters` (the weights the rows of a pass are computed with)."""
+    with torch.no_grad():
+        return fmt.params_hash(watched_parameters(engine))
+
+
+_LOCK_RE = re.compile(r"^rank(\d+)\.lock$")
+_SHARD_FILE_RE = re.compile(r"^rank\d+-\d{5,}\.")
+
+
+def clear_store(path: Path, rank: int, world_size: int) -> None:
+    """``overwrite=True``: delete the store's rows, projections, statistics and meta.json.
+
+    Rank 0 deletes while holding every rank's writer lock (a store another process is still
+    writing is refused with :class:`~nnstat.store.writer.StoreLockedError`); meta.json goes
+    last, so a crash half-way still leaves the old weights' fingerprint refusing a mismatched
+    pass. Other files in the directory are left alone. Under ``torch.distributed`` every rank
+    waits for rank 0 before it writes.
+    """
+    from nnstat.statistics.collector import JSON_FILE, TENSORS_FILE
+
+    path = Path(path)
+    if rank == 0 and path.is_dir():
+        shard_dir = path / fmt.SHARD_DIR
+        locks: list[WriterLock] = []
+        try:
+            if shard_dir.is_dir():
+                for f in sorted(shard_dir.iterdir()):
+                    if m := _LOCK_RE.match(f.name):
+                        locks.append(WriterLock(shard_dir, int(m.group(1))))
+                for f in shard_dir.iterdir():
+                    if _SHARD_FILE_RE.match(f.name):
+                        f.unlink()
+            for name in (TENSORS_FILE, JSON_FILE, fmt.PROJECTIONS_FILE, fmt.META_FILE):
+                (path / name).unlink(missing_ok=True)
+        finally:
+            for lock in locks:
+                lock.release()
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
 
 
 def dist_info() -> tuple[int, int]:
@@ -133,10 +210,14 @@ def build_meta(
     projection_args: Mapping[str, Any],
     projections: Mapping[str, ModuleProjection],
     hashed: bool = True,
+    params_sha256: str | None = None,
+    statistics_sha256: str | None = None,
 ) -> dict[str, Any]:
     """meta.json for rows made with ``projections`` (see docs/architecture.md).
 
     ``hashed=False``: ``projection_sha256`` is ``None``, for :func:`prepare_store` to fill in.
+    ``params_sha256``: :func:`params_fingerprint` of the weights the rows are computed with;
+    ``statistics_sha256``: :func:`statistics_hash` of the statistics that go with them.
     """
     mods = layout(projections)
     return {
@@ -160,22 +241,35 @@ def build_meta(
         ),
         "nonfinite": settings.store.nonfinite,
         "skipped_rows": 0,
+        "params_sha256": params_sha256,
+        "statistics_sha256": statistics_sha256,
     }
 
 
 def prepare_store(
     path: Path, projections: Mapping[str, ModuleProjection], rank: int, meta: dict[str, Any]
 ) -> None:
-    """Complete ``meta`` with the projection hash and save the projections (rank 0, once)."""
+    """Complete ``meta`` with the projection hash; for a new store (no meta.json yet) also with
+    the hash of the statistics already there, and save the projections (rank 0).
+
+    A resumed store keeps its files (its meta.json, compared by hash, names them). A new one
+    always writes its projections, also over a file left by a run that died before its first
+    meta.json: that file belongs to no store, and keeping it would pair another projection
+    with this meta.json's hash.
+    """
     if meta.get("projection_sha256") is None:
         meta["projection_sha256"] = fmt.tensors_hash(projection_tensors(projections))
+    if (Path(path) / fmt.META_FILE).exists():
+        return
+    if meta.get("statistics_sha256") is None:
+        meta["statistics_sha256"] = statistics_hash(path)
     write_projections(path, projections, rank)
 
 
 def write_projections(path: Path, projections: Mapping[str, ModuleProjection], rank: int) -> None:
-    """Save ``projections.safetensors`` once (rank 0); a resumed store keeps its file."""
+    """Save ``projections.safetensors`` (rank 0), replacing any file of that name."""
     target = Path(path) / fmt.PROJECTIONS_FILE
-    if rank != 0 or target.exists():
+    if rank != 0:
         return
     from safetensors.torch import save
 
@@ -247,6 +341,21 @@ def module_blocks(
             stacklevel=4,
         )
     return [batch[m] if m in batch else torch.zeros(n, p.width) for m, p in projections.items()]
+
+
+def first_tensor(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+    """The first tensor of a call's arguments: positional ones first, then keyword ones in call
+    order, looking inside lists, tuples and dicts (a batch dict passed as one argument)."""
+    todo: list[Any] = [*args, *kwargs.values()]
+    while todo:
+        x = todo.pop(0)
+        if isinstance(x, torch.Tensor):
+            return x
+        if isinstance(x, Mapping):
+            todo[:0] = list(x.values())
+        elif isinstance(x, list | tuple):
+            todo[:0] = list(x)
+    return None
 
 
 def duplicate_ids(ids: list) -> list:
