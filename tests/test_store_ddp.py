@@ -35,15 +35,61 @@ dist.destroy_process_group()
 """
 
 
+OVERWRITE = r"""
+import sys, torch, torch.distributed as dist
+from torch import nn
+import nnstat
+from nnstat.store.format import ModelChangedError
+
+root = sys.argv[1]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2))
+g = torch.Generator().manual_seed(1)
+x, y = torch.randn(16, 4, generator=g), torch.randint(0, 2, (16,), generator=g)
+
+
+def log(overwrite=False):
+    run = nnstat.init(project="ddp", root_dir=root, overwrite=overwrite)
+    nnstat.setup({"statistic": "none"})
+    nnstat.watch(model)
+    nnstat.add_projection(rank=2)
+    lo = 8 * rank
+    try:
+        with run(data_id=list(range(lo, lo + 8))):
+            nn.functional.cross_entropy(model(x[lo:lo + 8]), y[lo:lo + 8], reduction="sum").backward()
+        nnstat.finalize()
+    finally:
+        nnstat.unwatch()
+        model.zero_grad()
+
+
+log()
+dist.barrier()
+with torch.no_grad():  # every rank takes the same step
+    model[0].weight.add_(0.1)
+try:
+    log()
+    raise SystemExit("a changed model was not refused on rank %d" % rank)
+except ModelChangedError:
+    pass
+dist.barrier()
+log(overwrite=True)  # rank 0 clears the store, every rank waits, then both write
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def test_two_gloo_ranks_write_their_own_shards(tmp_path):
+def _launch(tmp_path, source):
     script = tmp_path / "ddp.py"
-    script.write_text(SCRIPT)
+    script.write_text(source)
     port = _free_port()
     procs = []
     for rank in range(2):
@@ -65,6 +111,10 @@ def test_two_gloo_ranks_write_their_own_shards(tmp_path):
     for p in procs:
         _, err = p.communicate(timeout=240)
         assert p.returncode == 0, err
+
+
+def test_two_gloo_ranks_write_their_own_shards(tmp_path):
+    _launch(tmp_path, SCRIPT)
     store = nnstat.GradientStore(tmp_path / "ddp")
     names = sorted(s.name for s in store.shards)
     assert names == ["rank0-00000.npy", "rank1-00000.npy"]
@@ -88,3 +138,28 @@ def test_two_gloo_ranks_write_their_own_shards(tmp_path):
     got = store.rows(0, len(store))
     for i, rid in enumerate(store.ids):
         torch.testing.assert_close(got[i], ref[rid])
+
+
+def test_a_changed_model_is_refused_on_every_rank_and_overwritten_once(tmp_path):
+    _launch(tmp_path, OVERWRITE)
+    store = nnstat.GradientStore(tmp_path / "ddp")
+    assert sorted(store.ids) == list(range(16))  # both ranks' rows, none of the old ones twice
+    torch.manual_seed(0)  # the reference: one process, the changed weights
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    with torch.no_grad():
+        model[0].weight.add_(0.1)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 4, generator=g), torch.randint(0, 2, (16,), generator=g)
+    run = nnstat.init(project="single", root_dir=tmp_path)
+    nnstat.setup({"statistic": "none"})
+    nnstat.watch(model)
+    nnstat.add_projection(rank=2)
+    with run(data_id=list(range(16))):
+        torch.nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    nnstat.finalize()
+    nnstat.unwatch()
+    single = nnstat.GradientStore(run.path)
+    assert store.meta["params_sha256"] == single.meta["params_sha256"]
+    ref = dict(zip(single.ids, single.rows(0, 16), strict=True))
+    for i, rid in enumerate(store.ids):
+        torch.testing.assert_close(store.rows(0, 16)[i], ref[rid])
