@@ -270,6 +270,10 @@ class StepStats:
         from nnstat.tracker import Tracker
 
         opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        if opt is not None and not _holds_any(opt, model):
+            # DeepSpeed ZeRO and master-weight optimizers step flat fp32 copies: the Tracker
+            # would reject them, and their states cannot be matched to layers anyway
+            opt = None
         # a fresh Tracker snapshots the weights at construction: exactly one step's update
         self._tracker = Tracker(
             model,
@@ -289,6 +293,9 @@ class StepStats:
         with warnings.catch_warnings():
             # frozen parameters have no gradient; they are simply absent from grad/
             warnings.filterwarnings("ignore", message="Tracker: .* have no gradient")
+            # the framework calls this after its optimizer step, so "no optimizer.step() since"
+            # means a skipped step (GradScaler after inf/NaN): its update is left out, as it should
+            warnings.filterwarnings("ignore", message=r"Tracker\.step\(\) .*has not run since")
             metrics = dict(tracker.step() or {})
         if self.gns is not None and self.gns.n_updates:
             metrics.update(self.gns.to_dict())
@@ -301,6 +308,17 @@ class StepStats:
             self.gns.unwatch()
         self.gns = None
         self._gns_model = None
+
+
+def _holds_any(optimizer: Any, model: nn.Module) -> bool:
+    """Whether `optimizer`'s param_groups hold any trainable parameter of `model` (True when it
+    has no torch-style param_groups to look at)."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, (list, tuple)):
+        return True
+    owned = {id(p) for g in groups if isinstance(g, dict) for p in g.get("params", ())}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return not trainable or any(id(p) in owned for p in trainable)
 
 
 class StatsCallbackBase:

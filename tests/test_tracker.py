@@ -100,13 +100,14 @@ def test_histograms_providers_and_include():
     assert isinstance(h, Histogram) and h.counts.sum() == 21 and len(h.edges) == 9
     assert tracker.latest is out
     tracker.add_provider(lambda: [1, 2])
+    one_step(model, opt)
     with pytest.raises(TypeError, match="not a dict"):
         tracker.step()
 
 
 def test_missing_grad_warns_once_and_nonfinite_counted():
-    model, opt = setup()
-    tracker = nnstat.Tracker(model, opt, groups=["weight", "grad"], stats=["l2", "nonfinite"])
+    model, _ = setup()
+    tracker = nnstat.Tracker(model, groups=["weight", "grad"], stats=["l2", "nonfinite"])
     with pytest.warns(UserWarning, match="no gradient") as rec:
         out = tracker.step()
         tracker.step()
@@ -135,6 +136,7 @@ def test_sinks_objects_close_and_bad_arguments():
     sink = Sink()
     with nnstat.Tracker(model, opt, sinks=[sink]) as tracker:
         model(torch.randn(1, 5)).sum().backward()
+        opt.step()
         tracker.step(step=10)
     assert sink.rows == [10] and sink.closed
     with pytest.raises(TypeError, match="log"):

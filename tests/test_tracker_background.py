@@ -336,3 +336,110 @@ def test_forked_child_drops_the_parents_pending_step():
     assert os.waitstatus_to_exitcode(status) == 0
     tracker.flush()
     assert seen == [0]
+
+
+class Collect:
+    def __init__(self):
+        self.rows = []
+
+    def log(self, metrics, step):
+        self.rows.append((step, dict(metrics)))
+
+
+class FailsAt(Collect):
+    def __init__(self, fail_step):
+        super().__init__()
+        self.fail_step = fail_step
+
+    def log(self, metrics, step):
+        super().log(metrics, step)
+        if step == self.fail_step:
+            raise ConnectionError(f"sink down at step {step}")
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_failing_sink_loses_no_step_for_any_sink(background):
+    (model, opt), (m_ref, o_ref) = setup(), setup()
+    bad, good = FailsAt(1), Collect()
+    tracker = nnstat.Tracker(model, opt, background=background, sinks=[bad, good])
+    ref = nnstat.Tracker(m_ref, o_ref, background=False)
+    raised_at, expected = [], []
+    for i in range(4):
+        train(model, opt, i)
+        train(m_ref, o_ref, i)
+        expected.append(ref.step())
+        try:
+            tracker.step()
+        except ConnectionError as e:
+            raised_at.append(i)
+            err = e
+    tracker.flush()  # raised once: nothing more to report
+    tracker.close()
+    # synchronous: raised by the step that failed; background: step 1 reaches the sinks in the
+    # next step() call, which schedules its own step before raising
+    # every sink got every step, and the numbers are the synchronous reference's
+    assert [s for s, _ in good.rows] == [s for s, _ in bad.rows] == [0, 1, 2, 3]
+    for (_, got), want in zip(good.rows, expected, strict=True):
+        assert got == want
+    assert raised_at == ([2] if background else [1])
+    assert "sink down at step 1" in str(err)
+    if hasattr(err, "__notes__"):
+        assert any("failed on step 1" in n and "other sink" in n for n in err.__notes__)
+
+
+def test_close_closes_every_sink_and_raises_after():
+    model, opt = setup()
+    closed = []
+
+    class Sink(Collect):
+        def __init__(self, name, fail_log=None, fail_close=False):
+            super().__init__()
+            self.name, self.fail_log, self.fail_close = name, fail_log, fail_close
+
+        def log(self, metrics, step):
+            super().log(metrics, step)
+            if step == self.fail_log:
+                raise ValueError(f"{self.name} cannot log")
+
+        def close(self):
+            closed.append(self.name)
+            if self.fail_close:
+                raise OSError(f"{self.name} cannot close")
+
+    sinks = [Sink("a", fail_log=0), Sink("b", fail_close=True), Sink("c")]
+    tracker = nnstat.Tracker(model, opt, background=True, sinks=sinks)
+    train(model, opt, 0)
+    tracker.step()  # pending: delivered by close()
+    with pytest.raises(ValueError, match="a cannot log") as e:
+        tracker.close()
+    assert closed == ["a", "b", "c"] and all(s.rows[0][0] == 0 for s in sinks)
+    if hasattr(e.value, "__notes__"):
+        assert any("b cannot close" in n for n in e.value.__notes__)
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+
+
+def test_failure_of_the_exit_time_flush_gives_a_nonzero_exit_status(tmp_path):
+    log = tmp_path / "steps.txt"
+    code = f"""
+import atexit, torch, nnstat
+atexit.register(lambda: print("earlier atexit callback ran", flush=True))
+torch.manual_seed(0)
+model = torch.nn.Linear(3, 2); opt = torch.optim.Adam(model.parameters())
+def bad(metrics, step):
+    if step == 2:  # the step still pending at exit
+        raise ConnectionError("sink down at exit")
+def good(metrics, step):
+    with open({str(log)!r}, "a") as f:
+        f.write(f"{{step}}\\n")
+tracker = nnstat.Tracker(model, opt, background=True, sinks=[bad, good])
+for i in range(3):
+    opt.zero_grad(); model(torch.randn(4, 3)).sum().backward(); opt.step(); tracker.step()
+print("done")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode != 0, out.stderr
+    assert "ConnectionError: sink down at exit" in out.stderr
+    assert "exits with status 120" in out.stderr
+    # the other sink still got the last step; the callbacks after the flush still ran
+    assert log.read_text().split() == ["0", "1", "2"]
+    assert out.stdout.split() == ["done", "earlier", "atexit", "callback", "ran"]

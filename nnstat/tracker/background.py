@@ -14,8 +14,11 @@ reductions to the worker thread (`nnstat.background`) and collects them later:
   its numbers may be torn: they are dropped with a warning naming the tensor and the Tracker
   stays synchronous from then on (``p.data`` writes bypass version counters and cannot be seen);
 * a worker exception is re-raised in the training thread at the next ``step``/``flush``/
-  ``close`` or when the step's metrics are read; pending steps are flushed at exit (a forked
-  child forgets its parent's).
+  ``close`` or when the step's metrics are read; a sink's exception too, after every other sink
+  got the step (and, at ``step``, after that step is scheduled, so no sink loses it);
+* pending steps are flushed at exit (a forked child forgets its parent's); if that fails, the
+  errors are printed and the process exits with status 120 (CPython's status for a failed
+  finalization) instead of 0.
 
 Example:
     >>> import torch, nnstat
@@ -252,6 +255,7 @@ class StepMetrics(Mapping[str, Any]):
             pending = self._tracker._pending
             if pending is not None and pending.handle is self:
                 self._tracker._finish_pending()
+                self._tracker._raise_sink_errors()  # the sinks just got this step: their errors
             if self._data is None:
                 raise RuntimeError(f"the statistics of step {self.step} failed (raised before)")
         return self._data
@@ -333,7 +337,57 @@ def _flush_all() -> None:
             tracker.flush()
         except BaseException as e:  # flush every tracker, then report every failure
             errors.append(e)
-    for e in errors[1:]:
+    if not errors:
+        return
+    # an exception leaving an atexit callback is printed as "ignored" and the exit status stays
+    # 0: print them here and make the exit status say the run's last statistics were lost
+    print(
+        f"nnstat: {len(errors)} error(s) while delivering background statistics at interpreter "
+        "exit (the last steps may be missing from some sinks); the process exits with status "
+        "120. Call tracker.close() at the end of training to get this error there instead.",
+        file=sys.stderr,
+    )
+    for e in errors:
         traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
-    if errors:
-        raise errors[0]
+    _fail_exit_status()
+
+
+class _FailingFinalFlush:
+    """Stands in for ``sys.stdout``/``sys.stderr``; its flush fails once the interpreter is
+    finalizing.
+
+    No API sets the exit status from an atexit callback; ``os._exit`` would skip the callbacks
+    still to run (e.g. W&B's own teardown) and the flushing of open files. CPython flushes the
+    standard streams after every atexit callback and, if that fails, exits with status 120
+    (``Py_RunMain``), so the failure is reported without cutting anything short.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def __repr__(self) -> str:
+        return f"<{self._stream!r}, failing its final flush for nnstat>"
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def write(self, text: str) -> int:
+        return self._stream.write(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+        # only the interpreter's final flush fails (later atexit callbacks still flush freely)
+        if sys.is_finalizing():
+            raise RuntimeError(
+                "nnstat: background statistics could not be delivered at exit (errors above): "
+                "exit status 120"
+            )
+
+
+def _fail_exit_status() -> None:
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name, None)
+        if stream is not None and not getattr(stream, "closed", True):
+            setattr(sys, name, _FailingFinalFlush(stream))
+            return
+    os._exit(120)  # no open standard stream to fail with: end now rather than exit with 0

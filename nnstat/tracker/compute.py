@@ -43,6 +43,8 @@ class StepPlan:
     weights when `fused`). `weights`/`prev` are the current weights and their snapshot when
     updates are tracked; `update_views` what to summarize after the in-place difference
     (FSDP1 wrappers of `prev`; `prev` itself otherwise). `refresh`: leave ``prev == weights``.
+    `skip_update`: no optimizer step since the snapshot, so the update is still computed (the
+    snapshot refresh rides on it) but its keys and the ratios are left out of the metrics.
     """
 
     names: list[str]
@@ -57,6 +59,7 @@ class StepPlan:
     bins: int = 64
     hist_max_elements: int | None = None
     weight_in_groups: bool = True
+    skip_update: bool = False
 
     @property
     def computed(self) -> tuple[str, ...]:
@@ -153,7 +156,7 @@ def assemble(plan: StepPlan, results: dict[str, Any]) -> dict[str, Any]:
         put(group, names, table, hists)
         if group == "weight":
             w_l2 = table[:, l2]
-    if "update" in results:
+    if "update" in results and not plan.skip_update:
         if fused_tables is not None:
             put("update", plan.names, fused_tables[1], None)
             u_l2 = fused_tables[1][:, l2]

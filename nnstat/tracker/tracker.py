@@ -20,6 +20,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import sys
+import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -40,7 +42,7 @@ from nnstat.distributed import (
     local_tensor,
 )
 from nnstat.netdict import select_names
-from nnstat.tracker.background import BackgroundSteps, StepMetrics, _Pending
+from nnstat.tracker.background import BackgroundSteps, StepMetrics, _hook_target, _Pending
 from nnstat.tracker.compute import StepPlan, assemble, tasks
 
 __all__ = ["Tracker", "Sink", "GROUPS", "StepMetrics"]
@@ -88,6 +90,13 @@ class Tracker(BackgroundSteps):
     background mode `step` returns a `StepMetrics` mapping that waits on first read, sinks get
     step ``t`` at the next `step`/`flush`/`close` (or exit), and step ``t``'s gradients stay
     referenced until the next optimizer step.
+
+    Guards against silent misuse: an optimizer that holds none of the tracked trainable
+    parameters raises (some of them: a warning naming the others); a `step` with no
+    ``optimizer.step()`` since the previous one (or since construction) warns once and leaves
+    ``update/``, ``trust_ratio/`` and ``update_ratio/`` out of that step instead of logging a zero
+    update. A sink that raises does not stop the others: every sink gets the step, then the
+    first error is raised (by `step`, `flush`, `close` or the read that delivered it).
 
     Example:
         >>> model = torch.nn.Linear(2, 1)
@@ -154,9 +163,13 @@ class Tracker(BackgroundSteps):
         lookup = dict(named)
         self.names = names
         self.params = [lookup[n] for n in names]
+        if optimizer is not None:
+            _check_owned(self.names, self.params, optimizer)
         self._fsdp1 = bool(fsdp1_shards(model))
         self._sinks: list[Callable[[dict[str, Any], int], None]] = []
         self._sink_objects: list[Any] = []
+        # (what failed, error) of sinks, raised once every sink has had the step
+        self._sink_errors: list[tuple[str, BaseException]] = []
         for s in sinks:
             self.add_sink(s)
         self._providers: list[Callable[[], Mapping[str, Any]]] = []
@@ -167,6 +180,26 @@ class Tracker(BackgroundSteps):
         self._prev: list[torch.Tensor] | None = None
         if "update" in self.groups:
             self._prev = [p.detach().clone() for p in self.params]
+        # optimizer steps counted by a step post-hook: a step() with none since the last call
+        # was made before optimizer.step() (or the step was skipped), there is no update
+        self._opt_steps = 0
+        self._opt_steps_seen = 0
+        self._warned_order = False
+        self._counter: weakref.finalize | None = None
+        target = _hook_target(optimizer) if optimizer is not None else None
+        if target is not None:
+            ref = weakref.ref(self)
+
+            def count_step(opt: Any, args: Any, kwargs: Any) -> None:
+                tracker = ref()
+                if tracker is not None:
+                    tracker._opt_steps += 1
+
+            handle = target.register_step_post_hook(count_step)
+            # removed by close(), or when the Tracker is collected (framework callbacks build
+            # one per logged step and never close it: hooks must not pile up on the optimizer)
+            self._counter = weakref.finalize(self, handle.remove)
+            self._counter.atexit = False
 
     # -- wiring ---------------------------------------------------------------------------
     def add_sink(self, sink: Any) -> None:
@@ -284,7 +317,41 @@ class Tracker(BackgroundSteps):
         call = self._calls
         self._calls += 1
         step = call if step is None else step
+        stepped = self._optimizer_stepped(call)
         self._finish_pending()
+        try:
+            return self._step(call, step, stepped)
+        finally:
+            # a sink that failed on the previous step (delivered just now) is raised after this
+            # step was scheduled, so neither it nor the other sinks lose this one
+            self._raise_sink_errors()
+
+    def _optimizer_stepped(self, call: int) -> bool:
+        """Whether ``optimizer.step()`` ran since the previous `step` (True when unknown)."""
+        if self._counter is None or not self._counter.alive:
+            return True
+        stepped = self._opt_steps != self._opt_steps_seen
+        self._opt_steps_seen = self._opt_steps
+        if not stepped and not self._warned_order:
+            self._warned_order = True
+            since = "the Tracker was created" if call == 0 else "the previous tracker.step()"
+            dropped = (
+                " There is no update to measure: update/, trust_ratio/ and update_ratio/ are "
+                "left out of such steps (rather than logged as a zero update, trust ratio inf)."
+                if self._prev is not None
+                else ""
+            )
+            warnings.warn(
+                f"Tracker.step() (call {call}): optimizer.step() has not run since {since}."
+                f"{dropped} Call tracker.step() once per iteration, after optimizer.step() "
+                "(called before it, every statistic lags one step behind). A step skipped on "
+                "purpose (torch.amp.GradScaler after inf/NaN gradients) also shows up here; "
+                "then nothing is wrong. Warned once per Tracker.",
+                stacklevel=3,
+            )
+        return stepped
+
+    def _step(self, call: int, step: int, stepped: bool) -> Mapping[str, Any] | None:
         refresh = self._prev is not None and (call + 1) % self.every == 0
         if call % self.every:
             if refresh:
@@ -297,6 +364,7 @@ class Tracker(BackgroundSteps):
             return None
         on_cpu = all(p.device.type == "cpu" for p in self.params)
         plan = self._plan(refresh)
+        plan.skip_update = not stepped
         todo = tasks(plan, self._workspaces)
         background = self._background_ok(on_cpu)  # outside cpu_single_thread: reads threads
         with cpu_single_thread() if on_cpu else contextlib.nullcontext():
@@ -327,36 +395,109 @@ class Tracker(BackgroundSteps):
     def _deliver(
         self, metrics: dict[str, Any], step: int, handle: StepMetrics | None = None
     ) -> None:
-        for log in self._sinks:
-            log(metrics, step)
         self._latest = metrics if handle is None else handle
+        for log, sink in zip(self._sinks, self._sink_objects, strict=True):
+            try:
+                log(metrics, step)
+            except Exception as e:  # kept for _raise_sink_errors: the other sinks come first
+                self._sink_errors.append((f"sink {sink!r} failed on step {step}", e))
+
+    def _raise_sink_errors(self) -> None:
+        """Raise the first sink failure since the last call (the others as notes)."""
+        errors, self._sink_errors = self._sink_errors, []
+        if errors:
+            raise _first_error(errors, "every other sink received that step")
 
     @property
     def latest(self) -> Mapping[str, Any]:
         """The metrics of the last logged step (waits for background statistics)."""
         self._finish_pending()
+        self._raise_sink_errors()
         return self._latest
 
     # -- lifecycle ------------------------------------------------------------------------
     def flush(self) -> None:
-        """Wait for background statistics and hand them to the sinks (re-raises their errors)."""
+        """Wait for background statistics and hand them to the sinks (re-raises errors of the
+        statistics and of sinks, once every sink has had the step)."""
         self._finish_pending()
+        self._raise_sink_errors()
 
     def close(self) -> None:
-        """Flush, remove the optimizer hook and close every sink that has a ``close()``."""
+        """Flush, remove the optimizer hooks and close every sink that has a ``close()``.
+
+        Every sink is closed even when flushing or another sink's ``close`` fails; the first
+        error is raised afterwards (the others as notes).
+        """
+        errors: list[tuple[str, BaseException]] = []
         try:
             self.flush()
-        finally:
-            if self._hook is not None:
-                self._hook.remove()
-                self._hook = None
-            for s in self._sink_objects:
-                close = getattr(s, "close", None)
-                if callable(close):
+        except BaseException as e:  # raised below, once every sink is closed
+            errors.append(("flushing the Tracker failed", e))
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self._counter is not None:
+            self._counter()  # removes the step counter's hook (once)
+        for s in self._sink_objects:
+            close = getattr(s, "close", None)
+            if callable(close):
+                try:
                     close()
+                except BaseException as e:  # raised below, once every sink is closed
+                    errors.append((f"closing sink {s!r} failed", e))
+        if errors:
+            raise _first_error(errors, "every sink was closed")
 
     def __enter__(self) -> Tracker:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_owned(names: list[str], params: list[torch.Tensor], optimizer: Any) -> None:
+    """Raise if `optimizer` holds none of the trainable `params`, warn if only some."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, (list, tuple)):
+        return  # not a torch-style optimizer: nothing to compare with
+    owned = {id(p) for g in groups if isinstance(g, Mapping) for p in g.get("params", ())}
+    trainable = [n for n, p in zip(names, params, strict=True) if p.requires_grad]
+    missing = [
+        n for n, p in zip(names, params, strict=True) if p.requires_grad and id(p) not in owned
+    ]
+    if not missing:
+        return
+    shown = f"{missing[:5]}{' ...' if len(missing) > 5 else ''}"
+    if len(missing) == len(trainable):
+        raise ValueError(
+            f"Tracker: the optimizer holds none of the {len(trainable)} trainable parameters "
+            f"tracked ({shown}): it was built from other tensors (another instance or a copy of "
+            "the model, or master weights), so its states cannot be matched to these layers. "
+            "Pass the optimizer built from this model's parameters (model.parameters() of this "
+            "very instance), or optimizer=None to track weights, gradients and updates without "
+            "optimizer states."
+        )
+    warnings.warn(
+        f"Tracker: the optimizer does not hold {len(missing)} of the {len(trainable)} trainable "
+        f"parameters tracked: {shown}. They get no optimizer statistics, and their update is "
+        "zero (trust ratio inf) unless something else changes them. Track only what this "
+        "optimizer updates (include=/exclude=), or build it from all of them.",
+        stacklevel=3,
+    )
+
+
+def _first_error(errors: list[tuple[str, BaseException]], outcome: str) -> BaseException:
+    """The first of several collected errors, annotated; the others' tracebacks go to stderr
+    (printed, so none is lost) and are named in its notes."""
+    (what, first), rest = errors[0], errors[1:]
+    _note(first, f"({what}; {outcome})")
+    for other_what, other in rest:
+        _note(first, f"also: {other_what}: {type(other).__name__}: {other}")
+        print(f"nnstat: {other_what} (raised after: {first!r}):", file=sys.stderr)
+        traceback.print_exception(type(other), other, other.__traceback__, file=sys.stderr)
+    return first
+
+
+def _note(error: BaseException, text: str) -> None:
+    if hasattr(error, "add_note"):  # Python >= 3.11
+        error.add_note(text)
