@@ -16,6 +16,8 @@ Example:
 
 from __future__ import annotations
 
+import sys
+import traceback
 import weakref
 from collections.abc import Callable
 
@@ -34,8 +36,22 @@ class FlushOwners:
         self._refs.append(weakref.WeakMethod(flush))
 
     def flush(self) -> None:
-        """Call every live owner's ``flush`` (their errors propagate: nothing is dropped)."""
+        """Call every live owner's ``flush``; one that raises does not stop the others, and
+        the first error is raised after them (nothing is dropped)."""
+        errors: list[BaseException] = []
         for ref in list(self._refs):
             method = ref()
             if method is not None:
-                method()
+                try:
+                    method()
+                except BaseException as e:  # raised below, once every owner has flushed
+                    errors.append(e)
+        for other in errors[1:]:
+            if hasattr(errors[0], "add_note"):  # Python >= 3.11
+                errors[0].add_note(
+                    f"also: another Tracker's flush: {type(other).__name__}: {other}"
+                )
+            print("nnstat: another Tracker's flush also failed:", file=sys.stderr)
+            traceback.print_exception(type(other), other, other.__traceback__, file=sys.stderr)
+        if errors:
+            raise errors[0]

@@ -90,6 +90,9 @@ class TensorBoardSink:
         self.writer.flush()
 
     def close(self) -> None:
-        """Deliver the attached Trackers' pending steps, then flush and close the writer."""
-        self._owners.flush()
-        self.writer.close()
+        """Deliver the attached Trackers' pending steps, then flush and close the writer (also
+        when delivering fails: what was written is kept; the error is raised after)."""
+        try:
+            self._owners.flush()
+        finally:
+            self.writer.close()

@@ -77,7 +77,13 @@ class WandbSink:
         finish = self.run.finish
 
         def finish_after_flush(*args: Any, **kwargs: Any) -> Any:
-            self._owners.flush()
+            try:
+                self._owners.flush()
+            except BaseException:
+                # a failing sink or statistics step must not leave the run unfinished: finish
+                # with what it received, then raise
+                finish(*args, **kwargs)
+                raise
             return finish(*args, **kwargs)
 
         self.run.finish = finish_after_flush

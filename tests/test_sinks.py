@@ -99,8 +99,9 @@ def test_wandb_finish_delivers_pending_background_step(tmp_path, monkeypatch):
     # statistics the last step is still pending then and must reach the run before it finishes
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    import wandb
     from nnstat.integrations.wandb import WandbSink
+
+    import wandb
 
     run = wandb.init(project="nnstat-tests", dir=str(tmp_path))
     torch.manual_seed(0)
@@ -174,3 +175,88 @@ def test_wandb_log_of_a_background_step_result(tmp_path, monkeypatch):
         assert summary["weight/weight/l2"] == pytest.approx(model.weight.norm().item(), rel=1e-6)
     finally:
         wandb.finish()
+
+
+class FakeWriter:
+    """A SummaryWriter stand-in that records what reached it and whether it was closed."""
+
+    log_dir = "unused"
+
+    def __init__(self):
+        self.scalars, self.closed = [], False
+
+    def add_scalar(self, tag, value, global_step):
+        self.scalars.append((tag, global_step))
+
+    def close(self):
+        self.closed = True
+
+
+def failing_at(fail_step):
+    def sink(metrics, step):
+        if step == fail_step:
+            raise ConnectionError(f"sink down at step {step}")
+
+    return sink
+
+
+def pending_step(model, opt, tracker):
+    opt.zero_grad()
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+    tracker.step()
+
+
+def test_tensorboard_close_delivers_every_trackers_step_and_closes_when_one_fails():
+    from nnstat.integrations.tensorboard import TensorBoardSink
+
+    writer = FakeWriter()
+    sink = TensorBoardSink(writer=writer)
+    trackers = []
+    for fail in (True, False):  # the first Tracker's other sink fails on its pending step
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        extra = [failing_at(0)] if fail else []
+        tracker = nnstat.Tracker(
+            model, opt, stats=["l2"], groups=["weight"], background=True, sinks=[*extra, sink]
+        )
+        pending_step(model, opt, tracker)
+        trackers.append(tracker)
+    with pytest.raises(ConnectionError, match="sink down at step 0"):
+        sink.close()  # the user closes the sink, not the Trackers
+    # both Trackers' step 0 reached the writer (the failing sink stopped neither), then it closed
+    assert sorted(writer.scalars) == [("weight/bias/l2", 0)] * 2 + [("weight/weight/l2", 0)] * 2
+    assert writer.closed
+
+
+def test_wandb_finish_finishes_the_run_when_another_sink_fails(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    from nnstat.integrations.wandb import WandbSink
+
+    import wandb
+
+    run = wandb.init(project="nnstat-tests", dir=str(tmp_path))
+    try:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        tracker = nnstat.Tracker(
+            model, opt, stats=["l2"], background=True, sinks=[failing_at(1), WandbSink()]
+        )
+        pending_step(model, opt, tracker)
+        pending_step(model, opt, tracker)  # step 1 still pending when the run finishes
+        logged, original_log = [], run.log
+
+        def log(data, **kw):
+            original_log(data, **kw)
+            logged.append(kw["step"])
+
+        monkeypatch.setattr(run, "log", log)
+        with pytest.raises(ConnectionError, match="sink down at step 1"):
+            wandb.finish()
+        assert logged == [1] and wandb.run is None  # step 1 reached the run, which finished
+    finally:
+        if wandb.run is not None:
+            wandb.finish()
