@@ -297,3 +297,21 @@ def test_grouped_conv_mask_over_output_positions():
     caps = captured(model, lambda: model(x).square().sum().backward(), mask=mask)
     assert caps["0"].num_positions == int(mask.sum()) * 2  # one row per (location, group)
     assert_matches(caps, reference_grads(model, masked, x, mask.float()))
+
+
+def test_embedding_padding_on_the_gram_path_of_sq_norms():
+    """T^2 <= V takes the Gram identity sum_{t,s} [a_t = a_s] b_t.b_s; padded positions (-1)
+    must not pair with each other although their output gradients are not zero."""
+    torch.manual_seed(0)
+    pad = 7
+    model = nn.Sequential(nn.Embedding(64, 4, padding_idx=pad), nn.Linear(4, 3))
+    x = torch.tensor([[pad, 0, pad, 5, 5, pad], [0, 0, pad, pad, 9, 9], [3, 4, 5, 6, 8, 0]])
+    y = torch.randint(0, 3, (3, 6))
+    caps = captured(model, lambda: ce_sum(model, x, y).backward())
+    cap = caps["0"]
+    assert 6 * 6 <= cap.d_in  # T^2 <= V: the Gram branch is the one taken
+    assert (cap.backward[x == pad].abs().sum(-1) > 0).all()  # padded outputs carry gradient
+    ref = reference_grads(model, ce_sum, x, y)["0.weight"]  # [N, V, D] via torch.func
+    assert ref[:, pad].abs().sum() == 0
+    torch.testing.assert_close(cap.per_sample_sq_norm(), ref.pow(2).sum((1, 2)), rtol=1e-5, atol=0)
+    torch.testing.assert_close(cap.per_sample_grad(), ref.transpose(1, 2), rtol=1e-5, atol=1e-6)

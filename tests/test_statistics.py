@@ -147,6 +147,64 @@ def test_kfac_identity_for_single_position():
     torch.testing.assert_close(kron, st["model/grad/covariance"], rtol=1e-5, atol=1e-6)
 
 
+def test_embedding_with_padding_kfac_and_ekfac_equal_explicit_one_hot_sums():
+    """Embedding(padding_idx): the forward factor is the one-hot Gram with padded rows zero (the
+    padding row gets no gradient) over all positions, the backward factor sums every position's
+    output gradient (padded ones included: they are not masked) over N, and the EK-FAC
+    eigenvalues are (1/N) sum_i (Q_S^T G_i Q_A)^2 with G_i from torch.func."""
+    torch.manual_seed(0)
+    vocab, pad = 9, 4
+    model = nn.Sequential(nn.Embedding(vocab, 3, padding_idx=pad), nn.Linear(3, 2))
+    gen = torch.Generator().manual_seed(2)
+    batches = []
+    for n in BATCHES_SIZES:
+        x = torch.randint(0, vocab, (n, 4), generator=gen)
+        x[:, -1] = pad  # every sample ends padded, and index 0 is an ordinary token
+        batches.append((x, torch.randint(0, 2, (n, 4), generator=gen)))
+
+    def loss(out, y):
+        return F.cross_entropy(out.reshape(-1, 2), y.reshape(-1), reduction="sum")
+
+    engine = CaptureEngine()
+    engine.watch(model, name_filter="0")
+    col = StatisticsCollector({"log": "grad", "save": "grad", "statistic": "ekfac"})
+    engine.add_consumer(col)
+    for _ in col.passes:
+        for x, y in batches:
+            with engine.batch():
+                loss(model(x), y).backward()
+            model.zero_grad()
+        col.finalize()
+    st = col.state_dict()
+
+    a_sum, s_sum, positions, n_total, grads = 0, 0, 0, 0, []
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    for x, y in batches:
+        onehot = F.one_hot(x, vocab).double() * (x != pad).unsqueeze(-1)
+        emb = model[0](x)
+        emb.retain_grad()
+        loss(model[1](emb), y).backward()
+        model.zero_grad()
+        b = emb.grad.double().reshape(-1, 3)
+        a_sum = a_sum + onehot.reshape(-1, vocab).T @ onehot.reshape(-1, vocab)
+        s_sum = s_sum + b.T @ b
+        positions, n_total = positions + x.numel(), n_total + len(x)
+        g = vmap(
+            grad(lambda p, xi, yi: loss(functional_call(model, p, (xi[None],)), yi[None])),
+            in_dims=(None, 0, 0),
+        )(params, x, y)
+        grads.append(g["0.weight"].transpose(1, 2).double())  # [N, D, V] matrix form
+    a_ref, s_ref = a_sum / positions, s_sum / n_total
+    assert a_ref[pad, pad] == 0 and a_ref[0, 0] > 0
+    torch.testing.assert_close(st["0/forward/covariance"].double(), a_ref, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(st["0/backward/covariance"].double(), s_ref, rtol=1e-4, atol=1e-6)
+    qa = st["0/forward/eigenvectors"].double()
+    qs = st["0/backward/eigenvectors"].double()
+    g = torch.cat(grads)
+    want = ((qs.T @ g @ qa) ** 2).mean(0)
+    torch.testing.assert_close(st["0/ekfac/eigenvalues"].double(), want, rtol=1e-4, atol=1e-7)
+
+
 def ekfac_two_passes(model, batches):
     engine = CaptureEngine()
     engine.watch(model)
