@@ -403,3 +403,39 @@ def test_rows_beyond_float16_range_follow_the_nonfinite_policy(tmp_path, rows_fo
     store, _ = log("keep", "keep")
     kept = store.rows(0, 4)
     assert torch.isinf(kept[2]).any() and torch.isfinite(kept[[0, 1, 3]]).all()
+
+
+def test_recorded_seed_rule_regenerates_every_module_matrix(tmp_path):
+    """Issue #15: the per-module seeds. Two modules of identical shape get different matrices;
+    the matrices follow the rule written to meta.json (regenerated here from its text, with
+    zlib.crc32 of the module name); the same name and seed reproduce them in a new run."""
+    import json
+    import zlib
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 5), nn.Linear(5, 5))
+    x = torch.randn(4, 6)
+    batches = [(list(range(4)), lambda: model(x).pow(2).sum())]
+    _, _, proj = log_rows(tmp_path / "a", model, batches, rank=3, seed=5)
+    meta = json.loads((next((tmp_path / "a").glob("*/meta.json"))).read_text())
+    rule = meta["projection"]
+    assert rule["seed"] == 5 and "seed * 1000003 + crc32(name)" in rule["seed_rule"]
+    assert "p_in then p_out, N(0, 1/r)" in rule["seed_rule"]
+    for m in meta["modules"]:
+        gen = torch.Generator().manual_seed(rule["seed"] * 1000003 + zlib.crc32(m["name"].encode()))
+        p_in = torch.randn(m["r_in"], m["d_in"], generator=gen) / m["r_in"] ** 0.5
+        p_out = torch.randn(m["r_out"], m["d_out"], generator=gen) / m["r_out"] ** 0.5
+        assert torch.equal(proj[f"{m['name']}/p_in"], p_in), m["name"]
+        assert torch.equal(proj[f"{m['name']}/p_out"], p_out), m["name"]
+    # the two 5x5 layers: same shapes, different names, different matrices
+    assert not torch.allclose(proj["1/p_in"], proj["2/p_in"])
+    assert not torch.allclose(proj["1/p_out"], proj["2/p_out"])
+    # another run (fresh modules, global RNG elsewhere) with the same names and seed: identical
+    torch.manual_seed(123)
+    other = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 5), nn.Linear(5, 5))
+    _, _, again = log_rows(tmp_path / "b", other, [(list(range(4)), lambda: other(x).sum())], 3, 5)
+    assert again.keys() == proj.keys()
+    assert all(torch.equal(again[k], proj[k]) for k in proj)
+    # a different seed moves every matrix
+    spec = module_spec("1", model[1])
+    assert not torch.allclose(random_projection(spec, 3, seed=6).p_in, proj["1/p_in"])
