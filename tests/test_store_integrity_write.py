@@ -493,3 +493,22 @@ def test_a_mean_loss_under_loss_reduction_sum_is_warned_about(tmp_path, loss, re
     assert len(said) == (1 if warns else 0), said
     if warns:
         assert "setup({'loss_reduction': 'mean'})" in said[0] and "8 samples" in said[0]
+
+
+def test_a_filesystem_without_locks_is_written_with_a_warning(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def unsupported(fd, op):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(fcntl, "flock", unsupported)
+    with pytest.warns(UserWarning, match="does not support file locks"):
+        w = StoreWriter(tmp_path / "shards", 2)
+    w.put([0], torch.zeros(1, 2))
+    assert w.close() == 1
+    monkeypatch.setattr(
+        fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.EIO, "I/O"))
+    )
+    with pytest.raises(OSError, match="I/O"):  # any other failure is an error, not a warning
+        StoreWriter(tmp_path / "shards", 2)

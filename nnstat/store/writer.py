@@ -18,11 +18,13 @@ Example:
 from __future__ import annotations
 
 import collections
+import errno
 import math
 import mmap
 import os
 import queue
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,6 +64,10 @@ class StoreWriteError(RuntimeError):
 class StoreLockedError(RuntimeError):
     """Another writer (another process, or an unfinished pass of this one) holds the lock of the
     same rank of the same store."""
+
+
+# errno values of a filesystem that cannot lock at all (as opposed to a lock that is held)
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 
 def lock_path(shard_dir: Path, rank: int) -> Path:
@@ -112,6 +118,18 @@ class WriterLock:
                     else "Wait until it has finished, or log into another project."
                 )
             ) from None
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in _NO_LOCKS:
+                raise
+            # a filesystem without flock (some FUSE/network mounts): writing stays possible,
+            # and the user learns that a second writer would not be refused there
+            warnings.warn(
+                f"{self.path}: this filesystem does not support file locks ({e.strerror}); a "
+                "second writer of the same rank would not be refused",
+                stacklevel=3,
+            )
+            return
         except BaseException:
             os.close(fd)
             raise
