@@ -182,6 +182,7 @@ def extract_log(
     loss_reduction: str = "mean",
     ids_fn: Callable[[Any, int], Any] | None = None,
     progress: bool | None = None,
+    overwrite: bool = False,
 ) -> Any:
     """Log projected per-sample gradients of ``dataloader`` (and the statistics the config
     asks for: EK-FAC by default) with ``module``; returns the :class:`nnstat.Run`.
@@ -189,7 +190,8 @@ def extract_log(
     The loss is ``module.training_step(batch, batch_idx)`` (or ``loss_fn(batch, batch_idx)``),
     a batch **mean** by default (``loss_reduction="mean"``). Ids are dataset positions (the
     dataloader must not shuffle) unless ``ids_fn(batch, start)`` gives them. ``rank=None``
-    stores full per-sample gradients. ``trainer`` is accepted for symmetry with Lightning's
+    stores full per-sample gradients. ``overwrite=True`` replaces a store logged from other
+    weights (it is refused otherwise). ``trainer`` is accepted for symmetry with Lightning's
     API and may be ``None``.
 
     Example:
@@ -205,7 +207,7 @@ def extract_log(
         names = probe_filter(module, first, loss, name_filter, type_filter)
         run = open_run(
             module, project, root_dir, cfg, rank=rank, init=init, seed=seed,
-            name_filter=names, type_filter=type_filter,
+            name_filter=names, type_filter=type_filter, overwrite=overwrite,
         )  # fmt: skip
         log_pass(run, PassData(module, batches, loss, ids_fn=ids_fn, progress=progress))
     return run

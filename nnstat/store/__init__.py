@@ -5,7 +5,7 @@ Example:
     >>> store = GradientStore("./nnstat_logs/my_project")  # doctest: +SKIP
 """
 
-from nnstat.store.format import FORMAT_VERSION, content_id
+from nnstat.store.format import FORMAT_VERSION, ModelChangedError, content_id
 from nnstat.store.reader import (
     GradientLog,
     GradientStore,
@@ -13,13 +13,15 @@ from nnstat.store.reader import (
     make_log_dataloader,
     module_view,
 )
-from nnstat.store.writer import StoreWriteError, StoreWriter
+from nnstat.store.writer import StoreLockedError, StoreWriteError, StoreWriter
 
 __all__ = [
     "FORMAT_VERSION",
     "GradientLog",
     "GradientStore",
     "LogBlockDataset",
+    "ModelChangedError",
+    "StoreLockedError",
     "StoreWriteError",
     "StoreWriter",
     "content_id",
