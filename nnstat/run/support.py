@@ -175,6 +175,7 @@ def clear_store(path: Path, rank: int, world_size: int) -> None:
     from nnstat.statistics.collector import JSON_FILE, TENSORS_FILE
 
     path = Path(path)
+    error: BaseException | None = None
     if rank == 0 and path.is_dir():
         shard_dir = path / fmt.SHARD_DIR
         locks: list[WriterLock] = []
@@ -188,13 +189,22 @@ def clear_store(path: Path, rank: int, world_size: int) -> None:
                         f.unlink()
             for name in (TENSORS_FILE, JSON_FILE, fmt.PROJECTIONS_FILE, fmt.META_FILE):
                 (path / name).unlink(missing_ok=True)
+        except Exception as e:  # raised below, after the other ranks learnt of it
+            error = e
         finally:
             for lock in locks:
                 lock.release()
     if world_size > 1:
         import torch.distributed as dist
 
-        dist.barrier()
+        # every rank must learn whether rank 0 cleared the store: a failed rank 0 would
+        # otherwise leave the others waiting forever (or writing into the old store)
+        status = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(status, src=0)
+        if error is None and status[0] is not None:
+            raise RuntimeError(f"overwrite=True: rank 0 could not clear {path}: {status[0]}")
+    if error is not None:
+        raise error
 
 
 def dist_info() -> tuple[int, int]:
