@@ -182,3 +182,25 @@ def check_compatible(query: Mapping[str, Any], train: Mapping[str, Any]) -> None
             "query and training logs were made with a different projection or configuration: "
             + "; ".join(diffs)
         )
+
+
+def check_same_weights(
+    query: Mapping[str, Any], train: Mapping[str, Any], query_name: str, train_name: str
+) -> None:
+    """Raise ``ValueError`` when the query rows were captured from other weights than the store.
+
+    Compares ``params_sha256`` (the watched parameters' fingerprint at capture) when both metas
+    record it; logs written before nnstat recorded it are not compared.
+
+    Example:
+        >>> check_same_weights({"params_sha256": "a"}, {}, "query", "store")
+    """
+    q, t = query.get("params_sha256"), train.get("params_sha256")
+    if q is None or t is None or q == t:
+        return
+    raise ValueError(
+        f"{query_name} was captured from different weights (params_sha256 {str(q)[:16]}...) "
+        f"than {train_name} was logged with (params_sha256 {str(t)[:16]}...): gradients of two "
+        "models do not score against each other. Re-capture the queries with the weights the "
+        "store was logged with, or log a new store with the current weights"
+    )

@@ -33,11 +33,19 @@ from tqdm.auto import tqdm
 from nnstat.distributed import rank_world
 
 from .cache import default_preconditioner, fitted, has_kfac_statistics, has_stored_ekfac
-from .layout import check_compatible
+from .layout import check_compatible, check_same_weights
 from .precondition import PRECONDITIONERS, Preconditioner
 from .refine import Refinement, refine_queries
 from .result import InfluenceResult, SelfInfluenceResult, TopKInfluence
-from .sources import LogSource, RowSource, all_rows, as_source
+from .sources import (
+    LogSource,
+    RowSource,
+    all_finite,
+    all_rows,
+    as_source,
+    describe,
+    nonfinite_error,
+)
 from .topk import block_candidates
 
 MODES = ("dot", "cosine", "l2")
@@ -92,6 +100,7 @@ def _check_pair(q: RowSource, t: RowSource) -> None:
     """Refuse a query and a training log that were not made with the same projection/layout."""
     if q.meta and t.meta:  # a bare TensorSource has no meta: its layout is checked below
         check_compatible(q.meta, t.meta)
+        check_same_weights(q.meta, t.meta, describe(q), describe(t))
     if [(m.name, m.offset, m.r_out, m.r_in, m.width) for m in q.layout] != [
         (m.name, m.offset, m.r_out, m.r_in, m.width) for m in t.layout
     ]:
@@ -124,18 +133,28 @@ def _score_block(
     out: torch.Tensor | None = None,
     check_finite: bool = True,
     query_major: bool = False,
+    source: RowSource | None = None,
+    shard: Any = None,
 ) -> torch.Tensor:
     """Scores ``[b, n_test]`` (train-major, so a block is a contiguous slice of the output), or
-    ``[n_test, b]`` with ``query_major`` (what a per-query selection reads contiguously)."""
+    ``[n_test, b]`` with ``query_major`` (what a per-query selection reads contiguously).
+
+    Non-finite rows are always an error naming their file (``shard`` of ``source``); with
+    ``check_finite`` non-finite scores of finite rows (float32 overflow) are one too."""
     rows = rows.to(torch.float32)
     if query_major:
         scores = torch.mm(q_pre, rows.T, out=out)
     else:
         scores = torch.matmul(rows, q_pre.T, out=out)
-    if check_finite and not torch.isfinite(scores).all():
-        bad_rows = ~torch.isfinite(scores.T if query_major else scores)
-        bad = bad_rows.any(1).nonzero().flatten()[:5].tolist()
-        raise ValueError(f"training rows {[ids[i] for i in bad]} contain NaN/Inf values")
+    # NaN and Inf in a row reach every score of that row (times zero too), so checking the
+    # [b, n_test] scores stands in for checking the [b, row_width] rows at 1/row_width the cost
+    if not all_finite(scores):
+        if source is not None and (err := nonfinite_error(source, shard, ids, rows)) is not None:
+            raise err
+        if check_finite:
+            bad_rows = ~torch.isfinite(scores.T if query_major else scores)
+            bad = bad_rows.any(1).nonzero().flatten()[:5].tolist()
+            raise ValueError(f"training rows {[ids[i] for i in bad]} contain NaN/Inf values")
     if mode == "dot":
         return scores
     t_norm = (pre.apply(rows, damping) * rows).sum(1)  # g_iᵀ M g_i
@@ -232,6 +251,9 @@ def compute_influence_all(
     scratch = torch.empty(len(test_ids), batch_size) if top is not None else None
     units: list[tuple[tuple, list, torch.Tensor]] = []
     filled = 0
+    # the shard of each unit, for errors that name its file (None: units are not per shard)
+    shards: list | None = t.iter_shards()
+    shards = shards if world == 1 or len(shards) >= world else None
     with bar:
         for unit, ids, rows in _my_units(t, batch_size):
             if buffer is not None:
@@ -240,8 +262,10 @@ def compute_influence_all(
                 out = scratch
             else:
                 out = None
+            shard = None if shards is None else shards[unit[0]]
+            strict, major = not t.finite, top is not None
             scores = _score_block(
-                q_pre, q_norm, rows, ids, pre, damping, mode, out, not t.finite, top is not None
+                q_pre, q_norm, rows, ids, pre, damping, mode, out, strict, major, t, shard
             )
             if top is not None:
                 top.update(scores, ids)

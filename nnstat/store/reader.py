@@ -19,7 +19,6 @@ Example:
 from __future__ import annotations
 
 import bisect
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,26 +99,27 @@ class GradientStore:
         meta_path = self.path / fmt.META_FILE
         if not meta_path.exists():
             raise FileNotFoundError(f"{self.path} is not a gradient store: no {fmt.META_FILE}")
-        with open(meta_path) as f:
-            self.meta: dict[str, Any] = json.load(f)
-        version = self.meta.get("format_version")
-        if version != fmt.FORMAT_VERSION:
-            raise ValueError(
-                f"{meta_path}: format version {version!r}, this nnstat reads {fmt.FORMAT_VERSION}"
-            )
+        self.meta: dict[str, Any] = _read_meta(meta_path)
         self.dtype: str = self.meta.get("dtype", "float32")
-        self.row_width: int = int(self.meta["row_width"])
+        self.row_width: int = self.meta["row_width"]
         self.shards: list[Path] = []
         self.ids: list[DataId] = []
         self._starts: list[int] = []
         self._lengths: list[int] = []
+        np_dtype = np.dtype(fmt.STORE_DTYPES[self.dtype][0])
+        # cheap metadata only (ids files, shard headers and sizes): rows are checked where
+        # scoring reads them anyway, so opening a store never costs a pass over its rows
         for _rank, _idx, npy, ids_path in fmt.list_shards(self.path / fmt.SHARD_DIR):
-            ids = fmt.read_ids(ids_path)
+            ids = _read_ids(ids_path)
+            _check_shard_header(npy, np_dtype, self.dtype, self.row_width)
             self._starts.append(len(self.ids))
             self._lengths.append(len(ids))
             self.shards.append(npy)
             self.ids.extend(ids)
+        if len(set(self.ids)) != len(self.ids):
+            raise _duplicate_ids_error(self.path, self.shards, self._starts, self.ids)
         self._maps: dict[int, np.ndarray] = {}
+        self._tensors: dict[str, dict[str, torch.Tensor]] = {}  # verified safetensors, by name
 
     # memmaps are per process: workers of a DataLoader reopen them instead of copying them
     def __getstate__(self) -> dict[str, Any]:
@@ -202,20 +202,131 @@ class GradientStore:
         )
 
     def projections(self) -> dict[str, torch.Tensor]:
-        """The projection matrices (``"{module}/p_in"``, ``"{module}/p_out"``), empty if none."""
-        return _load_tensors(self.path / fmt.PROJECTIONS_FILE)
+        """The projection matrices (``"{module}/p_in"``, ``"{module}/p_out"``), empty if none.
+
+        Checked once against meta.json's ``projection_sha256`` (a ``ValueError`` naming the file
+        when they differ: rows projected one way must never be read with another projection).
+        """
+        return self._verified(fmt.PROJECTIONS_FILE, "projection_sha256", required=True)
 
     def statistics(self) -> dict[str, torch.Tensor]:
-        """Statistics saved by the run (``"{module}/{stream}/{statistic}"``), empty if none."""
-        return _load_tensors(self.path / fmt.STATISTICS_FILE)
+        """Statistics saved by the run (``"{module}/{stream}/{statistic}"``), empty if none.
+
+        Checked once against meta.json's ``statistics_sha256`` when the store records one.
+        """
+        return self._verified(fmt.STATISTICS_FILE, "statistics_sha256", required=False)
+
+    def _verified(self, name: str, key: str, required: bool) -> dict[str, torch.Tensor]:
+        """The tensors of ``name``, hashed once per store against ``meta[key]`` (a fresh dict)."""
+        if name not in self._tensors:
+            self._tensors[name] = _load_verified(self.path, name, key, self.meta, required)
+        return dict(self._tensors[name])
+
+
+# --------------------------------------------------------------------------- integrity checks
+# Every error names the file and says what differs and what to do: a store whose files do not
+# belong together would otherwise be scored without a word.
+
+_DAMAGED = "restore it from a copy or log the store again"
+
+
+def _read_meta(meta_path: Path) -> dict[str, Any]:
+    try:  # JSON, format_version, row_width, dtype and modules, each error naming the file
+        meta = fmt.read_meta(meta_path)
+    except ValueError as e:
+        raise ValueError(f"{e}: {_DAMAGED}") from e
+    nonfinite = meta.get("nonfinite", "error")
+    if nonfinite not in ("error", "skip", "keep"):  # it decides whether rows may hold NaN/Inf
+        raise ValueError(
+            f"{meta_path}: nonfinite {nonfinite!r}, expected 'error', 'skip' or 'keep': {_DAMAGED}"
+        )
+    return meta
+
+
+def _read_ids(ids_path: Path) -> list[DataId]:
+    try:  # a JSON list of ints and strings (no floats, booleans, null, lists or objects)
+        return fmt.read_ids(ids_path)
+    except ValueError as e:
+        raise ValueError(f"{e}: {_DAMAGED}") from e
+
+
+def _check_shard_header(npy: Path, np_dtype: np.dtype, dtype: str, width: int) -> None:
+    """A shard's ``.npy`` header against meta.json (a few hundred bytes read, and one stat)."""
+    try:  # a damaged header, or a file shorter than its header says
+        header = fmt.read_npy_header(npy)
+    except ValueError as e:
+        raise ValueError(f"{e}: {_DAMAGED}") from e
+    if header.dtype != np_dtype:
+        raise ValueError(
+            f"{npy}: rows stored as {header.dtype}, but meta.json says dtype {dtype!r} (stored "
+            f"as {np_dtype}); the shard comes from another store or was rewritten: {_DAMAGED}"
+        )
+    if len(header.shape) != 2 or header.shape[1] != width or header.fortran_order:
+        order = ", Fortran order" if header.fortran_order else ""
+        raise ValueError(
+            f"{npy}: shape {header.shape}{order}, but meta.json says C-order rows of width "
+            f"{width}; the shard comes from another store or was rewritten: {_DAMAGED}"
+        )
+
+
+def _duplicate_ids_error(
+    root: Path, shards: list[Path], starts: list[int], ids: list[DataId]
+) -> ValueError:
+    seen: dict[DataId, int] = {}
+    for row, i in enumerate(ids):
+        if i in seen:
+            first = shards[bisect.bisect_right(starts, seen[i]) - 1]
+            second = shards[bisect.bisect_right(starts, row) - 1]
+            where = f"twice in {first}" if first == second else f"in {first} and in {second}"
+            count = len(ids) - len(set(ids))
+            return ValueError(
+                f"{root}: id {i!r} is stored {where} ({count} duplicate ids in all); a store "
+                "holds each id once (a copied or re-labelled shard, or two ranks that logged the "
+                "same example): remove the extra shard (its .npy with its .ids.json) or log the "
+                "store again"
+            )
+        seen[i] = row
+    raise AssertionError("no duplicate id found")  # only called when there is one
+
+
+def _load_verified(
+    root: Path, name: str, key: str, meta: dict[str, Any], required: bool
+) -> dict[str, torch.Tensor]:
+    path, meta_path = root / name, root / fmt.META_FILE
+    expected = meta.get(key)
+    if not path.exists():
+        # the writer always saves projections (an empty file for identity ones): a missing file
+        # whose hash says it held tensors would silently turn them into identities
+        if expected is not None and expected != fmt.tensors_hash({}):
+            raise ValueError(
+                f"{path} is missing, but {meta_path} records its {key} {str(expected)[:16]}...: "
+                "restore the file from a copy of this store"
+            )
+        return {}
+    tensors = _load_tensors(path)
+    if expected is None:
+        if required:
+            raise ValueError(
+                f"{path}: {meta_path} records no {key}, so the file cannot be checked against "
+                "the rows (nnstat always records it): the meta.json was edited or belongs to "
+                "another store; log the store again"
+            )
+        return tensors  # a store written before the hash was recorded
+    actual = fmt.tensors_hash(tensors)
+    if actual != expected:
+        raise ValueError(
+            f"{path} does not belong to this store: its sha256 {actual[:16]}... differs from "
+            f"{key} {str(expected)[:16]}... in {meta_path} (replaced by another run's file, or "
+            f"modified); restore this store's own {name} or log the store again"
+        )
+    return tensors
 
 
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    if not path.exists():
-        return {}
-    from safetensors.torch import load_file
-
-    return load_file(str(path))
+    try:  # {} when absent; a damaged file names itself
+        return fmt.load_safetensors(path)
+    except ValueError as e:
+        raise ValueError(f"{e}: {_DAMAGED}") from e
 
 
 class LogBlockDataset(Dataset):

@@ -1,0 +1,338 @@
+"""Reading and scoring refuse a store whose files do not belong together (issue #15, items 2 and 4).
+
+Each test logs a real store with the plain API, tampers with one file on disk the way a swap, a
+copy or a damaged disk would, and checks that opening or scoring raises a ValueError naming that
+file before any score is returned.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import nnstat
+from nnstat.influence import compute_influence_all, compute_self_influence
+from nnstat.store import GradientStore
+from nnstat.store import format as fmt
+
+N_TRAIN, BATCH = 40, 10
+
+
+def _data():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(N_TRAIN + 4, 6, generator=gen)
+    return x, torch.randint(0, 3, (N_TRAIN + 4,), generator=gen)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _loss(model, x, y):
+    return nn.functional.cross_entropy(model(x), y, reduction="sum")
+
+
+def _log(root, project, *, model=None, rank=4, seed=0, **setup):
+    """A store of N_TRAIN rows in shards of 10 (K-FAC statistics), and a query log of 4 rows."""
+    model = model or _model()
+    x, y = _data()
+    run = nnstat.init(project=project, root_dir=root)
+    nnstat.setup({"log": "grad", "save": "grad", "statistic": "kfac", "shard_rows": 10, **setup})
+    nnstat.watch(model)
+    if rank is not None:
+        nnstat.add_projection(rank=rank, init="random", seed=seed)
+    for start in range(0, N_TRAIN, BATCH):
+        with run(data_id=list(range(start, start + BATCH))):
+            _loss(model, x[start : start + BATCH], y[start : start + BATCH]).backward()
+        model.zero_grad()
+    nnstat.finalize()
+    log = _query(run, model)
+    nnstat.unwatch()
+    return log, root / project
+
+
+def _query(run, model):
+    x, y = _data()
+    nnstat.eval()
+    with run(data_id=["q0", "q1", "q2", "q3"]):
+        _loss(model, x[N_TRAIN:], y[N_TRAIN:]).backward()
+    model.zero_grad()
+    return nnstat.get_log()
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    """One store per module; each test tampers with its own copy."""
+    root = tmp_path_factory.mktemp("integrity")
+    log, path = _log(root, "store")
+    _, other = _log(root, "other", seed=1)  # same model and data, another projection seed
+    return log, path, other
+
+
+@pytest.fixture()
+def store(pristine, tmp_path):
+    log, path, other = pristine
+    copy = tmp_path / "store"
+    shutil.copytree(path, copy)
+    return log, copy, other
+
+
+def _score(log, path, **kw):
+    return compute_influence_all(log, path, progress=False, **kw)
+
+
+def _shard(path, i=0):
+    return path / "shards" / f"rank0-{i:05d}.npy"
+
+
+def _ids_file(path, i=0):
+    return path / "shards" / f"rank0-{i:05d}.ids.json"
+
+
+def test_untouched_store_scores_and_has_its_shards(store):
+    log, path, _ = store
+    assert len(GradientStore(path).shards) == 4  # the tests below rely on several shards
+    res = _score(log, path, preconditioner="kfac", damping=0.1)
+    assert torch.isfinite(res.scores).all() and res.train_ids == list(range(N_TRAIN))
+
+
+# ----------------------------------------------------------------------------- hashes
+def test_swapped_projections_are_refused_when_loaded(store):
+    log, path, other = store
+    shutil.copy(other / fmt.PROJECTIONS_FILE, path / fmt.PROJECTIONS_FILE)
+    GradientStore(path)  # opening reads no safetensors: the hash is checked where they are loaded
+    with pytest.raises(ValueError, match=r"projections\.safetensors does not belong"):
+        GradientStore(path).projections()
+    for kw in ({}, {"preconditioner": "kfac"}, {"preconditioner": "ekfac"}):
+        with pytest.raises(ValueError, match=r"projections\.safetensors.*projection_sha256"):
+            _score(log, path, damping=0.1, **kw)
+
+
+def test_missing_projections_are_refused(store):
+    log, path, _ = store
+    (path / fmt.PROJECTIONS_FILE).unlink()
+    with pytest.raises(ValueError, match=r"projections\.safetensors is missing"):
+        _score(log, path, preconditioner="kfac", damping=0.1)
+
+
+def test_projections_without_a_recorded_hash_are_refused(store):
+    log, path, _ = store
+    meta = json.loads((path / fmt.META_FILE).read_text())
+    meta.pop("projection_sha256")
+    (path / fmt.META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"projections\.safetensors.*records no projection_sha256"):
+        GradientStore(path).projections()
+
+
+def _record_statistics_hash(path):
+    """meta.json as the writer records it since issue #15: the hash of statistics.safetensors."""
+    meta = json.loads((path / fmt.META_FILE).read_text())
+    if "statistics_sha256" not in meta:  # stores written before the writer recorded it
+        meta["statistics_sha256"] = fmt.tensors_hash(load_file(path / fmt.STATISTICS_FILE))
+        (path / fmt.META_FILE).write_text(json.dumps(meta))
+    return meta["statistics_sha256"]
+
+
+def test_statistics_from_another_run_are_refused(store, tmp_path):
+    log, path, _ = store
+    recorded = _record_statistics_hash(path)
+    assert recorded == fmt.tensors_hash(load_file(path / fmt.STATISTICS_FILE))
+    # another run: the same model trained one step further, so its K-FAC factors differ
+    model = _model()
+    x, y = _data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    _loss(model, x[:N_TRAIN], y[:N_TRAIN]).backward()
+    opt.step()
+    model.zero_grad()
+    _, elsewhere = _log(tmp_path, "retrained", model=model)
+    shutil.copy(elsewhere / fmt.STATISTICS_FILE, path / fmt.STATISTICS_FILE)
+    with pytest.raises(ValueError, match=r"statistics\.safetensors does not belong"):
+        GradientStore(path).statistics()
+    for kw in ({}, {"preconditioner": "kfac"}):  # the default reads them to choose K-FAC
+        with pytest.raises(ValueError, match=r"statistics\.safetensors.*statistics_sha256"):
+            _score(log, path, damping=0.1, **kw)
+    with pytest.raises(ValueError, match=r"statistics\.safetensors"):
+        compute_self_influence(path, preconditioner="kfac", progress=False)
+
+
+def test_stores_without_the_newer_hashes_are_read_as_before(store):
+    # statistics_sha256 and params_sha256 came with issue #15: stores written before have
+    # neither, and are scored without them (the projection hash always existed)
+    log, path, _ = store
+    meta = json.loads((path / fmt.META_FILE).read_text())
+    for key in ("statistics_sha256", "params_sha256"):
+        meta.pop(key, None)
+    (path / fmt.META_FILE).write_text(json.dumps(meta))
+    before = _score(log, path, preconditioner="kfac", damping=0.1)
+    shutil.copy(path / fmt.STATISTICS_FILE, path / "kept.safetensors")
+    stats = load_file(path / fmt.STATISTICS_FILE)
+    save_file({k: v * 2 for k, v in stats.items()}, path / fmt.STATISTICS_FILE)
+    after = _score(log, path, preconditioner="kfac", damping=0.1)  # nothing to check against
+    assert not torch.allclose(before.scores, after.scores)
+
+
+def test_a_missing_statistics_file_with_a_recorded_hash_is_refused(store):
+    log, path, _ = store
+    _record_statistics_hash(path)
+    (path / fmt.STATISTICS_FILE).unlink()
+    with pytest.raises(ValueError, match=r"statistics\.safetensors is missing"):
+        _score(log, path, damping=0.1)  # else the default would fall back to "raw" silently
+
+
+# ----------------------------------------------------------------------------- ids
+def test_duplicate_ids_across_shards_are_refused_at_open(store):
+    log, path, _ = store
+    ids = json.loads(_ids_file(path, 2).read_text())
+    ids[3] = 5  # id 5 is in shard 0
+    _ids_file(path, 2).write_text(json.dumps(ids))
+    pattern = r"id 5 is stored in .*rank0-00000\.npy and in .*rank0-00002\.npy"
+    with pytest.raises(ValueError, match=pattern):
+        GradientStore(path)
+    with pytest.raises(ValueError, match=pattern):
+        _score(log, path, preconditioner="identity")
+    with pytest.raises(ValueError, match=pattern):
+        compute_self_influence(path, preconditioner="identity", progress=False)
+
+
+def test_duplicate_ids_within_a_shard_are_refused(store):
+    _, path, _ = store
+    ids = json.loads(_ids_file(path, 1).read_text())
+    ids[0] = ids[1]
+    _ids_file(path, 1).write_text(json.dumps(ids))
+    with pytest.raises(ValueError, match=r"id 11 is stored twice in .*rank0-00001\.npy"):
+        GradientStore(path)
+
+
+@pytest.mark.parametrize("bad", [3.0, {"id": 3}, None, True, [3], 1e300])
+def test_ids_of_invalid_types_are_refused(store, bad):
+    _, path, _ = store
+    ids = json.loads(_ids_file(path, 1).read_text())
+    ids[4] = bad
+    _ids_file(path, 1).write_text(json.dumps(ids))
+    with pytest.raises(ValueError, match=r"rank0-00001\.ids\.json: ids must be ints or strings"):
+        GradientStore(path)
+
+
+def test_ids_file_that_is_not_json_is_named(store):
+    _, path, _ = store
+    _ids_file(path, 3).write_text("[30, 31, 3")
+    with pytest.raises(ValueError, match=r"rank0-00003\.ids\.json: not valid JSON"):
+        GradientStore(path)
+
+
+def test_build_log_dataloader_refuses_a_tampered_store(tmp_path):
+    _log(tmp_path, "current")  # the current run's store
+    ids_file = _ids_file(tmp_path / "current", 1)
+    ids_file.write_text(json.dumps([0.5] * 10))
+    with pytest.raises(ValueError, match=r"rank0-00001\.ids\.json"):
+        nnstat.build_log_dataloader(batch_size=8)
+
+
+# ----------------------------------------------------------------------------- shard headers
+def test_shard_of_another_dtype_is_refused_at_open(store):
+    log, path, _ = store
+    rows = np.load(_shard(path, 1))
+    np.save(_shard(path, 1), rows.astype(np.float16))  # values readable, but not this store's
+    with pytest.raises(ValueError, match=r"rank0-00001\.npy: rows stored as float16.*'float32'"):
+        GradientStore(path)
+    with pytest.raises(ValueError, match=r"rank0-00001\.npy"):
+        _score(log, path, preconditioner="identity")
+
+
+def test_shard_of_another_width_is_refused_at_open(store):
+    _, path, _ = store
+    rows = np.load(_shard(path, 2))
+    np.save(_shard(path, 2), np.concatenate([rows, rows[:, :1]], axis=1))
+    with pytest.raises(ValueError, match=r"rank0-00002\.npy: shape \(10, \d+\), but meta.json"):
+        GradientStore(path)
+
+
+def test_truncated_shard_is_named(store):
+    _, path, _ = store
+    data = _shard(path, 0).read_bytes()
+    _shard(path, 0).write_bytes(data[:-7])
+    with pytest.raises(ValueError, match=r"rank0-00000\.npy: truncated"):
+        GradientStore(path)
+    _shard(path, 0).write_bytes(data[:50])  # not even a whole header
+    with pytest.raises(ValueError, match=r"rank0-00000\.npy: not a readable \.npy"):
+        GradientStore(path)
+
+
+# ----------------------------------------------------------------------------- NaN/Inf
+def _poison(path, shard, row, value=float("nan")):
+    array = np.load(_shard(path, shard), mmap_mode="r+")
+    array[row, 3] = value
+    array.flush()
+    del array
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nonfinite_values_in_a_finite_store_are_refused_where_scoring_reads(store, value):
+    log, path, _ = store
+    assert json.loads((path / fmt.META_FILE).read_text())["nonfinite"] == "error"
+    _poison(path, 2, 6, value)  # id 26
+    pattern = r"rank0-00002\.npy: rows of ids \[26\] hold NaN/Inf, but .*nonfinite='error'"
+    # the streaming score loop (no fit pass), full matrix and top-k
+    for kw in ({"preconditioner": "identity"}, {"preconditioner": "kfac", "top_k": 3}):
+        with pytest.raises(ValueError, match=pattern):
+            _score(log, path, damping=0.1, **kw)
+    # the preconditioner fit's pass over the rows, and self-influence's
+    with pytest.raises(ValueError, match=pattern):
+        _score(log, path, preconditioner="raw", damping=0.1)
+    with pytest.raises(ValueError, match=pattern):
+        compute_self_influence(path, preconditioner="identity", progress=False)
+    # the query side read from a store
+    with pytest.raises(ValueError, match=pattern):
+        compute_influence_all(path, log, preconditioner="identity", progress=False)
+
+
+def test_nonfinite_rows_kept_by_policy_are_named_with_their_file(tmp_path):
+    x, y = _data()
+    x = x.clone()
+    x[13, 0] = float("nan")
+    model = _model()
+    run = nnstat.init(project="kept", root_dir=tmp_path)
+    nnstat.setup({"statistic": "none", "rank": 4, "shard_rows": 10, "nonfinite": "keep"})
+    nnstat.watch(model)
+    for start in range(0, N_TRAIN, BATCH):
+        with run(data_id=list(range(start, start + BATCH))):
+            _loss(model, x[start : start + BATCH], y[start : start + BATCH]).backward()
+        model.zero_grad()
+    nnstat.finalize()
+    log = _query(run, model)
+    nnstat.unwatch()
+    with pytest.raises(ValueError, match=r"rank0-00001\.npy: rows of ids \[13\].*'keep'"):
+        _score(log, tmp_path / "kept", preconditioner="identity")
+
+
+# ----------------------------------------------------------------------------- parse errors
+def test_meta_json_damage_is_named(store):
+    log, path, _ = store
+    meta_file = path / fmt.META_FILE
+    good = json.loads(meta_file.read_text())
+    meta_file.write_text(meta_file.read_text()[:-20])
+    with pytest.raises(ValueError, match=r"meta\.json: not valid JSON"):
+        GradientStore(path)
+    meta_file.write_text(json.dumps({k: v for k, v in good.items() if k != "row_width"}))
+    with pytest.raises(ValueError, match=r"meta\.json: missing 'row_width'"):
+        GradientStore(path)
+    meta_file.write_text(json.dumps({**good, "dtype": "float64"}))
+    with pytest.raises(ValueError, match=r"meta\.json: 'dtype' 'float64'"):
+        GradientStore(path)
+    meta_file.write_text(json.dumps({**good, "modules": good["modules"][:1]}))
+    with pytest.raises(ValueError, match=r"meta\.json: layout covers"):
+        _score(log, path, preconditioner="identity")
+
+
+def test_garbage_safetensors_is_named(store):
+    log, path, _ = store
+    (path / fmt.STATISTICS_FILE).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    with pytest.raises(ValueError, match=r"statistics\.safetensors: not a readable safetensors"):
+        _score(log, path, preconditioner="kfac", damping=0.1)
