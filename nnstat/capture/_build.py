@@ -6,8 +6,9 @@ per module call; these functions turn one backward's calls into the capture cons
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -176,3 +177,18 @@ def _hook_target(output: torch.Tensor) -> torch.Tensor:
 
 def _reshaped(hook: Callable[[torch.Tensor], None], shape: torch.Size, grad: torch.Tensor) -> None:
     hook(grad.reshape(shape))
+
+
+def first_tensor(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+    """The first tensor of a call's arguments: positional ones first, then keyword ones in call
+    order, looking inside lists, tuples and dicts (a batch dict passed as one argument)."""
+    todo: list[Any] = [*args, *kwargs.values()]
+    while todo:
+        x = todo.pop(0)
+        if isinstance(x, torch.Tensor):
+            return x
+        if isinstance(x, Mapping):
+            todo[:0] = list(x.values())
+        elif isinstance(x, list | tuple):
+            todo[:0] = list(x)
+    return None

@@ -29,6 +29,7 @@ from nnstat.capture._build import (
     _hook_target,
     _reshaped,
     _Watched,
+    first_tensor,
 )
 from nnstat.capture.capture import ModuleCapture
 
@@ -80,6 +81,9 @@ class CaptureEngine:
         self._pending: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor, _BatchContext]]] = {}
         self._lock = threading.Lock()
         self._flush_queued = False
+        self._roots: list[nn.Module] = []
+        self._keep_input = False
+        self.model_input: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- selection
     @property
@@ -142,6 +146,11 @@ class CaptureEngine:
                 raise ValueError(f"a module named {w.name!r} is already watched")
             self._watched[w.module] = w
             self._handles.append(w.module.register_forward_hook(partial(self._on_forward, w)))
+        if selected and not any(model is r for r in self._roots):
+            self._roots.append(model)
+            self._handles.append(
+                model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)
+            )
         return [w.name for w in selected]
 
     def unwatch(self) -> None:
@@ -150,6 +159,7 @@ class CaptureEngine:
             h.remove()
         self._handles.clear()
         self._watched.clear()
+        self._roots.clear()
         with self._lock:
             self._pending.clear()
 
@@ -251,7 +261,33 @@ class CaptureEngine:
         self._ctx = None
         self.flush()
 
+    @contextmanager
+    def recording_model_input(self) -> Iterator[None]:
+        """Inside this block, `model_input` becomes the first tensor passed to the watched
+        model's first call (positional arguments first, then keywords, inside lists, tuples and
+        dicts), or stays ``None``. Used to hash a batch's samples (``data_id="hash"``).
+
+        Example:
+            >>> import torch
+            >>> engine = CaptureEngine(); _ = engine.watch(torch.nn.Linear(2, 1))
+            >>> with engine.batch(), engine.recording_model_input():
+            ...     _ = engine._roots[0](torch.ones(3, 2))
+            >>> tuple(engine.model_input.shape)
+            (3, 2)
+        """
+        self.model_input, self._keep_input = None, True
+        try:
+            yield
+        finally:
+            self._keep_input = False
+
     # -------------------------------------------------------------------- hooks
+    def _on_model_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._keep_input and self.model_input is None:
+            t = first_tensor(args, kwargs)
+            if t is not None:
+                self.model_input = t.detach()
+
     def _on_forward(
         self, w: _Watched, module: nn.Module, inputs: tuple, output: Any
     ) -> torch.Tensor | None:

@@ -33,14 +33,6 @@ from nnstat.store.reader import GradientLog, make_log_dataloader
 from nnstat.store.writer import StoreWriteError
 
 
-def _first_input(found: list[torch.Tensor], module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook of ``data_id="hash"``: keep the first tensor of the model's first call."""
-    if not found:
-        t = parts.first_tensor(args, kwargs)
-        if t is not None:
-            found.append(t.detach())
-
-
 class Run:
     """One logging project: configuration, watched model, projection, store and statistics.
 
@@ -208,13 +200,6 @@ class Run:
         )
         restore = parts.freeze_params(self.engine) if self._skip_param_grads() else None
         probe = self._reduction_probe(logging)
-        inputs: list[torch.Tensor] = []
-        hook = None
-        if hash_input:
-            assert self.model is not None
-            hook = self.model.register_forward_pre_hook(
-                functools.partial(_first_input, inputs), with_kwargs=True
-            )
         assert self._projections is not None
         self._rows.begin(self._projections)
         try:
@@ -225,11 +210,10 @@ class Run:
                     **({"outputs_require_grad": True} if restore is not None else {}),
                 ),
                 probe if probe is not None else nullcontext(),
+                self.engine.recording_model_input() if hash_input else nullcontext(),
             ):
                 yield self
         finally:
-            if hook is not None:
-                hook.remove()
             if restore is not None:
                 restore()
             batch, rowbuf, factors = self._rows.end()
@@ -238,19 +222,18 @@ class Run:
             self._warn_mean_loss(probe, next(iter(batch.values())).shape[0])
         with self._writer_errors():
             if hash_input:
-                ids = self._input_ids(inputs, batch)
+                ids = self._input_ids(self.engine.model_input, batch)
                 keep = self._admit(ids)
             self._complete(batch, ids, keep, rowbuf, factors)
 
-    def _input_ids(self, inputs: list[torch.Tensor], batch: dict[str, torch.Tensor]) -> list:
+    def _input_ids(self, x: torch.Tensor | None, batch: dict[str, torch.Tensor]) -> list:
         """``data_id="hash"``: content ids of the rows of the model's first input tensor."""
-        if not inputs:
+        if x is None:
             raise RuntimeError(
                 'data_id="hash" hashes the first tensor passed to the watched model, but '
                 f"{type(self.model).__name__}.forward was not called inside this run(...) "
                 "block; pass the ids (data_id=[...]) instead"
             )
-        x = inputs[0]
         n = next(iter(batch.values())).shape[0] if batch else None
         if x.dim() == 0 or (n is not None and x.shape[0] != n):
             raise ValueError(

@@ -353,21 +353,6 @@ def module_blocks(
     return [batch[m] if m in batch else torch.zeros(n, p.width) for m, p in projections.items()]
 
 
-def first_tensor(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor | None:
-    """The first tensor of a call's arguments: positional ones first, then keyword ones in call
-    order, looking inside lists, tuples and dicts (a batch dict passed as one argument)."""
-    todo: list[Any] = [*args, *kwargs.values()]
-    while todo:
-        x = todo.pop(0)
-        if isinstance(x, torch.Tensor):
-            return x
-        if isinstance(x, Mapping):
-            todo[:0] = list(x.values())
-        elif isinstance(x, list | tuple):
-            todo[:0] = list(x)
-    return None
-
-
 def duplicate_ids(ids: list) -> list:
     """The entries of ``ids`` that repeat an earlier entry, in order."""
     seen: set = set()
