@@ -143,8 +143,14 @@ def _partial_row(t: torch.Tensor) -> torch.Tensor:
     s = x.sum()
     d = x - s / n
     d2 = d * d
+    s2, s3, s4 = d2.sum(), torch.dot(d2, d), torch.dot(d2, d2)
+    # s / n is rounded, so the deviations about it do not sum to zero; moving the moments to
+    # the exact mean keeps that residue out of them (a constant tensor's would be its spread)
+    r = d.sum() / n
     row[_N], row[_SUM] = n, s
-    row[_S2], row[_S3], row[_S4] = d2.sum(), torch.dot(d2, d), torch.dot(d2, d2)
+    row[_S2] = s2 - n * r * r
+    row[_S3] = s3 - 3 * r * s2 + 2 * n * r**3
+    row[_S4] = s4 - 4 * r * s3 + 6 * r * r * s2 - 3 * n * r**4
     row[_MIN], row[_MAX] = torch.aminmax(x)
     row[_ZEROS] = n - torch.count_nonzero(x)
     row[_L1] = x.abs().sum()
@@ -204,10 +210,12 @@ def _finish(rows: torch.Tensor, stats: Sequence[str], eps: float) -> torch.Tenso
     has = n > 0
     mean = torch.where(has, rows[:, _SUM] / safe, nan)
     m2 = torch.where(has, rows[:, _S2] / safe, nan)
-    # like scipy (and nnstat.describe): a numerically constant tensor has undefined skew/kurtosis
-    m2 = torch.where(m2 <= (eps * mean) ** 2, torch.zeros_like(m2), m2)
-    m3 = torch.where(has, rows[:, _S3] / safe, nan)
-    m4 = torch.where(has, rows[:, _S4] / safe, nan)
+    # like scipy (and nnstat.describe): a numerically constant tensor has zero variance and
+    # undefined skew/kurtosis
+    constant = m2 <= (eps * mean) ** 2
+    m2 = torch.where(constant, torch.zeros_like(m2), m2)
+    m3 = torch.where(has & ~constant, rows[:, _S3] / safe, nan)
+    m4 = torch.where(has & ~constant, rows[:, _S4] / safe, nan)
     lo = torch.where(has, rows[:, _MIN], nan)
     hi = torch.where(has, rows[:, _MAX], nan)
     l1, l2 = rows[:, _L1], rows[:, _SQ].sqrt()

@@ -91,3 +91,22 @@ def test_partial_placement_is_refused_and_shard_equals_plain(single_rank_group):
     pending = DTensor.from_local(x, mesh, [Partial()], run_check=False)
     with pytest.raises(ValueError, match="Partial"):
         summarize([pending], ["l2"])
+
+
+@pytest.mark.parametrize("n", [1_000, 200_000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_constant_shards_have_nan_skew_and_kurtosis_like_scipy(n, dtype):
+    """A constant tensor split into shards: scipy gives var 0 and NaN skew/kurtosis (the
+    deviations about the rounded shard mean must not leave their residue in the moments)."""
+    x = torch.full((n,), 0.1, dtype=dtype)
+    pieces = [x[: n // 3], x[n // 3 :]]
+    rows = torch.stack([nd._partial_row(p) for p in pieces])
+    combined = nd._combine(rows.unsqueeze(1))
+    got = dict(
+        zip(STAT_NAMES, nd._finish(combined, STAT_NAMES, torch.finfo(dtype).eps)[0].tolist())
+    )
+    f = x.double().numpy()
+    assert got["var"] == pytest.approx(float(np.var(f)), abs=1e-30)
+    assert math.isnan(scipy.stats.skew(f)) and math.isnan(got["skew"])
+    assert math.isnan(scipy.stats.kurtosis(f)) and math.isnan(got["kurtosis"])
+    assert got["mean"] == pytest.approx(float(f.mean()), rel=1e-12)
