@@ -131,19 +131,10 @@ def test_projections_without_a_recorded_hash_are_refused(store):
         GradientStore(path).projections()
 
 
-def _record_statistics_hash(path):
-    """meta.json as the writer records it since issue #15: the hash of statistics.safetensors."""
-    meta = json.loads((path / fmt.META_FILE).read_text())
-    if "statistics_sha256" not in meta:  # stores written before the writer recorded it
-        meta["statistics_sha256"] = fmt.tensors_hash(load_file(path / fmt.STATISTICS_FILE))
-        (path / fmt.META_FILE).write_text(json.dumps(meta))
-    return meta["statistics_sha256"]
-
-
 def test_statistics_from_another_run_are_refused(store, tmp_path):
     log, path, _ = store
-    recorded = _record_statistics_hash(path)
-    assert recorded == fmt.tensors_hash(load_file(path / fmt.STATISTICS_FILE))
+    recorded = json.loads((path / fmt.META_FILE).read_text())["statistics_sha256"]
+    assert recorded == fmt.tensors_hash(load_file(path / fmt.STATISTICS_FILE))  # the writer's
     # another run: the same model trained one step further, so its K-FAC factors differ
     model = _model()
     x, y = _data()
@@ -180,10 +171,50 @@ def test_stores_without_the_newer_hashes_are_read_as_before(store):
 
 def test_a_missing_statistics_file_with_a_recorded_hash_is_refused(store):
     log, path, _ = store
-    _record_statistics_hash(path)
     (path / fmt.STATISTICS_FILE).unlink()
     with pytest.raises(ValueError, match=r"statistics\.safetensors is missing"):
         _score(log, path, damping=0.1)  # else the default would fall back to "raw" silently
+
+
+# ----------------------------------------------------------------------------- weights
+def test_query_captured_from_other_weights_is_refused(tmp_path):
+    model = _model()
+    x, y = _data()
+    run = nnstat.init(project="weights", root_dir=tmp_path)
+    nnstat.setup({"log": "grad", "save": "grad", "statistic": "kfac", "rank": 4})
+    nnstat.watch(model)
+    for start in range(0, N_TRAIN, BATCH):
+        with run(data_id=list(range(start, start + BATCH))):
+            _loss(model, x[start : start + BATCH], y[start : start + BATCH]).backward()
+        model.zero_grad()
+    nnstat.finalize()
+    same = _query(run, model)
+    with torch.no_grad():
+        model[0].weight.mul_(1.01)  # a small training step between logging and the queries
+    moved = _query(run, model)
+    nnstat.unwatch()
+    path = tmp_path / "weights"
+    stored = json.loads((path / fmt.META_FILE).read_text())["params_sha256"]
+    assert same.meta["params_sha256"] == stored != moved.meta["params_sha256"]
+    assert not torch.allclose(same.rows, moved.rows)  # rows alone could not tell the weights
+    res = compute_influence_all(same, path, preconditioner="kfac", damping=0.1, progress=False)
+    assert torch.isfinite(res.scores).all()
+    pattern = (
+        r"the query log \(GradientLog\) \(params_sha256 \w+\.\.\.\) and the store "
+        r".*weights \(params_sha256 \w+\.\.\.\) were captured from different weights"
+        r".*Re-capture the queries with the weights the store was logged with, or log a new store"
+    )
+    calls = [
+        lambda: compute_influence_all(moved, path, progress=False),
+        lambda: compute_influence_all(moved, GradientStore(path), top_k=2, progress=False),
+        lambda: compute_self_influence(moved, path, progress=False),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=pattern):
+            call()
+    # a query log from before nnstat recorded the weights is scored without the comparison
+    moved.meta.pop("params_sha256")
+    compute_influence_all(moved, path, preconditioner="kfac", damping=0.1, progress=False)
 
 
 # ----------------------------------------------------------------------------- ids

@@ -199,8 +199,8 @@ def check_same_weights(
     if q is None or t is None or q == t:
         return
     raise ValueError(
-        f"{query_name} was captured from different weights (params_sha256 {str(q)[:16]}...) "
-        f"than {train_name} was logged with (params_sha256 {str(t)[:16]}...): gradients of two "
-        "models do not score against each other. Re-capture the queries with the weights the "
-        "store was logged with, or log a new store with the current weights"
+        f"{query_name} (params_sha256 {str(q)[:16]}...) and {train_name} (params_sha256 "
+        f"{str(t)[:16]}...) were captured from different weights: gradients of two models do "
+        "not score against each other. Re-capture the queries with the weights the store was "
+        "logged with, or log a new store with the current weights"
     )
