@@ -80,11 +80,17 @@ def _split(x: np.ndarray, y: np.ndarray, n_train: int, n_query: int, image: bool
 
 
 def make_task(name: str, args) -> Task:
+    # logistic regressions sit in an nn.Sequential: Kronfluence 1.0.1's prepare_model recurses
+    # without end on a bare root nn.Linear (RecursionError); the model is the same
     if name == "cancer":
         x, y = load_breast_cancer(return_X_y=True)
         train, query = _split(x, y, args.n_train, args.n_query)
         return Task(
-            name, "breast cancer, logistic regression 30-2", lambda: nn.Linear(30, 2), train, query
+            name,
+            "breast cancer, logistic regression 30-2",
+            lambda: nn.Sequential(nn.Linear(30, 2)),
+            train,
+            query,
         )
     x, y = load_digits(return_X_y=True)
     train, query = _split(x, y, args.n_train, args.n_query, image=name == "cnn")
@@ -99,7 +105,11 @@ def make_task(name: str, args) -> Task:
         )
     if name == "logreg":
         return Task(
-            name, "digits, logistic regression 64-10", lambda: nn.Linear(64, 10), train, query
+            name,
+            "digits, logistic regression 64-10",
+            lambda: nn.Sequential(nn.Linear(64, 10)),
+            train,
+            query,
         )
     if name == "cnn":
         return Task(
@@ -746,6 +756,102 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print(flush=True)
 
 
+# ------------------------------------------------------------------------------ summary
+def _best(rows: list[dict[str, Any]], pred: Callable[[dict[str, Any]], bool]):
+    ok = [r for r in rows if pred(r) and r.get("lds") is not None]
+    return max(ok, key=lambda r: r["lds"]) if ok else None
+
+
+def _one(rows: list[dict[str, Any]], method: str):
+    return next((r for r in rows if r["method"] == method), None)
+
+
+def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per task x training x projection: the issue's targets, from the rows above."""
+    out = []
+    shared = {
+        (r["task"], r["train"]): r["rows"] for r in results if r["projection"].startswith("shared")
+    }
+    for res in results:
+        if res["projection"].startswith("shared"):
+            continue
+        common = shared[(res["task"], res["train"])]
+        rows = res["rows"]
+        peer = _best(common, lambda r: r.get("group") == "peer")
+        ex = common[0]
+        default = _one(rows, "nnstat ekfac (default damping)")
+        best_unref = _best(rows, lambda r: str(r.get("group", "")).startswith("unrefined"))
+        k5 = {c: _one(rows, f"refine k=5, {c}, λ = default") for c in ("hessian", "ggn")}
+        k10 = {c: _one(rows, f"refine k=10, {c}, λ = default") for c in ("hessian", "ggn")}
+        best_k5 = _best(rows, lambda r: r.get("steps") == 5 and not r.get("warm_start"))
+        best_k10 = _best(rows, lambda r: r.get("steps") == 10 and not r.get("warm_start"))
+
+        def lds(r):
+            return None if r is None else r.get("lds")
+
+        out.append(
+            {
+                "task": res["task"],
+                "train": res["train"],
+                "projection": res["projection"],
+                "best_peer": None if peer is None else (peer["method"], peer["lds"]),
+                "nnstat_default": lds(default),
+                "best_unrefined": (
+                    None if best_unref is None else (best_unref["method"], best_unref["lds"])
+                ),
+                "refine5_default": {c: lds(r) if r else None for c, r in k5.items()},
+                "refine5_default_status": {
+                    c: r.get("status") if r else None for c, r in k5.items()
+                },
+                "best_refine5": None if best_k5 is None else (best_k5["method"], best_k5["lds"]),
+                "refine10_default": {c: lds(r) if r else None for c, r in k10.items()},
+                "refine10_default_status": {
+                    c: r.get("status") if r else None for c, r in k10.items()
+                },
+                "best_refine10": (
+                    None if best_k10 is None else (best_k10["method"], best_k10["lds"])
+                ),
+                "exact": ex.get("lds"),
+                "refine5_passes_per_block": next(
+                    (
+                        r.get("passes_per_block")
+                        for r in k5.values()
+                        if r and r.get("passes_per_block")
+                    ),
+                    None,
+                ),
+            }
+        )
+    return out
+
+
+def print_summary(summary: list[dict[str, Any]]) -> None:
+    def f(x):
+        if x is None:
+            return "–"
+        if isinstance(x, (tuple, list)):
+            return f"{x[1]:.3f} ({x[0]})"
+        return f"{x:.3f}"
+
+    def g(d, s):
+        return " / ".join(f(d[c]) if d[c] is not None else str(s.get(c) or "–") for c in d)
+
+    print("\n## Summary (LDS; refine default = damping None, hessian / ggn)\n")
+    print(
+        "| task | training | store | best peer | nnstat default | best unrefined | refine k=5 "
+        "default | best k=5 | refine k=10 default | best k=10 | exact | k=5 passes/block |"
+    )
+    print("| --- | --- | --- | --- | ---: | --- | ---: | --- | ---: | --- | ---: | ---: |")
+    for s in summary:
+        print(
+            f"| {s['task']} | {s['train']} | {s['projection']} | {f(s['best_peer'])} | "
+            f"{f(s['nnstat_default'])} | {f(s['best_unrefined'])} | "
+            f"{g(s['refine5_default'], s['refine5_default_status'])} | {f(s['best_refine5'])} | "
+            f"{g(s['refine10_default'], s['refine10_default_status'])} | {f(s['best_refine10'])} | {f(s['exact'])} | "
+            f"{s['refine5_passes_per_block']} |"
+        )
+
+
 # ------------------------------------------------------------------------------ main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -780,6 +886,12 @@ def main() -> None:
                 if args.out is not None:
                     payload = {"config": config, "has_fisher": HAS_FISHER, "results": results}
                     args.out.write_text(json.dumps(payload, indent=1, default=str))
+    summary = summarize(results)
+    print_summary(summary)
+    if args.out is not None:
+        payload = {"config": config, "has_fisher": HAS_FISHER, "results": results}
+        payload["summary"] = summary
+        args.out.write_text(json.dumps(payload, indent=1, default=str))
     print(f"total {time.perf_counter() - start:.0f} s")
 
 
