@@ -100,13 +100,15 @@ def _example_grads(model, data):
 
 
 def _reference(model, store, log, train, query, curvature_matrix, lam):
-    """Scores (P x_q)ᵀ row_i with x_q = (C + λI)⁻¹ g_q solved explicitly in float64."""
-    g_q = _example_grads(model, query)
-    x = torch.linalg.solve(curvature_matrix + lam * torch.eye(len(curvature_matrix)), g_q.T).T
+    """Scores yᵀ row_i with y = (P C Pᵀ + λI)⁻¹ row_q solved explicitly in float64, P the
+    store's projection as an explicit matrix (identity when unprojected)."""
     flat = _Flat(model, as_source(store), torch.float64)
-    q_proj = flat.project(x)
+    p_mat = flat.project(torch.eye(flat.size, dtype=torch.float64))  # [n_params, width] = Pᵀ
+    c = p_mat.T @ curvature_matrix @ p_mat
+    q_rows = torch.as_tensor(log.rows).double()
+    y = torch.linalg.solve(c + lam * torch.eye(len(c), dtype=torch.float64), q_rows.T).T
     rows = torch.cat([r for _, r in store.iter_blocks(1000)]).double()
-    return q_proj @ rows.T
+    return y @ rows.T
 
 
 @pytest.mark.parametrize("rank", [None, 2])
@@ -121,8 +123,9 @@ def test_refinement_converges_to_the_explicit_solution(tmp_path, rank, curvature
     lam = 0.05 + max(0.0, -float(torch.linalg.eigvalsh(c).min()))
     ref = _reference(model, store, log, train, query, c, lam)
     n_params = sum(p.numel() for p in model.parameters())
+    query_data = query if rank is None else None  # optional: a check, the rows are the rhs
     refine = Refinement(
-        model, LOSS, train, query_data=query, steps=n_params + 5, curvature=curvature,
+        model, LOSS, train, query_data=query_data, steps=n_params + 5, curvature=curvature,
         damping=lam, dtype=torch.float64, batch_size=10,
     )  # fmt: skip
     res = compute_influence_all(log, store, refine=refine)
@@ -132,7 +135,7 @@ def test_refinement_converges_to_the_explicit_solution(tmp_path, rank, curvature
     info = res.meta["refine"]
     assert info["curvature"] == curvature and info["passes"] <= n_params + 5
     assert info["max_residual"] < 1e-6
-    assert set(info["module_damping"].values()) == {lam}
+    assert info["damping"] == lam and set(res.meta["module_damping"].values()) == {lam}
 
 
 def test_zero_steps_gives_the_unrefined_scores_exactly(tmp_path):
@@ -215,7 +218,9 @@ def test_query_data_that_is_not_the_log_is_refused(tmp_path):
     with pytest.raises(ValueError, match="has 3 examples but the log has 4"):
         short = (query[0][:3], query[1][:3])
         compute_influence_all(log, store, refine=Refinement(model, LOSS, train, query_data=short))
-    with pytest.raises(ValueError, match="projected.*query_data"):
+    with torch.no_grad():
+        model[0].bias += 0.01  # other weights than the store's
+    with pytest.raises(ValueError, match="not those the store"):
         compute_influence_all(log, store, refine=Refinement(model, LOSS, train))
     with pytest.raises(ValueError, match="mode='dot'"):
         compute_influence_all(
@@ -233,7 +238,8 @@ def test_refined_self_influence_is_the_diagonal_of_all_pairs(tmp_path):
     )
     assert selfs.ids == list(range(N_TRAIN))
     assert torch.allclose(selfs.scores, torch.diagonal(pairs.scores), rtol=1e-5, atol=1e-7)
-    assert selfs.meta["refine"]["passes"] == 4 * 2  # two blocks of query_batch=32 rows
+    # two blocks of query_batch=32 rows, and one pass estimating the default damping
+    assert selfs.meta["refine"]["passes"] == 4 * 2 + 1
 
 
 def test_refinement_validates_its_arguments():
@@ -280,8 +286,9 @@ def test_true_fisher_preconditioner_changes_the_path_not_the_solution(tmp_path):
     )  # fmt: skip
     res = compute_influence_all(log, store, refine=refine)
     assert (res.scores.double() - ref).abs().max() / ref.abs().max() < 1e-5
-    assert set(res.meta["refine"]["preconditioner"].values()) == {"ekfac"}
+    assert res.meta["refine"]["preconditioner"] == "ekfac"
     assert res.meta["refine"]["fisher"] == "true"
+    assert res.meta["refine"]["passes"] <= n_params + 5 + 2  # CG stops at convergence; + 2 refit
 
 
 @pytest.mark.parametrize("curvature", ["hessian", "ggn"])

@@ -219,7 +219,7 @@ def compute_influence_all(
             "mode": mode,
             "preconditioner": "refined",
             "damping": refine.damping if refine.damping is not None else damping,
-            "module_damping": report["module_damping"],
+            "module_damping": {m.name: report["damping"] for m in t.layout},
             "refine": report,
         }
     else:
@@ -398,7 +398,7 @@ def compute_self_influence(
         meta = {
             "preconditioner": "refined",
             "damping": refine.damping if refine.damping is not None else damping,
-            "module_damping": report["module_damping"],
+            "module_damping": {m.name: report["damping"] for m in t.layout},
             "refine": report,
         }
         return SelfInfluenceResult((solved * rows).sum(1), ids, meta)
