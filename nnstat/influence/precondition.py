@@ -11,7 +11,9 @@ space:
   logged rows (George et al. 2018), i.e. exact in the logged space along those eigenbases.
 
 Modules without a Kronecker structure (layernorm) use ``raw`` under ``kfac``/``ekfac``.
-``damping=None`` uses ``0.1 × mean eigenvalue`` of each module's ``H``. Eigendecompositions are
+``damping=None`` uses ``0.1 × mean eigenvalue`` of each module's ``H`` (for ``raw``, of its
+nonzero eigenvalues: a covariance of fewer rows than columns is singular, and its zeros would
+dilute the damping to almost nothing). Eigendecompositions are
 damping-free and computed once; damped inverses are cached by ``(kind, damping)`` so a second
 call with another damping never reuses a stale inverse.
 
@@ -68,6 +70,23 @@ def resolve_damping(damping: float | None, evals: torch.Tensor) -> float:
     value = DAMPING_HEURISTIC * float(evals.mean()) if evals.numel() else 0.0
     # an all-zero module (dead layer) still needs a positive damping to be invertible
     return value if value > 0 else 1e-12
+
+
+def nonzero_spectrum(evals: torch.Tensor) -> torch.Tensor:
+    """The eigenvalues above round-off (``> 1e-10 ×`` the largest).
+
+    A covariance of ``n`` rows wider than ``n`` has at most ``n`` nonzero eigenvalues; averaging
+    the zeros in would scale the default damping down by ``width / n`` (an unprojected store's
+    ``raw`` preconditioner was measured 0.12-0.14 LDS below its damping at the nonzero mean).
+
+    Example:
+        >>> import torch
+        >>> nonzero_spectrum(torch.tensor([0.0, 1e-18, 2.0, 4.0], dtype=torch.float64)).tolist()
+        [2.0, 4.0]
+    """
+    if evals.numel() == 0:
+        return evals
+    return evals[evals > 1e-10 * evals.max()]
 
 
 def damped_inverse(evals: torch.Tensor, evecs: torch.Tensor, damping: float) -> torch.Tensor:
@@ -315,7 +334,7 @@ class Preconditioner:
             f = self.factors.get(m.name)
             if f is None:
                 continue
-            evals = f.evals if isinstance(f, DenseFactor) else f.eig.flatten()
+            evals = nonzero_spectrum(f.evals) if isinstance(f, DenseFactor) else f.eig.flatten()
             out[m.name] = resolve_damping(damping, evals)
         return out
 

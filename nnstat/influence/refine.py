@@ -16,8 +16,8 @@ projection's error is amplified along the low-curvature directions the solution 
   streamed pass over ``train_data``.
 * Preconditioner: the unrefined path's own (default EK-FAC, else K-FAC, else raw), with the
   same ``λ`` as the system.
-* ``λ``: ``damping``, or by default the mean eigenvalue of ``P H Pᵀ`` (Hutchinson's estimator,
-  one more pass). The empirical-Fisher scale of the unrefined default is 10-250x smaller on
+* ``λ``: ``damping``, or by default the mean eigenvalue of ``H`` over the logged parameters,
+  ``tr(P H Pᵀ) / n_params`` (Hutchinson's estimator in the logged space, one more pass). The empirical-Fisher scale of the unrefined default is 10-250x smaller on
   confident models, and conjugate gradient then diverges from useful rankings in few steps.
 * Start at ``y₀ = 0``: ``steps`` steps cost ``steps`` passes per block of queries; ``steps=0``
   returns the unrefined scores exactly. (Starting at the preconditioned gradient was worse at
@@ -113,8 +113,8 @@ class Refinement:
         steps: conjugate-gradient steps; 0 gives the unrefined scores exactly.
         curvature: ``"hessian"`` (default) or ``"ggn"`` (Gauss-Newton).
         damping: ``λ`` of system and preconditioner; ``None`` = the mean eigenvalue of the
-            logged-space curvature (``compute_influence_all``'s ``damping`` is used when this
-            is ``None`` and that is given).
+            curvature per logged parameter (``compute_influence_all``'s ``damping`` is used
+            when this is ``None`` and that is given).
         preconditioner: ``None`` (the unrefined default: EK-FAC when the run has K-FAC
             statistics, else raw), or one of ``"ekfac"``, ``"kfac"``, ``"raw"``, ``"identity"``
             (plain CG).
@@ -858,12 +858,15 @@ def _check_weights(flat: _Flat, meta: Mapping[str, Any], path: str) -> None:
         )
 
 
-def _mean_curvature(op: Callable[[torch.Tensor], torch.Tensor], width: int, dtype) -> float:
-    """Mean eigenvalue of the logged-space curvature, ``tr(C) / width`` by Hutchinson's
-    estimator (8 Rademacher probes, one pass)."""
+def _mean_curvature(
+    op: Callable[[torch.Tensor], torch.Tensor], width: int, n_params: int, dtype
+) -> float:
+    """The mean eigenvalue of ``H`` over the logged modules' parameters, ``tr(P H Pᵀ) / n_params``
+    (``E[PᵀP] = I`` for the store's projections, so the trace survives projection), by
+    Hutchinson's estimator in the logged space (8 Rademacher probes, one pass)."""
     gen = torch.Generator().manual_seed(0)
     z = torch.randint(0, 2, (8, width), generator=gen).to(dtype) * 2 - 1
-    return float((z * op(z)).sum(1).mean()) / width
+    return float((z * op(z)).sum(1).mean()) / n_params
 
 
 def refine_queries(
@@ -910,13 +913,13 @@ def refine_queries(
     lam = refine.damping if refine.damping is not None else damping
     rule = "given"
     if lam is None:
-        gamma = _mean_curvature(curvature, b_all.shape[1], dtype)
+        gamma = _mean_curvature(curvature, b_all.shape[1], flat.size, dtype)
         if not gamma > 0:
             raise ValueError(
                 f"the {refine.curvature} curvature has a mean eigenvalue of {gamma:.3g} <= 0, "
                 "so damping=None has no scale: pass a damping > 0 (or curvature='ggn')"
             )
-        lam, rule = gamma, "mean eigenvalue of the curvature (Hutchinson, 8 probes)"
+        lam, rule = gamma, "mean eigenvalue of the curvature per parameter (Hutchinson, 8 probes)"
     lam = resolve_damping(lam, torch.zeros(0))
 
     def matvec(v: torch.Tensor) -> torch.Tensor:
