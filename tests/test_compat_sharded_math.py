@@ -102,9 +102,8 @@ def test_constant_shards_have_nan_skew_and_kurtosis_like_scipy(n, dtype):
     pieces = [x[: n // 3], x[n // 3 :]]
     rows = torch.stack([nd._partial_row(p) for p in pieces])
     combined = nd._combine(rows.unsqueeze(1))
-    got = dict(
-        zip(STAT_NAMES, nd._finish(combined, STAT_NAMES, torch.finfo(dtype).eps)[0].tolist())
-    )
+    values = nd._finish(combined, STAT_NAMES, torch.finfo(dtype).eps)[0].tolist()
+    got = dict(zip(STAT_NAMES, values, strict=True))
     f = x.double().numpy()
     assert got["var"] == pytest.approx(float(np.var(f)), abs=1e-30)
     assert math.isnan(scipy.stats.skew(f)) and math.isnan(got["skew"])
