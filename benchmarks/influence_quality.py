@@ -10,16 +10,23 @@ each retrained from scratch with the same procedure as the scored model, query l
 
 Methods, side by side: nnstat ``identity`` / ``raw`` / ``kfac`` / ``ekfac`` (a damping sweep for
 ``raw`` and ``ekfac``), `Refinement` with k = 1, 2, 5, 10 steps on the Hessian and on the
-Gauss-Newton matrix (warm start at k = 5, a damping sweep and other preconditioners at k = 5,
-the Fisher source of its preconditioner when nnstat has the ``fisher`` field), `exact` influence
-(CG on Hessian-vector products) next to the influence from the explicitly built Hessian and GGN;
-LogIX K-FAC and EK-FAC and Kronfluence EK-FAC at their defaults and at nnstat's damping values.
+Gauss-Newton matrix (solved in the store's logged space; default damping = the mean eigenvalue
+of that curvature, plus λ = wd and a damping sweep, other preconditioners at k = 5 and the Fisher
+source of its preconditioner when nnstat has the ``fisher`` field), `exact` influence (CG on
+Hessian-vector products) next to the influence from the explicitly built Hessian and GGN; LogIX
+K-FAC and EK-FAC and Kronfluence EK-FAC at their defaults and at nnstat's damping values.
 Reported per task x training x store projection: LDS (mean ± s.e. over queries), Spearman
 against exact influence over all query x train pairs, cost. Markdown tables on stdout, all
 numbers in the ``--out`` JSON.
 
+``--quick`` keeps: nnstat identity / raw / kfac / ekfac at their default damping; refine
+k = 1, 2, 5, 10 at the default damping (Hessian and GGN), k = 5 and 10 at λ = wd (Hessian),
+k = 5 with ``fisher="true"`` (GGN); exact; LogIX K-FAC / EK-FAC at their default and a small
+damping sweep; Kronfluence EK-FAC at its heuristic and its default.
+
     .venv/bin/python benchmarks/influence_quality.py --out /tmp/iq.json  # peers: requirements.txt
     .venv/bin/python benchmarks/influence_quality.py --no-peers --tasks logreg --train lbfgs
+    .venv/bin/python benchmarks/influence_quality.py --quick --ranks none,8 --out /tmp/iq.json
 """
 
 from __future__ import annotations
@@ -433,11 +440,15 @@ def refined(log, loader, refine: Refinement):
         "passes": info["passes"],
         "passes_per_block": info.get("passes_per_block"),
         "refine_seconds": info["seconds"],
-        "module_damping": info["module_damping"],
+        "damping": info["damping"],
+        "damping_rule": info.get("damping_rule"),
+        "unrefined_module_damping": res.meta.get("module_damping"),
         "preconditioner_origin": info["preconditioner"],
         "max_residual": info.get("max_residual"),
-        "note": ", ".join(sorted(set(info["preconditioner"].values()))),
+        "note": str(info["preconditioner"]),
     }
+    if info.get("damping_rule", "given") != "given":
+        extra["note"] += " (λ: mean eigenvalue, +1 pass)"
     if info.get("fisher", "store") != "store":
         extra["note"] += f" refit ({info['fisher']} Fisher: +2 statistics passes, not counted)"
     return in_train_order(res), extra
@@ -481,7 +492,7 @@ def bench_store(board: Board, ctx: dict[str, Any], log, loader, args, projected:
             group="unrefined",
             preconditioner=kind,
         )
-    for kind in ("raw", "ekfac"):
+    for kind in () if args.quick else ("raw", "ekfac"):
         for label, lam in sweep.items():
             board.run(
                 f"nnstat {kind}, λ = {label}",
@@ -510,26 +521,32 @@ def bench_store(board: Board, ctx: dict[str, Any], log, loader, args, projected:
             group=group,
             steps=steps,
             curvature=curvature,
-            **{k: v for k, v in kw.items() if k != "warm_start"},
-            warm_start=kw.get("warm_start", False),
+            **kw,
         )
 
     curvatures = ("hessian", "ggn")
-    # k curves, cold (x0 = 0) and warm (x0 = preconditioned gradient, one more pass per block:
-    # warm k-1 costs what cold k does), at the default damping and two larger ones
+    if args.quick:
+        for c in curvatures:
+            for k in (1, 2, 5, 10):
+                go(f"refine k={k}, {c}, λ = default", "refine", k, c, damping=None)
+        for k in (5, 10):
+            go(f"refine k={k}, hessian, λ = wd", "refine", k, "hessian", damping=wd)
+        if HAS_FISHER:
+            go(
+                "refine k=5, ggn, fisher=true, λ = default",
+                "refine fisher",
+                5,
+                "ggn",
+                damping=None,
+                fisher="true",
+            )
+        return
+    # k curves at the default damping (mean eigenvalue of the logged-space curvature) and two
+    # fixed ones
     for label, lam in (("default", None), ("0.1γ", 0.1 * gamma), ("wd", wd)):
         for c in curvatures:
             for k in (1, 2, 5, 10):
                 go(f"refine k={k}, {c}, λ = {label}", "refine", k, c, damping=lam)
-            for k in (1, 4, 5, 9):
-                go(
-                    f"refine k={k}, {c}, λ = {label}, warm start",
-                    "refine warm",
-                    k,
-                    c,
-                    damping=lam,
-                    warm_start=True,
-                )
     for c in curvatures:
         for label, lam in sweep_full.items():
             go(f"refine k=5, {c}, λ = {label}", "refine sweep", 5, c, damping=lam)
@@ -641,12 +658,13 @@ def bench_setting(task: Task, method: str, args, root: Path) -> list[dict[str, A
     )
     common.add("explicit Hessian (same λ)", explicit_ref, group="exact", damping=lam_ref)
     common.add("explicit GGN (same λ)", ex.scores(ex.ggn, lam_ref), group="exact", damping=lam_ref)
-    for label, lam in (
+    variants = (
         ("λ_heur", lam_heur),
         ("wd", args.wd),
         ("0.1τ", 0.1 * tau_full),
         ("0.1γ", 0.1 * gamma),
-    ):
+    )
+    for label, lam in () if args.quick else variants:
         if lam == lam_ref:
             continue
         if lam_min + lam > 0:
@@ -670,6 +688,8 @@ def bench_setting(task: Task, method: str, args, root: Path) -> list[dict[str, A
     )
     if not args.no_peers:
         sweep = damping_sweep(tau_full, gamma, args.wd)
+        if args.quick:  # a small sweep: the best peer setting is still searched for
+            sweep = {k: sweep[k] for k in ("0.1τ", "τ", "0.1γ", "wd")}
         for hessian in ("kfac", "ekfac"):
             dampings = [None, *sweep.values()]
             labels = ["default (0.1 × mean eigenvalue of the first module)", *sweep]
@@ -698,8 +718,12 @@ def bench_setting(task: Task, method: str, args, root: Path) -> list[dict[str, A
                     peer="logix",
                     damping=lam,
                 )
-        dampings = [1e-8, None, *sweep.values()]
-        labels = ["1e-8 (default)", "heuristic (damping_factor=None)", *sweep]
+        dampings = [1e-8, None, *([] if args.quick else sweep.values())]
+        labels = [
+            "1e-8 (default)",
+            "heuristic (damping_factor=None)",
+            *([] if args.quick else sweep),
+        ]
         t = time.perf_counter()
         try:
             out = kronfluence_scores(
@@ -783,11 +807,27 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         best_unref = _best(rows, lambda r: str(r.get("group", "")).startswith("unrefined"))
         k5 = {c: _one(rows, f"refine k=5, {c}, λ = default") for c in ("hessian", "ggn")}
         k10 = {c: _one(rows, f"refine k=10, {c}, λ = default") for c in ("hessian", "ggn")}
-        best_k5 = _best(rows, lambda r: r.get("steps") == 5 and not r.get("warm_start"))
-        best_k10 = _best(rows, lambda r: r.get("steps") == 10 and not r.get("warm_start"))
+        best_k5 = _best(rows, lambda r: r.get("steps") == 5)
+        best_k10 = _best(rows, lambda r: r.get("steps") == 10)
 
         def lds(r):
             return None if r is None else r.get("lds")
+
+        def pair(r):
+            if r is None or r.get("lds") is None:
+                return None if r is None else r.get("status")
+            return [r["lds"], r["sem"]]
+
+        def refine_row(c, lam, rows=rows):
+            return {k: pair(_one(rows, f"refine k={k}, {c}, λ = {lam}")) for k in (1, 2, 5, 10)}
+
+        ks = {c: refine_row(c, "default") for c in ("hessian", "ggn")}
+        # the Hessian's curve where it is positive definite along CG, else the GGN's
+        curve = "hessian" if all(isinstance(v, list) for v in ks["hessian"].values()) else "ggn"
+        logix_kfac = _one(
+            common, "LogIX 0.1.1 KFAC, λ = default (0.1 × mean eigenvalue of the first module)"
+        )
+        kf_heur = _one(common, "Kronfluence 1.0.1 EK-FAC, λ = heuristic (damping_factor=None)")
 
         out.append(
             {
@@ -812,6 +852,22 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     None if best_k10 is None else (best_k10["method"], best_k10["lds"])
                 ),
                 "exact": ex.get("lds"),
+                "table": {
+                    "best_peer": None if peer is None else [*pair(peer), peer["method"]],
+                    "logix_kfac_default": pair(logix_kfac),
+                    "kronfluence_heuristic": pair(kf_heur),
+                    "nnstat_ekfac_default": pair(default),
+                    "refine_curvature": curve,
+                    "refine_default": ks[curve],
+                    "refine_default_other": ks["ggn" if curve == "hessian" else "hessian"],
+                    "refine_wd": {
+                        k: pair(_one(rows, f"refine k={k}, hessian, λ = wd")) for k in (5, 10)
+                    },
+                    "refine5_fisher_true": pair(
+                        _one(rows, "refine k=5, ggn, fisher=true, λ = default")
+                    ),
+                    "exact": pair(ex),
+                },
                 "refine5_passes_per_block": next(
                     (
                         r.get("passes_per_block")
@@ -852,6 +908,39 @@ def print_summary(summary: list[dict[str, Any]]) -> None:
         )
 
 
+def print_doc_tables(summary: list[dict[str, Any]]) -> None:
+    """One table per store projection: the columns of docs/benchmarks.md."""
+
+    def f(x):
+        if x is None:
+            return "–"
+        if isinstance(x, str):
+            return "indefinite" if x == "indefinite" else "failed"
+        return f"{x[0]:.3f} ± {x[1]:.3f}"
+
+    for proj in dict.fromkeys(s["projection"] for s in summary):
+        print(f"\n## LDS, store {proj} (refine default: Hessian, or GGN marked ᴳ)\n")
+        print(
+            "| task / training | best peer (setting) | LogIX K-FAC default | Kronfluence heuristic "
+            "| nnstat ekfac default | refine k=1 | k=2 | k=5 | k=10 | k=5, λ = wd | k=10, λ = wd "
+            "| exact |"
+        )
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for s in summary:
+            if s["projection"] != proj:
+                continue
+            t = s["table"]
+            g = "ᴳ" if t["refine_curvature"] == "ggn" else ""
+            peer = t["best_peer"]
+            peer_s = "–" if peer is None else f"{f(peer[:2])} ({peer[2]})"
+            ref = " | ".join(f(t["refine_default"][k]) + g for k in (1, 2, 5, 10))
+            print(
+                f"| {s['task']} / {s['train']} | {peer_s} | {f(t['logix_kfac_default'])} | "
+                f"{f(t['kronfluence_heuristic'])} | {f(t['nnstat_ekfac_default'])} | {ref} | "
+                f"{f(t['refine_wd'][5])} | {f(t['refine_wd'][10])} | {f(t['exact'])} |"
+            )
+
+
 # ------------------------------------------------------------------------------ main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -869,6 +958,7 @@ def main() -> None:
     ap.add_argument("--proj-init", choices=["random", "pca"], default="random")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="only the methods of the docs' tables")
     ap.add_argument("--out", type=Path, default=None, help="JSON file for all results")
     args = ap.parse_args()
     args.ranks = [None if r.strip().lower() == "none" else int(r) for r in args.ranks.split(",")]
@@ -888,6 +978,7 @@ def main() -> None:
                     args.out.write_text(json.dumps(payload, indent=1, default=str))
     summary = summarize(results)
     print_summary(summary)
+    print_doc_tables(summary)
     if args.out is not None:
         payload = {"config": config, "has_fisher": HAS_FISHER, "results": results}
         payload["summary"] = summary
