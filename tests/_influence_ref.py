@@ -47,14 +47,18 @@ def flat_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
     return torch.cat([g[k].reshape(len(x), -1) for k, _ in model.named_parameters()], dim=1)
 
 
+def layer_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """{layer: [n, d_out, d_in + 1]} per-sample gradients of the Linears "0" and "2" (bias last)."""
+    g = per_sample_grads(model, x, y)
+    return {
+        name: torch.cat([g[f"{name}.weight"], g[f"{name}.bias"].unsqueeze(-1)], dim=-1)
+        for name in ("0", "2")
+    }
+
+
 def store_rows(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """[n, row_width] rows in the store layout: per Linear, [d_out, d_in + 1] (bias last), row-major."""
-    g = per_sample_grads(model, x, y)
-    parts = []
-    for name in ("0", "2"):
-        w, b = g[f"{name}.weight"], g[f"{name}.bias"]
-        parts.append(torch.cat([w, b.unsqueeze(-1)], dim=-1).reshape(len(x), -1))
-    return torch.cat(parts, dim=1)
+    return torch.cat([g.reshape(len(x), -1) for g in layer_grads(model, x, y).values()], dim=1)
 
 
 def store_layout() -> list[ModuleSpec]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _influence_ref import layer_grads
 from torch import nn
-from torch.func import functional_call, grad, vmap
 
 import nnstat
 from nnstat.influence import compute_self_influence
@@ -19,18 +19,9 @@ from nnstat.influence import compute_self_influence
 N_TRAIN, BATCH, N_QUERY = 24, 8, 5
 
 
-def _grads(model, x, y):
-    """{layer: [n, d_out, d_in + 1]} per-sample gradients of each sample's own loss (bias last)."""
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def loss(p, xi, yi):
-        return nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
-
-    g = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
-    return {
-        name: torch.cat([g[f"{name}.weight"], g[f"{name}.bias"][..., None]], -1).double()
-        for name in ("0", "2")
-    }
+def _grads(model, data):
+    """{layer: [n, d_out, d_in + 1]} float64 per-sample gradients (torch.func reference)."""
+    return {k: v.double() for k, v in layer_grads(model, *data).items()}
 
 
 def _kfac_factors(model, x, y):
@@ -79,7 +70,7 @@ def _explicit_self_influence(model, train, query, stats, damping=None):
     eigenbases (checked to diagonalise the explicit K-FAC factors), Lambda = mean over the
     training samples of (Q_S^T G_i Q_A)^2 from torch.func gradients, lambda = `damping` or
     0.1 x mean(Lambda) per module."""
-    gt, gq = _grads(model, *train), _grads(model, *query)
+    gt, gq = _grads(model, train), _grads(model, query)
     factors = _kfac_factors(model, *train)
     scores, dampings = torch.zeros(len(query[0]), dtype=torch.float64), {}
     for name in ("0", "2"):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
+from _influence_ref import layer_grads
 from torch import nn
-from torch.func import functional_call, grad, vmap
 
 import nnstat
 from nnstat.influence import as_source, compute_influence_all, compute_self_influence
@@ -50,18 +50,9 @@ def _log_run(tmp_path, project, model, train, query, rank=None, seed=0):
     return loader, log, tmp_path / project
 
 
-def _grads(model, x, y):
-    """{layer: [n, d_out, d_in + 1]} per-sample gradients (bias last) via torch.func."""
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def loss(p, xi, yi):
-        return nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
-
-    g = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
-    return {
-        name: torch.cat([g[f"{name}.weight"], g[f"{name}.bias"][..., None]], -1).double()
-        for name in ("0", "2")
-    }
+def _grads(model, data):
+    """{layer: [n, d_out, d_in + 1]} float64 per-sample gradients (torch.func reference)."""
+    return {k: v.double() for k, v in layer_grads(model, *data).items()}
 
 
 def _kfac_factors(model, x, y):
@@ -98,7 +89,7 @@ def logged(tmp_path_factory):
 
 
 def _explicit(model, train, query, projections, lam, kind):
-    gt, gq = _grads(model, *train), _grads(model, *query)
+    gt, gq = _grads(model, train), _grads(model, query)
     factors = _kfac_factors(model, *train)
     total = torch.zeros(len(query[0]), len(train[0]), dtype=torch.float64)
     for name in ("0", "2"):
@@ -228,7 +219,7 @@ def test_stored_ekfac_statistics_are_used_and_match_explicit(tmp_path):
     nnstat.unwatch()
     res = compute_influence_all(log, loader, preconditioner="ekfac", damping=1e-2, progress=False)
     assert fitted(as_source(loader), "ekfac").origin == {"0": "statistics", "2": "statistics"}
-    gt, gq = _grads(model, *train), _grads(model, *query)
+    gt, gq = _grads(model, train), _grads(model, query)
     factors = _kfac_factors(model, *train)
     expected = torch.zeros(4, N_TRAIN, dtype=torch.float64)
     for name in ("0", "2"):
