@@ -171,7 +171,7 @@ def test_each_step_does_not_increase_the_energy_error(tmp_path):
             _, _, solved, _ = refine_queries(
                 refine, as_source(log), as_source(store), None, None, 64, query
             )
-            x = flat.from_rows(solved.double())
+            x = flat.lift(solved.double())  # unprojected: the rows are x itself
         e = x - exact
         errors.append(((e @ a) * e).sum(1))
     errors = torch.stack(errors)  # [steps, queries]

@@ -404,21 +404,34 @@ class _Flat:
             self.write(out, s, mat)
         return out
 
-    def from_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Unprojected store rows to flat parameters (the inverse of `project` without P)."""
-        out = rows.new_zeros(len(rows), self.size)
-        for s in self.slots:
-            block = rows[:, s.spec.offset : s.spec.stop]
-            mat = block if s.kind == "layernorm" else block.reshape(-1, s.d_out, s.d_in)
-            self.write(out, s, mat)
-        return out
-
 
 def _twice_differentiable() -> Any:
     """Attention through the math kernel: the fused CPU/flash kernels have no second derivative."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel(SDPBackend.MATH)
+
+
+def _sum_weight(batch_size: int, loss_reduction: str) -> float:
+    """Weight of a batch loss in the *sum* of the examples' losses (the pass divides by the
+    count once, so the data is read once per product, never once more to count it)."""
+    return float(batch_size) if loss_reduction == "mean" else 1.0
+
+
+def _finish_pass(curv: Any, total: torch.Tensor, seen: int) -> torch.Tensor:
+    """``total / n``: a pass's summed products as those of the mean loss; every pass must see
+    the same examples."""
+    if seen == 0:
+        raise ValueError("refinement needs training data: train_data is empty")
+    if curv.n_train is not None and seen != curv.n_train:
+        raise ValueError(
+            f"train_data yielded {seen} examples in one pass and {curv.n_train} in another: "
+            "refinement iterates it once per step, so it must not change (a DataLoader with a "
+            "sampler that drops or repeats examples?)"
+        )
+    curv.n_train = seen
+    curv.passes += 1
+    return total / seen
 
 
 class _Curvature:
@@ -468,13 +481,6 @@ class _Curvature:
             raise ValueError("empty query data")
         return torch.cat(parts)
 
-    def _count(self) -> int:
-        if self.n_train is None:
-            self.n_train = sum(len(x) for x, _ in self.batches(self.r.train_data))
-            if self.n_train == 0:
-                raise ValueError("refinement needs training data: train_data is empty")
-        return self.n_train
-
     def _batch_product(self, vs: dict[str, torch.Tensor], x: Any, y: Any, w: float):
         theta = self.theta
         if self.r.curvature == "hessian":
@@ -505,22 +511,14 @@ class _Curvature:
 
     def product(self, v: torch.Tensor) -> torch.Tensor:
         """``H v`` for a block of flat vectors ``[k, P]`` (one pass over the training data)."""
-        n = self._count()
         vs = self.flat.to_dict(v)
         out = torch.zeros_like(v)
         seen = 0
         for x, y in self.batches(self.r.train_data):
-            w = len(x) / n if self.r.loss_reduction == "mean" else 1.0 / n
+            w = _sum_weight(len(x), self.r.loss_reduction)
             out += self.flat.from_dict(self._batch_product(vs, x, y, w), len(v))
             seen += len(x)
-        if seen != n:
-            raise ValueError(
-                f"train_data yielded {seen} examples in one pass and {n} in another: refinement "
-                "iterates it once per step, so it must not change (a DataLoader with a sampler "
-                "that drops or repeats examples?)"
-            )
-        self.passes += 1
-        return out
+        return _finish_pass(self, out, seen)
 
 
 def batch_len(batch: Any) -> int:
@@ -581,6 +579,17 @@ def _batched_grad(
         return [torch.stack([r[j] for r in rows]) for j in range(len(inputs))]
 
 
+def _watch_logged(engine: Any, model: nn.Module, names: list[str]) -> None:
+    """Watch exactly the modules a store logged (``"model"`` is the engine's name for a watched
+    root module)."""
+    import re
+
+    if names == ["model"]:
+        engine.watch(model)
+    else:
+        engine.watch(model, name_filter="^(" + "|".join(map(re.escape, names)) + ")$")
+
+
 class _BatchLossCurvature:
     """Curvature products by double backward through ``batch_loss`` (any batch format), and the
     queries' gradients from the capture engine (the same per-sample gradients the store holds)."""
@@ -600,12 +609,7 @@ class _BatchLossCurvature:
         engine = CaptureEngine()
         slots = {s.spec.name: s for s in self.flat.slots}
         caps: list[Any] = []
-        if list(slots) == ["model"]:
-            engine.watch(self.r.model)
-        else:
-            import re
-
-            engine.watch(self.r.model, name_filter="^(" + "|".join(map(re.escape, slots)) + ")$")
+        _watch_logged(engine, self.r.model, list(slots))
         engine.add_consumer(lambda cap: caps.append((cap.name, cap.per_sample_grad().detach())))
         saved = {p: p.grad for p in self.params}
         parts = []
@@ -629,20 +633,17 @@ class _BatchLossCurvature:
 
     def product(self, v: torch.Tensor) -> torch.Tensor:
         """``H v`` (or ``G v``) for flat vectors ``[k, P]``: one pass, double backward per batch."""
-        batches = list(self.r.train_data) if self.n_train is None else self.r.train_data
-        if self.n_train is None:
-            self.n_train = sum(batch_len(b) for b in batches)
-            if self.n_train == 0:
-                raise ValueError("refinement needs training data: train_data is empty")
-        n, k = self.n_train, len(v)
+        k = len(v)
+        entries = [e for s in self.flat.slots for e in s.params]  # the order of self.params
         vs = [
             v[:, off : off + size].reshape(k, *shape).to(p.dtype)
-            for s in self.flat.slots
-            for (_, _, shape, off, size), p in zip(s.params, self._of(s), strict=True)
+            for (_, _, shape, off, size), p in zip(entries, self.params, strict=True)
         ]
         out = torch.zeros_like(v)
-        for batch in batches:
-            w = batch_len(batch) / n if self.r.loss_reduction == "mean" else 1.0 / n
+        seen = 0
+        for batch in self.r.train_data:
+            n_batch = batch_len(batch)
+            w = _sum_weight(n_batch, self.r.loss_reduction)
             with torch.enable_grad(), _twice_differentiable():
                 if self.r.curvature == "hessian":
                     loss = w * self.r.batch_loss(batch)
@@ -651,8 +652,8 @@ class _BatchLossCurvature:
                 else:
                     hv = self._ggn(batch, w, vs)
             out += torch.cat([h.reshape(k, -1) for h in hv], 1).to(v.dtype)
-        self.passes += 1
-        return out
+            seen += n_batch
+        return _finish_pass(self, out, seen)
 
     def _ggn(self, batch: Any, w: float, vs: list[torch.Tensor]) -> list[torch.Tensor]:
         """``Jᵀ H_L J v`` with ``z`` the model's output logits, all by reverse mode: ``J v`` is
@@ -697,10 +698,6 @@ class _BatchLossCurvature:
         hjv = _batched_grad([gz], [z], [jv])[0]
         return _batched_grad([z], self.params, [hjv])
 
-    def _of(self, s: _Slot) -> list[torch.Tensor]:
-        by_name = dict(zip(self.flat.names, self.params, strict=True))
-        return [by_name[full] for _, full, _, _, _ in s.params]
-
 
 def _class_logits(outputs: Any, targets: Any) -> torch.Tensor:
     if (
@@ -736,17 +733,12 @@ def fit_fisher_statistics(
         >>> sorted(fit_fisher_statistics(r, ["model"], "kfac"))
         ['model/backward/covariance', 'model/forward/covariance']
     """
-    import re
-
     from nnstat.capture import CaptureEngine
     from nnstat.statistics import StatisticsCollector
 
     model = refine.model
     engine = CaptureEngine()
-    if module_names == ["model"]:
-        engine.watch(model)
-    else:
-        engine.watch(model, name_filter="^(" + "|".join(map(re.escape, module_names)) + ")$")
+    _watch_logged(engine, model, module_names)
     collector = StatisticsCollector(preset)
     engine.add_consumer(collector)
     saved = {p: p.grad for p in model.parameters()}
