@@ -265,9 +265,8 @@ def patch_trainer(trainer_cls: type) -> type:
                 overrides, ("mode", "preconditioner", "damping", "top_k")
             )
             log = self._nnstat_query(query_dataset)
-            query = self._nnstat_data(self._nnstat_loader(query_dataset))
             with eval_mode(self.model):
-                refinement_ = refinement(refine, self._nnstat_train_data(), query, "sum")
+                refinement_ = self._nnstat_refinement(refine, query_dataset)
                 return compute_influence_all(
                     log, self.nnstat_run.path, refine=refinement_, **options
                 )
@@ -281,24 +280,32 @@ def patch_trainer(trainer_cls: type) -> type:
             options = self._nnstat_options(overrides, ("preconditioner", "damping"))
             if self.nnstat_run is None:
                 raise RuntimeError("call extract_log() before self_influence()")
-            train = self._nnstat_train_data()
             with eval_mode(self.model):
                 if dataset is None:
-                    refinement_ = refinement(refine, train, train, "sum")
+                    refinement_ = self._nnstat_refinement(refine, None)
                     return compute_self_influence(
                         self.nnstat_run.path, refine=refinement_, **options
                     )
                 log = self._nnstat_query(dataset)
-                query = self._nnstat_data(self._nnstat_loader(dataset))
-                refinement_ = refinement(refine, train, query, "sum")
+                refinement_ = self._nnstat_refinement(refine, dataset)
                 return compute_self_influence(
                     log, self.nnstat_run.path, refine=refinement_, **options
                 )
 
-        def _nnstat_train_data(self) -> PassData:
+        def _nnstat_refinement(self, refine: Any, query_dataset: Any) -> Any:
+            """``refine=`` as a Refinement on the trainer's loss and training set (queries:
+            ``query_dataset``, or the training set itself); the data only when refining."""
+            if refine is None or not isinstance(refine, int):
+                return refinement(refine, None, None, "sum")
             if self.train_dataset is None:
                 raise ValueError("refinement needs the trainer's train_dataset")
-            return self._nnstat_data(self._nnstat_loader(self.train_dataset))
+            train = self._nnstat_data(self._nnstat_loader(self.train_dataset))
+            query = (
+                train
+                if query_dataset is None
+                else self._nnstat_data(self._nnstat_loader(query_dataset))
+            )
+            return refinement(refine, train, query, "sum")
 
         def _nnstat_options(self, overrides: dict[str, Any], keys: tuple[str, ...]) -> dict:
             unknown = sorted(set(overrides) - set(keys))

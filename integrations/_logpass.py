@@ -248,6 +248,8 @@ def refinement(refine: Any, train: PassData, query: PassData | None, loss_reduct
         return refine
     if isinstance(refine, bool) or not isinstance(refine, int):
         raise TypeError(f"refine must be a number of steps or a Refinement, got {refine!r}")
+    if train is None:
+        raise ValueError(f"refine={refine} needs the training data the store was logged from")
     return Refinement(
         train.model,
         None,
