@@ -122,6 +122,18 @@ def _prepare(
     return q, t, fitted(t, kind, batch_size)
 
 
+def _refined_meta(
+    refine: Refinement, damping: float | None, report: dict, train: RowSource
+) -> dict[str, Any]:
+    """``result.meta`` of refined scores: the damping asked for, the one every module used."""
+    return {
+        "preconditioner": "refined",
+        "damping": refine.damping if refine.damping is not None else damping,
+        "module_damping": {m.name: report["damping"] for m in train.layout},
+        "refine": report,
+    }
+
+
 def _score_block(
     q_pre: torch.Tensor,
     q_norm: torch.Tensor | None,
@@ -215,13 +227,7 @@ def compute_influence_all(
             refine, q, t, damping, preconditioner, batch_size, refine.query_data
         )
         pre, q_norm = Preconditioner("identity", list(t.layout), {}), None  # dot mode: unused
-        meta = {
-            "mode": mode,
-            "preconditioner": "refined",
-            "damping": refine.damping if refine.damping is not None else damping,
-            "module_damping": {m.name: report["damping"] for m in t.layout},
-            "refine": report,
-        }
+        meta = {"mode": mode, **_refined_meta(refine, damping, report, t)}
     else:
         q, t, pre = _prepare(q, t, preconditioner, batch_size)
         test_ids, q_rows = all_rows(q, batch_size)
@@ -395,12 +401,7 @@ def compute_self_influence(
         ids, rows, solved, report = refine_queries(
             refine, d, t, damping, preconditioner, batch_size, grads_of
         )
-        meta = {
-            "preconditioner": "refined",
-            "damping": refine.damping if refine.damping is not None else damping,
-            "module_damping": {m.name: report["damping"] for m in t.layout},
-            "refine": report,
-        }
+        meta = _refined_meta(refine, damping, report, t)
         return SelfInfluenceResult((solved * rows).sum(1), ids, meta)
     kind = preconditioner or _self_default(d, t, train is None)
     pre = fitted(t, kind, batch_size)
