@@ -164,8 +164,15 @@ def _store_and_influence(kind: str, rank: int, x, y, out_dir: str) -> None:
     nnstat.add_projection(rank=2)
     with run(data_id=list(range(lo, hi))):
         F.cross_entropy(train(x), y, reduction="sum").backward()
+    from nnstat.run.current import current_run
+    from nnstat.run.support import params_fingerprint
+
+    # every rank must name the same weights in the shared meta.json (FSDP1 ranks hold shards)
+    fingerprint = params_fingerprint(current_run().engine)
     nnstat.finalize()
     nnstat.unwatch()
+    with open(os.path.join(out_dir, f"fingerprint-rank{rank}.txt"), "w") as f:
+        f.write(fingerprint)
     dist.barrier()  # every rank's shard is on disk before anyone reads the union
     path = os.path.join(out_dir, "store")
     query = nnstat.GradientStore(path)

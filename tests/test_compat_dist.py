@@ -206,6 +206,8 @@ def test_store_per_rank_shards_union_every_id_once(spawned, kind):
     rows = store.rows(0, len(store))
     for i, rid in enumerate(store.ids):
         torch.testing.assert_close(rows[i], ref[rid], rtol=1e-4, atol=1e-6)
+    prints = {open(os.path.join(out, f"fingerprint-rank{r}.txt")).read() for r in range(WORLD)}
+    assert prints == {store.meta["params_sha256"]}  # one fingerprint for all ranks
 
 
 @pytest.mark.parametrize("kind", WRAPPERS)

@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -141,7 +142,8 @@ def watched_parameters(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """``("{module}.{param}", full tensor)`` of every watched module's own parameters, in watch
     order (registration order within a module). A DTensor (FSDP2) is gathered with
     ``full_tensor()``, a collective: every rank hashes the same whole weights. FSDP1 flat
-    parameters are hashed as each rank holds them (outside forward: its shard)."""
+    parameters are hashed as each rank holds them (outside forward: its shard);
+    :func:`params_fingerprint` combines the ranks' hashes."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch built without distributed
@@ -154,9 +156,33 @@ def watched_parameters(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 def params_fingerprint(engine: Any) -> str:
     """``meta["params_sha256"]``: :func:`nnstat.store.format.params_hash` of
-    :func:`watched_parameters` (the weights the rows of a pass are computed with)."""
+    :func:`watched_parameters` (the weights the rows of a pass are computed with).
+
+    Under ``torch.distributed`` every rank returns the same value (a collective: call it on
+    every rank): the ranks' hashes are exchanged, and when they differ (FSDP1, where each rank
+    holds its shard) the fingerprint is the hash of all of them in rank order. Without this the
+    ranks would write one shared ``meta.json`` with whichever rank's shard came first and
+    refuse each other's passes."""
     with torch.no_grad():
-        return fmt.params_hash(watched_parameters(engine))
+        local = fmt.params_hash(watched_parameters(engine))
+    return combine_rank_digests(local)
+
+
+def combine_rank_digests(local: str) -> str:
+    """One digest for all ranks: ``local`` when every rank has it (replicated weights: DDP,
+    FSDP2's gathered tensors, one process), else sha256 of the ranks' digests in rank order."""
+    from nnstat.distributed import rank_world
+
+    _, world = rank_world()
+    if world == 1:
+        return local
+    import torch.distributed as dist
+
+    digests: list[Any] = [None] * world
+    dist.all_gather_object(digests, local)
+    if all(d == local for d in digests):
+        return local
+    return hashlib.sha256(("sharded:" + ",".join(map(str, digests))).encode()).hexdigest()
 
 
 _LOCK_RE = re.compile(r"^rank(\d+)\.lock$")
