@@ -1,0 +1,189 @@
+"""The main paths on CUDA, each compared with the same computation on the CPU.
+
+Marked ``cuda``: they run wherever a GPU exists and skip elsewhere (CI has none). Besides
+equal results they check the device contract of docs/architecture.md: tensors stay on the
+GPU until one transfer per logged step, counted with ``torch.cuda.set_sync_debug_mode``
+(which warns on every synchronising call: ``.item()``, ``.cpu()``, ``.tolist()``, ...).
+``NNSTAT_TEST_DEVICE=cpu`` runs the same code on the CPU twice, to check the tests themselves
+where no GPU exists (the synchronisation counts are then empty).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+import nnstat
+from nnstat.capture import CaptureEngine
+
+DEV = os.environ.get("NNSTAT_TEST_DEVICE", "cuda")
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        DEV == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device"
+    ),
+]
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.LayerNorm(32), nn.Linear(32, 5))
+
+
+def data(n: int = 48) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 12, generator=g), torch.randint(0, 5, (n,), generator=g)
+
+
+@contextlib.contextmanager
+def count_syncs():
+    """Yields a list that holds, on exit, the messages of the synchronising CUDA calls."""
+    found: list[str] = []
+    if DEV != "cuda":
+        yield found
+        return
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    found.extend(str(w.message) for w in caught if "synchroniz" in str(w.message).lower())
+
+
+def _train_tracker(device: str, steps: int = 3, syncs: list | None = None) -> list[dict]:
+    model = mlp().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = (t.to(device) for t in data())
+    out: list[dict] = []
+    tracker = nnstat.Tracker(model, opt, every=1, sinks=[lambda m, step: out.append(dict(m))])
+    for _ in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        if syncs is None:
+            tracker.step()
+        else:
+            with count_syncs() as found:
+                tracker.step()
+            syncs.append(len(found))
+    tracker.close()
+    return out
+
+
+def test_tracker_cuda_equals_cpu_and_syncs_once_per_step():
+    cpu = _train_tracker("cpu")
+    syncs: list[int] = []
+    gpu = _train_tracker(DEV, syncs=syncs)
+    assert len(cpu) == len(gpu) == 3
+    for a, b in zip(cpu, gpu, strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert b[k] == pytest.approx(a[k], rel=2e-3, abs=1e-5), k
+    assert max(syncs) <= 1, f"host synchronisations per Tracker step: {syncs}"
+
+
+def test_capture_per_sample_grads_cuda_match_torch_func():
+    model = mlp().to(DEV)
+    x, y = (t.to(DEV) for t in data(16))
+    engine = CaptureEngine()
+    engine.watch(model)
+    caps = {}
+    engine.add_consumer(lambda cap: caps.__setitem__(cap.name, cap))
+    with engine.batch(loss_reduction="sum"):
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+    engine.unwatch()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p, xi, yi):
+        return F.cross_entropy(functional_call(model, p, (xi[None],)), yi[None], reduction="sum")
+
+    ref = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
+    assert set(caps) == {"0", "2", "3"}
+    for name, cap in caps.items():
+        for pname, g in cap.per_sample_grads_by_param().items():
+            assert g.device.type == DEV
+            torch.testing.assert_close(g, ref[f"{name}.{pname}"], rtol=1e-4, atol=1e-5)
+
+
+def _log_store(device: str, root: str) -> nnstat.GradientStore:
+    model = mlp().to(device)
+    x, y = (t.to(device) for t in data())
+    run = nnstat.init(project=f"store-{device}", root_dir=root)
+    nnstat.setup({"statistic": "kfac"})
+    nnstat.watch(model)
+    nnstat.add_projection(rank=4, seed=0)
+    for lo in range(0, len(x), 16):
+        with run(data_id=list(range(lo, lo + 16))):
+            F.cross_entropy(model(x[lo : lo + 16]), y[lo : lo + 16], reduction="sum").backward()
+        model.zero_grad()
+    nnstat.finalize()
+    nnstat.unwatch()
+    return nnstat.GradientStore(f"{root}/store-{device}")
+
+
+def test_store_and_influence_cuda_equal_cpu(tmp_path):
+    cpu = _log_store("cpu", str(tmp_path))
+    gpu = _log_store(DEV, str(tmp_path / "dev"))
+    assert cpu.ids == gpu.ids
+    torch.testing.assert_close(gpu.rows(0, len(gpu)), cpu.rows(0, len(cpu)), rtol=1e-3, atol=1e-5)
+    for pre in ("identity", "kfac", "ekfac"):
+        a = nnstat.influence.compute_influence_all(cpu, cpu.path, preconditioner=pre)
+        b = nnstat.influence.compute_influence_all(gpu, gpu.path, preconditioner=pre)
+        torch.testing.assert_close(b.scores, a.scores, rtol=2e-3, atol=1e-4, msg=pre)
+
+
+@pytest.mark.parametrize("method", ["two_batch", "per_sample"])
+def test_noise_scale_cuda_equals_cpu(method):
+    x, y = data(256)
+    kw = dict(method=method, small_batch=4, big_batch=32, n_estimates=4, seed=3)
+    a = nnstat.noise_scale(mlp(), F.cross_entropy, (x, y), **kw)
+    b = nnstat.noise_scale(mlp().to(DEV), F.cross_entropy, (x.to(DEV), y.to(DEV)), **kw)
+    assert b.b_simple == pytest.approx(a.b_simple, rel=1e-3)
+
+
+def test_streaming_noise_scale_cuda_syncs_at_most_once_per_step():
+    model = mlp().to(DEV)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x, y = (t.to(DEV) for t in data(64))
+    ns = nnstat.NoiseScale(window=10)
+    ns.watch(model)
+    syncs = []
+    for _ in range(3):
+        opt.zero_grad()
+        with count_syncs() as found:
+            with ns.batch():
+                F.cross_entropy(model(x), y).backward()
+        syncs.append(len(found))
+        opt.step()
+    assert max(syncs) <= 1, f"host synchronisations per noise-scale step: {syncs}"
+
+
+def test_recorder_cuda_equals_cpu(tmp_path):
+    from nnstat.recorder import STAT_NAMES, Recorder, read_step_stats
+
+    def record(device: str) -> torch.Tensor:
+        model = mlp().to(device)
+        x, y = (t.to(device) for t in data())
+        rec = Recorder(str(tmp_path / f"rec-{len(list(tmp_path.iterdir()))}"), every=1)
+        rec.track_module(model)
+        rec.start_batch(0)
+        loss = F.cross_entropy(model(x), y)
+        rec.register_tensor("loss", loss, role="loss")
+        loss.backward()
+        rec.finish_batch()
+        rec.close()
+        return read_step_stats(rec.path, "train-000000000")
+
+    a, b = record("cpu"), record(DEV)
+    assert a.shape == b.shape and a.shape[-1] == len(STAT_NAMES)
+    torch.testing.assert_close(b, a, rtol=2e-3, atol=1e-5, equal_nan=True)
