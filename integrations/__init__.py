@@ -1,1 +1,6 @@
-"""Adapters to the tools users already log with: W&B, TensorBoard, HuggingFace, Lightning."""
+"""Adapters to the tools users already log with: W&B, TensorBoard, HuggingFace, Lightning, and
+a JSON Lines file nnstat reads back itself (`JsonlLogger`)."""
+
+from nnstat.integrations.jsonl import JsonlLogger
+
+__all__ = ["JsonlLogger"]
