@@ -1,1 +1,20 @@
-"""nnstat.viewer"""
+"""nnstat.viewer: ``nnstat view DIR``, a local page for what nnstat wrote under DIR.
+
+Tracker runs (`nnstat.integrations.JsonlLogger`), recorder trials, gradient stores (an influence
+explorer) and the demo's report. `save_examples` / `save_queries` put what the explorer shows
+beside a gradient store.
+
+Example:
+    >>> from nnstat.viewer import save_examples  # doctest: +SKIP
+    >>> save_examples("nnstat_logs/my_project", ids=[0, 1], labels=[3, 5])  # doctest: +SKIP
+"""
+
+from nnstat.viewer.examples import (
+    Examples,
+    load_examples,
+    load_queries,
+    save_examples,
+    save_queries,
+)
+
+__all__ = ["Examples", "load_examples", "load_queries", "save_examples", "save_queries"]

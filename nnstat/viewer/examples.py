@@ -1,0 +1,365 @@
+"""What the influence explorer shows for an id: examples and query sets saved beside a store.
+
+A gradient store holds ids and gradient rows, not the data. So that ``nnstat view`` can show a
+training digit instead of ``id 42``, :func:`save_examples` writes the examples (images, labels,
+texts) beside the store's files; :func:`save_queries` writes a query log (the in-memory
+`GradientLog` of ``nnstat.get_log()``) beside the store it will be scored against::
+
+    <store>/viewer/examples.json            {"format": "nnstat-examples", "version": 1, "ids": [...],
+                                            "labels": [...] | null, "texts": [...] | null,
+                                            "images": {"shape": [n, H, W(, C)]} | null}
+    <store>/viewer/examples.safetensors     "images" float32 [n, H, W] or [n, H, W, C] (C = 1, 3, 4)
+    <store>/viewer/queries/<name>/query.json         {"format": "nnstat-queries", "version": 1,
+                                                      "ids": [...], "meta": <the log's meta>}
+    <store>/viewer/queries/<name>/rows.safetensors   "rows" float32 [n, row_width]
+    <store>/viewer/queries/<name>/examples.json (+ .safetensors)   save_examples(<that folder>, ...)
+
+Everything is JSON or safetensors (no pickle), written to a temporary name and renamed. The
+explorer scores each query set of a store against that store, and the store against itself
+(every training example as a query) whether or not a query set exists.
+
+Example:
+    >>> import tempfile, numpy as np
+    >>> from nnstat.viewer.examples import save_examples, load_examples
+    >>> store = _tiny_store(tempfile.mkdtemp(), ["a", "b"])
+    >>> _ = save_examples(store, ["a", "b"], images=np.zeros((2, 8, 8)), labels=[3, 5])
+    >>> ex = load_examples(store)
+    >>> ex.ids, ex.labels, tuple(ex.images.shape)
+    (['a', 'b'], [3, 5], (2, 8, 8))
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from nnstat.influence.layout import check_compatible
+from nnstat.store import GradientLog, GradientStore
+from nnstat.store.format import atomic_write_bytes, read_json
+
+__all__ = [
+    "Examples",
+    "VIEWER_DIR",
+    "load_examples",
+    "load_queries",
+    "query_sets",
+    "save_examples",
+    "save_queries",
+]
+
+VIEWER_DIR = "viewer"
+QUERIES_DIR = "queries"
+EXAMPLES_JSON = "examples.json"
+EXAMPLES_TENSORS = "examples.safetensors"
+QUERY_JSON = "query.json"
+QUERY_ROWS = "rows.safetensors"
+
+
+@dataclass
+class Examples:
+    """Examples saved for a store or query set: ``ids`` and, aligned with them, optional
+    ``images`` (float32 ``[n, H, W]`` or ``[n, H, W, C]``), ``labels`` and ``texts``."""
+
+    ids: list
+    images: torch.Tensor | None = None
+    labels: list | None = None
+    texts: list[str] | None = None
+
+
+def _folder_ids(folder: Path) -> list:
+    """The ids of a gradient store or of a query set written by :func:`save_queries`."""
+    if (folder / QUERY_JSON).is_file():
+        return list(_read_query_json(folder)["ids"])
+    return GradientStore(folder).ids  # raises "... is not a gradient store" on other folders
+
+
+def _examples_dir(folder: Path) -> Path:
+    # a query set's examples sit in its own folder; a store's in its viewer/ sub-folder
+    return folder if (folder / QUERY_JSON).is_file() else folder / VIEWER_DIR
+
+
+def _as_images(images: Any, n: int) -> torch.Tensor:
+    t = torch.as_tensor(np.asarray(images) if not isinstance(images, torch.Tensor) else images)
+    t = t.detach().cpu()
+    if t.dtype == torch.bool or t.is_complex():
+        raise TypeError(f"images must be real numbers, got dtype {t.dtype}")
+    if t.ndim == 2:
+        raise ValueError(
+            f"images must be [n, H, W], [n, H, W, C] or [n, C, H, W]; got shape {tuple(t.shape)} "
+            "(flat rows? reshape them to [n, H, W] first)"
+        )
+    if t.ndim == 4 and t.shape[1] in (1, 3) and t.shape[3] not in (1, 3, 4):
+        t = t.permute(0, 2, 3, 1)  # [n, C, H, W] (torchvision) -> [n, H, W, C]
+    if t.ndim not in (3, 4) or (t.ndim == 4 and t.shape[3] not in (1, 3, 4)):
+        raise ValueError(
+            f"images must be [n, H, W], [n, H, W, C] or [n, C, H, W] with C in 1, 3, 4; "
+            f"got shape {tuple(t.shape)}"
+        )
+    if t.shape[0] != n:
+        raise ValueError(f"images has {t.shape[0]} examples but ids has {n}")
+    t = t.to(torch.float32).contiguous()
+    if not torch.isfinite(t).all():
+        raise ValueError("images hold NaN or infinite values")
+    return t
+
+
+def _plain_list(values: Any, n: int, what: str, kinds: tuple[type, ...]) -> list:
+    if isinstance(values, (str, bytes)):
+        raise TypeError(f"{what} must be a sequence of {n} values, not one string")
+    if isinstance(values, (torch.Tensor, np.ndarray)):
+        values = values.tolist()
+    out = list(values)
+    if len(out) != n:
+        raise ValueError(f"{what} has {len(out)} values but ids has {n}")
+    for i, v in enumerate(out):
+        if isinstance(v, np.generic):
+            v = v.item()
+            out[i] = v
+        if isinstance(v, bool) or not isinstance(v, kinds):
+            names = " or ".join(k.__name__ for k in kinds)
+            raise TypeError(f"{what}[{i}] must be {names}, got {type(v).__name__}")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{what}[{i}] is {v}")
+    return out
+
+
+def save_examples(
+    store_dir: str | Path,
+    ids: Sequence[Any],
+    images: Any | None = None,
+    labels: Sequence[Any] | None = None,
+    texts: Sequence[str] | None = None,
+) -> Path:
+    """Save what the influence explorer shows for ``ids`` beside a store (or a query set).
+
+    Args:
+        store_dir: a gradient store folder, or a query set folder written by `save_queries`.
+        ids: ids of that folder's rows (ints/strings as logged; tensors and arrays are turned
+            into lists); each at most once. Ids not given are shown as ids only.
+        images: ``[n, H, W]``, ``[n, H, W, C]`` or ``[n, C, H, W]`` (C = 1, 3 or 4) numbers,
+            row ``i`` for ``ids[i]``; shown scaled from the smallest to the largest value of
+            the whole set (uint8 images in 0-255 stay as they are when they span it).
+        labels: one int or string per id (e.g. the class).
+        texts: one string per id (e.g. the sentence).
+
+    Returns the ``examples.json`` path. Saving again replaces the previous examples.
+
+    Raises:
+        FileNotFoundError: ``store_dir`` is neither a store nor a query set.
+        KeyError: an id is not in the store (the first few missing are named).
+        ValueError / TypeError: lengths or shapes disagree, duplicates, non-finite values.
+
+    Example:
+        >>> import tempfile
+        >>> store = _tiny_store(tempfile.mkdtemp(), [0, 1, 2])
+        >>> save_examples(store, [0, 2], texts=["a cat", "a dog"]).name
+        'examples.json'
+        >>> save_examples(store, [7])
+        Traceback (most recent call last):
+        KeyError: 'ids not in the store ...: [7] (1 of 1 missing)'
+    """
+    folder = Path(store_dir)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"save_examples: {folder} is not a folder")
+    known = _folder_ids(folder)
+    if isinstance(ids, (torch.Tensor, np.ndarray)):
+        ids = ids.tolist()
+    ids = [i.item() if isinstance(i, np.generic) else i for i in ids]
+    if not ids:
+        raise ValueError("save_examples: ids is empty")
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, (int, str)):
+            raise TypeError(f"ids must be ints or strings (as logged), got {i!r}")
+    if len(set(ids)) != len(ids):
+        seen: set = set()
+        dup = [i for i in ids if i in seen or seen.add(i)]
+        raise ValueError(f"save_examples: ids repeat: {dup[:5]}")
+    known_set = set(known)
+    missing = [i for i in ids if i not in known_set]
+    if missing:
+        raise KeyError(
+            f"ids not in the store {folder}: {missing[:5]} ({len(missing)} of {len(ids)} missing)"
+        )
+    n = len(ids)
+    record: dict[str, Any] = {
+        "format": "nnstat-examples",
+        "version": 1,
+        "ids": ids,
+        "labels": None if labels is None else _plain_list(labels, n, "labels", (int, str)),
+        "texts": None if texts is None else _plain_list(texts, n, "texts", (str,)),
+        "images": None,
+    }
+    out_dir = _examples_dir(folder)
+    out_dir.mkdir(exist_ok=True)
+    if images is not None:
+        t = _as_images(images, n)
+        record["images"] = {"shape": list(t.shape)}
+        atomic_write_bytes(out_dir / EXAMPLES_TENSORS, st_save({"images": t}))
+    else:
+        (out_dir / EXAMPLES_TENSORS).unlink(missing_ok=True)
+    # the JSON last: it names what the safetensors file must hold, so a reader never pairs new
+    # JSON with old images
+    path = out_dir / EXAMPLES_JSON
+    atomic_write_bytes(path, json.dumps(record, allow_nan=False).encode("utf-8"))
+    return path
+
+
+def load_examples(store_dir: str | Path) -> Examples | None:
+    """The examples saved for a store or query set, or ``None`` when none were saved.
+
+    Raises ``ValueError`` naming the file when it is damaged or disagrees with itself.
+
+    Example:
+        >>> import tempfile
+        >>> load_examples(_tiny_store(tempfile.mkdtemp(), [0])) is None
+        True
+    """
+    out_dir = _examples_dir(Path(store_dir))
+    path = out_dir / EXAMPLES_JSON
+    if not path.is_file():
+        return None
+    rec = read_json(path)
+    if not isinstance(rec, dict) or rec.get("format") != "nnstat-examples":
+        raise ValueError(f"{path}: not an nnstat examples file")
+    ids = rec.get("ids")
+    if not isinstance(ids, list) or not all(
+        isinstance(i, (int, str)) and not isinstance(i, bool) for i in ids
+    ):
+        raise ValueError(f"{path}: ids must be a list of ints and strings")
+    n = len(ids)
+    try:
+        labels = (
+            None
+            if rec.get("labels") is None
+            else _plain_list(rec["labels"], n, "labels", (int, str))
+        )
+        texts = None if rec.get("texts") is None else _plain_list(rec["texts"], n, "texts", (str,))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+    images = None
+    if rec.get("images") is not None:
+        tpath = out_dir / EXAMPLES_TENSORS
+        try:
+            images = st_load(tpath.read_bytes())["images"]
+        except Exception as exc:  # OSError, KeyError or safetensors' own error type
+            raise ValueError(f"{tpath}: cannot read the images ({exc})") from exc
+        if list(images.shape) != rec["images"].get("shape") or images.shape[0] != n:
+            raise ValueError(
+                f"{tpath}: images of shape {list(images.shape)}, {path} says "
+                f"{rec['images'].get('shape')} for {n} ids; save the examples again"
+            )
+    return Examples(ids=ids, images=images, labels=labels, texts=texts)
+
+
+def _read_query_json(folder: Path) -> dict[str, Any]:
+    path = folder / QUERY_JSON
+    rec = read_json(path)
+    if not isinstance(rec, dict) or rec.get("format") != "nnstat-queries":
+        raise ValueError(f"{path}: not an nnstat query set")
+    if not isinstance(rec.get("ids"), list) or not isinstance(rec.get("meta"), dict):
+        raise ValueError(f"{path}: a query set needs ids (list) and meta (object)")
+    return rec
+
+
+def save_queries(log: GradientLog, store_dir: str | Path, name: str = "queries") -> Path:
+    """Write a query log beside the store it is scored against; returns the query set folder.
+
+    ``nnstat view <store>`` then offers its queries in the influence explorer (scored with the
+    store's default preconditioner, as ``compute_influence_all(log, store)`` would).
+
+    Args:
+        log: the `GradientLog` of ``nnstat.get_log()`` (analysis mode).
+        store_dir: the training store (same projection and weights: checked now).
+        name: folder name under ``<store>/viewer/queries/`` (letters, digits, ``-_.``).
+
+    Example:
+        >>> import tempfile, torch
+        >>> from nnstat.store import GradientLog
+        >>> store = _tiny_store(tempfile.mkdtemp(), [0, 1])
+        >>> meta = GradientStore(store).meta
+        >>> q = save_queries(GradientLog(["q0"], torch.ones(1, 2), meta), store)
+        >>> load_queries(q).ids
+        ['q0']
+    """
+    if not isinstance(log, GradientLog):
+        raise TypeError(f"save_queries takes a GradientLog (nnstat.get_log()), got {type(log)}")
+    if not name or not all(c.isalnum() or c in "-_." for c in name) or name in (".", ".."):
+        raise ValueError(f"name must be letters, digits, '-', '_' or '.', got {name!r}")
+    store = GradientStore(store_dir)
+    rows = log.rows.detach().to("cpu", torch.float32).contiguous()
+    if rows.ndim != 2 or rows.shape[0] != len(log.ids):
+        raise ValueError(f"log.rows {tuple(rows.shape)} does not match {len(log.ids)} ids")
+    if rows.shape[1] != store.row_width:
+        raise ValueError(
+            f"log rows are {rows.shape[1]} wide, the store's {store.row_width}: not the same run"
+        )
+    check_compatible(log.meta, store.meta)  # raises naming what differs (projection, modules)
+    ids = [i.item() if isinstance(i, np.generic) else i for i in log.ids]
+    if len(set(ids)) != len(ids):
+        raise ValueError("save_queries: the log's ids repeat")
+    folder = Path(store_dir) / VIEWER_DIR / QUERIES_DIR / name
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(folder / QUERY_ROWS, st_save({"rows": rows}))
+    rec = {"format": "nnstat-queries", "version": 1, "ids": ids, "meta": log.meta}
+    atomic_write_bytes(folder / QUERY_JSON, json.dumps(rec, allow_nan=False).encode("utf-8"))
+    return folder
+
+
+def load_queries(folder: str | Path) -> GradientLog:
+    """The `GradientLog` saved by `save_queries` (``ValueError`` naming the file when damaged)."""
+    folder = Path(folder)
+    rec = _read_query_json(folder)
+    path = folder / QUERY_ROWS
+    try:
+        rows = st_load(path.read_bytes())["rows"]
+    except Exception as exc:  # OSError, KeyError or safetensors' own error
+        raise ValueError(f"{path}: cannot read the query rows ({exc})") from exc
+    if rows.ndim != 2 or rows.shape[0] != len(rec["ids"]) or rows.dtype != torch.float32:
+        raise ValueError(
+            f"{path}: rows {tuple(rows.shape)} {rows.dtype} do not match {len(rec['ids'])} ids"
+        )
+    return GradientLog(ids=list(rec["ids"]), rows=rows, meta=rec["meta"])
+
+
+def query_sets(store_dir: str | Path) -> list[Path]:
+    """Query set folders saved beside a store, sorted by name.
+
+    Example:
+        >>> import tempfile
+        >>> query_sets(tempfile.mkdtemp())
+        []
+    """
+    root = Path(store_dir) / VIEWER_DIR / QUERIES_DIR
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if (p / QUERY_JSON).is_file())
+
+
+def _tiny_store(root: str | Path, ids: list) -> Path:
+    """A 2-wide store with ``ids`` (for the examples above and the tests)."""
+    from nnstat.store.format import atomic_write_json
+    from nnstat.store.writer import StoreWriter
+
+    d = Path(root)
+    atomic_write_json(
+        d / "meta.json",
+        {
+            "format_version": 1,
+            "row_width": 2,
+            "dtype": "float32",
+            "modules": [{"name": "fc", "offset": 0, "width": 2, "r_out": 1, "r_in": 2}],
+        },
+    )
+    w = StoreWriter(d / "shards", row_width=2)
+    w.put(list(ids), torch.arange(2.0 * len(ids)).reshape(len(ids), 2))
+    w.close()
+    return d

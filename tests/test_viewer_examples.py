@@ -1,0 +1,94 @@
+"""save_examples / save_queries: what the influence explorer shows, saved beside a store."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import nnstat
+from nnstat.influence import compute_influence_all
+from nnstat.store import GradientStore
+from nnstat.viewer import load_examples, load_queries, save_examples, save_queries
+from nnstat.viewer.examples import query_sets
+
+
+def make_store(root, n_train: int = 24, n_query: int = 3):
+    """A real store (K-FAC statistics, projected rows) of a tiny MLP, and a query log of it."""
+    torch.manual_seed(0)
+    X, Y = torch.randn(n_train, 6), torch.randint(0, 3, (n_train,))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+    def loss_fn(x, y):
+        return torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+
+    run = nnstat.init(project="p", root_dir=root)
+    nnstat.setup({"log": "grad", "save": "grad", "statistic": "kfac"})
+    nnstat.watch(model)
+    nnstat.add_projection(rank=3, seed=0)
+    for _ in run.schedule():
+        for s in range(0, n_train, 8):
+            with run(data_id=list(range(s, s + 8))):
+                loss_fn(X[s : s + 8], Y[s : s + 8]).backward()
+            model.zero_grad()
+    nnstat.eval()
+    Xq, Yq = torch.randn(n_query, 6), torch.randint(0, 3, (n_query,))
+    with run(data_id=[f"q{i}" for i in range(n_query)]):
+        loss_fn(Xq, Yq).backward()
+    model.zero_grad()
+    log = nnstat.get_log()
+    run.train()
+    return run.path, log, X
+
+
+def test_save_examples_round_trip_and_errors(tmp_path):
+    store, log, X = make_store(tmp_path)
+    images = np.random.default_rng(0).integers(0, 255, (24, 3, 4, 5)).astype(np.uint8)  # NCHW
+    path = save_examples(store, list(range(24)), images=images, labels=list(range(24)))
+    rec = json.loads(path.read_text())  # plain JSON, independent of load_examples
+    assert rec["ids"] == list(range(24)) and rec["images"]["shape"] == [24, 4, 5, 3]
+    ex = load_examples(store)
+    np.testing.assert_array_equal(ex.images.numpy(), images.transpose(0, 2, 3, 1))
+    assert ex.labels == list(range(24)) and ex.texts is None
+    assert not any(p.suffix == ".pkl" for p in (store / "viewer").iterdir())
+    GradientStore(store)  # the store still opens with the files beside it
+
+    with pytest.raises(KeyError, match=r"ids not in the store.*\[99\]"):
+        save_examples(store, [0, 99])
+    with pytest.raises(ValueError, match="images has 2 examples but ids has 3"):
+        save_examples(store, [0, 1, 2], images=np.zeros((2, 4, 4)))
+    with pytest.raises(ValueError, match="labels has 1 values but ids has 2"):
+        save_examples(store, [0, 1], labels=[1])
+    with pytest.raises(ValueError, match="ids repeat"):
+        save_examples(store, [0, 0])
+    with pytest.raises(ValueError, match=r"images must be \[n, H, W\]"):
+        save_examples(store, [0, 1], images=np.zeros((2, 16)))
+    with pytest.raises(TypeError, match=r"texts\[1\] must be str"):
+        save_examples(store, [0, 1], texts=["a", 3])
+    with pytest.raises(FileNotFoundError, match="not a gradient store"):
+        save_examples(tmp_path, [0])
+    # a failed call left the previous examples as they were
+    assert load_examples(store).labels == list(range(24))
+
+
+def test_save_queries_scores_like_the_log(tmp_path):
+    store, log, _ = make_store(tmp_path)
+    folder = save_queries(log, store)
+    assert query_sets(store) == [folder]
+    back = load_queries(folder)
+    assert back.ids == log.ids
+    torch.testing.assert_close(back.rows, log.rows)
+    a = compute_influence_all(log, store).scores
+    b = compute_influence_all(back, store).scores
+    torch.testing.assert_close(a, b)
+    save_examples(folder, ["q1"], texts=["the second query"])
+    assert load_examples(folder).texts == ["the second query"]
+    with pytest.raises(KeyError, match="q9"):
+        save_examples(folder, ["q9"])
+    with pytest.raises(ValueError, match="name must be"):
+        save_queries(log, store, name="../x")
+    bad = type(log)(ids=log.ids, rows=log.rows[:, :-1], meta=log.meta)
+    with pytest.raises(ValueError, match="wide"):
+        save_queries(bad, store)
