@@ -199,7 +199,11 @@ def test_export_over_file_url_compare_and_anomaly_link(root, browser, tmp_path) 
     p.page.click("#graph .node[data-name='loss']")
     p.page.select_option("#sel-compare", "trial:scaled")
     assert p.page.locator("#stats-table tr").first.locator("th").count() == 5
-    assert p.page.locator("#plot polyline.series-b").count() >= 1
+    # uPlot's legend: the step column, then one entry per trial
+    legend = p.page.eval_on_selector_all(
+        "#plot .u-legend .u-series .u-label", "els => els.map(e => e.textContent)"
+    )
+    assert legend == ["step", "baseline", "scaled"]
     p.page.screenshot(path="/tmp/nnstat_viewer_compare.png", full_page=True)
     # the NaN step of the scaled trial was forced into the record; its link opens the node
     p.page.select_option("#sel-trial", "1")
@@ -211,12 +215,13 @@ def test_export_over_file_url_compare_and_anomaly_link(root, browser, tmp_path) 
     assert p.page.locator("#sel-step option:checked").inner_text().startswith("train 3")
     assert p.node_names("offender") == {"hidden"}
     assert int(p.cell("nonfinite", 1)) == 4  # sample column 0 of a 4-sample batch
-    for tab in ("kpis", "notes", "network"):
+    for tab in ("notes", "network"):
         p.page.click(f"#tabs button[data-tab='{tab}']")
         assert p.page.is_visible(f"#tab-{tab}")
     assert "scaled: input scale 3.0" in p.page.inner_text("#tab-notes")
-    p.page.click("#tabs button[data-tab='kpis']")
-    assert p.page.locator("#tab-kpis svg.kpi-plot polyline.series-a").count() >= 1
+    # the loss curve is up front, no tab to open
+    assert p.page.is_visible("#kpis .uplot")
+    assert p.page.inner_text("#kpis h3") == "loss"
     p.page.click("#tabs button[data-tab='network']")
     assert "fc1" in p.page.inner_text("#tab-network")
     p.page.screenshot(path="/tmp/nnstat_viewer_export.png", full_page=True)

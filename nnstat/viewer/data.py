@@ -1,4 +1,8 @@
-"""Everything the viewer page shows, read from a recorder folder into one JSON-ready dict.
+"""Everything the viewer page shows, read from what nnstat wrote under a folder into one dict.
+
+`load_bundle` walks the folder (`discover`) and reads what it finds by what the folders hold:
+recorder trials (``trial.json``, read here), Tracker runs (``metrics.jsonl``, `runs.py`),
+gradient stores (``meta.json`` + ``shards/``, summarised by `explorer.py`) and HTML reports.
 
 A recorder folder may come from anywhere (a colleague's run, a downloaded artefact), so nothing in
 it is trusted: every file read must resolve inside the folder, a graph digest must be a sha256 in
@@ -20,6 +24,10 @@ import numpy as np
 import torch
 
 from nnstat.recorder.graph import ROLES
+from nnstat.viewer.discover import MAX_DEPTH, discover, rel_id
+from nnstat.viewer.explorer import store_summary
+from nnstat.viewer.runs import load_run
+from nnstat.viewer.safe import Refused, inside
 
 DIGEST = re.compile(r"[0-9a-f]{64}")
 ITERATION_KEY = re.compile(r"[0-9]{1,6}")
@@ -29,21 +37,8 @@ MAX_ITERATIONS = 100_000
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "infinity": math.inf}
 
 
-class Refused(ValueError):
-    """A file or record of the folder that does not have the recorder's format."""
-
-
 # ------------------------------------------------------------------------------- checked reads
-def _inside(root: Path, path: Path) -> Path:
-    """``path`` resolved, if it is a regular file inside ``root``; every read goes through here."""
-    # symlinks (and "..") in a hostile folder must not reach files outside the folder
-    real = path.resolve()
-    if not real.is_relative_to(root.resolve()):
-        raise Refused(f"resolves to {real}, outside the recorder folder {root}")
-    # a FIFO or device would block the server's read forever
-    if not real.is_file():
-        raise Refused("is missing" if not real.exists() else "is not a regular file")
-    return real
+_inside = inside  # every read goes through it (nnstat/viewer/safe.py)
 
 
 def _reject_constant(name: str) -> Any:
@@ -354,31 +349,17 @@ def _kpi_record(value: Any, report: Callable[[str], None]) -> dict[str, Any]:
     }
 
 
-def _trial_dirs(root: Path, report: Callable[[Path, str], None]) -> Iterator[Path]:
-    # the layout rules of nnstat.recorder.storage.iter_trials (the root itself, a group folder or
-    # a recorder root), with an unreadable sub-folder reported instead of ending the listing
-    if (root / "trial.json").exists():
-        yield root
-        return
-    for child in sorted(root.iterdir()):
-        try:
-            if (child / "trial.json").exists():
-                yield child
-            elif child.is_dir():
-                yield from (g for g in sorted(child.iterdir()) if (g / "trial.json").exists())
-        except OSError as exc:
-            report(child, f"cannot list it ({exc})")
-
-
 def load_bundle(root: str | Path) -> dict[str, Any]:
-    """Trials, recorded steps (rows + statistics), graphs, notes, KPIs and anomalies under ``root``.
+    """Everything nnstat wrote under ``root``, checked, as one JSON-ready dict for the page.
 
-    Re-read on every call so the viewer shows steps written while training still runs. Files
-    that do not have the recorder's format are skipped and listed in ``bundle["problems"]``
-    (``{"file", "message"}``, the file relative to ``root``).
+    Keys: ``root``, the recorder's ``stat_names``, ``trials``, ``graphs``; ``runs`` (Tracker
+    JSONL runs, `nnstat.viewer.runs`), ``stores`` (gradient stores, `nnstat.viewer.explorer`),
+    ``reports`` (HTML files, ``{"id"}``) and ``problems`` (``{"file", "message"}`` for every file
+    or record skipped, the file relative to ``root``). Re-read on every call so the page shows
+    what training wrote meanwhile.
 
     Raises:
-        FileNotFoundError: ``root`` is no folder or holds no ``trial.json`` at all.
+        FileNotFoundError: ``root`` is no folder or nnstat wrote nothing under it.
 
     Example:
         >>> bundle = load_bundle("runs/recorder/default")  # doctest: +SKIP
@@ -391,12 +372,29 @@ def load_bundle(root: str | Path) -> dict[str, Any]:
     problems: list[dict[str, str]] = []
 
     def report(path: Path, message: str) -> None:
-        rel = path.relative_to(root).as_posix() if path != root else path.name
-        problems.append({"file": rel, "message": message})
+        problems.append({"file": rel_id(root, path), "message": message})
 
-    trials, graphs, stat_names, found = [], _Graphs(), None, False
-    for tdir in _trial_dirs(root, report):
-        found = True
+    found = discover(root, report)
+    if not found:
+        raise FileNotFoundError(
+            f"nothing nnstat wrote under {root}: no recorder trials (trial.json), Tracker runs "
+            f"(metrics.jsonl), gradient stores (meta.json + shards/) or reports (*.html) within "
+            f"{MAX_DEPTH} folders"
+        )
+    bundle = _load_trials(root, found.trials, report)
+    bundle["runs"] = [r for r in (load_run(root, d, report) for d in found.runs) if r]
+    bundle["stores"] = [s for s in (store_summary(root, d, report) for d in found.stores) if s]
+    bundle["reports"] = [{"id": rel_id(root, f)} for f in found.reports]
+    bundle["problems"] = problems
+    return bundle
+
+
+def _load_trials(
+    root: Path, trial_dirs: list[Path], report: Callable[[Path, str], None]
+) -> dict[str, Any]:
+    """Trials, recorded steps (rows + statistics), graphs, notes, KPIs and anomalies."""
+    trials, graphs, stat_names = [], _Graphs(), None
+    for tdir in trial_dirs:
         rel = tdir.relative_to(root).as_posix() if tdir != root else tdir.name
         try:
             meta = _dict(_read_json(root, tdir / "trial.json"), "trial.json")
@@ -447,14 +445,11 @@ def load_bundle(root: str | Path) -> dict[str, Any]:
                 "steps": steps,
             }
         )
-    if not found:
-        raise FileNotFoundError(f"no recorder trials (trial.json) under {root}")
     return {
         "root": str(root),
         "stat_names": stat_names or [],
         "trials": trials,
         "graphs": graphs.docs,
-        "problems": problems,
     }
 
 

@@ -147,7 +147,7 @@ def save_examples(
             into lists); each at most once. Ids not given are shown as ids only.
         images: ``[n, H, W]``, ``[n, H, W, C]`` or ``[n, C, H, W]`` (C = 1, 3 or 4) numbers,
             row ``i`` for ``ids[i]``; shown scaled from the smallest to the largest value of
-            the whole set (uint8 images in 0-255 stay as they are when they span it).
+            the whole set.
         labels: one int or string per id (e.g. the class).
         texts: one string per id (e.g. the sentence).
 

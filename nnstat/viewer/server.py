@@ -1,7 +1,10 @@
-"""`nnstat view ROOT [--port N]` and `nnstat view ROOT --export report.html`.
+"""`nnstat view DIR [--port N]` and `nnstat view DIR --export page.html`.
 
+Shows whatever nnstat wrote under DIR (`nnstat.viewer.discover`): Tracker runs (JSONL), recorder
+trials, gradient stores (the influence explorer, `nnstat.viewer.explorer`) and HTML reports.
 Serves on 127.0.0.1 only, with the standard library's ``http.server``. Every asset is a file in
-``nnstat/viewer/static``; the page never loads anything from another origin.
+``nnstat/viewer/static`` (the charting library uPlot is vendored in ``static/vendor``); the page
+never loads anything from another origin.
 
 A recorder folder is untrusted input: `nnstat.viewer.data` checks every file, the page puts every
 value into the DOM as text, and a Content-Security-Policy (a header when served, a ``<meta>`` in
@@ -20,13 +23,18 @@ import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from nnstat.viewer.data import load_bundle
+from nnstat.viewer.discover import discover, rel_id
+from nnstat.viewer.explorer import Explorer
 
 STATIC = Path(__file__).parent / "static"
 _TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
-_ASSETS = ("app.js", "graph.js", "plot.js", "style.css")
+# the page's scripts in load order (index.html names each once); vendored files first
+SCRIPTS = ("vendor/uPlot.iife.min.js", "charts.js", "graph.js", "app.js", "explorer.js", "home.js")
+STYLES = ("vendor/uPlot.min.css", "style.css")
+_ASSETS = SCRIPTS + STYLES
 # served page: only this origin's scripts and styles, data from api/data, nothing else
 CSP_SERVED = (
     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
@@ -44,10 +52,13 @@ def render_page(data: dict | None = None) -> str:
     html = (STATIC / "index.html").read_text(encoding="utf-8")
     if data is None:
         return html
-    css = "\n" + (STATIC / "style.css").read_text(encoding="utf-8")
-    html = _swap(html, '<link rel="stylesheet" href="static/style.css">', f"<style>{css}</style>")
+    styles = []
+    for name in STYLES:
+        css = "\n" + (STATIC / name).read_text(encoding="utf-8")
+        html = _swap(html, f'<link rel="stylesheet" href="static/{name}">', f"<style>{css}</style>")
+        styles.append(css)
     scripts = []
-    for name in ("graph.js", "plot.js", "app.js"):
+    for name in SCRIPTS:
         js = "\n" + (STATIC / name).read_text(encoding="utf-8").replace("</", "<\\/")
         html = _swap(html, f'<script src="static/{name}"></script>', f"<script>{js}</script>")
         scripts.append(js)
@@ -56,7 +67,8 @@ def render_page(data: dict | None = None) -> str:
     # request leaves the page (no connect-src, images from data: only)
     csp = (
         f"default-src 'none'; script-src {' '.join(_hash(js) for js in scripts)}; "
-        f"style-src {_hash(css)}; img-src data:; base-uri 'none'; form-action 'none'"
+        f"style-src {' '.join(_hash(css) for css in styles)}; img-src data:; base-uri 'none'; "
+        "form-action 'none'"
     )
     meta = f'<meta http-equiv="Content-Security-Policy" content="{csp}">'
     html = _swap(html, '<meta charset="utf-8">', f'<meta charset="utf-8">\n{meta}')
@@ -79,14 +91,27 @@ def _hash(text: str) -> str:
     return f"'sha256-{digest}'"
 
 
+def export_bundle(root: str | Path, bundle: dict | None = None) -> dict:
+    """The bundle of ``root`` with what a file without a server needs: each store's explorer
+    results precomputed (`Explorer.export`) and reports linked by ``file://`` URL."""
+    root = Path(root)
+    bundle = load_bundle(root) if bundle is None else bundle
+    explorer = Explorer(root)
+    for store in bundle["stores"]:
+        store["export"] = explorer.export(store["id"], store["query_sets"])
+    for rep in bundle["reports"]:
+        rep["href"] = (root / rep["id"]).resolve().as_uri()
+    return bundle
+
+
 def export(root: str | Path, out: str | Path) -> Path:
-    """Write one self-contained HTML report of ``root`` to ``out``.
+    """Write one self-contained HTML page of everything under ``root`` to ``out``.
 
     Example:
-        >>> export("runs/recorder/default", "report.html")  # doctest: +SKIP
+        >>> export("nnstat-demo-logs", "nnstat-view.html")  # doctest: +SKIP
     """
     out = Path(out)
-    out.write_text(render_page(load_bundle(root)), encoding="utf-8")
+    out.write_text(render_page(export_bundle(root)), encoding="utf-8")
     return out
 
 
@@ -118,7 +143,17 @@ def make_server(root: str | Path, port: int = 8050) -> ThreadingHTTPServer:
     return _server(Path(root), port)
 
 
+# a report is an HTML file from the folder (the demo's report.html): shown in a sandbox (no
+# script runs, it gets no origin, so it cannot read the viewer's api/) and it loads nothing
+CSP_REPORT = (
+    "sandbox; default-src 'none'; img-src data:; style-src 'unsafe-inline'; "
+    "base-uri 'none'; form-action 'none'"
+)
+
+
 def _server(root: Path, port: int) -> ThreadingHTTPServer:
+    explorer = Explorer(root)  # influence results cached for the life of this server
+
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server API)
             host = self.headers.get("Host")
@@ -130,11 +165,16 @@ def _server(root: Path, port: int) -> ThreadingHTTPServer:
                 msg = f"Host {host!r} is not this server: open http://127.0.0.1:{own}/"
                 self._send(403, "text/plain", msg.encode("utf-8"))
                 return
-            path = urlsplit(self.path).path
+            url = urlsplit(self.path)
+            path = url.path
             if path in ("/", "/index.html"):
                 self._send(200, "text/html", render_page().encode("utf-8"))
             elif path == "/api/data":
                 self._send_data()
+            elif path in ("/api/queries", "/api/influence", "/api/self"):
+                self._send_explorer(path, parse_qs(url.query))
+            elif path.startswith("/report/"):
+                self._send_report(path[len("/report/") :])
             elif path.startswith("/static/") and path[len("/static/") :] in _ASSETS:
                 f = STATIC / path[len("/static/") :]
                 self._send(200, _TYPES[f.suffix], f.read_bytes())
@@ -151,16 +191,62 @@ def _server(root: Path, port: int) -> ThreadingHTTPServer:
             except Exception:
                 self._send(500, "text/plain", b"internal error: see the nnstat view terminal")
                 raise  # socketserver prints the traceback to the terminal
-            body = json.dumps(bundle, allow_nan=False, separators=(",", ":"))
+            for rep in bundle["reports"]:
+                rep["href"] = "report/" + rep["id"]
+            self._send_json(bundle)
+
+        def _send_explorer(self, path: str, query: dict[str, list[str]]) -> None:
+            def arg(name: str, default: str | None = None) -> str:
+                values = query.get(name)
+                if not values:
+                    if default is None:
+                        raise ValueError(f"missing parameter {name!r}")
+                    return default
+                return values[0]
+
+            try:
+                store = arg("store")
+                if path == "/api/queries":
+                    result = explorer.queries(store, arg("set", ""))
+                elif path == "/api/influence":
+                    q, k = int(arg("q")), int(arg("k", "10"))
+                    result = explorer.influence(store, arg("set", ""), q, k)
+                else:
+                    result = explorer.self_influence(store, int(arg("k", "10")))
+            except (KeyError, ValueError, IndexError) as exc:
+                # a wrong store, set, index or k: the page shows the message
+                msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+                self._send(400, "text/plain", str(msg).encode("utf-8"))
+                return
+            except Exception as exc:
+                self._send(500, "text/plain", f"influence failed: {exc}".encode())
+                raise
+            self._send_json(result)
+
+        def _send_report(self, rel: str) -> None:
+            # looked up among the reports found, never joined into a path from the request
+            for f in discover(root).reports:
+                if rel_id(root, f) == rel:
+                    try:
+                        body = f.read_bytes()
+                    except OSError as exc:
+                        self._send(500, "text/plain", f"cannot read {f}: {exc}".encode())
+                        return
+                    self._send(200, "text/html", body, csp=CSP_REPORT)
+                    return
+            self._send(404, "text/plain", b"no such report")
+
+        def _send_json(self, obj: object) -> None:
+            body = json.dumps(obj, allow_nan=False, separators=(",", ":"))
             self._send(200, "application/json", body.encode("utf-8"))
 
-        def _send(self, code: int, ctype: str, body: bytes) -> None:
+        def _send(self, code: int, ctype: str, body: bytes, csp: str = CSP_SERVED) -> None:
             self.send_response(code)
             self.send_header("Content-Type", f"{ctype}; charset=utf-8")
             self.send_header("Content-Length", str(len(body)))
             self.send_header("Cache-Control", "no-store")
             self.send_header("X-Content-Type-Options", "nosniff")
-            self.send_header("Content-Security-Policy", CSP_SERVED)
+            self.send_header("Content-Security-Policy", csp)
             self.end_headers()
             self.wfile.write(body)
 
@@ -183,8 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     Example:
         >>> main(["runs/recorder", "--export", "report.html"])  # doctest: +SKIP
     """
-    p = argparse.ArgumentParser(prog="nnstat view", description="browse a recorder folder")
-    p.add_argument("root", help="recorder folder: <root>, <root>/<group> or one trial folder")
+    p = argparse.ArgumentParser(
+        prog="nnstat view",
+        description="browse what nnstat wrote under a folder: Tracker runs (JSONL), recorder "
+        "trials, gradient stores (influence explorer) and reports",
+    )
+    p.add_argument("root", help="folder to search (4 levels deep), or one run/trial/store folder")
     p.add_argument(
         "--port", type=_port, default=8050, help="port on 127.0.0.1 (default 8050, 0: any free)"
     )
@@ -192,14 +282,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         bundle = load_bundle(args.root)
-    except OSError as exc:  # FileNotFoundError: no such folder, or no trial.json in it
+    except OSError as exc:  # FileNotFoundError: no such folder, or nothing nnstat wrote in it
         return _usage_error(p, str(exc))
     for problem in bundle["problems"]:
         print(f"nnstat view: skipped {problem['file']}: {problem['message']}", file=sys.stderr)
     if args.export:
         out = Path(args.export)
         try:
-            out.write_text(render_page(bundle), encoding="utf-8")
+            page = render_page(export_bundle(args.root, bundle))
+        except Exception as exc:  # scoring a store failed: say which and why, write nothing
+            print(f"nnstat view: cannot export: {exc}", file=sys.stderr)
+            return 1
+        try:
+            out.write_text(page, encoding="utf-8")
         except OSError as exc:
             return _usage_error(p, f"argument --export: cannot write {out}: {exc}")
         print(f"wrote {out}")

@@ -1,13 +1,12 @@
-/* nnstat recorder viewer: selectors, graph, details, plot and the tabs. No external resources. */
+/* nnstat recorder view: selectors, graph, details, charts (static/charts.js) and the tabs. */
 "use strict";
 (function () {
   const $ = (id) => document.getElementById(id);
-  const fmt = (v) => window.NNPlot.fmt(v);
+  const fmt = (v) => window.NNChart.fmt(v);
   const S = { data: null, trial: 0, step: 0, iteration: 0, sample: -1, stream: "forward",
-    stat: "norm", compare: "none", selected: null, rel: null };
+    stat: "norm", compare: "none", selected: null, rel: null, log: false };
 
   function showError(msg) { const e = $("error"); e.hidden = false; e.textContent = msg; }
-  window.addEventListener("error", (ev) => showError(String(ev.message)));
 
   // Every value from the recorder folder enters the DOM as a text node or an attribute value,
   // never parsed as markup: a hostile folder shows odd text, runs nothing.
@@ -101,6 +100,12 @@
       g.classList.toggle("offender", !!off && g.getAttribute("data-name") === off.tensor);
     });
     if (S.selected && !doc.nodes.some(([n]) => n === S.selected)) S.selected = null;
+    // nothing clicked yet: show the loss (else the output, else the first tensor) instead of
+    // an empty panel
+    if (!S.selected && doc.nodes.length) {
+      const byRole = (r) => doc.nodes.find(([, role]) => role === r);
+      S.selected = (byRole("loss") || byRole("output") || doc.nodes[0])[0];
+    }
   }
 
   function renderSelection() {
@@ -147,19 +152,31 @@
       h("table", { id: "raw-values" }, rows)];
   }
 
+  // series on one x axis: the union of their steps, null where a trial has no such step
+  function aligned(list) {
+    const xs = [...new Set(list.flatMap((s) => s.points.map((p) => p[0])))].sort((a, b) => a - b);
+    return { x: xs, series: list.map((s) => {
+      const m = new Map(s.points);
+      return { label: s.label, dash: s.dash, values: xs.map((x) => (m.has(x) ? m.get(x) : null)) };
+    }) };
+  }
+
   function renderPlot() {
-    const svg = $("plot");
-    if (!S.selected) { window.NNPlot.draw(svg, [], null); return; }
+    const box = $("plot");
+    if (!S.selected) { box.replaceChildren(hint("No tensor in this step.")); return; }
     const type = step().type_of_execution;
-    const series = (t, cls) => ({ label: t.id, cls, points: t.steps
+    const series = (t, dash) => ({ label: t.id, dash, points: t.steps
       .filter((s) => s.type_of_execution === type)
       .map((s) => [s.step, value(s, S.selected, S.iteration, S.stream, S.sample, S.stat)]) });
-    const list = [series(trial(), "series-a")];
+    const list = [series(trial(), false)];
     if (S.compare.startsWith("trial:")) {
       const other = S.data.trials.find((t) => t.id === S.compare.slice(6));
-      if (other) list.push(series(other, "series-b"));
+      if (other) list.push(series(other, true));
     }
-    window.NNPlot.draw(svg, list, step().step);
+    $("plot-title").textContent = `${S.stat} of ${S.selected} (${S.stream}) over steps`;
+    const a = aligned(list);
+    window.NNChart.line(box, { x: a.x, series: a.series, log: S.log, marker: step().step,
+      height: 200 });
   }
 
   function jump(stepIndex, tensor, iteration, stream) {
@@ -188,7 +205,6 @@
     });
     $("tab-anomalies").replaceChildren(items.length ? h("ul", {}, items) :
       hint("No anomaly rule fired in the recorded steps."));
-    renderKpis(t);
     $("tab-notes").replaceChildren(t.notes.length ? h("ul", {}, t.notes.map((n) =>
       h("li", {}, n.step === null ? "" : `step ${n.step}: `, n.text))) : hint("No notes."));
     const head = ["module", "type", "own parameters", "total parameters"];
@@ -198,30 +214,30 @@
         .map((x) => h("td", {}, x))))) : hint("No module tracked."));
   }
 
-  // KPIs of every step (kpis.jsonl), one small plot per KPI, the compared trial dashed
-  // (the steps' own KPIs for a trial written before kpis.jsonl existed)
+  // KPIs of every step (kpis.jsonl), one chart per KPI up front (the loss first), the compared
+  // trial dashed (the steps' own KPIs for a trial written before kpis.jsonl existed)
   const kpiLog = (tr) => (tr.kpis.length ? tr.kpis : tr.steps.map((s) =>
     ({ type: s.type_of_execution, step: s.step, kpis: s.kpis })));
   function renderKpis(t) {
     const log = kpiLog(t);
     const type = step() ? step().type_of_execution : (log[0] || {}).type;
-    const names = [...new Set(log.flatMap((r) => Object.keys(r.kpis)))].sort();
-    const box = $("tab-kpis");
+    const loss = (n) => (/loss/i.test(n) ? 0 : 1);
+    const names = [...new Set(log.flatMap((r) => Object.keys(r.kpis)))]
+      .sort((a, b) => loss(a) - loss(b) || (a < b ? -1 : a > b ? 1 : 0));
+    const box = $("kpis");
     if (!names.length) { box.replaceChildren(hint("No KPIs recorded.")); return; }
-    const plots = names.map(() => {
-      const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
-      svg.setAttribute("class", "kpi-plot");
-      return svg;
-    });
-    box.replaceChildren(...names.map((n, i) => h("div", { class: "kpi" }, h("h3", {}, n), plots[i])));
+    const boxes = names.map(() => h("div", { class: "chart" }));
+    box.replaceChildren(...names.map((n, i) => h("div", { class: "kpi" }, h("h3", {}, n), boxes[i])));
     const other = S.compare.startsWith("trial:") ?
       S.data.trials.find((x) => x.id === S.compare.slice(6)) : null;
     const pts = (tr, n) => kpiLog(tr).filter((r) => r.type === type && own(r.kpis, n) !== undefined)
       .map((r) => [r.step, own(r.kpis, n)]);
     names.forEach((n, i) => {
-      const series = [{ label: t.id, cls: "series-a", points: pts(t, n) }];
-      if (other) series.push({ label: other.id, cls: "series-b", points: pts(other, n) });
-      window.NNPlot.draw(plots[i], series, step() ? step().step : null);
+      const list = [{ label: t.id, dash: false, points: pts(t, n) }];
+      if (other) list.push({ label: other.id, dash: true, points: pts(other, n) });
+      const a = aligned(list);
+      window.NNChart.line(boxes[i], { x: a.x, series: a.series, log: S.log,
+        marker: step() ? step().step : null, height: 160, sync: "kpis" });
     });
   }
 
@@ -251,17 +267,22 @@
         .forEach((id) => $(id).replaceChildren());
       $("graph").replaceChildren();
       $("details").replaceChildren(hint("No readable trial: see the skipped files above."));
-      ["anomalies", "kpis", "notes", "network"].forEach((tab) => $(`tab-${tab}`).replaceChildren());
+      ["anomalies", "notes", "network"].forEach((tab) => $(`tab-${tab}`).replaceChildren());
+      $("kpis").replaceChildren();
+      $("plot").replaceChildren();
       return;
     }
     if (!fillSelectors()) {
       $("graph").replaceChildren();
       $("details").replaceChildren(hint("This trial has no recorded step yet."));
+      $("plot").replaceChildren();
+      renderKpis(trial());
       renderTabs();
       return;
     }
     renderGraph();
     renderSelection();
+    renderKpis(trial());
     renderTabs();
   }
 
@@ -279,22 +300,21 @@
     on("sel-stream", (v) => { S.stream = v; });
     on("sel-stat", (v) => { S.stat = v; });
     on("sel-compare", (v) => { S.compare = v; });
+    $("rec-log").addEventListener("change", (ev) => { S.log = ev.target.checked; renderAll(); });
     document.querySelectorAll("#tabs button").forEach((b) => b.addEventListener("click", () => {
       document.querySelectorAll("#tabs button, .tab").forEach((x) => x.classList.remove("active"));
       b.classList.add("active");
       $(`tab-${b.dataset.tab}`).classList.add("active");
-      // plots need a visible box to size
-      if (b.dataset.tab === "kpis" && S.data.trials.length) renderKpis(trial());
     }));
   }
 
+  let started = false;
+  // called by home.js when the recorder view is first shown (charts need a visible box)
   function start(data) {
     S.data = data;
     if (!data.stat_names.includes(S.stat)) S.stat = data.stat_names[0] || "";
-    renderLegend();
-    bind();
+    if (!started) { renderLegend(); bind(); started = true; }
     renderAll();
-    document.body.setAttribute("data-ready", "1");
   }
 
   function fetchData() {
@@ -303,21 +323,19 @@
     })));
   }
 
-  const inline = $("nnstat-data").textContent.trim();
-  if (inline) start(JSON.parse(inline));
-  else {
-    fetchData().then(start).catch((e) => showError(String(e)));
-    // served mode: re-read the folder while training writes it, keeping the selection
+  // served mode: re-read the folder while training writes it, keeping the selection
+  function enableRefresh() {
     $("refresh").hidden = false;
     $("refresh").addEventListener("click", () => fetchData().then((data) => {
       $("error").hidden = true;
-      if (!S.data) { start(data); return; }  // the first load had failed
-      const id = S.data.trials.length ? trial().id : null;
+      const id = S.data && S.data.trials.length ? trial().id : null;
       S.data = data;
       if (!data.stat_names.includes(S.stat)) S.stat = data.stat_names[0] || "";
       S.trial = Math.max(0, data.trials.findIndex((t) => t.id === id));
-      renderAll();
+      if (!started) start(data); else renderAll();
       document.body.setAttribute("data-refreshed", String(Date.now()));
     }).catch((e) => showError(String(e))));
   }
+
+  window.NNRecorder = { start, enableRefresh, fetchData, render: () => started && renderAll() };
 })();

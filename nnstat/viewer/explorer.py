@@ -1,0 +1,278 @@
+"""The influence explorer: a gradient store's most helpful and harmful training examples per query.
+
+Which pair is scored: every query set saved beside the store (`nnstat.viewer.save_queries`,
+``<store>/viewer/queries/<name>/``) against that store, and the store against itself (any
+training example as the query) whether or not a query set exists. Scores are
+``nnstat.influence.compute_influence_all(query, store, top_k=k)`` with the store's default
+preconditioner (EK-FAC when the run saved K-FAC statistics, else raw), so they equal what the
+Python API returns; self-influence is ``compute_self_influence(store)``. Results are cached for
+the life of the server (one `Explorer` per ``nnstat view``).
+
+Examples (images, labels, texts) come from `nnstat.viewer.save_examples`; images are sent as PNG
+``data:`` URLs (the page's Content-Security-Policy allows images from ``data:`` only), scaled
+from the smallest to the largest value of the saved set.
+
+Example:
+    >>> ex = Explorer("runs/nnstat_logs")  # doctest: +SKIP
+    >>> ex.influence("my_project", "", 0, k=5)["helpful"][0]["score"]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nnstat.influence import compute_influence_all, compute_self_influence
+from nnstat.influence.cache import default_preconditioner
+from nnstat.influence.sources import as_source
+from nnstat.store import GradientLog, GradientStore
+from nnstat.viewer.discover import discover, rel_id
+from nnstat.viewer.examples import Examples, load_examples, load_queries, query_sets
+
+SELF = ""  # query set name of "the store against itself"
+MAX_K = 50
+# the export has no server to ask: it carries this many queries per query set
+EXPORT_QUERIES = 24
+# the page lists at most this many queries to pick from (the rest by index)
+LIST_QUERIES = 500
+
+
+def png_data_url(image: torch.Tensor, lo: float, hi: float) -> str:
+    """A ``data:image/png`` URL of ``image`` ``[H, W]`` or ``[H, W, C]`` (C = 1, 3, 4),
+    values mapped linearly from ``[lo, hi]`` to 0-255.
+
+    Example:
+        >>> png_data_url(torch.zeros(2, 2), 0.0, 1.0)[:22]
+        'data:image/png;base64,'
+    """
+    x = image.to(torch.float64)
+    scale = 255.0 / (hi - lo) if hi > lo else 0.0
+    px = ((x - lo) * scale).round().clamp(0, 255).to(torch.uint8)
+    if px.ndim == 3 and px.shape[2] == 1:
+        px = px[:, :, 0]
+    h, w = px.shape[0], px.shape[1]
+    color = {2: 0, 3: {3: 2, 4: 6}.get(px.shape[-1], 0)}[px.ndim]
+    raw = b"".join(b"\x00" + bytes(px[r].reshape(-1).tolist()) for r in range(h))
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        body = tag + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    png = (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, color, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(raw, 6))
+        + chunk(b"IEND", b"")
+    )
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+class _Shown:
+    """What the page shows for an id: the saved example (image, label, text), else the id."""
+
+    def __init__(self, ex: Examples | None) -> None:
+        self.ex = ex
+        self.index = {} if ex is None else {i: n for n, i in enumerate(ex.ids)}
+        self.lo = self.hi = 0.0
+        if ex is not None and ex.images is not None and ex.images.numel():
+            # one scale for the whole set, so brightness compares across examples
+            self.lo, self.hi = float(ex.images.min()), float(ex.images.max())
+
+    def __call__(self, id_: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": id_}
+        n = self.index.get(id_)
+        if n is None:
+            return out
+        ex = self.ex
+        if ex.labels is not None:
+            out["label"] = ex.labels[n]
+        if ex.texts is not None:
+            out["text"] = ex.texts[n]
+        if ex.images is not None:
+            out["image"] = png_data_url(ex.images[n], self.lo, self.hi)
+        return out
+
+
+def store_summary(root: Path, folder: Path, report: Callable[[Path, str], None]) -> dict | None:
+    """A store for the page's home and explorer: id, rows, modules, preconditioner, query sets."""
+    rel = folder.relative_to(root).as_posix() if folder != root else folder.name
+    if not folder.resolve().is_relative_to(root.resolve()):
+        report(folder, f"resolves to {folder.resolve()}, outside the folder; not shown")
+        return None
+    try:
+        store = GradientStore(folder)
+        pre = default_preconditioner(as_source(store))
+    except Exception as exc:  # the store's own errors name the file and the fix
+        report(folder, f"{exc}; the store is not shown")
+        return None
+    sets = [
+        {"name": SELF, "label": "training examples (the store against itself)", "n": len(store)}
+    ]
+    for q in query_sets(folder):
+        try:
+            n = len(load_queries(q).ids)
+        except (ValueError, OSError) as exc:
+            report(q, f"{exc}; the query set is not offered")
+            continue
+        sets.append({"name": q.name, "label": f"query set {q.name}", "n": n})
+    try:
+        ex = load_examples(folder)
+    except (ValueError, OSError) as exc:
+        report(folder, f"{exc}; examples are shown as ids")
+        ex = None
+    return {
+        "id": rel,
+        "rows": len(store),
+        "row_width": store.row_width,
+        "modules": [m["name"] for m in store.modules],
+        "preconditioner": pre,
+        "query_sets": sets,
+        "examples": None if ex is None else len(ex.ids),
+        "images": ex is not None and ex.images is not None,
+    }
+
+
+class Explorer:
+    """Scores and examples of the stores under ``root``, computed on demand and cached.
+
+    Every request names a store by its id (its path relative to ``root``) and a query set by
+    name; both are looked up among what `discover` found, never joined into a path.
+    """
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self._lock = threading.Lock()  # one computation at a time; the server is threaded
+        self._cache: dict[tuple, Any] = {}
+
+    def _store_dir(self, store_id: str) -> Path:
+        for d in discover(self.root).stores:
+            if rel_id(self.root, d) == store_id:
+                return d
+        raise KeyError(f"no gradient store {store_id!r} under {self.root}")
+
+    def _set_dir(self, store_dir: Path, name: str) -> Path | None:
+        if name == SELF:
+            return None
+        for q in query_sets(store_dir):
+            if q.name == name:
+                return q
+        raise KeyError(f"no query set {name!r} beside the store {store_dir}")
+
+    def _cached(self, key: tuple, make: Callable[[], Any]) -> Any:
+        with self._lock:
+            if key not in self._cache:
+                self._cache[key] = make()
+            return self._cache[key]
+
+    def _shown(self, folder: Path) -> _Shown:
+        return self._cached(("shown", str(folder)), lambda: _Shown(load_examples(folder)))
+
+    def queries(self, store_id: str, set_name: str) -> dict[str, Any]:
+        """The queries of a set for the picker: ``{"n", "items": [shown example, ...]}``
+        (at most `LIST_QUERIES`; the rest are reached by index)."""
+        store_dir = self._store_dir(store_id)
+        folder = self._set_dir(store_dir, set_name)
+        ids = GradientStore(store_dir).ids if folder is None else load_queries(folder).ids
+        shown = self._shown(store_dir if folder is None else folder)
+        return {"n": len(ids), "items": [shown(i) for i in ids[:LIST_QUERIES]]}
+
+    def influence(self, store_id: str, set_name: str, q: int, k: int = 10) -> dict[str, Any]:
+        """Top-``k`` helpful and harmful training examples for query number ``q`` of a set.
+
+        Returns ``{"query", "helpful": [{"score", **example}], "harmful": [...], "preconditioner",
+        "seconds"}``; helpful best first (largest score), harmful most harmful first.
+        """
+        if not 1 <= k <= MAX_K:
+            raise ValueError(f"k must be 1-{MAX_K}, got {k}")
+        store_dir = self._store_dir(store_id)
+        folder = self._set_dir(store_dir, set_name)
+        store = GradientStore(store_dir)
+        pre = default_preconditioner(as_source(store))
+        t0 = time.perf_counter()
+        if folder is None:
+            # one training row as the query: scored alone, so a large store never builds an
+            # n x n matrix
+            if not 0 <= q < len(store):
+                raise IndexError(f"query {q} out of range: the store has {len(store)} rows")
+            qid = store.ids[q]
+            top = self._cached(
+                ("self-q", store_id, q),
+                lambda: compute_influence_all(
+                    GradientLog([qid], store.rows(q, q + 1), store.meta),
+                    store,
+                    top_k=MAX_K,
+                    progress=False,
+                ),
+            )
+            row = 0
+            shown_q = self._shown(store_dir)
+        else:
+            log = load_queries(folder)
+            if not 0 <= q < len(log):
+                raise IndexError(f"query {q} out of range: the set has {len(log)} queries")
+            # the whole set in one pass over the store, cached for every later query
+            top = self._cached(
+                ("set", store_id, set_name),
+                lambda: compute_influence_all(log, store, top_k=MAX_K, progress=False),
+            )
+            row, qid = q, log.ids[q]
+            shown_q = self._shown(folder)
+        shown = self._shown(store_dir)
+        pick = min(k, top.k)
+
+        def side(scores: torch.Tensor, ids: list) -> list[dict[str, Any]]:
+            return [
+                {"score": float(s), **shown(i)}
+                for s, i in zip(scores[row, :pick].tolist(), ids[row][:pick], strict=True)
+            ]
+
+        return {
+            "query": shown_q(qid),
+            "index": q,
+            "helpful": side(top.helpful_scores, top.helpful_ids),
+            "harmful": side(top.harmful_scores, top.harmful_ids),
+            "preconditioner": pre,
+            "seconds": time.perf_counter() - t0,
+        }
+
+    def self_influence(self, store_id: str, k: int = 10) -> dict[str, Any]:
+        """The ``k`` training examples of highest and of lowest self-influence
+        (``g_iᵀ (H + λI)⁻¹ g_i``: high = unusual or mislabeled, the model bent most for it)."""
+        if not 1 <= k <= MAX_K:
+            raise ValueError(f"k must be 1-{MAX_K}, got {k}")
+        store_dir = self._store_dir(store_id)
+        res = self._cached(
+            ("self", store_id),
+            lambda: compute_self_influence(GradientStore(store_dir), progress=False),
+        )
+        order = torch.argsort(res.scores, descending=True).tolist()
+        shown = self._shown(store_dir)
+
+        def item(j: int) -> dict[str, Any]:
+            return {"score": float(res.scores[j]), "index": j, **shown(res.ids[j])}
+
+        return {
+            "highest": [item(j) for j in order[:k]],
+            "lowest": [item(j) for j in order[::-1][:k]],
+        }
+
+    def export(self, store_id: str, sets: list[dict[str, Any]], k: int = 10) -> dict[str, Any]:
+        """What an ``--export`` file carries for a store: the first `EXPORT_QUERIES` queries of
+        each set scored, the self-influence ranking and the query pickers."""
+        out: dict[str, Any] = {"self": self.self_influence(store_id, k), "sets": {}}
+        for s in sets:
+            name = s["name"]
+            n = min(s["n"], EXPORT_QUERIES)
+            out["sets"][name] = {
+                "queries": self.queries(store_id, name),
+                "scored": {str(q): self.influence(store_id, name, q, k) for q in range(n)},
+            }
+        return out

@@ -1,0 +1,113 @@
+/* Charts through the vendored uPlot (static/vendor): line charts with hover values in the
+   legend, drag-to-zoom (double-click resets), a log-scale option and one line per layer.
+   The only drawing done here is the dashed marker of the selected step (a uPlot draw hook). */
+"use strict";
+(function () {
+  const PALETTE = ["#4c78a8", "#e45756", "#54a24b", "#f58518", "#b279a2", "#72b7b2",
+    "#ff9da6", "#9d755d", "#bab0ac", "#eeca3b"];
+
+  const STEP_INCRS = [];
+  for (let e = 1; e <= 1e12; e *= 10) STEP_INCRS.push(e, 2 * e, 5 * e);
+
+  function fmt(v) {
+    if (v === null || v === undefined || v === "") return "–";
+    const x = Number(v);
+    if (!Number.isFinite(x)) return String(v);
+    return Number.isInteger(x) && Math.abs(x) < 1e7 ? String(x) : x.toPrecision(4);
+  }
+
+  function note(text) {
+    const p = document.createElement("p");
+    p.className = "hint";
+    p.textContent = text;
+    return p;
+  }
+
+  // a dashed vertical line at x = marker (the recorder's selected step)
+  function markerPlugin(marker) {
+    return { hooks: { draw: [(u) => {
+      if (marker === null || marker === undefined) return;
+      const x = u.valToPos(marker, "x", true);
+      if (!(x >= u.bbox.left && x <= u.bbox.left + u.bbox.width)) return;
+      const ctx = u.ctx;
+      ctx.save();
+      ctx.strokeStyle = "#111";
+      ctx.setLineDash([3, 3]);
+      ctx.beginPath();
+      ctx.moveTo(x, u.bbox.top);
+      ctx.lineTo(x, u.bbox.top + u.bbox.height);
+      ctx.stroke();
+      ctx.restore();
+    }] } };
+  }
+
+  /* A line chart in `box` (emptied first).
+     opts: {title, x: [numbers ascending], series: [{label, values: [number|null], dash}],
+            log: bool, marker: x|null, height, xLabel, sync: key}
+     Returns the uPlot instance, or null when no series has a finite value (a note says so). */
+  function line(box, opts) {
+    box.replaceChildren();
+    const log = !!opts.log;
+    let hidden = 0;
+    const ys = opts.series.map((s) => s.values.map((v) => {
+      if (v === null || v === undefined || !Number.isFinite(v)) return null;
+      if (log && v <= 0) { hidden += 1; return null; }  // no place on a log axis
+      return v;
+    }));
+    if (!ys.some((vals) => vals.some((v) => v !== null))) {
+      box.append(note(`${opts.title ? opts.title + ": " : ""}no finite values` +
+        (log && hidden ? " above 0 (log scale)" : "")));
+      return null;
+    }
+    const width = Math.max(260, Math.floor(box.clientWidth || box.parentElement.clientWidth || 400));
+    const series = [{ label: opts.xLabel || "step", value: (u, v) => fmt(v) }];
+    opts.series.forEach((s, i) => series.push({
+      label: s.label,
+      stroke: s.color || PALETTE[i % PALETTE.length],
+      width: 1.5,
+      dash: s.dash ? [6, 4] : undefined,
+      spanGaps: false,
+      points: { show: ys[i].filter((v) => v !== null).length < 3 },
+      value: (u, v) => fmt(v),
+    }));
+    const plot = new window.uPlot({
+      title: opts.title,
+      width,
+      height: opts.height || 220,
+      scales: { x: { time: false }, y: log ? { distr: 3 } : {} },
+      // steps are integers: no tick at step 0.5
+      axes: [{ label: opts.xLabel || "step", incrs: STEP_INCRS }, { size: 64 }],
+      cursor: opts.sync ? { sync: { key: opts.sync } } : {},
+      legend: { live: true },
+      series,
+      plugins: [markerPlugin(opts.marker)],
+    }, [opts.x, ...ys], box);
+    if (hidden) box.append(note(`${hidden} value(s) ≤ 0 not drawn on the log scale`));
+    return plot;
+  }
+
+  /* A histogram as a filled step line: counts[i] over [edges[i], edges[i+1]). */
+  function histogram(box, opts) {
+    box.replaceChildren();
+    const edges = opts.edges, counts = opts.counts;
+    if (!edges.length || edges.some((e) => e === null)) {
+      box.append(note(`${opts.title}: no finite range`));
+      return null;
+    }
+    const width = Math.max(260, Math.floor(box.clientWidth || 400));
+    return new window.uPlot({
+      title: opts.title,
+      width,
+      height: opts.height || 180,
+      scales: { x: { time: false } },
+      axes: [{ label: "value" }, { size: 64 }],
+      legend: { live: true },
+      series: [{ label: "value", value: (u, v) => fmt(v) }, {
+        label: "count", stroke: PALETTE[0], fill: "rgba(76,120,168,0.25)", width: 1,
+        paths: window.uPlot.paths.stepped({ align: 1 }), value: (u, v) => fmt(v),
+      }],
+    }, [edges, [...counts, counts[counts.length - 1]]], box);
+  }
+
+  window.NNChart = { line, histogram, fmt, PALETTE };
+})();

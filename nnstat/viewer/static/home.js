@@ -1,0 +1,208 @@
+/* The page's entry: loads the data (inline in an export, api/data when served), routes between
+   the views by the URL's #hash, and draws the home page and the Tracker runs view. */
+"use strict";
+(function () {
+  const $ = (id) => document.getElementById(id);
+  const C = window.NNChart;
+  let DATA = null;
+  const served = !$("nnstat-data").textContent.trim();
+
+  function showError(msg) { const e = $("error"); e.hidden = false; e.textContent = msg; }
+  window.addEventListener("error", (ev) => showError(String(ev.message)));
+
+  // every value from the folder enters the DOM as text or an attribute value, never as markup
+  function h(tag, attrs, ...children) {
+    const e = document.createElement(tag);
+    for (const k in attrs || {}) e.setAttribute(k, String(attrs[k]));
+    children.flat().forEach((c) => {
+      if (c !== null && c !== undefined) e.append(c instanceof Node ? c : String(c));
+    });
+    return e;
+  }
+  const hint = (text) => h("p", { class: "hint" }, text);
+
+  // ------------------------------------------------------------------------------ routing
+  const VIEWS = ["home", "runs", "recorder", "stores"];
+  const shown = {};
+  function route() {
+    let view = (location.hash || "").slice(1).split("/")[0];
+    if (!VIEWS.includes(view)) view = defaultView();
+    VIEWS.forEach((v) => {
+      $(`view-${v}`).classList.toggle("active", v === view);
+      document.querySelector(`#nav a[data-view='${v}']`).classList.toggle("active", v === view);
+    });
+    // charts size to their box: a view is drawn when it is first visible
+    const first = !shown[view];
+    shown[view] = true;
+    if (view === "home" && first) renderHome();
+    if (view === "recorder" && first) window.NNRecorder.start(DATA);
+    if (view === "runs") renderRuns();  // #runs/<i> picks the run
+    if (view === "stores") window.NNExplorer.show(DATA, served, location.hash);
+  }
+  // a folder of recorder trials only opens on the recorder, as before; anything else at home
+  function defaultView() {
+    const other = DATA.runs.length + DATA.stores.length + DATA.reports.length;
+    return !other && (DATA.trials.length || DATA.problems.length) ? "recorder" : "home";
+  }
+
+  function renderProblems() {
+    const list = DATA.problems || [];
+    const box = $("problems");
+    box.hidden = !list.length;
+    box.replaceChildren(h("h3", {}, `${list.length} file(s) or record(s) skipped`),
+      h("ul", {}, list.map((p) => h("li", {}, h("code", {}, p.file), `: ${p.message}`))));
+  }
+
+  // ------------------------------------------------------------------------------ home
+  function renderHome() {
+    $("home-root").textContent = DATA.root;
+    const sec = (title, items, empty) => h("section", { class: "home-section" },
+      h("h2", {}, title), items.length ? h("ul", {}, items) : hint(empty));
+    const link = (hash, text) => h("a", { href: hash }, text);
+    const runs = DATA.runs.map((r, i) => h("li", {}, link(`#runs/${i}`, r.id),
+      ` — ${r.steps.length} steps, ${Object.keys(r.series).length} series` +
+      (Object.keys(r.hists).length ? `, ${Object.keys(r.hists).length} histograms` : "")));
+    const trials = DATA.trials.map((t) => h("li", {}, link("#recorder", t.id),
+      ` — ${t.steps.length} recorded steps`));
+    const stores = DATA.stores.map((s, i) => h("li", {}, link(`#stores/${i}`, s.id),
+      ` — ${s.rows} training rows, ${s.modules.length} modules, ${s.preconditioner} ` +
+      `preconditioner, ${s.query_sets.length - 1} query set(s)` +
+      (s.examples ? `, ${s.examples} examples saved` : "")));
+    const reports = DATA.reports.map((r) => h("li", {}, h("a", { href: r.href, target: "_blank",
+      rel: "noopener", class: "report-link" }, r.id)));
+    $("home-body").replaceChildren(
+      sec("Reports", reports, "No HTML report (nnstat demo writes report.html)."),
+      sec("Tracker runs", runs, "No Tracker run (nnstat.integrations.JsonlLogger writes metrics.jsonl)."),
+      sec("Influence: gradient stores", stores, "No gradient store."),
+      sec("Recorder trials", trials, "No recorder trial."));
+  }
+
+  // ------------------------------------------------------------------------------ runs
+  const R = { run: 0, filter: "", log: false };
+
+  // "<group>/<layer>/<stat>" keys (the Tracker's) become one chart per group and statistic with
+  // a line per layer; other keys one chart each, the loss first
+  function chartsOf(run) {
+    const single = [], grouped = new Map();
+    Object.keys(run.series).forEach((key) => {
+      const parts = key.split("/");
+      // "trust_ratio/<layer>" (the Tracker's ratios): a layer name holds a "."
+      if (parts.length === 2 && parts[1].includes(".")) parts.push("");
+      if (parts.length >= 3) {
+        const stat = parts[parts.length - 1];
+        const id = stat ? `${parts[0]}/*/${stat}` : `${parts[0]}/*`;
+        if (!grouped.has(id)) grouped.set(id, { id, section: parts[0], lines: [] });
+        grouped.get(id).lines.push({ label: parts.slice(1, -1).join("/"), key });
+      } else {
+        single.push({ id: key, section: "scalars", lines: [{ label: key, key }] });
+      }
+    });
+    const loss = (c) => (/loss/i.test(c.id) ? 0 : 1);
+    single.sort((a, b) => loss(a) - loss(b) || (a.id < b.id ? -1 : 1));
+    return single.concat([...grouped.values()].sort((a, b) => (a.id < b.id ? -1 : 1)));
+  }
+
+  function matches(chart) {
+    const words = R.filter.toLowerCase().split(/\s+/).filter(Boolean);
+    const text = [chart.id, ...chart.lines.map((l) => l.label)].join(" ").toLowerCase();
+    return words.every((w) => text.includes(w));
+  }
+
+  function drawChart(box, run, chart) {
+    C.line(box, { title: chart.id, x: run.steps, log: R.log, sync: "run",
+      series: chart.lines.map((l) => ({ label: l.label, values: run.series[l.key] })) });
+  }
+
+  function drawHist(box, run, key, index) {
+    const hh = run.hists[key];
+    const sel = h("select", { class: "hist-step" },
+      hh.steps.map((s, i) => h("option", { value: i }, `step ${s}`)));
+    sel.value = String(index);
+    const chart = h("div", { class: "chart" });
+    box.replaceChildren(sel, chart);
+    sel.addEventListener("change", () => drawHist(box, run, key, Number(sel.value)));
+    C.histogram(chart, { title: `${key} (step ${hh.steps[index]})`, edges: hh.edges[index],
+      counts: hh.counts[index] });
+  }
+
+  function renderRuns() {
+    const sel = $("run-sel");
+    sel.replaceChildren(...DATA.runs.map((r, i) => h("option", { value: i }, r.id)));
+    const m = /^#runs\/(\d+)$/.exec(location.hash);
+    if (m && Number(m[1]) < DATA.runs.length) R.run = Number(m[1]);
+    sel.value = String(R.run);
+    const body = $("run-body");
+    if (!DATA.runs.length) { body.replaceChildren(hint("No Tracker run under this folder.")); return; }
+    const run = DATA.runs[R.run];
+    const charts = chartsOf(run).filter(matches);
+    const sections = new Map();
+    charts.forEach((c) => {
+      if (!sections.has(c.section)) sections.set(c.section, []);
+      sections.get(c.section).push(c);
+    });
+    const out = [];
+    let first = true;
+    sections.forEach((list, name) => {
+      const grid = h("div", { class: "grid" });
+      const det = h("details", { class: "run-section", "data-section": name },
+        h("summary", {}, `${name} (${list.length} chart${list.length > 1 ? "s" : ""})`), grid);
+      // the first section (the loss and other scalars) and any filtered result open at once;
+      // the others draw their charts when opened
+      const draw = () => {
+        if (grid.childElementCount) return;
+        list.forEach((c) => {
+          const box = h("div", { class: "chart", "data-key": c.id });
+          grid.append(box);
+          drawChart(box, run, c);
+        });
+      };
+      det.addEventListener("toggle", () => { if (det.open) draw(); });
+      out.push(det);
+      if (first || R.filter) { det.open = true; }
+      first = false;
+    });
+    const hists = Object.keys(run.hists).filter((k) => matches({ id: k, lines: [] }));
+    if (hists.length) {
+      const grid = h("div", { class: "grid" });
+      const det = h("details", { class: "run-section", "data-section": "histograms" },
+        h("summary", {}, `histograms (${hists.length})`), grid);
+      det.addEventListener("toggle", () => {
+        if (!det.open || grid.childElementCount) return;
+        hists.forEach((k) => {
+          const box = h("div", { class: "chart hist", "data-key": k });
+          grid.append(box);
+          drawHist(box, run, k, run.hists[k].steps.length - 1);
+        });
+      });
+      out.push(det);
+    }
+    body.replaceChildren(h("p", { class: "hint" }, `${run.steps.length} steps, ` +
+      `${Object.keys(run.series).length} series in ${charts.length} charts`), ...out);
+    // opened after insertion so the charts have a width to size to
+    out.forEach((d) => { if (d.open) d.dispatchEvent(new Event("toggle")); });
+  }
+
+  function bindRuns() {
+    $("run-sel").addEventListener("change", (ev) => {
+      R.run = Number(ev.target.value);
+      history.replaceState(null, "", `#runs/${R.run}`);
+      renderRuns();
+    });
+    $("run-filter").addEventListener("input", (ev) => { R.filter = ev.target.value; renderRuns(); });
+    $("run-log").addEventListener("change", (ev) => { R.log = ev.target.checked; renderRuns(); });
+  }
+
+  function start(data) {
+    DATA = data;
+    $("nav-root").textContent = data.root;
+    renderProblems();
+    bindRuns();
+    window.addEventListener("hashchange", route);
+    route();
+    if (served) window.NNRecorder.enableRefresh();
+    document.body.setAttribute("data-ready", "1");
+  }
+
+  if (!served) start(JSON.parse($("nnstat-data").textContent));
+  else window.NNRecorder.fetchData().then(start).catch((e) => showError(String(e)));
+})();
