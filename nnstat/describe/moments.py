@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 __all__ = ["Workspace", "CHUNK"]
@@ -104,6 +105,66 @@ def _moment_rows(
     return torch.stack(rows).to(torch.float64)
 
 
+def _numpy_ok(x: torch.Tensor) -> bool:
+    # numpy's calls cost ~0.5 us against torch's ~5 us, its BLAS dot reads a cached block at ~5 us
+    # per 64K floats and its SIMD min/max/abs are as fast: the numpy pass below measured ~3x
+    # faster than the torch one (the same ~12 reductions per block) on one core
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.numel() > 0
+
+
+def _ones(n: int, dtype: np.dtype) -> np.ndarray:
+    """A cached read-only vector of ones: ``b.dot(ones)`` is a BLAS sum, ~2.5x faster than
+    numpy's pairwise ``b.sum()`` on float32 blocks."""
+    key = np.dtype(dtype)
+    buf = _ONES.get(key)
+    if buf is None or buf.size < n:
+        buf = np.ones(max(n, CHUNK), dtype=key)
+        buf.flags.writeable = False
+        _ONES[key] = buf
+    return buf[:n]
+
+
+_ONES: dict[np.dtype, np.ndarray] = {}
+
+
+def _np_moment_rows(
+    x: np.ndarray, chunk: int, scale: float, d: np.ndarray, d2: np.ndarray
+) -> np.ndarray:
+    """`_moment_rows` in numpy on a CPU array (same columns and centres, float64 result).
+
+    Per block: one BLAS sum for the centre, the centred copy and its square (the only writes),
+    four dot products for the power sums, min and max. ``l1`` and the non-zero count need no
+    pass when the block has one sign (then ``l1 = |sum x|`` and nothing is zero); otherwise
+    one ``abs`` and a dot give ``l1``, and zeros are counted only if ``min |x|`` is 0.
+    """
+    n = x.size
+    out = np.empty(((n + chunk - 1) // chunk, 9), dtype=np.float64)
+    ones = _ones(min(chunk, n), x.dtype)
+    dt = x.dtype.type
+    for k, start in enumerate(range(0, n, chunk)):
+        b = x[start : start + chunk]
+        m = b.size
+        o, dd, dd2 = ones[:m], d[:m], d2[:m]
+        c = dt(float(b.dot(o)) / m)
+        np.subtract(b, c, out=dd)
+        if scale != 1.0:
+            dd *= dt(scale)  # a power of two: exact, only the exponent moves
+        np.multiply(dd, dd, out=dd2)
+        s1, s2 = float(dd.dot(o)), float(dd.dot(dd))
+        s3, s4 = float(dd2.dot(dd)), float(dd2.dot(dd2))
+        lo, hi = float(b.min()), float(b.max())
+        if lo > 0.0 or hi < 0.0:
+            # one sign: nothing is zero and sum |x| = |sum x| (the centre and the residue in
+            # float64, as the mean uses them)
+            nnz, l1 = float(m), abs(m * float(c) + s1 / scale)
+        else:
+            np.abs(b, out=dd)
+            l1 = float(dd.dot(o))
+            nnz = float(m - (m - np.count_nonzero(b) if dd.min() == 0.0 else 0))
+        out[k] = (float(c), s1, s2, s3, s4, lo, hi, nnz, l1)
+    return out
+
+
 def _moments(x: torch.Tensor, ws: Workspace | None = None) -> dict[str, torch.Tensor]:
     """Central moments (m_k = mean of (x - mean)^k), min/max, zero count, l1, l2 of a flat tensor.
 
@@ -118,11 +179,21 @@ def _moments(x: torch.Tensor, ws: Workspace | None = None) -> dict[str, torch.Te
     chunk = CHUNK if x.device.type == "cpu" else n
     d_buf, d2_buf = (ws or Workspace()).get(min(chunk, n), x.dtype, x.device)
     scale = _denormal_scale(x[:chunk])
-    r = _moment_rows(x, chunk, scale, d_buf, d2_buf)
+    rows = _moment_rows
+    if _numpy_ok(x):
+
+        def rows(x: torch.Tensor, chunk: int, scale: float, a: torch.Tensor, b: torch.Tensor):
+            # overflow is detected below (non-finite power sums), so numpy need not warn
+            with np.errstate(over="ignore", invalid="ignore"):
+                return torch.from_numpy(
+                    _np_moment_rows(x.numpy(), chunk, scale, a.numpy(), b.numpy())
+                )
+
+    r = rows(x, chunk, scale, d_buf, d2_buf)
     if scale != 1.0 and not bool(torch.isfinite(r[:, 1:5]).all()):
         # a later block far larger than the first overflowed once scaled: plain pass instead
         scale = 1.0
-        r = _moment_rows(x, chunk, scale, d_buf, d2_buf)
+        r = rows(x, chunk, scale, d_buf, d2_buf)
     centres, s1, s2 = r[:, 0], r[:, 1] / scale, r[:, 2] / scale**2
     s3, s4 = r[:, 3] / scale**3, r[:, 4] / scale**4
     counts = torch.full_like(centres, float(chunk))
