@@ -12,7 +12,11 @@ import sys
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("nnstat.demo", "main", "train a small network on digits with nnstat watching"),
     "influence": ("nnstat.influence.cli", "main", "score a query log against a gradient store"),
-    "view": ("nnstat.viewer.server", "main", "browse a recorder folder in a local page"),
+    "view": (
+        "nnstat.viewer.server",
+        "main",
+        "browse Tracker runs, recorder trials, gradient stores and reports in a local page",
+    ),
 }
 
 

@@ -83,6 +83,7 @@
       plugins: [markerPlugin(opts.marker)],
     }, [opts.x, ...ys], box);
     if (hidden) box.append(note(`${hidden} value(s) ≤ 0 not drawn on the log scale`));
+    box.nnChart = plot;  // for tests and the console: the chart of this box
     return plot;
   }
 

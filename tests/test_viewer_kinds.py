@@ -1,0 +1,321 @@
+"""`nnstat view DIR` on a folder holding every kind nnstat writes: a Tracker JSONL run, a
+recorder trial, a gradient store (the influence explorer) and a report.
+
+Browser checks go through the `Page` helper of tests/test_viewer.py (Debian chromium, every
+non-loopback request blocked and recorded, console errors collected; both must stay empty).
+Expected values come from independent readers: `nnstat.integrations.jsonl.read_jsonl` for the
+run, `nnstat.influence.compute_influence_all` / `compute_self_influence` for the explorer.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tomllib
+import torch
+from nnstat.integrations import JsonlLogger
+from nnstat.integrations.jsonl import read_jsonl
+from test_viewer import Page, browser, record  # noqa: F401 (browser is a fixture)
+from test_viewer_examples import make_store
+
+import nnstat
+from nnstat.influence import compute_influence_all, compute_self_influence
+from nnstat.store import GradientStore
+from nnstat.viewer import load_queries, save_examples, save_queries
+from nnstat.viewer.data import load_bundle
+from nnstat.viewer.server import STATIC, main, serve_in_thread
+
+ROOT = Path(__file__).resolve().parents[1]
+REPORT = "<!DOCTYPE html><html><head><style>h1{color:#333}</style></head><body><h1>Demo report</h1></body></html>"
+
+
+def tracker_run(run_dir: Path, steps: int = 12) -> Path:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    logger = JsonlLogger(run_dir)
+    tracker = nnstat.Tracker(model, opt, sinks=[logger], histograms=True)
+    for step in range(steps):
+        loss = model(torch.randn(16, 4)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        tracker.step()
+        # the loop's own metrics at the same step, as a demo passes its W&B dict
+        logger.log({"train/loss": loss.item(), "neg": -1.0 - step}, step=step)
+    tracker.close()
+    logger.close()
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("everything")
+    tracker_run(base / "runs" / "exp1")
+    record(base / "recorder", "baseline", 1.0)
+    store, log, _ = make_store(base / "gradients")
+    save_queries(log, store)
+    rng = np.random.default_rng(0)
+    save_examples(
+        store, list(range(24)), images=rng.random((24, 8, 8)), labels=[i % 3 for i in range(24)]
+    )
+    save_examples(store / "viewer" / "queries" / "queries", log.ids, texts=["qa", "qb", "qc"])
+    (base / "report.html").write_text(REPORT)
+    return base
+
+
+def _store(folder: Path) -> Path:
+    return folder / "gradients" / "p"
+
+
+def _cards(p: Page, selector: str) -> list[tuple[object, float]]:
+    got = p.page.eval_on_selector_all(
+        f"{selector} .card",
+        "cs => cs.map(c => [c.dataset.id, c.querySelector('.score').textContent])",
+    )
+    return [(json.loads(i), float(s)) for i, s in got]
+
+
+def _expect_top(scores: torch.Tensor, ids: list, k: int) -> tuple[list, list]:
+    order = torch.argsort(scores, descending=True).tolist()
+    return [(ids[j], float(scores[j])) for j in order[:k]], [
+        (ids[j], float(scores[j])) for j in order[::-1][:k]
+    ]
+
+
+def _same(shown: list, expected: list) -> None:
+    assert [i for i, _ in shown] == [i for i, _ in expected]
+    assert [s for _, s in shown] == pytest.approx([s for _, s in expected], rel=2e-3, abs=1e-6)
+
+
+def test_bundle_finds_every_kind(folder) -> None:
+    b = load_bundle(folder)
+    assert [t["id"] for t in b["trials"]] == ["recorder/g/baseline"]
+    assert [r["id"] for r in b["runs"]] == ["runs/exp1"]
+    assert [s["id"] for s in b["stores"]] == ["gradients/p"]
+    assert [r["id"] for r in b["reports"]] == ["report.html"]
+    assert b["problems"] == []
+    s = b["stores"][0]
+    assert s["preconditioner"] == "ekfac" and [q["name"] for q in s["query_sets"]] == [
+        "",
+        "queries",
+    ]
+    # the run's series equal an independent read of the file (same step merged from 2 lines)
+    rows, problems = read_jsonl(folder / "runs" / "exp1")
+    assert problems == []
+    run = b["runs"][0]
+    assert run["steps"] == sorted({r["step"] for r in rows})
+    loss = {r["step"]: r["metrics"]["train/loss"] for r in rows if "train/loss" in r["metrics"]}
+    assert run["series"]["train/loss"] == [loss[s] for s in run["steps"]]
+    l2 = {
+        r["step"]: r["metrics"]["weight/0.weight/l2"]
+        for r in rows
+        if "weight/0.weight/l2" in r["metrics"]
+    }
+    assert run["series"]["weight/0.weight/l2"] == [l2[s] for s in run["steps"]]
+    assert "weight/0.weight/hist" in run["hists"]
+
+
+def test_home_lists_every_kind_and_opens_the_report(folder, browser) -> None:  # noqa: F811
+    srv, url = serve_in_thread(folder)
+    try:
+        p = Page(browser, url)
+        assert p.page.is_visible("#view-home")
+        home = p.page.inner_text("#home-body")
+        for name in ("report.html", "runs/exp1", "gradients/p", "recorder/g/baseline"):
+            assert name in home
+        p.page.screenshot(path="/tmp/nnstat_view_home.png", full_page=True)
+        with p.page.context.expect_page() as new:
+            p.page.click("a.report-link")
+        report = new.value
+        report.wait_for_load_state()
+        assert report.inner_text("h1") == "Demo report"
+        report.close()
+        # shown in a sandbox: its own inline style only, no script, no origin
+        res = urllib.request.urlopen(url + "report/report.html")
+        assert res.read().decode() == REPORT
+        assert res.headers["Content-Security-Policy"].startswith("sandbox;")
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(url + "report/..%2Fetc%2Fpasswd")
+        p.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_run_charts_hover_values_overlay_and_log_scale(folder, browser) -> None:  # noqa: F811
+    rows, _ = read_jsonl(folder / "runs" / "exp1")
+    loss = {r["step"]: r["metrics"]["train/loss"] for r in rows if "train/loss" in r["metrics"]}
+    srv, url = serve_in_thread(folder)
+    try:
+        p = Page(browser, url + "#runs/0")
+        chart = "#run-body .chart[data-key='train/loss']"
+        p.page.wait_for_selector(f"{chart} .u-over")
+        # the loss is the first chart; hovering puts the step and its value in the legend
+        assert p.page.eval_on_selector("#run-body .chart", "e => e.dataset.key") == "train/loss"
+        box = p.page.locator(f"{chart} .u-over").bounding_box()
+        p.page.mouse.move(box["x"] + box["width"] * 0.5, box["y"] + box["height"] * 0.5)
+        values = p.page.eval_on_selector_all(
+            f"{chart} .u-legend .u-series .u-value", "els => els.map(e => e.textContent)"
+        )
+        step = int(values[0])
+        assert float(values[1]) == pytest.approx(loss[step], rel=1e-3)
+        # several layers on one chart: one line per parameter of the Tracker's weight l2
+        p.page.click("details[data-section='weight'] summary")
+        overlay = "#run-body .chart[data-key='weight/*/l2']"
+        p.page.wait_for_selector(f"{overlay} .u-over")
+        labels = p.page.eval_on_selector_all(
+            f"{overlay} .u-legend .u-series .u-label", "els => els.map(e => e.textContent)"
+        )
+        assert labels == ["step", "0.bias", "0.weight", "2.bias", "2.weight"]
+        p.page.screenshot(path="/tmp/nnstat_view_runs.png", full_page=True)
+        # log scale: the y scale becomes logarithmic; a series of negative values says why
+        # it is not drawn instead of drawing nothing silently
+        distr = "e => e.nnChart.scales.y.distr"
+        assert p.page.eval_on_selector(chart, distr) == 1
+        p.page.check("#run-log")
+        assert p.page.eval_on_selector(chart, distr) == 3
+        assert "no finite values above 0 (log scale)" in p.page.inner_text(
+            "#run-body .chart[data-key='neg']"
+        )
+        p.page.uncheck("#run-log")
+        assert p.page.eval_on_selector(chart, distr) == 1
+        # the filter keeps matching charts only
+        p.page.fill("#run-filter", "update_ratio")
+        keys = p.page.eval_on_selector_all("#run-body .chart", "es => es.map(e => e.dataset.key)")
+        assert keys == ["update_ratio/*"]
+        p.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_recorder_trial_opens_with_a_default_selection(folder, browser) -> None:  # noqa: F811
+    srv, url = serve_in_thread(folder)
+    try:
+        p = Page(browser, url + "#recorder")
+        # before any click: the loss node is selected and its curve drawn, the KPI chart up front
+        assert p.page.text_content("#sel-name") == "loss (loss)"
+        assert p.page.is_visible("#plot .uplot") and p.page.is_visible("#kpis .uplot")
+        assert "no finite values" not in p.page.inner_text("#side")
+        p.page.screenshot(path="/tmp/nnstat_view_recorder.png", full_page=True)
+        p.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_influence_explorer_top_k_matches_the_api(folder, browser) -> None:  # noqa: F811
+    store_dir = _store(folder)
+    store = GradientStore(store_dir)
+    queries = load_queries(store_dir / "viewer" / "queries" / "queries")
+    expected = compute_influence_all(queries, store).scores  # [3, 24], independent of the viewer
+    srv, url = serve_in_thread(folder)
+    try:
+        p = Page(browser, url + "#stores/0")
+        p.page.wait_for_selector("#inf-result[data-query='queries:0']")
+        p.page.click("#inf-query-list .card[data-q='1']")
+        p.page.wait_for_selector("#inf-result[data-query='queries:1']")
+        helpful, harmful = _expect_top(expected[1], store.ids, 10)
+        _same(_cards(p, "#inf-result .helpful"), helpful)
+        _same(_cards(p, "#inf-result .harmful"), harmful)
+        assert p.page.inner_text("#inf-result .query .text") == "qb"
+        assert p.page.locator("#inf-result .helpful img").count() == 10  # images saved
+        p.page.screenshot(path="/tmp/nnstat_view_influence.png", full_page=True)
+        # self-influence ranking
+        p.page.wait_for_selector("#inf-self[data-ready='1']")
+        self_scores = compute_self_influence(store).scores
+        top, low = _expect_top(self_scores, store.ids, 10)
+        _same(_cards(p, "#self-highest"), top)
+        _same(_cards(p, "#self-lowest"), low[:10])
+        # a training example as the query: the store against itself
+        first = top[0][0]
+        p.page.click(f"#self-highest .card[data-id='{first}']")
+        p.page.wait_for_selector(f"#inf-result[data-query=':{store.ids.index(first)}']")
+        row = compute_influence_all(store, store).scores[store.ids.index(first)]
+        helpful, harmful = _expect_top(row, store.ids, 10)
+        _same(_cards(p, "#inf-result .helpful"), helpful)
+        _same(_cards(p, "#inf-result .harmful"), harmful)
+        p.page.select_option("#inf-k", "5")
+        p.page.wait_for_selector(f"#inf-result[data-query=':{store.ids.index(first)}']")
+        assert len(_cards(p, "#inf-result .helpful")) == 5
+        p.close()
+        # a wrong request gets a clear 400
+        for bad, msg in (
+            ("api/influence?store=nope&q=0", "no gradient store 'nope'"),
+            ("api/influence?store=gradients/p&set=queries&q=9", "query 9 out of range"),
+            ("api/influence?store=gradients/p&q=0&k=0", "k must be 1-50"),
+        ):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(url + bad)
+            assert err.value.code == 400 and msg in err.value.read().decode()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_export_carries_every_kind(folder, browser, tmp_path) -> None:  # noqa: F811
+    out = tmp_path / "view.html"
+    assert main([str(folder), "--export", str(out)]) == 0
+    html = out.read_text()
+    assert "static/" not in html.split("<body>", 1)[1].split('id="nnstat-data"', 1)[0]
+    assert "uPlot" in html  # the vendored library inlined
+    p = Page(browser, out.as_uri() + "#stores/0")
+    p.page.wait_for_selector("#inf-result[data-query='queries:0']")
+    queries = load_queries(_store(folder) / "viewer" / "queries" / "queries")
+    store = GradientStore(_store(folder))
+    helpful, _ = _expect_top(compute_influence_all(queries, store).scores[0], store.ids, 10)
+    _same(_cards(p, "#inf-result .helpful"), helpful)
+    p.page.goto(out.as_uri() + "#runs/0")
+    p.page.wait_for_selector("#run-body .chart[data-key='train/loss'] .u-over")
+    p.page.goto(out.as_uri() + "#home")
+    href = p.page.get_attribute("a.report-link", "href")
+    assert href == (folder / "report.html").resolve().as_uri()
+    p.page.screenshot(path="/tmp/nnstat_view_export_home.png", full_page=True)
+    p.close()
+
+
+def test_truncated_last_line_of_a_run_is_reported(tmp_path) -> None:
+    run = tracker_run(tmp_path / "r", steps=3)
+    data = (run / "metrics.jsonl").read_bytes()
+    (run / "metrics.jsonl").write_bytes(data[:-20])
+    b = load_bundle(tmp_path)
+    assert b["runs"][0]["steps"] == [0, 1, 2]  # step 2's Tracker line is still whole
+    assert len(b["problems"]) == 1
+    assert b["problems"][0]["file"] == "r/metrics.jsonl"
+    assert "incomplete last line skipped" in b["problems"][0]["message"]
+    (run / "metrics.jsonl").write_text('{"not": "a run"}\n')
+    b = load_bundle(tmp_path)
+    assert b["runs"] == [] and "not an nnstat JSONL run" in b["problems"][0]["message"]
+
+
+def test_nothing_nnstat_wrote_is_a_clear_error(tmp_path, capsys) -> None:
+    (tmp_path / "notes.txt").write_text("hello")
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "nothing nnstat wrote under" in err and "metrics.jsonl" in err
+
+
+def test_package_data_ships_every_viewer_asset() -> None:
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]["nnstat"]
+    files = [p.relative_to(ROOT / "nnstat").as_posix() for p in STATIC.rglob("*") if p.is_file()]
+    missing = [
+        f
+        for f in files
+        if not any(fnmatch.fnmatch(f, g) and "/" not in f[len(g) - 1 :] for g in globs)
+    ]
+    assert "viewer/static/vendor/uPlot.iife.min.js" in files
+    assert missing == []
+    readme = (STATIC / "vendor" / "README.md").read_text()
+    assert (
+        "| 1.6.32 |" in readme
+        and "/*! https://github.com/leeoniya/uPlot (v1.6.32) */"
+        in (STATIC / "vendor" / "uPlot.iife.min.js").read_text()
+    )
