@@ -25,6 +25,7 @@ class _BatchContext:
     mask: torch.Tensor | None
     loss_reduction: str
     outputs_require_grad: bool = False
+    samples: int | str | None = None  # the block's sample count, "input", or None: unknown
 
 
 @dataclass

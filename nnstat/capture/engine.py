@@ -31,6 +31,7 @@ from nnstat.capture._build import (
     _Watched,
     first_tensor,
 )
+from nnstat.capture.broadcast import BroadcastGuard, expand
 from nnstat.capture.capture import ModuleCapture
 
 __all__ = ["LOSS_REDUCTIONS", "CaptureConsumer", "CaptureEngine", "UnsupportedModuleError"]
@@ -84,12 +85,27 @@ class CaptureEngine:
         self._roots: list[nn.Module] = []
         self._keep_input = False
         self.model_input: torch.Tensor | None = None
+        # the latest call of a watched root inside the block: its first tensor sizes the batch
+        # when a module's output has batch size 1 (see broadcast.py); kept unread until then
+        self._root_call: tuple[tuple, dict] | None = None
+        self._left_out: dict[str, str] = {}
 
     # ---------------------------------------------------------------- selection
     @property
     def watched(self) -> dict[str, nn.Module]:
         """Watched modules by name, in watch order."""
         return {w.name: w.module for w in self._watched.values()}
+
+    @property
+    def left_out(self) -> dict[str, str]:
+        """Watched modules whose per-sample gradients turned out undefined, with the reason.
+
+        A module whose input is shared by the whole batch (``[1, T]`` position ids) is
+        captured through an expansion of its output to the batch (docs/capture.md, "Inputs
+        shared by the batch"); one whose batch-1 output the model uses otherwise is left out
+        here, with one warning, and delivers no more captures until :meth:`unwatch`.
+        """
+        return dict(self._left_out)
 
     def kinds(self) -> dict[str, str]:
         """Capture kind of each watched module by name."""
@@ -160,6 +176,8 @@ class CaptureEngine:
         self._handles.clear()
         self._watched.clear()
         self._roots.clear()
+        self._left_out.clear()
+        self._root_call = None
         with self._lock:
             self._pending.clear()
 
@@ -207,6 +225,7 @@ class CaptureEngine:
         mask: torch.Tensor | None = None,
         loss_reduction: str = "sum",
         outputs_require_grad: bool = False,
+        samples: int | str | None = None,
     ) -> Iterator[None]:
         """Capture forward/backward passes run inside this block.
 
@@ -218,12 +237,20 @@ class CaptureEngine:
         watched parameters to skip the weight-gradient products): a watched module whose output
         would not require grad returns a copy that does, so its output gradient still reaches
         the hooks. Values never change.
+        ``samples``: the block's number of samples, or ``"input"``: dim 0 of the first tensor
+        passed to the watched model (the Run passes its ``data_id``'s length, else
+        ``"input"``). Given it (or a ``mask``), a module whose input the batch shares (GPT-2's
+        position ids ``[1, T]``) is captured with exact per-sample gradients through an
+        expansion of its output, and one that cannot be is left out with one warning
+        (:attr:`left_out`); without either, such a module's capture holds the batch's summed
+        gradient as one sample, as before.
         """
-        self._begin(batch_size, mask, loss_reduction, outputs_require_grad)
+        self._begin(batch_size, mask, loss_reduction, outputs_require_grad, samples)
         try:
             yield
         finally:
             self._ctx = None
+            self._root_call = None
         # a backward that ran without the autograd callback (should not happen) still counts
         self.flush()
 
@@ -233,19 +260,27 @@ class CaptureEngine:
         mask: torch.Tensor | None,
         loss_reduction: str,
         outputs_require_grad: bool,
+        samples: int | str | None = None,
     ) -> None:
         """Validate and open a batch (``batch()`` without its generator, for per-step callers
         that close it with ``_end()``)."""
         _check_batch_args(batch_size, loss_reduction)
+        if samples is not None and samples != "input":
+            if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+                raise ValueError(f'samples must be a non-negative int or "input", got {samples!r}')
         if mask is None:  # immutable, so reused: this runs every training step
-            key = (batch_size, loss_reduction, outputs_require_grad)
+            key = (batch_size, loss_reduction, outputs_require_grad, samples)
             ctx = self._contexts.get(key)
             if ctx is None:
-                ctx = self._contexts[key] = _BatchContext(batch_size, None, *key[1:])
+                ctx = self._contexts[key] = _BatchContext(
+                    batch_size, None, loss_reduction, outputs_require_grad, samples
+                )
         else:
             if not isinstance(mask, torch.Tensor) or mask.dim() < 1:
                 raise ValueError("mask must be a tensor of shape [N] or [N, *positions]")
-            ctx = _BatchContext(batch_size, mask.detach(), loss_reduction, outputs_require_grad)
+            ctx = _BatchContext(
+                batch_size, mask.detach(), loss_reduction, outputs_require_grad, samples
+            )
         if self._ctx is not None:
             raise RuntimeError("engine.batch(...) blocks cannot be nested")
         self._ctx = ctx
@@ -253,12 +288,14 @@ class CaptureEngine:
     def _abort(self) -> None:
         """Close a batch whose block raised, dropping its pending captures."""
         self._ctx = None
+        self._root_call = None
         with self._lock:
             self._pending = {}
 
     def _end(self) -> None:
         """Close the batch opened by ``_begin`` and hand over anything still pending."""
         self._ctx = None
+        self._root_call = None
         self.flush()
 
     @contextmanager
@@ -283,6 +320,8 @@ class CaptureEngine:
 
     # -------------------------------------------------------------------- hooks
     def _on_model_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._ctx is not None:
+            self._root_call = (args, kwargs)
         if self._keep_input and self.model_input is None:
             t = first_tensor(args, kwargs)
             if t is not None:
@@ -301,6 +340,8 @@ class CaptureEngine:
             return None
         if not inputs or not isinstance(inputs[0], torch.Tensor):
             return None
+        if self._left_out and w.name in self._left_out:
+            return None
         replaced = None
         if not output.requires_grad:
             if not (ctx.outputs_require_grad and output.is_floating_point()):
@@ -308,9 +349,17 @@ class CaptureEngine:
             # nothing upstream needs a gradient (frozen parameters, input without grad): start
             # the graph here; a non-leaf copy keeps downstream in-place ops (ReLU(inplace)) legal
             replaced = output = output.detach().requires_grad_().clone()
+        x = inputs[0].detach()
+        if output.dim() and output.shape[0] == 1 and x.dim() and x.shape[0] == 1:
+            wrapped = self._expand_shared(w, output, ctx)
+            if wrapped is not None:
+                # the rest of the model reads the checked expansion; the hook sits on the plain
+                # expanded tensor, where autograd delivers each sample's output gradient
+                replaced, output = wrapped, wrapped._nnstat_expanded
+                x = x.expand(output.shape[0], *x.shape[1:])
         # the input travels in the closure, so a recomputed forward (activation checkpointing)
         # pairs with its own backward and a forward whose output never gets a gradient is dropped
-        hook = partial(self._on_output_grad, module, inputs[0].detach(), ctx)
+        hook = partial(self._on_output_grad, module, x, ctx)
         target = _hook_target(output) if output._is_view() else output
         if target is not output:
             hook = partial(_reshaped, hook, output.shape)
@@ -326,6 +375,41 @@ class CaptureEngine:
         else:
             target.register_hook(hook)
         return replaced
+
+    def _expand_shared(self, w: _Watched, output: torch.Tensor, ctx: _BatchContext) -> Any:
+        """A batch-1 output expanded to the block's batch (see broadcast.py), or None when
+        the batch is 1 or unknown (then flush() compares it with the other modules)."""
+        if ctx.samples is None and ctx.mask is None:
+            return None  # the caller did not say how many samples the block holds
+        batch, source = self._block_batch(ctx)
+        if batch is None or batch <= 1 or torch.compiler.is_compiling():
+            return None
+        return expand(output, BroadcastGuard(w.name, batch, source, self._leave_out))
+
+    def _block_batch(self, ctx: _BatchContext) -> tuple[int | None, str]:
+        """The block's number of samples and where it came from."""
+        if isinstance(ctx.samples, int):
+            return ctx.samples, "the block's samples"
+        if ctx.samples is None and ctx.mask is not None:
+            return int(ctx.mask.shape[0]), "the mask's first dimension"
+        if self._root_call is not None:
+            t = first_tensor(*self._root_call)
+            if t is not None and t.dim():
+                return int(t.shape[0]), f"dim 0 of the model's first input {tuple(t.shape)}"
+        return None, ""
+
+    def _leave_out(self, name: str, why: str) -> None:
+        """Stop capturing ``name`` (its per-sample gradients are undefined), warning once."""
+        if name in self._left_out:
+            return
+        self._left_out[name] = why
+        warnings.warn(
+            f"nnstat: not capturing {name!r}: {why}. It is left out (CaptureEngine.left_out); "
+            "the model computes exactly as without nnstat. To include it, give that input the "
+            "batch dimension (GPT-2 and similar: position_ids=torch.arange(T).expand(B, T)), "
+            "or watch with a name_filter that excludes it to silence this warning.",
+            stacklevel=3,
+        )
 
     def _on_output_grad(
         self, module: nn.Module, x: torch.Tensor, ctx: _BatchContext, grad: torch.Tensor
@@ -349,16 +433,46 @@ class CaptureEngine:
             self._flush_queued = False
         if not pending or not (self._consumers or self._backward_consumers):
             return
-        caps = []
-        for module, w in list(self._watched.items()):
-            calls = pending.get(module)
-            if calls:
-                cap = _build_capture(w, calls)
-                for consumer in self._consumers:
-                    consumer(cap)
-                caps.append(cap)
+        left_out = self._left_out
+        caps = [
+            _build_capture(w, pending[module])
+            for module, w in list(self._watched.items())
+            if pending.get(module) and not (left_out and w.name in left_out)
+        ]
+        ctx = next(iter(pending.values()))[0][2]
+        if caps and (ctx.samples is not None or ctx.mask is not None):
+            caps = self._drop_unbroadcast(caps)
+        for cap in caps:
+            for consumer in self._consumers:
+                consumer(cap)
         for batch_consumer in self._backward_consumers:
             batch_consumer(caps)
+
+    def _drop_unbroadcast(self, caps: list[ModuleCapture]) -> list[ModuleCapture]:
+        """Leave out modules that saw a batch of 1 where others saw more: an input shared by
+        the batch that could not be expanded (the batch size was unknown when it ran, or the
+        model is being compiled), whose gradient is the batch's sum, not a sample's."""
+        n = max(c.num_samples for c in caps)
+        if n <= 1 or all(c.num_samples == n for c in caps):
+            return caps
+        others = [c.name for c in caps if c.num_samples == n]
+        for c in caps:
+            if c.num_samples == 1:
+                self._leave_out(
+                    c.name,
+                    f"it saw a batch of 1 while {_names(others)} saw {n} (an input shared by "
+                    "the whole batch, e.g. position ids of shape [1, T]) and the batch size "
+                    "was not known when it ran (the watched model's first input tensor has no "
+                    "batch dimension, or the model was not called), or the model is "
+                    "compiled; its gradient is the batch's sum, not a sample's",
+                )
+        return [c for c in caps if c.num_samples != 1]
+
+
+def _names(names: list[str], limit: int = 4) -> str:
+    """``'a', 'b' and 3 more`` for messages."""
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _as_list(x: Any) -> list:

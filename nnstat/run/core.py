@@ -207,6 +207,8 @@ class Run:
                 self.engine.batch(
                     mask=mask,
                     loss_reduction=self.config.loss_reduction,
+                    # sizes the expansion of modules whose input the batch shares (wpe)
+                    samples="input" if ids is None else len(ids),
                     **({"outputs_require_grad": True} if restore is not None else {}),
                 ),
                 probe if probe is not None else nullcontext(),
@@ -220,11 +222,27 @@ class Run:
         if probe is not None and batch:
             self._probe_reduction = False
             self._warn_mean_loss(probe, next(iter(batch.values())).shape[0])
+        self._refuse_left_out()
         with self._writer_errors():
             if hash_input:
                 ids = self._input_ids(self.engine.model_input, batch)
                 keep = self._admit(ids)
             self._complete(batch, ids, keep, rowbuf, factors)
+
+    def _refuse_left_out(self) -> None:
+        """A module of the store's layout that the engine left out would be stored as zeros:
+        refuse the block instead, saying how to include or exclude the module."""
+        assert self._projections is not None
+        left = {m: why for m, why in self.engine.left_out.items() if m in self._projections}
+        if not left:
+            return
+        reasons = "; ".join(f"{m!r}: {why}" for m, why in left.items())
+        raise ValueError(
+            f"nnstat: watched modules were left out of capture in this run(...) block, so its "
+            f"rows are not stored ({reasons}). Give that input the batch dimension (GPT-2 and "
+            "similar: position_ids=torch.arange(T).expand(B, T)), or watch the model with a "
+            "name_filter that excludes them (in a new project, or with overwrite=True)"
+        )
 
     def _input_ids(self, x: torch.Tensor | None, batch: dict[str, torch.Tensor]) -> list:
         """``data_id="hash"``: content ids of the rows of the model's first input tensor."""

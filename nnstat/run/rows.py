@@ -41,6 +41,7 @@ class BatchRows:
         # modules whose rows are outer products left for the writer to form (see store.outer)
         self._outer: list[outer.OuterFactors] = []
         self._all_outer = True
+        self._sizes: dict[str, int] = {}  # module -> samples it saw in this block
 
     @property
     def open(self) -> bool:
@@ -52,6 +53,7 @@ class BatchRows:
         self._projections = projections
         self._rows, self._buffer = {}, None
         self._outer, self._all_outer = [], True
+        self._sizes = {}
 
     def end(
         self,
@@ -81,6 +83,7 @@ class BatchRows:
                 empty = torch.zeros(0, proj.width)
                 self._rows[cap.name] = empty if buf is None else buf[:, self.columns[cap.name]]
             return
+        self._check_size(cap.name, cap.num_samples)
         if prev is None and writer is not None:
             buf = self._row_buffer(writer, cap.num_samples)
             out = buf[:, self.columns[cap.name]]
@@ -105,6 +108,25 @@ class BatchRows:
         rows = project_capture(cap, proj).float()
         self._rows[cap.name] = rows if prev is None else prev.add_(rows)
 
+    def _check_size(self, name: str, n: int) -> None:
+        """Every module of a block must see its N samples: name the ones that did not."""
+        first = next(iter(self._sizes.values()), n)
+        self._sizes.setdefault(name, n)
+        if n == first:
+            return
+        groups: dict[int, list[str]] = {}
+        for m, size in self._sizes.items():
+            groups.setdefault(size, []).append(m)
+        if self._sizes[name] != n:  # the same module, in a second backward of the block
+            groups.setdefault(n, []).append(name)
+        seen = "; ".join(f"{size}: {', '.join(repr(m) for m in ms)}" for size, ms in groups.items())
+        raise ValueError(
+            f"watched modules saw different batch sizes in one run(...) block ({seen}). Each "
+            "module's dim 0 must be the block's samples: a module applied to flattened inputs "
+            "([B*T, d]) or to a tensor without the batch dimension has no per-sample gradient; "
+            "watch with a name_filter that excludes it, or call it on [B, ...] inputs"
+        )
+
     def _row_buffer(self, writer: Any, n: int) -> torch.Tensor:
         if self._buffer is None:
             self._buffer = writer.row_buffer(n)
@@ -112,9 +134,4 @@ class BatchRows:
             for name, p in self._projections.items():
                 self.columns[name] = slice(offset, offset + p.width)
                 offset += p.width
-        elif self._buffer.shape[0] != n:
-            raise ValueError(
-                f"watched modules saw different batch sizes in one run(...) block "
-                f"({self._buffer.shape[0]} and {n})"
-            )
         return self._buffer

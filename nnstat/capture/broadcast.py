@@ -1,0 +1,294 @@
+"""Modules whose input is shared by the whole batch (GPT-2's position embedding sees ``[1, T]``).
+
+Autograd sums a broadcast tensor's gradient over the batch *before* it reaches the module that
+produced it, so that module's hooks only ever see the batch total. The engine therefore hands
+the rest of the model the module's ``[1, ...]`` output expanded to ``[B, ...]``: autograd then
+delivers the per-sample output gradient ``[B, ...]`` at the expansion, and with the input
+treated as shared by every sample the per-sample weight gradient of sample ``i`` is exact.
+
+Expanding is only harmless where the model would have broadcast that output over the batch
+anyway. The expanded output is a :class:`BroadcastOutput`, a tensor subclass whose
+``__torch_function__`` checks every op that reads it:
+
+* an elementwise op that combines it with a tensor of batch ``B`` (``inputs_embeds + wpe``)
+  gives the very values the unexpanded output would have: the op runs and returns a plain
+  tensor (from here on nothing differs from the model without nnstat);
+* an elementwise op without such a partner (a dtype cast, ``x * 0.5``, ``x + bias``) keeps the
+  result tracked (its unexpanded counterpart is computed beside it);
+* any other op (a sum over the batch, ``cat``, ``matmul``, indexing, dropout that draws a mask,
+  an in-place write into it) runs on the **unexpanded** output, exactly as without nnstat, and
+  the module is left out of capture (``on_refuse``): its expanded gradient would miss that use.
+
+Metadata reads (``shape``, ``dtype``, ``size()``) answer for the unexpanded output, so model
+code that inspects it behaves as it would without nnstat.
+
+Example:
+    >>> import torch
+    >>> w = torch.randn(1, 3, requires_grad=True)
+    >>> refused = []
+    >>> guard = BroadcastGuard("pos", 4, "the model input", lambda n, why: refused.append(n))
+    >>> pos = expand(w * 1.0, guard)
+    >>> h = torch.randn(4, 3) + pos  # broadcast over the batch: a plain [4, 3] tensor
+    >>> type(h).__name__, tuple(pos.shape), refused
+    ('Tensor', (1, 3), [])
+    >>> _ = pos.sum()  # not a broadcast over the batch: computed unexpanded, "pos" refused
+    >>> refused
+    ['pos']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["BroadcastGuard", "BroadcastOutput", "expand"]
+
+# elementwise ops that combine their tensor operands by broadcasting (out-of-place)
+_COMBINE = frozenset(
+    {
+        "add", "sub", "subtract", "mul", "multiply", "div", "divide", "true_divide", "where",
+        "addcmul", "addcdiv", "lerp", "maximum", "minimum",
+        "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+        "__truediv__", "__rtruediv__",
+    }
+)  # fmt: skip
+# the same, in place into a tensor that is not the tracked one (BERT: ``emb += pos``)
+_INPLACE_COMBINE = frozenset(
+    {"__iadd__", "add_", "__isub__", "sub_", "__imul__", "mul_", "__itruediv__", "div_", "copy_"}
+)
+# writes that are not checked: refused
+_INPLACE_OTHER = frozenset(
+    {
+        "__setitem__", "__ior__", "__iand__", "__ixor__", "__ilshift__", "__irshift__",
+        "__imod__", "__ifloordiv__", "__ipow__", "__imatmul__",
+    }
+)  # fmt: skip
+# ops that map each sample's row to the same result row (the batch axis stays axis 0)
+_ROWWISE = frozenset(
+    {
+        "to", "type", "type_as", "float", "half", "bfloat16", "double", "contiguous", "clone",
+        "dropout", "layer_norm", "gelu", "relu", "silu", "tanh", "sigmoid", "neg", "__neg__",
+    }
+)  # fmt: skip
+
+
+class BroadcastGuard:
+    """One expansion: the module's name, the batch size ``B`` it was expanded to, where ``B``
+    came from (for messages) and ``on_refuse(name, why)``, called when a use is not a broadcast.
+
+    Example:
+        >>> BroadcastGuard("wpe", 3, "data_id", lambda n, why: None).batch
+        3
+    """
+
+    __slots__ = ("batch", "name", "on_refuse", "source")
+
+    def __init__(
+        self, name: str, batch: int, source: str, on_refuse: Callable[[str, str], None]
+    ) -> None:
+        self.name, self.batch, self.source, self.on_refuse = name, batch, source, on_refuse
+
+    def refuse(self, op: str, detail: str = "") -> None:
+        self.on_refuse(
+            self.name,
+            f"its output has batch size 1 (an input shared by the whole batch, e.g. position ids "
+            f"of shape [1, T]) and the model uses it in {op!r}{detail}, not only broadcast over "
+            f"the batch of {self.batch} samples ({self.source}), so its per-sample gradients "
+            "are not defined",
+        )
+
+
+class BroadcastOutput(torch.Tensor):
+    """A watched module's ``[1, ...]`` output expanded to the batch, checked at every use.
+
+    Built by :func:`expand`; see the module docstring for what each kind of use does.
+
+    Example:
+        >>> g = BroadcastGuard("m", 2, "the model input", lambda n, why: None)
+        >>> t = expand(torch.ones(1, 2), g)
+        >>> (t + torch.zeros(2, 2)).shape
+        torch.Size([2, 2])
+    """
+
+    _nnstat_orig: torch.Tensor
+    _nnstat_guards: tuple[BroadcastGuard, ...]
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            return _dispatch(func, args, kwargs)
+
+
+def expand(output: torch.Tensor, guard: BroadcastGuard) -> BroadcastOutput:
+    """``output`` (``[1, ...]``) expanded to ``[guard.batch, ...]`` as a :class:`BroadcastOutput`.
+
+    The caller hooks the plain expanded tensor (``result._nnstat_expanded``) for its gradient.
+
+    Example:
+        >>> g = BroadcastGuard("m", 3, "the model input", lambda n, why: None)
+        >>> tuple(expand(torch.zeros(1, 5), g)._nnstat_expanded.shape)
+        (3, 5)
+    """
+    expanded = output.expand(guard.batch, *output.shape[1:])
+    return _wrap(expanded, output, (guard,))
+
+
+def _wrap(
+    expanded: torch.Tensor, orig: torch.Tensor, guards: tuple[BroadcastGuard, ...]
+) -> BroadcastOutput:
+    out = expanded.as_subclass(BroadcastOutput)
+    out._nnstat_orig = orig
+    out._nnstat_guards = guards
+    out._nnstat_expanded = expanded  # type: ignore[attr-defined]
+    return out
+
+
+def _tracked(args: tuple, kwargs: dict) -> list[BroadcastOutput]:
+    found: list[BroadcastOutput] = []
+    todo: list[Any] = [*args, *kwargs.values()]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, BroadcastOutput):
+            found.append(x)
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+    return found
+
+
+def _unexpanded(x: Any) -> Any:
+    if isinstance(x, BroadcastOutput):
+        return x._nnstat_orig
+    if isinstance(x, (list, tuple)):
+        return type(x)(_unexpanded(v) for v in x)
+    return x
+
+
+def _original(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The call as the model makes it without nnstat: every tracked tensor unexpanded."""
+    return func(*_unexpanded(args), **{k: _unexpanded(v) for k, v in kwargs.items()})
+
+
+def _refuse(found: list[BroadcastOutput], op: str, detail: str = "") -> None:
+    for t in found:
+        for g in t._nnstat_guards:
+            g.refuse(op, detail)
+
+
+def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    found = _tracked(args, kwargs)
+    name = getattr(func, "__name__", repr(func))
+    if not found:
+        return func(*args, **kwargs)
+    guards = tuple(g for t in found for g in t._nnstat_guards)
+    batch = guards[0].batch
+    ndim = found[0].dim()
+    if "out" in kwargs:
+        _refuse(found, name, " with out=")
+        return _original(func, args, kwargs)
+    if (
+        name in _INPLACE_COMBINE
+        or name in _INPLACE_OTHER
+        or (name.endswith("_") and not name.endswith("__"))
+    ):
+        target = args[0] if args else None
+        if (
+            name in _INPLACE_COMBINE
+            and isinstance(target, torch.Tensor)
+            and not isinstance(target, BroadcastOutput)
+            and target.dim() == ndim
+            and target.shape[0] == batch
+        ):
+            # the target already holds every sample's row: it receives the same values
+            return func(*args, **kwargs)
+        _refuse(found, name, " (in place)")
+        return _original(func, args, kwargs)
+    if name in _COMBINE:
+        return _combine(func, name, args, kwargs, found, guards, batch, ndim)
+    if name in _ROWWISE:
+        return _rowwise(func, name, args, kwargs, found, guards, batch, ndim)
+    if name == "detach":  # no gradient flows through it: nothing to check
+        return _original(func, args, kwargs)
+    result = _original(func, args, kwargs)
+    if _holds_tensor(result):
+        _refuse(found, name)
+    return result  # a metadata read (shape, dtype, ...): the unexpanded output's answer
+
+
+def _combine(
+    func: Any,
+    name: str,
+    args: tuple,
+    kwargs: dict,
+    found: list[BroadcastOutput],
+    guards: tuple[BroadcastGuard, ...],
+    batch: int,
+    ndim: int,
+) -> Any:
+    try:
+        result = func(*args, **kwargs)
+        shapes = [
+            x._nnstat_orig.shape if isinstance(x, BroadcastOutput) else x.shape
+            for x in [*args, *kwargs.values()]
+            if isinstance(x, torch.Tensor)
+        ]
+        ref = tuple(torch.broadcast_shapes(*shapes))
+    except (RuntimeError, TypeError, ValueError) as e:
+        _refuse(found, name, f" (expanded, it fails: {e})")
+        return _original(func, args, kwargs)
+    if (
+        isinstance(result, torch.Tensor)
+        and result.dim() == ndim
+        and all(t.dim() == ndim for t in found)
+        and result.shape[0] == batch
+    ):
+        shape = tuple(result.shape)
+        if shape == ref:  # a partner of batch B: the values the model computes without nnstat
+            return result
+        if ref[0] == 1 and shape[1:] == ref[1:]:  # still one row for every sample
+            return _wrap(result, _original(func, args, kwargs), guards)
+    _refuse(found, name)
+    return _original(func, args, kwargs)
+
+
+def _rowwise(
+    func: Any,
+    name: str,
+    args: tuple,
+    kwargs: dict,
+    found: list[BroadcastOutput],
+    guards: tuple[BroadcastGuard, ...],
+    batch: int,
+    ndim: int,
+) -> Any:
+    if name == "dropout" and _dropout_active(args, kwargs):
+        # B independent masks where the model draws one: other values, so not ours to expand
+        _refuse(found, name, " (training mode, p > 0)")
+        return _original(func, args, kwargs)
+    result = func(*args, **kwargs)
+    if any(result is t for t in found):  # .to() that changes nothing returns its input
+        return result
+    if isinstance(result, torch.Tensor) and result.dim() == ndim and result.shape[0] == batch:
+        orig = _original(func, args, kwargs)
+        if isinstance(orig, torch.Tensor) and orig.shape[1:] == result.shape[1:]:
+            return _wrap(result, orig, guards)
+    _refuse(found, name)
+    return _original(func, args, kwargs)
+
+
+def _dropout_active(args: tuple, kwargs: dict) -> bool:
+    p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+    training = kwargs.get("training", args[2] if len(args) > 2 else True)
+    return bool(training) and float(p) > 0
+
+
+def _holds_tensor(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return True
+    if isinstance(x, (list, tuple)):
+        return any(_holds_tensor(v) for v in x)
+    return False

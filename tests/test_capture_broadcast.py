@@ -1,0 +1,294 @@
+"""Modules whose input is shared by the whole batch (GPT-2's ``wpe`` sees ``[1, T]`` position ids).
+
+References are per-example autograd backward passes (batch size 1 each) of a copy of the model
+whose tied ``lm_head`` weight is a separate parameter of the same value, so every module's own
+contribution is a plain ``.grad``.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nnstat
+from nnstat.capture import CaptureEngine
+
+transformers = pytest.importorskip("transformers")
+
+B, T, V = 3, 8, 97
+
+
+def tiny_gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=32, vocab_size=V, n_positions=32, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config).eval()  # eval: no dropout, same as the reference
+
+
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Each sequence's next-token loss, summed over tokens and sequences."""
+    return F.cross_entropy(
+        logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum"
+    )  # fmt: skip
+
+
+def reference(ids: torch.Tensor) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """{module: per example {param: grad}} from one backward per example (a fresh, unwatched
+    model of the same seed)."""
+    untied = tiny_gpt2()
+    untied.lm_head.weight = nn.Parameter(untied.transformer.wte.weight.detach().clone())
+    modules = {
+        n: m for n, m in untied.named_modules() if any(True for _ in m.parameters(recurse=False))
+    }
+    out: dict[str, list[dict[str, torch.Tensor]]] = {n: [] for n in modules}
+    for i in range(len(ids)):
+        untied.zero_grad()
+        lm_loss(untied(input_ids=ids[i : i + 1]).logits, ids[i : i + 1]).backward()
+        for n, m in modules.items():
+            out[n].append({k: p.grad.clone() for k, p in m.named_parameters(recurse=False)})
+    return out
+
+
+def matrix_form(kind: str, grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A module's gradient as the store lays it out (docs/architecture.md)."""
+    if kind == "embedding":
+        return grads["weight"].T
+    if kind == "layernorm":
+        return torch.cat([grads["weight"], grads["bias"]])
+    w = grads["weight"].T if kind == "conv1d_hf" else grads["weight"]
+    return torch.cat([w, grads["bias"][:, None]], 1) if "bias" in grads else w
+
+
+def test_plain_workflow_stores_exact_rows_for_every_module_incl_wpe(tmp_path):
+    model = tiny_gpt2()
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1))
+    run = nnstat.init(project="gpt2", root_dir=tmp_path)
+    nnstat.setup({"log": "grad", "save": "grad"})
+    names = nnstat.watch(model)
+    assert {"transformer.wte", "transformer.wpe", "lm_head"} <= set(names)
+    nnstat.add_projection(rank=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing left out, nothing stored as zeros
+        with run(data_id=["a", "b", "c"]):
+            lm_loss(model(input_ids=ids).logits, ids).backward()
+        nnstat.finalize()
+    store = nnstat.GradientStore(tmp_path / "gpt2")
+    log = store.load()
+    assert log.ids == ["a", "b", "c"]
+    proj = store.projections()
+    ref = reference(ids)
+    assert {m["name"] for m in store.modules} == set(names)
+    worst = 0.0
+    for m in store.modules:
+        name, kind = m["name"], m["kind"]
+        rows = store.module_view(log.rows, name)
+        for i in range(B):
+            g = matrix_form(kind, ref[name][i])
+            p_in = proj.get(f"{name}/p_in")
+            if kind == "layernorm":
+                want = g if p_in is None else p_in @ g
+            else:
+                p_out = proj.get(f"{name}/p_out")
+                g = g if p_out is None else p_out @ g
+                want = g if p_in is None else g @ p_in.T
+            assert want.abs().max() > 0, name
+            err = (rows[i].flatten() - want.flatten()).abs().max().item()
+            worst = max(worst, err)
+            assert err < 1e-5, (name, i, err)
+    assert worst < 1e-5
+
+
+@pytest.mark.parametrize("batch", [B, 1])
+def test_engine_per_sample_grads_match_per_example_backward(batch):
+    """Unprojected: every module, wpe and wte included; batch 1 needs no expansion."""
+    model = tiny_gpt2()
+    ids = torch.randint(0, V, (batch, T), generator=torch.Generator().manual_seed(2))
+    engine = CaptureEngine()
+    names = engine.watch(model)
+    caps: dict[str, dict[str, torch.Tensor]] = {}
+    engine.add_consumer(lambda cap: caps.update({cap.name: cap.per_sample_grads_by_param()}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with engine.batch(samples="input"):  # the batch: dim 0 of the model's input_ids
+            logits = model(input_ids=ids).logits
+            lm_loss(logits, ids).backward()
+    engine.unwatch()
+    assert set(caps) == set(names) and engine.left_out == {}
+    ref = reference(ids)
+    for name in names:
+        for k, got in caps[name].items():
+            want = torch.stack([r[k] for r in ref[name]])
+            assert got.shape == want.shape, (name, k)
+            assert torch.allclose(got, want, atol=1e-5, rtol=0), (name, k)
+    # the summed per-sample gradients are the batch gradient autograd computed: nothing changed
+    wpe = model.transformer.wpe.weight
+    assert torch.allclose(caps["transformer.wpe"]["weight"].sum(0), wpe.grad, atol=1e-5)
+
+
+def test_kfac_statistics_of_wpe_use_each_samples_output_gradient(tmp_path):
+    model = tiny_gpt2()
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(3))
+    run = nnstat.init(project="kfac", root_dir=tmp_path)
+    nnstat.setup({"log": "grad", "save": "grad", "statistic": "kfac"})
+    nnstat.watch(model)
+    nnstat.add_projection(rank=4)
+    for _ in run.schedule():
+        with run(data_id=[0, 1, 2]):
+            lm_loss(model(input_ids=ids).logits, ids).backward()
+        model.zero_grad()
+    stats = nnstat.GradientStore(tmp_path / "kfac").statistics()
+    # S = (1/N) sum_i sum_t b_it b_itᵀ with b_i = d loss_i / d wpe-output of example i alone
+    outs = []
+
+    def keep(module, inputs, output):
+        output.retain_grad()
+        outs.append(output)
+
+    hook = model.transformer.wpe.register_forward_hook(keep)
+    for i in range(B):
+        lm_loss(model(input_ids=ids[i : i + 1]).logits, ids[i : i + 1]).backward()
+    hook.remove()
+    b = torch.cat([o.grad for o in outs]).reshape(-1, 32)
+    want = b.T @ b / B
+    got = stats["transformer.wpe/backward/covariance"]
+    assert torch.allclose(got, want, atol=1e-5 * want.abs().max().item()), (got - want).abs().max()
+    # the batch-summed gradient (what the hooks saw without the expansion) gives another S
+    summed = sum(o.grad for o in outs).reshape(-1, 32)
+    assert not torch.allclose(summed.T @ summed, want * B, rtol=1e-2)
+
+
+class SharedNotBroadcast(nn.Module):
+    """``glob`` sees a [1, 4] input shared by the batch and its output is summed over it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(10, 4)
+        self.glob = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+        self.register_buffer("seed", torch.randn(1, 4))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        g = self.glob(self.seed)
+        return self.head(self.tok(ids).sum(1) + g.sum(0))  # a sum over the batch, not a broadcast
+
+
+def test_batch1_output_used_otherwise_is_left_out_with_one_warning_and_exact_forward(tmp_path):
+    torch.manual_seed(0)
+    model = SharedNotBroadcast()
+    ids, y = torch.randint(0, 10, (5, 6)), torch.randint(0, 3, (5,))
+    plain = copy.deepcopy(model)
+    want = F.cross_entropy(plain(ids), y, reduction="sum")
+    want.backward()
+    engine = CaptureEngine()
+    engine.watch(model)
+    caps = {}
+    engine.add_consumer(lambda cap: caps.update({cap.name: cap}))
+    for step in range(2):
+        model.zero_grad()
+        caps.clear()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with engine.batch(samples=5):
+                loss = F.cross_entropy(model(ids), y, reduction="sum")
+                loss.backward()
+        msgs = [str(w.message) for w in seen if "nnstat" in str(w.message)]
+        assert len(msgs) == (1 if step == 0 else 0), msgs  # one warning, at the first batch
+        if step == 0:
+            assert "'glob'" in msgs[0] and "'sum'" in msgs[0] and "expand" in msgs[0]
+        # the model computed exactly as without nnstat
+        assert torch.equal(loss, want)
+        for (k, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            assert torch.allclose(p.grad, q.grad, atol=1e-6), k
+        assert set(caps) == {"tok", "head"} and caps["tok"].num_samples == 5
+    assert set(engine.left_out) == {"glob"}
+    engine.unwatch()
+
+    # the store's layout has it, so a run refuses the block instead of storing zeros
+    run = nnstat.init(project="toy", root_dir=tmp_path)
+    nnstat.setup({"log": "grad", "save": "grad"})
+    nnstat.watch(model)
+    with pytest.warns(UserWarning, match="'glob'"), pytest.raises(ValueError, match="'glob'"):
+        with run(data_id=list(range(5))):
+            F.cross_entropy(model(ids), y, reduction="sum").backward()
+    close(run)
+
+
+class PosFirst(nn.Module):
+    """A position embedding that runs before the token embedding, combined by ``mul`` after a
+    dtype cast: the batch comes from the model's input, every use broadcasts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(6, 4)
+        self.tok = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        p = self.pos(torch.arange(ids.shape[1])[None]).to(torch.float64) * 2.0
+        h = self.tok(ids).double() * p
+        return self.head(h.float().mean(1))
+
+
+def test_shared_module_before_the_batched_ones_matches_torch_func():
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = PosFirst()
+    ids, y = torch.randint(0, 10, (4, 6)), torch.randint(0, 3, (4,))
+    engine = CaptureEngine()
+    engine.watch(model)
+    caps = {}
+    engine.add_consumer(lambda cap: caps.update({cap.name: cap.per_sample_grads_by_param()}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with engine.batch(loss_reduction="mean", samples="input"):
+            F.cross_entropy(model(ids), y).backward()
+    engine.unwatch()
+
+    def one(params, xi, yi):
+        return F.cross_entropy(functional_call(model, params, (xi[None],)), yi[None])
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    ref = vmap(grad(one), in_dims=(None, 0, 0))(params, ids, y)
+    for name in ("pos", "tok", "head"):
+        for k, got in caps[name].items():
+            assert torch.allclose(got, ref[f"{name}.{k}"], atol=1e-6), (name, k)
+
+
+class Flattened(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).flatten(0, 1))  # b sees [N*T, 4]: no batch dimension
+
+
+def test_different_batch_sizes_error_names_the_modules(tmp_path):
+    torch.manual_seed(0)
+    model = Flattened()
+    run = nnstat.init(project="flat", root_dir=tmp_path)
+    nnstat.setup({"log": "grad", "save": "grad"})
+    nnstat.watch(model)
+    with pytest.raises(ValueError, match="different batch sizes") as info:
+        with run(data_id=[0, 1, 2]):
+            model(torch.randn(3, 5, 4)).sum().backward()
+    msg = str(info.value)
+    assert "3: 'a'" in msg and "15: 'b'" in msg, msg
+    close(run)
+
+
+def close(run) -> None:
+    """End a run whose only block was refused (its pass holds nothing)."""
+    run.unwatch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run.finalize()
