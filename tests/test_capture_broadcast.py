@@ -292,3 +292,71 @@ def close(run) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         run.finalize()
+
+
+class InPlace(nn.Module):
+    """BERT's spelling: the shared position embedding is added in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(6, 4)
+        self.tok = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(ids)
+        h += self.pos(torch.arange(ids.shape[1])[None])
+        return self.head(h.mean(1))
+
+
+def test_in_place_add_of_the_shared_output_matches_torch_func():
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = InPlace()
+    ids, y = torch.randint(0, 10, (4, 6)), torch.randint(0, 3, (4,))
+    engine = CaptureEngine()
+    engine.watch(model)
+    caps = {}
+    engine.add_consumer(lambda cap: caps.update({cap.name: cap.per_sample_grads_by_param()}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with engine.batch(samples=4):
+            F.cross_entropy(model(ids), y, reduction="sum").backward()
+    engine.unwatch()
+
+    def one(params, xi, yi):
+        out = functional_call(model, params, (xi[None],))
+        return F.cross_entropy(out, yi[None], reduction="sum")
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    ref = vmap(grad(one), in_dims=(None, 0, 0))(params, ids, y)
+    assert caps["pos"]["weight"].shape == (4, 6, 4)
+    assert torch.allclose(caps["pos"]["weight"], ref["pos.weight"], atol=1e-6)
+
+
+def test_batch_unknown_when_the_module_ran_is_left_out_not_summed():
+    """Submodules called without the watched root: B cannot be read from the model input, so
+    the shared module saw a batch of 1 while the others saw 4; it is left out, with a warning."""
+    torch.manual_seed(0)
+    model = InPlace()
+    ids = torch.randint(0, 10, (4, 6))
+    engine = CaptureEngine()
+    engine.watch(model)
+    caps = {}
+    engine.add_consumer(lambda cap: caps.update({cap.name: cap.num_samples}))
+    with pytest.warns(UserWarning, match="not capturing 'pos'.*batch of 1 while 'tok'"):
+        with engine.batch(samples="input"):
+            h = model.tok(ids) + model.pos(torch.arange(6)[None])
+            model.head(h.mean(1)).sum().backward()
+    assert caps == {"tok": 4, "head": 4} and "pos" in engine.left_out
+    # without samples= (or a mask) nothing is expanded nor left out: the caller did not say
+    # how many samples the block holds (its capture is the batch's sum, as before)
+    fresh = CaptureEngine()
+    fresh.watch(model)
+    fresh.add_consumer(lambda cap: caps.update({cap.name: cap.num_samples}))
+    with fresh.batch():
+        F.cross_entropy(model(ids), torch.zeros(4, dtype=torch.long)).backward()
+    assert caps["pos"] == 1 and fresh.left_out == {}
+    engine.unwatch()
+    fresh.unwatch()
