@@ -10,11 +10,15 @@ of the training loop relative to a plain Trainer (``report_to="none"``):
   histograms of every parameter every ``logging_steps``),
 * ``NNStatCallback(noise_scale=False)``: the Tracker's default statistics (l2, rms, abs_max,
   nonfinite of weights, grads, Adam states and updates, trust ratios) on logging steps,
-* ``NNStatCallback()``: the same plus the per-sample noise scale on **every** step.
+* ``NNStatCallback()``: the default, the same plus the per-sample noise scale on one step in
+  ``NOISE_SCALE_EVERY`` (8),
+* ``NNStatCallback(noise_scale_every=1)``: the noise scale on **every** step.
 
-Prints a markdown table; the last column is the time spent inside the callback's own event
-methods (robust to a busy machine; the per-sample capture runs inside backward and shows only in
-the ratio).
+Prints a markdown table: per row the median over repeats of the loop's wall and CPU (process)
+time, and the median of each repeat's ratio to the plain loop of the same repeat (the rows run
+interleaved, so load drifts cancel in those); the last column is the time spent inside the
+callback's own event methods (robust to a busy machine; the per-sample capture runs inside
+backward and shows only in the ratios).
 """
 
 from __future__ import annotations
@@ -48,10 +52,11 @@ class _Timer(transformers.TrainerCallback):
     """Times the training loop only (not Trainer construction or W&B start-up)."""
 
     def on_train_begin(self, *a, **k):
-        self.start = time.perf_counter()
+        self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
     def on_train_end(self, *a, **k):
         self.seconds = time.perf_counter() - self.start
+        self.cpu = time.process_time() - self.cpu_start
 
 
 class _TimedNNStat(NNStatCallback):
@@ -74,7 +79,17 @@ class _TimedNNStat(NNStatCallback):
         return timed
 
 
-def run(kind: str, steps: int, out: str) -> tuple[float, float]:
+KINDS = {  # row label -> NNStatCallback options (None: no nnstat callback)
+    "plain": None,
+    "wandb.watch": None,
+    "NNStatCallback(noise_scale=False)": {"noise_scale": False},
+    "NNStatCallback() (default: noise scale every 8th step)": {},
+    "NNStatCallback(noise_scale_every=1)": {"noise_scale_every": 1},
+}
+
+
+def run(kind: str, steps: int, out: str) -> tuple[float, float, float]:
+    """(wall s, CPU s, s inside the callback's methods) of one training loop."""
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=512, n_positions=64, n_embd=128, n_layer=4, n_head=4,
                                   bos_token_id=0, eos_token_id=0)  # fmt: skip
@@ -88,8 +103,8 @@ def run(kind: str, steps: int, out: str) -> tuple[float, float]:
     )  # fmt: skip
     timer = _Timer()
     callbacks: list = [timer]
-    if kind.startswith("nnstat"):
-        callbacks.append(_TimedNNStat(noise_scale=kind == "nnstat + noise scale"))
+    if KINDS[kind] is not None:
+        callbacks.append(_TimedNNStat(**KINDS[kind]))
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=Tokens(steps * 16), callbacks=callbacks
     )
@@ -98,7 +113,7 @@ def run(kind: str, steps: int, out: str) -> tuple[float, float]:
         import wandb
 
         wandb.finish()
-    return timer.seconds, _TimedNNStat.seconds
+    return timer.seconds, timer.cpu, _TimedNNStat.seconds
 
 
 def main() -> None:
@@ -106,26 +121,32 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
-    kinds = ["plain", "wandb.watch", "nnstat stats", "nnstat + noise scale"]
-    times: dict[str, list[float]] = {k: [] for k in kinds}
+    kinds = list(KINDS)
+    wall: dict[str, list[float]] = {k: [] for k in kinds}
+    cpu: dict[str, list[float]] = {k: [] for k in kinds}
     inside: dict[str, list[float]] = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory() as out:
         os.environ.setdefault("WANDB_DIR", out)
         run("plain", 10, out)  # warm-up
-        for _ in range(a.repeats):
-            for k in kinds:  # interleaved so machine noise hits every row alike
-                total, own = run(k, a.steps, out)
-                times[k].append(total)
+        for r in range(a.repeats):
+            # interleaved, rotating the first row, so machine noise hits every row alike
+            for k in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
+                total, used, own = run(k, a.steps, out)
+                wall[k].append(total)
+                cpu[k].append(used)
                 inside[k].append(own)
-    base = statistics.median(times["plain"])
-    print(f"\n{a.steps} steps, GPT-2 4x128, batch 16x64 tokens, logging_steps=10, median of "
-          f"{a.repeats}\n")  # fmt: skip
-    print("| training loop | seconds | ratio to plain | in nnstat's callback methods |")
-    print("| --- | ---: | ---: | ---: |")
+    med = statistics.median
+    print(f"\n{a.steps} steps, GPT-2 4x128, batch 16x64 tokens, logging_steps=10, "
+          f"{torch.get_num_threads()} torch threads, median of {a.repeats}, load average "
+          f"{os.getloadavg()[0]:.1f}\n")  # fmt: skip
+    print("| training loop | wall s | wall / plain, per repeat | CPU s | CPU / plain, per repeat "
+          "| in nnstat's callback methods |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for k in kinds:
-        t = statistics.median(times[k])
-        own = f"{statistics.median(inside[k]):.2f} s" if k.startswith("nnstat") else ""
-        print(f"| {k} | {t:.2f} | {t / base:.2f}x | {own} |")
+        rw = med(x / b for x, b in zip(wall[k], wall["plain"], strict=True))
+        rc = med(x / b for x, b in zip(cpu[k], cpu["plain"], strict=True))
+        own = f"{med(inside[k]):.2f} s" if KINDS[k] is not None else ""
+        print(f"| {k} | {med(wall[k]):.2f} | {rw:.3f}x | {med(cpu[k]):.2f} | {rc:.3f}x | {own} |")
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ def test_callback_logs_statistics_on_logging_steps_through_report_to(tmp_path, m
     spy = _Spy(step=4)
     args = _args(tmp_path, max_steps=4, logging_steps=2, per_device_train_batch_size=4,
                  report_to="tensorboard", learning_rate=1e-2)  # fmt: skip
-    cb = NNStatCallback(stats=["l2", "rms"])
+    cb = NNStatCallback(stats=["l2", "rms"], noise_scale_every=1)
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=Tokens(16, 0), callbacks=[cb, spy]
     )
@@ -100,6 +100,7 @@ def test_callback_logs_statistics_on_logging_steps_through_report_to(tmp_path, m
     )
     assert last[f"exp_avg/{name}/l2"] > 0
     assert "noise_scale/b_simple" in last and "noise_scale/grad_sq_norm" in last
+    assert last["noise_scale/grad_sq_norm"] == last["noise_scale/grad_sq_norm"]  # measured
     # console printers after the reporters see the Trainer's own keys only
     assert all(not any(k.startswith("trust_ratio/") for k in logs) for logs in spy.logs)
     # the reporter (TensorBoard) received them at the Trainer's steps
@@ -124,6 +125,30 @@ def test_callback_every_and_noise_scale_excludes_undefined_modules(tmp_path):
     assert "batch of 1" in excluded["transformer.wpe"]
     assert cb.hooks.gns is None  # closed at the end of training: hooks removed
     assert all(not m._forward_hooks and not m._backward_hooks for m in model.modules())
+
+
+def test_default_noise_scale_cadence_is_one_micro_batch_in_eight(tmp_path, monkeypatch):
+    """The default measures the per-sample noise scale on one micro-batch in
+    `NOISE_SCALE_EVERY` (the first micro-batch only probes which modules qualify)."""
+    from nnstat.integrations._hf_callback import NOISE_SCALE_EVERY
+
+    from nnstat.gns import NoiseScale
+
+    assert NNStatCallback().options.noise_scale_every == NOISE_SCALE_EVERY == 8
+    seen: list[int] = []
+    real = NoiseScale._add_captured
+
+    def counting(self, names, small, big, n):
+        seen.append(n)
+        return real(self, names, small, big, n)
+
+    monkeypatch.setattr(NoiseScale, "_add_captured", counting)
+    cb = NNStatCallback(stats=["l2"], groups=["weight"])
+    args = _args(tmp_path, max_steps=17, logging_steps=100, per_device_train_batch_size=4)
+    transformers.Trainer(
+        model=_model(), args=args, train_dataset=Tokens(68, 0), callbacks=[cb]
+    ).train()
+    assert seen == [4, 4]  # micro-batches 8 and 16 after the probe (steps 9 and 17)
 
 
 def _plain_api(model, tmp_path, names, train, query, rank, config):
