@@ -154,10 +154,10 @@ def test_run_charts_hover_values_overlay_and_log_scale(folder, browser) -> None:
     srv, url = serve_in_thread(folder)
     try:
         p = Page(browser, url + "#runs/0")
-        chart = "#run-body .chart[data-key='train/loss']"
+        chart = "#run-body .chart[data-key='*/loss']"
         p.page.wait_for_selector(f"{chart} .u-over")
         # the loss is the first chart; hovering puts the step and its value in the legend
-        assert p.page.eval_on_selector("#run-body .chart", "e => e.dataset.key") == "train/loss"
+        assert p.page.eval_on_selector("#run-body .chart", "e => e.dataset.key") == "*/loss"
         box = p.page.locator(f"{chart} .u-over").bounding_box()
         p.page.mouse.move(box["x"] + box["width"] * 0.5, box["y"] + box["height"] * 0.5)
         values = p.page.eval_on_selector_all(
@@ -271,8 +271,14 @@ def test_export_carries_every_kind(folder, browser, tmp_path) -> None:  # noqa: 
     store = GradientStore(_store(folder))
     helpful, _ = _expect_top(compute_influence_all(queries, store).scores[0], store.ids, 10)
     _same(_cards(p, "#inf-result .helpful"), helpful)
+    # the store against itself: the first training rows are carried too
+    p.page.select_option("#inf-set", "")
+    p.page.wait_for_selector("#inf-result[data-query=':0']")
+    helpful, harmful = _expect_top(compute_influence_all(store, store).scores[0], store.ids, 10)
+    _same(_cards(p, "#inf-result .helpful"), helpful)
+    _same(_cards(p, "#inf-result .harmful"), harmful)
     p.page.goto(out.as_uri() + "#runs/0")
-    p.page.wait_for_selector("#run-body .chart[data-key='train/loss'] .u-over")
+    p.page.wait_for_selector("#run-body .chart[data-key='*/loss'] .u-over")
     p.page.goto(out.as_uri() + "#home")
     href = p.page.get_attribute("a.report-link", "href")
     assert href == (folder / "report.html").resolve().as_uri()
@@ -319,3 +325,20 @@ def test_package_data_ships_every_viewer_asset() -> None:
         and "/*! https://github.com/leeoniya/uPlot (v1.6.32) */"
         in (STATIC / "vendor" / "uPlot.iife.min.js").read_text()
     )
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (5, 7, 1), (5, 7, 3), (5, 7, 4)])
+def test_png_data_url_decodes_to_the_scaled_pixels(shape) -> None:
+    import base64
+    import io
+
+    from PIL import Image
+
+    from nnstat.viewer.explorer import png_data_url
+
+    torch.manual_seed(0)
+    x = torch.rand(shape) * 4 - 1
+    url = png_data_url(x, -1.0, 3.0)
+    img = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))))
+    expected = np.round((x.double().numpy() + 1) * 255 / 4).clip(0, 255).astype(np.uint8)
+    np.testing.assert_array_equal(img, expected.squeeze(-1) if shape[-1:] == (1,) else expected)

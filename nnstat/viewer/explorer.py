@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from nnstat.influence import compute_influence_all, compute_self_influence
+from nnstat.influence import TopKInfluence, compute_influence_all, compute_self_influence
 from nnstat.influence.cache import default_preconditioner
 from nnstat.influence.sources import as_source
 from nnstat.store import GradientLog, GradientStore
@@ -203,15 +203,7 @@ class Explorer:
             if not 0 <= q < len(store):
                 raise IndexError(f"query {q} out of range: the store has {len(store)} rows")
             qid = store.ids[q]
-            top = self._cached(
-                ("self-q", store_id, q),
-                lambda: compute_influence_all(
-                    GradientLog([qid], store.rows(q, q + 1), store.meta),
-                    store,
-                    top_k=MAX_K,
-                    progress=False,
-                ),
-            )
+            top = self._cached(("self-q", store_id, q), lambda: self._score_rows(store, q, q + 1))
             row = 0
             shown_q = self._shown(store_dir)
         else:
@@ -243,6 +235,31 @@ class Explorer:
             "seconds": time.perf_counter() - t0,
         }
 
+    @staticmethod
+    def _score_rows(store: GradientStore, start: int, stop: int) -> Any:
+        """Top-`MAX_K` of training rows ``start:stop`` used as queries against their store."""
+        log = GradientLog(store.ids[start:stop], store.rows(start, stop), store.meta)
+        return compute_influence_all(log, store, top_k=MAX_K, progress=False)
+
+    def _prefill_self(self, store_id: str, n: int) -> None:
+        """Score the first ``n`` training rows as queries in one pass over the store (the
+        export's), cached as if each had been asked for alone."""
+        store = GradientStore(self._store_dir(store_id))
+        n = min(n, len(store))
+        if n == 0 or all(("self-q", store_id, q) in self._cache for q in range(n)):
+            return
+        top = self._score_rows(store, 0, n)
+        with self._lock:
+            for q in range(n):
+                self._cache[("self-q", store_id, q)] = TopKInfluence(
+                    [top.test_ids[q]],
+                    top.helpful_scores[q : q + 1],
+                    [top.helpful_ids[q]],
+                    top.harmful_scores[q : q + 1],
+                    [top.harmful_ids[q]],
+                    top.meta,
+                )
+
     def self_influence(self, store_id: str, k: int = 10) -> dict[str, Any]:
         """The ``k`` training examples of highest and of lowest self-influence
         (``g_iᵀ (H + λI)⁻¹ g_i``: high = unusual or mislabeled, the model bent most for it)."""
@@ -264,10 +281,11 @@ class Explorer:
             "lowest": [item(j) for j in order[::-1][:k]],
         }
 
-    def export(self, store_id: str, sets: list[dict[str, Any]], k: int = 10) -> dict[str, Any]:
+    def export(self, store_id: str, sets: list[dict[str, Any]], k: int = 20) -> dict[str, Any]:
         """What an ``--export`` file carries for a store: the first `EXPORT_QUERIES` queries of
         each set scored, the self-influence ranking and the query pickers."""
         out: dict[str, Any] = {"self": self.self_influence(store_id, k), "sets": {}}
+        self._prefill_self(store_id, EXPORT_QUERIES)
         for s in sets:
             name = s["name"]
             n = min(s["n"], EXPORT_QUERIES)

@@ -105,6 +105,7 @@
     const key = `${E.set}:${E.q}`;
     const seq = ++E.seq;  // a slower earlier answer must not overwrite a later one
     box.setAttribute("data-loading", "1");
+    box.removeAttribute("data-query");  // set again once this query's result is shown
     box.replaceChildren(hint(`scoring query ${E.q} against ${store().rows} training rows…`));
     const show = (res) => {
       if (seq !== E.seq) return;
@@ -139,6 +140,7 @@
 
   function renderSelf() {
     const box = $("inf-self");
+    box.removeAttribute("data-ready");
     const pick = (ex) => () => { E.set = ""; E.q = ex.index; fillControls(); renderQueries(); renderResult(); };
     const show = (res) => {
       const k = Math.min(E.k, res.highest.length);

@@ -78,14 +78,22 @@
   }
 
   // ------------------------------------------------------------------------------ runs
-  const R = { run: 0, filter: "", log: false };
+  const R = { run: 0, filter: "", log: false, open: Object.create(null) };
 
   // "<group>/<layer>/<stat>" keys (the Tracker's) become one chart per group and statistic with
-  // a line per layer; other keys one chart each, the loss first
+  // a line per layer; "train/loss" and "test/loss" one chart with a line per split; other keys
+  // one chart each, the loss first
+  const SPLITS = new Set(["train", "test", "val", "valid", "validation", "eval"]);
   function chartsOf(run) {
-    const single = [], grouped = new Map();
+    const single = [], grouped = new Map(), splits = new Map();
     Object.keys(run.series).forEach((key) => {
       const parts = key.split("/");
+      if (parts.length === 2 && SPLITS.has(parts[0].toLowerCase())) {
+        const id = `*/${parts[1]}`;
+        if (!splits.has(id)) splits.set(id, { id, section: "scalars", lines: [] });
+        splits.get(id).lines.push({ label: parts[0], key });
+        return;
+      }
       // "trust_ratio/<layer>" (the Tracker's ratios): a layer name holds a "."
       if (parts.length === 2 && parts[1].includes(".")) parts.push("");
       if (parts.length >= 3) {
@@ -98,6 +106,7 @@
       }
     });
     const loss = (c) => (/loss/i.test(c.id) ? 0 : 1);
+    single.push(...splits.values());
     single.sort((a, b) => loss(a) - loss(b) || (a.id < b.id ? -1 : 1));
     return single.concat([...grouped.values()].sort((a, b) => (a.id < b.id ? -1 : 1)));
   }
@@ -144,8 +153,10 @@
     let first = true;
     sections.forEach((list, name) => {
       const grid = h("div", { class: "grid" });
-      const det = h("details", { class: "run-section", "data-section": name },
-        h("summary", {}, `${name} (${list.length} chart${list.length > 1 ? "s" : ""})`), grid);
+      const summary = h("summary", {}, `${name} (${list.length} chart${list.length > 1 ? "s" : ""})`);
+      const det = h("details", { class: "run-section", "data-section": name }, summary, grid);
+      // a section opened or closed by hand stays so when the run is drawn again (refresh)
+      summary.addEventListener("click", () => { R.open[name] = !det.open; });
       // the first section (the loss and other scalars) and any filtered result open at once;
       // the others draw their charts when opened
       const draw = () => {
@@ -158,14 +169,16 @@
       };
       det.addEventListener("toggle", () => { if (det.open) draw(); });
       out.push(det);
-      if (first || R.filter) { det.open = true; }
+      det.open = R.filter ? true : name in R.open ? R.open[name] : first;
       first = false;
     });
     const hists = Object.keys(run.hists).filter((k) => matches({ id: k, lines: [] }));
     if (hists.length) {
       const grid = h("div", { class: "grid" });
-      const det = h("details", { class: "run-section", "data-section": "histograms" },
-        h("summary", {}, `histograms (${hists.length})`), grid);
+      const summary = h("summary", {}, `histograms (${hists.length})`);
+      const det = h("details", { class: "run-section", "data-section": "histograms" }, summary, grid);
+      summary.addEventListener("click", () => { R.open.histograms = !det.open; });
+      det.open = !!R.open.histograms;
       det.addEventListener("toggle", () => {
         if (!det.open || grid.childElementCount) return;
         hists.forEach((k) => {
@@ -190,6 +203,16 @@
     });
     $("run-filter").addEventListener("input", (ev) => { R.filter = ev.target.value; renderRuns(); });
     $("run-log").addEventListener("change", (ev) => { R.log = ev.target.checked; renderRuns(); });
+    // served: read the runs again while training appends to them
+    $("run-refresh").hidden = !served;
+    $("run-refresh").addEventListener("click", () => window.NNRecorder.fetchData().then((data) => {
+      DATA.runs = data.runs;
+      DATA.problems = data.problems;
+      renderProblems();
+      R.run = Math.min(R.run, Math.max(0, DATA.runs.length - 1));
+      renderRuns();
+      document.body.setAttribute("data-runs-refreshed", String(Date.now()));
+    }).catch((e) => showError(String(e))));
   }
 
   function start(data) {
