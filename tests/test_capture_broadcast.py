@@ -360,3 +360,17 @@ def test_batch_unknown_when_the_module_ran_is_left_out_not_summed():
     assert caps["pos"] == 1 and fresh.left_out == {}
     engine.unwatch()
     fresh.unwatch()
+
+
+def test_wrong_data_id_length_is_reported_as_such(tmp_path):
+    """The expansion is sized by data_id: a wrong length fails the broadcast, and the error
+    says data_id is wrong rather than blaming the module."""
+    torch.manual_seed(0)
+    model = InPlace()
+    run = nnstat.init(project="ids", root_dir=tmp_path)
+    nnstat.setup({"log": "grad", "save": "grad"})
+    nnstat.watch(model)
+    with pytest.warns(UserWarning, match="'pos'"), pytest.raises(ValueError, match="has 5 ent"):
+        with run(data_id=list(range(5))):
+            model(torch.randint(0, 10, (4, 6))).sum().backward()
+    close(run)

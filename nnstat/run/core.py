@@ -222,26 +222,32 @@ class Run:
         if probe is not None and batch:
             self._probe_reduction = False
             self._warn_mean_loss(probe, next(iter(batch.values())).shape[0])
-        self._refuse_left_out()
+        self._refuse_left_out(ids, batch)
         with self._writer_errors():
             if hash_input:
                 ids = self._input_ids(self.engine.model_input, batch)
                 keep = self._admit(ids)
             self._complete(batch, ids, keep, rowbuf, factors)
 
-    def _refuse_left_out(self) -> None:
-        """A module of the store's layout that the engine left out would be stored as zeros:
-        refuse the block instead, saying how to include or exclude the module."""
+    def _refuse_left_out(self, ids: list | None, batch: dict[str, torch.Tensor]) -> None:
+        """A module of the store's layout that the engine left out would be stored as zeros
+        (and be missing from the statistics): refuse the block instead, saying how to include
+        or exclude the module."""
         assert self._projections is not None
         left = {m: why for m, why in self.engine.left_out.items() if m in self._projections}
         if not left:
             return
+        n = next(iter(batch.values())).shape[0] if batch else None
+        if ids is not None and n is not None and n != len(ids):
+            # the expansion was sized by data_id: that is the error to fix first
+            raise ValueError(f"data_id has {len(ids)} entries but the batch had {n} samples")
         reasons = "; ".join(f"{m!r}: {why}" for m, why in left.items())
         raise ValueError(
             f"nnstat: watched modules were left out of capture in this run(...) block, so its "
             f"rows are not stored ({reasons}). Give that input the batch dimension (GPT-2 and "
-            "similar: position_ids=torch.arange(T).expand(B, T)), or watch the model with a "
-            "name_filter that excludes them (in a new project, or with overwrite=True)"
+            "similar: position_ids=torch.arange(T).expand(B, T)), or nnstat.unwatch() and "
+            "watch the model again with a name_filter that excludes them (in a new project, "
+            "or with overwrite=True)"
         )
 
     def _input_ids(self, x: torch.Tensor | None, batch: dict[str, torch.Tensor]) -> list:
