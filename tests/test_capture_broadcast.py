@@ -236,32 +236,6 @@ class PosFirst(nn.Module):
         return self.head(h.float().mean(1))
 
 
-def test_shared_module_before_the_batched_ones_matches_torch_func():
-    from torch.func import functional_call, grad, vmap
-
-    torch.manual_seed(0)
-    model = PosFirst()
-    ids, y = torch.randint(0, 10, (4, 6)), torch.randint(0, 3, (4,))
-    engine = CaptureEngine()
-    engine.watch(model)
-    caps = {}
-    engine.add_consumer(lambda cap: caps.update({cap.name: cap.per_sample_grads_by_param()}))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with engine.batch(loss_reduction="mean", samples="input"):
-            F.cross_entropy(model(ids), y).backward()
-    engine.unwatch()
-
-    def one(params, xi, yi):
-        return F.cross_entropy(functional_call(model, params, (xi[None],)), yi[None])
-
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    ref = vmap(grad(one), in_dims=(None, 0, 0))(params, ids, y)
-    for name in ("pos", "tok", "head"):
-        for k, got in caps[name].items():
-            assert torch.allclose(got, ref[f"{name}.{k}"], atol=1e-6), (name, k)
-
-
 class Flattened(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -374,3 +348,47 @@ def test_wrong_data_id_length_is_reported_as_such(tmp_path):
         with run(data_id=list(range(5))):
             model(torch.randint(0, 10, (4, 6))).sum().backward()
     close(run)
+
+
+class PosNorm(nn.Module):
+    """The shared output goes through another watched module (a LayerNorm, row by row) before
+    it is broadcast: both get per-sample gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(6, 4)
+        self.norm = nn.LayerNorm(4)
+        self.tok = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        p = self.norm(self.pos(torch.arange(ids.shape[1])[None]))
+        return self.head(torch.tanh(self.tok(ids) + p).mean(1))
+
+
+@pytest.mark.parametrize("arch", [PosFirst, PosNorm])
+def test_shared_module_chains_match_torch_func(arch):
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = arch()
+    ids, y = torch.randint(0, 10, (4, 6)), torch.randint(0, 3, (4,))
+    engine = CaptureEngine()
+    names = engine.watch(model)
+    caps = {}
+    engine.add_consumer(lambda cap: caps.update({cap.name: cap.per_sample_grads_by_param()}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with engine.batch(loss_reduction="mean", samples="input"):
+            F.cross_entropy(model(ids), y).backward()
+    engine.unwatch()
+
+    def one(params, xi, yi):
+        return F.cross_entropy(functional_call(model, params, (xi[None],)), yi[None])
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    ref = vmap(grad(one), in_dims=(None, 0, 0))(params, ids, y)
+    assert set(caps) == set(names)
+    for name in names:
+        for k, got in caps[name].items():
+            assert torch.allclose(got, ref[f"{name}.{k}"], atol=1e-6), (name, k)

@@ -13,8 +13,9 @@ anyway. The expanded output is a :class:`BroadcastOutput`, a tensor subclass who
 * an elementwise op that combines it with a tensor of batch ``B`` (``inputs_embeds + wpe``)
   gives the very values the unexpanded output would have: the op runs and returns a plain
   tensor (from here on nothing differs from the model without nnstat);
-* an elementwise op without such a partner (a dtype cast, ``x * 0.5``, ``x + bias``) keeps the
-  result tracked (its unexpanded counterpart is computed beside it);
+* an elementwise op without such a partner (a dtype cast, ``x * 0.5``, ``x + bias``, a
+  LayerNorm) keeps the result tracked (its unexpanded counterpart is computed beside it); a
+  watched module that returns such a result is captured per sample too;
 * any other op (a sum over the batch, ``cat``, ``matmul``, indexing, dropout that draws a mask,
   an in-place write into it) runs on the **unexpanded** output, exactly as without nnstat, and
   the module is left out of capture (``on_refuse``): its expanded gradient would miss that use.

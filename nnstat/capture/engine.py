@@ -31,7 +31,7 @@ from nnstat.capture._build import (
     _Watched,
     first_tensor,
 )
-from nnstat.capture.broadcast import BroadcastGuard, expand
+from nnstat.capture.broadcast import BroadcastGuard, BroadcastOutput, expand
 from nnstat.capture.capture import ModuleCapture
 
 __all__ = ["LOSS_REDUCTIONS", "CaptureConsumer", "CaptureEngine", "UnsupportedModuleError"]
@@ -342,6 +342,17 @@ class CaptureEngine:
             return None
         if self._left_out and w.name in self._left_out:
             return None
+        x = inputs[0]
+        if isinstance(output, BroadcastOutput):
+            # a shared output from upstream went through this module row by row
+            # (broadcast.py): its rows are per sample, so hook the plain expanded result
+            output = output._nnstat_expanded
+            if not output.requires_grad:
+                return None
+            if isinstance(x, BroadcastOutput):
+                x = x._nnstat_expanded
+        elif isinstance(x, BroadcastOutput):
+            x = x._nnstat_orig  # the module computed with it unexpanded (a refused use)
         replaced = None
         if not output.requires_grad:
             if not (ctx.outputs_require_grad and output.is_floating_point()):
@@ -349,7 +360,7 @@ class CaptureEngine:
             # nothing upstream needs a gradient (frozen parameters, input without grad): start
             # the graph here; a non-leaf copy keeps downstream in-place ops (ReLU(inplace)) legal
             replaced = output = output.detach().requires_grad_().clone()
-        x = inputs[0].detach()
+        x = x.detach()
         if output.dim() and output.shape[0] == 1 and x.dim() and x.shape[0] == 1:
             wrapped = self._expand_shared(w, output, ctx)
             if wrapped is not None:
