@@ -189,6 +189,14 @@ def test_run_charts_hover_values_overlay_and_log_scale(folder, browser) -> None:
         p.page.fill("#run-filter", "update_ratio")
         keys = p.page.eval_on_selector_all("#run-body .chart", "es => es.map(e => e.dataset.key)")
         assert keys == ["update_ratio/*"]
+        # words naming a layer keep that layer's line only
+        p.page.fill("#run-filter", "weight/ l2 0.weight")
+        keys = p.page.eval_on_selector_all("#run-body .chart", "es => es.map(e => e.dataset.key)")
+        assert keys == ["weight/*/l2"]
+        labels = p.page.eval_on_selector_all(
+            f"{overlay} .u-legend .u-series .u-label", "els => els.map(e => e.textContent)"
+        )
+        assert labels == ["step", "0.weight"]
         p.close()
     finally:
         srv.shutdown()

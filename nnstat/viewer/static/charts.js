@@ -16,6 +16,19 @@
     return Number.isInteger(x) && Math.abs(x) < 1e7 ? String(x) : x.toPrecision(4);
   }
 
+  // tick labels with as many digits as the tick spacing needs (uPlot's default shows
+  // "0.001 0.001 0.001" on an axis spanning 0.0010-0.0013)
+  function ticks(u, vals, axis, space, incr) {
+    return vals.map((v) => {
+      if (v === null || v === undefined) return "";
+      if (v === 0 || !(incr > 0)) return String(v);
+      const digits = Math.floor(Math.log10(Math.abs(v))) - Math.floor(Math.log10(incr)) + 1;
+      const p = Math.min(Math.max(digits, 1), 12);
+      const a = Math.abs(v);
+      return a < 1e-4 || a >= 1e6 ? v.toExponential(p - 1) : String(Number(v.toPrecision(p)));
+    });
+  }
+
   function note(text) {
     const p = document.createElement("p");
     p.className = "hint";
@@ -76,7 +89,8 @@
       height: opts.height || 220,
       scales: { x: { time: false }, y: log ? { distr: 3 } : {} },
       // steps are integers: no tick at step 0.5
-      axes: [{ label: opts.xLabel || "step", incrs: STEP_INCRS }, { size: 64 }],
+      axes: [{ label: opts.xLabel || "step", incrs: STEP_INCRS },
+        log ? { size: 64 } : { size: 64, values: ticks }],
       cursor: opts.sync ? { sync: { key: opts.sync } } : {},
       legend: { live: true },
       series,
@@ -101,7 +115,7 @@
       width,
       height: opts.height || 180,
       scales: { x: { time: false } },
-      axes: [{ label: "value" }, { size: 64 }],
+      axes: [{ label: "value", values: ticks }, { size: 64, values: ticks }],
       legend: { live: true },
       series: [{ label: "value", value: (u, v) => fmt(v) }, {
         label: "count", stroke: PALETTE[0], fill: "rgba(76,120,168,0.25)", width: 1,

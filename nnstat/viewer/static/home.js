@@ -111,11 +111,16 @@
     return single.concat([...grouped.values()].sort((a, b) => (a.id < b.id ? -1 : 1)));
   }
 
-  function matches(chart) {
+  // the filter's words must all appear in a chart's name, or in its name with a line's label:
+  // "weight l2" keeps weight/*/l2, "l2 0.weight" keeps the 0.weight line of every l2 chart
+  function filtered(chart) {
     const words = R.filter.toLowerCase().split(/\s+/).filter(Boolean);
-    const text = [chart.id, ...chart.lines.map((l) => l.label)].join(" ").toLowerCase();
-    return words.every((w) => text.includes(w));
+    const has = (text) => words.every((w) => text.toLowerCase().includes(w));
+    if (has(chart.id)) return chart;
+    const lines = chart.lines.filter((l) => has(`${chart.id} ${l.label}`));
+    return lines.length ? { ...chart, lines } : null;
   }
+  const matches = (chart) => filtered(chart) !== null;
 
   function drawChart(box, run, chart) {
     C.line(box, { title: chart.id, x: run.steps, log: R.log, sync: "run",
@@ -143,7 +148,7 @@
     const body = $("run-body");
     if (!DATA.runs.length) { body.replaceChildren(hint("No Tracker run under this folder.")); return; }
     const run = DATA.runs[R.run];
-    const charts = chartsOf(run).filter(matches);
+    const charts = chartsOf(run).map(filtered).filter(Boolean);
     const sections = new Map();
     charts.forEach((c) => {
       if (!sections.has(c.section)) sections.set(c.section, []);
