@@ -270,6 +270,11 @@ def _read_query_json(folder: Path) -> dict[str, Any]:
     return rec
 
 
+def read_query_ids(folder: str | Path) -> list:
+    """The ids of a query set written by `save_queries` (its rows are not read)."""
+    return list(_read_query_json(Path(folder))["ids"])
+
+
 def save_queries(log: GradientLog, store_dir: str | Path, name: str = "queries") -> Path:
     """Write a query log beside the store it is scored against; returns the query set folder.
 

@@ -35,7 +35,14 @@ from nnstat.influence.cache import default_preconditioner
 from nnstat.influence.sources import as_source
 from nnstat.store import GradientLog, GradientStore
 from nnstat.viewer.discover import discover, rel_id
-from nnstat.viewer.examples import Examples, load_examples, load_queries, query_sets
+from nnstat.viewer.examples import (
+    VIEWER_DIR,
+    Examples,
+    load_examples,
+    load_queries,
+    query_sets,
+    read_query_ids,
+)
 
 SELF = ""  # query set name of "the store against itself"
 MAX_K = 50
@@ -109,7 +116,7 @@ def store_summary(root: Path, folder: Path, report: Callable[[Path, str], None])
         return None
     try:
         store = GradientStore(folder)
-        pre = default_preconditioner(as_source(store))
+        pre = _preconditioner(store)
     except Exception as exc:  # the store's own errors name the file and the fix
         report(folder, f"{exc}; the store is not shown")
         return None
@@ -118,7 +125,7 @@ def store_summary(root: Path, folder: Path, report: Callable[[Path, str], None])
     ]
     for q in query_sets(folder):
         try:
-            n = len(load_queries(q).ids)
+            n = len(read_query_ids(q))
         except (ValueError, OSError) as exc:
             report(q, f"{exc}; the query set is not offered")
             continue
@@ -138,6 +145,38 @@ def store_summary(root: Path, folder: Path, report: Callable[[Path, str], None])
         "examples": None if ex is None else len(ex.ids),
         "images": ex is not None and ex.images is not None,
     }
+
+
+def _stamp(*files: Path) -> tuple:
+    """Modification time and size of each existing file: a cache key part that changes when a
+    file is rewritten while the server runs (a new training run, examples saved again)."""
+    out = []
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError:
+            continue
+        out.append((f.name, st.st_mtime_ns, st.st_size))
+    return tuple(out)
+
+
+def _store_stamp(store: GradientStore) -> tuple:
+    return _stamp(store.path / "meta.json", store.path / "statistics.safetensors", *store.shards)
+
+
+_PRECONDITIONERS: dict[tuple, str] = {}
+
+
+def _preconditioner(store: GradientStore) -> str:
+    """The store's default preconditioner kind, remembered per version of its files: finding it
+    loads (and hashes) the statistics, which the page's every refresh must not do again."""
+    files = (store.path / "meta.json", store.path / "statistics.safetensors")
+    key = (str(store.path.resolve()),) + tuple(
+        (p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in files if p.exists()
+    )
+    if key not in _PRECONDITIONERS:
+        _PRECONDITIONERS[key] = default_preconditioner(as_source(store))
+    return _PRECONDITIONERS[key]
 
 
 class Explorer:
@@ -173,7 +212,10 @@ class Explorer:
             return self._cache[key]
 
     def _shown(self, folder: Path) -> _Shown:
-        return self._cached(("shown", str(folder)), lambda: _Shown(load_examples(folder)))
+        files = (folder / "examples.json", folder / VIEWER_DIR / "examples.json")
+        return self._cached(
+            ("shown", str(folder), _stamp(*files)), lambda: _Shown(load_examples(folder))
+        )
 
     def queries(self, store_id: str, set_name: str) -> dict[str, Any]:
         """The queries of a set for the picker: ``{"n", "items": [shown example, ...]}``
@@ -195,7 +237,7 @@ class Explorer:
         store_dir = self._store_dir(store_id)
         folder = self._set_dir(store_dir, set_name)
         store = GradientStore(store_dir)
-        pre = default_preconditioner(as_source(store))
+        pre = _preconditioner(store)
         t0 = time.perf_counter()
         if folder is None:
             # one training row as the query: scored alone, so a large store never builds an
@@ -203,7 +245,8 @@ class Explorer:
             if not 0 <= q < len(store):
                 raise IndexError(f"query {q} out of range: the store has {len(store)} rows")
             qid = store.ids[q]
-            top = self._cached(("self-q", store_id, q), lambda: self._score_rows(store, q, q + 1))
+            key = ("self-q", store_id, _store_stamp(store), q)
+            top = self._cached(key, lambda: self._score_rows(store, q, q + 1))
             row = 0
             shown_q = self._shown(store_dir)
         else:
@@ -212,7 +255,7 @@ class Explorer:
                 raise IndexError(f"query {q} out of range: the set has {len(log)} queries")
             # the whole set in one pass over the store, cached for every later query
             top = self._cached(
-                ("set", store_id, set_name),
+                ("set", store_id, set_name, _store_stamp(store), _stamp(*folder.iterdir())),
                 lambda: compute_influence_all(log, store, top_k=MAX_K, progress=False),
             )
             row, qid = q, log.ids[q]
@@ -246,12 +289,13 @@ class Explorer:
         export's), cached as if each had been asked for alone."""
         store = GradientStore(self._store_dir(store_id))
         n = min(n, len(store))
-        if n == 0 or all(("self-q", store_id, q) in self._cache for q in range(n)):
+        stamp = _store_stamp(store)
+        if n == 0 or all(("self-q", store_id, stamp, q) in self._cache for q in range(n)):
             return
         top = self._score_rows(store, 0, n)
         with self._lock:
             for q in range(n):
-                self._cache[("self-q", store_id, q)] = TopKInfluence(
+                self._cache[("self-q", store_id, stamp, q)] = TopKInfluence(
                     [top.test_ids[q]],
                     top.helpful_scores[q : q + 1],
                     [top.helpful_ids[q]],
@@ -267,7 +311,7 @@ class Explorer:
             raise ValueError(f"k must be 1-{MAX_K}, got {k}")
         store_dir = self._store_dir(store_id)
         res = self._cached(
-            ("self", store_id),
+            ("self", store_id, _store_stamp(GradientStore(store_dir))),
             lambda: compute_self_influence(GradientStore(store_dir), progress=False),
         )
         order = torch.argsort(res.scores, descending=True).tolist()
