@@ -32,14 +32,16 @@ def tiny_gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(config).eval()  # eval: no dropout, same as the reference
 
 
-def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Each sequence's next-token loss, summed over tokens and sequences."""
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each sequence's next-token loss, summed over tokens and sequences (-100: no loss)."""
     return F.cross_entropy(
-        logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum"
+        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum"
     )  # fmt: skip
 
 
-def reference(ids: torch.Tensor) -> dict[str, list[dict[str, torch.Tensor]]]:
+def reference(
+    ids: torch.Tensor, labels: torch.Tensor | None = None
+) -> dict[str, list[dict[str, torch.Tensor]]]:
     """{module: per example {param: grad}} from one backward per example (a fresh, unwatched
     model of the same seed)."""
     untied = tiny_gpt2()
@@ -50,7 +52,8 @@ def reference(ids: torch.Tensor) -> dict[str, list[dict[str, torch.Tensor]]]:
     out: dict[str, list[dict[str, torch.Tensor]]] = {n: [] for n in modules}
     for i in range(len(ids)):
         untied.zero_grad()
-        lm_loss(untied(input_ids=ids[i : i + 1]).logits, ids[i : i + 1]).backward()
+        target = (ids if labels is None else labels)[i : i + 1]
+        lm_loss(untied(input_ids=ids[i : i + 1]).logits, target).backward()
         for n, m in modules.items():
             out[n].append({k: p.grad.clone() for k, p in m.named_parameters(recurse=False)})
     return out
@@ -105,23 +108,29 @@ def test_plain_workflow_stores_exact_rows_for_every_module_incl_wpe(tmp_path):
     assert worst < 1e-5
 
 
-@pytest.mark.parametrize("batch", [B, 1])
-def test_engine_per_sample_grads_match_per_example_backward(batch):
-    """Unprojected: every module, wpe and wte included; batch 1 needs no expansion."""
+@pytest.mark.parametrize("batch, padded", [(B, False), (1, False), (B, True)])
+def test_engine_per_sample_grads_match_per_example_backward(batch, padded):
+    """Unprojected: every module, wpe and wte included; batch 1 needs no expansion; with
+    padding, the mask sizes the batch and masks wpe's rows of each sequence."""
     model = tiny_gpt2()
     ids = torch.randint(0, V, (batch, T), generator=torch.Generator().manual_seed(2))
+    labels, mask = ids, None
+    if padded:  # sequences of 8, 5 and 6 tokens; no loss on the padding (causal: no effect)
+        mask = (torch.arange(T)[None] < torch.tensor([[8], [5], [6]])).float()
+        labels = ids.masked_fill(mask == 0, -100)
     engine = CaptureEngine()
     names = engine.watch(model)
     caps: dict[str, dict[str, torch.Tensor]] = {}
     engine.add_consumer(lambda cap: caps.update({cap.name: cap.per_sample_grads_by_param()}))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with engine.batch(samples="input"):  # the batch: dim 0 of the model's input_ids
+        # the batch: the mask's, else dim 0 of the model's input_ids
+        with engine.batch(mask=mask, samples=None if padded else "input"):
             logits = model(input_ids=ids).logits
-            lm_loss(logits, ids).backward()
+            lm_loss(logits, labels).backward()
     engine.unwatch()
     assert set(caps) == set(names) and engine.left_out == {}
-    ref = reference(ids)
+    ref = reference(ids, labels)
     for name in names:
         for k, got in caps[name].items():
             want = torch.stack([r[k] for r in ref[name]])
