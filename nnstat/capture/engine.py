@@ -104,6 +104,11 @@ class CaptureEngine:
         captured through an expansion of its output to the batch (docs/capture.md, "Inputs
         shared by the batch"); one whose batch-1 output the model uses otherwise is left out
         here, with one warning, and delivers no more captures until :meth:`unwatch`.
+
+        Example:
+            >>> engine = CaptureEngine(); _ = engine.watch(torch.nn.Linear(2, 2))
+            >>> engine.left_out
+            {}
         """
         return dict(self._left_out)
 
