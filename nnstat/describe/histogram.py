@@ -34,6 +34,7 @@ __all__ = [
     "Histogram",
     "histograms",
     "bin_counts",
+    "count_indices",
     "hist_ranges",
     "HIST_SUMMARY",
     "DEFAULT_MAX_ELEMENTS",
@@ -110,8 +111,24 @@ def bin_counts(
         k = ((x - lo[i]) * scale[i]).clamp_(0, bins - 1).to(torch.int64)
         k = torch.where(inside, k, bins) + i * (bins + 1)
         idx.append(k)
-    counts = torch.bincount(torch.cat(idx), minlength=n * (bins + 1))
+    counts = count_indices(torch.cat(idx), n * (bins + 1), bincount=dev.type == "cpu")
     return counts.view(n, bins + 1)[:, :bins].to(torch.float64)
+
+
+def count_indices(idx: torch.Tensor, size: int, bincount: bool) -> torch.Tensor:
+    """How often each of ``0 .. size - 1`` occurs in `idx` (int64 counts).
+
+    ``bincount`` is the fastest on CPU; CUDA's reads the largest index back to the host to size
+    its output, so accelerators add ones with ``scatter_add_`` into a zeroed buffer instead.
+
+    Example:
+        >>> count_indices(torch.tensor([0, 2, 2]), 4, bincount=False).tolist()
+        [1, 0, 2, 0]
+    """
+    if bincount:
+        return torch.bincount(idx, minlength=size)
+    counts = torch.zeros(size, dtype=torch.int64, device=idx.device)
+    return counts.scatter_add_(0, idx, torch.ones_like(idx))
 
 
 def hist_ranges(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,46 +147,34 @@ def hist_ranges(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch
     return torch.where(same, lo - 0.5, lo), torch.where(same, hi + 0.5, hi)
 
 
-def histograms(
-    tensors: Sequence[torch.Tensor],
-    bins: int = 64,
-    max_elements: int | None = DEFAULT_MAX_ELEMENTS,
-    summary: torch.Tensor | None = None,
-) -> list[Histogram]:
-    """Histograms of the finite elements of each tensor, over its own ``[min, max]`` range.
-
-    `summary` may pass an already computed ``summarize(tensors, HIST_SUMMARY)`` table. The
-    counts of all tensors come from one batched `bin_counts` and one host transfer.
+def sample_for_histogram(
+    t: torch.Tensor, max_elements: int | None = DEFAULT_MAX_ELEMENTS
+) -> tuple[torch.Tensor, bool]:
+    """The flat elements `histograms` bins for `t` (a float view or copy) and whether sampled.
 
     Example:
-        >>> [h.counts.sum() for h in histograms([torch.arange(10.0)], bins=5)]
-        [np.float64(10.0)]
+        >>> x, sampled = sample_for_histogram(torch.arange(10))
+        >>> x.dtype, sampled
+        (torch.float32, False)
     """
+    x = t.detach().reshape(-1)
+    x = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    return _subsample(x, max_elements)
 
-    if not isinstance(bins, int) or bins < 1:
-        raise ValueError(f"bins must be a positive int, got {bins!r}")
-    if max_elements is not None and max_elements < 1:
-        raise ValueError(f"max_elements must be positive or None, got {max_elements!r}")
-    tensors = list(tensors)
-    if not tensors:
-        return []
-    if summary is None:
-        summary = summarize(tensors, HIST_SUMMARY)
-    if summary.dim() != 2 or tuple(summary.shape) != (len(tensors), len(HIST_SUMMARY)):
-        raise ValueError(f"summary must have shape [{len(tensors)}, {len(HIST_SUMMARY)}]")
-    rows = summary.tolist()
-    lo, hi = hist_ranges(summary[:, 0], summary[:, 1])
-    samples, sampled = [], []
-    for t in tensors:
-        x = t.detach().reshape(-1)
-        x = x if x.dtype in (torch.float32, torch.float64) else x.float()
-        x, was_sampled = _subsample(x, max_elements)
-        samples.append(x)
-        sampled.append(was_sampled)
-    counts_host = bin_counts(samples, lo, hi, bins).cpu().numpy()
+
+def build_histograms(
+    counts: np.ndarray,
+    lo: Sequence[float],
+    hi: Sequence[float],
+    summary_rows: Sequence[Sequence[float]],
+    sampled: Sequence[bool],
+    bins: int,
+) -> list[Histogram]:
+    """`Histogram` objects from host counts (``[n, bins]``), ranges and `HIST_SUMMARY` rows;
+    sampled counts are rescaled to the finite element count."""
     out = []
     for a, b, c, was_sampled, (mn, mx, numel, nonfinite, mean, l2) in zip(
-        lo.tolist(), hi.tolist(), counts_host, sampled, rows, strict=True
+        lo, hi, counts, sampled, summary_rows, strict=True
     ):
         num = numel - nonfinite
         if was_sampled and c.sum() > 0:
@@ -186,3 +191,40 @@ def histograms(
             )
         )
     return out
+
+
+def _check_args(bins: int, max_elements: int | None) -> None:
+    if not isinstance(bins, int) or bins < 1:
+        raise ValueError(f"bins must be a positive int, got {bins!r}")
+    if max_elements is not None and max_elements < 1:
+        raise ValueError(f"max_elements must be positive or None, got {max_elements!r}")
+
+
+def histograms(
+    tensors: Sequence[torch.Tensor],
+    bins: int = 64,
+    max_elements: int | None = DEFAULT_MAX_ELEMENTS,
+    summary: torch.Tensor | None = None,
+) -> list[Histogram]:
+    """Histograms of the finite elements of each tensor, over its own ``[min, max]`` range.
+
+    `summary` may pass an already computed ``summarize(tensors, HIST_SUMMARY)`` table. The
+    counts of all tensors come from one batched `bin_counts` and one host transfer.
+
+    Example:
+        >>> [h.counts.sum() for h in histograms([torch.arange(10.0)], bins=5)]
+        [np.float64(10.0)]
+    """
+    _check_args(bins, max_elements)
+    tensors = list(tensors)
+    if not tensors:
+        return []
+    if summary is None:
+        summary = summarize(tensors, HIST_SUMMARY)
+    if summary.dim() != 2 or tuple(summary.shape) != (len(tensors), len(HIST_SUMMARY)):
+        raise ValueError(f"summary must have shape [{len(tensors)}, {len(HIST_SUMMARY)}]")
+    lo, hi = hist_ranges(summary[:, 0], summary[:, 1])
+    picked = [sample_for_histogram(t, max_elements) for t in tensors]
+    counts = bin_counts([x for x, _ in picked], lo, hi, bins).cpu().numpy()
+    sampled = [was for _, was in picked]
+    return build_histograms(counts, lo.tolist(), hi.tolist(), summary.tolist(), sampled, bins)

@@ -38,6 +38,8 @@ __all__ = [
     "validate_stats",
     "Description",
     "cpu_single_thread",
+    "device_table",
+    "repair_table",
 ]
 
 #: Every statistic `summarize` knows, in display order.
@@ -186,6 +188,24 @@ def _summarize(
     if any_dtensor(tensors):
         # sharded parameters (FSDP fully_shard): local shards reduced across ranks, no gather
         return summarize_sharded(tensors, stats)
+    # the single host transfer of the common case
+    return repair_table(device_table(tensors, stats, workspace).cpu(), tensors, stats)
+
+
+def device_table(
+    tensors: Sequence[torch.Tensor], stats: tuple[str, ...], workspace: Workspace | None = None
+) -> torch.Tensor:
+    """The statistics of `summarize` left on the tensors' device: ``[n, len(stats) + 1]`` float64.
+
+    The last column is the finiteness probe (l2, NaN/Inf when a tensor holds non-finite values
+    or overflowed in float32); nothing is read back to the host (no ``.item()``), so callers can
+    move the tables of many groups in one transfer and then call `repair_table` on the host.
+    `stats` must be validated; `tensors` non-empty plain tensors on one device.
+
+    Example:
+        >>> device_table([torch.tensor([3.0, -4.0])], ("l2", "max")).tolist()
+        [[5.0, 3.0, 5.0]]
+    """
     flat = [t.detach().reshape(-1) for t in tensors]
     flat = [t if t.is_floating_point() else t.to(torch.float32) for t in flat]
     numels = [t.numel() for t in flat]
@@ -196,7 +216,8 @@ def _summarize(
         return torch.stack([v.to(device=dev, dtype=torch.float64) for v in values])
 
     need = set(stats)
-    n_vec = torch.tensor(numels, dtype=torch.float64, device=dev)
+    # non_blocking: a pageable host-to-device copy then does not wait for the queued kernels
+    n_vec = torch.tensor(numels, dtype=torch.float64).to(dev, non_blocking=True)
     cols: dict[str, torch.Tensor] = {"numel": n_vec}
     if need - _NORM_STATS:
         # one blocked pass gives every statistic (l2, l1, abs_max included)
@@ -222,7 +243,7 @@ def _summarize(
             from nnstat.describe.fused import sumsq_min_max
 
             # one blocked read gives l2 and abs_max (the inf-norm kernel is slow on CPU);
-            # empty tensors are recomputed below anyway
+            # empty tensors are recomputed by repair_table anyway
             smm = sumsq_min_max(flat).to(dev)
             cols["l2"] = smm[:, 0].sqrt()
             cols["abs_max"] = torch.maximum(smm[:, 2], -smm[:, 1])
@@ -236,12 +257,21 @@ def _summarize(
     cols["nonfinite"] = torch.zeros_like(l2)
     if "l1" in cols:
         cols["abs_mean"] = cols["l1"] / n_vec
-    # the single host transfer of the common case
-    table = torch.stack([cols[s] for s in stats] + [l2], dim=1).cpu()
+    return torch.stack([cols[s] for s in stats] + [l2], dim=1)
+
+
+def repair_table(
+    table: torch.Tensor, tensors: Sequence[torch.Tensor], stats: tuple[str, ...]
+) -> torch.Tensor:
+    """`device_table`'s result, on the host, without its probe column and with the rows of
+    tensors holding NaN/Inf (or empty) recomputed exactly in float64 over the finite elements.
+
+    Only those rows cost a second transfer; the common all-finite case costs none.
+    """
     probe = table[:, -1]
     table = table[:, :-1].contiguous()
     bad = (~torch.isfinite(probe)).nonzero().flatten().tolist()
-    bad += [i for i, n in enumerate(numels) if n == 0 and i not in bad]
+    bad += [i for i, t in enumerate(tensors) if t.numel() == 0 and i not in bad]
     if bad:
         fixed = torch.stack([_exact_row(tensors[i], stats) for i in bad]).cpu()
         table[bad] = fixed

@@ -25,12 +25,25 @@ from typing import Any
 import torch
 
 from nnstat.describe import Workspace, summarize
-from nnstat.describe.fused import light_columns, weight_update_norms
-from nnstat.describe.histogram import HIST_SUMMARY, histograms
+from nnstat.describe.fused import (
+    light_columns,
+    repair_update_rows,
+    weight_update_norms,
+    weight_update_rows_device,
+)
+from nnstat.describe.histogram import (
+    HIST_SUMMARY,
+    bin_counts,
+    build_histograms,
+    hist_ranges,
+    histograms,
+    sample_for_histogram,
+)
 from nnstat.describe.ratios import ratio_from_norms
+from nnstat.describe.summary import device_table, repair_table
 from nnstat.distributed import local_tensor
 
-__all__ = ["StepPlan", "tasks", "assemble"]
+__all__ = ["StepPlan", "tasks", "assemble", "device_results", "stage", "finish"]
 
 Task = tuple[str, Callable[[], Any]]
 
@@ -115,6 +128,111 @@ def tasks(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> lis
 
             out.append(("update", update))
     return out
+
+
+@dataclass
+class Staged:
+    """A step's reductions left on the device (`stage`), to be moved to the host at once.
+
+    `parts` are the device tensors to transfer, in order; `groups` maps a result key to
+    ``(tensors, index of its table in parts, histogram staging or None)``; `fused_rows`: the
+    index of the fused weight/update rows.
+    """
+
+    parts: list[torch.Tensor] = field(default_factory=list)
+    groups: dict[str, tuple[list[torch.Tensor], int, tuple[int, int, int, list[bool]] | None]] = (
+        field(default_factory=dict)
+    )
+    fused_rows: int | None = None
+
+
+def stage(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> Staged:
+    """Every reduction of `plan` on the tensors' device, with no host synchronisation.
+
+    For accelerators: statistics tables (`device_table`), histogram ranges and counts
+    (`bin_counts` with device-side ranges) and the fused weight/update rows stay queued on the
+    device; `finish` moves them in one transfer. The update's snapshot is refreshed in `finish`,
+    after the rare exact recomputation of non-finite rows (which needs the old weights).
+    """
+    ws = workspaces if workspaces is not None else {}
+    computed = plan.computed
+    st = Staged()
+
+    def put(key: str, tensors: list[torch.Tensor]) -> None:
+        table = device_table(tensors, computed, ws.setdefault(key, Workspace()))
+        st.parts.append(table)
+        hist = None
+        if plan.histograms:
+            lo, hi = hist_ranges(table[:, computed.index("min")], table[:, computed.index("max")])
+            picked = [sample_for_histogram(t, plan.hist_max_elements) for t in tensors]
+            counts = bin_counts([x for x, _ in picked], lo, hi, plan.bins)
+            st.parts += [lo, hi, counts]
+            n = len(st.parts)
+            hist = (n - 3, n - 2, n - 1, [was for _, was in picked])
+        st.groups[key] = (tensors, len(st.parts) - (4 if hist else 1), hist)
+
+    for group, _names, tensors in plan.groups:
+        put(f"group:{group}", tensors)
+    if plan.prev is not None and plan.weights is not None:
+        if plan.fused:
+            st.parts.append(weight_update_rows_device(plan.weights, plan.prev))
+            st.fused_rows = len(st.parts) - 1
+        else:
+            # in place: prev becomes W_t - W_prev (refreshed from the weights in `finish`)
+            for p, cur in zip(plan.prev, plan.weights, strict=True):
+                torch.sub(cur, p, out=p)
+            views = plan.update_views if plan.update_views is not None else plan.prev
+            put("update", list(views))
+    return st
+
+
+def to_host(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`parts` on the host with ONE device-to-host transfer (float64, shapes kept)."""
+    if not parts:
+        return []
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in parts]).cpu()
+    out, start = [], 0
+    for t in parts:
+        out.append(flat[start : start + t.numel()].view(t.shape))
+        start += t.numel()
+    return out
+
+
+def finish(plan: StepPlan, st: Staged, host: list[torch.Tensor]) -> dict[str, Any]:
+    """The results `assemble` takes (as `tasks` would give them) from `stage`'s host copies;
+    then refreshes the update snapshot."""
+    computed = plan.computed
+    results: dict[str, Any] = {}
+    for key, (tensors, at, hist) in st.groups.items():
+        table = repair_table(host[at], tensors, computed)
+        hists = None
+        if hist is not None:
+            summary = table[:, [computed.index(c) for c in HIST_SUMMARY]]
+            i_lo, i_hi, i_counts, sampled = hist
+            lo, hi, counts = host[i_lo].tolist(), host[i_hi].tolist(), host[i_counts].numpy()
+            hists = build_histograms(counts, lo, hi, summary.tolist(), sampled, plan.bins)
+            probe = host[at][:, -1]
+            for i in (~torch.isfinite(probe)).nonzero().flatten().tolist():
+                # the device ranges came from non-finite min/max: bin again over the finite range
+                hists[i] = histograms(
+                    [tensors[i]], plan.bins, plan.hist_max_elements, summary=summary[i : i + 1]
+                )[0]
+        results[key] = (table, hists)
+    if st.fused_rows is not None:
+        assert plan.weights is not None and plan.prev is not None
+        results["update"] = repair_update_rows(host[st.fused_rows], plan.weights, plan.prev)
+    if plan.refresh and plan.prev is not None and plan.weights is not None:
+        torch._foreach_copy_(plan.prev, plan.weights)
+    return results
+
+
+def device_results(
+    plan: StepPlan, workspaces: dict[str, Workspace] | None = None
+) -> dict[str, Any]:
+    """The results of every task of `plan` with one host transfer (the accelerator path:
+    `stage`, `to_host`, `finish`). Equal to running `tasks` (tested on CPU)."""
+    st = stage(plan, workspaces)
+    return finish(plan, st, to_host(st.parts))
 
 
 def _hists(plan: StepPlan, tensors: list[torch.Tensor], table: torch.Tensor) -> list[Any] | None:

@@ -43,7 +43,7 @@ from nnstat.distributed import (
 )
 from nnstat.netdict import select_names
 from nnstat.tracker.background import BackgroundSteps, StepMetrics, _hook_target, _Pending
-from nnstat.tracker.compute import StepPlan, assemble, tasks
+from nnstat.tracker.compute import StepPlan, assemble, device_results, tasks
 
 __all__ = ["Tracker", "Sink", "GROUPS", "StepMetrics"]
 
@@ -370,8 +370,11 @@ class Tracker(BackgroundSteps):
         with cpu_single_thread() if on_cpu else contextlib.nullcontext():
             if background:
                 handle = self._schedule(step, plan, todo)
-            else:
+            elif on_cpu or self._fsdp1 or any_dtensor(self.params):
                 results = {k: fn() for k, fn in todo}
+            else:
+                # accelerators: every reduction queued on the device, one transfer per step
+                results = device_results(plan, self._workspaces)
         if background:
             # providers run while the worker reduces this step (their values are step t's)
             self._pending.extra = self._provided()
