@@ -350,3 +350,42 @@ def test_png_data_url_decodes_to_the_scaled_pixels(shape) -> None:
     img = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))))
     expected = np.round((x.double().numpy() + 1) * 255 / 4).clip(0, 255).astype(np.uint8)
     np.testing.assert_array_equal(img, expected.squeeze(-1) if shape[-1:] == (1,) else expected)
+
+
+PAYLOAD = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>'
+
+
+def test_hostile_run_keys_and_example_texts_stay_text(browser, tmp_path) -> None:  # noqa: F811
+    run = tmp_path / "run"
+    with JsonlLogger(run) as log:
+        for step in range(3):
+            log.log({PAYLOAD: float(step), f"weight/{PAYLOAD}/l2": 1.0 + step}, step=step)
+    store, log_q, _ = make_store(tmp_path / "gradients")
+    save_examples(store, list(range(24)), labels=[PAYLOAD] * 24, texts=[PAYLOAD] * 24)
+    # a damaged examples file is reported, and the store still opens with ids only
+    q = save_queries(log_q, store)
+    (q / "examples.json").write_text('{"format": "nnstat-examples", "ids": "no list"}')
+    srv, url = serve_in_thread(tmp_path)
+    try:
+        p = Page(browser, url + "#runs/0")
+        keys = p.page.eval_on_selector_all("#run-body .chart", "es => es.map(e => e.dataset.key)")
+        assert PAYLOAD in keys
+        legend = p.page.eval_on_selector_all(
+            "#run-body .u-legend .u-label", "els => els.map(e => e.textContent)"
+        )
+        assert PAYLOAD in legend
+        p.page.goto(url + "#stores/0")
+        p.page.wait_for_selector("body[data-ready='1']")
+        p.page.wait_for_selector("#inf-result[data-query='queries:0']")
+        texts = p.page.eval_on_selector_all(
+            "#inf-result .helpful .text", "els => els.map(e => e.textContent)"
+        )
+        assert texts and set(texts) == {PAYLOAD}
+        assert p.page.evaluate("window.__pwned") is None
+        assert p.page.locator("img").count() == 0  # no image saved, none made from markup
+        problems = p.page.inner_text("#problems")
+        assert "ids must be a list of ints and strings" in problems
+        p.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -82,6 +82,15 @@ def png_data_url(image: torch.Tensor, lo: float, hi: float) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
+def _examples(folder: Path) -> Examples | None:
+    # a damaged examples file must not take the scores down with it: ids only (the page's
+    # problems box names the file, from store_summary)
+    try:
+        return load_examples(folder)
+    except (ValueError, OSError):
+        return None
+
+
 class _Shown:
     """What the page shows for an id: the saved example (image, label, text), else the id."""
 
@@ -129,6 +138,10 @@ def store_summary(root: Path, folder: Path, report: Callable[[Path, str], None])
         except (ValueError, OSError) as exc:
             report(q, f"{exc}; the query set is not offered")
             continue
+        try:
+            load_examples(q)
+        except (ValueError, OSError) as exc:
+            report(q, f"{exc}; its queries are shown as ids")
         sets.append({"name": q.name, "label": f"query set {q.name}", "n": n})
     try:
         ex = load_examples(folder)
@@ -214,7 +227,7 @@ class Explorer:
     def _shown(self, folder: Path) -> _Shown:
         files = (folder / "examples.json", folder / VIEWER_DIR / "examples.json")
         return self._cached(
-            ("shown", str(folder), _stamp(*files)), lambda: _Shown(load_examples(folder))
+            ("shown", str(folder), _stamp(*files)), lambda: _Shown(_examples(folder))
         )
 
     def queries(self, store_id: str, set_name: str) -> dict[str, Any]:
