@@ -279,6 +279,7 @@ def test_export_carries_every_kind(folder, browser, tmp_path) -> None:  # noqa: 
     store = GradientStore(_store(folder))
     helpful, _ = _expect_top(compute_influence_all(queries, store).scores[0], store.ids, 10)
     _same(_cards(p, "#inf-result .helpful"), helpful)
+    assert p.page.locator("#inf-result .helpful img").count() == 10  # shared images resolved
     # the store against itself: the first training rows are carried too
     p.page.select_option("#inf-set", "")
     p.page.wait_for_selector("#inf-result[data-query=':0']")
@@ -350,6 +351,16 @@ def test_png_data_url_decodes_to_the_scaled_pixels(shape) -> None:
     img = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))))
     expected = np.round((x.double().numpy() + 1) * 255 / 4).clip(0, 255).astype(np.uint8)
     np.testing.assert_array_equal(img, expected.squeeze(-1) if shape[-1:] == (1,) else expected)
+
+
+def test_thumbnail_averages_blocks() -> None:
+    from nnstat.viewer.explorer import thumbnail
+
+    x = torch.rand(192, 96, 3)
+    expected = x.numpy().reshape(96, 2, 48, 2, 3).mean(axis=(1, 3))
+    np.testing.assert_allclose(thumbnail(x).numpy(), expected, rtol=1e-5)
+    assert thumbnail(x[:, :, 0]).shape == (96, 48)
+    assert thumbnail(torch.rand(8, 8)).shape == (8, 8)  # small images are left as they are
 
 
 PAYLOAD = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>'

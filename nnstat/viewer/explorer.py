@@ -52,6 +52,27 @@ EXPORT_QUERIES = 24
 LIST_QUERIES = 500
 
 
+THUMB = 96  # the page shows examples 96 px wide: larger images are sent shrunk to this
+
+
+def thumbnail(image: torch.Tensor, side: int = THUMB) -> torch.Tensor:
+    """``image`` ``[H, W(, C)]`` shrunk by area averaging so its longer side is at most ``side``.
+
+    Example:
+        >>> tuple(thumbnail(torch.zeros(300, 150, 3)).shape)
+        (96, 48, 3)
+    """
+    h, w = image.shape[0], image.shape[1]
+    if max(h, w) <= side:
+        return image
+    scale = side / max(h, w)
+    size = (max(1, round(h * scale)), max(1, round(w * scale)))
+    x = image if image.ndim == 3 else image[:, :, None]
+    x = torch.nn.functional.interpolate(x.permute(2, 0, 1)[None].float(), size=size, mode="area")
+    x = x[0].permute(1, 2, 0)
+    return x if image.ndim == 3 else x[:, :, 0]
+
+
 def png_data_url(image: torch.Tensor, lo: float, hi: float) -> str:
     """A ``data:image/png`` URL of ``image`` ``[H, W]`` or ``[H, W, C]`` (C = 1, 3, 4),
     values mapped linearly from ``[lo, hi]`` to 0-255.
@@ -113,7 +134,7 @@ class _Shown:
         if ex.texts is not None:
             out["text"] = ex.texts[n]
         if ex.images is not None:
-            out["image"] = png_data_url(ex.images[n], self.lo, self.hi)
+            out["image"] = png_data_url(thumbnail(ex.images[n]), self.lo, self.hi)
         return out
 
 
@@ -346,8 +367,28 @@ class Explorer:
         for s in sets:
             name = s["name"]
             n = min(s["n"], EXPORT_QUERIES)
+            queries = self.queries(store_id, name)
+            queries["items"] = queries["items"][:n]  # only these are scored in the file
             out["sets"][name] = {
-                "queries": self.queries(store_id, name),
+                "queries": queries,
                 "scored": {str(q): self.influence(store_id, name, q, k) for q in range(n)},
             }
+        # a training example appears under many queries: its image is carried once, under
+        # "images", and the examples name it by "image_ref"
+        images: dict[str, str] = {}
+
+        def share(node: Any) -> None:
+            if isinstance(node, dict):
+                if isinstance(node.get("image"), str):
+                    ref = images.setdefault(node["image"], str(len(images)))
+                    node["image_ref"] = ref
+                    del node["image"]
+                for v in node.values():
+                    share(v)
+            elif isinstance(node, list):
+                for v in node:
+                    share(v)
+
+        share(out)
+        out["images"] = {ref: url for url, ref in images.items()}
         return out

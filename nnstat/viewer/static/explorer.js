@@ -28,8 +28,13 @@
   // one example: its image (a PNG data: URL made by the server), id, label, text, score
   function card(ex, onPick) {
     const c = h("div", { class: "card", "data-id": JSON.stringify(ex.id) });
-    if (typeof ex.image === "string" && ex.image.startsWith("data:image/png;base64,")) {
-      c.append(h("img", { src: ex.image, alt: `example ${ex.id}` }));
+    // an export carries each image once (store.export.images) and names it by image_ref
+    const shared = E.served || ex.image_ref === undefined ? undefined :
+      Object.prototype.hasOwnProperty.call(exported().images || {}, ex.image_ref) ?
+        exported().images[ex.image_ref] : undefined;
+    const image = ex.image !== undefined ? ex.image : shared;
+    if (typeof image === "string" && image.startsWith("data:image/png;base64,")) {
+      c.append(h("img", { src: image, alt: `example ${ex.id}` }));
     }
     const line = [`id ${ex.id}`];
     if (ex.label !== undefined) line.push(`label ${ex.label}`);
