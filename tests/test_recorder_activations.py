@@ -74,3 +74,49 @@ def test_track_activations_records_inputs_and_output_gradients(tmp_path) -> None
     } <= edges
     rec.close()
     assert all(not m._forward_hooks for m in model.modules())
+
+
+class _SharedPositions(torch.nn.Module):
+    """A position embedding fed ``[1, T]`` ids, broadcast over the batch (GPT-2's ``wpe``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(10, 4)
+        self.pos = torch.nn.Embedding(6, 4)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(ids) + self.pos(torch.arange(ids.shape[1])[None])
+        return self.head(torch.tanh(h).mean(1))
+
+
+def test_shared_position_embedding_output_gradient_is_recorded_per_sample(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = _SharedPositions()
+    ids, y = torch.randint(0, 10, (3, 5)), torch.randint(0, 3, (3,))
+    rec = Recorder(tmp_path, every=1, sample_k=3)
+    rec.track_activations(model, loss_reduction="sum")
+    rec.start_batch(0)
+    loss = rec.register_tensor(
+        "loss", torch.nn.functional.cross_entropy(model(ids), y, reduction="sum"), role="loss"
+    )
+    loss.backward()
+    rec.finish_batch()
+    rec.close()
+    meta = read_step_meta(rec.path)[0]
+    stats = read_step_stats(rec.path, "train-000000000")
+    r = meta["rows"]
+    col = {s: i for i, s in enumerate(STAT_NAMES)}
+    # reference: each example's own gradient of its loss w.r.t. the position rows it used
+    for i in range(3):
+        p = model.pos(torch.arange(5)[None]).detach().requires_grad_(True)
+        h = model.tok(ids[i : i + 1]) + p
+        out = model.head(torch.tanh(h).mean(1))
+        (g,) = torch.autograd.grad(torch.nn.functional.cross_entropy(out, y[i : i + 1]), p)
+        found = [
+            stats[k]
+            for k in range(len(r["tensor"]))
+            if (r["tensor"][k], r["sample"][k]) == ("pos:output", i)
+        ]
+        assert len(found) == 1, (i, found)
+        np.testing.assert_allclose(found[0][col["norm"]], float(g.norm()), rtol=1e-5)

@@ -132,7 +132,13 @@ class Recorder:
         self._engine, names = attach_engine(
             self, model, name_filter, type_filter, prefix, loss_reduction, batch_size
         )
-        self._engine_kwargs = {"loss_reduction": loss_reduction, "batch_size": batch_size}
+        # "input": a shared module (a position embedding) is expanded to the model input's batch,
+        # so its output gradient is recorded per sample rather than summed over the batch
+        self._engine_kwargs = {
+            "loss_reduction": loss_reduction,
+            "batch_size": batch_size,
+            "samples": "input",
+        }
         return names
 
     def close(self) -> None:
