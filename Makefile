@@ -16,7 +16,16 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-demo: $(STAMP)
+# `make demo` installs only nnstat[demo] (no test, lint, HF or Lightning packages), with its own
+# stamp; a venv that `make test` already set up holds everything the demo needs.
+DEMO_STAMP := $(VENV)/.demo-installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
+
+$(DEMO_STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	test -f $(STAMP) || $(BIN)/python -m pip install -q -c constraints.txt -e ".[demo]"
+	rm -f $(VENV)/.demo-installed-* && touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/nnstat demo
 
 test: $(STAMP)

@@ -1,26 +1,127 @@
-"""The demo, shortened with NNSTAT_DEMO_QUICK=1."""
+"""The demo's pieces that need no full run: arguments, planted labels, clean re-runs (the run
+folder is replaced, so TensorBoard and W&B hold one run), the batch-size advice.
 
+The end-to-end run (console, report, self-influence recall) is in tests/test_demo_report.py.
+Every demo run here is the quick configuration (NNSTAT_DEMO_QUICK: 400 digits) shortened to
+one epoch and to the steps that write logs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
 import pytest
+import torch
 
 from nnstat.demo import main
-
-
-def test_demo_quick(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("NNSTAT_DEMO_QUICK", "1")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    assert main(["--log-dir", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "epoch 2/2" in out and "test accuracy" in out
-    assert "kurtosis" in out and "4.weight" in out  # describe table
-    assert "trust ratio" in out
-    assert str(tmp_path / "tensorboard") in out
-    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
-    assert list((tmp_path / "wandb").glob("offline-run-*"))
-    accuracy = float(out.split("test accuracy")[1].split()[0])
-    assert accuracy > 0.5  # it actually trains (10 classes: chance is 0.1)
+from nnstat.demo.train import (
+    MARKER,
+    DemoConfig,
+    build,
+    load_digits_data,
+    plant_mislabels,
+    prepare_log_dir,
+    report,
+    run,
+    train,
+)
+from nnstat.demo.write import batch_advice, noise_stages
 
 
 def test_demo_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["--epochs", "0"])
+
+
+def test_plant_mislabels_changes_exactly_the_chosen_labels():
+    labels = torch.randint(0, 10, (1000,), generator=torch.Generator().manual_seed(3))
+    noisy, where = plant_mislabels(labels, 0.025, seed=7)
+    assert len(where) == 25 and len(set(where)) == 25
+    changed = (noisy != labels).nonzero().flatten().tolist()
+    assert changed == sorted(where)  # every planted label differs, no other one does
+    assert bool(((noisy >= 0) & (noisy < 10)).all())
+    again, where_again = plant_mislabels(labels, 0.025, seed=7)
+    assert where_again == where and torch.equal(again, noisy)  # fixed seed: same plant
+    assert plant_mislabels(labels, 0.025, seed=8)[1] != where
+
+
+def _short_run(log_dir, monkeypatch) -> None:
+    """Only the steps that write TensorBoard, W&B and JSON lines, one epoch of quick data."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = DemoConfig(epochs=1, log_dir=log_dir, quick=True)
+    run(cfg, steps=[prepare_log_dir, load_digits_data, build, train, report])
+
+
+def test_rerun_replaces_the_run_folder(tmp_path, monkeypatch, capsys):
+    log_dir = tmp_path / "logs"
+    _short_run(log_dir, monkeypatch)
+    first = sorted(p.name for p in (log_dir / "tensorboard").iterdir())
+    _short_run(log_dir, monkeypatch)
+    # one event file, one W&B run, one JSON-lines header: TensorBoard would otherwise draw
+    # every curve twice, and the viewer would read two runs as one
+    events = sorted(p.name for p in (log_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and events != first
+    assert len(list((log_dir / "wandb").glob("offline-run-*"))) == 1
+    lines = (log_dir / "metrics" / "metrics.jsonl").read_text().splitlines()
+    headers = [line for line in lines if "nnstat_jsonl" in json.loads(line)]
+    assert len(headers) == 1 and len(lines) > 1
+    assert (log_dir / MARKER).exists()
+
+
+def test_rerun_keeps_foreign_files_and_refuses_foreign_folders(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / MARKER).touch()
+    (mine / "report.html").write_text("old")
+    (mine / "notes.txt").write_text("keep me")
+    state = type("S", (), {"config": DemoConfig(log_dir=mine)})()
+    prepare_log_dir(state)
+    assert not (mine / "report.html").exists() and (mine / "notes.txt").read_text() == "keep me"
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "thesis.tex").write_text("precious")
+    (theirs / "wandb").mkdir()
+    with pytest.raises(SystemExit, match="thesis.tex"):
+        prepare_log_dir(type("S", (), {"config": DemoConfig(log_dir=theirs)})())
+    assert (theirs / "thesis.tex").read_text() == "precious" and (theirs / "wandb").is_dir()
+
+
+def _history(values: list[float], lows: list[float], highs: list[float]) -> list[dict]:
+    return [
+        {"step": 10 * i, "noise_scale/b_simple": v, "noise_scale/low": lo,
+         "noise_scale/high": hi, "train/loss": 2.0 / (i + 1)}
+        for i, (v, lo, hi) in enumerate(zip(values, lows, highs, strict=True))
+    ]  # fmt: skip
+
+
+def test_noise_stages_split_training_in_thirds():
+    values = [50.0, 60.0, 55.0, 200.0, 300.0, 250.0, 900.0, 1200.0, 1000.0]
+    lows = [v * 0.8 for v in values]
+    highs = [v * 1.3 for v in values]
+    stages = noise_stages(_history(values, lows, highs))
+    assert [s.name for s in stages] == ["early", "middle", "late"]
+    # steps 0..80: thirds end at 26.7 and 53.3
+    assert [s.values for s in stages] == [tuple(values[:3]), tuple(values[3:6]), tuple(values[6:])]
+    late = stages[-1]
+    assert late.median == float(np.median(values[6:]))
+    assert (late.low, late.high) == (min(lows[6:]), max(highs[6:]))
+    assert late.train_loss == pytest.approx(np.mean([2.0 / 7, 2.0 / 8, 2.0 / 9]))
+
+
+def test_batch_advice_follows_the_late_estimates_and_states_their_spread():
+    values = [50.0, 60.0, 55.0, 200.0, 300.0, 250.0, 900.0, 1200.0, 1000.0]
+    stages = noise_stages(_history(values, [v * 0.8 for v in values], [v * 1.3 for v in values]))
+    summary, text = batch_advice(stages, batch=64, n_train=5000)
+    assert "512" in summary  # the power of two below the lowest late estimate (900)
+    assert "900–1200" in text and f"factor {1200 / 900:.1f}" in text
+    assert "about the critical batch size" in text  # early median 55 vs batch 64
+    summary, text = batch_advice(stages, batch=1024, n_train=5000)
+    assert "about right" in summary  # 900..1200 brackets 1024
+    inf_stages = noise_stages(
+        _history([50.0, 60.0, math.inf], [40.0, 50.0, 800.0], [60.0, 70.0, math.inf])
+    )
+    summary, text = batch_advice(inf_stages, batch=64, n_train=300)
+    assert "only a lower bound" in text and "exceed the 300 training digits" in text
+    assert batch_advice([], 64, 100)[0] == "n/a"

@@ -230,3 +230,116 @@ def test_score_distribution(tmp_path):
     np.testing.assert_allclose(marks, self_inf[[3, 7]])
     with pytest.raises(ValueError, match="finite"):
         nplt.score_distribution(np.array([np.nan]))
+
+
+def test_histogram_titles_name_what_is_plotted():
+    weights = {"a.weight": torch.randn(50), "b.weight": torch.randn(50)}
+    title = nplt.histogram(weights, ["a.weight", "b.weight"]).axes[0].get_title()
+    assert title != "histogram" and "a.weight" in title and "b.weight" in title
+
+
+def test_stat_heatmap_robust_limits_are_percentiles(tmp_path):
+    rng = np.random.default_rng(2)
+    values = rng.lognormal(size=(3, 40))
+    values[0, 0] = 1e4  # one extreme step, like Adam's first update
+    hist = [
+        {"step": 5 * s, **{f"update/l{i}/rms": values[i, s] for i in range(3)}} for s in range(40)
+    ]
+    lo, hi = (
+        nplt.stat_heatmap(hist, "rms", prefix="update/", robust=True)
+        .axes[0]
+        .get_images()[0]
+        .get_clim()
+    )
+    np.testing.assert_allclose((lo, hi), np.percentile(values, [2, 98]))
+    lo, hi = (
+        nplt.stat_heatmap(hist, "rms", prefix="update/", log=True, robust=True)
+        .axes[0]
+        .get_images()[0]
+        .get_clim()
+    )
+    np.testing.assert_allclose((lo, hi), np.percentile(values, [2, 98]))
+    plain = nplt.stat_heatmap(hist, "rms", prefix="update/", log=False).axes[0].get_images()[0]
+    assert plain.get_clim() == (values.min(), values.max())
+
+
+def test_training_curves_plot_the_logged_points():
+    hist = [{"step": s, "train/loss": 1 / (s + 1), "test/loss": 2 / (s + 1)} for s in range(6)]
+    hist[2].pop("test/loss")  # not logged at that step: the line joins its neighbours
+    fig = nplt.training_curves(hist, {"loss": {"train": "train/loss", "test": "test/loss"}})
+    train, test = fig.axes[0].get_lines()
+    np.testing.assert_allclose(train.get_ydata(), [1 / (s + 1) for s in range(6)])
+    np.testing.assert_array_equal(test.get_xdata(), [0, 1, 3, 4, 5])
+    assert fig.axes[0].get_title() == "loss over training"
+    with pytest.raises(KeyError, match="nope"):
+        nplt.training_curves(hist, {"loss": {"x": "nope"}})
+
+
+def test_receptive_fields_tile_each_unit_as_an_image(tmp_path):
+    w = torch.randn(6, 12)
+    w[4] *= 10  # the largest norm: first tile
+    fig = nplt.receptive_fields(w, image_shape=(3, 4), ncols=4)
+    mosaic = np.asarray(fig.axes[0].get_images()[0].get_array().filled(np.nan))
+    gap_y = 2  # max(2, round(0.45 * 3))
+    order = np.argsort(-w.norm(dim=1).numpy(), kind="stable")
+    for i, u in enumerate(order):
+        r, c = divmod(i, 4)
+        top, left = r * (3 + gap_y) + gap_y, c * 5
+        np.testing.assert_allclose(mosaic[top : top + 3, left : left + 4], w[u].reshape(3, 4))
+    labels = [t.get_text() for t in fig.axes[0].texts]
+    assert labels == [str(u) for u in order]
+    assert "receptive fields" in fig.get_suptitle()
+    _png(fig, tmp_path / "rf.png")
+    with pytest.raises(ValueError, match="image_shape"):
+        nplt.receptive_fields(torch.randn(3, 10), image_shape=(3, 3))
+
+
+def test_image_grid_captions_and_frames(tmp_path):
+    imgs = torch.rand(5, 8, 8)
+    fig = nplt.image_grid(
+        imgs,
+        [f"#{i}" for i in range(5)],
+        frame_colours=[None, "red"] * 2 + [None],
+        ncols=3,
+        title="five",
+    )
+    assert [ax.get_title() for ax in fig.axes] == [f"#{i}" for i in range(5)]
+    np.testing.assert_allclose(fig.axes[3].get_images()[0].get_array(), imgs[3])
+    assert fig.get_suptitle() == "five"
+    _png(fig, tmp_path / "g.png")
+    with pytest.raises(ValueError, match="captions"):
+        nplt.image_grid(imgs, ["a"], title="t")
+
+
+def test_ranking_hits_against_brute_force():
+    rng = np.random.default_rng(4)
+    scores = rng.normal(size=200)
+    scores[[5, 9]] = np.nan  # rank last
+    flagged = rng.choice(200, size=7, replace=False).tolist() + [5]
+    hits = nplt.ranking_hits(scores, flagged)
+    ranked = sorted(range(200), key=lambda i: -np.inf if np.isnan(scores[i]) else -scores[i])
+    ranked = [i for i in ranked if not np.isnan(scores[i])] + [5, 9]
+    for k in (1, 8, 50, 199, 200):
+        assert hits[k - 1] == len(set(ranked[:k]) & set(flagged))
+    with pytest.raises(IndexError):
+        nplt.ranking_hits(scores, [200])
+
+
+def test_ranking_recall_draws_each_ranking_and_the_random_baseline(tmp_path):
+    scores = np.arange(100.0)
+    fig = nplt.ranking_recall({"score": scores, "reverse": -scores}, [99, 98, 10], max_k=20)
+    best, worst, random = fig.axes[0].get_lines()[:3]
+    np.testing.assert_array_equal(best.get_ydata()[:3], [1, 2, 2])
+    assert "2/3 in the top 3" in best.get_label() and "0/3" in worst.get_label()
+    np.testing.assert_allclose(random.get_ydata(), np.arange(1, 21) * 3 / 100)
+    _png(fig, tmp_path / "r.png")
+
+
+def test_noise_scale_band_reaches_the_top_when_unbounded():
+    fig = nplt.noise_scale_plot(
+        [0, 10, 20], [50.0, 80.0, 300.0], ([40.0, 60.0, 200.0], [60.0, 100.0, np.inf])
+    )
+    (band,) = fig.axes[0].collections
+    top = band.get_paths()[0].vertices[:, 1].max()
+    assert top > fig.axes[0].get_ylim()[1]  # drawn past the visible top
+    assert "no upper bound" in fig.axes[0].get_legend().get_texts()[0].get_text()

@@ -1,5 +1,6 @@
-"""The demo's explain-afterwards steps: noise scale during training, projected per-sample
-gradients of the training set, influence for the misclassified test digits, the HTML report.
+"""The demo's watch-and-explain steps: train/test curves and noise scale during training,
+projected per-sample gradients of the training set, influence for the misclassified test digits,
+self-influence against the planted wrong labels, and what the viewer needs to show examples.
 
 Each step takes the demo's state (see :mod:`nnstat.demo`); what they produce lives in
 ``state.extras`` (:class:`DemoExtras`).
@@ -11,8 +12,6 @@ Example:
 
 from __future__ import annotations
 
-import math
-import platform
 import shutil
 import time
 import warnings
@@ -20,36 +19,81 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 import nnstat
+from nnstat.describe import Description
 
 __all__ = [
     "DemoExtras",
+    "MislabelSearch",
+    "describe_table",
+    "evaluate",
     "watch_training",
     "log_training_gradients",
     "explain_misclassified",
-    "write_report",
+    "find_mislabels",
+    "save_for_viewer",
 ]
 
-NOISE_SCALE_EVERY = 4  # logged steps between two noise-scale estimates
+NOISE_SCALE_EVERY = 2  # logged steps between two noise-scale estimates
 RANK = 16  # projection rank per module of the gradient store
 REFINE_STEPS = 5  # conjugate-gradient steps of the influence refinement
-TOP_K = 5
+TOP_K = 3  # helpful and harmful training digits shown per misclassified test digit
+
+
+@dataclass
+class MislabelSearch:
+    """How well ranking the training digits by self-influence finds the planted wrong labels."""
+
+    scores: np.ndarray  # self-influence per training position
+    loss: np.ndarray  # each training digit's loss on its (given) label, for comparison
+    planted: list[int]
+    preconditioner: str
+    hits: np.ndarray  # hits[k-1]: planted digits among the k highest self-influences
+
+    @property
+    def k(self) -> int:
+        """Number planted: the top-k a perfect ranking would fill with them."""
+        return len(self.planted)
+
+    @property
+    def found(self) -> int:
+        """Planted digits among the ``k`` highest self-influences."""
+        return int(self.hits[self.k - 1]) if self.k else 0
+
+    @property
+    def recall(self) -> float:
+        """Recall at ``k`` = found / k."""
+        return self.found / self.k if self.k else float("nan")
+
+    @property
+    def baseline(self) -> float:
+        """Expected recall at ``k`` of a random order: k / n."""
+        return self.k / len(self.scores)
+
+    @property
+    def all_found_at(self) -> int:
+        """How far down the ranking one must read to have found every planted digit."""
+        return int(np.searchsorted(self.hits, self.k) + 1) if self.k else 0
 
 
 @dataclass
 class DemoExtras:
-    """What the explain-afterwards steps produce."""
+    """What the watch-and-explain steps produce."""
 
     history: list[dict[str, Any]] = field(default_factory=list)
+    final: dict[str, float] = field(default_factory=dict)  # evaluate() after the last step
     run: Any = None
     misclassified: list[int] = field(default_factory=list)
     predicted: torch.Tensor | None = None
     influence: Any = None
+    query_log: Any = None  # the misclassified test digits' gradients (a GradientLog)
+    mislabels: MislabelSearch | None = None
+    viewer_examples: list[str] = field(default_factory=list)
     report_path: Path | None = None
-    started: float = field(default_factory=time.perf_counter)
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -65,12 +109,14 @@ def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def watch_training(state: Any) -> None:
-    """Keep every logged metric dict for the report, and estimate the noise scale (per-sample
-    method, with its bootstrap interval) every few logged steps, logged like any statistic."""
+    """Keep every logged metric dict for the report; at every logged step add the loss and
+    accuracy on all training and test digits, and every few logged steps the noise scale
+    (per-sample method, with its bootstrap interval). All of it goes to every sink."""
     ex = extras(state)
     state.tracker.add_sink(
         lambda metrics, step: ex.history.append({**_scalars(metrics), "step": step})
     )
+    state.tracker.add_provider(lambda: evaluate(state))
     calls = {"n": 0}
     data = (state.X_train, state.y_train)
     quick = state.config.quick
@@ -79,17 +125,50 @@ def watch_training(state: Any) -> None:
         calls["n"] += 1
         if (calls["n"] - 1) % NOISE_SCALE_EVERY:
             return {}
+        t0 = time.perf_counter()
         with warnings.catch_warnings():
             # near convergence |G|^2 can be estimated <= 0: b_simple is then inf, which the
             # report explains; one warning per estimate would only clutter the console
             warnings.filterwarnings("ignore", message=r"the \|G\|\^2 estimate")
             result = nnstat.noise_scale(
                 state.model, nn.functional.cross_entropy, data, method="per_sample",
-                big_batch=128 if quick else 512, n_estimates=4 if quick else 16, seed=calls["n"],
+                big_batch=128 if quick else 256, n_estimates=4 if quick else 8, seed=calls["n"],
             )  # fmt: skip
+        key = "of which noise scale"
+        ex.timings[key] = ex.timings.get(key, 0.0) + time.perf_counter() - t0
         return {k: v for k, v in result.to_dict().items() if k.count("/") == 1}
 
     state.tracker.add_provider(noise_scale)
+
+
+def evaluate(state: Any) -> dict[str, float]:
+    """Loss and accuracy on every training digit (on the labels trained on, planted ones
+    included) and every test digit, and the share of planted digits the model predicts as
+    their wrong label (memorised)."""
+    model = state.model
+    was_training = model.training
+    model.eval()
+    out: dict[str, float] = {}
+    with torch.no_grad():
+        for split, X, y in (
+            ("train", state.X_train, state.y_train),
+            ("test", state.X_test, state.y_test),
+        ):
+            logits = model(X)
+            out[f"{split}/loss"] = float(nn.functional.cross_entropy(logits, y))
+            out[f"{split}/accuracy"] = float((logits.argmax(1) == y).float().mean())
+            if split == "train" and state.planted:
+                pred = logits[state.planted].argmax(1)
+                out["train/planted_memorised"] = float((pred == y[state.planted]).float().mean())
+    model.train(was_training)
+    return out
+
+
+def describe_table(state: Any) -> Description:
+    """The per-layer ``describe`` table of the final weights (console and report show it)."""
+    return nnstat.get_weight(state.model).describe(
+        layerwise=True, stats=["numel", "mean", "std", "skew", "kurtosis", "l2"]
+    )
 
 
 def log_training_gradients(state: Any) -> None:
@@ -154,7 +233,8 @@ def explain_misclassified(state: Any) -> None:
         curvature="ggn",
         progress=False,
     )
-    ex.influence = nnstat.influence.compute_influence_all(nnstat.get_log(), run.path, refine=refine)
+    ex.query_log = nnstat.get_log()
+    ex.influence = nnstat.influence.compute_influence_all(ex.query_log, run.path, refine=refine)
     ex.timings["influence"] = time.perf_counter() - t0
     print(
         f"influence: {len(wrong)} misclassified test digits x {len(state.X_train)} training digits "
@@ -162,146 +242,70 @@ def explain_misclassified(state: Any) -> None:
     )
 
 
-def _images(state: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Raw 8x8 images in the demo's order (the training tensors are standardised)."""
-    if getattr(state, "images_train", None) is not None:
-        return state.images_train, state.images_test
-    from sklearn.datasets import load_digits
-
-    X = torch.tensor(load_digits().images, dtype=torch.float32)
-    perm = torch.randperm(len(X), generator=torch.Generator().manual_seed(state.config.seed))
-    X = X[perm][: len(state.X_train) + len(state.X_test)]
-    return X[: len(state.X_train)], X[len(state.X_train) :]
-
-
-def write_report(state: Any) -> None:
-    """The HTML report: statistics over training, trust ratios, noise scale, and each
-    misclassified digit beside the training digits that most drove its prediction."""
-    import nnstat.plot as nplt
-    from nnstat.demo.report import HtmlReport
-
-    ex, cfg = extras(state), state.config
-    hist = ex.history
-    rep = HtmlReport(
-        "nnstat demo: a small MLP on scikit-learn digits",
-        f"{time.strftime('%Y-%m-%d %H:%M')} · {platform.machine()} CPU, torch {torch.__version__}"
-        f" · nnstat {nnstat.__version__}",
-    )
-    noise = [h for h in hist if "noise_scale/b_simple" in h]
-    last_noise = noise[-1] if noise else {}
-    b = last_noise.get("noise_scale/b_simple", math.nan)
-    rep.section("Summary")
-    rep.table(
-        {
-            "training / test digits": f"{len(state.X_train)} / {len(state.X_test)}",
-            "epochs, batch size": f"{cfg.epochs}, {cfg.batch_size}",
-            "test accuracy": f"{state.accuracy:.3f}",
-            "misclassified test digits": len(ex.misclassified),
-            "noise scale B_simple (last estimate)": _interval(last_noise) if noise else "n/a",
-            "gradient store": str(ex.run.path) if ex.run else "n/a",
-            "TensorBoard logs": str(cfg.log_dir / "tensorboard"),
-            "time from training to report": f"{time.perf_counter() - ex.started:.1f} s",
-        }
-    )
-    rep.section(
-        "Statistics over training",
-        "Every 5th step the Tracker reduced each parameter, gradient, Adam state and update to a "
-        "few statistics in one fused pass; these are the same numbers TensorBoard/W&B received.",
-    )
-    rep.figure(
-        nplt.stat_heatmap(hist, "l2", prefix="grad/"),
-        "Gradient L2 norm per layer (log colour scale).",
-    )
-    rep.figure(
-        nplt.stat_heatmap(hist, "rms", prefix="update/"), "RMS of each step's update per layer."
-    )
-    W = nnstat.get_weight(state.model)
-    first = next(iter(W))
-    rep.figure(
-        nplt.weight_heatmap(W, first),
-        f"Final weights of {first}: rows are hidden units, columns the 64 pixels.",
-    )
-    rep.figure(
-        nplt.histogram(W, [n for n in W if n.endswith("weight")]),
-        "Distribution of the final weights per layer.",
-    )
-    rep.section(
-        "Trust ratios",
-        "‖W‖ / ‖ΔW‖ per layer: how many steps of the current size it would take to move a layer "
-        "by its own norm. Layers far below the others are being changed aggressively; LARS/LAMB "
-        "equalise this ratio.",
-    )
-    rep.figure(nplt.trust_ratio_plot(hist), "Trust ratio per parameter over training.")
-    rep.section("Noise scale: is the batch size right?")
-    rep.paragraph(_noise_text(b, cfg.batch_size, len(state.X_train)))
-    if noise:
-        rep.figure(
-            nplt.noise_scale_plot(hist, batch_size=cfg.batch_size),
-            "Per-sample estimate with its 95% bootstrap interval (shaded).",
-        )
-    _influence_section(rep, state, ex)
-    ex.report_path = rep.write(cfg.log_dir / "report.html")
-    print(f"\nHTML report: {ex.report_path}")
-
-
-def _noise_text(b: float, batch: int, n: int) -> str:
-    text = (
-        "B_simple = tr(Σ)/‖G‖² estimates the critical batch size (McCandlish et al. 2018): "
-        "below it, doubling the batch almost halves the number of steps; above it, extra samples "
-        "are mostly wasted. "
-    )
-    if not math.isfinite(b) or b > n:
-        return text + (
-            f"The last estimate exceeds the {n} training digits: near convergence the mean "
-            "gradient is small next to its per-sample noise, so even full-batch steps would pay off."
-        )
-    if b > 2 * batch:
-        return text + (
-            f"At B_simple ≈ {b:.0f}, batch size {batch} is small: a larger batch would still cut "
-            "the number of steps almost proportionally."
-        )
-    return text + f"At B_simple ≈ {b:.0f}, batch size {batch} is about right or more than needed."
-
-
-def _interval(h: dict[str, float]) -> str:
-    lo, hi = h.get("noise_scale/low", math.nan), h.get("noise_scale/high", math.nan)
-    return f"{h['noise_scale/b_simple']:.0f} (95% interval {lo:.0f} to {hi:.0f})"
-
-
-def _influence_section(rep: Any, state: Any, ex: DemoExtras) -> None:
-    import nnstat.plot as nplt
-
-    rep.section(
-        "Why did it get these digits wrong?",
-        "Each misclassified test digit (left) beside the training digits whose gradients most "
-        "support the model's wrong prediction (green: helpful for that prediction, i.e. "
-        "training on them lowered the loss of predicting it) and most oppose it (red). Scores are "
-        "g_qᵀ(H+λI)⁻¹g_i, H the Gauss-Newton curvature of the training loss: solved by 5 "
-        "conjugate-gradient steps preconditioned by the run's EK-FAC, then projected to the "
-        "store's rank-16 gradient space.",
-    )
-    if ex.influence is None:
-        rep.paragraph("The model classified every test digit correctly: nothing to explain.")
+def find_mislabels(state: Any) -> None:
+    """Self-influence ``g_iᵀ(H+λI)⁻¹g_i`` of every training digit from the gradient store (the
+    store's EK-FAC preconditioner), ranked: how many of the planted wrong labels are at the top,
+    against a random order (expected recall k/n) and against ranking by the training loss."""
+    ex = extras(state)
+    if not state.planted or ex.run is None:
         return
-    img_train, img_test = _images(state)
-    wrong, pred = ex.misclassified, ex.predicted
-    captions = [f"test #{i}\ntrue {int(state.y_test[i])} → pred {int(pred[i])}" for i in wrong]
-    fig = nplt.influence_figure(
-        {i: img_test[i] for i in wrong}, img_train, ex.influence, k=TOP_K,
-        train_labels=state.y_train, query_captions=captions, max_queries=12,
-    )  # fmt: skip
-    fig.savefig(state.config.log_dir / "influence.png")  # also on its own, for slides and docs
-    rep.figure(fig, "Top helpful and harmful training digits (score, training index, label).")
-    top = ex.influence.top_k(3)
-    rep.bullets(
-        [
-            f"test #{q}: true {int(state.y_test[q])}, predicted {int(pred[q])}; most helpful "
-            + ", ".join(f"#{i} (label {int(state.y_train[i])})" for i in top.helpful_ids[r])
-            + "; most harmful "
-            + ", ".join(f"#{i} (label {int(state.y_train[i])})" for i in top.harmful_ids[r])
-            for r, q in enumerate(top.test_ids)
-        ]
+    t0 = time.perf_counter()
+    result = nnstat.influence.compute_self_influence(ex.run.path, progress=False)
+    n = len(state.X_train)
+    positions = torch.as_tensor([int(i) for i in result.ids])
+    if sorted(positions.tolist()) != list(range(n)):
+        raise RuntimeError("the gradient store's ids are not the training positions 0..n-1")
+    scores = np.full(n, np.nan)
+    scores[positions.numpy()] = result.scores.double().numpy()
+    state.model.eval()
+    with torch.no_grad():
+        loss = nn.functional.cross_entropy(
+            state.model(state.X_train), state.y_train, reduction="none"
+        )
+    from nnstat.plot.data import ranking_hits
+
+    ex.mislabels = MislabelSearch(
+        scores=scores,
+        loss=loss.double().numpy(),
+        planted=list(state.planted),
+        preconditioner=str(result.meta.get("preconditioner", "?")),
+        hits=ranking_hits(scores, state.planted),
     )
-    rep.figure(
-        nplt.score_distribution(ex.influence), "All influence scores of the misclassified digits."
+    ex.timings["self-influence"] = time.perf_counter() - t0
+    m = ex.mislabels
+    print(
+        f"self-influence: {m.found} of the {m.k} planted wrong labels are among the {m.k} "
+        f"highest of {n} (recall {m.recall:.2f}; a random order expects {m.baseline:.3f})"
     )
+
+
+def save_for_viewer(state: Any) -> None:
+    """What ``nnstat view``'s influence explorer needs to show the examples as images: the
+    training digits (with the labels trained on) beside the gradient store, and the
+    misclassified test digits as a query set of that store."""
+    from nnstat.viewer import save_examples, save_queries
+
+    ex = extras(state)
+    if ex.run is None:
+        return
+    t0 = time.perf_counter()
+    n = len(state.X_train)
+    save_examples(
+        ex.run.path,
+        list(range(n)),
+        images=state.images_train,
+        labels=[int(v) for v in state.y_train],
+    )
+    ex.viewer_examples.append(str(ex.run.path))
+    if ex.query_log is not None:
+        wrong, pred = ex.misclassified, ex.predicted
+        queries = save_queries(ex.query_log, ex.run.path, name="misclassified")
+        save_examples(
+            queries,
+            wrong,
+            images=state.images_test[wrong],
+            labels=[f"true {int(state.y_test[i])}, predicted {int(pred[i])}" for i in wrong],
+        )
+        ex.viewer_examples.append(str(queries))
+    ex.timings["save for nnstat view"] = time.perf_counter() - t0
+    print(f"for nnstat view: examples beside {', '.join(ex.viewer_examples)}")

@@ -1,9 +1,11 @@
 """`nnstat demo`: train a small MLP on scikit-learn's digits with nnstat watching, then explain it.
 
-The demo is a sequence of small steps: `load_digits_data`, `build`, `watch_training` (history
-and noise scale), `train`, `log_training_gradients` (EK-FAC + projected per-sample gradients to
-a gradient store), `explain_misclassified` (influence), `report` (console) and `write_report`
-(the self-contained HTML report). ``NNSTAT_DEMO_QUICK=1`` shortens it (used by the tests).
+The demo is a sequence of small steps: `prepare_log_dir` (a fresh run folder), `load_digits_data`
+(with a few planted wrong labels), `build`, `watch_training` (train/test curves and noise scale),
+`train`, `log_training_gradients` (EK-FAC + projected per-sample gradients to a gradient store),
+`explain_misclassified` (influence), `find_mislabels` (self-influence against the planted
+labels), `save_for_viewer`, `report` (console) and `write_report` (the self-contained HTML
+report). ``NNSTAT_DEMO_QUICK=1`` shortens it (400 digits, 12 epochs of 5 steps; the tests).
 
 Example:
     >>> from nnstat.demo import main
@@ -15,7 +17,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shutil
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,14 +29,24 @@ from torch import nn
 
 import nnstat
 from nnstat.demo.steps import (
+    describe_table,
+    evaluate,
     explain_misclassified,
+    extras,
+    find_mislabels,
     log_training_gradients,
+    save_for_viewer,
     watch_training,
-    write_report,
 )
+from nnstat.demo.write import write_report
 from nnstat.netdict import trust_ratio
 
-__all__ = ["main", "DemoConfig", "DemoState"]
+__all__ = ["main", "run", "DemoConfig", "DemoState", "DEMO_OUTPUTS", "MARKER"]
+
+#: What the demo writes into its log folder; a re-run replaces exactly these.
+DEMO_OUTPUTS = ("tensorboard", "wandb", "gradients", "metrics", "report.html", "influence.png")
+#: An empty file naming a folder as the demo's own, so a re-run may clear what it wrote there.
+MARKER = ".nnstat-demo"
 
 
 @dataclass
@@ -47,6 +61,10 @@ class DemoConfig:
     wandb: bool = True
     seed: int = 0
     quick: bool = False
+    #: share of training digits given a wrong label before training (the self-influence
+    #: section then shows how many of them the top of its ranking finds)
+    mislabel_fraction: float = 0.025
+    log_every: int = 5  # Tracker steps between two logged steps
 
 
 @dataclass
@@ -54,8 +72,12 @@ class DemoState:
     """What the steps pass to each other."""
 
     config: DemoConfig
+    started: float = field(default_factory=time.perf_counter)  # the one clock of the run
+    wall_seconds: float | None = None  # set once, when the report is written
     X_train: torch.Tensor | None = None
-    y_train: torch.Tensor | None = None
+    y_train: torch.Tensor | None = None  # the labels trained on (planted ones wrong)
+    y_train_true: torch.Tensor | None = None  # scikit-learn's labels
+    planted: list[int] = field(default_factory=list)  # training positions given a wrong label
     X_test: torch.Tensor | None = None
     y_test: torch.Tensor | None = None
     images_train: torch.Tensor | None = None  # raw 8x8 images for the report's figures
@@ -63,6 +85,7 @@ class DemoState:
     model: nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     tracker: nnstat.Tracker | None = None
+    W_init: nnstat.NetDict | None = None
     W_before_last_step: nnstat.NetDict | None = None
     accuracy: float = float("nan")
     wandb_dir: str | None = None
@@ -70,28 +93,84 @@ class DemoState:
     extras: Any = None  # nnstat.demo.steps.DemoExtras
 
 
+def prepare_log_dir(state: DemoState) -> None:
+    """Start from a clean run folder: remove what an earlier demo wrote there.
+
+    TensorBoard draws every event file under its log dir, and W&B adds one offline run per
+    ``wandb.init``, so a re-run into the same folder would draw every curve twice. The demo
+    replaces its folder's contents (rather than writing timestamped runs beside the old ones):
+    one folder, one run. It only clears a folder it marked as its own (or an empty one); a
+    folder holding other files is refused rather than emptied."""
+    root = state.config.log_dir
+    if root.exists():
+        if not root.is_dir():
+            raise SystemExit(f"nnstat demo: --log-dir {root} is a file, not a folder")
+        entries = {p.name for p in root.iterdir()}
+        foreign = sorted(entries - set(DEMO_OUTPUTS) - {MARKER})
+        if foreign and MARKER not in entries:
+            raise SystemExit(
+                f"nnstat demo: --log-dir {root} holds files the demo did not write "
+                f"({', '.join(foreign[:5])}); choose a new or empty folder"
+            )
+        for name in DEMO_OUTPUTS:
+            path = root / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+    root.mkdir(parents=True, exist_ok=True)
+    (root / MARKER).touch()
+
+
+def plant_mislabels(
+    labels: torch.Tensor, fraction: float, seed: int, n_classes: int = 10
+) -> tuple[torch.Tensor, list[int]]:
+    """A copy of ``labels`` with ``round(fraction * n)`` of them (chosen with ``seed``) moved to
+    another class, uniformly among the other ``n_classes - 1``; returns it and the positions.
+
+    Example:
+        >>> noisy, where = plant_mislabels(torch.arange(10) % 10, 0.2, seed=0)
+        >>> len(where), bool((noisy[where] != torch.arange(10)[where]).all())
+        (2, True)
+    """
+    n = len(labels)
+    k = int(round(fraction * n))
+    g = torch.Generator().manual_seed(seed)
+    where = torch.randperm(n, generator=g)[:k].sort().values
+    shift = torch.randint(1, n_classes, (k,), generator=g)  # never 0: the label always changes
+    noisy = labels.clone()
+    noisy[where] = (labels[where] + shift) % n_classes
+    return noisy, where.tolist()
+
+
 def load_digits_data(state: DemoState) -> None:
-    """8x8 digits from scikit-learn (bundled, no download), standardised, 80/20 split."""
+    """8x8 digits from scikit-learn (bundled, no download), standardised, 80/20 split; a few
+    training labels are then changed on purpose (``mislabel_fraction``, fixed seed)."""
     from sklearn.datasets import load_digits
 
+    cfg = state.config
     digits = load_digits()
     X = torch.tensor(digits.data, dtype=torch.float32)
     y = torch.tensor(digits.target, dtype=torch.long)
     images = torch.tensor(digits.images, dtype=torch.float32)
-    g = torch.Generator().manual_seed(state.config.seed)
+    g = torch.Generator().manual_seed(cfg.seed)
     perm = torch.randperm(len(X), generator=g)
     X, y, images = X[perm], y[perm], images[perm]
-    if state.config.quick:
+    if cfg.quick:
         X, y, images = X[:400], y[:400], images[:400]
     X = (X - X.mean(0)) / (X.std(0) + 1e-6)
     n_train = int(0.8 * len(X))
-    state.X_train, state.y_train = X[:n_train], y[:n_train]
+    state.X_train, state.y_train_true = X[:n_train], y[:n_train]
+    state.y_train, state.planted = plant_mislabels(
+        state.y_train_true, cfg.mislabel_fraction, seed=cfg.seed + 1
+    )
     state.X_test, state.y_test = X[n_train:], y[n_train:]
     state.images_train, state.images_test = images[:n_train], images[n_train:]
 
 
 def build(state: DemoState) -> None:
-    """A 64-h-h-10 MLP with AdamW and a Tracker writing TensorBoard (+ W&B offline)."""
+    """A 64-h-h-10 MLP with AdamW and a Tracker writing TensorBoard, JSON lines for
+    ``nnstat view`` (+ W&B offline when wandb is installed)."""
     cfg = state.config
     torch.manual_seed(cfg.seed)
     state.model = nn.Sequential(
@@ -101,6 +180,7 @@ def build(state: DemoState) -> None:
         nn.ReLU(),
         nn.Linear(cfg.hidden, 10),
     )
+    state.W_init = nnstat.get_weight(state.model)
     state.optimizer = torch.optim.AdamW(state.model.parameters(), lr=cfg.lr)
     from nnstat.integrations.tensorboard import TensorBoardSink
 
@@ -110,12 +190,15 @@ def build(state: DemoState) -> None:
 
         os.environ.setdefault("WANDB_MODE", "offline")
         os.environ.setdefault("WANDB_SILENT", "true")
-        cfg.log_dir.mkdir(parents=True, exist_ok=True)
         sink = WandbSink(project="nnstat-demo", dir=str(cfg.log_dir))
         state.wandb_dir = sink.run.dir
         sinks.append(sink)
+    # the same metrics dict every sink gets, as JSON lines that `nnstat view` reads
+    from nnstat.integrations import JsonlLogger
+
+    sinks.append(JsonlLogger(cfg.log_dir / "metrics"))
     state.tracker = nnstat.Tracker(
-        state.model, state.optimizer, every=5, histograms=True, sinks=sinks
+        state.model, state.optimizer, every=cfg.log_every, histograms=True, sinks=sinks
     )
 
 
@@ -124,6 +207,7 @@ def train(state: DemoState) -> None:
     cfg, model, opt = state.config, state.model, state.optimizer
     g = torch.Generator().manual_seed(cfg.seed)
     n = len(state.X_train)
+    t0 = time.perf_counter()
     for epoch in range(cfg.epochs):
         perm = torch.randperm(n, generator=g)
         total = 0.0
@@ -138,9 +222,13 @@ def train(state: DemoState) -> None:
             state.tracker.step()
             total += loss.detach().item() * len(idx)
         print(f"epoch {epoch + 1}/{cfg.epochs}  train loss {total / n:.4f}")
-    with torch.no_grad():
-        pred = model(state.X_test).argmax(1)
-    state.accuracy = float((pred == state.y_test).float().mean())
+    # the Tracker's statistics, the evaluations and the noise scale run inside these steps
+    extras(state).timings["training (with Tracker, evaluation, noise scale)"] = (
+        time.perf_counter() - t0
+    )
+    # the final weights' numbers (the last logged step may be a few steps before the end)
+    extras(state).final = evaluate(state)
+    state.accuracy = extras(state).final["test/accuracy"]
 
 
 def report(state: DemoState) -> None:
@@ -148,9 +236,7 @@ def report(state: DemoState) -> None:
     W = nnstat.get_weight(state.model)
     print(f"\ntest accuracy {state.accuracy:.3f}\n")
     print("weights, per layer:")
-    W.describe(
-        layerwise=True, stats=["numel", "mean", "std", "skew", "kurtosis", "l2"], display=True
-    )
+    print(describe_table(state))
     print("\ntrust ratio ||W_t|| / ||W_t - W_t-1|| of the last step:")
     for name, r in trust_ratio(state.W_before_last_step, W).items():
         print(f"  {name:<12} {r:12.1f}")
@@ -165,12 +251,15 @@ def report(state: DemoState) -> None:
 
 #: The demo's steps, in order.
 STEPS = [
+    prepare_log_dir,
     load_digits_data,
     build,
     watch_training,
     train,
     log_training_gradients,
     explain_misclassified,
+    find_mislabels,
+    save_for_viewer,
     report,
     write_report,
 ]
@@ -179,8 +268,13 @@ STEPS = [
 def _parse(argv: list[str]) -> DemoConfig:
     quick = os.environ.get("NNSTAT_DEMO_QUICK", "") not in ("", "0")
     p = argparse.ArgumentParser(prog="nnstat demo", description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=2 if quick else DemoConfig.epochs)
-    p.add_argument("--log-dir", type=Path, default=DemoConfig.log_dir)
+    p.add_argument("--epochs", type=int, default=12 if quick else DemoConfig.epochs)
+    p.add_argument(
+        "--log-dir",
+        type=Path,
+        default=DemoConfig.log_dir,
+        help="run folder; a re-run replaces what the demo wrote there (default: %(default)s)",
+    )
     p.add_argument("--no-wandb", action="store_true", help="do not log to W&B (offline)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -191,12 +285,18 @@ def _parse(argv: list[str]) -> DemoConfig:
     )
 
 
+def run(config: DemoConfig, steps: Sequence[Callable[[DemoState], None]] = ()) -> DemoState:
+    """Run the demo's ``steps`` (default: all of :data:`STEPS`) with ``config``; returns the
+    final state (the tests read it)."""
+    state = DemoState(config=config)
+    for step in steps or STEPS:
+        step(state)
+    return state
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the process exit code."""
-    cfg = _parse(list(argv or []))
-    state = DemoState(config=cfg)
-    start = time.perf_counter()
-    for step in STEPS:
-        step(state)
-    print(f"\ndemo finished in {time.perf_counter() - start:.1f} s")
+    state = run(_parse(list(argv or [])))
+    # the number the report shows: measured once, when the report was written
+    print(f"\ndemo finished in {state.wall_seconds:.1f} s (data to report, as in the report)")
     return 0

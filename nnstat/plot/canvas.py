@@ -16,10 +16,12 @@ if TYPE_CHECKING:
 __all__ = ["new_figure"]
 
 
-def new_figure(width: float, height: float) -> Figure:
-    """A constrained-layout figure of ``width`` x ``height`` inches at 100 dpi."""
+def new_figure(width: float, height: float, constrained: bool = True) -> Figure:
+    """A ``width`` x ``height`` inch figure at 100 dpi, with constrained layout unless
+    ``constrained=False`` (grids of many small images place their axes themselves: constrained
+    layout costs seconds per draw at a hundred axes)."""
     try:
         from matplotlib.figure import Figure
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("nnstat.plot needs matplotlib: pip install 'nnstat[viz]'") from e
-    return Figure(figsize=(width, height), dpi=100, layout="constrained")
+    return Figure(figsize=(width, height), dpi=100, layout="constrained" if constrained else None)

@@ -179,3 +179,23 @@ def score_matrix(result: Any) -> tuple[np.ndarray, list, list]:
     test_ids = list(getattr(result, "test_ids", None) or range(scores.shape[0]))
     train_ids = list(getattr(result, "train_ids", None) or range(scores.shape[1]))
     return scores, test_ids, train_ids
+
+
+def ranking_hits(scores: Any, flagged: Sequence[int]) -> np.ndarray:
+    """``hits[k-1]``: how many of the ``flagged`` positions are among the ``k`` highest scores.
+
+    Ties are broken by position (a stable sort) and NaN scores rank last, so the count never
+    depends on the sort's whims; ``hits[k-1] / len(flagged)`` is the recall at ``k``.
+
+    Example:
+        >>> ranking_hits([0.1, 0.9, 0.5, 0.7], [2, 3]).tolist()
+        [0, 1, 2, 2]
+    """
+    values = to_numpy(scores).ravel()
+    flags = np.zeros(values.size, dtype=bool)
+    idx = np.asarray(list(flagged), dtype=int)
+    if idx.size and (idx.min() < 0 or idx.max() >= values.size):
+        raise IndexError(f"flagged positions must lie in [0, {values.size}), got {idx.tolist()}")
+    flags[idx] = True
+    order = np.argsort(-np.where(np.isnan(values), -np.inf, values), kind="stable")
+    return np.cumsum(flags[order])

@@ -31,6 +31,7 @@ __all__ = [
     "stat_heatmap",
     "trust_ratio_plot",
     "noise_scale_plot",
+    "training_curves",
 ]
 
 
@@ -89,8 +90,11 @@ def histogram(
     ax.set_xlabel("value")
     ax.set_ylabel("count")
     # below the axes: a legend inside would hide the bars of a flat distribution
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
-    ax.set_title(title or (f"histogram of {picked[0][1]}" if len(picked) == 1 else "histogram"))
+    ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
+    shown = ", ".join(name for _, name in picked if name) or "values"
+    # a title names what is plotted: "histogram" alone says nothing when several figures sit
+    # side by side in a report
+    ax.set_title(title or f"distribution of {shown}", fontsize=11)
     return fig
 
 
@@ -151,6 +155,7 @@ def stat_heatmap(
     include: str | None = None,
     exclude: str | None = None,
     log: bool | None = None,
+    robust: bool = False,
     cmap: str = "viridis",
     title: str | None = None,
 ) -> Figure:
@@ -160,7 +165,9 @@ def stat_heatmap(
     (keys ``"{prefix}{layer}/{stat}"``), ``(step, dict)`` pairs, or a pandas frame (see
     :func:`metrics_frame`); ``include``/``exclude`` are regexes on layer names. ``log=None``
     picks a log colour scale when the positive values span
-    more than two decades.
+    more than two decades. ``robust=True`` sets the colour limits to the 2nd and 98th percentiles
+    (values beyond are drawn in the end colours, the colour bar's arrows say so): one extreme
+    step, such as Adam's sign-like first update, then no longer flattens the rest of training.
 
     Example:
         >>> hist = [{"grad/fc1.weight/l2": 1.0, "grad/fc2.weight/l2": 0.5, "step": s} for s in range(3)]
@@ -173,19 +180,37 @@ def stat_heatmap(
     positive = values[np.isfinite(values) & (values > 0)]
     if log is None:
         log = positive.size > 0 and positive.max() / positive.min() > 100.0
-    norm = LogNorm(vmin=positive.min(), vmax=positive.max()) if log and positive.size else None
+    finite = values[np.isfinite(values)]
+    pool = positive if log else finite
+    lo: float | None = None
+    hi: float | None = None
+    if pool.size:
+        lo, hi = (
+            (float(v) for v in np.percentile(pool, [2.0, 98.0]))
+            if robust
+            else (float(pool.min()), float(pool.max()))
+        )
+    norm = LogNorm(vmin=lo, vmax=hi) if log and positive.size else None
     n_layers, n_steps = values.shape
     fig = new_figure(max(6.0, min(12.0, 4.0 + 0.08 * n_steps)), max(2.6, 1.2 + 0.28 * n_layers))
     ax = fig.add_subplot()
     steps = table.index.to_numpy()
     image = ax.imshow(
-        np.ma.masked_invalid(values), aspect="auto", cmap=cmap, norm=norm, interpolation="nearest"
+        np.ma.masked_invalid(values),
+        aspect="auto",
+        cmap=cmap,
+        norm=norm,
+        vmin=None if norm is not None else lo,
+        vmax=None if norm is not None else hi,
+        interpolation="nearest",
     )
-    ax.set_yticks(range(n_layers), list(table.columns), fontsize=8)
+    ax.set_yticks(range(n_layers), list(table.columns), fontsize=9)
     ticks = _step_ticks(steps)
     ax.set_xticks(ticks, [str(steps[t]) for t in ticks])
     ax.set_xlabel("step")
-    fig.colorbar(image, ax=ax, label=stat + (" (log)" if norm is not None else ""))
+    clipped = robust and finite.size and (finite.min() < lo or finite.max() > hi)
+    label = stat + (" (log)" if norm is not None else "") + (", 2–98% range" if robust else "")
+    fig.colorbar(image, ax=ax, label=label, extend="both" if clipped else "neither")
     group = prefix.strip("/") or "metric"
     ax.set_title(title or f"{stat} of {group} per layer over training", fontsize=10)
     return fig
@@ -243,7 +268,7 @@ def trust_ratio_plot(
     ax.set_xlabel("step")
     ax.set_ylabel("‖W‖ / ‖ΔW‖")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, frameon=False, loc="center left", bbox_to_anchor=(1.0, 0.5), ncol=ncol)
+    ax.legend(fontsize=9, frameon=False, loc="center left", bbox_to_anchor=(1.0, 0.5), ncol=ncol)
     ax.set_title(title or "trust ratio per layer (higher = smaller relative update)", fontsize=10)
     return fig
 
@@ -298,22 +323,36 @@ def noise_scale_plot(
     if log is None:
         log = finite.size > 0 and finite.max() / finite.min() > 20.0
     shown = np.where(np.isfinite(y) & (y > 0 if log else True), y, np.nan)
+    unbounded = False
     if interval is not None:
         low, high = to_numpy(interval[0]), to_numpy(interval[1])
         if low.shape != x.shape or high.shape != x.shape:
             raise ValueError("interval bounds must have the shape of steps")
         if log:
             low = np.where(low > 0, low, np.nanmin(shown) / 10 if np.isfinite(shown).any() else 1)
-        ax.fill_between(x, low, high, color="#4c72b0", alpha=0.2, label="interval")
+        # an infinite upper bound (|G|² may be <= 0 in a bootstrap sample) is drawn to the top
+        # of the axes rather than left out, which would hide the least certain estimates
+        top = np.nanmax(np.where(np.isfinite(high), high, shown)) if np.isfinite(shown).any() else 1
+        unbounded = bool(np.isposinf(high).any())
+        ax.fill_between(
+            x, low, np.where(np.isposinf(high), top * 1e3, high), color="#4c72b0", alpha=0.2,
+            label="interval" + (" (to the top: no upper bound)" if unbounded else ""),
+        )  # fmt: skip
     ax.plot(x, shown, marker="o", markersize=3, color="#4c72b0", label="B_simple = tr(Σ)/‖G‖²")
     if batch_size is not None:
         ax.axhline(batch_size, color="#dd8452", linestyle="--", label=f"batch size {batch_size}")
     if log:
         ax.set_yscale("log")
+    if unbounded:
+        finite_top = max(
+            float(np.nanmax(shown)), float(np.nanmax(np.where(np.isfinite(high), high, np.nan)))
+        )
+        lowest = float(np.nanmin(low)) if log else 0.0
+        ax.set_ylim(lowest * (0.8 if log else 1.0), finite_top * (2.0 if log else 1.15))
     ax.set_xlabel("step")
     ax.set_ylabel("noise scale (samples)")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8, frameon=False)
+    ax.legend(fontsize=9, frameon=False)
     ax.set_title(title or "gradient noise scale over training", fontsize=10)
     return fig
 
@@ -325,3 +364,41 @@ def _cycle(n: int) -> list:
         return [colormaps["tab10"](i) for i in range(n)]
     # many layers: a sequential map keeps neighbours (depth) in similar colours
     return [colormaps["viridis"](i / max(n - 1, 1) * 0.92) for i in range(n)]
+
+
+def training_curves(
+    history: Any,
+    panels: Mapping[str, Mapping[str, str]],
+    *,
+    title: str | None = None,
+) -> Figure:
+    """Metrics over training, one panel per group: e.g. loss and accuracy, train and test.
+
+    ``panels`` maps a panel's y-axis label to ``{line label: metric key}``; the history is any
+    form :func:`metrics_frame` reads. Steps at which a key was not logged are skipped (the line
+    joins the logged points).
+
+    Example:
+        >>> hist = [{"step": s, "train/loss": 1 / (s + 1), "test/loss": 1.2 / (s + 1)} for s in range(5)]
+        >>> fig = training_curves(hist, {"loss": {"train": "train/loss", "test": "test/loss"}})
+    """
+    frame = metrics_frame(history)
+    missing = [k for lines in panels.values() for k in lines.values() if k not in frame.columns]
+    if missing:
+        raise KeyError(f"no metric {missing} in history; keys look like: {list(frame.columns)[:8]}")
+    if not panels:
+        raise ValueError("panels is empty: nothing to plot")
+    fig = new_figure(4.2 * len(panels) + 0.6, 3.6)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (ylabel, lines) in zip(axes, panels.items(), strict=True):
+        for i, (label, key) in enumerate(lines.items()):
+            series = frame[key].dropna()
+            ax.plot(series.index, series.to_numpy(), label=label, color=_cycle(len(lines))[i])
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=9, frameon=False)
+        ax.set_title(f"{ylabel} over training", fontsize=11)
+    if title:
+        fig.suptitle(title, fontsize=12)
+    return fig

@@ -125,50 +125,56 @@ def influence_figure(
     if not rows:
         raise ValueError("the influence result has no query")
     k = max(len(r[2]) for r in rows)
-    n_cols = 2 * k + 3
-    widths = [1.0, 0.25, *([1.0] * k), 0.25, *([1.0] * k)]
-    fig = new_figure(1.25 * (2 * k + 1) + 0.6, 1.55 * len(rows) + 0.9)
-    grid = fig.add_gridspec(
-        len(rows) + 1, n_cols, width_ratios=widths, height_ratios=[0.16] + [1.0] * len(rows)
-    )
-    # a header row of its own, so constrained layout keeps it clear of the image titles
-    for cols, text, colour in (
-        (slice(0, 1), "query", "black"),
-        (slice(2, 2 + k), "most helpful  (score > 0: lowers the query's loss)", _HELPFUL),
-        (slice(3 + k, 3 + 2 * k), "most harmful  (score < 0: raises the query's loss)", _HARMFUL),
-    ):
-        header = fig.add_subplot(grid[0, cols])
-        header.axis("off")
-        header.text(0.5, 0.0, text, color=colour, ha="center", va="bottom", fontsize=9)
+    # axes placed by hand (inches): constrained layout takes seconds for ~100 small axes
+    title_h = 0.4 if title else 0.0
+    width, height = 1.25 * (2 * k + 1) + 0.6, 1.55 * len(rows) + 0.9 + title_h
+    fig = new_figure(width, height, constrained=False)
+    top = height - title_h - 0.45  # below the header line
+    x_helpful, x_harmful = 0.1 + 1.25 + 0.2, 0.1 + 1.25 * (k + 1) + 0.4
 
-    def show(cell: Any, img: np.ndarray, text: str, colour: str) -> None:
-        ax = fig.add_subplot(cell)
+    def cell(x: float, r: int) -> tuple[float, float, float, float]:
+        bottom = top - (r + 1) * 1.55 + 0.13
+        return (x / width, bottom / height, 1.0 / width, 1.0 / height)
+
+    for x, span, text, colour in (
+        (0.1, 1, "query", "black"),
+        (x_helpful, k, "most helpful  (score > 0: lowers the query's loss)", _HELPFUL),
+        (x_harmful, k, "most harmful  (score < 0: raises the query's loss)", _HARMFUL),
+    ):
+        centre = x + (1.25 * span - 0.25) / 2
+        fig.text(centre / width, (top + 0.1) / height, text, color=colour, ha="center",
+                 va="bottom", fontsize=10)  # fmt: skip
+
+    def show(
+        rect: tuple[float, float, float, float], img: np.ndarray, text: str, colour: str
+    ) -> None:
+        ax = fig.add_axes(rect)
         ax.imshow(img, cmap=None if img.ndim == 3 else cmap, interpolation="nearest")
         ax.set_xticks([])
         ax.set_yticks([])
         for spine in ax.spines.values():
             spine.set_edgecolor(colour)
             spine.set_linewidth(2.0)
-        ax.set_title(text, fontsize=7.5, color=colour, pad=2)
+        ax.set_title(text, fontsize=9, color=colour, pad=2)
 
     for r, (qid, qpos, helpful, harmful) in enumerate(rows):
         caption = query_captions[r] if query_captions is not None else f"query {qid}"
         qlabel = _label(query_labels, qid, qpos)
         if qlabel and query_captions is None:
             caption += f"\nlabel {qlabel}"
-        show(grid[r + 1, 0], _image(query_images, qid, qpos, image_shape), caption, "black")
+        show(cell(0.1, r), _image(query_images, qid, qpos, image_shape), caption, "black")
         for c, (tid, tpos, score) in enumerate(helpful):
             lab = _label(train_labels, tid, tpos)
             text = f"{_fmt(score)}\n#{tid}" + (f" · label {lab}" if lab else "")
-            show(grid[r + 1, 2 + c], _image(train_images, tid, tpos, image_shape), text, _HELPFUL)
+            x = x_helpful + 1.25 * c
+            show(cell(x, r), _image(train_images, tid, tpos, image_shape), text, _HELPFUL)
         for c, (tid, tpos, score) in enumerate(harmful):
             lab = _label(train_labels, tid, tpos)
             text = f"{_fmt(score)}\n#{tid}" + (f" · label {lab}" if lab else "")
-            show(
-                grid[r + 1, 3 + k + c], _image(train_images, tid, tpos, image_shape), text, _HARMFUL
-            )
+            x = x_harmful + 1.25 * c
+            show(cell(x, r), _image(train_images, tid, tpos, image_shape), text, _HARMFUL)
     if title:
-        fig.suptitle(title, fontsize=10)
+        fig.suptitle(title, fontsize=12, y=1 - 0.1 / height, va="top")
     return fig
 
 
@@ -212,11 +218,11 @@ def score_distribution(
     for q, name in ((0.01, "1%"), (0.99, "99%")):
         v = float(np.quantile(finite, q))
         ax.axvline(v, color="0.35", linestyle="--", linewidth=0.9)
-        ax.text(v, 1.0, f" {name}", transform=ax.get_xaxis_transform(), fontsize=7, va="top")
+        ax.text(v, 1.0, f" {name}", transform=ax.get_xaxis_transform(), fontsize=9, va="top")
     if highlight is not None and values.ndim == 1:
         marks = values[np.asarray(highlight, dtype=int)]
         ax.plot(marks, np.zeros_like(marks), "|", color="black", markersize=14, label="highlighted")
-        ax.legend(fontsize=8, frameon=False)
+        ax.legend(fontsize=9, frameon=False)
     ax.axvline(0.0, color="black", linewidth=0.8)
     ax.set_xlabel("influence score (positive = helpful)")
     ax.set_ylabel("count")
@@ -224,4 +230,60 @@ def score_distribution(
         f"  ({(flat.size - finite.size)} non-finite left out)" if flat.size > finite.size else ""
     )
     ax.set_title((title or f"influence scores, n={finite.size:,}") + extra, fontsize=10)
+    return fig
+
+
+def ranking_recall(
+    rankings: Mapping[str, Any],
+    flagged: Sequence[int],
+    *,
+    max_k: int | None = None,
+    title: str | None = None,
+) -> Figure:
+    """How many ``flagged`` examples (e.g. planted wrong labels) the top ``k`` of each ranking
+    finds, against the expected count of a random order (``k · n_flagged / n``).
+
+    ``rankings`` maps a name to one score per example (higher = earlier; e.g. self-influence,
+    or the training loss for comparison). The dotted vertical line marks ``k = n_flagged``, where
+    a perfect ranking would have found them all.
+
+    Example:
+        >>> import numpy as np
+        >>> fig = ranking_recall({"score": np.arange(100.0)}, [99, 98, 10])
+    """
+    from nnstat.plot.data import ranking_hits
+
+    if not rankings:
+        raise ValueError("no ranking to plot")
+    n_flagged = len(flagged)
+    if n_flagged == 0:
+        raise ValueError("no flagged example: recall is undefined")
+    sizes = {len(to_numpy(s).ravel()) for s in rankings.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"rankings differ in length: {sorted(sizes)}")
+    (n,) = sizes
+    max_k = min(n, max_k or n)
+    ks = np.arange(1, max_k + 1)
+    fig = new_figure(6.8, 3.9)
+    ax = fig.add_subplot()
+    colours = ["#4c72b0", "#dd8452", "#55a868", "#8172b2"]
+    for i, (name, scores) in enumerate(rankings.items()):
+        hits = ranking_hits(scores, flagged)[:max_k]
+        at_k = int(hits[min(n_flagged, n) - 1])
+        ax.plot(
+            ks, hits, color=colours[i % len(colours)], linewidth=1.8,
+            label=f"{name}: {at_k}/{n_flagged} in the top {n_flagged}",
+        )  # fmt: skip
+    ax.plot(
+        ks, ks * n_flagged / n, color="0.45", linestyle="--",
+        label=f"random order: {n_flagged * n_flagged / n:.1f} expected in the top {n_flagged}",
+    )  # fmt: skip
+    ax.axvline(n_flagged, color="0.3", linestyle=":", linewidth=1.0)
+    ax.set_xlim(0, max_k)
+    ax.set_ylim(0, n_flagged * 1.05)
+    ax.set_xlabel("examples inspected, from the top of the ranking")
+    ax.set_ylabel("flagged examples found")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=9, frameon=True, framealpha=0.9, loc="center right")
+    ax.set_title(title or f"recall of {n_flagged} flagged examples among {n:,}", fontsize=11)
     return fig

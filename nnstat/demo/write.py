@@ -1,0 +1,530 @@
+"""The demo's HTML report: a page a researcher would keep. It answers, without the console,
+how training went (loss and accuracy curves), which layers moved (the ``describe`` table,
+heatmaps, trust ratios, receptive fields), which batch size (the noise scale over the stages of
+training, with its spread), which labels look wrong (self-influence against planted wrong
+labels) and why the model made its mistakes (influence).
+
+Example:
+    >>> from nnstat.demo import main
+    >>> main(["--epochs", "1", "--no-wandb"])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+import nnstat
+from nnstat.demo.report import HtmlReport
+from nnstat.demo.steps import (
+    REFINE_STEPS,
+    TOP_K,
+    DemoExtras,
+    MislabelSearch,
+    describe_table,
+    extras,
+)
+from nnstat.netdict import trust_ratio
+
+__all__ = ["write_report", "NoiseStage", "noise_stages", "batch_advice"]
+
+# an HTML figure of the self-influence ranking shows at most this many digits
+MAX_RANKED_SHOWN = 45
+# the phases the report's timing table lists, in order ("of which" is part of the one above)
+TIMED = (
+    "training (with Tracker, evaluation, noise scale)",
+    "of which noise scale",
+    "log gradients",
+    "influence",
+    "self-influence",
+    "save for nnstat view",
+)
+TOTALLED = {name for name in TIMED if not name.startswith("of which")} | {"report figures"}
+
+
+@dataclass(frozen=True)
+class NoiseStage:
+    """The noise-scale estimates of one stage (a third of the steps) of training."""
+
+    name: str
+    first_step: int
+    last_step: int
+    values: tuple[float, ...]  # point estimates of B_simple (inf when |G|² was estimated <= 0)
+    low: float  # lowest bootstrap 95% bound of the stage's estimates
+    high: float  # highest bootstrap 95% bound
+    train_loss: float  # mean training loss at the stage's estimates
+
+    @property
+    def median(self) -> float:
+        return float(np.median(self.values))
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        return float(min(self.values)), float(max(self.values))
+
+
+def noise_stages(history: list[dict[str, Any]]) -> list[NoiseStage]:
+    """The noise-scale estimates of a metric history split into early / middle / late training
+    (thirds of the logged steps); stages without an estimate are left out.
+
+    Example:
+        >>> h = [{"step": s, "noise_scale/b_simple": 10.0 + s, "noise_scale/low": 5.0,
+        ...       "noise_scale/high": 50.0 + s, "train/loss": 1.0} for s in range(0, 90, 10)]
+        >>> [(s.name, s.values) for s in noise_stages(h)][0]
+        ('early', (10.0, 20.0, 30.0))
+    """
+    rows = [h for h in history if "noise_scale/b_simple" in h]
+    if not rows:
+        return []
+    last = max(h["step"] for h in history)
+    cuts = [last / 3, 2 * last / 3]
+    stages = []
+    for i, name in enumerate(("early", "middle", "late")):
+        part = [
+            h
+            for h in rows
+            if (i == 0 or h["step"] > cuts[i - 1]) and (i == 2 or h["step"] <= cuts[i])
+        ]
+        if not part:
+            continue
+        losses = [h["train/loss"] for h in part if "train/loss" in h]
+        stages.append(
+            NoiseStage(
+                name=name,
+                first_step=int(part[0]["step"]),
+                last_step=int(part[-1]["step"]),
+                values=tuple(float(h["noise_scale/b_simple"]) for h in part),
+                low=float(min(h.get("noise_scale/low", math.nan) for h in part)),
+                high=float(max(h.get("noise_scale/high", math.nan) for h in part)),
+                train_loss=float(np.mean(losses)) if losses else math.nan,
+            )
+        )
+    return stages
+
+
+def _n(v: float) -> str:
+    return "∞" if math.isinf(v) else f"{v:.0f}"
+
+
+def batch_advice(stages: list[NoiseStage], batch: int, n_train: int) -> tuple[str, str]:
+    """(one-line summary, paragraph): the batch size the noise scale suggests at each stage of
+    training, and how sure that is (the spread of the late estimates and their bootstrap
+    intervals)."""
+    if not stages:
+        return "n/a", "No noise-scale estimate was logged."
+    early, late = stages[0], stages[-1]
+    lo, hi = late.spread
+    parts = [
+        f"B_simple grew from a median of {_n(early.median)} early in training (steps "
+        f"{early.first_step}–{early.last_step}, training loss {early.train_loss:.2f}) to "
+        f"{_n(late.median)} late (steps {late.first_step}–{late.last_step}, loss "
+        f"{late.train_loss:.2f}): as the mean gradient shrinks next to its per-sample noise, "
+        "larger batches stay useful for longer."
+    ]
+    if early.median > 2 * batch:
+        parts.append(f"Even early on, batch {batch} was well below B_simple.")
+    elif early.median < batch / 2:
+        parts.append(f"Early on, batch {batch} was above B_simple: a smaller batch would do.")
+    else:
+        parts.append(f"Early on, batch {batch} was about the critical batch size.")
+    if lo > 2 * batch:
+        # a power of two below the lowest late estimate, at most the whole training set
+        target = n_train if math.isinf(lo) else min(int(2 ** math.floor(math.log2(lo))), n_train)
+        parts.append(
+            f"Late in training every estimate ({_n(lo)}–{_n(hi)}) exceeds 2 × {batch}: a larger "
+            f"batch there (e.g. {target}, the power of two below the lowest late estimate) would "
+            "cut the number of steps almost proportionally; a batch that grows during training "
+            f"({batch} → {target}) follows the measured noise scale."
+        )
+        summary = f"{batch} early, ~{target} late (late B_simple {_n(lo)}–{_n(hi)})"
+    elif hi < batch / 2:
+        parts.append(
+            f"Late in training every estimate ({_n(lo)}–{_n(hi)}) is below half the batch size: "
+            f"a smaller batch than {batch} would give the same progress per step for less compute."
+        )
+        summary = f"smaller than {batch} (late B_simple {_n(lo)}–{_n(hi)})"
+    else:
+        parts.append(
+            f"Late in training the estimates ({_n(lo)}–{_n(hi)}) bracket the batch size "
+            f"{batch}: it is about right."
+        )
+        summary = f"{batch} is about right (late B_simple {_n(lo)}–{_n(hi)})"
+    if hi > n_train:
+        parts.append(
+            f"Some estimates exceed the {n_train} training digits: there, even full-batch steps "
+            "would pay off."
+        )
+    spread = hi / lo if lo > 0 and math.isfinite(hi) else math.inf
+    parts.append(
+        f"How sure: the {len(late.values)} late estimates span a factor {spread:.1f}, and their "
+        f"bootstrap 95% intervals together cover {_n(late.low)}–{_n(late.high)}; the advice "
+        "above holds over that whole range, not only at the last estimate."
+        if math.isfinite(spread)
+        else "How sure: some late estimates are infinite (|G|² estimated ≤ 0), so only a lower "
+        "bound is known."
+    )
+    return summary, " ".join(parts)
+
+
+def write_report(state: Any) -> None:
+    """Build the HTML report, measure the run's wall time once, write the page."""
+    import nnstat.plot as nplt
+
+    ex, cfg = extras(state), state.config
+    t0 = time.perf_counter()
+    hist = ex.history
+    rep = HtmlReport(
+        "nnstat demo: a small MLP on scikit-learn digits",
+        f"{time.strftime('%Y-%m-%d %H:%M')} · {platform.machine()} CPU, torch {torch.__version__}"
+        f" · nnstat {nnstat.__version__}",
+    )
+    stages = noise_stages(hist)
+    advice, advice_text = batch_advice(stages, cfg.batch_size, len(state.X_train))
+    final = ex.final
+    m = ex.mislabels
+    rep.section("Summary")
+    rep.table(
+        {
+            "training / test digits": f"{len(state.X_train)} / {len(state.X_test)}",
+            "planted wrong labels": f"{len(state.planted)} training digits "
+            f"({100 * cfg.mislabel_fraction:.1f}%, seed {cfg.seed + 1})",
+            "epochs, batch size, optimiser": f"{cfg.epochs}, {cfg.batch_size}, AdamW lr {cfg.lr}",
+            "final loss train / test": f"{final.get('train/loss', math.nan):.4f} / "
+            f"{final.get('test/loss', math.nan):.4f}",
+            "test accuracy": f"{state.accuracy:.3f} ({len(ex.misclassified)} misclassified)",
+            "planted labels found by self-influence": (
+                f"{m.found} of {m.k} in the top {m.k} (recall {m.recall:.2f}; random order "
+                f"{m.baseline:.3f})"
+                if m
+                else "n/a"
+            ),
+            "batch size the noise scale suggests": advice,
+            "run folder (replaced by each run)": str(cfg.log_dir),
+            "wall time, data to report": lambda: f"{state.wall_seconds:.1f} s",
+        }
+    )
+    _training_section(rep, hist)
+    _layers_section(rep, state, hist)
+    rep.section("Which batch size? The gradient noise scale")
+    rep.paragraph(
+        "B_simple = tr(Σ)/‖G‖² estimates the critical batch size (McCandlish et al. 2018): "
+        "below it, doubling the batch almost halves the number of steps; above it, extra "
+        "samples are mostly wasted. Estimated every "
+        f"{2 * cfg.log_every} steps from per-sample gradients (bootstrap 95% interval)."
+    )
+    rep.paragraph(advice_text)
+    if stages:
+        rep.grid(
+            ["stage", "steps", "train loss", "estimates", "median B_simple", "range", "95% band"],
+            [
+                [
+                    s.name,
+                    f"{s.first_step}–{s.last_step}",
+                    s.train_loss,
+                    len(s.values),
+                    _n(s.median),
+                    f"{_n(s.spread[0])}–{_n(s.spread[1])}",
+                    f"{_n(s.low)}–{_n(s.high)}",
+                ]
+                for s in stages
+            ],
+        )
+        rep.figure(
+            nplt.noise_scale_plot(
+                hist, batch_size=cfg.batch_size, title="gradient noise scale B_simple over training"
+            ),
+            "Per-sample estimate with its 95% bootstrap interval (shaded), against the batch size "
+            "used (dashed).",
+        )
+    _mislabel_section(rep, state, m)
+    _influence_section(rep, state, ex)
+    rep.section("Where everything is")
+    rep.table(
+        {
+            "TensorBoard": f"tensorboard --logdir {cfg.log_dir / 'tensorboard'}",
+            "W&B (offline)": f"wandb sync {cfg.log_dir / 'wandb'}" if state.wandb_dir else "off",
+            "nnstat view": f"nnstat view {cfg.log_dir}  (metrics, and the gradient store with "
+            "the digits as images in the influence explorer)",
+            "metrics as JSON lines": str(cfg.log_dir / "metrics" / "metrics.jsonl"),
+            "gradient store": str(ex.run.path) if ex.run else "n/a",
+            "re-runs": "each run replaces this folder's TensorBoard, W&B, store and report: "
+            "one run per folder, so no curve is drawn twice",
+        }
+    )
+    rep.section("Timings")
+    rep.table(_timings(state, ex))
+    ex.timings["report figures"] = time.perf_counter() - t0
+    # the one measurement of the run's wall time: the console prints this same number
+    state.wall_seconds = time.perf_counter() - state.started
+    ex.report_path = rep.write(cfg.log_dir / "report.html")
+    print(f"\nHTML report: {ex.report_path}")
+
+
+def _timings(state: Any, ex: DemoExtras) -> dict[str, Any]:
+    """The phases' times, the rest, and the total, each rendered when the page is written (the
+    report's own figures and the total are measured last)."""
+    rows: dict[str, Any] = {}
+    for name in (*TIMED, "report figures"):
+        if name in ex.timings or name == "report figures":
+            rows[name] = lambda name=name: f"{ex.timings[name]:.1f} s"
+
+    def rest() -> str:
+        counted = sum(v for k, v in ex.timings.items() if k in TOTALLED)
+        return f"{state.wall_seconds - counted:.1f} s"
+
+    rows["everything else (data, log set-up, console)"] = rest
+    rows["wall time, data to report (as in the console)"] = lambda: f"{state.wall_seconds:.1f} s"
+    return rows
+
+
+def _training_section(rep: HtmlReport, hist: list[dict[str, Any]]) -> None:
+    import nnstat.plot as nplt
+
+    rep.section(
+        "How did training go?",
+        "Loss and accuracy on every training digit (on the labels trained on, the planted wrong "
+        "ones included) and every test digit, evaluated at each logged step.",
+    )
+    accuracy = {"train": "train/accuracy", "test": "test/accuracy"}
+    if any("train/planted_memorised" in h for h in hist):
+        accuracy["planted digits fitted to their wrong label"] = "train/planted_memorised"
+    curves = nplt.training_curves(
+        hist,
+        {"loss": {"train": "train/loss", "test": "test/loss"}, "accuracy": accuracy},
+        title="loss and accuracy, train and test",
+    )
+    rep.figure(curves, _curves_caption(hist))
+
+
+def _curves_caption(hist: list[dict[str, Any]]) -> str:
+    """What the curves say, in numbers: where the test loss bottomed out, and how many planted
+    digits ended up fitted to their wrong label (memorised)."""
+    tested = [h for h in hist if "test/loss" in h]
+    if not tested:
+        return "No evaluation was logged."
+    best = min(tested, key=lambda h: h["test/loss"])
+    end = tested[-1]
+    text = (
+        f"Test loss is lowest at step {best['step']} ({best['test/loss']:.3f}) and ends at "
+        f"{end['test/loss']:.3f}; test accuracy ends at {end['test/accuracy']:.3f}, training "
+        f"accuracy at {end['train/accuracy']:.3f}."
+    )
+    if "train/planted_memorised" in end:
+        share = end["train/planted_memorised"]
+        verdict = (
+            "the network has started to memorise them."
+            if share > 0.25
+            else "the network mostly still predicts their true class, so their loss stays high."
+        )
+        text += (
+            f" At the end {100 * share:.0f}% of the planted digits are predicted as their wrong "
+            f"label: {verdict}"
+        )
+    return text
+
+
+def _layers_section(rep: HtmlReport, state: Any, hist: list[dict[str, Any]]) -> None:
+    import nnstat.plot as nplt
+
+    W = nnstat.get_weight(state.model)
+    moved = {
+        name: float((W[name] - state.W_init[name]).norm() / state.W_init[name].norm()) for name in W
+    }
+    ratios = trust_ratio(state.W_before_last_step, W)
+    table = describe_table(state)
+    stats = list(next(iter(table.values())))
+    rep.section(
+        "Which layers moved?",
+        "`describe` of the final weights per layer (the console prints the same table), with "
+        "how far each layer moved from its initialisation and its trust ratio ‖W‖/‖ΔW‖ at the "
+        "last step (how many steps of that size would move it by its own norm).",
+    )
+    rep.grid(
+        ["layer", *stats, "‖W−W₀‖/‖W₀‖", "trust ratio"],
+        [
+            [
+                name,
+                *(int(v) if s == "numel" else v for s, v in row.items()),
+                moved[name],
+                ratios[name],
+            ]
+            for name, row in table.items()
+        ],
+    )
+    rep.paragraph(
+        "Every 5th step the Tracker reduced each parameter, gradient, Adam state and update to "
+        "a few statistics in one fused pass; these are the numbers TensorBoard and W&B received."
+    )
+    grad_map = nplt.stat_heatmap(
+        hist, "l2", prefix="grad/", log=True, robust=True,
+        title="gradient L2 norm per layer over training",
+    )  # fmt: skip
+    rep.figure(
+        grad_map,
+        "Log colour scale limited to the 2nd–98th percentile of all values (arrows: beyond).",
+    )
+    later = [h for h in hist if h["step"] > 0]
+    update_map = nplt.stat_heatmap(
+        later or hist, "rms", prefix="update/", log=True, robust=True,
+        title="RMS of each step's update per layer (step 0 left out)",
+    )  # fmt: skip
+    rep.figure(
+        update_map,
+        "Step 0 is left out: Adam's first update is sign-like (≈ lr for every weight) and would "
+        "set the colour scale on its own. Log colour scale limited to the 2nd–98th percentile "
+        "of the rest, so the late, small updates still show their differences.",
+    )
+    rep.figure(
+        nplt.trust_ratio_plot(hist, include="weight$", title="trust ratio ‖W‖/‖ΔW‖ per weight"),
+        "Layers far below the others are being changed aggressively; LARS/LAMB equalise this.",
+    )
+    first = next(iter(W))
+    fields = nplt.receptive_fields(
+        W[first] - state.W_init[first],
+        image_shape=(8, 8),
+        title=f"what the first layer learned: {first} minus its initial value, per unit as 8×8",
+    )
+    rep.figure(
+        fields,
+        f"Each hidden unit's change of its 64 input weights ({first}, final minus initial; "
+        "largest change first) as an 8×8 image: training made red pixels excite the unit more, "
+        "blue ones less. The final weights themselves still look like their random "
+        f"initialisation (the layer moved by {moved[first]:.0%} of its initial norm); the change "
+        "shows the strokes it learned. One shared colour scale, symmetric around 0.",
+    )
+    rep.figure(
+        nplt.histogram(
+            W, [n for n in W if n.endswith("weight")], title="distribution of the final weights"
+        ),
+        "One histogram per weight matrix, on shared bins.",
+    )
+
+
+def _mislabel_section(rep: HtmlReport, state: Any, m: MislabelSearch | None) -> None:
+    import nnstat.plot as nplt
+
+    rep.section(
+        "Which labels look wrong? Self-influence",
+        f"Before training, {len(state.planted)} training digits were given a wrong label on "
+        "purpose (fixed seed). Self-influence g_iᵀ(H+λI)⁻¹g_i measures how much a training "
+        "digit's own loss depends on having trained on it: digits whose label contradicts "
+        "their image can only be fitted by memorising them, so they rank high.",
+    )
+    if m is None:
+        rep.paragraph("No label was planted (mislabel_fraction = 0): nothing to find.")
+        return
+    n = len(m.scores)
+    rep.paragraph(
+        f"Among the {m.k} highest self-influences ({m.preconditioner} preconditioner of the "
+        f"gradient store) are {m.found} of the {m.k} planted digits: recall at k = {m.k} is "
+        f"{m.recall:.2f}, against {m.baseline:.3f} expected from a random order (k/n = "
+        f"{m.k}/{n}). Reading the ranking down to position {m.all_found_at} finds all of them"
+        + (f" (the missed ones rank {_missed_ranks(m)})" if m.found < m.k else "")
+        + ". Ranking by the training loss is shown for comparison."
+    )
+    rep.figure(
+        nplt.ranking_recall(
+            {"self-influence": m.scores, "training loss": m.loss},
+            m.planted,
+            max_k=min(n, 6 * m.k),
+            title=f"planted wrong labels found from the top of the ranking (k = {m.k})",
+        ),
+        "Dashed: a random order. Dotted: k = number planted.",
+    )
+    order = np.argsort(-np.where(np.isnan(m.scores), -np.inf, m.scores), kind="stable")
+    shown = order[: min(MAX_RANKED_SHOWN, max(m.k, 9))]
+    planted = set(m.planted)
+    y, y_true = state.y_train, state.y_train_true
+    captions, colours = [], []
+    for rank, i in enumerate(shown.tolist(), 1):
+        if i in planted:
+            captions.append(f"{rank}. #{i}\nlabel {int(y[i])} (true {int(y_true[i])})")
+            colours.append("#b2182b")
+        else:
+            captions.append(f"{rank}. #{i}\nlabel {int(y[i])}")
+            colours.append(None)
+    rep.figure(
+        nplt.image_grid(
+            state.images_train[shown],
+            captions,
+            frame_colours=colours,
+            title=f"the {len(shown)} training digits with the highest self-influence",
+        ),
+        "Rank, training index and the label trained on; red frame: a planted wrong label "
+        "(with the true one).",
+    )
+
+
+def _missed_ranks(m: MislabelSearch) -> str:
+    """Ranks (1 = highest self-influence) of the planted digits outside the top k."""
+    order = np.argsort(-np.where(np.isnan(m.scores), -np.inf, m.scores), kind="stable")
+    rank = np.empty(len(order), dtype=int)
+    rank[order] = np.arange(1, len(order) + 1)
+    return ", ".join(str(r) for r in sorted(int(rank[i]) for i in m.planted if rank[i] > m.k))
+
+
+def _influence_section(rep: HtmlReport, state: Any, ex: DemoExtras) -> None:
+    import nnstat.plot as nplt
+
+    rep.section(
+        "Why did it get these digits wrong? Influence",
+        "Each misclassified test digit (left) beside the training digits whose gradients most "
+        "support the model's wrong prediction (green: training on them lowered the loss of "
+        "predicting it) and most oppose it (red). Scores are g_qᵀ(H+λI)⁻¹g_i, H the "
+        f"Gauss-Newton curvature of the training loss: solved by {REFINE_STEPS} "
+        "conjugate-gradient steps preconditioned by the run's EK-FAC, then projected to the "
+        "store's rank-16 gradient space.",
+    )
+    if ex.influence is None:
+        rep.paragraph("The model classified every test digit correctly: nothing to explain.")
+        return
+    wrong, pred = ex.misclassified, ex.predicted
+    captions = [f"test #{i}\ntrue {int(state.y_test[i])} → {int(pred[i])}" for i in wrong]
+    fig = nplt.influence_figure(
+        {i: state.images_test[i] for i in wrong}, state.images_train, ex.influence, k=TOP_K,
+        train_labels=state.y_train, query_captions=captions, max_queries=8,
+        title=f"misclassified test digits and their {TOP_K} most helpful and harmful training digits",
+    )  # fmt: skip
+    fig.savefig(state.config.log_dir / "influence.png")  # also on its own, for slides and docs
+    shown = min(len(wrong), 8)
+    rep.figure(
+        fig,
+        f"{shown} of {len(wrong)} misclassified test digits. Above each training digit: score, "
+        "training index and the label trained on.",
+    )
+    top = ex.influence.top_k(TOP_K)
+    planted = set(state.planted)
+
+    def named(i: int) -> str:
+        label = f"label {int(state.y_train[i])}"
+        if i in planted:  # a planted wrong label among the reasons for a mistake
+            label += f", planted: true {int(state.y_train_true[i])}"
+        return f"#{i} ({label})"
+
+    if planted:
+        blamed = sum(any(int(i) in planted for i in ids) for ids in top.helpful_ids)
+        rep.paragraph(
+            f"For {blamed} of the {len(top.test_ids)} misclassified test digits, a planted wrong "
+            f"label is among the {TOP_K} training digits that most support the wrong prediction."
+        )
+    rep.bullets(
+        [
+            f"test #{q}: true {int(state.y_test[q])}, predicted {int(pred[q])}; most helpful "
+            + ", ".join(named(int(i)) for i in top.helpful_ids[r])
+            + "; most harmful "
+            + ", ".join(named(int(i)) for i in top.harmful_ids[r])
+            for r, q in enumerate(top.test_ids)
+        ]
+    )
+    rep.figure(
+        nplt.score_distribution(
+            ex.influence, title="all influence scores of the misclassified test digits"
+        ),
+        "Green: helpful (positive), red: harmful; dashed: 1% and 99% quantiles.",
+    )
