@@ -237,7 +237,7 @@
       if (other) list.push({ label: other.id, dash: true, points: pts(other, n) });
       const a = aligned(list);
       window.NNChart.line(boxes[i], { x: a.x, series: a.series, log: S.log,
-        marker: step() ? step().step : null, height: 160, sync: "kpis" });
+        marker: step() ? step().step : null, height: 200, sync: "kpis" });
     });
   }
 
