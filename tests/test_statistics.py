@@ -196,9 +196,13 @@ def test_embedding_with_padding_kfac_and_ekfac_equal_explicit_one_hot_sums():
         grads.append(g["0.weight"].transpose(1, 2).double())  # [N, D, V] matrix form
     a_ref, s_ref = a_sum / positions, s_sum / n_total
     assert a_ref[pad, pad] == 0 and a_ref[0, 0] > 0
-    torch.testing.assert_close(st["0/forward/covariance"].double(), a_ref, rtol=1e-6, atol=1e-7)
+    # one-hot inputs: the forward factor is diagonal and saved as its diagonal [vocab]
+    assert st["0/forward/covariance"].shape == (vocab,)
+    a_dense = torch.diag(st["0/forward/covariance"].double())
+    torch.testing.assert_close(a_dense, a_ref, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(st["0/backward/covariance"].double(), s_ref, rtol=1e-4, atol=1e-6)
-    qa = st["0/forward/eigenvectors"].double()
+    assert "0/forward/eigenvectors" not in st  # the identity
+    qa = torch.eye(vocab, dtype=torch.float64)
     qs = st["0/backward/eigenvectors"].double()
     g = torch.cat(grads)
     want = ((qs.T @ g @ qa) ** 2).mean(0)
@@ -363,12 +367,13 @@ def test_oversized_dense_factors_are_refused_with_the_module_named(monkeypatch):
 
     monkeypatch.setattr(st, "MAX_FACTOR_DIM", 6)
     monkeypatch.setattr(st, "MAX_RAW_DIM", 10)
-    model = nn.Sequential(nn.Embedding(7, 3), nn.Linear(3, 2))
+    # the embedding's forward factor (7 > 6) is diagonal, kept as [7]: never refused
+    model = nn.Sequential(nn.Embedding(7, 3), nn.Linear(3, 8))
     engine = CaptureEngine()
     engine.watch(model)
     for cfg, match in [
-        ("kfac", r"0 \(Embedding\): the forward covariance would be 7x7"),
-        ("raw", r"the raw gradient covariance would be 21x21"),
+        ("kfac", r"1 \(Linear\): the backward covariance would be 8x8"),
+        ("raw", r"the raw gradient covariance would be (21x21|32x32)"),
     ]:
         col = StatisticsCollector(cfg)
         engine.add_consumer(col)
@@ -376,6 +381,14 @@ def test_oversized_dense_factors_are_refused_with_the_module_named(monkeypatch):
             with engine.batch():
                 model(torch.tensor([[1, 2]])).sum().backward()
         engine.remove_consumer(col)
+    engine.unwatch()
+    engine.watch(model, name_filter="0")
+    col = StatisticsCollector("kfac")
+    engine.add_consumer(col)
+    with engine.batch():
+        model(torch.tensor([[1, 2]])).sum().backward()
+    col.finalize()
+    assert col.state_dict()["0/forward/covariance"].tolist() == [0, 0.5, 0.5, 0, 0, 0, 0]
 
 
 def test_finalize_without_any_capture_is_an_error_not_an_empty_result():

@@ -4,13 +4,22 @@
 space:
 
 * ``identity``: ``H + λI`` replaced by ``I`` (plain gradient dot products; damping ignored).
-* ``raw``: ``H = (1/n) Σ_i g_i g_iᵀ`` per module (empirical Fisher of the logged rows).
+* ``raw``: ``H = (1/n) Σ_i g_i g_iᵀ`` per module (empirical Fisher of the logged rows). A module
+  wider than the number of rows ``n`` has ``rank H ≤ n``: it keeps its ``n`` rows ``X`` and the
+  eigendecomposition of their ``n × n`` Gram matrix and applies the Woodbury identity
+  ``(XᵀX/n + λI)⁻¹ = (I − Xᵀ(nλI + XXᵀ)⁻¹X)/λ`` (exactly the dense inverse, with no ``width²``
+  matrix and no ``width³`` eigendecomposition); narrower modules accumulate the dense covariance,
+  a few modules per pass over the rows so that at most ``DENSE_FIT_BUDGET`` bytes of them exist
+  at once.
 * ``kfac``: ``H = S ⊗ A`` per module (row-major ``vec``), with ``S = P_out S_full P_outᵀ`` and
   ``A = P_in A_full P_inᵀ`` from the statistics pass and the projection matrices.
 * ``ekfac``: K-FAC eigenbases, eigenvalues corrected to ``(1/n) Σ_i (Q_Sᵀ G_i Q_A)²`` from the
   logged rows (George et al. 2018), i.e. exact in the logged space along those eigenbases.
 
 Modules without a Kronecker structure (layernorm) use ``raw`` under ``kfac``/``ekfac``.
+A K-FAC factor saved as its diagonal (1-D: an embedding's token counts) keeps an identity
+eigenbasis (``None``, no ``vocab²`` matrix) while the module is logged unprojected; projected,
+``P diag(a) Pᵀ`` is an ordinary ``r × r`` factor.
 ``damping=None`` uses ``0.1 × mean eigenvalue`` of each module's ``H`` (for ``raw``, of its
 nonzero eigenvalues: a covariance of fewer rows than columns is singular, and its zeros would
 dilute the damping to almost nothing). Eigendecompositions are
@@ -38,6 +47,8 @@ from .sources import RowSource
 
 PRECONDITIONERS = ("identity", "raw", "kfac", "ekfac")
 DAMPING_HEURISTIC = 0.1  # λ = 0.1 × mean eigenvalue of the module's curvature when damping=None
+#: bytes of float64 dense covariances accumulated in one pass over the rows (more: more passes)
+DENSE_FIT_BUDGET = 1 << 30
 
 
 # ----------------------------------------------------------------------------- pure maths
@@ -105,12 +116,91 @@ def damped_inverse(evals: torch.Tensor, evecs: torch.Tensor, damping: float) -> 
     return ((evecs / denom) @ evecs.T).to(torch.float32)
 
 
+def gram_eig(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigendecomposition of the Gram matrix ``K = X Xᵀ`` of ``rows`` ``X`` ``[n, d]`` (float64).
+
+    ``K`` and ``XᵀX`` share their nonzero eigenvalues, so ``eig(K) / n`` is the nonzero
+    spectrum of ``H = XᵀX / n`` at ``O(n² d)`` cost instead of ``O(d³)``.
+
+    Example:
+        >>> import torch
+        >>> gram_eig(torch.tensor([[3.0, 4.0]]))[0].tolist()
+        [25.0]
+    """
+    return symmetric_eig(rows.to(torch.float64) @ rows.to(torch.float64).T)
+
+
+def woodbury_core(
+    gram_evals: torch.Tensor, gram_evecs: torch.Tensor, n: int, damping: float
+) -> torch.Tensor:
+    """``C = (nλI + K)⁻¹ / λ`` so that ``(XᵀX/n + λI)⁻¹ = I/λ − Xᵀ C X`` (Woodbury identity).
+
+    Example:
+        >>> import torch
+        >>> woodbury_core(torch.tensor([2.0], dtype=torch.float64), torch.eye(1), 1, 2.0).item()
+        0.125
+    """
+    if not damping > 0:
+        raise ValueError("curvature + damping is singular: use a damping > 0")
+    return (gram_evecs / (damping * (n * damping + gram_evals))) @ gram_evecs.T
+
+
+def woodbury_apply(
+    x: torch.Tensor, rows: torch.Tensor, core: torch.Tensor, damping: float
+) -> torch.Tensor:
+    """``x (XᵀX/n + λI)⁻¹ = x/λ − ((x Xᵀ) C) X`` for ``x`` ``[b, d]`` (float64 inside).
+
+    Example:
+        >>> import torch
+        >>> core = woodbury_core(torch.tensor([1.0], dtype=torch.float64), torch.eye(1), 1, 1.0)
+        >>> woodbury_apply(torch.ones(1, 1), torch.ones(1, 1), core, 1.0).item()
+        0.5
+    """
+    x64, r64 = x.to(torch.float64), rows.to(torch.float64)
+    return x64 / damping - ((x64 @ r64.T) @ core) @ r64
+
+
+def factor_eig(factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`symmetric_eig` of a K-FAC factor; a diagonal one (1-D) keeps its entries as eigenvalues
+    (index order, clamped at 0) and the identity as eigenbasis, returned as ``None``.
+
+    Example:
+        >>> import torch
+        >>> factor_eig(torch.tensor([2.0, -1e-9]))
+        (tensor([2., 0.], dtype=torch.float64), None)
+    """
+    if factor.dim() == 1:
+        return factor.to(torch.float64).clamp_min(0.0), None
+    return symmetric_eig(factor)
+
+
+def rotate(
+    g: torch.Tensor, q_out: torch.Tensor | None, q_in: torch.Tensor | None, transpose: bool = False
+) -> torch.Tensor:
+    """``Q_out G Q_inᵀ`` (``transpose``: ``Q_outᵀ G Q_in``) with ``None`` the identity.
+
+    Example:
+        >>> import torch
+        >>> rotate(torch.ones(1, 2, 2), None, 2 * torch.eye(2))[0, 0].tolist()
+        [2.0, 2.0]
+    """
+    if q_out is not None:
+        g = (q_out.T if transpose else q_out) @ g
+    if q_in is not None:
+        g = g @ (q_in if transpose else q_in.T)
+    return g
+
+
 def kron_precondition(
-    grads: torch.Tensor, q_out: torch.Tensor, q_in: torch.Tensor, denom: torch.Tensor
+    grads: torch.Tensor,
+    q_out: torch.Tensor | None,
+    q_in: torch.Tensor | None,
+    denom: torch.Tensor,
 ) -> torch.Tensor:
     """Apply ``(Q_S ⊗ Q_A) diag(1/denom) (Q_S ⊗ Q_A)ᵀ`` to row-major ``vec`` of ``grads``.
 
-    ``grads`` is ``[b, r_out, r_in]``; ``denom`` is ``[r_out, r_in]`` (eigenvalues + damping).
+    ``grads`` is ``[b, r_out, r_in]``; ``denom`` is ``[r_out, r_in]`` (eigenvalues + damping);
+    a basis ``None`` is the identity (a diagonal factor).
 
     Example:
         >>> import torch
@@ -118,8 +208,7 @@ def kron_precondition(
         >>> kron_precondition(g, torch.eye(2), torch.eye(2), torch.full((2, 2), 2.0))[0, 0, 0].item()
         0.5
     """
-    rotated = q_out.T @ grads @ q_in
-    return q_out @ (rotated / denom) @ q_in.T
+    return rotate(rotate(grads, q_out, q_in, transpose=True) / denom, q_out, q_in)
 
 
 # ----------------------------------------------------------------------------- factors
@@ -132,11 +221,26 @@ class DenseFactor:
 
 
 @dataclass
-class KronFactor:
-    """``H ≈ (Q_S ⊗ Q_A) diag(vec(eig)) (Q_S ⊗ Q_A)ᵀ`` for one module."""
+class LowRankFactor:
+    """``H = XᵀX / n`` kept as its rows ``X`` ``[n, d]`` (float32, ``n < d``) and the
+    eigendecomposition of ``K = XXᵀ`` (float64); ``evals`` are ``H``'s nonzero eigenvalues
+    (and any zeros of ``K``)."""
 
-    q_out: torch.Tensor
-    q_in: torch.Tensor
+    rows: torch.Tensor
+    gram_evals: torch.Tensor
+    gram_evecs: torch.Tensor
+
+    @property
+    def evals(self) -> torch.Tensor:
+        return self.gram_evals / len(self.rows)
+
+
+@dataclass
+class KronFactor:
+    """``H ≈ (Q_S ⊗ Q_A) diag(vec(eig)) (Q_S ⊗ Q_A)ᵀ`` for one module (``None``: identity)."""
+
+    q_out: torch.Tensor | None
+    q_in: torch.Tensor | None
     eig: torch.Tensor  # [r_out, r_in]
 
 
@@ -144,6 +248,8 @@ class KronFactor:
 class _DampedBlock:
     damping: float
     matrix: torch.Tensor | None = None  # dense inverse
+    rows: torch.Tensor | None = None  # low rank: X and the Woodbury core C
+    core: torch.Tensor | None = None
     q_out: torch.Tensor | None = None
     q_in: torch.Tensor | None = None
     denom: torch.Tensor | None = None
@@ -162,6 +268,7 @@ def _stat(stats: Mapping[str, torch.Tensor], module: str, stream: str) -> torch.
 
 
 def _project(cov: torch.Tensor, proj: torch.Tensor | None, module: str, side: str) -> torch.Tensor:
+    """``P C Pᵀ`` (a diagonal ``C`` stays 1-D when there is no projection)."""
     if proj is None:
         return cov
     proj = proj.to(torch.float64)
@@ -170,6 +277,8 @@ def _project(cov: torch.Tensor, proj: torch.Tensor | None, module: str, side: st
             f"module {module!r}: projection {side} has shape {tuple(proj.shape)} but the stored "
             f"covariance is {tuple(cov.shape)}"
         )
+    if cov.dim() == 1:  # P diag(c) Pᵀ without the d x d matrix
+        return (proj * cov) @ proj.T
     return proj @ cov @ proj.T
 
 
@@ -200,8 +309,8 @@ def kfac_factor(
             f"module {spec.name!r}: statistics give a {s.shape[0]}x{a.shape[0]} gradient but the "
             f"log stores {spec.r_out}x{spec.r_in}"
         )
-    ls, qs = symmetric_eig(s)
-    la, qa = symmetric_eig(a)
+    ls, qs = factor_eig(s)
+    la, qa = factor_eig(a)
     return KronFactor(qs, qa, torch.outer(ls, la))
 
 
@@ -230,47 +339,106 @@ def stored_ekfac_factor(
         >>> stored_ekfac_factor(ModuleSpec("fc", 0, 2, 3), st, {}).eig.shape
         torch.Size([2, 3])
     """
-    keys = [f"{spec.name}/backward/eigenvectors", f"{spec.name}/forward/eigenvectors"]
-    keys.append(f"{spec.name}/ekfac/eigenvalues")
-    if not all(k in stats for k in keys) or not _unprojected(spec, projections):
+    eig = stats.get(f"{spec.name}/ekfac/eigenvalues")
+    if eig is None or not _unprojected(spec, projections):
         return None
-    q_out, q_in, eig = (stats[k].to(torch.float64) for k in keys)
-    if q_out.shape != (spec.r_out, spec.r_out) or q_in.shape != (spec.r_in, spec.r_in):
+    q_out = _stored_basis(stats, spec.name, "backward", spec.r_out)
+    q_in = _stored_basis(stats, spec.name, "forward", spec.r_in)
+    if q_out is False or q_in is False or eig.shape != (spec.r_out, spec.r_in):
         return None
-    if eig.shape != (spec.r_out, spec.r_in):
+    return KronFactor(q_out, q_in, eig.to(torch.float64).clamp_min(0.0))
+
+
+def _stored_basis(
+    stats: Mapping[str, torch.Tensor], module: str, stream: str, size: int
+) -> torch.Tensor | None | bool:
+    """The saved eigenbasis of a factor, ``None`` for a diagonal factor of ``size`` (identity
+    basis), ``False`` when there is none of that size."""
+    q = stats.get(f"{module}/{stream}/eigenvectors")
+    if q is not None:
+        return q.to(torch.float64) if tuple(q.shape) == (size, size) else False
+    cov = stats.get(f"{module}/{stream}/covariance")
+    if cov is not None and cov.dim() == 1 and len(cov) == size:
         return None
-    return KronFactor(q_out, q_in, eig.clamp_min(0.0))
+    return False
 
 
 # ----------------------------------------------------------------------------- fitting
+def dense_groups(widths: list[int], budget: int = DENSE_FIT_BUDGET) -> list[list[int]]:
+    """Indices of ``widths`` in groups whose float64 ``width²`` covariances fit in ``budget``
+    bytes (a wider module is a group of its own): one pass over the rows per group.
+
+    Example:
+        >>> dense_groups([4, 4, 8], budget=8 * 32)
+        [[0, 1], [2]]
+    """
+    groups: list[list[int]] = []
+    used = budget + 1
+    for i, w in enumerate(widths):
+        size = 8 * w * w
+        if used + size > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += size
+    return groups
+
+
 def _fit_from_rows(
     source: RowSource,
     dense: list[ModuleSpec],
     kron: dict[str, KronFactor],
     batch_size: int,
-) -> dict[str, DenseFactor | KronFactor]:
-    """One streamed pass: covariances of ``dense`` modules, corrected eigenvalues of ``kron``."""
-    covs = {m.name: torch.zeros(m.width, m.width, dtype=torch.float64) for m in dense}
-    sq = {name: torch.zeros_like(f.eig) for name, f in kron.items()}
+    budget: int = DENSE_FIT_BUDGET,
+) -> dict[str, DenseFactor | LowRankFactor | KronFactor]:
+    """Curvature of ``dense`` modules from the rows, corrected eigenvalues of ``kron``.
+
+    A module wider than the number of rows keeps its rows (`LowRankFactor`); the others
+    accumulate ``XᵀX`` in float64, at most ``budget`` bytes of covariances per pass over the
+    rows (the first pass also gathers the low-rank rows and the EK-FAC sums)."""
+    n_rows = len(source)
+    low = [m for m in dense if n_rows < m.width]
+    full = [m for m in dense if n_rows >= m.width]
+    groups = dense_groups([m.width for m in full], budget) or [[]]
     specs = {m.name: m for m in source.layout}
-    n = 0
-    for _, rows in source.iter_blocks(batch_size):
-        rows = rows.to(torch.float64)
-        n += rows.shape[0]
-        for m in dense:
-            x = rows[:, m.offset : m.stop]
-            covs[m.name] += x.T @ x
-        for name, f in kron.items():
-            m = specs[name]
-            g = rows[:, m.offset : m.stop].reshape(-1, m.r_out, m.r_in)
-            sq[name] += ((f.q_out.T @ g @ f.q_in) ** 2).sum(0)
-    if n == 0:
-        raise ValueError("cannot fit a preconditioner on an empty log")
-    out: dict[str, DenseFactor | KronFactor] = {}
-    for m in dense:
-        out[m.name] = DenseFactor(*symmetric_eig(covs[m.name] / n))
-    for name, f in kron.items():
-        out[name] = KronFactor(f.q_out, f.q_in, sq[name] / n)
+    out: dict[str, DenseFactor | LowRankFactor | KronFactor] = {}
+    for g_idx, group in enumerate(groups):
+        first = g_idx == 0
+        covs = {
+            full[i].name: torch.zeros(full[i].width, full[i].width, dtype=torch.float64)
+            for i in group
+        }
+        kept = {m.name: torch.empty(n_rows, m.width) for m in low} if first else {}
+        sq = {name: torch.zeros_like(f.eig) for name, f in kron.items()} if first else {}
+        n = 0
+        for _, rows in source.iter_blocks(batch_size):
+            b = rows.shape[0]
+            if first and n + b > n_rows:
+                raise RuntimeError(f"the training log yielded more than its {n_rows} rows")
+            for name in kept:
+                m = specs[name]
+                kept[name][n : n + b] = rows[:, m.offset : m.stop]
+            rows64 = rows.to(torch.float64) if covs or sq else rows
+            for name, cov in covs.items():
+                m = specs[name]
+                x = rows64[:, m.offset : m.stop]
+                cov += x.T @ x
+            for name, f in kron.items() if first else ():
+                m = specs[name]
+                grads = rows64[:, m.offset : m.stop].reshape(-1, m.r_out, m.r_in)
+                sq[name] += (rotate(grads, f.q_out, f.q_in, transpose=True) ** 2).sum(0)
+            n += b
+        if n == 0:
+            raise ValueError("cannot fit a preconditioner on an empty log")
+        if n != n_rows:
+            raise RuntimeError(f"the training log yielded {n} rows, expected {n_rows}")
+        for name, cov in covs.items():
+            out[name] = DenseFactor(*symmetric_eig(cov / n))
+            covs[name] = cov = torch.empty(0)  # freed before the next module's eigh
+        for name, x in kept.items():
+            out[name] = LowRankFactor(x, *gram_eig(x))
+        for name, f in kron.items() if first else ():
+            out[name] = KronFactor(f.q_out, f.q_in, sq[name] / n)
     return out
 
 
@@ -286,7 +454,10 @@ class Preconditioner:
     """
 
     def __init__(
-        self, kind: str, layout: list[ModuleSpec], factors: dict[str, DenseFactor | KronFactor]
+        self,
+        kind: str,
+        layout: list[ModuleSpec],
+        factors: dict[str, DenseFactor | LowRankFactor | KronFactor],
     ) -> None:
         if kind not in PRECONDITIONERS:
             raise ValueError(f"unknown preconditioner {kind!r}; valid: {list(PRECONDITIONERS)}")
@@ -311,7 +482,7 @@ class Preconditioner:
         kron = {m.name: kfac_factor(m, stats, projections) for m in layout if m.kronecker}
         dense = [m for m in layout if not m.kronecker]
         if kind == "kfac":
-            factors: dict[str, DenseFactor | KronFactor] = dict(kron)
+            factors: dict[str, DenseFactor | LowRankFactor | KronFactor] = dict(kron)
             if dense:
                 factors.update(_fit_from_rows(source, dense, {}, batch_size))
             return cls(kind, layout, factors)
@@ -336,7 +507,8 @@ class Preconditioner:
             f = self.factors.get(m.name)
             if f is None:
                 continue
-            evals = nonzero_spectrum(f.evals) if isinstance(f, DenseFactor) else f.eig.flatten()
+            dense = isinstance(f, (DenseFactor, LowRankFactor))
+            evals = nonzero_spectrum(f.evals) if dense else f.eig.flatten()
             out[m.name] = resolve_damping(damping, evals)
         return out
 
@@ -349,6 +521,9 @@ class Preconditioner:
                 f, lam = self.factors[m.name], lams[m.name]
                 if isinstance(f, DenseFactor):
                     blocks.append(_DampedBlock(lam, matrix=damped_inverse(f.evals, f.evecs, lam)))
+                elif isinstance(f, LowRankFactor):
+                    core = woodbury_core(f.gram_evals, f.gram_evecs, len(f.rows), lam)
+                    blocks.append(_DampedBlock(lam, rows=f.rows, core=core))
                 else:
                     denom = f.eig + lam
                     if (denom <= 0).any():
@@ -356,8 +531,8 @@ class Preconditioner:
                     blocks.append(
                         _DampedBlock(
                             lam,
-                            q_out=f.q_out.to(torch.float32),
-                            q_in=f.q_in.to(torch.float32),
+                            q_out=None if f.q_out is None else f.q_out.to(torch.float32),
+                            q_in=None if f.q_in is None else f.q_in.to(torch.float32),
                             denom=denom.to(torch.float32),
                         )
                     )
@@ -374,6 +549,8 @@ class Preconditioner:
             x = rows[:, m.offset : m.stop]
             if b.matrix is not None:
                 out[:, m.offset : m.stop] = x @ b.matrix
+            elif b.core is not None:
+                out[:, m.offset : m.stop] = woodbury_apply(x, b.rows, b.core, b.damping)
             else:
                 g = x.reshape(-1, m.r_out, m.r_in)
                 y = kron_precondition(g, b.q_out, b.q_in, b.denom)

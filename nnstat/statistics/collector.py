@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from nnstat.capture.capture import ModuleCapture
 from nnstat.distributed import is_distributed
 from nnstat.statistics.config import PassSpec, RunConfig
-from nnstat.statistics.operations import Covariance, Statistic
+from nnstat.statistics.operations import Covariance, Statistic, factor_eig, is_diagonal
 
 TENSORS_FILE = "statistics.safetensors"
 JSON_FILE = "statistics.json"
@@ -139,8 +139,9 @@ class StatisticsCollector:
         for key in list(self._state):
             mod, stream, stat = key.rsplit("/", 2)
             if stat == "covariance" and stream in ("forward", "backward"):
-                vals, vecs = torch.linalg.eigh(self._state[key].double())
-                self._state[f"{mod}/{stream}/eigenvectors"] = vecs.float().contiguous()
+                vals, vecs = factor_eig(self._state[key])
+                if vecs is not None:  # a diagonal factor's eigenbasis is the identity: not stored
+                    self._state[f"{mod}/{stream}/eigenvectors"] = vecs.float().contiguous()
                 self._state[f"{mod}/{stream}/eigenvalues"] = vals.float()
 
     # ---------------------------------------------------------------- results
@@ -158,7 +159,7 @@ class StatisticsCollector:
         out: dict[str, float] = {}
         for key, value in self._state.items():
             mod, stream, stat = key.rsplit("/", 2)
-            if stat != "covariance" or value.dim() != 2:
+            if stat != "covariance" or value.dim() not in (1, 2):
                 continue
             for k, v in spectrum_stats(value).items():
                 out[f"kfac/{mod}/{stream}/{k}"] = v
@@ -193,8 +194,10 @@ class StatisticsCollector:
 
 
 def spectrum_stats(m: torch.Tensor) -> dict[str, float]:
-    """Trace, largest eigenvalue, condition number and effective rank of a PSD matrix."""
-    ev = torch.linalg.eigvalsh(m.double()).clamp(min=0)
+    """Trace, largest eigenvalue, condition number and effective rank of a PSD matrix (a 1-D
+    tensor is a diagonal factor: its entries are the eigenvalues)."""
+    ev = m.double() if is_diagonal(m) else torch.linalg.eigvalsh(m.double())
+    ev = ev.sort().values.clamp(min=0)
     top = float(ev[-1])
     trace = float(ev.sum())
     if top <= 0:

@@ -102,6 +102,16 @@ def random_projection(spec: ModuleSpec, rank: int, seed: int = 0) -> ModuleProje
 
 
 def _top_eigvecs(cov: torch.Tensor, r: int, what: str) -> torch.Tensor | None:
+    if cov.dim() == 1:  # a diagonal factor (an embedding's token counts): eigenvectors e_i
+        if not torch.isfinite(cov).all():
+            raise ValueError(f"{what}: covariance has NaN/Inf entries")
+        if r >= len(cov):
+            return None
+        # the r largest entries, largest first (ties: lower index first, as a stable sort gives)
+        top = torch.sort(cov.double(), descending=True, stable=True).indices[:r]
+        p = torch.zeros(r, len(cov))
+        p[torch.arange(r), top] = 1.0
+        return p
     if cov.dim() != 2 or cov.shape[0] != cov.shape[1]:
         raise ValueError(f"{what}: expected a square covariance, got {tuple(cov.shape)}")
     if not torch.isfinite(cov).all():
