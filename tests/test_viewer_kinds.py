@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 REPORT = "<!DOCTYPE html><html><head><style>h1{color:#333}</style></head><body><h1>Demo report</h1></body></html>"
 
 
-def tracker_run(run_dir: Path, steps: int = 12) -> Path:
-    torch.manual_seed(0)
+def tracker_run(run_dir: Path, steps: int = 12, seed: int = 0) -> Path:
+    torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     logger = JsonlLogger(run_dir)
@@ -57,6 +57,7 @@ def tracker_run(run_dir: Path, steps: int = 12) -> Path:
 def folder(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("everything")
     tracker_run(base / "runs" / "exp1")
+    tracker_run(base / "runs" / "exp2", steps=6, seed=1)
     record(base / "recorder", "baseline", 1.0)
     store, log, _ = make_store(base / "gradients")
     save_queries(log, store)
@@ -96,7 +97,7 @@ def _same(shown: list, expected: list) -> None:
 def test_bundle_finds_every_kind(folder) -> None:
     b = load_bundle(folder)
     assert [t["id"] for t in b["trials"]] == ["recorder/g/baseline"]
-    assert [r["id"] for r in b["runs"]] == ["runs/exp1"]
+    assert [r["id"] for r in b["runs"]] == ["runs/exp1", "runs/exp2"]
     assert [s["id"] for s in b["stores"]] == ["gradients/p"]
     assert [r["id"] for r in b["reports"]] == ["report.html"]
     assert b["problems"] == []
@@ -165,6 +166,27 @@ def test_run_charts_hover_values_overlay_and_log_scale(folder, browser) -> None:
         )
         step = int(values[0])
         assert float(values[1]) == pytest.approx(loss[step], rel=1e-3)
+        # another run overlaid, dashed, on the union of the steps
+        rows2, _ = read_jsonl(folder / "runs" / "exp2")
+        loss2 = {
+            r["step"]: r["metrics"]["train/loss"] for r in rows2 if "train/loss" in r["metrics"]
+        }
+        p.page.select_option("#run-compare", "1")
+        p.page.wait_for_selector(f"{chart} .u-over")
+        labels = p.page.eval_on_selector_all(
+            f"{chart} .u-legend .u-series .u-label", "els => els.map(e => e.textContent)"
+        )
+        assert labels == ["step", "train", "runs/exp2: train"]
+        box = p.page.locator(f"{chart} .u-over").bounding_box()
+        p.page.mouse.move(box["x"] + box["width"] * 0.25, box["y"] + box["height"] * 0.5)
+        values = p.page.eval_on_selector_all(
+            f"{chart} .u-legend .u-series .u-value", "els => els.map(e => e.textContent)"
+        )
+        step = int(values[0])
+        assert step in loss2
+        assert float(values[1]) == pytest.approx(loss[step], rel=1e-3)
+        assert float(values[2]) == pytest.approx(loss2[step], rel=1e-3)
+        p.page.select_option("#run-compare", "-1")
         # several layers on one chart: one line per parameter of the Tracker's weight l2
         p.page.click("details[data-section='weight'] summary")
         overlay = "#run-body .chart[data-key='weight/*/l2']"

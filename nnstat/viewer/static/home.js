@@ -78,7 +78,7 @@
   }
 
   // ------------------------------------------------------------------------------ runs
-  const R = { run: 0, filter: "", log: false, open: Object.create(null) };
+  const R = { run: 0, compare: -1, filter: "", log: false, open: Object.create(null) };
 
   // "<group>/<layer>/<stat>" keys (the Tracker's) become one chart per group and statistic with
   // a line per layer; "train/loss" and "test/loss" one chart with a line per split; other keys
@@ -122,9 +122,25 @@
   }
   const matches = (chart) => filtered(chart) !== null;
 
+  // the chart's lines of this run, and dashed the same keys of the compared run, on the union
+  // of both runs' steps
   function drawChart(box, run, chart) {
-    C.line(box, { title: chart.id, x: run.steps, log: R.log, sync: "run",
-      series: chart.lines.map((l) => ({ label: l.label, values: run.series[l.key] })) });
+    const other = R.compare >= 0 && R.compare !== R.run ? DATA.runs[R.compare] : null;
+    const has = (r, key) => Object.prototype.hasOwnProperty.call(r.series, key);
+    let x = run.steps;
+    const lines = chart.lines.map((l) => ({ label: l.label, run, key: l.key, dash: false }));
+    if (other) {
+      x = [...new Set([...run.steps, ...other.steps])].sort((a, b) => a - b);
+      chart.lines.filter((l) => has(other, l.key)).forEach((l) => lines.push(
+        { label: `${other.id}: ${l.label}`, run: other, key: l.key, dash: true }));
+    }
+    const at = (r, key) => {
+      if (r.steps === x) return r.series[key];
+      const m = new Map(r.steps.map((s, i) => [s, r.series[key][i]]));
+      return x.map((s) => (m.has(s) ? m.get(s) : null));
+    };
+    C.line(box, { title: chart.id, x, log: R.log, sync: "run",
+      series: lines.map((l) => ({ label: l.label, dash: l.dash, values: at(l.run, l.key) })) });
   }
 
   function drawHist(box, run, key, index) {
@@ -145,6 +161,11 @@
     const m = /^#runs\/(\d+)$/.exec(location.hash);
     if (m && Number(m[1]) < DATA.runs.length) R.run = Number(m[1]);
     sel.value = String(R.run);
+    const cmp = $("run-compare");
+    cmp.replaceChildren(h("option", { value: -1 }, "none"), ...DATA.runs.map((r, i) =>
+      (i === R.run ? null : h("option", { value: i }, r.id))).filter(Boolean));
+    if (R.compare === R.run) R.compare = -1;
+    cmp.value = String(R.compare);
     const body = $("run-body");
     if (!DATA.runs.length) { body.replaceChildren(hint("No Tracker run under this folder.")); return; }
     const run = DATA.runs[R.run];
@@ -204,6 +225,10 @@
     $("run-sel").addEventListener("change", (ev) => {
       R.run = Number(ev.target.value);
       history.replaceState(null, "", `#runs/${R.run}`);
+      renderRuns();
+    });
+    $("run-compare").addEventListener("change", (ev) => {
+      R.compare = Number(ev.target.value);
       renderRuns();
     });
     $("run-filter").addEventListener("input", (ev) => { R.filter = ev.target.value; renderRuns(); });
