@@ -74,6 +74,7 @@ _SUBMODULES = {
     "statistics",
     "store",
     "tracker",
+    "viewer",
 }
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
