@@ -418,14 +418,14 @@ def _fit_from_rows(
             for name in kept:
                 m = specs[name]
                 kept[name][n : n + b] = rows[:, m.offset : m.stop]
-            rows64 = rows.to(torch.float64) if covs or sq else rows
+            # float64 one module's slice at a time: a whole block would double in size
             for name, cov in covs.items():
                 m = specs[name]
-                x = rows64[:, m.offset : m.stop]
+                x = rows[:, m.offset : m.stop].to(torch.float64)
                 cov += x.T @ x
             for name, f in kron.items() if first else ():
                 m = specs[name]
-                grads = rows64[:, m.offset : m.stop].reshape(-1, m.r_out, m.r_in)
+                grads = rows[:, m.offset : m.stop].to(torch.float64).reshape(-1, m.r_out, m.r_in)
                 sq[name] += (rotate(grads, f.q_out, f.q_in, transpose=True) ** 2).sum(0)
             n += b
         if n == 0:
