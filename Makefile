@@ -17,12 +17,14 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 # `make demo` installs only nnstat[demo] (no test, lint, HF or Lightning packages), with its own
-# stamp; a venv that `make test` already set up holds everything the demo needs.
+# stamp; a venv that `make test` already set up holds everything the demo needs. --no-compile:
+# byte-compiling every installed file (torch's thousands) costs more CPU than the demo itself;
+# Python compiles what the demo imports on first use instead.
 DEMO_STAMP := $(VENV)/.demo-installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
 $(DEMO_STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	test -f $(STAMP) || $(BIN)/python -m pip install -q -c constraints.txt -e ".[demo]"
+	test -f $(STAMP) || $(BIN)/python -m pip install -q --no-compile -c constraints.txt -e ".[demo]"
 	rm -f $(VENV)/.demo-installed-* && touch $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)

@@ -111,14 +111,15 @@ def test_noise_stages_split_training_in_thirds():
 
 
 def test_batch_advice_follows_the_late_estimates_and_states_their_spread():
-    values = [50.0, 60.0, 55.0, 200.0, 300.0, 250.0, 900.0, 1200.0, 1000.0]
+    values = [50.0, 60.0, 55.0, 200.0, 300.0, 250.0, 1100.0, 1200.0, 1000.0]
     stages = noise_stages(_history(values, [v * 0.8 for v in values], [v * 1.3 for v in values]))
     summary, text = batch_advice(stages, batch=64, n_train=5000)
-    assert "512" in summary  # the power of two below the lowest late estimate (900)
-    assert "900–1200" in text and f"factor {1200 / 900:.1f}" in text
+    # the power of two below the lowest late bootstrap bound (0.8 x 1000 = 800)
+    assert "64 early, 512 late" in summary and "below 800" in text
+    assert "1000–1200" in text and f"factor {1200 / 1000:.1f}" in text
     assert "about the critical batch size" in text  # early median 55 vs batch 64
     summary, text = batch_advice(stages, batch=1024, n_train=5000)
-    assert "about right" in summary  # 900..1200 brackets 1024
+    assert "about right" in summary  # 1000..1200 brackets 1024
     inf_stages = noise_stages(
         _history([50.0, 60.0, math.inf], [40.0, 50.0, 800.0], [60.0, 70.0, math.inf])
     )

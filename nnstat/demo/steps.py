@@ -38,7 +38,7 @@ __all__ = [
     "save_for_viewer",
 ]
 
-NOISE_SCALE_EVERY = 2  # logged steps between two noise-scale estimates
+NOISE_SCALE_EVERY = 3  # logged steps between two noise-scale estimates
 RANK = 16  # projection rank per module of the gradient store
 REFINE_STEPS = 5  # conjugate-gradient steps of the influence refinement
 TOP_K = 3  # helpful and harmful training digits shown per misclassified test digit

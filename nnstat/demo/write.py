@@ -23,6 +23,7 @@ import torch
 import nnstat
 from nnstat.demo.report import HtmlReport
 from nnstat.demo.steps import (
+    NOISE_SCALE_EVERY,
     REFINE_STEPS,
     TOP_K,
     DemoExtras,
@@ -134,15 +135,20 @@ def batch_advice(stages: list[NoiseStage], batch: int, n_train: int) -> tuple[st
     else:
         parts.append(f"Early on, batch {batch} was about the critical batch size.")
     if lo > 2 * batch:
-        # a power of two below the lowest late estimate, at most the whole training set
-        target = n_train if math.isinf(lo) else min(int(2 ** math.floor(math.log2(lo))), n_train)
+        # conservative: a power of two below the lowest bootstrap bound of the late estimates
+        # (below every late estimate at 95% confidence), at most the whole training set
+        floor = late.low if math.isfinite(late.low) and late.low > batch else lo
+        target = (
+            n_train if math.isinf(floor) else min(int(2 ** math.floor(math.log2(floor))), n_train)
+        )
         parts.append(
             f"Late in training every estimate ({_n(lo)}–{_n(hi)}) exceeds 2 × {batch}: a larger "
-            f"batch there (e.g. {target}, the power of two below the lowest late estimate) would "
-            "cut the number of steps almost proportionally; a batch that grows during training "
-            f"({batch} → {target}) follows the measured noise scale."
+            f"batch there would cut the number of steps almost proportionally. {target} is a "
+            f"safe choice: the power of two below {_n(floor)}, the lowest bootstrap bound of the "
+            f"late estimates. A batch that grows during training ({batch} → {target}) follows "
+            "the measured noise scale."
         )
-        summary = f"{batch} early, ~{target} late (late B_simple {_n(lo)}–{_n(hi)})"
+        summary = f"{batch} early, {target} late (late B_simple {_n(lo)}–{_n(hi)})"
     elif hi < batch / 2:
         parts.append(
             f"Late in training every estimate ({_n(lo)}–{_n(hi)}) is below half the batch size: "
@@ -164,7 +170,7 @@ def batch_advice(stages: list[NoiseStage], batch: int, n_train: int) -> tuple[st
     parts.append(
         f"How sure: the {len(late.values)} late estimates span a factor {spread:.1f}, and their "
         f"bootstrap 95% intervals together cover {_n(late.low)}–{_n(late.high)}; the advice "
-        "above holds over that whole range, not only at the last estimate."
+        "is read from that whole range, not from the last estimate alone."
         if math.isfinite(spread)
         else "How sure: some late estimates are infinite (|G|² estimated ≤ 0), so only a lower "
         "bound is known."
@@ -216,7 +222,8 @@ def write_report(state: Any) -> None:
         "B_simple = tr(Σ)/‖G‖² estimates the critical batch size (McCandlish et al. 2018): "
         "below it, doubling the batch almost halves the number of steps; above it, extra "
         "samples are mostly wasted. Estimated every "
-        f"{2 * cfg.log_every} steps from per-sample gradients (bootstrap 95% interval)."
+        f"{NOISE_SCALE_EVERY * cfg.log_every} steps from per-sample gradients (bootstrap 95% "
+        "interval)."
     )
     rep.paragraph(advice_text)
     if stages:
@@ -311,9 +318,9 @@ def _curves_caption(hist: list[dict[str, Any]]) -> str:
     best = min(tested, key=lambda h: h["test/loss"])
     end = tested[-1]
     text = (
-        f"Test loss is lowest at step {best['step']} ({best['test/loss']:.3f}) and ends at "
-        f"{end['test/loss']:.3f}; test accuracy ends at {end['test/accuracy']:.3f}, training "
-        f"accuracy at {end['train/accuracy']:.3f}."
+        f"Test loss is lowest at step {best['step']} ({best['test/loss']:.3f}); at the last "
+        f"logged step ({end['step']}) it is {end['test/loss']:.3f}, test accuracy "
+        f"{end['test/accuracy']:.3f}, training accuracy {end['train/accuracy']:.3f}."
     )
     if "train/planted_memorised" in end:
         share = end["train/planted_memorised"]
@@ -486,9 +493,12 @@ def _influence_section(rep: HtmlReport, state: Any, ex: DemoExtras) -> None:
         return
     wrong, pred = ex.misclassified, ex.predicted
     captions = [f"test #{i}\ntrue {int(state.y_test[i])} → {int(pred[i])}" for i in wrong]
+    planted_set = set(state.planted)
+    # "2*": the label trained on, starred when it is a planted wrong one
+    labels = [f"{int(v)}{'*' if i in planted_set else ''}" for i, v in enumerate(state.y_train)]
     fig = nplt.influence_figure(
         {i: state.images_test[i] for i in wrong}, state.images_train, ex.influence, k=TOP_K,
-        train_labels=state.y_train, query_captions=captions, max_queries=8,
+        train_labels=labels, query_captions=captions, max_queries=8,
         title=f"misclassified test digits and their {TOP_K} most helpful and harmful training digits",
     )  # fmt: skip
     fig.savefig(state.config.log_dir / "influence.png")  # also on its own, for slides and docs
@@ -496,7 +506,7 @@ def _influence_section(rep: HtmlReport, state: Any, ex: DemoExtras) -> None:
     rep.figure(
         fig,
         f"{shown} of {len(wrong)} misclassified test digits. Above each training digit: score, "
-        "training index and the label trained on.",
+        "training index and the label trained on (* a planted wrong label).",
     )
     top = ex.influence.top_k(TOP_K)
     planted = set(state.planted)
@@ -509,9 +519,15 @@ def _influence_section(rep: HtmlReport, state: Any, ex: DemoExtras) -> None:
 
     if planted:
         blamed = sum(any(int(i) in planted for i in ids) for ids in top.helpful_ids)
+        n = len(state.y_train)
+        chance = 1 - math.comb(n - len(planted), TOP_K) / math.comb(n, TOP_K)
         rep.paragraph(
             f"For {blamed} of the {len(top.test_ids)} misclassified test digits, a planted wrong "
-            f"label is among the {TOP_K} training digits that most support the wrong prediction."
+            f"label is among the {TOP_K} training digits that most support the wrong prediction "
+            f"({100 * chance:.1f}% would, were those {TOP_K} drawn at random). Read this with "
+            "care: the planted digits have the largest gradients of the training set (that is "
+            "why self-influence finds them), and influence scores grow with gradient norm, so "
+            "they rank high for many test digits, not only for those they caused."
         )
     rep.bullets(
         [
