@@ -18,7 +18,7 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["Workspace", "CHUNK"]
+__all__ = ["Workspace", "CHUNK", "moments_of_pair", "pair_ok"]
 
 
 class Workspace:
@@ -35,6 +35,7 @@ class Workspace:
 
     def __init__(self) -> None:
         self._bufs: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._extra: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def get(
         self, n: int, dtype: torch.dtype, device: torch.device
@@ -46,6 +47,15 @@ class Workspace:
             buf = torch.empty((2, n), dtype=dtype, device=device)
             self._bufs[key] = buf
         return buf[0, :n], buf[1, :n]
+
+    def scratch(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A third flat buffer of `n` elements, apart from `get`'s two (contents undefined)."""
+        key = (dtype, device)
+        buf = self._extra.get(key)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(n, dtype=dtype, device=device)
+            self._extra[key] = buf
+        return buf[:n]
 
 
 #: Elements per block of the CPU moment pass: a block and its two scratch copies stay in the L2
@@ -127,6 +137,32 @@ def _ones(n: int, dtype: np.dtype) -> np.ndarray:
 _ONES: dict[np.dtype, np.ndarray] = {}
 
 
+def _np_block_row(
+    b: np.ndarray, o: np.ndarray, dd: np.ndarray, dd2: np.ndarray, scale: float
+) -> tuple[float, ...]:
+    """``[c, s1, s2, s3, s4, min, max, #non-zeros, l1]`` of one block (see `_np_moment_rows`);
+    `o` are ones and `dd`/`dd2` scratch of the block's length."""
+    m = b.size
+    dt = b.dtype.type
+    c = dt(float(b.dot(o)) / m)
+    np.subtract(b, c, out=dd)
+    if scale != 1.0:
+        dd *= dt(scale)  # a power of two: exact, only the exponent moves
+    np.multiply(dd, dd, out=dd2)
+    s1, s2 = float(dd.dot(o)), float(dd.dot(dd))
+    s3, s4 = float(dd2.dot(dd)), float(dd2.dot(dd2))
+    lo, hi = float(b.min()), float(b.max())
+    if lo > 0.0 or hi < 0.0:
+        # one sign: nothing is zero and sum |x| = |sum x| (the centre and the residue in
+        # float64, as the mean uses them)
+        nnz, l1 = float(m), abs(m * float(c) + s1 / scale)
+    else:
+        np.abs(b, out=dd)
+        l1 = float(dd.dot(o))
+        nnz = float(m - (m - np.count_nonzero(b) if dd.min() == 0.0 else 0))
+    return (float(c), s1, s2, s3, s4, lo, hi, nnz, l1)
+
+
 def _np_moment_rows(
     x: np.ndarray, chunk: int, scale: float, d: np.ndarray, d2: np.ndarray
 ) -> np.ndarray:
@@ -140,29 +176,71 @@ def _np_moment_rows(
     n = x.size
     out = np.empty(((n + chunk - 1) // chunk, 9), dtype=np.float64)
     ones = _ones(min(chunk, n), x.dtype)
-    dt = x.dtype.type
     for k, start in enumerate(range(0, n, chunk)):
         b = x[start : start + chunk]
         m = b.size
-        o, dd, dd2 = ones[:m], d[:m], d2[:m]
-        c = dt(float(b.dot(o)) / m)
-        np.subtract(b, c, out=dd)
-        if scale != 1.0:
-            dd *= dt(scale)  # a power of two: exact, only the exponent moves
-        np.multiply(dd, dd, out=dd2)
-        s1, s2 = float(dd.dot(o)), float(dd.dot(dd))
-        s3, s4 = float(dd2.dot(dd)), float(dd2.dot(dd2))
-        lo, hi = float(b.min()), float(b.max())
-        if lo > 0.0 or hi < 0.0:
-            # one sign: nothing is zero and sum |x| = |sum x| (the centre and the residue in
-            # float64, as the mean uses them)
-            nnz, l1 = float(m), abs(m * float(c) + s1 / scale)
-        else:
-            np.abs(b, out=dd)
-            l1 = float(dd.dot(o))
-            nnz = float(m - (m - np.count_nonzero(b) if dd.min() == 0.0 else 0))
-        out[k] = (float(c), s1, s2, s3, s4, lo, hi, nnz, l1)
+        out[k] = _np_block_row(b, ones[:m], d[:m], d2[:m], scale)
     return out
+
+
+def _np_pair_rows(
+    w: np.ndarray,
+    p: np.ndarray,
+    chunk: int,
+    scales: tuple[float, float],
+    bufs: tuple[np.ndarray, np.ndarray, np.ndarray],
+) -> tuple[np.ndarray, np.ndarray]:
+    """`_np_moment_rows` of `w` and of ``w - p`` in one read of both: each block's difference
+    is formed in cache (`bufs[0]`) and reduced there, never written to memory."""
+    n = w.size
+    rows_w = np.empty(((n + chunk - 1) // chunk, 9), dtype=np.float64)
+    rows_d = np.empty_like(rows_w)
+    ones = _ones(min(chunk, n), w.dtype)
+    diff, d, d2 = bufs
+    for k, start in enumerate(range(0, n, chunk)):
+        wb = w[start : start + chunk]
+        m = wb.size
+        db = diff[:m]
+        np.subtract(wb, p[start : start + chunk], out=db)
+        rows_w[k] = _np_block_row(wb, ones[:m], d[:m], d2[:m], scales[0])
+        rows_d[k] = _np_block_row(db, ones[:m], d[:m], d2[:m], scales[1])
+    return rows_w, rows_d
+
+
+def pair_ok(w: torch.Tensor, p: torch.Tensor) -> bool:
+    """Whether `moments_of_pair` applies: same shape and dtype, CPU float32/float64, non-empty."""
+    return _numpy_ok(w) and p.dtype == w.dtype and p.device == w.device and p.shape == w.shape
+
+
+def moments_of_pair(
+    w: torch.Tensor, p: torch.Tensor, ws: Workspace | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """`_moments` of `w` and of ``w - p`` (flat CPU tensors, `pair_ok`), reading each once.
+
+    The weights and their update of a Tracker step: the difference is never materialised, which
+    saves writing and re-reading a tensor of the model's size.
+    """
+    ws = ws or Workspace()
+    n = w.numel()
+    chunk = min(CHUNK, n)
+    d_buf, d2_buf = ws.get(chunk, w.dtype, w.device)
+    diff = ws.scratch(chunk, w.dtype, w.device)
+    scales = [_denormal_scale(w[:chunk]), _denormal_scale(w[:chunk] - p[:chunk])]
+    bufs = (diff.numpy(), d_buf.numpy(), d2_buf.numpy())
+    while True:
+        # overflow is detected below (non-finite power sums), so numpy need not warn
+        with np.errstate(over="ignore", invalid="ignore"):
+            rw, rd = _np_pair_rows(w.numpy(), p.numpy(), chunk, (scales[0], scales[1]), bufs)
+        redo = False
+        for i, r in enumerate((rw, rd)):
+            if scales[i] != 1.0 and not np.isfinite(r[:, 1:5]).all():
+                scales[i], redo = 1.0, True  # a later block overflowed once scaled
+        if not redo:
+            break
+    return (
+        _combine(torch.from_numpy(rw), n, chunk, scales[0], w.dtype),
+        _combine(torch.from_numpy(rd), n, chunk, scales[1], w.dtype),
+    )
 
 
 def _moments(x: torch.Tensor, ws: Workspace | None = None) -> dict[str, torch.Tensor]:
@@ -194,6 +272,13 @@ def _moments(x: torch.Tensor, ws: Workspace | None = None) -> dict[str, torch.Te
         # a later block far larger than the first overflowed once scaled: plain pass instead
         scale = 1.0
         r = rows(x, chunk, scale, d_buf, d2_buf)
+    return _combine(r, n, chunk, scale, x.dtype)
+
+
+def _combine(
+    r: torch.Tensor, n: int, chunk: int, scale: float, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The moments of `_moments` from its per-block rows (blocks of `chunk`, the last shorter)."""
     centres, s1, s2 = r[:, 0], r[:, 1] / scale, r[:, 2] / scale**2
     s3, s4 = r[:, 3] / scale**3, r[:, 4] / scale**4
     counts = torch.full_like(centres, float(chunk))
@@ -206,7 +291,7 @@ def _moments(x: torch.Tensor, ws: Workspace | None = None) -> dict[str, torch.Te
     l2 = (s2 + 2 * centres * s1 + counts * centres**2).sum().sqrt()
     # like scipy: a (numerically) constant tensor has undefined skew/kurtosis, NaN rather than
     # the ratio of rounding residues (which was +-inf or finite nonsense)
-    eps = torch.finfo(x.dtype).eps
+    eps = torch.finfo(dtype).eps
     constant = m2 <= (eps * mean) ** 2
     nan = torch.full_like(m2, math.nan)
     m2 = torch.where(constant, torch.zeros_like(m2), m2)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,6 +39,7 @@ __all__ = [
     "Description",
     "cpu_single_thread",
     "device_table",
+    "pair_tables",
     "repair_table",
 ]
 
@@ -223,21 +224,7 @@ def device_table(
         # one blocked pass gives every statistic (l2, l1, abs_max included)
         ws = workspace or Workspace()
         mo = [_moments(x.to(_work_dtype(x)), ws) for x in flat]
-        m = {k: column([row[k] for row in mo]) for k in _MOMENT_KEYS}
-        m2 = m["m2"]
-        cols.update(
-            mean=m["mean"],
-            var=m2,
-            std=m2.sqrt(),
-            skew=m["m3"] / m2**1.5,
-            kurtosis=m["m4"] / (m2 * m2) - 3.0,
-            min=m["min"],
-            max=m["max"],
-            abs_max=torch.maximum(m["max"], -m["min"]),
-            sparsity=m["zeros"] / n_vec,
-            l1=m["l1"],
-            l2=m["l2"],
-        )
+        return _moment_table(mo, n_vec, stats)
     else:
         if "abs_max" in need:
             from nnstat.describe.fused import sumsq_min_max
@@ -260,6 +247,74 @@ def device_table(
     return torch.stack([cols[s] for s in stats] + [l2], dim=1)
 
 
+def _moment_table(
+    mo: Sequence[dict[str, torch.Tensor]], n_vec: torch.Tensor, stats: tuple[str, ...]
+) -> torch.Tensor:
+    """`device_table`'s table (probe column last) from per-tensor `_moments` dicts."""
+    dev = n_vec.device
+    m = {
+        k: torch.stack([row[k].to(device=dev, dtype=torch.float64) for row in mo])
+        for k in _MOMENT_KEYS
+    }
+    m2 = m["m2"]
+    l1, l2 = m["l1"], m["l2"]
+    cols = {
+        "numel": n_vec,
+        "mean": m["mean"],
+        "var": m2,
+        "std": m2.sqrt(),
+        "skew": m["m3"] / m2**1.5,
+        "kurtosis": m["m4"] / (m2 * m2) - 3.0,
+        "min": m["min"],
+        "max": m["max"],
+        "abs_max": torch.maximum(m["max"], -m["min"]),
+        "sparsity": m["zeros"] / n_vec,
+        "l1": l1,
+        "l2": l2,
+        "rms": l2 / n_vec.sqrt(),
+        "nonfinite": torch.zeros_like(l2),
+        "abs_mean": l1 / n_vec,
+    }
+    return torch.stack([cols[s] for s in stats] + [l2], dim=1)
+
+
+def pair_tables(
+    current: Sequence[torch.Tensor],
+    previous: Sequence[torch.Tensor],
+    stats: Sequence[str] | str | None,
+    workspace: Workspace | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``summarize(current, stats)`` and ``summarize([c - p ...], stats)`` with one read of
+    each pair and no difference tensor (CPU float32/float64 pairs of equal shapes, see
+    `nnstat.describe.moments.pair_ok`): a Tracker's weights and their update.
+
+    Example:
+        >>> w, u = pair_tables([torch.tensor([3.0, -4.0])], [torch.tensor([3.0, -5.0])], ["l2"])
+        >>> w.tolist(), u.tolist()
+        ([[5.0]], [[1.0]])
+    """
+    from nnstat.describe.moments import moments_of_pair
+
+    stats = validate_stats(stats)
+    current, previous = list(current), list(previous)
+    ws = workspace or Workspace()
+    with cpu_single_thread():
+        pairs = [
+            moments_of_pair(c.detach().reshape(-1), p.reshape(-1), ws)
+            for c, p in zip(current, previous, strict=True)
+        ]
+        n_vec = torch.tensor([float(c.numel()) for c in current], dtype=torch.float64)
+        tw = _moment_table([a for a, _ in pairs], n_vec, stats)
+        td = _moment_table([b for _, b in pairs], n_vec, stats)
+        # NaN/Inf (rare): exact rows over the finite elements; the difference is formed only then
+        tw = _repair(tw, [t.numel() for t in current], lambda i: _exact_row(current[i], stats))
+        td = _repair(
+            td, [t.numel() for t in current],
+            lambda i: _exact_row(current[i].detach() - previous[i], stats),
+        )  # fmt: skip
+    return tw, td
+
+
 def repair_table(
     table: torch.Tensor, tensors: Sequence[torch.Tensor], stats: tuple[str, ...]
 ) -> torch.Tensor:
@@ -268,13 +323,18 @@ def repair_table(
 
     Only those rows cost a second transfer; the common all-finite case costs none.
     """
+    return _repair(table, [t.numel() for t in tensors], lambda i: _exact_row(tensors[i], stats))
+
+
+def _repair(
+    table: torch.Tensor, numels: Sequence[int], exact: Callable[[int], torch.Tensor]
+) -> torch.Tensor:
     probe = table[:, -1]
     table = table[:, :-1].contiguous()
     bad = (~torch.isfinite(probe)).nonzero().flatten().tolist()
-    bad += [i for i, t in enumerate(tensors) if t.numel() == 0 and i not in bad]
+    bad += [i for i, n in enumerate(numels) if n == 0 and i not in bad]
     if bad:
-        fixed = torch.stack([_exact_row(tensors[i], stats) for i in bad]).cpu()
-        table[bad] = fixed
+        table[bad] = torch.stack([exact(i) for i in bad]).cpu()
     return table
 
 

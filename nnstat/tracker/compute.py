@@ -26,6 +26,7 @@ import torch
 
 from nnstat.describe import Workspace, summarize
 from nnstat.describe.fused import (
+    FUSED_STATS,
     light_columns,
     repair_update_rows,
     weight_update_norms,
@@ -39,8 +40,9 @@ from nnstat.describe.histogram import (
     histograms,
     sample_for_histogram,
 )
+from nnstat.describe.moments import pair_ok
 from nnstat.describe.ratios import ratio_from_norms
-from nnstat.describe.summary import device_table, repair_table
+from nnstat.describe.summary import device_table, pair_tables, repair_table
 from nnstat.distributed import local_tensor
 
 __all__ = ["StepPlan", "tasks", "assemble", "device_results", "stage", "finish"]
@@ -99,11 +101,28 @@ def tasks(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> lis
 
         return run
 
+    paired = _paired_weights(plan)
     for group, _names, tensors in plan.groups:
+        if paired is not None and group == "weight":
+            continue  # reduced with the update, below
         out.append((f"group:{group}", group_task(tensors, f"group:{group}")))
     if plan.prev is not None and plan.weights is not None:
         w, prev = plan.weights, plan.prev
-        if plan.fused:
+        if paired is not None:
+
+            def weight_and_update() -> Any:
+                # weights and W - prev in one read of both; prev is refreshed afterwards
+                tw, td = pair_tables(w, prev, computed, ws.setdefault("update", Workspace()))
+                out = {
+                    "group:weight": (tw, _hists(plan, paired, tw)),
+                    "update": (td, _difference_hists(plan, w, prev, td)),
+                }
+                if plan.refresh:
+                    torch._foreach_copy_(prev, w)
+                return out
+
+            out.append((PAIRED, weight_and_update))
+        elif plan.fused:
 
             def fused() -> Any:
                 return weight_update_norms(
@@ -128,6 +147,45 @@ def tasks(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> lis
 
             out.append(("update", update))
     return out
+
+
+#: Task key of the weights reduced together with their update (`pair_tables`).
+PAIRED = "weight+update"
+
+
+def _paired_weights(plan: StepPlan) -> list[torch.Tensor] | None:
+    """The weight group's tensors when weights and update can be reduced in one read (CPU,
+    moment statistics, plain tensors of equal shapes), else None."""
+    if plan.fused or plan.prev is None or plan.weights is None or plan.update_views is not None:
+        return None
+    if not set(plan.computed) - FUSED_STATS:
+        return None  # norms only: the per-group norm kernels are cheaper than the moment pass
+    weights = next((t for g, _, t in plan.groups if g == "weight"), None)
+    if weights is None or len(weights) != len(plan.weights):
+        return None
+    if not all(pair_ok(w, p) for w, p in zip(plan.weights, plan.prev, strict=True)):
+        return None
+    return weights
+
+
+def _difference_hists(
+    plan: StepPlan, w: list[torch.Tensor], prev: list[torch.Tensor], table: torch.Tensor
+) -> list[Any] | None:
+    """Histograms of ``w - prev`` from the difference of the two samples (same positions), so
+    the difference is formed only where it is binned."""
+    if not plan.histograms:
+        return None
+    computed = plan.computed
+    summary = table[:, [computed.index(c) for c in HIST_SUMMARY]]
+    lo, hi = hist_ranges(summary[:, 0], summary[:, 1])
+    samples, sampled = [], []
+    for a, b in zip(w, prev, strict=True):
+        sa, was = sample_for_histogram(a, plan.hist_max_elements)
+        sb, _ = sample_for_histogram(b, plan.hist_max_elements)
+        samples.append(sa - sb)
+        sampled.append(was)
+    counts = bin_counts(samples, lo, hi, plan.bins).numpy()
+    return build_histograms(counts, lo.tolist(), hi.tolist(), summary.tolist(), sampled, plan.bins)
 
 
 @dataclass
@@ -245,6 +303,8 @@ def _hists(plan: StepPlan, tensors: list[torch.Tensor], table: torch.Tensor) -> 
 
 def assemble(plan: StepPlan, results: dict[str, Any]) -> dict[str, Any]:
     """The flat metrics dict of a step from the results of its `tasks` (by task key)."""
+    if PAIRED in results:
+        results = {k: v for k, v in results.items() if k != PAIRED} | results[PAIRED]
     computed = plan.computed
     metrics: dict[str, Any] = {}
     w_l2 = u_l2 = None
