@@ -401,9 +401,9 @@ def _layers_section(rep: HtmlReport, state: Any, hist: list[dict[str, Any]]) -> 
         fields,
         f"Each hidden unit's change of its 64 input weights ({first}, final minus initial; "
         "largest change first) as an 8×8 image: training made red pixels excite the unit more, "
-        "blue ones less. The final weights themselves still look like their random "
-        f"initialisation (the layer moved by {moved[first]:.0%} of its initial norm); the change "
-        "shows the strokes it learned. One shared colour scale, symmetric around 0.",
+        "blue ones less. The final weights are this change plus the random initialisation "
+        f"(the layer moved by {moved[first]:.0%} of its initial norm), whose noise would hide "
+        "it. One shared colour scale, symmetric around 0.",
     )
     rep.figure(
         nplt.histogram(
