@@ -137,7 +137,8 @@ def woodbury_core(
 
     Example:
         >>> import torch
-        >>> woodbury_core(torch.tensor([2.0], dtype=torch.float64), torch.eye(1), 1, 2.0).item()
+        >>> f64 = torch.float64
+        >>> woodbury_core(torch.tensor([2.0], dtype=f64), torch.eye(1, dtype=f64), 1, 2.0).item()
         0.125
     """
     if not damping > 0:
@@ -152,7 +153,8 @@ def woodbury_apply(
 
     Example:
         >>> import torch
-        >>> core = woodbury_core(torch.tensor([1.0], dtype=torch.float64), torch.eye(1), 1, 1.0)
+        >>> f64 = torch.float64
+        >>> core = woodbury_core(torch.tensor([1.0], dtype=f64), torch.eye(1, dtype=f64), 1, 1.0)
         >>> woodbury_apply(torch.ones(1, 1), torch.ones(1, 1), core, 1.0).item()
         0.5
     """
