@@ -56,7 +56,9 @@ def _short_run(log_dir, monkeypatch) -> None:
 
 def test_rerun_replaces_the_run_folder(tmp_path, monkeypatch, capsys):
     log_dir = tmp_path / "logs"
+    threads = torch.get_num_threads()
     _short_run(log_dir, monkeypatch)
+    assert torch.get_num_threads() == threads  # the demo's one thread is its own
     first = sorted(p.name for p in (log_dir / "tensorboard").iterdir())
     _short_run(log_dir, monkeypatch)
     # one event file, one W&B run, one JSON-lines header: TensorBoard would otherwise draw
