@@ -57,7 +57,8 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
 
     The noise scale uses per-sample gradient norms (B_small = 1) of one micro-batch in
     ``noise_scale_every`` (default `NOISE_SCALE_EVERY` = 8: the per-sample capture runs inside
-    backward and is the expensive part; ``1`` measures every micro-batch), which assumes the
+    backward and is the expensive part; ``1`` measures every micro-batch), starting with the
+    first micro-batch after the one that probes which modules qualify, which assumes the
     model's loss is a mean over the batch (the HF default). Set ``noise_scale=False`` to skip it.
 
     Args:
@@ -97,6 +98,10 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
             noise_scale_filter=noise_scale_filter,
             noise_scale_every=noise_scale_every,
         )
+        # measure the first micro-batch after the probe, then one in k (micro-batches 1, 1 + k,
+        # ... after it): the noise-scale keys are in the logs from the first logging step on
+        # instead of appearing only after k steps (a short run would have none)
+        self.hooks._micro = noise_scale_every - 1
 
     def _init_state(self) -> None:
         self.latest: dict[str, Any] = {}

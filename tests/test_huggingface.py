@@ -129,7 +129,8 @@ def test_callback_every_and_noise_scale_excludes_undefined_modules(tmp_path):
 
 def test_default_noise_scale_cadence_is_one_micro_batch_in_eight(tmp_path, monkeypatch):
     """The default measures the per-sample noise scale on one micro-batch in
-    `NOISE_SCALE_EVERY` (the first micro-batch only probes which modules qualify)."""
+    `NOISE_SCALE_EVERY`, from the first one after the probe (the very first micro-batch only
+    probes which modules qualify), so even a short run logs it from its first logging step."""
     from nnstat.integrations._hf_callback import NOISE_SCALE_EVERY
 
     from nnstat.gns import NoiseScale
@@ -144,11 +145,11 @@ def test_default_noise_scale_cadence_is_one_micro_batch_in_eight(tmp_path, monke
 
     monkeypatch.setattr(NoiseScale, "_add_captured", counting)
     cb = NNStatCallback(stats=["l2"], groups=["weight"])
-    args = _args(tmp_path, max_steps=17, logging_steps=100, per_device_train_batch_size=4)
+    args = _args(tmp_path, max_steps=18, logging_steps=100, per_device_train_batch_size=4)
     transformers.Trainer(
-        model=_model(), args=args, train_dataset=Tokens(68, 0), callbacks=[cb]
+        model=_model(), args=args, train_dataset=Tokens(72, 0), callbacks=[cb]
     ).train()
-    assert seen == [4, 4]  # micro-batches 8 and 16 after the probe (steps 9 and 17)
+    assert seen == [4, 4, 4]  # micro-batches 1, 9 and 17 after the probe (steps 2, 10, 18)
 
 
 def _plain_api(model, tmp_path, names, train, query, rank, config):
