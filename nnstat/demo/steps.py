@@ -38,7 +38,7 @@ __all__ = [
     "save_for_viewer",
 ]
 
-NOISE_SCALE_EVERY = 3  # logged steps between two noise-scale estimates
+NOISE_SCALE_EVERY = 2  # logged steps between two noise-scale estimates
 RANK = 16  # projection rank per module of the gradient store
 REFINE_STEPS = 5  # conjugate-gradient steps of the influence refinement
 TOP_K = 3  # helpful and harmful training digits shown per misclassified test digit
@@ -132,7 +132,7 @@ def watch_training(state: Any) -> None:
             warnings.filterwarnings("ignore", message=r"the \|G\|\^2 estimate")
             result = nnstat.noise_scale(
                 state.model, nn.functional.cross_entropy, data, method="per_sample",
-                big_batch=128 if quick else 256, n_estimates=4 if quick else 8, seed=calls["n"],
+                big_batch=128 if quick else 256, n_estimates=4 if quick else 16, seed=calls["n"],
             )  # fmt: skip
         key = "of which noise scale"
         ex.timings[key] = ex.timings.get(key, 0.0) + time.perf_counter() - t0
