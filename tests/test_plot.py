@@ -183,7 +183,7 @@ def test_influence_figure_picks_top_and_bottom_scores(tmp_path):
         for title, j in zip(row[4:7], worst, strict=True):
             assert f"#t{j}" in title
     w, h = _png(fig, tmp_path / "i.png")
-    assert w == int(100 * (1.25 * 7 + 0.6)) and h == int(100 * (1.55 * 3 + 0.9))
+    assert w == int(100 * (1.25 * 7 + 0.6)) and h == int(100 * (1.55 * 3 + 0.62))
 
 
 def test_influence_figure_accepts_mappings_and_rejects_bad_images():

@@ -395,6 +395,7 @@ def _layers_section(rep: HtmlReport, state: Any, hist: list[dict[str, Any]]) -> 
     fields = nplt.receptive_fields(
         W[first] - state.W_init[first],
         image_shape=(8, 8),
+        label="change of weight (shared scale)",
         title=f"what the first layer learned: {first} minus its initial value, per unit as 8×8",
     )
     rep.figure(

@@ -31,6 +31,7 @@ def receptive_fields(
     ncols: int = 16,
     order: str = "norm",
     cmap: str = "RdBu_r",
+    label: str = "weight (shared scale)",
     title: str | None = None,
 ) -> Figure:
     """Each unit's input weights of a first layer drawn as an image of the input's shape.
@@ -39,8 +40,9 @@ def receptive_fields(
     tiles the strokes a unit responds to are visible. One colour scale, symmetric around zero,
     is shared by every tile (limit: the 99th percentile of ``|w|``, so one large weight does not
     wash out the rest); ``order="norm"`` puts the units with the largest weight norm first
-    (``"index"`` keeps the layer's order). Each tile is labelled with its unit index. The tiles
-    are one mosaic image in one axes (a hundred axes would take seconds to lay out).
+    (``"index"`` keeps the layer's order); ``label`` names the colour bar. Each tile is labelled
+    with its unit index. The tiles are one mosaic image in one axes (a hundred axes would take
+    seconds to lay out).
 
     Example:
         >>> import torch
@@ -84,7 +86,7 @@ def receptive_fields(
             ha="center", va="bottom", fontsize=8.5, color="0.25",
         )  # fmt: skip
     ax.set_axis_off()
-    fig.colorbar(image, ax=ax, shrink=0.8, label="weight (shared scale)", extend="both")
+    fig.colorbar(image, ax=ax, shrink=0.8, label=label, extend="both")
     what = "largest weight norm first" if order == "norm" else "layer order"
     fig.suptitle(
         title or f"first-layer receptive fields: {len(units)} units as {h}×{wd} images ({what})",

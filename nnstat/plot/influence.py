@@ -127,7 +127,7 @@ def influence_figure(
     k = max(len(r[2]) for r in rows)
     # axes placed by hand (inches): constrained layout takes seconds for ~100 small axes
     title_h = 0.4 if title else 0.0
-    width, height = 1.25 * (2 * k + 1) + 0.6, 1.55 * len(rows) + 0.9 + title_h
+    width, height = 1.25 * (2 * k + 1) + 0.6, 1.55 * len(rows) + 0.62 + title_h
     fig = new_figure(width, height, constrained=False)
     top = height - title_h - 0.45  # below the header line
     x_helpful, x_harmful = 0.1 + 1.25 + 0.2, 0.1 + 1.25 * (k + 1) + 0.4
