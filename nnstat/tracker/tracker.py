@@ -1,7 +1,8 @@
 """Tracker: one line in a training loop logs weight/grad/optimizer-state/update statistics.
 
-Each logged step reduces every tracked tensor (fused blocked passes, one host transfer per
-group, `nnstat.tracker.compute`), derives trust ratios from the same norms, adds the metrics of
+Each logged step reduces every tracked tensor (fused blocked passes, `nnstat.tracker.compute`;
+on accelerators everything stays queued on the device until ONE host transfer per step, on CPU
+each group's table is read as it is done), derives trust ratios from the same norms, adds the metrics of
 registered providers, and hands one flat dict to every sink. On CPU the reductions of step ``t``
 run by default on a background thread (`nnstat.background`) while step ``t + 1`` trains; the
 optimizer's step pre-hook waits for them before the weights change.
