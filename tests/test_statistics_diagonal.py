@@ -195,3 +195,36 @@ def test_gpt2_sized_vocabulary_is_saved_as_a_vector_with_its_hash(tmp_path):
     # the projected store scores with the K-FAC factors of the diagonal
     res = compute_influence_all(store, store, preconditioner="kfac", progress=False)
     assert res.scores.shape == (6, 6) and torch.isfinite(res.scores).all()
+
+
+def test_store_statistics_are_read_one_tensor_at_a_time_and_checked(tmp_path):
+    from safetensors.torch import save_file
+
+    from nnstat.influence.sources import LazyStatistics, as_source
+
+    model, batches = _problem(4)
+    run = nnstat.init(project="lazy", root_dir=str(tmp_path))
+    nnstat.setup({"log": "grad", "save": "grad", "statistic": "kfac", "rank": 2})
+    nnstat.watch(model)
+    try:
+        for x, y in batches:
+            with run(data_id=[f"{len(x)}-{i}" for i in range(len(x))]):
+                _loss(model(x), y).backward()
+            model.zero_grad()
+        nnstat.finalize()
+    finally:
+        nnstat.unwatch()
+    root = tmp_path / "lazy"
+    whole = nnstat.GradientStore(root).statistics()
+    lazy = as_source(str(root)).statistics()
+    assert isinstance(lazy, LazyStatistics) and sorted(lazy) == sorted(whole)
+    for k, v in whole.items():
+        assert torch.equal(lazy[k], v)
+    # a file that is not the one meta.json hashed: the reader's own error
+    changed = {**whole, "0/forward/covariance": whole["0/forward/covariance"] * 2}
+    save_file(changed, str(root / "statistics.safetensors"))
+    with pytest.raises(ValueError, match="does not belong to this store"):
+        as_source(str(root)).statistics()
+    # replaced after the check: every read checks the file is still the hashed one
+    with pytest.raises(ValueError, match="changed after it was checked"):
+        lazy["0/forward/covariance"]

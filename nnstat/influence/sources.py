@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import json
 import os
+import sys
 import uuid
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -47,7 +49,7 @@ class RowSource(Protocol):
         self, shard: Any, batch_size: int
     ) -> Iterator[tuple[list, torch.Tensor]]: ...
 
-    def statistics(self) -> dict[str, torch.Tensor]: ...
+    def statistics(self) -> Mapping[str, torch.Tensor]: ...
 
     def projections(self) -> dict[str, torch.Tensor]: ...
 
@@ -261,10 +263,14 @@ class StoreSource:
             warnings.simplefilter("ignore", UserWarning)  # "non-writable array": never written
             return torch.from_numpy(array)
 
-    def statistics(self) -> dict[str, torch.Tensor]:
+    def statistics(self) -> Mapping[str, torch.Tensor]:
         if self._statistics is None:
-            stats = getattr(self.store, "statistics", None)
-            self._statistics = dict(stats() if callable(stats) else {})
+            lazy = LazyStatistics.open(self.root / _STATISTICS, self.meta.get("statistics_sha256"))
+            if lazy is not None:
+                self._statistics = lazy
+            else:  # no recorded hash, no file, or a mismatch: the store's own reader decides
+                stats = getattr(self.store, "statistics", None)
+                self._statistics = dict(stats() if callable(stats) else {})
         return self._statistics
 
     def projections(self) -> dict[str, torch.Tensor]:
@@ -275,6 +281,95 @@ class StoreSource:
             else:
                 self._projections = _load_safetensors(self.root / _PROJECTIONS)
         return self._projections
+
+
+class LazyStatistics(Mapping):
+    """``statistics.safetensors`` read one tensor at a time: a K-FAC run's full-width factors
+    (1.5 GB for GPT-2 small) are never all in memory while the preconditioner projects them.
+
+    `open` checks the file against meta.json's ``statistics_sha256`` first, hashing it one
+    tensor at a time with plain reads (a memory map would keep every page resident), and
+    returns ``None`` when it cannot (then the store's reader loads it whole and raises its own
+    error on a mismatch). Every read checks that the file is still the one that was hashed.
+
+    Example:
+        >>> LazyStatistics.open(Path("/nonexistent/statistics.safetensors"), "abc") is None
+        True
+    """
+
+    _DTYPES = {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+    }
+
+    def __init__(self, path: Path, entries: dict[str, tuple], base: int, stamp: tuple) -> None:
+        self.path, self._entries, self._base, self._stamp = path, entries, base, stamp
+
+    @staticmethod
+    def _stat(path: Path) -> tuple:
+        st = path.stat()
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    @classmethod
+    def open(cls, path: Path, expected: str | None) -> LazyStatistics | None:
+        if expected is None or not path.exists() or sys.byteorder != "little":
+            return None
+        from nnstat.store import format as fmt
+
+        stamp = cls._stat(path)
+        try:
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+                header.pop("__metadata__", None)
+                entries = {
+                    k: (cls._DTYPES[v["dtype"]], tuple(v["shape"]), *v["data_offsets"])
+                    for k, v in header.items()
+                }
+                obj = cls(path, entries, 8 + size, stamp)
+                h = hashlib.sha256()
+                for k in sorted(entries):
+                    fmt.hash_tensor(h, k, obj._read(f, k))
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError):
+            return None  # damaged or unusual: the reader's error names it
+        if h.hexdigest() != expected or cls._stat(path) != stamp:
+            return None
+        return obj
+
+    def _read(self, f: Any, key: str) -> torch.Tensor:
+        dtype, shape, lo, hi = self._entries[key]
+        f.seek(self._base + lo)
+        buf = bytearray(f.read(hi - lo))
+        if len(buf) != hi - lo:
+            raise ValueError(f"{self.path}: cut short")
+        if not buf:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._entries:
+            raise KeyError(key)
+        if self._stat(self.path) != self._stamp:
+            raise ValueError(
+                f"{self.path} changed after it was checked against meta.json's "
+                "statistics_sha256: open the store again"
+            )
+        with open(self.path, "rb") as f:
+            return self._read(f, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._entries))
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 def _store_root(store: Any) -> str:

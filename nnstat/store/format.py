@@ -574,12 +574,18 @@ def tensors_hash(tensors: Mapping[str, torch.Tensor]) -> str:
     """sha256 over sorted names, dtypes, shapes and bytes of ``tensors``."""
     h = hashlib.sha256()
     for name in sorted(tensors):
-        t = tensors[name].detach().to("cpu").contiguous()
-        h.update(name.encode())
-        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
+        hash_tensor(h, name, tensors[name])
     return h.hexdigest()
+
+
+def hash_tensor(h: Any, name: str, tensor: torch.Tensor) -> None:
+    """Feed one named tensor to ``h`` as `tensors_hash` does (callers go in sorted name order;
+    a reader can then hash a file one tensor at a time)."""
+    t = tensor.detach().to("cpu").contiguous()
+    h.update(name.encode())
+    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+    if t.numel():
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
 
 
 def diff_dicts(old: Any, new: Any, prefix: str = "") -> list[str]:
