@@ -14,6 +14,9 @@ supported module and scores ``identity`` and ``raw`` (the default without statis
 
     .venv/bin/python benchmarks/scale_influence.py --threads 2            # full size
     .venv/bin/python benchmarks/scale_influence.py --quick                # 2 layers, 32 samples
+    # refinement (8 GB even this small: see docs/benchmarks.md)
+    .venv/bin/python benchmarks/scale_influence.py --n-layer 1 --n 8 --queries 2 --seq 16 \
+        --stat-samples 8 --refine-steps 2 --kinds raw,refined --store /tmp/nnstat_tiny
 
 The store is kept in ``--store`` and reused when its ``bench.json`` matches the options
 (logging GPT-2 small costs ~4 s per sequence on 2 shared cores; scoring is what is measured).
@@ -225,7 +228,6 @@ def main() -> None:
     if args.quick:
         args.n_layer, args.n, args.queries, args.stat_samples = 2, 32, 8, 16
         args.seq = min(args.seq, 64)
-        args.refine_steps = args.refine_steps or 2
     import torch
 
     torch.set_num_threads(args.threads)
