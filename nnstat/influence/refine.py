@@ -616,9 +616,11 @@ class _BatchLossCurvature:
         try:
             for batch in data:
                 caps.clear()
-                with engine.batch(loss_reduction=self.r.loss_reduction):
-                    self.r.batch_loss(batch).backward()
                 n = batch_len(batch)
+                # samples=n: a shared module (a position embedding) is expanded to the batch, so
+                # its rows are each example's own gradient rather than the batch's sum
+                with engine.batch(loss_reduction=self.r.loss_reduction, samples=n):
+                    self.r.batch_loss(batch).backward()
                 out = torch.zeros(n, self.flat.size, dtype=self.r.dtype)
                 for name, mat in caps:
                     self.flat.write(out, slots[name], mat.to(self.r.dtype))
