@@ -119,7 +119,15 @@ def _numpy_ok(x: torch.Tensor) -> bool:
     # numpy's calls cost ~0.5 us against torch's ~5 us, its BLAS dot reads a cached block at ~5 us
     # per 64K floats and its SIMD min/max/abs are as fast: the numpy pass below measured ~3x
     # faster than the torch one (the same ~12 reductions per block) on one core
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.numel() > 0
+    # plain tensors only: a subclass (FSDP2's DTensor) has no .numpy() and its local shard is
+    # not the whole tensor
+    plain = type(x) in (torch.Tensor, torch.nn.Parameter)
+    return (
+        plain
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.float64)
+        and x.numel() > 0
+    )
 
 
 def _ones(n: int, dtype: np.dtype) -> np.ndarray:
