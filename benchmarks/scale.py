@@ -19,8 +19,9 @@ the same round, the median of those ratios is reported), at each ``--layers`` de
 * ``hf``: a ``transformers.Trainer`` with nnstat's ``NNStatCallback()`` (its defaults) vs the
   same Trainer without it.
 
-Peak memory: ``--memory`` also runs each variant alone in a child process and reports its peak
-resident memory (``ru_maxrss``) above the plain variant's.
+Peak memory: ``--memory`` also runs each variant alone in a child process and reports the peak
+resident memory of its steps (Linux ``VmHWM``, reset after the model is built) above the plain
+variant's.
 
     WANDB_MODE=offline .venv/bin/python benchmarks/scale.py [--parts stats,logging,hf]
         [--layers 2,12] [--batch 4 --seq 128] [--rounds 5 --steps 2] [--threads 2] [--memory]
@@ -38,7 +39,6 @@ import io
 import json
 import os
 import platform
-import resource
 import shutil
 import statistics
 import subprocess
@@ -332,7 +332,10 @@ def ratios(times: dict[str, list[float]], base: str) -> dict[str, tuple[float, f
     """name -> (median seconds per step, median per-round ratio to `base`)."""
     b = times[base]
     return {
-        k: (statistics.median(v), statistics.median(a / c for a, c in zip(v, b, strict=True)))
+        k: (
+            statistics.median(v),
+            statistics.median(a / c for a, c in zip(v, b, strict=True)),
+        )
         for k, v in times.items()
     }
 
@@ -355,14 +358,30 @@ def probe(args) -> None:
             fn, done, _ = logging_alone(args, layers, variant, tmp)
         else:
             fn, done = VARIANTS[part](args, layers, tmp, only=variant)[variant]
+        # the peak of the steps alone: building the model has its own transient peak, which
+        # would hide every variant's extra memory
+        _reset_peak(args.device)
         for _ in range(3):
             fn()
         done()
         _finish_wandb()
-        if args.device.startswith("cuda"):
-            print(torch.cuda.max_memory_allocated() / 2**20)
-        else:
-            print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        print(_peak_mib(args.device))
+
+
+def _reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        return
+    with open("/proc/self/clear_refs", "w") as f:  # Linux: "5" resets VmHWM to the current RSS
+        f.write("5")
+
+
+def _peak_mib(device: str) -> float:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
 
 
 VARIANTS = {"stats": stats_variants, "logging": logging_variants, "hf": hf_variants}
@@ -376,7 +395,14 @@ def logging_rows(args, layers: int) -> dict[str, tuple[float, float, int]]:
         if which.startswith("LogIX") and "logix" not in args.peers:
             continue
         cmd = [sys.executable, __file__, "--logger", which, "--layers", str(layers)]
-        cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--device", args.device]
+        cmd += [
+            "--batch",
+            str(args.batch),
+            "--seq",
+            str(args.seq),
+            "--device",
+            args.device,
+        ]
         cmd += ["--threads", str(args.threads), "--rounds", str(args.rounds)]
         cmd += ["--steps", str(args.steps)]
         res = subprocess.run(cmd, capture_output=True, text=True, check=False)
