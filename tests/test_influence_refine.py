@@ -11,6 +11,7 @@ from torch.func import functional_call
 import nnstat
 from nnstat.influence import (
     Refinement,
+    block_cg,
     compute_influence_all,
     compute_self_influence,
     preconditioned_cg,
@@ -113,7 +114,8 @@ def _reference(model, store, log, train, query, curvature_matrix, lam):
 
 @pytest.mark.parametrize("rank", [None, 2])
 @pytest.mark.parametrize("curvature", ["hessian", "ggn"])
-def test_refinement_converges_to_the_explicit_solution(tmp_path, rank, curvature):
+@pytest.mark.parametrize("solver", ["block", "cg"])
+def test_refinement_converges_to_the_explicit_solution(tmp_path, rank, curvature, solver):
     model, train, query = _setup()
     store, log = _log(tmp_path, "p", model, train, query, rank=rank)
     if curvature == "hessian":
@@ -126,7 +128,7 @@ def test_refinement_converges_to_the_explicit_solution(tmp_path, rank, curvature
     query_data = query if rank is None else None  # optional: a check, the rows are the rhs
     refine = Refinement(
         model, LOSS, train, query_data=query_data, steps=n_params + 5, curvature=curvature,
-        damping=lam, dtype=torch.float64, batch_size=10,
+        damping=lam, dtype=torch.float64, batch_size=10, solver=solver,
     )  # fmt: skip
     res = compute_influence_all(log, store, refine=refine)
     assert res.scores.shape == (N_QUERY, N_TRAIN)
@@ -134,6 +136,7 @@ def test_refinement_converges_to_the_explicit_solution(tmp_path, rank, curvature
     assert err < 1e-5, err
     info = res.meta["refine"]
     assert info["curvature"] == curvature and info["passes"] <= n_params + 5
+    assert info["solver"] == solver
     assert info["max_residual"] < 1e-6
     assert info["damping"] == lam and set(res.meta["module_damping"].values()) == {lam}
 
@@ -150,7 +153,8 @@ def test_zero_steps_gives_the_unrefined_scores_exactly(tmp_path):
     assert torch.equal(s_plain.scores, s_zero.scores)
 
 
-def test_each_step_does_not_increase_the_energy_error(tmp_path):
+@pytest.mark.parametrize("solver", ["block", "cg"])
+def test_each_step_does_not_increase_the_energy_error(tmp_path, solver):
     """On the real curvature: x_k from k = 0..K steps, error in the (H + λI)-norm."""
     model, train, query = _setup()
     store, log = _log(tmp_path, "p", model, train, query)  # unprojected: rows are x itself
@@ -163,8 +167,9 @@ def test_each_step_does_not_increase_the_energy_error(tmp_path):
     errors = []
     for k in range(0, 8):
         refine = Refinement(
-            model, LOSS, train, query_data=query, steps=k, damping=lam, dtype=torch.float64
-        )
+            model, LOSS, train, query_data=query, steps=k, damping=lam, dtype=torch.float64,
+            solver=solver,
+        )  # fmt: skip
         if k == 0:
             x = torch.zeros_like(exact)
         else:
@@ -192,6 +197,57 @@ def test_preconditioned_cg_energy_error_is_monotone_on_a_random_spd_system():
     assert (energy[1:] <= energy[:-1] * (1 + 1e-9) + 1e-20).all()
     assert torch.allclose(x, exact, rtol=1e-6, atol=1e-8)
     assert info["products"] <= 3 * 200 and info["residual"].max() < 1e-9
+
+
+def _spd_system(n=30, k=3, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+    a = q @ torch.diag(torch.logspace(-2, 2, n, dtype=torch.float64)) @ q.T
+    b = torch.randn(k, n, generator=gen, dtype=torch.float64)
+    m = torch.diag(1 / torch.diagonal(a))
+    return a, b, m, torch.linalg.solve(a, b.T).T
+
+
+def _energy(x, exact, a):
+    return (((x - exact) @ a) * (x - exact)).sum(1)
+
+
+def test_block_cg_of_one_row_is_preconditioned_cg():
+    a, b, m, _ = _spd_system(k=1)
+    for steps in (1, 4, 9):
+        x1, i1 = preconditioned_cg(lambda v: v @ a, lambda r: r @ m, b, steps)
+        x2, i2 = block_cg(lambda v: v @ a, lambda r: r @ m, b, steps)
+        assert torch.allclose(x1, x2, rtol=1e-9, atol=1e-12)
+        assert i1["passes"] == i2["passes"] == steps and i1["products"] == i2["products"]
+
+
+def test_block_cg_beats_per_row_cg_and_is_monotone_and_exact_when_the_space_is_full():
+    """The block space holds every row's own CG space: per row, never a larger (A)-norm error
+    than PCG at equal steps; monotone per step; exact once k·steps ≥ n (dependent directions
+    dropped, so the last steps apply fewer products)."""
+    a, b, m, exact = _spd_system(n=30, k=6)
+    seen = []
+    x, info = block_cg(lambda v: v @ a, lambda r: r @ m, b, 5, on_step=seen.append)
+    energy = torch.stack([_energy(s, exact, a) for s in seen])
+    assert (energy[1:] <= energy[:-1] * (1 + 1e-9) + 1e-20).all()
+    assert torch.allclose(x, exact, rtol=1e-7, atol=1e-9)
+    assert info["passes"] == 5 and info["products"] == 30
+    for steps in (1, 2, 3, 4):
+        xb, _ = block_cg(lambda v: v @ a, lambda r: r @ m, b, steps)
+        xc, _ = preconditioned_cg(lambda v: v @ a, lambda r: r @ m, b, steps)
+        assert (_energy(xb, exact, a) <= _energy(xc, exact, a) * (1 + 1e-9)).all()
+
+
+def test_block_cg_drops_dependent_rows_and_refuses_an_indefinite_space():
+    a, b, m, exact = _spd_system(n=20, k=2)
+    twice = torch.cat([b, b, 2 * b[:1]])  # rows 2-4 add no direction
+    x, info = block_cg(lambda v: v @ a, lambda r: r @ m, twice, 3)
+    assert info["products"] == 6  # 2 new directions per step, not 5
+    assert torch.allclose(x[:2], x[2:4]) and torch.allclose(x[4], 2 * x[0])
+    d = torch.diag(torch.tensor([1.0, -1.0, 2.0], dtype=torch.float64))
+    with pytest.raises(ValueError, match="not positive definite") as e:
+        block_cg(lambda v: v @ d, lambda r: r, torch.ones(2, 3, dtype=torch.float64), 3)
+    assert e.value.rows == [0, 1] and min(e.value.curvature) < 0
 
 
 def test_indefinite_hessian_is_reported_not_scored(tmp_path):
@@ -228,18 +284,27 @@ def test_query_data_that_is_not_the_log_is_refused(tmp_path):
         )
 
 
-def test_refined_self_influence_is_the_diagonal_of_all_pairs(tmp_path):
+@pytest.mark.parametrize("solver", ["block", "cg"])
+def test_refined_self_influence_is_the_diagonal_of_all_pairs(tmp_path, solver):
     model, train, query = _setup()
     store, _ = _log(tmp_path, "p", model, train, query, rank=2)
-    refine = Refinement(model, LOSS, train, steps=4, curvature="ggn", dtype=torch.float64)
+    refine = Refinement(
+        model, LOSS, train, steps=4, curvature="ggn", dtype=torch.float64, solver=solver
+    )
     selfs = compute_self_influence(store, refine=refine)
     pairs = compute_influence_all(
         store, store, refine=Refinement(**{**refine.__dict__, "query_data": train})
     )
     assert selfs.ids == list(range(N_TRAIN))
     assert torch.allclose(selfs.scores, torch.diagonal(pairs.scores), rtol=1e-5, atol=1e-7)
-    # two blocks of query_batch=32 rows, and one pass estimating the default damping
-    assert selfs.meta["refine"]["passes"] == 4 * 2 + 1
+    # two blocks of query_batch=32 rows, and one pass estimating the default damping; the
+    # block solver stops early once its space is the whole (rank-2, 12-wide) logged space
+    info = selfs.meta["refine"]
+    if solver == "cg":
+        assert info["passes"] == 4 * 2 + 1 and info["passes_per_block"] == 4
+    else:
+        assert info["passes"] <= 2 * info["passes_per_block"] + 1 and info["passes_per_block"] < 4
+        assert info["max_residual"] < 1e-9
 
 
 def test_refinement_validates_its_arguments():

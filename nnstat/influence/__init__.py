@@ -19,7 +19,7 @@ from .exact import exact
 from .layout import ModuleSpec
 from .lds import LDSProtocol, lds, lds_per_query, run_lds_protocol, subset_masks
 from .precondition import PRECONDITIONERS, Preconditioner
-from .refine import CURVATURES, Refinement, preconditioned_cg
+from .refine import CURVATURES, Refinement, block_cg, preconditioned_cg
 from .result import InfluenceResult, SelfInfluenceResult, TopKInfluence
 from .score import MODES, compute_influence_all, compute_self_influence
 from .sources import TensorSource, as_source
@@ -37,6 +37,7 @@ __all__ = [
     "TensorSource",
     "TopKInfluence",
     "as_source",
+    "block_cg",
     "clear_cache",
     "compute_influence_all",
     "compute_self_influence",

@@ -67,6 +67,7 @@ from nnstat.store import format as fmt
 
 from .cache import default_preconditioner, fitted
 from .exact import iter_batches
+from .krylov import block_cg, preconditioned_cg
 from .layout import ModuleSpec
 from .precondition import (
     Preconditioner,
@@ -79,6 +80,7 @@ from .sources import RowSource, all_rows
 
 CURVATURES = ("hessian", "ggn")
 FISHERS = ("store", "empirical", "true", "sampled")
+SOLVERS = ("block", "cg")
 # statistics that average output-gradient terms (scaled by the class count under fisher="true")
 _BACKWARD_KEYS = (
     "/backward/covariance",
@@ -87,7 +89,15 @@ _BACKWARD_KEYS = (
     "/grad/covariance",
 )
 REFINE_PRECONDITIONERS = ("ekfac", "kfac", "raw", "identity")
-__all__ = ["CURVATURES", "FISHERS", "Refinement", "fit_fisher_statistics", "preconditioned_cg"]
+__all__ = [
+    "CURVATURES",
+    "FISHERS",
+    "SOLVERS",
+    "Refinement",
+    "block_cg",
+    "fit_fisher_statistics",
+    "preconditioned_cg",
+]
 
 
 @dataclass
@@ -120,6 +130,10 @@ class Refinement:
             (plain CG).
         batch_size: training examples per curvature product.
         query_batch: queries refined together (memory grows with it).
+        solver: ``"block"`` (default): the queries of a block share one search space (block
+            conjugate gradient: each pass over the data adds ``query_batch`` directions, not one,
+            at the memory of ``2 · steps · query_batch`` logged-space vectors); ``"cg"``: one
+            conjugate-gradient recurrence per query.
         loss_reduction: how ``loss_fn`` reduces a batch, ``"mean"`` or ``"sum"``.
         fisher: where the K-FAC/EK-FAC preconditioner's factors come from: ``"store"`` (the run's
             statistics), or refit from ``train_data`` (two more passes) with the real targets
@@ -150,6 +164,7 @@ class Refinement:
     preconditioner: str | None = None
     batch_size: int = 256
     query_batch: int = 32
+    solver: str = "block"
     loss_reduction: str = "mean"
     fisher: str = "store"
     fisher_samples: int = 1
@@ -177,6 +192,8 @@ class Refinement:
                 f"preconditioner must be None or one of {list(REFINE_PRECONDITIONERS)}, "
                 f"got {self.preconditioner!r}"
             )
+        if self.solver not in SOLVERS:
+            raise ValueError(f"solver must be one of {list(SOLVERS)}, got {self.solver!r}")
         if self.fisher not in FISHERS:
             raise ValueError(f"fisher must be one of {list(FISHERS)}, got {self.fisher!r}")
         if not isinstance(self.fisher_samples, int) or self.fisher_samples < 1:
@@ -189,78 +206,6 @@ class Refinement:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.damping is not None:
             resolve_damping(self.damping, torch.zeros(0))  # validates
-
-
-# ----------------------------------------------------------------------------- pure maths
-def preconditioned_cg(
-    matvec: Callable[[torch.Tensor], torch.Tensor],
-    precondition: Callable[[torch.Tensor], torch.Tensor],
-    rhs: torch.Tensor,
-    steps: int,
-    x0: torch.Tensor | None = None,
-    tol: float = 1e-12,
-    on_step: Callable[[torch.Tensor], None] | None = None,
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``steps`` iterations of preconditioned CG on ``A x_k = rhs_k`` for every row ``k``.
-
-    ``matvec`` and ``precondition`` map ``[k, P]`` to ``[k, P]`` (``A`` and ``M ≈ A⁻¹``
-    symmetric). Rows whose relative residual falls under ``tol`` stop; ``matvec`` then sees only
-    the active rows. Returns ``(x, info)``: ``info["products"]`` counts single-vector products,
-    ``info["passes"]`` calls of ``matvec``, ``info["residual"]`` the final relative residuals.
-    Raises ``ValueError`` when ``pᵀAp <= 0`` for an active row (``A`` is not positive definite
-    along that direction), with ``err.rows`` the offending row indices.
-
-    Example:
-        >>> import torch
-        >>> A = torch.tensor([[4.0, 1.0], [1.0, 3.0]], dtype=torch.float64)
-        >>> b = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
-        >>> x, info = preconditioned_cg(lambda v: v @ A, lambda r: r / 4, b, steps=2)
-        >>> torch.allclose(x @ A, b), info["passes"]
-        (True, 2)
-    """
-    k = rhs.shape[0]
-    b_norm = rhs.norm(dim=1).clamp_min(torch.finfo(rhs.dtype).tiny)
-    products = passes = 0
-    if x0 is None:
-        x = torch.zeros_like(rhs)
-        r = rhs.clone()
-    else:
-        x = x0.clone()
-        r = rhs - matvec(x)
-        products, passes = k, 1
-    z = precondition(r)
-    p = z.clone()
-    rz = (r * z).sum(1)
-    active = r.norm(dim=1) / b_norm > tol
-    for _ in range(steps):
-        if on_step is not None:
-            on_step(x)
-        idx = active.nonzero().flatten()
-        if len(idx) == 0:
-            break
-        ap = matvec(p[idx])
-        products += len(idx)
-        passes += 1
-        pap = (p[idx] * ap).sum(1)
-        bad = pap <= 0
-        if bad.any():
-            err = ValueError("not positive definite")
-            err.rows = idx[bad].tolist()  # type: ignore[attr-defined]
-            err.curvature = pap[bad].tolist()  # type: ignore[attr-defined]
-            raise err
-        alpha = rz[idx] / pap
-        x[idx] += alpha[:, None] * p[idx]
-        r[idx] -= alpha[:, None] * ap
-        z_new = precondition(r[idx])
-        rz_new = (r[idx] * z_new).sum(1)
-        beta = rz_new / rz[idx]
-        p[idx] = z_new + beta[:, None] * p[idx]
-        rz[idx] = rz_new
-        active[idx] = r[idx].norm(dim=1) / b_norm[idx] > tol
-    if on_step is not None:
-        on_step(x)
-    info = {"products": products, "passes": passes, "residual": r.norm(dim=1) / b_norm}
-    return x, info
 
 
 # ----------------------------------------------------------------------------- the model side
@@ -929,7 +874,8 @@ def refine_queries(
         unit="pass",
         disable=None if refine.progress is None else not refine.progress,
     )
-    solved, products, residual = [], 0, []
+    solve = block_cg if refine.solver == "block" else preconditioned_cg
+    solved, products, residual, per_block = [], 0, [], []
     with bar:
         for lo in blocks:
             b = b_all[lo : lo + refine.query_batch]
@@ -940,27 +886,29 @@ def refine_queries(
                 return out
 
             try:
-                y, info = preconditioned_cg(counted, precondition, b, refine.steps)
+                y, info = solve(counted, precondition, b, refine.steps)
             except ValueError as e:
                 bad = [ids[lo + i] for i in getattr(e, "rows", [])]
                 if not bad:
                     raise
                 raise ValueError(
                     f"curvature='{refine.curvature}' is not positive definite along a conjugate-"
-                    f"gradient direction for queries {bad[:5]} (pᵀ(H+λI)p = "
+                    f"gradient direction of queries {bad[:5]} (curvature along it, pᵀ(H+λI)p = "
                     f"{min(e.curvature):.3g}): the Hessian of this loss is indefinite there. Use "  # type: ignore[attr-defined]
                     "Refinement(curvature='ggn') (positive semi-definite) or a larger damping"
                 ) from None
             solved.append(y.to(torch.float32))
             products += info["products"]
+            per_block.append(info["passes"])
             residual.append(info["residual"])
     report = {
         "steps": refine.steps,
         "curvature": refine.curvature,
         "fisher": refine.fisher,
+        "solver": refine.solver,
         "products": products,
         "passes": curv.passes + (2 if stats is not None else 0),
-        "passes_per_block": refine.steps,
+        "passes_per_block": max(per_block, default=0),
         "n_train": curv.n_train,
         "seconds": time.perf_counter() - start,
         "preconditioner": pre.kind,
