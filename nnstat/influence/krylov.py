@@ -126,7 +126,7 @@ def block_cg(
     Example:
         >>> import torch
         >>> A = torch.diag(torch.arange(1.0, 5.0, dtype=torch.float64))
-        >>> B = torch.tensor([[1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0]], dtype=torch.float64)
+        >>> B = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, -1.0, 2.0, 0.0]], dtype=torch.float64)
         >>> X, info = block_cg(lambda v: v @ A, lambda r: r, B, steps=2)  # 4 = 2 steps x 2 rows
         >>> torch.allclose(X @ A, B), info["passes"]
         (True, 2)
