@@ -94,13 +94,14 @@ def preconditioned_cg(
 
 def _new_directions(z: torch.Tensor, basis: torch.Tensor, drop: float) -> torch.Tensor:
     """An orthonormal basis ``[m, P]`` of what ``z`` adds to the row space of ``basis``
-    (orthonormal rows): projected out twice (classical Gram-Schmidt loses orthogonality once),
-    then an SVD keeps the directions above ``drop`` relative to ``z``'s largest row."""
-    scale = z.norm(dim=1).max()
+    (orthonormal rows): rows scaled to unit norm (a query's direction counts whatever its
+    gradient's size), projected out twice (classical Gram-Schmidt loses orthogonality once),
+    then an SVD keeps the directions above ``drop``."""
+    z = z / z.norm(dim=1, keepdim=True).clamp_min(torch.finfo(z.dtype).tiny)
     for _ in range(2 if len(basis) else 0):
         z = z - (z @ basis.T) @ basis
     _, s, vh = torch.linalg.svd(z, full_matrices=False)
-    return vh[s > drop * scale]
+    return vh[s > drop]
 
 
 def block_cg(
