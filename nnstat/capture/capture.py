@@ -319,8 +319,12 @@ class ModuleCapture:
         return self._b @ p_out.T, ap
 
     # ------------------------------------------------------------ sums for statistics
-    def forward_gram(self) -> torch.Tensor:
-        """``Σ_{n,t} a aᵀ`` over unmasked positions, ``[d_in(+1), d_in(+1)]``."""
+    def forward_gram(self, proj: torch.Tensor | None = None) -> torch.Tensor:
+        """``Σ_{n,t} a aᵀ`` over unmasked positions, ``[d_in(+1), d_in(+1)]``; with ``proj``
+        (``P`` ``[r, d_in(+1)]``) that of the projected inputs, ``Σ (P a)(P a)ᵀ`` ``[r, r]``."""
+        if proj is not None:
+            ap = self._projected_forward(proj)
+            return ap.T @ ap
         if self.kind == "embedding":
             idx = self._a[self._a >= 0]
             counts = torch.bincount(idx, minlength=self.d_in).float()
@@ -334,10 +338,40 @@ class ModuleCapture:
         corner = (k * k).sum().reshape(1, 1)
         return torch.cat([torch.cat([gram, col[:, None]], 1), torch.cat([col[None], corner], 1)])
 
-    def backward_gram(self) -> torch.Tensor:
-        """``Σ_{n,t} b bᵀ``, ``[d_out, d_out]``."""
+    def backward_gram(self, proj: torch.Tensor | None = None) -> torch.Tensor:
+        """``Σ_{n,t} b bᵀ``, ``[d_out, d_out]``; with ``proj`` (``P`` ``[r, d_out]``)
+        ``Σ (P b)(P b)ᵀ`` ``[r, r]`` without the ``d_out × d_out`` matrix."""
         b = self._b.reshape(-1, self._b.shape[-1])
+        if proj is not None:
+            _check_proj(self.name, "projection", proj, self.d_out)
+            b = b @ proj.to(b).T
         return b.T @ b
+
+    def forward_sq_sum(self) -> torch.Tensor:
+        """``Σ_{n,t} a²`` per input dimension (the diagonal of :meth:`forward_gram`)."""
+        if self.kind == "embedding":
+            return self.forward_sum()  # one-hot: a² = a
+        total = self._a.square().sum((0, 1))
+        if not self._bias:
+            return total
+        return torch.cat([total, self._ones().square().sum().reshape(1)])
+
+    def backward_sq_sum(self) -> torch.Tensor:
+        """``Σ_{n,t} b²`` per output dimension (the diagonal of :meth:`backward_gram`)."""
+        return self._b.square().sum((0, 1))
+
+    def _projected_forward(self, proj: torch.Tensor) -> torch.Tensor:
+        """``P [a, 1]`` ``[N·T, r]`` of every position (masked rows zero)."""
+        _check_proj(self.name, "projection", proj, self.d_in)
+        proj = proj.to(self._b)
+        if self.kind == "embedding":
+            idx = self._a.reshape(-1)
+            return F.embedding(idx.clamp(min=0), proj.T) * (idx >= 0).unsqueeze(-1)
+        a = self._a.reshape(-1, self._a.shape[-1])
+        if not self._bias:
+            return a @ proj.T
+        k = self._ones().reshape(-1, 1)
+        return torch.addmm(k * proj[:, -1], a, proj[:, :-1].T)
 
     def forward_sum(self) -> torch.Tensor:
         """``Σ_{n,t} a`` over unmasked positions."""

@@ -193,6 +193,12 @@ class Run:
             keep = self._admit(ids) if ids is not None else None
         if self.mode == "log" and self._collector is None and self._stats_on():
             self._collector = parts.make_collector(self.config)
+        if self.mode == "log" and self._collector is not None and self._stats_on():
+            # a K-FAC factor over max_factor_dim is kept in its side's logged space
+            assert self._projections is not None
+            self._collector.set_projections(
+                {n: (p.p_in, p.p_out) for n, p in self._projections.items()}
+            )
         # decided once per batch: the hooks below run per module
         self._batch_flags = (
             self.mode == "eval" or logging,
@@ -436,6 +442,9 @@ class Run:
             raise RuntimeError("get_log(): nothing captured since eval() / the last get_log()")
         rows = torch.cat(self._eval_rows) if len(self._eval_rows) > 1 else self._eval_rows[0]
         stats = parts.load_tensors(self.path / fmt.STATISTICS_FILE)
+        from nnstat.statistics.collector import check_saved_forms
+
+        check_saved_forms(stats, self.path)
         # the weights when this log's first block was captured; scoring compares them with the
         # store's (meta["params_sha256"])
         meta = self.store_meta(

@@ -65,6 +65,7 @@ class RunSettings:
         """Configuration recorded in meta.json (and compared when resuming)."""
         run = self.run_config.to_json()
         run.pop("param_grads", None)  # how gradients were computed, not what they are
+        run.pop("max_factor_dim", None)  # how statistics are kept, not what the rows are
         return {"run": run}
 
 

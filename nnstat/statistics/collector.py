@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,8 +17,18 @@ from safetensors.torch import load_file, save_file
 
 from nnstat.capture.capture import ModuleCapture
 from nnstat.distributed import is_distributed
+from nnstat.statistics import operations
 from nnstat.statistics.config import PassSpec, RunConfig
-from nnstat.statistics.operations import Covariance, Statistic, factor_eig, is_diagonal
+from nnstat.statistics.operations import (
+    Covariance,
+    FactorForm,
+    Statistic,
+    check_factor_forms,
+    diagonal_fallback_message,
+    factor_eig,
+    factor_form,
+    is_diagonal,
+)
 
 TENSORS_FILE = "statistics.safetensors"
 JSON_FILE = "statistics.json"
@@ -29,6 +40,13 @@ class StatisticsCollector:
     ``finalize()`` ends the current pass: sums (and counts) are all-reduced across
     ``torch.distributed`` ranks when initialised, divided once, and the next pass (if any)
     begins. Results: :meth:`state_dict` with keys ``"{module}/{stream}/{statistic}"``.
+
+    K-FAC factors over ``max_factor_dim`` (the configuration's key, default
+    :data:`~nnstat.statistics.operations.MAX_FACTOR_DIM`) are kept in the logged space of the
+    side's store projection (:meth:`set_projections`) or, without one, as their diagonal with
+    one warning per factor; :attr:`factor_forms` records each factor's form
+    (:class:`~nnstat.statistics.operations.FactorForm`) and :meth:`save` writes it to
+    ``statistics.json``.
 
     Example:
         >>> import torch, nnstat
@@ -61,6 +79,22 @@ class StatisticsCollector:
         }
         self.counts: dict[str, float] = {}
         self.kinds: dict[str, str] = {}
+        #: ``{"{module}/{side}": FactorForm}`` of every K-FAC factor, decided at its first batch
+        self.factor_forms: dict[str, FactorForm] = {}
+        self._projections: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+
+    @property
+    def max_factor_dim(self) -> int:
+        """Largest dense K-FAC factor (the configuration's ``max_factor_dim``, else the default)."""
+        limit = self.config.max_factor_dim
+        return operations.MAX_FACTOR_DIM if limit is None else int(limit)
+
+    def set_projections(
+        self, projections: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | None]]
+    ) -> None:
+        """The gradient store's ``{module: (p_in, p_out)}`` (``None``: that side unprojected):
+        a factor over ``max_factor_dim`` on a projected side is kept as ``P C Pᵀ``."""
+        self._projections = dict(projections)
 
     # ------------------------------------------------------------------ passes
     @property
@@ -96,8 +130,42 @@ class StatisticsCollector:
 
     __call__ = on_capture
 
+    def _form(self, cap: ModuleCapture, stream: str) -> FactorForm:
+        """The form of ``cap``'s ``stream`` factor, decided at its first batch (one warning
+        when it falls back to the diagonal), the same projection at every later batch."""
+        side = f"{cap.name}/{stream}"
+        p = self._projections.get(cap.name, (None, None))[0 if stream == "forward" else 1]
+        form = self.factor_forms.get(side)
+        if form is None:
+            form = factor_form(cap, stream, self.max_factor_dim, p)
+            self.factor_forms[side] = form
+            if form.form == "projected":
+                assert form.projection is not None
+                self._state[f"{side}/projection"] = form.projection.detach().float().clone()
+            elif form.form == "diagonal" and form.reason == "over max_factor_dim":
+                warnings.warn(
+                    diagonal_fallback_message(cap, stream, form.size, self.max_factor_dim),
+                    stacklevel=5,
+                )
+        elif form.form == "projected" and p is not None and p is not form.projection:
+            saved = self._state[f"{side}/projection"]
+            if tuple(p.shape) != tuple(saved.shape) or not torch.equal(
+                p.float().cpu(), saved.cpu()
+            ):
+                raise ValueError(
+                    f"{side}: its factor is kept in the logged space of the projection of its "
+                    "first batch, but the store's projection changed since; statistics and rows "
+                    "would describe different spaces: start a new collector (a new project)"
+                )
+        return form
+
     def _add(self, key: str, cap: ModuleCapture, cls: type[Statistic], stream: str) -> None:
-        term, count = cls.contribution(cap, stream, self._state)
+        if cls is Covariance and stream in ("forward", "backward"):
+            form = self._form(cap, stream)
+            key = form.key(cap.name, stream)
+            term, count = Covariance.contribution(cap, stream, self._state, form)
+        else:
+            term, count = cls.contribution(cap, stream, self._state)
         term = term.detach().to(torch.float32)
         if not torch.isfinite(term).all():
             raise FloatingPointError(f"{key}: non-finite values in this batch's contribution")
@@ -138,11 +206,12 @@ class StatisticsCollector:
     def _add_eigenbases(self) -> None:
         for key in list(self._state):
             mod, stream, stat = key.rsplit("/", 2)
-            if stat == "covariance" and stream in ("forward", "backward"):
+            if stat in ("covariance", "projected_covariance") and stream in ("forward", "backward"):
                 vals, vecs = factor_eig(self._state[key])
+                pre = f"{mod}/{stream}/" + ("projected_" if stat != "covariance" else "")
                 if vecs is not None:  # a diagonal factor's eigenbasis is the identity: not stored
-                    self._state[f"{mod}/{stream}/eigenvectors"] = vecs.float().contiguous()
-                self._state[f"{mod}/{stream}/eigenvalues"] = vals.float()
+                    self._state[f"{pre}eigenvectors"] = vecs.float().contiguous()
+                self._state[f"{pre}eigenvalues"] = vals.float()
 
     # ---------------------------------------------------------------- results
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -176,6 +245,7 @@ class StatisticsCollector:
             "passes_done": [p.name for p in self._passes[: self._pass]],
             "counts": self.counts,
             "kinds": self.kinds,
+            "factors": {k: f.to_json() for k, f in sorted(self.factor_forms.items())},
         }
         (root / JSON_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
         return root
@@ -186,10 +256,20 @@ class StatisticsCollector:
 
         root = Path(path)
         meta = json.loads((root / JSON_FILE).read_text())
-        col = cls(RunConfig.from_json(meta["config"]), prior=load_file(str(root / TENSORS_FILE)))
+        prior = load_file(str(root / TENSORS_FILE))
+        factors = meta.get("factors")
+        if factors is not None:  # statistics.json of nnstat before factor forms: not checked
+            shape_of = lambda k: tuple(prior[k].shape) if k in prior else None  # noqa: E731
+            check_factor_forms(factors, shape_of, list(prior), str(root))
+        col = cls(RunConfig.from_json(meta["config"]), prior=prior)
         col._pass = len(meta["passes_done"])
         col.counts = {k: float(v) for k, v in meta["counts"].items()}
         col.kinds = dict(meta["kinds"])
+        for side, info in (factors or {}).items():
+            p = prior.get(f"{side}/projection") if info["form"] == "projected" else None
+            col.factor_forms[side] = FactorForm(
+                info["form"], int(info["size"]), info.get("reason", ""), p
+            )
         return col
 
 
@@ -235,3 +315,29 @@ def _all_reduce(keys: list[str], sums: dict[str, torch.Tensor], counts: dict[str
         sums[k] = flat[off : off + n].reshape(sums[k].shape).float()
         counts[k] = float(cnt[i])
         off += n
+
+
+def check_saved_forms(stats: Mapping[str, Any], root: str | os.PathLike) -> None:
+    """Refuse ``stats`` (the tensors of ``root``'s ``statistics.safetensors``) when they disagree
+    with the factor forms its ``statistics.json`` records (dense, diagonal or projected): a
+    diagonal factor read as a dense one, or the reverse, would precondition with another matrix.
+    Statistics without a ``statistics.json``, or one written before factor forms, are not
+    checked (their only 1-D factors are embeddings' token counts)."""
+    path = Path(root) / JSON_FILE
+    if not stats or not path.exists():
+        return
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read the factor forms of the statistics: {e}") from e
+    factors = meta.get("factors") if isinstance(meta, dict) else None
+    if factors is None:
+        return
+    shape = getattr(stats, "shape", None)  # LazyStatistics: shapes without reading the data
+
+    def shape_of(key: str) -> tuple[int, ...] | None:
+        if key not in stats:
+            return None
+        return tuple(shape(key)) if callable(shape) else tuple(stats[key].shape)
+
+    check_factor_forms(factors, shape_of, list(stats), str(path))

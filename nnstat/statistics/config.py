@@ -8,7 +8,8 @@
 * high: :meth:`RunConfig.passes` lists the passes a configuration needs (EK-FAC: ``factors``
   then ``eigenvalues``); ``Run.schedule()`` iterates them.
 
-Other keys: ``loss_reduction`` (``"sum"`` default, or ``"mean"``), and the gradient store's
+Other keys: ``loss_reduction`` (``"sum"`` default, or ``"mean"``), ``max_factor_dim`` (largest
+dense K-FAC factor; larger ones are kept projected or diagonal), and the gradient store's
 ``param_grads``, ``nonfinite``, ``dtype``, ``rank``. An unknown key or value raises a
 ``ValueError`` naming it and listing the valid ones.
 """
@@ -69,6 +70,8 @@ class RunConfig:
         save: streams to write to the gradient store.
         statistic: a preset name or ``{stream: (Statistic classes...)}``.
         loss_reduction: how the user reduced the loss over the batch (``sum`` or ``mean``).
+        max_factor_dim: largest dense K-FAC factor (``None``: ``MAX_FACTOR_DIM``, 16384); a
+            larger one is kept in the logged space of its side's projection, else diagonal.
         param_grads: store only; ``False`` lets a logging pass skip weight-gradient products.
         nonfinite: store only; rows with NaN/Inf: ``error`` | ``skip`` | ``keep``.
         dtype: store only; dtype of stored rows.
@@ -81,7 +84,7 @@ class RunConfig:
         >>> RunConfig.from_any({"statistics": "kfac"})
         Traceback (most recent call last):
         ...
-        ValueError: unknown configuration key 'statistics'; valid keys: log, save, statistic, loss_reduction, param_grads, nonfinite, dtype, rank
+        ValueError: unknown configuration key 'statistics'; valid keys: log, save, statistic, loss_reduction, param_grads, nonfinite, dtype, rank, max_factor_dim
     """
 
     log: dict[str, bool] = field(default_factory=_grad_only)
@@ -92,6 +95,7 @@ class RunConfig:
     nonfinite: str = "error"
     dtype: str = "float32"
     rank: int | None = None
+    max_factor_dim: int | None = None
 
     def __post_init__(self) -> None:
         self.log = _streams_flags("log", self.log)
@@ -104,6 +108,11 @@ class RunConfig:
             raise ValueError(f"param_grads must be True or False, got {self.param_grads!r}")
         if self.rank is not None and (not isinstance(self.rank, int) or self.rank <= 0):
             raise ValueError(f"rank must be a positive int or None, got {self.rank!r}")
+        limit = self.max_factor_dim
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
+        ):
+            raise ValueError(f"max_factor_dim must be a positive int or None, got {limit!r}")
 
     @classmethod
     def from_any(cls, config: RunConfig | Mapping[str, Any] | str | None = None) -> RunConfig:

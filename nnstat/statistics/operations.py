@@ -9,17 +9,25 @@ Conventions (``docs/architecture.md``, curvature of the **mean** training loss, 
 covariance), grad covariance ``(1/N) Σ_i g_i g_iᵀ`` and EK-FAC eigenvalues
 ``Λ = (1/N) Σ_i (Q_Sᵀ G_i Q_A)²``.
 
-Diagonal factors: a factor known to be diagonal is kept as its diagonal, a 1-D tensor under the
-same key. An embedding's inputs are one-hot, so its ``A = diag(token counts) / #positions``
-(``[vocab]``, not ``vocab²``: 50257 floats for GPT-2's ``wte`` instead of 10 GB). Its
-eigenbasis is the identity (no ``"{m}/forward/eigenvectors"`` is stored) and its eigenvalues
-are the diagonal in index order; every reader (`factor_eig`, `ekfac_apply`, the influence
-preconditioners, PCA projections) accepts either form.
+Factor forms (:class:`FactorForm`): a K-FAC factor is kept ``dense`` (``d × d``), ``diagonal``
+or ``projected``. A diagonal factor is a 1-D tensor under the same key. An embedding's inputs
+are one-hot, so its ``A = diag(token counts) / #positions`` exactly (``[vocab]``, not
+``vocab²``: 50257 floats for GPT-2's ``wte`` instead of 10 GB). A factor over the size limit
+(``max_factor_dim``, default :data:`MAX_FACTOR_DIM`; GPT-2's ``lm_head`` backward factor is
+50257²) is kept as its diagonal too, an approximation (the per-dimension second moments), with
+one warning, unless the gradient store projects that side: then the factor of the projected
+stream, ``P C Pᵀ`` (``[r, r]``, exact for the logged rows), is kept under
+``"{m}/{side}/projected_covariance"`` with ``P`` as ``"{m}/{side}/projection"``. A diagonal
+factor's eigenbasis is the identity (no ``"{m}/{side}/eigenvectors"`` is stored) and its
+eigenvalues are the diagonal in index order; every reader (`factor_eig`, `ekfac_apply`, the
+influence preconditioners, PCA projections) accepts each form.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -29,8 +37,11 @@ STREAMS = ("forward", "backward", "grad")
 
 #: largest flattened per-sample gradient whose full covariance ("raw") may be accumulated
 MAX_RAW_DIM = 8192
-#: largest dense K-FAC factor (a 16384² float32 matrix is 1 GiB)
+#: largest dense K-FAC factor (a 16384² float32 matrix is 1 GiB); ``setup({"max_factor_dim": d})``
 MAX_FACTOR_DIM = 16384
+FACTOR_FORMS = ("dense", "diagonal", "projected")
+#: float32 elements of one chunk of rotated per-sample gradients in the EK-FAC pass
+EKFAC_CHUNK = 1 << 24
 
 
 def is_diagonal(factor: torch.Tensor) -> bool:
@@ -66,12 +77,152 @@ def factor_eig(factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]
     return torch.linalg.eigh(factor.to(torch.float64))
 
 
-def _check_factor(cap: ModuleCapture, stream: str, d: int) -> None:
-    if d > MAX_FACTOR_DIM:
-        raise ValueError(
-            f"{cap.name} ({type(cap.module).__name__}): the {stream} covariance would be "
-            f"{d}x{d} (limit {MAX_FACTOR_DIM}); leave this module out with watch(name_filter=...)"
-        )
+@dataclass(frozen=True)
+class FactorForm:
+    """How one K-FAC factor (a module's ``forward`` or ``backward`` covariance) is kept.
+
+    * ``dense``: the ``size × size`` covariance under ``"{m}/{side}/covariance"``.
+    * ``diagonal``: its diagonal ``[size]`` under the same key. Exact for one-hot inputs (an
+      embedding's forward factor); for a factor over ``max_factor_dim`` whose side is not
+      projected it is an approximation (the per-dimension second moments).
+    * ``projected``: ``P C Pᵀ`` ``[rank, rank]`` under ``"{m}/{side}/projected_covariance"``,
+      for a factor over ``max_factor_dim`` whose side the gradient store projects with ``P``
+      (``[rank, size]``, saved as ``"{m}/{side}/projection"``): exact for the logged rows.
+
+    Example:
+        >>> FactorForm("diagonal", 50257, "over max_factor_dim").key("lm_head", "backward")
+        'lm_head/backward/covariance'
+    """
+
+    form: str
+    size: int
+    reason: str = ""
+    projection: torch.Tensor | None = None
+
+    @property
+    def rank(self) -> int | None:
+        return None if self.projection is None else int(self.projection.shape[0])
+
+    def key(self, module: str, side: str) -> str:
+        stat = "projected_covariance" if self.form == "projected" else "covariance"
+        return f"{module}/{side}/{stat}"
+
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the stored tensor."""
+        if self.form == "projected":
+            return (int(self.rank), int(self.rank))  # type: ignore[arg-type]
+        return (self.size,) if self.form == "diagonal" else (self.size, self.size)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"form": self.form, "size": self.size}
+        if self.reason:
+            out["reason"] = self.reason
+        if self.form == "projected":
+            out["rank"] = self.rank
+        return out
+
+
+def factor_form(
+    cap: ModuleCapture,
+    stream: str,
+    limit: int | None = None,
+    projection: torch.Tensor | None = None,
+) -> FactorForm:
+    """The form of ``cap``'s ``stream`` factor: diagonal for one-hot inputs, dense up to
+    ``limit`` (default :data:`MAX_FACTOR_DIM`), above it projected with ``projection`` (that
+    side's ``[r, d]`` store projection) when given, else diagonal."""
+    d = int(cap.d_in if stream == "forward" else cap.d_out)
+    limit = MAX_FACTOR_DIM if limit is None else int(limit)
+    if stream == "forward" and diagonal_forward(cap):
+        return FactorForm("diagonal", d, "one-hot inputs")
+    if d <= limit:
+        return FactorForm("dense", d)
+    if projection is not None:
+        return FactorForm("projected", d, "over max_factor_dim", projection.detach())
+    return FactorForm("diagonal", d, "over max_factor_dim")
+
+
+def diagonal_fallback_message(cap: ModuleCapture, stream: str, d: int, limit: int) -> str:
+    """The one warning of a factor kept as its diagonal because it is over the limit."""
+    mib = 4 * d * d / 2**20
+    size = f"{mib / 1024:.1f} GiB" if mib >= 1024 else f"{mib:.1f} MiB"
+    return (
+        f"nnstat: {cap.name} ({type(cap.module).__name__}): its {stream} K-FAC factor would be "
+        f"{d}x{d} ({size} in float32), over max_factor_dim={limit}; it is kept as its diagonal "
+        f"instead ({d} per-dimension second moments, an identity eigenbasis). To keep it exact, "
+        "project that side in the gradient store (add_projection(rank=...) or "
+        "setup({'rank': ...}): the factor is then kept in the logged space), or raise the limit "
+        f"with setup({{'max_factor_dim': {d}}}); or leave the module out with "
+        "watch(name_filter=...)"
+    )
+
+
+def check_factor_forms(
+    factors: Mapping[str, Mapping[str, Any]],
+    shape_of: Callable[[str], tuple[int, ...] | None],
+    keys: list[str],
+    where: str,
+) -> None:
+    """Refuse statistics whose tensors disagree with the factor forms recorded beside them.
+
+    ``factors``: ``statistics.json``'s ``{"{m}/{side}": FactorForm.to_json()}``; ``shape_of``
+    gives a stored tensor's shape (``None``: absent); ``keys``: every stored key.
+
+    Example:
+        >>> shapes = {"fc/backward/covariance": (5, 5)}
+        >>> check_factor_forms({"fc/backward": {"form": "diagonal", "size": 5}}, shapes.get,
+        ...                    list(shapes), "stats")
+        Traceback (most recent call last):
+        ...
+        ValueError: stats: statistics.json records the backward factor of 'fc' as diagonal, shape (5,), but statistics.safetensors holds 'fc/backward/covariance' with shape (5, 5): the two files were not written together; log the statistics again
+    """
+    for side_key, info in factors.items():
+        module, side = side_key.rsplit("/", 1)
+        form = info.get("form")
+        if form not in FACTOR_FORMS:
+            raise ValueError(f"{where}: unknown factor form {form!r} for {side_key!r}")
+        size = int(info["size"])
+        if form == "projected":
+            key, want = f"{side_key}/projected_covariance", (int(info["rank"]),) * 2
+        else:
+            key = f"{side_key}/covariance"
+            want = (size,) if form == "diagonal" else (size, size)
+        got = shape_of(key)
+        got = None if got is None else tuple(int(x) for x in got)
+        if got != want:
+            held = "no such tensor" if got is None else f"{key!r} with shape {got}"
+            raise ValueError(
+                f"{where}: statistics.json records the {side} factor of {module!r} as {form}, "
+                f"shape {want}, but statistics.safetensors holds {held}: the two files were "
+                "not written together; log the statistics again"
+            )
+    for key in keys:
+        side_key, stat = key.rsplit("/", 1)
+        if side_key.rsplit("/", 1)[-1] not in ("forward", "backward"):
+            continue
+        if stat in ("covariance", "projected_covariance") and side_key not in factors:
+            raise ValueError(
+                f"{where}: statistics.safetensors holds {key!r}, which statistics.json does not "
+                "record (its form, dense, diagonal or projected, is unknown): the two files were "
+                "not written together; log the statistics again"
+            )
+
+
+def factor_contribution(
+    cap: ModuleCapture, stream: str, form: FactorForm
+) -> tuple[torch.Tensor, float]:
+    """One batch's sum for a ``forward``/``backward`` factor of ``form`` and its count."""
+    count = cap.num_positions if stream == "forward" else cap.num_samples
+    if form.form == "dense":
+        return (cap.forward_gram() if stream == "forward" else cap.backward_gram()), count
+    if form.form == "diagonal":
+        if stream == "forward" and diagonal_forward(cap):
+            # one-hot rows: Σ a aᵀ = diag(Σ a), the token counts (padding_idx rows excluded)
+            return cap.forward_sum(), count
+        return (cap.forward_sq_sum() if stream == "forward" else cap.backward_sq_sum()), count
+    p = form.projection
+    assert p is not None
+    return (cap.forward_gram(p) if stream == "forward" else cap.backward_gram(p)), count
 
 
 class Statistic:
@@ -124,16 +275,11 @@ class Covariance(Statistic):
     name = "covariance"
 
     @classmethod
-    def contribution(cls, cap, stream, prior):
-        if stream == "forward" and diagonal_forward(cap):
-            # one-hot rows: Σ a aᵀ = diag(Σ a), the token counts (padding_idx rows excluded)
-            return cap.forward_sum(), cap.num_positions
-        if stream == "forward":
-            _check_factor(cap, stream, cap.d_in)
-            return cap.forward_gram(), cap.num_positions
-        if stream == "backward":
-            _check_factor(cap, stream, cap.d_out)
-            return cap.backward_gram(), cap.num_samples
+    def contribution(cls, cap, stream, prior, form: FactorForm | None = None):
+        """``form``: of a forward/backward factor (default: `factor_form` with the default
+        limit and no projection; the collector passes its own)."""
+        if stream in ("forward", "backward"):
+            return factor_contribution(cap, stream, form or factor_form(cap, stream))
         g = cap.per_sample_grad().reshape(cap.num_samples, -1)
         if g.shape[1] > MAX_RAW_DIM:
             raise ValueError(
@@ -198,14 +344,8 @@ class EKFAC(Statistic):
 
     @classmethod
     def contribution(cls, cap, stream, prior):
-        qa, qs = _eigenbasis(prior, cap, "forward"), _eigenbasis(prior, cap, "backward")
-        if qs is None:
-            raise RuntimeError(f"{cap.name}: a diagonal backward factor is not supported")
-        if qa is None and cap.kind == "embedding":
-            return _embedding_sq_rotated(cap, qs.to(torch.float32)), cap.num_samples
-        qa = torch.eye(cap.d_in) if qa is None else qa
-        rotated = cap.project(qa.T.to(torch.float32), qs.T.to(torch.float32))
-        return rotated.pow(2).sum(0).reshape(cap.d_out, cap.d_in), cap.num_samples
+        m_in, m_out = _rotation(prior, cap, "forward"), _rotation(prior, cap, "backward")
+        return sq_rotated(cap, m_in, m_out), cap.num_samples
 
     @staticmethod
     def precondition(
@@ -219,11 +359,21 @@ class EKFAC(Statistic):
         return ekfac_apply(g, qa, qs, eigenvalues, damping)
 
 
-def _eigenbasis(prior: dict[str, torch.Tensor], cap: ModuleCapture, stream: str):
-    """``Q`` of a factor from the previous pass; ``None`` when the factor is diagonal."""
+def _rotation(prior: Mapping[str, torch.Tensor], cap: ModuleCapture, stream: str):
+    """``Qᵀ`` ``[d, d]`` of a dense factor from the previous pass, ``Q_rᵀ P`` ``[r, d]`` of a
+    projected one (its eigenbasis in the logged space after the projection), ``None`` (the
+    identity) for a diagonal one."""
     q = prior.get(f"{cap.name}/{stream}/eigenvectors")
     if q is not None:
-        return q
+        return q.T.to(torch.float32)
+    q = prior.get(f"{cap.name}/{stream}/projected_eigenvectors")
+    if q is not None:
+        p = prior.get(f"{cap.name}/{stream}/projection")
+        if p is None:
+            raise RuntimeError(
+                f"{cap.name}: the projection of its projected {stream} factor is missing"
+            )
+        return (q.T.double() @ p.double()).to(torch.float32)
     cov = prior.get(f"{cap.name}/{stream}/covariance")
     if cov is not None and is_diagonal(cov):
         return None
@@ -233,8 +383,36 @@ def _eigenbasis(prior: dict[str, torch.Tensor], cap: ModuleCapture, stream: str)
     )
 
 
-def _embedding_sq_rotated(cap: ModuleCapture, qs: torch.Tensor) -> torch.Tensor:
-    """``Σ_i (Q_Sᵀ G_i)²`` ``[d_out, vocab]`` of an embedding without its ``[N, d_out, vocab]``
+def sq_rotated(
+    cap: ModuleCapture, m_in: torch.Tensor | None, m_out: torch.Tensor | None
+) -> torch.Tensor:
+    """``Σ_i (M_out G_i M_inᵀ)²`` ``[k_out, k_in]`` (``None``: the identity) without all the
+    ``[N, d_out, d_in]`` per-sample gradients: an identity side rotates nothing and the others
+    are multiplied into ``a`` and ``b`` first; embedding rows come from the (sample, token)
+    pairs that occur, other kinds in chunks of samples of at most :data:`EKFAC_CHUNK`
+    elements."""
+    if cap.kind == "embedding" and m_in is None:
+        return _embedding_sq_rotated(cap, m_out)
+    if m_in is not None and m_out is not None:
+        k_out, k_in = m_out.shape[0], m_in.shape[0]
+        rotated = cap.project(m_in.to(torch.float32), m_out.to(torch.float32))
+        return rotated.pow(2).sum(0).reshape(k_out, k_in)
+    a, b = cap.forward, cap.backward  # [N, T, d_in(+1)], [N, T, d_out]
+    if m_in is not None:
+        a = a @ m_in.to(a).T
+    if m_out is not None:
+        b = b @ m_out.to(b).T
+    k_out, k_in = b.shape[-1], a.shape[-1]
+    out = b.new_zeros(k_out, k_in)
+    step = max(1, EKFAC_CHUNK // (k_out * k_in))
+    for lo in range(0, cap.num_samples, step):
+        g = torch.bmm(b[lo : lo + step].transpose(1, 2), a[lo : lo + step])
+        out += g.pow_(2).sum(0)
+    return out
+
+
+def _embedding_sq_rotated(cap: ModuleCapture, m_out: torch.Tensor | None) -> torch.Tensor:
+    """``Σ_i (M_out G_i)²`` ``[k_out, vocab]`` of an embedding without its ``[N, d_out, vocab]``
     per-sample gradients: column ``v`` of ``G_i`` is the sum of ``b`` over the positions of
     sample ``i`` holding token ``v``, so only (sample, token) pairs that occur are formed."""
     idx, b = cap.indices, cap.backward
@@ -243,8 +421,9 @@ def _embedding_sq_rotated(cap: ModuleCapture, qs: torch.Tensor) -> torch.Tensor:
     pair = (rows * cap.d_in + idx)[valid]
     uniq, inverse = torch.unique(pair, return_inverse=True)
     col = b.new_zeros(len(uniq), cap.d_out).index_add_(0, inverse, b[valid])
-    sq = (col @ qs).pow(2)  # row k = (Q_Sᵀ g_k)² of one (sample, token) column
-    out = b.new_zeros(cap.d_in, cap.d_out).index_add_(0, uniq % cap.d_in, sq)
+    # row k = (M_out g_k)² of one (sample, token) column
+    sq = (col if m_out is None else col @ m_out.to(col).T).pow(2)
+    out = b.new_zeros(cap.d_in, sq.shape[1]).index_add_(0, uniq % cap.d_in, sq)
     return out.T
 
 
