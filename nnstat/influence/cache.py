@@ -63,8 +63,9 @@ def has_kfac_statistics(source: RowSource) -> bool:
     stats = source.statistics()
     kron = [m for m in source.layout if m.kronecker]
     return bool(kron) and all(
-        f"{m.name}/forward/covariance" in stats and f"{m.name}/backward/covariance" in stats
+        any(f"{m.name}/{side}/{stat}" in stats for stat in ("covariance", "projected_covariance"))
         for m in kron
+        for side in ("forward", "backward")
     )
 
 

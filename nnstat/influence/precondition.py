@@ -17,9 +17,12 @@ space:
   logged rows (George et al. 2018), i.e. exact in the logged space along those eigenbases.
 
 Modules without a Kronecker structure (layernorm) use ``raw`` under ``kfac``/``ekfac``.
-A K-FAC factor saved as its diagonal (1-D: an embedding's token counts) keeps an identity
-eigenbasis (``None``, no ``vocab²`` matrix) while the module is logged unprojected; projected,
-``P diag(a) Pᵀ`` is an ordinary ``r × r`` factor.
+A K-FAC factor saved as its diagonal (1-D: an embedding's token counts, or a factor over the
+statistics' ``max_factor_dim`` on an unprojected side) keeps an identity eigenbasis (``None``,
+no ``d²`` matrix) while that side is logged unprojected; projected, ``P diag(a) Pᵀ`` is an
+ordinary ``r × r`` factor. A factor saved already projected (``"{m}/{side}/projected_covariance"``,
+over ``max_factor_dim`` on a projected side) is used as it is, after checking that the
+projection saved beside it is the log's.
 ``damping=None`` uses ``0.1 × mean eigenvalue`` of each module's ``H`` (for ``raw``, of its
 nonzero eigenvalues: a covariance of fewer rows than columns is singular, and its zeros would
 dilute the damping to almost nothing). Eigendecompositions are
@@ -259,6 +262,11 @@ class _DampedBlock:
 
 def _stat(stats: Mapping[str, torch.Tensor], module: str, stream: str) -> torch.Tensor:
     key = f"{module}/{stream}/covariance"
+    if key not in stats and f"{module}/{stream}/projected_covariance" in stats:
+        raise ValueError(
+            f"module {module!r}: the statistics hold its {stream} factor in the logged space of a "
+            "projection only (the full factor was over max_factor_dim)"
+        )
     if key not in stats:
         have = sorted({k.split("/")[0] for k in stats}) or "none"
         raise ValueError(
@@ -284,6 +292,39 @@ def _project(cov: torch.Tensor, proj: torch.Tensor | None, module: str, side: st
     return proj @ cov @ proj.T
 
 
+def _logged_factor(
+    module: str,
+    stats: Mapping[str, torch.Tensor],
+    projections: Mapping[str, torch.Tensor],
+    stream: str,
+    side: str,
+) -> torch.Tensor:
+    """One K-FAC factor in the logged space: ``P C Pᵀ`` of a saved full (dense or diagonal)
+    factor, or a factor the statistics pass saved already projected, after checking that its
+    projection is the log's (a rank-``r`` factor of another space would be silently wrong)."""
+    proj = projections.get(f"{module}/{side}")
+    key = f"{module}/{stream}/projected_covariance"
+    if key not in stats:
+        return _project(_stat(stats, module, stream), proj, module, side)
+    cov = stats[key].to(torch.float64)
+    used = stats.get(f"{module}/{stream}/projection")
+    same = (
+        proj is not None
+        and used is not None
+        and tuple(used.shape) == tuple(proj.shape)
+        and torch.equal(used.to(torch.float32), proj.to(torch.float32))
+    )
+    if not same:
+        what = "unprojected" if proj is None else "projected with another matrix"
+        raise ValueError(
+            f"module {module!r}: the statistics hold its {stream} factor only in the logged "
+            f"space of a rank-{cov.shape[0]} projection (the full factor was over "
+            f"max_factor_dim), but this log's {side} side is {what}: score the rows of the "
+            "store these statistics were logged with, or log the statistics again"
+        )
+    return cov
+
+
 def kfac_factor(
     spec: ModuleSpec,
     stats: Mapping[str, torch.Tensor],
@@ -297,15 +338,8 @@ def kfac_factor(
         >>> kfac_factor(ModuleSpec("fc", 0, 2, 3), st, {}).eig.shape
         torch.Size([2, 3])
     """
-    s = _project(
-        _stat(stats, spec.name, "backward"),
-        projections.get(f"{spec.name}/p_out"),
-        spec.name,
-        "p_out",
-    )
-    a = _project(
-        _stat(stats, spec.name, "forward"), projections.get(f"{spec.name}/p_in"), spec.name, "p_in"
-    )
+    s = _logged_factor(spec.name, stats, projections, "backward", "p_out")
+    a = _logged_factor(spec.name, stats, projections, "forward", "p_in")
     if s.shape[0] != spec.r_out or a.shape[0] != spec.r_in:
         raise ValueError(
             f"module {spec.name!r}: statistics give a {s.shape[0]}x{a.shape[0]} gradient but the "

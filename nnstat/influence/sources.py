@@ -173,7 +173,8 @@ class StoreSource:
         self._projections: dict[str, torch.Tensor] | None = None
         # meta.json and the safetensors files too: a fit cached before one of them was replaced
         # would otherwise be reused without the replaced file ever being read (and checked)
-        files = [self.root / n for n in ("meta.json", _PROJECTIONS, _STATISTICS)]
+        # (statistics.json too: the factor forms the statistics are read with)
+        files = [self.root / n for n in ("meta.json", _PROJECTIONS, _STATISTICS, "statistics.json")]
         stamp = ";".join(
             f"{p.name}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
             for p in [*sorted(self.root.glob("shards/*.npy")), *(f for f in files if f.exists())]
@@ -265,12 +266,18 @@ class StoreSource:
 
     def statistics(self) -> Mapping[str, torch.Tensor]:
         if self._statistics is None:
+            from nnstat.statistics.collector import check_saved_forms
+
             lazy = LazyStatistics.open(self.root / _STATISTICS, self.meta.get("statistics_sha256"))
+            loaded: Mapping[str, torch.Tensor]
             if lazy is not None:
-                self._statistics = lazy
+                loaded = lazy
             else:  # no recorded hash, no file, or a mismatch: the store's own reader decides
                 stats = getattr(self.store, "statistics", None)
-                self._statistics = dict(stats() if callable(stats) else {})
+                loaded = dict(stats() if callable(stats) else {})
+            # the forms statistics.json records (dense, diagonal, projected) must be the tensors'
+            check_saved_forms(loaded, self.root)
+            self._statistics = loaded
         return self._statistics
 
     def projections(self) -> dict[str, torch.Tensor]:
@@ -364,6 +371,10 @@ class LazyStatistics(Mapping):
             )
         with open(self.path, "rb") as f:
             return self._read(f, key)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The stored shape of ``key``, without reading its data."""
+        return self._entries[key][1]
 
     def __iter__(self) -> Iterator[str]:
         return iter(sorted(self._entries))

@@ -136,6 +136,14 @@ def pca_projection(
     else:
         keys = [f"{spec.name}/forward/covariance", f"{spec.name}/backward/covariance"]
     missing = [k for k in keys if k not in statistics]
+    logged = [k for k in missing if k.replace("/covariance", "/projected_covariance") in statistics]
+    if logged:
+        raise ValueError(
+            f"init='pca' needs the full covariances {logged}, but the statistics pass kept them "
+            "only in the space of the previous projection (over max_factor_dim): collect the "
+            "statistics without a projection (such a factor is then kept as its diagonal, whose "
+            "PCA keeps the largest entries) or raise setup({'max_factor_dim': ...})"
+        )
     if missing:
         raise ValueError(
             f"init='pca' needs the covariances of a previous statistics pass (e.g. statistic "
