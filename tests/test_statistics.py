@@ -362,33 +362,37 @@ def test_nonfinite_contribution_is_an_error():
             model(torch.tensor([[float("nan"), 1.0]])).sum().backward()
 
 
-def test_oversized_dense_factors_are_refused_with_the_module_named(monkeypatch):
+def test_oversized_factors_fall_back_to_the_diagonal_and_raw_is_refused(monkeypatch):
     import nnstat.statistics.operations as st
 
     monkeypatch.setattr(st, "MAX_FACTOR_DIM", 6)
     monkeypatch.setattr(st, "MAX_RAW_DIM", 10)
-    # the embedding's forward factor (7 > 6) is diagonal, kept as [7]: never refused
+    # the embedding's forward factor (7 > 6) is diagonal by construction, kept as [7] silently;
+    # the Linear's backward factor (8 > 6) is kept as its diagonal with a warning
     model = nn.Sequential(nn.Embedding(7, 3), nn.Linear(3, 8))
     engine = CaptureEngine()
     engine.watch(model)
-    for cfg, match in [
-        ("kfac", r"1 \(Linear\): the backward covariance would be 8x8"),
-        ("raw", r"the raw gradient covariance would be (21x21|32x32)"),
-    ]:
-        col = StatisticsCollector(cfg)
-        engine.add_consumer(col)
-        with pytest.raises(ValueError, match=match):
-            with engine.batch():
-                model(torch.tensor([[1, 2]])).sum().backward()
-        engine.remove_consumer(col)
-    engine.unwatch()
-    engine.watch(model, name_filter="0")
+    col = StatisticsCollector("raw")
+    engine.add_consumer(col)
+    with pytest.raises(ValueError, match=r"the raw gradient covariance would be (21x21|32x32)"):
+        with engine.batch():
+            model(torch.tensor([[1, 2]])).sum().backward()
+    engine.remove_consumer(col)
     col = StatisticsCollector("kfac")
     engine.add_consumer(col)
-    with engine.batch():
-        model(torch.tensor([[1, 2]])).sum().backward()
+    with pytest.warns(UserWarning, match=r"1 \(Linear\): its backward K-FAC factor would be 8x8"):
+        with engine.batch():
+            model(torch.tensor([[1, 2]])).sum().backward()
     col.finalize()
-    assert col.state_dict()["0/forward/covariance"].tolist() == [0, 0.5, 0.5, 0, 0, 0, 0]
+    st_ = col.state_dict()
+    assert st_["0/forward/covariance"].tolist() == [0, 0.5, 0.5, 0, 0, 0, 0]
+    assert st_["1/backward/covariance"].shape == (8,)
+    assert {k: f.form for k, f in col.factor_forms.items()} == {
+        "0/forward": "diagonal",
+        "0/backward": "dense",
+        "1/forward": "dense",
+        "1/backward": "diagonal",
+    }
 
 
 def test_finalize_without_any_capture_is_an_error_not_an_empty_result():
