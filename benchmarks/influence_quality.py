@@ -531,6 +531,14 @@ def bench_store(board: Board, ctx: dict[str, Any], log, loader, args, projected:
                 go(f"refine k={k}, {c}, λ = default", "refine", k, c, damping=None)
         for k in (5, 10):
             go(f"refine k={k}, hessian, λ = wd", "refine", k, "hessian", damping=wd)
+            go(
+                f"refine k={k}, hessian, λ = default, solver=cg",
+                "refine cg",
+                k,
+                "hessian",
+                damping=None,
+                solver="cg",
+            )
         if HAS_FISHER:
             go(
                 "refine k=5, ggn, fisher=true, λ = default",
@@ -547,6 +555,14 @@ def bench_store(board: Board, ctx: dict[str, Any], log, loader, args, projected:
         for c in curvatures:
             for k in (1, 2, 5, 10):
                 go(f"refine k={k}, {c}, λ = {label}", "refine", k, c, damping=lam)
+                go(
+                    f"refine k={k}, {c}, λ = {label}, solver=cg",
+                    "refine cg",
+                    k,
+                    c,
+                    damping=lam,
+                    solver="cg",
+                )
     for c in curvatures:
         for label, lam in sweep_full.items():
             go(f"refine k=5, {c}, λ = {label}", "refine sweep", 5, c, damping=lam)
@@ -863,6 +879,11 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "refine_wd": {
                         k: pair(_one(rows, f"refine k={k}, hessian, λ = wd")) for k in (5, 10)
                     },
+                    "refine_cg": {
+                        k: pair(_one(rows, f"refine k={k}, hessian, λ = default, solver=cg"))
+                        for k in (5, 10)
+                    },
+                    "nnstat_kfac_default": pair(_one(rows, "nnstat kfac (default damping)")),
                     "refine5_fisher_true": pair(
                         _one(rows, "refine k=5, ggn, fisher=true, λ = default")
                     ),
@@ -922,10 +943,13 @@ def print_doc_tables(summary: list[dict[str, Any]]) -> None:
         print(f"\n## LDS, store {proj} (refine default: Hessian, or GGN marked ᴳ)\n")
         print(
             "| task / training | best peer (setting) | LogIX K-FAC default | Kronfluence heuristic "
-            "| nnstat ekfac default | refine k=1 | k=2 | k=5 | k=10 | k=5, λ = wd | k=10, λ = wd "
-            "| exact |"
+            "| nnstat kfac default | nnstat ekfac default | refine k=1 | k=2 | k=5 | k=10 "
+            "| per-query CG k=5 | k=10 | exact |"
         )
-        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print(
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+            "| ---: |"
+        )
         for s in summary:
             if s["projection"] != proj:
                 continue
@@ -936,8 +960,9 @@ def print_doc_tables(summary: list[dict[str, Any]]) -> None:
             ref = " | ".join(f(t["refine_default"][k]) + g for k in (1, 2, 5, 10))
             print(
                 f"| {s['task']} / {s['train']} | {peer_s} | {f(t['logix_kfac_default'])} | "
-                f"{f(t['kronfluence_heuristic'])} | {f(t['nnstat_ekfac_default'])} | {ref} | "
-                f"{f(t['refine_wd'][5])} | {f(t['refine_wd'][10])} | {f(t['exact'])} |"
+                f"{f(t['kronfluence_heuristic'])} | {f(t['nnstat_kfac_default'])} | "
+                f"{f(t['nnstat_ekfac_default'])} | {ref} | "
+                f"{f(t['refine_cg'][5])} | {f(t['refine_cg'][10])} | {f(t['exact'])} |"
             )
 
 
