@@ -19,6 +19,9 @@ projection's error is amplified along the low-curvature directions the solution 
 * ``λ``: ``damping``, or by default the mean eigenvalue of ``H`` over the logged parameters,
   ``tr(P H Pᵀ) / n_params`` (Hutchinson's estimator in the logged space, one more pass). The empirical-Fisher scale of the unrefined default is 10-250x smaller on
   confident models, and conjugate gradient then diverges from useful rankings in few steps.
+* Block conjugate gradient (``solver="block"``, default): the queries of a block share one
+  search space, each pass adding every query's preconditioned residual to it, so a block of 32
+  explores 32 directions per pass (`krylov.block_cg`); ``solver="cg"``: one recurrence each.
 * Start at ``y₀ = 0``: ``steps`` steps cost ``steps`` passes per block of queries; ``steps=0``
   returns the unrefined scores exactly. (Starting at the preconditioned gradient was worse at
   equal cost in 131 of 135 measured settings, so it is not offered.)
