@@ -104,8 +104,9 @@ def shared_parameter_modules(model: nn.Module) -> set[str]:
 class ModuleProbe:
     """Watch every supported module for one forward/backward and record the batch dimension
     each saw, to leave out modules whose per-sample gradients are undefined: inputs broadcast
-    over the batch (GPT-2's position embedding sees ``[1, T]``) or, with ``unshared=True``,
-    tied weights (one gradient from two modules).
+    over the batch that the engine could not expand (GPT-2's position embedding, fed ``[1, T]``,
+    is expanded and kept) or, with ``unshared=True``, tied weights (one gradient from two
+    modules).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
@@ -136,7 +137,9 @@ class ModuleProbe:
         self.seen[cap.name] = int(cap.backward.shape[0])
 
     def __enter__(self) -> ModuleProbe:
-        self._ctx = self.engine.batch(loss_reduction="sum")
+        # samples="input": a module fed an input the batch shares (position ids [1, T]) is
+        # captured per sample through an expansion of its output, so it is kept
+        self._ctx = self.engine.batch(loss_reduction="sum", samples="input")
         self._ctx.__enter__()
         return self
 
@@ -146,6 +149,8 @@ class ModuleProbe:
             if ctx is not None:
                 ctx.__exit__(*exc)
         finally:
+            for name, why in self.engine.left_out.items():
+                self.excluded.setdefault(name, why)
             self.engine.unwatch()
 
     def keep(self) -> list[str]:

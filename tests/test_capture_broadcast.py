@@ -401,3 +401,56 @@ def test_shared_module_chains_match_torch_func(arch):
     for name in names:
         for k, got in caps[name].items():
             assert torch.allclose(got, ref[f"{name}.{k}"], atol=1e-6), (name, k)
+
+
+def test_per_sample_noise_scale_norms_include_a_shared_position_embedding():
+    """The noise scale's per-sample squared norms of ``wpe`` (fed ``[1, T]`` position ids) are
+    each sample's own, from per-example backward passes; before, wpe saw a batch of 1."""
+    from nnstat.gns.persample import PerSampleNorms
+
+    model = tiny_gpt2()
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(3))
+    ref = reference(ids)
+    norms = PerSampleNorms(model)
+    with norms.batch():
+        (lm_loss(model(input_ids=ids).logits, ids) / B).backward()  # a batch mean, as trained
+    small, big, n = norms.last
+    norms.close()
+    assert n == B and "transformer.wpe" in small
+    for name in ("transformer.wpe", "transformer.h.0.attn.c_attn", "transformer.ln_f"):
+        per = [sum(float(g.square().sum()) for g in ex.values()) for ex in ref[name]]
+        assert small[name] == pytest.approx(sum(per) / B, rel=1e-4), name
+        total = [sum(ex[k] for ex in ref[name]) / B for k in ref[name][0]]
+        assert big[name] == pytest.approx(sum(float(t.square().sum()) for t in total), rel=1e-4)
+
+
+def test_framework_probe_keeps_a_shared_position_embedding():
+    from nnstat.integrations._hooks import ModuleProbe
+
+    model = tiny_gpt2()
+    probe = ModuleProbe(model, unshared=True)
+    with probe:
+        ids = torch.randint(0, V, (B, T))
+        lm_loss(model(input_ids=ids).logits, ids).backward()
+    keep = probe.keep()
+    assert "transformer.wpe" in keep and "transformer.wpe" not in probe.excluded
+    assert {"transformer.wte", "lm_head"} <= set(probe.excluded)  # tied: one gradient, two users
+
+
+def test_noise_scale_names_the_modules_of_each_batch_size():
+    from nnstat.gns.persample import PerSampleNorms
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 1), nn.Linear(2, 1)
+
+        def forward(self, x, y):
+            return self.a(x).sum() + self.b(y).sum()
+
+    model = Two()
+    norms = PerSampleNorms(model)
+    with pytest.raises(RuntimeError, match=r"different batch sizes.*3: 'b'; 4: 'a'"):
+        with norms.batch():
+            model(torch.ones(4, 2), torch.ones(3, 2)).backward()
+    norms.close()

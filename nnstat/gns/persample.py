@@ -88,7 +88,9 @@ class PerSampleNorms:
         self._accumulating = any(g is not None for g in self._before)
         if self._accumulating:
             self._before = [None if g is None else g.detach().clone() for g in self._before]
-        self.engine._begin(batch_size, None, "mean", False)
+        # the batch size tells the engine how to expand an input the batch shares ([1, T])
+        samples = "input" if batch_size is None else batch_size
+        self.engine._begin(batch_size, None, "mean", False, samples)
 
     def abort(self) -> None:
         """Close a batch whose block raised: nothing is reduced."""
@@ -103,8 +105,15 @@ class PerSampleNorms:
             raise RuntimeError("no watched module took part in the backward of this batch")
         n = caps[0].num_samples
         if any(c.num_samples != n for c in caps):
-            sizes = sorted({c.num_samples for c in caps})
-            raise RuntimeError(f"modules saw different batch sizes {sizes}")
+            by_size: dict[int, list[str]] = {}
+            for c in caps:
+                by_size.setdefault(c.num_samples, []).append(c.name)
+            seen = "; ".join(f"{k}: {', '.join(map(repr, v))}" for k, v in sorted(by_size.items()))
+            raise RuntimeError(
+                f"watched modules saw different batch sizes in one batch ({seen}); a module "
+                "fed an input the batch shares is expanded when the batch size is known: pass "
+                "batch(batch_size=N), or leave the module out with name_filter"
+            )
         if n < 2:
             raise ValueError(f"per-sample noise scale needs a batch of at least 2 samples, got {n}")
         flat = () if self._local_big else self._flat
