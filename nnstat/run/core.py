@@ -398,7 +398,7 @@ class Run:
         if collector is not None:
             try:
                 self._stats_state = parts.save_statistics(collector, self.path, self.rank)
-                parts.record_statistics_hash(self.path, self.rank)
+                parts.record_statistics_hash(self.path, self.rank, saved=self._stats_state)
             except BaseException as e:
                 if error is None:
                     raise

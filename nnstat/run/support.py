@@ -126,16 +126,20 @@ def statistics_hash(path: Path) -> str | None:
     return fmt.tensors_hash(fmt.load_safetensors(target)) if target.exists() else None
 
 
-def record_statistics_hash(path: Path, rank: int) -> None:
+def record_statistics_hash(
+    path: Path, rank: int, saved: Mapping[str, torch.Tensor] | None = None
+) -> None:
     """Rank 0: put the hash of the statistics just saved into meta.json (when the store has
-    one), so meta.json always names the statistics that go with its rows."""
+    one), so meta.json always names the statistics that go with its rows. ``saved``: the
+    tensors just written, hashed as they are in memory (the same names, dtypes, shapes and
+    bytes as the file) instead of reading the whole file back (1.3 GB for GPT-2 small)."""
     meta_path = Path(path) / fmt.META_FILE
     if rank != 0 or not meta_path.exists():
         return
     meta = fmt.read_json(meta_path)
     if not isinstance(meta, dict):
         raise ValueError(f"{meta_path}: expected a JSON object, got {type(meta).__name__}")
-    meta["statistics_sha256"] = statistics_hash(path)
+    meta["statistics_sha256"] = statistics_hash(path) if saved is None else fmt.tensors_hash(saved)
     fmt.atomic_write_json(meta_path, meta)
 
 

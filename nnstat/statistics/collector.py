@@ -189,10 +189,13 @@ class StatisticsCollector:
         if is_distributed():
             _all_reduce(keys, self._sums, self._counts)
         for k in keys:
-            c = self._counts[k]
-            if c <= 0:
+            if self._counts[k] <= 0:
                 raise ValueError(f"{k}: no positions were captured (all masked?)")
-            self._state[k] = self._sums[k] / c
+        for k in keys:
+            # in place: the sums are this collector's own tensors, and a second copy of every
+            # factor (1.3 GB for GPT-2 small) would be held until the loop ends
+            c = self._counts[k]
+            self._state[k] = self._sums.pop(k).div_(c)
             self.counts[k] = c
         self._sums, self._counts = {}, {}
         self._pass += 1
