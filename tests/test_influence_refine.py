@@ -399,3 +399,17 @@ def test_ggn_through_batch_loss_refuses_a_loss_that_bypasses_the_output(tmp_path
                         curvature="ggn", steps=2)  # fmt: skip
     with pytest.raises(ValueError, match="other than through"):
         compute_influence_all(log, store, refine=refine)
+
+
+def test_block_solver_over_its_memory_limit_falls_back_to_cg_with_a_warning(tmp_path, monkeypatch):
+    import nnstat.influence.refine as refine_mod
+
+    model, train, query = _setup()
+    store, log = _log(tmp_path, "p", model, train, query)
+    monkeypatch.setattr(refine_mod, "BLOCK_MEMORY_LIMIT", 1000)
+    refine = Refinement(model, LOSS, train, steps=3, curvature="ggn", dtype=torch.float64)
+    with pytest.warns(UserWarning, match="solver='cg'"):
+        res = compute_influence_all(log, store, refine=refine)
+    cg = compute_influence_all(log, store, refine=Refinement(**{**refine.__dict__, "solver": "cg"}))
+    assert res.meta["refine"]["solver"] == "cg"
+    torch.testing.assert_close(res.scores, cg.scores)

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -811,6 +812,29 @@ def _mean_curvature(
     return float((z * op(z)).sum(1).mean()) / n_params
 
 
+BLOCK_MEMORY_LIMIT = 2 * 1024**3  # bytes of search space the block solver may hold
+
+
+def _choose_solver(refine: Refinement, width: int, dtype: torch.dtype) -> str:
+    """``refine.solver``, or ``"cg"`` with a warning when the block solver's search space
+    (``2 · min(steps · query_batch, width)`` vectors of ``width``) would exceed
+    `BLOCK_MEMORY_LIMIT`."""
+    if refine.solver != "block":
+        return refine.solver
+    vectors = 2 * min(refine.steps * refine.query_batch, width)
+    need = vectors * width * torch.finfo(dtype).bits // 8
+    if need <= BLOCK_MEMORY_LIMIT:
+        return "block"
+    warnings.warn(
+        f"nnstat: the block solver's search space would take {need / 1024**3:.1f} GiB "
+        f"({vectors} vectors of width {width}); refining with solver='cg' (one recurrence per "
+        "query: the same solution, reached in more steps). Lower query_batch or project the "
+        "store to use the block solver",
+        stacklevel=3,
+    )
+    return "cg"
+
+
 def refine_queries(
     refine: Refinement,
     query: RowSource,
@@ -877,7 +901,8 @@ def refine_queries(
         unit="pass",
         disable=None if refine.progress is None else not refine.progress,
     )
-    solve = block_cg if refine.solver == "block" else preconditioned_cg
+    solver = _choose_solver(refine, b_all.shape[1], dtype)
+    solve = block_cg if solver == "block" else preconditioned_cg
     solved, products, residual, per_block = [], 0, [], []
     with bar:
         for lo in blocks:
@@ -908,7 +933,7 @@ def refine_queries(
         "steps": refine.steps,
         "curvature": refine.curvature,
         "fisher": refine.fisher,
-        "solver": refine.solver,
+        "solver": solver,
         "products": products,
         "passes": curv.passes + (2 if stats is not None else 0),
         "passes_per_block": max(per_block, default=0),
