@@ -24,6 +24,17 @@ def _not_positive_definite(rows: list[int], curvature: list[float]) -> ValueErro
     return err
 
 
+def _next_rows(
+    active: torch.Tensor, on_step: Callable[[torch.Tensor], None] | None, x: torch.Tensor
+) -> torch.Tensor | None:
+    """The start of a step: report the iterate, then the rows still to solve (``None``: all
+    converged)."""
+    if on_step is not None:
+        on_step(x)
+    idx = active.nonzero().flatten()
+    return idx if len(idx) else None
+
+
 def preconditioned_cg(
     matvec: Callable[[torch.Tensor], torch.Tensor],
     precondition: Callable[[torch.Tensor], torch.Tensor],
@@ -65,10 +76,8 @@ def preconditioned_cg(
     rz = (r * z).sum(1)
     active = r.norm(dim=1) / b_norm > tol
     for _ in range(steps):
-        if on_step is not None:
-            on_step(x)
-        idx = active.nonzero().flatten()
-        if len(idx) == 0:
+        idx = _next_rows(active, on_step, x)
+        if idx is None:
             break
         ap = matvec(p[idx])
         products += len(idx)
@@ -142,10 +151,8 @@ def block_cg(
     products = passes = 0
     active = r.norm(dim=1) / b_norm > tol
     for _ in range(steps):
-        if on_step is not None:
-            on_step(x)
-        idx = active.nonzero().flatten()
-        if len(idx) == 0:
+        idx = _next_rows(active, on_step, x)
+        if idx is None:
             break
         w = _new_directions(precondition(r[idx]), basis, drop)
         if len(w) == 0:
