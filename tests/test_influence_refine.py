@@ -244,6 +244,8 @@ def test_block_cg_drops_dependent_rows_and_refuses_an_indefinite_space():
     x, info = block_cg(lambda v: v @ a, lambda r: r @ m, twice, 3)
     assert info["products"] == 6  # 2 new directions per step, not 5
     assert torch.allclose(x[:2], x[2:4]) and torch.allclose(x[4], 2 * x[0])
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        block_cg(lambda v: v @ a, lambda r: r * float("nan"), b, 2)
     d = torch.diag(torch.tensor([1.0, -1.0, 2.0], dtype=torch.float64))
     with pytest.raises(ValueError, match="not positive definite") as e:
         block_cg(lambda v: v @ d, lambda r: r, torch.ones(2, 3, dtype=torch.float64), 3)

@@ -106,6 +106,11 @@ def _new_directions(z: torch.Tensor, basis: torch.Tensor, drop: float) -> torch.
     (orthonormal rows): rows scaled to unit norm (a query's direction counts whatever its
     gradient's size), projected out twice (classical Gram-Schmidt loses orthogonality once),
     then an SVD keeps the directions above ``drop``."""
+    if not torch.isfinite(z).all():
+        raise ValueError(
+            "the preconditioned residuals contain NaN/Inf: check the data, the statistics and "
+            "the damping"
+        )
     z = z / z.norm(dim=1, keepdim=True).clamp_min(torch.finfo(z.dtype).tiny)
     for _ in range(2 if len(basis) else 0):
         z = z - (z @ basis.T) @ basis
