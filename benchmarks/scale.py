@@ -147,10 +147,12 @@ def _watched(args, layers: int, tmp: str) -> tuple[Step, Step]:
     return watched, lambda: None
 
 
-def _nnstat_logger(model, root: str, name_filter: str | None, x) -> tuple[Step, Step]:
+def _nnstat_logger(
+    model, root: str, name_filter: str | None, x, param_grads: bool = True
+) -> tuple[Step, Step]:
     state = {"i": 0}
     run = nnstat.init(project="scale", root_dir=root, overwrite=True)
-    nnstat.setup({"statistic": "none"})
+    nnstat.setup({"statistic": "none", "param_grads": param_grads})
     nnstat.watch(model, name_filter=name_filter)
     nnstat.add_projection(rank=64)
 
@@ -209,6 +211,12 @@ def logging_alone(args, layers: int, which: str, tmp: str) -> tuple[Step, Step, 
         _frozen_but(model, "wte")
         step, done = _nnstat_logger(model, root, r"^lm_head$", x)
         return step, done, lambda: _bytes(Path(root) / "scale", (".npy",))
+    if which == "nnstat lm_head, others frozen, param_grads False":
+        # like for like with LogIX: no parameter gradient at all, so the backward stops at
+        # lm_head's output gradient, as it stops at LogIX's LoRA branch
+        _frozen_but(model, "wte")
+        step, done = _nnstat_logger(model, root, r"^lm_head$", x, param_grads=False)
+        return step, done, lambda: _bytes(Path(root) / "scale", (".npy",))
     if which == "LogIX lm_head (add_lora, others frozen)":
         from logix import LogIX
 
@@ -246,6 +254,7 @@ LOGGERS = [
     "nnstat every supported module",
     "nnstat lm_head",
     "nnstat lm_head, others frozen",
+    "nnstat lm_head, others frozen, param_grads False",
     "LogIX lm_head (add_lora, others frozen)",
 ]
 
