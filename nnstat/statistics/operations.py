@@ -77,7 +77,7 @@ def factor_eig(factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]
     return torch.linalg.eigh(factor.to(torch.float64))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds a tensor: compared by .form, never ==
 class FactorForm:
     """How one K-FAC factor (a module's ``forward`` or ``backward`` covariance) is kept.
 
