@@ -7,10 +7,10 @@ the queries against the store with every preconditioner, each in a fresh process
 resident memory is its own, and prints a markdown table.
 
 ``--statistics kfac`` (the default) first runs a K-FAC statistics pass over the first
-``--stat-samples`` training sequences (the ``kfac``/``ekfac`` preconditioners need it);
-``lm_head`` is then left out: its output factor would be 50257x50257 (10 GB, and not diagonal;
-its weight is tied to ``transformer.wte``, which is logged). ``--statistics none`` logs every
-supported module and scores ``identity`` and ``raw`` (the default without statistics) only.
+``--stat-samples`` training sequences (the ``kfac``/``ekfac`` preconditioners need it). Every
+supported module is logged, ``lm_head`` included (its 50257-wide output factor is kept in its
+projected space), from the stock model call (``transformer.wpe`` sees ``[1, T]`` position ids).
+``--statistics none`` scores ``identity`` and ``raw`` (the default without statistics) only.
 
     .venv/bin/python benchmarks/scale_influence.py --threads 2            # full size
     .venv/bin/python benchmarks/scale_influence.py --quick                # 2 layers, 32 samples
@@ -76,9 +76,8 @@ def _batch_loss(model, x):
     """Sum over sequences of each sequence's mean next-token loss (the store's per-sample loss)."""
     import torch
 
-    # expanded position ids: every sample then has its own [T] positions for transformer.wpe
-    pos = torch.arange(x.shape[1]).expand(x.shape[0], -1)
-    logits = model(input_ids=x, position_ids=pos).logits[:, :-1]
+    # stock call: transformer.wpe sees [1, T] position ids, expanded per sample by the engine
+    logits = model(input_ids=x).logits[:, :-1]
     per_token = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="none"
     )
@@ -91,8 +90,9 @@ def _log(args: argparse.Namespace, root: Path) -> dict:
 
     model = _model(args.n_layer)
     train, query = _tokens(args.n, args.seq, 1), _tokens(args.queries, args.seq, 2)
-    # lm_head's output factor (50257 x 50257) cannot be a K-FAC statistic
-    skip = r"^(?!lm_head$).*" if args.statistics == "kfac" else None
+    # every supported module: lm_head's 50257-wide output factor is kept in its projected
+    # (rank x rank) space, wte's input factor as its diagonal of token counts
+    skip = None
     timings = {}
     for project, data in (("train", train), ("queries", query)):
         run = nnstat.init(project=project, root_dir=str(root), overwrite=True)
