@@ -24,7 +24,7 @@ from nnstat.recorder import (
     read_step_stats,
     read_step_values,
 )
-from nnstat.viewer.server import main, render_page, serve_in_thread
+from nnstat.viewer.server import SCRIPTS, STATIC, main, render_page, serve_in_thread
 
 # overridable so tests/test_viewer_ci.py can check what happens when the browser is missing
 CHROMIUM = os.environ.get("NNSTAT_TEST_CHROMIUM", "/usr/bin/chromium")
@@ -264,6 +264,21 @@ def test_bundle_of_a_trial_still_without_steps(tmp_path) -> None:
     ]
     with pytest.raises(FileNotFoundError, match="no recorder trials"):
         load_bundle(tmp_path / "g" / "fresh" / "steps")
+
+
+def test_page_and_export_load_every_script_in_order() -> None:
+    # the served page and an export run the same scripts in the same order: dom.js (the shared
+    # DOM helper) before the views that use it, and no script of static/ left out
+    assert set(SCRIPTS) >= {p.name for p in STATIC.glob("*.js")}
+    assert SCRIPTS.index("dom.js") < min(
+        SCRIPTS.index(v) for v in ("app.js", "explorer.js", "home.js")
+    )
+    page = render_page()
+    assert re.findall(r'<script src="static/([^"]+)"></script>', page) == list(SCRIPTS)
+    exported = render_page({"trials": []})
+    assert "<script src=" not in exported
+    starts = [exported.index((STATIC / name).read_text()[:200]) for name in SCRIPTS[1:]]
+    assert starts == sorted(starts)
 
 
 def test_export_survives_hostile_tensor_names(browser, tmp_path) -> None:

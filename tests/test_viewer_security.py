@@ -128,8 +128,8 @@ def test_hostile_values_are_shown_as_text_and_run_nothing(
         # nothing of the folder became markup: no image, no extra script, nothing ran
         assert p.page.evaluate("window.__pwned") is None
         assert p.page.locator("img").count() == 0
-        # the page's own: uPlot, charts, graph, app, explorer, home + the data element
-        assert p.page.evaluate("document.scripts.length") == 7
+        # the page's own: uPlot, charts, graph, dom, app, explorer, home + the data element
+        assert p.page.evaluate("document.scripts.length") == 8
         p.close()
     finally:
         if srv is not None:

@@ -31,8 +31,17 @@ from nnstat.viewer.explorer import Explorer
 
 STATIC = Path(__file__).parent / "static"
 _TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
-# the page's scripts in load order (index.html names each once); vendored files first
-SCRIPTS = ("vendor/uPlot.iife.min.js", "charts.js", "graph.js", "app.js", "explorer.js", "home.js")
+# the page's scripts in load order (index.html names each once); vendored files first, and
+# dom.js (the shared DOM helper) before the views that use it
+SCRIPTS = (
+    "vendor/uPlot.iife.min.js",
+    "charts.js",
+    "graph.js",
+    "dom.js",
+    "app.js",
+    "explorer.js",
+    "home.js",
+)
 STYLES = ("vendor/uPlot.min.css", "style.css")
 _ASSETS = SCRIPTS + STYLES
 # served page: only this origin's scripts and styles, data from api/data, nothing else

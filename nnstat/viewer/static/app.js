@@ -8,17 +8,7 @@
 
   function showError(msg) { const e = $("error"); e.hidden = false; e.textContent = msg; }
 
-  // Every value from the recorder folder enters the DOM as a text node or an attribute value,
-  // never parsed as markup: a hostile folder shows odd text, runs nothing.
-  function h(tag, attrs, ...children) {
-    const e = document.createElement(tag);
-    for (const k in attrs || {}) e.setAttribute(k, String(attrs[k]));
-    children.flat().forEach((c) => {
-      if (c !== null && c !== undefined) e.append(c instanceof Node ? c : String(c));
-    });
-    return e;
-  }
-  const hint = (text) => h("p", { class: "hint" }, text);
+  const { h, hint } = window.NNDom;  // static/dom.js
   // names come from the folder: "constructor" or "__proto__" must not find Object's members
   const own = (obj, key) =>
     (obj && Object.prototype.hasOwnProperty.call(obj, key) ? obj[key] : undefined);

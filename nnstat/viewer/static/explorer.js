@@ -7,15 +7,7 @@
   const fmt = (v) => window.NNChart.fmt(v);
   const E = { data: null, served: false, store: 0, set: null, k: 10, q: 0, bound: false, seq: 0 };
 
-  function h(tag, attrs, ...children) {
-    const e = document.createElement(tag);
-    for (const k in attrs || {}) e.setAttribute(k, String(attrs[k]));
-    children.flat().forEach((c) => {
-      if (c !== null && c !== undefined) e.append(c instanceof Node ? c : String(c));
-    });
-    return e;
-  }
-  const hint = (text) => h("p", { class: "hint" }, text);
+  const { h, hint } = window.NNDom;  // static/dom.js
   const store = () => E.data.stores[E.store];
 
   function get(path, params) {

@@ -10,16 +10,7 @@
   function showError(msg) { const e = $("error"); e.hidden = false; e.textContent = msg; }
   window.addEventListener("error", (ev) => showError(String(ev.message)));
 
-  // every value from the folder enters the DOM as text or an attribute value, never as markup
-  function h(tag, attrs, ...children) {
-    const e = document.createElement(tag);
-    for (const k in attrs || {}) e.setAttribute(k, String(attrs[k]));
-    children.flat().forEach((c) => {
-      if (c !== null && c !== undefined) e.append(c instanceof Node ? c : String(c));
-    });
-    return e;
-  }
-  const hint = (text) => h("p", { class: "hint" }, text);
+  const { h, hint } = window.NNDom;  // static/dom.js
 
   // ------------------------------------------------------------------------------ routing
   const VIEWS = ["home", "runs", "recorder", "stores"];
