@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 from nnstat.integrations._hooks import StatsCallbackBase
@@ -64,46 +63,26 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
     Args:
         stats, groups, include, exclude, every, noise_scale, noise_scale_beta,
         noise_scale_filter, noise_scale_every: see :class:`nnstat.integrations._hooks.StatsOptions`;
-            ``every=None`` follows ``TrainingArguments.logging_steps``.
+            ``every=None`` follows ``TrainingArguments.logging_steps`` and
+            ``noise_scale_every=None`` (the default) means `NOISE_SCALE_EVERY`.
 
     Example:
         >>> cb = NNStatCallback(stats=["l2", "rms"], noise_scale=False)
         >>> cb.options.stats, cb.options.noise_scale_every
         (['l2', 'rms'], 8)
+        >>> NNStatCallback(noise_scale_every=1).options.noise_scale_every
+        1
     """
 
-    def __init__(
-        self,
-        *,
-        stats: Sequence[str] | str | None = ("l2", "rms", "abs_max", "nonfinite"),
-        groups: Sequence[str] = ("weight", "grad", "optimizer", "update"),
-        include: str | None = None,
-        exclude: str | None = None,
-        every: int | None = None,
-        noise_scale: bool = True,
-        noise_scale_beta: float = 0.9,
-        noise_scale_filter: str | None = None,
-        noise_scale_every: int = NOISE_SCALE_EVERY,
-    ) -> None:
-        # the shared base defaults to every micro-batch (Lightning); HF models are sequence
-        # models, where that costs ~12% of the step, hence this callback's own default
-        super().__init__(
-            stats=stats,
-            groups=groups,
-            include=include,
-            exclude=exclude,
-            every=every,
-            noise_scale=noise_scale,
-            noise_scale_beta=noise_scale_beta,
-            noise_scale_filter=noise_scale_filter,
-            noise_scale_every=noise_scale_every,
-        )
+    # the shared base defaults to every micro-batch (Lightning); HF models are sequence models,
+    # where that costs ~12% of the step, hence this callback's own default
+    default_noise_scale_every = NOISE_SCALE_EVERY
+
+    def _init_state(self) -> None:
         # measure the first micro-batch after the probe, then one in k (micro-batches 1, 1 + k,
         # ... after it): the noise-scale keys are in the logs from the first logging step on
         # instead of appearing only after k steps (a short run would have none)
-        self.hooks._micro = noise_scale_every - 1
-
-    def _init_state(self) -> None:
+        self.hooks._micro = self.options.noise_scale_every - 1
         self.latest: dict[str, Any] = {}
         self._pending: dict[str, Any] | None = None
         self._injected: list[str] = []

@@ -22,7 +22,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -331,12 +331,17 @@ class StatsCallbackBase:
 
     It validates the options (see :class:`StatsOptions`), builds the :class:`StepStats` driver
     and then calls :meth:`_init_state` for the framework's own bookkeeping.
+    ``noise_scale_every=None`` (the default) takes the class's `default_noise_scale_every`, so a
+    subclass changes that default without repeating this signature.
 
     Example:
         >>> cb = StatsCallbackBase(stats=["l2"], noise_scale=False)
-        >>> cb.options.stats, type(cb.hooks).__name__
-        (['l2'], 'StepStats')
+        >>> cb.options.stats, type(cb.hooks).__name__, cb.options.noise_scale_every
+        (['l2'], 'StepStats', 1)
     """
+
+    #: ``noise_scale_every`` when the constructor gets ``None``: every micro-batch (Lightning)
+    default_noise_scale_every: ClassVar[int] = 1
 
     def __init__(
         self,
@@ -349,10 +354,12 @@ class StatsCallbackBase:
         noise_scale: bool = True,
         noise_scale_beta: float = 0.9,
         noise_scale_filter: str | None = None,
-        noise_scale_every: int = 1,
+        noise_scale_every: int | None = None,
     ) -> None:
         from nnstat.describe import validate_stats
 
+        if noise_scale_every is None:
+            noise_scale_every = self.default_noise_scale_every
         self.options = StatsOptions(
             stats=list(validate_stats(stats)),
             groups=list(groups),

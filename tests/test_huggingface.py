@@ -153,6 +153,20 @@ def test_default_noise_scale_cadence_is_one_micro_batch_in_eight(tmp_path, monke
     assert seen == [4, 4, 4]  # micro-batches 1, 9 and 17 after the probe (steps 2, 10, 18)
 
 
+def test_noise_scale_every_none_means_the_class_default_and_bad_values_are_refused():
+    from nnstat.integrations._hf_callback import NOISE_SCALE_EVERY
+
+    assert NNStatCallback.default_noise_scale_every == NOISE_SCALE_EVERY
+    assert NNStatCallback(noise_scale_every=None).options.noise_scale_every == NOISE_SCALE_EVERY
+    for k in (1, 3, 16):
+        cb = NNStatCallback(noise_scale_every=k)
+        # measured from the first micro-batch after the probe, then one in k
+        assert (cb.options.noise_scale_every, cb.hooks._micro) == (k, k - 1)
+    for bad in (0, -1, 2.5, "8"):
+        with pytest.raises(ValueError, match="noise_scale_every must be a positive int"):
+            NNStatCallback(noise_scale_every=bad)
+
+
 def _plain_api(model, tmp_path, names, train, query, rank, config):
     """The same analysis with nnstat's plain API and a hand-written summed token loss."""
     run = nnstat.init(project="plain", root_dir=str(tmp_path))

@@ -218,6 +218,14 @@ def test_influence_helpers_reject_bad_input(tmp_path):
         extract_log(None, module, loader, config={"loss_reduction": "sum"})
 
 
+def test_callback_noise_scale_every_defaults_to_every_micro_batch():
+    assert NNStatCallback().options.noise_scale_every == 1
+    assert NNStatCallback(noise_scale_every=None).options.noise_scale_every == 1
+    assert NNStatCallback(noise_scale_every=4).options.noise_scale_every == 4
+    with pytest.raises(ValueError, match="noise_scale_every"):
+        NNStatCallback(noise_scale_every=0)
+
+
 def test_step_stats_noise_scale_every():
     from nnstat.integrations._hooks import StatsOptions, StepStats
 
