@@ -255,13 +255,30 @@ def test_block_cg_drops_dependent_rows_and_refuses_an_indefinite_space():
 def test_indefinite_hessian_is_reported_not_scored(tmp_path):
     model, train, query = _setup()
     store, log = _log(tmp_path, "p", model, train, query)
+    lam = 1e-4  # under |λ_min| of this untrained tanh MLP's Hessian
+    assert float(torch.linalg.eigvalsh(_explicit_hessian(model, train)).min()) < -lam
+    # asked for explicitly, the Hessian's indefinite direction is an error naming the fix
+    strict = Refinement(model, LOSS, train, steps=3, damping=lam, curvature="hessian")
+    with pytest.raises(ValueError, match="not positive definite.*curvature='ggn'"):
+        compute_influence_all(log, store, refine=strict)
+    # the default refines every query with the Gauss-Newton matrix instead, and says so
+    auto = Refinement(model, LOSS, train, steps=3, damping=lam, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="indefinite.*curvature='ggn'"):
+        res = compute_influence_all(log, store, refine=auto)
+    ggn = compute_influence_all(
+        log, store, refine=Refinement(**{**auto.__dict__, "curvature": "ggn"})
+    )
+    torch.testing.assert_close(res.scores, ggn.scores)
+    info = res.meta["refine"]
+    assert info["curvature"] == "ggn (the Hessian was indefinite)"
+    assert info["passes"] > ggn.meta["refine"]["passes"]  # the Hessian's passes are counted
 
-    def concave(out, target):  # negative curvature everywhere
+    def concave(out, target):  # negative curvature everywhere, in the outputs too
         return -(out**2).mean()
 
     # unprojected store: the queries come from the log; the curvature is that of `concave`
     refine = Refinement(model, concave, train, steps=3, damping=1e-6)
-    with pytest.raises(ValueError, match="not positive definite.*curvature='ggn'"):
+    with pytest.raises(ValueError, match="not positive definite.*so is the Gauss-Newton"):
         compute_influence_all(log, store, refine=refine)
 
 

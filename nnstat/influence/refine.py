@@ -27,8 +27,9 @@ projection's error is amplified along the low-curvature directions the solution 
   equal cost in 131 of 135 measured settings, so it is not offered.)
 
 A conjugate-gradient step never increases the ``(P H Pᵀ + λI)``-norm error while that matrix is
-positive definite. An indefinite direction under ``"hessian"`` raises, naming the queries and
-the fix.
+positive definite. An indefinite direction under ``curvature="hessian"`` raises, naming the
+queries and the fix; under the default (``None``) every query is refined again with the
+Gauss-Newton matrix, with a warning, and the report says so.
 
 Example:
     >>> import torch
@@ -58,7 +59,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -125,7 +126,11 @@ class Refinement:
             solve itself uses the rows). Without it, the model's weights are checked against the
             store's ``params_sha256``.
         steps: conjugate-gradient steps; 0 gives the unrefined scores exactly.
-        curvature: ``"hessian"`` (default) or ``"ggn"`` (Gauss-Newton).
+        curvature: ``None`` (default): the Hessian, or, where the Hessian plus ``λ`` turns out
+            indefinite along a search direction, the Gauss-Newton matrix for every query (one
+            warning; ``result.meta["refine"]["curvature"]`` says which, and the passes spent
+            are counted); ``"hessian"``: the Hessian, an indefinite direction raises;
+            ``"ggn"``: the Gauss-Newton matrix (positive semi-definite).
         damping: ``λ`` of system and preconditioner; ``None`` = the mean eigenvalue of the
             curvature per logged parameter (``compute_influence_all``'s ``damping`` is used
             when this is ``None`` and that is given).
@@ -153,8 +158,8 @@ class Refinement:
         >>> import torch
         >>> r = Refinement(torch.nn.Linear(2, 2), torch.nn.functional.cross_entropy,
         ...                (torch.randn(4, 2), torch.tensor([0, 1, 0, 1])), steps=5)
-        >>> r.curvature, r.steps
-        ('hessian', 5)
+        >>> r.curvature, r.steps  # None: the Hessian, the GGN where that is indefinite
+        (None, 5)
     """
 
     model: nn.Module
@@ -163,7 +168,7 @@ class Refinement:
     query_data: Any = None
     batch_loss: Callable[[Any], torch.Tensor] | None = None
     steps: int = 5
-    curvature: str = "hessian"
+    curvature: str | None = None
     damping: float | None = None
     preconditioner: str | None = None
     batch_size: int = 256
@@ -189,7 +194,7 @@ class Refinement:
             raise ValueError(f"fisher={self.fisher!r} needs loss_fn(outputs, targets) logits")
         if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 0:
             raise ValueError(f"steps must be an int >= 0, got {self.steps!r}")
-        if self.curvature not in CURVATURES:
+        if self.curvature is not None and self.curvature not in CURVATURES:
             raise ValueError(f"curvature must be one of {list(CURVATURES)}, got {self.curvature!r}")
         if self.preconditioner is not None and self.preconditioner not in REFINE_PRECONDITIONERS:
             raise ValueError(
@@ -858,9 +863,13 @@ def refine_queries(
     flat = _Flat(refine.model, train, dtype)
     ids, q_rows = all_rows(query, batch_size)
     _check_weights(flat, train.meta or {}, str(getattr(train, "path", "") or "(in memory)"))
-    curv = (
-        _Curvature(refine, flat) if refine.batch_loss is None else _BatchLossCurvature(refine, flat)
-    )
+    auto = refine.curvature is None  # the Hessian, the GGN where the Hessian is indefinite
+
+    def make_curvature(name: str) -> _Curvature | _BatchLossCurvature:
+        r = replace(refine, curvature=name)
+        return _Curvature(r, flat) if refine.batch_loss is None else _BatchLossCurvature(r, flat)
+
+    curv = make_curvature(refine.curvature or "hessian")
     if query_data is not None:  # the queries' own data: its gradients must be the log's rows
         _check_against_rows(flat, curv.example_grads(query_data), q_rows, ids, query.meta or {})
     b_all = q_rows.to(dtype)
@@ -876,13 +885,14 @@ def refine_queries(
     def curvature(y: torch.Tensor) -> torch.Tensor:
         return flat.project(curv.product(flat.lift(y)))
 
+    name = curv.r.curvature
     lam = refine.damping if refine.damping is not None else damping
     rule = "given"
     if lam is None:
         gamma = _mean_curvature(curvature, b_all.shape[1], flat.size, dtype)
         if not gamma > 0:
             raise ValueError(
-                f"the {refine.curvature} curvature has a mean eigenvalue of {gamma:.3g} <= 0, "
+                f"the {name} curvature has a mean eigenvalue of {gamma:.3g} <= 0, "
                 "so damping=None has no scale: pass a damping > 0 (or curvature='ggn')"
             )
         lam, rule = gamma, "mean eigenvalue of the curvature per parameter (Hutchinson, 8 probes)"
@@ -894,44 +904,77 @@ def refine_queries(
     def precondition(r: torch.Tensor) -> torch.Tensor:
         return pre.apply(r, lam).to(dtype)
 
-    blocks = range(0, len(b_all), refine.query_batch)
-    bar = tqdm(
-        total=len(blocks) * refine.steps,
-        desc="refine",
-        unit="pass",
-        disable=None if refine.progress is None else not refine.progress,
-    )
     solver = _choose_solver(refine, b_all.shape[1], dtype)
     solve = block_cg if solver == "block" else preconditioned_cg
-    solved, products, residual, per_block = [], 0, [], []
-    with bar:
-        for lo in blocks:
-            b = b_all[lo : lo + refine.query_batch]
+    blocks = range(0, len(b_all), refine.query_batch)
 
-            def counted(v: torch.Tensor) -> torch.Tensor:
-                out = matvec(v)
-                bar.update(1)
-                return out
+    def solve_all() -> tuple[list[torch.Tensor], int, list[torch.Tensor], list[int]]:
+        bar = tqdm(
+            total=len(blocks) * refine.steps,
+            desc=f"refine ({curv.r.curvature})",
+            unit="pass",
+            disable=None if refine.progress is None else not refine.progress,
+        )
+        solved, products, residual, per_block = [], 0, [], []
+        with bar:
+            for lo in blocks:
 
-            try:
-                y, info = solve(counted, precondition, b, refine.steps)
-            except ValueError as e:
-                bad = [ids[lo + i] for i in getattr(e, "rows", [])]
-                if not bad:
+                def counted(v: torch.Tensor) -> torch.Tensor:
+                    out = matvec(v)
+                    bar.update(1)
+                    return out
+
+                try:
+                    y, info = solve(counted, precondition, b_all[lo : lo + refine.query_batch],
+                                    refine.steps)  # fmt: skip
+                except ValueError as e:
+                    if getattr(e, "rows", None):
+                        e.queries = [ids[lo + i] for i in e.rows]  # type: ignore[attr-defined]
                     raise
-                raise ValueError(
-                    f"curvature='{refine.curvature}' is not positive definite along a conjugate-"
-                    f"gradient direction of queries {bad[:5]} (curvature along it, pᵀ(H+λI)p = "
-                    f"{min(e.curvature):.3g}): the Hessian of this loss is indefinite there. Use "  # type: ignore[attr-defined]
-                    "Refinement(curvature='ggn') (positive semi-definite) or a larger damping"
-                ) from None
-            solved.append(y.to(torch.float32))
-            products += info["products"]
-            per_block.append(info["passes"])
-            residual.append(info["residual"])
+                solved.append(y.to(torch.float32))
+                products += info["products"]
+                per_block.append(info["passes"])
+                residual.append(info["residual"])
+        return solved, products, residual, per_block
+
+    try:
+        solved, products, residual, per_block = solve_all()
+    except ValueError as e:
+        bad = getattr(e, "queries", None)
+        if not bad:
+            raise
+        what = (
+            f"curvature='{curv.r.curvature}' is not positive definite along a conjugate-"
+            f"gradient direction of queries {bad[:5]} (curvature along it, pᵀ(H+λI)p = "
+            f"{min(e.curvature):.3g}): the Hessian of this loss is indefinite there"  # type: ignore[attr-defined]
+        )
+        if not auto:
+            raise ValueError(
+                f"{what}. Use Refinement(curvature='ggn') (positive semi-definite) or a larger "
+                "damping"
+            ) from None
+        warnings.warn(
+            f"nnstat: {what}; every query is refined with curvature='ggn' (the Gauss-Newton "
+            "matrix, positive semi-definite) instead (result.meta['refine']['curvature']). "
+            "Pass curvature='hessian' to make this an error, or a larger damping",
+            stacklevel=3,
+        )
+        spent = curv.passes
+        curv = make_curvature("ggn")
+        curv.passes += spent
+        try:
+            solved, products, residual, per_block = solve_all()
+        except ValueError as e2:
+            if not getattr(e2, "queries", None):
+                raise
+            raise ValueError(
+                f"{what}, and so is the Gauss-Newton matrix (the loss is not convex in the "
+                "model's outputs): pass a larger damping"
+            ) from None
+        name = "ggn (the Hessian was indefinite)"
     report = {
         "steps": refine.steps,
-        "curvature": refine.curvature,
+        "curvature": name,
         "fisher": refine.fisher,
         "solver": solver,
         "products": products,
