@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -416,3 +418,17 @@ def _into(rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 def _check_proj(name: str, label: str, p: torch.Tensor, d: int) -> None:
     if p.dim() != 2 or p.shape[1] != d:
         raise ValueError(f"{name}: {label} must have shape [r, {d}], got {tuple(p.shape)}")
+
+
+def modules_by_size(sizes: Iterable[tuple[str, int]]) -> str:
+    """``"3: 'b'; 4: 'a', 'c'"``: modules grouped by the batch size each saw, for the errors
+    that refuse a block whose modules disagree.
+
+    Example:
+        >>> modules_by_size([("a", 4), ("b", 3), ("c", 4)])
+        "3: 'b'; 4: 'a', 'c'"
+    """
+    groups: dict[int, list[str]] = {}
+    for name, n in sizes:
+        groups.setdefault(n, []).append(name)
+    return "; ".join(f"{n}: {', '.join(map(repr, ms))}" for n, ms in sorted(groups.items()))

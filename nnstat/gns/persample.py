@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nnstat.capture.capture import ModuleCapture
+from nnstat.capture.capture import ModuleCapture, modules_by_size
 from nnstat.capture.norms import sq_norm_factors
 from nnstat.distributed import rank_world
 
@@ -105,10 +105,7 @@ class PerSampleNorms:
             raise RuntimeError("no watched module took part in the backward of this batch")
         n = caps[0].num_samples
         if any(c.num_samples != n for c in caps):
-            by_size: dict[int, list[str]] = {}
-            for c in caps:
-                by_size.setdefault(c.num_samples, []).append(c.name)
-            seen = "; ".join(f"{k}: {', '.join(map(repr, v))}" for k, v in sorted(by_size.items()))
+            seen = modules_by_size((c.name, c.num_samples) for c in caps)
             raise RuntimeError(
                 f"watched modules saw different batch sizes in one batch ({seen}); a module "
                 "fed an input the batch shares is expanded when the batch size is known: pass "

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from nnstat.capture.capture import modules_by_size
 from nnstat.store import outer
 from nnstat.store.projection import ModuleProjection, project_capture, row_factors
 
@@ -114,12 +115,10 @@ class BatchRows:
         self._sizes.setdefault(name, n)
         if n == first:
             return
-        groups: dict[int, list[str]] = {}
-        for m, size in self._sizes.items():
-            groups.setdefault(size, []).append(m)
+        sizes = list(self._sizes.items())
         if self._sizes[name] != n:  # the same module, in a second backward of the block
-            groups.setdefault(n, []).append(name)
-        seen = "; ".join(f"{size}: {', '.join(repr(m) for m in ms)}" for size, ms in groups.items())
+            sizes.append((name, n))
+        seen = modules_by_size(sizes)
         raise ValueError(
             f"watched modules saw different batch sizes in one run(...) block ({seen}). Each "
             "module's dim 0 must be the block's samples: a module applied to flattened inputs "
