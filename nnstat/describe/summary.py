@@ -119,6 +119,21 @@ def _work_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def _shape_stats(mo: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """mean, var, std, skew, kurtosis (excess), min and max from `_moments`' central moments
+    (one tensor's, or stacked for many)."""
+    m2 = mo["m2"]
+    return {
+        "mean": mo["mean"],
+        "var": m2,
+        "std": m2.sqrt(),
+        "skew": mo["m3"] / m2**1.5,
+        "kurtosis": mo["m4"] / (m2 * m2) - 3.0,
+        "min": mo["min"],
+        "max": mo["max"],
+    }
+
+
 def _exact_row(t: torch.Tensor, stats: tuple[str, ...]) -> torch.Tensor:
     """All statistics of one tensor in float64, over its finite elements."""
     x = t.detach().reshape(-1).to(torch.float64)
@@ -131,7 +146,6 @@ def _exact_row(t: torch.Tensor, stats: tuple[str, ...]) -> torch.Tensor:
     l1 = x.abs().sum()
     l2 = torch.linalg.vector_norm(x)
     mo = _moments(x)
-    m2 = mo["m2"]
     values = {
         "numel": torch.tensor(float(total), dtype=torch.float64, device=x.device),
         "l1": l1,
@@ -140,13 +154,7 @@ def _exact_row(t: torch.Tensor, stats: tuple[str, ...]) -> torch.Tensor:
         "abs_mean": l1 / n if n else nan,
         "rms": l2 / math.sqrt(n) if n else nan,
         "nonfinite": nonfinite,
-        "mean": mo["mean"],
-        "var": m2,
-        "std": m2.sqrt(),
-        "skew": mo["m3"] / m2**1.5,
-        "kurtosis": mo["m4"] / (m2 * m2) - 3.0,
-        "min": mo["min"],
-        "max": mo["max"],
+        **_shape_stats(mo),
         "sparsity": mo["zeros"] / n if n else nan,
     }
     return torch.stack([values[s] for s in stats])
@@ -256,17 +264,10 @@ def _moment_table(
         k: torch.stack([row[k].to(device=dev, dtype=torch.float64) for row in mo])
         for k in _MOMENT_KEYS
     }
-    m2 = m["m2"]
     l1, l2 = m["l1"], m["l2"]
     cols = {
         "numel": n_vec,
-        "mean": m["mean"],
-        "var": m2,
-        "std": m2.sqrt(),
-        "skew": m["m3"] / m2**1.5,
-        "kurtosis": m["m4"] / (m2 * m2) - 3.0,
-        "min": m["min"],
-        "max": m["max"],
+        **_shape_stats(m),
         "abs_max": torch.maximum(m["max"], -m["min"]),
         "sparsity": m["zeros"] / n_vec,
         "l1": l1,
