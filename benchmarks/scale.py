@@ -47,6 +47,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -150,20 +151,26 @@ def _watched(args, layers: int, tmp: str) -> tuple[Step, Step]:
 def _nnstat_logger(
     model, root: str, name_filter: str | None, x, param_grads: bool = True
 ) -> tuple[Step, Step]:
-    state = {"i": 0}
     run = nnstat.init(project="scale", root_dir=root, overwrite=True)
     nnstat.setup({"statistic": "none", "param_grads": param_grads})
     nnstat.watch(model, name_filter=name_filter)
     nnstat.add_projection(rank=64)
+    return _logged_step(model, x, run), nnstat.finalize  # finalize writes the last shard
+
+
+def _logged_step(model, x, block: Callable[..., Any]) -> Step:
+    """One logged forward+backward per call inside ``block(data_id=...)`` (nnstat's Run or
+    LogIX's), with fresh ids each time."""
+    state = {"i": 0}
 
     def step() -> None:
         ids = [f"s{state['i']}-{j}" for j in range(len(x))]
         state["i"] += 1
-        with run(data_id=ids):
+        with block(data_id=ids):
             lm_loss(model, x, "sum").backward()
         model.zero_grad(set_to_none=True)
 
-    return step, nnstat.finalize  # the rows' last shard is written by finalize
+    return step
 
 
 def _frozen_but(model: torch.nn.Module, keep: str) -> None:
@@ -229,14 +236,7 @@ def logging_alone(args, layers: int, which: str, tmp: str) -> tuple[Step, Step, 
         lx.setup({"grad": ["log"]})
         lx.save(True)
         os.chdir(cwd)
-        state = {"i": 0}
-
-        def step() -> None:
-            ids = [f"s{state['i']}-{j}" for j in range(len(x))]
-            state["i"] += 1
-            with lx(data_id=ids):
-                lm_loss(model, x, "sum").backward()
-            model.zero_grad(set_to_none=True)
+        step = _logged_step(model, x, lx)
 
         def done() -> None:
             here = os.getcwd()
