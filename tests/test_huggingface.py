@@ -231,7 +231,7 @@ def test_patched_trainer_matches_the_plain_api(tmp_path):
     # refinement on the trainer's own loss and data = the plain Refinement on a hand-written
     # loss: the trainer's per-sample loss is the sum over its predicted tokens
     refined = trainer.influence(query, refine=2)
-    assert refined.meta["refine"]["passes"] == 2 + 1 and refined.meta["refine"]["steps"] == 2
+    assert refined.meta["refine"]["passes"] == 2 and refined.meta["refine"]["steps"] == 2
 
     def sum_loss(b):
         return model(**b).loss * b["labels"][:, 1:].numel()

@@ -178,7 +178,7 @@ def test_influence_helpers_equal_exact_dot_products_and_the_plain_api(tmp_path):
     )  # fmt: skip
     ref_refined = nnstat.influence.compute_influence_all(log, plain.path, refine=plain_refine)
     torch.testing.assert_close(refined.scores, ref_refined.scores, rtol=1e-3, atol=1e-6)
-    assert refined.meta["refine"]["passes"] == 3 + 1  # + the default damping's trace pass
+    assert refined.meta["refine"]["passes"] == 3  # the damping's trace rides along pass 1
     self_refined = self_influence(None, module, run, refine=2, train_dataloader=train_loader,
                                   progress=False)  # fmt: skip
     assert self_refined.scores.shape == (24,) and self_refined.meta["refine"]["steps"] == 2

@@ -806,15 +806,27 @@ def _check_weights(flat: _Flat, meta: Mapping[str, Any], path: str) -> None:
         )
 
 
-def _mean_curvature(
-    op: Callable[[torch.Tensor], torch.Tensor], width: int, n_params: int, dtype
+def _probes(width: int, dtype: torch.dtype) -> torch.Tensor:
+    """8 Rademacher vectors of the logged space for Hutchinson's trace estimator (seeded)."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, 2, (8, width), generator=gen).to(dtype) * 2 - 1
+
+
+def _resolve_mean_curvature(
+    h_probes: torch.Tensor, flat: _Flat, name: str, probes: torch.Tensor | None = None
 ) -> float:
     """The mean eigenvalue of ``H`` over the logged modules' parameters, ``tr(P H Pᵀ) / n_params``
-    (``E[PᵀP] = I`` for the store's projections, so the trace survives projection), by
-    Hutchinson's estimator in the logged space (8 Rademacher probes, one pass)."""
-    gen = torch.Generator().manual_seed(0)
-    z = torch.randint(0, 2, (8, width), generator=gen).to(dtype) * 2 - 1
-    return float((z * op(z)).sum(1).mean()) / n_params
+    (``E[PᵀP] = I`` for the store's projections, so the trace survives projection), from the
+    products ``h_probes = (P H Pᵀ) z`` of `_probes` by Hutchinson's estimator; refused when it is
+    not positive (then it gives the damping no scale)."""
+    z = _probes(h_probes.shape[1], h_probes.dtype) if probes is None else probes
+    gamma = float((z * h_probes).sum(1).mean()) / flat.size
+    if not gamma > 0:
+        raise ValueError(
+            f"the {name} curvature has a mean eigenvalue of {gamma:.3g} <= 0, "
+            "so damping=None has no scale: pass a damping > 0 (or curvature='ggn')"
+        )
+    return gamma
 
 
 BLOCK_MEMORY_LIMIT = 2 * 1024**3  # bytes of search space the block solver may hold
@@ -886,29 +898,44 @@ def refine_queries(
         return flat.project(curv.product(flat.lift(y)))
 
     name = curv.r.curvature
+    solver = _choose_solver(refine, b_all.shape[1], dtype)
     lam = refine.damping if refine.damping is not None else damping
     rule = "given"
-    if lam is None:
-        gamma = _mean_curvature(curvature, b_all.shape[1], flat.size, dtype)
-        if not gamma > 0:
-            raise ValueError(
-                f"the {name} curvature has a mean eigenvalue of {gamma:.3g} <= 0, "
-                "so damping=None has no scale: pass a damping > 0 (or curvature='ggn')"
-            )
-        lam, rule = gamma, "mean eigenvalue of the curvature per parameter (Hutchinson, 8 probes)"
-    lam = resolve_damping(lam, torch.zeros(0))
+    probes = None
+    if lam is not None:
+        lam = resolve_damping(lam, torch.zeros(0))
+    elif solver == "block":
+        # the trace probes ride along the first block's first product (it does not need λ: the
+        # first directions are preconditioned at the unrefined default damping, and A = H + λI
+        # is formed after the product), so the default damping costs no pass of its own
+        probes = _probes(b_all.shape[1], dtype)
+        rule = "mean eigenvalue of the curvature per parameter (Hutchinson, 8 probes, first pass)"
+    else:  # per-query CG's recurrence needs one M from its first step: one pass to find λ
+        lam = _resolve_mean_curvature(curvature(_probes(b_all.shape[1], dtype)), flat, name)
+        rule = "mean eigenvalue of the curvature per parameter (Hutchinson, 8 probes, one pass)"
+    lam0 = lam  # the first directions' damping (None: the unrefined default)
 
     def matvec(v: torch.Tensor) -> torch.Tensor:
-        return curvature(v) + lam * v
+        nonlocal lam, probes
+        if probes is None:
+            return curvature(v) + lam * v
+        both = curvature(torch.cat([v, probes]))
+        lam = _resolve_mean_curvature(both[len(v) :], flat, name, probes)
+        probes = None
+        return both[: len(v)] + lam * v
+
+    first = True  # every block starts from the same directions, M(λ₀)⁻¹ row_q
 
     def precondition(r: torch.Tensor) -> torch.Tensor:
-        return pre.apply(r, lam).to(dtype)
+        nonlocal first
+        used, first = (lam0 if first else lam), False
+        return pre.apply(r, used).to(dtype)
 
-    solver = _choose_solver(refine, b_all.shape[1], dtype)
     solve = block_cg if solver == "block" else preconditioned_cg
     blocks = range(0, len(b_all), refine.query_batch)
 
     def solve_all() -> tuple[list[torch.Tensor], int, list[torch.Tensor], list[int]]:
+        nonlocal first
         bar = tqdm(
             total=len(blocks) * refine.steps,
             desc=f"refine ({curv.r.curvature})",
@@ -918,6 +945,7 @@ def refine_queries(
         solved, products, residual, per_block = [], 0, [], []
         with bar:
             for lo in blocks:
+                first = True
 
                 def counted(v: torch.Tensor) -> torch.Tensor:
                     out = matvec(v)
