@@ -17,8 +17,12 @@ projection's error is amplified along the low-curvature directions the solution 
 * Preconditioner: the unrefined path's own (default EK-FAC, else K-FAC, else raw), with the
   same ``λ`` as the system.
 * ``λ``: ``damping``, or by default the mean eigenvalue of ``H`` over the logged parameters,
-  ``tr(P H Pᵀ) / n_params`` (Hutchinson's estimator in the logged space, one more pass). The empirical-Fisher scale of the unrefined default is 10-250x smaller on
-  confident models, and conjugate gradient then diverges from useful rankings in few steps.
+  ``tr(P H Pᵀ) / n_params`` (Hutchinson's estimator in the logged space, 8 probes). The
+  empirical-Fisher scale of the unrefined default is 10-250x smaller on confident models, and
+  conjugate gradient then diverges from useful rankings in few steps. The block solver adds the
+  probes to its first product (which needs no ``λ``: ``A = H + λI`` is formed after it, and every
+  block's first directions are preconditioned at the unrefined default damping), so the default
+  costs no pass; per-query CG spends one pass on it.
 * Block conjugate gradient (``solver="block"``, default): the queries of a block share one
   search space, each pass adding every query's preconditioned residual to it, so a block of 32
   explores 32 directions per pass (`krylov.block_cg`); ``solver="cg"``: one recurrence each.
