@@ -447,10 +447,13 @@ def refined(log, loader, refine: Refinement):
         "max_residual": info.get("max_residual"),
         "note": str(info["preconditioner"]),
     }
-    if info.get("damping_rule", "given") != "given":
-        extra["note"] += " (λ: mean eigenvalue, +1 pass)"
+    rule = info.get("damping_rule", "given")
+    if rule != "given":  # the block solver's trace probes ride along its first pass
+        extra["note"] += " (λ: mean eigenvalue, " + (
+            "+1 pass)" if "one pass" in rule else "probes in pass 1)"
+        )
     if info.get("fisher", "store") != "store":
-        extra["note"] += f" refit ({info['fisher']} Fisher: +2 statistics passes, not counted)"
+        extra["note"] += f" refit ({info['fisher']} Fisher: +2 statistics passes, counted)"
     return in_train_order(res), extra
 
 
