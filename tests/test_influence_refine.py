@@ -269,6 +269,21 @@ def test_block_cg_beats_per_row_cg_and_is_monotone_and_exact_when_the_space_is_f
         assert (_energy(xb, exact, a) <= _energy(xc, exact, a) * (1 + 1e-9)).all()
 
 
+def test_block_cg_from_other_start_directions_keeps_the_preconditioned_space_one_step_later():
+    """``start`` (the first pass's directions, taken before the preconditioner is final): the
+    second step adds ``precondition(rhs)``, so after j + 1 steps no row is further (A-norm) from
+    the solution than block CG from ``precondition(rhs)`` after j; still exact when full."""
+    a, b, m, exact = _spd_system(n=30, k=6)
+    start = torch.randn(6, 30, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    for steps in (1, 2, 3, 4):
+        xs, info = block_cg(lambda v: v @ a, lambda r: r @ m, b, steps + 1, start=start)
+        xb, _ = block_cg(lambda v: v @ a, lambda r: r @ m, b, steps)
+        assert (_energy(xs, exact, a) <= _energy(xb, exact, a) * (1 + 1e-9)).all()
+        assert info["passes"] <= steps + 1  # 6 + 12 + 6 + 6 directions fill the 30 at 4
+    xs, info = block_cg(lambda v: v @ a, lambda r: r @ m, b, 6, start=start)
+    assert torch.allclose(xs, exact, rtol=1e-7, atol=1e-9)
+
+
 def test_block_cg_drops_dependent_rows_and_refuses_an_indefinite_space():
     a, b, m, exact = _spd_system(n=20, k=2)
     twice = torch.cat([b, b, 2 * b[:1]])  # rows 2-4 add no direction

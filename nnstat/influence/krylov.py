@@ -125,6 +125,7 @@ def block_cg(
     steps: int,
     tol: float = 1e-12,
     on_step: Callable[[torch.Tensor], None] | None = None,
+    start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """``steps`` iterations of preconditioned block conjugate gradient on ``A X = rhs``.
 
@@ -137,6 +138,10 @@ def block_cg(
     never increases. One row is exactly `preconditioned_cg` (up to rounding). Memory: ``V`` and
     ``A V``, up to ``2 · steps · k`` vectors. Same ``info`` as `preconditioned_cg`; raises
     ``ValueError`` (``err.rows``: the active rows) when ``Vᵀ A V`` is not positive definite.
+
+    ``start`` replaces the first step's directions ``precondition(rhs)`` (for a first ``matvec``
+    that must run before ``precondition`` is final); the second step then adds
+    ``precondition(rhs)`` next to the residuals' directions, so the space still holds them.
 
     Example:
         >>> import torch
@@ -155,11 +160,17 @@ def block_cg(
     gram = rhs.new_zeros(0, 0)  # Vᵀ A V
     products = passes = 0
     active = r.norm(dim=1) / b_norm > tol
-    for _ in range(steps):
+    for step in range(steps):
         idx = _next_rows(active, on_step, x)
         if idx is None:
             break
-        w = _new_directions(precondition(r[idx]), basis, drop)
+        if step == 0 and start is not None:
+            z = start
+        elif step == 1 and start is not None:
+            z = torch.cat([precondition(r[idx]), precondition(rhs[idx])])
+        else:
+            z = precondition(r[idx])
+        w = _new_directions(z, basis, drop)
         if len(w) == 0:
             break
         aw = matvec(w)

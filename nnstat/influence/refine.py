@@ -20,9 +20,10 @@ projection's error is amplified along the low-curvature directions the solution 
   ``tr(P H Pᵀ) / n_params`` (Hutchinson's estimator in the logged space, 8 probes). The
   empirical-Fisher scale of the unrefined default is 10-250x smaller on confident models, and
   conjugate gradient then diverges from useful rankings in few steps. The block solver adds the
-  probes to its first product (which needs no ``λ``: ``A = H + λI`` is formed after it, and every
-  block's first directions are preconditioned at the unrefined default damping), so the default
-  costs no pass; per-query CG spends one pass on it.
+  probes to its first product, which needs no ``λ``: ``A = H + λI`` is formed after it, every
+  block's first directions are the unrefined default's ``M(λ₀)⁻¹ row_q``, and its second pass
+  adds ``M(λ)⁻¹ row_q`` next to the residuals' directions. So the default costs no pass (per-query
+  CG spends one on it), and one step already holds the unrefined solution in its space.
 * Block conjugate gradient (``solver="block"``, default): the queries of a block share one
   search space, each pass adding every query's preconditioned residual to it, so a block of 32
   explores 32 directions per pass (`krylov.block_cg`); ``solver="cg"``: one recurrence each.
@@ -917,7 +918,7 @@ def refine_queries(
     else:  # per-query CG's recurrence needs one M from its first step: one pass to find λ
         lam = _resolve_mean_curvature(curvature(_probes(b_all.shape[1], dtype)), flat, name)
         rule = "mean eigenvalue of the curvature per parameter (Hutchinson, 8 probes, one pass)"
-    lam0 = lam  # the first directions' damping (None: the unrefined default)
+    deferred = lam is None  # λ comes with the first product
 
     def matvec(v: torch.Tensor) -> torch.Tensor:
         nonlocal lam, probes
@@ -928,18 +929,13 @@ def refine_queries(
         probes = None
         return both[: len(v)] + lam * v
 
-    first = True  # every block starts from the same directions, M(λ₀)⁻¹ row_q
-
     def precondition(r: torch.Tensor) -> torch.Tensor:
-        nonlocal first
-        used, first = (lam0 if first else lam), False
-        return pre.apply(r, used).to(dtype)
+        return pre.apply(r, lam).to(dtype)
 
     solve = block_cg if solver == "block" else preconditioned_cg
     blocks = range(0, len(b_all), refine.query_batch)
 
     def solve_all() -> tuple[list[torch.Tensor], int, list[torch.Tensor], list[int]]:
-        nonlocal first
         bar = tqdm(
             total=len(blocks) * refine.steps,
             desc=f"refine ({curv.r.curvature})",
@@ -949,7 +945,12 @@ def refine_queries(
         solved, products, residual, per_block = [], 0, [], []
         with bar:
             for lo in blocks:
-                first = True
+                rhs = b_all[lo : lo + refine.query_batch]
+                kw = {}
+                if deferred and solver == "block":
+                    # every block starts from the same directions, the unrefined default's
+                    # M(λ₀)⁻¹ row_q (λ is not known before the first product)
+                    kw["start"] = pre.apply(rhs, None).to(dtype)
 
                 def counted(v: torch.Tensor) -> torch.Tensor:
                     out = matvec(v)
@@ -957,8 +958,7 @@ def refine_queries(
                     return out
 
                 try:
-                    y, info = solve(counted, precondition, b_all[lo : lo + refine.query_batch],
-                                    refine.steps)  # fmt: skip
+                    y, info = solve(counted, precondition, rhs, refine.steps, **kw)
                 except ValueError as e:
                     if getattr(e, "rows", None):
                         e.queries = [ids[lo + i] for i in e.rows]  # type: ignore[attr-defined]
