@@ -837,13 +837,15 @@ def _resolve_mean_curvature(
 BLOCK_MEMORY_LIMIT = 2 * 1024**3  # bytes of search space the block solver may hold
 
 
-def _choose_solver(refine: Refinement, width: int, dtype: torch.dtype) -> str:
+def _choose_solver(refine: Refinement, width: int, dtype: torch.dtype, start: bool) -> str:
     """``refine.solver``, or ``"cg"`` with a warning when the block solver's search space
-    (``2 · min(steps · query_batch, width)`` vectors of ``width``) would exceed
-    `BLOCK_MEMORY_LIMIT`."""
+    (``2 · min(directions, width)`` vectors of ``width``; ``directions = steps · query_batch``,
+    one ``query_batch`` more from the second step when the block starts from other directions,
+    ``start``) would exceed `BLOCK_MEMORY_LIMIT`."""
     if refine.solver != "block":
         return refine.solver
-    vectors = 2 * min(refine.steps * refine.query_batch, width)
+    directions = (refine.steps + (start and refine.steps > 1)) * refine.query_batch
+    vectors = 2 * min(directions, width)
     need = vectors * width * torch.finfo(dtype).bits // 8
     if need <= BLOCK_MEMORY_LIMIT:
         return "block"
@@ -903,8 +905,8 @@ def refine_queries(
         return flat.project(curv.product(flat.lift(y)))
 
     name = curv.r.curvature
-    solver = _choose_solver(refine, b_all.shape[1], dtype)
     lam = refine.damping if refine.damping is not None else damping
+    solver = _choose_solver(refine, b_all.shape[1], dtype, start=lam is None)
     rule = "given"
     probes = None
     if lam is not None:
