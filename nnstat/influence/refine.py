@@ -817,15 +817,12 @@ def _probes(width: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randint(0, 2, (8, width), generator=gen).to(dtype) * 2 - 1
 
 
-def _resolve_mean_curvature(
-    h_probes: torch.Tensor, flat: _Flat, name: str, probes: torch.Tensor | None = None
-) -> float:
+def _resolve_mean_curvature(z: torch.Tensor, hz: torch.Tensor, flat: _Flat, name: str) -> float:
     """The mean eigenvalue of ``H`` over the logged modules' parameters, ``tr(P H Pᵀ) / n_params``
-    (``E[PᵀP] = I`` for the store's projections, so the trace survives projection), from the
-    products ``h_probes = (P H Pᵀ) z`` of `_probes` by Hutchinson's estimator; refused when it is
-    not positive (then it gives the damping no scale)."""
-    z = _probes(h_probes.shape[1], h_probes.dtype) if probes is None else probes
-    gamma = float((z * h_probes).sum(1).mean()) / flat.size
+    (``E[PᵀP] = I`` for the store's projections, so the trace survives projection), by
+    Hutchinson's estimator from `_probes` ``z`` and their products ``hz = (P H Pᵀ) z``; refused
+    when it is not positive (then it gives the damping no scale)."""
+    gamma = float((z * hz).sum(1).mean()) / flat.size
     if not gamma > 0:
         raise ValueError(
             f"the {name} curvature has a mean eigenvalue of {gamma:.3g} <= 0, "
@@ -918,16 +915,17 @@ def refine_queries(
         probes = _probes(b_all.shape[1], dtype)
         rule = "mean eigenvalue of the curvature per parameter (Hutchinson, 8 probes, first pass)"
     else:  # per-query CG's recurrence needs one M from its first step: one pass to find λ
-        lam = _resolve_mean_curvature(curvature(_probes(b_all.shape[1], dtype)), flat, name)
+        z = _probes(b_all.shape[1], dtype)
+        lam = _resolve_mean_curvature(z, curvature(z), flat, name)
         rule = "mean eigenvalue of the curvature per parameter (Hutchinson, 8 probes, one pass)"
-    deferred = lam is None  # λ comes with the first product
+    deferred = lam is None  # λ comes with the first product (the block solver only)
 
     def matvec(v: torch.Tensor) -> torch.Tensor:
         nonlocal lam, probes
         if probes is None:
             return curvature(v) + lam * v
         both = curvature(torch.cat([v, probes]))
-        lam = _resolve_mean_curvature(both[len(v) :], flat, name, probes)
+        lam = _resolve_mean_curvature(probes, both[len(v) :], flat, name)
         probes = None
         return both[: len(v)] + lam * v
 
@@ -948,8 +946,8 @@ def refine_queries(
         with bar:
             for lo in blocks:
                 rhs = b_all[lo : lo + refine.query_batch]
-                kw = {}
-                if deferred and solver == "block":
+                kw: dict[str, torch.Tensor] = {}
+                if deferred:
                     # every block starts from the same directions, the unrefined default's
                     # M(λ₀)⁻¹ row_q (λ is not known before the first product)
                     kw["start"] = pre.apply(rhs, None).to(dtype)
