@@ -504,3 +504,24 @@ def test_block_solver_memory_estimate_counts_the_second_steps_extra_directions(
     with pytest.warns(UserWarning, match=r"\(32 vectors of width 43\); refining with solver='cg'"):
         default = compute_influence_all(log, store, refine=Refinement(model, LOSS, train, **kw))
     assert default.meta["refine"]["solver"] == "cg"
+
+
+@pytest.mark.parametrize("solver", ["block", "cg"])
+def test_default_damping_is_raised_past_negative_hessian_curvature(tmp_path, solver):
+    """curvature=None with the default damping: where H + λI is indefinite, λ is raised to 1.5 x
+    the most negative curvature found and every query solved again with the Hessian (not the
+    GGN), with a warning; the scores are then the explicit Hessian solution at the final λ."""
+    model, train, query = _setup()  # untrained: λ_min(H) = -0.16, mean eigenvalue 0.05
+    store, log = _log(tmp_path, "p", model, train, query)
+    h = _explicit_hessian(model, train)
+    lam_min = float(torch.linalg.eigvalsh(h).min())
+    n_params = len(h)
+    refine = Refinement(model, LOSS, train, steps=n_params + 5, dtype=torch.float64, solver=solver)
+    with pytest.warns(UserWarning, match="refined again at damping"):
+        res = compute_influence_all(log, store, refine=refine)
+    info = res.meta["refine"]
+    assert info["curvature"] == "hessian" and "raised from" in info["damping_rule"]
+    assert info["damping"] > -lam_min  # the whole space was explored: H + λI is definite
+    ref = _reference(model, store, log, train, query, h, info["damping"])
+    err = (res.scores.double() - ref).abs().max() / ref.abs().max()
+    assert err < 1e-5, err

@@ -18,6 +18,8 @@ __all__ = ["block_cg", "preconditioned_cg"]
 
 
 def _not_positive_definite(rows: list[int], curvature: list[float]) -> ValueError:
+    """The error of a search space where ``A`` is not positive definite: ``rows`` the active
+    rows, ``curvature`` the Rayleigh quotients ``vᵀAv / vᵀv <= 0`` found (Ritz values)."""
     err = ValueError("not positive definite")
     err.rows = rows  # type: ignore[attr-defined]
     err.curvature = curvature  # type: ignore[attr-defined]
@@ -85,7 +87,8 @@ def preconditioned_cg(
         pap = (p[idx] * ap).sum(1)
         bad = pap <= 0
         if bad.any():
-            raise _not_positive_definite(idx[bad].tolist(), pap[bad].tolist())
+            rayleigh = pap / (p[idx] * p[idx]).sum(1)  # pᵀAp / pᵀp, comparable across rows
+            raise _not_positive_definite(idx[bad].tolist(), rayleigh[bad].tolist())
         alpha = rz[idx] / pap
         x[idx] += alpha[:, None] * p[idx]
         r[idx] -= alpha[:, None] * ap

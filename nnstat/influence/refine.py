@@ -832,6 +832,10 @@ def _resolve_mean_curvature(z: torch.Tensor, hz: torch.Tensor, flat: _Flat, name
 
 
 BLOCK_MEMORY_LIMIT = 2 * 1024**3  # bytes of search space the block solver may hold
+# curvature=None with the default damping: where H + λI is indefinite, λ becomes DAMPING_RAISE x
+# the most negative curvature found, at most MAX_DAMPING_RAISES times before the GGN is used
+DAMPING_RAISE = 1.5
+MAX_DAMPING_RAISES = 3
 
 
 def _choose_solver(refine: Refinement, width: int, dtype: torch.dtype, start: bool) -> str:
@@ -935,14 +939,16 @@ def refine_queries(
     solve = block_cg if solver == "block" else preconditioned_cg
     blocks = range(0, len(b_all), refine.query_batch)
 
-    def solve_all() -> tuple[list[torch.Tensor], int, list[torch.Tensor], list[int]]:
+    products = 0  # every curvature-vector product, those of abandoned solves too
+
+    def solve_all() -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
         bar = tqdm(
             total=len(blocks) * refine.steps,
             desc=f"refine ({curv.r.curvature})",
             unit="pass",
             disable=None if refine.progress is None else not refine.progress,
         )
-        solved, products, residual, per_block = [], 0, [], []
+        solved, residual, per_block = [], [], []
         with bar:
             for lo in blocks:
                 rhs = b_all[lo : lo + refine.query_batch]
@@ -953,6 +959,8 @@ def refine_queries(
                     kw["start"] = pre.apply(rhs, None).to(dtype)
 
                 def counted(v: torch.Tensor) -> torch.Tensor:
+                    nonlocal products
+                    products += len(v) + (0 if probes is None else len(probes))
                     out = matvec(v)
                     bar.update(1)
                     return out
@@ -964,45 +972,70 @@ def refine_queries(
                         e.queries = [ids[lo + i] for i in e.rows]  # type: ignore[attr-defined]
                     raise
                 solved.append(y.to(torch.float32))
-                products += info["products"]
                 per_block.append(info["passes"])
                 residual.append(info["residual"])
-        return solved, products, residual, per_block
+        return solved, residual, per_block
 
-    try:
-        solved, products, residual, per_block = solve_all()
-    except ValueError as e:
-        bad = getattr(e, "queries", None)
-        if not bad:
-            raise
-        what = (
-            f"curvature='{curv.r.curvature}' is not positive definite along a conjugate-"
-            f"gradient direction of queries {bad[:5]} (curvature along it, pᵀ(H+λI)p = "
-            f"{min(e.curvature):.3g}): the Hessian of this loss is indefinite there"  # type: ignore[attr-defined]
-        )
-        if not auto:
-            raise ValueError(
-                f"{what}. Use Refinement(curvature='ggn') (positive semi-definite) or a larger "
-                "damping"
-            ) from None
-        warnings.warn(
-            f"nnstat: {what}; every query is refined with curvature='ggn' (the Gauss-Newton "
-            "matrix, positive semi-definite) instead (result.meta['refine']['curvature']). "
-            "Pass curvature='hessian' to make this an error, or a larger damping",
-            stacklevel=3,
-        )
-        spent = curv.passes
-        curv = make_curvature("ggn")
-        curv.passes += spent
+    raised_from, raises = lam, []  # the damping before the first raise
+    while True:
         try:
-            solved, products, residual, per_block = solve_all()
-        except ValueError as e2:
-            if not getattr(e2, "queries", None):
+            solved, residual, per_block = solve_all()
+            break
+        except ValueError as e:
+            bad = getattr(e, "queries", None)
+            if not bad:
                 raise
-            raise ValueError(
-                f"{what}, and so is the Gauss-Newton matrix (the loss is not convex in the "
-                "model's outputs): pass a larger damping"
-            ) from None
+            rho = min(e.curvature)  # type: ignore[attr-defined]
+            what = (
+                f"curvature='{curv.r.curvature}' plus damping {lam:.3g} is not positive definite "
+                f"along a conjugate-gradient direction of queries {bad[:5]} (curvature along it, "
+                f"vᵀ(H+λI)v / vᵀv = {rho:.3g})"
+            )
+            if not auto:
+                fix = (
+                    "the Hessian of this loss is indefinite there. Use Refinement(curvature="
+                    "'ggn') (positive semi-definite) or a larger damping"
+                    if name == "hessian"
+                    else "the loss is not convex in the model's outputs: pass a larger damping"
+                )
+                raise ValueError(f"{what}: {fix}") from None
+            if name == "hessian" and rule != "given" and len(raises) < MAX_DAMPING_RAISES:
+                # the default damping is only a scale: raise it past the negative curvature
+                # found (θ = ρ − λ, a Ritz value, so λ_min(H) <= θ) and solve again
+                theta = rho - lam
+                if not raises:
+                    raised_from = lam
+                lam = DAMPING_RAISE * -theta
+                raises.append(lam)
+                warnings.warn(
+                    f"nnstat: {what}; every query is refined again at damping {lam:.3g} "
+                    f"({DAMPING_RAISE} x |{theta:.3g}|, the Hessian's most negative curvature "
+                    "found). Pass damping= to choose it, or curvature='ggn'",
+                    stacklevel=3,
+                )
+                continue
+            if name != "hessian":
+                raise ValueError(
+                    f"{what}, and so is the Gauss-Newton matrix (the loss is not convex in the "
+                    "model's outputs): pass a larger damping"
+                ) from None
+            warnings.warn(
+                f"nnstat: {what}: the Hessian of this loss is indefinite there; every query is "
+                "refined with curvature='ggn' (the Gauss-Newton matrix, positive semi-definite) "
+                "instead (result.meta['refine']['curvature']). Pass curvature='hessian' to make "
+                "this an error, or a larger damping",
+                stacklevel=3,
+            )
+            spent = curv.passes
+            curv = make_curvature("ggn")
+            curv.passes += spent
+            name = "ggn"
+    if raises:
+        rule += (
+            f"; raised from {raised_from:.3g} to {lam:.3g} ({len(raises)} x), where H + λI was "
+            "indefinite"
+        )
+    if name == "ggn" and auto:
         name = "ggn (the Hessian was indefinite)"
     report = {
         "steps": refine.steps,
