@@ -288,6 +288,33 @@ def test_block_cg_from_other_start_directions_adds_the_preconditioned_rhs_at_ste
     assert info2["products"] == 6 + 12
 
 
+def test_block_cg_shift_moves_the_system_in_place_without_repeating_products():
+    """``shift``: A indefinite (its smallest eigenvalue pushed below 0); each step the callback
+    sees the smallest Ritz value and may add δI. The solution is that of A + (Σδ)I (explicit
+    solve), with one product per direction, as without shift."""
+    a, b, m, _ = _spd_system(n=30, k=6)
+    e_min = float(torch.linalg.eigvalsh(a).min())
+    a = a - 2 * e_min * torch.eye(30, dtype=a.dtype)  # λ_min(A) = -e_min < 0
+    total = 0.0
+    seen = []
+
+    def shift(mu):
+        nonlocal total
+        seen.append(mu)
+        delta = max(0.0, 1.5 * -mu) if mu < 0.5 * e_min else 0.0
+        total += delta
+        return delta
+
+    def matvec(v):  # follows the shifts, as the refinement's λ does
+        return v @ a + total * v
+
+    x, info = block_cg(matvec, lambda r: r @ m, b, 6, shift=shift)
+    assert total > e_min and info["products"] == 30
+    exact = torch.linalg.solve(a + total * torch.eye(30, dtype=a.dtype), b.T).T
+    assert torch.allclose(x, exact, rtol=1e-7, atol=1e-9)
+    assert min(seen) < 0  # the negative curvature was seen before it was shifted away
+
+
 def test_block_cg_drops_dependent_rows_and_refuses_an_indefinite_space():
     a, b, m, exact = _spd_system(n=20, k=2)
     twice = torch.cat([b, b, 2 * b[:1]])  # rows 2-4 add no direction
@@ -517,11 +544,13 @@ def test_default_damping_is_raised_past_negative_hessian_curvature(tmp_path, sol
     lam_min = float(torch.linalg.eigvalsh(h).min())
     n_params = len(h)
     refine = Refinement(model, LOSS, train, steps=n_params + 5, dtype=torch.float64, solver=solver)
-    with pytest.warns(UserWarning, match="refined again at damping"):
+    with pytest.warns(UserWarning, match="default damping: it was raised from"):
         res = compute_influence_all(log, store, refine=refine)
     info = res.meta["refine"]
     assert info["curvature"] == "hessian" and "raised from" in info["damping_rule"]
     assert info["damping"] > -lam_min  # the whole space was explored: H + λI is definite
+    if solver == "block":  # raised in place to 1.5 x the most negative Ritz value: λ_min itself
+        assert info["damping"] == pytest.approx(-1.5 * lam_min, rel=1e-6)
     ref = _reference(model, store, log, train, query, h, info["damping"])
     err = (res.scores.double() - ref).abs().max() / ref.abs().max()
     assert err < 1e-5, err

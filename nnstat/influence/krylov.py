@@ -129,6 +129,7 @@ def block_cg(
     tol: float = 1e-12,
     on_step: Callable[[torch.Tensor], None] | None = None,
     start: torch.Tensor | None = None,
+    shift: Callable[[float], float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """``steps`` iterations of preconditioned block conjugate gradient on ``A X = rhs``.
 
@@ -145,6 +146,10 @@ def block_cg(
     ``start`` replaces the first step's directions ``precondition(rhs)`` (for a first ``matvec``
     that must run before ``precondition`` is final); the second step then adds
     ``precondition(rhs)`` next to the residuals' directions, so the space still holds them.
+
+    ``shift(μ) -> δ``, called each step with the smallest Ritz value ``μ`` of ``A`` in the space,
+    may return ``δ > 0``: the system becomes ``A + δI`` from there on (``matvec`` must follow
+    it; the space and its products are updated in place, no product is repeated).
 
     Example:
         >>> import torch
@@ -187,6 +192,11 @@ def block_cg(
         basis = torch.cat([basis, w])
         a_basis = torch.cat([a_basis, aw])
         evals, evecs = torch.linalg.eigh(gram)
+        delta = 0.0 if shift is None else shift(float(evals[0]))
+        if delta > 0:  # A + δI on the space: Vᵀ(A + δI)V = VᵀAV + δI (orthonormal V)
+            gram = gram + delta * torch.eye(len(gram), dtype=gram.dtype)
+            a_basis = a_basis + delta * basis
+            evals = evals + delta
         if evals[0] <= 0:
             raise _not_positive_definite(idx.tolist(), evals[evals <= 0].tolist())
         coef = ((rhs @ basis.T) @ evecs / evals) @ evecs.T

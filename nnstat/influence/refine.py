@@ -33,8 +33,10 @@ projection's error is amplified along the low-curvature directions the solution 
 
 A conjugate-gradient step never increases the ``(P H Pᵀ + λI)``-norm error while that matrix is
 positive definite. An indefinite direction under ``curvature="hessian"`` raises, naming the
-queries and the fix; under the default (``None``) every query is refined again with the
-Gauss-Newton matrix, with a warning, and the report says so.
+queries and the fix. Under the default (``None``) with the default damping, ``λ`` is raised to
+1.5 x the most negative curvature found and every query solved again with the Hessian (at most
+3 times); with a given damping, or after that, every query is refined with the Gauss-Newton
+matrix. Each with a warning, the passes counted, and the report saying so.
 
 Example:
     >>> import torch
@@ -131,11 +133,13 @@ class Refinement:
             solve itself uses the rows). Without it, the model's weights are checked against the
             store's ``params_sha256``.
         steps: conjugate-gradient steps; 0 gives the unrefined scores exactly.
-        curvature: ``None`` (default): the Hessian, or, where the Hessian plus ``λ`` turns out
-            indefinite along a search direction, the Gauss-Newton matrix for every query (one
-            warning; ``result.meta["refine"]["curvature"]`` says which, and the passes spent
-            are counted); ``"hessian"``: the Hessian, an indefinite direction raises;
-            ``"ggn"``: the Gauss-Newton matrix (positive semi-definite).
+        curvature: ``None`` (default): the Hessian; where the Hessian plus ``λ`` turns out
+            indefinite along a search direction, a default ``λ`` is raised past the negative
+            curvature found (``DAMPING_RAISE`` x, up to ``MAX_DAMPING_RAISES`` times) and a
+            given one kept with the Gauss-Newton matrix for every query (a warning each;
+            ``result.meta["refine"]`` says which curvature and damping, and every pass spent is
+            counted); ``"hessian"``: the Hessian, an indefinite direction raises; ``"ggn"``: the
+            Gauss-Newton matrix (positive semi-definite).
         damping: ``λ`` of system and preconditioner; ``None`` = the mean eigenvalue of the
             curvature per logged parameter (``compute_influence_all``'s ``damping`` is used
             when this is ``None`` and that is given).
@@ -938,8 +942,31 @@ def refine_queries(
 
     solve = block_cg if solver == "block" else preconditioned_cg
     blocks = range(0, len(b_all), refine.query_batch)
+    # curvature=None and the default damping: λ is only a scale, so it is kept at least
+    # DAMPING_RAISE x the Hessian's most negative curvature found (the block solver raises it in
+    # place; per-query CG solves again where H + λI turns out indefinite)
+    adaptive = auto and rule != "given"
+    raised_from, raises, found = lam, [], []  # λ before the first raise; the raises; the θs
 
-    products = 0  # every curvature-vector product, those of abandoned solves too
+    def raise_damping(theta: float) -> float:
+        """Raise λ to ``DAMPING_RAISE x |θ|`` (θ < 0, a Ritz value of the Hessian, so an upper
+        bound on λ_min(H)); returns the increase."""
+        nonlocal lam, raised_from
+        if not raises:
+            raised_from = lam
+        new = DAMPING_RAISE * -theta
+        delta, lam = new - lam, new
+        raises.append(new)
+        found.append(theta)
+        return delta
+
+    def shift(mu: float) -> float:  # μ: the smallest Ritz value of H + λI in the block space
+        theta = mu - lam
+        if not (adaptive and name == "hessian") or DAMPING_RAISE * -theta <= lam:
+            return 0.0
+        return raise_damping(theta)
+
+    products = resolves = 0  # every curvature-vector product, abandoned solves' too
 
     def solve_all() -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
         bar = tqdm(
@@ -948,11 +975,11 @@ def refine_queries(
             unit="pass",
             disable=None if refine.progress is None else not refine.progress,
         )
-        solved, residual, per_block = [], [], []
+        solved, residual, per_block, used = [], [], [], []
         with bar:
             for lo in blocks:
                 rhs = b_all[lo : lo + refine.query_batch]
-                kw: dict[str, torch.Tensor] = {}
+                kw: dict[str, Any] = {"shift": shift} if solver == "block" else {}
                 if deferred:
                     # every block starts from the same directions, the unrefined default's
                     # M(λ₀)⁻¹ row_q (λ is not known before the first product)
@@ -974,13 +1001,12 @@ def refine_queries(
                 solved.append(y.to(torch.float32))
                 per_block.append(info["passes"])
                 residual.append(info["residual"])
-        return solved, residual, per_block
+                used.append(lam)
+        return solved, residual, per_block, used
 
-    raised_from, raises = lam, []  # the damping before the first raise
     while True:
         try:
-            solved, residual, per_block = solve_all()
-            break
+            solved, residual, per_block, used = solve_all()
         except ValueError as e:
             bad = getattr(e, "queries", None)
             if not bad:
@@ -999,20 +1025,8 @@ def refine_queries(
                     else "the loss is not convex in the model's outputs: pass a larger damping"
                 )
                 raise ValueError(f"{what}: {fix}") from None
-            if name == "hessian" and rule != "given" and len(raises) < MAX_DAMPING_RAISES:
-                # the default damping is only a scale: raise it past the negative curvature
-                # found (θ = ρ − λ, a Ritz value, so λ_min(H) <= θ) and solve again
-                theta = rho - lam
-                if not raises:
-                    raised_from = lam
-                lam = DAMPING_RAISE * -theta
-                raises.append(lam)
-                warnings.warn(
-                    f"nnstat: {what}; every query is refined again at damping {lam:.3g} "
-                    f"({DAMPING_RAISE} x |{theta:.3g}|, the Hessian's most negative curvature "
-                    "found). Pass damping= to choose it, or curvature='ggn'",
-                    stacklevel=3,
-                )
+            if name == "hessian" and adaptive and len(raises) < MAX_DAMPING_RAISES:
+                raise_damping(rho - lam)  # θ = ρ − λ: the Hessian's curvature there
                 continue
             if name != "hessian":
                 raise ValueError(
@@ -1030,10 +1044,24 @@ def refine_queries(
             curv = make_curvature("ggn")
             curv.passes += spent
             name = "ggn"
+            continue
+        if all(u == lam for u in used):
+            break
+        # λ was raised after earlier blocks were solved: all of them again at the final λ (the
+        # last time without further raises, so that every query ends at one λ)
+        resolves += 1
+        adaptive = adaptive and resolves < MAX_DAMPING_RAISES
     if raises:
         rule += (
-            f"; raised from {raised_from:.3g} to {lam:.3g} ({len(raises)} x), where H + λI was "
-            "indefinite"
+            f"; raised from {raised_from:.3g} to {lam:.3g} ({len(raises)} x) to stay "
+            f"{DAMPING_RAISE} x the Hessian's most negative curvature found"
+        )
+        warnings.warn(
+            f"nnstat: the Hessian has curvature down to {min(found):.3g} along the refinement's "
+            f"search directions, beyond the default damping: it was raised from "
+            f"{raised_from:.3g} to {lam:.3g} (result.meta['refine']['damping_rule']). Pass "
+            "damping= to choose it, or curvature='ggn'",
+            stacklevel=3,
         )
     if name == "ggn" and auto:
         name = "ggn (the Hessian was indefinite)"
