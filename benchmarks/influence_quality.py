@@ -442,6 +442,7 @@ def refined(log, loader, refine: Refinement):
         "refine_seconds": info["seconds"],
         "damping": info["damping"],
         "damping_rule": info.get("damping_rule"),
+        "curvature_used": info["curvature"],
         "unrefined_module_damping": res.meta.get("module_damping"),
         "preconditioner_origin": info["preconditioner"],
         "max_residual": info.get("max_residual"),
@@ -517,7 +518,7 @@ def bench_store(board: Board, ctx: dict[str, Any], log, loader, args, projected:
             **kw,
         )
 
-    def go(name: str, group: str, steps: int, curvature: str, **kw) -> None:
+    def go(name: str, group: str, steps: int, curvature: str | None, **kw) -> None:
         board.run(
             name,
             lambda: refined(log, loader, refine(steps, curvature, **kw)),
@@ -527,6 +528,10 @@ def bench_store(board: Board, ctx: dict[str, Any], log, loader, args, projected:
             **kw,
         )
 
+    # the library's defaults (curvature=None: the Hessian, damping raised or the GGN where that
+    # is indefinite), the refine columns of the tables
+    for k in (1, 2, 5, 10):
+        go(f"refine k={k}, default", "refine", k, None, damping=None)
     curvatures = ("hessian", "ggn")
     if args.quick:
         for c in curvatures:
@@ -843,6 +848,16 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ks = {c: refine_row(c, "default") for c in ("hessian", "ggn")}
         # the Hessian's curve where it is positive definite along CG, else the GGN's
         curve = "hessian" if all(isinstance(v, list) for v in ks["hessian"].values()) else "ggn"
+        library = {k: _one(rows, f"refine k={k}, default") for k in (1, 2, 5, 10)}
+        if all(library.values()):  # runs with the library-default rows: those are the columns
+            ks[curve] = {k: pair(r) for k, r in library.items()}
+            marks = {
+                k: ("ᴳ" if str(r.get("curvature_used", "")).startswith("ggn") else "")
+                + ("ʳ" if "raised" in str(r.get("damping_rule", "")) else "")
+                for k, r in library.items()
+            }
+        else:
+            marks = {k: "ᴳ" if curve == "ggn" else "" for k in (1, 2, 5, 10)}
         logix_kfac = _one(
             common, "LogIX 0.1.1 KFAC, λ = default (0.1 × mean eigenvalue of the first module)"
         )
@@ -878,6 +893,7 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "nnstat_ekfac_default": pair(default),
                     "refine_curvature": curve,
                     "refine_default": ks[curve],
+                    "refine_marks": marks,
                     "refine_default_other": ks["ggn" if curve == "hessian" else "hessian"],
                     "refine_wd": {
                         k: pair(_one(rows, f"refine k={k}, hessian, λ = wd")) for k in (5, 10)
@@ -943,7 +959,10 @@ def print_doc_tables(summary: list[dict[str, Any]]) -> None:
         return f"{x[0]:.3f} ± {x[1]:.3f}"
 
     for proj in dict.fromkeys(s["projection"] for s in summary):
-        print(f"\n## LDS, store {proj} (refine default: Hessian, or GGN marked ᴳ)\n")
+        print(
+            f"\n## LDS, store {proj} (refine: the library defaults; ᴳ the Gauss-Newton fallback, "
+            "ʳ the default damping raised past negative Hessian curvature)\n"
+        )
         print(
             "| task / training | best peer (setting) | LogIX K-FAC default | Kronfluence heuristic "
             "| nnstat kfac default | nnstat ekfac default | refine k=1 | k=2 | k=5 | k=10 "
@@ -957,10 +976,10 @@ def print_doc_tables(summary: list[dict[str, Any]]) -> None:
             if s["projection"] != proj:
                 continue
             t = s["table"]
-            g = "ᴳ" if t["refine_curvature"] == "ggn" else ""
+            marks = t.get("refine_marks") or {}
             peer = t["best_peer"]
             peer_s = "–" if peer is None else f"{f(peer[:2])} ({peer[2]})"
-            ref = " | ".join(f(t["refine_default"][k]) + g for k in (1, 2, 5, 10))
+            ref = " | ".join(f(t["refine_default"][k]) + marks.get(k, "") for k in (1, 2, 5, 10))
             print(
                 f"| {s['task']} / {s['train']} | {peer_s} | {f(t['logix_kfac_default'])} | "
                 f"{f(t['kronfluence_heuristic'])} | {f(t['nnstat_kfac_default'])} | "

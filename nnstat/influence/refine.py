@@ -33,10 +33,12 @@ projection's error is amplified along the low-curvature directions the solution 
 
 A conjugate-gradient step never increases the ``(P H Pᵀ + λI)``-norm error while that matrix is
 positive definite. An indefinite direction under ``curvature="hessian"`` raises, naming the
-queries and the fix. Under the default (``None``) with the default damping, ``λ`` is raised to
-1.5 x the most negative curvature found and every query solved again with the Hessian (at most
-3 times); with a given damping, or after that, every query is refined with the Gauss-Newton
-matrix. Each with a warning, the passes counted, and the report saying so.
+queries and the fix. Under the defaults (``curvature=None``, ``damping=None``) ``λ`` is kept at
+least ``DAMPING_RAISE`` x the Hessian's most negative curvature found along the search space:
+the block solver raises it in place (`krylov.block_cg`'s ``shift``; blocks solved before are
+solved again at the final ``λ``), per-query CG solves again (at most ``MAX_DAMPING_RAISES``
+times). With a given damping an indefinite Hessian makes every query use the Gauss-Newton
+matrix instead. Each with a warning, every pass counted, and the report saying so.
 
 Example:
     >>> import torch
@@ -133,13 +135,12 @@ class Refinement:
             solve itself uses the rows). Without it, the model's weights are checked against the
             store's ``params_sha256``.
         steps: conjugate-gradient steps; 0 gives the unrefined scores exactly.
-        curvature: ``None`` (default): the Hessian; where the Hessian plus ``λ`` turns out
-            indefinite along a search direction, a default ``λ`` is raised past the negative
-            curvature found (``DAMPING_RAISE`` x, up to ``MAX_DAMPING_RAISES`` times) and a
-            given one kept with the Gauss-Newton matrix for every query (a warning each;
-            ``result.meta["refine"]`` says which curvature and damping, and every pass spent is
-            counted); ``"hessian"``: the Hessian, an indefinite direction raises; ``"ggn"``: the
-            Gauss-Newton matrix (positive semi-definite).
+        curvature: ``None`` (default): the Hessian; a default ``λ`` is kept at least
+            ``DAMPING_RAISE`` x its most negative curvature found along the search space, and
+            where the Hessian plus a given ``λ`` turns out indefinite the Gauss-Newton matrix is
+            used for every query (a warning; ``result.meta["refine"]`` says which curvature and
+            damping, and every pass spent is counted); ``"hessian"``: the Hessian, an indefinite
+            direction raises; ``"ggn"``: the Gauss-Newton matrix (positive semi-definite).
         damping: ``λ`` of system and preconditioner; ``None`` = the mean eigenvalue of the
             curvature per logged parameter (``compute_influence_all``'s ``damping`` is used
             when this is ``None`` and that is given).
@@ -836,8 +837,8 @@ def _resolve_mean_curvature(z: torch.Tensor, hz: torch.Tensor, flat: _Flat, name
 
 
 BLOCK_MEMORY_LIMIT = 2 * 1024**3  # bytes of search space the block solver may hold
-# curvature=None with the default damping: where H + λI is indefinite, λ becomes DAMPING_RAISE x
-# the most negative curvature found, at most MAX_DAMPING_RAISES times before the GGN is used
+# curvature=None with the default damping: λ stays >= DAMPING_RAISE x the Hessian's most negative
+# curvature found (per-query CG: at most MAX_DAMPING_RAISES new solves, then the GGN)
 DAMPING_RAISE = 1.5
 MAX_DAMPING_RAISES = 3
 
