@@ -240,6 +240,7 @@ def worker(rank: int, world: int, port: int, kind: str, out_dir: str) -> None:
         # Tear down only once both ranks are done, and after the DDP/FSDP wrappers (whose C++
         # reducers hold the process group) are collected: destroying the group under a live
         # reducer aborted a rank at exit ("terminate called without an active exception").
+        del train, inner, m
         gc.collect()
         dist.barrier()
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -31,26 +32,35 @@ def _flat_grad(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
+def _train(rank: int, out_dir: str) -> None:
+    # a tiny bucket cap gives several buckets per backward, exercising the bucket counting
+    ddp = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=1e-4)
+    gns = nnstat.NoiseScale(window=10)
+    gns.register_ddp(ddp, local_batch_size=B)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    record = []
+    for step in range(STEPS):
+        x, y = _data(step)
+        loss = nn.functional.cross_entropy(ddp(x[rank * B : (rank + 1) * B]), y[rank * B :][:B])
+        loss.backward()
+        record.append({"grad": _flat_grad(ddp.module).tolist(), "state": gns.state_dict()})
+        opt.step()
+        opt.zero_grad()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        # a tiny bucket cap gives several buckets per backward, exercising the bucket counting
-        ddp = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=1e-4)
-        gns = nnstat.NoiseScale(window=10)
-        gns.register_ddp(ddp, local_batch_size=B)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
-        record = []
-        for step in range(STEPS):
-            x, y = _data(step)
-            loss = nn.functional.cross_entropy(ddp(x[rank * B : (rank + 1) * B]), y[rank * B :][:B])
-            loss.backward()
-            record.append({"grad": _flat_grad(ddp.module).tolist(), "state": gns.state_dict()})
-            opt.step()
-            opt.zero_grad()
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(record, f)
+        _train(rank, out_dir)
+        # tear down once both ranks are done and the DDP reducer (which holds the group) is
+        # gone: destroying the group under a live reducer aborted a rank at exit (SIGABRT,
+        # "terminate called without an active exception", seen once in CI)
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
