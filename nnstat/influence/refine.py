@@ -910,7 +910,6 @@ def refine_queries(
     def curvature(y: torch.Tensor) -> torch.Tensor:
         return flat.project(curv.product(flat.lift(y)))
 
-    name = curv.r.curvature
     lam = refine.damping if refine.damping is not None else damping
     solver = _choose_solver(refine, b_all.shape[1], dtype, start=lam is None)
     rule = "given"
@@ -925,7 +924,7 @@ def refine_queries(
         rule = "mean eigenvalue of the curvature per parameter (Hutchinson, 8 probes, first pass)"
     else:  # per-query CG's recurrence needs one M from its first step: one pass to find λ
         z = _probes(b_all.shape[1], dtype)
-        lam = _resolve_mean_curvature(z, curvature(z), flat, name)
+        lam = _resolve_mean_curvature(z, curvature(z), flat, curv.r.curvature)
         rule = "mean eigenvalue of the curvature per parameter (Hutchinson, 8 probes, one pass)"
     deferred = lam is None  # λ comes with the first product (the block solver only)
 
@@ -934,7 +933,7 @@ def refine_queries(
         if probes is None:
             return curvature(v) + lam * v
         both = curvature(torch.cat([v, probes]))
-        lam = _resolve_mean_curvature(probes, both[len(v) :], flat, name)
+        lam = _resolve_mean_curvature(probes, both[len(v) :], flat, curv.r.curvature)
         probes = None
         return both[: len(v)] + lam * v
 
@@ -947,23 +946,22 @@ def refine_queries(
     # DAMPING_RAISE x the Hessian's most negative curvature found (the block solver raises it in
     # place; per-query CG solves again where H + λI turns out indefinite)
     adaptive = auto and rule != "given"
-    raised_from, raises, found = lam, [], []  # λ before the first raise; the raises; the θs
+    raised_from, found = lam, []  # λ before the first raise; the Hessian curvatures raised past
 
     def raise_damping(theta: float) -> float:
         """Raise λ to ``DAMPING_RAISE x |θ|`` (θ < 0, a Ritz value of the Hessian, so an upper
         bound on λ_min(H)); returns the increase."""
         nonlocal lam, raised_from
-        if not raises:
+        if not found:
             raised_from = lam
         new = DAMPING_RAISE * -theta
         delta, lam = new - lam, new
-        raises.append(new)
         found.append(theta)
         return delta
 
     def shift(mu: float) -> float:  # μ: the smallest Ritz value of H + λI in the block space
         theta = mu - lam
-        if not (adaptive and name == "hessian") or DAMPING_RAISE * -theta <= lam:
+        if not (adaptive and curv.r.curvature == "hessian") or DAMPING_RAISE * -theta <= lam:
             return 0.0
         return raise_damping(theta)
 
@@ -1018,18 +1016,19 @@ def refine_queries(
                 f"along a conjugate-gradient direction of queries {bad[:5]} (curvature along it, "
                 f"vᵀ(H+λI)v / vᵀv = {rho:.3g})"
             )
+            hessian = curv.r.curvature == "hessian"
             if not auto:
                 fix = (
                     "the Hessian of this loss is indefinite there. Use Refinement(curvature="
                     "'ggn') (positive semi-definite) or a larger damping"
-                    if name == "hessian"
+                    if hessian
                     else "the loss is not convex in the model's outputs: pass a larger damping"
                 )
                 raise ValueError(f"{what}: {fix}") from None
-            if name == "hessian" and adaptive and len(raises) < MAX_DAMPING_RAISES:
+            if hessian and adaptive and len(found) < MAX_DAMPING_RAISES:
                 raise_damping(rho - lam)  # θ = ρ − λ: the Hessian's curvature there
                 continue
-            if name != "hessian":
+            if not hessian:
                 raise ValueError(
                     f"{what}, and so is the Gauss-Newton matrix (the loss is not convex in the "
                     "model's outputs): pass a larger damping"
@@ -1044,7 +1043,6 @@ def refine_queries(
             spent = curv.passes
             curv = make_curvature("ggn")
             curv.passes += spent
-            name = "ggn"
             continue
         if all(u == lam for u in used):
             break
@@ -1052,9 +1050,9 @@ def refine_queries(
         # last time without further raises, so that every query ends at one λ)
         resolves += 1
         adaptive = adaptive and resolves < MAX_DAMPING_RAISES
-    if raises:
+    if found:
         rule += (
-            f"; raised from {raised_from:.3g} to {lam:.3g} ({len(raises)} x) to stay "
+            f"; raised from {raised_from:.3g} to {lam:.3g} ({len(found)} x) to stay "
             f"{DAMPING_RAISE} x the Hessian's most negative curvature found"
         )
         warnings.warn(
@@ -1064,6 +1062,7 @@ def refine_queries(
             "damping= to choose it, or curvature='ggn'",
             stacklevel=3,
         )
+    name = curv.r.curvature
     if name == "ggn" and auto:
         name = "ggn (the Hessian was indefinite)"
     report = {
