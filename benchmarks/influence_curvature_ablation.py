@@ -31,7 +31,6 @@ import types
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
@@ -39,7 +38,7 @@ from torch.func import functional_call, grad, vmap
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import influence_quality as iq  # noqa: E402  (the tasks, trainers and protocol seed)
 
-from nnstat.influence.lds import lds_per_query, run_lds_protocol  # noqa: E402
+from nnstat.influence.lds import run_lds_protocol  # noqa: E402
 
 CE = nn.functional.cross_entropy
 LAYERS = (nn.Linear, nn.Conv2d)
@@ -139,12 +138,6 @@ def nonzero_mean(lam: torch.Tensor) -> float:
     return float(lam[lam > 1e-10 * lam.max()].mean())
 
 
-def lds(scores: torch.Tensor, proto) -> tuple[float, float]:
-    q = lds_per_query(scores, proto.subset_masks, proto.subset_losses)
-    q = q[~np.isnan(q)]
-    return float(q.mean()), float(q.std(ddof=1) / np.sqrt(len(q)))
-
-
 def run_setting(task_name: str, method: str, args, cache: Path | None) -> dict:
     task = iq.make_task(task_name, args)
     torch.manual_seed(0)
@@ -206,7 +199,7 @@ def run_setting(task_name: str, method: str, args, cache: Path | None) -> dict:
             )
             for i, g in enumerate(g_train)
         )
-        mean, sem = lds(scores.float(), proto)
+        mean, sem, _ = iq.lds_summary(scores.float(), proto)
         rows.append({"curvature": name, "damping": rule, "c": c_, "lds": mean, "sem": sem})
 
     for name, blocks in candidates.items():

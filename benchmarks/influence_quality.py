@@ -361,6 +361,13 @@ class Explicit:
 
 
 # ------------------------------------------------------------------------------ scoring
+def lds_summary(scores: torch.Tensor, proto) -> tuple[float, float, int]:
+    """LDS mean over the queries whose correlation is defined, its standard error, their count."""
+    per_q = lds_per_query(scores, proto.subset_masks, proto.subset_losses)
+    per_q = per_q[~np.isnan(per_q)]
+    return float(per_q.mean()), float(per_q.std(ddof=1) / np.sqrt(len(per_q))), len(per_q)
+
+
 class Board:
     """Rows of one task x training x projection: LDS, Spearman vs exact, cost."""
 
@@ -372,11 +379,7 @@ class Board:
     def add(self, method: str, scores: torch.Tensor | None, **info) -> dict[str, Any]:
         row: dict[str, Any] = {"method": method, "lds": None, "sem": None, "spearman": None}
         if scores is not None:
-            per_q = lds_per_query(scores, self.proto.subset_masks, self.proto.subset_losses)
-            per_q = per_q[~np.isnan(per_q)]
-            row["lds"] = float(per_q.mean())
-            row["sem"] = float(per_q.std(ddof=1) / np.sqrt(len(per_q)))
-            row["n_queries_scored"] = len(per_q)
+            row["lds"], row["sem"], row["n_queries_scored"] = lds_summary(scores, self.proto)
             if self.reference is not None:
                 row["spearman"] = float(
                     spearmanr(scores.flatten().numpy(), self.reference.flatten().numpy()).statistic

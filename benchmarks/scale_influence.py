@@ -90,14 +90,13 @@ def _log(args: argparse.Namespace, root: Path) -> dict:
 
     model = _model(args.n_layer)
     train, query = _tokens(args.n, args.seq, 1), _tokens(args.queries, args.seq, 2)
-    # every supported module: lm_head's 50257-wide output factor is kept in its projected
-    # (rank x rank) space, wte's input factor as its diagonal of token counts
-    skip = None
     timings = {}
     for project, data in (("train", train), ("queries", query)):
         run = nnstat.init(project=project, root_dir=str(root), overwrite=True)
         nnstat.setup({"log": "grad", "save": [], "statistic": "none", "rank": args.rank})
-        names = nnstat.watch(model, name_filter=skip)
+        # every supported module: lm_head's 50257-wide output factor is kept in its projected
+        # (rank x rank) space, wte's input factor as its diagonal of token counts
+        names = nnstat.watch(model)
         nnstat.add_projection(rank=args.rank)  # seeded: both stores get the same projection
         start = time.perf_counter()
         if project == "train" and args.statistics == "kfac":
