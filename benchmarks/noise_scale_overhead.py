@@ -27,7 +27,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import nnstat
-from nnstat.gns.hessian import hessian_noise_scale
+from nnstat.gradient_noise.hessian import hessian_noise_scale
 
 
 def digits() -> tuple[torch.Tensor, torch.Tensor]:

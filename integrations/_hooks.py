@@ -224,7 +224,7 @@ class StepStats:
             self._gns_ctx.__enter__()
 
     def _start_gns(self, model: nn.Module, name_filter: str) -> None:
-        from nnstat.gns import NoiseScale
+        from nnstat.gradient_noise import NoiseScale
 
         self.gns = NoiseScale(beta=self.options.noise_scale_beta)
         self.gns.watch(model, name_filter=name_filter)

@@ -34,13 +34,13 @@ _EXPORTS: dict[str, str] = {
     "StepMetrics": "nnstat.tracker",
     # capture engine and statistics
     "CaptureEngine": "nnstat.capture",
-    "Mean": "nnstat.statistics",
-    "Covariance": "nnstat.statistics",
-    "KFAC": "nnstat.statistics",
-    "EKFAC": "nnstat.statistics",
-    "StatisticsCollector": "nnstat.statistics",
+    "Mean": "nnstat.curvature",
+    "Covariance": "nnstat.curvature",
+    "KFAC": "nnstat.curvature",
+    "EKFAC": "nnstat.curvature",
+    "StatisticsCollector": "nnstat.curvature",
     "ModuleCapture": "nnstat.capture",
-    "RunConfig": "nnstat.statistics",
+    "RunConfig": "nnstat.curvature",
     # runs and the gradient store
     "Run": "nnstat.run",
     "init": "nnstat.run",
@@ -55,27 +55,30 @@ _EXPORTS: dict[str, str] = {
     "GradientStore": "nnstat.store",
     "GradientLog": "nnstat.store",
     # noise scale
-    "noise_scale": "nnstat.gns",
-    "NoiseScale": "nnstat.gns",
-    "NoiseScaleResult": "nnstat.gns",
+    "noise_scale": "nnstat.gradient_noise",
+    "NoiseScale": "nnstat.gradient_noise",
+    "NoiseScaleResult": "nnstat.gradient_noise",
     # recorder
     "Recorder": "nnstat.recorder",
 }
 _SUBMODULES = {
     "capture",
     "describe",
-    "gns",
+    "gradient_noise",
     "influence",
     "integrations",
     "netdict",
     "plot",
     "recorder",
     "run",
-    "statistics",
+    "curvature",
     "store",
     "tracker",
     "viewer",
 }
+
+# old subpackage names, still importable with one DeprecationWarning (their shims in nnstat/)
+_DEPRECATED_SUBMODULES = {"gns": "gradient_noise", "statistics": "curvature"}
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 
@@ -85,7 +88,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value
-    if name in _SUBMODULES:
+    if name in _SUBMODULES or name in _DEPRECATED_SUBMODULES:
         module = importlib.import_module(f"nnstat.{name}")
         globals()[name] = module
         return module

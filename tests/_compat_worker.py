@@ -15,7 +15,7 @@ from torch import nn
 
 import nnstat
 from nnstat.capture import CaptureEngine
-from nnstat.statistics import StatisticsCollector
+from nnstat.curvature import StatisticsCollector
 
 WORLD = 2
 # unequal shards (5 and 3 samples) catch an average of per-rank averages

@@ -406,7 +406,7 @@ def test_shared_module_chains_match_torch_func(arch):
 def test_per_sample_noise_scale_norms_include_a_shared_position_embedding():
     """The noise scale's per-sample squared norms of ``wpe`` (fed ``[1, T]`` position ids) are
     each sample's own, from per-example backward passes; before, wpe saw a batch of 1."""
-    from nnstat.gns.persample import PerSampleNorms
+    from nnstat.gradient_noise.persample import PerSampleNorms
 
     model = tiny_gpt2()
     ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(3))
@@ -438,7 +438,7 @@ def test_framework_probe_keeps_a_shared_position_embedding():
 
 
 def test_noise_scale_names_the_modules_of_each_batch_size():
-    from nnstat.gns.persample import PerSampleNorms
+    from nnstat.gradient_noise.persample import PerSampleNorms
 
     class Two(nn.Module):
         def __init__(self):

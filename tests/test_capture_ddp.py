@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from nnstat.capture import CaptureEngine
-from nnstat.statistics import Covariance, Mean, StatisticsCollector
+from nnstat.curvature import Covariance, Mean, StatisticsCollector
 
 # rank 0 gets 6 samples, rank 1 gets 2: unequal shards catch an average of per-rank averages
 SPLITS = ((0, 6), (6, 8))

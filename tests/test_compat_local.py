@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 import nnstat
 from nnstat.capture import CaptureEngine
-from nnstat.statistics import StatisticsCollector
+from nnstat.curvature import StatisticsCollector
 
 MODES = ("checkpoint", "compile", "autocast")
 N = 6

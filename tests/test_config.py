@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from nnstat.statistics import EKFAC, KFAC, Covariance, Mean
-from nnstat.statistics.config import RunConfig
+from nnstat.curvature import EKFAC, KFAC, Covariance, Mean
+from nnstat.curvature.config import RunConfig
 
 
 def test_low_and_mid_level_are_equivalent_for_kfac():

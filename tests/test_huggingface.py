@@ -134,7 +134,7 @@ def test_default_noise_scale_cadence_is_one_micro_batch_in_eight(tmp_path, monke
     probes which modules qualify), so even a short run logs it from its first logging step."""
     from nnstat.integrations._hf_callback import NOISE_SCALE_EVERY
 
-    from nnstat.gns import NoiseScale
+    from nnstat.gradient_noise import NoiseScale
 
     assert NNStatCallback().options.noise_scale_every == NOISE_SCALE_EVERY == 8
     seen: list[int] = []

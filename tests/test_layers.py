@@ -21,10 +21,13 @@ INTEGRATIONS = ROOT / "integrations"
 LAYERS: list[set[str]] = [
     {"cli"},
     {"demo"},
+    # deprecated aliases of renamed packages (``nnstat.statistics``, ``nnstat.gns``): they
+    # resolve the new package by name at import, and nothing imports them
+    {"statistics", "gns"},
     {"integrations"},
     {"viewer", "plot"},
-    {"run", "influence", "tracker", "gns", "recorder"},
-    {"netdict", "statistics", "store"},
+    {"run", "influence", "tracker", "gradient_noise", "recorder"},
+    {"netdict", "curvature", "store"},
     {"capture", "describe", "background"},
     {"distributed"},
 ]

@@ -17,8 +17,8 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import nnstat
-from nnstat.gns.hessian import hessian_noise_scale
-from nnstat.gns.maths import fit_sq_norms, geometric_ladder, ratio_of_means, two_batch
+from nnstat.gradient_noise.hessian import hessian_noise_scale
+from nnstat.gradient_noise.maths import fit_sq_norms, geometric_ladder, ratio_of_means, two_batch
 
 
 @pytest.fixture(autouse=True, scope="module")

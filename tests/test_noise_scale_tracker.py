@@ -12,7 +12,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import nnstat
-from nnstat.gns.maths import two_batch
+from nnstat.gradient_noise.maths import two_batch
 
 
 @pytest.fixture(autouse=True, scope="module")

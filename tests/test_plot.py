@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("matplotlib")
 
 import nnstat.plot as nplt  # noqa: E402
-from nnstat.plot.data import matrix_2d, metrics_frame, select_layers  # noqa: E402
+from nnstat.plot.frames import matrix_2d, metrics_frame, select_layers  # noqa: E402
 from nnstat.plot.influence import _fmt  # noqa: E402
 
 

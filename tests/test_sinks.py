@@ -99,9 +99,8 @@ def test_wandb_finish_delivers_pending_background_step(tmp_path, monkeypatch):
     # statistics the last step is still pending then and must reach the run before it finishes
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    from nnstat.integrations.wandb import WandbSink
-
     import wandb
+    from nnstat.integrations.wandb import WandbSink
 
     run = wandb.init(project="nnstat-tests", dir=str(tmp_path))
     torch.manual_seed(0)
@@ -233,9 +232,8 @@ def test_tensorboard_close_delivers_every_trackers_step_and_closes_when_one_fail
 def test_wandb_finish_finishes_the_run_when_another_sink_fails(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    from nnstat.integrations.wandb import WandbSink
-
     import wandb
+    from nnstat.integrations.wandb import WandbSink
 
     run = wandb.init(project="nnstat-tests", dir=str(tmp_path))
     try:

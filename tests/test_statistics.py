@@ -10,7 +10,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from nnstat.capture import CaptureEngine
-from nnstat.statistics import EKFAC, KFAC, Covariance, Mean, StatisticsCollector
+from nnstat.curvature import EKFAC, KFAC, Covariance, Mean, StatisticsCollector
 
 
 def make_model():
@@ -363,7 +363,7 @@ def test_nonfinite_contribution_is_an_error():
 
 
 def test_oversized_factors_fall_back_to_the_diagonal_and_raw_is_refused(monkeypatch):
-    import nnstat.statistics.operations as st
+    import nnstat.curvature.operations as st
 
     monkeypatch.setattr(st, "MAX_FACTOR_DIM", 6)
     monkeypatch.setattr(st, "MAX_RAW_DIM", 10)

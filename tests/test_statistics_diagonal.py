@@ -19,9 +19,9 @@ from torch.func import functional_call, grad, vmap
 
 import nnstat
 from nnstat.capture import CaptureEngine
+from nnstat.curvature import KFAC, StatisticsCollector, spectrum_stats
 from nnstat.influence import ModuleSpec, TensorSource, compute_influence_all
 from nnstat.influence.precondition import kfac_factor
-from nnstat.statistics import KFAC, StatisticsCollector, spectrum_stats
 from nnstat.store import format as fmt
 from nnstat.store.projection import _top_eigvecs
 

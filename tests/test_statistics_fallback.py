@@ -21,9 +21,9 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import nnstat
+from nnstat.curvature import StatisticsCollector
+from nnstat.curvature import operations as ops
 from nnstat.influence import TensorSource, as_source, compute_influence_all
-from nnstat.statistics import StatisticsCollector
-from nnstat.statistics import operations as ops
 from nnstat.store import format as fmt
 
 N, T, D_IN, HID, C = 12, 3, 5, 7, 3

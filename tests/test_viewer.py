@@ -254,7 +254,7 @@ def test_server_routes_and_cli_errors(root, tmp_path, capsys) -> None:
 
 
 def test_bundle_of_a_trial_still_without_steps(tmp_path) -> None:
-    from nnstat.viewer.data import load_bundle
+    from nnstat.viewer.bundle import load_bundle
 
     rec = Recorder(tmp_path, group="g", trial="fresh", every=None)
     rec.add_note("started")

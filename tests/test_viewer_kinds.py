@@ -27,7 +27,7 @@ import nnstat
 from nnstat.influence import compute_influence_all, compute_self_influence
 from nnstat.store import GradientStore
 from nnstat.viewer import load_queries, save_examples, save_queries
-from nnstat.viewer.data import load_bundle
+from nnstat.viewer.bundle import load_bundle
 from nnstat.viewer.server import STATIC, main, serve_in_thread
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ import torch
 from test_viewer import Page, browser, record  # noqa: F401 (browser is a fixture)
 
 from nnstat.recorder import Recorder, nonfinite
-from nnstat.viewer.data import load_bundle
+from nnstat.viewer.bundle import load_bundle
 from nnstat.viewer.server import STATIC, main, render_page, serve_in_thread
 
 # runs script if it ever becomes markup; the trial folder name cannot hold a "/"

@@ -262,7 +262,7 @@ def find_mislabels(state: Any) -> None:
         loss = nn.functional.cross_entropy(
             state.model(state.X_train), state.y_train, reduction="none"
         )
-    from nnstat.plot.data import ranking_hits
+    from nnstat.plot.frames import ranking_hits
 
     ex.mislabels = MislabelSearch(
         scores=scores,

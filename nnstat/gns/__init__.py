@@ -1,35 +1,38 @@
-"""nnstat.gns: the gradient noise scale, to choose a batch size (McCandlish et al., 2018).
+"""Deprecated name of :mod:`nnstat.gradient_noise` (noise_scale, NoiseScale and the noise-scale estimators).
 
-`noise_scale` estimates ``B_simple = tr(Σ) / |G|²`` from a model, a loss and data (two batch
-sizes, per-sample gradients, or a fit over several sizes; optionally the Hessian-weighted
-``B_noise``); `NoiseScale` tracks it while training (per step, per layer, or for free from DDP's
-all-reduce). The function is exported as ``nnstat.noise_scale``; this package is named ``gns``
-so that it does not shadow it.
+``import nnstat.gns`` and ``from nnstat.gns import X`` keep working with one
+``DeprecationWarning``; import from ``nnstat.gradient_noise`` instead. Only the package's public names
+are forwarded: its former private submodules moved with it.
 
 Example:
-    >>> from nnstat.gns import NoiseScale
-    >>> ns = NoiseScale(beta=0.0)  # |G|^2 = 1, tr(Sigma) = 4 seen at batch sizes 1 and 4
-    >>> ns.update(g_small_sq=1.0 + 4.0 / 1, g_big_sq=1.0 + 4.0 / 4, b_small=1, b_big=4)
-    >>> ns.value
-    4.0
+    >>> import warnings
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore", DeprecationWarning)
+    ...     from nnstat.gns import __name__ as _  # the alias resolves
+    >>> import nnstat.gradient_noise
 """
 
-from nnstat.gns.data import BatchSource
-from nnstat.gns.ddp import DDPNoiseScaleState, noise_scale_comm_hook, register_noise_scale_hook
-from nnstat.gns.estimate import noise_scale
-from nnstat.gns.hessian import HessianNoiseScale, hessian_noise_scale
-from nnstat.gns.result import LayerNoiseScale, NoiseScaleResult
-from nnstat.gns.tracker import NoiseScale
+from __future__ import annotations
 
-__all__ = [
-    "BatchSource",
-    "DDPNoiseScaleState",
-    "HessianNoiseScale",
-    "LayerNoiseScale",
-    "NoiseScale",
-    "NoiseScaleResult",
-    "hessian_noise_scale",
-    "noise_scale",
-    "noise_scale_comm_hook",
-    "register_noise_scale_hook",
-]
+import importlib
+import warnings
+from typing import Any
+
+_NEW = "nnstat.gradient_noise"
+
+
+warnings.warn(
+    f"{__name__} was renamed {_NEW}; import from {_NEW} (the old name will be removed)",
+    DeprecationWarning,
+    stacklevel=2,  # the importer (warnings skips importlib's own frames)
+)
+_target = importlib.import_module(_NEW)
+__all__ = list(getattr(_target, "__all__", []))
+
+
+def __getattr__(name: str) -> Any:
+    return getattr(_target, name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(dir(_target)))

@@ -700,7 +700,7 @@ def fit_fisher_statistics(
         ['model/backward/covariance', 'model/forward/covariance']
     """
     from nnstat.capture import CaptureEngine
-    from nnstat.statistics import StatisticsCollector
+    from nnstat.curvature import StatisticsCollector
 
     model = refine.model
     engine = CaptureEngine()

@@ -266,7 +266,7 @@ class StoreSource:
 
     def statistics(self) -> Mapping[str, torch.Tensor]:
         if self._statistics is None:
-            from nnstat.statistics.collector import check_saved_forms
+            from nnstat.curvature.collector import check_saved_forms
 
             lazy = LazyStatistics.open(self.root / _STATISTICS, self.meta.get("statistics_sha256"))
             loaded: Mapping[str, torch.Tensor]

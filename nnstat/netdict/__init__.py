@@ -13,7 +13,6 @@ Example:
     ['weight', 'bias']
 """
 
-from nnstat.netdict.core import NetDict, select_names
 from nnstat.netdict.dynamics import trust_ratio, update_ratio
 from nnstat.netdict.getters import (
     UnknownStateKeyError,
@@ -24,6 +23,7 @@ from nnstat.netdict.getters import (
     get_weight,
     optimizer_state_keys,
 )
+from nnstat.netdict.netdict import NetDict, select_names
 
 __all__ = [
     "NetDict",

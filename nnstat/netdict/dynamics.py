@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from nnstat.describe.ratios import ratio_from_norms
-from nnstat.netdict.core import NetDict
+from nnstat.netdict.netdict import NetDict
 
 __all__ = ["trust_ratio", "update_ratio"]
 

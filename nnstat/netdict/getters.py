@@ -23,7 +23,7 @@ from torch import nn
 from nnstat.distributed import clean_name, fsdp1_shards
 from nnstat.distributed import fsdp1_grad as _grad
 from nnstat.distributed import fsdp1_whole as _view
-from nnstat.netdict.core import NetDict, select_names
+from nnstat.netdict.netdict import NetDict, select_names
 
 __all__ = [
     "UnknownStateKeyError",

@@ -12,7 +12,6 @@ Example:
     >>> fig.savefig("/tmp/hist.png")  # doctest: +SKIP
 """
 
-from nnstat.plot.data import metrics_frame, ranking_hits
 from nnstat.plot.figures import (
     histogram,
     noise_scale_plot,
@@ -21,6 +20,7 @@ from nnstat.plot.figures import (
     trust_ratio_plot,
     weight_heatmap,
 )
+from nnstat.plot.frames import metrics_frame, ranking_hits
 from nnstat.plot.images import image_grid, receptive_fields
 from nnstat.plot.influence import influence_figure, ranking_recall, score_distribution
 

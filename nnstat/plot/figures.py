@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from nnstat.plot.canvas import new_figure
-from nnstat.plot.data import matrix_2d, metrics_frame, select_layers, to_numpy
+from nnstat.plot.frames import matrix_2d, metrics_frame, select_layers, to_numpy
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from nnstat.plot.canvas import new_figure
-from nnstat.plot.data import to_numpy
+from nnstat.plot.frames import to_numpy
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

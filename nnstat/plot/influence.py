@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from nnstat.plot.canvas import new_figure
-from nnstat.plot.data import score_matrix, to_numpy
+from nnstat.plot.frames import score_matrix, to_numpy
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -251,7 +251,7 @@ def ranking_recall(
         >>> import numpy as np
         >>> fig = ranking_recall({"score": np.arange(100.0)}, [99, 98, 10])
     """
-    from nnstat.plot.data import ranking_hits
+    from nnstat.plot.frames import ranking_hits
 
     if not rankings:
         raise ValueError("no ranking to plot")

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from nnstat.curvature.config import RunConfig
 from nnstat.run.core import Run
 from nnstat.run.current import (
     add_projection,
@@ -41,7 +42,6 @@ from nnstat.run.current import (
     unwatch,
     watch,
 )
-from nnstat.statistics.config import RunConfig
 
 __all__ = [
     "Run",

@@ -98,7 +98,7 @@ class Run:
 
     # ---------------------------------------------------------------- configuration
     def setup(self, config: dict[str, Any]) -> Run:
-        """Update the configuration (keys as in :class:`nnstat.statistics.config.RunConfig` plus the store's).
+        """Update the configuration (keys as in :class:`nnstat.curvature.config.RunConfig` plus the store's).
 
         Unknown keys raise an error listing the valid ones.
         """
@@ -442,7 +442,7 @@ class Run:
             raise RuntimeError("get_log(): nothing captured since eval() / the last get_log()")
         rows = torch.cat(self._eval_rows) if len(self._eval_rows) > 1 else self._eval_rows[0]
         stats = parts.load_tensors(self.path / fmt.STATISTICS_FILE)
-        from nnstat.statistics.collector import check_saved_forms
+        from nnstat.curvature.collector import check_saved_forms
 
         check_saved_forms(stats, self.path)
         # the weights when this log's first block was captured; scoring compares them with the

@@ -24,7 +24,7 @@ from nnstat.store.logger import StoreOptions
 from nnstat.store.projection import ModuleProjection, ModuleSpec, layout, projection_tensors
 from nnstat.store.writer import WriterLock
 
-# store-only setup() keys beyond those nnstat.statistics.config.RunConfig already knows
+# store-only setup() keys beyond those nnstat.curvature.config.RunConfig already knows
 STORE_EXTRA_KEYS = ("shard_rows", "queue_size", "on_stored_id", "size_budget_bytes", "num_samples")
 # store options that do not change what is stored (excluded from meta.json's configuration)
 _OPERATIONAL = {"shard_rows", "queue_size", "size_budget_bytes", "num_samples", "on_stored_id"}
@@ -72,9 +72,9 @@ class RunSettings:
 def parse_config(config: Mapping[str, Any], base: RunSettings | None = None) -> RunSettings:
     """Merge ``config`` into ``base`` (or the defaults); unknown keys name all valid ones.
 
-    Keys of :class:`nnstat.statistics.config.RunConfig` plus :data:`STORE_EXTRA_KEYS`.
+    Keys of :class:`nnstat.curvature.config.RunConfig` plus :data:`STORE_EXTRA_KEYS`.
     """
-    from nnstat.statistics.config import RunConfig
+    from nnstat.curvature.config import RunConfig
 
     if not isinstance(config, Mapping):
         raise TypeError(f"setup() takes a dict, got {type(config).__name__}")
@@ -94,7 +94,7 @@ def parse_config(config: Mapping[str, Any], base: RunSettings | None = None) -> 
 
 def make_collector(settings: RunSettings) -> Any:
     """The statistics collector of a run (one for all its passes)."""
-    from nnstat.statistics import StatisticsCollector
+    from nnstat.curvature import StatisticsCollector
 
     return StatisticsCollector(settings.run_config)
 
@@ -203,7 +203,7 @@ def clear_store(path: Path, rank: int, world_size: int) -> None:
     pass. Other files in the directory are left alone. Under ``torch.distributed`` every rank
     waits for rank 0 before it writes.
     """
-    from nnstat.statistics.collector import JSON_FILE, TENSORS_FILE
+    from nnstat.curvature.collector import JSON_FILE, TENSORS_FILE
 
     path = Path(path)
     error: BaseException | None = None

@@ -1,41 +1,38 @@
-"""nnstat.statistics: Mean, Covariance, KFAC, EKFAC as basic operations over capture streams.
+"""Deprecated name of :mod:`nnstat.curvature` (Mean, Covariance, KFAC, EKFAC, the collector and RunConfig).
 
-`RunConfig` (what ``nnstat.setup`` takes) says which streams each pass extracts and saves and
-which statistics it updates; the collector is built from it and stores it beside its factors.
+``import nnstat.statistics`` and ``from nnstat.statistics import X`` keep working with one
+``DeprecationWarning``; import from ``nnstat.curvature`` instead. Only the package's public names
+are forwarded: its former private submodules moved with it.
 
 Example:
-    >>> from nnstat.statistics import Covariance, StatisticsCollector
-    >>> collector = StatisticsCollector({"forward": [Covariance], "backward": [Covariance]})
-    >>> collector.current_pass.name
-    'statistics'
+    >>> import warnings
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore", DeprecationWarning)
+    ...     from nnstat.statistics import __name__ as _  # the alias resolves
+    >>> import nnstat.curvature
 """
 
-from nnstat.statistics.collector import StatisticsCollector, spectrum_stats
-from nnstat.statistics.config import PassSpec, RunConfig
-from nnstat.statistics.operations import (
-    EKFAC,
-    KFAC,
-    MAX_FACTOR_DIM,
-    MAX_RAW_DIM,
-    STATISTICS,
-    Covariance,
-    Mean,
-    Statistic,
-    ekfac_apply,
-)
+from __future__ import annotations
 
-__all__ = [
-    "EKFAC",
-    "KFAC",
-    "MAX_FACTOR_DIM",
-    "MAX_RAW_DIM",
-    "STATISTICS",
-    "Covariance",
-    "Mean",
-    "PassSpec",
-    "RunConfig",
-    "Statistic",
-    "StatisticsCollector",
-    "ekfac_apply",
-    "spectrum_stats",
-]
+import importlib
+import warnings
+from typing import Any
+
+_NEW = "nnstat.curvature"
+
+
+warnings.warn(
+    f"{__name__} was renamed {_NEW}; import from {_NEW} (the old name will be removed)",
+    DeprecationWarning,
+    stacklevel=2,  # the importer (warnings skips importlib's own frames)
+)
+_target = importlib.import_module(_NEW)
+__all__ = list(getattr(_target, "__all__", []))
+
+
+def __getattr__(name: str) -> Any:
+    return getattr(_target, name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(dir(_target)))

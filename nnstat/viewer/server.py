@@ -6,7 +6,7 @@ Serves on 127.0.0.1 only, with the standard library's ``http.server``. Every ass
 ``nnstat/viewer/static`` (the charting library uPlot is vendored in ``static/vendor``); the page
 never loads anything from another origin.
 
-A recorder folder is untrusted input: `nnstat.viewer.data` checks every file, the page puts every
+A recorder folder is untrusted input: `nnstat.viewer.bundle` checks every file, the page puts every
 value into the DOM as text, and a Content-Security-Policy (a header when served, a ``<meta>`` in
 an export) allows only the viewer's own scripts, so even a value that slipped through as markup
 could not run. The server answers only requests whose ``Host`` names 127.0.0.1 or localhost
@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from nnstat.viewer.data import load_bundle
+from nnstat.viewer.bundle import load_bundle
 from nnstat.viewer.discover import discover, rel_id
 from nnstat.viewer.explorer import Explorer
 

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from nnstat.gns.data import BatchSource, LossFn, batch_loss, mean_grads, sq_norms
-from nnstat.gns.fit import fit_method
-from nnstat.gns.maths import (
+from nnstat.gradient_noise.batches import BatchSource, LossFn, batch_loss, mean_grads, sq_norms
+from nnstat.gradient_noise.fit import fit_method
+from nnstat.gradient_noise.maths import (
     check_batch_sizes,
     doubling_ladder,
     ratio_of_means,
@@ -30,7 +30,7 @@ from nnstat.gns.maths import (
     two_batch,
     warn_if_noise,
 )
-from nnstat.gns.result import LayerNoiseScale, NoiseScaleResult
+from nnstat.gradient_noise.result import LayerNoiseScale, NoiseScaleResult
 
 __all__ = ["noise_scale"]
 
@@ -120,7 +120,7 @@ def _per_sample(
     gen: torch.Generator,
     name_filter: str | None,
 ) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    from nnstat.gns.persample import PerSampleNorms
+    from nnstat.gradient_noise.persample import PerSampleNorms
 
     collector = PerSampleNorms(model, name_filter=name_filter)
     saved = {id(p): p.grad for p in model.parameters()}
@@ -246,7 +246,7 @@ def noise_scale(
         result = fit_method(model, loss_fn, src, params, names, sizes, n_estimates, gen, seed)
 
     if hessian:
-        from nnstat.gns.hessian import hessian_noise_scale
+        from nnstat.gradient_noise.hessian import hessian_noise_scale
 
         n_h = min(hessian_samples, len(src))
         perm = torch.randperm(len(src), generator=gen)[:n_h]

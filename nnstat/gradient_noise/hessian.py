@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from nnstat.gns.data import LossFn
+from nnstat.gradient_noise.batches import LossFn
 
 
 @dataclass(frozen=True)

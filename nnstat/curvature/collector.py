@@ -16,10 +16,9 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from nnstat.capture.capture import ModuleCapture
-from nnstat.distributed import is_distributed
-from nnstat.statistics import operations
-from nnstat.statistics.config import PassSpec, RunConfig
-from nnstat.statistics.operations import (
+from nnstat.curvature import operations
+from nnstat.curvature.config import PassSpec, RunConfig
+from nnstat.curvature.operations import (
     Covariance,
     FactorForm,
     Statistic,
@@ -29,6 +28,7 @@ from nnstat.statistics.operations import (
     factor_form,
     is_diagonal,
 )
+from nnstat.distributed import is_distributed
 
 TENSORS_FILE = "statistics.safetensors"
 JSON_FILE = "statistics.json"
@@ -42,15 +42,15 @@ class StatisticsCollector:
     begins. Results: :meth:`state_dict` with keys ``"{module}/{stream}/{statistic}"``.
 
     K-FAC factors over ``max_factor_dim`` (the configuration's key, default
-    :data:`~nnstat.statistics.operations.MAX_FACTOR_DIM`) are kept in the logged space of the
+    :data:`~nnstat.curvature.operations.MAX_FACTOR_DIM`) are kept in the logged space of the
     side's store projection (:meth:`set_projections`) or, without one, as their diagonal with
     one warning per factor; :attr:`factor_forms` records each factor's form
-    (:class:`~nnstat.statistics.operations.FactorForm`) and :meth:`save` writes it to
+    (:class:`~nnstat.curvature.operations.FactorForm`) and :meth:`save` writes it to
     ``statistics.json``.
 
     Example:
         >>> import torch, nnstat
-        >>> from nnstat.statistics import StatisticsCollector
+        >>> from nnstat.curvature import StatisticsCollector
         >>> model = torch.nn.Linear(3, 2)
         >>> engine = nnstat.CaptureEngine(); _ = engine.watch(model)
         >>> collector = StatisticsCollector("kfac"); engine.add_consumer(collector)

@@ -1,4 +1,4 @@
-"""Result types of :func:`nnstat.noise_scale` (re-exported by :mod:`nnstat.gns`)."""
+"""Result types of :func:`nnstat.noise_scale` (re-exported by :mod:`nnstat.gradient_noise`)."""
 
 from __future__ import annotations
 

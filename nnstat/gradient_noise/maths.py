@@ -1,4 +1,4 @@
-"""Pure estimators behind :mod:`nnstat.gns` (McCandlish et al. 2018, appendix A).
+"""Pure estimators behind :mod:`nnstat.gradient_noise` (McCandlish et al. 2018, appendix A).
 
 Everything here works on floats or numpy arrays and has no torch state, so it is easy to test
 against closed forms.

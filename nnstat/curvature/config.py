@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from nnstat.statistics.operations import (
+from nnstat.curvature.operations import (
     EKFAC,
     KFAC,
     STATISTICS,

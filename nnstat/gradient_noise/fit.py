@@ -10,9 +10,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from nnstat.gns.data import BatchSource, LossFn, mean_grads, sq_norms
-from nnstat.gns.maths import FitResult, fit_sq_norms, warn_if_noise
-from nnstat.gns.result import LayerNoiseScale, NoiseScaleResult
+from nnstat.gradient_noise.batches import BatchSource, LossFn, mean_grads, sq_norms
+from nnstat.gradient_noise.maths import FitResult, fit_sq_norms, warn_if_noise
+from nnstat.gradient_noise.result import LayerNoiseScale, NoiseScaleResult
 
 
 def _nested_sq_norms(

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from nnstat.gns.ddp import DDPNoiseScaleState, register_noise_scale_hook
-from nnstat.gns.maths import check_batch_sizes, ratio_of_means, safe_ratio
-from nnstat.gns.persample import PerSampleNorms
+from nnstat.gradient_noise.ddp import DDPNoiseScaleState, register_noise_scale_hook
+from nnstat.gradient_noise.maths import check_batch_sizes, ratio_of_means, safe_ratio
+from nnstat.gradient_noise.persample import PerSampleNorms
 
 Scalar = float | torch.Tensor
 _TOTAL = ""  # key of the whole-model statistics; layers use their names

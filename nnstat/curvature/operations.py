@@ -1,7 +1,7 @@
 """Statistics as basic operations over the three capture streams.
 
 Each statistic is a small class with a pure ``contribution(cap, stream, prior)`` returning a
-running-sum term and the count it adds; :class:`~nnstat.statistics.collector.StatisticsCollector`
+running-sum term and the count it adds; :class:`~nnstat.curvature.collector.StatisticsCollector`
 keeps the sums, all-reduces them under ``torch.distributed`` and divides once in ``finalize()``.
 
 Conventions (``docs/architecture.md``, curvature of the **mean** training loss, K-FAC expand):
@@ -247,7 +247,7 @@ class Mean(Statistic):
     """Mean of a stream: forward per position, backward and grad per sample.
 
     Example:
-        >>> from nnstat.statistics import Mean
+        >>> from nnstat.curvature import Mean
         >>> Mean.key("fc1", "grad")
         'fc1/grad/mean'
     """
@@ -267,7 +267,7 @@ class Covariance(Statistic):
     """Uncentered covariance of a stream (``grad``: the "raw" per-sample gradient covariance).
 
     Example:
-        >>> from nnstat.statistics import Covariance
+        >>> from nnstat.curvature import Covariance
         >>> Covariance.key("fc1", "forward")
         'fc1/forward/covariance'
     """
@@ -298,7 +298,7 @@ class KFAC(Statistic):
 
     Example:
         >>> import torch
-        >>> from nnstat.statistics import KFAC
+        >>> from nnstat.curvature import KFAC
         >>> A, S = torch.eye(3), 2 * torch.eye(2)
         >>> KFAC.precondition(torch.ones(1, 2, 3), A, S, damping=0.0)[0, 0, 0].item()
         0.5
@@ -329,7 +329,7 @@ class EKFAC(Statistic):
 
     Example:
         >>> import torch
-        >>> from nnstat.statistics import EKFAC
+        >>> from nnstat.curvature import EKFAC
         >>> q = torch.eye(2)
         >>> EKFAC.precondition(torch.ones(1, 2, 2), q, q, torch.full((2, 2), 3.0), 1.0)[0, 0, 0]
         tensor(0.2500)
