@@ -35,6 +35,7 @@ __all__ = [
     "shard_groups",
     "all_reduce_sum",
     "summarize_sharded",
+    "shift_power_sums",
     "norms_sharded",
     "any_dtensor",
     "clean_name",
@@ -158,6 +159,39 @@ def _partial_row(t: torch.Tensor) -> torch.Tensor:
     return row
 
 
+def shift_power_sums(
+    n: torch.Tensor,
+    d: torch.Tensor,
+    s1: torch.Tensor | float,
+    s2: torch.Tensor,
+    s3: torch.Tensor,
+    s4: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge parts' power sums about their own centres into sums about one common centre.
+
+    Part ``i`` holds ``n_i`` values with ``s_k,i = Σ (x - c_i)^k``; with ``d_i = c_i - c`` the
+    sums about ``c`` are ``Σ_i Σ (x - c)^k`` (binomial expansion of ``(x - c_i + d_i)^k``),
+    summed over dim 0. ``s1 = 0`` when each centre is its part's mean. The one home of the
+    parallel-moment merge: `describe`'s blocked moments and the sharded statistics below both
+    use it (this file is the lowest layer, under `describe`).
+
+    Example:
+        >>> x = torch.tensor([1.0, 2.0, 4.0, 7.0], dtype=torch.float64)
+        >>> parts = [x[:2], x[2:]]
+        >>> c = x.mean()
+        >>> n = torch.tensor([2.0, 2.0], dtype=torch.float64)
+        >>> d = torch.stack([p.mean() for p in parts]) - c
+        >>> s = [torch.stack([((p - p.mean()) ** k).sum() for p in parts]) for k in (2, 3, 4)]
+        >>> m2, m3, m4 = shift_power_sums(n, d, 0.0, *s)
+        >>> torch.allclose(torch.stack([m2, m3, m4]), torch.stack([((x - c) ** k).sum() for k in (2, 3, 4)]))
+        True
+    """
+    m2 = (s2 + 2 * d * s1 + n * d**2).sum(0)
+    m3 = (s3 + 3 * d * s2 + 3 * d**2 * s1 + n * d**3).sum(0)
+    m4 = (s4 + 4 * d * s3 + 6 * d**2 * s2 + 4 * d**3 * s1 + n * d**4).sum(0)
+    return m2, m3, m4
+
+
 def _combine(parts: torch.Tensor) -> torch.Tensor:
     """Combine partial rows ``[P, k, _WIDTH]`` over dim 0 into ``[k, _WIDTH]`` (exact shifts)."""
     n_i = parts[..., _N]
@@ -166,11 +200,11 @@ def _combine(parts: torch.Tensor) -> torch.Tensor:
     mean = torch.where(n > 0, total / n.clamp_min(1), torch.zeros_like(n))
     mean_i = torch.where(n_i > 0, parts[..., _SUM] / n_i.clamp_min(1), mean.expand_as(n_i))
     dl = mean_i - mean  # each part's mean relative to the combined mean
-    s2_i, s3_i, s4_i = parts[..., _S2], parts[..., _S3], parts[..., _S4]
     out = parts.sum(0)
-    out[:, _S2] = (s2_i + n_i * dl**2).sum(0)
-    out[:, _S3] = (s3_i + 3 * dl * s2_i + n_i * dl**3).sum(0)
-    out[:, _S4] = (s4_i + 4 * dl * s3_i + 6 * dl**2 * s2_i + n_i * dl**4).sum(0)
+    # partial rows hold sums about their own mean, so s1 = 0
+    out[:, _S2], out[:, _S3], out[:, _S4] = shift_power_sums(
+        n_i, dl, 0.0, parts[..., _S2], parts[..., _S3], parts[..., _S4]
+    )
     out[:, _MIN] = parts[..., _MIN].amin(0)
     out[:, _MAX] = parts[..., _MAX].amax(0)
     return out

@@ -15,6 +15,7 @@ Example:
 from nnstat.describe.histogram import DEFAULT_MAX_ELEMENTS, HIST_SUMMARY, Histogram, histograms
 from nnstat.describe.moments import Workspace
 from nnstat.describe.ratios import ratio_from_norms
+from nnstat.describe.scalars import as_float
 from nnstat.describe.summary import (
     DEFAULT_STATS,
     SIGNED_STATS,
@@ -34,6 +35,7 @@ __all__ = [
     "Description",
     "Histogram",
     "Workspace",
+    "as_float",
     "cpu_single_thread",
     "histograms",
     "ratio_from_norms",

@@ -18,6 +18,8 @@ import math
 import numpy as np
 import torch
 
+from nnstat.distributed import shift_power_sums
+
 __all__ = ["Workspace", "CHUNK", "moments_of_pair", "pair_ok"]
 
 
@@ -292,10 +294,7 @@ def _combine(
     counts = torch.full_like(centres, float(chunk))
     counts[-1] = n - chunk * (r.shape[0] - 1)
     mean = (counts * centres + s1).sum() / n
-    delta = centres - mean
-    m2 = (s2 + 2 * delta * s1 + counts * delta**2).sum() / n
-    m3 = (s3 + 3 * delta * s2 + 3 * delta**2 * s1 + counts * delta**3).sum() / n
-    m4 = (s4 + 4 * delta * s3 + 6 * delta**2 * s2 + 4 * delta**3 * s1 + counts * delta**4).sum() / n
+    m2, m3, m4 = (m / n for m in shift_power_sums(counts, centres - mean, s1, s2, s3, s4))
     l2 = (s2 + 2 * centres * s1 + counts * centres**2).sum().sqrt()
     # like scipy: a (numerically) constant tensor has undefined skew/kurtosis, NaN rather than
     # the ratio of rounding residues (which was +-inf or finite nonsense)

@@ -12,16 +12,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from nnstat.describe import as_float
 from nnstat.gradient_noise.ddp import DDPNoiseScaleState, register_noise_scale_hook
 from nnstat.gradient_noise.maths import check_batch_sizes, ratio_of_means, safe_ratio
 from nnstat.gradient_noise.persample import PerSampleNorms
 
 Scalar = float | torch.Tensor
 _TOTAL = ""  # key of the whole-model statistics; layers use their names
-
-
-def _as_float(value: Scalar) -> float:
-    return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
 
 
 class _Average:
@@ -147,13 +144,13 @@ class NoiseScale:
                 raise ValueError(
                     f"layer keys differ: {sorted(set(g_small_sq) ^ set(g_big_sq))} are in only one"
                 )
-            small = [_as_float(g_small_sq[k]) for k in keys]
-            big = [_as_float(g_big_sq[k]) for k in keys]
+            small = [as_float(g_small_sq[k]) for k in keys]
+            big = [as_float(g_big_sq[k]) for k in keys]
             keys.append(_TOTAL)
             small.append(sum(small))
             big.append(sum(big))
         else:
-            keys, small, big = [_TOTAL], [_as_float(g_small_sq)], [_as_float(g_big_sq)]
+            keys, small, big = [_TOTAL], [as_float(g_small_sq)], [as_float(g_big_sq)]
         self._add(keys, small, big, b_small, b_big)
 
     def _add(

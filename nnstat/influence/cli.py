@@ -90,9 +90,12 @@ def _write(frame: pd.DataFrame, out: str | None) -> None:
     print(f"wrote {len(frame)} rows to {path}", file=sys.stderr)
 
 
-def _usage_error(parser: argparse.ArgumentParser, message: str) -> int:
-    # argparse's own format (usage, then "prog: error: ..."), returned instead of raised so
-    # callers of main() get the exit status like for every other outcome
+def usage_error(parser: argparse.ArgumentParser, message: str) -> int:
+    """Print argparse's own error format (usage, then ``prog: error: message``) and return 2.
+
+    Returned instead of raised (``parser.error`` exits) so callers of a command's ``main()`` get
+    the exit status like for every other outcome; the viewer's command uses it too.
+    """
     parser.print_usage(sys.stderr)
     print(f"{parser.prog}: error: {message}", file=sys.stderr)
     return 2
@@ -110,16 +113,16 @@ def main(argv: list[str] | None = None) -> int:
         if path is None:
             continue
         if not Path(path).is_dir():
-            return _usage_error(parser, f"{label}: no gradient store at {path}")
+            return usage_error(parser, f"{label}: no gradient store at {path}")
         # checked here, before any work, so a typo costs no scoring time
         if not (Path(path) / META_FILE).is_file():
-            return _usage_error(parser, f"{label}: {path} is not a gradient store (no {META_FILE})")
+            return usage_error(parser, f"{label}: {path} is not a gradient store (no {META_FILE})")
     if args.out is not None and Path(args.out).suffix not in OUT_SUFFIXES:
-        return _usage_error(parser, f"--out must end in .parquet or .csv, got {args.out!r}")
+        return usage_error(parser, f"--out must end in .parquet or .csv, got {args.out!r}")
     if args.self_influence:
         for flag, given in (("--query", args.query), ("--top-k", args.top_k)):
             if given is not None:
-                return _usage_error(parser, f"--self takes no {flag}")
+                return usage_error(parser, f"--self takes no {flag}")
         res = compute_self_influence(
             args.store,
             preconditioner=args.preconditioner,
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         _write(res.to_frame(), args.out)
         return 0
     if args.query is None:
-        return _usage_error(parser, "--query is required (or --self)")
+        return usage_error(parser, "--query is required (or --self)")
     res = compute_influence_all(
         args.query,
         args.store,

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nnstat.describe import as_float
 from nnstat.distributed import clean_name, fsdp1_shards
 from nnstat.recorder.anomalies import NonFiniteError, Rule, evaluate_rules
 from nnstat.recorder.batch import Batch, GradHook, Iteration
@@ -328,7 +329,7 @@ class Recorder:
         if reason == "anomaly" and not record["anomalies"]:
             return None  # the cheap probe overflowed float32; the exact statistics show no hit
         record["reason"] = reason
-        record["kpis"] = {k: _scalar(v) for k, v in b.kpis.items()}
+        record["kpis"] = {k: as_float(v) for k, v in b.kpis.items()}
         graphs = rows.graphs(b.iterations)
         for digest, doc in graphs.values():
             self.writer.write_graph(digest, doc)
@@ -383,7 +384,3 @@ class Recorder:
                 prev = torch.cat([old, old.new_full((1,), float("nan"))])[idx]
         self._prev = (keys, now)
         return prev
-
-
-def _scalar(v: float | torch.Tensor) -> float:
-    return float(v.detach()) if isinstance(v, torch.Tensor) else float(v)

@@ -25,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
+from nnstat.influence.cli import usage_error
 from nnstat.viewer.bundle import load_bundle
 from nnstat.viewer.discover import discover, rel_id
 from nnstat.viewer.explorer import Explorer
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         bundle = load_bundle(args.root)
     except OSError as exc:  # FileNotFoundError: no such folder, or nothing nnstat wrote in it
-        return _usage_error(p, str(exc))
+        return usage_error(p, str(exc))
     for problem in bundle["problems"]:
         print(f"nnstat view: skipped {problem['file']}: {problem['message']}", file=sys.stderr)
     if args.export:
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             out.write_text(page, encoding="utf-8")
         except OSError as exc:
-            return _usage_error(p, f"argument --export: cannot write {out}: {exc}")
+            return usage_error(p, f"argument --export: cannot write {out}: {exc}")
         print(f"wrote {out}")
         return 0
     try:
@@ -335,14 +336,6 @@ def _port(text: str) -> int:
             f"must be a port number 0-65535 (0: any free), got {text!r}"
         )
     return port
-
-
-def _usage_error(parser: argparse.ArgumentParser, message: str) -> int:
-    # argparse's own format (usage, then "prog: error: ..."), returned instead of raised so
-    # callers of main() get the exit status like for every other outcome
-    parser.print_usage(sys.stderr)
-    print(f"{parser.prog}: error: {message}", file=sys.stderr)
-    return 2
 
 
 if __name__ == "__main__":
