@@ -11,7 +11,7 @@ a relative standard error of about ``sqrt((1 - p) / (p * sample))``: 1.2% for a 
 the mass at the default 65,536-element sample, ~12% for a bin with 0.1%; bins in the tails may
 read 0 or a multiple of ``numel / sample``. Runs of 1024 neighbours are not independent draws
 when neighbouring values are correlated (a weight matrix's rows), which can widen that error.
-Pass ``max_elements=None`` for exact counts (tested in tests/test_histograms_batched.py).
+Pass ``max_elements=None`` for exact counts (tested in tests/describe/test_histograms_batched.py).
 
 Example:
     >>> import torch

@@ -26,7 +26,7 @@ from nnstat.recorder import (
 )
 from nnstat.viewer.server import SCRIPTS, STATIC, main, render_page, serve_in_thread
 
-# overridable so tests/test_viewer_ci.py can check what happens when the browser is missing
+# overridable so tests/viewer/test_viewer_ci.py can check what happens when the browser is missing
 CHROMIUM = os.environ.get("NNSTAT_TEST_CHROMIUM", "/usr/bin/chromium")
 NAMES = {"x", "y", "hidden", "out", "loss", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
 

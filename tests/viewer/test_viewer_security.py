@@ -1,7 +1,7 @@
 """The viewer against a hostile recorder folder: text stays text, paths stay inside, bad files
 are reported one by one, and the server answers only requests addressed to itself.
 
-The browser tests drive Debian chromium through the `Page` helper of tests/test_viewer.py, which
+The browser tests drive Debian chromium through the `Page` helper of tests/viewer/test_viewer.py, which
 fails a test on any console error or non-loopback request.
 """
 

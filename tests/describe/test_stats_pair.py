@@ -1,6 +1,6 @@
 """`pair_tables`: the statistics of weights and of their update in one read of both, against
 `summarize` of the weights and of the materialised difference (and so against numpy/scipy,
-which tests/test_stats.py checks `summarize` with)."""
+which tests/describe/test_stats.py checks `summarize` with)."""
 
 from __future__ import annotations
 

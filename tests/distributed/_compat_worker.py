@@ -1,4 +1,4 @@
-"""The per-rank workflow of tests/test_compat_dist.py (importable by spawned processes)."""
+"""The per-rank workflow of tests/distributed/test_compat_dist.py (importable by spawned processes)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("ci, outcome", [("true", "1 error"), ("", "1 skipped")])
@@ -19,7 +19,7 @@ def test_missing_browser_is_an_error_only_in_ci(ci: str, outcome: str, tmp_path)
     if ci:
         env["CI"] = ci
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"]
-    cmd += ["tests/test_viewer.py", "-k", "served_page_graph", "-p", "no:randomly"]
+    cmd += ["tests/viewer/test_viewer.py", "-k", "served_page_graph", "-p", "no:randomly"]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert outcome in res.stdout, res.stdout + res.stderr
     assert "need Debian chromium" in res.stdout

@@ -1,7 +1,7 @@
 """`nnstat view DIR` on a folder holding every kind nnstat writes: a Tracker JSONL run, a
 recorder trial, a gradient store (the influence explorer) and a report.
 
-Browser checks go through the `Page` helper of tests/test_viewer.py (Debian chromium, every
+Browser checks go through the `Page` helper of tests/viewer/test_viewer.py (Debian chromium, every
 non-loopback request blocked and recorded, console errors collected; both must stay empty).
 Expected values come from independent readers: `nnstat.integrations.jsonl.read_jsonl` for the
 run, `nnstat.influence.compute_influence_all` / `compute_self_influence` for the explorer.
@@ -30,7 +30,7 @@ from nnstat.viewer import load_queries, save_examples, save_queries
 from nnstat.viewer.bundle import load_bundle
 from nnstat.viewer.server import STATIC, main, serve_in_thread
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REPORT = "<!DOCTYPE html><html><head><style>h1{color:#333}</style></head><body><h1>Demo report</h1></body></html>"
 
 

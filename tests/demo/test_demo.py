@@ -1,7 +1,7 @@
 """The demo's pieces that need no full run: arguments, planted labels, clean re-runs (the run
 folder is replaced, so TensorBoard and W&B hold one run), the batch-size advice.
 
-The end-to-end run (console, report, self-influence recall) is in tests/test_demo_report.py.
+The end-to-end run (console, report, self-influence recall) is in tests/demo/test_demo_report.py.
 Every demo run here is the quick configuration (NNSTAT_DEMO_QUICK: 400 digits) shortened to
 one epoch and to the steps that write logs."""
 
