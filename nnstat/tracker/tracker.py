@@ -124,6 +124,14 @@ class Tracker(BackgroundSteps):
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Tracker expects an nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(getattr(optimizer, "state", None), Mapping):
+            # checked here: the first step() reads optimizer.state, and an AttributeError there
+            # would not say which argument was wrong
+            raise TypeError(
+                "Tracker: optimizer must be a torch.optim.Optimizer (or wrap one: an object whose "
+                f".state maps parameters to their states), got {type(optimizer).__name__}; pass "
+                "the optimizer that steps the model, or optimizer=None to track no updates"
+            )
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")
         unknown = [g for g in groups if g not in GROUPS]
@@ -402,7 +410,9 @@ class Tracker(BackgroundSteps):
         self._latest = metrics if handle is None else handle
         for log, sink in zip(self._sinks, self._sink_objects, strict=True):
             try:
-                log(metrics, step)
+                # each sink gets its own copy: one that pops or clears keys (some loggers do)
+                # must not empty the dict for the sinks after it or for step()'s caller
+                log(dict(metrics), step)
             except Exception as e:  # kept for _raise_sink_errors: the other sinks come first
                 self._sink_errors.append((f"sink {sink!r} failed on step {step}", e))
 

@@ -163,3 +163,37 @@ def test_framework_driver_falls_back_to_no_optimizer_states_for_flat_copies():
     assert "weight/0.weight/l2" in metrics and "grad/0.weight/l2" in metrics
     assert not any(k.startswith(("exp_avg/", "exp_avg_sq/")) for k in metrics)
     assert metrics["update/0.weight/l2"] == pytest.approx(np.sqrt(35), rel=1e-5)
+
+
+@pytest.mark.parametrize("bad", [[1, 2], "adam", object()])
+def test_optimizer_that_is_not_one_is_refused_at_construction(bad):
+    model = nn.Linear(3, 2)
+    with pytest.raises(TypeError, match=r"optimizer must be a torch.optim.Optimizer.*got "):
+        nnstat.Tracker(model, optimizer=bad)
+
+
+def test_a_sink_that_mutates_its_dict_does_not_change_what_others_get():
+    def one_step(sinks):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        got = []
+        tracker = nnstat.Tracker(
+            model, opt, sinks=[*sinks, lambda m, s: got.append(dict(m))], background=False
+        )
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        returned = dict(tracker.step())
+        tracker.close()
+        return got, returned
+
+    def clearing(metrics, step):
+        metrics.clear()
+
+    def popping(metrics, step):
+        metrics.pop(next(iter(metrics)))
+
+    control, _ = one_step([])
+    got, returned = one_step([clearing, popping])
+    assert len(control[0]) > 3  # weight, grad and update statistics of both parameters
+    assert got == control and returned == control[0]
