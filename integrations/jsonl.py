@@ -188,14 +188,39 @@ def _decode(value: Any) -> Any:
             return _NONFINITE[value]
         raise ValueError(f"unexpected string value {value!r}")
     if isinstance(value, dict) and set(value) == {"hist"}:
-        h = value["hist"]
-        return {
-            k: ([_decode(x) for x in v] if isinstance(v, list) else _decode(v))
-            for k, v in h.items()
-        }
+        return _decode_hist(value["hist"])
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"unexpected value {value!r}")
     return float(value)
+
+
+_HIST_SCALARS = ("min", "max", "num", "sum", "sum_squares")
+
+
+def _decode_hist(h: Any) -> dict[str, Any]:
+    """A histogram record, checked whole: n counts, n + 1 edges, the five summary numbers.
+
+    A record whose parts disagree would be drawn as some other distribution, so it is refused
+    (the line is skipped and named in ``problems``) rather than kept.
+    """
+    if not isinstance(h, dict) or set(h) != {"edges", "counts", *_HIST_SCALARS}:
+        keys = sorted(h) if isinstance(h, dict) else type(h).__name__
+        raise ValueError(
+            f"histogram must hold edges, counts, {', '.join(_HIST_SCALARS)}; got {keys}"
+        )
+    edges, counts = h["edges"], h["counts"]
+    if not isinstance(edges, list) or not isinstance(counts, list) or not counts:
+        raise ValueError("histogram edges and counts must be non-empty lists")
+    if len(edges) != len(counts) + 1:
+        raise ValueError(
+            f"histogram has {len(counts)} counts but {len(edges)} edges (needs {len(counts) + 1})"
+        )
+    out: dict[str, Any] = {"edges": [_decode(x) for x in edges]}
+    out["counts"] = [_decode(x) for x in counts]
+    if any(c < 0 for c in out["counts"]):
+        raise ValueError("histogram has a negative count")
+    out.update({k: _decode(h[k]) for k in _HIST_SCALARS})
+    return out
 
 
 def read_jsonl(run_dir: str | Path) -> tuple[list[dict[str, Any]], list[str]]:

@@ -100,3 +100,37 @@ def test_bad_input_errors(tmp_path):
     (tmp_path / "other" / METRICS_FILE).write_text('{"step": 0}\n')
     with pytest.raises(ValueError, match="not an nnstat JSONL run"):
         read_jsonl(tmp_path / "other")
+
+
+def _hist(**change):
+    h = {"edges": [0.0, 1.0, 2.0], "counts": [1.0, 2.0], "min": 0.0, "max": 2.0, "num": 3.0}
+    h.update(sum=3.0, sum_squares=5.0)
+    h.update(change)
+    return {k: v for k, v in h.items() if v is not None}
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (_hist(edges=[1.0], counts=[1.0, 2.0]), "2 counts but 1 edges"),
+        (_hist(edges=[0.0, 1.0, 2.0, 3.0]), "2 counts but 4 edges"),
+        (_hist(counts=[]), "non-empty lists"),
+        (_hist(counts=[1.0, -2.0]), "negative count"),
+        (_hist(num=None), "must hold edges, counts"),
+        (_hist(extra=1.0), "must hold edges, counts"),
+        (_hist(edges="0 1 2"), "non-empty lists"),
+        (_hist(counts=[1.0, "x"]), "unexpected string"),
+    ],
+)
+def test_histogram_records_whose_parts_disagree_are_skipped_and_named(tmp_path, bad, message):
+    with JsonlLogger(tmp_path) as log:
+        log.log({"loss": 1.0}, step=0)
+    path = tmp_path / METRICS_FILE
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": 1, "time": 0.0, "metrics": {"w/hist": {"hist": bad}}}) + "\n")
+        f.write(json.dumps({"step": 2, "time": 0.0, "metrics": {"w/hist": {"hist": _hist()}}}))
+        f.write("\n")
+    rows, problems = read_jsonl(tmp_path)
+    assert [r["step"] for r in rows] == [0, 2]  # the good record after it is kept
+    assert rows[1]["metrics"]["w/hist"]["counts"] == [1.0, 2.0]
+    assert len(problems) == 1 and f"{METRICS_FILE}:3" in problems[0] and message in problems[0]
