@@ -214,15 +214,24 @@ def _server(root: Path, port: int) -> ThreadingHTTPServer:
                     return default
                 return values[0]
 
+            def int_arg(name: str, default: str | None = None) -> int:
+                text = arg(name, default)
+                try:
+                    return int(text)
+                except ValueError:
+                    raise ValueError(
+                        f"parameter {name!r} must be a whole number, got {text!r}"
+                    ) from None
+
             try:
                 store = arg("store")
                 if path == "/api/queries":
                     result = explorer.queries(store, arg("set", ""))
                 elif path == "/api/influence":
-                    q, k = int(arg("q")), int(arg("k", "10"))
+                    q, k = int_arg("q"), int_arg("k", "10")
                     result = explorer.influence(store, arg("set", ""), q, k)
                 else:
-                    result = explorer.self_influence(store, int(arg("k", "10")))
+                    result = explorer.self_influence(store, int_arg("k", "10"))
             except (KeyError, ValueError, IndexError) as exc:
                 # a wrong store, set, index or k: the page shows the message
                 msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)

@@ -280,6 +280,12 @@ def test_influence_explorer_top_k_matches_the_api(folder, browser) -> None:  # n
             ("api/influence?store=nope&q=0", "no gradient store 'nope'"),
             ("api/influence?store=gradients/p&set=queries&q=9", "query 9 out of range"),
             ("api/influence?store=gradients/p&q=0&k=0", "k must be 1-50"),
+            (
+                "api/influence?store=gradients/p&q=abc",
+                "parameter 'q' must be a whole number, got 'abc'",
+            ),
+            ("api/influence?store=gradients/p&q=0&k=1.5", "parameter 'k' must be a whole number"),
+            ("api/self?store=gradients/p&k=x", "parameter 'k' must be a whole number"),
         ):
             with pytest.raises(urllib.error.HTTPError) as err:
                 urllib.request.urlopen(url + bad)
