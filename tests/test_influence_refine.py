@@ -16,7 +16,8 @@ from nnstat.influence import (
     compute_self_influence,
     preconditioned_cg,
 )
-from nnstat.influence.refine import _Flat, fit_fisher_statistics, refine_queries
+from nnstat.influence.logged_space import LoggedSpace as _Flat
+from nnstat.influence.refine import fit_fisher_statistics, refine_queries
 from nnstat.influence.sources import as_source
 
 N_TRAIN, N_QUERY, BATCH = 36, 4, 12
