@@ -3,7 +3,7 @@
 `LoggedSpace` maps flat parameter vectors to the store's rows (``vec(P_out X P_inᵀ)`` per module,
 `project`) and back (`lift`, the adjoint), and checks that the model is the one the store was
 logged from (`check_weights`, `check_against_rows`). `captured_rows` gives per-example gradients
-in this space from the capture engine.
+in this space from the capture engine, `logged_preconditioner` the preconditioner of this space.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from nnstat.capture import rules
 from nnstat.curvature.products import ParamLayout, captured_example_grads
 from nnstat.store import format as fmt
 
+from .cache import default_preconditioner, fitted
 from .layout import ModuleSpec
+from .precondition import Preconditioner, _fit_from_rows, kfac_factor, stored_ekfac_factor
 from .sources import RowSource
 
 
@@ -224,3 +226,27 @@ def check_against_rows(
             f"{float(err[i]):.3g}): the model's weights, the loss function or the order of the "
             "data differ from when the log was captured"
         )
+
+
+def logged_preconditioner(
+    source: RowSource,
+    kind: str | None,
+    stats: Mapping[str, torch.Tensor] | None,
+    batch_size: int,
+) -> Preconditioner:
+    """The preconditioner of the logged space: the unrefined path's own (``fitted``), or, with
+    refit statistics (``fisher=``), K-FAC/EK-FAC factors from them through the store's
+    projections (EK-FAC eigenvalues apply where a module is logged unprojected)."""
+    kind = kind or default_preconditioner(source)
+    if stats is None or kind in ("identity", "raw"):
+        return fitted(source, kind, batch_size)
+    projections = source.projections()
+    factors: dict[str, Any] = {}
+    for m in source.layout:
+        if m.kronecker:
+            f = stored_ekfac_factor(m, stats, projections) if kind == "ekfac" else None
+            factors[m.name] = f if f is not None else kfac_factor(m, stats, projections)
+    dense = [m for m in source.layout if not m.kronecker]
+    if dense:
+        factors.update(_fit_from_rows(source, dense, {}, batch_size))
+    return Preconditioner(kind, list(source.layout), factors)

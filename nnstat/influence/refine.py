@@ -67,7 +67,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,15 +84,21 @@ from nnstat.curvature.products import (
     batch_len,
 )
 
-from .cache import default_preconditioner, fitted
 from .krylov import block_cg, preconditioned_cg
-from .logged_space import LoggedSpace, captured_rows, check_against_rows, check_weights
-from .precondition import (
-    Preconditioner,
-    _fit_from_rows,
-    kfac_factor,
-    resolve_damping,
-    stored_ekfac_factor,
+from .logged_space import (
+    LoggedSpace,
+    captured_rows,
+    check_against_rows,
+    check_weights,
+    logged_preconditioner,
+)
+from .precondition import Preconditioner, resolve_damping
+from .refine_system import (
+    DAMPING_RAISE,
+    MAX_DAMPING_RAISES,
+    DampedSystem,
+    choose_solver,
+    set_damping,
 )
 from .sources import RowSource, all_rows
 
@@ -253,82 +259,6 @@ def fit_fisher_statistics(
     )
 
 
-# ----------------------------------------------------------------------------- the system
-def _logged_preconditioner(
-    source: RowSource,
-    kind: str | None,
-    stats: Mapping[str, torch.Tensor] | None,
-    batch_size: int,
-) -> Preconditioner:
-    """The preconditioner of the logged space: the unrefined path's own (``fitted``), or, with
-    refit statistics (``fisher=``), K-FAC/EK-FAC factors from them through the store's
-    projections (EK-FAC eigenvalues apply where a module is logged unprojected)."""
-    kind = kind or default_preconditioner(source)
-    if stats is None or kind in ("identity", "raw"):
-        return fitted(source, kind, batch_size)
-    projections = source.projections()
-    factors: dict[str, Any] = {}
-    for m in source.layout:
-        if m.kronecker:
-            f = stored_ekfac_factor(m, stats, projections) if kind == "ekfac" else None
-            factors[m.name] = f if f is not None else kfac_factor(m, stats, projections)
-    dense = [m for m in source.layout if not m.kronecker]
-    if dense:
-        factors.update(_fit_from_rows(source, dense, {}, batch_size))
-    return Preconditioner(kind, list(source.layout), factors)
-
-
-def _probes(width: int, dtype: torch.dtype) -> torch.Tensor:
-    """8 Rademacher vectors of the logged space for Hutchinson's trace estimator (seeded)."""
-    gen = torch.Generator().manual_seed(0)
-    return torch.randint(0, 2, (8, width), generator=gen).to(dtype) * 2 - 1
-
-
-def _resolve_mean_curvature(
-    z: torch.Tensor, hz: torch.Tensor, flat: LoggedSpace, name: str
-) -> float:
-    """The mean eigenvalue of ``H`` over the logged modules' parameters, ``tr(P H Pᵀ) / n_params``
-    (``E[PᵀP] = I`` for the store's projections, so the trace survives projection), by
-    Hutchinson's estimator from `_probes` ``z`` and their products ``hz = (P H Pᵀ) z``; refused
-    when it is not positive (then it gives the damping no scale)."""
-    gamma = float((z * hz).sum(1).mean()) / flat.size
-    if not gamma > 0:
-        raise ValueError(
-            f"the {name} curvature has a mean eigenvalue of {gamma:.3g} <= 0, "
-            "so damping=None has no scale: pass a damping > 0 (or curvature='ggn')"
-        )
-    return gamma
-
-
-BLOCK_MEMORY_LIMIT = 2 * 1024**3  # bytes of search space the block solver may hold
-# curvature=None with the default damping: λ stays >= DAMPING_RAISE x the Hessian's most negative
-# curvature found (per-query CG: at most MAX_DAMPING_RAISES new solves, then the GGN)
-DAMPING_RAISE = 1.5
-MAX_DAMPING_RAISES = 3
-
-
-def _choose_solver(refine: Refinement, width: int, dtype: torch.dtype, start: bool) -> str:
-    """``refine.solver``, or ``"cg"`` with a warning when the block solver's search space
-    (``2 · min(directions, width)`` vectors of ``width``; ``directions = steps · query_batch``,
-    one ``query_batch`` more from the second step when the block starts from other directions,
-    ``start``) would exceed `BLOCK_MEMORY_LIMIT`."""
-    if refine.solver != "block":
-        return refine.solver
-    directions = (refine.steps + (start and refine.steps > 1)) * refine.query_batch
-    vectors = 2 * min(directions, width)
-    need = vectors * width * torch.finfo(dtype).bits // 8
-    if need <= BLOCK_MEMORY_LIMIT:
-        return "block"
-    warnings.warn(
-        f"nnstat: the block solver's search space would take {need / 1024**3:.1f} GiB "
-        f"({vectors} vectors of width {width}); refining with solver='cg' (one recurrence per "
-        "query: the same solution, reached in more steps). Lower query_batch or project the "
-        "store to use the block solver",
-        stacklevel=3,
-    )
-    return "cg"
-
-
 def _curvature(refine: Refinement, flat: LoggedSpace, kind: str) -> StreamedCurvature:
     """The exact curvature ``kind`` of the mean loss over ``refine.train_data``: by torch.func
     for ``loss_fn(outputs, targets)`` data, by double backward for ``batch_loss(batch)``."""
@@ -371,75 +301,7 @@ def _preconditioner(
     if refine.fisher != "store" and kind not in ("identity", "raw"):
         preset = "kfac" if kind in ("kfac", "raw") else "ekfac"
         stats = fit_fisher_statistics(refine, [sl.spec.name for sl in flat.slots], preset)
-    return _logged_preconditioner(train, kind, stats, batch_size), stats is not None
-
-
-@dataclass
-class _System:
-    """``(P H Pᵀ + λI) y = row_q`` in the logged space, with ``λ`` as it evolves: given, found
-    by Hutchinson's estimator with the first product (``probes``), or raised past negative
-    Hessian curvature (``found``: the curvatures raised past, ``raised_from``: ``λ`` before)."""
-
-    curv: StreamedCurvature
-    flat: LoggedSpace
-    pre: Preconditioner
-    dtype: torch.dtype
-    lam: float | None
-    probes: torch.Tensor | None = None
-    adaptive: bool = False
-    found: list[float] = field(default_factory=list)
-    raised_from: float | None = None
-    products: int = 0  # every curvature-vector product, abandoned solves' too
-
-    def curvature(self, y: torch.Tensor) -> torch.Tensor:
-        return self.flat.project(self.curv.product(self.flat.lift(y)))
-
-    def matvec(self, v: torch.Tensor) -> torch.Tensor:
-        self.products += len(v) + (0 if self.probes is None else len(self.probes))
-        if self.probes is None:
-            return self.curvature(v) + self.lam * v
-        both = self.curvature(torch.cat([v, self.probes]))
-        self.lam = _resolve_mean_curvature(self.probes, both[len(v) :], self.flat, self.curv.kind)
-        self.probes = None
-        return both[: len(v)] + self.lam * v
-
-    def precondition(self, r: torch.Tensor) -> torch.Tensor:
-        return self.pre.apply(r, self.lam).to(self.dtype)
-
-    def raise_damping(self, theta: float) -> float:
-        """Raise λ to ``DAMPING_RAISE x |θ|`` (θ < 0, a Ritz value of the Hessian, so an upper
-        bound on λ_min(H)); returns the increase."""
-        if not self.found:
-            self.raised_from = self.lam
-        new = DAMPING_RAISE * -theta
-        delta, self.lam = new - self.lam, new
-        self.found.append(theta)
-        return delta
-
-    def shift(self, mu: float) -> float:
-        """The block solver's ``shift``: μ, the smallest Ritz value of ``H + λI`` in its space."""
-        theta = mu - self.lam
-        hessian = self.curv.kind == "hessian"
-        if not (self.adaptive and hessian) or DAMPING_RAISE * -theta <= self.lam:
-            return 0.0
-        return self.raise_damping(theta)
-
-
-def _set_damping(system: _System, solver: str, width: int) -> str:
-    """Resolve ``system.lam`` where it is not given; returns the rule that chose it."""
-    if system.lam is not None:
-        system.lam = resolve_damping(system.lam, torch.zeros(0))
-        return "given"
-    if solver == "block":
-        # the trace probes ride along the first block's first product (it does not need λ: the
-        # first directions are preconditioned at the unrefined default damping, and A = H + λI
-        # is formed after the product), so the default damping costs no pass of its own
-        system.probes = _probes(width, system.dtype)
-        return "mean eigenvalue of the curvature per parameter (Hutchinson, 8 probes, first pass)"
-    # per-query CG's recurrence needs one M from its first step: one pass to find λ
-    z = _probes(width, system.dtype)
-    system.lam = _resolve_mean_curvature(z, system.curvature(z), system.flat, system.curv.kind)
-    return "mean eigenvalue of the curvature per parameter (Hutchinson, 8 probes, one pass)"
+    return logged_preconditioner(train, kind, stats, batch_size), stats is not None
 
 
 @dataclass
@@ -454,7 +316,7 @@ class _Solved:
 
 def _solve_blocks(
     refine: Refinement,
-    system: _System,
+    system: DampedSystem,
     rhs: torch.Tensor,
     ids: list,
     solver: str,
@@ -498,7 +360,7 @@ def _solve_blocks(
     return out
 
 
-def _not_positive_definite(refine: Refinement, system: _System, e: ValueError) -> None:
+def _not_positive_definite(refine: Refinement, system: DampedSystem, e: ValueError) -> None:
     """Recover from a direction where ``H + λI`` is not positive definite (``e``), changing
     ``system`` (a raised ``λ``, or the GGN instead of the Hessian), or raise the user's error."""
     bad = e.queries  # type: ignore[attr-defined]
@@ -539,7 +401,7 @@ def _not_positive_definite(refine: Refinement, system: _System, e: ValueError) -
 
 
 def _solve(
-    refine: Refinement, system: _System, rhs: torch.Tensor, ids: list, solver: str
+    refine: Refinement, system: DampedSystem, rhs: torch.Tensor, ids: list, solver: str
 ) -> _Solved:
     """Every block solved at one final ``λ`` and curvature: under ``curvature=None`` and the
     default damping ``λ`` is kept at least ``DAMPING_RAISE`` x the Hessian's most negative
@@ -564,7 +426,7 @@ def _solve(
         system.adaptive = system.adaptive and resolves < MAX_DAMPING_RAISES
 
 
-def _raised_rule(system: _System, rule: str) -> str:
+def _raised_rule(system: DampedSystem, rule: str) -> str:
     """``rule``, saying (and warning) how far ``λ`` was raised past negative curvature."""
     if not system.found:
         return rule
@@ -610,9 +472,11 @@ def refine_queries(
     rhs = q_rows.to(refine.dtype)
     pre, refit = _preconditioner(refine, train, flat, kind, batch_size)
     lam = refine.damping if refine.damping is not None else damping
-    solver = _choose_solver(refine, rhs.shape[1], refine.dtype, start=lam is None)
-    system = _System(curv, flat, pre, refine.dtype, lam)
-    rule = _set_damping(system, solver, rhs.shape[1])
+    solver = choose_solver(
+        refine.solver, refine.steps, refine.query_batch, rhs.shape[1], refine.dtype, lam is None
+    )
+    system = DampedSystem(curv, flat, pre, refine.dtype, lam)
+    rule = set_damping(system, solver, rhs.shape[1])
     system.adaptive = refine.curvature is None and rule != "given"
     solved = _solve(refine, system, rhs, ids, solver)
     rule = _raised_rule(system, rule)
