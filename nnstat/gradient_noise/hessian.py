@@ -1,4 +1,4 @@
-"""Hessian-weighted noise scale ``B_noise = tr(H Sigma) / (G^T H G)`` via ``torch.func``.
+"""Hessian-weighted noise scale ``B_noise = tr(H Sigma) / (G^T H G)``, exact on small models.
 
 Exact for the sample it is given: per-sample gradients by ``vmap(grad)``, Hessian-vector
 products by reverse-over-reverse double backward on the gradient graph, built once
