@@ -154,13 +154,18 @@ class ParamLayout:
             offset += math.prod(shape)
         self.size = offset
 
-    def to_dict(self, flat: torch.Tensor) -> Params:
-        """Views of ``flat [..., P]`` in the parameters' shapes, leading dimensions kept."""
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``flat [..., P]`` in the parameters' shapes, leading dimensions kept, one per
+        entry of ``names`` (a parameter shared by two logged modules appears twice)."""
         lead = flat.shape[:-1]
-        return {
-            name: flat[..., off : off + shape.numel()].reshape(*lead, *shape)
-            for name, shape, off in zip(self.names, self.shapes, self.offsets, strict=True)
-        }
+        return [
+            flat[..., off : off + shape.numel()].reshape(*lead, *shape)
+            for shape, off in zip(self.shapes, self.offsets, strict=True)
+        ]
+
+    def to_dict(self, flat: torch.Tensor) -> Params:
+        """`split` by name (a name listed twice: its last entry)."""
+        return dict(zip(self.names, self.split(flat), strict=True))
 
     def from_dict(self, tensors: Mapping[str, torch.Tensor], lead: int) -> torch.Tensor:
         """``[lead, P]`` from tensors with a leading ``[lead]`` in the parameters' shapes."""
@@ -444,9 +449,7 @@ class BatchLossCurvature(StreamedCurvature):
 
     def _stream(self, v: torch.Tensor, one: Callable[..., list[torch.Tensor]]) -> torch.Tensor:
         k = len(v)
-        vs = [
-            t.to(p.dtype) for t, p in zip(self.layout.to_dict(v).values(), self.params, strict=True)
-        ]
+        vs = [t.to(p.dtype) for t, p in zip(self.layout.split(v), self.params, strict=True)]
         out = torch.zeros_like(v)
         seen = 0
         for batch in self.data:

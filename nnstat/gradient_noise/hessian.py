@@ -74,7 +74,7 @@ def hessian_noise_scale(
 
     def hvp(v: torch.Tensor) -> torch.Tensor:
         """``H v`` for float64 rows ``[k, P]``, in the parameters' dtype, back as float64."""
-        vs = [t.to(p.dtype) for t, p in zip(layout.to_dict(v).values(), params, strict=True)]
+        vs = [t.to(p.dtype) for t, p in zip(layout.split(v), params, strict=True)]
         return layout.from_dict(
             dict(zip(names, graph_hvp(grads, params, vs), strict=True)), len(v)
         ).double()
