@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nnstat.influence.refine import batch_len as batch_size_of
+from nnstat.curvature.products import batch_len as batch_size_of
 
 __all__ = [
     "PassData",

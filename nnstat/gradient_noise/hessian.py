@@ -1,7 +1,8 @@
-"""Hessian-weighted noise scale ``B_noise = tr(H Sigma) / (G^T H G)`` via ``torch.func``.
+"""Hessian-weighted noise scale ``B_noise = tr(H Sigma) / (G^T H G)``, exact on small models.
 
 Exact for the sample it is given: per-sample gradients by ``vmap(grad)``, Hessian-vector
-products by reverse-over-reverse ``grad(<grad, v>)``. Cost is about ``n`` HVPs, so this is for small
+products by reverse-over-reverse double backward on the gradient graph, built once
+(``nnstat.curvature.products``). Cost is about ``n`` HVPs, so this is for small
 models; ``B_simple`` is the practical proxy elsewhere (it equals ``B_noise`` when the Hessian is
 a multiple of the identity, and McCandlish et al. find the two track each other in practice).
 """
@@ -14,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad, vmap
 
+from nnstat.curvature.products import FunctionalLoss, ParamLayout, graph_hvp
 from nnstat.gradient_noise.batches import LossFn
 
 
@@ -56,43 +57,33 @@ def hessian_noise_scale(
     if n < 2:
         raise ValueError(f"the Hessian noise scale needs at least 2 samples, got {n}")
     names = [k for k, p in model.named_parameters() if p.requires_grad]
-    params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
-    frozen = {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad}
-    buffers = dict(model.named_buffers())
-
-    def mean_loss(ps: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return loss_fn(functional_call(model, ({**ps, **frozen}, buffers), (x,)), y)
-
-    def one_loss(ps: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return mean_loss(ps, x.unsqueeze(0), y.unsqueeze(0))
-
-    per_sample = vmap(grad(one_loss), in_dims=(None, 0, 0))(params, inputs, targets)
-    flat = torch.cat([per_sample[k].reshape(n, -1) for k in names], dim=1).double()
+    loss = FunctionalLoss(model, loss_fn, names)
+    layout = ParamLayout(names, [loss.theta[k].shape for k in names])
+    flat = layout.from_dict(loss.example_grads(inputs, targets), n).double()
     g_mean = flat.mean(dim=0)
     dev = flat - g_mean
-
-    def unflatten(v: torch.Tensor) -> dict[str, torch.Tensor]:
-        out, i = {}, 0
-        for k in names:
-            size = params[k].numel()
-            out[k] = v[i : i + size].reshape(params[k].shape).to(params[k].dtype)
-            i += size
-        return out
-
-    grad_fn = grad(lambda ps: mean_loss(ps, inputs, targets))
+    params = [loss.theta[k].requires_grad_(True) for k in names]
+    with torch.enable_grad():
+        # reverse-over-reverse on one gradient graph; forward-over-reverse trips over
+        # ZeroTensors in some losses' backward formulas
+        grads = torch.autograd.grad(
+            loss.loss(dict(zip(names, params, strict=True)), inputs, targets),
+            params,
+            create_graph=True,
+        )
 
     def hvp(v: torch.Tensor) -> torch.Tensor:
-        # reverse-over-reverse: d/dθ <∇L(θ), v>; forward-over-reverse trips over ZeroTensors in
-        # some losses' backward formulas
-        vd = unflatten(v)
-        out = grad(lambda ps: sum((grad_fn(ps)[k] * vd[k]).sum() for k in names))(params)
-        return torch.cat([out[k].reshape(-1) for k in names]).double()
+        """``H v`` for float64 rows ``[k, P]``, in the parameters' dtype, back as float64."""
+        vs = [t.to(p.dtype) for t, p in zip(layout.split(v), params, strict=True)]
+        return layout.from_dict(
+            dict(zip(names, graph_hvp(grads, params, vs), strict=True)), len(v)
+        ).double()
 
-    g_h_g = float(g_mean @ hvp(g_mean))
+    g_h_g = float(g_mean @ hvp(g_mean[None])[0])
     quad = torch.zeros((), dtype=torch.float64)
     for start in range(0, n, chunk):
         block = dev[start : start + chunk]
-        quad = quad + (block * vmap(hvp)(block)).sum()
+        quad = quad + (block * hvp(block)).sum()
     trace_h_sigma = float(quad) / n
     if g_h_g <= 0:
         warnings.warn(

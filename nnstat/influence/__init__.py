@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from .cache import clear_cache
 from .exact import exact
+from .krylov import block_cg, preconditioned_cg
 from .layout import ModuleSpec
 from .lds import LDSProtocol, lds, lds_per_query, run_lds_protocol, subset_masks
 from .precondition import PRECONDITIONERS, Preconditioner
-from .refine import CURVATURES, Refinement, block_cg, preconditioned_cg
+from .refine import CURVATURES, Refinement
 from .result import InfluenceResult, SelfInfluenceResult, TopKInfluence
 from .score import MODES, compute_influence_all, compute_self_influence
 from .sources import TensorSource, as_source

@@ -1,7 +1,9 @@
 """Krylov solvers for ``A X = B`` with many right-hand sides (pure maths on ``[k, P]`` rows).
 
-``preconditioned_cg`` runs one conjugate-gradient recurrence per row (the rows only share the
-batched ``matvec``). ``block_cg`` shares one search space between all rows: each step adds every
+The one home of the influence code's solvers. ``preconditioned_cg`` runs one conjugate-gradient
+recurrence per row (the rows only share the batched ``matvec``); `conjugate_gradient` is it
+without a preconditioner (exact influence). `lissa` is the Neumann series, scaled by
+`top_eigenvalue` (power iteration). ``block_cg`` shares one search space between all rows: each step adds every
 row's preconditioned residual to it, and every row takes the best iterate in the whole space.
 Refinement solves one system per query against the same curvature, so a block of 32 queries
 explores 32 directions per pass over the training data instead of one.
@@ -14,15 +16,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["block_cg", "preconditioned_cg"]
+__all__ = ["block_cg", "conjugate_gradient", "lissa", "preconditioned_cg", "top_eigenvalue"]
 
 
-def _not_positive_definite(rows: list[int], curvature: list[float]) -> ValueError:
+def _not_positive_definite(
+    rows: list[int], curvature: list[float], pap: list[float] | None = None
+) -> ValueError:
     """The error of a search space where ``A`` is not positive definite: ``rows`` the active
-    rows, ``curvature`` the Rayleigh quotients ``vᵀAv / vᵀv <= 0`` found (Ritz values)."""
+    rows, ``curvature`` the Rayleigh quotients ``vᵀAv / vᵀv <= 0`` found (Ritz values), ``pap``
+    the search directions' ``pᵀAp`` (CG)."""
     err = ValueError("not positive definite")
     err.rows = rows  # type: ignore[attr-defined]
     err.curvature = curvature  # type: ignore[attr-defined]
+    err.pap = pap  # type: ignore[attr-defined]
     return err
 
 
@@ -39,7 +45,7 @@ def _next_rows(
 
 def preconditioned_cg(
     matvec: Callable[[torch.Tensor], torch.Tensor],
-    precondition: Callable[[torch.Tensor], torch.Tensor],
+    precondition: Callable[[torch.Tensor], torch.Tensor] | None,
     rhs: torch.Tensor,
     steps: int,
     x0: torch.Tensor | None = None,
@@ -49,11 +55,11 @@ def preconditioned_cg(
     """``steps`` iterations of preconditioned CG on ``A x_k = rhs_k`` for every row ``k``.
 
     ``matvec`` and ``precondition`` map ``[k, P]`` to ``[k, P]`` (``A`` and ``M ≈ A⁻¹``
-    symmetric). Rows whose relative residual falls under ``tol`` stop; ``matvec`` then sees only
-    the active rows. Returns ``(x, info)``: ``info["products"]`` counts single-vector products,
+    symmetric; ``precondition=None``: ``M = I``, plain CG). Rows whose relative residual falls
+    under ``tol`` stop; ``matvec`` then sees only the active rows. Returns ``(x, info)``: ``info["products"]`` counts single-vector products,
     ``info["passes"]`` calls of ``matvec``, ``info["residual"]`` the final relative residuals.
     Raises ``ValueError`` when ``pᵀAp <= 0`` for an active row (``A`` is not positive definite
-    along that direction), with ``err.rows`` the offending row indices.
+    along that direction), with ``err.rows`` the offending row indices, ``err.pap`` their ``pᵀAp``.
 
     Example:
         >>> import torch
@@ -63,6 +69,8 @@ def preconditioned_cg(
         >>> torch.allclose(x @ A, b), info["passes"]
         (True, 2)
     """
+    if precondition is None:
+        precondition = _identity
     k = rhs.shape[0]
     b_norm = rhs.norm(dim=1).clamp_min(torch.finfo(rhs.dtype).tiny)
     products = passes = 0
@@ -88,7 +96,9 @@ def preconditioned_cg(
         bad = pap <= 0
         if bad.any():
             rayleigh = pap / (p[idx] * p[idx]).sum(1)  # pᵀAp / pᵀp, comparable across rows
-            raise _not_positive_definite(idx[bad].tolist(), rayleigh[bad].tolist())
+            raise _not_positive_definite(
+                idx[bad].tolist(), rayleigh[bad].tolist(), pap[bad].tolist()
+            )
         alpha = rz[idx] / pap
         x[idx] += alpha[:, None] * p[idx]
         r[idx] -= alpha[:, None] * ap
@@ -102,6 +112,92 @@ def preconditioned_cg(
         on_step(x)
     info = {"products": products, "passes": passes, "residual": r.norm(dim=1) / b_norm}
     return x, info
+
+
+def _identity(r: torch.Tensor) -> torch.Tensor:
+    return r
+
+
+def conjugate_gradient(
+    matvec: Callable[[torch.Tensor], torch.Tensor],
+    rhs: torch.Tensor,
+    tol: float = 1e-10,
+    max_iter: int = 1000,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Solve ``A x_k = rhs_k`` for every row ``k`` of ``rhs`` (A symmetric positive definite) to
+    relative residual ``tol``: `preconditioned_cg` without a preconditioner.
+
+    Returns ``(x, relative residuals)``. Raises when ``A`` is not positive definite along a search
+    direction (a non-convex loss with too little damping).
+
+    Example:
+        >>> import torch
+        >>> A = torch.tensor([[4.0, 1.0], [1.0, 3.0]], dtype=torch.float64)
+        >>> x, _ = conjugate_gradient(lambda v: v @ A, torch.tensor([[1.0, 2.0]], dtype=torch.float64))
+        >>> torch.allclose(x @ A, torch.tensor([[1.0, 2.0]], dtype=torch.float64))
+        True
+    """
+    try:
+        x, info = preconditioned_cg(matvec, None, rhs, max_iter, tol=tol)
+    except ValueError as e:
+        pap = getattr(e, "pap", None)
+        if not pap:
+            raise
+        raise ValueError(
+            "H + damping·I is not positive definite along a conjugate-gradient direction "
+            f"(pᵀAp = {min(pap):.3g}); increase the damping"
+        ) from None
+    return x, info["residual"]
+
+
+def lissa(
+    matvec: Callable[[torch.Tensor], torch.Tensor],
+    rhs: torch.Tensor,
+    scale: float,
+    depth: int = 1000,
+    tol: float = 1e-8,
+) -> torch.Tensor:
+    """LiSSA / Neumann series ``A⁻¹ b ≈ (1/scale) Σ_j (I − A/scale)^j b`` (``scale > λ_max(A)``).
+
+    Example:
+        >>> import torch
+        >>> A = torch.tensor([[2.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+        >>> x = lissa(lambda v: v @ A, torch.ones(1, 2, dtype=torch.float64), scale=3.0)
+        >>> [round(v, 6) for v in x[0].tolist()]
+        [0.5, 1.0]
+    """
+    est = rhs.clone()
+    for _ in range(depth):
+        new = rhs + est - matvec(est) / scale
+        change = (new - est).norm() / new.norm().clamp_min(torch.finfo(rhs.dtype).tiny)
+        est = new
+        if change < tol:
+            break
+    return est / scale
+
+
+def top_eigenvalue(
+    matvec: Callable[[torch.Tensor], torch.Tensor], dim: int, dtype: torch.dtype, iters: int = 30
+) -> float:
+    """``λ_max(A)`` by ``iters`` steps of power iteration from a seeded random start.
+
+    Example:
+        >>> import torch
+        >>> A = torch.diag(torch.tensor([3.0, 1.0], dtype=torch.float64))
+        >>> round(top_eigenvalue(lambda v: v @ A, 2, torch.float64), 6)
+        3.0
+    """
+    gen = torch.Generator().manual_seed(0)
+    v = torch.randn(1, dim, generator=gen, dtype=torch.float64).to(dtype)
+    v = v / v.norm()
+    value = 0.0
+    for _ in range(iters):
+        w = matvec(v)
+        value = float(w.norm())
+        if value == 0:
+            return 0.0
+        v = w / value
+    return value
 
 
 def _new_directions(z: torch.Tensor, basis: torch.Tensor, drop: float) -> torch.Tensor:

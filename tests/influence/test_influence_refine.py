@@ -16,7 +16,8 @@ from nnstat.influence import (
     compute_self_influence,
     preconditioned_cg,
 )
-from nnstat.influence.refine import _Flat, fit_fisher_statistics, refine_queries
+from nnstat.influence.logged_space import LoggedSpace as _Flat
+from nnstat.influence.refine import fit_fisher_statistics, refine_queries
 from nnstat.influence.sources import as_source
 
 N_TRAIN, N_QUERY, BATCH = 36, 4, 12
@@ -499,7 +500,7 @@ def test_ggn_through_batch_loss_refuses_a_loss_that_bypasses_the_output(tmp_path
 
 
 def test_block_solver_over_its_memory_limit_falls_back_to_cg_with_a_warning(tmp_path, monkeypatch):
-    import nnstat.influence.refine as refine_mod
+    import nnstat.influence.refine_system as refine_mod
 
     model, train, query = _setup()
     store, log = _log(tmp_path, "p", model, train, query)
@@ -517,7 +518,7 @@ def test_block_solver_memory_estimate_counts_the_second_steps_extra_directions(
 ):
     """Under the default damping the second step adds query_batch more directions: the
     estimate (2 · min(directions, width) float64 vectors of width 43) counts them."""
-    import nnstat.influence.refine as refine_mod
+    import nnstat.influence.refine_system as refine_mod
 
     model, train, query = _setup()
     store, log = _log(tmp_path, "p", model, train, query)
