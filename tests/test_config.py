@@ -7,7 +7,7 @@ import json
 import pytest
 
 from nnstat.curvature import EKFAC, KFAC, Covariance, Mean
-from nnstat.curvature.config import RunConfig
+from nnstat.run.config import RunConfig
 
 
 def test_low_and_mid_level_are_equivalent_for_kfac():

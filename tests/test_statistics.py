@@ -330,7 +330,7 @@ def test_save_load_roundtrip_and_spectral_summary(tmp_path):
         "statistics.safetensors",
     ]
     back = StatisticsCollector.load(tmp_path)
-    assert back.done and back.config.preset == "kfac" and back.counts == col.counts
+    assert back.done and back.preset == "kfac" and back.counts == col.counts
     for k, v in col.state_dict().items():
         assert torch.equal(back.state_dict()[k], v)
     summary = back.spectral_summary()
