@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -314,6 +316,27 @@ def test_layernorm_gets_full_grad_covariance_under_kfac():
     flat = torch.cat([g["0.weight"], g["0.bias"]], 1)
     torch.testing.assert_close(st["0/grad/covariance"], flat.T @ flat / 6, rtol=1e-4, atol=1e-6)
     assert "1/ekfac/eigenvalues" in st
+
+
+def test_statistics_json_of_older_nnstat_loads(tmp_path):
+    """statistics.json written before RunConfig moved to nnstat.run recorded the run's capture
+    and store keys in its "config" too: they load (and are not needed)."""
+    model, batches = make_model(), make_batches()
+    engine = CaptureEngine()
+    engine.watch(model)
+    col = StatisticsCollector("kfac")
+    engine.add_consumer(col)
+    run_pass(model, engine, batches)
+    col.finalize()
+    col.save(tmp_path)
+    path = tmp_path / "statistics.json"
+    saved = json.loads(path.read_text())
+    assert sorted(saved["config"]) == ["log", "max_factor_dim", "save", "statistic"]
+    old = {"loss_reduction": "sum", "param_grads": True, "nonfinite": "error", "dtype": "float32"}
+    saved["config"].update(old, rank=None)
+    path.write_text(json.dumps(saved, indent=2, sort_keys=True))
+    back = StatisticsCollector.load(tmp_path)
+    assert back.done and back.preset == "kfac" and back.passes == col.passes
 
 
 def test_save_load_roundtrip_and_spectral_summary(tmp_path):
