@@ -318,9 +318,8 @@ def test_layernorm_gets_full_grad_covariance_under_kfac():
     assert "1/ekfac/eigenvalues" in st
 
 
-def test_statistics_json_of_older_nnstat_loads(tmp_path):
-    """statistics.json written before RunConfig moved to nnstat.run recorded the run's capture
-    and store keys in its "config" too: they load (and are not needed)."""
+def saved_kfac(path):
+    """A K-FAC collector after one pass over :func:`make_batches`, saved into ``path``."""
     model, batches = make_model(), make_batches()
     engine = CaptureEngine()
     engine.watch(model)
@@ -328,7 +327,14 @@ def test_statistics_json_of_older_nnstat_loads(tmp_path):
     engine.add_consumer(col)
     run_pass(model, engine, batches)
     col.finalize()
-    col.save(tmp_path)
+    col.save(path)
+    return col
+
+
+def test_statistics_json_of_older_nnstat_loads(tmp_path):
+    """statistics.json written before RunConfig moved to nnstat.run recorded the run's capture
+    and store keys in its "config" too: they load (and are not needed)."""
+    col = saved_kfac(tmp_path)
     path = tmp_path / "statistics.json"
     saved = json.loads(path.read_text())
     assert sorted(saved["config"]) == ["log", "max_factor_dim", "save", "statistic"]
@@ -340,14 +346,7 @@ def test_statistics_json_of_older_nnstat_loads(tmp_path):
 
 
 def test_save_load_roundtrip_and_spectral_summary(tmp_path):
-    model, batches = make_model(), make_batches()
-    engine = CaptureEngine()
-    engine.watch(model)
-    col = StatisticsCollector("kfac")
-    engine.add_consumer(col)
-    run_pass(model, engine, batches)
-    col.finalize()
-    col.save(tmp_path)
+    col = saved_kfac(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "statistics.json",
         "statistics.safetensors",
