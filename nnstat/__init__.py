@@ -40,9 +40,9 @@ _EXPORTS: dict[str, str] = {
     "EKFAC": "nnstat.curvature",
     "StatisticsCollector": "nnstat.curvature",
     "ModuleCapture": "nnstat.capture",
-    "RunConfig": "nnstat.curvature",
     # runs and the gradient store
     "Run": "nnstat.run",
+    "RunConfig": "nnstat.run",
     "init": "nnstat.run",
     "setup": "nnstat.run",
     "watch": "nnstat.run",

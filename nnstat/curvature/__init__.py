@@ -1,7 +1,9 @@
 """nnstat.curvature: Mean, Covariance, KFAC, EKFAC as basic operations over capture streams.
 
-`RunConfig` (what ``nnstat.setup`` takes) says which streams each pass extracts and saves and
-which statistics it updates; the collector is built from it and stores it beside its factors.
+A statistic spec (a preset such as ``"kfac"`` or ``{stream: [statistics]}``) says which
+statistics each stream updates; :func:`plan_passes` turns it, with the streams a run extracts
+and saves, into the passes over the data (:class:`PassSpec`). The collector takes a spec, a
+preset or a run's :class:`nnstat.run.RunConfig` and records what it used beside its factors.
 
 Example:
     >>> from nnstat.curvature import Covariance, StatisticsCollector
@@ -11,7 +13,6 @@ Example:
 """
 
 from nnstat.curvature.collector import StatisticsCollector, spectrum_stats
-from nnstat.curvature.config import PassSpec, RunConfig
 from nnstat.curvature.operations import (
     EKFAC,
     KFAC,
@@ -23,6 +24,7 @@ from nnstat.curvature.operations import (
     Statistic,
     ekfac_apply,
 )
+from nnstat.curvature.passes import PRESETS, PassSpec, parse_statistic, plan_passes
 
 __all__ = [
     "EKFAC",
@@ -32,10 +34,12 @@ __all__ = [
     "STATISTICS",
     "Covariance",
     "Mean",
+    "PRESETS",
     "PassSpec",
-    "RunConfig",
     "Statistic",
     "StatisticsCollector",
     "ekfac_apply",
+    "parse_statistic",
+    "plan_passes",
     "spectrum_stats",
 ]

@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from nnstat.capture.capture import ModuleCapture
 from nnstat.curvature import operations
-from nnstat.curvature.config import PassSpec, RunConfig
 from nnstat.curvature.operations import (
+    STREAMS,
     Covariance,
     FactorForm,
     Statistic,
@@ -28,10 +28,23 @@ from nnstat.curvature.operations import (
     factor_form,
     is_diagonal,
 )
+from nnstat.curvature.passes import (
+    PassSpec,
+    StatisticSpec,
+    grad_only,
+    parse_max_factor_dim,
+    parse_statistic,
+    parse_streams,
+    plan_passes,
+    preset_of,
+    statistic_json,
+)
 from nnstat.distributed import is_distributed
 
 TENSORS_FILE = "statistics.safetensors"
 JSON_FILE = "statistics.json"
+#: the keys of a run configuration the collector reads (and ``statistics.json`` records)
+CONFIG_KEYS = ("log", "save", "statistic", "max_factor_dim")
 
 
 class StatisticsCollector:
@@ -48,6 +61,12 @@ class StatisticsCollector:
     (:class:`~nnstat.curvature.operations.FactorForm`) and :meth:`save` writes it to
     ``statistics.json``.
 
+    Args:
+        config: a preset name, a statistic spec ``{stream: [statistics]}``, a dict of
+            :data:`CONFIG_KEYS` or a run's :class:`nnstat.run.RunConfig`; ``None``: defaults
+            (no statistics).
+        prior: tensors of finalized statistics to start from (:meth:`load`).
+
     Example:
         >>> import torch, nnstat
         >>> from nnstat.curvature import StatisticsCollector
@@ -63,14 +82,15 @@ class StatisticsCollector:
 
     def __init__(
         self,
-        config: RunConfig | Mapping[str, Any] | str | None = None,
+        config: Any = None,
         prior: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-
-        if isinstance(config, Mapping) and set(config) <= {"forward", "backward", "grad"}:
-            config = {"statistic": dict(config)}  # a bare low-level statistic spec
-        self.config = RunConfig.from_any(config)
-        self._passes = self.config.passes()
+        values = _config_values(config)
+        self.statistic: StatisticSpec = parse_statistic(values.get("statistic"))
+        self._log = parse_streams("log", values.get("log", grad_only()))
+        self._save = parse_streams("save", values.get("save", grad_only()))
+        self._max_factor_dim = parse_max_factor_dim(values.get("max_factor_dim"))
+        self._passes = plan_passes(self.statistic, self._log, self._save)
         self._pass = 0
         self._sums: dict[str, torch.Tensor] = {}
         self._counts: dict[str, float] = {}
@@ -86,8 +106,13 @@ class StatisticsCollector:
     @property
     def max_factor_dim(self) -> int:
         """Largest dense K-FAC factor (the configuration's ``max_factor_dim``, else the default)."""
-        limit = self.config.max_factor_dim
+        limit = self._max_factor_dim
         return operations.MAX_FACTOR_DIM if limit is None else int(limit)
+
+    @property
+    def preset(self) -> str | None:
+        """The preset name when the statistic spec equals one, else ``None``."""
+        return preset_of(self.statistic)
 
     def set_projections(
         self, projections: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | None]]
@@ -244,7 +269,12 @@ class StatisticsCollector:
         tensors = {k: v.contiguous() for k, v in self._state.items()}
         save_file(tensors, str(root / TENSORS_FILE))
         meta = {
-            "config": self.config.to_json(),
+            "config": {
+                "log": dict(self._log),
+                "save": dict(self._save),
+                "statistic": statistic_json(self.statistic),
+                "max_factor_dim": self._max_factor_dim,
+            },
             "passes_done": [p.name for p in self._passes[: self._pass]],
             "counts": self.counts,
             "kinds": self.kinds,
@@ -264,7 +294,10 @@ class StatisticsCollector:
         if factors is not None:  # statistics.json of nnstat before factor forms: not checked
             shape_of = lambda k: tuple(prior[k].shape) if k in prior else None  # noqa: E731
             check_factor_forms(factors, shape_of, list(prior), str(root))
-        col = cls(RunConfig.from_json(meta["config"]), prior=prior)
+        # statistics.json of older nnstat also recorded the run's capture and store keys
+        # (loss_reduction, dtype, ...): they do not shape the statistics and are not read
+        config = {k: v for k, v in meta["config"].items() if k in CONFIG_KEYS}
+        col = cls(config, prior=prior)
         col._pass = len(meta["passes_done"])
         col.counts = {k: float(v) for k, v in meta["counts"].items()}
         col.kinds = dict(meta["kinds"])
@@ -274,6 +307,33 @@ class StatisticsCollector:
                 info["form"], int(info["size"]), info.get("reason", ""), p
             )
         return col
+
+
+def _config_values(config: Any) -> dict[str, Any]:
+    """The :data:`CONFIG_KEYS` values of what the collector accepts: ``None`` (defaults), a
+    preset name, a statistic spec ``{stream: [...]}``, a dict of configuration keys, or a
+    run configuration (``nnstat.run.RunConfig``, read by attribute: this package is below
+    ``nnstat.run`` and does not import it)."""
+    if config is None:
+        return {}
+    if isinstance(config, str):
+        return {"statistic": config}
+    if isinstance(config, Mapping):
+        if set(config) <= set(STREAMS):
+            return {"statistic": dict(config)}  # a bare low-level statistic spec
+        unknown = [k for k in config if k not in CONFIG_KEYS]
+        if unknown:
+            raise ValueError(
+                f"unknown statistics key {unknown[0]!r}; valid keys: {', '.join(CONFIG_KEYS)} "
+                "(or the stream names of a statistic spec); a run's other keys configure "
+                "capture and the store: pass its RunConfig itself"
+            )
+        return dict(config)
+    if all(hasattr(config, k) for k in CONFIG_KEYS):
+        return {k: getattr(config, k) for k in CONFIG_KEYS}
+    raise TypeError(
+        f"config must be a preset name, a dict or a RunConfig, got {type(config).__name__}"
+    )
 
 
 def spectrum_stats(m: torch.Tensor) -> dict[str, float]:

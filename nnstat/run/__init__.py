@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from nnstat.curvature.config import RunConfig
+from nnstat.run.config import RunConfig
 from nnstat.run.core import Run
 from nnstat.run.current import (
     add_projection,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import atexit
 import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from nnstat.curvature import StatisticsCollector
 from nnstat.run import support as parts
+from nnstat.run.config import RunConfig, configured
 from nnstat.run.reduction import MeanLossProbe
 from nnstat.run.rows import BatchRows
 from nnstat.store import format as fmt
@@ -39,7 +41,8 @@ class Run:
     Args:
         project: name of the store directory under ``root_dir``.
         root_dir: parent directory of projects (default ``./nnstat_logs``).
-        config: optional initial :meth:`setup` dictionary.
+        config: optional initial configuration: a :class:`~nnstat.run.config.RunConfig` or
+            its dict form (as :meth:`setup` takes).
         overwrite: start the store afresh: the first logging pass of this run deletes what
             the store holds (rows, projections, statistics, meta.json) before it writes. Needed
             to log a changed model (after training) into a store of the old one, which is
@@ -55,14 +58,14 @@ class Run:
         self,
         project: str,
         root_dir: str | Path = "./nnstat_logs",
-        config: dict | None = None,
+        config: RunConfig | Mapping[str, Any] | None = None,
         overwrite: bool = False,
     ) -> None:
         if not project or not isinstance(project, str) or Path(project).name != project:
             raise ValueError(f"project must be a plain directory name, got {project!r}")
         self.project = project
         self.path = Path(root_dir) / project
-        self.config = parts.parse_config(config or {})
+        self.config = configured(RunConfig(), config or {})
         self.engine: Any = None
         self.model: nn.Module | None = None
         self.mode = "log"
@@ -97,13 +100,13 @@ class Run:
         return f"Run(project={self.project!r}, path={str(self.path)!r}, mode={self.mode!r})"
 
     # ---------------------------------------------------------------- configuration
-    def setup(self, config: dict[str, Any]) -> Run:
-        """Update the configuration (keys as in :class:`nnstat.curvature.config.RunConfig` plus the store's).
-
-        Unknown keys raise an error listing the valid ones.
+    def setup(self, config: RunConfig | Mapping[str, Any]) -> Run:
+        """Configure the run: a :class:`~nnstat.run.config.RunConfig` replaces the
+        configuration; a dict of its keys updates the current one (``{"rank": 16}`` keeps
+        the rest). Unknown keys and invalid values raise an error naming them.
         """
         self._require_no_open_pass("setup()")
-        self.config = parts.parse_config(config, base=self.config)
+        self.config = configured(self.config, config)
         return self
 
     def watch(
@@ -192,7 +195,7 @@ class Run:
         with self._writer_errors():
             keep = self._admit(ids) if ids is not None else None
         if self.mode == "log" and self._collector is None and self._stats_on():
-            self._collector = parts.make_collector(self.config)
+            self._collector = StatisticsCollector(self.config)
         if self.mode == "log" and self._collector is not None and self._stats_on():
             # a K-FAC factor over max_factor_dim is kept in its side's logged space
             assert self._projections is not None
@@ -337,7 +340,7 @@ class Run:
         self._next_auto_id += n
         if self.mode == "eval":
             rows = torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]
-            ids, rows, _ = filter_nonfinite(ids, rows, self.config.store.nonfinite)
+            ids, rows, _ = filter_nonfinite(ids, rows, self.config.nonfinite)
             self._eval_seen.update(ids)
             self._eval_ids += ids
             self._eval_rows.append(rows.detach().cpu())
@@ -479,7 +482,7 @@ class Run:
         assert self._projections is not None
         args = dict(self._projection_args)
         if not self._projection_set:
-            args["rank"] = self.config.default_rank
+            args["rank"] = self.config.rank
         return parts.build_meta(
             self.project,
             self.config,
@@ -556,7 +559,7 @@ class Run:
         specs = [module_spec(n, m) for n, m in self.engine.watched.items()]
         args = dict(self._projection_args)
         if not self._projection_set:
-            args["rank"] = self.config.default_rank
+            args["rank"] = self.config.rank
         stats = None
         if args["init"] == "pca" and args["rank"] is not None:
             stats = parts.finalized_statistics(self._stats_state, self.path)

@@ -17,13 +17,14 @@ Example:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from nnstat.run.config import RunConfig
 from nnstat.run.core import Run
 from nnstat.store.reader import GradientLog
 
@@ -49,7 +50,7 @@ _CURRENT: Run | None = None
 def init(
     project: str,
     root_dir: str | Path = "./nnstat_logs",
-    config: dict | None = None,
+    config: RunConfig | Mapping[str, Any] | None = None,
     overwrite: bool = False,
 ) -> Run:
     """Create a new current :class:`Run` (calling it again starts another one).
@@ -77,7 +78,7 @@ def current_run() -> Run:
     return _CURRENT
 
 
-def setup(config: dict[str, Any]) -> Run:
+def setup(config: RunConfig | Mapping[str, Any]) -> Run:
     """:meth:`Run.setup` on the current run."""
     return current_run().setup(config)
 

@@ -16,7 +16,8 @@ Example:
     >>> import tempfile, torch
     >>> d = Path(tempfile.mkdtemp())
     >>> meta = {"format_version": 1, "row_width": 2, "dtype": "float32", "modules": []}
-    >>> log = StoreLogger(d, meta, StoreOptions())
+    >>> opts = StoreSettings("float32", "error", None, 16, "skip", 2**33, None)
+    >>> log = StoreLogger(d, meta, opts)
     >>> log.add([0, 1], torch.ones(2, 2)); log.close()
     2
 """
@@ -28,7 +29,7 @@ import math
 import shutil
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,57 +55,30 @@ RESUME_KEYS = (
 )
 
 
-@dataclass
-class StoreOptions:
-    """Store settings (``setup`` keys of the same names).
+@dataclass(frozen=True)
+class StoreSettings:
+    """What a store pass is told by the run's configuration (``setup`` keys of the same names).
+
+    Built by :attr:`nnstat.run.RunConfig.store`, which validates every value and holds the
+    defaults: this record only carries them (no second set of defaults or checks).
 
     Attributes:
-        dtype: ``"float32"`` (default), ``"float16"`` or ``"bfloat16"`` (stored as uint16 bits).
-        shard_rows: rows per shard file (default: about 64 MiB per shard).
+        dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (stored as uint16 bits).
+        nonfinite: rows with NaN/Inf: ``"error"``, ``"skip"`` (counted) or ``"keep"``.
+        shard_rows: rows per shard file (``None``: about 64 MiB per shard).
         queue_size: blocks the background writer may hold before training waits.
-        nonfinite: rows with NaN/Inf: ``"error"`` (default), ``"skip"`` (counted) or ``"keep"``.
-        on_stored_id: ids already in the store when resuming: ``"skip"`` (default) or ``"error"``.
-        size_budget_bytes: warn when the projected store size exceeds this (default 8 GiB).
-        num_samples: optional number of samples in the pass, for the up-front size check.
+        on_stored_id: ids already in the store when resuming: ``"skip"`` or ``"error"``.
+        size_budget_bytes: warn when the projected store size exceeds this.
+        num_samples: number of samples in the pass, for the up-front size check (or ``None``).
     """
 
-    dtype: str = "float32"
-    shard_rows: int | None = None
-    queue_size: int = 16
-    nonfinite: str = "error"
-    on_stored_id: str = "skip"
-    size_budget_bytes: int = 8 * 2**30
-    num_samples: int | None = None
-
-    def __post_init__(self) -> None:
-        _one_of("dtype", self.dtype, tuple(fmt.STORE_DTYPES))
-        _one_of("nonfinite", self.nonfinite, NONFINITE_POLICIES)
-        _one_of("on_stored_id", self.on_stored_id, ON_STORED_ID)
-        for key in ("shard_rows", "queue_size", "size_budget_bytes"):
-            v = getattr(self, key)
-            if key == "shard_rows" and v is None:
-                continue
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{key} must be a positive int, got {v!r}")
-        if self.num_samples is not None and (
-            isinstance(self.num_samples, bool)
-            or not isinstance(self.num_samples, int)
-            or self.num_samples < 0
-        ):
-            raise ValueError(
-                f"num_samples must be a non-negative int or None, got {self.num_samples!r}"
-            )
-
-    @classmethod
-    def keys(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
-
-    def content(self) -> dict[str, Any]:
-        """The settings that change what is stored (recorded in meta.json, checked on resume)."""
-        return {"dtype": self.dtype, "nonfinite": self.nonfinite}
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    dtype: str
+    nonfinite: str
+    shard_rows: int | None
+    queue_size: int
+    on_stored_id: str
+    size_budget_bytes: int
+    num_samples: int | None
 
 
 def _one_of(key: str, value: Any, valid: tuple[str, ...]) -> None:
@@ -206,7 +180,7 @@ class StoreLogger:
     Args:
         path: the project directory (``<root_dir>/<project>``).
         meta: the meta.json this pass would write (layout, configuration, projection hash, ...).
-        options: :class:`StoreOptions`.
+        options: :class:`StoreSettings` (``RunConfig.store``, validated there).
         rank: process rank (``torch.distributed``); rank 0 writes meta.json.
         world_size: number of processes.
         prepare: completes ``meta`` in place and writes what must exist with it (the Run: the
@@ -220,7 +194,7 @@ class StoreLogger:
         self,
         path: Path,
         meta: dict[str, Any],
-        options: StoreOptions,
+        options: StoreSettings,
         rank: int = 0,
         world_size: int = 1,
         prepare: Callable[[dict[str, Any]], None] | None = None,
@@ -254,7 +228,7 @@ class StoreLogger:
     def _open(
         self,
         meta: dict[str, Any],
-        options: StoreOptions,
+        options: StoreSettings,
         world_size: int,
         prepare: Callable[[dict[str, Any]], None] | None,
     ) -> None:

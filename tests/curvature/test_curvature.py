@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -316,7 +318,8 @@ def test_layernorm_gets_full_grad_covariance_under_kfac():
     assert "1/ekfac/eigenvalues" in st
 
 
-def test_save_load_roundtrip_and_spectral_summary(tmp_path):
+def saved_kfac(path):
+    """A K-FAC collector after one pass over :func:`make_batches`, saved into ``path``."""
     model, batches = make_model(), make_batches()
     engine = CaptureEngine()
     engine.watch(model)
@@ -324,13 +327,32 @@ def test_save_load_roundtrip_and_spectral_summary(tmp_path):
     engine.add_consumer(col)
     run_pass(model, engine, batches)
     col.finalize()
-    col.save(tmp_path)
+    col.save(path)
+    return col
+
+
+def test_statistics_json_of_older_nnstat_loads(tmp_path):
+    """statistics.json written before RunConfig moved to nnstat.run recorded the run's capture
+    and store keys in its "config" too: they load (and are not needed)."""
+    col = saved_kfac(tmp_path)
+    path = tmp_path / "statistics.json"
+    saved = json.loads(path.read_text())
+    assert sorted(saved["config"]) == ["log", "max_factor_dim", "save", "statistic"]
+    old = {"loss_reduction": "sum", "param_grads": True, "nonfinite": "error", "dtype": "float32"}
+    saved["config"].update(old, rank=None)
+    path.write_text(json.dumps(saved, indent=2, sort_keys=True))
+    back = StatisticsCollector.load(tmp_path)
+    assert back.done and back.preset == "kfac" and back.passes == col.passes
+
+
+def test_save_load_roundtrip_and_spectral_summary(tmp_path):
+    col = saved_kfac(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "statistics.json",
         "statistics.safetensors",
     ]
     back = StatisticsCollector.load(tmp_path)
-    assert back.done and back.config.preset == "kfac" and back.counts == col.counts
+    assert back.done and back.preset == "kfac" and back.counts == col.counts
     for k, v in col.state_dict().items():
         assert torch.equal(back.state_dict()[k], v)
     summary = back.spectral_summary()

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from nnstat.run.config import RunConfig
 from nnstat.store import GradientStore, StoreWriteError, StoreWriter, make_log_dataloader
 from nnstat.store import format as fmt
-from nnstat.store.logger import StoreLogger, StoreOptions, check_resumable, filter_nonfinite
+from nnstat.store.logger import StoreLogger, check_resumable, filter_nonfinite
 
 
 def _meta(width=6, dtype="float32"):
@@ -130,7 +131,7 @@ def test_shard_dir_that_is_a_file_fails_loudly(tmp_path):
 
 
 def test_logger_duplicates_resume_and_nonfinite(tmp_path):
-    opts = StoreOptions(shard_rows=2)
+    opts = RunConfig(shard_rows=2).store
     log = StoreLogger(tmp_path, _meta(2), opts)
     log.add([0, 1, 2], torch.zeros(3, 2), log.admit([0, 1, 2]))
     with pytest.raises(ValueError, match="duplicate"):
@@ -147,7 +148,7 @@ def test_logger_duplicates_resume_and_nonfinite(tmp_path):
     store = GradientStore(tmp_path)
     assert sorted(store.ids) == [0, 1, 2, 3, 4]
     # ... or refused when asked to
-    log = StoreLogger(tmp_path, _meta(2), StoreOptions(on_stored_id="error"))
+    log = StoreLogger(tmp_path, _meta(2), RunConfig(on_stored_id="error").store)
     with pytest.raises(ValueError, match="already in the store"):
         log.admit([4])
     log.close()
@@ -160,18 +161,18 @@ def test_logger_duplicates_resume_and_nonfinite(tmp_path):
 
 
 def test_resume_with_different_meta_is_refused_naming_the_difference(tmp_path):
-    StoreLogger(tmp_path, _meta(2), StoreOptions()).close()
+    StoreLogger(tmp_path, _meta(2), RunConfig().store).close()
     other = _meta(2)
     other["modules"][0]["r_in"] = 3
     with pytest.raises(ValueError, match=r"modules\[0\]\.r_in: 2 -> 3"):
-        StoreLogger(tmp_path, other, StoreOptions())
+        StoreLogger(tmp_path, other, RunConfig().store)
     with pytest.raises(ValueError, match="nonfinite: 'error' -> 'skip'"):
-        StoreLogger(tmp_path, _meta(2), StoreOptions(nonfinite="skip"))
+        StoreLogger(tmp_path, _meta(2), RunConfig(nonfinite="skip").store)
     check_resumable(_meta(2), _meta(2), tmp_path)
 
 
 def test_skipped_rows_recorded_in_meta(tmp_path):
-    log = StoreLogger(tmp_path, _meta(2), StoreOptions(nonfinite="skip"))
+    log = StoreLogger(tmp_path, _meta(2), RunConfig(nonfinite="skip").store)
     rows = torch.tensor([[0.0, 1.0], [float("nan"), 0.0], [1.0, float("-inf")]])
     log.add([1, 2, 3], rows, log.admit([1, 2, 3]))
     log.close()
@@ -179,11 +180,11 @@ def test_skipped_rows_recorded_in_meta(tmp_path):
     assert store.ids == [1] and store.meta["skipped_rows"] == 2
 
 
-def test_options_validation_lists_valid_values():
-    with pytest.raises(ValueError, match=r"valid values: \['error', 'skip', 'keep'\]"):
-        StoreOptions(nonfinite="drop")
+def test_store_settings_are_validated_by_the_run_config():
+    with pytest.raises(ValueError, match=r"unknown nonfinite 'drop'; valid: error, skip, keep"):
+        RunConfig(nonfinite="drop")
     with pytest.raises(ValueError, match="bfloat16"):
-        StoreOptions(dtype="int8")
+        RunConfig(dtype="int8")
 
 
 def test_content_id_is_stable_and_sensitive():
