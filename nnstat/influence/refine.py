@@ -77,7 +77,7 @@ from torch.func import functional_call, grad, jvp, vjp, vmap
 from tqdm.auto import tqdm
 
 from nnstat.capture import rules
-from nnstat.store import format as fmt
+from nnstat.store.integrity import params_hash
 
 from .cache import default_preconditioner, fitted
 from .exact import iter_batches
@@ -803,7 +803,7 @@ def _check_weights(flat: _Flat, meta: Mapping[str, Any], path: str) -> None:
     if not recorded:
         return
     with torch.no_grad():
-        mine = fmt.params_hash(
+        mine = params_hash(
             (f"{s.spec.name}.{k}", p)
             for s in flat.slots
             for k, p in s.module.named_parameters(recurse=False)

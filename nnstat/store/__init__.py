@@ -5,7 +5,9 @@ Example:
     >>> store = GradientStore("./nnstat_logs/my_project")  # doctest: +SKIP
 """
 
-from nnstat.store.format import FORMAT_VERSION, ModelChangedError, content_id
+from nnstat.store.errors import ModelChangedError
+from nnstat.store.ids import content_id
+from nnstat.store.meta import FORMAT_VERSION
 from nnstat.store.reader import (
     GradientLog,
     GradientStore,
