@@ -31,11 +31,11 @@ from nnstat.run.params import (
     params_fingerprint,
     weights_changed_error,
 )
-from nnstat.run.reduction import MeanLossProbe, warn_mean_loss
+from nnstat.run.reduction import reduction_probe, warn_mean_loss
 from nnstat.run.rows import BatchRows, input_ids, module_blocks, refuse_left_out
 from nnstat.run.support import make_collector, parse_config
 from nnstat.store.errors import StoreWriteError, add_note
-from nnstat.store.files import META_FILE, STATISTICS_FILE, load_safetensors
+from nnstat.store.files import META_FILE
 from nnstat.store.ids import duplicate_ids, normalize_ids
 from nnstat.store.integrity import tensors_hash
 from nnstat.store.logger import StoreLogger, filter_nonfinite
@@ -192,12 +192,7 @@ class Run:
         ids = None if data_id is None or hash_input else normalize_ids(data_id)
         logging = self._saving()
         if self.mode == "log":
-            extra = [s for s, on in self._pass_spec().save.items() if on and s != "grad"]
-            if extra:
-                raise ValueError(
-                    f"the gradient store saves the 'grad' stream only; save={extra} is not "
-                    "supported (log those streams with the recorder instead)"
-                )
+            store_io.refuse_other_streams(self._pass_spec().save)
         if self.mode == "log" and (logging or self._stats_on()):
             self._begin_pass()
         elif self.mode == "eval" and self._eval_params is None:
@@ -221,7 +216,13 @@ class Run:
             self.mode == "log" and self._stats_on(),
         )
         restore = freeze_params(self.engine) if self._skip_param_grads() else None
-        probe = self._reduction_probe(logging)
+        probe = reduction_probe(
+            self.mode == "eval" or logging or self._stats_on(),
+            self.model,
+            self._probe_reduction,
+            self.config.loss_reduction,
+            self._warned_once,
+        )
         assert self._projections is not None
         self._rows.begin(self._projections)
         try:
@@ -251,21 +252,6 @@ class Run:
                 ids = input_ids(self.engine.model_input, batch, type(self.model).__name__)
                 keep = self._admit(ids)
             self._complete(batch, ids, keep, rowbuf, factors)
-
-    def _reduction_probe(self, logging: bool) -> MeanLossProbe | None:
-        """A :class:`~nnstat.run.reduction.MeanLossProbe` for the first block of a pass or eval
-        log under ``loss_reduction="sum"`` (once the user was warned, no more)."""
-        active = self.mode == "eval" or logging or self._stats_on()
-        compiled = hasattr(self.model, "_orig_mod")  # torch.compile: no function mode inside
-        if (
-            not active
-            or compiled
-            or not self._probe_reduction
-            or self.config.loss_reduction != "sum"
-            or "mean loss" in self._warned_once
-        ):
-            return None
-        return MeanLossProbe()
 
     def _on_capture(self, cap: Any) -> None:
         if not self._rows.open:
@@ -406,10 +392,7 @@ class Run:
         if not self._eval_ids:
             raise RuntimeError("get_log(): nothing captured since eval() / the last get_log()")
         rows = torch.cat(self._eval_rows) if len(self._eval_rows) > 1 else self._eval_rows[0]
-        stats = load_safetensors(self.path / STATISTICS_FILE)
-        from nnstat.curvature.collector import check_saved_forms
-
-        check_saved_forms(stats, self.path)
+        stats = store_io.saved_statistics(self.path)
         # the weights when this log's first block was captured; scoring compares them with the
         # store's (meta["params_sha256"])
         meta = self.store_meta(
@@ -550,12 +533,7 @@ class Run:
         except StoreWriteError as e:
             logger, self._logger = self._logger, None
             if logger is not None:
-                try:
-                    logger.close(progress=False)
-                except StoreWriteError:
-                    pass  # the failure being raised, seen again by close()
-                except Exception as also:  # noqa: BLE001 - reported on the error being raised
-                    add_note(e, f"closing the store failed too: {also!r}")
+                store_io.close_after_failure(logger, e)
             self._writer_error = e
             raise
 

@@ -113,6 +113,25 @@ class MeanLossProbe(TorchFunctionMode):
         return None
 
 
+def reduction_probe(
+    active: bool, model: Any, first_block: bool, loss_reduction: str, warned_once: set[str]
+) -> MeanLossProbe | None:
+    """A :class:`MeanLossProbe` for the first block (``first_block``) of a pass or eval log
+    that captures anything (``active``) under ``loss_reduction="sum"``; ``None`` once the user
+    was warned (``"mean loss"`` in ``warned_once``) or for a ``torch.compile``d ``model`` (no
+    function mode inside)."""
+    compiled = hasattr(model, "_orig_mod")
+    if (
+        not active
+        or compiled
+        or not first_block
+        or loss_reduction != "sum"
+        or "mean loss" in warned_once
+    ):
+        return None
+    return MeanLossProbe()
+
+
 def warn_mean_loss(probe: MeanLossProbe, n: int, warned_once: set[str]) -> None:
     """Warn (once: ``"mean loss"`` joins ``warned_once``) when ``probe`` saw the loss of a block
     of ``n`` samples use a mean over the batch (call it from ``Run.__call__``: the warning

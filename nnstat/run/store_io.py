@@ -1,6 +1,7 @@
 """The Run's reads and writes of its store that need more than the store itself: the
-statistics collector's files (saving a pass, ``overwrite=True`` clearing them) and the capture
-engine's watched modules (logging queries in a store's projection space).
+statistics collector's files (saving a pass, reading them back, ``overwrite=True`` clearing
+them), the capture engine's watched modules (logging queries in a store's projection space),
+the streams a pass may save, and stopping the store's logger after its writer failed.
 
 Example:
     >>> import tempfile
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from nnstat.store.errors import StoreWriteError, add_note
 from nnstat.store.files import (
     META_FILE,
     PROJECTIONS_FILE,
@@ -25,6 +27,7 @@ from nnstat.store.files import (
     load_safetensors,
 )
 from nnstat.store.integrity import tensors_hash
+from nnstat.store.logger import StoreLogger
 from nnstat.store.projection import ModuleProjection, ModuleSpec
 from nnstat.store.writer import WriterLock
 
@@ -36,6 +39,16 @@ def save_statistics(collector: Any, path: Path, rank: int) -> dict[str, torch.Te
         Path(path).mkdir(parents=True, exist_ok=True)
         collector.save(path)
     return collector.state_dict()
+
+
+def saved_statistics(path: Path) -> dict[str, torch.Tensor]:
+    """The store's ``statistics.safetensors`` (``{}`` without one), checked against the factor
+    forms its ``statistics.json`` records."""
+    from nnstat.curvature.collector import check_saved_forms
+
+    stats = load_safetensors(Path(path) / STATISTICS_FILE)
+    check_saved_forms(stats, path)
+    return stats
 
 
 def finalized_statistics(state: Mapping[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
@@ -123,3 +136,25 @@ def projections_from_store(
     p = store.meta.get("projection", {})
     args = {"rank": p.get("rank"), "init": p.get("init") or "random", "seed": p.get("seed", 0)}
     return out, args
+
+
+def refuse_other_streams(save: Mapping[str, Any]) -> None:
+    """The gradient store holds the ``grad`` stream only: any other stream a pass's ``save``
+    asks for is an error pointing to the recorder."""
+    extra = [s for s, on in save.items() if on and s != "grad"]
+    if extra:
+        raise ValueError(
+            f"the gradient store saves the 'grad' stream only; save={extra} is not "
+            "supported (log those streams with the recorder instead)"
+        )
+
+
+def close_after_failure(logger: StoreLogger, error: BaseException) -> None:
+    """Stop ``logger`` after its writer failed with ``error`` (its lock released, so another run
+    may write the store); a further failure of the close becomes a note on ``error``."""
+    try:
+        logger.close(progress=False)
+    except StoreWriteError:
+        pass  # the failure being raised, seen again by close()
+    except Exception as also:  # noqa: BLE001 - reported on the error being raised
+        add_note(error, f"closing the store failed too: {also!r}")
