@@ -35,11 +35,11 @@ from typing import Any
 import torch
 
 from nnstat.store import files, outer
-from nnstat.store.errors import ModelChangedError, add_note
+from nnstat.store.errors import ModelChangedError, StoreWriteError, add_note
 from nnstat.store.ids import DataId
 from nnstat.store.integrity import diff_dicts
 from nnstat.store.shards import STORE_DTYPES, overflow_threshold
-from nnstat.store.writer import StoreWriteError, StoreWriter, WriterLock, stored_ids
+from nnstat.store.writer import StoreWriter, WriterLock, stored_ids
 
 NONFINITE_POLICIES = ("error", "skip", "keep")
 ON_STORED_ID = ("skip", "error")
