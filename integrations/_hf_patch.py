@@ -198,7 +198,7 @@ def patch_trainer(trainer_cls: type) -> type:
             def ids_fn(batch: Any, start: int) -> Any:
                 if a.data_id == "hash":
                     # asked for explicitly: a 1-D integer tensor alone would be taken as ids
-                    from nnstat.store.format import content_ids
+                    from nnstat.store.ids import content_ids
 
                     return content_ids(batch[a.input_key])
                 return list(range(start, start + int(batch[a.input_key].shape[0])))
@@ -225,7 +225,7 @@ def patch_trainer(trainer_cls: type) -> type:
 
             A store logged with other weights (``extract_log()`` → ``train()`` →
             ``extract_log()``) is refused; ``overwrite=True`` replaces it."""
-            from nnstat.store.format import ModelChangedError, add_note
+            from nnstat.store.errors import ModelChangedError, add_note
 
             dataset = self.train_dataset if dataset is None else dataset
             if dataset is None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from nnstat.store.format import META_FILE
+from nnstat.store.files import META_FILE
 
 from .precondition import PRECONDITIONERS
 from .score import MODES, compute_influence_all, compute_self_influence

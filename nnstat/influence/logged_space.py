@@ -17,7 +17,7 @@ from torch import nn
 
 from nnstat.capture import rules
 from nnstat.curvature.products import ParamLayout, captured_example_grads
-from nnstat.store import format as fmt
+from nnstat.store.integrity import params_hash
 
 from .cache import default_preconditioner, fitted
 from .layout import ModuleSpec
@@ -191,7 +191,7 @@ def check_weights(flat: LoggedSpace, meta: Mapping[str, Any], path: str) -> None
     if not recorded:
         return
     with torch.no_grad():
-        mine = fmt.params_hash(
+        mine = params_hash(
             (f"{s.spec.name}.{k}", p)
             for s in flat.slots
             for k, p in s.module.named_parameters(recurse=False)

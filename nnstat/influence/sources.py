@@ -26,6 +26,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from nnstat.store.files import PROJECTIONS_FILE, STATISTICS_FILE, load_safetensors
+
 from .layout import ModuleSpec, layout_from_meta, row_width, validate_layout
 
 
@@ -142,17 +144,6 @@ class TensorSource:
         return self._projections
 
 
-_PROJECTIONS, _STATISTICS = "projections.safetensors", "statistics.safetensors"
-
-
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    if not path.exists():
-        return {}
-    from safetensors.torch import load_file
-
-    return load_file(str(path))
-
-
 class StoreSource:
     """Adapter over a `nnstat.store.GradientStore` (streamed shard by shard from disk)."""
 
@@ -174,7 +165,10 @@ class StoreSource:
         # meta.json and the safetensors files too: a fit cached before one of them was replaced
         # would otherwise be reused without the replaced file ever being read (and checked)
         # (statistics.json too: the factor forms the statistics are read with)
-        files = [self.root / n for n in ("meta.json", _PROJECTIONS, _STATISTICS, "statistics.json")]
+        files = [
+            self.root / n
+            for n in ("meta.json", PROJECTIONS_FILE, STATISTICS_FILE, "statistics.json")
+        ]
         stamp = ";".join(
             f"{p.name}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
             for p in [*sorted(self.root.glob("shards/*.npy")), *(f for f in files if f.exists())]
@@ -268,7 +262,9 @@ class StoreSource:
         if self._statistics is None:
             from nnstat.curvature.collector import check_saved_forms
 
-            lazy = LazyStatistics.open(self.root / _STATISTICS, self.meta.get("statistics_sha256"))
+            lazy = LazyStatistics.open(
+                self.root / STATISTICS_FILE, self.meta.get("statistics_sha256")
+            )
             loaded: Mapping[str, torch.Tensor]
             if lazy is not None:
                 loaded = lazy
@@ -286,7 +282,7 @@ class StoreSource:
             if callable(getter):
                 self._projections = dict(getter())
             else:
-                self._projections = _load_safetensors(self.root / _PROJECTIONS)
+                self._projections = load_safetensors(self.root / PROJECTIONS_FILE)
         return self._projections
 
 
@@ -329,7 +325,7 @@ class LazyStatistics(Mapping):
     def open(cls, path: Path, expected: str | None) -> LazyStatistics | None:
         if expected is None or not path.exists() or sys.byteorder != "little":
             return None
-        from nnstat.store import format as fmt
+        from nnstat.store.integrity import hash_tensor
 
         stamp = cls._stat(path)
         try:
@@ -344,7 +340,7 @@ class LazyStatistics(Mapping):
                 obj = cls(path, entries, 8 + size, stamp)
                 h = hashlib.sha256()
                 for k in sorted(entries):
-                    fmt.hash_tensor(h, k, obj._read(f, k))
+                    hash_tensor(h, k, obj._read(f, k))
         except (OSError, ValueError, KeyError, TypeError, RuntimeError):
             return None  # damaged or unusual: the reader's error names it
         if h.hexdigest() != expected or cls._stat(path) != stamp:

@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from nnstat.store.files import load_safetensors
+
 FORMAT_VERSION = 1
 _OWN = ("trial.json", "notes.jsonl", "kpis.jsonl", "graphs", "steps")
 
@@ -167,12 +169,7 @@ def read_step_values(trial: Path, stem: str) -> dict[str, torch.Tensor]:
     Example:
         >>> read_step_values(Path("runs/recorder/g/t"), "train-000000000")["0/forward/loss"]  # doctest: +SKIP
     """
-    path = Path(trial) / "steps" / f"{stem}.values.safetensors"
-    if not path.exists():
-        return {}
-    from safetensors.torch import load_file
-
-    return load_file(str(path))
+    return load_safetensors(Path(trial) / "steps" / f"{stem}.values.safetensors")
 
 
 def read_notes(trial: Path) -> list[dict[str, Any]]:

@@ -31,8 +31,8 @@ from nnstat.curvature.passes import (
     preset_of,
     statistic_json,
 )
-from nnstat.store import format as fmt
 from nnstat.store.logger import NONFINITE_POLICIES, ON_STORED_ID, StoreSettings
+from nnstat.store.shards import STORE_DTYPES
 
 #: store keys that do not change what is stored: meta.json does not record them, so a store
 #: resumes whatever they are
@@ -108,7 +108,7 @@ class RunConfig:
         parse_max_factor_dim(self.max_factor_dim)
         check_choice("loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)
         check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
-        check_choice("dtype", self.dtype, tuple(fmt.STORE_DTYPES))
+        check_choice("dtype", self.dtype, tuple(STORE_DTYPES))
         check_choice("on_stored_id", self.on_stored_id, ON_STORED_ID)
         if not isinstance(self.param_grads, bool):
             raise ValueError(f"param_grads must be True or False, got {self.param_grads!r}")

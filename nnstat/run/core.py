@@ -24,15 +24,30 @@ import torch
 from torch import nn
 
 from nnstat.curvature import StatisticsCollector
-from nnstat.run import support as parts
+from nnstat.distributed import rank_world
+from nnstat.run import store_io
 from nnstat.run.config import RunConfig, configured
-from nnstat.run.reduction import MeanLossProbe
-from nnstat.run.rows import BatchRows
-from nnstat.store import format as fmt
-from nnstat.store.logger import StoreLogger, check_same_params, filter_nonfinite
-from nnstat.store.projection import ModuleProjection, build_projections, module_spec
+from nnstat.run.params import (
+    check_store_weights,
+    freeze_params,
+    params_fingerprint,
+    weights_changed_error,
+)
+from nnstat.run.reduction import reduction_probe, warn_mean_loss
+from nnstat.run.rows import BatchRows, input_ids, module_blocks, refuse_left_out
+from nnstat.store.errors import StoreWriteError, add_note
+from nnstat.store.files import META_FILE
+from nnstat.store.ids import duplicate_ids, normalize_ids
+from nnstat.store.integrity import tensors_hash
+from nnstat.store.logger import StoreLogger, filter_nonfinite
+from nnstat.store.meta import build_meta, prepare_store, record_statistics_hash
+from nnstat.store.projection import (
+    ModuleProjection,
+    build_projections,
+    module_spec,
+    projection_tensors,
+)
 from nnstat.store.reader import GradientLog, make_log_dataloader
-from nnstat.store.writer import StoreWriteError
 
 
 class Run:
@@ -69,7 +84,7 @@ class Run:
         self.engine: Any = None
         self.model: nn.Module | None = None
         self.mode = "log"
-        self.rank, self.world_size = parts.dist_info()
+        self.rank, self.world_size = rank_world()
         self._projection_args: dict[str, Any] = {"rank": None, "init": "random", "seed": 0}
         self._projection_set = False
         self._projections: dict[str, ModuleProjection] | None = None
@@ -161,7 +176,7 @@ class Run:
 
         ``data_id``: a list of ints/strings or a 1-D integer tensor (a ``DataLoader``'s batch of
         dataset indices): the ids, as they are; ``"hash"``: each sample's content hash
-        (:func:`~nnstat.store.format.content_id` of its row of the first tensor passed to the
+        (:func:`~nnstat.store.ids.content_id` of its row of the first tensor passed to the
         watched model's forward in the block, e.g. the token ids or images); any other tensor
         (float, or more than one dimension): its rows hashed the same way; ``None``:
         consecutive ints. ``mask``: ``[N]`` or ``[N, positions]`` (nonzero = keep).
@@ -176,19 +191,14 @@ class Run:
                 f"data_id={data_id!r}: a string is not a batch of ids; pass a list of ids, or "
                 'data_id="hash" to hash the model\'s input'
             )
-        ids = None if data_id is None or hash_input else fmt.normalize_ids(data_id)
+        ids = None if data_id is None or hash_input else normalize_ids(data_id)
         logging = self._saving()
         if self.mode == "log":
-            extra = [s for s, on in self._pass_spec().save.items() if on and s != "grad"]
-            if extra:
-                raise ValueError(
-                    f"the gradient store saves the 'grad' stream only; save={extra} is not "
-                    "supported (log those streams with the recorder instead)"
-                )
+            store_io.refuse_other_streams(self._pass_spec().save)
         if self.mode == "log" and (logging or self._stats_on()):
             self._begin_pass()
         elif self.mode == "eval" and self._eval_params is None:
-            self._eval_params = parts.params_fingerprint(self.engine)
+            self._eval_params = params_fingerprint(self.engine)
         if logging:
             self._open_logger()
             assert self._logger is not None
@@ -207,8 +217,14 @@ class Run:
             self.mode == "eval" or logging,
             self.mode == "log" and self._stats_on(),
         )
-        restore = parts.freeze_params(self.engine) if self._skip_param_grads() else None
-        probe = self._reduction_probe(logging)
+        restore = freeze_params(self.engine) if self._skip_param_grads() else None
+        probe = reduction_probe(
+            self.mode == "eval" or logging or self._stats_on(),
+            self.model,
+            self._probe_reduction,
+            self.config.loss_reduction,
+            self._warned_once,
+        )
         assert self._projections is not None
         self._rows.begin(self._projections)
         try:
@@ -230,80 +246,14 @@ class Run:
             batch, rowbuf, factors = self._rows.end()
         if probe is not None and batch:
             self._probe_reduction = False
-            self._warn_mean_loss(probe, next(iter(batch.values())).shape[0])
-        self._refuse_left_out(ids, batch)
+            warn_mean_loss(probe, next(iter(batch.values())).shape[0], self._warned_once)
+        assert self._projections is not None
+        refuse_left_out(self.engine.left_out, self._projections, ids, batch)
         with self._writer_errors():
             if hash_input:
-                ids = self._input_ids(self.engine.model_input, batch)
+                ids = input_ids(self.engine.model_input, batch, type(self.model).__name__)
                 keep = self._admit(ids)
             self._complete(batch, ids, keep, rowbuf, factors)
-
-    def _refuse_left_out(self, ids: list | None, batch: dict[str, torch.Tensor]) -> None:
-        """A module of the store's layout that the engine left out would be stored as zeros
-        (and be missing from the statistics): refuse the block instead, saying how to include
-        or exclude the module."""
-        assert self._projections is not None
-        left = {m: why for m, why in self.engine.left_out.items() if m in self._projections}
-        if not left:
-            return
-        n = next(iter(batch.values())).shape[0] if batch else None
-        if ids is not None and n is not None and n != len(ids):
-            # the expansion was sized by data_id: that is the error to fix first
-            raise ValueError(f"data_id has {len(ids)} entries but the batch had {n} samples")
-        reasons = "; ".join(f"{m!r}: {why}" for m, why in left.items())
-        raise ValueError(
-            f"nnstat: watched modules were left out of capture in this run(...) block, so its "
-            f"rows are not stored ({reasons}). Give that input the batch dimension (GPT-2 and "
-            "similar: position_ids=torch.arange(T).expand(B, T)), or nnstat.unwatch() and "
-            "watch the model again with a name_filter that excludes them (in a new project, "
-            "or with overwrite=True)"
-        )
-
-    def _input_ids(self, x: torch.Tensor | None, batch: dict[str, torch.Tensor]) -> list:
-        """``data_id="hash"``: content ids of the rows of the model's first input tensor."""
-        if x is None:
-            raise RuntimeError(
-                'data_id="hash" hashes the first tensor passed to the watched model, but '
-                f"{type(self.model).__name__}.forward was not called inside this run(...) "
-                "block; pass the ids (data_id=[...]) instead"
-            )
-        n = next(iter(batch.values())).shape[0] if batch else None
-        if x.dim() == 0 or (n is not None and x.shape[0] != n):
-            raise ValueError(
-                f'data_id="hash": the model\'s first input has shape {tuple(x.shape)}, which '
-                f"is not a batch of the {n} samples captured; pass the ids (data_id=[...]) or "
-                "the tensor to hash (data_id=tensor) instead"
-            )
-        return fmt.content_ids(x)
-
-    def _reduction_probe(self, logging: bool) -> MeanLossProbe | None:
-        """A :class:`~nnstat.run.reduction.MeanLossProbe` for the first block of a pass or eval
-        log under ``loss_reduction="sum"`` (once the user was warned, no more)."""
-        active = self.mode == "eval" or logging or self._stats_on()
-        compiled = hasattr(self.model, "_orig_mod")  # torch.compile: no function mode inside
-        if (
-            not active
-            or compiled
-            or not self._probe_reduction
-            or self.config.loss_reduction != "sum"
-            or "mean loss" in self._warned_once
-        ):
-            return None
-        return MeanLossProbe()
-
-    def _warn_mean_loss(self, probe: MeanLossProbe, n: int) -> None:
-        what = probe.mean_over_batch(n)
-        if what is None:
-            return
-        self._warned_once.add("mean loss")
-        warnings.warn(
-            f"nnstat: the loss of this run(...) block is a mean over its {n} samples ({what}), "
-            "but the run's loss_reduction is 'sum' (the default): every stored gradient is its "
-            "sample's gradient divided by the batch size (and a short last batch by its own "
-            "size). Compute each sample's own loss summed (e.g. cross_entropy(..., "
-            "reduction='sum')), or setup({'loss_reduction': 'mean'}) for a mean over the batch.",
-            stacklevel=4,
-        )
 
     def _on_capture(self, cap: Any) -> None:
         if not self._rows.open:
@@ -326,7 +276,7 @@ class Run:
         if not (self.mode == "eval" or self._saving()):
             return
         assert self._projections is not None
-        cols = parts.module_blocks(batch, self._projections, self._warned_missing)
+        cols = module_blocks(batch, self._projections, self._warned_missing)
         n = cols[0].shape[0]
         if rowbuf is not None:
             for name, col in zip(self._projections, cols, strict=True):
@@ -355,7 +305,7 @@ class Run:
 
     def _admit(self, ids: list) -> list[bool] | None:
         if self.mode == "eval":
-            dup = [i for i in ids if i in self._eval_seen] or parts.duplicate_ids(ids)
+            dup = [i for i in ids if i in self._eval_seen] or duplicate_ids(ids)
             if dup:
                 raise ValueError(f"duplicate data ids in this eval log: {dup[:5]}")
             return None
@@ -400,13 +350,13 @@ class Run:
             error = e
         if collector is not None:
             try:
-                self._stats_state = parts.save_statistics(collector, self.path, self.rank)
-                parts.record_statistics_hash(self.path, self.rank, saved=self._stats_state)
+                self._stats_state = store_io.save_statistics(collector, self.path, self.rank)
+                record_statistics_hash(self.path, self.rank, saved=self._stats_state)
             except BaseException as e:
                 if error is None:
                     raise
                 # the writer's failure stays the error raised (often the cause of this one)
-                fmt.add_note(error, f"the statistics were not saved either: {e!r}")
+                add_note(error, f"the statistics were not saved either: {e!r}")
             finally:
                 if collector.done:
                     self._collector = None
@@ -444,17 +394,14 @@ class Run:
         if not self._eval_ids:
             raise RuntimeError("get_log(): nothing captured since eval() / the last get_log()")
         rows = torch.cat(self._eval_rows) if len(self._eval_rows) > 1 else self._eval_rows[0]
-        stats = parts.load_tensors(self.path / fmt.STATISTICS_FILE)
-        from nnstat.curvature.collector import check_saved_forms
-
-        check_saved_forms(stats, self.path)
+        stats = store_io.saved_statistics(self.path)
         # the weights when this log's first block was captured; scoring compares them with the
         # store's (meta["params_sha256"])
         meta = self.store_meta(
             params_sha256=self._eval_params,
-            statistics_sha256=fmt.tensors_hash(stats) if stats else None,
+            statistics_sha256=tensors_hash(stats) if stats else None,
         )
-        projections = parts.projection_tensors_of(self._projections)
+        projections = projection_tensors(self._projections) if self._projections else {}
         log = GradientLog(list(self._eval_ids), rows, meta, stats, projections)
         self._eval_ids, self._eval_rows, self._eval_seen = [], [], set()
         self._next_auto_id = 0
@@ -476,16 +423,18 @@ class Run:
         """The meta.json describing rows of this run (layout, projection hash, config).
 
         ``hashed=False`` leaves ``projection_sha256`` ``None`` (the store fills it in later);
-        ``params_sha256``/``statistics_sha256`` as in ``nnstat.run.support.build_meta``.
+        ``params_sha256``/``statistics_sha256`` as in :func:`nnstat.store.meta.build_meta`.
         """
         self._build_projections()
         assert self._projections is not None
         args = dict(self._projection_args)
         if not self._projection_set:
             args["rank"] = self.config.rank
-        return parts.build_meta(
+        return build_meta(
             self.project,
-            self.config,
+            self.config.content(),
+            self.config.store.dtype,
+            self.config.store.nonfinite,
             args,
             self._projections,
             hashed,
@@ -499,31 +448,12 @@ class Run:
         if self._pass_params is not None:
             return
         if self.overwrite and self._pass == 0:
-            parts.clear_store(self.path, self.rank, self.world_size)
+            store_io.clear_store(self.path, self.rank, self.world_size)
             self.overwrite = False
-        current = parts.params_fingerprint(self.engine)
-        meta_path = self.path / fmt.META_FILE
-        if meta_path.exists():
-            old = fmt.read_json(meta_path)
-            old = old if isinstance(old, dict) else {}
-            check_same_params(old, {"params_sha256": current}, self.path)
-            if old.get("params_sha256") is None and "unchecked weights" not in self._warned_once:
-                self._warned_once.add("unchecked weights")
-                warnings.warn(
-                    f"{meta_path} has no params_sha256 (written before nnstat recorded the "
-                    "weights): this pass cannot check that the stored rows were computed with "
-                    "the same weights as its own",
-                    stacklevel=4,
-                )
+        current = params_fingerprint(self.engine)
+        check_store_weights(self.path, current, self._warned_once)
         if self._pass > 0 and self._round_params not in (None, current):
-            names = [p.name for p in self.config.passes()]
-            raise fmt.ModelChangedError(
-                f"the watched parameters changed between pass {names[0]!r} and pass "
-                f"{names[self._pass]!r} of one schedule() (an optimizer step inside the loop?): "
-                "the statistics of one pass would describe other weights than the next. Keep "
-                "the model fixed for the whole schedule; after training, log into a new "
-                "project or with overwrite=True."
-            )
+            raise weights_changed_error([p.name for p in self.config.passes()], self._pass)
         if self._pass == 0:
             self._round_params = current
         self._pass_params = current
@@ -545,13 +475,9 @@ class Run:
             return
         if self.engine is None or not self.engine.watched:
             raise RuntimeError("call watch(model) before add_projection() / logging")
-        if (
-            self.mode == "eval"
-            and not self._projection_set
-            and (self.path / fmt.META_FILE).exists()
-        ):
+        if self.mode == "eval" and not self._projection_set and (self.path / META_FILE).exists():
             # queries of an existing store (e.g. in a new process) use the store's projection
-            self._projections, self._projection_args = parts.projections_from_store(
+            self._projections, self._projection_args = store_io.projections_from_store(
                 self.path, self.engine
             )
             self._projection_set = True
@@ -562,7 +488,7 @@ class Run:
             args["rank"] = self.config.rank
         stats = None
         if args["init"] == "pca" and args["rank"] is not None:
-            stats = parts.finalized_statistics(self._stats_state, self.path)
+            stats = store_io.finalized_statistics(self._stats_state, self.path)
         self._projections = build_projections(
             specs, args["rank"], args["init"], args["seed"], stats
         )
@@ -572,7 +498,7 @@ class Run:
             return
         assert self._projections is not None
         meta = self.store_meta(hashed=False, params_sha256=self._pass_params)
-        prepare = functools.partial(parts.prepare_store, self.path, self._projections, self.rank)
+        prepare = functools.partial(prepare_store, self.path, self._projections, self.rank)
         self._logger = StoreLogger(
             self.path, meta, self.config.store, self.rank, self.world_size, prepare=prepare
         )
@@ -609,12 +535,7 @@ class Run:
         except StoreWriteError as e:
             logger, self._logger = self._logger, None
             if logger is not None:
-                try:
-                    logger.close(progress=False)
-                except StoreWriteError:
-                    pass  # the failure being raised, seen again by close()
-                except Exception as also:  # noqa: BLE001 - reported on the error being raised
-                    fmt.add_note(e, f"closing the store failed too: {also!r}")
+                store_io.close_after_failure(logger, e)
             self._writer_error = e
             raise
 

@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -110,3 +111,40 @@ class MeanLossProbe(TorchFunctionMode):
             if grads and rows % n == 0 and c != 0 and abs(c) * 2 <= n:
                 return what
         return None
+
+
+def reduction_probe(
+    active: bool, model: Any, first_block: bool, loss_reduction: str, warned_once: set[str]
+) -> MeanLossProbe | None:
+    """A :class:`MeanLossProbe` for the first block (``first_block``) of a pass or eval log
+    that captures anything (``active``) under ``loss_reduction="sum"``; ``None`` once the user
+    was warned (``"mean loss"`` in ``warned_once``) or for a ``torch.compile``d ``model`` (no
+    function mode inside)."""
+    compiled = hasattr(model, "_orig_mod")
+    if (
+        not active
+        or compiled
+        or not first_block
+        or loss_reduction != "sum"
+        or "mean loss" in warned_once
+    ):
+        return None
+    return MeanLossProbe()
+
+
+def warn_mean_loss(probe: MeanLossProbe, n: int, warned_once: set[str]) -> None:
+    """Warn (once: ``"mean loss"`` joins ``warned_once``) when ``probe`` saw the loss of a block
+    of ``n`` samples use a mean over the batch (call it from ``Run.__call__``: the warning
+    points at the user's ``with run(...)``)."""
+    what = probe.mean_over_batch(n)
+    if what is None:
+        return
+    warned_once.add("mean loss")
+    warnings.warn(
+        f"nnstat: the loss of this run(...) block is a mean over its {n} samples ({what}), "
+        "but the run's loss_reduction is 'sum' (the default): every stored gradient is its "
+        "sample's gradient divided by the batch size (and a short last batch by its own "
+        "size). Compute each sample's own loss summed (e.g. cross_entropy(..., "
+        "reduction='sum')), or setup({'loss_reduction': 'mean'}) for a mean over the batch.",
+        stacklevel=4,
+    )

@@ -4,7 +4,8 @@ A logging pass writes each module's projected rows straight into that module's c
 of the writer's reused row buffers (no per-batch allocation); an eval pass or a block with two
 backward passes keeps one fresh tensor per module instead (two passes add up, like the
 gradients they project). :class:`BatchRows` holds that per-block state for
-:class:`nnstat.run.Run`.
+:class:`nnstat.run.Run`; :func:`module_blocks`, :func:`refuse_left_out` and :func:`input_ids`
+are the checks and ids of a block's rows before they are stored.
 
 Example:
     >>> rows = BatchRows()
@@ -14,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +23,7 @@ import torch
 
 from nnstat.capture.capture import modules_by_size
 from nnstat.store import outer
+from nnstat.store.ids import content_ids
 from nnstat.store.projection import ModuleProjection, project_capture, row_factors
 
 
@@ -134,3 +137,75 @@ class BatchRows:
                 self.columns[name] = slice(offset, offset + p.width)
                 offset += p.width
         return self._buffer
+
+
+def module_blocks(
+    batch: Mapping[str, torch.Tensor],
+    projections: Mapping[str, ModuleProjection],
+    warned: set[str],
+) -> list[torch.Tensor]:
+    """One ``[N, width]`` block per module in layout order; zeros for modules without gradient.
+
+    A watched module that took no part in the loss has a zero gradient: stored as zeros, with a
+    one-time warning naming it. Nothing captured at all is an error (no backward in the block).
+    """
+    if not batch:
+        raise RuntimeError(
+            "nothing was captured inside run(...): call loss.backward() inside the block "
+            "(and make sure the loss depends on a watched module)"
+        )
+    n = next(iter(batch.values())).shape[0]
+    new = [m for m in projections if m not in batch and m not in warned]
+    if new:
+        warned.update(new)
+        warnings.warn(
+            f"watched modules {new} received no gradient in a batch; their per-sample "
+            "gradients are stored as zeros (they did not take part in the loss)",
+            stacklevel=4,
+        )
+    return [batch[m] if m in batch else torch.zeros(n, p.width) for m, p in projections.items()]
+
+
+def refuse_left_out(
+    left_out: Mapping[str, str],
+    projections: Mapping[str, ModuleProjection],
+    ids: list | None,
+    batch: Mapping[str, torch.Tensor],
+) -> None:
+    """A module of the store's layout that the engine left out (``left_out``: module -> why)
+    would be stored as zeros (and be missing from the statistics): refuse the block instead,
+    saying how to include or exclude the module."""
+    left = {m: why for m, why in left_out.items() if m in projections}
+    if not left:
+        return
+    n = next(iter(batch.values())).shape[0] if batch else None
+    if ids is not None and n is not None and n != len(ids):
+        # the expansion was sized by data_id: that is the error to fix first
+        raise ValueError(f"data_id has {len(ids)} entries but the batch had {n} samples")
+    reasons = "; ".join(f"{m!r}: {why}" for m, why in left.items())
+    raise ValueError(
+        f"nnstat: watched modules were left out of capture in this run(...) block, so its "
+        f"rows are not stored ({reasons}). Give that input the batch dimension (GPT-2 and "
+        "similar: position_ids=torch.arange(T).expand(B, T)), or nnstat.unwatch() and "
+        "watch the model again with a name_filter that excludes them (in a new project, "
+        "or with overwrite=True)"
+    )
+
+
+def input_ids(x: torch.Tensor | None, batch: Mapping[str, torch.Tensor], model: str) -> list:
+    """``data_id="hash"``: content ids of the rows of the model's first input tensor ``x``
+    (``model``: the watched model's class name, for the error when it was not called)."""
+    if x is None:
+        raise RuntimeError(
+            'data_id="hash" hashes the first tensor passed to the watched model, but '
+            f"{model}.forward was not called inside this run(...) "
+            "block; pass the ids (data_id=[...]) instead"
+        )
+    n = next(iter(batch.values())).shape[0] if batch else None
+    if x.dim() == 0 or (n is not None and x.shape[0] != n):
+        raise ValueError(
+            f'data_id="hash": the model\'s first input has shape {tuple(x.shape)}, which '
+            f"is not a batch of the {n} samples captured; pass the ids (data_id=[...]) or "
+            "the tensor to hash (data_id=tensor) instead"
+        )
+    return content_ids(x)

@@ -5,7 +5,9 @@ Example:
     >>> store = GradientStore("./nnstat_logs/my_project")  # doctest: +SKIP
 """
 
-from nnstat.store.format import FORMAT_VERSION, ModelChangedError, content_id
+from nnstat.store.errors import ModelChangedError, StoreLockedError, StoreWriteError
+from nnstat.store.ids import content_id
+from nnstat.store.meta import FORMAT_VERSION
 from nnstat.store.reader import (
     GradientLog,
     GradientStore,
@@ -13,7 +15,7 @@ from nnstat.store.reader import (
     make_log_dataloader,
     module_view,
 )
-from nnstat.store.writer import StoreLockedError, StoreWriteError, StoreWriter
+from nnstat.store.writer import StoreWriter
 
 __all__ = [
     "FORMAT_VERSION",

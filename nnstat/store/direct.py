@@ -1,6 +1,6 @@
 """A shard file written with ``O_DIRECT`` from one reused, page-aligned staging buffer.
 
-Same on-disk result and commit protocol as :class:`~nnstat.store.format.ShardFile` (temporary
+Same on-disk result and commit protocol as :class:`~nnstat.store.shards.ShardFile` (temporary
 name, header fixed, fsync, ids file, rename). Why: writing a store through the page cache makes
 the kernel allocate and fill a fresh page for every 4 KiB written, which under virtualisation
 (host-backed guest pages) costs several times the copy itself, on the cores training uses. With
@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from nnstat.store import format as fmt
+from nnstat.store.files import TMP_SUFFIX
+from nnstat.store.shards import ShardFile, check_blocks, npy_header, remove_orphan_ids
 
 #: bytes staged before one direct write (a multiple of every logical block size in use)
 STAGE_BYTES = 4 * 2**20
@@ -50,10 +51,10 @@ class StagingBuffer:
         self.nbytes = nbytes
 
 
-class DirectShardFile(fmt.ShardFile):
+class DirectShardFile(ShardFile):
     """One shard streamed to ``{stem}.npy.tmp`` through ``stage``; :meth:`commit` makes it count.
 
-    A :class:`~nnstat.store.format.ShardFile` (same ``commit``) whose bytes take another path.
+    A :class:`~nnstat.store.shards.ShardFile` (same ``commit``) whose bytes take another path.
 
     Args:
         shard_dir: directory of the shard.
@@ -69,7 +70,7 @@ class DirectShardFile(fmt.ShardFile):
         self.dir, self.stem, self.width = Path(shard_dir), stem, width
         self.np_dtype = np.dtype(np_dtype)
         self.target = self.dir / f"{stem}.npy"
-        self.tmp = self.target.with_name(self.target.name + fmt.TMP_SUFFIX)
+        self.tmp = self.target.with_name(self.target.name + TMP_SUFFIX)
         self.rows = 0
         self._stage = stage
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
@@ -81,13 +82,13 @@ class DirectShardFile(fmt.ShardFile):
                 raise
             self.direct = False  # the filesystem refuses O_DIRECT: ordinary writes
             self._fd = os.open(self.tmp, flags, 0o644)
-        header = fmt.npy_header(0, width, self.np_dtype, HEADER_BYTES)
+        header = npy_header(0, width, self.np_dtype, HEADER_BYTES)
         stage.view[: len(header)] = header
         self._fill = len(header)  # bytes of the file held in the stage, not yet written
 
     def append(self, blocks: list[np.ndarray]) -> None:
         """Write rows given as column blocks ``[b, w_k]`` whose widths add up to ``width``."""
-        n = fmt.check_blocks(self.stem, blocks, self.width, self.np_dtype)
+        n = check_blocks(self.stem, blocks, self.width, self.np_dtype)
         rows = blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
         src = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
         stage, pos = self._stage, 0
@@ -150,7 +151,7 @@ class DirectShardFile(fmt.ShardFile):
         fd = os.open(self.tmp, os.O_WRONLY)  # the header is 128 bytes: an ordinary write
         try:
             os.ftruncate(fd, size)
-            os.pwrite(fd, fmt.npy_header(self.rows, self.width, self.np_dtype, HEADER_BYTES), 0)
+            os.pwrite(fd, npy_header(self.rows, self.width, self.np_dtype, HEADER_BYTES), 0)
             os.fsync(fd)  # also flushes the device cache after the direct writes
         finally:
             os.close(fd)
@@ -161,4 +162,4 @@ class DirectShardFile(fmt.ShardFile):
             os.close(self._fd)
             self._fd = -1
         self.tmp.unlink(missing_ok=True)
-        fmt.remove_orphan_ids(self.dir, self.stem)
+        remove_orphan_ids(self.dir, self.stem)

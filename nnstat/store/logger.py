@@ -35,10 +35,12 @@ from typing import Any
 
 import torch
 
-from nnstat.store import format as fmt
-from nnstat.store import outer
-from nnstat.store.format import DataId
-from nnstat.store.writer import StoreWriteError, StoreWriter, WriterLock, stored_ids
+from nnstat.store import files, outer
+from nnstat.store.errors import ModelChangedError, StoreWriteError, add_note
+from nnstat.store.ids import DataId
+from nnstat.store.integrity import diff_dicts
+from nnstat.store.shards import STORE_DTYPES, overflow_threshold
+from nnstat.store.writer import StoreWriter, WriterLock, stored_ids
 
 NONFINITE_POLICIES = ("error", "skip", "keep")
 ON_STORED_ID = ("skip", "error")
@@ -109,7 +111,7 @@ def filter_nonfinite(
     if policy == "keep" or not len(ids):
         return ids, rows, 0
     blocks = rows if isinstance(rows, list) else [rows]
-    limit = fmt.overflow_threshold(dtype)
+    limit = overflow_threshold(dtype)
     # one scalar reduction per block instead of an elementwise mask: a NaN/Inf entry makes the
     # sum NaN/Inf (an overflowing sum of finite entries only sends us to the exact check below)
     if all(math.isfinite(float(b.sum())) and _below(b, limit) for b in blocks):
@@ -145,7 +147,7 @@ def check_resumable(old: dict[str, Any], new: dict[str, Any], path: Path) -> Non
     """Raise ``ValueError`` listing every difference on :data:`RESUME_KEYS`."""
     diffs: list[str] = []
     for key in RESUME_KEYS:
-        diffs += fmt.diff_dicts(old.get(key), new.get(key), key)
+        diffs += diff_dicts(old.get(key), new.get(key), key)
     if diffs:
         shown = "; ".join(diffs[:12]) + (
             f"; ... ({len(diffs) - 12} more)" if len(diffs) > 12 else ""
@@ -158,13 +160,13 @@ def check_resumable(old: dict[str, Any], new: dict[str, Any], path: Path) -> Non
 
 
 def check_same_params(old: dict[str, Any], new: dict[str, Any], path: Path) -> None:
-    """Raise :class:`~nnstat.store.format.ModelChangedError` when ``old`` (the store's meta) and
+    """Raise :class:`~nnstat.store.errors.ModelChangedError` when ``old`` (the store's meta) and
     ``new`` both record ``params_sha256`` and they differ: the watched parameters are not those
     the stored rows were computed with. A meta without it (older stores) is not checked."""
     before, now = old.get("params_sha256"), new.get("params_sha256")
     if before is None or now is None or before == now:
         return
-    raise fmt.ModelChangedError(
+    raise ModelChangedError(
         f"cannot add to the gradient store {path}: its rows were computed with other weights of "
         f"the watched parameters (meta.json params_sha256 {before[:12]}..., the model now "
         f"{now[:12]}...); the model changed since (a training step, another checkpoint), and "
@@ -200,7 +202,7 @@ class StoreLogger:
         prepare: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.path, self.options, self.rank = Path(path), options, rank
-        shard_dir = self.path / fmt.SHARD_DIR
+        shard_dir = self.path / files.SHARD_DIR
         shard_dir.mkdir(parents=True, exist_ok=True)
         # before anything is read: what this pass decides (fresh or resumed, which ids are
         # stored) holds only while no other writer of this rank changes the store
@@ -232,14 +234,14 @@ class StoreLogger:
         world_size: int,
         prepare: Callable[[dict[str, Any]], None] | None,
     ) -> None:
-        meta_path = self.path / fmt.META_FILE
+        meta_path = self.path / files.META_FILE
         self.meta = dict(meta, nonfinite=options.nonfinite, dtype=options.dtype)
         self.meta.setdefault("skipped_rows", 0)
         self._fresh = fresh = not meta_path.exists()
         # meta.json is rewritten at close only over a complete start (see _start)
         self._started = not fresh
         if not fresh:
-            old = fmt.read_json(meta_path)
+            old = files.read_json(meta_path)
             if not isinstance(old, dict):
                 raise ValueError(f"{meta_path}: expected a JSON object, got {type(old).__name__}")
             check_same_params(old, self.meta, self.path)  # the most actionable difference first
@@ -253,7 +255,7 @@ class StoreLogger:
                 # an older store: its rows' weights are unknown, so this pass cannot vouch
                 # for them either
                 self.meta.pop("params_sha256", None)
-        self.stored: set[DataId] = stored_ids(self.path / fmt.SHARD_DIR)
+        self.stored: set[DataId] = stored_ids(self.path / files.SHARD_DIR)
         self.seen: set[DataId] = set()
         self.skipped_nonfinite = 0
         self.skipped_stored = 0
@@ -264,7 +266,7 @@ class StoreLogger:
         if prepare is not None:
             prepare(self.meta)
         if self.rank == 0:
-            fmt.atomic_write_json(self.path / fmt.META_FILE, self.meta)
+            files.atomic_write_json(self.path / files.META_FILE, self.meta)
         self._started = True
 
     @functools.cached_property
@@ -272,9 +274,7 @@ class StoreLogger:
         """Bytes of one stored row (asked once per batch by the budget check: cached)."""
         import numpy as np
 
-        return (
-            int(self.meta["row_width"]) * np.dtype(fmt.STORE_DTYPES[self.options.dtype][0]).itemsize
-        )
+        return int(self.meta["row_width"]) * np.dtype(STORE_DTYPES[self.options.dtype][0]).itemsize
 
     def _check_size(self) -> None:
         n = self.options.num_samples
@@ -338,7 +338,7 @@ class StoreLogger:
         self.writer.check()
         self.seen.update(ids)
         if factors:
-            limit = fmt.overflow_threshold(self.options.dtype)
+            limit = overflow_threshold(self.options.dtype)
             check = (keep is not None and not all(keep)) or (
                 self.options.nonfinite != "keep" and not outer.certified(factors, limit)
             )
@@ -387,7 +387,7 @@ class StoreLogger:
             try:
                 self._rewrite_meta(collective)
             except Exception as also:  # noqa: BLE001 - reported on the error being raised
-                fmt.add_note(e, f"meta.json was not rewritten either: {also!r}")
+                add_note(e, f"meta.json was not rewritten either: {also!r}")
             raise
         self._rewrite_meta(collective)
         return written
@@ -402,4 +402,4 @@ class StoreLogger:
             skipped = int(t.item())
         self.meta["skipped_rows"] = int(self.meta.get("skipped_rows", 0)) + skipped
         if self.rank == 0 and self._started:
-            fmt.atomic_write_json(self.path / fmt.META_FILE, self.meta)
+            files.atomic_write_json(self.path / files.META_FILE, self.meta)

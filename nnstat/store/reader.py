@@ -5,9 +5,10 @@ so scoring reads one contiguous block per batch instead of one item per row.
 
 Example:
     >>> import tempfile, torch
+    >>> from nnstat.store.files import atomic_write_json
     >>> from nnstat.store.writer import StoreWriter
     >>> d = Path(tempfile.mkdtemp())
-    >>> fmt.atomic_write_json(d / "meta.json", {"format_version": 1, "row_width": 2,
+    >>> atomic_write_json(d / "meta.json", {"format_version": 1, "row_width": 2,
     ...     "dtype": "float32", "modules": [{"name": "fc", "offset": 0, "width": 2,
     ...     "r_out": 1, "r_in": 2}]})
     >>> w = StoreWriter(d / "shards", row_width=2); w.put(["a", "b"], torch.eye(2)); _ = w.close()
@@ -28,8 +29,18 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from nnstat.store import format as fmt
-from nnstat.store.format import DataId
+from nnstat.store.files import (
+    META_FILE,
+    PROJECTIONS_FILE,
+    SHARD_DIR,
+    STATISTICS_FILE,
+    load_safetensors,
+    read_npy_header,
+)
+from nnstat.store.ids import DataId, read_ids
+from nnstat.store.integrity import tensors_hash
+from nnstat.store.meta import read_meta
+from nnstat.store.shards import STORE_DTYPES, decode_rows, list_shards
 
 
 def _module_entry(meta: dict[str, Any], name: str) -> dict[str, Any]:
@@ -96,9 +107,9 @@ class GradientStore:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        meta_path = self.path / fmt.META_FILE
+        meta_path = self.path / META_FILE
         if not meta_path.exists():
-            raise FileNotFoundError(f"{self.path} is not a gradient store: no {fmt.META_FILE}")
+            raise FileNotFoundError(f"{self.path} is not a gradient store: no {META_FILE}")
         self.meta: dict[str, Any] = _read_meta(meta_path)
         self.dtype: str = self.meta.get("dtype", "float32")
         self.row_width: int = self.meta["row_width"]
@@ -106,10 +117,10 @@ class GradientStore:
         self.ids: list[DataId] = []
         self._starts: list[int] = []
         self._lengths: list[int] = []
-        np_dtype = np.dtype(fmt.STORE_DTYPES[self.dtype][0])
+        np_dtype = np.dtype(STORE_DTYPES[self.dtype][0])
         # cheap metadata only (ids files, shard headers and sizes): rows are checked where
         # scoring reads them anyway, so opening a store never costs a pass over its rows
-        for _rank, _idx, npy, ids_path in fmt.list_shards(self.path / fmt.SHARD_DIR):
+        for _rank, _idx, npy, ids_path in list_shards(self.path / SHARD_DIR):
             ids = _read_ids(ids_path)
             _check_shard_header(npy, np_dtype, self.dtype, self.row_width)
             self._starts.append(len(self.ids))
@@ -163,7 +174,7 @@ class GradientStore:
             start += hi - lo
             s += 1
         array = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        return fmt.decode_rows(array, self.dtype)
+        return decode_rows(array, self.dtype)
 
     def iter_blocks(self, batch_size: int = 1024) -> Iterator[tuple[list[DataId], torch.Tensor]]:
         """Yield ``(ids, rows)`` blocks of up to ``batch_size`` rows in store order."""
@@ -174,7 +185,7 @@ class GradientStore:
     def iter_shards(self) -> Iterator[tuple[list[DataId], torch.Tensor]]:
         """Yield ``(ids, rows)`` per shard."""
         for i, (start, n) in enumerate(zip(self._starts, self._lengths, strict=True)):
-            yield self.ids[start : start + n], fmt.decode_rows(self.shard_array(i), self.dtype)
+            yield self.ids[start : start + n], decode_rows(self.shard_array(i), self.dtype)
 
     def iter_shard_blocks(
         self, shard: Path | int, batch_size: int = 1024
@@ -185,7 +196,7 @@ class GradientStore:
         array = self.shard_array(i)
         for lo in range(0, n, batch_size):
             hi = min(lo + batch_size, n)
-            yield self.ids[start + lo : start + hi], fmt.decode_rows(array[lo:hi], self.dtype)
+            yield self.ids[start + lo : start + hi], decode_rows(array[lo:hi], self.dtype)
 
     def module_view(self, rows: torch.Tensor, name: str) -> torch.Tensor:
         """Module ``name``'s slice of ``rows`` as ``[b, r_out, r_in]``."""
@@ -207,14 +218,14 @@ class GradientStore:
         Checked once against meta.json's ``projection_sha256`` (a ``ValueError`` naming the file
         when they differ: rows projected one way must never be read with another projection).
         """
-        return self._verified(fmt.PROJECTIONS_FILE, "projection_sha256", required=True)
+        return self._verified(PROJECTIONS_FILE, "projection_sha256", required=True)
 
     def statistics(self) -> dict[str, torch.Tensor]:
         """Statistics saved by the run (``"{module}/{stream}/{statistic}"``), empty if none.
 
         Checked once against meta.json's ``statistics_sha256`` when the store records one.
         """
-        return self._verified(fmt.STATISTICS_FILE, "statistics_sha256", required=False)
+        return self._verified(STATISTICS_FILE, "statistics_sha256", required=False)
 
     def _verified(self, name: str, key: str, required: bool) -> dict[str, torch.Tensor]:
         """The tensors of ``name``, hashed once per store against ``meta[key]`` (a fresh dict)."""
@@ -232,7 +243,7 @@ _DAMAGED = "restore it from a copy or log the store again"
 
 def _read_meta(meta_path: Path) -> dict[str, Any]:
     try:  # JSON, format_version, row_width, dtype and modules, each error naming the file
-        meta = fmt.read_meta(meta_path)
+        meta = read_meta(meta_path)
     except ValueError as e:
         raise ValueError(f"{e}: {_DAMAGED}") from e
     nonfinite = meta.get("nonfinite", "error")
@@ -245,7 +256,7 @@ def _read_meta(meta_path: Path) -> dict[str, Any]:
 
 def _read_ids(ids_path: Path) -> list[DataId]:
     try:  # a JSON list of ints and strings (no floats, booleans, null, lists or objects)
-        return fmt.read_ids(ids_path)
+        return read_ids(ids_path)
     except ValueError as e:
         raise ValueError(f"{e}: {_DAMAGED}") from e
 
@@ -253,7 +264,7 @@ def _read_ids(ids_path: Path) -> list[DataId]:
 def _check_shard_header(npy: Path, np_dtype: np.dtype, dtype: str, width: int) -> None:
     """A shard's ``.npy`` header against meta.json (a few hundred bytes read, and one stat)."""
     try:  # a damaged header, or a file shorter than its header says
-        header = fmt.read_npy_header(npy)
+        header = read_npy_header(npy)
     except ValueError as e:
         raise ValueError(f"{e}: {_DAMAGED}") from e
     if header.dtype != np_dtype:
@@ -292,12 +303,12 @@ def _duplicate_ids_error(
 def _load_verified(
     root: Path, name: str, key: str, meta: dict[str, Any], required: bool
 ) -> dict[str, torch.Tensor]:
-    path, meta_path = root / name, root / fmt.META_FILE
+    path, meta_path = root / name, root / META_FILE
     expected = meta.get(key)
     if not path.exists():
         # the writer always saves projections (an empty file for identity ones): a missing file
         # whose hash says it held tensors would silently turn them into identities
-        if expected is not None and expected != fmt.tensors_hash({}):
+        if expected is not None and expected != tensors_hash({}):
             raise ValueError(
                 f"{path} is missing, but {meta_path} records its {key} {str(expected)[:16]}...: "
                 "restore the file from a copy of this store"
@@ -312,7 +323,7 @@ def _load_verified(
                 "another store; log the store again"
             )
         return tensors  # a store written before the hash was recorded
-    actual = fmt.tensors_hash(tensors)
+    actual = tensors_hash(tensors)
     if actual != expected:
         raise ValueError(
             f"{path} does not belong to this store: its sha256 {actual[:16]}... differs from "
@@ -324,7 +335,7 @@ def _load_verified(
 
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
     try:  # {} when absent; a damaged file names itself
-        return fmt.load_safetensors(path)
+        return load_safetensors(path)
     except ValueError as e:
         raise ValueError(f"{e}: {_DAMAGED}") from e
 

@@ -33,10 +33,19 @@ import numpy as np
 import torch
 
 from nnstat.background import start_one_thread_worker
-from nnstat.store import format as fmt
 from nnstat.store import outer
 from nnstat.store.direct import DirectShardFile, StagingBuffer
-from nnstat.store.format import DataId, list_shards
+from nnstat.store.errors import StoreLockedError, StoreWriteError
+from nnstat.store.ids import DataId, read_ids
+from nnstat.store.shards import (
+    STORE_DTYPES,
+    ShardFile,
+    encode_rows,
+    list_shards,
+    next_shard_index,
+    remove_incomplete,
+    shard_stem,
+)
 
 #: target size of one shard file when ``shard_rows`` is not given
 SHARD_BYTES = 64 * 2**20
@@ -55,15 +64,6 @@ def anon_array(count: int, dtype: Any) -> np.ndarray:
         return np.empty(0, dtype=dtype)
     m = mmap.mmap(-1, nbytes, flags=_ANON_FLAGS) if _ANON_FLAGS else mmap.mmap(-1, nbytes)
     return np.frombuffer(m, dtype=dtype, count=count)
-
-
-class StoreWriteError(RuntimeError):
-    """The background writer failed; the original exception is the ``__cause__``."""
-
-
-class StoreLockedError(RuntimeError):
-    """Another writer (another process, or an unfinished pass of this one) holds the lock of the
-    same rank of the same store."""
 
 
 # errno values of a filesystem that cannot lock at all (as opposed to a lock that is held)
@@ -179,9 +179,9 @@ class StoreWriter:
         queue_size: int = 16,
         lock: WriterLock | None = None,
     ) -> None:
-        if dtype not in fmt.STORE_DTYPES:
-            raise ValueError(f"unknown store dtype {dtype!r}; valid: {sorted(fmt.STORE_DTYPES)}")
-        itemsize = np.dtype(fmt.STORE_DTYPES[dtype][0]).itemsize
+        if dtype not in STORE_DTYPES:
+            raise ValueError(f"unknown store dtype {dtype!r}; valid: {sorted(STORE_DTYPES)}")
+        itemsize = np.dtype(STORE_DTYPES[dtype][0]).itemsize
         if shard_rows is None:  # about SHARD_BYTES per shard, a whole number of 4 KiB blocks
             row_bytes = max(1, row_width * itemsize)
             per_block = 4096 // math.gcd(row_bytes, 4096)  # rows that fill whole blocks
@@ -195,8 +195,8 @@ class StoreWriter:
         # temporary file looks exactly like a crashed one's)
         self._lock = lock if lock is not None else WriterLock(self.shard_dir, rank)
         try:
-            fmt.remove_incomplete(self.shard_dir, rank)
-            index = fmt.next_shard_index(self.shard_dir, rank)
+            remove_incomplete(self.shard_dir, rank)
+            index = next_shard_index(self.shard_dir, rank)
         except BaseException:
             self._lock.release()
             raise
@@ -208,7 +208,7 @@ class StoreWriter:
         # took costs the training thread ~1.2 ms each the next time (6.6 MB, populated)
         self._keep_buffers = queue_size + 2
         self._error: BaseException | None = None
-        self._shard: fmt.ShardFile | None = None
+        self._shard: ShardFile | None = None
         self._stage: StagingBuffer | None = None  # the direct-I/O staging buffer, made once
         self._shard_ids: list[DataId] = []
         self.rows_written = 0
@@ -347,7 +347,7 @@ class StoreWriter:
         if len(blocks) == 1:
             arrays = [self._encode(blocks[0])]
         else:
-            arrays = [fmt.encode_rows(b, self.dtype) for b in blocks]
+            arrays = [encode_rows(b, self.dtype) for b in blocks]
         pos = 0
         while pos < len(ids):
             if self._shard is None:
@@ -364,18 +364,18 @@ class StoreWriter:
         """The rows as stored. A 16-bit dtype is converted into one reused page-aligned buffer
         (a fresh tensor per batch would page fault and miss the in-place direct write)."""
         if self.dtype == "float32" or rows.device.type != "cpu" or rows.dim() != 2:
-            return fmt.encode_rows(rows, self.dtype)
+            return encode_rows(rows, self.dtype)
         n, w = rows.shape
         if self._half is None or self._half.size < n * w:
-            self._half = anon_array(n * w, fmt.STORE_DTYPES[self.dtype][0])
-        return fmt.encode_rows(rows, self.dtype, out=self._half[: n * w].reshape(n, w))
+            self._half = anon_array(n * w, STORE_DTYPES[self.dtype][0])
+        return encode_rows(rows, self.dtype, out=self._half[: n * w].reshape(n, w))
 
     def _open_shard(self, np_dtype: np.dtype) -> None:
         need = self.shard_rows * self.row_width * np.dtype(np_dtype).itemsize
         free = shutil.disk_usage(self.shard_dir).free
         if need > free:
             raise OSError(f"not enough disk space for a {need}-byte shard ({free} bytes free)")
-        stem = fmt.shard_stem(self.rank, self._index)
+        stem = shard_stem(self.rank, self._index)
         if hasattr(os, "O_DIRECT"):
             if self._stage is None:
                 self._stage = StagingBuffer()
@@ -383,7 +383,7 @@ class StoreWriter:
                 self.shard_dir, stem, self.row_width, np_dtype, self._stage
             )
         else:
-            self._shard = fmt.ShardFile(self.shard_dir, stem, self.row_width, np_dtype)
+            self._shard = ShardFile(self.shard_dir, stem, self.row_width, np_dtype)
         self._shard_ids = []
 
     def _flush(self) -> None:
@@ -409,5 +409,5 @@ def stored_ids(shard_dir: Path) -> set[DataId]:
     """All ids of complete shards of every rank in ``shard_dir``."""
     out: set[DataId] = set()
     for *_, ids_path in list_shards(shard_dir):
-        out.update(fmt.read_ids(ids_path))
+        out.update(read_ids(ids_path))
     return out

@@ -44,7 +44,7 @@ from safetensors.torch import save as st_save
 
 from nnstat.influence.layout import check_compatible
 from nnstat.store import GradientLog, GradientStore
-from nnstat.store.format import atomic_write_bytes, read_json
+from nnstat.store.files import atomic_write_bytes, read_json
 
 __all__ = [
     "Examples",
@@ -351,7 +351,7 @@ def query_sets(store_dir: str | Path) -> list[Path]:
 
 def _tiny_store(root: str | Path, ids: list) -> Path:
     """A 2-wide store with ``ids`` (for the examples above and the tests)."""
-    from nnstat.store.format import atomic_write_json
+    from nnstat.store.files import atomic_write_json
     from nnstat.store.writer import StoreWriter
 
     d = Path(root)

@@ -22,7 +22,7 @@ from nnstat.capture import CaptureEngine
 from nnstat.curvature import KFAC, StatisticsCollector, spectrum_stats
 from nnstat.influence import ModuleSpec, TensorSource, compute_influence_all
 from nnstat.influence.precondition import kfac_factor
-from nnstat.store import format as fmt
+from nnstat.store.integrity import tensors_hash
 from nnstat.store.projection import _top_eigvecs
 
 VOCAB, DIM, PAD, OUT = 11, 3, 4, 2
@@ -191,7 +191,7 @@ def test_gpt2_sized_vocabulary_is_saved_as_a_vector_with_its_hash(tmp_path):
     counts = np.bincount(x.numpy().reshape(-1), minlength=vocab) / x.numel()
     np.testing.assert_allclose(a.numpy(), counts, rtol=1e-6)
     assert stats["0/ekfac/eigenvalues"].shape == (4, vocab)
-    assert store.meta["statistics_sha256"] == fmt.tensors_hash(stats)
+    assert store.meta["statistics_sha256"] == tensors_hash(stats)
     # the projected store scores with the K-FAC factors of the diagonal
     res = compute_influence_all(store, store, preconditioner="kfac", progress=False)
     assert res.scores.shape == (6, 6) and torch.isfinite(res.scores).all()

@@ -24,7 +24,8 @@ import nnstat
 from nnstat.curvature import StatisticsCollector
 from nnstat.curvature import operations as ops
 from nnstat.influence import TensorSource, as_source, compute_influence_all
-from nnstat.store import format as fmt
+from nnstat.store.files import load_safetensors
+from nnstat.store.integrity import tensors_hash
 
 N, T, D_IN, HID, C = 12, 3, 5, 7, 3
 LIMIT = 6  # "0"/backward (7) and "2"/forward (8 with the bias) are over it, the others not
@@ -141,10 +142,8 @@ def test_fallback_factor_is_the_diagonal_of_the_dense_covariance_with_one_warnin
     factors = json.loads((root / "statistics.json").read_text())["factors"]
     assert factors["0/backward"] == {"form": "diagonal", "size": 7, "reason": "over max_factor_dim"}
     # meta.json's hash of the statistics (taken from memory at finalize) is the file's
-    saved = fmt.load_safetensors(root / "statistics.safetensors")
-    assert json.loads((root / "meta.json").read_text())["statistics_sha256"] == fmt.tensors_hash(
-        saved
-    )
+    saved = load_safetensors(root / "statistics.safetensors")
+    assert json.loads((root / "meta.json").read_text())["statistics_sha256"] == tensors_hash(saved)
     assert factors["0/forward"] == {"form": "dense", "size": 6}
 
 

@@ -165,7 +165,7 @@ def _store_and_influence(kind: str, rank: int, x, y, out_dir: str) -> None:
     with run(data_id=list(range(lo, hi))):
         F.cross_entropy(train(x), y, reduction="sum").backward()
     from nnstat.run.current import current_run
-    from nnstat.run.support import params_fingerprint
+    from nnstat.run.params import params_fingerprint
 
     # every rank must name the same weights in the shared meta.json (FSDP1 ranks hold shards)
     fingerprint = params_fingerprint(current_run().engine)

@@ -10,7 +10,8 @@ from torch import nn
 
 import nnstat
 from nnstat.store import StoreWriteError
-from nnstat.store import format as fmt
+from nnstat.store.ids import content_id
+from nnstat.store.shards import ShardFile
 
 
 def make():
@@ -53,7 +54,7 @@ def test_tensor_ids_are_content_hashes(tmp_path):
     nnstat.watch(model)
     step(run, model, x[:4], y[:4], ids=x[:4])
     nnstat.finalize()
-    assert nnstat.GradientStore(run.path).ids == [fmt.content_id(r) for r in x[:4]]
+    assert nnstat.GradientStore(run.path).ids == [content_id(r) for r in x[:4]]
 
 
 def test_duplicate_ids_in_a_pass_are_refused(tmp_path):
@@ -100,7 +101,7 @@ def test_writer_failure_is_raised_at_next_run_or_finalize(tmp_path, monkeypatch)
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(fmt.ShardFile, "commit", disk_full)
+    monkeypatch.setattr(ShardFile, "commit", disk_full)
     model, x, y = make()
     run = nnstat.init(project="w", root_dir=tmp_path)
     nnstat.setup({"shard_rows": 4})
@@ -134,12 +135,12 @@ def test_meta_is_written_by_the_writer_with_the_hash_of_the_saved_projections(tm
 
 
 def test_failure_to_save_projections_is_raised_and_no_shard_is_written(tmp_path, monkeypatch):
-    from nnstat.run import support as run_support
+    from nnstat.store import meta as store_meta
 
     def read_only(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(run_support, "write_projections", read_only)
+    monkeypatch.setattr(store_meta, "write_projections", read_only)
     model, x, y = make()
     run = nnstat.init(project="ro", root_dir=tmp_path)
     nnstat.setup({"shard_rows": 4})
@@ -296,13 +297,13 @@ def test_no_backward_inside_run_is_an_error(tmp_path):
 def test_module_run_is_callable_and_finalize_shows_progress_when_slow(
     tmp_path, monkeypatch, capsys
 ):
-    real = fmt.ShardFile.commit
+    real = ShardFile.commit
 
     def slow(*args, **kwargs):
         time.sleep(0.4)
         real(*args, **kwargs)
 
-    monkeypatch.setattr(fmt.ShardFile, "commit", slow)
+    monkeypatch.setattr(ShardFile, "commit", slow)
     model, x, y = make()
     run = nnstat.init(project="slow", root_dir=tmp_path)
     nnstat.setup({"shard_rows": 1})

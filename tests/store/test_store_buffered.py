@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from nnstat.store import format as fmt
+from nnstat.store.shards import STORE_DTYPES, list_shards
 from nnstat.store.writer import StoreWriter
 
 WIDTHS = (3, 5, 2)  # three column blocks (three modules), 10 columns
@@ -47,7 +47,7 @@ def _expected_bytes(dtype: str) -> np.ndarray:
     rows = torch.cat([torch.cat(blocks, 1) for _, blocks in _batches()])
     if dtype == "bfloat16":  # the raw 16-bit patterns, as uint16
         return rows.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    return rows.numpy().astype(fmt.STORE_DTYPES[dtype][0])
+    return rows.numpy().astype(STORE_DTYPES[dtype][0])
 
 
 def _parse(path: Path) -> tuple[int, tuple[int, ...], np.dtype, bytes]:
@@ -76,7 +76,7 @@ def test_buffered_shards_store_the_same_rows_as_direct_shards(tmp_path, monkeypa
         if hasattr(os, "O_DIRECT"):  # the two runs really took the two paths
             assert d_off == 4096
         assert b_off == 128
-        assert d_shape == b_shape and d_dtype == b_dtype == np.dtype(fmt.STORE_DTYPES[dtype][0])
+        assert d_shape == b_shape and d_dtype == b_dtype == np.dtype(STORE_DTYPES[dtype][0])
         n = b_shape[0]
         # the payloads: byte-identical to each other and to the independent encoding, with
         # nothing after the last row (the direct path pads its tail write, then truncates)
@@ -110,6 +110,6 @@ def test_buffered_shard_survives_short_writev(tmp_path, monkeypatch):
     assert max(calls) == 512 and len(calls) > 3  # chunked below IOV_MAX, several chunks
     want = _expected_bytes("float32")
     got = np.concatenate(
-        [np.load(path, allow_pickle=False) for *_, path, _ in fmt.list_shards(tmp_path)]
+        [np.load(path, allow_pickle=False) for *_, path, _ in list_shards(tmp_path)]
     )
     np.testing.assert_array_equal(got, want)

@@ -39,7 +39,7 @@ OVERWRITE = r"""
 import sys, torch, torch.distributed as dist
 from torch import nn
 import nnstat
-from nnstat.store.format import ModelChangedError
+from nnstat.store.errors import ModelChangedError
 
 root = sys.argv[1]
 dist.init_process_group("gloo")

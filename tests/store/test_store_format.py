@@ -8,8 +8,10 @@ import torch
 
 from nnstat.run.config import RunConfig
 from nnstat.store import GradientStore, StoreWriteError, StoreWriter, make_log_dataloader
-from nnstat.store import format as fmt
+from nnstat.store.files import atomic_write_json
+from nnstat.store.ids import content_id, normalize_ids
 from nnstat.store.logger import StoreLogger, check_resumable, filter_nonfinite
+from nnstat.store.shards import ShardFile, overflow_threshold
 
 
 def _meta(width=6, dtype="float32"):
@@ -28,7 +30,7 @@ def _meta(width=6, dtype="float32"):
 
 
 def _write(tmp_path, rows, ids, dtype="float32", shard_rows=4):
-    fmt.atomic_write_json(tmp_path / "meta.json", _meta(rows.shape[1], dtype))
+    atomic_write_json(tmp_path / "meta.json", _meta(rows.shape[1], dtype))
     w = StoreWriter(tmp_path / "shards", rows.shape[1], shard_rows=shard_rows, dtype=dtype)
     for lo in range(0, len(ids), 3):  # blocks that straddle shard boundaries
         w.put(ids[lo : lo + 3], rows[lo : lo + 3])
@@ -114,7 +116,7 @@ def test_writer_error_is_raised_in_caller(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(fmt.ShardFile, "commit", boom)
+    monkeypatch.setattr(ShardFile, "commit", boom)
     w = StoreWriter(tmp_path / "shards", 2, shard_rows=1, queue_size=1)
     w.put([0], torch.zeros(1, 2))
     with pytest.raises(StoreWriteError, match="No space left") as info:
@@ -189,15 +191,15 @@ def test_store_settings_are_validated_by_the_run_config():
 
 def test_content_id_is_stable_and_sensitive():
     x = torch.arange(6.0).reshape(2, 3)
-    a = fmt.normalize_ids(x, 2)
-    assert a == fmt.normalize_ids(x.clone(), 2) and a[0] != a[1]
-    assert fmt.content_id(x[0]) != fmt.content_id(x[0].double())
-    assert fmt.content_id(x[0]) != fmt.content_id(x[0].reshape(3, 1))
-    assert fmt.normalize_ids(np.array([3, 4]), 2) == [3, 4]
+    a = normalize_ids(x, 2)
+    assert a == normalize_ids(x.clone(), 2) and a[0] != a[1]
+    assert content_id(x[0]) != content_id(x[0].double())
+    assert content_id(x[0]) != content_id(x[0].reshape(3, 1))
+    assert normalize_ids(np.array([3, 4]), 2) == [3, 4]
     with pytest.raises(TypeError, match="int or str"):
-        fmt.normalize_ids([1.5, 2], 2)
+        normalize_ids([1.5, 2], 2)
     with pytest.raises(ValueError, match="3 entries but the batch has 2"):
-        fmt.normalize_ids([1, 2, 3], 2)
+        normalize_ids([1, 2, 3], 2)
 
 
 def test_bad_dtype_in_writer_is_raised_in_caller(tmp_path):
@@ -270,10 +272,10 @@ def test_direct_shard_writes_aligned_rows_in_place(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_overflow_threshold_is_where_torch_starts_rounding_to_inf(dtype):
-    limit = np.float32(fmt.overflow_threshold(dtype))
-    assert float(limit) == fmt.overflow_threshold(dtype)  # a float32 value, exactly
+    limit = np.float32(overflow_threshold(dtype))
+    assert float(limit) == overflow_threshold(dtype)  # a float32 value, exactly
     below = np.nextafter(limit, np.float32(0))
     x = torch.from_numpy(np.array([limit, below, -limit, -below], dtype=np.float32))
     stored = x.to(getattr(torch, dtype))
     assert torch.isinf(stored[[0, 2]]).all() and torch.isfinite(stored[[1, 3]]).all()
-    assert fmt.overflow_threshold("float32") == float("inf")
+    assert overflow_threshold("float32") == float("inf")

@@ -19,7 +19,8 @@ from torch import nn
 import nnstat
 from nnstat.influence import compute_influence_all, compute_self_influence
 from nnstat.store import GradientStore
-from nnstat.store import format as fmt
+from nnstat.store.files import META_FILE, PROJECTIONS_FILE, STATISTICS_FILE
+from nnstat.store.integrity import tensors_hash
 
 N_TRAIN, BATCH = 40, 10
 
@@ -106,7 +107,7 @@ def test_untouched_store_scores_and_has_its_shards(store):
 # ----------------------------------------------------------------------------- hashes
 def test_swapped_projections_are_refused_when_loaded(store):
     log, path, other = store
-    shutil.copy(other / fmt.PROJECTIONS_FILE, path / fmt.PROJECTIONS_FILE)
+    shutil.copy(other / PROJECTIONS_FILE, path / PROJECTIONS_FILE)
     GradientStore(path)  # opening reads no safetensors: the hash is checked where they are loaded
     with pytest.raises(ValueError, match=r"projections\.safetensors does not belong"):
         GradientStore(path).projections()
@@ -117,24 +118,24 @@ def test_swapped_projections_are_refused_when_loaded(store):
 
 def test_missing_projections_are_refused(store):
     log, path, _ = store
-    (path / fmt.PROJECTIONS_FILE).unlink()
+    (path / PROJECTIONS_FILE).unlink()
     with pytest.raises(ValueError, match=r"projections\.safetensors is missing"):
         _score(log, path, preconditioner="kfac", damping=0.1)
 
 
 def test_projections_without_a_recorded_hash_are_refused(store):
     log, path, _ = store
-    meta = json.loads((path / fmt.META_FILE).read_text())
+    meta = json.loads((path / META_FILE).read_text())
     meta.pop("projection_sha256")
-    (path / fmt.META_FILE).write_text(json.dumps(meta))
+    (path / META_FILE).write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=r"projections\.safetensors.*records no projection_sha256"):
         GradientStore(path).projections()
 
 
 def test_statistics_from_another_run_are_refused(store, tmp_path):
     log, path, _ = store
-    recorded = json.loads((path / fmt.META_FILE).read_text())["statistics_sha256"]
-    assert recorded == fmt.tensors_hash(load_file(path / fmt.STATISTICS_FILE))  # the writer's
+    recorded = json.loads((path / META_FILE).read_text())["statistics_sha256"]
+    assert recorded == tensors_hash(load_file(path / STATISTICS_FILE))  # the writer's
     # another run: the same model trained one step further, so its K-FAC factors differ
     model = _model()
     x, y = _data()
@@ -143,7 +144,7 @@ def test_statistics_from_another_run_are_refused(store, tmp_path):
     opt.step()
     model.zero_grad()
     _, elsewhere = _log(tmp_path, "retrained", model=model)
-    shutil.copy(elsewhere / fmt.STATISTICS_FILE, path / fmt.STATISTICS_FILE)
+    shutil.copy(elsewhere / STATISTICS_FILE, path / STATISTICS_FILE)
     with pytest.raises(ValueError, match=r"statistics\.safetensors does not belong"):
         GradientStore(path).statistics()
     for kw in ({}, {"preconditioner": "kfac"}):  # the default reads them to choose K-FAC
@@ -157,21 +158,21 @@ def test_stores_without_the_newer_hashes_are_read_as_before(store):
     # statistics_sha256 and params_sha256 came with issue #15: stores written before have
     # neither, and are scored without them (the projection hash always existed)
     log, path, _ = store
-    meta = json.loads((path / fmt.META_FILE).read_text())
+    meta = json.loads((path / META_FILE).read_text())
     for key in ("statistics_sha256", "params_sha256"):
         meta.pop(key, None)
-    (path / fmt.META_FILE).write_text(json.dumps(meta))
+    (path / META_FILE).write_text(json.dumps(meta))
     before = _score(log, path, preconditioner="kfac", damping=0.1)
-    shutil.copy(path / fmt.STATISTICS_FILE, path / "kept.safetensors")
-    stats = load_file(path / fmt.STATISTICS_FILE)
-    save_file({k: v * 2 for k, v in stats.items()}, path / fmt.STATISTICS_FILE)
+    shutil.copy(path / STATISTICS_FILE, path / "kept.safetensors")
+    stats = load_file(path / STATISTICS_FILE)
+    save_file({k: v * 2 for k, v in stats.items()}, path / STATISTICS_FILE)
     after = _score(log, path, preconditioner="kfac", damping=0.1)  # nothing to check against
     assert not torch.allclose(before.scores, after.scores)
 
 
 def test_a_missing_statistics_file_with_a_recorded_hash_is_refused(store):
     log, path, _ = store
-    (path / fmt.STATISTICS_FILE).unlink()
+    (path / STATISTICS_FILE).unlink()
     with pytest.raises(ValueError, match=r"statistics\.safetensors is missing"):
         _score(log, path, damping=0.1)  # else the default would fall back to "raw" silently
 
@@ -194,7 +195,7 @@ def test_query_captured_from_other_weights_is_refused(tmp_path):
     moved = _query(run, model)
     nnstat.unwatch()
     path = tmp_path / "weights"
-    stored = json.loads((path / fmt.META_FILE).read_text())["params_sha256"]
+    stored = json.loads((path / META_FILE).read_text())["params_sha256"]
     assert same.meta["params_sha256"] == stored != moved.meta["params_sha256"]
     assert not torch.allclose(same.rows, moved.rows)  # rows alone could not tell the weights
     res = compute_influence_all(same, path, preconditioner="kfac", damping=0.1, progress=False)
@@ -307,7 +308,7 @@ def _poison(path, shard, row, value=float("nan")):
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_nonfinite_values_in_a_finite_store_are_refused_where_scoring_reads(store, value):
     log, path, _ = store
-    assert json.loads((path / fmt.META_FILE).read_text())["nonfinite"] == "error"
+    assert json.loads((path / META_FILE).read_text())["nonfinite"] == "error"
     _poison(path, 2, 6, value)  # id 26
     pattern = r"rank0-00002\.npy: rows of ids \[26\] hold NaN/Inf, but .*nonfinite='error'"
     # the streaming score loop (no fit pass), full matrix and top-k
@@ -346,7 +347,7 @@ def test_nonfinite_rows_kept_by_policy_are_named_with_their_file(tmp_path):
 # ----------------------------------------------------------------------------- parse errors
 def test_meta_json_damage_is_named(store):
     log, path, _ = store
-    meta_file = path / fmt.META_FILE
+    meta_file = path / META_FILE
     good = json.loads(meta_file.read_text())
     meta_file.write_text(meta_file.read_text()[:-20])
     with pytest.raises(ValueError, match=r"meta\.json: not valid JSON"):
@@ -364,6 +365,6 @@ def test_meta_json_damage_is_named(store):
 
 def test_garbage_safetensors_is_named(store):
     log, path, _ = store
-    (path / fmt.STATISTICS_FILE).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    (path / STATISTICS_FILE).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
     with pytest.raises(ValueError, match=r"statistics\.safetensors: not a readable safetensors"):
         _score(log, path, preconditioner="kfac", damping=0.1)

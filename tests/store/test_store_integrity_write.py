@@ -19,8 +19,10 @@ import torch
 from torch import nn
 
 import nnstat
-from nnstat.store import StoreWriteError, StoreWriter
-from nnstat.store import format as fmt
+from nnstat.store import StoreWriteError, StoreWriter, files
+from nnstat.store.errors import ModelChangedError
+from nnstat.store.ids import content_ids, normalize_ids, read_ids
+from nnstat.store.meta import read_meta
 from nnstat.store.writer import StoreLockedError
 
 # ---------------------------------------------------------------------------------- helpers
@@ -132,10 +134,10 @@ def test_dataloader_index_tensors_are_stored_as_dataset_indices(tmp_path):
 def test_hashing_is_asked_for_and_hashes_the_model_input(tmp_path):
     model, x, y = make()
     tokens = torch.randint(0, 9, (4, 3))
-    assert fmt.normalize_ids(torch.tensor([5, 2])) == [5, 2]  # 1-D integer: ids
-    assert fmt.normalize_ids(tokens) == [sha1_id(r) for r in tokens]  # 2-D: hashed rows
-    assert fmt.normalize_ids(x[:2]) == [sha1_id(r) for r in x[:2]]  # floating point: hashed
-    assert fmt.content_ids(torch.tensor([5, 2])) == [
+    assert normalize_ids(torch.tensor([5, 2])) == [5, 2]  # 1-D integer: ids
+    assert normalize_ids(tokens) == [sha1_id(r) for r in tokens]  # 2-D: hashed rows
+    assert normalize_ids(x[:2]) == [sha1_id(r) for r in x[:2]]  # floating point: hashed
+    assert content_ids(torch.tensor([5, 2])) == [
         sha1_id(torch.tensor(5)),
         sha1_id(torch.tensor(2)),
     ]
@@ -189,7 +191,7 @@ def test_a_changed_model_is_refused_and_overwrite_starts_afresh(tmp_path):
     run = log(tmp_path, model, x, y, config={"statistic": "kfac"})
     before = {p.name: p.read_bytes() for p in run.path.rglob("*") if p.is_file()}
     train_step(model, x, y)
-    with pytest.raises(fmt.ModelChangedError, match=r"params_sha256.*overwrite=True"):
+    with pytest.raises(ModelChangedError, match=r"params_sha256.*overwrite=True"):
         log(tmp_path, model, x, y, config={"statistic": "kfac"})
     after = {p.name: p.read_bytes() for p in run.path.rglob("*") if p.is_file()}
     assert after == before  # nothing written: not the statistics either
@@ -211,7 +213,7 @@ def test_weights_that_change_between_the_passes_of_a_schedule_are_refused(tmp_pa
     nnstat.setup({"statistic": "ekfac"})
     nnstat.watch(model)
     nnstat.add_projection(rank=2)
-    with pytest.raises(fmt.ModelChangedError, match="'factors' and pass 'eigenvalues'"):
+    with pytest.raises(ModelChangedError, match="'factors' and pass 'eigenvalues'"):
         for _ in run.schedule():
             with run(data_id=list(range(8))):
                 sum_loss(model, x[:8], y[:8]).backward()
@@ -249,7 +251,7 @@ def test_huggingface_extract_log_after_training_is_refused_then_overwritten(tmp_
         run = trainer.extract_log()
     first = nnstat.GradientStore(run.path).meta["params_sha256"]
     trainer.train()
-    with pytest.raises(fmt.ModelChangedError, match="params_sha256") as info:
+    with pytest.raises(ModelChangedError, match="params_sha256") as info:
         trainer.extract_log()
     assert "trainer.extract_log(overwrite=True)" in str(info.value) + str(
         getattr(info.value, "__notes__", "")
@@ -340,7 +342,7 @@ def test_an_unfinalized_pass_of_the_same_process_holds_the_lock(tmp_path):
 
 
 def test_projections_left_by_a_run_that_died_before_meta_are_replaced(tmp_path, monkeypatch):
-    real = fmt.atomic_write_json
+    real = files.atomic_write_json
 
     def die_at_meta(path, obj):  # the process "dies" between projections and meta.json
         if Path(path).name == "meta.json":
@@ -348,10 +350,10 @@ def test_projections_left_by_a_run_that_died_before_meta_are_replaced(tmp_path, 
         real(path, obj)
 
     model, x, y = make()
-    monkeypatch.setattr(fmt, "atomic_write_json", die_at_meta)
+    monkeypatch.setattr(files, "atomic_write_json", die_at_meta)
     with pytest.raises(StoreWriteError):
         log(tmp_path, model, x, y, rank=2)
-    monkeypatch.setattr(fmt, "atomic_write_json", real)
+    monkeypatch.setattr(files, "atomic_write_json", real)
     path = tmp_path / "p"
     assert (path / "projections.safetensors").exists() and not (path / "meta.json").exists()
     stale = reference_file_sha256(path / "projections.safetensors")
@@ -441,26 +443,26 @@ def test_damaged_files_are_named_in_the_errors(tmp_path):
     cut = tmp_path / "cut.npy"
     cut.write_bytes(good.read_bytes()[:-5])
     with pytest.raises(ValueError, match=r"cut\.npy: truncated.*\(4, 3\) float32"):
-        fmt.read_npy_header(cut)
+        files.read_npy_header(cut)
     with pytest.raises(ValueError, match=r"cut\.npy: truncated"):
-        fmt.load_npy(cut)
-    assert fmt.load_npy(good).shape == (4, 3)
+        files.load_npy(cut)
+    assert files.load_npy(good).shape == (4, 3)
     (tmp_path / "junk.npy").write_bytes(b"not numpy at all")
     with pytest.raises(ValueError, match=r"junk\.npy: not a readable \.npy"):
-        fmt.load_npy(tmp_path / "junk.npy")
+        files.load_npy(tmp_path / "junk.npy")
     (tmp_path / "meta.json").write_text('{"format_version": 1, "row_width": ')
     with pytest.raises(ValueError, match=r"meta\.json: not valid JSON.*line 1"):
-        fmt.read_json(tmp_path / "meta.json")
+        files.read_json(tmp_path / "meta.json")
     (tmp_path / "meta.json").write_text('{"format_version": 1, "modules": []}')
     with pytest.raises(ValueError, match=r"meta\.json: missing 'row_width'"):
-        fmt.read_meta(tmp_path / "meta.json")
+        read_meta(tmp_path / "meta.json")
     (tmp_path / "x.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
     with pytest.raises(ValueError, match=r"x\.safetensors: not a readable safetensors file"):
-        fmt.load_safetensors(tmp_path / "x.safetensors")
-    assert fmt.load_safetensors(tmp_path / "absent.safetensors") == {}
+        files.load_safetensors(tmp_path / "x.safetensors")
+    assert files.load_safetensors(tmp_path / "absent.safetensors") == {}
     (tmp_path / "rank0-00000.ids.json").write_text('[1, "a", 2.5]')
     with pytest.raises(ValueError, match=r"rank0-00000\.ids\.json: ids must be ints or strings"):
-        fmt.read_ids(tmp_path / "rank0-00000.ids.json")
+        read_ids(tmp_path / "rank0-00000.ids.json")
 
 
 # ------------------------------------------------------------- 7. a mean-reduced loss

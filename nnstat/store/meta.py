@@ -1,0 +1,184 @@
+"""A gradient store's ``meta.json``: building it, checking it when read, and keeping the hashes
+it records in step with the files they name (``projections.safetensors``,
+``statistics.safetensors``).
+
+Example:
+    >>> import tempfile; d = Path(tempfile.mkdtemp())
+    >>> statistics_hash(d) is None  # no statistics.safetensors
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nnstat import __version__
+from nnstat.store import files
+from nnstat.store.integrity import tensors_hash
+from nnstat.store.projection import ModuleProjection, layout, projection_tensors
+from nnstat.store.shards import STORE_DTYPES
+
+FORMAT_VERSION = 1
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """A store's ``meta.json`` (:func:`~nnstat.store.files.read_json`) with the fields every reader relies on
+    checked: ``format_version`` (this version), ``row_width`` (a positive int), ``dtype`` (one of
+    :data:`STORE_DTYPES`, default float32) and ``modules`` (a list of ``{name, offset, width,
+    r_in}`` inside the row). Anything else is a ``ValueError`` naming the file and the field.
+
+    Example:
+        >>> import tempfile; p = Path(tempfile.mkdtemp()) / "meta.json"
+        >>> files.atomic_write_json(p, {"format_version": 1, "modules": []})
+        >>> read_meta(p)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: .../meta.json: missing 'row_width' ...
+    """
+    meta = files.read_json(path)
+    if not isinstance(meta, dict):
+        raise ValueError(
+            f"{path}: expected a JSON object (a store's meta), got {type(meta).__name__}"
+        )
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{path}: format version {version!r}, this nnstat reads {FORMAT_VERSION}")
+    problems: list[str] = []
+    width = meta.get("row_width")
+    if "row_width" not in meta:
+        problems.append("missing 'row_width' (columns per row)")
+    elif isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        problems.append(f"'row_width' must be a positive int, got {width!r}")
+        width = None
+    if meta.get("dtype", "float32") not in STORE_DTYPES:
+        problems.append(f"'dtype' {meta.get('dtype')!r} is not one of {sorted(STORE_DTYPES)}")
+    modules = meta.get("modules")
+    if not isinstance(modules, list):
+        problems.append(f"'modules' must be a list, got {modules!r}")
+        modules = []
+    for i, m in enumerate(modules):
+        if not isinstance(m, dict):
+            problems.append(f"modules[{i}] must be an object, got {m!r}")
+            continue
+        missing = [k for k in ("name", "offset", "width", "r_in") if k not in m]
+        if missing:
+            problems.append(f"modules[{i}] ({m.get('name')!r}) misses {missing}")
+            continue
+        ints = (m["offset"], m["width"])
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in ints):
+            problems.append(f"modules[{i}] ({m['name']!r}): offset/width must be ints >= 0")
+        elif isinstance(width, int) and m["offset"] + m["width"] > width:
+            problems.append(
+                f"modules[{i}] ({m['name']!r}) ends at column {m['offset'] + m['width']}, "
+                f"past row_width {width}"
+            )
+    if problems:
+        raise ValueError(
+            f"{path}: " + "; ".join(problems) + " (the file is damaged or not a "
+            "gradient store's meta.json)"
+        )
+    return meta
+
+
+def build_meta(
+    project: str,
+    config: dict[str, Any],
+    dtype: str,
+    nonfinite: str,
+    projection_args: Mapping[str, Any],
+    projections: Mapping[str, ModuleProjection],
+    hashed: bool = True,
+    params_sha256: str | None = None,
+    statistics_sha256: str | None = None,
+) -> dict[str, Any]:
+    """meta.json for rows made with ``projections`` (see docs/architecture.md).
+
+    ``config``: the run's configuration as recorded (``RunConfig.content()``); ``dtype`` and
+    ``nonfinite``: the store options of those names.
+    ``hashed=False``: ``projection_sha256`` is ``None``, for :func:`prepare_store` to fill in.
+    ``params_sha256``: ``nnstat.run.params.params_fingerprint`` of the weights the rows are
+    computed with;
+    ``statistics_sha256``: :func:`statistics_hash` of the statistics that go with them.
+    """
+    mods = layout(projections)
+    return {
+        "format_version": FORMAT_VERSION,
+        "nnstat_version": __version__,
+        "project": project,
+        "config": config,
+        "dtype": dtype,
+        "row_width": sum(m["width"] for m in mods),
+        "modules": mods,
+        "projection": {
+            "rank": projection_args["rank"],
+            "init": projection_args["init"] if projection_args["rank"] is not None else None,
+            "seed": projection_args["seed"],
+            "seed_rule": "torch.Generator().manual_seed(seed * 1000003 + crc32(name)); "
+            "p_in then p_out, N(0, 1/r); identity where r >= dim",
+        },
+        "projection_seed": projection_args["seed"],
+        "projection_sha256": (tensors_hash(projection_tensors(projections)) if hashed else None),
+        "nonfinite": nonfinite,
+        "skipped_rows": 0,
+        "params_sha256": params_sha256,
+        "statistics_sha256": statistics_sha256,
+    }
+
+
+def prepare_store(
+    path: Path, projections: Mapping[str, ModuleProjection], rank: int, meta: dict[str, Any]
+) -> None:
+    """Complete ``meta`` with the projection hash; for a new store (no meta.json yet) also with
+    the hash of the statistics already there, and save the projections (rank 0).
+
+    A resumed store keeps its files (its meta.json, compared by hash, names them). A new one
+    always writes its projections, also over a file left by a run that died before its first
+    meta.json: that file belongs to no store, and keeping it would pair another projection
+    with this meta.json's hash.
+    """
+    if meta.get("projection_sha256") is None:
+        meta["projection_sha256"] = tensors_hash(projection_tensors(projections))
+    if (Path(path) / files.META_FILE).exists():
+        return
+    if meta.get("statistics_sha256") is None:
+        meta["statistics_sha256"] = statistics_hash(path)
+    write_projections(path, projections, rank)
+
+
+def write_projections(path: Path, projections: Mapping[str, ModuleProjection], rank: int) -> None:
+    """Save ``projections.safetensors`` (rank 0), replacing any file of that name."""
+    target = Path(path) / files.PROJECTIONS_FILE
+    if rank != 0:
+        return
+    from safetensors.torch import save
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    tensors = projection_tensors(projections)
+    files.atomic_write_bytes(target, save(tensors) if tensors else save({}))
+
+
+def statistics_hash(path: Path) -> str | None:
+    """:func:`~nnstat.store.integrity.tensors_hash` of the store's ``statistics.safetensors``,
+    ``None`` without one."""
+    target = Path(path) / files.STATISTICS_FILE
+    return tensors_hash(files.load_safetensors(target)) if target.exists() else None
+
+
+def record_statistics_hash(
+    path: Path, rank: int, saved: Mapping[str, torch.Tensor] | None = None
+) -> None:
+    """Rank 0: put the hash of the statistics just saved into meta.json (when the store has
+    one), so meta.json always names the statistics that go with its rows. ``saved``: the
+    tensors just written, hashed as they are in memory (the same names, dtypes, shapes and
+    bytes as the file) instead of reading the whole file back (1.3 GB for GPT-2 small)."""
+    meta_path = Path(path) / files.META_FILE
+    if rank != 0 or not meta_path.exists():
+        return
+    meta = files.read_json(meta_path)
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path}: expected a JSON object, got {type(meta).__name__}")
+    meta["statistics_sha256"] = statistics_hash(path) if saved is None else tensors_hash(saved)
+    files.atomic_write_json(meta_path, meta)
