@@ -20,10 +20,9 @@ INTEGRATIONS = ROOT / "integrations"
 #: Top to bottom. A unit may import from units in lower layers and from itself, nothing else.
 LAYERS: list[set[str]] = [
     {"cli"},
-    {"demo"},
-    # deprecated aliases of renamed packages (``nnstat.statistics``, ``nnstat.gns``): they
-    # resolve the new package by name at import, and nothing imports them
-    {"statistics", "gns"},
+    # with the demo: the deprecated aliases of renamed packages (``nnstat.statistics``,
+    # ``nnstat.gns``), which resolve the new package by name at import; nothing imports them
+    {"demo", "statistics", "gns"},
     {"integrations"},
     {"viewer", "plot"},
     {"run", "influence", "tracker", "gradient_noise", "recorder"},

@@ -124,7 +124,11 @@ class Tracker(BackgroundSteps):
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Tracker expects an nn.Module, got {type(model).__name__}")
-        if optimizer is not None and not isinstance(getattr(optimizer, "state", None), Mapping):
+        if not (
+            optimizer is None
+            or isinstance(optimizer, torch.optim.Optimizer)
+            or isinstance(getattr(optimizer, "state", None), Mapping)
+        ):
             # checked here: the first step() reads optimizer.state, and an AttributeError there
             # would not say which argument was wrong
             raise TypeError(
