@@ -192,7 +192,8 @@ class PassData:
         batches = self.batches
         start = 0
         total = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
-        off = self.progress is False
+        # None: tqdm's own rule, no bar when the output is not a terminal (CI logs, files)
+        off = None if self.progress is None else not self.progress
         for batch in tqdm(batches, desc=desc, total=total, disable=off, leave=False):
             n = batch_size_of(batch)
             ids = (

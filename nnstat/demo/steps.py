@@ -190,7 +190,7 @@ def log_training_gradients(state: Any) -> None:
 
     for i, _ in enumerate(run.schedule()):
         starts = range(0, len(X), 128)
-        for s in tqdm(starts, desc=f"logging pass {i + 1}/2", leave=False):
+        for s in tqdm(starts, desc=f"logging pass {i + 1}/2", leave=False, disable=None):
             with run(data_id=list(range(s, min(s + 128, len(X))))):
                 loss = nn.functional.cross_entropy(
                     model(X[s : s + 128]), y[s : s + 128], reduction="sum"

@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shlex
 import shutil
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -242,7 +244,9 @@ def report(state: DemoState) -> None:
         print(f"  {name:<12} {r:12.1f}")
     state.tracker.close()
     print(f"\nTensorBoard logs: {state.config.log_dir / 'tensorboard'}")
-    print(f"  view with: tensorboard --logdir {state.config.log_dir / 'tensorboard'}")
+    print(
+        f"  view with: {installed('tensorboard')} --logdir {state.config.log_dir / 'tensorboard'}"
+    )
     if state.wandb_dir:
         print(f"W&B offline run: {Path(state.wandb_dir).parent}  (upload with: wandb sync <dir>)")
     for note in state.notes:
@@ -307,4 +311,14 @@ def main(argv: list[str] | None = None) -> int:
     state = run(_parse(list(argv or [])))
     # the number the report shows: measured once, when the report was written
     print(f"\ndemo finished in {state.wall_seconds:.1f} s (data to report, as in the report)")
+    print(f"browse everything it wrote: {installed('nnstat')} view {state.config.log_dir}")
     return 0
+
+
+def installed(command: str) -> str:
+    """How to run an installed command from here: its path beside this Python (a venv's
+    ``bin/``, which need not be on PATH: ``make demo`` does not activate it), else its name."""
+    beside = Path(sys.executable).parent / command
+    if beside.exists() and shutil.which(command) != str(beside):
+        return shlex.quote(str(beside))
+    return command
