@@ -1,12 +1,19 @@
-"""Every ```python block in README.md and docs/*.md runs, and uses only the public API.
+"""Every ```python block in README.md and docs/*.md runs, uses only the public API, and prints
+what the page shows.
 
 One case per markdown file: its python blocks run in order in one fresh namespace (like a
 notebook), in a temporary working directory, with W&B offline. A block that cannot run here must
-not be tagged ``python``: use ``bash`` for shell commands and ``text`` for output.
+not be tagged ``python``: use ``bash`` for shell commands and ``text`` for output. A ```text
+block that directly follows a python block (nothing but blank lines between) is that block's
+printed output and is compared with it, doctest-style: whitespace is normalised and ``...``
+stands for any text, which is how a page marks numbers that vary by machine (timings, sizes).
 """
 
 from __future__ import annotations
 
+import contextlib
+import doctest
+import io
 import re
 import textwrap
 from pathlib import Path
@@ -44,6 +51,34 @@ def fenced_blocks(text: str) -> list[tuple[str, int, str]]:
     return blocks
 
 
+def blocks_with_output(text: str) -> list[tuple[int, str, str | None]]:
+    """``(line, code, shown output or None)`` of every python block: the output is the ```text
+    block right after it (only blank lines between)."""
+    lines = text.splitlines()
+    blocks = fenced_blocks(text)
+    out = []
+    for i, (lang, start, code) in enumerate(blocks):
+        if lang != "python":
+            continue
+        shown = None
+        if i + 1 < len(blocks) and blocks[i + 1][0] == "text":
+            end = start + len(code.splitlines())  # the closing fence of this block
+            between = lines[end : blocks[i + 1][1] - 2]
+            if all(not line.strip() for line in between):
+                shown = blocks[i + 1][2]
+        out.append((start, code, shown))
+    return out
+
+
+_CHECKER = doctest.OutputChecker()
+_FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+
+
+def output_matches(shown: str, printed: str) -> bool:
+    """Doctest's comparison: normalised whitespace, ``...`` for any text."""
+    return _CHECKER.check_output(shown.strip() + "\n", printed.strip() + "\n", _FLAGS)
+
+
 def python_blocks(page: str) -> list[tuple[int, str]]:
     blocks = fenced_blocks((ROOT / page).read_text(encoding="utf-8"))
     return [(start, code) for lang, start, code in blocks if lang == "python"]
@@ -69,6 +104,16 @@ def test_fence_parser() -> None:
         ("bash", 8, "make test"),
         ("text", 11, "out"),
     ]
+
+
+def test_output_blocks_are_paired_and_compared() -> None:
+    text = (
+        "```python\nprint(1)\n```\n\n```text\n1\n```\n"
+        "```python\nprint(2)\n```\nsome prose\n```text\nnot output\n```\n"
+    )
+    assert blocks_with_output(text) == [(2, "print(1)", "1"), (9, "print(2)", None)]
+    assert output_matches("took ... s\nloss  0.25", "took 3.1 s\nloss 0.25")
+    assert not output_matches("raw 0.28", "raw 0.32")
 
 
 def test_private_paths() -> None:
@@ -102,6 +147,10 @@ def test_docs_page_opens_with_an_example(page: str) -> None:
 @pytest.mark.parametrize("page", PAGES)
 def test_python_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     blocks = python_blocks(page)
+    outputs = {
+        start: shown
+        for start, _, shown in blocks_with_output((ROOT / page).read_text(encoding="utf-8"))
+    }
     if page not in NO_EXAMPLE_REQUIRED:
         assert blocks, f"{page} has no ```python block"
     for start, code in blocks:
@@ -116,16 +165,27 @@ def test_python_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.Monkey
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     namespace: dict = {"__name__": "doc_example"}
+    mismatches: list[str] = []
     try:
         for start, code in blocks:
             # pad so that tracebacks give the line numbers of the markdown file
             source = "\n" * (start - 1) + code
+            printed = io.StringIO()
             try:
-                exec(compile(source, str(ROOT / page), "exec"), namespace)
+                with contextlib.redirect_stdout(printed):
+                    exec(compile(source, str(ROOT / page), "exec"), namespace)
             except Exception as exc:
                 raise AssertionError(
                     f"{page}: the python block starting at line {start} raised "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
+            shown = outputs[start]
+            if shown is not None and not output_matches(shown, printed.getvalue()):
+                mismatches.append(
+                    f"{page}: the python block at line {start} printed\n"
+                    f"{printed.getvalue()}\nbut the page shows\n{shown}\n(mark numbers that "
+                    "vary by machine with ...)"
+                )
     finally:
         torch.set_num_threads(threads)
+    assert not mismatches, "\n\n".join(mismatches)
