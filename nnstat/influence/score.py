@@ -6,9 +6,14 @@ one block plus the output (or only ``n_test × 2k`` entries in top-k mode). Unde
 ``torch.distributed`` each rank scores every ``world_size``-th shard and the pieces are
 gathered on every rank.
 
-Modes (higher = more similar/helpful in all three), with ``M = (H + λI)⁻¹``:
+Modes (higher = more similar/helpful in all four), with ``M = (H + λI)⁻¹``:
 
 * ``dot``: ``g_qᵀ M g_i``
+* ``relatif``: ``g_qᵀ M g_i / ‖g_i‖_M``, the training side divided by the square root of its
+  self-influence (RelatIF's ℓ-relative influence, Barshan et al. 2020), so that a few
+  high-loss, large-gradient examples no longer top every query's list; per query it ranks the
+  training examples as ``cosine`` does (they differ by one positive factor per query, the
+  query's own norm), while the scores keep the query's scale
 * ``cosine``: ``g_qᵀ M g_i / (‖g_q‖_M ‖g_i‖_M)``
 * ``l2``: ``−(g_q − g_i)ᵀ M (g_q − g_i)``
 
@@ -48,7 +53,7 @@ from .sources import (
 )
 from .topk import block_candidates
 
-MODES = ("dot", "cosine", "l2")
+MODES = ("dot", "relatif", "cosine", "l2")
 
 
 def _dist() -> tuple[int, int]:
@@ -171,7 +176,9 @@ def _score_block(
         return scores
     t_norm = (pre.apply(rows, damping) * rows).sum(1)  # g_iᵀ M g_i
     tn, qn = (t_norm[None, :], q_norm[:, None]) if query_major else (t_norm[:, None], q_norm[None])
-    if mode == "cosine":
+    if mode == "relatif":
+        scores /= tn.clamp_min(0).sqrt().clamp_min(torch.finfo(torch.float32).tiny)
+    elif mode == "cosine":
         denom = tn.clamp_min(0).sqrt() * qn.clamp_min(0).sqrt()
         scores /= denom.clamp_min(torch.finfo(torch.float32).tiny)
     else:

@@ -160,8 +160,8 @@ def test_kfac_without_statistics_names_the_missing_key():
         compute_influence_all(src, src, preconditioner="kfac", progress=False)
 
 
-@pytest.mark.parametrize("mode", ["cosine", "l2"])
-def test_cosine_and_l2_closed_forms(rows, mode):
+@pytest.mark.parametrize("mode", ["relatif", "cosine", "l2"])
+def test_relatif_cosine_and_l2_closed_forms(rows, mode):
     train, query = rows
     lam = 1e-2
     m = _blockdiag_inverse(_fisher_blocks(train), [lam, lam])
@@ -173,7 +173,21 @@ def test_cosine_and_l2_closed_forms(rows, mode):
         mode=mode,
         progress=False,
     )
-    if mode == "cosine":
+    if mode == "relatif":
+        tn = torch.sqrt(torch.einsum("ij,jk,ik->i", train, m, train))
+        expected = (query @ m @ train.T) / tn[None, :]
+        top = compute_influence_all(
+            TensorSource(query.float(), layout=store_layout()),
+            TensorSource(train.float(), layout=store_layout()),
+            preconditioner="raw",
+            damping=lam,
+            mode=mode,
+            top_k=3,
+            progress=False,
+        )
+        ranked = expected.argsort(dim=1, descending=True)[:, :3]
+        assert top.helpful_ids == ranked.tolist()  # the top-k path normalises too
+    elif mode == "cosine":
         qn = torch.sqrt(torch.einsum("ij,jk,ik->i", query, m, query))
         tn = torch.sqrt(torch.einsum("ij,jk,ik->i", train, m, train))
         expected = (query @ m @ train.T) / qn[:, None] / tn[None, :]
