@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 from .cache import clear_cache
+from .counterfactual import CounterfactualResult, counterfactual
 from .exact import exact
 from .krylov import block_cg, preconditioned_cg
 from .layout import ModuleSpec
@@ -27,6 +28,7 @@ from .sources import TensorSource, as_source
 
 __all__ = [
     "CURVATURES",
+    "CounterfactualResult",
     "MODES",
     "PRECONDITIONERS",
     "InfluenceResult",
@@ -42,6 +44,7 @@ __all__ = [
     "clear_cache",
     "compute_influence_all",
     "compute_self_influence",
+    "counterfactual",
     "exact",
     "lds",
     "lds_per_query",
