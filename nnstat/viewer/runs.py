@@ -5,10 +5,13 @@ reader of that documented format (integrations/jsonl.py): a header line
 ``{"nnstat_jsonl": 1, ...}``, then ``{"step", "time", "metrics"}`` per line, non-finite numbers
 as ``"NaN"``/``"Infinity"``/``"-Infinity"``, histograms as ``{"hist": {"edges", "counts", ...}}``.
 
-For the page, every scalar key becomes one series aligned on the run's sorted steps (``null``
-where a step did not log it, and for non-finite values, which charts show as gaps); lines of
-the same step merge, a key logged twice for one step (a resumed run) keeping its last value. Histograms keep at most `MAX_HIST_STEPS`
-steps per key, evenly spaced, the last one always.
+For the page, every scalar key becomes one series aligned on the run's sorted steps: ``null``
+where the value was not finite or where a step did not log the key; ``nonfinite`` lists, per
+key, the positions that were logged as NaN/Inf. Charts break the line at those only and draw
+across steps that did not log the key, so series logged at different cadences (a noise scale
+every 10 steps in a run logged every 5) still draw. Lines of the same step merge, a key logged
+twice for one step (a resumed run) keeping its last value. Histograms keep at most
+`MAX_HIST_STEPS` steps per key, evenly spaced, the last one always.
 
 Example:
     >>> import json, tempfile
@@ -17,8 +20,8 @@ Example:
     ...          {"step": 1, "metrics": {"loss": "NaN", "acc": 0.5}}]
     >>> _ = (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\\n" for x in lines))
     >>> run = load_run(d, d, lambda p, m: None)
-    >>> run["steps"], run["series"]
-    ([0, 1], {'acc': [None, 0.5], 'loss': [2.0, None]})
+    >>> run["steps"], run["series"], run["nonfinite"]
+    ([0, 1], {'acc': [None, 0.5], 'loss': [2.0, None]}, {'loss': [1]})
 """
 
 from __future__ import annotations
@@ -113,7 +116,11 @@ def load_run(root: Path, folder: Path, report: Callable[[Path, str], None]) -> d
                 raise Refused(f"step must be an integer, got {json.dumps(step)[:60]}")
             metrics = {}
             for key, v in obj["metrics"].items():
-                metrics[key] = _hist(v) if isinstance(v, dict) else _value(v)
+                if isinstance(v, dict):
+                    metrics[key] = _hist(v)
+                else:  # NaN marks "logged, not finite", apart from "not logged" (absent)
+                    value = _value(v)
+                    metrics[key] = math.nan if value is None else value
         except Refused as exc:
             report(path, f"line {number}: {exc}; the line is skipped")
             continue
@@ -125,6 +132,11 @@ def load_run(root: Path, folder: Path, report: Callable[[Path, str], None]) -> d
         {k for m in by_step.values() for k, v in m.items() if not isinstance(v, dict)}
     )
     series = {k: [_scalar(by_step[s].get(k)) for s in steps] for k in scalar_keys}
+    nonfinite = {
+        k: idx
+        for k in scalar_keys
+        if (idx := [i for i, s in enumerate(steps) if _is_nan(by_step[s].get(k))])
+    }
     hists: dict[str, dict[str, list]] = {}
     for s in steps:
         for k, v in by_step[s].items():
@@ -141,11 +153,15 @@ def load_run(root: Path, folder: Path, report: Callable[[Path, str], None]) -> d
             )
             for name in ("steps", "edges", "counts"):
                 h[name] = [h[name][i] for i in keep]
-    return {"id": rel, "steps": steps, "series": series, "hists": hists}
+    return {"id": rel, "steps": steps, "series": series, "nonfinite": nonfinite, "hists": hists}
 
 
 def _scalar(v: Any) -> float | None:
-    return v if isinstance(v, float) else None
+    return v if isinstance(v, float) and math.isfinite(v) else None
+
+
+def _is_nan(v: Any) -> bool:
+    return isinstance(v, float) and math.isnan(v)
 
 
 def _refuse_constant(name: str) -> Any:

@@ -62,12 +62,16 @@
     box.replaceChildren();
     const log = !!opts.log;
     let hidden = 0;
+    // uPlot breaks a line at null and draws across undefined: null = a gap the data has (NaN,
+    // a value a log axis cannot place), undefined = nothing logged at that x
     const ys = opts.series.map((s) => s.values.map((v) => {
-      if (v === null || v === undefined || !Number.isFinite(v)) return null;
+      if (v === undefined) return undefined;
+      if (v === null || !Number.isFinite(v)) return null;
       if (log && v <= 0) { hidden += 1; return null; }  // no place on a log axis
       return v;
     }));
-    if (!ys.some((vals) => vals.some((v) => v !== null))) {
+    const drawn = (v) => v !== null && v !== undefined;
+    if (!ys.some((vals) => vals.some(drawn))) {
       box.append(note(`${opts.title ? opts.title + ": " : ""}no finite values` +
         (log && hidden ? " above 0 (log scale)" : "")));
       return null;
@@ -80,7 +84,7 @@
       width: 1.5,
       dash: s.dash ? [6, 4] : undefined,
       spanGaps: false,
-      points: { show: ys[i].filter((v) => v !== null).length < 3 },
+      points: { show: ys[i].filter(drawn).length < 3 },
       value: (u, v) => fmt(v),
     }));
     const plot = new window.uPlot({

@@ -125,10 +125,14 @@
       chart.lines.filter((l) => has(other, l.key)).forEach((l) => lines.push(
         { label: `${other.id}: ${l.label}`, run: other, key: l.key, dash: true }));
     }
+    // null breaks the line (a logged NaN/Inf), undefined is "not logged at this step" and
+    // the line is drawn across it: series logged at other cadences, or the other run's steps
     const at = (r, key) => {
-      if (r.steps === x) return r.series[key];
-      const m = new Map(r.steps.map((s, i) => [s, r.series[key][i]]));
-      return x.map((s) => (m.has(s) ? m.get(s) : null));
+      const gaps = new Set((r.nonfinite && r.nonfinite[key]) || []);
+      const own = r.series[key].map((v, i) => (gaps.has(i) ? null : v === null ? undefined : v));
+      if (r.steps === x) return own;
+      const m = new Map(r.steps.map((s, i) => [s, own[i]]));
+      return x.map((s) => m.get(s));
     };
     C.line(box, { title: chart.id, x, log: R.log, sync: "run",
       series: lines.map((l) => ({ label: l.label, dash: l.dash, values: at(l.run, l.key) })) });
