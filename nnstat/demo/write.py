@@ -162,9 +162,14 @@ def batch_advice(stages: list[NoiseStage], batch: int, n_train: int) -> tuple[st
         )
         summary = f"{batch} is about right (late B_simple {_n(lo)}–{_n(hi)})"
     if hi > n_train:
+        # |G|² is then a small difference of two noisy squared norms: the estimate is bounded
+        # below by what the data can show, not measured, and its interval runs off the top
         parts.append(
-            f"Some estimates exceed the {n_train} training digits: there, even full-batch steps "
-            "would pay off."
+            f"Some late estimates exceed the {n_train} training digits (bootstrap intervals up "
+            f"to {_n(late.high)}): the estimator has lost resolution there, because the mean "
+            "gradient it divides by is then smaller than its own noise. Read them as "
+            f'"B_simple is at least about {n_train}", not as a measured value, and not as '
+            "evidence that full-batch steps would pay off."
         )
     spread = hi / lo if lo > 0 and math.isfinite(hi) else math.inf
     parts.append(

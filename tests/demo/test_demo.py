@@ -127,4 +127,9 @@ def test_batch_advice_follows_the_late_estimates_and_states_their_spread():
     )
     summary, text = batch_advice(inf_stages, batch=64, n_train=300)
     assert "only a lower bound" in text and "exceed the 300 training digits" in text
+    assert "lost resolution" in text and "not as evidence that full-batch" in text
+    # estimates within the training set size make no resolution claim
+    assert "lost resolution" not in batch_advice(stages, batch=64, n_train=5000)[1]
+    summary, text = batch_advice(stages, batch=64, n_train=1100)
+    assert "exceed the 1100 training digits (bootstrap intervals up to 1560)" in text
     assert batch_advice([], 64, 100)[0] == "n/a"
