@@ -461,8 +461,10 @@ def refined(log, loader, refine: Refinement):
     return in_train_order(res), extra
 
 
-def unrefined(log, loader, kind: str, damping: float | None):
-    res = compute_influence_all(log, loader, preconditioner=kind, damping=damping, progress=False)
+def unrefined(log, loader, kind: str, damping: float | None, mode: str = "dot"):
+    res = compute_influence_all(
+        log, loader, preconditioner=kind, damping=damping, mode=mode, progress=False
+    )
     extra = {"module_damping": res.meta.get("module_damping") if kind != "identity" else None}
     return in_train_order(res), extra
 
@@ -496,6 +498,15 @@ def bench_store(board: Board, ctx: dict[str, Any], log, loader, args, projected:
         board.run(
             f"nnstat {kind}" + (" (default damping)" if kind != "identity" else ""),
             lambda kind=kind: unrefined(log, loader, kind, None),
+            group="unrefined",
+            preconditioner=kind,
+        )
+    # RelatIF (mode="relatif"): the same scores with each training row divided by the square
+    # root of its self-influence; LDS is per query, so only the training side can matter
+    for kind in ("raw", "ekfac"):
+        board.run(
+            f"nnstat {kind} relatif (default damping)",
+            lambda kind=kind: unrefined(log, loader, kind, None, mode="relatif"),
             group="unrefined",
             preconditioner=kind,
         )
