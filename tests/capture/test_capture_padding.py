@@ -90,7 +90,7 @@ def test_embedding_per_sample_grads_and_norms_skip_padded_and_masked_positions(v
 def _onehot(ids: torch.Tensor, vocab: int, keep: torch.Tensor) -> torch.Tensor:
     """``[N*T, V]`` one-hot rows by hand, zero where the position is padded or masked."""
     rows = torch.zeros(ids.numel(), vocab)
-    for r, (i, k) in enumerate(zip(ids.flatten().tolist(), keep.flatten().tolist())):
+    for r, (i, k) in enumerate(zip(ids.flatten().tolist(), keep.flatten().tolist(), strict=True)):
         if i != 0 and k:
             rows[r, i] = 1.0
     return rows
