@@ -51,7 +51,8 @@ def _solve(small: float, big: float, b: float, B: float) -> tuple[float, float]:
 
 
 def _check(res, small: list[dict], big: list[dict], b: int, layers: dict[str, list[str]]):
-    totals = [_solve(sum(s.values()), sum(g.values()), b, B_BIG) for s, g in zip(small, big)]
+    pairs = list(zip(small, big, strict=True))
+    totals = [_solve(sum(s.values()), sum(g.values()), b, B_BIG) for s, g in pairs]
     assert res.grad_sq_norm == pytest.approx(sum(t[0] for t in totals) / N_EST, rel=1e-4)
     assert res.trace_sigma == pytest.approx(sum(t[1] for t in totals) / N_EST, rel=1e-4)
     assert res.estimates["grad_sq_norm"] == pytest.approx([t[0] for t in totals], rel=1e-4)
@@ -59,8 +60,7 @@ def _check(res, small: list[dict], big: list[dict], b: int, layers: dict[str, li
     assert res.b_simple == pytest.approx(res.trace_sigma / res.grad_sq_norm, rel=1e-9)
     assert set(res.per_layer) == set(layers)
     for name, keys in layers.items():
-        per = [_solve(sum(s[k] for k in keys), sum(g[k] for k in keys), b, B_BIG) for s, g in
-               zip(small, big)]  # fmt: skip
+        per = [_solve(sum(s[k] for k in keys), sum(g[k] for k in keys), b, B_BIG) for s, g in pairs]
         layer = res.per_layer[name]
         assert layer.grad_sq_norm == pytest.approx(sum(p[0] for p in per) / N_EST, rel=1e-4)
         assert layer.trace_sigma == pytest.approx(sum(p[1] for p in per) / N_EST, rel=1e-4)
