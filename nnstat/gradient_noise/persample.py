@@ -25,7 +25,10 @@ class PerSampleNorms:
     ``last`` is ``(small, big, n)`` after a batch: dicts ``module name -> float`` with the mean
     per-sample squared norm and the squared norm of the batch's mean gradient, and the batch
     size ``n``. The batch gradient is ``.grad`` after backward minus ``.grad`` before, so
-    gradient accumulation across batches does not disturb it.
+    gradient accumulation across batches does not disturb it. ``loss_reduction`` says how the
+    batch's loss reduced over its samples: ``"mean"`` (each sample's gradient is the engine's
+    output gradient times ``n``, ``.grad`` is the mean gradient) or ``"sum"`` (each sample's
+    gradient is taken as it is, ``.grad / n`` is the mean gradient).
     """
 
     def __init__(self, model: nn.Module, name_filter: str | None = None, type_filter: Any = None):
@@ -48,6 +51,7 @@ class PerSampleNorms:
         self._local_big = False  # under DDP/FSDP: batch gradient from the captures
         self._before: list[torch.Tensor | None] = []
         self._accumulating = False  # .grad held values before this batch
+        self._sum = False  # this batch's loss is a sum over its samples
         self.last: tuple[dict[str, float], dict[str, float], int] = ({}, {}, 0)
 
     def covered_parameters(self) -> set[int]:
@@ -67,9 +71,9 @@ class PerSampleNorms:
         self._caps.extend(caps)
 
     @contextmanager
-    def batch(self, batch_size: int | None = None) -> Iterator[None]:
+    def batch(self, batch_size: int | None = None, loss_reduction: str = "mean") -> Iterator[None]:
         """Capture one backward; ``last`` then holds its per-module values."""
-        self.begin(batch_size)
+        self.begin(batch_size, loss_reduction)
         try:
             yield
         except BaseException:
@@ -78,8 +82,11 @@ class PerSampleNorms:
         names, small, big, n = self.end()
         self.last = (dict(zip(names, small, strict=True)), dict(zip(names, big, strict=True)), n)
 
-    def begin(self, batch_size: int | None = None) -> None:
+    def begin(self, batch_size: int | None = None, loss_reduction: str = "mean") -> None:
         """Open a batch (``batch()`` without a generator: the tracker calls this every step)."""
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        self._sum = loss_reduction == "sum"
         self._caps, self._seen = [], set()
         self._local_big = rank_world()[1] > 1
         # .grad snapshots so gradient accumulation does not disturb the batch gradient; after
@@ -90,7 +97,7 @@ class PerSampleNorms:
             self._before = [None if g is None else g.detach().clone() for g in self._before]
         # the batch size tells the engine how to expand an input the batch shares ([1, T])
         samples = "input" if batch_size is None else batch_size
-        self.engine._begin(batch_size, None, "mean", False, samples)
+        self.engine._begin(batch_size, None, loss_reduction, False, samples)
 
     def abort(self) -> None:
         """Close a batch whose block raised: nothing is reduced."""
@@ -181,6 +188,8 @@ class PerSampleNorms:
         big = [0.0] * len(caps)
         for j, v in zip(owner, norms[n_factors:], strict=True):
             big[j] += v * v
+        if self._sum:  # .grad is the sum of the samples' gradients: n times their mean
+            big = [v / (n * n) for v in big]
         return small, big
 
     def close(self) -> None:

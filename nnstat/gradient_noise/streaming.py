@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from nnstat.capture.reduction import MeanLossProbe
 from nnstat.describe import as_float
 from nnstat.gradient_noise.ddp import DDPNoiseScaleState, register_noise_scale_hook
 from nnstat.gradient_noise.maths import check_batch_sizes, ratio_of_means, safe_ratio
@@ -68,19 +70,55 @@ class _Average:
 class _TrackedBatch:
     """``NoiseScale.batch()``: a plain context manager (no generator), as it runs every step."""
 
-    __slots__ = ("tracker", "capture", "batch_size")
+    __slots__ = ("tracker", "capture", "batch_size", "loss_reduction", "probe")
 
-    def __init__(self, tracker: NoiseScale, capture: PerSampleNorms, batch_size: int | None):
+    def __init__(
+        self,
+        tracker: NoiseScale,
+        capture: PerSampleNorms,
+        batch_size: int | None,
+        loss_reduction: str,
+        probe: MeanLossProbe | None,
+    ):
         self.tracker, self.capture, self.batch_size = tracker, capture, batch_size
+        self.loss_reduction, self.probe = loss_reduction, probe
 
     def __enter__(self) -> None:
-        self.capture.begin(self.batch_size)
+        self.capture.begin(self.batch_size, self.loss_reduction)
+        if self.probe is not None:
+            self.probe.__enter__()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self.probe is not None:
+            self.probe.__exit__(exc_type, exc, tb)
         if exc_type is not None:
             self.capture.abort()
             return
-        self.tracker._add_captured(*self.capture.end())
+        names, small, big, n = self.capture.end()
+        if self.probe is not None:
+            self.tracker._checked.add(self.loss_reduction)
+            _warn_mismatch(self.probe, self.loss_reduction, n)
+        self.tracker._add_captured(names, small, big, n)
+
+
+def _warn_mismatch(probe: MeanLossProbe, loss_reduction: str, n: int) -> None:
+    """Warn when the loss of a ``NoiseScale.batch()`` block of ``n`` samples was reduced over
+    the batch otherwise than ``loss_reduction`` says (called from ``_TrackedBatch.__exit__``:
+    the warning points at the user's ``with gns.batch()``)."""
+    if loss_reduction == "mean":
+        what, actual, fix = probe.sum_over_batch(n), "a sum", "loss_reduction='sum'"
+    else:
+        what, actual, fix = probe.mean_over_batch(n), "a mean", "loss_reduction='mean'"
+    if what is None:
+        return
+    warnings.warn(
+        f"nnstat: the loss of this NoiseScale.batch() block is {actual} over its {n} samples "
+        f"({what}), but batch() was given loss_reduction={loss_reduction!r}"
+        f"{' (the default)' if loss_reduction == 'mean' else ''}: trace_sigma and "
+        f"grad_sq_norm come out scaled by {n}^2 or 1/{n}^2 (b_simple is unaffected). Pass "
+        f"batch({fix}).",
+        stacklevel=3,
+    )
 
 
 class NoiseScale:
@@ -120,6 +158,8 @@ class NoiseScale:
         self.n_updates = 0
         self._stats: dict[str, _Average] = {}
         self._capture: PerSampleNorms | None = None
+        self._compiled = False  # the watched model is torch.compile'd: no function mode inside
+        self._checked: set[str] = set()  # loss reductions a probe checked since watch()
 
     # ----------------------------------------------------------------- feeding
     def update(
@@ -206,16 +246,26 @@ class NoiseScale:
     ) -> list[str]:
         """Hook ``model`` through the capture engine for per-sample norms (``b_small = 1``).
 
-        Then wrap each backward in ``with gns.batch(): ...``; the loss must be the batch mean.
+        Then wrap each backward in ``with gns.batch(): ...`` (a loss that is the batch mean;
+        ``gns.batch(loss_reduction="sum")`` for a sum over the batch).
         """
 
         if self._capture is not None:
             raise RuntimeError("this NoiseScale already watches a model; call unwatch() first")
         self._capture = PerSampleNorms(model, name_filter=name_filter, type_filter=type_filter)
+        self._compiled, self._checked = hasattr(model, "_orig_mod"), set()
         return list(self._capture.names)
 
-    def batch(self, batch_size: int | None = None) -> AbstractContextManager[None]:
+    def batch(
+        self, batch_size: int | None = None, loss_reduction: str = "mean"
+    ) -> AbstractContextManager[None]:
         """Capture one backward of the watched model and update the estimate from it.
+
+        ``loss_reduction``: how the loss of the block reduced over its samples, ``"mean"``
+        (the default) or ``"sum"``; the estimates are those of the mean gradient either way.
+        The first block of each reduction after ``watch`` checks the loss (a
+        ``MeanLossProbe``) and warns when it was a sum where ``"mean"`` was given, or the
+        reverse (``trace_sigma`` and ``grad_sq_norm`` would be off by ``N^2``).
 
         Example (training loop)::
 
@@ -227,7 +277,11 @@ class NoiseScale:
         """
         if self._capture is None:
             raise RuntimeError("call watch(model) before batch()")
-        return _TrackedBatch(self, self._capture, batch_size)
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        check = not self._compiled and loss_reduction not in self._checked
+        probe = MeanLossProbe() if check else None
+        return _TrackedBatch(self, self._capture, batch_size, loss_reduction, probe)
 
     def _add_captured(self, names: list[str], small: list[float], big: list[float], n: int) -> None:
         # floats, per layer, finite (checked by the capture): skip update()'s input conversion
