@@ -50,6 +50,12 @@ CSP_SERVED = (
     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
     "img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
+# connections waiting to be accepted (http.server's default is 5: a burst of connections beyond
+# it has its SYNs dropped and retried after 1, 3, 7, 15 … s; the kernel caps it at somaxconn)
+BACKLOG = 1024
+# a connection silent this long (no request line, no headers, not reading the answer) is closed,
+# so its thread ends instead of waiting forever
+REQUEST_TIMEOUT = 10.0
 
 
 def render_page(data: dict | None = None) -> str:
@@ -142,15 +148,20 @@ def host_allowed(host: str | None, port: int) -> bool:
     return host.strip().lower() in allowed
 
 
-def make_server(root: str | Path, port: int = 8050) -> ThreadingHTTPServer:
+def make_server(
+    root: str | Path, port: int = 8050, request_timeout: float | None = REQUEST_TIMEOUT
+) -> ThreadingHTTPServer:
     """An HTTP server for ``root`` bound to 127.0.0.1 (``port=0`` picks a free port).
+
+    ``request_timeout``: seconds a connection may stay silent (reading the request, or not
+    taking the answer) before it is closed.
 
     Example:
         >>> srv = make_server("runs/recorder", port=0)  # doctest: +SKIP
         >>> srv.serve_forever()  # doctest: +SKIP
     """
     load_bundle(root)  # fail early with a clear message on a wrong folder
-    return _server(Path(root), port)
+    return _server(Path(root), port, request_timeout=request_timeout)
 
 
 # a report is an HTML file from the folder (the demo's report.html): shown in a sandbox (no
@@ -161,10 +172,30 @@ CSP_REPORT = (
 )
 
 
-def _server(root: Path, port: int) -> ThreadingHTTPServer:
+class ViewerServer(ThreadingHTTPServer):
+    """One thread per connection (daemon threads: a stuck client never blocks exit), a listen
+    backlog of `BACKLOG`, and ``request_timeout`` seconds for each socket operation."""
+
+    daemon_threads = True
+    request_queue_size = BACKLOG
+    request_timeout: float | None = REQUEST_TIMEOUT
+
+
+def _server(
+    root: Path,
+    port: int,
+    request_timeout: float | None = REQUEST_TIMEOUT,
+    backlog: int = BACKLOG,
+) -> ThreadingHTTPServer:
     explorer = Explorer(root)  # influence results cached for the life of this server
 
     class Handler(BaseHTTPRequestHandler):
+        def setup(self) -> None:
+            # StreamRequestHandler.setup applies self.timeout to the socket: a client that sends
+            # nothing (or stops reading) gets socket.timeout, and the connection is closed
+            self.timeout = self.server.request_timeout
+            super().setup()
+
         def do_GET(self) -> None:  # noqa: N802 (http.server API)
             host = self.headers.get("Host")
             if host is None:
@@ -272,12 +303,19 @@ def _server(root: Path, port: int) -> ThreadingHTTPServer:
         def log_message(self, format: str, *args: object) -> None:  # noqa: A002
             pass  # keep the terminal quiet; errors still raise in the handler thread
 
-    return ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    class Server(ViewerServer):
+        request_queue_size = backlog
+
+    srv = Server(("127.0.0.1", port), Handler)
+    srv.request_timeout = request_timeout
+    return srv
 
 
-def serve_in_thread(root: str | Path, port: int = 0) -> tuple[ThreadingHTTPServer, str]:
+def serve_in_thread(
+    root: str | Path, port: int = 0, request_timeout: float | None = REQUEST_TIMEOUT
+) -> tuple[ThreadingHTTPServer, str]:
     """Start a server in a daemon thread; returns it and its URL (for notebooks and tests)."""
-    srv = make_server(root, port)
+    srv = make_server(root, port, request_timeout=request_timeout)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     return srv, f"http://127.0.0.1:{srv.server_address[1]}/"
 
