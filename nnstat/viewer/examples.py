@@ -43,6 +43,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from nnstat.influence.layout import check_compatible
+from nnstat.influence.sources import all_finite
 from nnstat.store import GradientLog, GradientStore
 from nnstat.store.files import atomic_write_bytes, read_json
 
@@ -309,6 +310,8 @@ def save_queries(log: GradientLog, store_dir: str | Path, name: str = "queries")
         )
     check_compatible(log.meta, store.meta)  # raises naming what differs (projection, modules)
     ids = [i.item() if isinstance(i, np.generic) else i for i in log.ids]
+    if not all_finite(rows):
+        raise ValueError(f"save_queries: {_nonfinite(rows, ids)}")
     if len(set(ids)) != len(ids):
         raise ValueError("save_queries: the log's ids repeat")
     folder = Path(store_dir) / VIEWER_DIR / QUERIES_DIR / name
@@ -317,6 +320,14 @@ def save_queries(log: GradientLog, store_dir: str | Path, name: str = "queries")
     rec = {"format": "nnstat-queries", "version": 1, "ids": ids, "meta": log.meta}
     atomic_write_bytes(folder / QUERY_JSON, json.dumps(rec, allow_nan=False).encode("utf-8"))
     return folder
+
+
+def _nonfinite(rows: torch.Tensor, ids: list) -> str:
+    bad = (~torch.isfinite(rows)).any(1).nonzero().flatten().tolist()
+    return (
+        f"query rows of ids {[ids[i] for i in bad[:5]]} hold NaN/Inf values ({len(bad)} of "
+        f"{len(ids)} rows), which cannot be scored"
+    )
 
 
 def load_queries(folder: str | Path) -> GradientLog:
@@ -332,6 +343,8 @@ def load_queries(folder: str | Path) -> GradientLog:
         raise ValueError(
             f"{path}: rows {tuple(rows.shape)} {rows.dtype} do not match {len(rec['ids'])} ids"
         )
+    if not all_finite(rows):  # else the scorer's message would not say which file
+        raise ValueError(f"{path}: {_nonfinite(rows, rec['ids'])}; save the query set again")
     return GradientLog(ids=list(rec["ids"]), rows=rows, meta=rec["meta"])
 
 

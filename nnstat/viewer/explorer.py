@@ -32,7 +32,7 @@ import torch
 
 from nnstat.influence import TopKInfluence, compute_influence_all, compute_self_influence
 from nnstat.influence.cache import default_preconditioner
-from nnstat.influence.sources import as_source
+from nnstat.influence.sources import all_finite, as_source, nonfinite_error
 from nnstat.store import GradientLog, GradientStore
 from nnstat.viewer.discover import discover, rel_id
 from nnstat.viewer.examples import (
@@ -315,7 +315,12 @@ class Explorer:
     @staticmethod
     def _score_rows(store: GradientStore, start: int, stop: int) -> Any:
         """Top-`MAX_K` of training rows ``start:stop`` used as queries against their store."""
-        log = GradientLog(store.ids[start:stop], store.rows(start, stop), store.meta)
+        rows = store.rows(start, stop)
+        if not all_finite(rows):
+            # as a query the rows would be refused as "gradient rows": name their shard instead
+            src = as_source(store)
+            raise nonfinite_error(src, src.shard_at(start, rows), store.ids[start:stop], rows)
+        log = GradientLog(store.ids[start:stop], rows, store.meta)
         return compute_influence_all(log, store, top_k=MAX_K, progress=False)
 
     def _prefill_self(self, store_id: str, n: int) -> None:

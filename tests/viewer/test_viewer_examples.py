@@ -92,3 +92,65 @@ def test_save_queries_scores_like_the_log(tmp_path):
     bad = type(log)(ids=log.ids, rows=log.rows[:, :-1], meta=log.meta)
     with pytest.raises(ValueError, match="wide"):
         save_queries(bad, store)
+
+
+def _nan_store(root):
+    """A 2-wide store whose row of id 1 is NaN (a damaged shard, or nonfinite='keep')."""
+    from nnstat.store.files import atomic_write_json
+    from nnstat.store.writer import StoreWriter
+
+    d = root / "s"
+    d.mkdir(parents=True)
+    atomic_write_json(
+        d / "meta.json",
+        {
+            "format_version": 1,
+            "row_width": 2,
+            "dtype": "float32",
+            "modules": [{"name": "fc", "offset": 0, "width": 2, "r_out": 1, "r_in": 2}],
+        },
+    )
+    w = StoreWriter(d / "shards", row_width=2)
+    w.put([0, 1, 2], torch.tensor([[1.0, 2.0], [float("nan"), 1.0], [3.0, 4.0]]))
+    w.close()
+    return d
+
+
+def test_nan_query_rows_name_their_file(tmp_path, capsys):
+    import urllib.error
+    import urllib.request
+
+    from safetensors.torch import save_file
+
+    from nnstat.viewer.explorer import Explorer
+    from nnstat.viewer.server import main, serve_in_thread
+
+    store, log, _ = make_store(tmp_path)
+    bad = log.rows.clone()
+    bad[1, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"query rows of ids \['q1'\] hold NaN/Inf"):
+        save_queries(type(log)(ids=log.ids, rows=bad, meta=log.meta), store)
+    # a query set whose rows file was damaged after saving: every message names the file
+    folder = save_queries(log, store)
+    rows_file = folder / "rows.safetensors"
+    save_file({"rows": bad}, str(rows_file))
+    with pytest.raises(ValueError, match=rf"{rows_file}: query rows of ids \['q1'\] hold NaN"):
+        load_queries(folder)
+    srv, url = serve_in_thread(tmp_path)
+    try:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(url + "api/influence?store=p&set=queries&q=0")
+        msg = err.value.read().decode()
+        assert err.value.code == 400 and str(rows_file) in msg and "NaN/Inf" in msg
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert main([str(tmp_path), "--export", str(tmp_path / "x.html")]) == 1
+    assert str(rows_file) in capsys.readouterr().err
+    # a training row with NaN as the query (the store against itself): its shard is named
+    nan_store = _nan_store(tmp_path / "nan")
+    with pytest.raises(ValueError) as err:
+        Explorer(tmp_path / "nan").influence("s", "", 1, 2)
+    shard = GradientStore(nan_store).shards[0]
+    assert str(shard) in str(err.value) and "[1]" in str(err.value)
+    assert "gradient rows contains" not in str(err.value)
