@@ -29,6 +29,7 @@ from nnstat.influence.cli import usage_error
 from nnstat.viewer.bundle import load_bundle
 from nnstat.viewer.discover import discover, rel_id
 from nnstat.viewer.explorer import Explorer
+from nnstat.viewer.reports import embed_report, style_hashes
 
 STATIC = Path(__file__).parent / "static"
 _TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
@@ -80,10 +81,23 @@ def render_page(data: dict | None = None) -> str:
         scripts.append(js)
     # a file:// page has no origin to name, so the inlined scripts and style are allowed by their
     # hashes: an inline script or event handler that is not one of them never runs, and no
-    # request leaves the page (no connect-src, images from data: only)
+    # request leaves the page (no connect-src, images from data: only). The reports' sandboxed
+    # srcdoc frames keep this policy: their <style> elements and style attributes are allowed
+    # by their hashes too (nnstat.viewer.reports)
+    style_src = [_hash(css) for css in styles]
+    elements: set[str] = set()
+    attributes: set[str] = set()
+    for rep in data.get("reports", []):
+        if isinstance(rep.get("srcdoc"), str):
+            e, a = style_hashes(rep["srcdoc"])
+            elements |= e
+            attributes |= a
+    style_src += sorted((elements | attributes) - set(style_src))
+    if attributes:
+        style_src.append("'unsafe-hashes'")
     csp = (
         f"default-src 'none'; script-src {' '.join(_hash(js) for js in scripts)}; "
-        f"style-src {' '.join(_hash(css) for css in styles)}; img-src data:; base-uri 'none'; "
+        f"style-src {' '.join(style_src)}; img-src data:; base-uri 'none'; "
         "form-action 'none'"
     )
     meta = f'<meta http-equiv="Content-Security-Policy" content="{csp}">'
@@ -109,14 +123,19 @@ def _hash(text: str) -> str:
 
 def export_bundle(root: str | Path, bundle: dict | None = None) -> dict:
     """The bundle of ``root`` with what a file without a server needs: each store's explorer
-    results precomputed (`Explorer.export`) and reports linked by ``file://`` URL."""
+    results precomputed (`Explorer.export`) and each report's HTML (``srcdoc``, shown in a
+    sandboxed frame; ``omitted`` with the reason when too large: `nnstat.viewer.reports`)."""
     root = Path(root)
     bundle = load_bundle(root) if bundle is None else bundle
     explorer = Explorer(root)
     for store in bundle["stores"]:
         store["export"] = explorer.export(store["id"], store["query_sets"])
+    # looked up among the reports found (as the server does), never a path from the data
+    found = {rel_id(root, f): f for f in discover(root).reports}
     for rep in bundle["reports"]:
-        rep["href"] = (root / rep["id"]).resolve().as_uri()
+        f = found.get(rep["id"])
+        rep.pop("href", None)
+        rep.update(embed_report(f, rep["id"]) if f else {"omitted": f"{rep['id']} went away"})
     return bundle
 
 
