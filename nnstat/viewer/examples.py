@@ -5,16 +5,22 @@ training digit instead of ``id 42``, :func:`save_examples` writes the examples (
 texts) beside the store's files; :func:`save_queries` writes a query log (the in-memory
 `GradientLog` of ``nnstat.get_log()``) beside the store it will be scored against::
 
-    <store>/viewer/examples.json            {"format": "nnstat-examples", "version": 1, "ids": [...],
+    <store>/viewer/examples.json            {"format": "nnstat-examples", "version": 2, "ids": [...],
                                             "labels": [...] | null, "texts": [...] | null,
-                                            "images": {"shape": [n, H, W(, C)]} | null}
+                                            "images": {"shape": [n, H, W(, C)]} | null,
+                                            "ids_sha256": <digest of the store's ids>,
+                                            "digests": [<digest of id, label, text, image>, ...]}
     <store>/viewer/examples.safetensors     "images" float32 [n, H, W] or [n, H, W, C] (C = 1, 3, 4)
     <store>/viewer/queries/<name>/query.json         {"format": "nnstat-queries", "version": 1,
                                                       "ids": [...], "meta": <the log's meta>}
     <store>/viewer/queries/<name>/rows.safetensors   "rows" float32 [n, row_width]
     <store>/viewer/queries/<name>/examples.json (+ .safetensors)   save_examples(<that folder>, ...)
 
-Everything is JSON or safetensors (no pickle), written to a temporary name and renamed. The
+Everything is JSON or safetensors (no pickle), written to a temporary name and renamed.
+:func:`load_examples` refuses a file whose ``ids_sha256`` is not the digest of the folder's ids
+now (the store was logged again, the file copied from another) or whose ``digests`` do not match
+each example's id, label, text and image (ids reordered or edited), and files of version 1 (no
+digests, so such a mix-up could not be seen): no examples rather than wrong ones. The
 explorer scores each query set of a store against that store, and the store against itself
 (every training example as a query) whether or not a query set exists.
 
@@ -30,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Sequence
@@ -43,12 +50,14 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from nnstat.influence.layout import check_compatible
+from nnstat.influence.sources import all_finite
 from nnstat.store import GradientLog, GradientStore
 from nnstat.store.files import atomic_write_bytes, read_json
 
 __all__ = [
     "Examples",
     "VIEWER_DIR",
+    "ids_digest",
     "load_examples",
     "load_queries",
     "query_sets",
@@ -73,6 +82,34 @@ class Examples:
     images: torch.Tensor | None = None
     labels: list | None = None
     texts: list[str] | None = None
+
+
+def ids_digest(ids: Sequence[Any]) -> str:
+    """sha256 (hex) of ``ids`` in order, as compact JSON (``1`` and ``"1"`` differ).
+
+    Example:
+        >>> ids_digest([0, 1]) == ids_digest([0, 1]) != ids_digest([1, 0])
+        True
+    """
+    text = json.dumps(list(ids), separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _example_digests(
+    ids: list, labels: list | None, texts: list | None, images: torch.Tensor | None
+) -> list[str]:
+    """One digest per example over its id, label, text and image (float32 bytes): an id moved
+    to another example's position no longer matches its digest."""
+    out = []
+    for n, i in enumerate(ids):
+        fields = [i, None if labels is None else labels[n], None if texts is None else texts[n]]
+        h = hashlib.sha256(
+            json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        )
+        if images is not None:
+            h.update(images[n].contiguous().numpy().tobytes())
+        out.append(h.hexdigest()[:32])
+    return out
 
 
 def _folder_ids(folder: Path) -> list:
@@ -192,16 +229,19 @@ def save_examples(
     n = len(ids)
     record: dict[str, Any] = {
         "format": "nnstat-examples",
-        "version": 1,
+        "version": 2,
         "ids": ids,
         "labels": None if labels is None else _plain_list(labels, n, "labels", (int, str)),
         "texts": None if texts is None else _plain_list(texts, n, "texts", (str,)),
         "images": None,
+        # binds the file to the folder's ids now, and each example's id to its content
+        "ids_sha256": ids_digest(known),
     }
+    t = None if images is None else _as_images(images, n)
+    record["digests"] = _example_digests(ids, record["labels"], record["texts"], t)
     out_dir = _examples_dir(folder)
     out_dir.mkdir(exist_ok=True)
-    if images is not None:
-        t = _as_images(images, n)
+    if t is not None:
         record["images"] = {"shape": list(t.shape)}
         atomic_write_bytes(out_dir / EXAMPLES_TENSORS, st_save({"images": t}))
     else:
@@ -257,7 +297,36 @@ def load_examples(store_dir: str | Path) -> Examples | None:
                 f"{tpath}: images of shape {list(images.shape)}, {path} says "
                 f"{rec['images'].get('shape')} for {n} ids; save the examples again"
             )
+    _check_bound(Path(store_dir), path, rec, Examples(ids, images, labels, texts))
     return Examples(ids=ids, images=images, labels=labels, texts=texts)
+
+
+_FIX = "no examples are shown; save them again with nnstat.viewer.save_examples"
+
+
+def _check_bound(folder: Path, path: Path, rec: dict, ex: Examples) -> None:
+    """Refuse examples not bound to ``folder``'s ids and to their own content (see above)."""
+    if "digests" not in rec or rec.get("version") == 1:
+        raise ValueError(
+            f"{path}: written by an nnstat that did not bind each example to its id (version "
+            f"{rec.get('version')}), so an example shown against the wrong id could not be "
+            f"detected; {_FIX}"
+        )
+    if rec.get("ids_sha256") != ids_digest(_folder_ids(folder)):
+        raise ValueError(
+            f"{path}: saved for other ids than {folder} holds now (ids_sha256 differs: the store "
+            f"or query set was written again, or the file comes from another); {_FIX}"
+        )
+    digests = rec["digests"]
+    if not isinstance(digests, list) or len(digests) != len(ex.ids):
+        raise ValueError(f"{path}: digests must be a list of {len(ex.ids)} strings; {_FIX}")
+    actual = _example_digests(ex.ids, ex.labels, ex.texts, ex.images)
+    bad = [i for i, a, d in zip(ex.ids, actual, digests, strict=True) if a != d]
+    if bad:
+        raise ValueError(
+            f"{path}: ids {bad[:5]} ({len(bad)} of {len(ex.ids)}) do not match the label, text "
+            f"or image saved with them (ids reordered or edited); {_FIX}"
+        )
 
 
 def _read_query_json(folder: Path) -> dict[str, Any]:
@@ -309,6 +378,8 @@ def save_queries(log: GradientLog, store_dir: str | Path, name: str = "queries")
         )
     check_compatible(log.meta, store.meta)  # raises naming what differs (projection, modules)
     ids = [i.item() if isinstance(i, np.generic) else i for i in log.ids]
+    if not all_finite(rows):
+        raise ValueError(f"save_queries: {_nonfinite(rows, ids)}")
     if len(set(ids)) != len(ids):
         raise ValueError("save_queries: the log's ids repeat")
     folder = Path(store_dir) / VIEWER_DIR / QUERIES_DIR / name
@@ -317,6 +388,14 @@ def save_queries(log: GradientLog, store_dir: str | Path, name: str = "queries")
     rec = {"format": "nnstat-queries", "version": 1, "ids": ids, "meta": log.meta}
     atomic_write_bytes(folder / QUERY_JSON, json.dumps(rec, allow_nan=False).encode("utf-8"))
     return folder
+
+
+def _nonfinite(rows: torch.Tensor, ids: list) -> str:
+    bad = (~torch.isfinite(rows)).any(1).nonzero().flatten().tolist()
+    return (
+        f"query rows of ids {[ids[i] for i in bad[:5]]} hold NaN/Inf values ({len(bad)} of "
+        f"{len(ids)} rows), which cannot be scored"
+    )
 
 
 def load_queries(folder: str | Path) -> GradientLog:
@@ -332,6 +411,8 @@ def load_queries(folder: str | Path) -> GradientLog:
         raise ValueError(
             f"{path}: rows {tuple(rows.shape)} {rows.dtype} do not match {len(rec['ids'])} ids"
         )
+    if not all_finite(rows):  # else the scorer's message would not say which file
+        raise ValueError(f"{path}: {_nonfinite(rows, rec['ids'])}; save the query set again")
     return GradientLog(ids=list(rec["ids"]), rows=rows, meta=rec["meta"])
 
 

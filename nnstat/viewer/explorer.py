@@ -32,7 +32,7 @@ import torch
 
 from nnstat.influence import TopKInfluence, compute_influence_all, compute_self_influence
 from nnstat.influence.cache import default_preconditioner
-from nnstat.influence.sources import as_source
+from nnstat.influence.sources import all_finite, as_source, nonfinite_error
 from nnstat.store import GradientLog, GradientStore
 from nnstat.viewer.discover import discover, rel_id
 from nnstat.viewer.examples import (
@@ -159,17 +159,23 @@ def store_summary(root: Path, folder: Path, report: Callable[[Path, str], None])
         except (ValueError, OSError) as exc:
             report(q, f"{exc}; the query set is not offered")
             continue
+        entry = {"name": q.name, "label": f"query set {q.name}", "n": n}
         try:
             load_examples(q)
         except (ValueError, OSError) as exc:
             report(q, f"{exc}; its queries are shown as ids")
-        sets.append({"name": q.name, "label": f"query set {q.name}", "n": n})
+            entry["examples_problem"] = str(exc)
+        sets.append(entry)
+    problem = None
     try:
         ex = load_examples(folder)
     except (ValueError, OSError) as exc:
+        # the explorer shows this above the results: ids only, never another example's content
+        problem = str(exc)
         report(folder, f"{exc}; examples are shown as ids")
         ex = None
     return {
+        "examples_problem": problem,
         "id": rel,
         "rows": len(store),
         "row_width": store.row_width,
@@ -246,7 +252,9 @@ class Explorer:
             return self._cache[key]
 
     def _shown(self, folder: Path) -> _Shown:
+        # the examples' files, and the ids they are bound to (a store or query set written again)
         files = (folder / "examples.json", folder / VIEWER_DIR / "examples.json")
+        files += (folder / "query.json", folder / "meta.json", *sorted(folder.glob("shards/*")))
         return self._cached(
             ("shown", str(folder), _stamp(*files)), lambda: _Shown(_examples(folder))
         )
@@ -315,7 +323,12 @@ class Explorer:
     @staticmethod
     def _score_rows(store: GradientStore, start: int, stop: int) -> Any:
         """Top-`MAX_K` of training rows ``start:stop`` used as queries against their store."""
-        log = GradientLog(store.ids[start:stop], store.rows(start, stop), store.meta)
+        rows = store.rows(start, stop)
+        if not all_finite(rows):
+            # as a query the rows would be refused as "gradient rows": name their shard instead
+            src = as_source(store)
+            raise nonfinite_error(src, src.shard_at(start, rows), store.ids[start:stop], rows)
+        log = GradientLog(store.ids[start:stop], rows, store.meta)
         return compute_influence_all(log, store, top_k=MAX_K, progress=False)
 
     def _prefill_self(self, store_id: str, n: int) -> None:

@@ -29,6 +29,7 @@ from nnstat.influence.cli import usage_error
 from nnstat.viewer.bundle import load_bundle
 from nnstat.viewer.discover import discover, rel_id
 from nnstat.viewer.explorer import Explorer
+from nnstat.viewer.reports import embed_report, style_hashes
 
 STATIC = Path(__file__).parent / "static"
 _TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
@@ -50,6 +51,12 @@ CSP_SERVED = (
     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
     "img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
+# connections waiting to be accepted (http.server's default is 5: a burst of connections beyond
+# it has its SYNs dropped and retried after 1, 3, 7, 15 … s; the kernel caps it at somaxconn)
+BACKLOG = 1024
+# a connection silent this long (no request line, no headers, not reading the answer) is closed,
+# so its thread ends instead of waiting forever
+REQUEST_TIMEOUT = 10.0
 
 
 def render_page(data: dict | None = None) -> str:
@@ -74,10 +81,23 @@ def render_page(data: dict | None = None) -> str:
         scripts.append(js)
     # a file:// page has no origin to name, so the inlined scripts and style are allowed by their
     # hashes: an inline script or event handler that is not one of them never runs, and no
-    # request leaves the page (no connect-src, images from data: only)
+    # request leaves the page (no connect-src, images from data: only). The reports' sandboxed
+    # srcdoc frames keep this policy: their <style> elements and style attributes are allowed
+    # by their hashes too (nnstat.viewer.reports)
+    style_src = [_hash(css) for css in styles]
+    elements: set[str] = set()
+    attributes: set[str] = set()
+    for rep in data.get("reports", []):
+        if isinstance(rep.get("srcdoc"), str):
+            e, a = style_hashes(rep["srcdoc"])
+            elements |= e
+            attributes |= a
+    style_src += sorted((elements | attributes) - set(style_src))
+    if attributes:
+        style_src.append("'unsafe-hashes'")
     csp = (
         f"default-src 'none'; script-src {' '.join(_hash(js) for js in scripts)}; "
-        f"style-src {' '.join(_hash(css) for css in styles)}; img-src data:; base-uri 'none'; "
+        f"style-src {' '.join(style_src)}; img-src data:; base-uri 'none'; "
         "form-action 'none'"
     )
     meta = f'<meta http-equiv="Content-Security-Policy" content="{csp}">'
@@ -103,14 +123,19 @@ def _hash(text: str) -> str:
 
 def export_bundle(root: str | Path, bundle: dict | None = None) -> dict:
     """The bundle of ``root`` with what a file without a server needs: each store's explorer
-    results precomputed (`Explorer.export`) and reports linked by ``file://`` URL."""
+    results precomputed (`Explorer.export`) and each report's HTML (``srcdoc``, shown in a
+    sandboxed frame; ``omitted`` with the reason when too large: `nnstat.viewer.reports`)."""
     root = Path(root)
     bundle = load_bundle(root) if bundle is None else bundle
     explorer = Explorer(root)
     for store in bundle["stores"]:
         store["export"] = explorer.export(store["id"], store["query_sets"])
+    # looked up among the reports found (as the server does), never a path from the data
+    found = {rel_id(root, f): f for f in discover(root).reports}
     for rep in bundle["reports"]:
-        rep["href"] = (root / rep["id"]).resolve().as_uri()
+        f = found.get(rep["id"])
+        rep.pop("href", None)
+        rep.update(embed_report(f, rep["id"]) if f else {"omitted": f"{rep['id']} went away"})
     return bundle
 
 
@@ -142,15 +167,20 @@ def host_allowed(host: str | None, port: int) -> bool:
     return host.strip().lower() in allowed
 
 
-def make_server(root: str | Path, port: int = 8050) -> ThreadingHTTPServer:
+def make_server(
+    root: str | Path, port: int = 8050, request_timeout: float | None = REQUEST_TIMEOUT
+) -> ThreadingHTTPServer:
     """An HTTP server for ``root`` bound to 127.0.0.1 (``port=0`` picks a free port).
+
+    ``request_timeout``: seconds a connection may stay silent (reading the request, or not
+    taking the answer) before it is closed.
 
     Example:
         >>> srv = make_server("runs/recorder", port=0)  # doctest: +SKIP
         >>> srv.serve_forever()  # doctest: +SKIP
     """
     load_bundle(root)  # fail early with a clear message on a wrong folder
-    return _server(Path(root), port)
+    return _server(Path(root), port, request_timeout=request_timeout)
 
 
 # a report is an HTML file from the folder (the demo's report.html): shown in a sandbox (no
@@ -161,10 +191,30 @@ CSP_REPORT = (
 )
 
 
-def _server(root: Path, port: int) -> ThreadingHTTPServer:
+class ViewerServer(ThreadingHTTPServer):
+    """One thread per connection (daemon threads: a stuck client never blocks exit), a listen
+    backlog of `BACKLOG`, and ``request_timeout`` seconds for each socket operation."""
+
+    daemon_threads = True
+    request_queue_size = BACKLOG
+    request_timeout: float | None = REQUEST_TIMEOUT
+
+
+def _server(
+    root: Path,
+    port: int,
+    request_timeout: float | None = REQUEST_TIMEOUT,
+    backlog: int = BACKLOG,
+) -> ThreadingHTTPServer:
     explorer = Explorer(root)  # influence results cached for the life of this server
 
     class Handler(BaseHTTPRequestHandler):
+        def setup(self) -> None:
+            # StreamRequestHandler.setup applies self.timeout to the socket: a client that sends
+            # nothing (or stops reading) gets socket.timeout, and the connection is closed
+            self.timeout = self.server.request_timeout
+            super().setup()
+
         def do_GET(self) -> None:  # noqa: N802 (http.server API)
             host = self.headers.get("Host")
             if host is None:
@@ -272,12 +322,19 @@ def _server(root: Path, port: int) -> ThreadingHTTPServer:
         def log_message(self, format: str, *args: object) -> None:  # noqa: A002
             pass  # keep the terminal quiet; errors still raise in the handler thread
 
-    return ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    class Server(ViewerServer):
+        request_queue_size = backlog
+
+    srv = Server(("127.0.0.1", port), Handler)
+    srv.request_timeout = request_timeout
+    return srv
 
 
-def serve_in_thread(root: str | Path, port: int = 0) -> tuple[ThreadingHTTPServer, str]:
+def serve_in_thread(
+    root: str | Path, port: int = 0, request_timeout: float | None = REQUEST_TIMEOUT
+) -> tuple[ThreadingHTTPServer, str]:
     """Start a server in a daemon thread; returns it and its URL (for notebooks and tests)."""
-    srv = make_server(root, port)
+    srv = make_server(root, port, request_timeout=request_timeout)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     return srv, f"http://127.0.0.1:{srv.server_address[1]}/"
 

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from test_viewer import browser  # noqa: F401 (a fixture)
 
 import nnstat
 from nnstat.influence import compute_influence_all
@@ -92,3 +93,144 @@ def test_save_queries_scores_like_the_log(tmp_path):
     bad = type(log)(ids=log.ids, rows=log.rows[:, :-1], meta=log.meta)
     with pytest.raises(ValueError, match="wide"):
         save_queries(bad, store)
+
+
+def _nan_store(root):
+    """A 2-wide store whose row of id 1 is NaN (a damaged shard, or nonfinite='keep')."""
+    from nnstat.store.files import atomic_write_json
+    from nnstat.store.writer import StoreWriter
+
+    d = root / "s"
+    d.mkdir(parents=True)
+    atomic_write_json(
+        d / "meta.json",
+        {
+            "format_version": 1,
+            "row_width": 2,
+            "dtype": "float32",
+            "modules": [{"name": "fc", "offset": 0, "width": 2, "r_out": 1, "r_in": 2}],
+        },
+    )
+    w = StoreWriter(d / "shards", row_width=2)
+    w.put([0, 1, 2], torch.tensor([[1.0, 2.0], [float("nan"), 1.0], [3.0, 4.0]]))
+    w.close()
+    return d
+
+
+def test_nan_query_rows_name_their_file(tmp_path, capsys):
+    import urllib.error
+    import urllib.request
+
+    from safetensors.torch import save_file
+
+    from nnstat.viewer.explorer import Explorer
+    from nnstat.viewer.server import main, serve_in_thread
+
+    store, log, _ = make_store(tmp_path)
+    bad = log.rows.clone()
+    bad[1, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"query rows of ids \['q1'\] hold NaN/Inf"):
+        save_queries(type(log)(ids=log.ids, rows=bad, meta=log.meta), store)
+    # a query set whose rows file was damaged after saving: every message names the file
+    folder = save_queries(log, store)
+    rows_file = folder / "rows.safetensors"
+    save_file({"rows": bad}, str(rows_file))
+    with pytest.raises(ValueError, match=rf"{rows_file}: query rows of ids \['q1'\] hold NaN"):
+        load_queries(folder)
+    srv, url = serve_in_thread(tmp_path)
+    try:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(url + "api/influence?store=p&set=queries&q=0")
+        msg = err.value.read().decode()
+        assert err.value.code == 400 and str(rows_file) in msg and "NaN/Inf" in msg
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert main([str(tmp_path), "--export", str(tmp_path / "x.html")]) == 1
+    assert str(rows_file) in capsys.readouterr().err
+    # a training row with NaN as the query (the store against itself): its shard is named
+    nan_store = _nan_store(tmp_path / "nan")
+    with pytest.raises(ValueError) as err:
+        Explorer(tmp_path / "nan").influence("s", "", 1, 2)
+    shard = GradientStore(nan_store).shards[0]
+    assert str(shard) in str(err.value) and "[1]" in str(err.value)
+    assert "gradient rows contains" not in str(err.value)
+
+
+def _edit(path, edit) -> None:
+    rec = json.loads(path.read_text())
+    edit(rec)
+    path.write_text(json.dumps(rec))
+
+
+def test_examples_are_bound_to_their_ids(tmp_path):
+    from nnstat.viewer.examples import _tiny_store
+    from nnstat.viewer.explorer import Explorer
+
+    store, _, _ = make_store(tmp_path)
+    rng = np.random.default_rng(0)
+    ids = list(range(24))
+    labels, texts = [f"L{i}" for i in ids], [f"text of {i}" for i in ids]
+    path = save_examples(store, ids, images=rng.random((24, 4, 4)), labels=labels, texts=texts)
+    ex = Explorer(tmp_path)
+    shown = ex.influence("p", "", 3, k=5)
+    assert shown["query"]["label"] == "L3" and shown["query"]["text"] == "text of 3"
+    assert all(c["label"] == f"L{c['id']}" for c in shown["helpful"] + shown["harmful"])
+    good = path.read_text()
+
+    # ids reversed (labels, texts, images as they were): every id would show another's example
+    _edit(path, lambda r: r.update(ids=r["ids"][::-1]))
+    with pytest.raises(
+        ValueError, match=rf"{path}: ids \[23, 22, 21, 20, 19\] \(24 of 24\) do not"
+    ):
+        load_examples(store)
+    with pytest.raises(ValueError, match="save them again with nnstat.viewer.save_examples"):
+        load_examples(store)
+    shown = Explorer(tmp_path).influence("p", "", 3, k=5)
+    assert all(set(c) <= {"id", "score"} for c in shown["helpful"] + [shown["query"]])
+    # one id swapped with another: those two are named
+    _edit(path, lambda r: r.update(ids=json.loads(good)["ids"]))
+    _edit(path, lambda r: r["ids"].__setitem__(slice(5, 7), [6, 5]))
+    with pytest.raises(ValueError, match=r"ids \[6, 5\] \(2 of 24\)"):
+        load_examples(store)
+
+    # a file written before digests (version 1) is refused, not trusted
+    path.write_text(good)
+    _edit(path, lambda r: [r.pop("digests"), r.pop("ids_sha256"), r.update(version=1)])
+    with pytest.raises(ValueError, match="did not bind each example to its id"):
+        load_examples(store)
+
+    # a file saved for other ids (copied from another store) is refused naming the file
+    (tmp_path / "other").mkdir()
+    other = _tiny_store(tmp_path / "other", ids[::-1])
+    (other / "viewer").mkdir()
+    (other / "viewer" / "examples.json").write_text(good)
+    (other / "viewer" / "examples.safetensors").write_bytes(
+        (store / "viewer" / "examples.safetensors").read_bytes()
+    )
+    with pytest.raises(ValueError, match="saved for other ids than"):
+        load_examples(other)
+    path.write_text(good)
+    assert load_examples(store).labels == labels
+
+
+def test_explorer_shows_why_examples_are_not_shown(browser, tmp_path):  # noqa: F811
+    from test_viewer import Page
+
+    from nnstat.viewer.server import serve_in_thread
+
+    store, _, _ = make_store(tmp_path)
+    path = save_examples(store, list(range(24)), labels=[f"L{i}" for i in range(24)])
+    _edit(path, lambda r: r.update(ids=r["ids"][::-1]))
+    srv, url = serve_in_thread(tmp_path)
+    try:
+        p = Page(browser, url + "#stores/0")
+        p.page.wait_for_selector("#inf-result[data-query=':0']")
+        problem = p.page.inner_text("#inf-about .examples-problem")
+        assert str(path) in problem and "save them again" in problem
+        caps = p.page.eval_on_selector_all(".card .cap", "els => els.map(e => e.textContent)")
+        assert caps and not any("label" in c for c in caps)  # ids only, no wrong label
+        p.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()

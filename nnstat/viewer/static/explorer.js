@@ -40,13 +40,19 @@
   function about() {
     const s = store();
     const sets = s.query_sets.map((x) => x.name).filter(Boolean);
-    $("inf-about").textContent = `${s.rows} training rows · ${s.modules.length} modules · ` +
+    // examples refused (not bound to these ids, or ids moved between examples): say which file
+    // and the fix; the cards show ids only
+    const problems = [s.examples_problem].concat(s.query_sets.map((x) => x.examples_problem))
+      .filter((m) => typeof m === "string")
+      .map((m) => h("span", { class: "examples-problem" }, `Examples not shown: ${m}`));
+    $("inf-about").replaceChildren(`${s.rows} training rows · ${s.modules.length} modules · ` +
       `scores g_qᵀ(H+λI)⁻¹g_i with the store's default preconditioner (${s.preconditioner}); ` +
       "positive = helpful (upweighting the training example lowers the query's loss). " +
       (sets.length ? `Query sets saved beside the store: ${sets.join(", ")}.` :
         "No query set saved beside the store (nnstat.viewer.save_queries): the training " +
         "examples are the queries.") +
-      (s.examples ? "" : " No examples saved (nnstat.viewer.save_examples): ids only.");
+      (s.examples || problems.length ? "" :
+        " No examples saved (nnstat.viewer.save_examples): ids only."), ...problems);
   }
 
   function fillControls() {

@@ -59,8 +59,18 @@
       ` — ${s.rows} training rows, ${s.modules.length} modules, ${s.preconditioner} ` +
       `preconditioner, ${s.query_sets.length - 1} query set(s)` +
       (s.examples ? `, ${s.examples} examples saved` : "")));
-    const reports = DATA.reports.map((r) => h("li", {}, h("a", { href: r.href, target: "_blank",
-      rel: "noopener", class: "report-link" }, r.id)));
+    // served: a link to report/<id> (a sandbox CSP header); exported: the report's HTML in a
+    // frame with every sandbox restriction (no script, no origin) under the page's own CSP
+    // (nothing loads), or why it was left out
+    const reports = DATA.reports.map((r) => {
+      if (typeof r.srcdoc === "string") {
+        return h("li", {}, h("details", { class: "report" }, h("summary", {}, r.id),
+          h("iframe", { sandbox: "", class: "report-frame", title: r.id, srcdoc: r.srcdoc })));
+      }
+      if (typeof r.href !== "string") return h("li", {}, r.id, ` — ${r.omitted || "not in this export"}`);
+      return h("li", {}, h("a", { href: r.href, target: "_blank", rel: "noopener",
+        class: "report-link" }, r.id));
+    });
     $("home-body").replaceChildren(
       sec("Reports", reports, "No HTML report (nnstat demo writes report.html)."),
       sec("Tracker runs", runs, "No Tracker run (nnstat.integrations.JsonlLogger writes metrics.jsonl)."),
