@@ -73,7 +73,7 @@ def grid_counts(scores: torch.Tensor, planted: list[int], k: int = TOP_K) -> Gri
         >>> s = torch.tensor([[3.0, -1.0, 0.0, 2.0], [-2.0, 1.0, 0.5, 0.0]])
         >>> c = grid_counts(s, planted=[0], k=1)
         >>> c.helpful_planted, c.harmful_planted, c.both_sides
-        (1, 1, 1)
+        (1, 1, 2)
     """
     s = torch.as_tensor(scores, dtype=torch.float64)
     helpful = torch.argsort(s, dim=1, descending=True, stable=True)[:, :k]
