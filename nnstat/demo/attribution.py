@@ -14,7 +14,7 @@ class, so positive = the training digit supports the wrong prediction):
 `nnstat.influence.counterfactual`: for each ``k`` in :data:`KS` it removes the ``k`` training
 digits that most support the wrong predictions (summed over the misclassified digits) by raw, by
 relatif, the ``k`` of highest training loss and ``k`` random ones, retrains the demo's model
-(`nnstat.demo.train.fit`, same initial weights, batch order per repeat) and measures the loss
+(`nnstat.demo.model.fit`, same initial weights, batch order per repeat) and measures the loss
 of the wrong predictions (it should rise) and how many misclassified digits become correct. The
 report's grid uses the score whose removals raised that loss most (:attr:`Explanations.chosen`).
 
@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 import nnstat
+from nnstat.demo.model import fit, make_model
 from nnstat.demo.steps import TOP_K, extras
 
 __all__ = [
@@ -123,8 +124,6 @@ def _retrain(state: Any) -> Any:
     """``train_fn(kept)`` for `counterfactual`: the demo's model from the demo's initial weights,
     trained by the demo's loop on the kept training digits; the batch order comes from torch's
     global random state, which `counterfactual` seeds per repeat (the same in every arm)."""
-    from nnstat.demo.train import fit, make_model
-
     cfg = state.config
 
     def train_fn(kept: torch.Tensor) -> nn.Module:
