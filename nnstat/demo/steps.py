@@ -53,6 +53,7 @@ class MislabelSearch:
     planted: list[int]
     preconditioner: str
     hits: np.ndarray  # hits[k-1]: planted digits among the k highest self-influences
+    loss_hits: np.ndarray  # the same for the ranking by training loss
 
     @property
     def k(self) -> int:
@@ -79,6 +80,21 @@ class MislabelSearch:
         """How far down the ranking one must read to have found every planted digit."""
         return int(np.searchsorted(self.hits, self.k) + 1) if self.k else 0
 
+    @property
+    def loss_found(self) -> int:
+        """Planted digits among the ``k`` highest training losses."""
+        return int(self.loss_hits[self.k - 1]) if self.k else 0
+
+    @property
+    def loss_all_found_at(self) -> int:
+        """How far down the training-loss ranking every planted digit is found."""
+        return int(np.searchsorted(self.loss_hits, self.k) + 1) if self.k else 0
+
+    @property
+    def random_all_found_at(self) -> float:
+        """Expected rank of the last planted digit in a random order: k (n + 1) / (k + 1)."""
+        return self.k * (len(self.scores) + 1) / (self.k + 1)
+
 
 @dataclass
 class DemoExtras:
@@ -93,6 +109,7 @@ class DemoExtras:
     query_log: Any = None  # the misclassified test digits' gradients (a GradientLog)
     mislabels: MislabelSearch | None = None
     viewer_examples: list[str] = field(default_factory=list)
+    explanations: Any = None  # nnstat.demo.attribution.Explanations
     report_path: Path | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -270,12 +287,14 @@ def find_mislabels(state: Any) -> None:
         planted=list(state.planted),
         preconditioner=str(result.meta.get("preconditioner", "?")),
         hits=ranking_hits(scores, state.planted),
+        loss_hits=ranking_hits(loss.double().numpy(), state.planted),
     )
     ex.timings["self-influence"] = time.perf_counter() - t0
     m = ex.mislabels
     print(
         f"self-influence: {m.found} of the {m.k} planted wrong labels are among the {m.k} "
-        f"highest of {n} (recall {m.recall:.2f}; a random order expects {m.baseline:.3f})"
+        f"highest of {n} (recall {m.recall:.2f}; the training loss finds {m.loss_found}; a "
+        f"random order expects {m.baseline:.3f})"
     )
 
 

@@ -3,9 +3,11 @@
 The demo is a sequence of small steps: `prepare_log_dir` (a fresh run folder), `load_digits_data`
 (with a few planted wrong labels), `build`, `watch_training` (train/test curves and noise scale),
 `train`, `log_training_gradients` (EK-FAC + projected per-sample gradients to a gradient store),
-`explain_misclassified` (influence), `find_mislabels` (self-influence against the planted
-labels), `save_for_viewer`, `report` (console) and `write_report` (the self-contained HTML
-report). ``NNSTAT_DEMO_QUICK=1`` shortens it (400 digits, 12 epochs of 5 steps; the tests).
+`explain_misclassified` (influence), `find_mislabels` (self-influence and the training loss
+against the planted labels), `check_explanations` (RelatIF beside raw influence, and the
+counterfactual check: remove what each names, retrain, compare with the loss and random),
+`save_explanations` (the arrays behind those numbers), `save_for_viewer`, `report` (console)
+and `write_report` (the self-contained HTML report). ``NNSTAT_DEMO_QUICK=1`` shortens it (400 digits, 12 epochs of 5 steps; the tests).
 
 Example:
     >>> from nnstat.demo import main
@@ -30,6 +32,8 @@ import torch
 from torch import nn
 
 import nnstat
+from nnstat.demo.attribution import check_explanations, save_explanations
+from nnstat.demo.model import fit, make_model
 from nnstat.demo.steps import (
     describe_table,
     evaluate,
@@ -46,7 +50,16 @@ from nnstat.netdict import trust_ratio
 __all__ = ["main", "run", "DemoConfig", "DemoState", "DEMO_OUTPUTS", "MARKER"]
 
 #: What the demo writes into its log folder; a re-run replaces exactly these.
-DEMO_OUTPUTS = ("tensorboard", "wandb", "gradients", "metrics", "report.html", "influence.png")
+DEMO_OUTPUTS = (
+    "tensorboard",
+    "wandb",
+    "gradients",
+    "metrics",
+    "report.html",
+    "influence.png",
+    "explanations.npz",
+    "counterfactual.json",
+)
 #: An empty file naming a folder as the demo's own, so a re-run may clear what it wrote there.
 MARKER = ".nnstat-demo"
 
@@ -175,13 +188,7 @@ def build(state: DemoState) -> None:
     ``nnstat view`` (+ W&B offline when wandb is installed)."""
     cfg = state.config
     torch.manual_seed(cfg.seed)
-    state.model = nn.Sequential(
-        nn.Linear(64, cfg.hidden),
-        nn.ReLU(),
-        nn.Linear(cfg.hidden, cfg.hidden),
-        nn.ReLU(),
-        nn.Linear(cfg.hidden, 10),
-    )
+    state.model = make_model(cfg)
     state.W_init = nnstat.get_weight(state.model)
     state.optimizer = torch.optim.AdamW(state.model.parameters(), lr=cfg.lr)
     from nnstat.integrations.tensorboard import TensorBoardSink
@@ -206,24 +213,21 @@ def build(state: DemoState) -> None:
 
 def train(state: DemoState) -> None:
     """Mini-batch training; one `tracker.step()` per iteration logs every 5th step."""
-    cfg, model, opt = state.config, state.model, state.optimizer
-    g = torch.Generator().manual_seed(cfg.seed)
-    n = len(state.X_train)
+    cfg, model = state.config, state.model
     t0 = time.perf_counter()
-    for epoch in range(cfg.epochs):
-        perm = torch.randperm(n, generator=g)
-        total = 0.0
-        for i in range(0, n, cfg.batch_size):
-            idx = perm[i : i + cfg.batch_size]
-            opt.zero_grad(set_to_none=True)
-            loss = nn.functional.cross_entropy(model(state.X_train[idx]), state.y_train[idx])
-            loss.backward()
-            if epoch == cfg.epochs - 1 and i + cfg.batch_size >= n:
-                state.W_before_last_step = nnstat.get_weight(model)
-            opt.step()
-            state.tracker.step()
-            total += loss.detach().item() * len(idx)
-        print(f"epoch {epoch + 1}/{cfg.epochs}  train loss {total / n:.4f}")
+
+    def before_step(epoch: int, last: bool) -> None:
+        if epoch == cfg.epochs - 1 and last:
+            state.W_before_last_step = nnstat.get_weight(model)
+
+    def after_epoch(epoch: int, loss: float) -> None:
+        print(f"epoch {epoch + 1}/{cfg.epochs}  train loss {loss:.4f}")
+
+    fit(
+        model, state.optimizer, state.X_train, state.y_train, cfg,
+        generator=torch.Generator().manual_seed(cfg.seed), before_step=before_step,
+        after_step=state.tracker.step, after_epoch=after_epoch,
+    )  # fmt: skip
     # the Tracker's statistics, the evaluations and the noise scale run inside these steps
     extras(state).timings["training (with Tracker, evaluation, noise scale)"] = (
         time.perf_counter() - t0
@@ -263,6 +267,8 @@ STEPS = [
     log_training_gradients,
     explain_misclassified,
     find_mislabels,
+    check_explanations,
+    save_explanations,
     save_for_viewer,
     report,
     write_report,

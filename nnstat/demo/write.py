@@ -22,12 +22,15 @@ import torch
 
 import nnstat
 from nnstat.demo.report import HtmlReport
+from nnstat.demo.sections import (
+    counterfactual_section,
+    explained_summary,
+    influence_section,
+    mislabel_section,
+)
 from nnstat.demo.steps import (
     NOISE_SCALE_EVERY,
-    REFINE_STEPS,
-    TOP_K,
     DemoExtras,
-    MislabelSearch,
     describe_table,
     extras,
 )
@@ -35,8 +38,6 @@ from nnstat.netdict import trust_ratio
 
 __all__ = ["write_report", "NoiseStage", "noise_stages", "batch_advice"]
 
-# an HTML figure of the self-influence ranking shows at most this many digits
-MAX_RANKED_SHOWN = 45
 # the phases the report's timing table lists, in order ("of which" is part of the one above)
 TIMED = (
     "training (with Tracker, evaluation, noise scale)",
@@ -44,6 +45,7 @@ TIMED = (
     "log gradients",
     "influence",
     "self-influence",
+    "counterfactual check",
     "save for nnstat view",
 )
 TOTALLED = {name for name in TIMED if not name.startswith("of which")} | {"report figures"}
@@ -210,11 +212,12 @@ def write_report(state: Any) -> None:
             f"{final.get('test/loss', math.nan):.4f}",
             "test accuracy": f"{state.accuracy:.3f} ({len(ex.misclassified)} misclassified)",
             "planted labels found by self-influence": (
-                f"{m.found} of {m.k} in the top {m.k} (recall {m.recall:.2f}; random order "
-                f"{m.baseline:.3f})"
+                f"{m.found} of {m.k} in the top {m.k} (training loss: {m.loss_found} of {m.k}; "
+                f"random order: {m.baseline * m.k:.1f} expected)"
                 if m
                 else "n/a"
             ),
+            "explanations for the misclassified digits": explained_summary(ex),
             "batch size the noise scale suggests": advice,
             "run folder (replaced by each run)": str(cfg.log_dir),
             "wall time, data to report": lambda: f"{state.wall_seconds:.1f} s",
@@ -254,8 +257,9 @@ def write_report(state: Any) -> None:
             "Per-sample estimate with its 95% bootstrap interval (shaded), against the batch size "
             "used (dashed).",
         )
-    _mislabel_section(rep, state, m)
-    _influence_section(rep, state, ex)
+    mislabel_section(rep, state, m)
+    influence_section(rep, state, ex)
+    counterfactual_section(rep, state, ex)
     rep.section("Where everything is")
     rep.table(
         {
@@ -416,137 +420,4 @@ def _layers_section(rep: HtmlReport, state: Any, hist: list[dict[str, Any]]) -> 
             W, [n for n in W if n.endswith("weight")], title="distribution of the final weights"
         ),
         "One histogram per weight matrix, on shared bins.",
-    )
-
-
-def _mislabel_section(rep: HtmlReport, state: Any, m: MislabelSearch | None) -> None:
-    import nnstat.plot as nplt
-
-    rep.section(
-        "Which labels look wrong? Self-influence",
-        f"Before training, {len(state.planted)} training digits were given a wrong label on "
-        "purpose (fixed seed). Self-influence g_iᵀ(H+λI)⁻¹g_i measures how much a training "
-        "digit's own loss depends on having trained on it: digits whose label contradicts "
-        "their image can only be fitted by memorising them, so they rank high.",
-    )
-    if m is None:
-        rep.paragraph("No label was planted (mislabel_fraction = 0): nothing to find.")
-        return
-    n = len(m.scores)
-    rep.paragraph(
-        f"Among the {m.k} highest self-influences ({m.preconditioner} preconditioner of the "
-        f"gradient store) are {m.found} of the {m.k} planted digits: recall at k = {m.k} is "
-        f"{m.recall:.2f}, against {m.baseline:.3f} expected from a random order (k/n = "
-        f"{m.k}/{n}). Reading the ranking down to position {m.all_found_at} finds all of them"
-        + (f" (the missed ones rank {_missed_ranks(m)})" if m.found < m.k else "")
-        + ". Ranking by the training loss is shown for comparison."
-    )
-    rep.figure(
-        nplt.ranking_recall(
-            {"self-influence": m.scores, "training loss": m.loss},
-            m.planted,
-            max_k=min(n, 6 * m.k),
-            title=f"planted wrong labels found from the top of the ranking (k = {m.k})",
-        ),
-        "Dashed: a random order. Dotted: k = number planted.",
-    )
-    order = np.argsort(-np.where(np.isnan(m.scores), -np.inf, m.scores), kind="stable")
-    shown = order[: min(MAX_RANKED_SHOWN, max(m.k, 9))]
-    planted = set(m.planted)
-    y, y_true = state.y_train, state.y_train_true
-    captions, colours = [], []
-    for rank, i in enumerate(shown.tolist(), 1):
-        if i in planted:
-            captions.append(f"{rank}. #{i}\nlabel {int(y[i])} (true {int(y_true[i])})")
-            colours.append("#b2182b")
-        else:
-            captions.append(f"{rank}. #{i}\nlabel {int(y[i])}")
-            colours.append(None)
-    rep.figure(
-        nplt.image_grid(
-            state.images_train[shown],
-            captions,
-            frame_colours=colours,
-            title=f"the {len(shown)} training digits with the highest self-influence",
-        ),
-        "Rank, training index and the label trained on; red frame: a planted wrong label "
-        "(with the true one).",
-    )
-
-
-def _missed_ranks(m: MislabelSearch) -> str:
-    """Ranks (1 = highest self-influence) of the planted digits outside the top k."""
-    order = np.argsort(-np.where(np.isnan(m.scores), -np.inf, m.scores), kind="stable")
-    rank = np.empty(len(order), dtype=int)
-    rank[order] = np.arange(1, len(order) + 1)
-    return ", ".join(str(r) for r in sorted(int(rank[i]) for i in m.planted if rank[i] > m.k))
-
-
-def _influence_section(rep: HtmlReport, state: Any, ex: DemoExtras) -> None:
-    import nnstat.plot as nplt
-
-    rep.section(
-        "Why did it get these digits wrong? Influence",
-        "Each misclassified test digit (left) beside the training digits whose gradients most "
-        "support the model's wrong prediction (green: training on them lowered the loss of "
-        "predicting it) and most oppose it (red). Scores are g_qᵀ(H+λI)⁻¹g_i, H the "
-        f"Gauss-Newton curvature of the training loss: solved by {REFINE_STEPS} "
-        "conjugate-gradient steps preconditioned by the run's EK-FAC, then projected to the "
-        "store's rank-16 gradient space.",
-    )
-    if ex.influence is None:
-        rep.paragraph("The model classified every test digit correctly: nothing to explain.")
-        return
-    wrong, pred = ex.misclassified, ex.predicted
-    captions = [f"test #{i}\ntrue {int(state.y_test[i])} → {int(pred[i])}" for i in wrong]
-    planted_set = set(state.planted)
-    # "2*": the label trained on, starred when it is a planted wrong one
-    labels = [f"{int(v)}{'*' if i in planted_set else ''}" for i, v in enumerate(state.y_train)]
-    fig = nplt.influence_figure(
-        {i: state.images_test[i] for i in wrong}, state.images_train, ex.influence, k=TOP_K,
-        train_labels=labels, query_captions=captions, max_queries=8,
-        title=f"misclassified test digits and their {TOP_K} most helpful and harmful training digits",
-    )  # fmt: skip
-    fig.savefig(state.config.log_dir / "influence.png")  # also on its own, for slides and docs
-    shown = min(len(wrong), 8)
-    rep.figure(
-        fig,
-        f"{shown} of {len(wrong)} misclassified test digits. Above each training digit: score, "
-        "training index and the label trained on (* a planted wrong label).",
-    )
-    top = ex.influence.top_k(TOP_K)
-    planted = set(state.planted)
-
-    def named(i: int) -> str:
-        label = f"label {int(state.y_train[i])}"
-        if i in planted:  # a planted wrong label among the reasons for a mistake
-            label += f", planted: true {int(state.y_train_true[i])}"
-        return f"#{i} ({label})"
-
-    if planted:
-        blamed = sum(any(int(i) in planted for i in ids) for ids in top.helpful_ids)
-        n = len(state.y_train)
-        chance = 1 - math.comb(n - len(planted), TOP_K) / math.comb(n, TOP_K)
-        rep.paragraph(
-            f"For {blamed} of the {len(top.test_ids)} misclassified test digits, a planted wrong "
-            f"label is among the {TOP_K} training digits that most support the wrong prediction "
-            f"({100 * chance:.1f}% would, were those {TOP_K} drawn at random). Read this with "
-            "care: the planted digits have the largest gradients of the training set (that is "
-            "why self-influence finds them), and influence scores grow with gradient norm, so "
-            "they rank high for many test digits, not only for those they caused."
-        )
-    rep.bullets(
-        [
-            f"test #{q}: true {int(state.y_test[q])}, predicted {int(pred[q])}; most helpful "
-            + ", ".join(named(int(i)) for i in top.helpful_ids[r])
-            + "; most harmful "
-            + ", ".join(named(int(i)) for i in top.harmful_ids[r])
-            for r, q in enumerate(top.test_ids)
-        ]
-    )
-    rep.figure(
-        nplt.score_distribution(
-            ex.influence, title="all influence scores of the misclassified test digits"
-        ),
-        "Green: helpful (positive), red: harmful; dashed: 1% and 99% quantiles.",
     )

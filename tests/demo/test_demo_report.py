@@ -136,6 +136,7 @@ def test_report_has_curves_and_the_describe_table(demo):
         "Which batch size?",
         "Which labels look wrong?",
         "Why did it get these digits wrong?",
+        "Do the explanations hold?",
     ):
         assert heading in page
     # every logged step carries the curves' four numbers
@@ -170,13 +171,35 @@ def test_report_has_curves_and_the_describe_table(demo):
         assert float(cells[6]) == pytest.approx(float(moved), rel=1e-3)
 
 
+def _saved(demo) -> dict[str, np.ndarray]:
+    with np.load(demo.log_dir / "explanations.npz") as f:
+        return {k: f[k] for k in f.files}
+
+
+def _hits(values: np.ndarray, planted: np.ndarray) -> np.ndarray:
+    """hits[k-1]: planted positions among the k highest values (stable, written afresh here)."""
+    order = np.argsort(-values, kind="stable")
+    return np.cumsum(np.isin(order, planted))
+
+
+def _row(page: str, first: str, second: str | None = None) -> list[str]:
+    """The cells after the first (and second) of a grid row of the page, as displayed."""
+    head = rf"<tr><t[dh][^>]*>{re.escape(html.escape(first))}</t[dh]>"
+    if second is not None:
+        head += rf"<td[^>]*>{re.escape(html.escape(second))}</td>"
+    m = re.search(head + r"(.*?)</tr>", page)
+    assert m, f"no row {first!r} {second!r}"
+    return [html.unescape(c) for c in re.findall(r"<td[^>]*>([^<]*)</td>", m[1])]
+
+
 def test_planted_label_recall_equals_a_direct_computation(demo):
     from nnstat.influence import compute_self_influence
 
-    state = demo.state
+    state, saved = demo.state, _saved(demo)
     n, planted = len(state.y_train), state.planted
     assert len(planted) == round(state.config.mislabel_fraction * n) > 0
     assert bool((state.y_train[planted] != state.y_train_true[planted]).all())
+    assert saved["planted"].tolist() == planted
     # self-influence afresh from the store on disk, ranked here (not with the demo's helpers)
     store = demo.log_dir / "gradients" / "digits"
     result = compute_self_influence(store, progress=False)
@@ -184,19 +207,124 @@ def test_planted_label_recall_equals_a_direct_computation(demo):
     top = ids[torch.argsort(result.scores, descending=True, stable=True)[: len(planted)]]
     found = len(set(top.tolist()) & set(planted))
     k = len(planted)
+    # the saved training loss is the final model's, and the saved self-influence the store's
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(
+            state.model(state.X_train), state.y_train, reduction="none"
+        )
+    np.testing.assert_allclose(saved["train_loss"], loss.double().numpy(), rtol=1e-5)
+    self_hits = _hits(saved["self_influence"], saved["planted"])
+    loss_hits = _hits(saved["train_loss"], saved["planted"])
+    assert self_hits[k - 1] == found
+    loss_found = int(loss_hits[k - 1])
+    self_all, loss_all = (int(np.argmax(h == k)) + 1 for h in (self_hits, loss_hits))
     text = _text(demo.page)
     m = re.search(
-        r"are (\d+) of the (\d+) planted digits: recall at k = (\d+) is ([0-9.]+), against "
-        r"([0-9.]+) expected from a random order \(k/n = (\d+)/(\d+)\)",
+        r"Recall at k = (\d+) \(the number planted, of n = (\d+)\): self-influence "
+        r"\(\w+ preconditioner of the gradient store\) finds (\d+) of the \d+ planted digits "
+        r"among its \d+ highest, the training loss (\d+) of \d+, a random order ([0-9.]+) on "
+        r"average \(recall ([0-9.]+)\)\. Read down to the end, self-influence has found every "
+        r"planted digit by rank (\d+), the training loss by rank (\d+), a random order by rank "
+        r"(\d+) on average",
         text,
     )
     assert m, "the self-influence paragraph is missing"
-    assert (int(m[1]), int(m[2]), int(m[3])) == (found, k, k)
-    assert m[4] == f"{found / k:.2f}" and m[5] == f"{k / n:.3f}"
-    assert (int(m[6]), int(m[7])) == (k, n)
-    assert f"{found} of {k} in the top {k}" in text  # the summary table says the same
+    assert (int(m[1]), int(m[2]), int(m[3]), int(m[4])) == (k, n, found, loss_found)
+    assert m[5] == f"{k * k / n:.1f}" and m[6] == f"{k / n:.3f}"
+    assert (int(m[7]), int(m[8])) == (self_all, loss_all)
+    assert int(m[9]) == round(k * (n + 1) / (k + 1))
+    # the comparison table, and the summary table saying the same
+    assert _row(demo.page, "self-influence") == [str(found), f"{found / k:.4g}", str(self_all)]
+    assert _row(demo.page, "training loss") == [
+        str(loss_found),
+        f"{loss_found / k:.4g}",
+        str(loss_all),
+    ]
+    assert f"{found} of {k} in the top {k} (training loss: {loss_found} of {k}" in text
+    # the verdict follows the numbers
+    if found <= loss_found and self_all >= loss_all:
+        assert "the training loss alone finds the planted labels as well" in text
+    else:
+        assert "the training loss alone finds the planted labels as well" not in text
     # the behaviour the section claims: far above a random order's expected k/n
     assert found / k > 5 * k / n
+
+
+def test_grid_counts_both_sides_from_the_saved_scores(demo):
+    state, saved = demo.state, _saved(demo)
+    if not state.extras.misclassified:
+        pytest.skip("no misclassified test digit")
+    text = _text(demo.page)
+    planted = set(saved["planted"].tolist())
+    q = len(saved["misclassified"])
+    assert saved["misclassified"].tolist() == state.extras.misclassified
+    # the saved raw scores are the demo's influence result
+    np.testing.assert_allclose(
+        saved["scores_raw"], state.extras.influence.scores.double().numpy(), rtol=1e-6
+    )
+    for name, label in (("raw", "raw influence"), ("relatif", "RelatIF")):
+        s = saved[f"scores_{name}"]
+        assert s.shape == (q, len(state.y_train))
+        helpful = np.argsort(-s, axis=1, kind="stable")[:, :3]
+        harmful = np.argsort(s, axis=1, kind="stable")[:, :3]
+        hel, har = set(helpful.ravel().tolist()), set(harmful.ravel().tolist())
+        expected = [
+            str(sum(int(i) in planted for i in helpful.ravel())),
+            str(sum(int(i) in planted for i in harmful.ravel())),
+            f"{3 * q * len(planted) / len(state.y_train):.4g}",
+            str(len(hel & har)),
+            f"{len(hel)} / {len(har)}",
+        ]
+        assert _row(demo.page, label) == expected, label
+    assert f"planted among most supportive (of {3 * q})" in text
+    assert f"planted among most opposing (of {3 * q})" in text
+
+
+def test_counterfactual_section_has_every_arm_and_picks_the_grid(demo):
+    import json
+
+    state, saved = demo.state, _saved(demo)
+    if not state.extras.misclassified:
+        pytest.skip("no misclassified test digit")
+    text = _text(demo.page)
+    assert "Do the explanations hold? Remove, retrain, compare" in text
+    cf = json.loads((demo.log_dir / "counterfactual.json").read_text())
+    names = {"raw": "raw influence", "relatif": "RelatIF", "loss": "highest training loss",
+             "random": "random"}  # fmt: skip
+    q = len(saved["misclassified"])
+    support = {}
+    for k, res in cf["by_k"].items():
+        k = int(k)
+        assert list(res["arms"]) == ["raw", "relatif", "loss", "random"]
+        assert res["direction"] == "helpful" and res["k"] == k
+        # what each ranking removed, recomputed from the saved arrays
+        joint = {n: saved[f"scores_{n}"].sum(0) for n in ("raw", "relatif")}
+        joint["loss"] = saved["train_loss"]
+        for name, values in joint.items():
+            top = sorted(np.argsort(-values, kind="stable")[:k].tolist())
+            assert all(r == top for r in res["arms"][name]["removed"]), (k, name)
+        for name, arm in res["arms"].items():
+            assert len(arm["change"]) == len(res["full_loss"]) >= 2
+            assert arm["mean"] == pytest.approx(np.mean(arm["change"]))
+            lo, hi = arm["interval"]
+            cells = _row(demo.page, f"{k:,}", names[name])
+            assert cells[:3] == [
+                f"{arm['mean']:.4g}",
+                f"[{lo:+.3f}, {hi:+.3f}]",
+                f"{np.mean(arm['correct']) * q:.1f} (full data "
+                f"{np.mean(res['full_correct']) * q:.1f})",
+            ], (k, name)
+            removed_planted = np.mean([len(set(r) & set(saved["planted"].tolist()))
+                                       for r in arm["removed"]])  # fmt: skip
+            assert float(cells[3]) == pytest.approx(round(removed_planted, 1))
+        for name in ("raw", "relatif"):
+            support.setdefault(name, []).append(res["arms"][name]["mean"])
+    chosen = max(("raw", "relatif"), key=lambda n: (np.mean(support[n]), n == "raw"))
+    assert cf["chosen"] == chosen
+    assert f"The grid shows {names[chosen]}:" in text
+    assert f"training digits ({names[chosen]})" in _text(" ".join(re.findall(
+        r'data-title="([^"]*)"', demo.page)))  # fmt: skip
+    assert f"the score with the larger rise ({np.mean(support[chosen]):+.3f})" in text
 
 
 def test_batch_size_advice_covers_the_stages_of_training(demo):
