@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
@@ -132,9 +133,7 @@ def batch_loss(model: nn.Module, loss_fn: LossFn, batch: tuple[Any, Any]) -> tor
             f"loss_fn must return the batch mean loss as a scalar tensor, got {shape}; use "
             "reduction='mean'"
         )
-    if not math.isfinite(float(loss.detach())):
-        raise ValueError(f"loss_fn returned a non-finite loss ({float(loss.detach())})")
-    return loss
+    return loss  # finiteness: checked with the gradients, in one host read (`mean_grads`)
 
 
 def mean_grads(
@@ -146,14 +145,24 @@ def mean_grads(
     out = [
         torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, params, strict=True)
     ]
-    for g in out:
-        if not torch.isfinite(g).all():
-            raise ValueError("the gradient contains NaN or Inf; check the model and loss_fn")
+    # one host read per batch, whatever the number of tensors: an inf-norm is NaN/Inf exactly
+    # when its tensor holds one (on a GPU a read per tensor would stall every parameter)
+    loss = loss.detach()
+    maxima = [m.to(loss.device, torch.float64) for m in torch._foreach_norm(out, math.inf)]
+    if not bool(torch.isfinite(torch.stack([loss.double(), *maxima])).all()):
+        if not math.isfinite(float(loss)):
+            raise ValueError(f"loss_fn returned a non-finite loss ({float(loss)})")
+        raise ValueError("the gradient contains NaN or Inf; check the model and loss_fn")
     return out
 
 
 def sq_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-tensor squared norms as a float64 vector."""
+    """Per-tensor squared norms as a float64 vector, on the gradients' device (no host read)."""
     if not grads:
         return torch.zeros(0, dtype=torch.float64)
     return torch.stack([g.double().pow(2).sum() for g in grads])
+
+
+def to_host(rows: Sequence[torch.Tensor]) -> np.ndarray:
+    """Stack per-estimate device vectors and copy them to the host once (float64 numpy)."""
+    return torch.stack(list(rows)).to("cpu", torch.float64).numpy()

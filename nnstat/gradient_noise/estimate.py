@@ -13,6 +13,7 @@ small models (exact HVPs).
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Literal
 
@@ -20,7 +21,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from nnstat.gradient_noise.batches import BatchSource, LossFn, batch_loss, mean_grads, sq_norms
+from nnstat.gradient_noise.batches import (
+    BatchSource,
+    LossFn,
+    batch_loss,
+    mean_grads,
+    sq_norms,
+    to_host,
+)
 from nnstat.gradient_noise.fit import fit_method
 from nnstat.gradient_noise.maths import (
     check_batch_sizes,
@@ -93,9 +101,10 @@ def _two_batch(
 
     A last chunk shorter than ``b_small`` counts towards the big gradient only.
     """
-    small = np.zeros((n_estimates, len(params)))
-    big = np.zeros((n_estimates, len(params)))
-    for i in range(n_estimates):
+    # per-estimate vectors stay on the model's device; one copy to the host at the end
+    small: list[torch.Tensor] = []
+    big: list[torch.Tensor] = []
+    for _ in range(n_estimates):
         idx = _draw(gen, len(src), b_big)
         total = [torch.zeros_like(p, dtype=torch.float64) for p in params]
         chunk_sq = []
@@ -106,9 +115,9 @@ def _two_batch(
                 t.add_(g.double(), alpha=len(part) / b_big)
             if len(part) == b_small:
                 chunk_sq.append(sq_norms(grads))
-        small[i] = torch.stack(chunk_sq).mean(0).numpy()
-        big[i] = sq_norms(total).numpy()
-    return small, big
+        small.append(torch.stack(chunk_sq).mean(0))
+        big.append(sq_norms(total))
+    return to_host(small), to_host(big)
 
 
 def _per_sample(
@@ -144,7 +153,11 @@ def _per_sample(
                 p.grad = None
             batch = src.batch(_draw(gen, len(src), b_big))
             with collector.batch(b_big):
-                batch_loss(model, loss_fn, batch).backward()
+                loss = batch_loss(model, loss_fn, batch)
+                # checked before backward, so a NaN loss names itself, not the norms it makes
+                if not math.isfinite(float(loss.detach())):
+                    raise ValueError(f"loss_fn returned a non-finite loss ({float(loss)})")
+                loss.backward()
             s, b, _ = collector.last
             small[i] = [s.get(n, 0.0) for n in names]
             big[i] = [b.get(n, 0.0) for n in names]

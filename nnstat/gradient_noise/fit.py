@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nnstat.gradient_noise.batches import BatchSource, LossFn, mean_grads, sq_norms
+from nnstat.gradient_noise.batches import BatchSource, LossFn, mean_grads, sq_norms, to_host
 from nnstat.gradient_noise.maths import FitResult, fit_sq_norms, warn_if_noise
 from nnstat.gradient_noise.result import LayerNoiseScale, NoiseScaleResult
 
@@ -35,15 +35,15 @@ def _nested_sq_norms(
     for c in range(n_chunks):
         part = (_slice(x, c * base, (c + 1) * base), _slice(y, c * base, (c + 1) * base))
         chunks.append([g.double() for g in mean_grads(model, loss_fn, part, params)])
-    out = np.zeros((len(sizes), len(params)))
-    for j, b in enumerate(sizes):
+    out = []
+    for b in sizes:
         k = b // base
         groups = []
         for start in range(0, n_chunks - k + 1, k):
             mean = [sum(ch[p] for ch in chunks[start : start + k]) / k for p in range(len(params))]
             groups.append(sq_norms(mean))
-        out[j] = torch.stack(groups).mean(0).numpy()
-    return out
+        out.append(torch.stack(groups).mean(0))
+    return torch.stack(out)  # [sizes, params], on the model's device
 
 
 def _slice(obj: Any, lo: int, hi: int) -> Any:
@@ -74,15 +74,18 @@ def fit_method(
 
     sizes = sorted(sizes)
     nested = all(b % sizes[0] == 0 for b in sizes)
-    per_size = np.zeros((len(sizes), n_estimates, len(params)))
-    for i in range(n_estimates):
+    estimates: list[torch.Tensor] = []  # [sizes, params] per big batch, on the device
+    for _ in range(n_estimates):
         if nested:
             idx = torch.randint(len(src), (sizes[-1],), generator=gen)
-            per_size[:, i] = _nested_sq_norms(model, loss_fn, src.batch(idx), params, sizes)
+            estimates.append(_nested_sq_norms(model, loss_fn, src.batch(idx), params, sizes))
         else:
-            for j, b in enumerate(sizes):
+            rows = []
+            for b in sizes:
                 idx = torch.randint(len(src), (b,), generator=gen)
-                per_size[j, i] = sq_norms(mean_grads(model, loss_fn, src.batch(idx), params))
+                rows.append(sq_norms(mean_grads(model, loss_fn, src.batch(idx), params)))
+            estimates.append(torch.stack(rows))
+    per_size = to_host(estimates).transpose(1, 0, 2)  # one copy: [sizes, estimates, params]
     x = np.asarray(sizes, dtype=np.float64)
     totals = per_size.sum(2)
     fit = _fit_totals(x, totals)
