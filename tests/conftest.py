@@ -1,6 +1,14 @@
 """Shared fixtures."""
 
+import os
+
 import pytest
+import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # under pytest-xdist (-n N) every worker is its own process: one torch thread each, so N
+    # workers do not fight over the cores (tests are small: one thread is fastest anyway)
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(params=["training thread", "writer thread"])

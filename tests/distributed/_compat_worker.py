@@ -42,11 +42,13 @@ def wrap(kind: str, m: nn.Module) -> tuple[nn.Module, nn.Module]:
         w = nn.parallel.DistributedDataParallel(m)
         return w, w.module
     if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(m[0])
-        fully_shard(m[3])
-        fully_shard(m)
+        # an explicit CPU mesh: without one fully_shard picks cuda:0 where a GPU is visible
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for mod in (m[0], m[3], m):
+            fully_shard(mod, mesh=mesh)
         return m, m
     if kind == "hsdp":
         # a 2-D mesh: replicated over the 2 ranks, sharded within each (size-1) group

@@ -176,6 +176,8 @@ def _plain_api(model, tmp_path, names, train, query, rank, config):
     model.eval()
 
     def loss_of(x):
+        # the Trainer may have moved the model to a GPU: follow it
+        x = x.to(next(model.parameters()).device)
         logits = model(input_ids=x).logits
         return torch.nn.functional.cross_entropy(
             logits[:, :-1].reshape(-1, VOCAB), x[:, 1:].reshape(-1), reduction="sum"
@@ -234,6 +236,7 @@ def test_patched_trainer_matches_the_plain_api(tmp_path):
     assert refined.meta["refine"]["passes"] == 2 and refined.meta["refine"]["steps"] == 2
 
     def sum_loss(b):
+        b = {k: v.to(next(model.parameters()).device) for k, v in b.items()}
         return model(**b).loss * b["labels"][:, 1:].numel()
 
     def loader(ds):

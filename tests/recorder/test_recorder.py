@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -182,7 +183,8 @@ def test_dependency_graph_and_stable_hash(tmp_path) -> None:
         capture_output=True,
         text=True,
         check=True,
-        env={"PYTHONHASHSEED": "123", "PATH": ""},
+        # another hash seed; PYTHONPATH kept (a checkout run without installing needs it)
+        env={"PYTHONHASHSEED": "123", "PATH": "", "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
     )
     assert env_out.stdout.strip() == digests[0]
     changed = graph_document([tuple(n) for n in doc["nodes"]], expected - {("out", "loss")})
