@@ -60,6 +60,7 @@ def finalized_statistics(state: Mapping[str, torch.Tensor], path: Path) -> dict[
 
 _LOCK_RE = re.compile(r"^rank(\d+)\.lock$")
 _SHARD_FILE_RE = re.compile(r"^rank\d+-\d{5,}\.")
+_COMMIT_LOG_RE = re.compile(r"^rank\d+\.log$")
 
 
 def clear_store(path: Path, rank: int, world_size: int) -> None:
@@ -85,6 +86,9 @@ def clear_store(path: Path, rank: int, world_size: int) -> None:
                         locks.append(WriterLock(shard_dir, int(m.group(1))))
                 for f in shard_dir.iterdir():
                     if _SHARD_FILE_RE.match(f.name):
+                        f.unlink()
+                for f in shard_dir.iterdir():  # the commit logs after the shards they list
+                    if _COMMIT_LOG_RE.match(f.name):
                         f.unlink()
             for name in (TENSORS_FILE, JSON_FILE, PROJECTIONS_FILE, META_FILE):
                 (path / name).unlink(missing_ok=True)

@@ -217,6 +217,7 @@ class StoreLogger:
                 rank=rank,
                 queue_size=options.queue_size,
                 lock=lock,
+                require_log=self._require_log,
             )
         except BaseException:
             lock.release()
@@ -240,6 +241,10 @@ class StoreLogger:
         self._fresh = fresh = not meta_path.exists()
         # meta.json is rewritten at close only over a complete start (see _start)
         self._started = not fresh
+        # a new store keeps commit logs (shards/rank{r}.log); a store that predates them is
+        # logged from now on, but its meta.json cannot vouch for ranks other writers left
+        self._require_log = False
+        self.meta["shard_logs"] = True
         if not fresh:
             old = files.read_json(meta_path)
             if not isinstance(old, dict):
@@ -249,13 +254,16 @@ class StoreLogger:
                 prepare(self.meta)  # a resumed store is compared with the complete meta
             check_resumable(old, self.meta, self.path)
             self.meta["skipped_rows"] = int(old.get("skipped_rows", 0))
+            self._require_log = old.get("shard_logs") is True
+            if not self._require_log:
+                self.meta.pop("shard_logs")
             # unchanged by this pass until statistics are saved (the Run records their hash)
             self.meta["statistics_sha256"] = old.get("statistics_sha256")
             if old.get("params_sha256") is None:
                 # an older store: its rows' weights are unknown, so this pass cannot vouch
                 # for them either
                 self.meta.pop("params_sha256", None)
-        self.stored: set[DataId] = stored_ids(self.path / files.SHARD_DIR)
+        self.stored: set[DataId] = stored_ids(self.path / files.SHARD_DIR, self._require_log)
         self.seen: set[DataId] = set()
         self.skipped_nonfinite = 0
         self.skipped_stored = 0

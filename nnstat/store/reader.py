@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from nnstat.store.commits import committed_shards
 from nnstat.store.files import (
     META_FILE,
     PROJECTIONS_FILE,
@@ -40,7 +41,7 @@ from nnstat.store.files import (
 from nnstat.store.ids import DataId, read_ids
 from nnstat.store.integrity import tensors_hash
 from nnstat.store.meta import read_meta
-from nnstat.store.shards import STORE_DTYPES, decode_rows, list_shards
+from nnstat.store.shards import STORE_DTYPES, decode_rows
 
 
 def _module_entry(meta: dict[str, Any], name: str) -> dict[str, Any]:
@@ -120,8 +121,18 @@ class GradientStore:
         np_dtype = np.dtype(STORE_DTYPES[self.dtype][0])
         # cheap metadata only (ids files, shard headers and sizes): rows are checked where
         # scoring reads them anyway, so opening a store never costs a pass over its rows
-        for _rank, _idx, npy, ids_path in list_shards(self.path / SHARD_DIR):
+        # the shards the commit logs (shards/rank{r}.log) name: a lost file is an error, not
+        # a store with fewer rows (stores written before the logs: every complete shard)
+        required = self.meta.get("shard_logs") is True
+        for shard in committed_shards(self.path / SHARD_DIR, required):
+            npy, ids_path = shard.npy, shard.ids
             ids = _read_ids(ids_path)
+            if shard.rows is not None and shard.rows != len(ids):
+                raise ValueError(
+                    f"{ids_path}: {len(ids)} ids, but {ids_path.parent / f'rank{shard.rank}.log'}"
+                    f" records {shard.rows} rows for this shard: the ids file was replaced or "
+                    f"edited: {_DAMAGED}"
+                )
             _check_shard_header(npy, np_dtype, self.dtype, self.row_width)
             self._starts.append(len(self.ids))
             self._lengths.append(len(ids))

@@ -34,6 +34,7 @@ import torch
 
 from nnstat.background import start_one_thread_worker
 from nnstat.store import outer
+from nnstat.store.commits import append_commit, committed_shards, recover_log
 from nnstat.store.direct import DirectShardFile, StagingBuffer
 from nnstat.store.errors import StoreLockedError, StoreWriteError
 from nnstat.store.ids import DataId, read_ids
@@ -41,7 +42,7 @@ from nnstat.store.shards import (
     STORE_DTYPES,
     ShardFile,
     encode_rows,
-    list_shards,
+    list_shards,  # noqa: F401 - the module's example counts shards with it
     next_shard_index,
     remove_incomplete,
     shard_stem,
@@ -164,6 +165,9 @@ class StoreWriter:
         queue_size: maximum number of pending blocks before :meth:`put` blocks.
         lock: this rank's :class:`WriterLock`, already taken (the logger takes it before it
             reads the store); by default the writer takes it. Released by :meth:`close`.
+        require_log: the store's meta.json says its writers keep commit logs
+            (``shard_logs``): a rank with shards but no ``rank{r}.log`` is refused
+            (:mod:`nnstat.store.commits`).
 
     Raises:
         StoreLockedError: another writer of the same rank is writing into ``shard_dir``.
@@ -178,6 +182,7 @@ class StoreWriter:
         rank: int = 0,
         queue_size: int = 16,
         lock: WriterLock | None = None,
+        require_log: bool = False,
     ) -> None:
         if dtype not in STORE_DTYPES:
             raise ValueError(f"unknown store dtype {dtype!r}; valid: {sorted(STORE_DTYPES)}")
@@ -195,6 +200,9 @@ class StoreWriter:
         # temporary file looks exactly like a crashed one's)
         self._lock = lock if lock is not None else WriterLock(self.shard_dir, rank)
         try:
+            # the log first: a logged shard that lost its .npy must be reported, not have its
+            # ids file removed as an orphan
+            recover_log(self.shard_dir, rank, require_log)
             remove_incomplete(self.shard_dir, rank)
             index = next_shard_index(self.shard_dir, rank)
         except BaseException:
@@ -399,15 +407,18 @@ class StoreWriter:
             shard.abort()
             raise
         self._index += 1
+        # the last step of the commit: from here on readers need the shard's two files
+        append_commit(self.shard_dir, self.rank, shard.stem, shard.rows)
         self.rows_written += shard.rows
         self.bytes_written += shard.nbytes
         self.shards_written.append(shard.stem)
         self._shard_ids = []
 
 
-def stored_ids(shard_dir: Path) -> set[DataId]:
-    """All ids of complete shards of every rank in ``shard_dir``."""
+def stored_ids(shard_dir: Path, require_log: bool = False) -> set[DataId]:
+    """All ids of the shards that count, of every rank in ``shard_dir`` (checked against the
+    commit logs: :func:`~nnstat.store.commits.committed_shards`)."""
     out: set[DataId] = set()
-    for *_, ids_path in list_shards(shard_dir):
-        out.update(read_ids(ids_path))
+    for shard in committed_shards(shard_dir, require_log):
+        out.update(read_ids(shard.ids))
     return out
