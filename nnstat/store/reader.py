@@ -234,7 +234,9 @@ class GradientStore:
     def statistics(self) -> dict[str, torch.Tensor]:
         """Statistics saved by the run (``"{module}/{stream}/{statistic}"``), empty if none.
 
-        Checked once against meta.json's ``statistics_sha256`` when the store records one.
+        Checked once against meta.json's ``statistics_sha256``: a file beside a recorded
+        ``null`` is refused like a mismatch; only a meta.json without the key (written before
+        nnstat recorded it) reads the file unchecked.
         """
         return self._verified(STATISTICS_FILE, "statistics_sha256", required=False)
 
@@ -327,6 +329,14 @@ def _load_verified(
         return {}
     tensors = _load_tensors(path)
     if expected is None:
+        if key in meta and not required:  # recorded as null: no file of this store's own
+            raise ValueError(
+                f"{path}: {meta_path} records {key} null (no {name} went with these rows), "
+                f"yet the file exists: it comes from another store or run (or a pass died "
+                f"between saving it and recording its hash), so it cannot be checked against "
+                f"the rows. Delete it, or run the statistics pass for this store again (its "
+                f"finalize() records the hash)"
+            )
         if required:
             raise ValueError(
                 f"{path}: {meta_path} records no {key}, so the file cannot be checked against "

@@ -154,6 +154,24 @@ def test_statistics_from_another_run_are_refused(store, tmp_path):
         compute_self_influence(path, preconditioner="kfac", progress=False)
 
 
+def test_statistics_beside_a_null_statistics_hash_are_refused(store, tmp_path):
+    # issue #27 item 2: a store logged without statistics records statistics_sha256 null; a
+    # statistics file that appears there belongs to another store (as projections would)
+    log, path, _ = store
+    _, bare = _log(tmp_path, "bare", statistic="none")
+    assert json.loads((bare / META_FILE).read_text())["statistics_sha256"] is None
+    shutil.copy(path / STATISTICS_FILE, bare / STATISTICS_FILE)
+    shutil.copy(path / "statistics.json", bare / "statistics.json")
+    match = r"statistics\.safetensors: .*meta\.json records statistics_sha256 null"
+    with pytest.raises(ValueError, match=match):
+        GradientStore(bare).statistics()
+    for kw in ({}, {"preconditioner": "kfac"}):  # the default reads them to choose K-FAC
+        with pytest.raises(ValueError, match=match):
+            _score(log, bare, damping=0.1, **kw)
+    (bare / STATISTICS_FILE).unlink()
+    assert GradientStore(bare).statistics() == {}
+
+
 def test_stores_without_the_newer_hashes_are_read_as_before(store):
     # statistics_sha256 and params_sha256 came with issue #15: stores written before have
     # neither, and are scored without them (the projection hash always existed)
