@@ -35,6 +35,7 @@ from nnstat.run.params import (
 )
 from nnstat.run.reduction import reduction_probe, warn_mean_loss
 from nnstat.run.rows import BatchRows, input_ids, module_blocks, refuse_left_out
+from nnstat.run.signals import CommitOnSignal
 from nnstat.store.errors import StoreWriteError, add_note
 from nnstat.store.files import META_FILE
 from nnstat.store.ids import duplicate_ids, normalize_ids
@@ -101,6 +102,8 @@ class Run:
         self._eval_seen: set[Any] = set()
         self._warned_missing: set[str] = set()
         self._atexit = False
+        # SIGTERM/SIGINT while a pass is open: its rows are committed, then the signal goes on
+        self._on_signal = CommitOnSignal(functools.partial(self._flush_at_exit, "a signal"))
         self.overwrite = bool(overwrite)
         # params_sha256 of the weights of the open pass (None: no pass begun), of the first
         # pass of the current schedule round, and of the current eval log
@@ -340,6 +343,7 @@ class Run:
             return
         collector = self._collector if self._stats_on() else None
         logger, self._logger = self._logger, None
+        self._on_signal.restore()
         self._pass_params, self._probe_reduction = None, True
         error: BaseException | None = self._writer_error
         self._writer_error = None
@@ -502,19 +506,22 @@ class Run:
         self._logger = StoreLogger(
             self.path, meta, self.config.store, self.rank, self.world_size, prepare=prepare
         )
+        self._on_signal.install()
         if not self._atexit:
             self._atexit = True
             atexit.register(self._flush_at_exit)
 
-    def _flush_at_exit(self) -> None:
-        """A pass never finalize()d: its rows are flushed at exit (whole shards, meta.json),
-        so none is lost; its statistics are not saved (their all-reduce needs every rank)."""
+    def _flush_at_exit(self, why: str = "exit") -> None:
+        """A pass never finalize()d: its rows are flushed at exit or on SIGTERM/SIGINT (whole
+        shards, meta.json), so none is lost; its statistics are not saved (their all-reduce
+        needs every rank)."""
         logger, self._logger = self._logger, None
+        self._on_signal.restore()
         if logger is None:
             return
         warnings.warn(
             f"nnstat: the logging pass of {self.path} was never finalize()d; its rows are "
-            "flushed at exit, but its statistics are not saved. Call finalize() after each "
+            f"flushed at {why}, but its statistics are not saved. Call finalize() after each "
             "pass (or loop over run.schedule(), which does).",
             stacklevel=1,
         )
@@ -534,6 +541,7 @@ class Run:
             yield
         except StoreWriteError as e:
             logger, self._logger = self._logger, None
+            self._on_signal.restore()
             if logger is not None:
                 store_io.close_after_failure(logger, e)
             self._writer_error = e
