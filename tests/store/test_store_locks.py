@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from nnstat.store import GradientStore, StoreLockedError
+from nnstat.store import GradientStore, StoreLockedError, StoreWriteError
 from nnstat.store.files import atomic_write_json
 from nnstat.store.writer import StoreWriter
 
@@ -80,5 +80,7 @@ def test_a_writer_whose_lock_directory_was_removed_stops(tmp_path):
         time.sleep(0.01)
     shutil.rmtree(shards / "rank0.lock.d")  # on purpose: rm -r
     a.put(list(range(5, 10)), torch.ones(5, 3))
-    with pytest.raises(Exception, match=r"rank0.lock.d was removed while this writer held it"):
+    with pytest.raises(StoreWriteError) as info:
         a.close()
+    assert isinstance(info.value.__cause__, StoreLockedError)
+    assert "rank0.lock.d was removed while this writer held it" in str(info.value.__cause__)
