@@ -61,6 +61,8 @@ def model_fingerprint(model: torch.nn.Module | None) -> str | None:
 def _state(model: torch.nn.Module) -> tuple[list[tuple], bytes]:
     ids, samples = [], []
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        local = getattr(t, "to_local", None)  # a DTensor (FSDP2): this rank's shard
+        t = local() if callable(local) else t
         ids.append((name, t.data_ptr(), tuple(t.shape), t.dtype, t._version))
         if t.numel():
             flat = t.detach().reshape(-1)
