@@ -59,20 +59,23 @@ def model_fingerprint(model: torch.nn.Module | None) -> str | None:
 
 
 def _state(model: torch.nn.Module) -> tuple[list[tuple], bytes]:
-    ids, samples = [], []
+    ids = []
+    groups: dict[tuple, list[torch.Tensor]] = {}  # samples by (device, dtype): one cat each
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         local = getattr(t, "to_local", None)  # a DTensor (FSDP2): this rank's shard
         t = local() if callable(local) else t
         ids.append((name, t.data_ptr(), tuple(t.shape), t.dtype, t._version))
-        if t.numel():
-            flat = t.detach().reshape(-1)
-            samples.append(flat[:: max(1, flat.numel() // SAMPLES)].to(torch.float64))
-    values = b""
-    if samples:
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for s in samples:
-            by_device.setdefault(s.device, []).append(s)
-        values = b"".join(torch.cat(group).cpu().numpy().tobytes() for group in by_device.values())
+        n = t.numel()
+        if n:
+            step = max(1, n // SAMPLES)
+            if t.is_contiguous():  # one strided view, no copy
+                sample = torch.as_strided(t, (-(-n // step),), (step,), t.storage_offset())
+            else:
+                sample = t.reshape(-1)[::step]
+            groups.setdefault((t.device, t.dtype), []).append(sample)
+    values = b"".join(
+        torch.cat(group).cpu().view(torch.uint8).numpy().tobytes() for group in groups.values()
+    )
     return ids, values
 
 
