@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 OUTER_KINDS = ("linear", "conv", "conv1d_hf", "embedding")
+#: every kind a rule supports (:func:`detect_kind`); a store's meta.json names one per module
+KINDS = (*OUTER_KINDS, "layernorm")
 
 _MHA_REASON = (
     "nn.MultiheadAttention computes with its bare in_proj_weight and never calls "

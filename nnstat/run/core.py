@@ -35,6 +35,8 @@ from nnstat.run.params import (
 )
 from nnstat.run.reduction import reduction_probe, warn_mean_loss
 from nnstat.run.rows import BatchRows, input_ids, module_blocks, refuse_left_out
+from nnstat.run.signals import CommitOnSignal
+from nnstat.run.weights import BlockGuard, model_fingerprint
 from nnstat.store.errors import StoreWriteError, add_note
 from nnstat.store.files import META_FILE
 from nnstat.store.ids import duplicate_ids, normalize_ids
@@ -101,11 +103,15 @@ class Run:
         self._eval_seen: set[Any] = set()
         self._warned_missing: set[str] = set()
         self._atexit = False
+        # SIGTERM/SIGINT while a pass is open: its rows are committed, then the signal goes on
+        self._on_signal = CommitOnSignal(functools.partial(self._flush_at_exit, "a signal"))
         self.overwrite = bool(overwrite)
         # params_sha256 of the weights of the open pass (None: no pass begun), of the first
         # pass of the current schedule round, and of the current eval log
         self._pass_params: str | None = None
-        self._round_params: str | None = None
+        self._pass_model: str | None = None  # model_sha256: every parameter and buffer
+        self._round_params: tuple | None = None
+        self._guard = BlockGuard()  # the model at the end of the pass's last block
         self._eval_params: str | None = None
         self._probe_reduction = True  # the first block of a pass / eval log checks the loss
         self._warned_once: set[str] = set()
@@ -197,6 +203,7 @@ class Run:
             store_io.refuse_other_streams(self._pass_spec().save)
         if self.mode == "log" and (logging or self._stats_on()):
             self._begin_pass()
+            self._guard.check(self.model)  # unchanged since the pass's previous block
         elif self.mode == "eval" and self._eval_params is None:
             self._eval_params = params_fingerprint(self.engine)
         if logging:
@@ -254,6 +261,8 @@ class Run:
                 ids = input_ids(self.engine.model_input, batch, type(self.model).__name__)
                 keep = self._admit(ids)
             self._complete(batch, ids, keep, rowbuf, factors)
+        if self.mode == "log" and self._pass_params is not None:
+            self._guard.record(self.model)
 
     def _on_capture(self, cap: Any) -> None:
         if not self._rows.open:
@@ -340,7 +349,9 @@ class Run:
             return
         collector = self._collector if self._stats_on() else None
         logger, self._logger = self._logger, None
+        self._on_signal.restore()
         self._pass_params, self._probe_reduction = None, True
+        self._guard.reset()
         error: BaseException | None = self._writer_error
         self._writer_error = None
         try:
@@ -451,12 +462,14 @@ class Run:
             store_io.clear_store(self.path, self.rank, self.world_size)
             self.overwrite = False
         current = params_fingerprint(self.engine)
-        check_store_weights(self.path, current, self._warned_once)
-        if self._pass > 0 and self._round_params not in (None, current):
+        whole = model_fingerprint(self.model)
+        check_store_weights(self.path, current, self._warned_once, whole)
+        if self._pass > 0 and self._round_params not in (None, (current, whole)):
             raise weights_changed_error([p.name for p in self.config.passes()], self._pass)
         if self._pass == 0:
-            self._round_params = current
-        self._pass_params = current
+            self._round_params = (current, whole)
+        self._pass_params, self._pass_model = current, whole
+        self._guard.reset()
 
     def _pass_spec(self) -> Any:
         return self.config.passes()[self._pass]
@@ -498,23 +511,27 @@ class Run:
             return
         assert self._projections is not None
         meta = self.store_meta(hashed=False, params_sha256=self._pass_params)
+        meta["model_sha256"] = self._pass_model
         prepare = functools.partial(prepare_store, self.path, self._projections, self.rank)
         self._logger = StoreLogger(
             self.path, meta, self.config.store, self.rank, self.world_size, prepare=prepare
         )
+        self._on_signal.install()
         if not self._atexit:
             self._atexit = True
             atexit.register(self._flush_at_exit)
 
-    def _flush_at_exit(self) -> None:
-        """A pass never finalize()d: its rows are flushed at exit (whole shards, meta.json),
-        so none is lost; its statistics are not saved (their all-reduce needs every rank)."""
+    def _flush_at_exit(self, why: str = "exit") -> None:
+        """A pass never finalize()d: its rows are flushed at exit or on SIGTERM/SIGINT (whole
+        shards, meta.json), so none is lost; its statistics are not saved (their all-reduce
+        needs every rank)."""
         logger, self._logger = self._logger, None
+        self._on_signal.restore()
         if logger is None:
             return
         warnings.warn(
             f"nnstat: the logging pass of {self.path} was never finalize()d; its rows are "
-            "flushed at exit, but its statistics are not saved. Call finalize() after each "
+            f"flushed at {why}, but its statistics are not saved. Call finalize() after each "
             "pass (or loop over run.schedule(), which does).",
             stacklevel=1,
         )
@@ -534,6 +551,7 @@ class Run:
             yield
         except StoreWriteError as e:
             logger, self._logger = self._logger, None
+            self._on_signal.restore()
             if logger is not None:
                 store_io.close_after_failure(logger, e)
             self._writer_error = e

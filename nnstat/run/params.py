@@ -90,17 +90,19 @@ def freeze_params(engine: Any) -> Callable[[], None]:
     return restore
 
 
-def check_store_weights(path: Path, current: str, warned_once: set[str]) -> None:
+def check_store_weights(
+    path: Path, current: str, warned_once: set[str], model_sha256: str | None = None
+) -> None:
     """At the first block of a logging pass: refuse (:class:`ModelChangedError`) when the
     store at ``path`` holds rows of other weights than ``current`` (its meta.json's
-    ``params_sha256``); warn once (``"unchecked weights"`` in ``warned_once``) when its
+    ``params_sha256``, and ``model_sha256``: every parameter and buffer); warn once (``"unchecked weights"`` in ``warned_once``) when its
     meta.json predates the fingerprint."""
     meta_path = Path(path) / META_FILE
     if not meta_path.exists():
         return
     old = read_json(meta_path)
     old = old if isinstance(old, dict) else {}
-    check_same_params(old, {"params_sha256": current}, path)
+    check_same_params(old, {"params_sha256": current, "model_sha256": model_sha256}, path)
     if old.get("params_sha256") is None and "unchecked weights" not in warned_once:
         warned_once.add("unchecked weights")
         warnings.warn(

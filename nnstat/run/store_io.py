@@ -58,8 +58,9 @@ def finalized_statistics(state: Mapping[str, torch.Tensor], path: Path) -> dict[
     return load_safetensors(Path(path) / STATISTICS_FILE)
 
 
-_LOCK_RE = re.compile(r"^rank(\d+)\.lock$")
+_LOCK_RE = re.compile(r"^rank(\d+)\.lock(\.d)?$")
 _SHARD_FILE_RE = re.compile(r"^rank\d+-\d{5,}\.")
+_COMMIT_LOG_RE = re.compile(r"^rank\d+\.log$")
 
 
 def clear_store(path: Path, rank: int, world_size: int) -> None:
@@ -80,11 +81,16 @@ def clear_store(path: Path, rank: int, world_size: int) -> None:
         locks: list[WriterLock] = []
         try:
             if shard_dir.is_dir():
-                for f in sorted(shard_dir.iterdir()):
-                    if m := _LOCK_RE.match(f.name):
-                        locks.append(WriterLock(shard_dir, int(m.group(1))))
+                ranks = {
+                    int(m.group(1)) for f in shard_dir.iterdir() if (m := _LOCK_RE.match(f.name))
+                }
+                for r in sorted(ranks):
+                    locks.append(WriterLock(shard_dir, r))
                 for f in shard_dir.iterdir():
                     if _SHARD_FILE_RE.match(f.name):
+                        f.unlink()
+                for f in shard_dir.iterdir():  # the commit logs after the shards they list
+                    if _COMMIT_LOG_RE.match(f.name):
                         f.unlink()
             for name in (TENSORS_FILE, JSON_FILE, PROJECTIONS_FILE, META_FILE):
                 (path / name).unlink(missing_ok=True)

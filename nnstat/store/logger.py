@@ -161,19 +161,29 @@ def check_resumable(old: dict[str, Any], new: dict[str, Any], path: Path) -> Non
 
 def check_same_params(old: dict[str, Any], new: dict[str, Any], path: Path) -> None:
     """Raise :class:`~nnstat.store.errors.ModelChangedError` when ``old`` (the store's meta) and
-    ``new`` both record ``params_sha256`` and they differ: the watched parameters are not those
-    the stored rows were computed with. A meta without it (older stores) is not checked."""
+    ``new`` both record ``model_sha256`` (every parameter and buffer of the model) or
+    ``params_sha256`` (the watched parameters) and they differ: the model is not the one the
+    stored rows were computed with. A meta without them (older stores) is not checked."""
     before, now = old.get("params_sha256"), new.get("params_sha256")
-    if before is None or now is None or before == now:
-        return
-    raise ModelChangedError(
-        f"cannot add to the gradient store {path}: its rows were computed with other weights of "
-        f"the watched parameters (meta.json params_sha256 {before[:12]}..., the model now "
-        f"{now[:12]}...); the model changed since (a training step, another checkpoint), and "
-        "one store mixing two models describes neither. Log into a new store (another project "
-        "name) or replace this one: nnstat.init(project=..., overwrite=True) / "
-        "Run(..., overwrite=True)."
-    )
+    if before is not None and now is not None and before != now:
+        raise ModelChangedError(
+            f"cannot add to the gradient store {path}: its rows were computed with other "
+            f"weights of the watched parameters (meta.json params_sha256 {before[:12]}..., the "
+            f"model now {now[:12]}...); the model changed since (a training step, another "
+            "checkpoint), and one store mixing two models describes neither. Log into a new "
+            "store (another project name) or replace this one: nnstat.init(project=..., "
+            "overwrite=True) / Run(..., overwrite=True)."
+        )
+    before, now = old.get("model_sha256"), new.get("model_sha256")
+    if before is not None and now is not None and before != now:
+        raise ModelChangedError(
+            f"cannot add to the gradient store {path}: its rows were computed with another "
+            f"model (meta.json model_sha256 {before[:12]}..., the model now {now[:12]}...: its "
+            "parameters or buffers changed, maybe outside the watched modules, e.g. a layer "
+            "that is not watched was re-trained or BatchNorm statistics were reloaded). Log "
+            "into a new store (another project name) or replace this one: "
+            "nnstat.init(project=..., overwrite=True)."
+        )
 
 
 class StoreLogger:
@@ -217,6 +227,7 @@ class StoreLogger:
                 rank=rank,
                 queue_size=options.queue_size,
                 lock=lock,
+                require_log=self._require_log,
             )
         except BaseException:
             lock.release()
@@ -240,6 +251,10 @@ class StoreLogger:
         self._fresh = fresh = not meta_path.exists()
         # meta.json is rewritten at close only over a complete start (see _start)
         self._started = not fresh
+        # a new store keeps commit logs (shards/rank{r}.log); a store that predates them is
+        # logged from now on, but its meta.json cannot vouch for ranks other writers left
+        self._require_log = False
+        self.meta["shard_logs"] = True
         if not fresh:
             old = files.read_json(meta_path)
             if not isinstance(old, dict):
@@ -249,13 +264,17 @@ class StoreLogger:
                 prepare(self.meta)  # a resumed store is compared with the complete meta
             check_resumable(old, self.meta, self.path)
             self.meta["skipped_rows"] = int(old.get("skipped_rows", 0))
+            self._require_log = old.get("shard_logs") is True
+            if not self._require_log:
+                self.meta.pop("shard_logs")
             # unchanged by this pass until statistics are saved (the Run records their hash)
             self.meta["statistics_sha256"] = old.get("statistics_sha256")
-            if old.get("params_sha256") is None:
-                # an older store: its rows' weights are unknown, so this pass cannot vouch
-                # for them either
-                self.meta.pop("params_sha256", None)
-        self.stored: set[DataId] = stored_ids(self.path / files.SHARD_DIR)
+            for key in ("params_sha256", "model_sha256"):
+                if old.get(key) is None:
+                    # an older store: its rows' weights are unknown, so this pass cannot
+                    # vouch for them either
+                    self.meta.pop(key, None)
+        self.stored: set[DataId] = stored_ids(self.path / files.SHARD_DIR, self._require_log)
         self.seen: set[DataId] = set()
         self.skipped_nonfinite = 0
         self.skipped_stored = 0

@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,9 @@ def read_meta(path: Path) -> dict[str, Any]:
     """A store's ``meta.json`` (:func:`~nnstat.store.files.read_json`) with the fields every reader relies on
     checked: ``format_version`` (this version), ``row_width`` (a positive int), ``dtype`` (one of
     :data:`STORE_DTYPES`, default float32) and ``modules`` (a list of ``{name, offset, width,
-    r_in}`` inside the row). Anything else is a ``ValueError`` naming the file and the field.
+    r_in}`` that tile the row, with safe names, known kinds and ranks consistent with their
+    widths and dimensions: :func:`_module_problems`). Anything else is a ``ValueError`` naming
+    the file and the field.
 
     Example:
         >>> import tempfile; p = Path(tempfile.mkdtemp()) / "meta.json"
@@ -59,6 +62,35 @@ def read_meta(path: Path) -> dict[str, Any]:
     if not isinstance(modules, list):
         problems.append(f"'modules' must be a list, got {modules!r}")
         modules = []
+    problems += _module_problems(modules, width, meta.get("projection"))
+    if problems:
+        raise ValueError(
+            f"{path}: " + "; ".join(problems) + " (the file is damaged or not a "
+            "gradient store's meta.json)"
+        )
+    return meta
+
+
+_UNSAFE_NAME = re.compile(r"[/\\\x00-\x1f\x7f]")
+
+
+def _int(v: Any, least: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def _module_problems(modules: list, width: int | None, projection: Any) -> list[str]:
+    """What is wrong with meta.json's ``modules``: each an object with a safe, unique ``name``
+    (a module path: no ``/``, ``\\`` or control characters, no empty ``.`` part), a known
+    ``kind`` (:data:`nnstat.capture.rules.KINDS`), ``r_in``/``r_out`` the ranks its projection
+    gives (``min(rank, d)``, or ``d`` without one; ``r_out`` null for layernorm), ``width =
+    r_in * (r_out or 1)`` and ``offset`` right after the previous module; ``row_width`` their
+    sum."""
+    from nnstat.capture.rules import KINDS
+
+    problems: list[str] = []
+    rank = projection.get("rank", ...) if isinstance(projection, dict) else ...
+    names: set[str] = set()
+    end = 0
     for i, m in enumerate(modules):
         if not isinstance(m, dict):
             problems.append(f"modules[{i}] must be an object, got {m!r}")
@@ -67,20 +99,49 @@ def read_meta(path: Path) -> dict[str, Any]:
         if missing:
             problems.append(f"modules[{i}] ({m.get('name')!r}) misses {missing}")
             continue
-        ints = (m["offset"], m["width"])
-        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in ints):
-            problems.append(f"modules[{i}] ({m['name']!r}): offset/width must be ints >= 0")
-        elif isinstance(width, int) and m["offset"] + m["width"] > width:
+        name, at = m["name"], f"modules[{i}]"
+        if (
+            not isinstance(name, str)
+            or not name
+            or _UNSAFE_NAME.search(name)
+            or "" in (name.split("."))
+        ):
+            problems.append(f"{at}.name {name!r} is not a module path (a.b.c)")
+        elif name in names:
+            problems.append(f"{at}.name {name!r} appears twice")
+        names.add(name if isinstance(name, str) else "")
+        at = f"{at} ({name!r})"
+        kind = m.get("kind", "linear")
+        if kind not in KINDS:
+            problems.append(f"{at}: kind {kind!r} is not one of {list(KINDS)}")
+        if not (_int(m["offset"], 0) and _int(m["width"], 0)):
+            problems.append(f"{at}: offset/width must be ints >= 0")
+            continue
+        if m["offset"] != end:
+            problems.append(f"{at}: offset {m['offset']}, but the previous modules end at {end}")
+        end = m["offset"] + m["width"]
+        r_in, r_out = m["r_in"], m.get("r_out")
+        flat = kind == "layernorm"
+        if not _int(r_in, 1) or (r_out is not None or not flat) and not _int(r_out, 1):
             problems.append(
-                f"modules[{i}] ({m['name']!r}) ends at column {m['offset'] + m['width']}, "
-                f"past row_width {width}"
+                f"{at}: r_in {r_in!r} / r_out {r_out!r} must be positive ints"
+                + (" (r_out null)" if flat else "")
             )
-    if problems:
-        raise ValueError(
-            f"{path}: " + "; ".join(problems) + " (the file is damaged or not a "
-            "gradient store's meta.json)"
-        )
-    return meta
+            continue
+        if m["width"] != r_in * (r_out or 1):
+            problems.append(f"{at}: width {m['width']} != r_out * r_in = {(r_out or 1) * r_in}")
+        for side, r in (("in", r_in), ("out", r_out)):
+            d = m.get(f"d_{side}")
+            if r is None or not _int(d, 1) or rank is ...:
+                continue
+            want = d if rank is None else min(rank, d) if _int(rank, 1) else r
+            if r != want:
+                problems.append(
+                    f"{at}: r_{side} {r}, but projection rank {rank} and d_{side} {d} give {want}"
+                )
+    if width is not None and modules and end != width:
+        problems.append(f"'row_width' {width} != {end}, the sum of the modules' widths")
+    return problems
 
 
 def build_meta(

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from nnstat.store.commits import committed_shards
 from nnstat.store.files import (
     META_FILE,
     PROJECTIONS_FILE,
@@ -40,7 +41,7 @@ from nnstat.store.files import (
 from nnstat.store.ids import DataId, read_ids
 from nnstat.store.integrity import tensors_hash
 from nnstat.store.meta import read_meta
-from nnstat.store.shards import STORE_DTYPES, decode_rows, list_shards
+from nnstat.store.shards import STORE_DTYPES, decode_rows
 
 
 def _module_entry(meta: dict[str, Any], name: str) -> dict[str, Any]:
@@ -120,8 +121,18 @@ class GradientStore:
         np_dtype = np.dtype(STORE_DTYPES[self.dtype][0])
         # cheap metadata only (ids files, shard headers and sizes): rows are checked where
         # scoring reads them anyway, so opening a store never costs a pass over its rows
-        for _rank, _idx, npy, ids_path in list_shards(self.path / SHARD_DIR):
+        # the shards the commit logs (shards/rank{r}.log) name: a lost file is an error, not
+        # a store with fewer rows (stores written before the logs: every complete shard)
+        required = self.meta.get("shard_logs") is True
+        for shard in committed_shards(self.path / SHARD_DIR, required):
+            npy, ids_path = shard.npy, shard.ids
             ids = _read_ids(ids_path)
+            if shard.rows is not None and shard.rows != len(ids):
+                raise ValueError(
+                    f"{ids_path}: {len(ids)} ids, but {ids_path.parent / f'rank{shard.rank}.log'}"
+                    f" records {shard.rows} rows for this shard: the ids file was replaced or "
+                    f"edited: {_DAMAGED}"
+                )
             _check_shard_header(npy, np_dtype, self.dtype, self.row_width)
             self._starts.append(len(self.ids))
             self._lengths.append(len(ids))
@@ -223,7 +234,9 @@ class GradientStore:
     def statistics(self) -> dict[str, torch.Tensor]:
         """Statistics saved by the run (``"{module}/{stream}/{statistic}"``), empty if none.
 
-        Checked once against meta.json's ``statistics_sha256`` when the store records one.
+        Checked once against meta.json's ``statistics_sha256``: a file beside a recorded
+        ``null`` is refused like a mismatch; only a meta.json without the key (written before
+        nnstat recorded it) reads the file unchecked.
         """
         return self._verified(STATISTICS_FILE, "statistics_sha256", required=False)
 
@@ -316,6 +329,14 @@ def _load_verified(
         return {}
     tensors = _load_tensors(path)
     if expected is None:
+        if key in meta and not required:  # recorded as null: no file of this store's own
+            raise ValueError(
+                f"{path}: {meta_path} records {key} null (no {name} went with these rows), "
+                f"yet the file exists: it comes from another store or run (or a pass died "
+                f"between saving it and recording its hash), so it cannot be checked against "
+                f"the rows. Delete it, or run the statistics pass for this store again (its "
+                f"finalize() records the hash)"
+            )
         if required:
             raise ValueError(
                 f"{path}: {meta_path} records no {key}, so the file cannot be checked against "

@@ -34,6 +34,7 @@ import torch
 
 from nnstat.background import start_one_thread_worker
 from nnstat.store import outer
+from nnstat.store.commits import append_commit, committed_shards, recover_log
 from nnstat.store.direct import DirectShardFile, StagingBuffer
 from nnstat.store.errors import StoreLockedError, StoreWriteError
 from nnstat.store.ids import DataId, read_ids
@@ -41,7 +42,7 @@ from nnstat.store.shards import (
     STORE_DTYPES,
     ShardFile,
     encode_rows,
-    list_shards,
+    list_shards,  # noqa: F401 - the module's example counts shards with it
     next_shard_index,
     remove_incomplete,
     shard_stem,
@@ -75,15 +76,25 @@ def lock_path(shard_dir: Path, rank: int) -> Path:
     return Path(shard_dir) / f"rank{rank}.lock"
 
 
+def lock_dir(shard_dir: Path, rank: int) -> Path:
+    """The lock directory of ``rank``'s writer (``rank{r}.lock.d``, holding the holder's pid)."""
+    return Path(shard_dir) / f"rank{rank}.lock.d"
+
+
 class WriterLock:
-    """An exclusive ``fcntl.flock`` on ``shards/rank{r}.lock``, held for a writer's life.
+    """An exclusive ``fcntl.flock`` held for a writer's life on ``shards/rank{r}.lock.d``, a
+    directory (never empty: it holds the holder's ``pid``), and on ``shards/rank{r}.lock``.
 
     Two writers of one rank would interleave shard indices and delete each other's temporary
     files (each cleans its rank's leftovers on open), so the second is refused. The kernel
     drops the lock when the holder's process dies (SIGKILL included): a crash never leaves a
-    stale lock, and the next writer takes it. The file itself stays (removing it would let a
-    third process lock a new file while a second still holds the old one). The holder's pid is
-    written in it for the error message. Platforms without ``fcntl`` (Windows) do not lock.
+    stale lock, and the next writer takes it. A lock on a file is lost when the file is
+    deleted (the next writer locks a new file of that name), so the lock that counts is the
+    directory's: a non-empty directory cannot be removed by ``rm``, ``unlink`` or ``rmdir``.
+    After locking, the locked directory is checked to still be the one at that path (else it
+    was replaced meanwhile: locked again); :meth:`check` tells the holder whether it still is.
+    The file lock keeps out writers of nnstat versions that lock only the file. Platforms
+    without ``fcntl`` (Windows) do not lock.
 
     Args:
         shard_dir: directory of the shards (must exist).
@@ -92,17 +103,58 @@ class WriterLock:
 
     def __init__(self, shard_dir: Path, rank: int) -> None:
         self.path = lock_path(shard_dir, rank)
+        self.dir = lock_dir(shard_dir, rank)
         self._fd: int | None = None
+        self._file_fd: int | None = None
+        self._where = (rank, Path(shard_dir).parent)
         try:
-            import fcntl
+            import fcntl  # noqa: F401
         except ImportError:  # not POSIX: no advisory locks to take
             return
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        for _ in range(100):  # the directory replaced between open and flock: lock the new one
+            self.dir.mkdir(exist_ok=True)
+            os.close(os.open(self.dir / "pid", os.O_WRONLY | os.O_CREAT, 0o644))  # never empty
+            fd = self._lock(os.open(self.dir, os.O_RDONLY), self.dir / "pid")
+            if fd is None:
+                return  # no locks on this filesystem (warned)
+            if self._same(fd):
+                break
+            os.close(fd)
+        else:
+            raise StoreLockedError(f"{self.dir}: replaced again and again while being locked")
+        try:
+            self._file_fd = self._lock(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644), self.path)
+            with open(self.dir / "pid", "w") as f:
+                f.write(f"{os.getpid()}\n")
+            if self._file_fd is not None:
+                os.ftruncate(self._file_fd, 0)
+                os.pwrite(self._file_fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def _same(self, fd: int) -> bool:
+        try:
+            st = os.stat(self.dir)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (st.st_ino, st.st_dev) == (mine.st_ino, mine.st_dev)
+
+    def _lock(self, fd: int, pid_file: Path) -> int | None:
+        """``fd`` locked (exclusive, non-blocking); ``None`` where the filesystem cannot lock."""
+        import fcntl
+
+        rank, store = self._where
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
+            try:
+                holder = pid_file.read_text(errors="replace").strip() or "unknown"
+            except OSError:
+                holder = "unknown"
             same = holder == str(os.getpid())
             who = (
                 "an earlier logging pass of this process that was not finalize()d"
@@ -111,7 +163,7 @@ class WriterLock:
             )
             raise StoreLockedError(
                 f"{self.path}: {who} is writing rank {rank} of the gradient store "
-                f"{Path(shard_dir).parent}; two writers of one rank would corrupt its shards. "
+                f"{store}; two writers of one rank would corrupt its shards. "
                 + (
                     "Call finalize() on that run first."
                     if same
@@ -127,25 +179,36 @@ class WriterLock:
             warnings.warn(
                 f"{self.path}: this filesystem does not support file locks ({e.strerror}); a "
                 "second writer of the same rank would not be refused",
-                stacklevel=3,
+                stacklevel=4,
             )
-            return
+            return None
         except BaseException:
             os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
+        return fd
 
     @property
     def held(self) -> bool:
         return self._fd is not None
 
+    def check(self) -> None:
+        """Raise :class:`StoreLockedError` when the locked directory is no longer the one at its
+        path (someone removed it with ``rm -r``): another writer could be in, so this one must
+        not create or remove files."""
+        if self._fd is not None and not self._same(self._fd):
+            raise StoreLockedError(
+                f"{self.dir} was removed while this writer held it: another writer of rank "
+                f"{self._where[0]} may be writing {self._where[1]}; this writer stopped. Never "
+                "remove a lock directory of a running writer"
+            )
+
     def release(self) -> None:
-        """Unlock (closing the descriptor drops the flock); idempotent."""
+        """Unlock (closing the descriptors drops the flocks); idempotent."""
         fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+        file_fd, self._file_fd = self._file_fd, None
+        for d in (file_fd, fd):
+            if d is not None:
+                os.close(d)
 
 
 _STOP = object()
@@ -164,6 +227,9 @@ class StoreWriter:
         queue_size: maximum number of pending blocks before :meth:`put` blocks.
         lock: this rank's :class:`WriterLock`, already taken (the logger takes it before it
             reads the store); by default the writer takes it. Released by :meth:`close`.
+        require_log: the store's meta.json says its writers keep commit logs
+            (``shard_logs``): a rank with shards but no ``rank{r}.log`` is refused
+            (:mod:`nnstat.store.commits`).
 
     Raises:
         StoreLockedError: another writer of the same rank is writing into ``shard_dir``.
@@ -178,6 +244,7 @@ class StoreWriter:
         rank: int = 0,
         queue_size: int = 16,
         lock: WriterLock | None = None,
+        require_log: bool = False,
     ) -> None:
         if dtype not in STORE_DTYPES:
             raise ValueError(f"unknown store dtype {dtype!r}; valid: {sorted(STORE_DTYPES)}")
@@ -195,6 +262,10 @@ class StoreWriter:
         # temporary file looks exactly like a crashed one's)
         self._lock = lock if lock is not None else WriterLock(self.shard_dir, rank)
         try:
+            # the log first: a logged shard that lost its .npy must be reported, not have its
+            # ids file removed as an orphan
+            self._lock.check()
+            recover_log(self.shard_dir, rank, require_log)
             remove_incomplete(self.shard_dir, rank)
             index = next_shard_index(self.shard_dir, rank)
         except BaseException:
@@ -375,6 +446,7 @@ class StoreWriter:
         free = shutil.disk_usage(self.shard_dir).free
         if need > free:
             raise OSError(f"not enough disk space for a {need}-byte shard ({free} bytes free)")
+        self._lock.check()  # a shard is created only by the holder of the rank's lock
         stem = shard_stem(self.rank, self._index)
         if hasattr(os, "O_DIRECT"):
             if self._stage is None:
@@ -399,15 +471,18 @@ class StoreWriter:
             shard.abort()
             raise
         self._index += 1
+        # the last step of the commit: from here on readers need the shard's two files
+        append_commit(self.shard_dir, self.rank, shard.stem, shard.rows)
         self.rows_written += shard.rows
         self.bytes_written += shard.nbytes
         self.shards_written.append(shard.stem)
         self._shard_ids = []
 
 
-def stored_ids(shard_dir: Path) -> set[DataId]:
-    """All ids of complete shards of every rank in ``shard_dir``."""
+def stored_ids(shard_dir: Path, require_log: bool = False) -> set[DataId]:
+    """All ids of the shards that count, of every rank in ``shard_dir`` (checked against the
+    commit logs: :func:`~nnstat.store.commits.committed_shards`)."""
     out: set[DataId] = set()
-    for *_, ids_path in list_shards(shard_dir):
-        out.update(read_ids(ids_path))
+    for shard in committed_shards(shard_dir, require_log):
+        out.update(read_ids(shard.ids))
     return out

@@ -154,6 +154,24 @@ def test_statistics_from_another_run_are_refused(store, tmp_path):
         compute_self_influence(path, preconditioner="kfac", progress=False)
 
 
+def test_statistics_beside_a_null_statistics_hash_are_refused(store, tmp_path):
+    # issue #27 item 2: a store logged without statistics records statistics_sha256 null; a
+    # statistics file that appears there belongs to another store (as projections would)
+    log, path, _ = store
+    _, bare = _log(tmp_path, "bare", statistic="none")
+    assert json.loads((bare / META_FILE).read_text())["statistics_sha256"] is None
+    shutil.copy(path / STATISTICS_FILE, bare / STATISTICS_FILE)
+    shutil.copy(path / "statistics.json", bare / "statistics.json")
+    match = r"statistics\.safetensors: .*meta\.json records statistics_sha256 null"
+    with pytest.raises(ValueError, match=match):
+        GradientStore(bare).statistics()
+    for kw in ({}, {"preconditioner": "kfac"}):  # the default reads them to choose K-FAC
+        with pytest.raises(ValueError, match=match):
+            _score(log, bare, damping=0.1, **kw)
+    (bare / STATISTICS_FILE).unlink()
+    assert GradientStore(bare).statistics() == {}
+
+
 def test_stores_without_the_newer_hashes_are_read_as_before(store):
     # statistics_sha256 and params_sha256 came with issue #15: stores written before have
     # neither, and are scored without them (the projection hash always existed)
@@ -359,7 +377,46 @@ def test_meta_json_damage_is_named(store):
     with pytest.raises(ValueError, match=r"meta\.json: 'dtype' 'float64'"):
         GradientStore(path)
     meta_file.write_text(json.dumps({**good, "modules": good["modules"][:1]}))
-    with pytest.raises(ValueError, match=r"meta\.json: layout covers"):
+    with pytest.raises(ValueError, match=r"meta\.json: 'row_width' 28 != 16, the sum of the"):
+        _score(log, path, preconditioner="identity")
+
+
+def _edit_module(meta, i, **changes):
+    return {
+        **meta,
+        "modules": [{**m, **changes} if j == i else m for j, m in enumerate(meta["modules"])],
+    }
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (
+            {"r_in": 3, "r_out": 4},
+            r"modules\[1\] \('2'\): r_in 3, but projection rank 4 and d_in 9 give 4",
+        ),
+        ({"name": "../../x"}, r"modules\[1\]\.name '\.\./\.\./x' is not a module path"),
+        ({"name": "0"}, r"modules\[1\]\.name '0' appears twice"),
+        ({"kind": "zzz"}, r"modules\[1\] \('2'\): kind 'zzz' is not one of \['linear'"),
+        ({"offset": 15}, r"modules\[1\] \('2'\): offset 15, but the previous modules end at 16"),
+        ({"width": 11}, r"modules\[1\] \('2'\): width 11 != r_out \* r_in = 12"),
+        ({"r_out": None}, r"modules\[1\] \('2'\): r_in 4 / r_out None must be positive ints"),
+    ],
+)
+def test_meta_json_modules_are_checked_at_open(store, changes, match):
+    # issue #27 item 10: a damaged layout opened, and scoring blamed the query ("query 8 !=
+    # train 16"); now opening names the file, the module and the key
+    log, path, _ = store
+    meta_file = path / META_FILE
+    good = json.loads(meta_file.read_text())
+    assert [(m["name"], m["r_out"], m["r_in"]) for m in good["modules"]] == [
+        ("0", 4, 4),
+        ("2", 3, 4),
+    ]
+    meta_file.write_text(json.dumps(_edit_module(good, 1, **changes)))
+    with pytest.raises(ValueError, match=r"meta\.json: .*" + match):
+        GradientStore(path)
+    with pytest.raises(ValueError, match=match):
         _score(log, path, preconditioner="identity")
 
 

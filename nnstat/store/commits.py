@@ -1,0 +1,181 @@
+"""The shard commit log of a gradient store: ``shards/rank{r}.log``, one ``"{stem} {rows}"`` line
+per committed shard of rank ``r``, so that a store knows its own shards and refuses one that
+lost a file instead of opening with fewer rows.
+
+A shard is committed in four steps (:meth:`~nnstat.store.shards.ShardFile.commit`, then
+:func:`append_commit`): ``.npy.tmp`` sealed and fsynced; the ids file renamed into place; the
+``.npy`` renamed into place (the shard is now complete); its line appended to the log and
+fsynced. A crash between the last two leaves one complete shard past the log's last line: it
+is *pending*, and both readers and the next writer of that rank adopt it (the writer appends its
+line), so readers and writers always agree on the rows. A torn last line (a crash mid-append)
+is no line: the writer rewrites the log without it. Anything else that disagrees with the log
+(a logged shard with a missing file, a row count that differs, an unlogged shard before the
+last logged one) is a ``ValueError`` naming the file and the fix.
+
+Stores written before the log existed (no ``rank{r}.log``, and meta.json without
+``"shard_logs": true``) are read as before: every complete shard counts.
+
+Example:
+    >>> import tempfile; d = Path(tempfile.mkdtemp())
+    >>> append_commit(d, 0, "rank0-00000", 3); read_log(log_path(d, 0))
+    ({'rank0-00000': 3}, False)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+from nnstat.store import files
+from nnstat.store.shards import list_shards
+
+_LOG_RE = re.compile(r"^rank(\d+)\.log$")
+_LINE_RE = re.compile(r"^(rank\d+-\d{5,}) (\d+)$")
+_FILE_RE = re.compile(r"^rank(\d+)-\d{5,}\.")
+_FIX = (
+    "restore the missing file from a copy of this store, or log the store again "
+    "(nnstat.init(project, overwrite=True)); to drop the shard's rows on purpose, delete both "
+    "of its files and its line in {log}"
+)
+
+
+class Shard(NamedTuple):
+    """One shard that counts: ``rank``, ``index``, its two files, and the row count its log
+    line records (``None`` in a store without a log, or for a pending shard)."""
+
+    rank: int
+    index: int
+    npy: Path
+    ids: Path
+    rows: int | None
+
+
+def log_path(shard_dir: Path, rank: int) -> Path:
+    """The commit log of ``rank`` in ``shard_dir``."""
+    return Path(shard_dir) / f"rank{rank}.log"
+
+
+def read_log(path: Path) -> tuple[dict[str, int], bool]:
+    """``({stem: rows}, torn)`` of a commit log; ``torn``: its last line was cut short (a crash
+    mid-append: that shard is not logged). A damaged line is a ``ValueError`` naming the file."""
+    path = Path(path)
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    torn = lines[-1] != b""  # a complete log ends with a newline
+    entries: dict[str, int] = {}
+    for n, raw in enumerate(lines[:-1], start=1):
+        m = _LINE_RE.match(raw.decode("utf-8", errors="replace"))
+        if m is None or m.group(1) in entries:
+            raise ValueError(
+                f"{path}: line {n} {raw[:80]!r} is not a new '{{shard}} {{rows}}' entry; the "
+                "commit log is damaged: restore it from a copy of this store or log the store "
+                "again"
+            )
+        entries[m.group(1)] = int(m.group(2))
+    return entries, torn
+
+
+def append_commit(shard_dir: Path, rank: int, stem: str, rows: int) -> None:
+    """Append ``"{stem} {rows}"`` to ``rank``'s commit log and fsync it (the last step of a
+    shard's commit; only the holder of that rank's writer lock calls it)."""
+    path = log_path(shard_dir, rank)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        _write_all(fd, f"{stem} {rows}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def committed_shards(shard_dir: Path, required: bool = False) -> list[Shard]:
+    """The shards that count, in ``(rank, index)`` order, checked against the commit logs.
+
+    ``required``: the store's meta.json says its writers keep commit logs (``shard_logs``), so
+    a rank with shards but no log lost it. Raises ``ValueError`` naming the file when a logged
+    shard lost a file or an unlogged shard sits among logged ones.
+    """
+    shard_dir = Path(shard_dir)
+    if not shard_dir.is_dir():
+        return []
+    names = [p.name for p in shard_dir.iterdir()]
+    complete = list_shards(shard_dir)
+    ranks = {r for r, *_ in complete}
+    ranks |= {int(m.group(1)) for n in names if (m := _LOG_RE.match(n) or _FILE_RE.match(n))}
+    out: list[Shard] = []
+    for rank in sorted(ranks):
+        mine = [s for s in complete if s[0] == rank]
+        path = log_path(shard_dir, rank)
+        if not path.exists():
+            if required and mine:
+                raise ValueError(
+                    f"{path} is missing, but meta.json says this store's writers log every "
+                    f"committed shard (shard_logs): the shards of rank {rank} cannot be "
+                    "checked. Restore the log from a copy of this store, or log the store again"
+                )
+            out += [Shard(*s, None) for s in mine]
+            continue
+        logged, _torn = read_log(path)
+        out += _check_rank(shard_dir, path, logged, mine)
+    return out
+
+
+def _check_rank(
+    shard_dir: Path, path: Path, logged: dict[str, int], mine: list[tuple[int, int, Path, Path]]
+) -> list[Shard]:
+    present = {npy.name[: -len(".npy")]: (r, i, npy, ids) for r, i, npy, ids in mine}
+    fix = _FIX.format(log=path)
+    for stem, rows in logged.items():
+        if stem not in present:
+            lost = [f"{stem}{ext}" for ext in (".npy", ".ids.json")]
+            lost = [n for n in lost if not (shard_dir / n).exists()]
+            raise ValueError(
+                f"{shard_dir / lost[0]} is missing, but {path} records shard {stem} ({rows} "
+                f"rows) as committed: the store lost {' and '.join(lost)}. {fix}"
+            )
+    last = max((present[s][1] for s in logged), default=-1)
+    out = []
+    for stem, (r, i, npy, ids) in sorted(present.items(), key=lambda kv: kv[1][1]):
+        if stem in logged:
+            out.append(Shard(r, i, npy, ids, logged[stem]))
+        elif i > last and i == mine[-1][1]:
+            out.append(Shard(r, i, npy, ids, None))  # pending: renamed, not yet logged
+        else:
+            raise ValueError(
+                f"{npy}: shard {stem} is not in {path}, which lists every shard this store's "
+                f"writer of rank {r} committed (a shard copied in from elsewhere?): remove its "
+                ".npy and .ids.json, or log the store again"
+            )
+    return out
+
+
+def recover_log(shard_dir: Path, rank: int, required: bool = False) -> list[str]:
+    """The writer of ``rank``, holding its lock, before it writes: check the rank's shards
+    against its log (:func:`committed_shards`), drop a torn last line, and log what counts but
+    is not logged (a pending shard; every shard of a store written before the log). Returns the
+    stems it adopted."""
+    from nnstat.store.ids import read_ids
+
+    shard_dir = Path(shard_dir)
+    path = log_path(shard_dir, rank)
+    mine = [s for s in committed_shards(shard_dir, required) if s.rank == rank]
+    stems = [s.npy.name[: -len(".npy")] for s in mine]
+    if not path.exists():  # a new rank, or a store written before the log: one atomic write
+        lines = [f"{stem} {len(read_ids(s.ids))}\n" for stem, s in zip(stems, mine, strict=True)]
+        files.atomic_write_bytes(path, "".join(lines).encode())
+        return stems
+    logged, torn = read_log(path)
+    if torn:
+        text = "".join(f"{stem} {rows}\n" for stem, rows in logged.items())
+        files.atomic_write_bytes(path, text.encode())
+    adopted = [(stem, s) for stem, s in zip(stems, mine, strict=True) if stem not in logged]
+    for stem, s in adopted:  # at most one: the pending shard
+        append_commit(shard_dir, rank, stem, len(read_ids(s.ids)))
+    return [stem for stem, _ in adopted]

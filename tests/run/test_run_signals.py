@@ -1,0 +1,77 @@
+"""Issue #27 item 9: SIGTERM (a scheduler stopping the job) or SIGINT without finalize() commits
+the open shard like a normal exit, then the signal goes on to the handler installed before."""
+
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import nnstat
+
+SCRIPT = r"""
+import os, signal, sys, time, torch
+import nnstat
+
+root, how = sys.argv[1], sys.argv[2]
+if how == "user-handler":
+    def mine(signum, frame):  # the user's handler: called after nnstat committed the rows
+        n = len(nnstat.GradientStore(os.path.join(root, "p")))
+        print(f"user handler saw {n} rows", flush=True)
+        sys.exit(3)
+    signal.signal(signal.SIGTERM, mine)
+torch.manual_seed(0)
+model = torch.nn.Linear(5, 3)
+run = nnstat.init(project="p", root_dir=root)
+nnstat.setup({"statistic": "none", "rank": 2, "shard_rows": 8})
+nnstat.watch(model)
+for lo in range(0, 20, 4):
+    with run(data_id=list(range(lo, lo + 4))):
+        model(torch.randn(4, 5)).square().sum().backward()
+os.kill(os.getpid(), signal.SIGINT if how == "sigint" else signal.SIGTERM)
+time.sleep(30)
+print("not reached", flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "how, returncode",
+    [("sigterm", -signal.SIGTERM), ("user-handler", 3), ("sigint", None)],
+)
+def test_a_signal_without_finalize_keeps_every_row(tmp_path, how, returncode):
+    script = tmp_path / "log.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), how],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "not reached" not in done.stdout, done.stderr
+    if returncode is not None:
+        assert done.returncode == returncode, done.stderr
+    else:  # Python's SIGINT handler: KeyboardInterrupt
+        assert "KeyboardInterrupt" in done.stderr and done.returncode != 0
+    if how == "user-handler":
+        assert "user handler saw 20 rows" in done.stdout
+    assert "flushed at a signal" in done.stderr
+    store = nnstat.GradientStore(tmp_path / "p")
+    assert sorted(store.ids) == list(range(20))  # before: 16 (the open shard of 4 was lost)
+    assert store.rows(0, 20).shape == (20, store.row_width)
+
+
+def test_handlers_are_restored_when_the_pass_ends(tmp_path):
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    model = torch.nn.Linear(5, 3)
+    run = nnstat.init(project="p", root_dir=tmp_path)
+    nnstat.setup({"statistic": "none", "rank": 2})
+    nnstat.watch(model)
+    try:
+        with run(data_id=[0, 1]):
+            model(torch.randn(2, 5)).sum().backward()
+        assert signal.getsignal(signal.SIGTERM) != before[signal.SIGTERM]
+        nnstat.finalize()
+    finally:
+        nnstat.unwatch()
+    assert {s: signal.getsignal(s) for s in before} == before
