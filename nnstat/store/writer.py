@@ -365,7 +365,9 @@ class StoreWriter:
                 from tqdm.auto import tqdm
 
                 total = self._queue.qsize()
-                with tqdm(total=total, desc="nnstat: flushing gradient store", unit="block") as bar:
+                # disable=None: no bar when stderr is not a terminal (CI logs, batch jobs)
+                bar_args = dict(desc="nnstat: flushing gradient store", unit="block", disable=None)
+                with tqdm(total=total, **bar_args) as bar:
                     while self._thread.is_alive():
                         bar.update(max(0, total - self._queue.qsize() - bar.n))
                         self._thread.join(timeout=0.1)
