@@ -1,6 +1,7 @@
 """The Run API: ids, refusals, resume, errors from the writer, passes, eval/get_log, opt-ins."""
 
 import json
+import sys
 import time
 import warnings
 
@@ -304,15 +305,19 @@ def test_module_run_is_callable_and_finalize_shows_progress_when_slow(
         real(*args, **kwargs)
 
     monkeypatch.setattr(ShardFile, "commit", slow)
-    model, x, y = make()
-    run = nnstat.init(project="slow", root_dir=tmp_path)
-    nnstat.setup({"shard_rows": 1})
-    nnstat.watch(model)
-    with nnstat.run(data_id=[1, 2, 3, 4]):  # the module itself works as the context manager
-        nn.functional.cross_entropy(model(x[:4]), y[:4], reduction="sum").backward()
-    nnstat.finalize()
-    assert "flushing gradient store" in capsys.readouterr().err
-    assert nnstat.GradientStore(run.path).ids == [1, 2, 3, 4]
+    for terminal in (True, False):
+        # the bar shows on a terminal only (CI logs and batch jobs get no bar lines)
+        monkeypatch.setattr(sys.stderr, "isatty", lambda terminal=terminal: terminal)
+        model, x, y = make()
+        run = nnstat.init(project=f"slow-{terminal}", root_dir=tmp_path)
+        nnstat.setup({"shard_rows": 1})
+        nnstat.watch(model)
+        with nnstat.run(data_id=[1, 2, 3, 4]):  # the module itself works as the context manager
+            nn.functional.cross_entropy(model(x[:4]), y[:4], reduction="sum").backward()
+        nnstat.finalize()
+        shown = "flushing gradient store" in capsys.readouterr().err
+        assert shown == terminal
+        assert nnstat.GradientStore(run.path).ids == [1, 2, 3, 4]
 
 
 def test_setup_rank_is_the_default_projection(tmp_path):
