@@ -799,11 +799,53 @@ def bench_setting(task: Task, method: str, args, root: Path) -> list[dict[str, A
         print(f"\n#### nnstat store: {label} (logging {t_log:.1f} s)\n", flush=True)
         board = Board(proto, ref)
         bench_store(board, ctx, log, loader, args, projected=rank is not None)
-        results.append(
-            {**header, "projection": label, "logging_seconds": t_log, "rows": board.rows}
-        )
+        entry = {**header, "projection": label, "logging_seconds": t_log, "rows": board.rows}
+        if rank is None and args.counterfactual:
+            entry["counterfactual"] = counterfactual_check(
+                train_fn, base, task, query_losses, log, loader, args
+            )
+        results.append(entry)
         print_table(board.rows)
     return results
+
+
+def counterfactual_check(train_fn, base, task, query_losses, log, loader, args) -> dict:
+    """Remove the k training examples most helpful to all queries jointly by EK-FAC influence,
+    by its RelatIF form, by the highest training loss, and at random; retrain each from the
+    same seeds (`nnstat.influence.counterfactual`) and report the queries' loss change."""
+    k = args.counterfactual
+    scores = {
+        mode: compute_influence_all(log, loader, mode=mode, progress=False)
+        for mode in ("dot", "relatif")
+    }
+    with torch.no_grad():
+        train_loss = CE(base(task.train[0]), task.train[1], reduction="none")
+    t = time.perf_counter()
+    out = {}
+    for mode, res in scores.items():
+        cf = nnstat.influence.counterfactual(
+            train_fn,
+            query_losses,
+            in_train_order(res),
+            k,
+            direction="helpful",
+            baselines={"loss": train_loss} if mode == "dot" else None,
+            random=mode == "dot",
+            repeats=args.counterfactual_repeats,
+        )
+        for name, arm in cf.arms.items():
+            label = {"scores": f"ekfac {mode}"}.get(name, name)
+            out[label] = {"mean": arm.mean, "interval": list(arm.interval), "change": arm.change}
+    secs = time.perf_counter() - t
+    print(
+        f"\ncounterfactual (k = {k} most helpful to the {len(task.query[0])} queries jointly "
+        f"removed, retrained {args.counterfactual_repeats}x from the same seeds, {secs:.0f} s): "
+        "mean query-loss change [95% interval]"
+    )
+    for label, row in out.items():
+        lo, hi = row["interval"]
+        print(f"  {label:<15} {row['mean']:+.4f} [{lo:+.4f}, {hi:+.4f}]")
+    return out
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -1021,6 +1063,10 @@ def main() -> None:
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--quick", action="store_true", help="only the methods of the docs' tables")
     ap.add_argument("--out", type=Path, default=None, help="JSON file for all results")
+    ap.add_argument(
+        "--counterfactual", type=int, default=15, help="k of the counterfactual check (0: off)"
+    )
+    ap.add_argument("--counterfactual-repeats", type=int, default=3)
     args = ap.parse_args()
     args.ranks = [None if r.strip().lower() == "none" else int(r) for r in args.ranks.split(",")]
     torch.set_num_threads(args.threads)
