@@ -398,6 +398,6 @@ def method_difference(ours: dict, theirs: dict) -> str:
     pa, pb = ours.get("preconditioner"), theirs.get("preconditioner")
     if pa != pb and "refined" not in (pa, pb):
         out.append(f"preconditioner {pb} there, {pa} here")
-    if not out and _any_damping(ours) != _any_damping(theirs):
+    if _any_damping(ours) != _any_damping(theirs):
         out.append(f"{_any_damping(theirs)} there, {_any_damping(ours)} here")
     return "; ".join(out) or "the same method (the lists differ by ties or rounding)"
