@@ -278,8 +278,7 @@ def _in_viewer(ex: DemoExtras, score: str) -> str:
     if name not in ex.viewer_scores:
         return "not saved for nnstat view"
     return (
-        f'nnstat view shows the same lists under scores "saved: {name}", query set '
-        f"{QUERY_SET}"
+        f'nnstat view shows the same lists under scores "saved: {name}", query set ' f"{QUERY_SET}"
     )
 
 
