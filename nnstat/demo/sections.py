@@ -19,7 +19,14 @@ import numpy as np
 
 from nnstat.demo.attribution import ARMS, REPEATS, SCORES, Explanations
 from nnstat.demo.report import HtmlReport
-from nnstat.demo.steps import REFINE_STEPS, TOP_K, DemoExtras, MislabelSearch
+from nnstat.demo.steps import (
+    QUERY_SET,
+    REFINE_STEPS,
+    SAVED_SCORES,
+    TOP_K,
+    DemoExtras,
+    MislabelSearch,
+)
 
 __all__ = ["mislabel_section", "influence_section", "counterfactual_section", "explained_summary"]
 
@@ -82,6 +89,11 @@ def mislabel_section(rep: HtmlReport, state: Any, m: MislabelSearch | None) -> N
             else "."
         )
     )
+    if m.method:
+        rep.paragraph(
+            f"Self-influence method: {m.method}. `nnstat view` computes its self-influence "
+            "ranking the same way from the gradient store, so it lists the same digits."
+        )
     rep.grid(
         ["ranking", f"planted in the top {k}", f"recall at {k}", "all planted found by rank"],
         [
@@ -151,6 +163,7 @@ def explained_summary(ex: DemoExtras) -> str:
 
 def influence_section(rep: HtmlReport, state: Any, ex: DemoExtras) -> None:
     import nnstat.plot as nplt
+    from nnstat.viewer import method_line
 
     rep.section(
         "Why did it get these digits wrong? Influence",
@@ -167,6 +180,7 @@ def influence_section(rep: HtmlReport, state: Any, ex: DemoExtras) -> None:
     if ex.influence is None or exp is None:
         rep.paragraph("The model classified every test digit correctly: nothing to explain.")
         return
+    _methods(rep, ex, exp)
     wrong, pred = ex.misclassified, ex.predicted
     n, planted = len(state.y_train), set(state.planted)
     rate = len(planted) / n
@@ -226,8 +240,8 @@ def influence_section(rep: HtmlReport, state: Any, ex: DemoExtras) -> None:
     rep.figure(
         fig,
         f"{min(len(wrong), 8)} of {len(wrong)} misclassified test digits, scored by "
-        f"{NAMES[chosen]}. Above each training digit: score, training index and the label "
-        "trained on (* a planted wrong label).",
+        f"{NAMES[chosen]} ({method_line(result.meta)}). Above each training digit: score, "
+        "training index and the label trained on (* a planted wrong label).",
     )
     top = result.top_k(TOP_K)
 
@@ -237,6 +251,10 @@ def influence_section(rep: HtmlReport, state: Any, ex: DemoExtras) -> None:
             label += f", planted: true {int(state.y_train_true[i])}"
         return f"#{i} ({label})"
 
+    rep.paragraph(
+        f"Every misclassified test digit's {TOP_K} most supportive and most opposing training "
+        f"digits by {NAMES[chosen]} ({_in_viewer(ex, chosen)}):"
+    )
     rep.bullets(
         [
             f"test #{q}: true {int(state.y_test[q])}, predicted {int(pred[q])}; most supportive "
@@ -254,6 +272,34 @@ def influence_section(rep: HtmlReport, state: Any, ex: DemoExtras) -> None:
     )
 
 
+def _in_viewer(ex: DemoExtras, score: str) -> str:
+    """Where ``nnstat view`` shows the same scores (or why it does not)."""
+    name = SAVED_SCORES[score]
+    if name not in ex.viewer_scores:
+        return "not saved for nnstat view"
+    return (
+        f'nnstat view shows the same lists under scores "saved: {name}", query set ' f"{QUERY_SET}"
+    )
+
+
+def _methods(rep: HtmlReport, ex: DemoExtras, exp: Explanations) -> None:
+    """How each list of the report was made, and where the viewer shows the same scores."""
+    from nnstat.viewer import method_line
+
+    rep.paragraph(
+        "How each score was made (mode, preconditioner, damping, refinement), and where "
+        '`nnstat view` shows the same scores. Its default lists ("computed here") come from '
+        "the gradient store alone, unrefined (the store holds neither the model nor the data "
+        "refinement needs), so they can differ from these; the viewer says so when they do."
+    )
+    rep.bullets(
+        [
+            f"{NAMES[score]}: {method_line(exp.results[score].meta)}; {_in_viewer(ex, score)}"
+            for score in SAVED_SCORES
+        ]
+    )
+
+
 def counterfactual_section(rep: HtmlReport, state: Any, ex: DemoExtras) -> None:
     exp: Explanations | None = ex.explanations
     if exp is None or not exp.counterfactual:
@@ -265,7 +311,8 @@ def counterfactual_section(rep: HtmlReport, state: Any, ex: DemoExtras) -> None:
         "Do the explanations hold? Remove, retrain, compare",
         f"For the {q} misclassified test digits together, each rule names k training digits to "
         "remove: raw influence and RelatIF the k that most support the wrong predictions "
-        "(highest scores summed over the misclassified digits), the training loss its k "
+        "(highest scores summed over the misclassified digits; each score made as named in the "
+        "influence section), the training loss its k "
         "highest-loss digits, random k random ones (new in every repeat). The demo's model is "
         "then retrained without them, from the demo's initial weights with the demo's training "
         f"loop ({cfg.epochs} epochs, batch {cfg.batch_size}), {REPEATS} times with {REPEATS} "

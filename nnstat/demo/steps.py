@@ -42,6 +42,10 @@ NOISE_SCALE_EVERY = 2  # logged steps between two noise-scale estimates
 RANK = 16  # projection rank per module of the gradient store
 REFINE_STEPS = 5  # conjugate-gradient steps of the influence refinement
 TOP_K = 3  # helpful and harmful training digits shown per misclassified test digit
+#: The name each score of the report is saved under beside the gradient store
+#: (`nnstat.viewer.save_scores`), so ``nnstat view`` shows the report's lists.
+SAVED_SCORES = {"raw": "refined", "relatif": "relatif"}
+QUERY_SET = "misclassified"  # the query set of the misclassified test digits beside the store
 
 
 @dataclass
@@ -54,6 +58,7 @@ class MislabelSearch:
     preconditioner: str
     hits: np.ndarray  # hits[k-1]: planted digits among the k highest self-influences
     loss_hits: np.ndarray  # the same for the ranking by training loss
+    method: str = ""  # nnstat.viewer.method_line of the self-influence's meta
 
     @property
     def k(self) -> int:
@@ -109,6 +114,7 @@ class DemoExtras:
     query_log: Any = None  # the misclassified test digits' gradients (a GradientLog)
     mislabels: MislabelSearch | None = None
     viewer_examples: list[str] = field(default_factory=list)
+    viewer_scores: list[str] = field(default_factory=list)  # names saved by save_scores
     explanations: Any = None  # nnstat.demo.attribution.Explanations
     report_path: Path | None = None
     timings: dict[str, float] = field(default_factory=dict)
@@ -263,6 +269,8 @@ def find_mislabels(state: Any) -> None:
     """Self-influence ``g_iᵀ(H+λI)⁻¹g_i`` of every training digit from the gradient store (the
     store's EK-FAC preconditioner), ranked: how many of the planted wrong labels are at the top,
     against a random order (expected recall k/n) and against ranking by the training loss."""
+    from nnstat.viewer import method_line
+
     ex = extras(state)
     if not state.planted or ex.run is None:
         return
@@ -286,6 +294,7 @@ def find_mislabels(state: Any) -> None:
         loss=loss.double().numpy(),
         planted=list(state.planted),
         preconditioner=str(result.meta.get("preconditioner", "?")),
+        method=method_line(result.meta),
         hits=ranking_hits(scores, state.planted),
         loss_hits=ranking_hits(loss.double().numpy(), state.planted),
     )
@@ -299,10 +308,11 @@ def find_mislabels(state: Any) -> None:
 
 
 def save_for_viewer(state: Any) -> None:
-    """What ``nnstat view``'s influence explorer needs to show the examples as images: the
-    training digits (with the labels trained on) beside the gradient store, and the
-    misclassified test digits as a query set of that store."""
-    from nnstat.viewer import save_examples, save_queries
+    """What ``nnstat view``'s influence explorer needs to show the examples as images and the
+    report's lists: the training digits (with the labels trained on) beside the gradient store,
+    the misclassified test digits as a query set of that store, and the scores the report used
+    (refined raw influence and RelatIF, with their methods) under `SAVED_SCORES`."""
+    from nnstat.viewer import save_examples, save_queries, save_scores
 
     ex = extras(state)
     if ex.run is None:
@@ -318,7 +328,7 @@ def save_for_viewer(state: Any) -> None:
     ex.viewer_examples.append(str(ex.run.path))
     if ex.query_log is not None:
         wrong, pred = ex.misclassified, ex.predicted
-        queries = save_queries(ex.query_log, ex.run.path, name="misclassified")
+        queries = save_queries(ex.query_log, ex.run.path, name=QUERY_SET)
         save_examples(
             queries,
             wrong,
@@ -326,5 +336,14 @@ def save_for_viewer(state: Any) -> None:
             labels=[f"true {int(state.y_test[i])}, predicted {int(pred[i])}" for i in wrong],
         )
         ex.viewer_examples.append(str(queries))
+    exp = ex.explanations
+    if exp is not None:
+        for score, name in SAVED_SCORES.items():
+            what = "the report's grid and lists" if score == exp.chosen else "in the report"
+            label = f"{'refined raw influence' if score == 'raw' else 'RelatIF'}: {what}"
+            save_scores(ex.run.path, name, exp.results[score], queries=QUERY_SET, label=label)
+            ex.viewer_scores.append(name)
     ex.timings["save for nnstat view"] = time.perf_counter() - t0
     print(f"for nnstat view: examples beside {', '.join(ex.viewer_examples)}")
+    if ex.viewer_scores:
+        print(f"for nnstat view: the report's scores saved as {', '.join(ex.viewer_scores)}")

@@ -266,7 +266,14 @@ def write_report(state: Any) -> None:
             "TensorBoard": f"tensorboard --logdir {cfg.log_dir / 'tensorboard'}",
             "W&B (offline)": f"wandb sync {cfg.log_dir / 'wandb'}" if state.wandb_dir else "off",
             "nnstat view": f"nnstat view {cfg.log_dir}  (metrics, and the gradient store with "
-            "the digits as images in the influence explorer)",
+            "the digits as images in the influence explorer"
+            + (
+                f"; the report's scores saved as {', '.join(ex.viewer_scores)}: pick them "
+                "under scores"
+                if ex.viewer_scores
+                else ""
+            )
+            + ")",
             "metrics as JSON lines": str(cfg.log_dir / "metrics" / "metrics.jsonl"),
             "gradient store": str(ex.run.path) if ex.run else "n/a",
             "re-runs": "each run replaces this folder's TensorBoard, W&B, store and report: "

@@ -5,8 +5,12 @@ Which pair is scored: every query set saved beside the store (`nnstat.viewer.sav
 training example as the query) whether or not a query set exists. Scores are
 ``nnstat.influence.compute_influence_all(query, store, top_k=k)`` with the store's default
 preconditioner (EK-FAC when the run saved K-FAC statistics, else raw), so they equal what the
-Python API returns; self-influence is ``compute_self_influence(store)``. Results are cached for
-the life of the server (one `Explorer` per ``nnstat view``).
+Python API returns; self-influence is ``compute_self_influence(store)``. ``mode`` is ``dot``
+(the default) or ``relatif`` (RelatIF). Scores saved beside the store (`nnstat.viewer.save_scores`:
+refined, or made with a model and data the store does not hold) are a source of their own; every
+answer names the method behind its lists (``method``) and, for each other source that scores the
+same query, its lists and why they can differ (``compare``). Results are cached for the life of
+the server (one `Explorer` per ``nnstat view``).
 
 Examples (images, labels, texts) come from `nnstat.viewer.save_examples`; images are sent as PNG
 ``data:`` URLs (the page's Content-Security-Policy allows images from ``data:`` only), scaled
@@ -30,7 +34,12 @@ from typing import Any
 
 import torch
 
-from nnstat.influence import TopKInfluence, compute_influence_all, compute_self_influence
+from nnstat.influence import (
+    InfluenceResult,
+    TopKInfluence,
+    compute_influence_all,
+    compute_self_influence,
+)
 from nnstat.influence.cache import default_preconditioner
 from nnstat.influence.sources import all_finite, as_source, nonfinite_error
 from nnstat.store import GradientLog, GradientStore
@@ -43,9 +52,18 @@ from nnstat.viewer.examples import (
     query_sets,
     read_query_ids,
 )
+from nnstat.viewer.scores import (
+    SavedScores,
+    _plain,
+    load_scores,
+    method_difference,
+    method_line,
+    score_sets,
+)
 
 SELF = ""  # query set name of "the store against itself"
 MAX_K = 50
+MODES = ("dot", "relatif")  # what the explorer computes itself
 # the export has no server to ask: it carries this many queries per query set
 EXPORT_QUERIES = 24
 # the page lists at most this many queries to pick from (the rest by index)
@@ -166,6 +184,24 @@ def store_summary(root: Path, folder: Path, report: Callable[[Path, str], None])
             report(q, f"{exc}; its queries are shown as ids")
             entry["examples_problem"] = str(exc)
         sets.append(entry)
+    saved, saved_problems = [], []
+    for f in score_sets(folder):
+        try:
+            sc = load_scores(folder, f.name)
+        except (ValueError, OSError, KeyError) as exc:
+            msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+            report(f / "scores.json", f"{msg}; the saved scores are not offered")
+            saved_problems.append(str(msg))
+            continue
+        saved.append(
+            {
+                "name": sc.name,
+                "label": sc.label,
+                "queries": sc.queries,
+                "n": len(sc.test_ids),
+                "method": method_line(sc.meta),
+            }
+        )
     problem = None
     try:
         ex = load_examples(folder)
@@ -182,6 +218,8 @@ def store_summary(root: Path, folder: Path, report: Callable[[Path, str], None])
         "modules": [m["name"] for m in store.modules],
         "preconditioner": pre,
         "query_sets": sets,
+        "score_sets": saved,
+        "scores_problems": saved_problems,
         "examples": None if ex is None else len(ex.ids),
         "images": ex is not None and ex.images is not None,
     }
@@ -268,60 +306,146 @@ class Explorer:
         shown = self._shown(store_dir if folder is None else folder)
         return {"n": len(ids), "items": [shown(i) for i in ids[:LIST_QUERIES]]}
 
-    def influence(self, store_id: str, set_name: str, q: int, k: int = 10) -> dict[str, Any]:
+    def _saved(self, store_dir: Path, name: str) -> tuple[SavedScores, TopKInfluence]:
+        """Saved scores ``name`` of a store, and their top-`MAX_K` (cached per file version)."""
+        folder = store_dir / VIEWER_DIR / "scores" / name
+        if not (folder / "scores.json").is_file():
+            raise KeyError(f"no saved scores {name!r} beside the store {store_dir}")
+        files = [*folder.iterdir(), store_dir / "meta.json", *sorted(store_dir.glob("shards/*"))]
+        for q in query_sets(store_dir):
+            files.append(q / "query.json")
+
+        def make() -> tuple[SavedScores, TopKInfluence]:
+            sc = load_scores(store_dir, name)
+            res = sc.result
+            top = res.top_k(MAX_K) if isinstance(res, InfluenceResult) else res
+            return sc, top
+
+        return self._cached(("saved", str(store_dir), name, _stamp(*files)), make)
+
+    def _lists(
+        self, store_id: str, set_name: str, q: int, mode: str, scores: str
+    ) -> tuple[TopKInfluence, int, Any, dict, str]:
+        """(top-`MAX_K`, its row of query ``q``, the query's id, meta, label) of one source:
+        computed here with ``mode``, or the saved scores ``scores``."""
+        store_dir = self._store_dir(store_id)
+        folder = self._set_dir(store_dir, set_name)
+        store = GradientStore(store_dir)
+        ids = store.ids if folder is None else read_query_ids(folder)
+        if not 0 <= q < len(ids):
+            what = "the store has" if folder is None else "the set has"
+            raise IndexError(
+                f"query {q} out of range: {what} {len(ids)} {'rows' if folder is None else 'queries'}"
+            )
+        qid = ids[q]
+        if scores:
+            sc, top = self._saved(store_dir, scores)
+            if sc.queries != set_name:
+                for_ = f"query set {sc.queries!r}" if sc.queries else "training rows"
+                raise ValueError(f"saved scores {scores!r} are for {for_}, not this query set")
+            try:
+                row = sc.test_ids.index(qid)
+            except ValueError:
+                raise ValueError(f"saved scores {scores!r} do not score query {qid!r}") from None
+            return top, row, qid, sc.meta, sc.label
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if folder is None:
+            # one training row as the query: scored alone, so a large store never builds an
+            # n x n matrix
+            key = ("self-q", store_id, _store_stamp(store), q, mode)
+            top = self._cached(key, lambda: self._score_rows(store, q, q + 1, mode))
+            return top, 0, qid, top.meta, "computed here"
+        log = load_queries(folder)
+        # the whole set in one pass over the store, cached for every later query
+        top = self._cached(
+            ("set", store_id, set_name, _store_stamp(store), _stamp(*folder.iterdir()), mode),
+            lambda: compute_influence_all(log, store, mode=mode, top_k=MAX_K, progress=False),
+        )
+        return top, q, qid, top.meta, "computed here"
+
+    def influence(
+        self,
+        store_id: str,
+        set_name: str,
+        q: int,
+        k: int = 10,
+        mode: str = "dot",
+        scores: str = "",
+    ) -> dict[str, Any]:
         """Top-``k`` helpful and harmful training examples for query number ``q`` of a set.
 
-        Returns ``{"query", "helpful": [{"score", **example}], "harmful": [...], "preconditioner",
-        "seconds"}``; helpful best first (largest score), harmful most harmful first.
+        ``mode``: ``dot`` or ``relatif``, computed here with the store's preconditioner;
+        ``scores``: the name of scores saved beside the store (`save_scores`) instead.
+        Returns ``{"query", "helpful": [{"score", **example}], "harmful": [...], "method",
+        "compare", "preconditioner", "seconds"}``; helpful best first (largest score), harmful
+        most harmful first. ``method``: how the lists were made (mode, preconditioner, damping,
+        refine, and ``line``, one sentence of it). ``compare``: the other sources scoring this
+        query (every saved set when computed here; computed here with ``dot`` when saved), with
+        their top-`MAX_K` ids and ``why`` their lists can differ.
         """
         if not 1 <= k <= MAX_K:
             raise ValueError(f"k must be 1-{MAX_K}, got {k}")
         store_dir = self._store_dir(store_id)
-        folder = self._set_dir(store_dir, set_name)
-        store = GradientStore(store_dir)
-        pre = _preconditioner(store)
         t0 = time.perf_counter()
-        if folder is None:
-            # one training row as the query: scored alone, so a large store never builds an
-            # n x n matrix
-            if not 0 <= q < len(store):
-                raise IndexError(f"query {q} out of range: the store has {len(store)} rows")
-            qid = store.ids[q]
-            key = ("self-q", store_id, _store_stamp(store), q)
-            top = self._cached(key, lambda: self._score_rows(store, q, q + 1))
-            row = 0
-            shown_q = self._shown(store_dir)
-        else:
-            log = load_queries(folder)
-            if not 0 <= q < len(log):
-                raise IndexError(f"query {q} out of range: the set has {len(log)} queries")
-            # the whole set in one pass over the store, cached for every later query
-            top = self._cached(
-                ("set", store_id, set_name, _store_stamp(store), _stamp(*folder.iterdir())),
-                lambda: compute_influence_all(log, store, top_k=MAX_K, progress=False),
-            )
-            row, qid = q, log.ids[q]
-            shown_q = self._shown(folder)
+        top, row, qid, meta, label = self._lists(store_id, set_name, q, mode, scores)
+        folder = self._set_dir(store_dir, set_name)
+        shown_q = self._shown(store_dir if folder is None else folder)
         shown = self._shown(store_dir)
         pick = min(k, top.k)
 
-        def side(scores: torch.Tensor, ids: list) -> list[dict[str, Any]]:
+        def side(values: torch.Tensor, ids: list) -> list[dict[str, Any]]:
             return [
                 {"score": float(s), **shown(i)}
-                for s, i in zip(scores[row, :pick].tolist(), ids[row][:pick], strict=True)
+                for s, i in zip(values[row, :pick].tolist(), ids[row][:pick], strict=True)
             ]
 
+        others: list[tuple[str, str]] = []
+        if scores:
+            others.append(("", "dot"))
+        else:
+            for f in score_sets(store_dir):
+                others.append((f.name, mode))
+        compare = []
+        for name, other_mode in others:
+            try:
+                o_top, o_row, _, o_meta, o_label = self._lists(
+                    store_id, set_name, q, other_mode, name
+                )
+            except (ValueError, KeyError):  # for another query set, or not this query
+                continue
+            compare.append(
+                {
+                    "source": name or "here",
+                    "label": o_label,
+                    "line": method_line(o_meta),
+                    "why": method_difference(meta, o_meta),
+                    "helpful_ids": o_top.helpful_ids[o_row],
+                    "harmful_ids": o_top.harmful_ids[o_row],
+                }
+            )
         return {
             "query": shown_q(qid),
             "index": q,
             "helpful": side(top.helpful_scores, top.helpful_ids),
             "harmful": side(top.harmful_scores, top.harmful_ids),
-            "preconditioner": pre,
+            "method": {
+                "source": scores or "here",
+                "label": label,
+                "line": method_line(meta),
+                **_plain(
+                    {key: meta.get(key) for key in ("mode", "preconditioner", "damping")}
+                    | {key: meta.get(key) for key in ("module_damping", "refine")},
+                    "meta",
+                ),
+            },
+            "compare": compare,
+            "preconditioner": meta.get("preconditioner"),
             "seconds": time.perf_counter() - t0,
         }
 
     @staticmethod
-    def _score_rows(store: GradientStore, start: int, stop: int) -> Any:
+    def _score_rows(store: GradientStore, start: int, stop: int, mode: str = "dot") -> Any:
         """Top-`MAX_K` of training rows ``start:stop`` used as queries against their store."""
         rows = store.rows(start, stop)
         if not all_finite(rows):
@@ -329,20 +453,20 @@ class Explorer:
             src = as_source(store)
             raise nonfinite_error(src, src.shard_at(start, rows), store.ids[start:stop], rows)
         log = GradientLog(store.ids[start:stop], rows, store.meta)
-        return compute_influence_all(log, store, top_k=MAX_K, progress=False)
+        return compute_influence_all(log, store, mode=mode, top_k=MAX_K, progress=False)
 
-    def _prefill_self(self, store_id: str, n: int) -> None:
+    def _prefill_self(self, store_id: str, n: int, mode: str = "dot") -> None:
         """Score the first ``n`` training rows as queries in one pass over the store (the
         export's), cached as if each had been asked for alone."""
         store = GradientStore(self._store_dir(store_id))
         n = min(n, len(store))
         stamp = _store_stamp(store)
-        if n == 0 or all(("self-q", store_id, stamp, q) in self._cache for q in range(n)):
+        if n == 0 or all(("self-q", store_id, stamp, q, mode) in self._cache for q in range(n)):
             return
-        top = self._score_rows(store, 0, n)
+        top = self._score_rows(store, 0, n, mode)
         with self._lock:
             for q in range(n):
-                self._cache[("self-q", store_id, stamp, q)] = TopKInfluence(
+                self._cache[("self-q", store_id, stamp, q, mode)] = TopKInfluence(
                     [top.test_ids[q]],
                     top.helpful_scores[q : q + 1],
                     [top.helpful_ids[q]],
@@ -370,21 +494,36 @@ class Explorer:
         return {
             "highest": [item(j) for j in order[:k]],
             "lowest": [item(j) for j in order[::-1][:k]],
+            "method": {"line": "self-influence g_iᵀ(H+λI)⁻¹g_i · " + method_line(res.meta)},
         }
 
     def export(self, store_id: str, sets: list[dict[str, Any]], k: int = 20) -> dict[str, Any]:
         """What an ``--export`` file carries for a store: the first `EXPORT_QUERIES` queries of
         each set scored, the self-influence ranking and the query pickers."""
         out: dict[str, Any] = {"self": self.self_influence(store_id, k), "sets": {}}
-        self._prefill_self(store_id, EXPORT_QUERIES)
+        for mode in MODES:
+            self._prefill_self(store_id, EXPORT_QUERIES, mode)
+        saved = [f.name for f in score_sets(self._store_dir(store_id))]
         for s in sets:
             name = s["name"]
             n = min(s["n"], EXPORT_QUERIES)
             queries = self.queries(store_id, name)
             queries["items"] = queries["items"][:n]  # only these are scored in the file
+            # "scored": computed here with mode dot; "sources": the other sources by their key in
+            # the page's source picker ("here:relatif", "saved:<name>")
+            sources: dict[str, dict[str, Any]] = {"here:relatif": {}}
+            for q in range(n):
+                sources["here:relatif"][str(q)] = self.influence(store_id, name, q, k, "relatif")
+                for other in saved:
+                    try:
+                        res = self.influence(store_id, name, q, k, scores=other)
+                    except (ValueError, KeyError):  # another query set's, or not this query
+                        continue
+                    sources.setdefault(f"saved:{other}", {})[str(q)] = res
             out["sets"][name] = {
                 "queries": queries,
                 "scored": {str(q): self.influence(store_id, name, q, k) for q in range(n)},
+                "sources": sources,
             }
         # a training example appears under many queries: its image is carried once, under
         # "images", and the examples name it by "image_ref"

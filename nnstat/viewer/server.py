@@ -279,7 +279,8 @@ def _server(
                     result = explorer.queries(store, arg("set", ""))
                 elif path == "/api/influence":
                     q, k = int_arg("q"), int_arg("k", "10")
-                    result = explorer.influence(store, arg("set", ""), q, k)
+                    mode, scores = arg("mode", "dot"), arg("scores", "")
+                    result = explorer.influence(store, arg("set", ""), q, k, mode, scores)
                 else:
                     result = explorer.self_influence(store, int_arg("k", "10"))
             except (KeyError, ValueError, IndexError) as exc:

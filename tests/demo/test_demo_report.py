@@ -350,3 +350,44 @@ def test_viewer_can_show_the_examples(demo):
         assert load_examples(queries).ids == state.extras.misclassified
     jsonl = (demo.log_dir / "metrics" / "metrics.jsonl").read_text()
     assert '"test/accuracy"' in jsonl and '"noise_scale/b_simple"' in jsonl
+
+
+def test_viewer_shows_the_reports_scores_under_their_saved_names(demo):
+    """The scores the report used are saved beside the store: equal to the report's arrays, their
+    method named in the report, and the explorer's saved lists are the report's bullet lists."""
+    from nnstat.viewer import load_scores, method_line
+    from nnstat.viewer.explorer import Explorer
+
+    state, saved = demo.state, _saved(demo)
+    if not state.extras.misclassified:
+        pytest.skip("no misclassified test digit")
+    store = demo.log_dir / "gradients" / "digits"
+    text = _text(demo.page)
+    chosen = state.extras.explanations.chosen
+    names = {"raw": ("refined", "raw influence"), "relatif": ("relatif", "RelatIF")}
+    for score, (name, label) in names.items():
+        sc = load_scores(store, name)
+        assert sc.queries == "misclassified" and sc.test_ids == state.extras.misclassified
+        np.testing.assert_array_equal(sc.result.scores.double().numpy(), saved[f"scores_{score}"])
+        line = method_line(sc.meta)
+        # the report names the method of each list and the name the viewer shows it under
+        assert (
+            f'{label}: {line}; nnstat view shows the same lists under scores "saved: {name}"'
+            in (text)
+        ), (score)
+    assert "refined: 5 conjugate-gradient steps" in method_line(load_scores(store, "refined").meta)
+    # the report's bullets (the grid's score) are the explorer's lists of that saved set
+    explorer = Explorer(demo.log_dir)
+    for r, q in enumerate(state.extras.misclassified):
+        res = explorer.influence(
+            "gradients/digits", "misclassified", r, k=3, scores=names[chosen][0]
+        )
+        line = re.search(rf"test #{q}: true \d, predicted \d; most supportive (.*?); most opp"
+                         rf"osing (.*?)(?=  |$|\n)", text)  # fmt: skip
+        assert line, q
+        got = [re.findall(r"#(\d+)", line[1]), re.findall(r"#(\d+)", line[2])]
+        assert got == [[str(e["id"]) for e in res[side]] for side in ("helpful", "harmful")], q
+    # computed here with RelatIF is the saved RelatIF (same method): the page says "same"
+    here = explorer.influence("gradients/digits", "misclassified", 0, k=3, mode="relatif")
+    saved_relatif = next(c for c in here["compare"] if c["source"] == "relatif")
+    assert saved_relatif["helpful_ids"][:3] == [e["id"] for e in here["helpful"]]

@@ -5,7 +5,8 @@
 (function () {
   const $ = (id) => document.getElementById(id);
   const fmt = (v) => window.NNChart.fmt(v);
-  const E = { data: null, served: false, store: 0, set: null, k: 10, q: 0, bound: false, seq: 0 };
+  const E = { data: null, served: false, store: 0, set: null, k: 10, q: 0, bound: false, seq: 0,
+    source: "here:dot" };
 
   const { h, hint } = window.NNDom;  // static/dom.js
   const store = () => E.data.stores[E.store];
@@ -44,10 +45,16 @@
     // and the fix; the cards show ids only
     const problems = [s.examples_problem].concat(s.query_sets.map((x) => x.examples_problem))
       .filter((m) => typeof m === "string")
-      .map((m) => h("span", { class: "examples-problem" }, `Examples not shown: ${m}`));
+      .map((m) => h("span", { class: "examples-problem" }, `Examples not shown: ${m}`))
+      .concat((s.scores_problems || []).map((m) => h("span", { class: "examples-problem" },
+        `Saved scores not offered: ${m}`)));
+    const saved = (s.score_sets || []).map((x) => `${x.name}${x.label ? ` (${x.label})` : ""}`);
     $("inf-about").replaceChildren(`${s.rows} training rows · ${s.modules.length} modules · ` +
-      `scores g_qᵀ(H+λI)⁻¹g_i with the store's default preconditioner (${s.preconditioner}); ` +
+      `computed here: g_qᵀ(H+λI)⁻¹g_i (mode dot, or RelatIF) with the store's default ` +
+      `preconditioner (${s.preconditioner}), not refined; ` +
       "positive = helpful (upweighting the training example lowers the query's loss). " +
+      (saved.length ? `Scores saved beside the store (pick them under "scores"): ` +
+        `${saved.join(", ")}. ` : "") +
       (sets.length ? `Query sets saved beside the store: ${sets.join(", ")}.` :
         "No query set saved beside the store (nnstat.viewer.save_queries): the training " +
         "examples are the queries.") +
@@ -68,6 +75,46 @@
       `${x.label} (${x.n})`)));
     $("inf-set").value = E.set;
     $("inf-k").value = String(E.k);
+    fillSources();
+  }
+
+  // where the lists come from: computed here (mode dot or relatif), or scores saved beside the
+  // store for this query set (nnstat.viewer.save_scores)
+  function fillSources() {
+    const opts = [["here:dot", `computed here: dot (${store().preconditioner})`],
+      ["here:relatif", `computed here: RelatIF (${store().preconditioner})`]];
+    for (const x of store().score_sets || []) {
+      if (x.queries === E.set) {
+        opts.push([`saved:${x.name}`, `saved: ${x.name}${x.label ? ` (${x.label})` : ""}`]);
+      }
+    }
+    if (!opts.some(([v]) => v === E.source)) E.source = "here:dot";
+    $("inf-source").replaceChildren(...opts.map(([v, t]) => h("option", { value: v }, t)));
+    $("inf-source").value = E.source;
+  }
+
+  // "the saved scores "refined" (the report's lists)" / "the lists computed here (mode dot)"
+  function sourceName(c) {
+    return c.source === "here" ? "the lists computed here from the store (mode dot)" :
+      `the saved scores "${c.source}"${c.label ? ` (${c.label})` : ""}`;
+  }
+
+  // for each other source of this query: do its top k hold the same training examples?
+  function comparisons(res, k) {
+    const ids = (list) => new Set(list.slice(0, k).map((x) => JSON.stringify(x)));
+    return (res.compare || []).map((c) => {
+      const hs = ids(c.helpful_ids), rs = ids(c.harmful_ids);
+      const mh = res.helpful.slice(0, k).filter((ex) => !hs.has(JSON.stringify(ex.id))).length;
+      const mr = res.harmful.slice(0, k).filter((ex) => !rs.has(JSON.stringify(ex.id))).length;
+      if (mh + mr === 0) {
+        return h("p", { class: "compare same", "data-source": c.source },
+          `Same top ${k} as ${sourceName(c)}.`);
+      }
+      return h("p", { class: "compare differs", "data-source": c.source },
+        `These lists differ from ${sourceName(c)}: ${mh} of the ${k} most helpful and ${mr} of ` +
+        `the ${k} most harmful shown here are not in its top ${k}. Why: ${c.why}. ` +
+        `Its lists come from: ${c.line}.`);
+    });
   }
 
   function exported() { return store().export || { sets: {}, self: null }; }
@@ -106,14 +153,21 @@
   function renderResult() {
     const box = $("inf-result");
     const key = `${E.set}:${E.q}`;
+    const source = E.source;
     const seq = ++E.seq;  // a slower earlier answer must not overwrite a later one
     box.setAttribute("data-loading", "1");
     box.removeAttribute("data-query");  // set again once this query's result is shown
+    box.setAttribute("data-source", source);
     box.replaceChildren(hint(`scoring query ${E.q} against ${store().rows} training rows…`));
     const show = (res) => {
       if (seq !== E.seq) return;
       const k = Math.min(E.k, res.helpful.length);
+      const m = res.method || {};
+      const from = m.source && m.source !== "here" ?
+        `saved scores "${m.source}"${m.label ? ` (${m.label})` : ""}` : "computed here";
       box.replaceChildren(
+        h("p", { class: "method" }, `Method (${from}): ${m.line || "?"}`),
+        ...comparisons(res, k),
         h("div", { class: "query" }, h("h3", {}, "Query"), card(res.query)),
         h("div", { class: "side helpful" }, h("h3", {}, `Most helpful (top ${k})`),
           h("div", { class: "cards" }, res.helpful.slice(0, k).map((ex) => card(ex)))),
@@ -130,12 +184,15 @@
       box.removeAttribute("data-loading");
       box.setAttribute("data-query", key);
     };
+    const [kind, name] = [source.slice(0, source.indexOf(":")), source.slice(source.indexOf(":") + 1)];
     if (E.served) {
-      get("influence", { store: store().id, set: E.set, q: E.q, k: 50 }).then(show)
-        .catch((e) => fail(String(e)));
+      const params = { store: store().id, set: E.set, q: E.q, k: 50 };
+      if (kind === "saved") params.scores = name; else params.mode = name;
+      get("influence", params).then(show).catch((e) => fail(String(e)));
     } else {
       const s = exported().sets[E.set];
-      const res = s && s.scored[String(E.q)];
+      const scored = !s ? undefined : source === "here:dot" ? s.scored : (s.sources || {})[source];
+      const res = scored && scored[String(E.q)];
       if (res) show(res);
       else fail("This query was not scored in the export: open the folder with nnstat view.");
     }
@@ -148,6 +205,7 @@
     const show = (res) => {
       const k = Math.min(E.k, res.highest.length);
       box.replaceChildren(h("h3", {}, "Self-influence g_iᵀ(H+λI)⁻¹g_i"),
+        h("p", { class: "method" }, `Method: ${(res.method || {}).line || "?"}`),
         hint("Highest: examples the model bent most to fit (often unusual or mislabeled). " +
           "Click one to see what it influences."),
         h("div", { class: "cards", id: "self-highest" },
@@ -182,8 +240,9 @@
       E.store = Number(ev.target.value); E.set = null; renderAll();
     });
     $("inf-set").addEventListener("change", (ev) => {
-      E.set = ev.target.value; E.q = 0; renderQueries(); renderResult();
+      E.set = ev.target.value; E.q = 0; fillSources(); renderQueries(); renderResult();
     });
+    $("inf-source").addEventListener("change", (ev) => { E.source = ev.target.value; renderResult(); });
     $("inf-k").addEventListener("change", (ev) => {
       E.k = Number(ev.target.value); renderResult(); renderSelf();
     });
