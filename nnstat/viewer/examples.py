@@ -424,10 +424,15 @@ def query_sets(store_dir: str | Path) -> list[Path]:
         >>> query_sets(tempfile.mkdtemp())
         []
     """
-    root = Path(store_dir) / VIEWER_DIR / QUERIES_DIR
+    return saved_sets(store_dir, QUERIES_DIR, QUERY_JSON)
+
+
+def saved_sets(store_dir: str | Path, kind: str, marker: str) -> list[Path]:
+    """Folders ``<store>/viewer/<kind>/*`` holding a ``marker`` file (complete sets), by name."""
+    root = Path(store_dir) / VIEWER_DIR / kind
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if (p / QUERY_JSON).is_file())
+    return sorted(p for p in root.iterdir() if (p / marker).is_file())
 
 
 def _tiny_store(root: str | Path, ids: list) -> Path:

@@ -46,7 +46,13 @@ from safetensors.torch import save as st_save
 from nnstat.influence.result import InfluenceResult, TopKInfluence
 from nnstat.store import GradientStore
 from nnstat.store.files import atomic_write_bytes, read_json
-from nnstat.viewer.examples import VIEWER_DIR, ids_digest, query_sets, read_query_ids
+from nnstat.viewer.examples import (
+    VIEWER_DIR,
+    ids_digest,
+    query_sets,
+    read_query_ids,
+    saved_sets,
+)
 
 __all__ = [
     "SavedScores",
@@ -239,10 +245,7 @@ def score_sets(store_dir: str | Path) -> list[Path]:
         >>> score_sets(tempfile.mkdtemp())
         []
     """
-    root = Path(store_dir) / VIEWER_DIR / SCORES_DIR
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if (p / SCORES_JSON).is_file())
+    return saved_sets(store_dir, SCORES_DIR, SCORES_JSON)
 
 
 def load_scores(store_dir: str | Path, name: str) -> SavedScores:
