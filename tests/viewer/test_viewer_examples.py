@@ -18,6 +18,13 @@ from nnstat.viewer.examples import query_sets
 
 def make_store(root, n_train: int = 24, n_query: int = 3):
     """A real store (K-FAC statistics, projected rows) of a tiny MLP, and a query log of it."""
+    run, log, _, (X, _), _ = logged_mlp(root, n_train, n_query)
+    return run.path, log, X
+
+
+def logged_mlp(root, n_train: int = 24, n_query: int = 3):
+    """``(run, query log, model, (X, Y), (Xq, Yq))``: the store of `make_store` and what made it
+    (the model and the training and query data, for refinement)."""
     torch.manual_seed(0)
     X, Y = torch.randn(n_train, 6), torch.randint(0, 3, (n_train,))
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
@@ -41,7 +48,7 @@ def make_store(root, n_train: int = 24, n_query: int = 3):
     model.zero_grad()
     log = nnstat.get_log()
     run.train()
-    return run.path, log, X
+    return run, log, model, (X, Y), (Xq, Yq)
 
 
 def test_save_examples_round_trip_and_errors(tmp_path):

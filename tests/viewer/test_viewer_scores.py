@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 from test_viewer import browser  # noqa: F401 (a fixture)
+from test_viewer_examples import logged_mlp
 
-import nnstat
 from nnstat.influence import Refinement, compute_influence_all
 from nnstat.store import GradientStore
 from nnstat.viewer import load_scores, method_line, save_queries, save_scores
@@ -21,29 +21,7 @@ from nnstat.viewer.explorer import SELF, Explorer
 def make_run(root, n_train: int = 24, n_query: int = 3):
     """A real store (K-FAC statistics, projected rows) of a tiny MLP, a saved query set, and
     what refinement needs (the model, the training and query data)."""
-    torch.manual_seed(0)
-    X, Y = torch.randn(n_train, 6), torch.randint(0, 3, (n_train,))
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
-
-    def loss_fn(x, y):
-        return torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
-
-    run = nnstat.init(project="p", root_dir=root)
-    nnstat.setup({"log": "grad", "save": "grad", "statistic": "kfac"})
-    nnstat.watch(model)
-    nnstat.add_projection(rank=3, seed=0)
-    for _ in run.schedule():
-        for s in range(0, n_train, 8):
-            with run(data_id=list(range(s, s + 8))):
-                loss_fn(X[s : s + 8], Y[s : s + 8]).backward()
-            model.zero_grad()
-    nnstat.eval()
-    Xq, Yq = torch.randn(n_query, 6), torch.randint(0, 3, (n_query,))
-    with run(data_id=[f"q{i}" for i in range(n_query)]):
-        loss_fn(Xq, Yq).backward()
-    model.zero_grad()
-    log = nnstat.get_log()
-    run.train()
+    run, log, model, (X, Y), (Xq, Yq) = logged_mlp(root, n_train, n_query)
     save_queries(log, run.path, name="wrong")
     refine = Refinement(
         model,
