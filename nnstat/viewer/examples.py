@@ -435,8 +435,9 @@ def saved_sets(store_dir: str | Path, kind: str, marker: str) -> list[Path]:
     return sorted(p for p in root.iterdir() if (p / marker).is_file())
 
 
-def _tiny_store(root: str | Path, ids: list) -> Path:
-    """A 2-wide store with ``ids`` (for the examples above and the tests)."""
+def _tiny_store(root: str | Path, ids: list, rows: torch.Tensor | None = None) -> Path:
+    """A 2-wide store with ``ids`` and ``rows`` (default ``0, 1, 2, ...`` row-major), for the
+    examples above and the tests."""
     from nnstat.store.files import atomic_write_json
     from nnstat.store.writer import StoreWriter
 
@@ -451,6 +452,6 @@ def _tiny_store(root: str | Path, ids: list) -> Path:
         },
     )
     w = StoreWriter(d / "shards", row_width=2)
-    w.put(list(ids), torch.arange(2.0 * len(ids)).reshape(len(ids), 2))
+    w.put(list(ids), torch.arange(2.0 * len(ids)).reshape(len(ids), 2) if rows is None else rows)
     w.close()
     return d

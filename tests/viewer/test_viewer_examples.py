@@ -13,7 +13,7 @@ import nnstat
 from nnstat.influence import compute_influence_all
 from nnstat.store import GradientStore
 from nnstat.viewer import load_examples, load_queries, save_examples, save_queries
-from nnstat.viewer.examples import query_sets
+from nnstat.viewer.examples import _tiny_store, query_sets
 
 
 def make_store(root, n_train: int = 24, n_query: int = 3):
@@ -104,24 +104,9 @@ def test_save_queries_scores_like_the_log(tmp_path):
 
 def _nan_store(root):
     """A 2-wide store whose row of id 1 is NaN (a damaged shard, or nonfinite='keep')."""
-    from nnstat.store.files import atomic_write_json
-    from nnstat.store.writer import StoreWriter
-
-    d = root / "s"
-    d.mkdir(parents=True)
-    atomic_write_json(
-        d / "meta.json",
-        {
-            "format_version": 1,
-            "row_width": 2,
-            "dtype": "float32",
-            "modules": [{"name": "fc", "offset": 0, "width": 2, "r_out": 1, "r_in": 2}],
-        },
-    )
-    w = StoreWriter(d / "shards", row_width=2)
-    w.put([0, 1, 2], torch.tensor([[1.0, 2.0], [float("nan"), 1.0], [3.0, 4.0]]))
-    w.close()
-    return d
+    (root / "s").mkdir(parents=True)
+    rows = torch.tensor([[1.0, 2.0], [float("nan"), 1.0], [3.0, 4.0]])
+    return _tiny_store(root / "s", [0, 1, 2], rows)
 
 
 def test_nan_query_rows_name_their_file(tmp_path, capsys):
@@ -171,7 +156,6 @@ def _edit(path, edit) -> None:
 
 
 def test_examples_are_bound_to_their_ids(tmp_path):
-    from nnstat.viewer.examples import _tiny_store
     from nnstat.viewer.explorer import Explorer
 
     store, _, _ = make_store(tmp_path)
