@@ -58,7 +58,9 @@ def model_fingerprint(model: torch.nn.Module | None) -> str | None:
         return combine_rank_digests(params_hash(model_tensors(model)))
 
 
-def _state(model: torch.nn.Module) -> tuple[list[tuple], bytes]:
+def _state(model: torch.nn.Module) -> tuple[list[tuple], dict[tuple, torch.Tensor]]:
+    """Per tensor its identity and version; the strided samples concatenated per (device,
+    dtype), left on the device (copies: the cat owns them)."""
     ids = []
     groups: dict[tuple, list[torch.Tensor]] = {}  # samples by (device, dtype): one cat each
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
@@ -73,17 +75,26 @@ def _state(model: torch.nn.Module) -> tuple[list[tuple], bytes]:
             else:
                 sample = t.reshape(-1)[::step]
             groups.setdefault((t.device, t.dtype), []).append(sample)
-    values = b"".join(
-        torch.cat(group).cpu().view(torch.uint8).numpy().tobytes() for group in groups.values()
-    )
-    return ids, values
+    return ids, {key: torch.cat(group) for key, group in groups.items()}
+
+
+def _same_bits(a: dict[tuple, torch.Tensor], b: dict[tuple, torch.Tensor]) -> bool:
+    """Whether two sample sets hold the same bits (NaN == NaN), with one host read in all:
+    recording the samples reads nothing, so a block boundary costs one sync on a GPU."""
+    if a.keys() != b.keys() or any(a[k].shape != b[k].shape for k in a):
+        return False
+    if not a:
+        return True
+    device = next(iter(a.values())).device  # groups on other devices join it (no host copy)
+    flags = [(a[k].view(torch.uint8) == b[k].view(torch.uint8)).all().to(device) for k in a]
+    return bool(torch.stack(flags).all())
 
 
 class BlockGuard:
     """The model's state at the end of the last block of a pass; see the module docstring."""
 
     def __init__(self) -> None:
-        self._state: tuple[list[tuple], bytes] | None = None
+        self._state: tuple[list[tuple], dict[tuple, torch.Tensor]] | None = None
 
     def reset(self) -> None:
         self._state = None
@@ -104,7 +115,7 @@ class BlockGuard:
         out = [a[0] for a, b in zip(ids, old_ids, strict=False) if a != b]
         if len(ids) != len(old_ids):
             out.append(f"({len(old_ids)} -> {len(ids)} tensors)")
-        if not out and values != old_values:
+        if not out and not _same_bits(values, old_values):
             out = ["(sampled values of the parameters or buffers)"]
         return out
 

@@ -1,42 +1,18 @@
 """`noise_scale`'s estimators read the device back once per chunk, not once per parameter.
 
 On a GPU every host read waits for the queue to drain; a read per parameter tensor made the
-two-batch and fit estimators stall once per tensor per chunk. The ledger counts the calls that
-copy a tensor's values to the host (``bool``/``float``/``item``/``tolist``/``numpy``/``cpu``
-and ``.to("cpu")`` of another device), here on CPU tensors, where they still run.
+two-batch and fit estimators stall once per tensor per chunk. The ledger (`_ledger.host_reads`)
+counts the calls that copy a tensor's values to the host, here on CPU tensors.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
+from _ledger import host_reads
 from torch import nn
 
 import nnstat
-
-_READS = ("__bool__", "__float__", "__int__", "item", "tolist", "numpy", "cpu")
-
-
-@contextlib.contextmanager
-def host_reads(counter: list[str]):
-    originals = {name: getattr(torch.Tensor, name) for name in _READS}
-
-    def counting(name):
-        def read(self, *args, **kwargs):
-            counter.append(name)
-            return originals[name](self, *args, **kwargs)
-
-        return read
-
-    try:
-        for name in _READS:
-            setattr(torch.Tensor, name, counting(name))
-        yield counter
-    finally:
-        for name, fn in originals.items():
-            setattr(torch.Tensor, name, fn)
 
 
 def _model(layers: int) -> nn.Module:

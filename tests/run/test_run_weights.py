@@ -3,6 +3,7 @@ buffer of the watched model) and is checked between the blocks of a pass."""
 
 import pytest
 import torch
+from _ledger import host_reads
 from torch import nn
 
 import nnstat
@@ -76,3 +77,22 @@ def test_train_mode_batchnorm_inside_blocks_is_not_a_change(tmp_path):
     model = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)).train()
     _pass(tmp_path, model, list(range(16)), name_filter="2")  # running stats move in forward
     assert len(nnstat.GradientStore(tmp_path / "p")) == 16
+
+
+def test_the_block_check_reads_the_device_once_per_block_boundary():
+    """Recording a block's end state copies nothing to the host; the check at the next block
+    reads one flag, however many tensors, dtypes (here float32 and BatchNorm's int64) there are."""
+    from nnstat.run.weights import BlockGuard
+
+    for layers in (1, 12):
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)], nn.BatchNorm1d(4))
+        guard, reads = BlockGuard(), []
+        with host_reads(reads):
+            guard.record(model)
+            assert reads == []
+            guard.check(model)
+        assert len(reads) == 1
+        with torch.no_grad():
+            model[0].weight.data[0, 0] += 1.0  # .data: no _version bump, only the samples tell
+        with pytest.raises(ModelChangedError, match="sampled values"):
+            guard.check(model)
