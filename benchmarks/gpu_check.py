@@ -1,0 +1,395 @@
+"""One prepared check of nnstat on a CUDA machine: tests, step costs and scoring, one table.
+
+Run it on a machine with a GPU and no network, from the repository root, in one call:
+
+    WANDB_MODE=offline python benchmarks/gpu_check.py --out "$OUT" [--budget 540]
+
+It runs, each part in its own process with its own time cap (a part that runs out of time is
+killed and reported; the next still runs), and writes ``gpu_check.md`` (the summary table and
+every part's tables) and ``gpu_check.log`` (every part's full output) under ``--out`` after
+each part, so a call cut short still returns what finished:
+
+1. ``cuda``: ``pytest -m cuda tests/test_cuda.py`` (the step paths' synchronisation counts are
+   checked inside those tests with ``torch.cuda.set_sync_debug_mode``);
+2. ``syncs``: one default and one all-statistics + histograms ``Tracker.step()``, a
+   ``NoiseScale`` step and a logged batch on GPT-2 small under
+   ``torch.cuda.set_sync_debug_mode("error")``: any synchronising call in them fails the part;
+3. ``stats``, ``logging``, ``hf``: ``benchmarks/scale.py --device cuda`` on GPT-2 small
+   (batch 8 x 512, AdamW), with wandb.watch and LogIX side by side when importable (skipped
+   with a note otherwise);
+4. ``noise``: the streaming ``NoiseScale`` and ``describe_layers()`` on GPT-2 small, ms per step
+   next to a plain step measured in the same process;
+5. ``scoring``: ``benchmarks/scoring_throughput.py --device cuda`` (throughput against the
+   device's own matmul rate);
+6. ``refine``: ``benchmarks/scale_influence.py --device cuda --refine-steps 5`` (GPT-2 small,
+   time, peak memory, products);
+7. ``suite``: the whole test suite (``pytest -n <cores>``), last, since it only needs to pass.
+
+``--parts`` picks a subset (comma list); ``--quick`` shrinks every part (a smoke run). Without
+CUDA the script says so and exits 2. Not a test: CI has no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+# a dry run of the inline parts on the CPU checks this script where no GPU is (sizes --quick)
+DEV = os.environ.get("NNSTAT_GPU_CHECK_DEVICE", "cuda")
+
+
+def sync() -> None:
+    import torch
+
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def sync_debug(mode: str) -> None:
+    import torch
+
+    if DEV == "cuda":
+        torch.cuda.set_sync_debug_mode(mode)
+
+
+@dataclass
+class Part:
+    """One step of the check: a command, its time cap (s) and what to keep of its output."""
+
+    name: str
+    argv: list[str]
+    cap: float
+    keep: Callable[[str], str] = field(default=lambda out: "")
+
+
+@dataclass
+class Outcome:
+    name: str
+    status: str
+    seconds: float
+    summary: str
+    tables: str
+
+
+def tables_of(out: str) -> str:
+    """The markdown tables and headings of a part's output (what goes into the docs)."""
+    keep = [ln for ln in out.splitlines() if ln.startswith(("|", "#", "GPT-2", "device"))]
+    return "\n".join(keep)
+
+
+def pytest_summary(out: str) -> str:
+    found = re.findall(r"^=*\s*(\d+ (?:passed|failed|errors?|skipped).*?)\s*=*$", out, re.M)
+    fails = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
+    text = found[-1] if found else "no pytest summary"
+    return text + ("; " + ", ".join(fails[:12]) if fails else "")
+
+
+def parts(args: argparse.Namespace) -> list[Part]:
+    q = args.quick
+    scale = [PY, "benchmarks/scale.py", "--device", DEV, "--layers", "2" if q else "12"]
+    scale += ["--batch", "8", "--seq", "128" if q else "512", "--rounds", "1" if q else "3"]
+    scale += ["--steps", "1" if q else "3"]
+    cores = str(max(2, min(12, (os.cpu_count() or 4) - 2)))
+    return [
+        Part(
+            "cuda",
+            [
+                PY,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-m",
+                "cuda",
+                "tests/test_cuda.py",
+            ],
+            120,
+            pytest_summary,
+        ),
+        Part("syncs", [PY, __file__, "--inline", "syncs"] + (["--quick"] if q else []), 90),
+        Part("stats", scale + ["--parts", "stats"], 150),
+        Part("logging", scale + ["--parts", "logging"], 120),
+        Part("hf", scale + ["--parts", "hf"], 90),
+        Part("noise", [PY, __file__, "--inline", "noise"] + (["--quick"] if q else []), 60),
+        Part(
+            "scoring",
+            [PY, "benchmarks/scoring_throughput.py", "--device", DEV]
+            + (["--rows", "20000", "--repeat", "2"] if q else []),
+            60,
+        ),
+        Part(
+            "refine",
+            [PY, "benchmarks/scale_influence.py", "--device", DEV, "--refine-steps", "5"]
+            + (["--quick"] if q else ["--n", "1024", "--queries", "32", "--seq", "128"]),
+            150,
+        ),
+        Part(
+            "suite",
+            [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", cores, "tests"],
+            240,
+            pytest_summary,
+        ),
+    ]
+
+
+def run_part(part: Part, remaining: float, log) -> Outcome:
+    cap = min(part.cap, remaining)
+    if cap < 15:
+        return Outcome(part.name, "skipped (no time left)", 0.0, "", "")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline", WANDB_SILENT="true")
+    t0 = time.perf_counter()
+    log.write(f"\n\n===== {part.name}: {' '.join(part.argv)} (cap {cap:.0f} s)\n")
+    log.flush()
+    try:
+        proc = subprocess.run(
+            part.argv,
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=cap,
+        )
+        out, status = proc.stdout + proc.stderr, "ok" if proc.returncode == 0 else "FAILED"
+        if proc.returncode not in (0, 1) and status == "FAILED":
+            status = f"FAILED (exit {proc.returncode})"
+    except subprocess.TimeoutExpired as e:
+        raw = (e.stdout or b"") + (e.stderr or b"")
+        out = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+        status = f"TIMEOUT after {cap:.0f} s"
+    seconds = time.perf_counter() - t0
+    log.write(out)
+    log.flush()
+    summary = part.keep(out) or _last_error(out, status)
+    return Outcome(part.name, status, seconds, summary, tables_of(out))
+
+
+def _last_error(out: str, status: str) -> str:
+    if status == "ok":
+        return ""
+    lines = [ln for ln in out.strip().splitlines() if ln.strip()]
+    errs = [ln for ln in lines if re.match(r"^\w*(Error|Exception)\b", ln)]
+    return (errs or lines or ["(no output)"])[-1][:300]
+
+
+def write_report(path: Path, header: str, outcomes: list[Outcome]) -> None:
+    lines = [header, "", "| part | status | seconds | summary |", "| --- | --- | ---: | --- |"]
+    for o in outcomes:
+        summary = o.summary.replace("|", "/").replace("\n", " ")
+        lines.append(f"| {o.name} | {o.status} | {o.seconds:.0f} | {summary} |")
+    for o in outcomes:
+        if o.tables:
+            lines += ["", f"## {o.name}", "", o.tables]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def device_header() -> str:
+    import torch
+
+    if DEV != "cuda":
+        return f"# nnstat GPU check: dry run on {DEV}, torch {torch.__version__}"
+    p = torch.cuda.get_device_properties(0)
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    return (
+        f"# nnstat GPU check: {p.name} ({p.total_memory / 2**30:.0f} GiB, "
+        f"{p.multi_processor_count} SMs), torch {torch.__version__}, CUDA {torch.version.cuda}, "
+        f"{os.cpu_count()} CPU cores, commit {commit or '?'}, {time.strftime('%Y-%m-%d %H:%M')}"
+    )
+
+
+# ---- inline parts (run in their own process through --inline) ----
+
+
+def _gpt2(layers: int):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=layers)).to(DEV)
+
+
+def _lm_step(model, opt, x) -> None:
+    opt.zero_grad(set_to_none=True)
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+
+
+def inline_syncs(quick: bool) -> None:
+    """Every per-step path on GPT-2 under sync debug mode "error": a sync raises."""
+    import tempfile
+
+    import torch
+
+    import nnstat
+
+    model = _gpt2(2 if quick else 12)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, 50257, (4, 128), device=DEV)
+    failures = []
+
+    def check(name: str, fn: Callable[[], None], warm: int = 2) -> None:
+        try:
+            for _ in range(warm):
+                fn()
+            sync()
+            sync_debug("error")
+            try:
+                fn()
+            finally:
+                sync_debug("default")
+            sync()
+            print(f"| {name} | no synchronisation |")
+        except Exception as e:  # reported, and the part fails at the end
+            failures.append(name)
+            print(f"| {name} | SYNC or error: {type(e).__name__}: {str(e)[:200]} |")
+
+    print("| step path (GPT-2, sync debug mode error) | result |")
+    print("| --- | --- |")
+    for label, kw in (("Tracker default", {}), ("Tracker all + histograms", {"stats": None})):
+        if kw:
+            kw["histograms"] = True
+        tracker = nnstat.Tracker(model, opt, background=False, **kw)
+
+        def tracked(t=tracker) -> None:
+            _lm_step(model, opt, x)
+            t.step()
+
+        check(f"{label}: step + tracker.step()", tracked)
+        tracker.close()
+    gns = nnstat.NoiseScale(beta=0.99)
+    gns.watch(model)
+
+    def noise() -> None:
+        opt.zero_grad(set_to_none=True)
+        with gns.batch():
+            model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+
+    check("NoiseScale streaming step", noise)
+    gns.unwatch()
+    with tempfile.TemporaryDirectory() as tmp:
+        run = nnstat.init(project="sync", root_dir=tmp)
+        nnstat.setup({"log": "grad", "save": "grad", "loss_reduction": "mean"})
+        nnstat.watch(model)
+        nnstat.add_projection(rank=64)
+        ids = iter(range(10**6))
+
+        def logged() -> None:
+            i = next(ids)
+            with run(data_id=[f"{i}-{j}" for j in range(x.shape[0])]):
+                model.zero_grad(set_to_none=True)
+                model(input_ids=x, labels=x).loss.backward()
+
+        check("logged batch (rank 64, every module)", logged)
+        nnstat.finalize()
+    if failures:
+        raise SystemExit(f"synchronising calls in: {', '.join(failures)}")
+
+
+def inline_noise(quick: bool) -> None:
+    """ms per step: plain, + NoiseScale, and one describe_layers() of the weights."""
+    import copy
+    import statistics
+
+    import torch
+
+    import nnstat
+
+    model = _gpt2(2 if quick else 12)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # the noise scale's model is a copy: its capture hooks stay off the plain variant's steps
+    watched = copy.deepcopy(model)
+    opt_w = torch.optim.AdamW(watched.parameters(), lr=1e-4)
+    x = torch.randint(0, 50257, (8, 128 if quick else 512), device=DEV)
+    gns = nnstat.NoiseScale(beta=0.99)
+    gns.watch(watched)
+
+    def plain() -> None:
+        _lm_step(model, opt, x)
+
+    def noise() -> None:
+        opt_w.zero_grad(set_to_none=True)
+        with gns.batch():
+            watched(input_ids=x, labels=x).loss.backward()
+        opt_w.step()
+
+    def described() -> None:
+        _lm_step(model, opt, x)
+        nnstat.get_weight(model).describe_layers()
+
+    variants = {"plain step": plain, "+ NoiseScale": noise, "+ describe_layers()": described}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for fn in variants.values():
+        fn()
+    for _ in range(2 if quick else 5):
+        for name, fn in variants.items():
+            for _ in range(2):
+                fn()  # warm (and let deferred deliveries drain)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(3):
+                fn()
+            sync()
+            times[name].append((time.perf_counter() - t0) / 3)
+    base = statistics.median(times["plain step"])
+    print("| variant (GPT-2, batch 8) | ms / step | / plain |")
+    print("| --- | ---: | ---: |")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"| {name} | {med * 1e3:.1f} | {med / base:.2f}x |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="gpu_check_out", help="folder for gpu_check.md/.log")
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds for all parts")
+    ap.add_argument("--parts", default=None, help="comma list (default: all)")
+    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    ap.add_argument("--inline", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    import torch
+
+    if args.inline:
+        {"syncs": inline_syncs, "noise": inline_noise}[args.inline](args.quick)
+        return
+    if DEV == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; nothing to check (CI never runs this).")
+        raise SystemExit(2)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    header = device_header()
+    print(header, flush=True)
+    todo = parts(args)
+    if args.parts:
+        wanted = args.parts.split(",")
+        unknown = set(wanted) - {p.name for p in todo}
+        if unknown:
+            ap.error(f"unknown parts {sorted(unknown)}; choose from {[p.name for p in todo]}")
+        todo = [p for p in todo if p.name in wanted]
+    start = time.perf_counter()
+    outcomes: list[Outcome] = []
+    with open(out / "gpu_check.log", "w") as log:
+        for part in todo:
+            remaining = args.budget - (time.perf_counter() - start)
+            o = run_part(part, remaining, log)
+            outcomes.append(o)
+            print(f"{o.name}: {o.status} in {o.seconds:.0f} s {o.summary}", flush=True)
+            write_report(out / "gpu_check.md", header, outcomes)
+    print((out / "gpu_check.md").read_text())
+    if any(not o.status.startswith(("ok", "skipped")) for o in outcomes):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
