@@ -35,6 +35,8 @@ __all__ = [
     "histograms",
     "bin_counts",
     "count_indices",
+    "bin_flat",
+    "sample_runs",
     "hist_ranges",
     "HIST_SUMMARY",
     "DEFAULT_MAX_ELEMENTS",
@@ -67,14 +69,32 @@ class Histogram:
     sum_squares: float
 
 
-def _subsample(x: torch.Tensor, max_elements: int | None) -> tuple[torch.Tensor, bool]:
-    n = x.numel()
-    if max_elements is None or n <= max_elements or n < 2 * _BLOCK:
-        return x, False
-    n_blocks = n // _BLOCK
+def sample_runs(numel: int, max_elements: int | None) -> tuple[list[int], int, bool]:
+    """Where the histogram sample of a flat tensor of `numel` elements lies: the start of each
+    run, the run length and whether it is a subsample (else one run, the whole tensor).
+
+    The one definition of the sample positions: the CPU path's views and the device path's
+    cached gather index both come from it, so both bin the same elements.
+
+    Example:
+        >>> sample_runs(10, 4), sample_runs(8192, 2048)
+        (([0], 10, False), ([0, 4096], 1024, True))
+    """
+    if max_elements is None or numel <= max_elements or numel < 2 * _BLOCK:
+        return [0], numel, False
+    n_blocks = numel // _BLOCK
     take = max(1, max_elements // _BLOCK)
     stride = max(1, n_blocks // take)
-    rows = x[: n_blocks * _BLOCK].view(n_blocks, _BLOCK)[::stride][:take]
+    return [r * _BLOCK for r in range(0, n_blocks, stride)[:take]], _BLOCK, True
+
+
+def _subsample(x: torch.Tensor, max_elements: int | None) -> tuple[torch.Tensor, bool]:
+    runs, _, sampled = sample_runs(x.numel(), max_elements)
+    if not sampled:
+        return x, False
+    n_blocks = x.numel() // _BLOCK
+    stride = runs[1] // _BLOCK - runs[0] // _BLOCK if len(runs) > 1 else 1
+    rows = x[: n_blocks * _BLOCK].view(n_blocks, _BLOCK)[::stride][: len(runs)]
     return rows.reshape(-1), True
 
 
@@ -85,10 +105,8 @@ def bin_counts(
 
     Bin ``k`` holds ``lo + k w <= x < lo + (k + 1) w`` (``w = (hi - lo) / bins``; ``x == hi`` in
     the last bin), as ``torch.histc`` bins; non-finite and out-of-range elements are not counted.
-    `lo`/`hi` are tensors on the samples' device and nothing is read back to the host: every
-    sample's bin index is computed with a handful of elementwise kernels and all of them are
-    counted by ONE ``bincount`` (each tensor's bins offset by its position, one extra bin per
-    tensor takes what is not counted), instead of one ``histc`` launch per tensor.
+    `lo`/`hi` are tensors on the samples' device and nothing is read back to the host: the
+    samples are concatenated and counted at once by `bin_flat`.
 
     Example:
         >>> bin_counts([torch.tensor([0.0, 0.5, 1.0])], torch.tensor([0.0]), torch.tensor([1.0]), 2)
@@ -98,20 +116,37 @@ def bin_counts(
     if n == 0:
         return torch.zeros((0, bins), dtype=torch.float64)
     dev = samples[0].device
+    flat = [s.reshape(-1).to(device=dev, dtype=torch.float64) for s in samples]
+    sizes = [s.numel() for s in flat]
+    lengths = torch.tensor(sizes, device=dev)
+    seg = torch.repeat_interleave(torch.arange(n, device=dev), lengths, output_size=sum(sizes))
+    return bin_flat(torch.cat(flat), seg, lo, hi, bins, n)
+
+
+def bin_flat(
+    x: torch.Tensor, seg: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bins: int, n: int
+) -> torch.Tensor:
+    """`bin_counts` of `n` samples given flat: `x` holds them all, ``seg[j]`` the sample of
+    ``x[j]`` (int64). A handful of element-wise kernels give every element's bin, offset by its
+    sample (one extra bin per sample takes what is not counted), and ONE ``bincount`` (CPU) or
+    ``scatter_add_`` counts them all.
+
+    Example:
+        >>> bin_flat(torch.tensor([0.0, 1.0, 5.0]), torch.tensor([0, 0, 1]),
+        ...          torch.tensor([0.0, 4.0]), torch.tensor([1.0, 6.0]), 2, 2).tolist()
+        [[1.0, 1.0], [0.0, 1.0]]
+    """
+    dev = x.device
     lo = lo.to(device=dev, dtype=torch.float64)
     hi = hi.to(device=dev, dtype=torch.float64)
-    width = hi - lo
     # float64 positions: the bin of an element does not depend on float32 rounding of (x - lo)
-    scale = bins / width
-    idx = []
-    for i, x in enumerate(samples):
-        x = x.to(torch.float64)
-        inside = (x >= lo[i]) & (x <= hi[i])  # False for NaN, +-Inf and out-of-range elements
-        # NaN maps to some integer here; `inside` sends it to the extra bin
-        k = ((x - lo[i]) * scale[i]).clamp_(0, bins - 1).to(torch.int64)
-        k = torch.where(inside, k, bins) + i * (bins + 1)
-        idx.append(k)
-    counts = count_indices(torch.cat(idx), n * (bins + 1), bincount=dev.type == "cpu")
+    x = x.to(torch.float64)
+    per = torch.stack([lo, hi, bins / (hi - lo)]).index_select(1, seg)
+    inside = (x >= per[0]) & (x <= per[1])  # False for NaN, +-Inf and out-of-range elements
+    # NaN maps to some integer here; `inside` sends it to the extra bin
+    k = ((x - per[0]) * per[2]).clamp_(0, bins - 1).to(torch.int64)
+    k = torch.where(inside, k, bins).add_(seg * (bins + 1))
+    counts = count_indices(k, n * (bins + 1), bincount=dev.type == "cpu")
     return counts.view(n, bins + 1)[:, :bins].to(torch.float64)
 
 

@@ -61,18 +61,23 @@ def _model_and_plan(kind: str):
 
 
 def _same(a, b):
+    """Equal up to float32 summation order: the device path reduces rows of a flat buffer,
+    the CPU path cache-sized blocks (both accumulate partials in float64). Counts, ranges,
+    minima and maxima are exact on both."""
     assert a.keys() == b.keys()
     for k in a:
         x, y = a[k], b[k]
         if hasattr(x, "counts"):
-            np.testing.assert_allclose(x.counts, y.counts, rtol=1e-12)
-            np.testing.assert_allclose(x.edges, y.edges, rtol=1e-12)
+            np.testing.assert_array_equal(x.counts, y.counts)
+            np.testing.assert_array_equal(x.edges, y.edges)
             assert (x.min, x.max, x.num) == (y.min, y.max, y.num)
-            assert x.sum == pytest.approx(y.sum, rel=1e-9, abs=1e-12)
+            assert x.sum == pytest.approx(y.sum, rel=1e-6, abs=1e-12)
         elif math.isnan(x):
             assert math.isnan(y), k
         else:
-            assert x == pytest.approx(y, rel=1e-9, abs=1e-12), k
+            # skew and kurtosis are ratios of order 1: absolute error of float32 power sums
+            shape = k.endswith(("/skew", "/kurtosis"))
+            assert x == pytest.approx(y, rel=1e-6, abs=1e-6 if shape else 0.0), k
 
 
 @pytest.mark.parametrize("kind", ["default", "full"])
