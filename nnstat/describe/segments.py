@@ -50,7 +50,7 @@ from nnstat.describe.moments import Workspace
 from nnstat.describe.summary import NORM_STATS
 from nnstat.distributed import shift_power_sums
 
-__all__ = ["segment_table", "HistSpec", "NORM_STATS", "MAX_BLOCK"]
+__all__ = ["segment_table", "segment_tables", "HistSpec", "MAX_BLOCK"]
 
 #: Row length of the flat layout (shorter rows when the tensors are small, see `_block`).
 MAX_BLOCK = 4096
@@ -99,14 +99,16 @@ class _Group:
     numels: list[int]
     work: torch.dtype = field(init=False)
     n: torch.Tensor = field(init=False)  # float64 [m] element counts
-    eps: float = field(init=False)
+    eps_row: torch.Tensor = field(init=False)  # float64 [1, m]: the work dtype's epsilon
     _rows: dict | None = None
     _samples: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.work = _work_dtype(self.dtype)
         self.n = _on([float(k) for k in self.numels], torch.float64, self.device)
-        self.eps = torch.finfo(self.work).eps
+        eps = torch.finfo(self.work).eps
+        self.eps_row = torch.full((1, len(self.numels)), eps, dtype=torch.float64)
+        self.eps_row = self.eps_row.to(self.device, non_blocking=True)
 
     def rows(self) -> dict:
         """The flat layout's index tensors (cached)."""
@@ -225,46 +227,80 @@ def segment_table(
     Tensors may be on several devices; the tables land on the first tensor's device.
 
     Example:
-        >>> t, h, sampled = segment_table([torch.tensor([0.0, 1.0, 1.0])], ("l2",), None, HistSpec(2, None))
-        >>> t.tolist(), h.tolist(), sampled
+        >>> t, h, was = segment_table([torch.tensor([0.0, 1.0, 1.0])], ("l2",), None, HistSpec(2, None))
+        >>> t.tolist(), h.tolist(), was
         ([[1.4142135623730951, 1.4142135623730951]], [[0.0, 1.0, 1.0, 2.0]], [False])
     """
-    tensors = list(tensors)
+    return segment_tables([tensors], stats, workspace, hist)[0]
+
+
+def segment_tables(
+    lists: Sequence[Sequence[torch.Tensor]],
+    stats: tuple[str, ...],
+    workspace: Workspace | None = None,
+    hist: HistSpec | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor | None, list[bool]]]:
+    """`segment_table` of several lists (a Tracker step's groups) at once: each list is copied
+    and reduced on its own (the flat buffer is reused), and the statistics of all of them are
+    derived from their partials by one set of small kernels.
+
+    Example:
+        >>> [t[:, 0].tolist() for t, _, _ in segment_tables([[torch.ones(2)], [torch.zeros(3)]], ("numel",))]
+        [[2.0], [3.0]]
+    """
+    lists = [list(ts) for ts in lists]
     k = len(stats)
-    if not tensors:
-        return torch.zeros((0, k + 1), dtype=torch.float64), None, []
-    lay = _layout(tensors, workspace)
-    dev = tensors[0].device
-    if not lay.groups:  # only empty tensors: every row is repaired on the host
-        nan = torch.full((len(tensors), k + 1), math.nan, dtype=torch.float64, device=dev)
-        h = None if hist is None else nan.new_full((len(tensors), 2 + hist.bins), math.nan)
-        return nan, h, [False] * len(tensors) if hist is not None else []
+    live = [ts for ts in lists if ts]
+    if not live:
+        return [(torch.zeros((0, k + 1), dtype=torch.float64), None, []) for _ in lists]
+    dev = live[0][0].device
     norm_path = hist is None and not set(stats) - NORM_STATS
     if norm_path:
         needs = frozenset(s for s in ("abs_max", "l1") if s in stats or _derived(s, stats))
     else:
         needs = _needs(stats, hist is not None)
     ws = workspace or Workspace()
-    parts, hists, sampled = [], [], [False] * len(tensors)
+    layouts = [_layout(ts, workspace) if ts else None for ts in lists]
+    parts, hists, sizes, sampled = [], [], [], []
     with torch.no_grad():
-        for g in lay.groups:
-            views = [tensors[i].detach().reshape(-1) for i in g.positions]
-            if norm_path:
-                parts.append(_norm_partials(g, views, needs).to(dev))
+        for ts, lay in zip(lists, layouts, strict=True):
+            was = [False] * len(ts)
+            h_list = []
+            m = 0
+            for g in lay.groups if lay is not None else []:
+                views = [ts[i].detach().reshape(-1) for i in g.positions]
+                m += len(g.positions)
+                if norm_path:
+                    parts.append(_norm_partials(g, views, needs).to(dev))
+                    continue
+                p, h = _moment_partials(g, views, needs, ws, hist)
+                parts.append(p.to(dev))
+                if h is not None:
+                    h_list.append(h.to(dev))
+                    for i, w in zip(g.positions, g.samples(hist.max_elements)[2], strict=True):
+                        was[i] = w
+            sizes.append(m)
+            hists.append(h_list)
+            sampled.append(was if hist is not None else [])
+        if not parts:  # only empty tensors: their NaN rows are repaired on the host
+            table = _nan(0, k + 1, dev)
+        else:
+            p = torch.cat(parts, dim=1)
+            table = _norm_columns(p, stats, needs) if norm_path else _columns(p, stats, needs)
+        out = []
+        for rows, lay, h_list, was in zip(table.split(sizes), layouts, hists, sampled, strict=True):
+            if lay is None:
+                out.append((torch.zeros((0, k + 1), dtype=torch.float64), None, []))
                 continue
-            p, h = _moment_partials(g, views, needs, ws, hist)
-            parts.append(p.to(dev))
-            if h is not None:
-                hists.append(h.to(dev))
-                for i, was in zip(g.positions, g.samples(hist.max_elements)[2], strict=True):
-                    sampled[i] = was
-        p = torch.cat(parts, dim=1)
-        table = _norm_columns(p, stats, needs) if norm_path else _columns(p, stats, needs)
-        table = _reorder(table, lay)
-        hist_rows = None
-        if hist is not None:
-            hist_rows = _reorder(torch.cat(hists, dim=0), lay)
-    return table, hist_rows, sampled if hist is not None else []
+            h = None
+            if hist is not None:
+                h = _reorder(torch.cat(h_list) if h_list else _nan(0, 2 + hist.bins, dev), lay)
+            out.append((_reorder(rows, lay), h, was))
+    return out
+
+
+def _nan(rows: int, cols: int, dev: torch.device) -> torch.Tensor:
+    return torch.full((rows, cols), math.nan, dtype=torch.float64, device=dev)
 
 
 def _derived(stat: str, stats: tuple[str, ...]) -> bool:
@@ -378,8 +414,7 @@ def _moment_partials(
                 b_rows.append(torch.linalg.vector_norm(x2, 4 / 3, dim=1).pow_(4 / 3))
         sums = _segment(g, torch.stack(b_rows), "sum")
         out += [torch.stack([c64, scale]), sums]
-    eps = torch.full((1, len(g.numels)), g.eps, dtype=torch.float64, device=g.device)
-    return torch.cat([*out, eps]), h
+    return torch.cat([*out, g.eps_row]), h
 
 
 def _columns(p: torch.Tensor, stats: tuple[str, ...], needs: frozenset[str]) -> torch.Tensor:
@@ -460,5 +495,5 @@ def _reorder(rows: torch.Tensor, lay: _Layout) -> torch.Tensor:
     """Grouped rows back in the caller's order; empty tensors get NaN rows."""
     if lay.order is None:
         return rows
-    nan = torch.full((1, rows.shape[1]), math.nan, dtype=rows.dtype, device=rows.device)
-    return torch.cat([rows, nan]).index_select(0, lay.order.to(rows.device))
+    rows = torch.cat([rows, _nan(1, rows.shape[1], rows.device)])
+    return rows.index_select(0, lay.order.to(rows.device))

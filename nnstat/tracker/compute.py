@@ -36,7 +36,7 @@ from nnstat.describe.histogram import (
 )
 from nnstat.describe.moments import pair_ok
 from nnstat.describe.ratios import ratio_from_norms
-from nnstat.describe.segments import HistSpec, segment_table
+from nnstat.describe.segments import HistSpec, segment_tables
 from nnstat.describe.summary import pair_tables, repair_table
 from nnstat.distributed import local_tensor
 
@@ -214,9 +214,9 @@ def _by_dtype(*lists: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], ...]
 def stage(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> Staged:
     """Every reduction of `plan` on the tensors' device, with no host synchronisation.
 
-    For accelerators: each group's statistics table and histogram rows come from
-    `nnstat.describe.segments.segment_table` (a fixed number of kernels per dtype group, not per
-    tensor) and stay queued on the device; `finish` moves them in one transfer. The update is
+    For accelerators: every group's statistics table and histogram rows come from one
+    `nnstat.describe.segments.segment_tables` call (a fixed number of kernels per group and
+    dtype, not per tensor) and stay queued on the device; `finish` moves them in one transfer. The update is
     formed in place in the snapshot by two multi-tensor kernels (``prev`` becomes ``W_t -
     W_prev``); the snapshot is refreshed in `finish`, after the rare exact recomputation of
     non-finite rows (which reads that difference).
@@ -224,32 +224,33 @@ def stage(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> Sta
     ws = workspaces if workspaces is not None else {}
     # one flat buffer for all groups: the device queue orders its uses
     work = ws.setdefault("device", Workspace())
-    computed = plan.computed
-    spec = HistSpec(plan.bins, plan.hist_max_elements) if plan.histograms else None
     st = Staged()
-
-    def put(key: str, tensors: list[torch.Tensor]) -> None:
-        table, hist, sampled = segment_table(tensors, computed, work, spec)
-        st.parts.append(table)
-        at, h = len(st.parts) - 1, None
-        if hist is not None:
-            st.parts.append(hist)
-            h = len(st.parts) - 1
-        st.groups[key] = (tensors, at, h, sampled)
-
-    for group, _names, tensors in plan.groups:
-        put(f"group:{group}", tensors)
+    keys = [f"group:{group}" for group, _, _ in plan.groups]
+    lists = [tensors for _, _, tensors in plan.groups]
     if plan.prev is not None and plan.weights is not None:
         for prev, cur in _by_dtype(plan.prev, plan.weights):
             torch._foreach_sub_(prev, cur)  # exact: prev - W, then negated
             torch._foreach_neg_(prev)
         views = list(plan.update_views if plan.update_views is not None else plan.prev)
         if plan.fused:
-            st.parts.append(segment_table(plan.weights, computed, work)[0])
-            st.parts.append(segment_table(views, computed, work)[0])
-            st.fused = (len(st.parts) - 2, len(st.parts) - 1)
+            lists += [list(plan.weights), views]
         else:
-            put("update", views)
+            keys.append("update")
+            lists.append(views)
+    spec = HistSpec(plan.bins, plan.hist_max_elements) if plan.histograms else None
+    # one call: each list reduced on its own, the statistics of all derived at once
+    results = segment_tables(lists, plan.computed, work, spec)
+    n = len(keys)
+    for key, tensors, (table, hist, sampled) in zip(keys, lists[:n], results[:n], strict=True):
+        st.parts.append(table)
+        at, h = len(st.parts) - 1, None
+        if hist is not None:
+            st.parts.append(hist)
+            h = len(st.parts) - 1
+        st.groups[key] = (tensors, at, h, sampled)
+    if len(results) == n + 2:  # the fused pass' weights and update
+        st.parts += [results[n][0], results[n + 1][0]]
+        st.fused = (len(st.parts) - 2, len(st.parts) - 1)
     return st
 
 
