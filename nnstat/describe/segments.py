@@ -113,30 +113,31 @@ class _Group:
     def rows(self) -> dict:
         """The flat layout's index tensors (cached)."""
         if self._rows is None:
+            # per-tensor sizes in Python (no tensor is read), index vectors built by torch
             b = _block(self.numels)
             counts = [-(-k // b) for k in self.numels]
             starts = [0]
             for c in counts[:-1]:
-                starts.append(starts[-1] + c)
-            pad_idx, pad_src, pad_seg, row_seg = [], [], [], []
-            for i, (k, r, s) in enumerate(zip(self.numels, counts, starts, strict=True)):
-                row_seg += [i] * r
-                first, end = s * b, (s + r) * b
-                pad_idx += range(first + k, end)
-                pad_src += [first] * (end - first - k)
-                pad_seg += [i] * (end - first - k)
-            dev, i64 = self.device, torch.int64
+                starts.append(starts[-1] + c * b)
+            pads = [c * b - k for c, k in zip(counts, self.numels, strict=True)]
+            seg = torch.arange(len(self.numels))
+            pad_seg = torch.repeat_interleave(seg, torch.tensor(pads), output_size=sum(pads))
+            first = torch.tensor(starts)
+            ends = [s + k for s, k in zip(starts, self.numels, strict=True)]
+            pad_idx = _ranges(torch.tensor(ends), torch.tensor(pads), sum(pads))
+            row_seg = torch.repeat_interleave(seg, torch.tensor(counts), output_size=sum(counts))
+            dev = self.device
             zeros = torch.zeros(b, dtype=self.work, device=dev)
             self._rows = {
                 "block": b,
                 "count": sum(counts),
                 "starts": starts,
-                "pads": [zeros[: r * b - k] for k, r in zip(self.numels, counts, strict=True)],
-                "lengths": _on(counts, i64, dev),
-                "row_seg": _on(row_seg, i64, dev),
-                "pad_idx": _on(pad_idx, i64, dev),
-                "pad_src": _on(pad_src, i64, dev),
-                "pad_seg": _on(pad_seg, i64, dev),
+                "pads": [zeros[:p] for p in pads],
+                "lengths": _on(counts, torch.int64, dev),
+                "row_seg": row_seg.to(dev, non_blocking=True),
+                "pad_idx": pad_idx.to(dev, non_blocking=True),
+                "pad_src": first[pad_seg].to(dev, non_blocking=True),
+                "pad_seg": pad_seg.to(dev, non_blocking=True),
                 "tiled": {},
             }
         return self._rows
@@ -153,23 +154,33 @@ class _Group:
         tensors were subsampled (`histogram.sample_runs`' positions, cached)."""
         if max_elements not in self._samples:
             r = self.rows()
-            idx: list[int] = []
-            seg: list[int] = []
-            sampled = []
+            run_starts, run_seg, sampled = [], [], []
+            length = []
             for i, (k, s) in enumerate(zip(self.numels, r["starts"], strict=True)):
-                runs, length, was = sample_runs(k, max_elements)
-                base = s * r["block"]
-                for start in runs:
-                    idx += range(base + start, base + start + length)
-                seg += [i] * (len(runs) * length)
+                runs, run_length, was = sample_runs(k, max_elements)
+                run_starts += [s + start for start in runs]
+                run_seg += [i] * len(runs)
+                length += [run_length] * len(runs)
                 sampled.append(was)
+            lengths = torch.tensor(length, dtype=torch.int64)
+            total = sum(length)
+            seg = torch.repeat_interleave(torch.tensor(run_seg), lengths, output_size=total)
+            idx = _ranges(torch.tensor(run_starts, dtype=torch.int64), lengths, total)
             dev = self.device
             self._samples[max_elements] = (
-                _on(idx, torch.int64, dev),
-                _on(seg, torch.int64, dev),
+                idx.to(dev, non_blocking=True),
+                seg.to(dev, non_blocking=True),
                 sampled,
             )
         return self._samples[max_elements]
+
+
+def _ranges(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """``cat([arange(s, s + n) for s, n in zip(starts, lengths)])`` (`total` elements) without
+    a Python loop over elements (host int64 tensors; layouts are built once)."""
+    offsets = lengths.cumsum(0) - lengths
+    base = torch.repeat_interleave(starts - offsets, lengths, output_size=total)
+    return base + torch.arange(total)
 
 
 @dataclass
@@ -180,6 +191,7 @@ class _Layout:
     n_tensors: int
     empty: list[int]
     order: torch.Tensor | None  # caller position -> row of the grouped table (None: identity)
+    empty_rows: dict[tuple[float, ...], torch.Tensor] = field(default_factory=dict)
 
 
 def _layout(tensors: Sequence[torch.Tensor], ws: Workspace | None) -> _Layout:
@@ -294,8 +306,10 @@ def segment_tables(
                 continue
             h = None
             if hist is not None:
-                h = _reorder(torch.cat(h_list) if h_list else _nan(0, 2 + hist.bins, dev), lay)
-            out.append((_reorder(rows, lay), h, was))
+                h_rows = torch.cat(h_list) if h_list else _nan(0, 2 + hist.bins, dev)
+                # an empty tensor's histogram: no counts over the nominal range [0, 1]
+                h = _reorder(h_rows, lay, [0.0, 1.0] + [0.0] * hist.bins)
+            out.append((_reorder(rows, lay, _empty_row(stats)), h, was))
     return out
 
 
@@ -491,9 +505,19 @@ def _norm_columns(p: torch.Tensor, stats: tuple[str, ...], needs: frozenset[str]
     return torch.stack([cols[s] for s in stats] + [l2], dim=1)
 
 
-def _reorder(rows: torch.Tensor, lay: _Layout) -> torch.Tensor:
-    """Grouped rows back in the caller's order; empty tensors get NaN rows."""
+def _empty_row(stats: tuple[str, ...]) -> list[float]:
+    """An empty tensor's statistics (as the CPU path gives them): zero count and norms, NaN
+    for the rest; its probe is finite (nothing to repair)."""
+    zero = {"numel", "l1", "l2", "nonfinite"}
+    return [0.0 if s in zero else math.nan for s in stats] + [0.0]
+
+
+def _reorder(rows: torch.Tensor, lay: _Layout, empty: list[float]) -> torch.Tensor:
+    """Grouped rows back in the caller's order; empty tensors get the row `empty`."""
     if lay.order is None:
         return rows
-    rows = torch.cat([rows, _nan(1, rows.shape[1], rows.device)])
+    key = tuple(empty)
+    if key not in lay.empty_rows:  # cached: no host-to-device copy per call
+        lay.empty_rows[key] = _on([empty], torch.float64, rows.device)
+    rows = torch.cat([rows, lay.empty_rows[key]])
     return rows.index_select(0, lay.order.to(rows.device))
