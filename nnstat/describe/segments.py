@@ -50,8 +50,11 @@ from nnstat.describe.moments import Workspace
 from nnstat.describe.summary import NORM_STATS
 from nnstat.distributed import shift_power_sums
 
-__all__ = ["segment_table", "segment_tables", "HistSpec", "MAX_BLOCK"]
+__all__ = ["segment_table", "segment_tables", "HistSpec", "MAX_BLOCK", "MAX_GROUP"]
 
+#: Elements per group at most (more of one dtype: several groups, each a whole number of
+#: tensors). The flat buffer holds one group and its powers: at most 2 x 512 MiB for float32.
+MAX_GROUP = 1 << 27
 #: Row length of the flat layout (shorter rows when the tensors are small, see `_block`).
 MAX_BLOCK = 4096
 _MIN_BLOCK = 128
@@ -208,7 +211,17 @@ def _layout(tensors: Sequence[torch.Tensor], ws: Workspace | None) -> _Layout:
             empty.append(i)
         else:
             by.setdefault((dev, dtype), []).append(i)
-    groups = [_Group(dev, dtype, pos, [key[i][2] for i in pos]) for (dev, dtype), pos in by.items()]
+    groups = []
+    for (dev, dtype), pos in by.items():
+        # groups of at most MAX_GROUP elements (whole tensors): bounds the flat buffer
+        part, size = [], 0
+        for i in pos:
+            if part and size + key[i][2] > MAX_GROUP:
+                groups.append(_Group(dev, dtype, part, [key[j][2] for j in part]))
+                part, size = [], 0
+            part.append(i)
+            size += key[i][2]
+        groups.append(_Group(dev, dtype, part, [key[j][2] for j in part]))
     grouped = [i for g in groups for i in g.positions]
     order = None
     if grouped != list(range(len(key))):
@@ -375,13 +388,14 @@ def _moment_partials(
     rows ``[m, 2 + bins]`` (or None), from one copy into the flat buffer."""
     r = g.rows()
     b, n_rows = r["block"], r["count"]
-    x = ws.flat(n_rows * b, g.work, g.device)
+    size = n_rows * b
+    buf = ws.flat(2 * size, g.work, g.device)  # the data, then its powers
+    x, x2, t2 = buf[:size], buf[:size].view(n_rows, b), buf[size:].view(n_rows, b)
     inputs = [t for v, pad in zip(views, r["pads"], strict=True) for t in (v, pad) if t.numel()]
     torch.cat(inputs, out=x)  # pads are zeros: neutral for sums, norms and non-zero counts
-    x2 = x.view(n_rows, b)
     a_rows = [x2.sum(1)]
     if "sq" in needs:
-        a_rows.append(torch.linalg.vector_norm(x2, 2, dim=1).square_())
+        a_rows.append(torch.mul(x2, x2, out=t2).sum(1))
     if "l1" in needs:
         a_rows.append(torch.linalg.vector_norm(x2, 1, dim=1))
     if "nnz" in needs:
@@ -417,15 +431,14 @@ def _moment_partials(
         )
         # d = (x - c) * s in place: x * s and c * s are exact (s is a power of two)
         torch.addcmul(per_row[0].unsqueeze(1), x2, per_row[1].unsqueeze(1), out=x2)
-        b_rows = [x2.sum(1), torch.linalg.vector_norm(x2, 2, dim=1).square_()]
-        if needs & {"s3", "s4"}:
-            x2.pow_(3)  # in place, d is not needed any more
-            if "s3" in needs:
-                b_rows.append(x2.sum(1))
-            if "s4" in needs:
-                # sum |d^3|^(4/3): the norm's root is taken to the power 4/3, not 4 (rounding
-                # the 4-norm to float32 and raising it to the 4th power lost ~1e-6)
-                b_rows.append(torch.linalg.vector_norm(x2, 4 / 3, dim=1).pow_(4 / 3))
+        # powers formed in the buffer's two halves and added up by `sum` (torch's CPU 2- and
+        # 4-norm kernels were up to ~1e-6 off; sums are pairwise on CPU, trees on GPUs)
+        d2 = torch.mul(x2, x2, out=t2)
+        b_rows = [x2.sum(1), d2.sum(1)]
+        if "s3" in needs:
+            b_rows.append(torch.mul(d2, x2, out=x2).sum(1))  # d is not needed any more
+        if "s4" in needs:
+            b_rows.append(d2.square_().sum(1))
         sums = _segment(g, torch.stack(b_rows), "sum")
         out += [torch.stack([c64, scale]), sums]
     return torch.cat([*out, g.eps_row]), h

@@ -49,13 +49,18 @@ class _HostReads:
 
 def _model_and_plan(kind: str):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    width = 80 if kind == "sampled" else 6  # 80 x 80 weights: histograms of sampled runs
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 3)
+    )
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    kw = {"stats": None, "histograms": True, "bins": 8} if kind == "full" else {}
+    kw = {"stats": None, "histograms": True, "bins": 8} if kind != "default" else {}
+    if kind == "sampled":
+        kw["hist_max_elements"] = 2048
     tracker = nnstat.Tracker(model, opt, background=False, **kw)
     for _ in range(2):
         opt.zero_grad()
-        model(torch.randn(4, 6)).pow(2).sum().backward()
+        model(torch.randn(4, width)).pow(2).sum().backward()
         opt.step()
     return model, tracker
 
@@ -80,7 +85,7 @@ def _same(a, b):
             assert x == pytest.approx(y, rel=1e-6, abs=1e-6 if shape else 0.0), k
 
 
-@pytest.mark.parametrize("kind", ["default", "full"])
+@pytest.mark.parametrize("kind", ["default", "full", "sampled"])
 @pytest.mark.parametrize("nonfinite", [False, True])
 def test_device_path_matches_the_per_group_tasks_with_one_transfer(
     torch_only, monkeypatch, kind, nonfinite
