@@ -123,7 +123,8 @@ def test_norm_statistics_match_numpy(device_path, stats):
             if math.isnan(ref[s]):
                 assert math.isnan(v), (i, s)
             else:
-                assert v == pytest.approx(ref[s], rel=1e-12), (i, s)  # float64 accumulation
+                # float32 norms on CPU (float64 accumulation on accelerators)
+                assert v == pytest.approx(ref[s], rel=1e-6), (i, s)
 
 
 def test_subsets_of_statistics_agree_with_the_full_set(device_path):
