@@ -14,6 +14,7 @@ import torch
 import nnstat
 import nnstat.describe.fused as fused
 import nnstat.describe.moments as moments
+import nnstat.describe.segments as segments
 from nnstat.tracker import compute
 
 
@@ -85,11 +86,14 @@ def _same(a, b):
             assert x == pytest.approx(y, rel=1e-6, abs=1e-6 if shape else 0.0), k
 
 
-@pytest.mark.parametrize("kind", ["default", "full", "sampled"])
+@pytest.mark.parametrize("kind", ["default", "default-kernels", "full", "sampled"])
 @pytest.mark.parametrize("nonfinite", [False, True])
 def test_device_path_matches_the_per_group_tasks_with_one_transfer(
     torch_only, monkeypatch, kind, nonfinite
 ):
+    if kind == "default-kernels":  # the multi-tensor norms accelerators use (CPU: flat pass)
+        monkeypatch.setattr(segments, "_norm_kernels", lambda device: True)
+        kind = "default"
     model, tracker = _model_and_plan(kind)
     if nonfinite:  # a NaN and an Inf: exact recomputation over the finite part on both paths
         with torch.no_grad():
