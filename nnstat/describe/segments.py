@@ -16,9 +16,9 @@ groups the tensors by (device, dtype) and launches a fixed number of kernels per
   scaling is exact). ``sum d`` is kept and the power sums are shifted to the exact mean in
   float64 (`nnstat.distributed.shift_power_sums`), so data whose spread is a few ulps of its
   mean (a LayerNorm weight near 1) keeps its variance, skew and kurtosis.
-- Histograms (`HistSpec`): the samples of every tensor of a group (`histogram.sample_for_histogram`'s
+- Histograms (`HistSpec`): the samples of every tensor of a group (`binning.sample_runs`'
   positions, from a cached index) are gathered from the flat buffer and counted by one
-  scatter/bincount (`histogram.bin_flat`).
+  scatter/bincount (`binning.bin_flat`).
 
 The layout of a list (row ownership, pad positions, sample indices) is built once and cached
 (per `Workspace`, else in a small module cache), so a step does no per-tensor host work beyond
@@ -45,13 +45,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nnstat.describe.histogram import bin_flat, hist_ranges, sample_runs
+from nnstat.describe.binning import bin_flat, hist_ranges, sample_runs
 from nnstat.describe.moments import Workspace
-from nnstat.describe.summary import NORM_STATS
 from nnstat.distributed import shift_power_sums
 
-__all__ = ["segment_table", "segment_tables", "HistSpec", "MAX_BLOCK", "MAX_GROUP"]
+__all__ = ["segment_table", "segment_tables", "HistSpec", "NORM_STATS", "MAX_BLOCK", "MAX_GROUP"]
 
+#: Statistics obtainable from multi-tensor norm kernels, without a moment pass.
+NORM_STATS = frozenset({"numel", "abs_mean", "abs_max", "l1", "l2", "rms", "nonfinite"})
 #: Elements per group at most (more of one dtype: several groups, each a whole number of
 #: tensors). The flat buffer holds one group and its powers: at most 2 x 512 MiB for float32.
 MAX_GROUP = 1 << 27
@@ -154,7 +155,7 @@ class _Group:
 
     def samples(self, max_elements: int | None) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
         """Flat positions of the histogram samples in the flat buffer, their tensor, and which
-        tensors were subsampled (`histogram.sample_runs`' positions, cached)."""
+        tensors were subsampled (`binning.sample_runs`' positions, cached)."""
         if max_elements not in self._samples:
             r = self.rows()
             run_starts, run_seg, sampled = [], [], []
@@ -247,14 +248,15 @@ def segment_table(
     (the l2 norm: NaN/Inf when a tensor holds NaN/Inf or a float32 sum overflowed; statistics
     of such rows and of empty tensors are to be recomputed on the host, `repair_table`).
     With `hist`: ``[n, 2 + bins]`` float64 rows ``[lo, hi, counts...]`` (the range
-    `histogram.hist_ranges` takes from each tensor's min and max, and the counts of its sample
+    `binning.hist_ranges` takes from each tensor's min and max, and the counts of its sample
     over it) and, per tensor, whether its histogram was subsampled; else ``(table, None, [])``.
     Tensors may be on several devices; the tables land on the first tensor's device.
 
     Example:
-        >>> t, h, was = segment_table([torch.tensor([0.0, 1.0, 1.0])], ("l2",), None, HistSpec(2, None))
-        >>> t.tolist(), h.tolist(), was
-        ([[1.4142135623730951, 1.4142135623730951]], [[0.0, 1.0, 1.0, 2.0]], [False])
+        >>> x = torch.tensor([0.0, 1.0, 1.0])
+        >>> t, h, was = segment_table([x], ("max", "sparsity"), None, HistSpec(2, None))
+        >>> t[:, :2].tolist(), h.tolist(), was
+        ([[1.0, 0.3333333333333333]], [[0.0, 1.0, 1.0, 2.0]], [False])
     """
     return segment_tables([tensors], stats, workspace, hist)[0]
 

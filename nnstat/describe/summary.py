@@ -5,6 +5,9 @@ moves the whole ``[n_tensors, n_stats]`` table to the host in a single transfer.
 statistics (norms, ``abs_max``) use fused ``torch._foreach_norm`` kernels across all tensors; the
 moment statistics (mean, var, skew, kurtosis, min, max, sparsity) take a two-pass per-tensor path.
 
+On accelerators (any device but the CPU) `device_table` hands the whole list to
+`nnstat.describe.segments`, which needs a fixed number of kernels per dtype group instead.
+
 Non-finite values: ``nonfinite`` counts NaN and +-Inf elements; every other statistic except
 ``numel`` is computed over the *finite* elements only. Tensors that contain non-finite values (or
 whose float32 norm overflowed) are detected from the first transfer and recomputed exactly in
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nnstat.describe.moments import _MOMENT_KEYS, Workspace, _moments
+from nnstat.describe.segments import NORM_STATS, segment_table
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -64,8 +68,6 @@ STAT_NAMES: tuple[str, ...] = (
 #: The cheap set the Tracker logs by default (all from fused norm kernels).
 DEFAULT_STATS: tuple[str, ...] = ("l2", "rms", "abs_max", "nonfinite")
 
-#: Statistics obtainable from multi-tensor norm kernels, without a moment pass.
-NORM_STATS = frozenset({"numel", "abs_mean", "abs_max", "l1", "l2", "rms", "nonfinite"})
 # statistics whose value changes sign/order when the tensor is negated
 SIGNED_STATS = frozenset({"mean", "skew", "min", "max"})
 
@@ -222,8 +224,6 @@ def device_table(
         [[5.0, 3.0, 5.0]]
     """
     if not _host_path(tensors):
-        from nnstat.describe.segments import segment_table
-
         # accelerators: O(dtype groups) kernels for the whole list (nnstat.describe.segments)
         return segment_table(tensors, stats, workspace)[0]
     flat = [t.detach().reshape(-1) for t in tensors]
