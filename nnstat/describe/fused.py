@@ -35,8 +35,6 @@ from nnstat.describe.moments import Workspace
 
 __all__ = [
     "weight_update_norms",
-    "weight_update_rows_device",
-    "repair_update_rows",
     "FUSED_STATS",
     "light_columns",
     "sumsq_min_max",
@@ -182,62 +180,6 @@ def weight_update_norms(
     if not rows:
         return torch.zeros((0, 8), dtype=torch.float64)
     return torch.stack(rows)
-
-
-def weight_update_rows_device(
-    current: Sequence[torch.Tensor], previous: Sequence[torch.Tensor]
-) -> torch.Tensor:
-    """`weight_update_norms` rows on the tensors' device, with no host synchronisation.
-
-    ``[n, 8]`` float64: ``[sumsq, min, max, 0]`` of ``W`` then of ``W - P`` over ALL elements
-    (a NaN/Inf anywhere makes that tensor's sum of squares non-finite). For accelerators, where
-    a per-tensor ``.item()`` stalls the queue: the rows travel to the host with the step's other
-    results in one transfer, then `repair_update_rows` fixes the flagged ones while `previous`
-    still holds the old weights (so the snapshot is refreshed only after that).
-
-    Example:
-        >>> weight_update_rows_device([torch.tensor([3.0, -4.0])], [torch.tensor([3.0, -5.0])])
-        tensor([[25., -4.,  3.,  0.,  1.,  0.,  1.,  0.]], dtype=torch.float64)
-    """
-    rows = []
-    for w, p in zip(current, previous, strict=True):
-        w, p = w.detach().reshape(-1), p.reshape(-1)
-        if w.numel() == 0:
-            nan = torch.full((8,), math.nan, dtype=torch.float64, device=w.device)
-            rows.append(nan)  # flagged: repaired exactly on the host
-            continue
-        d = w - p
-        zero = torch.zeros((), dtype=w.dtype, device=w.device)
-        rows.append(
-            torch.stack(
-                [
-                    torch.dot(w, w),
-                    w.amin(),
-                    w.amax(),
-                    zero,
-                    torch.dot(d, d),
-                    d.amin(),
-                    d.amax(),
-                    zero,
-                ]
-            ).to(torch.float64)
-        )
-    if not rows:
-        return torch.zeros((0, 8), dtype=torch.float64)
-    return torch.stack(rows)
-
-
-def repair_update_rows(
-    rows: torch.Tensor, current: Sequence[torch.Tensor], previous: Sequence[torch.Tensor]
-) -> torch.Tensor:
-    """Host rows of `weight_update_rows_device` with each flagged tensor (non-finite sum of
-    squares, or empty) recomputed exactly over its finite elements (`weight_update_norms`'
-    convention; ``previous`` must still hold the old weights)."""
-    rows = rows.clone()
-    bad = (~torch.isfinite(rows[:, 0] + rows[:, 4])).nonzero().flatten().tolist()
-    for i in bad:
-        rows[i] = weight_update_norms([current[i].cpu()], [previous[i].cpu()])[0]
-    return rows
 
 
 def light_columns(

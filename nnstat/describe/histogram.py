@@ -28,6 +28,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nnstat.describe.binning import (
+    _BLOCK,
+    bin_counts,
+    bin_flat,
+    count_indices,
+    hist_ranges,
+    sample_runs,
+)
 from nnstat.describe.summary import summarize
 
 __all__ = [
@@ -35,6 +43,8 @@ __all__ = [
     "histograms",
     "bin_counts",
     "count_indices",
+    "bin_flat",
+    "sample_runs",
     "hist_ranges",
     "HIST_SUMMARY",
     "DEFAULT_MAX_ELEMENTS",
@@ -43,7 +53,6 @@ __all__ = [
 #: Columns of the summary `histograms` needs (a `nnstat.describe.summarize` table with these stats).
 HIST_SUMMARY: tuple[str, ...] = ("min", "max", "numel", "nonfinite", "mean", "l2")
 DEFAULT_MAX_ELEMENTS = 2**16
-_BLOCK = 1024  # contiguous run length of the subsample (whole cache lines, not strided reads)
 
 
 @dataclass(frozen=True)
@@ -68,83 +77,13 @@ class Histogram:
 
 
 def _subsample(x: torch.Tensor, max_elements: int | None) -> tuple[torch.Tensor, bool]:
-    n = x.numel()
-    if max_elements is None or n <= max_elements or n < 2 * _BLOCK:
+    runs, _, sampled = sample_runs(x.numel(), max_elements)
+    if not sampled:
         return x, False
-    n_blocks = n // _BLOCK
-    take = max(1, max_elements // _BLOCK)
-    stride = max(1, n_blocks // take)
-    rows = x[: n_blocks * _BLOCK].view(n_blocks, _BLOCK)[::stride][:take]
+    n_blocks = x.numel() // _BLOCK
+    stride = runs[1] // _BLOCK - runs[0] // _BLOCK if len(runs) > 1 else 1
+    rows = x[: n_blocks * _BLOCK].view(n_blocks, _BLOCK)[::stride][: len(runs)]
     return rows.reshape(-1), True
-
-
-def bin_counts(
-    samples: Sequence[torch.Tensor], lo: torch.Tensor, hi: torch.Tensor, bins: int
-) -> torch.Tensor:
-    """Counts ``[len(samples), bins]`` (float64) of each flat sample over ``[lo[i], hi[i]]``.
-
-    Bin ``k`` holds ``lo + k w <= x < lo + (k + 1) w`` (``w = (hi - lo) / bins``; ``x == hi`` in
-    the last bin), as ``torch.histc`` bins; non-finite and out-of-range elements are not counted.
-    `lo`/`hi` are tensors on the samples' device and nothing is read back to the host: every
-    sample's bin index is computed with a handful of elementwise kernels and all of them are
-    counted by ONE ``bincount`` (each tensor's bins offset by its position, one extra bin per
-    tensor takes what is not counted), instead of one ``histc`` launch per tensor.
-
-    Example:
-        >>> bin_counts([torch.tensor([0.0, 0.5, 1.0])], torch.tensor([0.0]), torch.tensor([1.0]), 2)
-        tensor([[1., 2.]], dtype=torch.float64)
-    """
-    n = len(samples)
-    if n == 0:
-        return torch.zeros((0, bins), dtype=torch.float64)
-    dev = samples[0].device
-    lo = lo.to(device=dev, dtype=torch.float64)
-    hi = hi.to(device=dev, dtype=torch.float64)
-    width = hi - lo
-    # float64 positions: the bin of an element does not depend on float32 rounding of (x - lo)
-    scale = bins / width
-    idx = []
-    for i, x in enumerate(samples):
-        x = x.to(torch.float64)
-        inside = (x >= lo[i]) & (x <= hi[i])  # False for NaN, +-Inf and out-of-range elements
-        # NaN maps to some integer here; `inside` sends it to the extra bin
-        k = ((x - lo[i]) * scale[i]).clamp_(0, bins - 1).to(torch.int64)
-        k = torch.where(inside, k, bins) + i * (bins + 1)
-        idx.append(k)
-    counts = count_indices(torch.cat(idx), n * (bins + 1), bincount=dev.type == "cpu")
-    return counts.view(n, bins + 1)[:, :bins].to(torch.float64)
-
-
-def count_indices(idx: torch.Tensor, size: int, bincount: bool) -> torch.Tensor:
-    """How often each of ``0 .. size - 1`` occurs in `idx` (int64 counts).
-
-    ``bincount`` is the fastest on CPU; CUDA's reads the largest index back to the host to size
-    its output, so accelerators add ones with ``scatter_add_`` into a zeroed buffer instead.
-
-    Example:
-        >>> count_indices(torch.tensor([0, 2, 2]), 4, bincount=False).tolist()
-        [1, 0, 2, 0]
-    """
-    if bincount:
-        return torch.bincount(idx, minlength=size)
-    counts = torch.zeros(size, dtype=torch.int64, device=idx.device)
-    return counts.scatter_add_(0, idx, torch.ones_like(idx))
-
-
-def hist_ranges(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The histogram range of each tensor from its finite minimum and maximum (tensor ops).
-
-    No finite element: the nominal ``[0, 1]``; a single value ``v``: ``[v - 0.5, v + 0.5]``.
-
-    Example:
-        >>> [t.tolist() for t in hist_ranges(torch.tensor([1.0, 2.0]), torch.tensor([3.0, 2.0]))]
-        [[1.0, 1.5], [3.0, 2.5]]
-    """
-    ok = torch.isfinite(lo) & torch.isfinite(hi)
-    lo = torch.where(ok, lo, torch.zeros_like(lo))
-    hi = torch.where(ok, hi, torch.ones_like(hi))
-    same = lo == hi
-    return torch.where(same, lo - 0.5, lo), torch.where(same, hi + 0.5, hi)
 
 
 def sample_for_histogram(

@@ -14,6 +14,8 @@ Example:
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +40,9 @@ class Workspace:
     def __init__(self) -> None:
         self._bufs: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._extra: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._flat: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        #: layouts of the lists `nnstat.describe.segments` has reduced (index tensors, cached)
+        self.layouts: OrderedDict[tuple, Any] = OrderedDict()
 
     def get(
         self, n: int, dtype: torch.dtype, device: torch.device
@@ -57,6 +62,18 @@ class Workspace:
         if buf is None or buf.numel() < n:
             buf = torch.empty(n, dtype=dtype, device=device)
             self._extra[key] = buf
+        return buf[:n]
+
+    def flat(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The flat buffer of `nnstat.describe.segments` (one per dtype and device, grown to the
+        largest group seen; contents undefined). Work on one stream reuses it safely: each use
+        is queued after the previous one."""
+        key = (dtype, device)
+        buf = self._flat.get(key)
+        if buf is None or buf.numel() < n:
+            self._flat.pop(key, None)  # free the smaller one before allocating
+            buf = torch.empty(n, dtype=dtype, device=device)
+            self._flat[key] = buf
         return buf[:n]
 
 

@@ -5,6 +5,9 @@ moves the whole ``[n_tensors, n_stats]`` table to the host in a single transfer.
 statistics (norms, ``abs_max``) use fused ``torch._foreach_norm`` kernels across all tensors; the
 moment statistics (mean, var, skew, kurtosis, min, max, sparsity) take a two-pass per-tensor path.
 
+On accelerators (any device but the CPU) `device_table` hands the whole list to
+`nnstat.describe.segments`, which needs a fixed number of kernels per dtype group instead.
+
 Non-finite values: ``nonfinite`` counts NaN and +-Inf elements; every other statistic except
 ``numel`` is computed over the *finite* elements only. Tensors that contain non-finite values (or
 whose float32 norm overflowed) are detected from the first transfer and recomputed exactly in
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nnstat.describe.moments import _MOMENT_KEYS, Workspace, _moments
+from nnstat.describe.segments import NORM_STATS, segment_table
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -64,8 +68,6 @@ STAT_NAMES: tuple[str, ...] = (
 #: The cheap set the Tracker logs by default (all from fused norm kernels).
 DEFAULT_STATS: tuple[str, ...] = ("l2", "rms", "abs_max", "nonfinite")
 
-# statistics obtainable from _foreach_norm without a per-tensor moment pass
-_NORM_STATS = frozenset({"numel", "abs_mean", "abs_max", "l1", "l2", "rms", "nonfinite"})
 # statistics whose value changes sign/order when the tensor is negated
 SIGNED_STATS = frozenset({"mean", "skew", "min", "max"})
 
@@ -201,6 +203,12 @@ def _summarize(
     return repair_table(device_table(tensors, stats, workspace).cpu(), tensors, stats)
 
 
+def _host_path(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether `device_table` takes the per-tensor CPU path (numpy blocks, cache-sized torch
+    blocks) rather than the grouped device core: all tensors on the CPU."""
+    return all(t.device.type == "cpu" for t in tensors)
+
+
 def device_table(
     tensors: Sequence[torch.Tensor], stats: tuple[str, ...], workspace: Workspace | None = None
 ) -> torch.Tensor:
@@ -215,6 +223,9 @@ def device_table(
         >>> device_table([torch.tensor([3.0, -4.0])], ("l2", "max")).tolist()
         [[5.0, 3.0, 5.0]]
     """
+    if not _host_path(tensors):
+        # accelerators: O(dtype groups) kernels for the whole list (nnstat.describe.segments)
+        return segment_table(tensors, stats, workspace)[0]
     flat = [t.detach().reshape(-1) for t in tensors]
     flat = [t if t.is_floating_point() else t.to(torch.float32) for t in flat]
     numels = [t.numel() for t in flat]
@@ -228,7 +239,7 @@ def device_table(
     # non_blocking: a pageable host-to-device copy then does not wait for the queued kernels
     n_vec = torch.tensor(numels, dtype=torch.float64).to(dev, non_blocking=True)
     cols: dict[str, torch.Tensor] = {"numel": n_vec}
-    if need - _NORM_STATS:
+    if need - NORM_STATS:
         # one blocked pass gives every statistic (l2, l1, abs_max included)
         ws = workspace or Workspace()
         mo = [_moments(x.to(_work_dtype(x)), ws) for x in flat]

@@ -1,14 +1,16 @@
 """Fused statistics of many tensors, computed on device with one host transfer.
 
-Why not `nnstat.describe.summarize`: it transfers to the host itself (the recorder must append rule
-hits and raw values to the same transfer, and evaluate rules on device first) and runs a
-per-tensor moment pass, while a recorded step here has hundreds of small segments (each tensor,
-its gradient, and its first k samples). `test_recorder_activations.py` checks that both agree.
+Why not `nnstat.describe.summarize`: it transfers to the host itself, while the recorder must
+append rule hits and raw values to the same transfer, and evaluate rules on device first. The
+reductions themselves are `nnstat.describe.segments`' (a recorded step has hundreds of small
+segments: each tensor, its gradient, and its first k samples; the core reduces them in a fixed
+number of kernels per dtype, two-pass moments included). `test_recorder_activations.py` checks
+that both agree.
 
 Statistics ignore non-finite entries (a single NaN would otherwise erase every other number) and
-count them in ``nonfinite``. The device pass assumes finite data: a float64 segment sum is
-finite exactly when its segment is, so that sum flags the (rare) segments that hold NaN/Inf,
-and `fix_nonfinite` recomputes only those, exactly, after the transfer.
+count them in ``nonfinite``. The device pass assumes finite data: its finiteness probe flags the
+(rare) segments that hold NaN/Inf, and `fix_nonfinite` recomputes only those, exactly, after the
+transfer.
 """
 
 from __future__ import annotations
@@ -16,15 +18,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from nnstat.describe.segments import segment_table
 from nnstat.distributed import any_dtensor, is_dtensor, summarize_sharded
 
 STAT_NAMES: tuple[str, ...] = ("mean", "std", "min", "max", "abs_max", "norm", "nonfinite", "numel")
 COL = {name: i for i, name in enumerate(STAT_NAMES)}
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().reshape(-1)
-    return t.to(torch.uint8) if t.dtype == torch.bool else t
+# the core's names of STAT_NAMES but "nonfinite" (the flag comes from the core's probe column)
+_CORE = ("mean", "std", "min", "max", "abs_max", "l2", "numel")
 
 
 def device_stats(segments: list[torch.Tensor]) -> torch.Tensor:
@@ -42,29 +42,14 @@ def device_stats(segments: list[torch.Tensor]) -> torch.Tensor:
         return torch.zeros(0, len(STAT_NAMES), dtype=torch.float64)
     if any_dtensor(segments):
         return _sharded(segments)
-    device = segments[0].device
-    # float32 first (one cast for the few non-float32 tensors), one float64 cast of the buffer
-    flat = [_plain(s) for s in segments]
-    flat = [t if t.dtype == torch.float32 else t.float() for t in flat]
-    lengths = torch.tensor([t.numel() for t in flat], device=device)
-    x = torch.cat(flat).to(device=device, dtype=torch.float64)
-    s1 = torch.segment_reduce(x, "sum", lengths=lengths)
-    s2 = torch.segment_reduce(x * x, "sum", lengths=lengths)
-    # per-tensor aminmax is one vectorised kernel each and faster than segment max/min on CPU
-    nan = torch.tensor(float("nan"), dtype=torch.float64, device=device)
-    nan32 = nan.float()
-    mm = [torch.aminmax(t) if t.numel() else (nan32, nan32) for t in flat]
-    mn = torch.stack([m[0] for m in mm]).to(device=device, dtype=torch.float64)
-    mx = torch.stack([m[1] for m in mm]).to(device=device, dtype=torch.float64)
-    count = lengths.to(torch.float64)
-    mean = s1 / count
-    var = (s2 / count - mean * mean).clamp(min=0.0)
-    empty = lengths == 0
-    mean = torch.where(empty, nan, mean)
-    std = torch.where(empty, nan, var.sqrt())
-    flag = (~torch.isfinite(s1)).to(torch.float64)
-    abs_max = torch.maximum(mn.abs(), mx.abs())
-    return torch.stack([mean, std, mn, mx, abs_max, s2.sqrt(), flag, count], 1)
+    return _with_flag(segment_table(segments, _CORE)[0])
+
+
+def _with_flag(table: torch.Tensor) -> torch.Tensor:
+    """The core's table (`_CORE` columns, probe last) with the probe as the non-finite flag."""
+    flag = (~torch.isfinite(table[:, -1])).to(torch.float64)
+    at = COL["nonfinite"]
+    return torch.cat([table[:, :at], flag[:, None], table[:, at : at + 1]], dim=1)
 
 
 def _sharded(segments: list[torch.Tensor]) -> torch.Tensor:
@@ -77,30 +62,26 @@ def _sharded(segments: list[torch.Tensor]) -> torch.Tensor:
 def light_stats(segments: list[torch.Tensor], abs_max: bool = True) -> torch.Tensor:
     """Only ``nonfinite`` (flag), ``abs_max`` and ``norm``: what rules need on unrecorded steps.
 
-    One fused multi-tensor norm kernel (two with ``abs_max``); the other columns are NaN.
+    The multi-tensor norm kernels of `nnstat.describe.segments` (one per dtype, two with
+    ``abs_max``); the other columns are NaN.
 
     Example:
         >>> light_stats([torch.tensor([3.0, -4.0])])[0, COL["norm"]].item()
         5.0
     """
     n = len(segments)
-    out = torch.full((n, len(STAT_NAMES)), float("nan"), dtype=torch.float64)
     if n == 0:
-        return out
+        return torch.full((0, len(STAT_NAMES)), float("nan"), dtype=torch.float64)
     if any_dtensor(segments):
         return _sharded(segments)
-    device = segments[0].device
-    flat = [_plain(s).float() for s in segments]
-    norm = torch.stack(torch._foreach_norm(flat, 2)).to(torch.float64)
-    out = out.to(device)
-    out[:, COL["norm"]] = norm
+    cols = ("l2", "abs_max", "numel") if abs_max else ("l2", "numel")
+    table = segment_table(segments, cols)[0]
+    out = torch.full((n, len(STAT_NAMES)), float("nan"), dtype=torch.float64, device=table.device)
+    out[:, COL["norm"]] = table[:, 0]
     if abs_max:
-        nz = [t if t.numel() else t.new_zeros(1) for t in flat]
-        out[:, COL["abs_max"]] = torch.stack(torch._foreach_norm(nz, float("inf"))).double()
-    out[:, COL["nonfinite"]] = (~torch.isfinite(norm)).to(torch.float64)
-    out[:, COL["numel"]] = torch.tensor(
-        [t.numel() for t in flat], dtype=torch.float64, device=device
-    )
+        out[:, COL["abs_max"]] = table[:, 1]
+    out[:, COL["nonfinite"]] = (~torch.isfinite(table[:, -1])).to(torch.float64)
+    out[:, COL["numel"]] = table[:, -2]
     return out
 
 

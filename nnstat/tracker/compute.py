@@ -25,13 +25,7 @@ from typing import Any
 import torch
 
 from nnstat.describe import Workspace, summarize
-from nnstat.describe.fused import (
-    FUSED_STATS,
-    light_columns,
-    repair_update_rows,
-    weight_update_norms,
-    weight_update_rows_device,
-)
+from nnstat.describe.fused import FUSED_STATS, light_columns, weight_update_norms
 from nnstat.describe.histogram import (
     HIST_SUMMARY,
     bin_counts,
@@ -42,7 +36,8 @@ from nnstat.describe.histogram import (
 )
 from nnstat.describe.moments import pair_ok
 from nnstat.describe.ratios import ratio_from_norms
-from nnstat.describe.summary import device_table, pair_tables, repair_table
+from nnstat.describe.segments import HistSpec, segment_tables
+from nnstat.describe.summary import pair_tables, repair_table
 from nnstat.distributed import local_tensor
 
 __all__ = ["StepPlan", "tasks", "assemble", "device_results", "stage", "finish"]
@@ -193,54 +188,69 @@ class Staged:
     """A step's reductions left on the device (`stage`), to be moved to the host at once.
 
     `parts` are the device tensors to transfer, in order; `groups` maps a result key to
-    ``(tensors, index of its table in parts, histogram staging or None)``; `fused_rows`: the
-    index of the fused weight/update rows.
+    ``(tensors, index of its table in parts, index of its histogram rows or None, which
+    histograms were subsampled)``; `fused`: the indices of the weight and update tables of the
+    norm-only pass.
     """
 
     parts: list[torch.Tensor] = field(default_factory=list)
-    groups: dict[str, tuple[list[torch.Tensor], int, tuple[int, int, int, list[bool]] | None]] = (
-        field(default_factory=dict)
+    groups: dict[str, tuple[list[torch.Tensor], int, int | None, list[bool]]] = field(
+        default_factory=dict
     )
-    fused_rows: int | None = None
+    fused: tuple[int, int] | None = None
+
+
+def _by_dtype(*lists: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], ...]]:
+    """Parallel lists split by (device, dtype) of the first: a multi-tensor kernel takes its
+    fast path (one launch per chunk of tensors) only on lists of one dtype and device."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(lists[0]):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    if len(groups) == 1:
+        return [lists]
+    return [tuple([lst[i] for i in idx] for lst in lists) for idx in groups.values()]
 
 
 def stage(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> Staged:
     """Every reduction of `plan` on the tensors' device, with no host synchronisation.
 
-    For accelerators: statistics tables (`device_table`), histogram ranges and counts
-    (`bin_counts` with device-side ranges) and the fused weight/update rows stay queued on the
-    device; `finish` moves them in one transfer. The update's snapshot is refreshed in `finish`,
-    after the rare exact recomputation of non-finite rows (which needs the old weights).
+    For accelerators: every group's statistics table and histogram rows come from one
+    `nnstat.describe.segments.segment_tables` call (a fixed number of kernels per group and
+    dtype, not per tensor) and stay queued on the device; `finish` moves them in one transfer. The update is
+    formed in place in the snapshot by two multi-tensor kernels (``prev`` becomes ``W_t -
+    W_prev``); the snapshot is refreshed in `finish`, after the rare exact recomputation of
+    non-finite rows (which reads that difference).
     """
     ws = workspaces if workspaces is not None else {}
-    computed = plan.computed
+    # one flat buffer for all groups: the device queue orders its uses
+    work = ws.setdefault("device", Workspace())
     st = Staged()
-
-    def put(key: str, tensors: list[torch.Tensor]) -> None:
-        table = device_table(tensors, computed, ws.setdefault(key, Workspace()))
-        st.parts.append(table)
-        hist = None
-        if plan.histograms:
-            lo, hi = hist_ranges(table[:, computed.index("min")], table[:, computed.index("max")])
-            picked = [sample_for_histogram(t, plan.hist_max_elements) for t in tensors]
-            counts = bin_counts([x for x, _ in picked], lo, hi, plan.bins)
-            st.parts += [lo, hi, counts]
-            n = len(st.parts)
-            hist = (n - 3, n - 2, n - 1, [was for _, was in picked])
-        st.groups[key] = (tensors, len(st.parts) - (4 if hist else 1), hist)
-
-    for group, _names, tensors in plan.groups:
-        put(f"group:{group}", tensors)
+    keys = [f"group:{group}" for group, _, _ in plan.groups]
+    lists = [tensors for _, _, tensors in plan.groups]
     if plan.prev is not None and plan.weights is not None:
+        for prev, cur in _by_dtype(plan.prev, plan.weights):
+            torch._foreach_sub_(prev, cur)  # exact: prev - W, then negated
+            torch._foreach_neg_(prev)
+        views = list(plan.update_views if plan.update_views is not None else plan.prev)
         if plan.fused:
-            st.parts.append(weight_update_rows_device(plan.weights, plan.prev))
-            st.fused_rows = len(st.parts) - 1
+            lists += [list(plan.weights), views]
         else:
-            # in place: prev becomes W_t - W_prev (refreshed from the weights in `finish`)
-            for p, cur in zip(plan.prev, plan.weights, strict=True):
-                torch.sub(cur, p, out=p)
-            views = plan.update_views if plan.update_views is not None else plan.prev
-            put("update", list(views))
+            keys.append("update")
+            lists.append(views)
+    spec = HistSpec(plan.bins, plan.hist_max_elements) if plan.histograms else None
+    # one call: each list reduced on its own, the statistics of all derived at once
+    results = segment_tables(lists, plan.computed, work, spec)
+    n = len(keys)
+    for key, tensors, (table, hist, sampled) in zip(keys, lists[:n], results[:n], strict=True):
+        st.parts.append(table)
+        at, h = len(st.parts) - 1, None
+        if hist is not None:
+            st.parts.append(hist)
+            h = len(st.parts) - 1
+        st.groups[key] = (tensors, at, h, sampled)
+    if len(results) == n + 2:  # the fused pass' weights and update
+        st.parts += [results[n][0], results[n + 1][0]]
+        st.fused = (len(st.parts) - 2, len(st.parts) - 1)
     return st
 
 
@@ -261,13 +271,13 @@ def finish(plan: StepPlan, st: Staged, host: list[torch.Tensor]) -> dict[str, An
     then refreshes the update snapshot."""
     computed = plan.computed
     results: dict[str, Any] = {}
-    for key, (tensors, at, hist) in st.groups.items():
+    for key, (tensors, at, h, sampled) in st.groups.items():
         table = repair_table(host[at], tensors, computed)
         hists = None
-        if hist is not None:
+        if h is not None:
             summary = table[:, [computed.index(c) for c in HIST_SUMMARY]]
-            i_lo, i_hi, i_counts, sampled = hist
-            lo, hi, counts = host[i_lo].tolist(), host[i_hi].tolist(), host[i_counts].numpy()
+            rows = host[h]
+            lo, hi, counts = rows[:, 0].tolist(), rows[:, 1].tolist(), rows[:, 2:].numpy()
             hists = build_histograms(counts, lo, hi, summary.tolist(), sampled, plan.bins)
             probe = host[at][:, -1]
             for i in (~torch.isfinite(probe)).nonzero().flatten().tolist():
@@ -276,11 +286,14 @@ def finish(plan: StepPlan, st: Staged, host: list[torch.Tensor]) -> dict[str, An
                     [tensors[i]], plan.bins, plan.hist_max_elements, summary=summary[i : i + 1]
                 )[0]
         results[key] = (table, hists)
-    if st.fused_rows is not None:
+    if st.fused is not None:
         assert plan.weights is not None and plan.prev is not None
-        results["update"] = repair_update_rows(host[st.fused_rows], plan.weights, plan.prev)
+        views = plan.update_views if plan.update_views is not None else plan.prev
+        tw = repair_table(host[st.fused[0]], plan.weights, computed)
+        results["update"] = (tw, repair_table(host[st.fused[1]], list(views), computed))
     if plan.refresh and plan.prev is not None and plan.weights is not None:
-        torch._foreach_copy_(plan.prev, plan.weights)
+        for prev, cur in _by_dtype(plan.prev, plan.weights):
+            torch._foreach_copy_(prev, cur)
     return results
 
 
@@ -322,11 +335,14 @@ def assemble(plan: StepPlan, results: dict[str, Any]) -> dict[str, Any]:
     fused_tables = None
     if plan.fused and "update" in results:
         norms = results["update"]
-        numel = torch.tensor([t.numel() for t in plan.weights], dtype=torch.float64)
-        fused_tables = []
-        for lo in (0, 4):
-            cols = light_columns(numel, *(norms[:, lo + k] for k in range(4)))
-            fused_tables.append(torch.stack([cols[s] for s in computed], dim=1))
+        if isinstance(norms, tuple):  # the device path's weight and update tables (`finish`)
+            fused_tables = list(norms)
+        else:  # the CPU pass' rows [sumsq, min, max, nonfinite] of W, then of W - prev
+            numel = torch.tensor([t.numel() for t in plan.weights], dtype=torch.float64)
+            fused_tables = []
+            for lo in (0, 4):
+                cols = light_columns(numel, *(norms[:, lo + k] for k in range(4)))
+                fused_tables.append(torch.stack([cols[s] for s in computed], dim=1))
         put("weight", plan.names, fused_tables[0], None)
         w_l2 = fused_tables[0][:, l2]
     for group, names, _tensors in plan.groups:

@@ -14,6 +14,7 @@ import torch
 import nnstat
 import nnstat.describe.fused as fused
 import nnstat.describe.moments as moments
+import nnstat.describe.segments as segments
 from nnstat.tracker import compute
 
 
@@ -49,37 +50,50 @@ class _HostReads:
 
 def _model_and_plan(kind: str):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    width = 80 if kind == "sampled" else 6  # 80 x 80 weights: histograms of sampled runs
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 3)
+    )
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    kw = {"stats": None, "histograms": True, "bins": 8} if kind == "full" else {}
+    kw = {"stats": None, "histograms": True, "bins": 8} if kind != "default" else {}
+    if kind == "sampled":
+        kw["hist_max_elements"] = 2048
     tracker = nnstat.Tracker(model, opt, background=False, **kw)
     for _ in range(2):
         opt.zero_grad()
-        model(torch.randn(4, 6)).pow(2).sum().backward()
+        model(torch.randn(4, width)).pow(2).sum().backward()
         opt.step()
     return model, tracker
 
 
 def _same(a, b):
+    """Equal up to float32 summation order: the device path reduces rows of a flat buffer,
+    the CPU path cache-sized blocks (both accumulate partials in float64). Counts, ranges,
+    minima and maxima are exact on both."""
     assert a.keys() == b.keys()
     for k in a:
         x, y = a[k], b[k]
         if hasattr(x, "counts"):
-            np.testing.assert_allclose(x.counts, y.counts, rtol=1e-12)
-            np.testing.assert_allclose(x.edges, y.edges, rtol=1e-12)
+            np.testing.assert_array_equal(x.counts, y.counts)
+            np.testing.assert_array_equal(x.edges, y.edges)
             assert (x.min, x.max, x.num) == (y.min, y.max, y.num)
-            assert x.sum == pytest.approx(y.sum, rel=1e-9, abs=1e-12)
+            assert x.sum == pytest.approx(y.sum, rel=1e-6, abs=1e-12)
         elif math.isnan(x):
             assert math.isnan(y), k
         else:
-            assert x == pytest.approx(y, rel=1e-9, abs=1e-12), k
+            # skew and kurtosis are ratios of order 1: absolute error of float32 power sums
+            shape = k.endswith(("/skew", "/kurtosis"))
+            assert x == pytest.approx(y, rel=1e-6, abs=1e-6 if shape else 0.0), k
 
 
-@pytest.mark.parametrize("kind", ["default", "full"])
+@pytest.mark.parametrize("kind", ["default", "default-kernels", "full", "sampled"])
 @pytest.mark.parametrize("nonfinite", [False, True])
 def test_device_path_matches_the_per_group_tasks_with_one_transfer(
     torch_only, monkeypatch, kind, nonfinite
 ):
+    if kind == "default-kernels":  # the multi-tensor norms accelerators use (CPU: flat pass)
+        monkeypatch.setattr(segments, "_norm_kernels", lambda device: True)
+        kind = "default"
     model, tracker = _model_and_plan(kind)
     if nonfinite:  # a NaN and an Inf: exact recomputation over the finite part on both paths
         with torch.no_grad():

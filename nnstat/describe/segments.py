@@ -1,0 +1,548 @@
+"""The statistics of many tensors on an accelerator in O(dtype groups) kernels, not O(tensors).
+
+`segment_table` is the one tensor-statistics core of the device paths (`summarize` and
+``NetDict.describe`` on accelerators, the Tracker's staged step, the recorder's reductions). It
+groups the tensors by (device, dtype) and launches a fixed number of kernels per group:
+
+- Norm statistics only (``l2``, ``rms``, ``abs_max``, ``l1``, ...): the multi-tensor norm kernels
+  (``torch._foreach_norm``) read the tensors where they are, no copy.
+- Anything else: the group is copied ONCE into a reusable flat buffer (`Workspace.flat`) laid out
+  in rows of ``B`` elements, each tensor starting on a new row (its last row padded). Every
+  per-element reduction is then one row-wise kernel over the whole group, and one
+  ``segment_reduce`` per kind of partial adds the rows of each tensor up (in float64). The
+  moments take two passes: the first gives each tensor's mean ``c`` (float32 for float32 data),
+  minimum and maximum; the second reduces ``d = (x - c) * s`` in place, with ``s`` a power of
+  two bringing ``max |x - c|`` near 1 (so ``d^4`` neither overflows nor underflows and the
+  scaling is exact). ``sum d`` is kept and the power sums are shifted to the exact mean in
+  float64 (`nnstat.distributed.shift_power_sums`), so data whose spread is a few ulps of its
+  mean (a LayerNorm weight near 1) keeps its variance, skew and kurtosis.
+- Histograms (`HistSpec`): the samples of every tensor of a group (`binning.sample_runs`'
+  positions, from a cached index) are gathered from the flat buffer and counted by one
+  scatter/bincount (`binning.bin_flat`).
+
+The layout of a list (row ownership, pad positions, sample indices) is built once and cached
+(per `Workspace`, else in a small module cache), so a step does no per-tensor host work beyond
+making views. Nothing is read back to the host: the result is a device table whose last column
+is a finiteness probe (non-finite exactly when a tensor holds NaN/Inf or a float32 sum
+overflowed); `nnstat.describe.summary.repair_table` recomputes those rows on the host after the
+one transfer, as before. Memory: one flat buffer of the largest group's size in its work dtype
+(float32, float64 for float64 data), reused across calls; the histogram samples and their
+indices (at most ``hist_max_elements`` per tensor).
+
+Example:
+    >>> import torch
+    >>> table = segment_table([torch.tensor([1.0, 2.0, 3.0, 6.0])], ("mean", "var", "max"))[0]
+    >>> table[0, :3].tolist()
+    [3.0, 3.5, 6.0]
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from nnstat.describe.binning import bin_flat, hist_ranges, sample_runs
+from nnstat.describe.moments import Workspace
+from nnstat.distributed import shift_power_sums
+
+__all__ = ["segment_table", "segment_tables", "HistSpec", "NORM_STATS", "MAX_BLOCK", "MAX_GROUP"]
+
+#: Statistics obtainable from multi-tensor norm kernels, without a moment pass.
+NORM_STATS = frozenset({"numel", "abs_mean", "abs_max", "l1", "l2", "rms", "nonfinite"})
+#: Elements per group at most (more of one dtype: several groups, each a whole number of
+#: tensors). The flat buffer holds one group and its powers: at most 2 x 512 MiB for float32.
+MAX_GROUP = 1 << 27
+#: Row length of the flat layout (shorter rows when the tensors are small, see `_block`).
+MAX_BLOCK = 4096
+_MIN_BLOCK = 128
+#: Largest |exponent| of the moment scale in each work dtype (float32's normal range).
+_EXP_LIMIT = {torch.float32: 120, torch.float64: 1000}
+_LAYOUT_CACHE: OrderedDict[tuple, _Layout] = OrderedDict()
+_CACHE_SIZE = 16
+
+
+@dataclass(frozen=True)
+class HistSpec:
+    """Histograms to count in the same pass: `bins` per tensor over its own finite range, from
+    at most `max_elements` elements (None: all; see `nnstat.describe.histogram`)."""
+
+    bins: int
+    max_elements: int | None
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _block(numels: Sequence[int]) -> int:
+    """Row length: `MAX_BLOCK`, halved while padding would exceed a quarter of the data."""
+    total = sum(numels)
+    b = MAX_BLOCK
+    while b > _MIN_BLOCK and sum(-(-n // b) * b for n in numels) > 1.25 * total:
+        b //= 2
+    return b
+
+
+def _on(values: Sequence[float] | Sequence[int], dtype: torch.dtype, dev: torch.device):
+    # non_blocking: a pageable host-to-device copy then does not wait for the queued kernels
+    return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+
+@dataclass
+class _Group:
+    """One (device, dtype) group of a list: its tensors' positions and, built on first use,
+    the flat layout (rows of `block`, each tensor from a new row, its last row padded)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    positions: list[int]
+    numels: list[int]
+    work: torch.dtype = field(init=False)
+    n: torch.Tensor = field(init=False)  # float64 [m] element counts
+    eps_row: torch.Tensor = field(init=False)  # float64 [1, m]: the work dtype's epsilon
+    _rows: dict | None = None
+    _samples: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.work = _work_dtype(self.dtype)
+        self.n = _on([float(k) for k in self.numels], torch.float64, self.device)
+        eps = torch.finfo(self.work).eps
+        self.eps_row = torch.full((1, len(self.numels)), eps, dtype=torch.float64)
+        self.eps_row = self.eps_row.to(self.device, non_blocking=True)
+
+    def rows(self) -> dict:
+        """The flat layout's index tensors (cached)."""
+        if self._rows is None:
+            # per-tensor sizes in Python (no tensor is read), index vectors built by torch
+            b = _block(self.numels)
+            counts = [-(-k // b) for k in self.numels]
+            starts = [0]
+            for c in counts[:-1]:
+                starts.append(starts[-1] + c * b)
+            pads = [c * b - k for c, k in zip(counts, self.numels, strict=True)]
+            seg = torch.arange(len(self.numels))
+            pad_seg = torch.repeat_interleave(seg, torch.tensor(pads), output_size=sum(pads))
+            first = torch.tensor(starts)
+            ends = [s + k for s, k in zip(starts, self.numels, strict=True)]
+            pad_idx = _ranges(torch.tensor(ends), torch.tensor(pads), sum(pads))
+            row_seg = torch.repeat_interleave(seg, torch.tensor(counts), output_size=sum(counts))
+            dev = self.device
+            zeros = torch.zeros(b, dtype=self.work, device=dev)
+            self._rows = {
+                "block": b,
+                "count": sum(counts),
+                "starts": starts,
+                "pads": [zeros[:p] for p in pads],
+                "lengths": _on(counts, torch.int64, dev),
+                "row_seg": row_seg.to(dev, non_blocking=True),
+                "pad_idx": pad_idx.to(dev, non_blocking=True),
+                "pad_src": first[pad_seg].to(dev, non_blocking=True),
+                "pad_seg": pad_seg.to(dev, non_blocking=True),
+                "tiled": {},
+            }
+        return self._rows
+
+    def lengths(self, k: int) -> torch.Tensor:
+        """Rows per tensor repeated `k` times: one segment_reduce adds `k` kinds of partials."""
+        r = self.rows()
+        if k not in r["tiled"]:
+            r["tiled"][k] = r["lengths"].repeat(k)
+        return r["tiled"][k]
+
+    def samples(self, max_elements: int | None) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+        """Flat positions of the histogram samples in the flat buffer, their tensor, and which
+        tensors were subsampled (`binning.sample_runs`' positions, cached)."""
+        if max_elements not in self._samples:
+            r = self.rows()
+            run_starts, run_seg, sampled = [], [], []
+            length = []
+            for i, (k, s) in enumerate(zip(self.numels, r["starts"], strict=True)):
+                runs, run_length, was = sample_runs(k, max_elements)
+                run_starts += [s + start for start in runs]
+                run_seg += [i] * len(runs)
+                length += [run_length] * len(runs)
+                sampled.append(was)
+            lengths = torch.tensor(length, dtype=torch.int64)
+            total = sum(length)
+            seg = torch.repeat_interleave(torch.tensor(run_seg), lengths, output_size=total)
+            idx = _ranges(torch.tensor(run_starts, dtype=torch.int64), lengths, total)
+            dev = self.device
+            self._samples[max_elements] = (
+                idx.to(dev, non_blocking=True),
+                seg.to(dev, non_blocking=True),
+                sampled,
+            )
+        return self._samples[max_elements]
+
+
+def _ranges(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """``cat([arange(s, s + n) for s, n in zip(starts, lengths)])`` (`total` elements) without
+    a Python loop over elements (host int64 tensors; layouts are built once)."""
+    offsets = lengths.cumsum(0) - lengths
+    base = torch.repeat_interleave(starts - offsets, lengths, output_size=total)
+    return base + torch.arange(total)
+
+
+@dataclass
+class _Layout:
+    """Groups of a list of tensors and where each tensor's row lands in the result."""
+
+    groups: list[_Group]
+    n_tensors: int
+    empty: list[int]
+    order: torch.Tensor | None  # caller position -> row of the grouped table (None: identity)
+    empty_rows: dict[tuple[float, ...], torch.Tensor] = field(default_factory=dict)
+
+
+def _layout(tensors: Sequence[torch.Tensor], ws: Workspace | None) -> _Layout:
+    key = tuple((t.device, t.dtype, t.numel()) for t in tensors)
+    cache = ws.layouts if ws is not None else _LAYOUT_CACHE
+    lay = cache.get(key)
+    if lay is not None:
+        cache.move_to_end(key)
+        return lay
+    by: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    empty = []
+    for i, (dev, dtype, numel) in enumerate(key):
+        if numel == 0:
+            empty.append(i)
+        else:
+            by.setdefault((dev, dtype), []).append(i)
+    groups = []
+    for (dev, dtype), pos in by.items():
+        # groups of at most MAX_GROUP elements (whole tensors): bounds the flat buffer
+        part, size = [], 0
+        for i in pos:
+            if part and size + key[i][2] > MAX_GROUP:
+                groups.append(_Group(dev, dtype, part, [key[j][2] for j in part]))
+                part, size = [], 0
+            part.append(i)
+            size += key[i][2]
+        groups.append(_Group(dev, dtype, part, [key[j][2] for j in part]))
+    grouped = [i for g in groups for i in g.positions]
+    order = None
+    if grouped != list(range(len(key))):
+        row = {p: r for r, p in enumerate(grouped)}
+        order = _on([row.get(i, len(grouped)) for i in range(len(key))], torch.int64, key[0][0])
+    lay = _Layout(groups, len(key), empty, order)
+    cache[key] = lay
+    while len(cache) > _CACHE_SIZE:
+        cache.popitem(last=False)
+    return lay
+
+
+def segment_table(
+    tensors: Sequence[torch.Tensor],
+    stats: tuple[str, ...],
+    workspace: Workspace | None = None,
+    hist: HistSpec | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, list[bool]]:
+    """``(table, hist, sampled)`` of `tensors`, on their device, with no host synchronisation.
+
+    `table` is ``[n, len(stats) + 1]`` float64, `stats` validated names of
+    `nnstat.describe.STAT_NAMES` (columns in that order), the last column the finiteness probe
+    (the l2 norm: NaN/Inf when a tensor holds NaN/Inf or a float32 sum overflowed; statistics
+    of such rows and of empty tensors are to be recomputed on the host, `repair_table`).
+    With `hist`: ``[n, 2 + bins]`` float64 rows ``[lo, hi, counts...]`` (the range
+    `binning.hist_ranges` takes from each tensor's min and max, and the counts of its sample
+    over it) and, per tensor, whether its histogram was subsampled; else ``(table, None, [])``.
+    Tensors may be on several devices; the tables land on the first tensor's device.
+
+    Example:
+        >>> x = torch.tensor([0.0, 1.0, 1.0])
+        >>> t, h, was = segment_table([x], ("max", "sparsity"), None, HistSpec(2, None))
+        >>> t[:, :2].tolist(), h.tolist(), was
+        ([[1.0, 0.3333333333333333]], [[0.0, 1.0, 1.0, 2.0]], [False])
+    """
+    return segment_tables([tensors], stats, workspace, hist)[0]
+
+
+def segment_tables(
+    lists: Sequence[Sequence[torch.Tensor]],
+    stats: tuple[str, ...],
+    workspace: Workspace | None = None,
+    hist: HistSpec | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor | None, list[bool]]]:
+    """`segment_table` of several lists (a Tracker step's groups) at once: each list is copied
+    and reduced on its own (the flat buffer is reused), and the statistics of all of them are
+    derived from their partials by one set of small kernels.
+
+    Example:
+        >>> [t[:, 0].tolist() for t, _, _ in segment_tables([[torch.ones(2)], [torch.zeros(3)]], ("numel",))]
+        [[2.0], [3.0]]
+    """
+    lists = [list(ts) for ts in lists]
+    k = len(stats)
+    live = [ts for ts in lists if ts]
+    if not live:
+        return [(torch.zeros((0, k + 1), dtype=torch.float64), None, []) for _ in lists]
+    dev = live[0][0].device
+    norm_path = hist is None and not set(stats) - NORM_STATS and _norm_kernels(dev)
+    if norm_path:
+        needs = frozenset(s for s in ("abs_max", "l1") if s in stats or _derived(s, stats))
+    else:
+        needs = _needs(stats, hist is not None)
+    ws = workspace or Workspace()
+    layouts = [_layout(ts, workspace) if ts else None for ts in lists]
+    parts, hists, sizes, sampled = [], [], [], []
+    with torch.no_grad():
+        for ts, lay in zip(lists, layouts, strict=True):
+            was = [False] * len(ts)
+            h_list = []
+            m = 0
+            for g in lay.groups if lay is not None else []:
+                views = [ts[i].detach().reshape(-1) for i in g.positions]
+                m += len(g.positions)
+                if norm_path:
+                    parts.append(_norm_partials(g, views, needs).to(dev))
+                    continue
+                p, h = _moment_partials(g, views, needs, ws, hist)
+                parts.append(p.to(dev))
+                if h is not None:
+                    h_list.append(h.to(dev))
+                    for i, w in zip(g.positions, g.samples(hist.max_elements)[2], strict=True):
+                        was[i] = w
+            sizes.append(m)
+            hists.append(h_list)
+            sampled.append(was if hist is not None else [])
+        if not parts:  # only empty tensors: their NaN rows are repaired on the host
+            table = _nan(0, k + 1, dev)
+        else:
+            p = torch.cat(parts, dim=1)
+            table = _norm_columns(p, stats, needs) if norm_path else _columns(p, stats, needs)
+        out = []
+        for rows, lay, h_list, was in zip(table.split(sizes), layouts, hists, sampled, strict=True):
+            if lay is None:
+                out.append((torch.zeros((0, k + 1), dtype=torch.float64), None, []))
+                continue
+            h = None
+            if hist is not None:
+                h_rows = torch.cat(h_list) if h_list else _nan(0, 2 + hist.bins, dev)
+                # an empty tensor's histogram: no counts over the nominal range [0, 1]
+                h = _reorder(h_rows, lay, [0.0, 1.0] + [0.0] * hist.bins)
+            out.append((_reorder(rows, lay, _empty_row(stats)), h, was))
+    return out
+
+
+def _nan(rows: int, cols: int, dev: torch.device) -> torch.Tensor:
+    return torch.full((rows, cols), math.nan, dtype=torch.float64, device=dev)
+
+
+def _derived(stat: str, stats: tuple[str, ...]) -> bool:
+    return stat == "l1" and "abs_mean" in stats
+
+
+def _needs(stats: tuple[str, ...], hist: bool) -> frozenset[str]:
+    """Which partials the moment path computes for `stats`."""
+    s = set(stats)
+    need = set()
+    if s & {"var", "std", "skew", "kurtosis"}:
+        need.add("pass_b")
+    if "skew" in s:
+        need.add("s3")
+    if "kurtosis" in s:
+        need.add("s4")
+    if s & {"min", "max", "abs_max"} or "pass_b" in need or hist:
+        need.add("minmax")
+    if s & {"l1", "abs_mean"}:
+        need.add("l1")
+    if "sparsity" in s:
+        need.add("nnz")
+    if "pass_b" not in need:
+        need.add("sq")  # l2 (the probe) from sums of squares; with the moments, from m2
+    return frozenset(need)
+
+
+def _norm_partials(g: _Group, views: list[torch.Tensor], needs: frozenset[str]) -> torch.Tensor:
+    """``[2 + len(needs), m]`` float64: counts, l2 (and abs_max, l1) of each tensor of a group,
+    from the multi-tensor norm kernels (one launch per kind for the whole group)."""
+    if not g.dtype.is_floating_point:
+        flat = torch.cat(views).to(torch.float32)
+        views = list(flat.split(g.numels))
+    # float64 accumulation and result, read in the tensors' own dtype (no copy on accelerators)
+    ords = [2.0] + [math.inf if s == "abs_max" else 1.0 for s in ("abs_max", "l1") if s in needs]
+    rows = [torch.stack(torch._foreach_norm(views, o, dtype=torch.float64)) for o in ords]
+    return torch.cat([g.n.unsqueeze(0), torch.stack(rows)])
+
+
+def _norm_kernels(device: torch.device) -> bool:
+    """Whether norm statistics come from the multi-tensor norm kernels: on accelerators. On CPU
+    the flat pass is as fast and exact (its sums are pairwise), while the multi-tensor norm
+    either accumulates float32 sequentially (~1e-5 off on 20k elements) or, asked for float64,
+    copies every tensor to float64 first (10x slower)."""
+    return device.type != "cpu"
+
+
+def _segment(g: _Group, partials: torch.Tensor, reduce: str) -> torch.Tensor:
+    """``[k, R]`` row partials reduced per tensor to ``[k, m]`` float64 (one kernel)."""
+    k = partials.shape[0]
+    out = torch.segment_reduce(
+        partials.to(torch.float64).reshape(-1), reduce, lengths=g.lengths(k), unsafe=True
+    )
+    return out.view(k, len(g.numels))
+
+
+def _moment_partials(
+    g: _Group,
+    views: list[torch.Tensor],
+    needs: frozenset[str],
+    ws: Workspace,
+    hist: HistSpec | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Partials ``[K, m]`` float64 of one group (rows in `_columns`' order) and its histogram
+    rows ``[m, 2 + bins]`` (or None), from one copy into the flat buffer."""
+    r = g.rows()
+    b, n_rows = r["block"], r["count"]
+    size = n_rows * b
+    buf = ws.flat(2 * size, g.work, g.device)  # the data, then its powers
+    x, x2, t2 = buf[:size], buf[:size].view(n_rows, b), buf[size:].view(n_rows, b)
+    inputs = [t for v, pad in zip(views, r["pads"], strict=True) for t in (v, pad) if t.numel()]
+    torch.cat(inputs, out=x)  # pads are zeros: neutral for sums, norms and non-zero counts
+    a_rows = [x2.sum(1)]
+    if "sq" in needs:
+        a_rows.append(torch.mul(x2, x2, out=t2).sum(1))
+    if "l1" in needs:
+        a_rows.append(torch.linalg.vector_norm(x2, 1, dim=1))
+    if "nnz" in needs:
+        a_rows.append(torch.linalg.vector_norm(x2, 0, dim=1))
+    out = [g.n.unsqueeze(0), _segment(g, torch.stack(a_rows), "sum")]
+    lo = hi = None
+    has_pads = r["pad_idx"].numel() > 0
+    if "minmax" in needs:
+        if has_pads:  # pads take their tensor's first element: neutral for min and max
+            x.index_copy_(0, r["pad_idx"], x.index_select(0, r["pad_src"]))
+        if g.device.type == "cpu":  # CPU's row-wise aminmax is ~3x slower than amin + amax
+            lo_r, hi_r = x2.amin(1), x2.amax(1)
+        else:
+            lo_r, hi_r = torch.aminmax(x2, dim=1)
+        mm = _segment(g, torch.stack([lo_r, hi_r.neg()]), "min")
+        lo, hi = mm[0], mm[1].neg()
+        out.append(torch.stack([lo, hi]))
+    h = None
+    if hist is not None:
+        assert lo is not None and hi is not None
+        idx, seg, _ = g.samples(hist.max_elements)
+        rlo, rhi = hist_ranges(lo, hi)
+        counts = bin_flat(x.index_select(0, idx), seg, rlo, rhi, hist.bins, len(g.numels))
+        h = torch.cat([torch.stack([rlo, rhi], dim=1), counts], dim=1)
+    if "pass_b" in needs:
+        assert lo is not None and hi is not None
+        c = (out[1][0] / g.n).to(g.work)  # the centre: the mean rounded to the work dtype
+        c64 = c.to(torch.float64)
+        spread = torch.maximum(hi - c64, c64 - lo)
+        limit = _EXP_LIMIT[g.work]
+        scale = torch.exp2(torch.frexp(spread).exponent.clamp_(-limit, limit).neg_().double())
+        if has_pads:  # pads take their centre: zero deviation
+            x.index_copy_(0, r["pad_idx"], c.index_select(0, r["pad_seg"]))
+        per_row = (
+            torch.stack([(c64 * scale).neg_(), scale]).to(g.work).index_select(1, r["row_seg"])
+        )
+        # d = (x - c) * s in place: x * s and c * s are exact (s is a power of two)
+        torch.addcmul(per_row[0].unsqueeze(1), x2, per_row[1].unsqueeze(1), out=x2)
+        # powers formed in the buffer's two halves and added up by `sum` (torch's CPU 2- and
+        # 4-norm kernels were up to ~1e-6 off; sums are pairwise on CPU, trees on GPUs)
+        d2 = torch.mul(x2, x2, out=t2)
+        b_rows = [x2.sum(1), d2.sum(1)]
+        if "s3" in needs:
+            b_rows.append(torch.mul(d2, x2, out=x2).sum(1))  # d is not needed any more
+        if "s4" in needs:
+            b_rows.append(d2.square_().sum(1))
+        sums = _segment(g, torch.stack(b_rows), "sum")
+        out += [torch.stack([c64, scale]), sums]
+    return torch.cat([*out, g.eps_row]), h
+
+
+def _columns(p: torch.Tensor, stats: tuple[str, ...], needs: frozenset[str]) -> torch.Tensor:
+    """The statistic columns (and the probe) from the moment partials of every group at once
+    (rows in `_moment_partials`' order)."""
+    n = p[0]
+    i = 1
+    total = p[i]
+    i += 1
+    sq = l1 = nnz = lo = hi = None
+    if "sq" in needs:
+        sq, i = p[i], i + 1
+    if "l1" in needs:
+        l1, i = p[i], i + 1
+    if "nnz" in needs:
+        nnz, i = p[i], i + 1
+    if "minmax" in needs:
+        lo, hi, i = p[i], p[i + 1], i + 2
+    nan = torch.full_like(n, math.nan)
+    cols: dict[str, torch.Tensor] = {"numel": n, "nonfinite": torch.zeros_like(n)}
+    if "pass_b" in needs:
+        c, scale = p[i], p[i + 1]
+        s = p[i + 2 : i + 4]
+        s1, s2 = s[0] / scale, s[1] / scale**2
+        i += 4
+        s3 = s4 = torch.zeros_like(n)
+        if "s3" in needs:
+            s3, i = p[i] / scale**3, i + 1
+        if "s4" in needs:
+            s4, i = p[i] / scale**4, i + 1
+        r = s1 / n
+        mean = c + r
+        # sums about c moved to the exact mean (one part per tensor: d = c - mean = -r)
+        parts = [v.unsqueeze(0) for v in (n, r.neg(), s1, s2, s3, s4)]
+        m2, m3, m4 = (m / n for m in shift_power_sums(*parts))
+        l2 = (m2 * n + n * mean * mean).sqrt()
+        eps = p[i]
+        # like scipy (and the CPU path): a numerically constant tensor has zero variance and
+        # undefined skew/kurtosis, not the ratio of rounding residues
+        constant = m2 <= (eps * mean) ** 2
+        m2 = torch.where(constant, torch.zeros_like(m2), m2)
+        m3 = torch.where(constant, nan, m3)
+        m4 = torch.where(constant, nan, m4)
+        cols |= {
+            "var": m2,
+            "std": m2.sqrt(),
+            "skew": m3 / m2**1.5,
+            "kurtosis": m4 / (m2 * m2) - 3.0,
+        }
+    else:
+        mean = total / n
+        assert sq is not None
+        l2 = sq.sqrt()
+    cols |= {"mean": mean, "l2": l2, "rms": l2 / n.sqrt()}
+    if lo is not None and hi is not None:
+        cols |= {"min": lo, "max": hi, "abs_max": torch.maximum(hi, lo.neg())}
+    if l1 is not None:
+        cols |= {"l1": l1, "abs_mean": l1 / n}
+    if nnz is not None:
+        cols["sparsity"] = (n - nnz) / n
+    return torch.stack([cols[s] for s in stats] + [l2], dim=1)
+
+
+def _norm_columns(p: torch.Tensor, stats: tuple[str, ...], needs: frozenset[str]) -> torch.Tensor:
+    """Columns of the norm path from `_norm_partials` of every group at once."""
+    n, l2 = p[0], p[1]
+    cols = {"numel": n, "l2": l2, "rms": l2 / n.sqrt(), "nonfinite": torch.zeros_like(l2)}
+    i = 2
+    if "abs_max" in needs:
+        cols["abs_max"], i = p[i], i + 1
+    if "l1" in needs:
+        cols["l1"] = p[i]
+        cols["abs_mean"] = p[i] / n
+    return torch.stack([cols[s] for s in stats] + [l2], dim=1)
+
+
+def _empty_row(stats: tuple[str, ...]) -> list[float]:
+    """An empty tensor's statistics (as the CPU path gives them): zero count and norms, NaN
+    for the rest; its probe is finite (nothing to repair)."""
+    zero = {"numel", "l1", "l2", "nonfinite"}
+    return [0.0 if s in zero else math.nan for s in stats] + [0.0]
+
+
+def _reorder(rows: torch.Tensor, lay: _Layout, empty: list[float]) -> torch.Tensor:
+    """Grouped rows back in the caller's order; empty tensors get the row `empty`."""
+    if lay.order is None:
+        return rows
+    key = tuple(empty)
+    if key not in lay.empty_rows:  # cached: no host-to-device copy per call
+        lay.empty_rows[key] = _on([empty], torch.float64, rows.device)
+    rows = torch.cat([rows, lay.empty_rows[key]])
+    return rows.index_select(0, lay.order.to(rows.device))
