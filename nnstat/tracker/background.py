@@ -213,14 +213,7 @@ class BackgroundSteps:
         self._deliver(metrics, pending.step, pending.handle)
 
     def _drop_torn(self, metrics: dict[str, Any], pending: _Pending) -> None:
-        prefixes = []
-        for group, name in pending.conflicts:
-            prefixes.append(f"{group}/{name}/")
-            if group == "weight":
-                prefixes += [f"update/{name}/", f"trust_ratio/{name}", f"update_ratio/{name}"]
-        for key in [k for k in metrics if k.startswith(tuple(prefixes))]:
-            del metrics[key]
-        labels = [f"{g}/{n}" for g, n in pending.conflicts]
+        labels = drop_keys(metrics, pending.conflicts)
         warnings.warn(
             f"Tracker: {labels[:5]}{' ...' if len(labels) > 5 else ''} changed in place while "
             f"the background thread read them (after tracker.step()); their statistics of step {pending.step} are skipped (those "
@@ -230,12 +223,28 @@ class BackgroundSteps:
         )
 
 
-class StepMetrics(Mapping[str, Any]):
-    """The metrics of a step whose statistics run in the background.
+def drop_keys(metrics: dict[str, Any], torn: list[tuple[str, str]]) -> list[str]:
+    """Delete the metrics of each torn ``(group, layer)`` (a torn weight or update takes the
+    layer's ratios along, a weight its update too); returns their ``"group/layer"`` labels."""
+    prefixes = []
+    for group, name in torn:
+        prefixes.append(f"{group}/{name}/")
+        if group in ("weight", "update"):
+            prefixes += [f"trust_ratio/{name}", f"update_ratio/{name}"]
+        if group == "weight":
+            prefixes.append(f"update/{name}/")
+    for key in [k for k in metrics if k.startswith(tuple(prefixes))]:
+        del metrics[key]
+    return [f"{g}/{n}" for g, n in torn]
 
-    A read-only mapping: the first read waits for the worker (and hands the step to the sinks
-    if that has not happened yet), so reading it every step gives up the overlap: log through
-    sinks to keep it. ``dict(m)`` or ``m.copy()`` gives a plain dict, e.g. for ``json.dump``.
+
+class StepMetrics(Mapping[str, Any]):
+    """The metrics of a step whose statistics are still on their way: reduced by the background
+    worker (CPU), or copied from the accelerator without waiting (`nnstat.tracker.delivery`).
+
+    A read-only mapping: the first read waits for them (and hands the step to the sinks if
+    that has not happened yet), so reading it every step gives up the overlap (on a GPU: makes
+    the host wait for the device every step): log through sinks to keep it. ``dict(m)`` or ``m.copy()`` gives a plain dict, e.g. for ``json.dump``.
 
     Example:
         >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -245,19 +254,17 @@ class StepMetrics(Mapping[str, Any]):
         ['weight/bias/l2', 'weight/weight/l2']
     """
 
-    def __init__(self, tracker: BackgroundSteps, step: int) -> None:
+    def __init__(self, tracker: Any, step: int) -> None:
         self._tracker = tracker
         self.step = step
         self._data: dict[str, Any] | None = None
+        self._missing = f"the statistics of step {step} failed (raised before)"
 
     def _resolve(self) -> dict[str, Any]:
         if self._data is None:
-            pending = self._tracker._pending
-            if pending is not None and pending.handle is self:
-                self._tracker._finish_pending()
-                self._tracker._raise_sink_errors()  # the sinks just got this step: their errors
+            self._tracker._settle(self)  # waits for this step, hands it to the sinks
             if self._data is None:
-                raise RuntimeError(f"the statistics of step {self.step} failed (raised before)")
+                raise RuntimeError(self._missing)
         return self._data
 
     def __getitem__(self, key: str) -> Any:
@@ -315,6 +322,7 @@ def _forget_pending() -> None:
     # and they belong to the parent, which delivers them (the child's sinks must not repeat them)
     for tracker in list(_PENDING):
         tracker._pending = None
+        tracker._inflight.clear()  # device copies: the child has no CUDA context of its own
     _PENDING.clear()
 
 
