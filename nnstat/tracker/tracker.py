@@ -2,10 +2,12 @@
 
 Each logged step reduces every tracked tensor (fused blocked passes, `nnstat.tracker.compute`;
 on accelerators everything stays queued on the device until ONE host transfer per step, on CPU
-each group's table is read as it is done), derives trust ratios from the same norms, adds the metrics of
-registered providers, and hands one flat dict to every sink. On CPU the reductions of step ``t``
-run by default on a background thread (`nnstat.background`) while step ``t + 1`` trains; the
-optimizer's step pre-hook waits for them before the weights change.
+each group's table is read as it is done), derives trust ratios from the same norms, adds the
+metrics of registered providers, and hands one flat dict to every sink. On CPU the reductions
+of step ``t`` run by default on a background thread (`nnstat.background`) while step ``t + 1``
+trains; the optimizer's step pre-hook waits for them before the weights change. On a GPU the
+transfer does not wait (`nnstat.tracker.delivery`): sinks get step ``t`` once it has arrived,
+one or more steps later; ``flush()``/``close()`` deliver everything.
 
 Example:
     >>> import torch, nnstat
@@ -85,7 +87,7 @@ class Tracker(BackgroundSteps, DeferredSteps):
     statistics the fused pass rewrites it block by block while it reads the weights).
     On CPU the statistic passes run on one intra-op thread (`nnstat.describe.cpu_single_thread`).
 
-    ``background`` (CPU only): ``True`` reduces step ``t`` on a worker thread while step
+    ``background`` on CPU: ``True`` reduces step ``t`` on a worker thread while step
     ``t + 1`` trains (`nnstat.tracker.background`: the optimizer's step pre-hook waits for it,
     in-place gradients are read synchronously, a version check guards the rest); ``False`` is
     synchronous; ``None`` (default) picks background when training runs on one torch thread,
@@ -93,7 +95,10 @@ class Tracker(BackgroundSteps, DeferredSteps):
     with OpenMP for the cores, measured slower). The numbers are bit-identical either way. In
     background mode `step` returns a `StepMetrics` mapping that waits on first read, sinks get
     step ``t`` at the next `step`/`flush`/`close` (or exit), and step ``t``'s gradients stay
-    referenced until the next optimizer step.
+    referenced until the next optimizer step. On a GPU ``None``/``True`` deliver without a
+    host synchronisation inside `step` (a `StepMetrics` again; sinks get step ``t`` once its
+    copy has arrived, polled at later steps; `nnstat.tracker.delivery`), ``False`` reads each
+    step back inside `step`.
 
     Guards against silent misuse: an optimizer that holds none of the tracked trainable
     parameters raises (some of them: a warning naming the others); a `step` with no
