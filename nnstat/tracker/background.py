@@ -86,6 +86,12 @@ class BackgroundSteps:
             and not any_dtensor(self.params)
         )
 
+    def _split_ok(self, on_cpu: bool) -> bool:
+        """Whether the synchronous CPU statistics run on two threads at once (this one and the
+        worker): with two or more torch threads training keeps both cores busy, so the
+        statistics cannot hide behind it; split, they take about half the wall time."""
+        return on_cpu and torch.get_num_threads() >= 2 and not self._fsdp1
+
     def _grads_reused(self, plan: StepPlan) -> bool:
         """Whether a gradient shares storage with the previous logged step's (written in place:
         ``zero_grad(set_to_none=False)``, DDP bucket views, accumulation), or no history yet."""
@@ -236,6 +242,47 @@ def drop_keys(metrics: dict[str, Any], torn: list[tuple[str, str]]) -> list[str]
     for key in [k for k in metrics if k.startswith(tuple(prefixes))]:
         del metrics[key]
     return [f"{g}/{n}" for g, n in torn]
+
+
+def task_costs(plan: StepPlan, todo: list[tuple[str, Any]]) -> list[float]:
+    """Relative cost of each task of `todo`: the elements it reads (a weight/update task reads
+    the weights and their snapshot)."""
+    numel = {f"group:{g}": float(sum(t.numel() for t in ts)) for g, _, ts in plan.groups}
+    weights = float(sum(t.numel() for t in plan.weights or ()))
+    return [numel[k] if k in numel else 2.0 * weights for k, _ in todo]
+
+
+def split_run(todo: list[tuple[str, Any]], costs: list[float]) -> dict[str, Any]:
+    """Run independent tasks on this thread and on the statistics worker at once; returns
+    ``{key: fn()}`` once both are done (each task runs whole on one thread: the same numbers
+    as running them in order).
+
+    The tasks are split by `costs` (longest first onto the less loaded side); the worker's share
+    is submitted first, so both sides start at once.
+
+    Example:
+        >>> split_run([("a", lambda: 1), ("b", lambda: 2)], [1.0, 1.0])
+        {'a': 1, 'b': 2}
+    """
+    order = sorted(range(len(todo)), key=lambda i: -costs[i])
+    mine: list[int] = []
+    theirs: list[int] = []
+    load = [0.0, 0.0]
+    for i in order:
+        side = 0 if load[0] <= load[1] else 1
+        (mine if side == 0 else theirs).append(i)
+        load[side] += costs[i]
+    job = submit(lambda: {todo[i][0]: todo[i][1]() for i in theirs}) if theirs else None
+    out: dict[str, Any] = {}
+    try:
+        for i in mine:
+            out[todo[i][0]] = todo[i][1]()
+    finally:
+        if job is not None:
+            job.wait()  # never leave the worker reading tensors the caller goes on to change
+    if job is not None:
+        out.update(job.result())
+    return {k: out[k] for k, _ in todo}
 
 
 class StepMetrics(Mapping[str, Any]):

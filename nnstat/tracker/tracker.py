@@ -47,7 +47,14 @@ from nnstat.distributed import (
     local_tensor,
 )
 from nnstat.netdict import select_names
-from nnstat.tracker.background import BackgroundSteps, StepMetrics, _hook_target, _Pending
+from nnstat.tracker.background import (
+    BackgroundSteps,
+    StepMetrics,
+    _hook_target,
+    _Pending,
+    split_run,
+    task_costs,
+)
 from nnstat.tracker.compute import StepPlan, assemble, device_results, tasks
 from nnstat.tracker.delivery import DeferredSteps, _InFlight
 
@@ -395,10 +402,14 @@ class Tracker(BackgroundSteps, DeferredSteps):
         # anything still on its way is delivered first: sinks get the steps in order
         self._arrived(wait=True)
         todo = tasks(plan, self._workspaces)
-        background = self._background_ok(on_cpu)  # outside cpu_single_thread: reads threads
+        # outside cpu_single_thread: both read the thread count
+        background = self._background_ok(on_cpu)
+        split = not background and len(todo) > 1 and self._split_ok(on_cpu)
         with cpu_single_thread() if on_cpu else contextlib.nullcontext():
             if background:
                 handle = self._schedule(step, plan, todo)
+            elif split:
+                results = split_run(todo, task_costs(plan, todo))
             elif on_cpu or self._fsdp1 or any_dtensor(self.params):
                 results = {k: fn() for k, fn in todo}
             else:
