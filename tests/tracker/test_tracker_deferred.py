@@ -56,19 +56,22 @@ def _norms(model) -> dict[str, float]:
     return out
 
 
-def _reference(steps: int, **kw) -> list[dict]:
+def _reference(steps: int, **kw) -> list[dict | None]:
     """The synchronous CPU Tracker on the same training."""
     model, opt = _setup()
-    out = []
     tracker = nnstat.Tracker(model, opt, background=False, **kw)
+    out = []
     for i in range(steps):
         _train(model, opt, i)
-        out.append(dict(tracker.step()))
+        metrics = tracker.step()
+        out.append(None if metrics is None else dict(metrics))
     return out
 
 
 @pytest.mark.parametrize(
-    "kw", [{}, {"stats": None, "histograms": True, "bins": 8}], ids=["default", "full+hist"]
+    "kw",
+    [{}, {"every": 2}, {"stats": None, "histograms": True, "bins": 8}],
+    ids=["default", "every2", "full+hist"],
 )
 def test_step_reads_nothing_and_flush_delivers_every_step_exactly_in_order(deferred, kw):
     model, opt = _setup()
@@ -76,22 +79,23 @@ def test_step_reads_nothing_and_flush_delivers_every_step_exactly_in_order(defer
     tracker = nnstat.Tracker(model, opt, sinks=[lambda m, s: got.append((s, m))], **kw)
     reads: list[str] = []
     direct, handles = [], []
-    for i in range(4):
+    for i in range(6):
         _train(model, opt, i)
         direct.append(_norms(model))
         with host_reads(reads):
             handles.append(tracker.step())
     assert reads == []  # not one value read back inside tracker.step()
-    assert got == [] and all(isinstance(h, StepMetrics) for h in handles)
+    logged = [i for i, h in enumerate(handles) if h is not None]
+    assert got == [] and all(isinstance(handles[i], StepMetrics) for i in logged)
+    assert logged == list(range(0, 6, kw.get("every", 1)))
     tracker.flush()
-    assert [s for s, _ in got] == [0, 1, 2, 3]
-    for (_, metrics), norms, ref, handle in zip(
-        got, direct, _reference(4, **kw), handles, strict=True
-    ):
-        for key, value in norms.items():
+    assert [s for s, _ in got] == logged
+    ref = _reference(6, **kw)
+    for (_, metrics), i in zip(got, logged, strict=True):
+        for key, value in direct[i].items():
             assert metrics[key] == pytest.approx(value, rel=1e-6), key
-        _same(metrics, ref)
-        assert dict(handle) == metrics
+        _same(metrics, ref[i])
+        assert dict(handles[i]) == metrics
 
 
 def test_arrived_steps_reach_the_sinks_at_the_next_step(deferred, monkeypatch):
