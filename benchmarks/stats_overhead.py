@@ -108,6 +108,7 @@ def variants(
         flushes[label] = t.flush
 
     modes = [("background", {"background": True}), ("synchronous", {"background": False})]
+    tracked("nnstat Tracker, default stats (default: auto)")
     for mode, kw in modes:
         tracked(f"nnstat Tracker, default stats ({mode})", **kw)
     for mode, kw in modes:
@@ -154,6 +155,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--no-peers", action="store_true", help="skip wandb and TensorBoard")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    p.add_argument(
+        "--only",
+        default="",
+        help="comma-separated substrings: run only the variants whose name holds one of them "
+        "(the plain step always runs)",
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -162,6 +169,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         flushes: dict[str, Callable[[], None]] = {}
         runs = variants(args, tmp, flushes)
+        if args.only:
+            keep = [k.strip() for k in args.only.split(",") if k.strip()]
+            runs = {
+                k: fn for k, fn in runs.items() if k == "plain step" or any(s in k for s in keep)
+            }
         n_params = sum(p.numel() for p in make(args.width, args.depth)[0].parameters())
         for name, fn in runs.items():  # warm-up (allocations, Adam state, first snapshot)
             fn()

@@ -7,8 +7,9 @@ backward (no per-sample gradient is kept) and we read the batch gradient from ``
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +18,26 @@ from torch import nn
 from nnstat.capture.capture import ModuleCapture, modules_by_size
 from nnstat.capture.norms import sq_norm_factors
 from nnstat.distributed import rank_world
+
+
+@dataclass(eq=False)
+class StagedNorms:
+    """A captured batch whose squared norms are still on the device: `values` is the one
+    vector to read back; `resolve` turns its values into ``(names, small, big, n)``."""
+
+    names: list[str]
+    n: int
+    values: torch.Tensor
+    combine: Callable[[list[float]], tuple[list[float], list[float]]]
+
+    def resolve(self, values: list[float]) -> tuple[list[str], list[float], list[float], int]:
+        """``(module names, mean_i |g_i|^2, |G_B|^2, n)`` from the host values of `values`."""
+        small, big = self.combine(values)
+        if not math.isfinite(sum(small) + sum(big)):  # all >= 0: NaN/Inf survive the sum
+            for k, s_, b_ in zip(self.names, small, big, strict=True):
+                if not (math.isfinite(s_) and math.isfinite(b_)):
+                    raise ValueError(f"gradient norms of {k!r} contain NaN or Inf")
+        return self.names, small, big, self.n
 
 
 class PerSampleNorms:
@@ -106,6 +127,11 @@ class PerSampleNorms:
 
     def end(self) -> tuple[list[str], list[float], list[float], int]:
         """Close the batch: ``(module names, mean_i |g_i|^2, |G_B|^2, n)`` per module."""
+        staged = self.end_staged()
+        return staged.resolve(staged.values.tolist())
+
+    def end_staged(self) -> StagedNorms:
+        """Close the batch, its norms left on the device (`StagedNorms`: one vector to read)."""
         self.engine._end()
         caps, self._caps = self._caps, []
         if not caps:
@@ -121,29 +147,25 @@ class PerSampleNorms:
         if n < 2:
             raise ValueError(f"per-sample noise scale needs a batch of at least 2 samples, got {n}")
         flat = () if self._local_big else self._flat
-        small, big = self._reduce(caps, n, flat, self._before, self._local_big)
-        names = [c.name for c in caps]
-        if not math.isfinite(sum(small) + sum(big)):  # all >= 0: NaN/Inf survive the sum
-            for k, s_, b_ in zip(names, small, big, strict=True):
-                if not (math.isfinite(s_) and math.isfinite(b_)):
-                    raise ValueError(f"gradient norms of {k!r} contain NaN or Inf")
-        return names, small, big, n
+        values, combine = self._stage(caps, n, flat, self._before, self._local_big)
+        return StagedNorms([c.name for c in caps], n, values, combine)
 
-    def _reduce(
+    def _stage(
         self,
         caps: list[ModuleCapture],
         n: int,
         flat: Sequence[tuple[int, nn.Parameter]],
         before: list[torch.Tensor | None],
         local_big: bool,
-    ) -> tuple[list[float], list[float]]:
-        """Mean per-sample and batch-gradient squared norms per module, one host transfer.
+    ) -> tuple[torch.Tensor, Callable[[list[float]], tuple[list[float], list[float]]]]:
+        """Mean per-sample and batch-gradient squared norms per module: the device vector to
+        read (once) and the function of its values that gives them.
 
         This runs every training step, and on small models each kernel launch costs about as
         much as the arithmetic: the per-sample norms of one-position layers and every gradient
         norm go through ONE ``torch._foreach_norm`` (in the tensors' own dtype: no float64
-        copies of large weights) and a single ``.tolist()``; squares and sums happen in Python
-        floats on a handful of values.
+        copies of large weights) into one vector; squares and sums happen in Python floats on
+        a handful of values once it is on the host.
         """
         norm_in: list[torch.Tensor] = []  # tensors whose Frobenius norms are needed
         scalars: list[torch.Tensor] = []  # 0-d values that are already the final numbers
@@ -178,19 +200,24 @@ class PerSampleNorms:
                     owner.append(j)
         with torch.no_grad():  # .grad may carry a graph (create_graph=True): build none
             parts = [*(torch._foreach_norm(norm_in) if norm_in else ()), *scalars]
-            values = torch.stack(parts).tolist()
-        norms, rest = values[: len(norm_in)], values[len(norm_in) :]
-        small = []
-        for i, j, c in spans:
-            small.append(rest[i] if j < 0 else c * sum(v * v for v in norms[i:j]))
-        if local_big:
-            return small, rest[len(rest) - len(caps) :]
-        big = [0.0] * len(caps)
-        for j, v in zip(owner, norms[n_factors:], strict=True):
-            big[j] += v * v
-        if self._sum:  # .grad is the sum of the samples' gradients: n times their mean
-            big = [v / (n * n) for v in big]
-        return small, big
+            vector = torch.stack(parts)
+        n_norms, n_caps, summed = len(norm_in), len(caps), self._sum
+
+        def combine(values: list[float]) -> tuple[list[float], list[float]]:
+            norms, rest = values[:n_norms], values[n_norms:]
+            small = []
+            for i, j, c in spans:
+                small.append(rest[i] if j < 0 else c * sum(v * v for v in norms[i:j]))
+            if local_big:
+                return small, rest[len(rest) - n_caps :]
+            big = [0.0] * n_caps
+            for j, v in zip(owner, norms[n_factors:], strict=True):
+                big[j] += v * v
+            if summed:  # .grad is the sum of the samples' gradients: n times their mean
+                big = [v / (n * n) for v in big]
+            return small, big
+
+        return vector, combine
 
     def close(self) -> None:
         self.engine.unwatch()

@@ -5,19 +5,21 @@ from __future__ import annotations
 import math
 import warnings
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from nnstat.background.transfer import HostCopy, PinnedBuffers, start_copy
 from nnstat.capture.reduction import MeanLossProbe
 from nnstat.describe import as_float
 from nnstat.gradient_noise.ddp import DDPNoiseScaleState, register_noise_scale_hook
 from nnstat.gradient_noise.maths import check_batch_sizes, ratio_of_means, safe_ratio
-from nnstat.gradient_noise.persample import PerSampleNorms
+from nnstat.gradient_noise.persample import PerSampleNorms, StagedNorms
 
 Scalar = float | torch.Tensor
 _TOTAL = ""  # key of the whole-model statistics; layers use their names
@@ -94,11 +96,11 @@ class _TrackedBatch:
         if exc_type is not None:
             self.capture.abort()
             return
-        names, small, big, n = self.capture.end()
+        staged = self.capture.end_staged()
         if self.probe is not None:
             self.tracker._checked.add(self.loss_reduction)
-            _warn_mismatch(self.probe, self.loss_reduction, n)
-        self.tracker._add_captured(names, small, big, n)
+            _warn_mismatch(self.probe, self.loss_reduction, staged.n)
+        self.tracker._queue(staged)
 
 
 def _warn_mismatch(probe: MeanLossProbe, loss_reduction: str, n: int) -> None:
@@ -121,6 +123,43 @@ def _warn_mismatch(probe: MeanLossProbe, loss_reduction: str, n: int) -> None:
     )
 
 
+@dataclass(eq=False)
+class _InFlight:
+    """A captured batch whose norms are on their way to the host."""
+
+    staged: StagedNorms
+    copy: HostCopy
+    number: int  # its position among the updates (1 = first)
+    snapshots: list[_Snapshot] = field(default_factory=list)
+
+
+class _Snapshot(Mapping[str, float]):
+    """`NoiseScale.to_dict` as of a given update, filled in when that update arrives (a
+    provider's value at ``tracker.step()``, read when the Tracker delivers that step)."""
+
+    def __init__(self, owner: NoiseScale, entry: _InFlight) -> None:
+        self._owner, self._entry = owner, entry
+        self._data: dict[str, float] | None = None
+
+    def _resolve(self) -> dict[str, float]:
+        if self._data is None and self._entry in self._owner._inflight:
+            self._owner._arrived(wait=True, upto=self._entry)
+        if self._data is None:
+            raise RuntimeError(
+                f"noise-scale update {self._entry.number} failed (raised before): no value"
+            )
+        return self._data
+
+    def __getitem__(self, key: str) -> float:
+        return self._resolve()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._resolve())
+
+    def __len__(self) -> int:
+        return len(self._resolve())
+
+
 class NoiseScale:
     """Streaming gradient noise scale ``B_simple = tr(Sigma) / |G|^2`` for every training step.
 
@@ -133,6 +172,13 @@ class NoiseScale:
     Feeds: ``update`` (norms you computed), ``update_grads`` (two gradient dicts), ``watch`` +
     ``batch()`` (per-sample norms from the capture engine: ``b_small = 1``), or
     ``register_ddp`` (local vs all-reduced gradient under DDP).
+
+    On a GPU ``batch()`` reads nothing back: its norms start for the host in one non-blocking
+    copy (`nnstat.background.transfer`) and join the averages once they have arrived (checked
+    at the next ``batch()``, without waiting). Reading a value (``value``, ``to_dict()``,
+    ``n_updates``, ...) waits for every batch so far; a batch's NaN/Inf error is raised there
+    or at a later ``batch()``. ``as_provider()`` gives a Tracker each step's values without
+    waiting: they are filled in when the Tracker delivers that step.
 
     Example:
         >>> gns = NoiseScale(beta=0.9)
@@ -155,8 +201,11 @@ class NoiseScale:
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"beta must be in [0, 1), got {beta}")
         self.beta, self.window, self.prefix = beta, window, prefix
-        self.n_updates = 0
+        self._n_updates = 0
         self._stats: dict[str, _Average] = {}
+        self._inflight: deque[_InFlight] = deque()  # captured batches on their way (GPU)
+        self._queued = 0  # captured batches queued so far (numbers them)
+        self._buffers = PinnedBuffers()
         self._capture: PerSampleNorms | None = None
         self._compiled = False  # the watched model is torch.compile'd: no function mode inside
         self._checked: set[str] = set()  # loss reductions a probe checked since watch()
@@ -175,6 +224,7 @@ class NoiseScale:
         track every layer; the model total is then the sum over the layers.
         """
         check_batch_sizes(b_small, b_big)
+        self._arrived(wait=True)  # captured batches first: the averages keep their order
         if isinstance(g_small_sq, Mapping) != isinstance(g_big_sq, Mapping):
             raise TypeError("g_small_sq and g_big_sq must both be scalars or both be dicts")
         if isinstance(g_small_sq, Mapping):
@@ -215,7 +265,7 @@ class NoiseScale:
             if avg is None:
                 avg = self._stats[k] = _Average(self.beta, self.window)
             avg.add((s - b) * c_t, (b_big * b - b_small * s) * c_g)
-        self.n_updates += 1
+        self._n_updates += 1
 
     def update_grads(
         self,
@@ -290,6 +340,34 @@ class NoiseScale:
         big.append(sum(big))
         self._add([*names, _TOTAL], small, big, 1, n)
 
+    def _queue(self, staged: StagedNorms) -> None:
+        """A captured batch: its one copy to the host starts now, it joins the averages once
+        it has arrived (at once on CPU)."""
+        self._queued += 1
+        copy = start_copy([staged.values], self._buffers)
+        self._inflight.append(_InFlight(staged, copy, self._queued))
+        self._arrived(wait=False)
+
+    def _arrived(self, wait: bool, upto: _InFlight | None = None) -> None:
+        """Add the captured batches that have reached the host, in order; with `wait` every
+        one (up to `upto` when given), waiting for its copy."""
+        while self._inflight:
+            entry = self._inflight[0]
+            if not wait and not entry.copy.done():
+                break
+            self._inflight.popleft()
+            (values,) = entry.copy.wait()
+            try:
+                self._add_captured(*entry.staged.resolve(values.tolist()))
+            except BaseException as e:
+                if hasattr(e, "add_note"):
+                    e.add_note(f"(noise-scale batch {entry.number}, read after its batch())")
+                raise
+            for snapshot in entry.snapshots:
+                snapshot._data = self._to_dict()
+            if entry is upto:
+                break
+
     def unwatch(self) -> None:
         """Remove the capture hooks (the model is left exactly as before ``watch``)."""
         if self._capture is not None:
@@ -317,62 +395,97 @@ class NoiseScale:
         return register_noise_scale_hook(ddp_model, self, local_batch_size, process_group)
 
     # ----------------------------------------------------------------- reading
+    @property
+    def n_updates(self) -> int:
+        """Observations averaged so far (waits for captured batches on their way)."""
+        self._arrived(wait=True)
+        return self._n_updates
+
     def _means(self, key: str = _TOTAL) -> tuple[float, float]:
         if key not in self._stats:
             return math.nan, math.nan
         return self._stats[key].means()
 
-    @property
-    def value(self) -> float:
-        """``B_simple`` (``nan`` before the first update, ``inf`` while ``|G|^2 <= 0``)."""
+    def _value(self) -> float:
         trace, g_sq = self._means()
         return math.nan if math.isnan(g_sq) else safe_ratio(trace, g_sq)
 
     @property
+    def value(self) -> float:
+        """``B_simple`` (``nan`` before the first update, ``inf`` while ``|G|^2 <= 0``)."""
+        self._arrived(wait=True)
+        return self._value()
+
+    @property
     def grad_sq_norm(self) -> float:
         """Averaged unbiased estimate of ``|G|^2``."""
+        self._arrived(wait=True)
         return self._means()[1]
 
     @property
     def trace_sigma(self) -> float:
         """Averaged unbiased estimate of ``tr(Sigma)``."""
+        self._arrived(wait=True)
         return self._means()[0]
+
+    def _layer_values(self) -> dict[str, float]:
+        return {k: safe_ratio(*self._means(k)) for k in self._stats if k != _TOTAL}
 
     def layer_values(self) -> dict[str, float]:
         """``B_simple`` per layer (only when updates carried per-layer dicts)."""
-        return {k: safe_ratio(*self._means(k)) for k in self._stats if k != _TOTAL}
+        self._arrived(wait=True)
+        return self._layer_values()
 
-    @property
-    def interval(self) -> tuple[float, float]:
-        """95% bootstrap interval of ``value`` over the window (``nan`` in EMA mode)."""
+    def _interval(self) -> tuple[float, float]:
         avg = self._stats.get(_TOTAL)
         if avg is None or avg.window is None or len(avg.nums) < 2:
             return math.nan, math.nan
         stats = ratio_of_means(np.asarray(avg.nums), np.asarray(avg.dens), n_boot=200)
         return stats.interval
 
+    @property
+    def interval(self) -> tuple[float, float]:
+        """95% bootstrap interval of ``value`` over the window (``nan`` in EMA mode)."""
+        self._arrived(wait=True)
+        return self._interval()
+
     def layer_estimates(self) -> dict[str, tuple[float, float]]:
         """Averaged ``(grad_sq_norm, trace_sigma)`` per layer."""
+        self._arrived(wait=True)
         return {k: self._means(k)[::-1] for k in self._stats if k != _TOTAL}
+
+    def _to_dict(self) -> dict[str, float]:
+        p = self.prefix
+        trace, g_sq = self._means()
+        out = {f"{p}/b_simple": self._value(), f"{p}/grad_sq_norm": g_sq, f"{p}/trace_sigma": trace}
+        if self.window is not None:
+            out[f"{p}/low"], out[f"{p}/high"] = self._interval()
+        for k, v in self._layer_values().items():
+            out[f"{p}/{k}/b_simple"] = v
+        return out
 
     def to_dict(self) -> dict[str, float]:
         """Flat metrics: ``noise_scale/b_simple``, ``noise_scale/grad_sq_norm``,
         ``noise_scale/<layer>/b_simple``, ..."""
-        p = self.prefix
-        out = {
-            f"{p}/b_simple": self.value,
-            f"{p}/grad_sq_norm": self.grad_sq_norm,
-            f"{p}/trace_sigma": self.trace_sigma,
-        }
-        if self.window is not None:
-            out[f"{p}/low"], out[f"{p}/high"] = self.interval
-        for k, v in self.layer_values().items():
-            out[f"{p}/{k}/b_simple"] = v
-        return out
+        self._arrived(wait=True)
+        return self._to_dict()
 
-    def as_provider(self) -> Callable[[], dict[str, float]]:
-        """A callable returning :meth:`to_dict`, for ``Tracker.add_provider``."""
-        return self.to_dict
+    def _provide(self) -> Mapping[str, float]:
+        if not self._inflight:
+            return self._to_dict()
+        # the values as of the last batch, filled in when it arrives (no wait here)
+        snapshot = _Snapshot(self, self._inflight[-1])
+        self._inflight[-1].snapshots.append(snapshot)
+        return snapshot
+
+    def as_provider(self) -> Callable[[], Mapping[str, float]]:
+        """A callable returning :meth:`to_dict`'s values, for ``Tracker.add_provider``.
+
+        It does not wait for batches still on their way from a GPU: it returns a mapping that
+        fills in (with the values as of that call) when first read, e.g. when the Tracker
+        hands that step to its sinks.
+        """
+        return self._provide
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -381,7 +494,7 @@ class NoiseScale:
             "version": 1,
             "beta": self.beta,
             "window": self.window,
-            "n_updates": self.n_updates,
+            "n_updates": self.n_updates,  # waits for batches on their way
             "stats": {k: v.state() for k, v in self._stats.items()},
         }
 
@@ -405,4 +518,5 @@ class NoiseScale:
             avg.load(v)
             stats[k] = avg
         self._stats = stats
-        self.n_updates = int(state["n_updates"])
+        self._arrived(wait=True)  # batches captured before are overwritten, not left to land
+        self._n_updates = int(state["n_updates"])

@@ -86,6 +86,12 @@ class BackgroundSteps:
             and not any_dtensor(self.params)
         )
 
+    def _split_ok(self, on_cpu: bool) -> bool:
+        """Whether the synchronous CPU statistics run on two threads at once (this one and the
+        worker): with two or more torch threads training keeps both cores busy, so the
+        statistics cannot hide behind it; split, they take about half the wall time."""
+        return on_cpu and torch.get_num_threads() >= 2 and not self._fsdp1
+
     def _grads_reused(self, plan: StepPlan) -> bool:
         """Whether a gradient shares storage with the previous logged step's (written in place:
         ``zero_grad(set_to_none=False)``, DDP bucket views, accumulation), or no history yet."""
@@ -213,14 +219,7 @@ class BackgroundSteps:
         self._deliver(metrics, pending.step, pending.handle)
 
     def _drop_torn(self, metrics: dict[str, Any], pending: _Pending) -> None:
-        prefixes = []
-        for group, name in pending.conflicts:
-            prefixes.append(f"{group}/{name}/")
-            if group == "weight":
-                prefixes += [f"update/{name}/", f"trust_ratio/{name}", f"update_ratio/{name}"]
-        for key in [k for k in metrics if k.startswith(tuple(prefixes))]:
-            del metrics[key]
-        labels = [f"{g}/{n}" for g, n in pending.conflicts]
+        labels = drop_keys(metrics, pending.conflicts)
         warnings.warn(
             f"Tracker: {labels[:5]}{' ...' if len(labels) > 5 else ''} changed in place while "
             f"the background thread read them (after tracker.step()); their statistics of step {pending.step} are skipped (those "
@@ -230,12 +229,69 @@ class BackgroundSteps:
         )
 
 
-class StepMetrics(Mapping[str, Any]):
-    """The metrics of a step whose statistics run in the background.
+def drop_keys(metrics: dict[str, Any], torn: list[tuple[str, str]]) -> list[str]:
+    """Delete the metrics of each torn ``(group, layer)`` (a torn weight or update takes the
+    layer's ratios along, a weight its update too); returns their ``"group/layer"`` labels."""
+    prefixes = []
+    for group, name in torn:
+        prefixes.append(f"{group}/{name}/")
+        if group in ("weight", "update"):
+            prefixes += [f"trust_ratio/{name}", f"update_ratio/{name}"]
+        if group == "weight":
+            prefixes.append(f"update/{name}/")
+    for key in [k for k in metrics if k.startswith(tuple(prefixes))]:
+        del metrics[key]
+    return [f"{g}/{n}" for g, n in torn]
 
-    A read-only mapping: the first read waits for the worker (and hands the step to the sinks
-    if that has not happened yet), so reading it every step gives up the overlap: log through
-    sinks to keep it. ``dict(m)`` or ``m.copy()`` gives a plain dict, e.g. for ``json.dump``.
+
+def task_costs(plan: StepPlan, todo: list[tuple[str, Any]]) -> list[float]:
+    """Relative cost of each task of `todo`: the elements it reads (a weight/update task reads
+    the weights and their snapshot)."""
+    numel = {f"group:{g}": float(sum(t.numel() for t in ts)) for g, _, ts in plan.groups}
+    weights = float(sum(t.numel() for t in plan.weights or ()))
+    return [numel[k] if k in numel else 2.0 * weights for k, _ in todo]
+
+
+def split_run(todo: list[tuple[str, Any]], costs: list[float]) -> dict[str, Any]:
+    """Run independent tasks on this thread and on the statistics worker at once; returns
+    ``{key: fn()}`` once both are done (each task runs whole on one thread: the same numbers
+    as running them in order).
+
+    The tasks are split by `costs` (longest first onto the less loaded side); the worker's share
+    is submitted first, so both sides start at once.
+
+    Example:
+        >>> split_run([("a", lambda: 1), ("b", lambda: 2)], [1.0, 1.0])
+        {'a': 1, 'b': 2}
+    """
+    order = sorted(range(len(todo)), key=lambda i: -costs[i])
+    mine: list[int] = []
+    theirs: list[int] = []
+    load = [0.0, 0.0]
+    for i in order:
+        side = 0 if load[0] <= load[1] else 1
+        (mine if side == 0 else theirs).append(i)
+        load[side] += costs[i]
+    job = submit(lambda: {todo[i][0]: todo[i][1]() for i in theirs}) if theirs else None
+    out: dict[str, Any] = {}
+    try:
+        for i in mine:
+            out[todo[i][0]] = todo[i][1]()
+    finally:
+        if job is not None:
+            job.wait()  # never leave the worker reading tensors the caller goes on to change
+    if job is not None:
+        out.update(job.result())
+    return {k: out[k] for k, _ in todo}
+
+
+class StepMetrics(Mapping[str, Any]):
+    """The metrics of a step whose statistics are still on their way: reduced by the background
+    worker (CPU), or copied from the accelerator without waiting (`nnstat.tracker.delivery`).
+
+    A read-only mapping: the first read waits for them (and hands the step to the sinks if
+    that has not happened yet), so reading it every step gives up the overlap (on a GPU: makes
+    the host wait for the device every step): log through sinks to keep it. ``dict(m)`` or ``m.copy()`` gives a plain dict, e.g. for ``json.dump``.
 
     Example:
         >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -245,19 +301,17 @@ class StepMetrics(Mapping[str, Any]):
         ['weight/bias/l2', 'weight/weight/l2']
     """
 
-    def __init__(self, tracker: BackgroundSteps, step: int) -> None:
+    def __init__(self, tracker: Any, step: int) -> None:
         self._tracker = tracker
         self.step = step
         self._data: dict[str, Any] | None = None
+        self._missing = f"the statistics of step {step} failed (raised before)"
 
     def _resolve(self) -> dict[str, Any]:
         if self._data is None:
-            pending = self._tracker._pending
-            if pending is not None and pending.handle is self:
-                self._tracker._finish_pending()
-                self._tracker._raise_sink_errors()  # the sinks just got this step: their errors
+            self._tracker._settle(self)  # waits for this step, hands it to the sinks
             if self._data is None:
-                raise RuntimeError(f"the statistics of step {self.step} failed (raised before)")
+                raise RuntimeError(self._missing)
         return self._data
 
     def __getitem__(self, key: str) -> Any:
@@ -315,6 +369,7 @@ def _forget_pending() -> None:
     # and they belong to the parent, which delivers them (the child's sinks must not repeat them)
     for tracker in list(_PENDING):
         tracker._pending = None
+        tracker._inflight.clear()  # device copies: the child has no CUDA context of its own
     _PENDING.clear()
 
 

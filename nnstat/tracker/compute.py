@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from nnstat.background.transfer import flatten_parts, split_parts
 from nnstat.describe import Workspace, summarize
 from nnstat.describe.fused import FUSED_STATS, light_columns, weight_update_norms
 from nnstat.describe.histogram import (
@@ -40,7 +41,15 @@ from nnstat.describe.segments import HistSpec, segment_tables
 from nnstat.describe.summary import pair_tables, repair_table
 from nnstat.distributed import local_tensor
 
-__all__ = ["StepPlan", "tasks", "assemble", "device_results", "stage", "finish"]
+__all__ = [
+    "StepPlan",
+    "tasks",
+    "assemble",
+    "device_results",
+    "stage",
+    "finish",
+    "to_host",
+]
 
 Task = tuple[str, Callable[[], Any]]
 
@@ -255,15 +264,11 @@ def stage(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> Sta
 
 
 def to_host(parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`parts` on the host with ONE device-to-host transfer (float64, shapes kept)."""
+    """`parts` on the host with ONE device-to-host transfer (float64, shapes kept); it waits
+    for the device (`nnstat.tracker.delivery` starts the same copy without waiting)."""
     if not parts:
         return []
-    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in parts]).cpu()
-    out, start = [], 0
-    for t in parts:
-        out.append(flat[start : start + t.numel()].view(t.shape))
-        start += t.numel()
-    return out
+    return split_parts(flatten_parts(parts).cpu(), [t.shape for t in parts])
 
 
 def finish(plan: StepPlan, st: Staged, host: list[torch.Tensor]) -> dict[str, Any]:

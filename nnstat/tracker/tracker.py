@@ -2,10 +2,12 @@
 
 Each logged step reduces every tracked tensor (fused blocked passes, `nnstat.tracker.compute`;
 on accelerators everything stays queued on the device until ONE host transfer per step, on CPU
-each group's table is read as it is done), derives trust ratios from the same norms, adds the metrics of
-registered providers, and hands one flat dict to every sink. On CPU the reductions of step ``t``
-run by default on a background thread (`nnstat.background`) while step ``t + 1`` trains; the
-optimizer's step pre-hook waits for them before the weights change.
+each group's table is read as it is done), derives trust ratios from the same norms, adds the
+metrics of registered providers, and hands one flat dict to every sink. On CPU the reductions
+of step ``t`` run by default on a background thread (`nnstat.background`) while step ``t + 1``
+trains; the optimizer's step pre-hook waits for them before the weights change. On a GPU the
+transfer does not wait (`nnstat.tracker.delivery`): sinks get step ``t`` once it has arrived,
+one or more steps later; ``flush()``/``close()`` deliver everything.
 
 Example:
     >>> import torch, nnstat
@@ -25,12 +27,14 @@ import sys
 import traceback
 import warnings
 import weakref
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
+from nnstat.background.transfer import PinnedBuffers
 from nnstat.describe import DEFAULT_STATS, Workspace, cpu_single_thread, validate_stats
 from nnstat.describe.fused import FUSED_STATS
 from nnstat.describe.histogram import DEFAULT_MAX_ELEMENTS
@@ -43,8 +47,16 @@ from nnstat.distributed import (
     local_tensor,
 )
 from nnstat.netdict import select_names
-from nnstat.tracker.background import BackgroundSteps, StepMetrics, _hook_target, _Pending
+from nnstat.tracker.background import (
+    BackgroundSteps,
+    StepMetrics,
+    _hook_target,
+    _Pending,
+    split_run,
+    task_costs,
+)
 from nnstat.tracker.compute import StepPlan, assemble, device_results, tasks
+from nnstat.tracker.delivery import DeferredSteps, _InFlight
 
 __all__ = ["Tracker", "Sink", "GROUPS", "StepMetrics"]
 
@@ -67,7 +79,7 @@ def _as_log(sink: Any) -> Callable[[dict[str, Any], int], None]:
     raise TypeError(f"a sink needs a log(metrics, step) method or must be callable, got {sink!r}")
 
 
-class Tracker(BackgroundSteps):
+class Tracker(BackgroundSteps, DeferredSteps):
     """Log statistics of a model (and its optimizer) every `every` calls of `step`.
 
     Call `step()` once per training iteration, after ``optimizer.step()``. Metric keys:
@@ -82,7 +94,7 @@ class Tracker(BackgroundSteps):
     statistics the fused pass rewrites it block by block while it reads the weights).
     On CPU the statistic passes run on one intra-op thread (`nnstat.describe.cpu_single_thread`).
 
-    ``background`` (CPU only): ``True`` reduces step ``t`` on a worker thread while step
+    ``background`` on CPU: ``True`` reduces step ``t`` on a worker thread while step
     ``t + 1`` trains (`nnstat.tracker.background`: the optimizer's step pre-hook waits for it,
     in-place gradients are read synchronously, a version check guards the rest); ``False`` is
     synchronous; ``None`` (default) picks background when training runs on one torch thread,
@@ -90,7 +102,10 @@ class Tracker(BackgroundSteps):
     with OpenMP for the cores, measured slower). The numbers are bit-identical either way. In
     background mode `step` returns a `StepMetrics` mapping that waits on first read, sinks get
     step ``t`` at the next `step`/`flush`/`close` (or exit), and step ``t``'s gradients stay
-    referenced until the next optimizer step.
+    referenced until the next optimizer step. On a GPU ``None``/``True`` deliver without a
+    host synchronisation inside `step` (a `StepMetrics` again; sinks get step ``t`` once its
+    copy has arrived, polled at later steps; `nnstat.tracker.delivery`), ``False`` reads each
+    step back inside `step`.
 
     Guards against silent misuse: an optimizer that holds none of the tracked trainable
     parameters raises (some of them: a warning naming the others); a `step` with no
@@ -159,6 +174,8 @@ class Tracker(BackgroundSteps):
         self.background = background
         self._sync_only = False
         self._pending: _Pending | None = None
+        self._inflight: deque[_InFlight] = deque()
+        self._buffers = PinnedBuffers()
         self._hook: Any = None
         self._grad_storages: list[weakref.ref] | None = None
         self.groups = (
@@ -332,6 +349,7 @@ class Tracker(BackgroundSteps):
         step = call if step is None else step
         stepped = self._optimizer_stepped(call)
         self._finish_pending()
+        self._arrived(wait=False)  # device steps whose copy has arrived (polled, no wait)
         try:
             return self._step(call, step, stepped)
         finally:
@@ -375,18 +393,27 @@ class Tracker(BackgroundSteps):
                     [local_tensor(p.detach()) for p in self.params],
                 )
             return None
-        on_cpu = all(p.device.type == "cpu" for p in self.params)
+        on_cpu = _on_cpu(self.params)
         plan = self._plan(refresh)
         plan.skip_update = not stepped
+        if self._deferred_ok(on_cpu):
+            # providers first: their values are step t's (lazy ones resolve at delivery)
+            return self._defer(step, plan, self._workspaces, self._provided(merge=False))
+        # anything still on its way is delivered first: sinks get the steps in order
+        self._arrived(wait=True)
         todo = tasks(plan, self._workspaces)
-        background = self._background_ok(on_cpu)  # outside cpu_single_thread: reads threads
+        # outside cpu_single_thread: both read the thread count
+        background = self._background_ok(on_cpu)
+        split = not background and len(todo) > 1 and self._split_ok(on_cpu)
         with cpu_single_thread() if on_cpu else contextlib.nullcontext():
             if background:
                 handle = self._schedule(step, plan, todo)
+            elif split:
+                results = split_run(todo, task_costs(plan, todo))
             elif on_cpu or self._fsdp1 or any_dtensor(self.params):
                 results = {k: fn() for k, fn in todo}
             else:
-                # accelerators: every reduction queued on the device, one transfer per step
+                # accelerators, synchronous: every reduction queued on the device, one transfer
                 results = device_results(plan, self._workspaces)
         if background:
             # providers run while the worker reduces this step (their values are step t's)
@@ -397,16 +424,33 @@ class Tracker(BackgroundSteps):
         self._deliver(metrics, step)
         return metrics
 
-    def _provided(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+    def _deferred_ok(self, on_cpu: bool) -> bool:
+        """Whether this step goes to the host without waiting (accelerators, unless
+        ``background=False`` or a torn step made the Tracker synchronous)."""
+        return (
+            not on_cpu
+            and self.background is not False
+            and not self._sync_only
+            and not self._fsdp1
+            and not any_dtensor(self.params)
+        )
+
+    def _provided(self, merge: bool = True) -> Any:
+        """The providers' values: one dict, or (``merge=False``) their mappings as returned."""
+        out: list[Mapping[str, Any]] = []
         for provider in self._providers:
             extra = provider()
             if not isinstance(extra, Mapping):
                 raise TypeError(
                     f"provider {provider!r} returned {type(extra).__name__}, not a dict"
                 )
-            out.update(extra)
-        return out
+            out.append(extra)
+        if not merge:
+            return out
+        merged: dict[str, Any] = {}
+        for extra in out:
+            merged.update(extra)
+        return merged
 
     def _deliver(
         self, metrics: dict[str, Any], step: int, handle: StepMetrics | None = None
@@ -428,16 +472,27 @@ class Tracker(BackgroundSteps):
 
     @property
     def latest(self) -> Mapping[str, Any]:
-        """The metrics of the last logged step (waits for background statistics)."""
-        self._finish_pending()
-        self._raise_sink_errors()
+        """The metrics of the last logged step (waits for background statistics and device
+        copies)."""
+        self.flush()
         return self._latest
+
+    def _settle(self, handle: StepMetrics) -> None:
+        """Wait for the step of `handle` (a read of it) and hand it to the sinks."""
+        if self._pending is not None and self._pending.handle is handle:
+            self._finish_pending()
+        elif any(f.handle is handle for f in self._inflight):
+            self._arrived(wait=True, upto=handle)
+        else:
+            return
+        self._raise_sink_errors()  # the sinks just got this step: their errors
 
     # -- lifecycle ------------------------------------------------------------------------
     def flush(self) -> None:
-        """Wait for background statistics and hand them to the sinks (re-raises errors of the
-        statistics and of sinks, once every sink has had the step)."""
+        """Wait for background statistics and device copies and hand them to the sinks
+        (re-raises errors of the statistics and of sinks, once every sink has had the step)."""
         self._finish_pending()
+        self._arrived(wait=True)
         self._raise_sink_errors()
 
     def close(self) -> None:
@@ -471,6 +526,12 @@ class Tracker(BackgroundSteps):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _on_cpu(params: list[torch.Tensor]) -> bool:
+    """Whether the CPU path applies (numpy passes, background worker); else the accelerator
+    path (tests patch this to run the accelerator path on CPU tensors)."""
+    return all(p.device.type == "cpu" for p in params)
 
 
 def _check_owned(names: list[str], params: list[torch.Tensor], optimizer: Any) -> None:

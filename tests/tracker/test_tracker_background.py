@@ -279,6 +279,33 @@ def test_background_option_policy_and_errors():
         nnstat.Tracker(model, opt, background="yes")
 
 
+@pytest.mark.parametrize("kw", [{}, {"stats": None, "histograms": True, "bins": 8}])
+def test_two_threads_split_the_synchronous_statistics_with_the_worker(monkeypatch, kw):
+    """With two torch threads the synchronous statistics run on this thread and the worker at
+    once (both cores: training leaves none idle to hide them behind); the numbers are those of
+    the tasks run one after the other, bit for bit."""
+    import nnstat.tracker.background as background
+
+    submitted = []
+    real = background.submit
+    monkeypatch.setattr(background, "submit", lambda fn: submitted.append(1) or real(fn))
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        (m_a, o_a), (m_b, o_b) = setup(), setup()
+        split = nnstat.Tracker(m_a, o_a, background=False, **kw)
+        serial = nnstat.Tracker(m_b, o_b, background=False, **kw)
+        serial._split_ok = lambda on_cpu: False
+        for i in range(3):
+            train(m_a, o_a, i)
+            train(m_b, o_b, i)
+            a, b = split.step(), serial.step()
+            assert len(submitted) == i + 1 and isinstance(a, dict)
+            assert sorted(a) == sorted(b) and all(same(a[k], b[k]) for k in b)
+    finally:
+        torch.set_num_threads(n)
+
+
 class Wrapped(torch.optim.Optimizer):
     """Like accelerate's AcceleratedOptimizer: never runs Optimizer.__init__, delegates."""
 
