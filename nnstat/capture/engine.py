@@ -31,7 +31,8 @@ from nnstat.capture._build import (
     _Watched,
     first_tensor,
 )
-from nnstat.capture.broadcast import BroadcastGuard, BroadcastOutput, expand
+from nnstat.capture.ambiguous import check_rows
+from nnstat.capture.broadcast import BroadcastGuard, BroadcastOutput, add_guard, expand
 from nnstat.capture.capture import ModuleCapture
 
 __all__ = ["LOSS_REDUCTIONS", "CaptureConsumer", "CaptureEngine", "UnsupportedModuleError"]
@@ -348,31 +349,37 @@ class CaptureEngine:
         if self._left_out and w.name in self._left_out:
             return None
         x = inputs[0]
+        guard = replaced = None
         if isinstance(output, BroadcastOutput):
             # a shared output from upstream went through this module row by row
-            # (broadcast.py): its rows are per sample, so hook the plain expanded result
-            output = output._nnstat_expanded
+            # (broadcast.py): its rows are per sample, so hook the plain expanded result; a
+            # refused use later leaves this module out too
+            guard = self._guard(w, output._nnstat_guards[0])
+            replaced, output = add_guard(output, guard), output._nnstat_expanded
             if not output.requires_grad:
                 return None
             if isinstance(x, BroadcastOutput):
                 x = x._nnstat_expanded
         elif isinstance(x, BroadcastOutput):
             x = x._nnstat_orig  # the module computed with it unexpanded (a refused use)
-        replaced = None
         if not output.requires_grad:
             if not (ctx.outputs_require_grad and output.is_floating_point()):
                 return None
             # nothing upstream needs a gradient (frozen parameters, input without grad): start
             # the graph here; a non-leaf copy keeps downstream in-place ops (ReLU(inplace)) legal
             replaced = output = output.detach().requires_grad_().clone()
+        if guard is None and output.dim() and x.dim() and (x.shape[0] == 1 or not x.requires_grad):
+            # an input the batch may share (position ids): see _shared
+            shared = self._shared(w, x, output, ctx)
+            if shared is not None:
+                wrapped, x = shared
+                if isinstance(wrapped, BroadcastOutput):
+                    # the rest of the model reads the checked expansion; the hook sits on the
+                    # plain expanded tensor, where autograd delivers each sample's gradient
+                    replaced, output = wrapped, wrapped._nnstat_expanded
+                else:
+                    replaced = wrapped  # rows per sample, checked at their first uses
         x = x.detach()
-        if output.dim() and output.shape[0] == 1 and x.dim() and x.shape[0] == 1:
-            wrapped = self._expand_shared(w, output, ctx)
-            if wrapped is not None:
-                # the rest of the model reads the checked expansion; the hook sits on the plain
-                # expanded tensor, where autograd delivers each sample's output gradient
-                replaced, output = wrapped, wrapped._nnstat_expanded
-                x = x.expand(output.shape[0], *x.shape[1:])
         # the input travels in the closure, so a recomputed forward (activation checkpointing)
         # pairs with its own backward and a forward whose output never gets a gradient is dropped
         hook = partial(self._on_output_grad, module, x, ctx)
@@ -392,15 +399,59 @@ class CaptureEngine:
             target.register_hook(hook)
         return replaced
 
-    def _expand_shared(self, w: _Watched, output: torch.Tensor, ctx: _BatchContext) -> Any:
-        """A batch-1 output expanded to the block's batch (see broadcast.py), or None when
-        the batch is 1 or unknown (then flush() compares it with the other modules)."""
+    def _shared(
+        self, w: _Watched, x: torch.Tensor, output: torch.Tensor, ctx: _BatchContext
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(what the model reads instead of output, the input as rows per sample)`` for a
+        module whose input (without gradient) the batch may share, else None.
+
+        * ``[1, ...]`` (GPT-2's ``[1, T]`` position ids): the output is expanded to the batch;
+        * integer input whose dim 0 is not the batch size (nanoGPT's
+          ``pos(torch.arange(T))``, a ``[T, T]`` relative-position table): the output gets a
+          leading batch dimension (float data of another size stays an error of the block);
+        * integer input with dim 0 equal to the batch size but not the model's input (labels
+          ``[B]``, or ``[T]`` ids with ``T == B``): captured as rows per sample, and the output
+          is checked at its first uses (ambiguous.py).
+
+        Nothing happens when the block's number of samples is unknown (then flush() compares
+        modules), 1, or the model is being compiled.
+        """
+        n = x.shape[0]
         if ctx.samples is None and ctx.mask is None:
             return None  # the caller did not say how many samples the block holds
         batch, source = self._block_batch(ctx)
         if batch is None or batch <= 1 or torch.compiler.is_compiling():
             return None
-        return expand(output, BroadcastGuard(w.name, batch, source, self._leave_out))
+        if n == 1 and output.shape[0] == 1:
+            guard = BroadcastGuard(w.name, batch, source, self._leave_out)
+            return expand(output, guard), x.expand(batch, *x.shape[1:])
+        shape = tuple(x.shape)
+        if n != batch and output.shape[0] == n and not x.is_floating_point():
+            layout = (
+                f"its input {shape} has no batch dimension (dim 0 is {n}, not the block's "
+                f"{batch} samples: an input shared by the whole batch, e.g. position ids "
+                "torch.arange(T); or samples flattened to [B*T, ...] or laid out "
+                "sequence-first [T, B, ...], which nnstat cannot split into samples)"
+            )
+            guard = BroadcastGuard(w.name, batch, source, self._leave_out, layout)
+            return expand(output, guard, slot=False), x.unsqueeze(0).expand(batch, *shape)
+        if n == batch and not x.is_floating_point() and not self._is_model_input(x):
+            layout = f"its input {shape} has dim 0 equal to {n}"
+            guard = BroadcastGuard(w.name, batch, source, self._leave_out, layout)
+            return check_rows(output, guard), x
+        return None
+
+    def _guard(self, w: _Watched, upstream: BroadcastGuard) -> BroadcastGuard:
+        """A guard for ``w``, which computed row by row on an upstream module's expansion."""
+        layout = f"its input comes from {upstream.name!r}, which is shared by the batch"
+        return BroadcastGuard(w.name, upstream.batch, upstream.source, self._leave_out, layout)
+
+    def _is_model_input(self, x: torch.Tensor) -> bool:
+        """True when ``x`` is the watched model's first input tensor (or a same-shape view)."""
+        if self._root_call is None:
+            return False
+        t = first_tensor(*self._root_call)
+        return t is x or (t is not None and t.data_ptr() == x.data_ptr() and t.shape == x.shape)
 
     def _block_batch(self, ctx: _BatchContext) -> tuple[int | None, str]:
         """The block's number of samples and where it came from."""
