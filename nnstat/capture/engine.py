@@ -20,7 +20,6 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from nnstat.capture import rules
 from nnstat.capture._build import (
     LOSS_REDUCTIONS,
     _BatchContext,
@@ -31,9 +30,9 @@ from nnstat.capture._build import (
     _Watched,
     first_tensor,
 )
-from nnstat.capture.ambiguous import check_rows
-from nnstat.capture.broadcast import BroadcastGuard, BroadcastOutput, add_guard, expand
+from nnstat.capture.broadcast import BroadcastOutput, add_guard
 from nnstat.capture.capture import ModuleCapture
+from nnstat.capture.layouts import LayoutHooks, _kind_of
 
 __all__ = ["LOSS_REDUCTIONS", "CaptureConsumer", "CaptureEngine", "UnsupportedModuleError"]
 
@@ -50,7 +49,7 @@ class CaptureConsumer(Protocol):
     def on_capture(self, cap: ModuleCapture) -> None: ...
 
 
-class CaptureEngine:
+class CaptureEngine(LayoutHooks):
     """Watch modules and stream per-sample quantities to consumers.
 
     Hooks do nothing outside :meth:`batch`, never change outputs, gradients or
@@ -90,6 +89,8 @@ class CaptureEngine:
         # when a module's output has batch size 1 (see broadcast.py); kept unread until then
         self._root_call: tuple[tuple, dict] | None = None
         self._left_out: dict[str, str] = {}
+        # nn.MultiheadAttention modules hooked for their own or their out_proj's rows
+        self._attention: set[nn.Module] = set()
 
     # ---------------------------------------------------------------- selection
     @property
@@ -127,14 +128,16 @@ class CaptureEngine:
 
         ``name_filter``: regex (``re.search``) or list of regexes on module names;
         ``type_filter``: module classes or class names. Modules without parameters of their own
-        are never selected. Without filters, unsupported modules that own parameters (e.g.
-        ``nn.MultiheadAttention`` and the ``out_proj`` inside it) are skipped with one warning;
-        with a filter, selecting one raises :class:`UnsupportedModuleError`.
+        are never selected. ``nn.MultiheadAttention`` is captured through the module itself:
+        its ``in_proj`` (kind ``"attention"``) and the ``out_proj`` inside it (see
+        ``nnstat/capture/attention.py``). Without filters, unsupported modules that own
+        parameters are skipped with one warning; with a filter, selecting one raises
+        :class:`UnsupportedModuleError`.
         """
         explicit = name_filter is not None or type_filter is not None
         names = _as_list(name_filter)
         types = _as_list(type_filter)
-        mha_prefixes = [n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)]
+        mha = {n: m for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
         selected: list[_Watched] = []
         unsupported: list[str] = []
         for name, module in model.named_modules():
@@ -144,19 +147,14 @@ class CaptureEngine:
                 continue
             if types and not any(_type_matches(module, t) for t in types):
                 continue
-            inside_mha = any(name.startswith(p + ".") for p in mha_prefixes if p != name)
-            kind = None if inside_mha else rules.detect_kind(module)
+            parent = next((m for p, m in mha.items() if name.startswith(p + ".")), None)
+            kind, why = _kind_of(module, parent)
             if kind is None:
-                why = (
-                    "it is inside nn.MultiheadAttention, which never calls out_proj.forward"
-                    if inside_mha
-                    else rules.unsupported_reason(module)
-                )
                 unsupported.append(f"{name or '<root>'} ({type(module).__name__}): {why}")
                 continue
             if module in self._watched:
                 continue
-            selected.append(_Watched(name or "model", module, kind))
+            selected.append(_Watched(name or "model", module, kind, via=parent))
         if unsupported:
             msg = "cannot capture per-sample gradients of: " + "; ".join(unsupported)
             if explicit:
@@ -167,6 +165,14 @@ class CaptureEngine:
             if w.name in taken:
                 raise ValueError(f"a module named {w.name!r} is already watched")
             self._watched[w.module] = w
+            if w.kind == "attention" or w.via is not None:
+                # attention: one hook on the module gives the rows of in_proj and out_proj
+                attn = w.via if w.via is not None else w.module
+                if attn not in self._attention:
+                    self._attention.add(attn)
+                    hook = partial(self._on_attention, attn)
+                    self._handles.append(attn.register_forward_hook(hook, with_kwargs=True))
+                continue
             self._handles.append(w.module.register_forward_hook(partial(self._on_forward, w)))
         if selected and not any(model is r for r in self._roots):
             self._roots.append(model)
@@ -181,6 +187,7 @@ class CaptureEngine:
             h.remove()
         self._handles.clear()
         self._watched.clear()
+        self._attention.clear()
         self._roots.clear()
         self._left_out.clear()
         self._root_call = None
@@ -399,85 +406,6 @@ class CaptureEngine:
             target.register_hook(hook)
         return replaced
 
-    def _shared(
-        self, w: _Watched, x: torch.Tensor, output: torch.Tensor, ctx: _BatchContext
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(what the model reads instead of output, the input as rows per sample)`` for a
-        module whose input (without gradient) the batch may share, else None.
-
-        * ``[1, ...]`` (GPT-2's ``[1, T]`` position ids): the output is expanded to the batch;
-        * integer input whose dim 0 is not the batch size (nanoGPT's
-          ``pos(torch.arange(T))``, a ``[T, T]`` relative-position table): the output gets a
-          leading batch dimension (float data of another size stays an error of the block);
-        * integer input with dim 0 equal to the batch size but not the model's input (labels
-          ``[B]``, or ``[T]`` ids with ``T == B``): captured as rows per sample, and the output
-          is checked at its first uses (ambiguous.py).
-
-        Nothing happens when the block's number of samples is unknown (then flush() compares
-        modules), 1, or the model is being compiled.
-        """
-        n = x.shape[0]
-        if ctx.samples is None and ctx.mask is None:
-            return None  # the caller did not say how many samples the block holds
-        batch, source = self._block_batch(ctx)
-        if batch is None or batch <= 1 or torch.compiler.is_compiling():
-            return None
-        if n == 1 and output.shape[0] == 1:
-            guard = BroadcastGuard(w.name, batch, source, self._leave_out)
-            return expand(output, guard), x.expand(batch, *x.shape[1:])
-        shape = tuple(x.shape)
-        if n != batch and output.shape[0] == n and not x.is_floating_point():
-            layout = (
-                f"its input {shape} has no batch dimension (dim 0 is {n}, not the block's "
-                f"{batch} samples: an input shared by the whole batch, e.g. position ids "
-                "torch.arange(T); or samples flattened to [B*T, ...] or laid out "
-                "sequence-first [T, B, ...], which nnstat cannot split into samples)"
-            )
-            guard = BroadcastGuard(w.name, batch, source, self._leave_out, layout)
-            return expand(output, guard, slot=False), x.unsqueeze(0).expand(batch, *shape)
-        if n == batch and not x.is_floating_point() and not self._is_model_input(x):
-            layout = f"its input {shape} has dim 0 equal to {n}"
-            guard = BroadcastGuard(w.name, batch, source, self._leave_out, layout)
-            return check_rows(output, guard), x
-        return None
-
-    def _guard(self, w: _Watched, upstream: BroadcastGuard) -> BroadcastGuard:
-        """A guard for ``w``, which computed row by row on an upstream module's expansion."""
-        layout = f"its input comes from {upstream.name!r}, which is shared by the batch"
-        return BroadcastGuard(w.name, upstream.batch, upstream.source, self._leave_out, layout)
-
-    def _is_model_input(self, x: torch.Tensor) -> bool:
-        """True when ``x`` is the watched model's first input tensor (or a same-shape view)."""
-        if self._root_call is None:
-            return False
-        t = first_tensor(*self._root_call)
-        return t is x or (t is not None and t.data_ptr() == x.data_ptr() and t.shape == x.shape)
-
-    def _block_batch(self, ctx: _BatchContext) -> tuple[int | None, str]:
-        """The block's number of samples and where it came from."""
-        if isinstance(ctx.samples, int):
-            return ctx.samples, "the block's samples"
-        if ctx.samples is None and ctx.mask is not None:
-            return int(ctx.mask.shape[0]), "the mask's first dimension"
-        if self._root_call is not None:
-            t = first_tensor(*self._root_call)
-            if t is not None and t.dim():
-                return int(t.shape[0]), f"dim 0 of the model's first input {tuple(t.shape)}"
-        return None, ""
-
-    def _leave_out(self, name: str, why: str) -> None:
-        """Stop capturing ``name`` (its per-sample gradients are undefined), warning once."""
-        if name in self._left_out:
-            return
-        self._left_out[name] = why
-        warnings.warn(
-            f"nnstat: not capturing {name!r}: {why}. It is left out (CaptureEngine.left_out); "
-            "the model computes exactly as without nnstat. To include it, give that input the "
-            "batch dimension (GPT-2 and similar: position_ids=torch.arange(T).expand(B, T)), "
-            "or watch with a name_filter that excludes it to silence this warning.",
-            stacklevel=3,
-        )
-
     def _on_output_grad(
         self, module: nn.Module, x: torch.Tensor, ctx: _BatchContext, grad: torch.Tensor
     ) -> None:
@@ -500,6 +428,8 @@ class CaptureEngine:
             self._flush_queued = False
         if not pending or not (self._consumers or self._backward_consumers):
             return
+        if self._attention:
+            self._attention_rows(pending)
         left_out = self._left_out
         caps = [
             _build_capture(w, pending[module])
@@ -514,32 +444,6 @@ class CaptureEngine:
                 consumer(cap)
         for batch_consumer in self._backward_consumers:
             batch_consumer(caps)
-
-    def _drop_unbroadcast(self, caps: list[ModuleCapture]) -> list[ModuleCapture]:
-        """Leave out modules that saw a batch of 1 where others saw more: an input shared by
-        the batch that could not be expanded (the batch size was unknown when it ran, or the
-        model is being compiled), whose gradient is the batch's sum, not a sample's."""
-        n = max(c.num_samples for c in caps)
-        if n <= 1 or all(c.num_samples == n for c in caps):
-            return caps
-        others = [c.name for c in caps if c.num_samples == n]
-        for c in caps:
-            if c.num_samples == 1:
-                self._leave_out(
-                    c.name,
-                    f"it saw a batch of 1 while {_names(others)} saw {n} (an input shared by "
-                    "the whole batch, e.g. position ids of shape [1, T]) and the batch size "
-                    "was not known when it ran (the watched model's first input tensor has no "
-                    "batch dimension, or the model was not called), or the model is "
-                    "compiled; its gradient is the batch's sum, not a sample's",
-                )
-        return [c for c in caps if c.num_samples != 1]
-
-
-def _names(names: list[str], limit: int = 4) -> str:
-    """``'a', 'b' and 3 more`` for messages."""
-    shown = ", ".join(repr(n) for n in names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _as_list(x: Any) -> list:
