@@ -35,6 +35,8 @@ class _Watched:
     kind: str
     # the nn.MultiheadAttention whose hook delivers this module's rows (its out_proj)
     via: nn.Module | None = None
+    # the module it shares its parameters with, whose capture takes its rows (tied.py)
+    tied_to: nn.Module | None = None
     # fixed per module, so computed once at watch time instead of per backward
     dims: tuple[int, int] = (0, 0)
     bias: bool = False

@@ -91,12 +91,15 @@ class CaptureEngine(LayoutHooks):
         self._left_out: dict[str, str] = {}
         # nn.MultiheadAttention modules hooked for their own or their out_proj's rows
         self._attention: set[nn.Module] = set()
+        # owner -> the other modules sharing its parameters (captured into the owner: tied.py)
+        self._tied: dict[nn.Module, list[nn.Module]] = {}
 
     # ---------------------------------------------------------------- selection
     @property
     def watched(self) -> dict[str, nn.Module]:
-        """Watched modules by name, in watch order."""
-        return {w.name: w.module for w in self._watched.values()}
+        """Watched modules by name, in watch order (a module that shares its parameters with
+        another one is watched under that one's name alone: see ``nnstat/capture/tied.py``)."""
+        return {w.name: w.module for w in self._watched.values() if w.tied_to is None}
 
     @property
     def left_out(self) -> dict[str, str]:
@@ -116,7 +119,7 @@ class CaptureEngine(LayoutHooks):
 
     def kinds(self) -> dict[str, str]:
         """Capture kind of each watched module by name."""
-        return {w.name: w.kind for w in self._watched.values()}
+        return {w.name: w.kind for w in self._watched.values() if w.tied_to is None}
 
     def watch(
         self,
@@ -155,6 +158,7 @@ class CaptureEngine(LayoutHooks):
             if module in self._watched:
                 continue
             selected.append(_Watched(name or "model", module, kind, via=parent))
+        selected = self._select_ties(model, selected, unsupported)
         if unsupported:
             msg = "cannot capture per-sample gradients of: " + "; ".join(unsupported)
             if explicit:
@@ -179,7 +183,7 @@ class CaptureEngine(LayoutHooks):
             self._handles.append(
                 model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)
             )
-        return [w.name for w in selected]
+        return [w.name for w in selected if w.tied_to is None]
 
     def unwatch(self) -> None:
         """Remove every hook and forget the watched modules and pending captures."""
@@ -188,6 +192,7 @@ class CaptureEngine(LayoutHooks):
         self._handles.clear()
         self._watched.clear()
         self._attention.clear()
+        self._tied.clear()
         self._roots.clear()
         self._left_out.clear()
         self._root_call = None
@@ -436,6 +441,8 @@ class CaptureEngine(LayoutHooks):
             for module, w in list(self._watched.items())
             if pending.get(module) and not (left_out and w.name in left_out)
         ]
+        if self._tied:
+            caps = self._merge_tied(caps)
         ctx = next(iter(pending.values()))[0][2]
         if caps and (ctx.samples is not None or ctx.mask is not None):
             caps = self._drop_unbroadcast(caps)

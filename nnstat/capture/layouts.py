@@ -7,6 +7,8 @@
   equals the batch size, checked at their first uses (ambiguous.py);
 * ``nn.MultiheadAttention``: one hook on the module gives the rows of ``in_proj`` and of the
   ``out_proj`` inside it (attention.py);
+* parameters shared by several modules (tied embeddings): captured once, under one module
+  (tied.py);
 * modules left out of capture, with the reason and the fix (:attr:`left_out`).
 
 Example:
@@ -33,6 +35,7 @@ from nnstat.capture.ambiguous import check_rows
 from nnstat.capture.attention import attention_call, attention_rows
 from nnstat.capture.broadcast import BroadcastGuard, expand
 from nnstat.capture.capture import ModuleCapture
+from nnstat.capture.tied import merge, owner_index, tie_groups, unsupported_tie
 
 __all__ = ["LayoutHooks"]
 
@@ -52,7 +55,71 @@ class LayoutHooks:
     _attention: set[nn.Module]
     _root_call: tuple[tuple, dict] | None
     _forward_consumers: list
+    _tied: dict[nn.Module, list[nn.Module]]
     _on_output_grad: Callable[..., None]  # CaptureEngine's: records one call's rows
+
+    def _select_ties(
+        self, model: nn.Module, selected: list[_Watched], unsupported: list[str]
+    ) -> list[_Watched]:
+        """``selected`` with every tie group it touches completed (tied.py): the group's
+        other modules are added as aliases of its owner, the owner is added when missing, and
+        a group that cannot be merged is reported in ``unsupported`` instead."""
+        groups = tie_groups(model)
+        if not groups:
+            return selected
+        order = {m: i for i, (_, m) in enumerate(model.named_modules())}
+        by_module = {w.module: w for w in selected}
+        out = list(selected)
+        for group in groups:
+            chosen = [by_module[m] for _, m in group if m in by_module]
+            if not chosen:
+                continue
+            reason = unsupported_tie(group)
+            if reason is not None:
+                for w in chosen:
+                    unsupported.append(f"{w.name} ({type(w.module).__name__}): {reason}")
+                    out.remove(w)
+                continue
+            k = owner_index([m for _, m in group])
+            owner = group[k][1]
+            for i, (name, m) in enumerate(group):
+                w = by_module.get(m) or self._watched.get(m)
+                if w is None:
+                    w = _Watched(name or "model", m, rules.detect_kind(m) or "")
+                    out.append(w)
+                w.tied_to = None if i == k else owner
+            self._tied[owner] = [m for i, (_, m) in enumerate(group) if i != k]
+        return sorted(out, key=lambda w: order.get(w.module, len(order)))
+
+    def _merge_tied(self, caps: list[ModuleCapture]) -> list[ModuleCapture]:
+        """Each tie group's captures merged into one capture of its owner (tied.py), in the
+        owner's place (watch order); a group with a member left out is left out."""
+        owner_of = {m: o for o, aliases in self._tied.items() for m in (o, *aliases)}
+        parts: dict[nn.Module, list[ModuleCapture]] = {}
+        for cap in caps:
+            owner = owner_of.get(cap.module)
+            if owner is not None:
+                parts.setdefault(owner, []).append(cap)
+        merged: dict[nn.Module, ModuleCapture] = {}
+        for owner, group in parts.items():
+            members = [self._watched[m] for m in (owner, *self._tied[owner])]
+            gone = [w.name for w in members if w.name in self._left_out]
+            if gone:
+                for w in members:
+                    why = f"it shares its parameters with {_names(gone)}, which is left out"
+                    self._leave_out(w.name, why)
+                continue
+            w = self._watched[owner]
+            merged[owner] = merge(w.name, w.module, w.kind, w.dims, group)
+        out = []
+        for cap in caps:
+            owner = owner_of.get(cap.module)
+            if owner is None:
+                out.append(cap)
+            elif owner in merged:
+                out.append(merged.pop(owner))  # first capture of the group
+        order = {m: i for i, m in enumerate(self._watched)}
+        return sorted(out, key=lambda c: order[owner_of.get(c.module, c.module)])
 
     def _on_attention(
         self, attn: nn.Module, module: nn.Module, args: tuple, kwargs: dict, output: Any
