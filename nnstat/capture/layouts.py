@@ -123,11 +123,11 @@ class LayoutHooks:
 
     def _on_attention(
         self, attn: nn.Module, module: nn.Module, args: tuple, kwargs: dict, output: Any
-    ) -> None:
+    ) -> Any:
         """Forward hook of an ``nn.MultiheadAttention``: keep its inputs for attention.py."""
         ctx = self._ctx
         if ctx is None:
-            return
+            return None
         out = output[0] if isinstance(output, tuple) else output
         w = self._watched.get(attn)
         if w is not None and self._forward_consumers:
@@ -135,14 +135,22 @@ class LayoutHooks:
             for fn in self._forward_consumers:
                 fn(w.name, attn, query, out)
         if not isinstance(out, torch.Tensor) or not torch.is_grad_enabled():
-            return
+            return None
         names = [
             v.name
             for v in (w, self._watched.get(attn.out_proj))
             if v is not None and v.name not in self._left_out
         ]
-        if not names or not out.requires_grad:
-            return
+        if not names:
+            return None
+        replaced = None
+        if not out.requires_grad:
+            if not (ctx.outputs_require_grad and out.is_floating_point()):
+                return None
+            # frozen parameters and an input without gradient (the store's param_grads=False
+            # pass): start the graph here, as _on_forward does for other modules
+            out = out.detach().requires_grad_().clone()
+            replaced = (out, *output[1:]) if isinstance(output, tuple) else out
         if attn.training and attn.dropout > 0:
             for n in names:
                 self._leave_out(
@@ -152,12 +160,13 @@ class LayoutHooks:
                     "gradients",
                     fix="construct it with dropout=0.0, or capture in model.eval()",
                 )
-            return
+            return None
         weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
         if isinstance(weights, torch.Tensor) and weights.requires_grad:
             weights.register_hook(partial(self._attention_weights_used, names))
         call = attention_call(attn, args, kwargs)
         out.register_hook(partial(self._on_output_grad, attn, call, ctx))
+        return replaced
 
     def _attention_weights_used(self, names: list[str], grad: torch.Tensor) -> None:
         for n in names:
@@ -197,6 +206,8 @@ class LayoutHooks:
         modules), 1, or the model is being compiled.
         """
         n = x.shape[0]
+        if n != 1 and x.is_floating_point():
+            return None  # float data: rows per sample (a [1, ...] float input may be shared)
         if ctx.samples is None and ctx.mask is None:
             return None  # the caller did not say how many samples the block holds
         batch, source = self._block_batch(ctx)
@@ -206,7 +217,7 @@ class LayoutHooks:
             guard = BroadcastGuard(w.name, batch, source, self._leave_out)
             return expand(output, guard), x.expand(batch, *x.shape[1:])
         shape = tuple(x.shape)
-        if n != batch and output.shape[0] == n and not x.is_floating_point():
+        if n != batch and output.shape[0] == n:
             layout = (
                 f"its input {shape} has no batch dimension (dim 0 is {n}, not the block's "
                 f"{batch} samples: an input shared by the whole batch, e.g. position ids "
@@ -215,7 +226,7 @@ class LayoutHooks:
             )
             guard = BroadcastGuard(w.name, batch, source, self._leave_out, layout)
             return expand(output, guard, slot=False), x.unsqueeze(0).expand(batch, *shape)
-        if n == batch and not x.is_floating_point() and not self._is_model_input(x):
+        if n == batch and not self._is_model_input(x):
             layout = f"its input {shape} has dim 0 equal to {n}"
             guard = BroadcastGuard(w.name, batch, source, self._leave_out, layout)
             return check_rows(output, guard), x

@@ -348,3 +348,36 @@ def test_multihead_attention_dropout_or_used_weights_are_refused_with_the_fix():
     names, caps, warned = capture(model, ids_of(3, 5))
     assert "attn" not in caps and "head" in caps
     assert any("second output" in w and "need_weights=False" in w for w in warned)
+
+
+def test_multihead_attention_with_frozen_parameters_on_the_model_input():
+    """The store's ``param_grads=False`` pass freezes the watched parameters; an attention
+    module fed the model's input (no gradient anywhere upstream, eval mode: torch's fused
+    path) still gets its rows through ``outputs_require_grad``."""
+
+    class First(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(D, H, batch_first=True)
+            self.head = nn.Linear(D, 3)
+
+        def forward(self, x):
+            return self.head(self.attn(x, x, x)[0]).sum(1)
+
+    torch.manual_seed(0)
+    model = First().double().eval()
+    x, y = torch.randn(4, 5, D, dtype=torch.float64), torch.randint(0, 3, (4,))
+
+    def one(p, xi, yi):
+        return F.cross_entropy(functional_call(model, p, (xi[None],)), yi[None], reduction="sum")
+
+    ref = vmap(grad(one), in_dims=(None, 0, 0))(dict(model.named_parameters()), x, y)
+    model.requires_grad_(False)
+    engine = CaptureEngine()
+    names = engine.watch(model)
+    caps: dict = {}
+    engine.add_consumer(lambda cap: caps.update({cap.name: cap}))
+    with engine.batch(outputs_require_grad=True):
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+    engine.unwatch()
+    assert_matches(caps, {k: v.detach() for k, v in ref.items()}, names)
