@@ -381,3 +381,31 @@ def test_multihead_attention_with_frozen_parameters_on_the_model_input():
         F.cross_entropy(model(x), y, reduction="sum").backward()
     engine.unwatch()
     assert_matches(caps, {k: v.detach() for k, v in ref.items()}, names)
+
+
+@pytest.mark.parametrize("layout", ["[T]", "ambiguous", "mha"])
+def test_layout_hooks_read_nothing_back_to_the_host(layout):
+    """Expanding a shared lookup, checking an ambiguous one, merging a tie and recomputing
+    attention add no host read to a step (on a GPU each would wait for the queue): the step
+    with nnstat reads exactly what the model alone reads."""
+    from _ledger import host_reads
+
+    torch.manual_seed(0)
+    if layout == "mha":
+        model, ids = MHAModel(batch_first=True), ids_of(3, 5)
+    else:
+        model, ids = NanoGPT("[T]", tied=True), ids_of(6 if layout == "ambiguous" else 4, 6)
+    alone: list[str] = []
+    with host_reads(alone):
+        lm_loss(model(ids), ids).backward()
+    engine = CaptureEngine()
+    engine.watch(model)
+    caps: list = []
+    engine.add_consumer(caps.append)
+    reads: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "ambiguous" leaves wpe out, with a warning
+        with host_reads(reads), engine.batch(samples="input"):
+            lm_loss(model(ids), ids).backward()
+    engine.unwatch()
+    assert caps and reads == alone
