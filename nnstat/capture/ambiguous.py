@@ -35,7 +35,7 @@ from nnstat.capture.broadcast import (
     _inserts_only,
 )
 
-__all__ = ["SampleRows", "check_rows"]
+__all__ = ["FIX", "SampleRows", "check_rows"]
 
 
 class SampleRows(torch.Tensor):
@@ -149,9 +149,13 @@ def _moved_axis(
 
 _AMBIGUOUS = (
     "{g.layout}, the batch size ({g.batch} samples, {g.source}), but the model broadcasts its "
-    "output over the batch (in {op!r}): its input is shared by the "
-    "whole batch ([T] position ids or a [T, T] relative-position table, with T equal to the "
-    "batch size), so its rows are not samples and nnstat cannot capture it from this layout. "
-    "Give the shared input a batch dimension of 1, e.g. self.pos(torch.arange(T)[None]), and "
-    "nnstat expands it to the batch"
+    "output over the batch (in {op!r}): its input is shared by the whole batch ([T] position "
+    "ids or a [T, T] relative-position table, with T equal to the batch size), so its rows "
+    "are not samples and nnstat cannot capture it from this layout"
+)
+
+#: how to include such a module (the engine's warning ends with it)
+FIX = (
+    "give the shared input a batch dimension of 1, self.pos(torch.arange(T)[None]) or "
+    "self.rel(buckets[None]), which nnstat expands to the batch"
 )

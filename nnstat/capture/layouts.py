@@ -31,6 +31,7 @@ from torch import nn
 
 from nnstat.capture import attention, rules
 from nnstat.capture._build import _BatchContext, _Watched, first_tensor
+from nnstat.capture.ambiguous import FIX as AMBIGUOUS_FIX
 from nnstat.capture.ambiguous import check_rows
 from nnstat.capture.attention import attention_call, attention_rows
 from nnstat.capture.broadcast import BroadcastGuard, expand
@@ -228,8 +229,8 @@ class LayoutHooks:
             return expand(output, guard, slot=False), x.unsqueeze(0).expand(batch, *shape)
         if n == batch and not self._is_model_input(x):
             layout = f"its input {shape} has dim 0 equal to {n}"
-            guard = BroadcastGuard(w.name, batch, source, self._leave_out, layout)
-            return check_rows(output, guard), x
+            refuse = partial(self._leave_out, fix=AMBIGUOUS_FIX)
+            return check_rows(output, BroadcastGuard(w.name, batch, source, refuse, layout)), x
         return None
 
     def _guard(self, w: _Watched, upstream: BroadcastGuard) -> BroadcastGuard:

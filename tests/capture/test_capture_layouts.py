@@ -409,3 +409,24 @@ def test_layout_hooks_read_nothing_back_to_the_host(layout):
             lm_loss(model(ids), ids).backward()
     engine.unwatch()
     assert caps and reads == alone
+
+
+def test_a_run_block_refuses_an_ambiguous_lookup_rather_than_storing_it(tmp_path):
+    """In the plain workflow the ``T == B`` lookup is not stored as zeros or as wrong rows:
+    the block is refused, naming the module and the layout."""
+    import nnstat
+
+    torch.manual_seed(0)
+    model = NanoGPT("[T]")
+    ids = ids_of(6, 6)
+    run = nnstat.init(project="ambiguous", root_dir=tmp_path)
+    nnstat.setup({"log": "grad", "save": "grad"})
+    nnstat.watch(model)
+    with pytest.warns(UserWarning, match="'wpe'"), pytest.raises(ValueError) as info:
+        with run(data_id=list(range(6))):
+            lm_loss(model(ids), ids).backward()
+    assert "'wpe'" in str(info.value) and "[T] position ids" in str(info.value)
+    run.unwatch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run.finalize()
