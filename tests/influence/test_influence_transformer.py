@@ -4,7 +4,8 @@
 The plain workflow (setup, watch, run blocks, finalize, query blocks) logs every module, and
 ``compute_influence_all`` equals a brute-force reference built from ``torch.func`` per-sample
 gradients in float64 (the ``raw`` preconditioner: each module's damped Fisher of the logged
-rows)."""
+rows). The tied weight is one module of the store and of its K-FAC statistics, whose factors
+count both of its uses."""
 
 from __future__ import annotations
 
@@ -71,6 +72,32 @@ def store_rows(model: nn.Module, ids: torch.Tensor, names: list[str]) -> dict:
     return {k: rows[k].reshape(n, -1) for k in names}
 
 
+def tied_kfac(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K-FAC factors of the tied weight (docs/capture.md: its two uses are positions of one
+    layer), in lm_head's orientation ``[V, D]``: ``A = (1/#positions) Σ a aᵀ`` over lm_head's
+    inputs and wte's output gradients, ``S = (1/N) Σ b bᵀ`` over the logits' gradients and
+    wte's one-hot tokens. Built from plain hooks on an unwatched forward."""
+    seen = {}
+    hooks = [
+        model.lm_head.register_forward_hook(lambda m, i, o: seen.update(h=i[0], logits=o)),
+        model.wte.register_forward_hook(lambda m, i, o: seen.update(emb=o)),
+    ]
+    logits = model(ids)
+    for h in hooks:
+        h.remove()
+    seen["logits"].retain_grad()
+    seen["emb"].retain_grad()
+    lm_loss(logits, ids).backward()
+    model.zero_grad()
+    h = seen["h"].detach().reshape(-1, D)
+    emb_grad = seen["emb"].grad.reshape(-1, D)
+    logit_grad = seen["logits"].grad.reshape(-1, V)
+    a = torch.cat([h, emb_grad])
+    counts = torch.bincount(ids.flatten(), minlength=V).double()
+    s = (logit_grad.T @ logit_grad + torch.diag(counts)) / len(ids)
+    return a.T @ a / len(a), s
+
+
 def test_nanogpt_store_influence_matches_torch_func(tmp_path):
     torch.manual_seed(0)
     model = TinyGPT().double()
@@ -78,7 +105,7 @@ def test_nanogpt_store_influence_matches_torch_func(tmp_path):
     train = torch.randint(0, V, (N_TRAIN, T), generator=gen)
     query = torch.randint(0, V, (3, T), generator=gen)
     run = nnstat.init(project="gpt", root_dir=tmp_path)
-    nnstat.setup({"log": "grad", "save": "grad"})
+    nnstat.setup({"log": "grad", "save": "grad", "statistic": "kfac"})
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing skipped, left out or stored as zeros
         names = nnstat.watch(model)
@@ -105,5 +132,18 @@ def test_nanogpt_store_influence_matches_torch_func(tmp_path):
         fisher = gt[m].T @ gt[m] / N_TRAIN
         eye = torch.eye(len(fisher), dtype=fisher.dtype)
         want += gq[m] @ torch.linalg.solve(fisher + DAMPING * eye, gt[m].T)
+    # the tied weight is one module of the store and of its statistics, never two
+    store = nnstat.GradientStore(tmp_path / "gpt")
+    assert [m["name"] for m in store.modules] == names
+    stats = store.statistics()
+    assert not any(k.startswith("wte/") for k in stats)
+    a_ref, s_ref = tied_kfac(model, train)
+    for got, want_f in (
+        (stats["lm_head/forward/covariance"], a_ref),
+        (stats["lm_head/backward/covariance"], s_ref),
+    ):
+        torch.testing.assert_close(
+            got.double(), want_f, rtol=0, atol=1e-5 * want_f.abs().max().item()
+        )
     scale = want.abs().max().item()
     torch.testing.assert_close(result.scores.double(), want, rtol=1e-3, atol=1e-4 * scale)
