@@ -128,8 +128,15 @@ def attention_rows(
     """``((x, [dQ, dK, dV]), (O, dY))``: the matrix-form rows of ``in_proj`` and of
     ``out_proj`` for one call, given ``grad``, the gradient of the module's output.
 
-    Computed in float64 for float64 inputs, else float32.
+    Computed in float64 for float64 inputs, else float32 (autocast off).
     """
+    with torch.autocast(grad.device.type, enabled=False):
+        return _rows(module, call, grad)
+
+
+def _rows(
+    module: nn.MultiheadAttention, call: AttentionCall, grad: torch.Tensor
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     dtype = torch.float64 if call.query.dtype == torch.float64 else torch.float32
     if call.unbatched:
         grad = grad.unsqueeze(0)

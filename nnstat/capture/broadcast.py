@@ -1,10 +1,13 @@
-"""Modules whose input is shared by the whole batch (GPT-2's position embedding sees ``[1, T]``).
+"""Modules whose input is shared by the whole batch (position embeddings).
 
-Autograd sums a broadcast tensor's gradient over the batch *before* it reaches the module that
-produced it, so that module's hooks only ever see the batch total. The engine therefore hands
-the rest of the model the module's ``[1, ...]`` output expanded to ``[B, ...]``: autograd then
-delivers the per-sample output gradient ``[B, ...]`` at the expansion, and with the input
-treated as shared by every sample the per-sample weight gradient of sample ``i`` is exact.
+GPT-2's position embedding sees ``[1, T]`` ids, nanoGPT's ``torch.arange(T)`` (``[T]``, no
+batch dimension), a T5-style relative bias a ``[T, T]`` table. Autograd sums a broadcast
+tensor's gradient over the batch *before* it reaches the module that produced it, so that
+module's hooks only ever see the batch total. The engine therefore hands the rest of the model
+the module's output expanded to ``[B, ...]`` (a ``[1, ...]`` output's dim 0 becomes the batch;
+an output without a batch dimension gets a leading one): autograd then delivers the per-sample
+output gradient ``[B, ...]`` at the expansion, and with the input treated as shared by every
+sample the per-sample weight gradient of sample ``i`` is exact.
 
 Expanding is only harmless where the model would have broadcast that output over the batch
 anyway. The expanded output is a :class:`BroadcastOutput`, a tensor subclass whose
@@ -14,8 +17,10 @@ anyway. The expanded output is a :class:`BroadcastOutput`, a tensor subclass who
   gives the very values the unexpanded output would have: the op runs and returns a plain
   tensor (from here on nothing differs from the model without nnstat);
 * an elementwise op without such a partner (a dtype cast, ``x * 0.5``, ``x + bias``, a
-  LayerNorm) keeps the result tracked (its unexpanded counterpart is computed beside it); a
-  watched module that returns such a result is captured per sample too;
+  LayerNorm), a reshape (``view``, ``unsqueeze``, ``x[None]``) or an axis permutation that keeps
+  the batch in front (``permute``, ``transpose``) keeps the result tracked (its unexpanded
+  counterpart is computed beside it); a watched module that returns such a result is captured
+  per sample too;
 * any other op (a sum over the batch, ``cat``, ``matmul``, indexing, dropout that draws a mask,
   an in-place write into it) runs on the **unexpanded** output, exactly as without nnstat, and
   the module is left out of capture (``on_refuse``): its expanded gradient would miss that use.
