@@ -35,7 +35,7 @@ from nnstat.capture.broadcast import (
     _inserts_only,
 )
 
-__all__ = ["FIX", "SampleRows", "check_rows"]
+__all__ = ["FIX", "SampleRows", "add_check_guard", "check_rows"]
 
 
 class SampleRows(torch.Tensor):
@@ -81,6 +81,18 @@ def check_rows(
     out._nnstat_axis = axis
     out._nnstat_guards = (*guards, guard)
     return out
+
+
+def add_check_guard(t: SampleRows, guard: BroadcastGuard) -> SampleRows:
+    """``t`` with one more guard: a watched module that computed it row by row from checked
+    rows is refused along with them.
+
+    Example:
+        >>> g = BroadcastGuard("m", 2, "the model input", lambda n, why: None)
+        >>> len(add_check_guard(check_rows(torch.zeros(2, 3), g), g)._nnstat_guards)
+        2
+    """
+    return _rewrap(t, t._nnstat_axis, (*t._nnstat_guards, guard))
 
 
 def _checked(args: tuple, kwargs: dict) -> list[SampleRows]:

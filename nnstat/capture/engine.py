@@ -30,6 +30,7 @@ from nnstat.capture._build import (
     _Watched,
     first_tensor,
 )
+from nnstat.capture.ambiguous import SampleRows, add_check_guard
 from nnstat.capture.broadcast import BroadcastOutput, add_guard
 from nnstat.capture.capture import ModuleCapture
 from nnstat.capture.layouts import LayoutHooks, _kind_of
@@ -374,6 +375,10 @@ class CaptureEngine(LayoutHooks):
                 x = x._nnstat_expanded
         elif isinstance(x, BroadcastOutput):
             x = x._nnstat_orig  # the module computed with it unexpanded (a refused use)
+        elif isinstance(output, SampleRows):
+            # computed row by row from rows under check (ambiguous.py): refused with them
+            guard = self._guard(w, output._nnstat_guards[0], checked=True)
+            replaced = add_check_guard(output, guard)
         if not output.requires_grad:
             if not (ctx.outputs_require_grad and output.is_floating_point()):
                 return None

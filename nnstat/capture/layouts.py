@@ -233,8 +233,15 @@ class LayoutHooks:
             return check_rows(output, BroadcastGuard(w.name, batch, source, refuse, layout)), x
         return None
 
-    def _guard(self, w: _Watched, upstream: BroadcastGuard) -> BroadcastGuard:
-        """A guard for ``w``, which computed row by row on an upstream module's expansion."""
+    def _guard(
+        self, w: _Watched, upstream: BroadcastGuard, checked: bool = False
+    ) -> BroadcastGuard:
+        """A guard for ``w``, which computed row by row on an upstream module's expansion
+        (broadcast.py) or, ``checked``, on its rows under check (ambiguous.py)."""
+        if checked:
+            layout = f"it computes row by row on the output of {upstream.name!r}; {upstream.layout}"
+            refuse = partial(self._leave_out, fix=AMBIGUOUS_FIX)
+            return BroadcastGuard(w.name, upstream.batch, upstream.source, refuse, layout)
         layout = f"its input comes from {upstream.name!r}, which is shared by the batch"
         return BroadcastGuard(w.name, upstream.batch, upstream.source, self._leave_out, layout)
 

@@ -430,3 +430,32 @@ def test_a_run_block_refuses_an_ambiguous_lookup_rather_than_storing_it(tmp_path
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         run.finalize()
+
+
+class PosNorm(nn.Module):
+    """A LayerNorm on the position embedding's output before it is added (row by row on a
+    shared table): it is as shared as the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos, self.norm = nn.Embedding(V, D), nn.Embedding(8, D), nn.LayerNorm(D)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(
+            torch.tanh(self.tok(ids) + self.norm(self.pos(torch.arange(ids.shape[1]))))
+        )
+
+
+def test_a_module_on_a_shared_lookup_is_captured_with_it_or_refused_with_it():
+    torch.manual_seed(0)
+    model = PosNorm().double()
+    ids = ids_of(3, 5)
+    names, caps, warned = capture(model, ids)
+    assert warned == [] and caps["norm"].num_samples == 3
+    assert_matches(caps, reference(model, ids), names)
+    ids = ids_of(5, 5)  # T == B: both the lookup and the LayerNorm on it are refused
+    names, caps, warned = capture(model, ids)
+    assert set(caps) == {"tok", "head"} and len(warned) == 2
+    assert "'norm'" in warned[1] and "'pos'" in warned[1] and "[None]" in warned[1]
+    assert_matches(caps, reference(model, ids), ["tok", "head"])
