@@ -33,7 +33,7 @@ from nnstat.capture._build import (
 from nnstat.capture.ambiguous import SampleRows, add_check_guard
 from nnstat.capture.broadcast import BroadcastOutput, add_guard
 from nnstat.capture.capture import ModuleCapture
-from nnstat.capture.layouts import LayoutHooks, _kind_of
+from nnstat.capture.layouts import LayoutHooks, _kind_of, sequence_first_layers
 
 __all__ = ["LOSS_REDUCTIONS", "CaptureConsumer", "CaptureEngine", "UnsupportedModuleError"]
 
@@ -142,6 +142,7 @@ class CaptureEngine(LayoutHooks):
         names = _as_list(name_filter)
         types = _as_list(type_filter)
         mha = {n: m for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
+        seq_first = sequence_first_layers(model)
         selected: list[_Watched] = []
         unsupported: list[str] = []
         for name, module in model.named_modules():
@@ -152,7 +153,8 @@ class CaptureEngine(LayoutHooks):
             if types and not any(_type_matches(module, t) for t in types):
                 continue
             parent = next((m for p, m in mha.items() if name.startswith(p + ".")), None)
-            kind, why = _kind_of(module, parent)
+            layer = next((p for p in seq_first if name.startswith(p + ".")), None)
+            kind, why = _kind_of(module, parent, layer)
             if kind is None:
                 unsupported.append(f"{name or '<root>'} ({type(module).__name__}): {why}")
                 continue

@@ -38,7 +38,7 @@ from nnstat.capture.broadcast import BroadcastGuard, expand
 from nnstat.capture.capture import ModuleCapture
 from nnstat.capture.tied import merge, owner_index, tie_groups, unsupported_tie
 
-__all__ = ["LayoutHooks"]
+__all__ = ["LayoutHooks", "sequence_first_layers"]
 
 
 class LayoutHooks:
@@ -309,9 +309,34 @@ def _names(names: list[str], limit: int = 4) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _kind_of(module: nn.Module, attn: nn.Module | None) -> tuple[str | None, str]:
+def sequence_first_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """torch's transformer layers built with ``batch_first=False`` (the default), by name:
+    their Linears and LayerNorms see ``[T, B, E]`` tensors, whose dim 0 is not the batch.
+
+    Example:
+        >>> list(sequence_first_layers(nn.Sequential(nn.TransformerEncoderLayer(4, 2))))
+        ['0']
+    """
+    kinds = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+    return {
+        n: m
+        for n, m in model.named_modules()
+        if isinstance(m, kinds) and not getattr(m.self_attn, "batch_first", True)
+    }
+
+
+def _kind_of(
+    module: nn.Module, attn: nn.Module | None, seq_first: str | None = None
+) -> tuple[str | None, str]:
     """``(capture kind or None, why not)``; ``attn``: the ``nn.MultiheadAttention`` that holds
-    ``module`` (its ``out_proj`` is captured through it, anything else inside it is not)."""
+    ``module`` (its ``out_proj`` is captured through it, anything else inside it is not);
+    ``seq_first``: the name of the sequence-first transformer layer that holds it."""
+    if seq_first is not None and attn is None and not isinstance(module, nn.MultiheadAttention):
+        return None, (
+            f"it is inside the transformer layer {seq_first!r}, built with batch_first=False: "
+            "its tensors are sequence-first ([T, B, E]) and nnstat needs the batch in dim 0 "
+            "(its attention is captured either way); build the layer with batch_first=True"
+        )
     if attn is None:
         kind = rules.detect_kind(module)
         return kind, "" if kind is not None else rules.unsupported_reason(module)

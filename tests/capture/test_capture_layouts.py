@@ -459,3 +459,41 @@ def test_a_module_on_a_shared_lookup_is_captured_with_it_or_refused_with_it():
     assert set(caps) == {"tok", "head"} and len(warned) == 2
     assert "'norm'" in warned[1] and "'pos'" in warned[1] and "[None]" in warned[1]
     assert_matches(caps, reference(model, ids), ["tok", "head"])
+
+
+class Encoder(nn.Module):
+    """``nn.TransformerEncoderLayer``: batch-first, or torch's default sequence-first."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.enc = nn.TransformerEncoderLayer(D, H, 16, dropout=0.0, batch_first=batch_first)
+        self.head = nn.Linear(D, V)
+        self.batch_first = batch_first
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        seq = (lambda z: z) if self.batch_first else (lambda z: z.transpose(0, 1))
+        return self.head(seq(self.enc(seq(self.emb(ids)))))
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_torch_transformer_layer_batch_first_or_sequence_first(batch_first):
+    """Batch-first: every module of the layer matches torch.func. Sequence-first: its Linears
+    and LayerNorms see [T, B, E] (wrong rows when T == B), so they are not watched and the
+    warning names the layer and batch_first=True; its attention is still captured."""
+    torch.manual_seed(0)
+    model = Encoder(batch_first).double()
+    ids = ids_of(5, 5)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        names = CaptureEngine().watch(model)
+    layer = {"enc.linear1", "enc.linear2", "enc.norm1", "enc.norm2"}
+    if batch_first:
+        assert layer <= set(names) and not seen
+    else:
+        assert not layer & set(names) and {"enc.self_attn", "enc.self_attn.out_proj"} <= set(names)
+        msg = str(seen[0].message)
+        assert "'enc'" in msg and "batch_first=False" in msg and "batch_first=True" in msg
+    names, caps, warned = capture(model, ids)
+    assert warned == []
+    assert_matches(caps, reference(model, ids), names)
