@@ -33,6 +33,10 @@ class _Watched:
     name: str
     module: nn.Module
     kind: str
+    # the nn.MultiheadAttention whose hook delivers this module's rows (its out_proj)
+    via: nn.Module | None = None
+    # the module it shares its parameters with, whose capture takes its rows (tied.py)
+    tied_to: nn.Module | None = None
     # fixed per module, so computed once at watch time instead of per backward
     dims: tuple[int, int] = (0, 0)
     bias: bool = False
@@ -40,7 +44,7 @@ class _Watched:
     def __post_init__(self) -> None:
         self.dims = rules.dims(self.kind, self.module)
         # the implicit ones column exists only for kinds with a matrix-form bias
-        self.bias = rules.has_bias(self.module) and self.kind in ("linear", "conv", "conv1d_hf")
+        self.bias = rules.has_bias(self.module) and self.kind in rules.BIAS_KINDS
 
 
 def _check_batch_args(batch_size: int | None, loss_reduction: str) -> None:
@@ -109,7 +113,7 @@ def _build_capture_general(
     return ModuleCapture(w.name, w.module, w.kind, a, b, positions, keep, w.dims, w.bias)
 
 
-_PLAIN_KINDS = ("linear", "conv1d_hf")
+_PLAIN_KINDS = rules.ROW_KINDS
 
 
 def _build_plain(

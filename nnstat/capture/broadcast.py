@@ -1,10 +1,13 @@
-"""Modules whose input is shared by the whole batch (GPT-2's position embedding sees ``[1, T]``).
+"""Modules whose input is shared by the whole batch (position embeddings).
 
-Autograd sums a broadcast tensor's gradient over the batch *before* it reaches the module that
-produced it, so that module's hooks only ever see the batch total. The engine therefore hands
-the rest of the model the module's ``[1, ...]`` output expanded to ``[B, ...]``: autograd then
-delivers the per-sample output gradient ``[B, ...]`` at the expansion, and with the input
-treated as shared by every sample the per-sample weight gradient of sample ``i`` is exact.
+GPT-2's position embedding sees ``[1, T]`` ids, nanoGPT's ``torch.arange(T)`` (``[T]``, no
+batch dimension), a T5-style relative bias a ``[T, T]`` table. Autograd sums a broadcast
+tensor's gradient over the batch *before* it reaches the module that produced it, so that
+module's hooks only ever see the batch total. The engine therefore hands the rest of the model
+the module's output expanded to ``[B, ...]`` (a ``[1, ...]`` output's dim 0 becomes the batch;
+an output without a batch dimension gets a leading one): autograd then delivers the per-sample
+output gradient ``[B, ...]`` at the expansion, and with the input treated as shared by every
+sample the per-sample weight gradient of sample ``i`` is exact.
 
 Expanding is only harmless where the model would have broadcast that output over the batch
 anyway. The expanded output is a :class:`BroadcastOutput`, a tensor subclass whose
@@ -14,8 +17,10 @@ anyway. The expanded output is a :class:`BroadcastOutput`, a tensor subclass who
   gives the very values the unexpanded output would have: the op runs and returns a plain
   tensor (from here on nothing differs from the model without nnstat);
 * an elementwise op without such a partner (a dtype cast, ``x * 0.5``, ``x + bias``, a
-  LayerNorm) keeps the result tracked (its unexpanded counterpart is computed beside it); a
-  watched module that returns such a result is captured per sample too;
+  LayerNorm), a reshape (``view``, ``unsqueeze``, ``x[None]``) or an axis permutation that keeps
+  the batch in front (``permute``, ``transpose``) keeps the result tracked (its unexpanded
+  counterpart is computed beside it); a watched module that returns such a result is captured
+  per sample too;
 * any other op (a sum over the batch, ``cat``, ``matmul``, indexing, dropout that draws a mask,
   an in-place write into it) runs on the **unexpanded** output, exactly as without nnstat, and
   the module is left out of capture (``on_refuse``): its expanded gradient would miss that use.
@@ -44,7 +49,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BroadcastGuard", "BroadcastOutput", "expand"]
+__all__ = ["BroadcastGuard", "BroadcastOutput", "add_guard", "expand", "per_sample_rows"]
 
 # elementwise ops that combine their tensor operands by broadcasting (out-of-place)
 _COMBINE = frozenset(
@@ -66,6 +71,10 @@ _INPLACE_OTHER = frozenset(
         "__imod__", "__ifloordiv__", "__ipow__", "__imatmul__",
     }
 )  # fmt: skip
+# ops that only reshape the values (each sample's row alike); ``x[None]`` is checked apart
+_RESHAPE = frozenset({"view", "reshape", "unsqueeze", "flatten", "unflatten", "view_as"})
+# ops that move axes (a [T, T, heads] relative-position table turned [heads, T, T])
+_PERMUTE = frozenset({"permute", "transpose", "swapaxes", "swapdims"})
 # ops that map each sample's row to the same result row (the batch axis stays axis 0)
 _ROWWISE = frozenset(
     {
@@ -75,27 +84,40 @@ _ROWWISE = frozenset(
 )  # fmt: skip
 
 
+#: how a shared output looks, for messages: ``[1, T]`` ids, or ids without a batch dimension
+SLOT_LAYOUT = (
+    "its output has batch size 1 (an input shared by the whole batch, e.g. position ids of "
+    "shape [1, T])"
+)
+
+
 class BroadcastGuard:
     """One expansion: the module's name, the batch size ``B`` it was expanded to, where ``B``
     came from (for messages) and ``on_refuse(name, why)``, called when a use is not a broadcast.
+    ``layout`` says what the module saw (messages start with it).
 
     Example:
         >>> BroadcastGuard("wpe", 3, "data_id", lambda n, why: None).batch
         3
     """
 
-    __slots__ = ("batch", "name", "on_refuse", "source")
+    __slots__ = ("batch", "layout", "name", "on_refuse", "source")
 
     def __init__(
-        self, name: str, batch: int, source: str, on_refuse: Callable[[str, str], None]
+        self,
+        name: str,
+        batch: int,
+        source: str,
+        on_refuse: Callable[[str, str], None],
+        layout: str = SLOT_LAYOUT,
     ) -> None:
         self.name, self.batch, self.source, self.on_refuse = name, batch, source, on_refuse
+        self.layout = layout
 
     def refuse(self, op: str, detail: str = "") -> None:
         self.on_refuse(
             self.name,
-            f"its output has batch size 1 (an input shared by the whole batch, e.g. position ids "
-            f"of shape [1, T]) and the model uses it in {op!r}{detail}, not only broadcast over "
+            f"{self.layout} and the model uses it in {op!r}{detail}, not only broadcast over "
             f"the batch of {self.batch} samples ({self.source}), so its per-sample gradients "
             "are not defined",
         )
@@ -125,8 +147,10 @@ class BroadcastOutput(torch.Tensor):
             return _dispatch(func, args, kwargs)
 
 
-def expand(output: torch.Tensor, guard: BroadcastGuard) -> BroadcastOutput:
-    """``output`` (``[1, ...]``) expanded to ``[guard.batch, ...]`` as a :class:`BroadcastOutput`.
+def expand(output: torch.Tensor, guard: BroadcastGuard, slot: bool = True) -> BroadcastOutput:
+    """``output`` expanded to ``[guard.batch, ...]`` as a :class:`BroadcastOutput`: its dim 0
+    of size 1 becomes the batch (``slot``, ``[1, T]`` ids), or (``slot=False``, ``[T]`` ids with
+    no batch dimension) a new leading batch dimension is added.
 
     The caller hooks the plain expanded tensor (``result._nnstat_expanded``) for its gradient.
 
@@ -134,9 +158,42 @@ def expand(output: torch.Tensor, guard: BroadcastGuard) -> BroadcastOutput:
         >>> g = BroadcastGuard("m", 3, "the model input", lambda n, why: None)
         >>> tuple(expand(torch.zeros(1, 5), g)._nnstat_expanded.shape)
         (3, 5)
+        >>> tuple(expand(torch.zeros(4, 5), g, slot=False)._nnstat_expanded.shape)
+        (3, 4, 5)
     """
-    expanded = output.expand(guard.batch, *output.shape[1:])
+    if slot:
+        expanded = output.expand(guard.batch, *output.shape[1:])
+    else:
+        expanded = output.unsqueeze(0).expand(guard.batch, *output.shape)
     return _wrap(expanded, output, (guard,))
+
+
+def add_guard(t: BroadcastOutput, guard: BroadcastGuard) -> BroadcastOutput:
+    """``t`` rewrapped with one more guard (a watched module it went through row by row: its
+    per-sample gradients are as good as ``t``'s, so a refused use later leaves it out too).
+
+    Example:
+        >>> g = BroadcastGuard("m", 2, "the model input", lambda n, why: None)
+        >>> len(add_guard(expand(torch.zeros(1, 3), g), g)._nnstat_guards)
+        2
+    """
+    return _wrap(t._nnstat_expanded, t._nnstat_orig, (*t._nnstat_guards, guard))
+
+
+def per_sample_rows(orig: tuple[int, ...], batch: int, shape: tuple[int, ...]) -> bool:
+    """True when ``shape`` is ``[batch, *rows]`` with ``orig`` either ``rows`` (no batch
+    dimension) or ``[1, *rows]``: one copy of the shared tensor per sample.
+
+    Example:
+        >>> per_sample_rows((1, 4), 3, (3, 4)), per_sample_rows((4,), 3, (3, 4))
+        (True, True)
+        >>> per_sample_rows((2, 4), 3, (3, 4))
+        False
+    """
+    if not shape or shape[0] != batch:
+        return False
+    rows = tuple(shape[1:])
+    return tuple(orig) == rows or tuple(orig) == (1, *rows)
 
 
 def _wrap(
@@ -187,7 +244,6 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         return func(*args, **kwargs)
     guards = tuple(g for t in found for g in t._nnstat_guards)
     batch = guards[0].batch
-    ndim = found[0].dim()
     if "out" in kwargs:
         _refuse(found, name, " with out=")
         return _original(func, args, kwargs)
@@ -201,7 +257,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
             name in _INPLACE_COMBINE
             and isinstance(target, torch.Tensor)
             and not isinstance(target, BroadcastOutput)
-            and target.dim() == ndim
+            and all(t.dim() == target.dim() for t in found)
             and target.shape[0] == batch
         ):
             # the target already holds every sample's row: it receives the same values
@@ -209,9 +265,13 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         _refuse(found, name, " (in place)")
         return _original(func, args, kwargs)
     if name in _COMBINE:
-        return _combine(func, name, args, kwargs, found, guards, batch, ndim)
+        return _combine(func, name, args, kwargs, found, guards, batch)
     if name in _ROWWISE:
-        return _rowwise(func, name, args, kwargs, found, guards, batch, ndim)
+        return _rowwise(func, name, args, kwargs, found, guards, batch)
+    if name in _RESHAPE or (name == "__getitem__" and _inserts_only(args)):
+        return _reshape(func, name, args, kwargs, found, guards, batch)
+    if name in _PERMUTE:
+        return _permute(func, name, args, kwargs, found, guards, batch)
     if name == "detach":  # no gradient flows through it: nothing to check
         return _original(func, args, kwargs)
     result = _original(func, args, kwargs)
@@ -228,7 +288,6 @@ def _combine(
     found: list[BroadcastOutput],
     guards: tuple[BroadcastGuard, ...],
     batch: int,
-    ndim: int,
 ) -> Any:
     try:
         result = func(*args, **kwargs)
@@ -241,16 +300,18 @@ def _combine(
     except (RuntimeError, TypeError, ValueError) as e:
         _refuse(found, name, f" (expanded, it fails: {e})")
         return _original(func, args, kwargs)
+    # the batch dimension of every expanded operand must land on the result's dim 0 (an
+    # operand with more leading dimensions would broadcast it against another axis)
     if (
         isinstance(result, torch.Tensor)
-        and result.dim() == ndim
-        and all(t.dim() == ndim for t in found)
+        and result.dim()
+        and all(t.dim() == result.dim() for t in found)
         and result.shape[0] == batch
     ):
         shape = tuple(result.shape)
         if shape == ref:  # a partner of batch B: the values the model computes without nnstat
             return result
-        if ref[0] == 1 and shape[1:] == ref[1:]:  # still one row for every sample
+        if per_sample_rows(ref, batch, shape):  # still one shared row for every sample
             return _wrap(result, _original(func, args, kwargs), guards)
     _refuse(found, name)
     return _original(func, args, kwargs)
@@ -264,7 +325,6 @@ def _rowwise(
     found: list[BroadcastOutput],
     guards: tuple[BroadcastGuard, ...],
     batch: int,
-    ndim: int,
 ) -> Any:
     if name == "dropout" and _dropout_active(args, kwargs):
         # B independent masks where the model draws one: other values, so not ours to expand
@@ -273,12 +333,93 @@ def _rowwise(
     result = func(*args, **kwargs)
     if any(result is t for t in found):  # .to() that changes nothing returns its input
         return result
-    if isinstance(result, torch.Tensor) and result.dim() == ndim and result.shape[0] == batch:
+    if isinstance(result, torch.Tensor) and result.dim() == found[0].dim():
         orig = _original(func, args, kwargs)
-        if isinstance(orig, torch.Tensor) and orig.shape[1:] == result.shape[1:]:
+        if isinstance(orig, torch.Tensor) and per_sample_rows(orig.shape, batch, result.shape):
             return _wrap(result, orig, guards)
     _refuse(found, name)
     return _original(func, args, kwargs)
+
+
+def _reshape(
+    func: Any,
+    name: str,
+    args: tuple,
+    kwargs: dict,
+    found: list[BroadcastOutput],
+    guards: tuple[BroadcastGuard, ...],
+    batch: int,
+) -> Any:
+    """A view of the shared tensor's values in another shape (``view``, ``unsqueeze``,
+    ``pos[None]``): each sample's row is reshaped alike. A leading dimension of size 1 in the
+    model's result is its batch slot, so ``pos[None]`` of a ``[T, d]`` output stays ``[B, T, d]``
+    and broadcasts against ``[B, T, d]`` as the model's ``[1, T, d]`` does."""
+    orig = _original(func, args, kwargs)
+    t = args[0] if args else None
+    if (
+        len(found) == 1
+        and t is found[0]
+        and isinstance(orig, torch.Tensor)
+        and orig.numel() == t._nnstat_orig.numel()
+    ):
+        shape = tuple(orig.shape)
+        rows = shape[1:] if shape and shape[0] == 1 else shape
+        return _wrap(t._nnstat_expanded.reshape(batch, *rows), orig, guards)
+    _refuse(found, name)
+    return orig
+
+
+def _permute(
+    func: Any,
+    name: str,
+    args: tuple,
+    kwargs: dict,
+    found: list[BroadcastOutput],
+    guards: tuple[BroadcastGuard, ...],
+    batch: int,
+) -> Any:
+    """``permute`` / ``transpose`` of the shared tensor (a ``[T, T, heads]`` relative-position
+    table turned ``[heads, T, T]``): the same axes move in every sample's row; a batch slot of
+    size 1 must stay in front."""
+    orig = _original(func, args, kwargs)
+    t = args[0] if args else None
+    if len(found) == 1 and t is found[0] and isinstance(orig, torch.Tensor):
+        lead = t.dim() - t._nnstat_orig.dim()  # 1: the model's tensor has no batch dimension
+        order = _axis_order(name, args, kwargs, t._nnstat_orig.dim())
+        if order is not None and (lead or order[0] == 0):
+            order = [0, *(d + 1 for d in order)] if lead else order
+            result = t._nnstat_expanded.permute(order)
+            if per_sample_rows(orig.shape, batch, tuple(result.shape)):
+                return _wrap(result, orig, guards)
+    _refuse(found, name)
+    return orig
+
+
+def _axis_order(name: str, args: tuple, kwargs: dict, ndim: int) -> list[int] | None:
+    """The permutation ``permute``/``transpose`` apply to a tensor of ``ndim`` dimensions."""
+    try:
+        if name == "permute":
+            dims = kwargs.get("dims", args[1:])
+            if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+                dims = dims[0]
+            order = [int(d) % ndim for d in dims]
+            return order if sorted(order) == list(range(ndim)) else None
+        a = int(kwargs.get("dim0", args[1] if len(args) > 1 else 0)) % ndim
+        b = int(kwargs.get("dim1", args[2] if len(args) > 2 else 0)) % ndim
+    except (IndexError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    order = list(range(ndim))
+    order[a], order[b] = order[b], order[a]
+    return order
+
+
+def _inserts_only(args: tuple) -> bool:
+    """``x[None]``, ``x[:, None]``, ``x[..., None, :]``: indexing that only adds dimensions."""
+    index = args[1] if len(args) > 1 else ()
+    items = index if isinstance(index, tuple) else (index,)
+    return all(
+        i is None or i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in items
+    )
 
 
 def _dropout_active(args: tuple, kwargs: dict) -> bool:

@@ -63,7 +63,7 @@ class ModuleCapture:
         # built per module per backward, so attribute probing here is a fixed per-step cost)
         if bias is None:
             bias = rules.has_bias(module)
-        self._bias = bias and kind in ("linear", "conv", "conv1d_hf")
+        self._bias = bias and kind in rules.BIAS_KINDS
         self.num_samples = int(b.shape[0])
         #: positions that were not masked out (the K-FAC ``A`` factor divides by their count)
         self.num_positions = int(num_positions)
@@ -396,7 +396,7 @@ class ModuleCapture:
         )
 
 
-_ROW_KINDS = ("linear", "conv", "conv1d_hf")
+_ROW_KINDS = (*rules.ROW_KINDS, "conv")
 
 
 def _check_out(name: str, out: torch.Tensor, n: int, width: int) -> None:

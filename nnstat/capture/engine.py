@@ -20,7 +20,6 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from nnstat.capture import rules
 from nnstat.capture._build import (
     LOSS_REDUCTIONS,
     _BatchContext,
@@ -31,8 +30,10 @@ from nnstat.capture._build import (
     _Watched,
     first_tensor,
 )
-from nnstat.capture.broadcast import BroadcastGuard, BroadcastOutput, expand
+from nnstat.capture.ambiguous import SampleRows, add_check_guard
+from nnstat.capture.broadcast import BroadcastOutput, add_guard
 from nnstat.capture.capture import ModuleCapture
+from nnstat.capture.layouts import LayoutHooks, _kind_of, sequence_first_layers
 
 __all__ = ["LOSS_REDUCTIONS", "CaptureConsumer", "CaptureEngine", "UnsupportedModuleError"]
 
@@ -49,7 +50,7 @@ class CaptureConsumer(Protocol):
     def on_capture(self, cap: ModuleCapture) -> None: ...
 
 
-class CaptureEngine:
+class CaptureEngine(LayoutHooks):
     """Watch modules and stream per-sample quantities to consumers.
 
     Hooks do nothing outside :meth:`batch`, never change outputs, gradients or
@@ -89,12 +90,17 @@ class CaptureEngine:
         # when a module's output has batch size 1 (see broadcast.py); kept unread until then
         self._root_call: tuple[tuple, dict] | None = None
         self._left_out: dict[str, str] = {}
+        # nn.MultiheadAttention modules hooked for their own or their out_proj's rows
+        self._attention: set[nn.Module] = set()
+        # owner -> the other modules sharing its parameters (captured into the owner: tied.py)
+        self._tied: dict[nn.Module, list[nn.Module]] = {}
 
     # ---------------------------------------------------------------- selection
     @property
     def watched(self) -> dict[str, nn.Module]:
-        """Watched modules by name, in watch order."""
-        return {w.name: w.module for w in self._watched.values()}
+        """Watched modules by name, in watch order (a module that shares its parameters with
+        another one is watched under that one's name alone: see ``nnstat/capture/tied.py``)."""
+        return {w.name: w.module for w in self._watched.values() if w.tied_to is None}
 
     @property
     def left_out(self) -> dict[str, str]:
@@ -114,7 +120,7 @@ class CaptureEngine:
 
     def kinds(self) -> dict[str, str]:
         """Capture kind of each watched module by name."""
-        return {w.name: w.kind for w in self._watched.values()}
+        return {w.name: w.kind for w in self._watched.values() if w.tied_to is None}
 
     def watch(
         self,
@@ -126,14 +132,17 @@ class CaptureEngine:
 
         ``name_filter``: regex (``re.search``) or list of regexes on module names;
         ``type_filter``: module classes or class names. Modules without parameters of their own
-        are never selected. Without filters, unsupported modules that own parameters (e.g.
-        ``nn.MultiheadAttention`` and the ``out_proj`` inside it) are skipped with one warning;
-        with a filter, selecting one raises :class:`UnsupportedModuleError`.
+        are never selected. ``nn.MultiheadAttention`` is captured through the module itself:
+        its ``in_proj`` (kind ``"attention"``) and the ``out_proj`` inside it (see
+        ``nnstat/capture/attention.py``). Without filters, unsupported modules that own
+        parameters are skipped with one warning; with a filter, selecting one raises
+        :class:`UnsupportedModuleError`.
         """
         explicit = name_filter is not None or type_filter is not None
         names = _as_list(name_filter)
         types = _as_list(type_filter)
-        mha_prefixes = [n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)]
+        mha = {n: m for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
+        seq_first = sequence_first_layers(model)
         selected: list[_Watched] = []
         unsupported: list[str] = []
         for name, module in model.named_modules():
@@ -143,19 +152,16 @@ class CaptureEngine:
                 continue
             if types and not any(_type_matches(module, t) for t in types):
                 continue
-            inside_mha = any(name.startswith(p + ".") for p in mha_prefixes if p != name)
-            kind = None if inside_mha else rules.detect_kind(module)
+            parent = next((m for p, m in mha.items() if name.startswith(p + ".")), None)
+            layer = next((p for p in seq_first if name.startswith(p + ".")), None)
+            kind, why = _kind_of(module, parent, layer)
             if kind is None:
-                why = (
-                    "it is inside nn.MultiheadAttention, which never calls out_proj.forward"
-                    if inside_mha
-                    else rules.unsupported_reason(module)
-                )
                 unsupported.append(f"{name or '<root>'} ({type(module).__name__}): {why}")
                 continue
             if module in self._watched:
                 continue
-            selected.append(_Watched(name or "model", module, kind))
+            selected.append(_Watched(name or "model", module, kind, via=parent))
+        selected = self._select_ties(model, selected, unsupported)
         if unsupported:
             msg = "cannot capture per-sample gradients of: " + "; ".join(unsupported)
             if explicit:
@@ -166,13 +172,21 @@ class CaptureEngine:
             if w.name in taken:
                 raise ValueError(f"a module named {w.name!r} is already watched")
             self._watched[w.module] = w
+            if w.kind == "attention" or w.via is not None:
+                # attention: one hook on the module gives the rows of in_proj and out_proj
+                attn = w.via if w.via is not None else w.module
+                if attn not in self._attention:
+                    self._attention.add(attn)
+                    hook = partial(self._on_attention, attn)
+                    self._handles.append(attn.register_forward_hook(hook, with_kwargs=True))
+                continue
             self._handles.append(w.module.register_forward_hook(partial(self._on_forward, w)))
         if selected and not any(model is r for r in self._roots):
             self._roots.append(model)
             self._handles.append(
                 model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)
             )
-        return [w.name for w in selected]
+        return [w.name for w in selected if w.tied_to is None]
 
     def unwatch(self) -> None:
         """Remove every hook and forget the watched modules and pending captures."""
@@ -180,6 +194,8 @@ class CaptureEngine:
             h.remove()
         self._handles.clear()
         self._watched.clear()
+        self._attention.clear()
+        self._tied.clear()
         self._roots.clear()
         self._left_out.clear()
         self._root_call = None
@@ -348,31 +364,41 @@ class CaptureEngine:
         if self._left_out and w.name in self._left_out:
             return None
         x = inputs[0]
+        guard = replaced = None
         if isinstance(output, BroadcastOutput):
             # a shared output from upstream went through this module row by row
-            # (broadcast.py): its rows are per sample, so hook the plain expanded result
-            output = output._nnstat_expanded
+            # (broadcast.py): its rows are per sample, so hook the plain expanded result; a
+            # refused use later leaves this module out too
+            guard = self._guard(w, output._nnstat_guards[0])
+            replaced, output = add_guard(output, guard), output._nnstat_expanded
             if not output.requires_grad:
                 return None
             if isinstance(x, BroadcastOutput):
                 x = x._nnstat_expanded
         elif isinstance(x, BroadcastOutput):
             x = x._nnstat_orig  # the module computed with it unexpanded (a refused use)
-        replaced = None
+        elif isinstance(output, SampleRows):
+            # computed row by row from rows under check (ambiguous.py): refused with them
+            guard = self._guard(w, output._nnstat_guards[0], checked=True)
+            replaced = add_check_guard(output, guard)
         if not output.requires_grad:
             if not (ctx.outputs_require_grad and output.is_floating_point()):
                 return None
             # nothing upstream needs a gradient (frozen parameters, input without grad): start
             # the graph here; a non-leaf copy keeps downstream in-place ops (ReLU(inplace)) legal
             replaced = output = output.detach().requires_grad_().clone()
+        if guard is None and output.dim() and x.dim() and (x.shape[0] == 1 or not x.requires_grad):
+            # an input the batch may share (position ids): see _shared
+            shared = self._shared(w, x, output, ctx)
+            if shared is not None:
+                wrapped, x = shared
+                if isinstance(wrapped, BroadcastOutput):
+                    # the rest of the model reads the checked expansion; the hook sits on the
+                    # plain expanded tensor, where autograd delivers each sample's gradient
+                    replaced, output = wrapped, wrapped._nnstat_expanded
+                else:
+                    replaced = wrapped  # rows per sample, checked at their first uses
         x = x.detach()
-        if output.dim() and output.shape[0] == 1 and x.dim() and x.shape[0] == 1:
-            wrapped = self._expand_shared(w, output, ctx)
-            if wrapped is not None:
-                # the rest of the model reads the checked expansion; the hook sits on the plain
-                # expanded tensor, where autograd delivers each sample's output gradient
-                replaced, output = wrapped, wrapped._nnstat_expanded
-                x = x.expand(output.shape[0], *x.shape[1:])
         # the input travels in the closure, so a recomputed forward (activation checkpointing)
         # pairs with its own backward and a forward whose output never gets a gradient is dropped
         hook = partial(self._on_output_grad, module, x, ctx)
@@ -391,41 +417,6 @@ class CaptureEngine:
         else:
             target.register_hook(hook)
         return replaced
-
-    def _expand_shared(self, w: _Watched, output: torch.Tensor, ctx: _BatchContext) -> Any:
-        """A batch-1 output expanded to the block's batch (see broadcast.py), or None when
-        the batch is 1 or unknown (then flush() compares it with the other modules)."""
-        if ctx.samples is None and ctx.mask is None:
-            return None  # the caller did not say how many samples the block holds
-        batch, source = self._block_batch(ctx)
-        if batch is None or batch <= 1 or torch.compiler.is_compiling():
-            return None
-        return expand(output, BroadcastGuard(w.name, batch, source, self._leave_out))
-
-    def _block_batch(self, ctx: _BatchContext) -> tuple[int | None, str]:
-        """The block's number of samples and where it came from."""
-        if isinstance(ctx.samples, int):
-            return ctx.samples, "the block's samples"
-        if ctx.samples is None and ctx.mask is not None:
-            return int(ctx.mask.shape[0]), "the mask's first dimension"
-        if self._root_call is not None:
-            t = first_tensor(*self._root_call)
-            if t is not None and t.dim():
-                return int(t.shape[0]), f"dim 0 of the model's first input {tuple(t.shape)}"
-        return None, ""
-
-    def _leave_out(self, name: str, why: str) -> None:
-        """Stop capturing ``name`` (its per-sample gradients are undefined), warning once."""
-        if name in self._left_out:
-            return
-        self._left_out[name] = why
-        warnings.warn(
-            f"nnstat: not capturing {name!r}: {why}. It is left out (CaptureEngine.left_out); "
-            "the model computes exactly as without nnstat. To include it, give that input the "
-            "batch dimension (GPT-2 and similar: position_ids=torch.arange(T).expand(B, T)), "
-            "or watch with a name_filter that excludes it to silence this warning.",
-            stacklevel=3,
-        )
 
     def _on_output_grad(
         self, module: nn.Module, x: torch.Tensor, ctx: _BatchContext, grad: torch.Tensor
@@ -449,12 +440,16 @@ class CaptureEngine:
             self._flush_queued = False
         if not pending or not (self._consumers or self._backward_consumers):
             return
+        if self._attention:
+            self._attention_rows(pending)
         left_out = self._left_out
         caps = [
             _build_capture(w, pending[module])
             for module, w in list(self._watched.items())
             if pending.get(module) and not (left_out and w.name in left_out)
         ]
+        if self._tied:
+            caps = self._merge_tied(caps)
         ctx = next(iter(pending.values()))[0][2]
         if caps and (ctx.samples is not None or ctx.mask is not None):
             caps = self._drop_unbroadcast(caps)
@@ -463,32 +458,6 @@ class CaptureEngine:
                 consumer(cap)
         for batch_consumer in self._backward_consumers:
             batch_consumer(caps)
-
-    def _drop_unbroadcast(self, caps: list[ModuleCapture]) -> list[ModuleCapture]:
-        """Leave out modules that saw a batch of 1 where others saw more: an input shared by
-        the batch that could not be expanded (the batch size was unknown when it ran, or the
-        model is being compiled), whose gradient is the batch's sum, not a sample's."""
-        n = max(c.num_samples for c in caps)
-        if n <= 1 or all(c.num_samples == n for c in caps):
-            return caps
-        others = [c.name for c in caps if c.num_samples == n]
-        for c in caps:
-            if c.num_samples == 1:
-                self._leave_out(
-                    c.name,
-                    f"it saw a batch of 1 while {_names(others)} saw {n} (an input shared by "
-                    "the whole batch, e.g. position ids of shape [1, T]) and the batch size "
-                    "was not known when it ran (the watched model's first input tensor has no "
-                    "batch dimension, or the model was not called), or the model is "
-                    "compiled; its gradient is the batch's sum, not a sample's",
-                )
-        return [c for c in caps if c.num_samples != 1]
-
-
-def _names(names: list[str], limit: int = 4) -> str:
-    """``'a', 'b' and 3 more`` for messages."""
-    shown = ", ".join(repr(n) for n in names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _as_list(x: Any) -> list:

@@ -8,6 +8,9 @@ projections, squared norms and K-FAC factors share one code path:
   per-sample weight gradient (in ``[d_out, d_in]`` layout) is ``G_i = Σ_t b_t a_tᵀ``.
 * Embedding keeps integer indices instead of one-hot rows (``-1`` marks an excluded position).
 * LayerNorm keeps the normalised input ``x̂`` and gives ``G_i = [Σ_t b∘x̂, Σ_t b]``.
+* ``nn.MultiheadAttention`` ("attention") is its packed ``in_proj`` (``[3E, E]`` and bias, an
+  ``nn.Linear(E, 3E)`` in matrix form) with rows built by ``attention.py``; its ``out_proj``
+  is a "linear" whose rows come from the same place.
 """
 
 from __future__ import annotations
@@ -16,14 +19,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-OUTER_KINDS = ("linear", "conv", "conv1d_hf", "embedding")
+from nnstat.capture import attention
+
+OUTER_KINDS = ("linear", "conv", "conv1d_hf", "embedding", "attention")
 #: every kind a rule supports (:func:`detect_kind`); a store's meta.json names one per module
 KINDS = (*OUTER_KINDS, "layernorm")
-
-_MHA_REASON = (
-    "nn.MultiheadAttention computes with its bare in_proj_weight and never calls "
-    "out_proj.forward, so module hooks would see nothing"
-)
+#: kinds whose matrix form ends with the bias column (a column of ones in the forward rows)
+BIAS_KINDS = ("linear", "conv", "conv1d_hf", "attention")
+#: kinds whose forward and backward rows are already ``[N, ..., d]`` matrices (no unfolding)
+ROW_KINDS = ("linear", "conv1d_hf", "attention")
 
 
 def is_hf_conv1d(module: nn.Module) -> bool:
@@ -53,13 +57,15 @@ def detect_kind(module: nn.Module) -> str | None:
         return "layernorm" if module.elementwise_affine else None
     if is_hf_conv1d(module):
         return "conv1d_hf"
+    if isinstance(module, nn.MultiheadAttention):
+        return "attention" if attention.unsupported_reason(module) is None else None
     return None
 
 
 def unsupported_reason(module: nn.Module) -> str:
     """Explain why ``module`` cannot be captured (used in errors and warnings)."""
     if isinstance(module, nn.MultiheadAttention):
-        return _MHA_REASON
+        return attention.unsupported_reason(module) or "supported"
     if isinstance(module, nn.Embedding) and module.scale_grad_by_freq:
         return (
             "scale_grad_by_freq scales by batch-wide counts, so per-sample gradients are undefined"
@@ -70,6 +76,8 @@ def unsupported_reason(module: nn.Module) -> str:
 
 
 def has_bias(module: nn.Module) -> bool:
+    if isinstance(module, nn.MultiheadAttention):
+        return module.in_proj_bias is not None
     return isinstance(getattr(module, "bias", None), torch.Tensor)
 
 
@@ -102,7 +110,7 @@ def forward_rows(kind: str, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if x.dim() < 1:
         raise ValueError(f"{type(module).__name__}: input has no batch dimension")
     n = x.shape[0]
-    if kind in ("linear", "conv1d_hf"):
+    if kind in ROW_KINDS:
         if x.dim() < 2:
             raise ValueError(
                 f"{type(module).__name__}: expected input [N, ..., d_in], got {tuple(x.shape)}"
@@ -132,7 +140,7 @@ def backward_rows(kind: str, module: nn.Module, g: torch.Tensor) -> tuple[torch.
     """Matrix-form output gradients ``[N, T, d_out]`` and the positional shape of the output."""
     n = g.shape[0]
     g = g.detach().float()
-    if kind in ("linear", "conv1d_hf", "embedding"):
+    if kind in (*ROW_KINDS, "embedding"):
         return g.reshape(n, -1, g.shape[-1]), tuple(g.shape[1:-1])
     if kind == "conv":
         c_out, groups = g.shape[1], module.groups
@@ -177,6 +185,8 @@ def dims(kind: str, module: nn.Module) -> tuple[int, int]:
         return module.in_features + bias, module.out_features
     if kind == "conv1d_hf":
         return module.weight.shape[0] + bias, module.weight.shape[1]
+    if kind == "attention":
+        return module.embed_dim + bias, 3 * module.embed_dim
     if kind == "conv":
         return _numel(_weight_shape(module)[1:]) + bias, module.out_channels
     if kind == "embedding":
@@ -203,6 +213,11 @@ def grads_by_param(kind: str, module: nn.Module, g: torch.Tensor) -> dict[str, t
         out["weight"] = g.transpose(1, 2)
         return out
     w = g[..., :-1] if bias else g
+    if kind == "attention":
+        out["in_proj_weight"] = w
+        if bias:
+            out["in_proj_bias"] = g[..., -1]
+        return out
     if kind == "conv1d_hf":
         out["weight"] = w.transpose(1, 2)
     else:
@@ -227,9 +242,12 @@ def matrix_from_params(
         >>> torch.equal(matrix_from_params("linear", lin, grads_by_param("linear", lin, g)), g)
         True
     """
+    bias = has_bias(module)
+    if kind == "attention":
+        w = params["in_proj_weight"]
+        return torch.cat([w, params["in_proj_bias"].unsqueeze(-1)], dim=-1) if bias else w
     w = params["weight"]
     n = w.shape[0]
-    bias = has_bias(module)
     if kind == "layernorm":
         parts = [w.reshape(n, -1)] + ([params["bias"].reshape(n, -1)] if bias else [])
         return torch.cat(parts, dim=1)

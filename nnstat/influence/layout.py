@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # kinds whose per-sample gradient is a sum of outer products b aᵀ (K-FAC applies)
-KRONECKER_KINDS = frozenset({"linear", "conv", "conv1d_hf", "embedding"})
+KRONECKER_KINDS = frozenset({"linear", "conv", "conv1d_hf", "embedding", "attention"})
 
 
 @dataclass(frozen=True)

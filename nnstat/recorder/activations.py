@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from nnstat.capture.rules import has_bias
+from nnstat.capture.rules import BIAS_KINDS, has_bias
 
 
 class ActivationConsumer:
@@ -41,7 +41,7 @@ class ActivationConsumer:
         fwd = None
         if cap.kind != "embedding":  # one-hot rows would be large and say little
             fwd = cap.forward
-            if cap.kind in ("linear", "conv", "conv1d_hf") and has_bias(cap.module):
+            if cap.kind in BIAS_KINDS and has_bias(cap.module):
                 fwd = fwd[..., :-1]
         grad = cap.backward
         if self.loss_reduction == "mean":

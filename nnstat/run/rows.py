@@ -124,9 +124,12 @@ class BatchRows:
         seen = modules_by_size(sizes)
         raise ValueError(
             f"watched modules saw different batch sizes in one run(...) block ({seen}). Each "
-            "module's dim 0 must be the block's samples: a module applied to flattened inputs "
-            "([B*T, d]) or to a tensor without the batch dimension has no per-sample gradient; "
-            "watch with a name_filter that excludes it, or call it on [B, ...] inputs"
+            "module's dim 0 must be the block's samples. Layouts that break it: samples "
+            "flattened with their positions ([B*T, d]: apply the module to [B, T, d]); "
+            "sequence-first tensors ([T, B, d], e.g. nn.TransformerEncoderLayer with "
+            "batch_first=False: use batch_first=True); a float table shared by the batch "
+            "([T, d] without a batch dimension: pass it as table[None], which nnstat expands "
+            "to the batch). Or watch with a name_filter that excludes the module"
         )
 
     def _row_buffer(self, writer: Any, n: int) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 References are per-example autograd backward passes (batch size 1 each) of a copy of the model
 whose tied ``lm_head`` weight is a separate parameter of the same value, so every module's own
-contribution is a plain ``.grad``.
+contribution is a plain ``.grad``. The tied parameter is captured once, under ``lm_head``
+(nnstat/capture/tied.py): its reference is the sum of ``lm_head``'s and ``wte``'s gradients.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def reference(
         lm_loss(untied(input_ids=ids[i : i + 1]).logits, target).backward()
         for n, m in modules.items():
             out[n].append({k: p.grad.clone() for k, p in m.named_parameters(recurse=False)})
+    for head, wte in zip(out["lm_head"], out.pop("transformer.wte"), strict=True):
+        head["weight"] = head["weight"] + wte["weight"]  # one parameter: both uses
     return out
 
 
@@ -75,7 +78,7 @@ def test_plain_workflow_stores_exact_rows_for_every_module_incl_wpe(tmp_path):
     run = nnstat.init(project="gpt2", root_dir=tmp_path)
     nnstat.setup({"log": "grad", "save": "grad"})
     names = nnstat.watch(model)
-    assert {"transformer.wte", "transformer.wpe", "lm_head"} <= set(names)
+    assert {"transformer.wpe", "lm_head"} <= set(names) and "transformer.wte" not in names
     nnstat.add_projection(rank=4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing left out, nothing stored as zeros
@@ -434,7 +437,7 @@ def test_framework_probe_keeps_a_shared_position_embedding():
         lm_loss(model(input_ids=ids).logits, ids).backward()
     keep = probe.keep()
     assert "transformer.wpe" in keep and "transformer.wpe" not in probe.excluded
-    assert {"transformer.wte", "lm_head"} <= set(probe.excluded)  # tied: one gradient, two users
+    assert "lm_head" in probe.excluded  # tied (captured under lm_head alone): left out
 
 
 def test_noise_scale_names_the_modules_of_each_batch_size():

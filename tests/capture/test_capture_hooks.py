@@ -161,10 +161,10 @@ def test_filters_select_by_regex_and_type():
 
 
 class Attn(nn.Module):
-    def __init__(self):
+    def __init__(self, **kwargs):
         super().__init__()
         self.ln = nn.LayerNorm(8)
-        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True, **kwargs)
         self.fc = nn.Linear(8, 2)
 
     def forward(self, x):
@@ -172,16 +172,21 @@ class Attn(nn.Module):
         return self.fc(self.attn(h, h, h, need_weights=False)[0])
 
 
-def test_multihead_attention_is_reported_not_logged_as_zeros():
-    model = Attn()
+def test_multihead_attention_is_watched_with_its_out_proj():
+    assert CaptureEngine().watch(Attn()) == ["ln", "attn", "attn.out_proj", "fc"]
+    assert CaptureEngine().watch(Attn(), type_filter=nn.Linear) == ["attn.out_proj", "fc"]
+
+
+def test_unsupported_multihead_attention_is_reported_not_logged_as_zeros():
+    model = Attn(add_bias_kv=True)
     engine = CaptureEngine()
-    with pytest.warns(UserWarning, match="attn .*MultiheadAttention.*in_proj_weight") as rec:
+    with pytest.warns(UserWarning, match="attn .*MultiheadAttention.*add_bias_kv") as rec:
         names = engine.watch(model)
     assert names == ["ln", "fc"]
     assert "attn.out_proj" in str(rec[0].message)
     with pytest.raises(UnsupportedModuleError, match="attn"):
         CaptureEngine().watch(model, name_filter="attn")
-    with pytest.raises(UnsupportedModuleError, match="out_proj"):
+    with pytest.raises(UnsupportedModuleError, match="out_proj.*add_bias_kv"):
         CaptureEngine().watch(model, type_filter=nn.Linear)
 
 

@@ -266,7 +266,8 @@ def test_gpt2_readme_kfac_workflow_runs_with_lm_head_over_the_limit(tmp_path):
         run = nnstat.init(project=f"gpt2-{rank}", root_dir=tmp_path)
         nnstat.setup({"log": "grad", "save": "grad", "statistic": "kfac", "max_factor_dim": 256})
         watched = nnstat.watch(model)  # every module, nothing left out by hand
-        assert "lm_head" in watched and "transformer.wte" in watched
+        # wte.weight is lm_head.weight: one parameter, captured once under lm_head (tied.py)
+        assert "lm_head" in watched and "transformer.wte" not in watched
         nnstat.add_projection(rank=rank)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -292,7 +293,7 @@ def test_gpt2_readme_kfac_workflow_runs_with_lm_head_over_the_limit(tmp_path):
     assert (
         forms["lm_head/backward"]["form"] == "projected" and forms["lm_head/backward"]["rank"] == 64
     )
-    assert forms["transformer.wte/forward"]["form"] == "diagonal" and fallback == []
+    assert forms["transformer.wpe/forward"]["form"] == "diagonal" and fallback == []
     forms, fallback = results[None]
     assert forms["lm_head/backward"] == {
         "form": "diagonal",

@@ -119,10 +119,10 @@ def test_callback_every_and_noise_scale_excludes_undefined_modules(tmp_path):
         model=model, args=args, train_dataset=Tokens(16, 0), callbacks=[cb, spy]
     ).train()
     assert spy.began == 1  # no reporter: nnstat moves to the end while the event is dispatched
-    # tied wte/lm_head have no per-sample gradient of their own; the position embedding, fed
-    # [1, T] ids shared by the batch, is expanded per sample and kept
+    # the tied wte/lm_head weight (captured once, under lm_head) is left out of the noise
+    # scale; the position embedding, fed [1, T] ids shared by the batch, is expanded and kept
     excluded = cb.hooks.excluded
-    assert {"transformer.wte", "lm_head"} <= set(excluded)
+    assert "lm_head" in excluded and "transformer.wte" not in excluded
     assert "transformer.wpe" not in excluded
     assert cb.hooks.gns is None  # closed at the end of training: hooks removed
     assert all(not m._forward_hooks and not m._backward_hooks for m in model.modules())
@@ -209,7 +209,7 @@ def test_patched_trainer_matches_the_plain_api(tmp_path):
     trainer.args.per_device_eval_batch_size = 8
     run = trainer.extract_log()
     names = list(run.engine.watched)
-    assert "transformer.h.0.attn.c_attn" in names and "transformer.wte" in names
+    assert "transformer.h.0.attn.c_attn" in names and "lm_head" in names  # tied to wte
     assert "transformer.wpe" in names and not run.engine.left_out  # [1, T] ids: expanded
     assert nnstat.GradientStore(run.path).ids == list(range(16))
     result = trainer.influence(query)
