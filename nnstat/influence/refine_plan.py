@@ -48,6 +48,19 @@ PRODUCT_MARGIN = 1.25
 GiB = 2**30
 
 
+def size(n: float) -> str:
+    """``n`` bytes for a message.
+
+    Example:
+        >>> size(3 * 2**30), size(1536)
+        ('3.00 GiB', '1.50 KiB')
+    """
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
 def available_memory(device: torch.device | str) -> int:
     """The default ``memory`` budget on ``device``: `DEFAULT_FRACTION` of its free memory
     (CUDA: ``torch.cuda.mem_get_info``; CPU: ``MemAvailable`` of ``/proc/meminfo``, else the
@@ -232,11 +245,11 @@ def choose_plan(fp: Footprint, memory: int, solver: str, block: int, cuda: bool)
     need = sum(v for k, v in parts.items() if not k.startswith("host_"))
     product = parts["products"]
     raise ValueError(
-        f"refinement needs {need / GiB:.2f} GiB on the device even with per-query CG, one query "
-        f"and one vector per curvature product ({', '.join(f'{k} {v / GiB:.2f}' for k, v in parts.items())} "
-        f"GiB), but memory={memory / GiB:.2f} GiB. Pass Refinement(memory=...) of at least "
-        f"{need} bytes if that much is free, lower batch_size (one training batch's product "
-        f"takes {product / GiB:.2f} GiB of it), log a projected store (a smaller width than "
+        f"refinement needs {size(need)} on the device even with per-query CG, one query and one "
+        f"vector per curvature product ({', '.join(f'{k} {size(v)}' for k, v in parts.items())}), "
+        f"but memory={size(memory)}. Pass Refinement(memory=...) of at least {need} bytes if "
+        f"that much is free, lower batch_size (one training batch's product takes "
+        f"{size(product)} of it), log a projected store (a smaller width than "
         f"{fp.width}), or use a device with more memory"
     )
 
@@ -277,8 +290,8 @@ def warn_changed(plan: Plan) -> None:
     changed = [c for c in plan.changed if not c.startswith("search space")]
     if changed:
         warnings.warn(
-            f"nnstat: refinement's search space would not fit memory={plan.budget / GiB:.2f} "
-            f"GiB: {', '.join(changed)} (estimated {plan.estimate / GiB:.2f} GiB; "
+            f"nnstat: refinement's search space would not fit memory={size(plan.budget)}: "
+            f"{', '.join(changed)} (estimated {size(plan.estimate)}; "
             "result.meta['refine']['memory']). Solutions agree once converged; iterates "
             "before differ. Pass a larger memory, lower query_batch, or project the store",
             stacklevel=4,
