@@ -105,6 +105,7 @@ __all__ = [
     "block_cg",
     "fit_fisher_statistics",
     "preconditioned_cg",
+    "refinement_plan",
 ]
 
 
@@ -482,6 +483,60 @@ def _plan(
     return plan
 
 
+def _setup(
+    refine: Refinement,
+    query: RowSource,
+    train: RowSource,
+    damping: float | None,
+    kind: str | None,
+    batch_size: int,
+    query_data: Any,
+) -> tuple[Any, ...]:
+    """What a refinement builds before it solves: ``(device, flat, ids, q_rows, curv, pre,
+    refit, lam, plan)``."""
+    device = next((p.device for p in refine.model.parameters()), torch.device("cpu"))
+    flat = LoggedSpace(refine.model, train, refine.dtype, device)
+    ids, q_rows = all_rows(query, batch_size)
+    check_weights(flat, train.meta or {}, str(getattr(train, "path", "") or "(in memory)"))
+    curv = _curvature(refine, flat, refine.curvature or "hessian")
+    if query_data is not None:  # the queries' own data: its gradients must be the log's rows
+        grads = _query_grads(refine, flat, curv, query_data)
+        check_against_rows(flat, grads, q_rows, ids, query.meta or {})
+    pre, refit = _preconditioner(refine, train, flat, kind, batch_size)
+    lam = refine.damping if refine.damping is not None else damping
+    plan = _plan(refine, curv, flat, pre, len(q_rows), q_rows.shape[1], lam is None)
+    return device, flat, ids, q_rows, curv, pre, refit, lam, plan
+
+
+def refinement_plan(
+    refine: Refinement,
+    query: Any,
+    train: Any,
+    damping: float | None = None,
+    preconditioner: str | None = None,
+    batch_size: int = 4096,
+) -> Plan:
+    """The memory plan `compute_influence_all(query, train, refine=refine)` would solve with
+    (its ``result.meta["refine"]["memory"]`` is ``plan.meta()``), without solving: the
+    product's share measured on the first training batch, the rest counted.
+
+    Example:
+        >>> import torch
+        >>> from nnstat.influence import ModuleSpec, TensorSource
+        >>> model = torch.nn.Linear(3, 2)
+        >>> X, Y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+        >>> rows = TensorSource(torch.randn(8, 8), layout=[ModuleSpec("model", 0, 2, 4)])
+        >>> r = Refinement(model, torch.nn.functional.cross_entropy, (X, Y), damping=0.1)
+        >>> plan = refinement_plan(r, rows, rows)
+        >>> plan.solver, plan.block, plan.estimate > 0
+        ('block', 8, True)
+    """
+    from .sources import as_source
+
+    q, t = as_source(query), as_source(train)
+    return _setup(refine, q, t, damping, preconditioner, batch_size, None)[-1]
+
+
 def refine_queries(
     refine: Refinement,
     query: RowSource,
@@ -502,18 +557,10 @@ def refine_queries(
     low-curvature directions.
     """
     start = time.perf_counter()
-    device = next((p.device for p in refine.model.parameters()), torch.device("cpu"))
-    flat = LoggedSpace(refine.model, train, refine.dtype, device)
-    ids, q_rows = all_rows(query, batch_size)
-    check_weights(flat, train.meta or {}, str(getattr(train, "path", "") or "(in memory)"))
-    curv = _curvature(refine, flat, refine.curvature or "hessian")
-    if query_data is not None:  # the queries' own data: its gradients must be the log's rows
-        grads = _query_grads(refine, flat, curv, query_data)
-        check_against_rows(flat, grads, q_rows, ids, query.meta or {})
-    pre, refit = _preconditioner(refine, train, flat, kind, batch_size)
-    lam = refine.damping if refine.damping is not None else damping
+    device, flat, ids, q_rows, curv, pre, refit, lam, plan = _setup(
+        refine, query, train, damping, kind, batch_size, query_data
+    )
     width = q_rows.shape[1]
-    plan = _plan(refine, curv, flat, pre, len(q_rows), width, lam is None)
     here = device if plan.directions == "device" else torch.device("cpu")
     rhs = q_rows.to(device=here, dtype=refine.dtype)
     system = DampedSystem(curv, flat, pre, refine.dtype, lam, chunk=plan.chunk, device=device)
