@@ -14,9 +14,17 @@ projected space), from the stock model call (``transformer.wpe`` sees ``[1, T]``
 
     .venv/bin/python benchmarks/scale_influence.py --threads 2            # full size
     .venv/bin/python benchmarks/scale_influence.py --quick                # 2 layers, 32 samples
-    # refinement (8 GB even this small: see docs/benchmarks.md)
-    .venv/bin/python benchmarks/scale_influence.py --n-layer 1 --n 8 --queries 2 --seq 16 \
-        --stat-samples 8 --refine-steps 2 --kinds raw,refined --store /tmp/nnstat_tiny
+    # refinement on the CPU (GGN, block CG, raw preconditioner; plan and peak in the row)
+    .venv/bin/python benchmarks/scale_influence.py --n-layer 2 --n 16 --queries 4 --seq 32 \
+        --batch 4 --statistics none --refine-steps 5 --refine-batch 4 --kinds refined \
+        --store /tmp/nnstat_refine2
+    # on a GPU: everything on --device (logging, products, solves), TF32 matmuls
+    python3 benchmarks/scale_influence.py --device cuda --n 1024 --queries 32 --seq 128 \
+        --statistics none --refine-steps 5 --refine-batch 32 --kinds refined
+
+``--refine-memory GIB`` gives refinement its memory budget (default: its own, a fraction of the
+free memory); ``--refine-plan-only`` measures and prints the plan (``result.meta``'s estimate)
+without solving, e.g. for a size the machine cannot run.
 
 The store is kept in ``--store`` and reused when its ``bench.json`` matches the options
 (logging GPT-2 small costs ~4 s per sequence on 2 shared cores; scoring is what is measured).
@@ -58,12 +66,22 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _model(n_layer: int, seed: int = 0):
+def _model(n_layer: int, seed: int = 0, device: str = "cpu"):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(GPT2Config(n_layer=n_layer)).eval()
+    return GPT2LMHeadModel(GPT2Config(n_layer=n_layer)).eval().to(device)
+
+
+def _peak(device: str, base: float) -> float:
+    """Peak extra memory (MiB): the process's resident high-water mark on the CPU, the caching
+    allocator's peak on a GPU."""
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    return _peak_mb() - base
 
 
 def _tokens(n: int, seq: int, seed: int):
@@ -88,8 +106,9 @@ def _log(args: argparse.Namespace, root: Path) -> dict:
     """Write the training store and the query store under ``root``; returns their timings."""
     import nnstat
 
-    model = _model(args.n_layer)
+    model = _model(args.n_layer, device=args.device)
     train, query = _tokens(args.n, args.seq, 1), _tokens(args.queries, args.seq, 2)
+    train, query = train.to(args.device), query.to(args.device)
     timings = {}
     for project, data in (("train", train), ("queries", query)):
         run = nnstat.init(project=project, root_dir=str(root), overwrite=True)
@@ -160,9 +179,14 @@ def _score_one(args: argparse.Namespace, root: Path, kind: str) -> dict:
         train = root / "train_synthetic"
     _reset_peak()
     base = _rss_mb()
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True  # the products' matmuls
+        torch.cuda.reset_peak_memory_stats()
     start, cpu = time.perf_counter(), time.process_time()
     if kind == "refined":
         res = _refined(args, train, query)
+        if res is None:  # --refine-plan-only
+            return {"kind": kind, "plan_only": True}
     else:
         res = compute_influence_all(
             str(query),
@@ -172,23 +196,32 @@ def _score_one(args: argparse.Namespace, root: Path, kind: str) -> dict:
         )
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     scores = res.scores
-    return {
+    out = {
         "kind": kind,
         "used": res.meta.get("preconditioner"),
         "seconds": seconds,
         "cpu_seconds": cpu,
-        "peak_extra_mb": _peak_mb() - base,
+        "peak_extra_mb": _peak(args.device, base),
         "shape": list(scores.shape),
         "finite": bool(torch.isfinite(scores).all()),
         "scores_head": scores[0, :4].tolist(),
     }
+    if "refine" in res.meta:
+        info = res.meta["refine"]
+        plan = info["memory"]
+        out["refine"] = {k: info[k] for k in ("products", "passes", "solver", "seconds")}
+        out["refine"].update(
+            {k: plan[k] for k in ("estimate", "budget", "block", "chunk", "directions", "parts")}
+        )
+        out["refine"]["device"] = info["device"]
+    return out
 
 
 def _refined(args: argparse.Namespace, train: Path, query: Path):
-    from nnstat.influence import Refinement, compute_influence_all
+    from nnstat.influence import Refinement, compute_influence_all, refinement_plan
 
-    model = _model(args.n_layer)
-    data = _tokens(args.n, args.seq, 1)
+    model = _model(args.n_layer, device=args.device)
+    data = _tokens(args.n, args.seq, 1)  # on the CPU: refinement moves each batch to the model
     batches = [data[lo : lo + args.batch] for lo in range(0, args.n, args.batch)]
     refine = Refinement(
         model,
@@ -200,9 +233,16 @@ def _refined(args: argparse.Namespace, train: Path, query: Path):
         loss_reduction="sum",
         preconditioner="raw",
         query_batch=args.refine_batch,
+        memory=int(args.refine_memory * 2**30) if args.refine_memory else None,
         progress=False,
     )
-    return compute_influence_all(str(query), str(train), refine=refine, progress=False)
+    if args.refine_plan_only:
+        plan = refinement_plan(refine, str(query), str(train))
+        print("PLAN " + json.dumps(plan.meta()), flush=True)
+        return None
+    res = compute_influence_all(str(query), str(train), refine=refine, progress=False)
+    print("PLAN " + json.dumps(res.meta["refine"]["memory"]), flush=True)
+    return res
 
 
 def main() -> None:
@@ -219,6 +259,9 @@ def main() -> None:
     ap.add_argument("--kinds", default=None, help="comma list (default: all that apply)")
     ap.add_argument("--refine-steps", type=int, default=0, help="0: refinement not run")
     ap.add_argument("--refine-batch", type=int, default=1, help="queries solved together")
+    ap.add_argument("--refine-memory", type=float, default=0, help="GiB (0: the default)")
+    ap.add_argument("--refine-plan-only", action="store_true", help="print the plan, no solve")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda: model, logging and products")
     ap.add_argument("--store", default="/tmp/nnstat_scale_influence")
     ap.add_argument("--synthetic-rows", type=int, default=0, help="see the module docstring")
     ap.add_argument("--quick", action="store_true", help="2 layers, 32 sequences, 8 queries")
@@ -259,8 +302,12 @@ def main() -> None:
         cmd += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys if k != "statistics"]
         cmd += [f"--statistics={args.statistics}", f"--threads={args.threads}"]
         cmd += [f"--refine-steps={args.refine_steps}", f"--refine-batch={args.refine_batch}"]
+        cmd += [f"--refine-memory={args.refine_memory}", f"--device={args.device}"]
+        cmd += ["--refine-plan-only"] if args.refine_plan_only else []
         cmd += [f"--synthetic-rows={args.synthetic_rows}"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
+        for plan in (x for x in proc.stdout.splitlines() if x.startswith("PLAN ")):
+            print(plan, flush=True)
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode or not line:
             err = (proc.stderr.strip().splitlines() or ["?"])[-1]
@@ -274,7 +321,7 @@ def main() -> None:
     for r in rows:
         if "error" in r:
             print(f"| {r['kind']} | failed: {r['error'][:100]} | | | |")
-        else:
+        elif not r.get("plan_only"):
             print(
                 f"| {r['kind']} | {r['used']} | {r['seconds']:.1f} | {r['cpu_seconds']:.1f} "
                 f"| {r['peak_extra_mb']:.0f} |"

@@ -3,15 +3,16 @@
 The one home of these products (and of the per-example gradient helpers they need), shared by
 exact influence, influence refinement and the Hessian-weighted noise scale. The Fisher of
 softmax cross-entropy is its GGN; its sampled-label K-FAC/EK-FAC statistics are in
-``fisher.py``. Products are batched over ``k`` vectors (a leading ``[k]``) and, in the streamed
-classes, accumulated over the data in one pass. Two evaluations, one per way a loss is given:
+``fisher.py``. Products are batched over ``k`` vectors (a leading ``[k]``); ``streamed.py``
+accumulates them over a training set in one pass. Two evaluations, one per way a loss is given:
 
-* a functional loss ``loss_fn(model(x), y)`` on ``(inputs, targets)`` batches (`FunctionalLoss`,
-  `LossFnCurvature`): ``torch.func``, the Hessian forward-over-reverse, the GGN by
-  ``jvp``/``vjp``, vmapped over the vectors, no graph kept between batches;
-* a loss with an autograd graph (``batch_loss(batch)`` on any batch format, `BatchLossCurvature`;
-  or a gradient graph kept across products, `graph_hvp`): double backward, reverse-over-reverse
-  (forward-over-reverse trips over ZeroTensors in some losses' backward formulas).
+* a functional loss ``loss_fn(model(x), y)`` on ``(inputs, targets)`` batches (`FunctionalLoss`):
+  ``torch.func``, the Hessian forward-over-reverse, the GGN by ``jvp``/``vjp``, vmapped over
+  the vectors, no graph kept between batches;
+* a loss with an autograd graph (``batch_loss(batch)`` on any batch format, or a gradient graph
+  kept across products, `graph_hvp`; the GGN by `ggn_graph` and `ggn_apply`): double backward,
+  reverse-over-reverse (forward-over-reverse trips over ZeroTensors in some losses' backward
+  formulas).
 
 Example:
     >>> import torch
@@ -20,9 +21,8 @@ Example:
     >>> def mse(out, target):
     ...     return ((out - target) ** 2).mean()
     >>> loss = FunctionalLoss(model, mse, ["weight"], torch.float64, loss_reduction="mean")
-    >>> layout = ParamLayout(["weight"], [(1, 2)])
-    >>> curv = LossFnCurvature(loss, layout, (x, y), "hessian", batch_size=3)
-    >>> torch.allclose(curv.product(torch.eye(2, dtype=torch.float64)), 2 * x.T @ x / 8)
+    >>> hv = loss.hvp({"weight": torch.eye(2, dtype=torch.float64)[:, None]}, x, y, 1.0)
+    >>> torch.allclose(hv["weight"][:, 0], 2 * x.T @ x / 8)
     True
 """
 
@@ -217,6 +217,28 @@ def graph_hvp(
     return batched_grad([g for g, _ in live], params, [v for _, v in live])
 
 
+def ggn_graph(z: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list]:
+    """``(u, Jᵀu)`` with ``J = ∂z/∂params`` built with ``create_graph`` (linear in ``u``): the
+    part of `graph_ggn_vp` that does not depend on the vectors, built once per batch."""
+    u = torch.zeros_like(z, requires_grad=True)
+    return u, list(torch.autograd.grad(z, params, grad_outputs=u, create_graph=True))
+
+
+def ggn_apply(
+    z: torch.Tensor,
+    gz: torch.Tensor,
+    u: torch.Tensor,
+    jtu: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    vs: Sequence[torch.Tensor],
+) -> list[torch.Tensor]:
+    """``Jᵀ H_L J v_k`` from `ggn_graph`'s ``(u, Jᵀu)``: ``J v`` is the derivative of
+    ``u ↦ Jᵀu`` in direction ``v``, ``H_L`` the derivative of ``gz = ∂loss/∂z``."""
+    jv = batched_grad(jtu, [u], vs)[0]  # [k, *z.shape]
+    hjv = batched_grad([gz], [z], [jv])[0]
+    return batched_grad([z], params, [hjv])
+
+
 def graph_ggn_vp(
     z: torch.Tensor,
     gz: torch.Tensor,
@@ -226,11 +248,8 @@ def graph_ggn_vp(
     """``Jᵀ H_L J v_k`` with ``z`` the model's output (``J = ∂z/∂params``) and ``gz = ∂loss/∂z``
     built with ``create_graph``, all by reverse mode: ``J v`` is the derivative of ``u ↦ Jᵀu``
     (linear in ``u``) in direction ``v``."""
-    u = torch.zeros_like(z, requires_grad=True)
-    jtu = torch.autograd.grad(z, params, grad_outputs=u, create_graph=True)
-    jv = batched_grad(jtu, [u], vs)[0]  # [k, *z.shape]
-    hjv = batched_grad([gz], [z], [jv])[0]
-    return batched_grad([z], params, [hjv])
+    u, jtu = ggn_graph(z, params)
+    return ggn_apply(z, gz, u, jtu, params, vs)
 
 
 def check_loss_through(
@@ -330,166 +349,6 @@ class FunctionalLoss:
             return pullback(hju)[0]
 
         return _vmapped(one, vs)
-
-
-# ----------------------------------------------------------------------------- streamed passes
-class StreamedCurvature:
-    """A curvature of the mean loss over ``data`` whose product is one pass over it: counts the
-    passes and checks every pass sees the same examples."""
-
-    def __init__(self, kind: str) -> None:
-        if kind not in KINDS:
-            raise ValueError(f"curvature must be one of {list(KINDS)}, got {kind!r}")
-        self.kind = kind
-        self.n_train: int | None = None
-        self.passes = 0
-
-    def hvp(self, v: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def ggn_vp(self, v: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def product(self, v: torch.Tensor) -> torch.Tensor:
-        """``kind``'s product with flat vectors ``[k, P]``: one pass over the data."""
-        return self.hvp(v) if self.kind == "hessian" else self.ggn_vp(v)
-
-    def _finish(self, total: torch.Tensor, seen: int) -> torch.Tensor:
-        """``total / n``: a pass's summed products as those of the mean loss."""
-        if seen == 0:
-            raise ValueError("refinement needs training data: train_data is empty")
-        if self.n_train is not None and seen != self.n_train:
-            raise ValueError(
-                f"train_data yielded {seen} examples in one pass and {self.n_train} in another: "
-                "refinement iterates it once per step, so it must not change (a DataLoader with "
-                "a sampler that drops or repeats examples?)"
-            )
-        self.n_train = seen
-        self.passes += 1
-        return total / seen
-
-
-class LossFnCurvature(StreamedCurvature):
-    """Products of a `FunctionalLoss`'s mean over ``(inputs, targets)`` data, by ``torch.func``,
-    on flat vectors of ``layout`` (its names: the loss's ``theta``)."""
-
-    def __init__(
-        self,
-        loss: FunctionalLoss,
-        layout: ParamLayout,
-        data: Any,
-        kind: str,
-        batch_size: int = 256,
-    ) -> None:
-        super().__init__(kind)
-        if loss.reduction is None:
-            raise ValueError("a streamed curvature needs the loss's loss_reduction")
-        self.loss = loss
-        self.reduction: str = loss.reduction
-        self.layout = layout
-        self.data = data
-        self.batch_size = batch_size
-        self.dtype = loss.dtype or next(iter(loss.theta.values())).dtype
-
-    def batches(self, data: Any) -> Iterator[Batch]:
-        return iter_batches(data, self.batch_size, self.dtype)
-
-    def example_grads(self, data: Any) -> torch.Tensor:
-        """``[n, P]`` gradients of each example's own loss."""
-        parts = [
-            self.layout.from_dict(self.loss.example_grads(x, y), len(x))
-            for x, y in self.batches(data)
-        ]
-        if not parts:
-            raise ValueError("empty query data")
-        return torch.cat(parts)
-
-    def _stream(self, v: torch.Tensor, one: Callable[..., Params]) -> torch.Tensor:
-        vs = self.layout.to_dict(v)
-        out = torch.zeros_like(v)
-        seen = 0
-        for x, y in self.batches(self.data):
-            w = sum_weight(len(x), self.reduction)
-            out += self.layout.from_dict(one(vs, x, y, w), len(v))
-            seen += len(x)
-        return self._finish(out, seen)
-
-    def hvp(self, v: torch.Tensor) -> torch.Tensor:
-        return self._stream(v, self.loss.hvp)
-
-    def ggn_vp(self, v: torch.Tensor) -> torch.Tensor:
-        return self._stream(v, self.loss.ggn_vp)
-
-
-class BatchLossCurvature(StreamedCurvature):
-    """Products of the mean of ``batch_loss(batch)`` (any batch format, computed by calling
-    ``model``) over ``data``, by double backward, on flat vectors of ``layout`` (names of the
-    model's parameters). The GGN splits the loss at the output of the last module call to finish
-    inside ``batch_loss`` (the model itself, or e.g. ``self.net`` in a Lightning
-    ``training_step``; its ``.logits`` for HF outputs), checked on the first batch."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        layout: ParamLayout,
-        batch_loss: Callable[[Any], torch.Tensor],
-        data: Any,
-        kind: str,
-        loss_reduction: str = "mean",
-    ) -> None:
-        super().__init__(kind)
-        self.model = model
-        self.layout = layout
-        by_name = dict(model.named_parameters())
-        self.params = [by_name[n] for n in layout.names]
-        self.batch_loss = batch_loss
-        self.data = data
-        self.reduction = loss_reduction
-        self._checked = False
-
-    def _stream(self, v: torch.Tensor, one: Callable[..., list[torch.Tensor]]) -> torch.Tensor:
-        k = len(v)
-        vs = [t.to(p.dtype) for t, p in zip(self.layout.split(v), self.params, strict=True)]
-        out = torch.zeros_like(v)
-        seen = 0
-        for batch in self.data:
-            n_batch = batch_len(batch)
-            w = sum_weight(n_batch, self.reduction)
-            with torch.enable_grad(), twice_differentiable():
-                hv = one(batch, w, vs)
-            out += torch.cat([h.reshape(k, -1) for h in hv], 1).to(v.dtype)
-            seen += n_batch
-        return self._finish(out, seen)
-
-    def _batch_hvp(self, batch: Any, w: float, vs: list[torch.Tensor]) -> list[torch.Tensor]:
-        grads = torch.autograd.grad(w * self.batch_loss(batch), self.params, create_graph=True)
-        return graph_hvp(grads, self.params, vs)
-
-    def _batch_ggn_vp(self, batch: Any, w: float, vs: list[torch.Tensor]) -> list[torch.Tensor]:
-        seen: list[Any] = []
-        handles = [
-            m.register_forward_hook(lambda m, a, out: seen.append(out))
-            for m in self.model.modules()
-        ]
-        try:
-            loss = w * self.batch_loss(batch)
-        finally:
-            for h in handles:
-                h.remove()
-        if not seen:
-            raise ValueError("curvature='ggn': batch_loss never called the model")
-        z = output_logits(seen[-1])
-        gz = torch.autograd.grad(loss, z, create_graph=True)[0]
-        if not self._checked:
-            check_loss_through(loss, z, gz, self.params)
-            self._checked = True
-        return graph_ggn_vp(z, gz, self.params, vs)
-
-    def hvp(self, v: torch.Tensor) -> torch.Tensor:
-        return self._stream(v, self._batch_hvp)
-
-    def ggn_vp(self, v: torch.Tensor) -> torch.Tensor:
-        return self._stream(v, self._batch_ggn_vp)
 
 
 # ----------------------------------------------------------------------------- capture

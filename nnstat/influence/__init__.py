@@ -21,7 +21,7 @@ from .krylov import block_cg, preconditioned_cg
 from .layout import ModuleSpec
 from .lds import LDSProtocol, lds, lds_per_query, run_lds_protocol, subset_masks
 from .precondition import PRECONDITIONERS, Preconditioner
-from .refine import CURVATURES, Refinement
+from .refine import CURVATURES, Refinement, refinement_plan
 from .result import InfluenceResult, SelfInfluenceResult, TopKInfluence
 from .score import MODES, compute_influence_all, compute_self_influence
 from .sources import TensorSource, as_source
@@ -49,6 +49,7 @@ __all__ = [
     "lds",
     "lds_per_query",
     "preconditioned_cg",
+    "refinement_plan",
     "subset_masks",
     "run_lds_protocol",
 ]

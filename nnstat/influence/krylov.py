@@ -2,11 +2,16 @@
 
 The one home of the influence code's solvers. ``preconditioned_cg`` runs one conjugate-gradient
 recurrence per row (the rows only share the batched ``matvec``); `conjugate_gradient` is it
-without a preconditioner (exact influence). `lissa` is the Neumann series, scaled by
-`top_eigenvalue` (power iteration). ``block_cg`` shares one search space between all rows: each step adds every
-row's preconditioned residual to it, and every row takes the best iterate in the whole space.
+without a preconditioner. `lissa` is the Neumann series, scaled by `top_eigenvalue` (power
+iteration). ``block_cg`` shares one search space between all rows: each step adds every row's
+preconditioned residual to it, and every row takes the best iterate in the whole space.
 Refinement solves one system per query against the same curvature, so a block of 32 queries
-explores 32 directions per pass over the training data instead of one.
+explores 32 directions per pass over the training data instead of one; exact influence solves
+all its queries as one block, so it ends once the space is the whole parameter space.
+
+Both run on the device of ``rhs`` and read the host once per step (one small tensor of flags:
+on a GPU nothing else waits for the queue to drain): what a step found (a direction of
+non-positive curvature, NaN) is acted on at the next step's read, before its iterate is used.
 """
 
 from __future__ import annotations
@@ -16,7 +21,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["block_cg", "conjugate_gradient", "lissa", "preconditioned_cg", "top_eigenvalue"]
+__all__ = [
+    "block_cg",
+    "block_directions",
+    "conjugate_gradient",
+    "lanczos_ritz",
+    "lissa",
+    "preconditioned_cg",
+    "top_eigenvalue",
+]
 
 
 def _not_positive_definite(
@@ -32,15 +45,34 @@ def _not_positive_definite(
     return err
 
 
-def _next_rows(
-    active: torch.Tensor, on_step: Callable[[torch.Tensor], None] | None, x: torch.Tensor
-) -> torch.Tensor | None:
-    """The start of a step: report the iterate, then the rows still to solve (``None``: all
-    converged)."""
-    if on_step is not None:
-        on_step(x)
-    idx = active.nonzero().flatten()
-    return idx if len(idx) else None
+def _read(*values: torch.Tensor) -> list[float]:
+    """The step's one host read: scalars (and small vectors) of the device, flattened."""
+    return torch.cat([v.reshape(-1).to(torch.float64) for v in values]).tolist()
+
+
+def lanczos_ritz(alphas: torch.Tensor, betas: torch.Tensor) -> torch.Tensor:
+    """Ritz values of the Lanczos tridiagonal that ``j`` CG steps' coefficients define.
+
+    ``alphas`` ``[j]`` (step lengths ``rᵀz / pᵀAp``) and ``betas`` ``[j - 1]``
+    (``r_{i+1}ᵀz_{i+1} / r_iᵀz_i``) give ``T`` with diagonal ``1/α_i + β_{i-1}/α_{i-1}`` and
+    off-diagonal ``√β_i / α_i`` (Saad, *Iterative Methods*, §6.7.3): its eigenvalues are Ritz
+    values of ``A`` (of ``M^½ A M^½`` with a preconditioner ``M``, which has the inertia of
+    ``A``), inside ``[λ_min, λ_max]``, the smallest an upper bound on ``λ_min``.
+
+    Example:
+        >>> import torch
+        >>> A = torch.diag(torch.tensor([1.0, 3.0], dtype=torch.float64))
+        >>> x, info = preconditioned_cg(lambda v: v @ A, None, torch.ones(1, 2, dtype=A.dtype), 2)
+        >>> [round(v, 6) for v in lanczos_ritz(info["alphas"][:, 0], info["betas"][:, 0]).tolist()]
+        [1.0, 3.0]
+    """
+    j = len(alphas)
+    inv = 1 / alphas
+    diag = inv.clone()
+    diag[1:] += betas[: j - 1] * inv[:-1]
+    off = betas[: j - 1].clamp_min(0).sqrt() * inv[:-1]
+    t = torch.diag(diag) + torch.diag(off, 1) + torch.diag(off, -1)
+    return torch.linalg.eigvalsh(t)
 
 
 def preconditioned_cg(
@@ -56,10 +88,15 @@ def preconditioned_cg(
 
     ``matvec`` and ``precondition`` map ``[k, P]`` to ``[k, P]`` (``A`` and ``M ≈ A⁻¹``
     symmetric; ``precondition=None``: ``M = I``, plain CG). Rows whose relative residual falls
-    under ``tol`` stop; ``matvec`` then sees only the active rows. Returns ``(x, info)``: ``info["products"]`` counts single-vector products,
-    ``info["passes"]`` calls of ``matvec``, ``info["residual"]`` the final relative residuals.
-    Raises ``ValueError`` when ``pᵀAp <= 0`` for an active row (``A`` is not positive definite
-    along that direction), with ``err.rows`` the offending row indices, ``err.pap`` their ``pᵀAp``.
+    under ``tol`` stop; ``matvec`` then sees only the active rows. Returns ``(x, info)``:
+    ``info["products"]`` counts single-vector products, ``info["passes"]`` calls of ``matvec``,
+    ``info["residual"]`` the final relative residuals, ``info["alphas"]``/``info["betas"]`` the
+    coefficients ``[steps, k]`` (NaN once a row stopped; `lanczos_ritz` makes Ritz values of
+    them). Raises ``ValueError`` when ``pᵀAp <= 0`` for an active row (``A`` is not positive
+    definite along that direction: the Lanczos tridiagonal of the coefficients so far, whose
+    ``LDLᵀ`` pivots are ``1/α``, is not positive definite), with ``err.rows`` the offending row
+    indices, ``err.pap`` their ``pᵀAp`` and ``err.curvature`` the smallest Ritz value of each
+    (plain CG; with a preconditioner, whose Ritz values are of ``M^½AM^½``, ``pᵀAp / pᵀp``).
 
     Example:
         >>> import torch
@@ -69,8 +106,8 @@ def preconditioned_cg(
         >>> torch.allclose(x @ A, b), info["passes"]
         (True, 2)
     """
-    if precondition is None:
-        precondition = _identity
+    plain = precondition is None
+    precondition = precondition or _identity
     k = rhs.shape[0]
     b_norm = rhs.norm(dim=1).clamp_min(torch.finfo(rhs.dtype).tiny)
     products = passes = 0
@@ -85,20 +122,36 @@ def preconditioned_cg(
     p = z.clone()
     rz = (r * z).sum(1)
     active = r.norm(dim=1) / b_norm > tol
-    for _ in range(steps):
-        idx = _next_rows(active, on_step, x)
-        if idx is None:
+    nan = torch.full((k,), float("nan"), dtype=rhs.dtype, device=rhs.device)
+    alphas: list[torch.Tensor] = []
+    betas: list[torch.Tensor] = []
+    bad = pap_all = rayleigh = None  # the previous step's, checked at this step's read
+    for step in range(steps + 1):
+        flags = _read(active, bad if bad is not None else active.new_zeros(k))
+        live, was_bad = flags[:k], flags[k:]
+        if any(was_bad):
+            rows = [i for i, v in enumerate(was_bad) if v]
+            assert pap_all is not None and rayleigh is not None
+            if plain:  # the smallest Ritz value of each row's tridiagonal (≤ pᵀAp / pᵀp)
+                a, b = torch.stack(alphas), torch.stack(betas)
+                curv = [float(lanczos_ritz(a[:, i], b[:, i]).min()) for i in rows]
+            else:
+                curv = rayleigh[rows].tolist()
+            raise _not_positive_definite(rows, curv, pap_all[rows].tolist())
+        idx_list = [i for i, v in enumerate(live) if v]
+        if step == steps or not idx_list:
             break
+        if on_step is not None:
+            on_step(x)
+        idx = torch.tensor(idx_list, device=rhs.device) if len(idx_list) < k else slice(None)
         ap = matvec(p[idx])
-        products += len(idx)
+        products += len(idx_list)
         passes += 1
         pap = (p[idx] * ap).sum(1)
-        bad = pap <= 0
-        if bad.any():
-            rayleigh = pap / (p[idx] * p[idx]).sum(1)  # pᵀAp / pᵀp, comparable across rows
-            raise _not_positive_definite(
-                idx[bad].tolist(), rayleigh[bad].tolist(), pap[bad].tolist()
-            )
+        bad, pap_all, rayleigh = nan.new_zeros(k, dtype=torch.bool), nan.clone(), nan.clone()
+        bad[idx] = pap <= 0
+        pap_all[idx] = pap
+        rayleigh[idx] = pap / (p[idx] * p[idx]).sum(1)  # pᵀAp / pᵀp, comparable across rows
         alpha = rz[idx] / pap
         x[idx] += alpha[:, None] * p[idx]
         r[idx] -= alpha[:, None] * ap
@@ -108,9 +161,17 @@ def preconditioned_cg(
         p[idx] = z_new + beta[:, None] * p[idx]
         rz[idx] = rz_new
         active[idx] = r[idx].norm(dim=1) / b_norm[idx] > tol
+        alphas.append(nan.index_put((idx,), alpha) if len(idx_list) < k else alpha)
+        betas.append(nan.index_put((idx,), beta) if len(idx_list) < k else beta)
     if on_step is not None:
         on_step(x)
-    info = {"products": products, "passes": passes, "residual": r.norm(dim=1) / b_norm}
+    info = {
+        "products": products,
+        "passes": passes,
+        "residual": r.norm(dim=1) / b_norm,
+        "alphas": torch.stack(alphas) if alphas else nan[:0, None].expand(0, k),
+        "betas": torch.stack(betas) if betas else nan[:0, None].expand(0, k),
+    }
     return x, info
 
 
@@ -200,21 +261,31 @@ def top_eigenvalue(
     return value
 
 
-def _new_directions(z: torch.Tensor, basis: torch.Tensor, drop: float) -> torch.Tensor:
-    """An orthonormal basis ``[m, P]`` of what ``z`` adds to the row space of ``basis``
-    (orthonormal rows): rows scaled to unit norm (a query's direction counts whatever its
-    gradient's size), projected out twice (classical Gram-Schmidt loses orthogonality once),
-    then an SVD keeps the directions above ``drop``."""
-    if not torch.isfinite(z).all():
-        raise ValueError(
-            "the preconditioned residuals contain NaN/Inf: check the data, the statistics and "
-            "the damping"
-        )
+def block_directions(rows: int, steps: int, start: bool, width: int) -> int:
+    """The most directions `block_cg`'s search space holds: ``rows`` per step, ``rows`` more at
+    the second step when it starts from other directions (``start``), at most ``width``.
+
+    Example:
+        >>> block_directions(4, steps=3, start=True, width=100)
+        16
+    """
+    return min(width, (steps + (start and steps > 1)) * rows)
+
+
+def _candidates(
+    z: torch.Tensor, mask: torch.Tensor, basis: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Orthonormal rows ``vh`` spanning what the rows of ``z`` (those ``mask`` keeps) add to the
+    row space of ``basis`` (orthonormal rows), with their singular values ``s`` (descending):
+    rows scaled to unit norm (a query's direction counts whatever its gradient's size),
+    projected out twice (classical Gram-Schmidt loses orthogonality once), then an SVD. NaN
+    and Inf are zeroed here (the caller reads whether there were any)."""
+    z = torch.nan_to_num(z, nan=0.0, posinf=0.0, neginf=0.0) * mask[:, None]
     z = z / z.norm(dim=1, keepdim=True).clamp_min(torch.finfo(z.dtype).tiny)
     for _ in range(2 if len(basis) else 0):
         z = z - (z @ basis.T) @ basis
     _, s, vh = torch.linalg.svd(z, full_matrices=False)
-    return vh[s > drop]
+    return vh, s
 
 
 def block_cg(
@@ -236,8 +307,10 @@ def block_cg(
     holds each row's own preconditioned-CG space, so no row is worse than under
     `preconditioned_cg` at the same number of ``matvec`` calls, and each row's ``A``-norm error
     never increases. One row is exactly `preconditioned_cg` (up to rounding). Memory: ``V`` and
-    ``A V``, up to ``2 · steps · k`` vectors. Same ``info`` as `preconditioned_cg`; raises
-    ``ValueError`` (``err.rows``: the active rows) when ``Vᵀ A V`` is not positive definite.
+    ``A V``, `block_directions` vectors each, allocated once. Same ``info`` as
+    `preconditioned_cg` (``info["ritz"]``: the smallest Ritz value of ``A`` in the final
+    space); raises ``ValueError`` (``err.rows``: the active rows, ``err.curvature``: the
+    non-positive Ritz values) when ``Vᵀ A V`` is not positive definite.
 
     ``start`` replaces the first step's directions ``precondition(rhs)`` (for a first ``matvec``
     that must run before ``precondition`` is final); the second step then adds
@@ -247,6 +320,11 @@ def block_cg(
     may return ``δ > 0``: the system becomes ``A + δI`` from there on (``matvec`` must follow
     it; the space and its products are updated in place, no product is repeated).
 
+    One host read per step (the number of new directions, whether a row is still active, NaN,
+    and the previous step's ``μ``), two in a step after a shift. On a GPU the small ``m × m``
+    eigendecomposition and the candidates' SVD also wait for the device (``torch.linalg``
+    checks their convergence); they follow the step's product, which the step needs anyway.
+
     Example:
         >>> import torch
         >>> A = torch.diag(torch.arange(1.0, 5.0, dtype=torch.float64))
@@ -255,51 +333,90 @@ def block_cg(
         >>> torch.allclose(X @ A, B), info["passes"]
         (True, 2)
     """
+    k, width = rhs.shape
     b_norm = rhs.norm(dim=1).clamp_min(torch.finfo(rhs.dtype).tiny)
     drop = 10 * torch.finfo(rhs.dtype).eps ** 0.5
-    x = torch.zeros_like(rhs)
-    r = rhs.clone()
-    basis = rhs.new_zeros(0, rhs.shape[1])
-    a_basis = basis.clone()
+    cap = block_directions(k, steps, start is not None, width)
+    basis, a_basis = rhs.new_empty(cap, width), rhs.new_empty(cap, width)
+    m = 0
     gram = rhs.new_zeros(0, 0)  # Vᵀ A V
-    products = passes = 0
+    x, r = torch.zeros_like(rhs), rhs.clone()
     active = r.norm(dim=1) / b_norm > tol
-    for step in range(steps):
-        idx = _next_rows(active, on_step, x)
-        if idx is None:
-            break
+    products = passes = 0
+    ritz = float("nan")
+    pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # evals, evecs, rows
+
+    def directions(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if step == 0 and start is not None:
-            z = start
+            z, mask = start, active
         elif step == 1 and start is not None:
-            z = torch.cat([precondition(r[idx]), precondition(rhs[idx])])
+            z = torch.cat([precondition(r), precondition(rhs)])
+            mask = torch.cat([active, active])
         else:
-            z = precondition(r[idx])
-        w = _new_directions(z, basis, drop)
-        if len(w) == 0:
+            z, mask = precondition(r), active
+        vh, s = _candidates(z, mask, basis[:m])
+        return vh, (s > drop).sum(), torch.isfinite(z).all()
+
+    def galerkin(evals: torch.Tensor, evecs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # a non-positive eigenvalue is refused at the next read: divide by 1 until then
+        safe = torch.where(evals > 0, evals, torch.ones_like(evals))
+        coef = ((rhs @ basis[:m].T) @ evecs / safe) @ evecs.T
+        res = rhs - coef @ a_basis[:m]
+        return coef @ basis[:m], res, res.norm(dim=1) / b_norm > tol
+
+    for step in range(steps + 1):
+        last = step == steps
+        if last and pending is None:
             break
+        if not last:
+            vh, n_new, finite = directions(step)
+        mu = pending[0][0] if pending is not None else b_norm.new_zeros(())
+        flags = _read(mu) if last else _read(mu, n_new, active.any(), finite)
+        if pending is not None:
+            evals, evecs, rows = pending
+            pending = None
+            ritz = flags[0]
+            delta = 0.0 if shift is None else shift(ritz)
+            if delta > 0:  # A + δI on the space: Vᵀ(A + δI)V = VᵀAV + δI (orthonormal V)
+                gram = gram + delta * torch.eye(m, dtype=gram.dtype, device=gram.device)
+                a_basis[:m] += delta * basis[:m]
+                evals, ritz = evals + delta, ritz + delta
+            if ritz <= 0:
+                bad = evals[evals <= 0].tolist()
+                raise _not_positive_definite(rows.nonzero().flatten().tolist(), bad)
+            if delta > 0:
+                x, r, active = galerkin(evals, evecs)
+                if not last:
+                    vh, n_new, finite = directions(step)
+                    flags = [ritz, *_read(n_new, active.any(), finite)]
+        if last:
+            break
+        n, any_active, ok = int(flags[1]), flags[2], flags[3]
+        if not ok:
+            raise ValueError(
+                "the preconditioned residuals contain NaN/Inf: check the data, the statistics "
+                "and the damping"
+            )
+        if not any_active or n == 0:
+            break
+        if on_step is not None:
+            on_step(x)
+        w = vh[:n]
         aw = matvec(w)
-        products += len(w)
+        products += n
         passes += 1
-        cross = basis @ aw.T
+        cross = basis[:m] @ aw.T
         corner = w @ aw.T
         gram = torch.cat(
             [torch.cat([gram, cross], 1), torch.cat([cross.T, (corner + corner.T) / 2], 1)], 0
         )
-        basis = torch.cat([basis, w])
-        a_basis = torch.cat([a_basis, aw])
+        basis[m : m + n], a_basis[m : m + n] = w, aw
+        m += n
         evals, evecs = torch.linalg.eigh(gram)
-        delta = 0.0 if shift is None else shift(float(evals[0]))
-        if delta > 0:  # A + δI on the space: Vᵀ(A + δI)V = VᵀAV + δI (orthonormal V)
-            gram = gram + delta * torch.eye(len(gram), dtype=gram.dtype)
-            a_basis = a_basis + delta * basis
-            evals = evals + delta
-        if evals[0] <= 0:
-            raise _not_positive_definite(idx.tolist(), evals[evals <= 0].tolist())
-        coef = ((rhs @ basis.T) @ evecs / evals) @ evecs.T
-        x = coef @ basis
-        r = rhs - coef @ a_basis
-        active = r.norm(dim=1) / b_norm > tol
+        pending = (evals, evecs, active)
+        x, r, active = galerkin(evals, evecs)
     if on_step is not None:
         on_step(x)
     info = {"products": products, "passes": passes, "residual": r.norm(dim=1) / b_norm}
+    info["ritz"] = ritz
     return x, info

@@ -8,7 +8,7 @@ in this space from the capture engine, `logged_preconditioner` the preconditione
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +56,13 @@ class LoggedSpace:
     """The logged modules' parameters as one flat vector ``[k, P]`` (`ParamLayout` ``layout``),
     and conversions to the store's row layout (`project`) and back (`lift`, its adjoint)."""
 
-    def __init__(self, model: nn.Module, source: RowSource, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        source: RowSource,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+    ) -> None:
         meta_modules = {m["name"]: m for m in (source.meta or {}).get("modules", [])}
         projections = source.projections()
         names = {id(p): n for n, p in model.named_parameters()}
@@ -101,8 +107,8 @@ class LoggedSpace:
                     d_out,
                     d_in,
                     params,
-                    None if p_out is None else p_out.to(dtype),
-                    None if p_in is None else p_in.to(dtype),
+                    None if p_out is None else p_out.to(device=device, dtype=dtype),
+                    None if p_in is None else p_in.to(device=device, dtype=dtype),
                 )
             )
         self.size = offset
@@ -166,23 +172,20 @@ def captured_rows(
     data: Any,
     loss_reduction: str,
     dtype: torch.dtype,
-) -> torch.Tensor:
-    """``[n, P]`` per-example gradients of the logged modules from the capture engine (the same
-    per-sample gradients the store holds), for ``batch_loss(batch)`` data."""
+) -> Iterator[torch.Tensor]:
+    """Per batch of ``data``, ``[b, P]`` per-example gradients of the logged modules from the
+    capture engine (the same per-sample gradients the store holds), for ``batch_loss(batch)``
+    data."""
     by_name = dict(model.named_parameters())
     slots = {s.spec.name: s for s in flat.slots}
     batches = captured_example_grads(
         model, list(slots), batch_loss, data, loss_reduction, [by_name[n] for n in flat.names]
     )
-    parts = []
     for n, caps in batches:
-        out = torch.zeros(n, flat.size, dtype=dtype)
+        out = torch.zeros(n, flat.size, dtype=dtype, device=caps[0][1].device if caps else None)
         for name, mat in caps:
             flat.write(out, slots[name], mat.to(dtype))
-        parts.append(out)
-    if not parts:
-        raise ValueError("empty query data")
-    return torch.cat(parts)
+        yield out
 
 
 def check_weights(flat: LoggedSpace, meta: Mapping[str, Any], path: str) -> None:
@@ -205,17 +208,27 @@ def check_weights(flat: LoggedSpace, meta: Mapping[str, Any], path: str) -> None
 
 
 def check_against_rows(
-    flat: LoggedSpace, grads: torch.Tensor, rows: torch.Tensor, ids: list, meta: Mapping
+    flat: LoggedSpace,
+    grads: Iterable[torch.Tensor],
+    rows: torch.Tensor,
+    ids: list,
+    meta: Mapping,
 ) -> None:
-    """Refuse query data whose gradients are not the log's rows (other weights, loss or order)."""
-    if len(grads) != len(rows):
+    """Refuse query data whose gradients (``[b, P]`` batches, projected one at a time) are not
+    the log's rows (other weights, loss or order)."""
+    errs, n = [], 0
+    for g in grads:
+        proj = flat.project(g).to(torch.float32).cpu()
+        want = rows[n : n + len(proj)].to(torch.float32)
+        if len(want) == len(proj):
+            errs.append((proj - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-30))
+        n += len(proj)
+    if n != len(rows):
         raise ValueError(
-            f"the refinement's query data has {len(grads)} examples but the log has "
+            f"the refinement's query data has {n} examples but the log has "
             f"{len(rows)} rows: pass the data the log was captured from, in the same order"
         )
-    proj = flat.project(grads).to(torch.float32)
-    rows = rows.to(torch.float32)
-    err = (proj - rows).norm(dim=1) / rows.norm(dim=1).clamp_min(1e-30)
+    err = torch.cat(errs)
     tol = 1e-2 if str(meta.get("dtype", "float32")) in ("float16", "bfloat16") else 1e-3
     bad = (err > tol).nonzero().flatten()
     if len(bad):

@@ -41,12 +41,13 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from .layout import ModuleSpec
 from .sources import RowSource
+from .woodbury import gram_eig, symmetric_eig, woodbury_apply, woodbury_core
 
 PRECONDITIONERS = ("identity", "raw", "kfac", "ekfac")
 DAMPING_HEURISTIC = 0.1  # λ = 0.1 × mean eigenvalue of the module's curvature when damping=None
@@ -55,19 +56,6 @@ DENSE_FIT_BUDGET = 1 << 30
 
 
 # ----------------------------------------------------------------------------- pure maths
-def symmetric_eig(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigenvalues (clamped at 0: curvature estimates are PSD up to round-off) and eigenvectors.
-
-    Example:
-        >>> import torch
-        >>> symmetric_eig(torch.eye(2) * 3)[0].tolist()
-        [3.0, 3.0]
-    """
-    m = matrix.to(torch.float64)
-    evals, evecs = torch.linalg.eigh((m + m.T) / 2)
-    return evals.clamp_min(0.0), evecs
-
-
 def resolve_damping(damping: float | None, evals: torch.Tensor) -> float:
     """``damping`` itself, or ``DAMPING_HEURISTIC × mean eigenvalue`` when it is ``None``.
 
@@ -117,52 +105,6 @@ def damped_inverse(evals: torch.Tensor, evecs: torch.Tensor, damping: float) -> 
     if (denom <= 0).any():
         raise ValueError("curvature + damping is singular: use a damping > 0")
     return ((evecs / denom) @ evecs.T).to(torch.float32)
-
-
-def gram_eig(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigendecomposition of the Gram matrix ``K = X Xᵀ`` of ``rows`` ``X`` ``[n, d]`` (float64).
-
-    ``K`` and ``XᵀX`` share their nonzero eigenvalues, so ``eig(K) / n`` is the nonzero
-    spectrum of ``H = XᵀX / n`` at ``O(n² d)`` cost instead of ``O(d³)``.
-
-    Example:
-        >>> import torch
-        >>> gram_eig(torch.tensor([[3.0, 4.0]]))[0].tolist()
-        [25.0]
-    """
-    return symmetric_eig(rows.to(torch.float64) @ rows.to(torch.float64).T)
-
-
-def woodbury_core(
-    gram_evals: torch.Tensor, gram_evecs: torch.Tensor, n: int, damping: float
-) -> torch.Tensor:
-    """``C = (nλI + K)⁻¹ / λ`` so that ``(XᵀX/n + λI)⁻¹ = I/λ − Xᵀ C X`` (Woodbury identity).
-
-    Example:
-        >>> import torch
-        >>> f64 = torch.float64
-        >>> woodbury_core(torch.tensor([2.0], dtype=f64), torch.eye(1, dtype=f64), 1, 2.0).item()
-        0.125
-    """
-    if not damping > 0:
-        raise ValueError("curvature + damping is singular: use a damping > 0")
-    return (gram_evecs / (damping * (n * damping + gram_evals))) @ gram_evecs.T
-
-
-def woodbury_apply(
-    x: torch.Tensor, rows: torch.Tensor, core: torch.Tensor, damping: float
-) -> torch.Tensor:
-    """``x (XᵀX/n + λI)⁻¹ = x/λ − ((x Xᵀ) C) X`` for ``x`` ``[b, d]`` (float64 inside).
-
-    Example:
-        >>> import torch
-        >>> f64 = torch.float64
-        >>> core = woodbury_core(torch.tensor([1.0], dtype=f64), torch.eye(1, dtype=f64), 1, 1.0)
-        >>> woodbury_apply(torch.ones(1, 1), torch.ones(1, 1), core, 1.0).item()
-        0.5
-    """
-    x64, r64 = x.to(torch.float64), rows.to(torch.float64)
-    return x64 / damping - ((x64 @ r64.T) @ core) @ r64
 
 
 def factor_eig(factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -399,6 +341,10 @@ def _stored_basis(
     return False
 
 
+def _to(t: object, device: torch.device) -> object:
+    return t.to(device) if isinstance(t, torch.Tensor) else t
+
+
 # ----------------------------------------------------------------------------- fitting
 def dense_groups(widths: list[int], budget: int = DENSE_FIT_BUDGET) -> list[list[int]]:
     """Indices of ``widths`` in groups whose float64 ``width²`` covariances fit in ``budget``
@@ -501,6 +447,7 @@ class Preconditioner:
         self.layout = layout
         self.factors = factors
         self._cache: dict[tuple[str, float | None], list[_DampedBlock]] = {}
+        self._on_device: dict[tuple[str, float | None, str], list[_DampedBlock]] = {}
         # where each module's curvature came from: "rows", "statistics" or "statistics+rows"
         self.origin: dict[str, str] = {}
 
@@ -575,13 +522,35 @@ class Preconditioner:
             self._cache[key] = blocks
         return self._cache[key]
 
+    def _blocks_on(self, damping: float | None, device: torch.device) -> list[_DampedBlock]:
+        """`_blocks` on ``device`` (moved once per damping and device, then kept)."""
+        key = (self.kind, None if damping is None else float(damping), str(device))
+        if device.type != "cpu" and key not in self._on_device:
+            self._on_device[key] = [
+                _DampedBlock(**{f.name: _to(getattr(b, f.name), device) for f in fields(b)})
+                for b in self._blocks(damping)
+            ]
+        return self._blocks(damping) if device.type == "cpu" else self._on_device[key]
+
+    def damped_bytes(self) -> int:
+        """Bytes of one damping's blocks (`apply` keeps them per damping and device)."""
+        total = 0
+        for m in self.layout:
+            f = self.factors.get(m.name)
+            if isinstance(f, KronFactor):  # float32 bases and denominators
+                total += 4 * (m.r_out**2 * (f.q_out is not None) + m.r_in**2 * (f.q_in is not None))
+            total += {DenseFactor: 4 * m.width**2, LowRankFactor: 8 * len(getattr(f, "rows", ())) ** 2,
+                      KronFactor: 4 * m.width}.get(type(f), 0)  # fmt: skip
+        return total
+
     def apply(self, rows: torch.Tensor, damping: float | None) -> torch.Tensor:
-        """``rows (H + λI)⁻¹`` block by block (``H`` symmetric, so rows or columns alike)."""
+        """``rows (H + λI)⁻¹`` block by block (``H`` symmetric, so rows or columns alike), on
+        the device of ``rows``."""
         if self.kind == "identity":
             return rows.to(torch.float32)
         rows = rows.to(torch.float32)
         out = torch.empty_like(rows)
-        for m, b in zip(self.layout, self._blocks(damping), strict=True):
+        for m, b in zip(self.layout, self._blocks_on(damping, rows.device), strict=True):
             x = rows[:, m.offset : m.stop]
             if b.matrix is not None:
                 out[:, m.offset : m.stop] = x @ b.matrix

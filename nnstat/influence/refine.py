@@ -67,7 +67,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,13 +76,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from nnstat.curvature.fisher import fisher_statistics
-from nnstat.curvature.products import (
-    BatchLossCurvature,
-    FunctionalLoss,
-    LossFnCurvature,
-    StreamedCurvature,
-    batch_len,
-)
+from nnstat.curvature.products import FunctionalLoss, batch_len
+from nnstat.curvature.streamed import BatchLossCurvature, LossFnCurvature, StreamedCurvature
 
 from .krylov import block_cg, preconditioned_cg
 from .logged_space import (
@@ -93,13 +88,8 @@ from .logged_space import (
     logged_preconditioner,
 )
 from .precondition import Preconditioner, resolve_damping
-from .refine_system import (
-    DAMPING_RAISE,
-    MAX_DAMPING_RAISES,
-    DampedSystem,
-    choose_solver,
-    set_damping,
-)
+from .refine_plan import Footprint, Plan, available_memory, choose_plan, product_cost, warn_changed
+from .refine_system import DAMPING_RAISE, MAX_DAMPING_RAISES, DampedSystem, set_damping
 from .sources import RowSource, all_rows
 
 CURVATURES = ("hessian", "ggn")
@@ -115,6 +105,7 @@ __all__ = [
     "block_cg",
     "fit_fisher_statistics",
     "preconditioned_cg",
+    "refinement_plan",
 ]
 
 
@@ -152,11 +143,20 @@ class Refinement:
             statistics, else raw), or one of ``"ekfac"``, ``"kfac"``, ``"raw"``, ``"identity"``
             (plain CG).
         batch_size: training examples per curvature product.
-        query_batch: queries refined together (memory grows with it).
+        query_batch: queries refined together, at most (memory grows with it; see ``memory``).
         solver: ``"block"`` (default): the queries of a block share one search space (block
             conjugate gradient: each pass over the data adds ``query_batch`` directions, not one,
             at the memory of ``2 · steps · query_batch`` logged-space vectors); ``"cg"``: one
             conjugate-gradient recurrence per query.
+        memory: bytes refinement may use on the model's device beyond the model, its data and
+            the logs' rows (``None``: `refine_plan.available_memory`, 80% of the free GPU
+            memory, or 50% of the available RAM on the CPU). It sets the plan
+            (`refine_plan.choose_plan`, reported in ``result.meta["refine"]["memory"]`` with its
+            estimate): the vectors per curvature product (``chunk``: the same results), on a
+            GPU where the search space lives (device or host: the same results), then smaller
+            blocks and per-query CG (a warning: the same solution once converged); where one
+            query with one vector per product does not fit, a ``ValueError`` names the bytes
+            needed. The product's share is measured on the first training batch.
         loss_reduction: how ``loss_fn`` reduces a batch, ``"mean"`` or ``"sum"``.
         fisher: where the K-FAC/EK-FAC preconditioner's factors come from: ``"store"`` (the run's
             statistics), or refit from ``train_data`` (two more passes) with the real targets
@@ -188,6 +188,7 @@ class Refinement:
     batch_size: int = 256
     query_batch: int = 32
     solver: str = "block"
+    memory: int | None = None
     loss_reduction: str = "mean"
     fisher: str = "store"
     fisher_samples: int = 1
@@ -229,6 +230,10 @@ class Refinement:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.damping is not None:
             resolve_damping(self.damping, torch.zeros(0))  # validates
+        if self.memory is not None and (
+            not isinstance(self.memory, int) or isinstance(self.memory, bool) or self.memory < 1
+        ):
+            raise ValueError(f"memory must be None or a positive int (bytes), got {self.memory!r}")
 
 
 def fit_fisher_statistics(
@@ -280,8 +285,8 @@ def _curvature(refine: Refinement, flat: LoggedSpace, kind: str) -> StreamedCurv
 
 def _query_grads(
     refine: Refinement, flat: LoggedSpace, curv: StreamedCurvature, data: Any
-) -> torch.Tensor:
-    """``[n, P]`` gradients of the queries' own losses in the logged space."""
+) -> Iterator[torch.Tensor]:
+    """``[b, P]`` gradients of the queries' own losses in the logged space, batch by batch."""
     if isinstance(curv, LossFnCurvature):
         return curv.example_grads(data)
     assert refine.batch_loss is not None
@@ -319,12 +324,13 @@ def _solve_blocks(
     system: DampedSystem,
     rhs: torch.Tensor,
     ids: list,
-    solver: str,
+    plan: Plan,
     deferred: bool,
 ) -> _Solved:
-    """One solve of every block of ``refine.query_batch`` queries; a not positive definite
-    error carries the ``queries`` (ids) it was found for."""
-    blocks = range(0, len(rhs), refine.query_batch)
+    """One solve of every block of ``plan.block`` queries; a not positive definite error
+    carries the ``queries`` (ids) it was found for."""
+    solver, size = plan.solver, plan.block
+    blocks = range(0, len(rhs), size)
     bar = tqdm(
         total=len(blocks) * refine.steps,
         desc=f"refine ({system.curv.kind})",
@@ -341,7 +347,7 @@ def _solve_blocks(
 
     with bar:
         for lo in blocks:
-            b = rhs[lo : lo + refine.query_batch]
+            b = rhs[lo : lo + size]
             kw: dict[str, Any] = {"shift": system.shift} if solver == "block" else {}
             if deferred:
                 # every block starts from the same directions, the unrefined default's
@@ -401,7 +407,7 @@ def _not_positive_definite(refine: Refinement, system: DampedSystem, e: ValueErr
 
 
 def _solve(
-    refine: Refinement, system: DampedSystem, rhs: torch.Tensor, ids: list, solver: str
+    refine: Refinement, system: DampedSystem, rhs: torch.Tensor, ids: list, plan: Plan
 ) -> _Solved:
     """Every block solved at one final ``λ`` and curvature: under ``curvature=None`` and the
     default damping ``λ`` is kept at least ``DAMPING_RAISE`` x the Hessian's most negative
@@ -412,7 +418,7 @@ def _solve(
     resolves = 0
     while True:
         try:
-            solved = _solve_blocks(refine, system, rhs, ids, solver, deferred)
+            solved = _solve_blocks(refine, system, rhs, ids, plan, deferred)
         except ValueError as e:
             if not getattr(e, "queries", None):
                 raise
@@ -443,6 +449,94 @@ def _raised_rule(system: DampedSystem, rule: str) -> str:
     )
 
 
+def _plan(
+    refine: Refinement,
+    curv: StreamedCurvature,
+    flat: LoggedSpace,
+    pre: Preconditioner,
+    n: int,
+    width: int,
+    deferred: bool,
+) -> Plan:
+    """The memory plan of this refinement (`refine_plan.choose_plan`), the product's share
+    measured on the first training batch."""
+    device = curv.device or torch.device("cpu")
+    fixed, per_vector, measured = product_cost(
+        curv, flat.lift, flat.project, width, refine.dtype, device
+    )
+    fp = Footprint(
+        n=n,
+        width=width,
+        params=flat.size,
+        itemsize=torch.finfo(refine.dtype).bits // 8,
+        steps=refine.steps,
+        start=deferred and refine.solver == "block",
+        probes=8 if deferred else 0,
+        fixed=fixed,
+        per_vector=per_vector,
+        measured=measured,
+        preconditioner=2 * pre.damped_bytes(),
+    )
+    memory = refine.memory if refine.memory is not None else available_memory(device)
+    plan = choose_plan(fp, memory, refine.solver, refine.query_batch, device.type == "cuda")
+    warn_changed(plan)
+    return plan
+
+
+def _setup(
+    refine: Refinement,
+    query: RowSource,
+    train: RowSource,
+    damping: float | None,
+    kind: str | None,
+    batch_size: int,
+    query_data: Any,
+) -> tuple[Any, ...]:
+    """What a refinement builds before it solves: ``(device, flat, ids, q_rows, curv, pre,
+    refit, lam, plan)``."""
+    device = next((p.device for p in refine.model.parameters()), torch.device("cpu"))
+    flat = LoggedSpace(refine.model, train, refine.dtype, device)
+    ids, q_rows = all_rows(query, batch_size)
+    check_weights(flat, train.meta or {}, str(getattr(train, "path", "") or "(in memory)"))
+    curv = _curvature(refine, flat, refine.curvature or "hessian")
+    if query_data is not None:  # the queries' own data: its gradients must be the log's rows
+        grads = _query_grads(refine, flat, curv, query_data)
+        check_against_rows(flat, grads, q_rows, ids, query.meta or {})
+    pre, refit = _preconditioner(refine, train, flat, kind, batch_size)
+    lam = refine.damping if refine.damping is not None else damping
+    plan = _plan(refine, curv, flat, pre, len(q_rows), q_rows.shape[1], lam is None)
+    return device, flat, ids, q_rows, curv, pre, refit, lam, plan
+
+
+def refinement_plan(
+    refine: Refinement,
+    query: Any,
+    train: Any,
+    damping: float | None = None,
+    preconditioner: str | None = None,
+    batch_size: int = 4096,
+) -> Plan:
+    """The memory plan `compute_influence_all(query, train, refine=refine)` would solve with
+    (its ``result.meta["refine"]["memory"]`` is ``plan.meta()``), without solving: the
+    product's share measured on the first training batch, the rest counted.
+
+    Example:
+        >>> import torch
+        >>> from nnstat.influence import ModuleSpec, TensorSource
+        >>> model = torch.nn.Linear(3, 2)
+        >>> X, Y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+        >>> rows = TensorSource(torch.randn(8, 8), layout=[ModuleSpec("model", 0, 2, 4)])
+        >>> r = Refinement(model, torch.nn.functional.cross_entropy, (X, Y), damping=0.1)
+        >>> plan = refinement_plan(r, rows, rows)
+        >>> plan.solver, plan.block, plan.estimate > 0
+        ('block', 8, True)
+    """
+    from .sources import as_source
+
+    q, t = as_source(query), as_source(train)
+    return _setup(refine, q, t, damping, preconditioner, batch_size, None)[-1]
+
+
 def refine_queries(
     refine: Refinement,
     query: RowSource,
@@ -453,32 +547,26 @@ def refine_queries(
     query_data: Any,
 ) -> tuple[list, torch.Tensor, torch.Tensor, dict[str, Any]]:
     """``(ids, rows, refined, report)``: the query log's ids and rows, the refined rows
-    ``y = (P H Pᵀ + λI)⁻¹ row_q`` ``[n, width]`` that scores are dotted with, and the cost
-    report for ``result.meta["refine"]``.
+    ``y = (P H Pᵀ + λI)⁻¹ row_q`` ``[n, width]`` (on the CPU) that scores are dotted with, and
+    the cost report for ``result.meta["refine"]``.
 
     The system lives in the logged (possibly projected) space, where the rows are: its
     curvature products lift ``y`` to the parameters (``Pᵀ y``), apply the exact curvature and
-    project back. Solving in the full space and projecting the solution instead amplifies the
-    projection's error along low-curvature directions.
+    project back, on the model's device, batch by batch of the training data. Solving in the
+    full space and projecting the solution instead amplifies the projection's error along
+    low-curvature directions.
     """
     start = time.perf_counter()
-    flat = LoggedSpace(refine.model, train, refine.dtype)
-    ids, q_rows = all_rows(query, batch_size)
-    check_weights(flat, train.meta or {}, str(getattr(train, "path", "") or "(in memory)"))
-    curv = _curvature(refine, flat, refine.curvature or "hessian")
-    if query_data is not None:  # the queries' own data: its gradients must be the log's rows
-        grads = _query_grads(refine, flat, curv, query_data)
-        check_against_rows(flat, grads, q_rows, ids, query.meta or {})
-    rhs = q_rows.to(refine.dtype)
-    pre, refit = _preconditioner(refine, train, flat, kind, batch_size)
-    lam = refine.damping if refine.damping is not None else damping
-    solver = choose_solver(
-        refine.solver, refine.steps, refine.query_batch, rhs.shape[1], refine.dtype, lam is None
+    device, flat, ids, q_rows, curv, pre, refit, lam, plan = _setup(
+        refine, query, train, damping, kind, batch_size, query_data
     )
-    system = DampedSystem(curv, flat, pre, refine.dtype, lam)
-    rule = set_damping(system, solver, rhs.shape[1])
+    width = q_rows.shape[1]
+    here = device if plan.directions == "device" else torch.device("cpu")
+    rhs = q_rows.to(device=here, dtype=refine.dtype)
+    system = DampedSystem(curv, flat, pre, refine.dtype, lam, chunk=plan.chunk, device=device)
+    rule = set_damping(system, plan.solver, width, here)
     system.adaptive = refine.curvature is None and rule != "given"
-    solved = _solve(refine, system, rhs, ids, solver)
+    solved = _solve(refine, system, rhs, ids, plan)
     rule = _raised_rule(system, rule)
     name = system.curv.kind
     if name == "ggn" and refine.curvature is None:
@@ -487,7 +575,7 @@ def refine_queries(
         "steps": refine.steps,
         "curvature": name,
         "fisher": refine.fisher,
-        "solver": solver,
+        "solver": plan.solver,
         "products": system.products,
         "passes": system.curv.passes + (2 if refit else 0),
         "passes_per_block": max(solved.passes, default=0),
@@ -497,7 +585,9 @@ def refine_queries(
         "damping": system.lam,
         "damping_rule": rule,
         "max_residual": float(torch.cat(solved.residual).max()),
+        "device": str(device),
+        "memory": plan.meta(),
     }
     if not math.isfinite(report["max_residual"]):
         raise ValueError("refinement produced NaN/Inf: check the data and the damping")
-    return ids, q_rows, torch.cat(solved.rows), report
+    return ids, q_rows, torch.cat(solved.rows).cpu(), report

@@ -2,18 +2,17 @@
 
 `DampedSystem` holds its curvature, preconditioner and ``λ`` as it evolves: given, the mean
 eigenvalue of the curvature (Hutchinson's estimator, `set_damping`), or raised past negative
-Hessian curvature found along the search space. `choose_solver` falls back from the block
-solver when its search space would not fit `BLOCK_MEMORY_LIMIT`.
+Hessian curvature found along the search space (`raised_damping`, the rule exact influence uses
+too). Its products run on the model's device, ``chunk`` vectors at a time (`refine_plan`).
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 
-from nnstat.curvature.products import StreamedCurvature
+from nnstat.curvature.streamed import StreamedCurvature
 
 from .logged_space import LoggedSpace
 from .precondition import Preconditioner, resolve_damping
@@ -41,35 +40,24 @@ def _resolve_mean_curvature(
     return gamma
 
 
-BLOCK_MEMORY_LIMIT = 2 * 1024**3  # bytes of search space the block solver may hold
 # curvature=None with the default damping: λ stays >= DAMPING_RAISE x the Hessian's most negative
 # curvature found (per-query CG: at most MAX_DAMPING_RAISES new solves, then the GGN)
 DAMPING_RAISE = 1.5
 MAX_DAMPING_RAISES = 3
 
 
-def choose_solver(
-    solver: str, steps: int, query_batch: int, width: int, dtype: torch.dtype, start: bool
-) -> str:
-    """``solver``, or ``"cg"`` with a warning when the block solver's search space
-    (``2 · min(directions, width)`` vectors of ``width``; ``directions = steps · query_batch``,
-    one ``query_batch`` more from the second step when the block starts from other directions,
-    ``start``) would exceed `BLOCK_MEMORY_LIMIT`."""
-    if solver != "block":
-        return solver
-    directions = (steps + (start and steps > 1)) * query_batch
-    vectors = 2 * min(directions, width)
-    need = vectors * width * torch.finfo(dtype).bits // 8
-    if need <= BLOCK_MEMORY_LIMIT:
-        return "block"
-    warnings.warn(
-        f"nnstat: the block solver's search space would take {need / 1024**3:.1f} GiB "
-        f"({vectors} vectors of width {width}); refining with solver='cg' (one recurrence per "
-        "query: the same solution, reached in more steps). Lower query_batch or project the "
-        "store to use the block solver",
-        stacklevel=3,
-    )
-    return "cg"
+def raised_damping(theta: float, lam: float) -> float | None:
+    """The damping rule refinement and exact influence share: ``λ`` is kept at least
+    ``DAMPING_RAISE`` x the Hessian's most negative curvature found, ``θ`` (a Ritz value of
+    ``H``, so an upper bound on ``λ_min(H)``). Returns the raised ``λ``, ``None`` when ``λ``
+    already satisfies it.
+
+    Example:
+        >>> raised_damping(-0.2, 0.1), raised_damping(-0.05, 0.1)
+        (0.30000000000000004, None)
+    """
+    new = DAMPING_RAISE * -theta
+    return new if new > lam else None
 
 
 @dataclass
@@ -89,8 +77,14 @@ class DampedSystem:
     raised_from: float | None = None
     products: int = 0  # every curvature-vector product, abandoned solves' too
 
+    chunk: int | None = None  # vectors per curvature product (None: all at once)
+    device: torch.device | None = None  # the products' (the model's); y may live elsewhere
+
     def curvature(self, y: torch.Tensor) -> torch.Tensor:
-        return self.flat.project(self.curv.product(self.flat.lift(y)))
+        """``P H Pᵀ y``: each chunk of ``y`` lifted, multiplied and projected batch by batch."""
+        here = y if self.device is None else y.to(self.device)
+        out = self.curv.product(here, self.flat.lift, self.flat.project, self.chunk)
+        return out.to(y.device)
 
     def matvec(self, v: torch.Tensor) -> torch.Tensor:
         self.products += len(v) + (0 if self.probes is None else len(self.probes))
@@ -105,26 +99,31 @@ class DampedSystem:
         return self.pre.apply(r, self.lam).to(self.dtype)
 
     def raise_damping(self, theta: float) -> float:
-        """Raise λ to ``DAMPING_RAISE x |θ|`` (θ < 0, a Ritz value of the Hessian, so an upper
-        bound on λ_min(H)); returns the increase."""
+        """Raise λ by `raised_damping` (θ < 0, a Ritz value of the Hessian, so an upper bound on
+        λ_min(H)); returns the increase (0 when λ already satisfies the rule)."""
+        assert self.lam is not None
+        new = raised_damping(theta, self.lam)
+        if new is None:
+            return 0.0
         if not self.found:
             self.raised_from = self.lam
-        new = DAMPING_RAISE * -theta
         delta, self.lam = new - self.lam, new
         self.found.append(theta)
         return delta
 
     def shift(self, mu: float) -> float:
         """The block solver's ``shift``: μ, the smallest Ritz value of ``H + λI`` in its space."""
-        theta = mu - self.lam
-        hessian = self.curv.kind == "hessian"
-        if not (self.adaptive and hessian) or DAMPING_RAISE * -theta <= self.lam:
+        assert self.lam is not None
+        if not (self.adaptive and self.curv.kind == "hessian"):
             return 0.0
-        return self.raise_damping(theta)
+        return self.raise_damping(mu - self.lam)
 
 
-def set_damping(system: DampedSystem, solver: str, width: int) -> str:
-    """Resolve ``system.lam`` where it is not given; returns the rule that chose it."""
+def set_damping(
+    system: DampedSystem, solver: str, width: int, device: torch.device | None = None
+) -> str:
+    """Resolve ``system.lam`` where it is not given (the probes on ``device``, the solve's);
+    returns the rule that chose it."""
     if system.lam is not None:
         system.lam = resolve_damping(system.lam, torch.zeros(0))
         return "given"
@@ -132,9 +131,9 @@ def set_damping(system: DampedSystem, solver: str, width: int) -> str:
         # the trace probes ride along the first block's first product (it does not need λ: the
         # first directions are preconditioned at the unrefined default damping, and A = H + λI
         # is formed after the product), so the default damping costs no pass of its own
-        system.probes = _probes(width, system.dtype)
+        system.probes = _probes(width, system.dtype).to(device)
         return "mean eigenvalue of the curvature per parameter (Hutchinson, 8 probes, first pass)"
     # per-query CG's recurrence needs one M from its first step: one pass to find λ
-    z = _probes(width, system.dtype)
+    z = _probes(width, system.dtype).to(device)
     system.lam = _resolve_mean_curvature(z, system.curvature(z), system.flat, system.curv.kind)
     return "mean eigenvalue of the curvature per parameter (Hutchinson, 8 probes, one pass)"

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import json
 import os
-import sys
 import uuid
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -27,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from nnstat.store.files import PROJECTIONS_FILE, STATISTICS_FILE, load_safetensors
+from nnstat.store.lazy import LazyStatistics
 
 from .layout import ModuleSpec, layout_from_meta, row_width, validate_layout
 
@@ -114,7 +113,7 @@ class TensorSource:
             )
         self.layout = list(layout)
         validate_layout(self.layout, rows.shape[1])
-        self._statistics = dict(statistics or {})
+        self._statistics: Mapping[str, torch.Tensor] = dict(statistics or {})
         self._projections = dict(projections or {})
         self._shard_rows = shard_rows or max(len(rows), 1)
         self.finite = True  # checked above
@@ -137,7 +136,7 @@ class TensorSource:
             end = min(start + batch_size, stop)
             yield self.ids[start:end], self.rows[start:end]
 
-    def statistics(self) -> dict[str, torch.Tensor]:
+    def statistics(self) -> Mapping[str, torch.Tensor]:
         return self._statistics
 
     def projections(self) -> dict[str, torch.Tensor]:
@@ -286,99 +285,6 @@ class StoreSource:
         return self._projections
 
 
-class LazyStatistics(Mapping):
-    """``statistics.safetensors`` read one tensor at a time: a K-FAC run's full-width factors
-    (1.5 GB for GPT-2 small) are never all in memory while the preconditioner projects them.
-
-    `open` checks the file against meta.json's ``statistics_sha256`` first, hashing it one
-    tensor at a time with plain reads (a memory map would keep every page resident), and
-    returns ``None`` when it cannot (then the store's reader loads it whole and raises its own
-    error on a mismatch). Every read checks that the file is still the one that was hashed.
-
-    Example:
-        >>> LazyStatistics.open(Path("/nonexistent/statistics.safetensors"), "abc") is None
-        True
-    """
-
-    _DTYPES = {
-        "F64": torch.float64,
-        "F32": torch.float32,
-        "F16": torch.float16,
-        "BF16": torch.bfloat16,
-        "I64": torch.int64,
-        "I32": torch.int32,
-        "I16": torch.int16,
-        "I8": torch.int8,
-        "U8": torch.uint8,
-        "BOOL": torch.bool,
-    }
-
-    def __init__(self, path: Path, entries: dict[str, tuple], base: int, stamp: tuple) -> None:
-        self.path, self._entries, self._base, self._stamp = path, entries, base, stamp
-
-    @staticmethod
-    def _stat(path: Path) -> tuple:
-        st = path.stat()
-        return (st.st_ino, st.st_size, st.st_mtime_ns)
-
-    @classmethod
-    def open(cls, path: Path, expected: str | None) -> LazyStatistics | None:
-        if expected is None or not path.exists() or sys.byteorder != "little":
-            return None
-        from nnstat.store.integrity import hash_tensor
-
-        stamp = cls._stat(path)
-        try:
-            with open(path, "rb") as f:
-                size = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(size))
-                header.pop("__metadata__", None)
-                entries = {
-                    k: (cls._DTYPES[v["dtype"]], tuple(v["shape"]), *v["data_offsets"])
-                    for k, v in header.items()
-                }
-                obj = cls(path, entries, 8 + size, stamp)
-                h = hashlib.sha256()
-                for k in sorted(entries):
-                    hash_tensor(h, k, obj._read(f, k))
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError):
-            return None  # damaged or unusual: the reader's error names it
-        if h.hexdigest() != expected or cls._stat(path) != stamp:
-            return None
-        return obj
-
-    def _read(self, f: Any, key: str) -> torch.Tensor:
-        dtype, shape, lo, hi = self._entries[key]
-        f.seek(self._base + lo)
-        buf = bytearray(f.read(hi - lo))
-        if len(buf) != hi - lo:
-            raise ValueError(f"{self.path}: cut short")
-        if not buf:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        if key not in self._entries:
-            raise KeyError(key)
-        if self._stat(self.path) != self._stamp:
-            raise ValueError(
-                f"{self.path} changed after it was checked against meta.json's "
-                "statistics_sha256: open the store again"
-            )
-        with open(self.path, "rb") as f:
-            return self._read(f, key)
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        """The stored shape of ``key``, without reading its data."""
-        return self._entries[key][1]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(sorted(self._entries))
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
 def _store_root(store: Any) -> str:
     for attr in ("path", "root", "root_dir", "directory"):
         value = getattr(store, attr, None)
@@ -400,9 +306,12 @@ class LogSource(TensorSource):
             ids=list(log.ids),
             layout=layout_from_meta(meta),
             meta=meta,
-            statistics=(stats() if callable(stats) else stats) or None,
             projections=(projections() if callable(projections) else projections) or None,
         )
+        # kept as given: a query log's statistics are read one tensor at a time (get_log()'s
+        # LazyStatistics), a copy into a dict would load them all
+        stats = stats() if callable(stats) else stats
+        self._statistics = stats if isinstance(stats, Mapping) else dict(stats or {})
         self.log = log
 
 

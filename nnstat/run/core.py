@@ -40,7 +40,6 @@ from nnstat.run.weights import BlockGuard, model_fingerprint
 from nnstat.store.errors import StoreWriteError, add_note
 from nnstat.store.files import META_FILE
 from nnstat.store.ids import duplicate_ids, normalize_ids
-from nnstat.store.integrity import tensors_hash
 from nnstat.store.logger import StoreLogger, filter_nonfinite
 from nnstat.store.meta import build_meta, prepare_store, record_statistics_hash
 from nnstat.store.projection import (
@@ -405,13 +404,11 @@ class Run:
         if not self._eval_ids:
             raise RuntimeError("get_log(): nothing captured since eval() / the last get_log()")
         rows = torch.cat(self._eval_rows) if len(self._eval_rows) > 1 else self._eval_rows[0]
-        stats = store_io.saved_statistics(self.path)
+        # read one tensor at a time by whoever uses them (hashed now, one tensor at a time)
+        stats, stats_hash = store_io.lazy_statistics(self.path)
         # the weights when this log's first block was captured; scoring compares them with the
         # store's (meta["params_sha256"])
-        meta = self.store_meta(
-            params_sha256=self._eval_params,
-            statistics_sha256=tensors_hash(stats) if stats else None,
-        )
+        meta = self.store_meta(params_sha256=self._eval_params, statistics_sha256=stats_hash)
         projections = projection_tensors(self._projections) if self._projections else {}
         log = GradientLog(list(self._eval_ids), rows, meta, stats, projections)
         self._eval_ids, self._eval_rows, self._eval_seen = [], [], set()

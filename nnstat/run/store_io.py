@@ -27,6 +27,7 @@ from nnstat.store.files import (
     load_safetensors,
 )
 from nnstat.store.integrity import tensors_hash
+from nnstat.store.lazy import LazyStatistics
 from nnstat.store.logger import StoreLogger
 from nnstat.store.projection import ModuleProjection, ModuleSpec
 from nnstat.store.writer import WriterLock
@@ -49,6 +50,21 @@ def saved_statistics(path: Path) -> dict[str, torch.Tensor]:
     stats = load_safetensors(Path(path) / STATISTICS_FILE)
     check_saved_forms(stats, path)
     return stats
+
+
+def lazy_statistics(path: Path) -> tuple[Mapping[str, torch.Tensor], str | None]:
+    """``(statistics, their tensors_hash)`` of the store at ``path``: ``statistics.safetensors``
+    read one tensor at a time when accessed (hashed one tensor at a time now), else loaded whole
+    by `saved_statistics` (``({}, None)`` without a file). A query log holds this, not the
+    tensors (1.5 GB of K-FAC factors at GPT-2 small)."""
+    from nnstat.curvature.collector import check_saved_forms
+
+    lazy, digest = LazyStatistics.scan(Path(path) / STATISTICS_FILE)
+    if lazy is None:
+        stats = saved_statistics(path)
+        return stats, tensors_hash(stats) if stats else None
+    check_saved_forms(lazy, path)
+    return lazy, digest
 
 
 def finalized_statistics(state: Mapping[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:

@@ -499,41 +499,6 @@ def test_ggn_through_batch_loss_refuses_a_loss_that_bypasses_the_output(tmp_path
         compute_influence_all(log, store, refine=refine)
 
 
-def test_block_solver_over_its_memory_limit_falls_back_to_cg_with_a_warning(tmp_path, monkeypatch):
-    import nnstat.influence.refine_system as refine_mod
-
-    model, train, query = _setup()
-    store, log = _log(tmp_path, "p", model, train, query)
-    monkeypatch.setattr(refine_mod, "BLOCK_MEMORY_LIMIT", 1000)
-    refine = Refinement(model, LOSS, train, steps=3, curvature="ggn", dtype=torch.float64)
-    with pytest.warns(UserWarning, match="solver='cg'"):
-        res = compute_influence_all(log, store, refine=refine)
-    cg = compute_influence_all(log, store, refine=Refinement(**{**refine.__dict__, "solver": "cg"}))
-    assert res.meta["refine"]["solver"] == "cg"
-    torch.testing.assert_close(res.scores, cg.scores)
-
-
-def test_block_solver_memory_estimate_counts_the_second_steps_extra_directions(
-    tmp_path, monkeypatch
-):
-    """Under the default damping the second step adds query_batch more directions: the
-    estimate (2 · min(directions, width) float64 vectors of width 43) counts them."""
-    import nnstat.influence.refine_system as refine_mod
-
-    model, train, query = _setup()
-    store, log = _log(tmp_path, "p", model, train, query)
-    width = sum(p.numel() for p in model.parameters())  # unprojected: 43 columns
-    monkeypatch.setattr(refine_mod, "BLOCK_MEMORY_LIMIT", 2 * 3 * 4 * width * 8)  # 3 steps x 4
-    kw = dict(steps=3, curvature="ggn", dtype=torch.float64, query_batch=4)
-    given = compute_influence_all(
-        log, store, refine=Refinement(model, LOSS, train, damping=0.1, **kw)
-    )
-    assert given.meta["refine"]["solver"] == "block"
-    with pytest.warns(UserWarning, match=r"\(32 vectors of width 43\); refining with solver='cg'"):
-        default = compute_influence_all(log, store, refine=Refinement(model, LOSS, train, **kw))
-    assert default.meta["refine"]["solver"] == "cg"
-
-
 @pytest.mark.parametrize("solver", ["block", "cg"])
 def test_default_damping_is_raised_past_negative_hessian_curvature(tmp_path, solver):
     """curvature=None with the default damping: where H + λI is indefinite, λ is raised to 1.5 x

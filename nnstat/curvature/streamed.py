@@ -1,0 +1,284 @@
+"""Curvature products streamed over a training set, batch by batch, on the model's device.
+
+`StreamedCurvature` is one pass over the data per product, with the vectors in chunks and, for
+refinement, lifted from and projected back to the logged space within each batch (so at most
+one chunk of full parameter vectors exists at once). `LossFnCurvature` evaluates
+``loss_fn(model(x), y)`` by ``torch.func``, `BatchLossCurvature` a ``batch_loss(batch)`` by
+double backward (`products`' maths for both).
+
+Example:
+    >>> import torch
+    >>> from nnstat.curvature.products import FunctionalLoss, ParamLayout
+    >>> model = torch.nn.Linear(2, 1, bias=False)
+    >>> x, y = torch.randn(8, 2, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    >>> loss = FunctionalLoss(model, lambda o, t: ((o - t) ** 2).mean(), ["weight"],
+    ...                       torch.float64, loss_reduction="mean")
+    >>> curv = LossFnCurvature(loss, ParamLayout(["weight"], [(1, 2)]), (x, y), "hessian", 3)
+    >>> torch.allclose(curv.product(torch.eye(2, dtype=torch.float64), chunk=1), 2 * x.T @ x / 8)
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from nnstat.curvature.products import (
+    KINDS,
+    Batch,
+    FunctionalLoss,
+    ParamLayout,
+    batch_len,
+    check_loss_through,
+    ggn_apply,
+    ggn_graph,
+    graph_hvp,
+    iter_batches,
+    output_logits,
+    sum_weight,
+    twice_differentiable,
+)
+
+
+def to_device(batch: Any, device: torch.device | None) -> Any:
+    """``batch`` with its tensors (in dicts, lists, tuples) on ``device`` (``None``: as it is);
+    a pinned CPU tensor is copied without waiting.
+
+    Example:
+        >>> to_device({"x": torch.zeros(2), "n": 3}, torch.device("cpu"))["x"].device.type
+        'cpu'
+    """
+    if device is None:
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=batch.is_pinned()) if batch.device != device else batch
+    if isinstance(batch, Mapping):
+        return type(batch)({k: to_device(v, device) for k, v in batch.items()})  # type: ignore
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
+class StreamedCurvature:
+    """A curvature of the mean loss over ``data`` whose product is one pass over it: counts the
+    passes and checks every pass sees the same examples. Batches are moved to ``device`` (the
+    model's) one at a time as the pass reaches them.
+
+    A product is computed batch by batch: `prepare` builds what one batch's products share (its
+    data on the device, an autograd graph), `apply` multiplies a chunk of vectors by it.
+    `product` with ``lift``/``project`` takes vectors of another space (refinement's logged
+    rows): each chunk is lifted to the parameters, multiplied and projected back within the
+    batch, so no more than ``chunk`` full parameter vectors exist at once."""
+
+    def __init__(self, kind: str, device: torch.device | None = None) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"curvature must be one of {list(KINDS)}, got {kind!r}")
+        self.kind = kind
+        self.device = device
+        self.n_train: int | None = None
+        self.passes = 0
+
+    def data_batches(self) -> Iterator[Any]:
+        """The training data's batches as they come (not yet on the device)."""
+        raise NotImplementedError
+
+    def batch_len(self, batch: Any) -> int:
+        return batch_len(batch)
+
+    def prepare(self, batch: Any) -> Any:
+        """What one batch's products share (the batch on the device, its graph)."""
+        raise NotImplementedError
+
+    def apply(self, state: Any, v: torch.Tensor) -> torch.Tensor:
+        """``kind``'s product of the batch of ``state`` (its share of the summed loss) with flat
+        vectors ``[c, P]``."""
+        raise NotImplementedError
+
+    def batch_product(
+        self,
+        state: Any,
+        v: torch.Tensor,
+        lift: Transform | None = None,
+        project: Transform | None = None,
+    ) -> torch.Tensor:
+        """One chunk on one batch: ``project(apply(state, lift(v)))``."""
+        full = v if lift is None else lift(v)
+        with torch.enable_grad(), twice_differentiable():
+            out = self.apply(state, full)
+        del full
+        return out if project is None else project(out)
+
+    def product(
+        self,
+        v: torch.Tensor,
+        lift: Transform | None = None,
+        project: Transform | None = None,
+        chunk: int | None = None,
+    ) -> torch.Tensor:
+        """``kind``'s product with the vectors ``[k, ·]``: one pass over the data, ``chunk``
+        vectors at a time within each batch (default: all ``k``), each lifted to the
+        parameters by ``lift`` and projected back by ``project`` (default: none)."""
+        k = len(v)
+        chunk = k if not chunk else max(1, min(chunk, k))
+        out: torch.Tensor | None = None
+        seen = 0
+        for batch in self.data_batches():
+            n = self.batch_len(batch)
+            with torch.enable_grad(), twice_differentiable():
+                state = self.prepare(batch)
+            for lo in range(0, k, chunk):
+                part = self.batch_product(state, v[lo : lo + chunk], lift, project)
+                if out is None:
+                    out = part.new_zeros(k, *part.shape[1:])
+                out[lo : lo + chunk] += part.to(out.dtype)
+                del part
+            del state
+            seen += n
+        return self._finish(out, seen)
+
+    def first_batch(self) -> Any:
+        """The first batch of the data (for measuring what a product costs)."""
+        for batch in self.data_batches():
+            return batch
+        raise ValueError("refinement needs training data: train_data is empty")
+
+    def _finish(self, total: torch.Tensor | None, seen: int) -> torch.Tensor:
+        """``total / n``: a pass's summed products as those of the mean loss."""
+        if total is None or seen == 0:
+            raise ValueError("refinement needs training data: train_data is empty")
+        if self.n_train is not None and seen != self.n_train:
+            raise ValueError(
+                f"train_data yielded {seen} examples in one pass and {self.n_train} in another: "
+                "refinement iterates it once per step, so it must not change (a DataLoader with "
+                "a sampler that drops or repeats examples?)"
+            )
+        self.n_train = seen
+        self.passes += 1
+        return total / seen
+
+
+class LossFnCurvature(StreamedCurvature):
+    """Products of a `FunctionalLoss`'s mean over ``(inputs, targets)`` data, by ``torch.func``,
+    on flat vectors of ``layout`` (its names: the loss's ``theta``)."""
+
+    def __init__(
+        self,
+        loss: FunctionalLoss,
+        layout: ParamLayout,
+        data: Any,
+        kind: str,
+        batch_size: int = 256,
+    ) -> None:
+        theta = next(iter(loss.theta.values()))
+        super().__init__(kind, theta.device)
+        if loss.reduction is None:
+            raise ValueError("a streamed curvature needs the loss's loss_reduction")
+        self.loss = loss
+        self.reduction: str = loss.reduction
+        self.layout = layout
+        self.data = data
+        self.batch_size = batch_size
+        self.dtype = loss.dtype or theta.dtype
+
+    def batches(self, data: Any) -> Iterator[Batch]:
+        for x, y in iter_batches(data, self.batch_size, self.dtype):
+            yield to_device(x, self.device), to_device(y, self.device)
+
+    def data_batches(self) -> Iterator[Any]:
+        return iter_batches(self.data, self.batch_size, self.dtype)
+
+    def batch_len(self, batch: Any) -> int:
+        return len(batch[0])
+
+    def example_grads(self, data: Any) -> Iterator[torch.Tensor]:
+        """``[b, P]`` gradients of each example's own loss, batch by batch."""
+        for x, y in self.batches(data):
+            yield self.layout.from_dict(self.loss.example_grads(x, y), len(x))
+
+    def prepare(self, batch: Any) -> Any:
+        x, y = batch
+        return (
+            to_device(x, self.device),
+            to_device(y, self.device),
+            sum_weight(len(x), self.reduction),
+        )
+
+    def apply(self, state: Any, v: torch.Tensor) -> torch.Tensor:
+        x, y, w = state
+        one = self.loss.hvp if self.kind == "hessian" else self.loss.ggn_vp
+        return self.layout.from_dict(one(self.layout.to_dict(v), x, y, w), len(v))
+
+
+class BatchLossCurvature(StreamedCurvature):
+    """Products of the mean of ``batch_loss(batch)`` (any batch format, computed by calling
+    ``model``) over ``data``, by double backward, on flat vectors of ``layout`` (names of the
+    model's parameters). The GGN splits the loss at the output of the last module call to finish
+    inside ``batch_loss`` (the model itself, or e.g. ``self.net`` in a Lightning
+    ``training_step``; its ``.logits`` for HF outputs), checked on the first batch. Batches are
+    moved to the model's device before ``batch_loss`` sees them."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: ParamLayout,
+        batch_loss: Callable[[Any], torch.Tensor],
+        data: Any,
+        kind: str,
+        loss_reduction: str = "mean",
+    ) -> None:
+        by_name = dict(model.named_parameters())
+        self.params = [by_name[n] for n in layout.names]
+        super().__init__(kind, self.params[0].device if self.params else None)
+        self.model = model
+        self.layout = layout
+        self.batch_loss = batch_loss
+        self.data = data
+        self.reduction = loss_reduction
+        self._checked = False
+
+    def data_batches(self) -> Iterator[Any]:
+        return iter(self.data)
+
+    def prepare(self, batch: Any) -> Any:
+        batch = to_device(batch, self.device)
+        w = sum_weight(batch_len(batch), self.reduction)
+        if self.kind == "hessian":
+            loss = w * self.batch_loss(batch)
+            return torch.autograd.grad(loss, self.params, create_graph=True)
+        seen: list[Any] = []
+        handles = [
+            m.register_forward_hook(lambda m, a, out: seen.append(out))
+            for m in self.model.modules()
+        ]
+        try:
+            loss = w * self.batch_loss(batch)
+        finally:
+            for h in handles:
+                h.remove()
+        if not seen:
+            raise ValueError("curvature='ggn': batch_loss never called the model")
+        z = output_logits(seen[-1])
+        seen.clear()  # the other modules' outputs: the graph keeps what it needs
+        gz = torch.autograd.grad(loss, z, create_graph=True)[0]
+        if not self._checked:
+            check_loss_through(loss, z, gz, self.params)
+            self._checked = True
+        return (z, gz, *ggn_graph(z, self.params))
+
+    def apply(self, state: Any, v: torch.Tensor) -> torch.Tensor:
+        k = len(v)
+        vs = [t.to(p.dtype) for t, p in zip(self.layout.split(v), self.params, strict=True)]
+        if self.kind == "hessian":
+            hv = graph_hvp(state, self.params, vs)
+        else:
+            z, gz, u, jtu = state
+            hv = ggn_apply(z, gz, u, jtu, self.params, vs)
+        return torch.cat([h.reshape(k, -1) for h in hv], 1).to(v.dtype)
