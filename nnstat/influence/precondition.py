@@ -259,6 +259,10 @@ class _DampedBlock:
     q_in: torch.Tensor | None = None
     denom: torch.Tensor | None = None
 
+    def to(self, device: torch.device) -> _DampedBlock:
+        moved = {k: v.to(device) if torch.is_tensor(v) else v for k, v in vars(self).items()}
+        return _DampedBlock(**moved)
+
 
 def _stat(stats: Mapping[str, torch.Tensor], module: str, stream: str) -> torch.Tensor:
     key = f"{module}/{stream}/covariance"
@@ -500,7 +504,7 @@ class Preconditioner:
         self.kind = kind
         self.layout = layout
         self.factors = factors
-        self._cache: dict[tuple[str, float | None], list[_DampedBlock]] = {}
+        self._cache: dict[tuple, list[_DampedBlock]] = {}  # by kind, damping (and device)
         # where each module's curvature came from: "rows", "statistics" or "statistics+rows"
         self.origin: dict[str, str] = {}
 
@@ -548,7 +552,7 @@ class Preconditioner:
             out[m.name] = resolve_damping(damping, evals)
         return out
 
-    def _blocks(self, damping: float | None) -> list[_DampedBlock]:
+    def _blocks(self, damping: float | None, device: torch.device | None = None) -> list:
         key = (self.kind, None if damping is None else float(damping))
         if key not in self._cache:
             lams = self.module_dampings(damping)
@@ -564,24 +568,22 @@ class Preconditioner:
                     denom = f.eig + lam
                     if (denom <= 0).any():
                         raise ValueError("curvature + damping is singular: use a damping > 0")
-                    blocks.append(
-                        _DampedBlock(
-                            lam,
-                            q_out=None if f.q_out is None else f.q_out.to(torch.float32),
-                            q_in=None if f.q_in is None else f.q_in.to(torch.float32),
-                            denom=denom.to(torch.float32),
-                        )
-                    )
+                    q_out, q_in = (q if q is None else q.float() for q in (f.q_out, f.q_in))
+                    blocks.append(_DampedBlock(lam, q_out=q_out, q_in=q_in, denom=denom.float()))
             self._cache[key] = blocks
-        return self._cache[key]
+        if device is None or device.type == "cpu":
+            return self._cache[key]
+        if (*key, device) not in self._cache:  # scoring on a GPU: the blocks are copied there once
+            self._cache[(*key, device)] = [b.to(device) for b in self._cache[key]]
+        return self._cache[(*key, device)]
 
     def apply(self, rows: torch.Tensor, damping: float | None) -> torch.Tensor:
-        """``rows (H + λI)⁻¹`` block by block (``H`` symmetric, so rows or columns alike)."""
+        """``rows (H + λI)⁻¹`` block by block (``H`` symmetric), on ``rows``' device."""
         if self.kind == "identity":
             return rows.to(torch.float32)
         rows = rows.to(torch.float32)
         out = torch.empty_like(rows)
-        for m, b in zip(self.layout, self._blocks(damping), strict=True):
+        for m, b in zip(self.layout, self._blocks(damping, rows.device), strict=True):
             x = rows[:, m.offset : m.stop]
             if b.matrix is not None:
                 out[:, m.offset : m.stop] = x @ b.matrix
