@@ -11,10 +11,11 @@ Example:
     >>> from nnstat.influence.precondition import Preconditioner
     >>> from nnstat.influence.pipeline import read_ahead
     >>> rows = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 3.0]])
-    >>> blocks = read_ahead(iter([((0, 0), [7, 8], rows[:2]), ((0, 1), [9], rows[2:])]), "cpu", True)
+    >>> blocks = read_ahead(iter([((0, 0), [7, 8], rows[:2]), ((0, 1), [9], rows[2:])]), "cpu")
     >>> out = stream_scores(torch.eye(2), None, blocks, Preconditioner("identity", [], {}), None,
-    ...                     "dot", top_k=1, n_rows=3, verify=print)
-    >>> out.top[0].tolist(), out.top[1].tolist()  # per query: the largest score and its row
+    ...                     "dot", top_k=1, n_rows=3, verify=print)  # keys of non-finite blocks
+    []
+    >>> out.top[0], out.top[1]  # per query: the largest score and its row
     ([[3.0], [3.0]], [[2], [2]])
 """
 
@@ -38,14 +39,14 @@ class Streamed:
 
     ``units``: ``(key, ids)`` per block in the order scored; ``scores``: the all-pairs scores
     ``[rows, n_test]`` (train-major) or, per block, ``pieces`` of them (``buffer=False``);
-    ``top``: ``(hi_vals, hi_pos, lo_vals, lo_pos)`` ``[n_test, k]``, positions counting the rows
-    in the order scored.
+    ``top``: ``[hi_vals, hi_pos, lo_vals, lo_pos]``, each ``n_test`` lists of ``k`` floats (best
+    first), positions counting the rows in the order scored.
     """
 
     units: list[tuple[tuple, list]] = field(default_factory=list)
     scores: torch.Tensor | None = None
     pieces: list[torch.Tensor] = field(default_factory=list)
-    top: tuple[torch.Tensor, ...] | None = None
+    top: list[list[list[float]]] | None = None
 
 
 def _all_pairs_buffer(n_rows: int, n_test: int, device: torch.device) -> torch.Tensor:
@@ -109,10 +110,13 @@ def stream_scores(
             progress(b)
     verify(_bad_units(sums, out.units))
     if top_k:
-        # one read back: values and positions (exact in float64 below 2**53) in one tensor
-        packed = torch.stack([hi[0].double(), hi[1].double(), lo[0].double(), lo[1].double()])
-        h_v, h_p, l_v, l_p = packed.cpu()
-        out.top = (h_v.float(), h_p.long(), l_v.float(), l_p.long())
+        # best first (the merges sort only once more than k rows were seen), and one read back:
+        # values and positions (exact in float64 below 2**53) in one tensor
+        parts = []
+        for (vals, pos), largest in ((hi, True), (lo, False)):
+            vals, j = torch.sort(vals, dim=1, descending=largest, stable=True)
+            parts += [vals.double(), pos.gather(1, j).double()]
+        out.top = torch.stack(parts).tolist()
     elif buffer is not None:
         if seen != n_rows:
             raise RuntimeError(f"the training log yielded {seen} rows, expected {n_rows}")

@@ -1,14 +1,15 @@
 """Training rows streamed to the scoring device: read ahead on a thread, two blocks in flight.
 
 `units` cuts a source into ``(key, ids, rows)`` blocks, shard by shard (this rank's shards under
-``torch.distributed``). `read_ahead` runs that iterator on a reader thread. With ``stage`` (the
-device branch) the thread reads block ``k + 1`` from disk into one of two host buffers (pinned
-when the device is a GPU) while the device scores block ``k``; the main thread copies each
-buffer to the device with ``non_blocking=True`` on a side stream, and the scoring stream waits
-for that copy's event, so disk reads, host-to-device copies and scoring overlap. Without
-``stage`` (scoring on the CPU) the thread hands the blocks through as they come (memory-mapped
-shards: zero copy, bit for bit what the scorer read before) and asks the OS to read the next
-shard ahead (`GradientStore.prefetch`).
+``torch.distributed``), and asks the OS to read the next shard ahead (`GradientStore.prefetch`,
+an asynchronous hint: the CPU branch of scoring reads the memory maps straight from `units`, so
+a cold store's disk reads overlap its scoring without a thread or a copy).
+
+`read_ahead` runs that iterator on a reader thread for the device branch: the thread reads block
+``k + 1`` from disk into one of two host buffers (pinned when the device is a GPU) while the
+device scores block ``k``; the main thread copies each buffer to the device with
+``non_blocking=True`` on a side stream, and the scoring stream waits for that copy's event, so
+disk reads, host-to-device copies and scoring overlap. Rows already on the device pass through.
 
 An error raised while reading (a damaged shard, a shape that does not match its ids) is
 re-raised in the consumer, with its traceback, where its block would have come; the thread stops
@@ -17,7 +18,7 @@ when the consumer does (an error there, or a consumer that stops early).
 Example:
     >>> from nnstat.influence.sources import TensorSource
     >>> src = TensorSource(torch.arange(10.0)[:, None], shard_rows=4)
-    >>> [(key, ids) for key, ids, _ in read_ahead(units(src, 3), "cpu", stage=True)]
+    >>> [(key, ids) for key, ids, _ in read_ahead(units(src, 3), "cpu")]
     [((0, 0), [0, 1, 2]), ((0, 1), [3]), ((1, 0), [4, 5, 6]), ((1, 1), [7]), ((2, 0), [8, 9])]
 """
 
@@ -80,13 +81,13 @@ class _Reader:
     last read it), fills it with the next block, and queues it; the consumer gives the buffer
     back once the device has what it needs from it."""
 
-    def __init__(self, blocks: Iterator[Block], max_rows: int, stage: bool, pin: bool) -> None:
+    def __init__(self, blocks: Iterator[Block], max_rows: int, pin: bool) -> None:
         self.ready: queue.SimpleQueue = queue.SimpleQueue()
         self.free: queue.SimpleQueue = queue.SimpleQueue()
         for slot in range(DEPTH):
             self.free.put((slot, None))
         self.stop = threading.Event()
-        self._blocks, self._stage, self._pin, self._max_rows = blocks, stage, pin, max_rows
+        self._blocks, self._pin, self._max_rows = blocks, pin, max_rows
         self._buffers: list[torch.Tensor | None] = [None] * DEPTH
         self.thread = threading.Thread(target=self._run, name="nnstat-shard-reader", daemon=True)
         self.thread.start()
@@ -114,7 +115,7 @@ class _Reader:
                 if token is None:
                     return  # the consumer stopped
                 slot, copied = token
-                if self._stage and rows.device.type == "cpu":
+                if rows.device.type == "cpu":
                     if copied is not None:
                         copied.synchronize()  # the device has read this buffer: refill it
                     # the disk read (a memory-mapped shard is read here, on this thread)
@@ -162,24 +163,23 @@ class _DeviceCopies:
 
 
 def read_ahead(
-    blocks: Iterator[Block], device: torch.device | str, stage: bool, max_rows: int = 0
+    blocks: Iterator[Block], device: torch.device | str, max_rows: int = 0
 ) -> Iterator[Block]:
     """``blocks`` read on a background thread one block ahead, their rows on ``device``.
 
-    ``stage``: copy each block into one of two host buffers on the thread (pinned for a CUDA
-    device) and from there to ``device``; rows already on ``device`` pass through. Without it the
-    blocks are handed through as the iterator yields them (the CPU scorer's zero-copy path). The
-    rows of a block are valid until the next block is requested.
+    Host rows are copied on the thread into one of two host buffers (pinned for a CUDA device),
+    and from there to ``device``; rows already on ``device`` pass through. The rows of a block
+    are valid until the next block is requested.
 
     Example:
         >>> blocks = iter([((0, 0), [0], torch.ones(1, 2)), ((0, 1), [1], torch.zeros(1, 2))])
-        >>> [rows.sum().item() for _, _, rows in read_ahead(blocks, "cpu", stage=True)]
+        >>> [rows.sum().item() for _, _, rows in read_ahead(blocks, "cpu")]
         [2.0, 0.0]
     """
     device = torch.device(device)
     cuda = device.type == "cuda"
-    reader = _Reader(blocks, max_rows, stage, pin=stage and cuda)
-    copies = _DeviceCopies(device) if stage and cuda else None
+    reader = _Reader(blocks, max_rows, pin=cuda)
+    copies = _DeviceCopies(device) if cuda else None
     try:
         while True:
             item = reader.ready.get()

@@ -9,8 +9,8 @@ gathered on every rank.
 The modes (``dot``, ``relatif``, ``cosine``, ``l2``) are defined in :mod:`nnstat.influence.modes`.
 
 Scoring runs where the queries are (``device=``, default: the query rows' device). On the CPU
-the blocks are scored straight from the memory-mapped shards (a reader thread asks the OS to read
-the next shard ahead). On a GPU (the device branch, :mod:`nnstat.influence.ondevice`) a reader
+the blocks are scored straight from the memory-mapped shards (the OS is asked to read the next
+shard ahead: an asynchronous hint, no thread). On a GPU (the device branch, :mod:`nnstat.influence.ondevice`) a reader
 thread reads each block into a pinned buffer while the device scores the previous one, the copy
 runs on a side stream, the top-k selection stays on the device, and the results come back in two
 reads at the end (no host read per block).
@@ -310,7 +310,7 @@ def _on_device(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKI
     got = stream_scores(
         job.q_pre,
         job.q_norm,
-        read_ahead(blocks, job.q_pre.device, stage=True, max_rows=job.batch_size),
+        read_ahead(blocks, job.q_pre.device, max_rows=job.batch_size),
         job.pre,
         job.damping,
         job.mode,
@@ -320,10 +320,21 @@ def _on_device(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKI
         bar.update,
     )
     if got.top is not None:
-        top = _TopK(job.top_k or 1, len(job.test_ids))
-        top.ids = [i for _, unit_ids in got.units for i in unit_ids]
-        top.hi_v, top.hi_i, top.lo_v, top.lo_i = got.top
-        return top.finish(job.test_ids, job.meta)
+        ids = [i for _, unit_ids in got.units for i in unit_ids]
+        hi_v, hi_p, lo_v, lo_p = got.top  # on the host already: named without reading again
+        if world > 1 or not ids:
+            top = _TopK(job.top_k or 1, len(job.test_ids))
+            top.ids, top.hi_v, top.lo_v = ids, torch.tensor(hi_v), torch.tensor(lo_v)
+            top.hi_i, top.lo_i = torch.tensor(hi_p).long(), torch.tensor(lo_p).long()
+            return top.finish(job.test_ids, job.meta)
+        return TopKInfluence(
+            list(job.test_ids),
+            torch.tensor(hi_v),
+            [[ids[int(p)] for p in row] for row in hi_p],
+            torch.tensor(lo_v),
+            [[ids[int(p)] for p in row] for row in lo_p],
+            job.meta,
+        )
     if got.scores is not None:
         return InfluenceResult(got.scores.T, job.test_ids, list(t.ids), job.meta)
     units = [(key, ids, s) for (key, ids), s in zip(got.units, got.pieces, strict=True)]
@@ -342,7 +353,8 @@ def _gathered(units: list, test_ids: list, meta: dict) -> InfluenceResult:
 
 def _on_host(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKInfluence:
     """The CPU branch of `compute_influence_all`: blocks scored straight from the shards' memory
-    maps (read ahead by `pipeline.read_ahead`), checked and selected block by block."""
+    maps (the next shard hinted to the OS by `pipeline.units`), checked and selected block by
+    block. No reader thread: on the CPU it would only add a hand-off per block."""
     _, world = _dist()
     n_test, batch_size = len(job.test_ids), job.batch_size
     top: _TopK | None = _TopK(job.top_k, n_test) if job.top_k else None
@@ -354,7 +366,7 @@ def _on_host(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKInf
     units: list[tuple[tuple, list, torch.Tensor]] = []
     filled = 0
     strict, major, shards = not t.finite, top is not None, _shards(t)
-    for unit, ids, rows in read_ahead(_my_units(t, batch_size), "cpu", stage=False):
+    for unit, ids, rows in _my_units(t, batch_size):
         if buffer is not None:
             out = buffer[filled : filled + len(ids)]
         elif scratch is not None and len(ids) == batch_size:
@@ -533,7 +545,7 @@ def _self_on_device(
         if d.finite and (err := nonfinite_error(d, shard, ids, rows)) is not None:
             raise err
 
-    blocks = read_ahead(units(d, batch_size), dev, stage=True, max_rows=batch_size)
+    blocks = read_ahead(units(d, batch_size), dev, max_rows=batch_size)
     verify = _recheck(d, batch_size, check, one_process=True)
     return stream_self_influence(blocks, pre, damping, len(d), dev, verify, bar.update)
 
