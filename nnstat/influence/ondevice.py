@@ -16,7 +16,7 @@ Example:
     ...                     "dot", top_k=1, n_rows=3, verify=print)  # keys of non-finite blocks
     []
     >>> out.top[0], out.top[1]  # per query: the largest score and its row
-    ([[3.0], [3.0]], [[2], [2]])
+    ([[3.0], [3.0]], [[2.0], [2.0]])
 """
 
 from __future__ import annotations
