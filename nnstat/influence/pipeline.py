@@ -116,8 +116,8 @@ class _Reader:
                     return  # the consumer stopped
                 slot, copied = token
                 if rows.device.type == "cpu":
-                    if copied is not None:
-                        copied.synchronize()  # the device has read this buffer: refill it
+                    if copied is not None and not copied.query():
+                        copied.synchronize()  # wait until the device has read this buffer
                     # the disk read (a memory-mapped shard is read here, on this thread)
                     rows = self._buffer(slot, rows).copy_(rows)
                 self.ready.put((slot, key, ids, rows))
