@@ -4,8 +4,10 @@ The training rows come through `pipeline.read_ahead` (read on a thread into pinn
 to the device on a side stream). For each block the device queues one matrix product, the mode's
 normalisation, a running top-k merge (`topk.merge_topk`) or a write into the all-pairs buffer, and
 one sum that catches NaN/Inf. Nothing is read back until the end: the sums in one read, then the
-results in one more. A block whose sum is not finite is handed to ``verify`` (the CPU branch's
-checks, which name the shard: `nnstat.influence.score`) before any result is returned.
+results in one more (all-pairs scores on a GPU are copied block by block into pinned host memory
+as they are made, without waiting). A block whose sum is not finite is handed to ``verify`` (the
+CPU branch's checks, which name the shard: `nnstat.influence.score`) before any result is
+returned.
 
 Example:
     >>> from nnstat.influence.precondition import Preconditioner
@@ -50,12 +52,16 @@ class Streamed:
 
 
 def _all_pairs_buffer(n_rows: int, n_test: int, device: torch.device) -> torch.Tensor:
-    """``[n_rows, n_test]`` on the device when it fits in half its free memory, else on the host
-    (then every block is copied there as it is scored: one wait per block)."""
-    need = 4 * n_rows * n_test
-    if device.type == "cuda" and need > torch.cuda.mem_get_info(device)[0] // 2:
+    """``[n_rows, n_test]`` for the all-pairs scores. On a GPU: pinned host memory, which each
+    block's scores are copied into as they are made (``non_blocking``: the copies queue behind
+    the products, nothing waits; the one read at the end drains them), else pageable memory where
+    pinning so much is refused (each copy then waits for its block). Elsewhere: on ``device``."""
+    if device.type != "cuda":
+        return torch.empty(n_rows, n_test, device=device)
+    try:
+        return torch.empty(n_rows, n_test, pin_memory=True)
+    except RuntimeError:
         return torch.empty(n_rows, n_test)
-    return torch.empty(n_rows, n_test, device=device)
 
 
 def _bad_units(sums: list[torch.Tensor], units: list[tuple[tuple, list]]) -> list[tuple]:
@@ -103,7 +109,7 @@ def stream_scores(
         elif buffer is None:
             out.pieces.append(scores)
         elif target is None:
-            buffer[seen : seen + b].copy_(scores)  # the host buffer: waits for this block
+            buffer[seen : seen + b].copy_(scores, non_blocking=True)  # to the host buffer
         out.units.append((key, list(ids)))
         seen += b
         if progress is not None:
@@ -120,7 +126,7 @@ def stream_scores(
     elif buffer is not None:
         if seen != n_rows:
             raise RuntimeError(f"the training log yielded {seen} rows, expected {n_rows}")
-        out.scores = buffer.cpu()
+        out.scores = buffer.cpu()  # a GPU's copies were drained by `_bad_units`' read
     elif out.pieces:
         sizes = [len(ids) for _, ids in out.units]
         out.pieces = list(torch.cat(out.pieces).cpu().split(sizes))
