@@ -110,11 +110,13 @@ def stream_scores(
             out.pieces.append(scores)
         elif target is None:
             buffer[seen : seen + b].copy_(scores, non_blocking=True)  # to the host buffer
-        out.units.append((key, list(ids)))
+        out.units.append((key, ids))
         seen += b
         if progress is not None:
             progress(b)
     verify(_bad_units(sums, out.units))
+    if n_rows is not None and seen != n_rows:
+        raise RuntimeError(f"the training log yielded {seen} rows, expected {n_rows}")
     if top_k:
         # best first (the merges sort only once more than k rows were seen), and one read back:
         # values and positions (exact in float64 below 2**53) in one tensor
@@ -124,8 +126,6 @@ def stream_scores(
             parts += [vals.double(), pos.gather(1, j).double()]
         out.top = torch.stack(parts).tolist()
     elif buffer is not None:
-        if seen != n_rows:
-            raise RuntimeError(f"the training log yielded {seen} rows, expected {n_rows}")
         out.scores = buffer.cpu()  # a GPU's copies were drained by `_bad_units`' read
     elif out.pieces:
         sizes = [len(ids) for _, ids in out.units]
@@ -150,7 +150,7 @@ def stream_self_influence(
     for key, ids, rows in blocks:
         rows = rows.to(torch.float32)
         torch.sum(pre.apply(rows, damping) * rows, 1, out=values[seen : seen + len(ids)])
-        units.append((key, list(ids)))
+        units.append((key, ids))
         seen += len(ids)
         if progress is not None:
             progress(len(ids))

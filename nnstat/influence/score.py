@@ -320,7 +320,8 @@ def _on_device(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKI
         bar.update,
     )
     if got.top is not None:
-        ids = [i for _, unit_ids in got.units for i in unit_ids]
+        # one process: the blocks came in the source's row order, so positions index its ids
+        ids = t.ids if world == 1 else [i for _, unit_ids in got.units for i in unit_ids]
         hi_v, hi_p, lo_v, lo_p = got.top  # on the host already: named without reading again
         if world > 1 or not ids:
             top = _TopK(job.top_k or 1, len(job.test_ids))
