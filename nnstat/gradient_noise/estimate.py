@@ -110,8 +110,8 @@ def _two_batch(
         for start in range(0, b_big, b_small):
             part = idx[start : start + b_small]
             grads = mean_grads(model, loss_fn, src.batch(part), params)
-            for t, g in zip(total, grads, strict=True):
-                t.add_(g.double(), alpha=len(part) / b_big)
+            # float64 totals += float32 gradients, cast inside the add (no float64 copies)
+            torch._foreach_add_(total, grads, alpha=len(part) / b_big)
             if len(part) == b_small:
                 chunk_sq.append(sq_norms(grads))
         small.append(torch.stack(chunk_sq).mean(0))
