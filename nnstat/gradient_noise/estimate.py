@@ -13,7 +13,6 @@ small models (exact HVPs).
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any, Literal
 
@@ -111,8 +110,8 @@ def _two_batch(
         for start in range(0, b_big, b_small):
             part = idx[start : start + b_small]
             grads = mean_grads(model, loss_fn, src.batch(part), params)
-            for t, g in zip(total, grads, strict=True):
-                t.add_(g.double(), alpha=len(part) / b_big)
+            # float64 totals += float32 gradients, cast inside the add (no float64 copies)
+            torch._foreach_add_(total, grads, alpha=len(part) / b_big)
             if len(part) == b_small:
                 chunk_sq.append(sq_norms(grads))
         small.append(torch.stack(chunk_sq).mean(0))
@@ -154,9 +153,9 @@ def _per_sample(
             batch = src.batch(_draw(gen, len(src), b_big))
             with collector.batch(b_big):
                 loss = batch_loss(model, loss_fn, batch)
-                # checked before backward, so a NaN loss names itself, not the norms it makes
-                if not math.isfinite(float(loss.detach())):
-                    raise ValueError(f"loss_fn returned a non-finite loss ({float(loss)})")
+                # read with the norms at the batch's end (one host read per batch), and named
+                # before them, so a NaN loss names itself, not the norms it makes
+                collector.check_loss(loss)
                 loss.backward()
             s, b, _ = collector.last
             small[i] = [s.get(n, 0.0) for n in names]

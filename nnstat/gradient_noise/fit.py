@@ -40,8 +40,11 @@ def _nested_sq_norms(
         k = b // base
         groups = []
         for start in range(0, n_chunks - k + 1, k):
-            mean = [sum(ch[p] for ch in chunks[start : start + k]) / k for p in range(len(params))]
-            groups.append(sq_norms(mean))
+            # a few foreach kernels per chunk added, not one per tensor (same sums, same order)
+            mean = list(chunks[start])
+            for ch in chunks[start + 1 : start + k]:
+                mean = torch._foreach_add(mean, ch)
+            groups.append(sq_norms(torch._foreach_div(mean, k)))
         out.append(torch.stack(groups).mean(0))
     return torch.stack(out)  # [sizes, params], on the model's device
 

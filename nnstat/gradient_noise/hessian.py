@@ -79,12 +79,13 @@ def hessian_noise_scale(
             dict(zip(names, graph_hvp(grads, params, vs), strict=True)), len(v)
         ).double()
 
-    g_h_g = float(g_mean @ hvp(g_mean[None])[0])
-    quad = torch.zeros((), dtype=torch.float64)
+    g_h_g_t = g_mean @ hvp(g_mean[None])[0]
+    quad = torch.zeros((), dtype=torch.float64, device=flat.device)
     for start in range(0, n, chunk):
         block = dev[start : start + chunk]
         quad = quad + (block * hvp(block)).sum()
-    trace_h_sigma = float(quad) / n
+    g_h_g, quad_sum = torch.stack([g_h_g_t, quad]).tolist()  # the one host read
+    trace_h_sigma = quad_sum / n
     if g_h_g <= 0:
         warnings.warn(
             f"G^T H G = {g_h_g:.3g} <= 0 (non-convex region or pure noise); b_noise is inf",

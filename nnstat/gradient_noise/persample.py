@@ -73,6 +73,7 @@ class PerSampleNorms:
         self._before: list[torch.Tensor | None] = []
         self._accumulating = False  # .grad held values before this batch
         self._sum = False  # this batch's loss is a sum over its samples
+        self._loss: torch.Tensor | None = None  # checked in the batch's one host read
         self.last: tuple[dict[str, float], dict[str, float], int] = ({}, {}, 0)
 
     def covered_parameters(self) -> set[int]:
@@ -108,7 +109,7 @@ class PerSampleNorms:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self._sum = loss_reduction == "sum"
-        self._caps, self._seen = [], set()
+        self._caps, self._seen, self._loss = [], set(), None
         self._local_big = rank_world()[1] > 1
         # .grad snapshots so gradient accumulation does not disturb the batch gradient; after
         # zero_grad(set_to_none=True) every snapshot is None (nothing to clone)
@@ -119,6 +120,11 @@ class PerSampleNorms:
         # the batch size tells the engine how to expand an input the batch shares ([1, T])
         samples = "input" if batch_size is None else batch_size
         self.engine._begin(batch_size, None, loss_reduction, False, samples)
+
+    def check_loss(self, loss: torch.Tensor) -> None:
+        """Refuse this batch at its end if ``loss`` (a scalar) is NaN/Inf: it is read with the
+        norms, in the batch's one host read, and named before them (a NaN loss makes NaN norms)."""
+        self._loss = loss.detach()
 
     def abort(self) -> None:
         """Close a batch whose block raised: nothing is reduced."""
@@ -198,12 +204,16 @@ class PerSampleNorms:
                 if j is not None and p.grad is not None:
                     norm_in.append(p.grad if old is None else p.grad - old)
                     owner.append(j)
+        loss = [] if self._loss is None else [self._loss.to(torch.float64)]
         with torch.no_grad():  # .grad may carry a graph (create_graph=True): build none
-            parts = [*(torch._foreach_norm(norm_in) if norm_in else ()), *scalars]
+            parts = [*(torch._foreach_norm(norm_in) if norm_in else ()), *scalars, *loss]
             vector = torch.stack(parts)
-        n_norms, n_caps, summed = len(norm_in), len(caps), self._sum
+        n_norms, n_caps, summed, has_loss = len(norm_in), len(caps), self._sum, bool(loss)
 
         def combine(values: list[float]) -> tuple[list[float], list[float]]:
+            values = list(values)
+            if has_loss and not math.isfinite(value := values.pop()):
+                raise ValueError(f"loss_fn returned a non-finite loss ({value})")
             norms, rest = values[:n_norms], values[n_norms:]
             small = []
             for i, j, c in spans:

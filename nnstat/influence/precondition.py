@@ -41,7 +41,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -201,6 +201,10 @@ class _DampedBlock:
     q_in: torch.Tensor | None = None
     denom: torch.Tensor | None = None
 
+    def to(self, device: torch.device) -> _DampedBlock:
+        moved = {k: v.to(device) if torch.is_tensor(v) else v for k, v in vars(self).items()}
+        return _DampedBlock(**moved)
+
 
 def _stat(stats: Mapping[str, torch.Tensor], module: str, stream: str) -> torch.Tensor:
     key = f"{module}/{stream}/covariance"
@@ -341,10 +345,6 @@ def _stored_basis(
     return False
 
 
-def _to(t: object, device: torch.device) -> object:
-    return t.to(device) if isinstance(t, torch.Tensor) else t
-
-
 # ----------------------------------------------------------------------------- fitting
 def dense_groups(widths: list[int], budget: int = DENSE_FIT_BUDGET) -> list[list[int]]:
     """Indices of ``widths`` in groups whose float64 ``width²`` covariances fit in ``budget``
@@ -446,8 +446,7 @@ class Preconditioner:
         self.kind = kind
         self.layout = layout
         self.factors = factors
-        self._cache: dict[tuple[str, float | None], list[_DampedBlock]] = {}
-        self._on_device: dict[tuple[str, float | None, str], list[_DampedBlock]] = {}
+        self._cache: dict[tuple, list[_DampedBlock]] = {}  # by kind, damping (and device)
         # where each module's curvature came from: "rows", "statistics" or "statistics+rows"
         self.origin: dict[str, str] = {}
 
@@ -495,7 +494,7 @@ class Preconditioner:
             out[m.name] = resolve_damping(damping, evals)
         return out
 
-    def _blocks(self, damping: float | None) -> list[_DampedBlock]:
+    def _blocks(self, damping: float | None, device: torch.device | None = None) -> list:
         key = (self.kind, None if damping is None else float(damping))
         if key not in self._cache:
             lams = self.module_dampings(damping)
@@ -511,26 +510,14 @@ class Preconditioner:
                     denom = f.eig + lam
                     if (denom <= 0).any():
                         raise ValueError("curvature + damping is singular: use a damping > 0")
-                    blocks.append(
-                        _DampedBlock(
-                            lam,
-                            q_out=None if f.q_out is None else f.q_out.to(torch.float32),
-                            q_in=None if f.q_in is None else f.q_in.to(torch.float32),
-                            denom=denom.to(torch.float32),
-                        )
-                    )
+                    q_out, q_in = (q if q is None else q.float() for q in (f.q_out, f.q_in))
+                    blocks.append(_DampedBlock(lam, q_out=q_out, q_in=q_in, denom=denom.float()))
             self._cache[key] = blocks
-        return self._cache[key]
-
-    def _blocks_on(self, damping: float | None, device: torch.device) -> list[_DampedBlock]:
-        """`_blocks` on ``device`` (moved once per damping and device, then kept)."""
-        key = (self.kind, None if damping is None else float(damping), str(device))
-        if device.type != "cpu" and key not in self._on_device:
-            self._on_device[key] = [
-                _DampedBlock(**{f.name: _to(getattr(b, f.name), device) for f in fields(b)})
-                for b in self._blocks(damping)
-            ]
-        return self._blocks(damping) if device.type == "cpu" else self._on_device[key]
+        if device is None or device.type == "cpu":
+            return self._cache[key]
+        if (*key, device) not in self._cache:  # scoring on a GPU: the blocks are copied there once
+            self._cache[(*key, device)] = [b.to(device) for b in self._cache[key]]
+        return self._cache[(*key, device)]
 
     def damped_bytes(self) -> int:
         """Bytes of one damping's blocks (`apply` keeps them per damping and device)."""
@@ -544,13 +531,12 @@ class Preconditioner:
         return total
 
     def apply(self, rows: torch.Tensor, damping: float | None) -> torch.Tensor:
-        """``rows (H + λI)⁻¹`` block by block (``H`` symmetric, so rows or columns alike), on
-        the device of ``rows``."""
+        """``rows (H + λI)⁻¹`` block by block (``H`` symmetric), on ``rows``' device."""
         if self.kind == "identity":
             return rows.to(torch.float32)
         rows = rows.to(torch.float32)
         out = torch.empty_like(rows)
-        for m, b in zip(self.layout, self._blocks_on(damping, rows.device), strict=True):
+        for m, b in zip(self.layout, self._blocks(damping, rows.device), strict=True):
             x = rows[:, m.offset : m.stop]
             if b.matrix is not None:
                 out[:, m.offset : m.stop] = x @ b.matrix

@@ -6,16 +6,14 @@ one block plus the output (or only ``n_test × 2k`` entries in top-k mode). Unde
 ``torch.distributed`` each rank scores every ``world_size``-th shard and the pieces are
 gathered on every rank.
 
-Modes (higher = more similar/helpful in all four), with ``M = (H + λI)⁻¹``:
+The modes (``dot``, ``relatif``, ``cosine``, ``l2``) are defined in :mod:`nnstat.influence.modes`.
 
-* ``dot``: ``g_qᵀ M g_i``
-* ``relatif``: ``g_qᵀ M g_i / ‖g_i‖_M``, the training side divided by the square root of its
-  self-influence (RelatIF's ℓ-relative influence, Barshan et al. 2020), so that a few
-  high-loss, large-gradient examples no longer top every query's list; per query it ranks the
-  training examples as ``cosine`` does (they differ by one positive factor per query, the
-  query's own norm), while the scores keep the query's scale
-* ``cosine``: ``g_qᵀ M g_i / (‖g_q‖_M ‖g_i‖_M)``
-* ``l2``: ``−(g_q − g_i)ᵀ M (g_q − g_i)``
+Scoring runs where the queries are (``device=``, default: the query rows' device). On the CPU
+the blocks are scored straight from the memory-mapped shards (the OS is asked to read the next
+shard ahead: an asynchronous hint, no thread). On a GPU (the device branch, :mod:`nnstat.influence.ondevice`) a reader
+thread reads each block into a pinned buffer while the device scores the previous one, the copy
+runs on a side stream, the top-k selection stays on the device, and the results come back in two
+reads at the end (no host read per block).
 
 Example:
     >>> import torch
@@ -29,6 +27,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,6 +38,9 @@ from nnstat.distributed import rank_world
 
 from .cache import default_preconditioner, fitted, has_kfac_statistics, has_stored_ekfac
 from .layout import check_compatible, check_same_weights
+from .modes import MODES, check_mode, normalise, raw_scores
+from .ondevice import stream_scores, stream_self_influence
+from .pipeline import Block, read_ahead, units
 from .precondition import PRECONDITIONERS, Preconditioner
 from .refine import Refinement, refine_queries
 from .result import InfluenceResult, SelfInfluenceResult, TopKInfluence
@@ -53,7 +55,7 @@ from .sources import (
 )
 from .topk import block_candidates
 
-MODES = ("dot", "relatif", "cosine", "l2")
+__all__ = ["MODES", "auto_batch_size", "compute_influence_all", "compute_self_influence"]
 
 
 def _dist() -> tuple[int, int]:
@@ -69,21 +71,30 @@ def _gather(obj: Any) -> list[Any]:
     return out
 
 
-def _my_units(source: RowSource, batch_size: int) -> Iterator[tuple[tuple, list, torch.Tensor]]:
-    """``(unit key, ids, rows)`` blocks of this rank's shards; keys sort in single-process order."""
+def _my_units(source: RowSource, batch_size: int) -> Iterator[Block]:
+    """``(unit key, ids, rows)`` blocks of this rank's shards (see `pipeline.units`)."""
     rank, world = _dist()
-    shards = source.iter_shards()
-    if world == 1 or len(shards) >= world:
-        for s_idx, shard in enumerate(shards):
-            if s_idx % world != rank:
-                continue
-            for b_idx, (ids, rows) in enumerate(source.iter_shard_blocks(shard, batch_size)):
-                yield (s_idx, b_idx), ids, rows
-        return
-    # fewer shards than ranks: split blocks round-robin instead
-    for b_idx, (ids, rows) in enumerate(source.iter_blocks(batch_size)):
-        if b_idx % world == rank:
-            yield (0, b_idx), ids, rows
+    return units(source, batch_size, rank, world)
+
+
+def scoring_device(device: Any, source: RowSource) -> torch.device:
+    """``device``, else where the rows of ``source`` (the queries) are, else the CPU.
+
+    Example:
+        >>> from nnstat.influence.sources import TensorSource
+        >>> scoring_device(None, TensorSource(torch.ones(2, 3))).type
+        'cpu'
+    """
+    if device is not None:
+        return torch.device(device)
+    rows = getattr(source, "rows", None)
+    return rows.device if isinstance(rows, torch.Tensor) else torch.device("cpu")
+
+
+def _device_branch(device: torch.device) -> bool:
+    """Score on ``device`` with the device branch (`ondevice`); the CPU keeps the host branch.
+    (Tests switch the CPU to the device branch here, to run it without a GPU.)"""
+    return device.type != "cpu"
 
 
 def auto_batch_size(row_width: int, budget_bytes: int = 16 << 20) -> int:
@@ -94,11 +105,6 @@ def auto_batch_size(row_width: int, budget_bytes: int = 16 << 20) -> int:
         4096
     """
     return int(min(65536, max(256, budget_bytes // (4 * max(row_width, 1)))))
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; valid: {list(MODES)}")
 
 
 def _check_pair(q: RowSource, t: RowSource) -> None:
@@ -153,16 +159,12 @@ def _score_block(
     source: RowSource | None = None,
     shard: Any = None,
 ) -> torch.Tensor:
-    """Scores ``[b, n_test]`` (train-major, so a block is a contiguous slice of the output), or
-    ``[n_test, b]`` with ``query_major`` (what a per-query selection reads contiguously).
+    """The host branch's scores of a block (see `modes.raw_scores` for the layouts).
 
     Non-finite rows are always an error naming their file (``shard`` of ``source``); with
     ``check_finite`` non-finite scores of finite rows (float32 overflow) are one too."""
     rows = rows.to(torch.float32)
-    if query_major:
-        scores = torch.mm(q_pre, rows.T, out=out)
-    else:
-        scores = torch.matmul(rows, q_pre.T, out=out)
+    scores = raw_scores(q_pre, rows, out, query_major)
     # NaN and Inf in a row reach every score of that row (times zero too), so checking the
     # [b, n_test] scores stands in for checking the [b, row_width] rows at 1/row_width the cost
     if not all_finite(scores):
@@ -172,18 +174,33 @@ def _score_block(
             bad_rows = ~torch.isfinite(scores.T if query_major else scores)
             bad = bad_rows.any(1).nonzero().flatten()[:5].tolist()
             raise ValueError(f"training rows {[ids[i] for i in bad]} contain NaN/Inf values")
-    if mode == "dot":
-        return scores
-    t_norm = (pre.apply(rows, damping) * rows).sum(1)  # g_iᵀ M g_i
-    tn, qn = (t_norm[None, :], q_norm[:, None]) if query_major else (t_norm[:, None], q_norm[None])
-    if mode == "relatif":
-        scores /= tn.clamp_min(0).sqrt().clamp_min(torch.finfo(torch.float32).tiny)
-    elif mode == "cosine":
-        denom = tn.clamp_min(0).sqrt() * qn.clamp_min(0).sqrt()
-        scores /= denom.clamp_min(torch.finfo(torch.float32).tiny)
-    else:
-        scores.mul_(2).sub_(tn).sub_(qn)
-    return scores
+    return normalise(scores, q_norm, rows, pre, damping, mode, query_major)
+
+
+def _shards(t: RowSource, one_process: bool = False) -> list | None:
+    """The shard of each unit key's first entry in `_my_units` (``None``: units are not per
+    shard, with fewer shards than ranks)."""
+    shards = t.iter_shards()
+    world = 1 if one_process else _dist()[1]
+    return shards if world == 1 or len(shards) >= world else None
+
+
+def _recheck(t: RowSource, batch_size: int, check: Any, one_process: bool = False) -> Any:
+    """``verify`` for the device branch: the blocks whose device results were not finite are
+    read again on the host and handed to ``check(shard, ids, rows)``, which raises as the host
+    branch would (naming the shard); blocks it passes (a float32 overflow in a store that may
+    hold it) keep their results."""
+
+    def verify(bad: list[tuple]) -> None:
+        if not bad:
+            return
+        shards = _shards(t, one_process)
+        blocks = units(t, batch_size) if one_process else _my_units(t, batch_size)
+        for unit, ids, rows in blocks:
+            if unit in bad:
+                check(None if shards is None else shards[unit[0]], ids, rows)
+
+    return verify
 
 
 def compute_influence_all(
@@ -197,6 +214,7 @@ def compute_influence_all(
     batch_size: int | None = None,
     progress: bool | None = None,
     refine: Refinement | None = None,
+    device: torch.device | str | None = None,
 ) -> InfluenceResult | TopKInfluence:
     """Influence of every training example on every query.
 
@@ -210,6 +228,10 @@ def compute_influence_all(
     conjugate gradient on the exact curvature of the training loss (``mode="dot"`` only; see
     :mod:`nnstat.influence.refine`); ``result.meta["refine"]`` reports the cost.
 
+    ``device`` scores there (default: where the query rows are, else the CPU): on a GPU the
+    training shards are streamed to it through pinned, double-buffered reads and only the
+    results come back (on the CPU, like every result).
+
     Example:
         >>> import torch
         >>> from nnstat.influence.sources import TensorSource
@@ -217,14 +239,16 @@ def compute_influence_all(
         >>> compute_influence_all(query, train, top_k=3).helpful_scores.shape
         torch.Size([2, 3])
     """
-    _check_mode(mode)
+    check_mode(mode)
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     q, t = as_source(query), as_source(train)
+    dev = scoring_device(device, q)
     if not batch_size:
         batch_size = auto_batch_size(max(m.stop for m in t.layout))
-        if top_k:
-            # per-block selection has a fixed cost per call: fewer, larger blocks amortise it
+        if top_k or _device_branch(dev):
+            # per-block selection (and on a device, each launch) has a fixed cost per call:
+            # fewer, larger blocks amortise it
             batch_size = min(65536, 4 * batch_size)
     if refine is not None and refine.steps > 0:
         if mode != "dot":
@@ -233,11 +257,13 @@ def compute_influence_all(
         test_ids, _, q_pre, report = refine_queries(
             refine, q, t, damping, preconditioner, batch_size, refine.query_data
         )
+        q_pre = q_pre.to(dev, torch.float32)
         pre, q_norm = Preconditioner("identity", list(t.layout), {}), None  # dot mode: unused
         meta = {"mode": mode, **_refined_meta(refine, damping, report, t)}
     else:
         q, t, pre = _prepare(q, t, preconditioner, batch_size)
         test_ids, q_rows = all_rows(q, batch_size)
+        q_rows = q_rows.to(dev)
         q_pre = pre.apply(q_rows, damping)
         q_norm = (q_pre * q_rows).sum(1) if mode != "dot" else None
         meta = {
@@ -248,61 +274,124 @@ def compute_influence_all(
         }
         if refine is not None:
             meta["refine"] = {"steps": 0, "products": 0, "passes": 0}
+    job = _Scoring(q_pre, q_norm, pre, damping, mode, top_k, batch_size, test_ids, meta)
     rank, _ = _dist()
-    bar = tqdm(
-        total=len(t),
-        desc="influence",
-        unit="row",
-        disable=True if rank != 0 else (None if progress is None else not progress),
-    )
-    top: _TopK | None = _TopK(top_k, len(test_ids)) if top_k else None
+    disable = True if rank != 0 else _quiet(progress)
+    with tqdm(total=len(t), desc="influence", unit="row", disable=disable) as bar:
+        return _on_device(job, t, bar) if _device_branch(dev) else _on_host(job, t, bar)
+
+
+@dataclass
+class _Scoring:
+    """One call's preconditioned queries ``Q M`` (``q_norm``: their ``g_qᵀ M g_q``) and
+    options, as both branches read them."""
+
+    q_pre: torch.Tensor
+    q_norm: torch.Tensor | None
+    pre: Preconditioner
+    damping: float | None
+    mode: str
+    top_k: int | None
+    batch_size: int
+    test_ids: list
+    meta: dict
+
+
+def _on_device(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKInfluence:
+    """The device branch of `compute_influence_all` (see :mod:`nnstat.influence.ondevice`)."""
     _, world = _dist()
-    # single process: one preallocated [n_train, n_test] buffer, each block written in place
-    buffer = torch.empty(len(t), len(test_ids)) if top is None and world == 1 else None
-    # top-k: every block's scores go to one reused buffer (a fresh multi-MB tensor per block
-    # costs page faults), they are consumed before the next block
-    scratch = torch.empty(len(test_ids), batch_size) if top is not None else None
-    units: list[tuple[tuple, list, torch.Tensor]] = []
-    filled = 0
-    # the shard of each unit, for errors that name its file (None: units are not per shard)
-    shards: list | None = t.iter_shards()
-    shards = shards if world == 1 or len(shards) >= world else None
-    with bar:
-        for unit, ids, rows in _my_units(t, batch_size):
-            if buffer is not None:
-                out = buffer[filled : filled + len(ids)]
-            elif scratch is not None and len(ids) == batch_size:
-                out = scratch
-            else:
-                out = None
-            shard = None if shards is None else shards[unit[0]]
-            strict, major = not t.finite, top is not None
-            scores = _score_block(
-                q_pre, q_norm, rows, ids, pre, damping, mode, out, strict, major, t, shard
-            )
-            if top is not None:
-                top.update(scores, ids)
-            elif buffer is None:
-                units.append((unit, ids, scores))
-            else:
-                units.append((unit, ids, None))
-            filled += len(ids)
-            bar.update(len(ids))
-    if top is not None:
-        return top.finish(test_ids, meta)
-    if buffer is not None:
-        if filled != len(t):
-            raise RuntimeError(f"the training log yielded {filled} rows, expected {len(t)}")
-        # blocks come in the source's row order, so its id list is the column order
-        train_ids = list(t.ids)
-        # a transposed view of the train-major buffer: packing it would cost another full pass
-        return InfluenceResult(buffer.T, test_ids, train_ids, meta)
+
+    def check(shard: Any, ids: list, rows: torch.Tensor) -> None:  # a block to refuse, or not
+        q_norm = None if job.q_norm is None else job.q_norm.cpu()
+        args = (job.q_pre.cpu(), q_norm, rows, ids, job.pre, job.damping, job.mode)
+        _score_block(*args, None, not t.finite, False, t, shard)
+
+    blocks = _my_units(t, job.batch_size)
+    got = stream_scores(
+        job.q_pre,
+        job.q_norm,
+        read_ahead(blocks, job.q_pre.device, max_rows=job.batch_size),
+        job.pre,
+        job.damping,
+        job.mode,
+        job.top_k,
+        len(t) if world == 1 else None,
+        _recheck(t, job.batch_size, check),
+        bar.update,
+    )
+    if got.top is not None:
+        # one process: the blocks came in the source's row order, so positions index its ids
+        ids = t.ids if world == 1 else [i for _, unit_ids in got.units for i in unit_ids]
+        hi_v, hi_p, lo_v, lo_p = got.top  # on the host already: named without reading again
+        if world > 1 or not ids:
+            top = _TopK(job.top_k or 1, len(job.test_ids))
+            top.ids, top.hi_v, top.lo_v = ids, torch.tensor(hi_v), torch.tensor(lo_v)
+            top.hi_i, top.lo_i = torch.tensor(hi_p).long(), torch.tensor(lo_p).long()
+            return top.finish(job.test_ids, job.meta)
+        return TopKInfluence(
+            list(job.test_ids),
+            torch.tensor(hi_v),
+            [[ids[int(p)] for p in row] for row in hi_p],
+            torch.tensor(lo_v),
+            [[ids[int(p)] for p in row] for row in lo_p],
+            job.meta,
+        )
+    if got.scores is not None:
+        return InfluenceResult(got.scores.T, job.test_ids, list(t.ids), job.meta)
+    units = [(key, ids, s) for (key, ids), s in zip(got.units, got.pieces, strict=True)]
+    return _gathered(units, job.test_ids, job.meta)
+
+
+def _gathered(units: list, test_ids: list, meta: dict) -> InfluenceResult:
+    """Every rank's ``(unit key, ids, scores)`` in single-process order, as one result."""
     pieces = sorted((u for part in _gather(units) for u in part), key=lambda u: u[0])
     train_ids = [i for _, ids, _ in pieces for i in ids]
     if not pieces:
         raise ValueError("the training log is empty")
     scores = torch.cat([s for _, _, s in pieces], dim=0).T
     return InfluenceResult(scores, test_ids, train_ids, meta)
+
+
+def _on_host(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKInfluence:
+    """The CPU branch of `compute_influence_all`: blocks scored straight from the shards' memory
+    maps (the next shard hinted to the OS by `pipeline.units`), checked and selected block by
+    block. No reader thread: on the CPU it would only add a hand-off per block."""
+    _, world = _dist()
+    n_test, batch_size = len(job.test_ids), job.batch_size
+    top: _TopK | None = _TopK(job.top_k, n_test) if job.top_k else None
+    # single process: one preallocated [n_train, n_test] buffer, each block written in place
+    buffer = torch.empty(len(t), n_test) if top is None and world == 1 else None
+    # top-k: every block's scores go to one reused buffer (a fresh multi-MB tensor per block
+    # costs page faults), they are consumed before the next block
+    scratch = torch.empty(n_test, batch_size) if top is not None else None
+    units: list[tuple[tuple, list, torch.Tensor]] = []
+    filled = 0
+    strict, major, shards = not t.finite, top is not None, _shards(t)
+    for unit, ids, rows in _my_units(t, batch_size):
+        if buffer is not None:
+            out = buffer[filled : filled + len(ids)]
+        elif scratch is not None and len(ids) == batch_size:
+            out = scratch
+        else:
+            out = None
+        shard = None if shards is None else shards[unit[0]]
+        args = (job.q_pre, job.q_norm, rows, ids, job.pre, job.damping, job.mode)
+        scores = _score_block(*args, out, strict, major, t, shard)
+        if top is not None:
+            top.update(scores, ids)
+        elif buffer is None:
+            units.append((unit, ids, scores))
+        filled += len(ids)
+        bar.update(len(ids))
+    if top is not None:
+        return top.finish(job.test_ids, job.meta)
+    if buffer is not None:
+        if filled != len(t):
+            raise RuntimeError(f"the training log yielded {filled} rows, expected {len(t)}")
+        # blocks come in the source's row order, so its id list is the column order; a
+        # transposed view of the train-major buffer: packing it would cost another full pass
+        return InfluenceResult(buffer.T, job.test_ids, list(t.ids), job.meta)
+    return _gathered(units, job.test_ids, job.meta)
 
 
 class _TopK:
@@ -378,6 +467,7 @@ def compute_self_influence(
     batch_size: int | None = None,
     progress: bool | None = None,
     refine: Refinement | None = None,
+    device: torch.device | str | None = None,
 ) -> SelfInfluenceResult:
     """Self-influence ``g_iᵀ (H + λI)⁻¹ g_i`` of every row of ``data``.
 
@@ -391,6 +481,9 @@ def compute_self_influence(
     curvature (one solve per row: ``steps`` passes over the training data per ``query_batch``
     rows); the rows' full gradients come from ``refine.query_data``, else ``refine.train_data``,
     in the order of ``data``.
+
+    ``device`` computes there (default: where the rows of ``data`` are, else the CPU); the
+    values come back on the CPU.
 
     Example:
         >>> import torch
@@ -412,16 +505,20 @@ def compute_self_influence(
         return SelfInfluenceResult((solved * rows).sum(1), ids, meta)
     kind = preconditioner or _self_default(d, t, train is None)
     pre = fitted(t, kind, batch_size)
-    ids, parts = [], []
-    for b_ids, rows in tqdm(
-        d.iter_blocks(batch_size),
-        desc="self-influence",
-        disable=None if progress is None else not progress,
-    ):
-        rows = rows.to(torch.float32)
-        ids.extend(b_ids)
-        parts.append((pre.apply(rows, damping) * rows).sum(1))
-    if not parts:
+    dev = scoring_device(device, d)
+    bar = tqdm(total=len(d), desc="self-influence", unit="row", disable=_quiet(progress))
+    with bar:
+        if _device_branch(dev):
+            ids, values = _self_on_device(d, pre, damping, batch_size, dev, bar)
+        else:
+            ids, parts = [], []
+            for b_ids, rows in d.iter_blocks(batch_size):
+                rows = rows.to(torch.float32)
+                ids.extend(b_ids)
+                parts.append((pre.apply(rows, damping) * rows).sum(1))
+                bar.update(len(b_ids))
+            values = torch.cat(parts) if parts else torch.empty(0)
+    if not ids:
         raise ValueError("the log is empty")
     meta = {
         "preconditioner": pre.kind,
@@ -430,4 +527,29 @@ def compute_self_influence(
     }
     if refine is not None:
         meta["refine"] = {"steps": 0, "products": 0, "passes": 0}
-    return SelfInfluenceResult(torch.cat(parts), ids, meta)
+    return SelfInfluenceResult(values, ids, meta)
+
+
+def _self_on_device(
+    d: RowSource,
+    pre: Preconditioner,
+    damping: float | None,
+    batch_size: int,
+    dev: torch.device,
+    bar: Any,
+) -> tuple[list, torch.Tensor]:
+    """The device branch of `compute_self_influence`: the rows streamed to ``dev``, the values
+    read back once; NaN/Inf rows of a store that says it holds none are refused, naming the
+    shard, as the host branch's reads do."""
+
+    def check(shard: Any, ids: list, rows: torch.Tensor) -> None:
+        if d.finite and (err := nonfinite_error(d, shard, ids, rows)) is not None:
+            raise err
+
+    blocks = read_ahead(units(d, batch_size), dev, max_rows=batch_size)
+    verify = _recheck(d, batch_size, check, one_process=True)
+    return stream_self_influence(blocks, pre, damping, len(d), dev, verify, bar.update)
+
+
+def _quiet(progress: bool | None) -> bool | None:
+    return None if progress is None else not progress

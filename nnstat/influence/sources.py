@@ -244,6 +244,12 @@ class StoreSource:
         for ids, rows in self.store.iter_shard_blocks(shard, batch_size):
             yield list(ids), torch.as_tensor(rows, dtype=torch.float32)
 
+    def prefetch(self, shard: Any) -> None:
+        """Ask the OS to read ``shard`` (an entry of `iter_shards`) ahead, if the store can."""
+        hint = getattr(self.store, "prefetch", None)
+        if hint is not None and isinstance(shard, int):
+            hint(shard)
+
     def _mapped_float32(self, shard: Any) -> torch.Tensor | None:
         """A float32 shard as a read-only tensor over its memory map: scoring only reads it, so
         the copy the generic reader makes (to hand out writable rows) is skipped."""

@@ -62,3 +62,30 @@ def block_candidates(
         rows = np.concatenate([rows, tail], 1)
         out += [torch.from_numpy(flat[rows + base]), torch.from_numpy(rows)]
     return out[0], out[1], out[2], out[3]
+
+
+def merge_topk(
+    vals: torch.Tensor,
+    pos: torch.Tensor,
+    scores: torch.Tensor,
+    offset: int,
+    k: int,
+    largest: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running per-query top-``k`` ``(vals, pos)`` ``[n_test, ≤k]`` merged with a block of
+    scores ``[n_test, b]`` whose columns are rows ``offset, offset + 1, ...``; every step stays
+    on the scores' device (torch only, no host read: the device branch's selection).
+
+    Example:
+        >>> v, p = torch.empty(1, 0), torch.empty(1, 0, dtype=torch.long)
+        >>> v, p = merge_topk(v, p, torch.tensor([[1.0, 5.0, 3.0]]), 0, 2, True)
+        >>> v, p = merge_topk(v, p, torch.tensor([[4.0, 0.0]]), 3, 2, True)
+        >>> v.tolist(), p.tolist()
+        ([[5.0, 4.0]], [[1, 3]])
+    """
+    v, j = torch.topk(scores, min(k, scores.shape[1]), dim=1, largest=largest)
+    vals, pos = torch.cat([vals, v], 1), torch.cat([pos, j + offset], 1)
+    if vals.shape[1] > k:
+        vals, j = torch.topk(vals, k, dim=1, largest=largest)
+        pos = pos.gather(1, j)
+    return vals, pos

@@ -55,18 +55,19 @@ def rereads(plan: StepPlan, st: Staged, host: list[torch.Tensor]) -> list[tuple[
     names = {f"group:{g}": n for g, n, _ in plan.groups}
     names["update"] = plan.names
     out: list[tuple[str, str, Any]] = []
-    for key, (tensors, at, _hist) in st.groups.items():
+    for key, (tensors, at, *_) in st.groups.items():
         group = "update" if key == "update" else key.removeprefix("group:")
         for i in (~torch.isfinite(host[at][:, -1])).nonzero().flatten().tolist():
             out.append((group, names[key][i], tensors[i]))
-    if st.fused_rows is not None:
+    if st.fused is not None:  # the fused pass' weight and update tables (`repair_table` both)
         assert plan.weights is not None and plan.prev is not None
-        rows = host[st.fused_rows]
-        for i in (~torch.isfinite(rows[:, 0] + rows[:, 4])).nonzero().flatten().tolist():
-            out += [
-                ("weight", plan.names[i], plan.weights[i]),
-                ("update", plan.names[i], plan.prev[i]),
-            ]
+        views = plan.update_views if plan.update_views is not None else plan.prev
+        for group, at, tensors in (
+            ("weight", st.fused[0], plan.weights),
+            ("update", st.fused[1], views),
+        ):
+            for i in (~torch.isfinite(host[at][:, -1])).nonzero().flatten().tolist():
+                out.append((group, plan.names[i], tensors[i]))
     return out
 
 
@@ -104,7 +105,7 @@ class DeferredSteps:
         """Queue step `step`'s reductions and its one copy to the host; nothing is read back."""
         st = stage(plan, workspaces)
         # what finish may read again, as it is now (the snapshot refresh below changes prev)
-        held = [t for tensors, _, _ in st.groups.values() for t in tensors]
+        held = [t for tensors, *_ in st.groups.values() for t in tensors]
         held += [*(plan.weights or ()), *(plan.prev or ())]
         versions = {id(t): t._version for t in held}
         if plan.refresh and plan.prev is not None and plan.weights is not None:

@@ -164,7 +164,7 @@ def test_finish_reads_only_the_tensors_rereads_names(torch_only, kind):  # noqa:
     def blind(tensors):
         return [t if id(t) in read else torch.empty_like(t, device="meta") for t in tensors]
 
-    st.groups = {k: (blind(ts), at, h) for k, (ts, at, h) in st.groups.items()}
+    st.groups = {k: (blind(ts), at, *rest) for k, (ts, at, *rest) in st.groups.items()}
     plan.weights, plan.prev = blind(plan.weights), blind(plan.prev)
     plan.refresh = False
     _same(compute.assemble(plan, compute.finish(plan, st, host)), ref)

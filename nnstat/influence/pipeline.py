@@ -1,0 +1,206 @@
+"""Training rows streamed to the scoring device: read ahead on a thread, two blocks in flight.
+
+`units` cuts a source into ``(key, ids, rows)`` blocks, shard by shard (this rank's shards under
+``torch.distributed``), and asks the OS to read the next shard ahead (`GradientStore.prefetch`,
+an asynchronous hint: the CPU branch of scoring reads the memory maps straight from `units`, so
+a cold store's disk reads overlap its scoring without a thread or a copy).
+
+`read_ahead` runs that iterator on a reader thread for the device branch: the thread reads block
+``k + 1`` from disk into one of two host buffers (pinned when the device is a GPU) while the
+device scores block ``k``; the main thread copies each buffer to the device with
+``non_blocking=True`` on a side stream, and the scoring stream waits for that copy's event, so
+disk reads, host-to-device copies and scoring overlap. Rows already on the device pass through.
+
+An error raised while reading (a damaged shard, a shape that does not match its ids) is
+re-raised in the consumer, with its traceback, where its block would have come; the thread stops
+when the consumer does (an error there, or a consumer that stops early).
+
+Example:
+    >>> from nnstat.influence.sources import TensorSource
+    >>> src = TensorSource(torch.arange(10.0)[:, None], shard_rows=4)
+    >>> [(key, ids) for key, ids, _ in read_ahead(units(src, 3), "cpu")]
+    [((0, 0), [0, 1, 2]), ((0, 1), [3]), ((1, 0), [4, 5, 6]), ((1, 1), [7]), ((2, 0), [8, 9])]
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .sources import RowSource
+
+Block = tuple[tuple, list, torch.Tensor]
+
+#: host buffers of the reader thread: block ``k + 1`` is read while block ``k`` is scored
+DEPTH = 2
+
+
+def units(source: RowSource, batch_size: int, rank: int = 0, world: int = 1) -> Iterator[Block]:
+    """``(unit key, ids, rows)`` blocks of this rank's shards; keys sort in single-process order.
+
+    Before the blocks of a shard, the next shard of this rank is read ahead where the source
+    can (`StoreSource.prefetch`): the OS reads it while this one is scored.
+
+    Example:
+        >>> from nnstat.influence.sources import TensorSource
+        >>> src = TensorSource(torch.zeros(5, 2), shard_rows=2)
+        >>> [key for key, _, _ in units(src, 2, rank=1, world=2)]
+        [(1, 0)]
+    """
+    shards = source.iter_shards()
+    if world == 1 or len(shards) >= world:
+        mine = [(s_idx, shard) for s_idx, shard in enumerate(shards) if s_idx % world == rank]
+        prefetch = getattr(source, "prefetch", None)
+        for n, (s_idx, shard) in enumerate(mine):
+            if prefetch is not None and n + 1 < len(mine):
+                prefetch(mine[n + 1][1])
+            for b_idx, (ids, rows) in enumerate(source.iter_shard_blocks(shard, batch_size)):
+                yield (s_idx, b_idx), ids, rows
+        return
+    # fewer shards than ranks: split blocks round-robin instead
+    for b_idx, (ids, rows) in enumerate(source.iter_blocks(batch_size)):
+        if b_idx % world == rank:
+            yield (0, b_idx), ids, rows
+
+
+@dataclass
+class _Failed:
+    error: BaseException
+
+
+_END = object()
+
+
+class _Reader:
+    """The reader thread. It takes a free host buffer (and the event of the device copy that
+    last read it), fills it with the next block, and queues it; the consumer gives the buffer
+    back once the device has what it needs from it."""
+
+    def __init__(self, blocks: Iterator[Block], max_rows: int, pin: bool) -> None:
+        self.ready: queue.SimpleQueue = queue.SimpleQueue()
+        self.free: queue.SimpleQueue = queue.SimpleQueue()
+        for slot in range(DEPTH):
+            self.free.put((slot, None))
+        self.stop = threading.Event()
+        self._blocks, self._pin, self._max_rows = blocks, pin, max_rows
+        self._buffers: list[torch.Tensor | None] = [None] * DEPTH
+        self.thread = threading.Thread(target=self._run, name="nnstat-shard-reader", daemon=True)
+        self.thread.start()
+
+    def _take(self) -> tuple[int, Any] | None:
+        while not self.stop.is_set():
+            try:
+                return self.free.get(timeout=0.05)
+            except queue.Empty:
+                continue
+        return None
+
+    def _buffer(self, slot: int, rows: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers[slot]
+        n, width = rows.shape
+        if buf is None or buf.shape[0] < n or buf.shape[1] != width:
+            buf = torch.empty(max(n, self._max_rows), width, pin_memory=self._pin)
+            self._buffers[slot] = buf
+        return buf[:n]
+
+    def _run(self) -> None:
+        try:
+            for key, ids, rows in self._blocks:
+                token = self._take()
+                if token is None:
+                    return  # the consumer stopped
+                slot, copied = token
+                if rows.device.type == "cpu":
+                    if copied is not None and not copied.query():
+                        copied.synchronize()  # wait until the device has read this buffer
+                    # the disk read (a memory-mapped shard is read here, on this thread)
+                    rows = self._buffer(slot, rows).copy_(rows)
+                self.ready.put((slot, key, ids, rows))
+            self.ready.put(_END)
+        except BaseException as e:  # handed to the consumer, never dropped
+            self.ready.put(_Failed(e))
+
+
+class _DeviceCopies:
+    """Two device buffers filled on a side stream; the scoring stream waits for each copy's
+    event, and a buffer is refilled only after the scoring stream is done with it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._buffers: list[torch.Tensor | None] = [None] * DEPTH
+        self._scored: list[Any] = [None] * DEPTH
+        self._next = 0
+
+    def copy(self, rows: torch.Tensor) -> tuple[torch.Tensor, Any, int]:
+        i, self._next = self._next, (self._next + 1) % DEPTH
+        compute = torch.cuda.current_stream(self.device)
+        buf = self._buffers[i]
+        n, width = rows.shape
+        if buf is None or buf.shape[0] < n or buf.shape[1] != width:
+            # allocated on the scoring stream, which is the last to use it
+            buf = self._buffers[i] = torch.empty(n, width, device=self.device)
+        with torch.cuda.stream(self.stream):
+            if self._scored[i] is not None:
+                self.stream.wait_event(self._scored[i])
+            dst = buf[:n]
+            dst.copy_(rows, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        compute.wait_event(copied)
+        return dst, copied, i
+
+    def scored(self, i: int) -> None:
+        """The scoring stream's work on buffer ``i`` is queued: later copies into it wait for it."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._scored[i] = event
+
+
+def read_ahead(
+    blocks: Iterator[Block], device: torch.device | str, max_rows: int = 0
+) -> Iterator[Block]:
+    """``blocks`` read on a background thread one block ahead, their rows on ``device``.
+
+    Host rows are copied on the thread into one of two host buffers (pinned for a CUDA device),
+    and from there to ``device``; rows already on ``device`` pass through. The rows of a block
+    are valid until the next block is requested.
+
+    Example:
+        >>> blocks = iter([((0, 0), [0], torch.ones(1, 2)), ((0, 1), [1], torch.zeros(1, 2))])
+        >>> [rows.sum().item() for _, _, rows in read_ahead(blocks, "cpu")]
+        [2.0, 0.0]
+    """
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    reader = _Reader(blocks, max_rows, pin=cuda)
+    copies = _DeviceCopies(device) if cuda else None
+    try:
+        while True:
+            item = reader.ready.get()
+            if item is _END:
+                return
+            if isinstance(item, _Failed):
+                raise item.error
+            slot, key, ids, rows = item
+            if copies is not None and rows.device != device:
+                rows, copied, i = copies.copy(rows)
+                reader.free.put((slot, copied))  # refilled once the copy has read it
+                yield key, ids, rows
+                copies.scored(i)
+            else:
+                if rows.device != device:
+                    rows = rows.to(device)
+                yield key, ids, rows
+                reader.free.put((slot, None))  # the consumer is done with these rows
+    finally:
+        reader.stop.set()
+        reader.thread.join()
+        close = getattr(blocks, "close", None)
+        if close is not None:  # a generator left mid-shard: release what it holds now
+            close()
