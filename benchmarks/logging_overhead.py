@@ -9,7 +9,13 @@ of the methods) and the median ratio is reported, for wall time and for the proc
 ``setup({"grad": ["log"]})`` + ``save(True)`` as in its README.
 
     .venv/bin/python benchmarks/logging_overhead.py [--samples 4096] [--repeats 5] [--threads 1]
-        [--no-logix] [--steady-malloc] [--breakdown]
+        [--no-logix] [--steady-malloc] [--staged] [--breakdown]
+
+``--staged`` adds the nnstat pass with the accelerator branch forced on the CPU (every module's
+rows projected into one staging buffer, copied to the host once per batch: what runs on a GPU).
+The last column counts the training thread's host reads per batch (``item``/``bool``/``float``/
+``tolist``/``cpu``/``numpy`` calls, one more pass of each method: each is a wait for the queue
+on a GPU).
 
 ``--breakdown`` adds diagnostic variants of the nnstat pass: float16 rows, the same pass with
 the shard files' write calls replaced by no-ops (everything else, fsyncs included, runs), and
@@ -74,9 +80,9 @@ def plain(model, data, workdir):
     return 0
 
 
-def nnstat_pass(param_grads: bool, dtype: str = "float32", io: str = "full"):
+def nnstat_pass(param_grads: bool, dtype: str = "float32", io: str = "full", staged=False):
     def go(model, data, workdir):
-        with _io_mode(io):
+        with _io_mode(io), _staged(staged):
             return run_pass(model, data, workdir)
 
     def run_pass(model, data, workdir):
@@ -130,6 +136,60 @@ def _io_mode(io: str):
     finally:
         for obj, name, fn in reversed(saved):
             setattr(obj, name, fn)
+
+
+@contextlib.contextmanager
+def _staged(on: bool):
+    """Force the accelerator branch of the Run's row assembly (``nnstat.run.rows``) on the CPU."""
+    from nnstat.run import rows
+
+    real = getattr(rows, "on_accelerator", None)
+    if on and real is None:
+        raise SystemExit("--staged: this nnstat has no accelerator branch (nnstat.run.rows)")
+    if on:
+        rows.on_accelerator = lambda device: True
+    try:
+        yield
+    finally:
+        if on:
+            rows.on_accelerator = real
+
+
+_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
+
+
+def reads_per_batch(fn, data) -> str:
+    """Host reads of tensor values per batch in the training thread, over one more pass: those
+    of the batches after the first (the first also fingerprints the weights, once per pass)."""
+    count = [0]
+    marks: list[int] = []
+
+    def marked():
+        for batch in data:
+            marks.append(count[0])
+            yield batch
+        marks.append(count[0])
+
+    saved = {name: getattr(torch.Tensor, name) for name in _READS}
+
+    def counted(name):
+        def read(self, *args, **kwargs):
+            if threading.current_thread() is threading.main_thread():
+                count[0] += 1
+            return saved[name](self, *args, **kwargs)
+
+        return read
+
+    workdir = tempfile.mkdtemp(prefix="nnstat_bench_")
+    try:
+        for name in _READS:
+            setattr(torch.Tensor, name, counted(name))
+        fn(make_model(), marked(), workdir)
+    finally:
+        for name, real in saved.items():
+            setattr(torch.Tensor, name, real)
+        shutil.rmtree(workdir, ignore_errors=True)
+    return f"{(marks[-1] - marks[1]) / (len(marks) - 2):.2f}"
 
 
 def timed_shares(data) -> dict[str, float]:
@@ -207,6 +267,9 @@ def main() -> None:
         "--steady-malloc", action="store_true", help="fix glibc's trim/mmap thresholds (see above)"
     )
     ap.add_argument("--breakdown", action="store_true", help="add the diagnostic variants")
+    ap.add_argument(
+        "--staged", action="store_true", help="add the accelerator branch, forced on the CPU"
+    )
     args = ap.parse_args()
     if args.steady_malloc and "MALLOC_TRIM_THRESHOLD_" not in os.environ:
         # glibc reads these once, at start-up: run the script again with them set
@@ -221,6 +284,8 @@ def main() -> None:
         "nnstat (user grads untouched)": nnstat_pass(True),
         "nnstat (param_grads=False)": nnstat_pass(False),
     }
+    if args.staged:
+        methods["nnstat, device staging forced (CPU)"] = nnstat_pass(True, staged=True)
     if args.breakdown:
         methods["nnstat, float16 rows"] = nnstat_pass(True, dtype="float16")
         methods["nnstat, write calls as no-ops (diagnostic)"] = nnstat_pass(True, io="nowrite")
@@ -269,11 +334,16 @@ def main() -> None:
         f"{torch.get_num_threads()} threads, {args.repeats} rounds, load average {load:.1f}, "
         f"glibc thresholds {'fixed' if 'MALLOC_TRIM_THRESHOLD_' in os.environ else 'default'}\n"
     )
+    reads = {
+        name: reads_per_batch(fn, data[:8])
+        for name, fn in methods.items()
+        if not name.startswith("LogIX")
+    }
     print(
         "| method | wall s (median) | wall ratio to plain | CPU s (median) | CPU ratio to plain "
-        "| page faults (median) | bytes/sample |"
+        "| page faults (median) | bytes/sample | host reads/batch |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, ts in times.items():
         ratio = statistics.median(t / b for t, b in zip(ts, base, strict=True))
         cratio = statistics.median(
@@ -283,7 +353,7 @@ def main() -> None:
         print(
             f"| {name} | {statistics.median(ts):.2f} | {ratio:.2f}x | "
             f"{statistics.median(cpu[name]):.2f} | {cratio:.2f}x | "
-            f"{statistics.median(faults[name]):,.0f} | {per:,.0f} |"
+            f"{statistics.median(faults[name]):,.0f} | {per:,.0f} | {reads.get(name, 'n/a')} |"
         )
     if logix_error:
         print(f"\nLogIX could not run: {logix_error}")

@@ -11,14 +11,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
-@pytest.fixture(params=["training thread", "writer thread"])
+@pytest.fixture(params=["training thread", "writer thread", "device staging"])
 def rows_formed_in(request, monkeypatch):
-    """Run a logging test with one-position rows formed on either side of the writer queue.
+    """Run a logging test with rows formed on either side of the writer queue, or as on an
+    accelerator.
 
-    The store forms outer-product rows in its writer thread only when torch leaves a core idle
-    (``nnstat.store.outer.idle_core``); both paths must store the same rows.
+    The store forms one-position outer-product rows in its writer thread only when torch leaves
+    a core idle (``nnstat.store.outer.idle_core``); on an accelerator the Run stages every
+    module's rows in one device buffer, copied to the host once per block
+    (``nnstat.run.rows.on_accelerator``, forced here on the CPU). All must store the same rows.
     """
+    from nnstat.run import rows
     from nnstat.store import outer
 
     monkeypatch.setattr(outer, "idle_core", lambda: request.param == "writer thread")
+    if request.param == "device staging":
+        monkeypatch.setattr(rows, "on_accelerator", lambda device: True)
     return request.param

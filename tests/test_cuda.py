@@ -189,3 +189,43 @@ def test_recorder_cuda_equals_cpu(tmp_path):
     a, b = record("cpu"), record(DEV)
     assert a.shape == b.shape and a.shape[-1] == len(STAT_NAMES)
     torch.testing.assert_close(b, a, rtol=2e-3, atol=1e-5, equal_nan=True)
+
+
+def _log_blocks(device: str, root: str, syncs: list | None = None) -> nnstat.GradientStore:
+    """A logging pass (every module, a padding mask on sequence inputs, an embedding):
+    ``syncs`` gets ``(what, synchronising calls)`` of the backward of blocks 1 and 3 and of the
+    whole of blocks 2 and 4 (block 0 also fingerprints the weights; the counter does not nest)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(30, 16), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = model.to(device)
+    g = torch.Generator().manual_seed(1)
+    run = nnstat.init(project=f"rows-{device}", root_dir=root)
+    nnstat.setup({"statistic": "none", "rank": 4})
+    nnstat.watch(model)
+    for b in range(5):
+        idx = torch.randint(0, 30, (8, 6), generator=g).to(device)
+        mask = (torch.rand(8, 6, generator=g) > 0.2).float().to(device)
+        whole = count_syncs() if b and b % 2 == 0 else contextlib.nullcontext([])
+        with whole as found_whole:
+            with run(data_id=list(range(8 * b, 8 * b + 8)), mask=mask):
+                loss = model(idx).square().sum()
+                inside = count_syncs() if b % 2 else contextlib.nullcontext([])
+                with inside as found_inside:
+                    loss.backward()
+        if syncs is not None and b:
+            syncs.append(("backward", len(found_inside)) if b % 2 else ("block", len(found_whole)))
+        model.zero_grad()
+    nnstat.finalize()
+    nnstat.unwatch()
+    return nnstat.GradientStore(f"{root}/rows-{device}")
+
+
+def test_logging_cuda_equals_cpu_and_reads_once_per_block(tmp_path):
+    """The rows stay on the GPU until one non-blocking copy per block: nothing synchronises
+    inside backward, and the block reads one flag (the weights guard's and the rows' NaN/Inf)."""
+    cpu = _log_blocks("cpu", str(tmp_path))
+    syncs: list[tuple[str, int]] = []
+    gpu = _log_blocks(DEV, str(tmp_path / "dev"), syncs)
+    assert cpu.ids == gpu.ids == list(range(40))
+    torch.testing.assert_close(gpu.rows(0, 40), cpu.rows(0, 40), rtol=1e-4, atol=1e-5)
+    assert all(n <= (what == "block") for what, n in syncs), syncs

@@ -92,7 +92,7 @@ def _build_capture_general(
                 a = a.masked_fill(~keep.bool(), -1)
             else:
                 a = a * keep.unsqueeze(-1)
-            positions += int(keep.sum())
+            positions = positions + keep.sum()  # left on the device (read if asked for)
         else:
             positions += n * a.shape[1]
         a_parts.append(a)

@@ -39,7 +39,7 @@ class ModuleCapture:
         kind: str,
         a: torch.Tensor,
         b: torch.Tensor,
-        num_positions: int,
+        num_positions: int | torch.Tensor,
         keep: torch.Tensor | None = None,
         dims: tuple[int, int] | None = None,
         bias: bool | None = None,
@@ -65,8 +65,8 @@ class ModuleCapture:
             bias = rules.has_bias(module)
         self._bias = bias and kind in rules.BIAS_KINDS
         self.num_samples = int(b.shape[0])
-        #: positions that were not masked out (the K-FAC ``A`` factor divides by their count)
-        self.num_positions = int(num_positions)
+        # an int, or a 0-d tensor (a mask's count) read only when num_positions is asked for
+        self._positions: int | torch.Tensor = num_positions
         self.d_in, self.d_out = rules.dims(kind, module) if dims is None else dims
 
     @classmethod
@@ -95,9 +95,25 @@ class ModuleCapture:
             self._a3, self._b3, self._x2, self._g2 = a, b, None, None
         self._scale, self._keep = scale, None
         self._b_scaled = None
-        self._bias, self.num_samples, self.num_positions = bias, n, num_positions
+        self._bias, self.num_samples, self._positions = bias, n, num_positions
         self.d_in, self.d_out = dims
         return self
+
+    @property
+    def num_positions(self) -> int:
+        """Positions that were not masked out (the K-FAC ``A`` factor divides by their count).
+
+        With a mask this reads the device once, at the first call (logging never asks);
+        :attr:`position_count` is the same number left on the device."""
+        n = self._positions
+        if isinstance(n, torch.Tensor):
+            n = self._positions = int(n)
+        return n
+
+    @property
+    def position_count(self) -> int | torch.Tensor:
+        """:attr:`num_positions` without a host read: an int, or a 0-d tensor on the device."""
+        return self._positions
 
     @property
     def _a(self) -> torch.Tensor:
@@ -174,9 +190,12 @@ class ModuleCapture:
         if self.kind == "embedding":
             n, t = a.shape
             valid = a >= 0
-            flat = (torch.arange(n, device=a.device).unsqueeze(1) * self.d_in + a)[valid]
+            # positions without a gradient add zeros (no boolean-mask selection: its size is
+            # data-dependent, a host sync on an accelerator)
+            flat = torch.arange(n, device=a.device).unsqueeze(1) * self.d_in + a.clamp(min=0)
+            src = torch.where(valid.unsqueeze(-1), b, 0.0)
             out = b.new_zeros(n * self.d_in, self.d_out)
-            out.index_add_(0, flat, b[valid])
+            out.index_add_(0, flat.reshape(-1), src.reshape(n * t, self.d_out))
             return out.reshape(n, self.d_in, self.d_out).transpose(1, 2)
         bt = b.transpose(1, 2)
         if not self._bias:
@@ -328,9 +347,7 @@ class ModuleCapture:
             ap = self._projected_forward(proj)
             return ap.T @ ap
         if self.kind == "embedding":
-            idx = self._a[self._a >= 0]
-            counts = torch.bincount(idx, minlength=self.d_in).float()
-            return torch.diag(counts)
+            return torch.diag(self._token_counts())
         a = self._a.reshape(-1, self._a.shape[-1])
         gram = a.T @ a
         if not self._bias:
@@ -378,12 +395,23 @@ class ModuleCapture:
     def forward_sum(self) -> torch.Tensor:
         """``Σ_{n,t} a`` over unmasked positions."""
         if self.kind == "embedding":
-            idx = self._a[self._a >= 0]
-            return torch.bincount(idx, minlength=self.d_in).float()
+            return self._token_counts()
         total = self._a.sum((0, 1))
         if not self._bias:
             return total
         return torch.cat([total, self._ones().sum().reshape(1)])
+
+    def _token_counts(self) -> torch.Tensor:
+        """Embedding: ``[V]`` float32 count of each index over positions with a gradient.
+
+        A scatter-add of 0/1 weights: no boolean-mask selection and no ``bincount`` (both read
+        the device back: the selection's size, bincount's maximum on CUDA). Counts up to 2^24
+        per batch are exact in float32, in any order of the additions.
+        """
+        idx = self._a.reshape(-1)
+        valid = idx >= 0
+        counts = torch.zeros(self.d_in, device=idx.device)
+        return counts.index_add_(0, idx.clamp(min=0), valid.float())
 
     def backward_sum(self) -> torch.Tensor:
         """``Σ_{n,t} b``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -93,7 +94,8 @@ class StatisticsCollector:
         self._passes = plan_passes(self.statistic, self._log, self._save)
         self._pass = 0
         self._sums: dict[str, torch.Tensor] = {}
-        self._counts: dict[str, float] = {}
+        # floats, or 0-d device tensors (a mask's count): read once, in finalize()
+        self._counts: dict[str, float | torch.Tensor] = {}
         self._state: dict[str, torch.Tensor] = {
             k: v.detach().clone() for k, v in (prior or {}).items()
         }
@@ -102,6 +104,11 @@ class StatisticsCollector:
         #: ``{"{module}/{side}": FactorForm}`` of every K-FAC factor, decided at its first batch
         self.factor_forms: dict[str, FactorForm] = {}
         self._projections: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        # per factor side: the store projection its form was checked against (the Run passes
+        # the same tensors every batch: compared by identity, not by value, per batch)
+        self._checked: dict[str, torch.Tensor] = {}
+        # (side, device) -> the factor form with its projection copied to that device once
+        self._on_device: dict[tuple[str, torch.device], FactorForm] = {}
 
     @property
     def max_factor_dim(self) -> int:
@@ -172,7 +179,8 @@ class StatisticsCollector:
                     diagonal_fallback_message(cap, stream, form.size, self.max_factor_dim),
                     stacklevel=5,
                 )
-        elif form.form == "projected" and p is not None and p is not form.projection:
+        elif form.form == "projected" and p is not None and p is not self._checked.get(side):
+            # a projection object not seen yet (a new store projection): compared by value once
             saved = self._state[f"{side}/projection"]
             if tuple(p.shape) != tuple(saved.shape) or not torch.equal(
                 p.float().cpu(), saved.cpu()
@@ -182,7 +190,21 @@ class StatisticsCollector:
                     "first batch, but the store's projection changed since; statistics and rows "
                     "would describe different spaces: start a new collector (a new project)"
                 )
-        return form
+        if p is not None:
+            self._checked[side] = p
+        return self._near(form, side, cap.backward.device)
+
+    def _near(self, form: FactorForm, side: str, device: torch.device) -> FactorForm:
+        """``form`` with its projection on ``device``, copied there once (a copy from pageable
+        host memory every batch would wait for the device's queue each time)."""
+        if form.projection is None or form.projection.device == device:
+            return form
+        key = (side, device)
+        near = self._on_device.get(key)
+        if near is None or near.form != form.form:
+            near = dataclasses.replace(form, projection=form.projection.to(device))
+            self._on_device[key] = near
+        return near
 
     def _add(self, key: str, cap: ModuleCapture, cls: type[Statistic], stream: str) -> None:
         if cls is Covariance and stream in ("forward", "backward"):
@@ -192,13 +214,15 @@ class StatisticsCollector:
         else:
             term, count = cls.contribution(cap, stream, self._state)
         term = term.detach().to(torch.float32)
-        if not torch.isfinite(term).all():
-            raise FloatingPointError(f"{key}: non-finite values in this batch's contribution")
+        # nothing is read back per batch: a NaN/Inf term leaves its running sum non-finite for
+        # good, and finalize() checks every sum (one host read) and names the statistics
         if key in self._sums:
             self._sums[key] += term
         else:
             self._sums[key] = term.clone()
-        self._counts[key] = self._counts.get(key, 0.0) + float(count)
+        if isinstance(count, torch.Tensor):  # float64: exact over a pass, like a Python float
+            count = count.detach().to(torch.float64)
+        self._counts[key] = self._counts.get(key, 0.0) + count
 
     def finalize(self) -> None:
         """End the current pass: all-reduce (if distributed), divide once, start the next pass."""
@@ -211,8 +235,11 @@ class StatisticsCollector:
                 f"finalize(): nothing was captured in pass {spec.name!r}; add the collector to the "
                 "engine (engine.add_consumer(collector)) and run backward inside engine.batch()"
             )
+        _check_finite(keys, self._sums)
+        counts = _host_counts(keys, self._counts)
         if is_distributed():
-            _all_reduce(keys, self._sums, self._counts)
+            _all_reduce(keys, self._sums, counts)
+        self._counts = counts
         for k in keys:
             if self._counts[k] <= 0:
                 raise ValueError(f"{k}: no positions were captured (all masked?)")
@@ -354,6 +381,33 @@ def spectrum_stats(m: torch.Tensor) -> dict[str, float]:
         "condition_number": top / max(float(ev[0]), floor),
         "effective_rank": float(torch.exp(-(p * p.log()).sum())),
     }
+
+
+def _check_finite(keys: list[str], sums: Mapping[str, torch.Tensor]) -> None:
+    """Refuse a pass whose running sums hold NaN/Inf (a batch's contribution had them; a sum
+    that overflowed float32 too): one host read for all of them."""
+    if not keys:
+        return
+    ok = torch.stack([torch.isfinite(sums[k]).all().to(sums[keys[0]].device) for k in keys])
+    bad = [k for k, fine in zip(keys, ok.tolist(), strict=True) if not fine]
+    if bad:
+        raise FloatingPointError(
+            f"{bad[:5]}{' ...' if len(bad) > 5 else ''}: non-finite values in the statistics "
+            "of this pass (a batch's contribution held NaN/Inf, or the sum overflowed float32); "
+            "nothing was finalized. Find the batch with non-finite inputs or gradients (e.g. "
+            "torch.autograd.set_detect_anomaly) and log the pass again without it"
+        )
+
+
+def _host_counts(keys: list[str], counts: Mapping[str, float | torch.Tensor]) -> dict[str, float]:
+    """The counts as floats; those left on the device (masked positions) in one host read."""
+    on_device = [k for k in keys if isinstance(counts[k], torch.Tensor)]
+    out = {k: float(counts[k]) for k in keys if k not in on_device}
+    if on_device:
+        device = counts[on_device[0]].device
+        values = torch.stack([counts[k].to(device, torch.float64) for k in on_device])
+        out.update(zip(on_device, values.tolist(), strict=True))
+    return out
 
 
 def _all_reduce(keys: list[str], sums: dict[str, torch.Tensor], counts: dict[str, float]) -> None:

@@ -212,7 +212,8 @@ def factor_contribution(
     cap: ModuleCapture, stream: str, form: FactorForm
 ) -> tuple[torch.Tensor, float]:
     """One batch's sum for a ``forward``/``backward`` factor of ``form`` and its count."""
-    count = cap.num_positions if stream == "forward" else cap.num_samples
+    # position_count: the masked count stays on the device (the collector reads it at the end)
+    count = cap.position_count if stream == "forward" else cap.num_samples
     if form.form == "dense":
         return (cap.forward_gram() if stream == "forward" else cap.backward_gram()), count
     if form.form == "diagonal":
@@ -257,7 +258,7 @@ class Mean(Statistic):
     @classmethod
     def contribution(cls, cap, stream, prior):
         if stream == "forward":
-            return cap.forward_sum(), cap.num_positions
+            return cap.forward_sum(), cap.position_count
         if stream == "backward":
             return cap.backward_sum(), cap.num_samples
         return cap.per_sample_grad().sum(0), cap.num_samples
@@ -414,16 +415,26 @@ def sq_rotated(
 def _embedding_sq_rotated(cap: ModuleCapture, m_out: torch.Tensor | None) -> torch.Tensor:
     """``Σ_i (M_out G_i)²`` ``[k_out, vocab]`` of an embedding without its ``[N, d_out, vocab]``
     per-sample gradients: column ``v`` of ``G_i`` is the sum of ``b`` over the positions of
-    sample ``i`` holding token ``v``, so only (sample, token) pairs that occur are formed."""
+    sample ``i`` holding token ``v``, so only (sample, token) pairs that occur are formed.
+
+    The pairs are grouped by a stable sort of their keys, in fixed-size ``[N*T]`` tensors: no
+    ``unique`` or boolean selection, whose data-dependent sizes read the device back. Positions
+    without a gradient share one key past every pair and add zeros."""
     idx, b = cap.indices, cap.backward
-    valid = idx >= 0
-    rows = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1).expand_as(idx)
-    pair = (rows * cap.d_in + idx)[valid]
-    uniq, inverse = torch.unique(pair, return_inverse=True)
-    col = b.new_zeros(len(uniq), cap.d_out).index_add_(0, inverse, b[valid])
-    # row k = (M_out g_k)² of one (sample, token) column
+    n, t = idx.shape
+    valid = (idx >= 0).reshape(-1)
+    rows = torch.arange(n, device=idx.device).unsqueeze(1).expand_as(idx).reshape(-1)
+    pair = torch.where(valid, rows * cap.d_in + idx.reshape(-1), n * cap.d_in)
+    key, order = torch.sort(pair, stable=True)
+    first = torch.ones_like(key, dtype=torch.bool)
+    first[1:] = key[1:] != key[:-1]
+    group = first.cumsum(0) - 1  # the (sample, token) pair of each sorted position
+    src = torch.where(valid.unsqueeze(1), b.reshape(n * t, cap.d_out), 0.0)[order]
+    col = b.new_zeros(n * t, cap.d_out).index_add_(0, group, src)
+    # row k = (M_out g_k)² of one (sample, token) column (rows past the last pair are zero)
     sq = (col if m_out is None else col @ m_out.to(col).T).pow(2)
-    out = b.new_zeros(cap.d_in, sq.shape[1]).index_add_(0, uniq % cap.d_in, sq)
+    token = torch.zeros_like(key).scatter_(0, group, key % cap.d_in)
+    out = b.new_zeros(cap.d_in, sq.shape[1]).index_add_(0, token, sq)
     return out.T
 
 

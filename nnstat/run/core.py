@@ -34,7 +34,14 @@ from nnstat.run.params import (
     weights_changed_error,
 )
 from nnstat.run.reduction import reduction_probe, warn_mean_loss
-from nnstat.run.rows import BatchRows, input_ids, module_blocks, refuse_left_out
+from nnstat.run.rows import (
+    BatchRows,
+    Block,
+    input_ids,
+    module_blocks,
+    read_flags,
+    refuse_left_out,
+)
 from nnstat.run.signals import CommitOnSignal
 from nnstat.run.weights import BlockGuard, model_fingerprint
 from nnstat.store.errors import StoreWriteError, add_note
@@ -200,9 +207,12 @@ class Run:
         logging = self._saving()
         if self.mode == "log":
             store_io.refuse_other_streams(self._pass_spec().save)
+        # unchanged since the pass's previous block: replaced or updated tensors are refused
+        # here, the sampled values' flag is read with the block's rows flags at its end
+        same: bool | torch.Tensor = True
         if self.mode == "log" and (logging or self._stats_on()):
             self._begin_pass()
-            self._guard.check(self.model)  # unchanged since the pass's previous block
+            same = self._guard.begin(self.model)
         elif self.mode == "eval" and self._eval_params is None:
             self._eval_params = params_fingerprint(self.engine)
         if logging:
@@ -249,7 +259,8 @@ class Run:
         finally:
             if restore is not None:
                 restore()
-            batch, rowbuf, factors = self._rows.end()
+            block = self._rows.end()
+        batch = block.rows
         if probe is not None and batch:
             self._probe_reduction = False
             warn_mean_loss(probe, next(iter(batch.values())).shape[0], self._warned_once)
@@ -259,7 +270,7 @@ class Run:
             if hash_input:
                 ids = input_ids(self.engine.model_input, batch, type(self.model).__name__)
                 keep = self._admit(ids)
-            self._complete(batch, ids, keep, rowbuf, factors)
+            self._complete(block, ids, keep, same)
         if self.mode == "log" and self._pass_params is not None:
             self._guard.record(self.model)
 
@@ -274,16 +285,16 @@ class Run:
             self._rows.add(cap, self._logger.writer if in_place else None)
 
     def _complete(
-        self,
-        batch: dict[str, torch.Tensor],
-        ids: list | None,
-        keep: Any,
-        rowbuf: torch.Tensor | None = None,
-        factors: list | None = None,
+        self, block: Block, ids: list | None, keep: Any, same: bool | torch.Tensor = True
     ) -> None:
+        """Store (or keep, in eval mode) a closed block's rows. ``same``: the weights guard's
+        flag (:meth:`BlockGuard.begin`), confirmed here; on an accelerator it is read with the
+        rows' NaN/Inf flags: the block's one host read."""
         if not (self.mode == "eval" or self._saving()):
+            self._guard.confirm(same)
             return
         assert self._projections is not None
+        batch, rowbuf, factors = block.rows, block.buffer, block.factors
         cols = module_blocks(batch, self._projections, self._warned_missing)
         n = cols[0].shape[0]
         if rowbuf is not None:
@@ -297,17 +308,31 @@ class Run:
             raise ValueError(f"data_id has {len(ids)} entries but the batch had {n} samples")
         self._next_auto_id += n
         if self.mode == "eval":
-            rows = torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]
+            if block.staged is not None:  # one copy, then checked on the host
+                rows = block.staged.cpu()
+            else:
+                rows = torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]
             ids, rows, _ = filter_nonfinite(ids, rows, self.config.nonfinite)
             self._eval_seen.update(ids)
             self._eval_ids += ids
             self._eval_rows.append(rows.detach().cpu())
-        elif rowbuf is not None:
-            assert self._logger is not None
+            return
+        assert self._logger is not None
+        if block.staged is not None:
+            flag = same if isinstance(same, torch.Tensor) else None
+            if flag is None:
+                self._guard.confirm(same)
+            same_read, ok = read_flags(flag, self._logger.row_flags(block.staged))
+            if same_read is not None:
+                self._guard.confirm(same_read)
+            # the rows leave the device in one copy, queued; the writer waits for it
+            self._logger.add_staged(ids, block.staged, keep, ok)
+            return
+        self._guard.confirm(same)
+        if rowbuf is not None:
             # the rows were assembled in place: one contiguous block, one write in the thread
             self._logger.add(ids, rowbuf, keep, recycle=rowbuf, factors=factors)
         else:
-            assert self._logger is not None
             # module blocks go to the writer as they are: it writes them row by row (writev)
             self._logger.add(ids, [c.detach().cpu() for c in cols], keep)
 

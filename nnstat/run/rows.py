@@ -1,11 +1,15 @@
 """One ``run(...)`` block's projected rows, assembled as the capture engine delivers modules.
 
-A logging pass writes each module's projected rows straight into that module's columns of one
-of the writer's reused row buffers (no per-batch allocation); an eval pass or a block with two
-backward passes keeps one fresh tensor per module instead (two passes add up, like the
-gradients they project). :class:`BatchRows` holds that per-block state for
-:class:`nnstat.run.Run`; :func:`module_blocks`, :func:`refuse_left_out` and :func:`input_ids`
-are the checks and ids of a block's rows before they are stored.
+On the CPU a logging pass writes each module's projected rows straight into that module's
+columns of one of the writer's reused row buffers (no per-batch allocation); an eval pass or a
+block with two backward passes keeps one fresh tensor per module instead (two passes add up,
+like the gradients they project). On an accelerator (:func:`on_accelerator`) the rows stay
+there: every module projects into its columns of one staging buffer on the device, laid out
+like the stored row, and the block's rows leave the device in ONE copy at its end (the store's
+writer queues it, non-blocking, into pinned memory); nothing is read back inside backward.
+:class:`BatchRows` holds that per-block state for :class:`nnstat.run.Run`;
+:func:`module_blocks`, :func:`refuse_left_out` and :func:`input_ids` are the checks and ids of
+a block's rows before they are stored, :func:`read_flags` the block's one host read.
 
 Example:
     >>> rows = BatchRows()
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,6 +31,30 @@ from nnstat.store.ids import content_ids
 from nnstat.store.projection import ModuleProjection, project_capture, row_factors
 
 
+def on_accelerator(device: torch.device) -> bool:
+    """Whether rows captured on ``device`` are staged there (one copy per block) rather than
+    written into the host row buffer module by module. Tests force it to run the accelerator
+    branch on the CPU.
+
+    Example:
+        >>> on_accelerator(torch.device("cpu"))
+        False
+    """
+    return device.type != "cpu"
+
+
+class Block(NamedTuple):
+    """A closed block's rows: ``rows`` (module → ``[N, width]``, views of ``buffer`` or
+    ``staged`` when those exist), ``buffer`` (the writer's host row buffer, or ``None``),
+    ``factors`` (outer products the writer forms, or ``None``) and ``staged`` (the device
+    staging buffer ``[N, row_width]``, or ``None``)."""
+
+    rows: dict[str, torch.Tensor]
+    buffer: torch.Tensor | None = None
+    factors: list[outer.OuterFactors] | None = None
+    staged: torch.Tensor | None = None
+
+
 class BatchRows:
     """Per-block row assembly: module → rows and the shared row buffer.
 
@@ -34,7 +62,7 @@ class BatchRows:
         >>> rows = BatchRows()
         >>> rows.begin({})
         >>> rows.end()
-        ({}, None, None)
+        Block(rows={}, buffer=None, factors=None, staged=None)
     """
 
     def __init__(self) -> None:
@@ -42,6 +70,7 @@ class BatchRows:
         self._projections: Mapping[str, ModuleProjection] = {}
         self._rows: dict[str, torch.Tensor] | None = None
         self._buffer: torch.Tensor | None = None
+        self._stage: torch.Tensor | None = None  # the device staging buffer of the block
         # modules whose rows are outer products left for the writer to form (see store.outer)
         self._outer: list[outer.OuterFactors] = []
         self._all_outer = True
@@ -55,32 +84,41 @@ class BatchRows:
     def begin(self, projections: Mapping[str, ModuleProjection]) -> None:
         """Start a block under ``projections``."""
         self._projections = projections
-        self._rows, self._buffer = {}, None
+        self._rows, self._buffer, self._stage = {}, None, None
         self._outer, self._all_outer = [], True
         self._sizes = {}
 
-    def end(
-        self,
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, list[outer.OuterFactors] | None]:
-        """Close the block: ``(module → rows, the row buffer or None, factors or None)``.
+    def end(self) -> Block:
+        """Close the block (see :class:`Block`).
 
         Factors come back only when every module's rows in the buffer are outer products not
-        yet formed; otherwise the block's rows are all in place (formed here if need be).
+        yet formed; otherwise the block's rows are all in place (formed here if need be). In a
+        staging buffer the columns of modules without rows are zeroed here, on the device.
         """
         rows, self._rows = self._rows or {}, None
         buffer, self._buffer = self._buffer, None
+        stage, self._stage = self._stage, None
         factors, self._outer = self._outer, []
         if factors and not self._all_outer:
             assert buffer is not None
             outer.fill(buffer, factors)
             factors = []
-        return rows, buffer, factors or None
+        if stage is not None:
+            for name in self._projections:
+                if name not in rows:  # took no part in the loss: stored as zeros
+                    stage[:, self.columns[name]].zero_()
+        return Block(rows, buffer, factors or None, stage)
 
     def add(self, cap: Any, writer: Any | None) -> None:
-        """Project one module's capture; in place into ``writer``'s row buffer when given."""
+        """Project one module's capture; in place into ``writer``'s row buffer when given, into
+        the block's device staging buffer on an accelerator."""
         assert self._rows is not None
         proj = self._projections[cap.name]
         prev = self._rows.get(cap.name)
+        if cap.num_samples and (self._stage is not None or on_accelerator(cap.backward.device)):
+            self._check_size(cap.name, cap.num_samples)
+            self._add_staged(cap, proj, prev)
+            return
         if cap.num_samples == 0:  # an empty batch (a filtered last batch): nothing to project
             if prev is None:
                 buf = self._row_buffer(writer, 0) if writer is not None else None
@@ -112,6 +150,31 @@ class BatchRows:
         rows = project_capture(cap, proj).float()
         self._rows[cap.name] = rows if prev is None else prev.add_(rows)
 
+    def _add_staged(self, cap: Any, proj: ModuleProjection, prev: torch.Tensor | None) -> None:
+        """Project into this module's columns of the device staging buffer (a second backward
+        adds to them); no host transfer."""
+        if self._stage is None:
+            self._layout()
+            width = sum(p.width for p in self._projections.values())
+            self._stage = torch.empty(
+                cap.num_samples, width, dtype=torch.float32, device=cap.backward.device
+            )
+        out = self._stage[:, self.columns[cap.name]]
+        same = cap.backward.device == out.device
+        if prev is not None:
+            out.add_(project_capture(cap, proj).to(out.device))
+        elif same:
+            project_capture(cap, proj, out=out)
+        else:  # a model split over devices: a device-to-device copy, nothing read back
+            out.copy_(project_capture(cap, proj))
+        self._rows[cap.name] = out
+
+    def _layout(self) -> None:
+        offset = 0
+        for name, p in self._projections.items():
+            self.columns[name] = slice(offset, offset + p.width)
+            offset += p.width
+
     def _check_size(self, name: str, n: int) -> None:
         """Every module of a block must see its N samples: name the ones that did not."""
         first = next(iter(self._sizes.values()), n)
@@ -135,11 +198,33 @@ class BatchRows:
     def _row_buffer(self, writer: Any, n: int) -> torch.Tensor:
         if self._buffer is None:
             self._buffer = writer.row_buffer(n)
-            offset = 0
-            for name, p in self._projections.items():
-                self.columns[name] = slice(offset, offset + p.width)
-                offset += p.width
+            self._layout()
         return self._buffer
+
+
+def read_flags(*flags: torch.Tensor | None) -> list[list[bool] | None]:
+    """The values of a block's device flags (``[k]`` or 0-d bool tensors, ``None`` for none) in
+    ONE host read: a block reads the device back once, whatever it checks.
+
+    Example:
+        >>> read_flags(torch.tensor(True), None, torch.tensor([True, False]))
+        [[True], None, [True, False]]
+    """
+    given = [f.reshape(-1) for f in flags if f is not None]
+    if not given:
+        return [None for _ in flags]
+    device = given[0].device
+    values = torch.cat([f.to(device=device, dtype=torch.bool) for f in given]).tolist()
+    out: list[list[bool] | None] = []
+    pos = 0
+    for f in flags:
+        if f is None:
+            out.append(None)
+            continue
+        k = f.numel()
+        out.append(values[pos : pos + k])
+        pos += k
+    return out
 
 
 def module_blocks(

@@ -33,6 +33,7 @@ from nnstat.store.errors import ModelChangedError
 from nnstat.store.integrity import params_hash
 
 SAMPLES = 4  # strided values kept per tensor at each block boundary
+_SAMPLED = "(sampled values of the parameters or buffers)"
 
 
 def model_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -78,16 +79,17 @@ def _state(model: torch.nn.Module) -> tuple[list[tuple], dict[tuple, torch.Tenso
     return ids, {key: torch.cat(group) for key, group in groups.items()}
 
 
-def _same_bits(a: dict[tuple, torch.Tensor], b: dict[tuple, torch.Tensor]) -> bool:
-    """Whether two sample sets hold the same bits (NaN == NaN), with one host read in all:
-    recording the samples reads nothing, so a block boundary costs one sync on a GPU."""
+def _same_bits(a: dict[tuple, torch.Tensor], b: dict[tuple, torch.Tensor]) -> bool | torch.Tensor:
+    """Whether two sample sets hold the same bits (NaN == NaN): a bool when the shapes tell, else
+    a 0-d bool tensor on the device, not read here (recording and comparing the samples read
+    nothing: the caller reads the flag, with the block's other flags, in one host read)."""
     if a.keys() != b.keys() or any(a[k].shape != b[k].shape for k in a):
         return False
     if not a:
         return True
     device = next(iter(a.values())).device  # groups on other devices join it (no host copy)
     flags = [(a[k].view(torch.uint8) == b[k].view(torch.uint8)).all().to(device) for k in a]
-    return bool(torch.stack(flags).all())
+    return torch.stack(flags).all()
 
 
 class BlockGuard:
@@ -104,24 +106,48 @@ class BlockGuard:
             with torch.no_grad():
                 self._state = _state(model)
 
-    def changed(self, model: torch.nn.Module | None) -> list[str]:
-        """Names of the tensors that differ from the last :meth:`record` (all of them when only
-        the sampled values tell)."""
+    def _compare(self, model: torch.nn.Module | None) -> tuple[list[str], bool | torch.Tensor]:
+        """The tensors whose identity or version differ from the last :meth:`record`, and
+        whether the sampled values are the same (a device flag, not read)."""
         if self._state is None or model is None:
-            return []
+            return [], True
         with torch.no_grad():
             ids, values = _state(model)
         old_ids, old_values = self._state
         out = [a[0] for a, b in zip(ids, old_ids, strict=False) if a != b]
         if len(ids) != len(old_ids):
             out.append(f"({len(old_ids)} -> {len(ids)} tensors)")
-        if not out and not _same_bits(values, old_values):
-            out = ["(sampled values of the parameters or buffers)"]
-        return out
+        return out, True if out else _same_bits(values, old_values)
+
+    def changed(self, model: torch.nn.Module | None) -> list[str]:
+        """Names of the tensors that differ from the last :meth:`record` (all of them when only
+        the sampled values tell)."""
+        out, same = self._compare(model)
+        return out if out or bool(same) else [_SAMPLED]
 
     def check(self, model: torch.nn.Module | None) -> None:
-        """Raise :class:`ModelChangedError` when the model changed since the last block."""
-        changed = self.changed(model)
+        """Raise :class:`ModelChangedError` when the model changed since the last block (one
+        host read: :meth:`begin` then :meth:`confirm`)."""
+        self.confirm(self.begin(model))
+
+    def begin(self, model: torch.nn.Module | None) -> bool | torch.Tensor:
+        """At a block's start: raise at once when a tensor was replaced or updated in place
+        (identity, version); return whether the sampled values are unchanged, as a device flag
+        the block reads with its other flags at its end (:meth:`confirm`)."""
+        out, same = self._compare(model)
+        self._refuse(out)
+        return same
+
+    def confirm(self, same: bool | list[bool] | torch.Tensor) -> None:
+        """Raise when :meth:`begin`'s flag (or its value, read by the caller) says the sampled
+        values changed; a tensor flag is read here."""
+        if isinstance(same, torch.Tensor):
+            same = bool(same)
+        elif isinstance(same, list):
+            same = all(same)
+        self._refuse([] if same else [_SAMPLED])
+
+    def _refuse(self, changed: list[str]) -> None:
         if changed:
             self._state = None
             raise ModelChangedError(

@@ -121,14 +121,36 @@ def filter_nonfinite(
         return ids, rows, 0
     bad = [ids[j] for j in (~finite).nonzero().flatten().tolist()]
     if policy == "error":
-        beyond = f" or values {dtype} stores as Inf (|x| >= {limit:g})" if limit < math.inf else ""
-        raise ValueError(
-            f"per-sample gradients of ids {bad[:5]} contain NaN/Inf{beyond} "
-            "(setup({'nonfinite': 'skip'}) drops such rows, 'keep' stores them)"
-        )
+        raise nonfinite_error(bad, dtype)
     kept = [i for i, f in zip(ids, finite.tolist(), strict=True) if f]
     out = [b[finite] for b in blocks]
     return kept, out if isinstance(rows, list) else out[0], len(bad)
+
+
+def nonfinite_error(bad: list[DataId], dtype: str) -> ValueError:
+    """The error of ``nonfinite="error"`` for the rows of ids ``bad`` in a ``dtype`` store."""
+    limit = overflow_threshold(dtype)
+    beyond = f" or values {dtype} stores as Inf (|x| >= {limit:g})" if limit < math.inf else ""
+    return ValueError(
+        f"per-sample gradients of ids {bad[:5]} contain NaN/Inf{beyond} "
+        "(setup({'nonfinite': 'skip'}) drops such rows, 'keep' stores them)"
+    )
+
+
+def row_flags(rows: torch.Tensor, dtype: str = "float32") -> torch.Tensor:
+    """``[N]`` bool, on ``rows``' device and not read: which rows ``[N, W]`` a ``dtype`` store
+    holds as finite (every ``|x|`` below its overflow threshold; NaN fails): the per-row test of
+    :func:`filter_nonfinite`, in two row reductions that never leave the device.
+
+    Example:
+        >>> row_flags(torch.tensor([[1.0, 7e4], [float("nan"), 0.0], [1.0, 2.0]]), "float16")
+        tensor([False, False,  True])
+    """
+    limit = overflow_threshold(dtype)
+    if not rows.shape[1]:
+        return torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
+    lo, hi = torch.aminmax(rows, dim=1)  # NaN propagates into both and compares False
+    return (hi < limit) & (lo > -limit)
 
 
 def _below(block: torch.Tensor, limit: float) -> bool:
@@ -379,6 +401,40 @@ class StoreLogger:
         ids, rows, skipped = filter_nonfinite(ids, rows, self.options.nonfinite, self.options.dtype)
         self.skipped_nonfinite += skipped
         self.writer.put(ids, rows, recycle=recycle)
+        self._budget_warning()
+
+    def row_flags(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """:func:`row_flags` of rows on a device under this pass's NaN/Inf policy (``None``
+        under ``"keep"``: nothing to check); read by the caller with its other flags."""
+        if self.options.nonfinite == "keep" or not len(rows):
+            return None
+        return row_flags(rows, self.options.dtype)
+
+    def add_staged(
+        self,
+        ids: list[DataId],
+        rows: torch.Tensor,
+        keep: list[bool] | None = None,
+        finite: list[bool] | None = None,
+    ) -> None:
+        """Queue rows ``[N, W]`` that are still on a device (already admitted): the writer
+        copies them to the host in one non-blocking transfer and writes them once it is done.
+
+        ``finite``: :meth:`row_flags`' values, read by the caller (``None`` under ``"keep"``);
+        the NaN/Inf policy and ``keep`` choose the rows the writer writes, from the host copy.
+        """
+        self.writer.check()
+        self.seen.update(ids)
+        take = range(len(ids)) if keep is None else [j for j, k in enumerate(keep) if k]
+        self.skipped_stored += len(ids) - len(take)
+        if finite is not None and not all(finite[j] for j in take):
+            if self.options.nonfinite == "error":
+                raise nonfinite_error([ids[j] for j in take if not finite[j]], self.options.dtype)
+            bad = sum(1 for j in take if not finite[j])
+            take = [j for j in take if finite[j]]
+            self.skipped_nonfinite += bad
+        select = None if len(take) == len(ids) else list(take)
+        self.writer.put_staged(ids, rows, select)
         self._budget_warning()
 
     def _budget_warning(self) -> None:

@@ -255,7 +255,7 @@ def project_capture(
         g = cap.per_sample_grad()
         rows = g.reshape(g.shape[0], -1)
         return rows if out is None else out.copy_(rows)
-    p_in, p_out = _kernels(proj)
+    p_in, p_out = _kernels(proj, _device(cap))
     if proj.spec.d_out is None:
         return cap.project(p_in, out=out)
     return cap.project(p_in, p_out, out=out)
@@ -280,28 +280,47 @@ def row_factors(cap: Any, proj: ModuleProjection) -> tuple[torch.Tensor, torch.T
     """
     if (proj.p_in is None and proj.p_out is None) or proj.spec.d_out is None:
         return None
-    p_in, p_out = _kernels(proj)
+    p_in, p_out = _kernels(proj, _device(cap))
     assert p_out is not None
     return cap.row_factors(p_in, p_out)
 
 
-def _kernels(proj: ModuleProjection) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``p_in``, ``p_out`` as the engine multiplies them, cached on ``proj``.
+def _device(cap: Any) -> torch.device:
+    """The device of a capture's tensors (its output gradients)."""
+    return cap.backward.device
+
+
+def _kernels(
+    proj: ModuleProjection, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``p_in``, ``p_out`` as the engine multiplies them, cached on ``proj`` (per device).
 
     Same values, column-major storage: the engine multiplies by ``p.T`` (and ``p_in[:, :-1].T``
-    with a bias), which is then a contiguous operand, the fastest matmul layout.
+    with a bias), which is then a contiguous operand, the fastest matmul layout. On an
+    accelerator the matrices are copied there once: a copy from pageable host memory per module
+    per batch would wait for the device's queue to drain each time (a blocking transfer).
     """
     cached = proj.__dict__.get("_kernels")
-    if cached is not None and cached[0] is proj.p_in and cached[1] is proj.p_out:
-        return cached[2], cached[3]
-    p_in = proj.p_in if proj.p_in is not None else _eye(proj.spec.d_in)
-    p_out = None
-    if proj.spec.d_out is not None:
-        p_out = proj.p_out if proj.p_out is not None else _eye(proj.spec.d_out)
-        p_out = p_out.T.contiguous().T
-    p_in = p_in.T.contiguous().T
-    proj.__dict__["_kernels"] = (proj.p_in, proj.p_out, p_in, p_out)
-    return p_in, p_out
+    if cached is None or cached[0] is not proj.p_in or cached[1] is not proj.p_out:
+        p_in = proj.p_in if proj.p_in is not None else _eye(proj.spec.d_in)
+        p_out = None
+        if proj.spec.d_out is not None:
+            p_out = proj.p_out if proj.p_out is not None else _eye(proj.spec.d_out)
+            p_out = p_out.T.contiguous().T
+        p_in = p_in.T.contiguous().T
+        cached = (proj.p_in, proj.p_out, {p_in.device: (p_in, p_out)})
+        proj.__dict__["_kernels"] = cached
+    by_device = cached[2]
+    home = next(iter(by_device))
+    device = home if device is None else torch.device(device)
+    if device not in by_device:
+        p_in, p_out = by_device[home]
+        # .to keeps the column-major strides (preserve_format)
+        by_device[device] = (
+            p_in.to(device=device, dtype=torch.float32),
+            None if p_out is None else p_out.to(device=device, dtype=torch.float32),
+        )
+    return by_device[device]
 
 
 _EYES: dict[int, torch.Tensor] = {}

@@ -288,6 +288,9 @@ class StoreWriter:
         # rows are assembled in reused buffers: fresh multi-MB tensors every batch cost page
         # faults (expensive under virtualisation) in the training thread
         self._free: collections.deque[torch.Tensor] = collections.deque()
+        # pinned row buffers (rows copied from a CUDA device), kept apart from the mapped ones
+        self._free_pinned: collections.deque[torch.Tensor] = collections.deque()
+        self._pinned: set[int] = set()  # data pointers of the pinned buffers this writer made
         self._half: np.ndarray | None = None  # 16-bit rows of one batch, reused (see _encode)
         # torch ops in the thread (16-bit encoding) run on it alone, next to training's threads
         self._thread = start_one_thread_worker(self._loop, "nnstat-store-writer")
@@ -301,16 +304,23 @@ class StoreWriter:
                 f"gradient store writer failed in {self.shard_dir}: {err!r}"
             ) from err
 
-    def row_buffer(self, n: int) -> torch.Tensor:
+    def row_buffer(self, n: int, pinned: bool = False) -> torch.Tensor:
         """A float32 ``[n, row_width]`` buffer to fill and pass to :meth:`put` as ``recycle``.
 
         Its content is undefined. The writer takes it back once the rows are on disk, so the
-        same few buffers circulate instead of a fresh allocation per batch.
+        same few buffers circulate instead of a fresh allocation per batch. ``pinned``: in
+        page-locked memory, the target of a non-blocking copy from a CUDA device.
         """
-        while self._free:
-            buf = self._free.pop()
+        free = self._free_pinned if pinned else self._free
+        while free:
+            buf = free.pop()
             if buf.shape[0] >= n:
                 return buf[:n]
+            self._pinned.discard(buf.data_ptr())  # too small: dropped
+        if pinned:
+            buf = torch.empty(max(n, 1) * self.row_width, dtype=torch.float32, pin_memory=True)
+            self._pinned.add(buf.data_ptr())
+            return buf.view(-1, self.row_width)[:n]
         return torch.from_numpy(anon_array(n * self.row_width, np.float32)).view(n, self.row_width)
 
     def put(
@@ -338,6 +348,34 @@ class StoreWriter:
         elif recycle is not None:
             self._release(recycle)
 
+    def put_staged(
+        self, ids: list[DataId], rows: torch.Tensor, select: list[int] | None = None
+    ) -> None:
+        """Queue rows ``[N, row_width]`` that are on a device (``len(ids) == N``): ONE copy into
+        a reused host row buffer, non-blocking from CUDA into pinned memory with an event the
+        thread waits on before writing, so the training thread never waits for the device.
+
+        ``select``: the positions of the rows to write (the others, e.g. NaN/Inf rows skipped
+        by the policy, are dropped in the thread); ``None``: all.
+        """
+        self.check()
+        if rows.dim() != 2 or rows.shape != (len(ids), self.row_width):
+            raise ValueError(
+                f"expected rows of shape [{len(ids)}, {self.row_width}], got {tuple(rows.shape)}"
+            )
+        if select is not None:
+            ids = [ids[j] for j in select]
+        if not len(ids):
+            return
+        cuda = rows.device.type == "cuda"
+        host = self.row_buffer(rows.shape[0], pinned=cuda)
+        host.copy_(rows.detach(), non_blocking=cuda)
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(rows.device))
+        self._queue.put((list(ids), [host], host, None, ready, select))
+
     def submit(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` in the thread, in order with the rows (an error is raised like theirs)."""
         self.check()
@@ -345,9 +383,12 @@ class StoreWriter:
 
     def _release(self, buf: torch.Tensor) -> None:
         base = buf._base if buf._base is not None else buf  # the whole buffer, flat or not
-        if len(self._free) < self._keep_buffers:
+        free = self._free_pinned if base.data_ptr() in self._pinned else self._free
+        if len(free) < self._keep_buffers:
             # deque append/pop are atomic: no lock with the thread
-            self._free.append(base.view(-1, self.row_width))
+            free.append(base.view(-1, self.row_width))
+        else:
+            self._pinned.discard(base.data_ptr())
 
     def pending(self) -> int:
         """Blocks not yet taken by the thread."""
@@ -406,8 +447,14 @@ class StoreWriter:
         blocks: list[torch.Tensor],
         recycle: torch.Tensor | None,
         factors: list[outer.OuterFactors] | None,
+        ready: Any = None,
+        select: list[int] | None = None,
     ) -> None:
         try:
+            if ready is not None:  # the copy from the device (put_staged) has landed
+                ready.synchronize()
+            if select is not None:
+                blocks = [b[select] for b in blocks]
             if factors:
                 outer.fill(blocks[0], factors)
             self._write(ids, blocks)

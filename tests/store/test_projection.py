@@ -189,7 +189,7 @@ def test_pca_without_statistics_is_refused():
         build_projections(specs, 2, "svd")
 
 
-def test_masked_sequence_positions_are_excluded(tmp_path):
+def test_masked_sequence_positions_are_excluded(tmp_path, rows_formed_in):
     torch.manual_seed(6)
     model = nn.Linear(4, 3)
     x, w = torch.randn(3, 5, 4), torch.randn(3, 5, 3)
@@ -211,7 +211,7 @@ def test_masked_sequence_positions_are_excluded(tmp_path):
     torch.testing.assert_close(store.rows(0, 3), want, rtol=1e-4, atol=1e-5)
 
 
-def test_embedding_and_layernorm_rows(tmp_path):
+def test_embedding_and_layernorm_rows(tmp_path, rows_formed_in):
     torch.manual_seed(7)
     model = nn.Sequential(nn.Embedding(11, 6), nn.LayerNorm(6), nn.Linear(6, 2))
     idx, t = torch.randint(0, 11, (4, 5)), torch.randn(4, 5, 2)
