@@ -96,7 +96,7 @@ def pytest_summary(out: str) -> str:
 def parts(args: argparse.Namespace) -> list[Part]:
     q = args.quick
     scale = [PY, "benchmarks/scale.py", "--device", DEV, "--layers", "2" if q else "12"]
-    scale += ["--batch", "8", "--seq", "128" if q else "512", "--rounds", "1" if q else "3"]
+    scale += ["--batch", "8", "--seq", "128" if q else "512", "--rounds", "1" if q else "2"]
     scale += ["--steps", "1" if q else "3"]
     cores = str(max(2, min(12, (os.cpu_count() or 4) - 2)))
     return [

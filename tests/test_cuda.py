@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 
 import pytest
 import torch
@@ -41,6 +42,24 @@ def mlp() -> nn.Module:
 def data(n: int = 48) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return torch.randn(n, 12, generator=g), torch.randint(0, 5, (n,), generator=g)
+
+
+@contextlib.contextmanager
+def count_syncs():
+    """Yields a list that holds, on exit, the messages of the synchronising CUDA calls."""
+    found: list[str] = []
+    if DEV != "cuda":
+        yield found
+        return
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    found.extend(str(w.message) for w in caught if "synchroniz" in str(w.message).lower())
 
 
 @contextlib.contextmanager
