@@ -54,7 +54,8 @@ __all__ = ["segment_table", "segment_tables", "HistSpec", "NORM_STATS", "MAX_BLO
 #: Statistics obtainable from multi-tensor norm kernels, without a moment pass.
 NORM_STATS = frozenset({"numel", "abs_mean", "abs_max", "l1", "l2", "rms", "nonfinite"})
 #: Elements per group at most (more of one dtype: several groups, each a whole number of
-#: tensors). The flat buffer holds one group and its powers: at most 2 x 512 MiB for float32.
+#: tensors). The flat buffer holds one group: at most 512 MiB for float32 data (twice that on
+#: CPU, where it also holds the powers, see `_norm_kernels`).
 MAX_GROUP = 1 << 27
 #: Row length of the flat layout (shorter rows when the tensors are small, see `_block`).
 MAX_BLOCK = 4096
@@ -370,11 +371,18 @@ def _norm_partials(g: _Group, views: list[torch.Tensor], needs: frozenset[str]) 
 
 
 def _norm_kernels(device: torch.device) -> bool:
-    """Whether norm statistics come from the multi-tensor norm kernels: on accelerators. On CPU
-    the flat pass is as fast and exact (its sums are pairwise), while the multi-tensor norm
-    either accumulates float32 sequentially (~1e-5 off on 20k elements) or, asked for float64,
-    copies every tensor to float64 first (10x slower)."""
+    """Whether sums of powers come from norm kernels: on accelerators, whose reductions are
+    trees (float32 sums of d^2 and d^4 within ~2e-7 of float64), norm statistics from the
+    multi-tensor kernels and power sums from row-wise 2- and 4-norms (fewest passes, no second
+    buffer). On CPU torch's norm kernels accumulate sequentially (~1e-6 off on a few thousand
+    elements, ~1e-5 on 20k; asked for float64, the multi-tensor one copies every tensor first,
+    10x slower): there the flat pass forms the powers and adds them with pairwise `sum`."""
     return device.type != "cpu"
+
+
+def _norm_rows(x2: torch.Tensor, p: int) -> torch.Tensor:
+    """Row sums of ``|x|^p`` from the row-wise p-norm (one read, no power written)."""
+    return torch.linalg.vector_norm(x2, p, dim=1).pow_(p)
 
 
 def _segment(g: _Group, partials: torch.Tensor, reduce: str) -> torch.Tensor:
@@ -398,13 +406,18 @@ def _moment_partials(
     r = g.rows()
     b, n_rows = r["block"], r["count"]
     size = n_rows * b
-    buf = ws.flat(2 * size, g.work, g.device)  # the data, then its powers
-    x, x2, t2 = buf[:size], buf[:size].view(n_rows, b), buf[size:].view(n_rows, b)
+    # accelerators: power sums by norm kernels reading d where it is; on CPU the powers are
+    # formed in a second half of the buffer and added up by `sum` (see `_norm_kernels`)
+    fewer = _norm_kernels(g.device)
+    buf = ws.flat(size if fewer else 2 * size, g.work, g.device)
+    x, x2 = buf[:size], buf[:size].view(n_rows, b)
+    t2 = None if fewer else buf[size:].view(n_rows, b)
     inputs = [t for v, pad in zip(views, r["pads"], strict=True) for t in (v, pad) if t.numel()]
     torch.cat(inputs, out=x)  # pads are zeros: neutral for sums, norms and non-zero counts
     a_rows = [x2.sum(1)]
     if "sq" in needs:
-        a_rows.append(torch.mul(x2, x2, out=t2).sum(1))
+        sq = _norm_rows(x2, 2) if t2 is None else torch.mul(x2, x2, out=t2).sum(1)
+        a_rows.append(sq)
     if "l1" in needs:
         a_rows.append(torch.linalg.vector_norm(x2, 1, dim=1))
     if "nnz" in needs:
@@ -445,12 +458,20 @@ def _moment_partials(
         torch.addcmul(per_row[0].unsqueeze(1), x2, per_row[1].unsqueeze(1), out=x2)
         # powers formed in the buffer's two halves and added up by `sum` (torch's CPU 2- and
         # 4-norm kernels were up to ~1e-6 off; sums are pairwise on CPU, trees on GPUs)
-        d2 = torch.mul(x2, x2, out=t2)
-        b_rows = [x2.sum(1), d2.sum(1)]
-        if "s3" in needs:
-            b_rows.append(torch.mul(d2, x2, out=x2).sum(1))  # d is not needed any more
-        if "s4" in needs:
-            b_rows.append(d2.square_().sum(1))
+        if t2 is None:  # 5 passes over d instead of 9: 2- and 4-norms, then d^3 in place
+            b_rows = [x2.sum(1), _norm_rows(x2, 2)]
+            s4 = _norm_rows(x2, 4) if "s4" in needs else None
+            if "s3" in needs:
+                b_rows.append(x2.pow_(3).sum(1))  # d is not needed any more
+            if s4 is not None:
+                b_rows.append(s4)
+        else:
+            d2 = torch.mul(x2, x2, out=t2)
+            b_rows = [x2.sum(1), d2.sum(1)]
+            if "s3" in needs:
+                b_rows.append(torch.mul(d2, x2, out=x2).sum(1))  # d is not needed any more
+            if "s4" in needs:
+                b_rows.append(d2.square_().sum(1))
         sums = _segment(g, torch.stack(b_rows), "sum")
         out += [torch.stack([c64, scale]), sums]
     return torch.cat([*out, g.eps_row]), h
