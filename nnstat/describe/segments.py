@@ -39,6 +39,7 @@ Example:
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ _MIN_BLOCK = 128
 _EXP_LIMIT = {torch.float32: 120, torch.float64: 1000}
 _LAYOUT_CACHE: OrderedDict[tuple, _Layout] = OrderedDict()
 _CACHE_SIZE = 16
+_CACHE_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -193,8 +195,6 @@ class _Layout:
     """Groups of a list of tensors and where each tensor's row lands in the result."""
 
     groups: list[_Group]
-    n_tensors: int
-    empty: list[int]
     order: torch.Tensor | None  # caller position -> row of the grouped table (None: identity)
     empty_rows: dict[tuple[float, ...], torch.Tensor] = field(default_factory=dict)
 
@@ -202,16 +202,14 @@ class _Layout:
 def _layout(tensors: Sequence[torch.Tensor], ws: Workspace | None) -> _Layout:
     key = tuple((t.device, t.dtype, t.numel()) for t in tensors)
     cache = ws.layouts if ws is not None else _LAYOUT_CACHE
-    lay = cache.get(key)
-    if lay is not None:
-        cache.move_to_end(key)
-        return lay
+    with _CACHE_LOCK:  # the module cache may be shared by threads
+        lay = cache.get(key)
+        if lay is not None:
+            cache.move_to_end(key)
+            return lay
     by: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    empty = []
     for i, (dev, dtype, numel) in enumerate(key):
-        if numel == 0:
-            empty.append(i)
-        else:
+        if numel:  # empty tensors get their row in `_reorder`
             by.setdefault((dev, dtype), []).append(i)
     groups = []
     for (dev, dtype), pos in by.items():
@@ -229,10 +227,11 @@ def _layout(tensors: Sequence[torch.Tensor], ws: Workspace | None) -> _Layout:
     if grouped != list(range(len(key))):
         row = {p: r for r, p in enumerate(grouped)}
         order = _on([row.get(i, len(grouped)) for i in range(len(key))], torch.int64, key[0][0])
-    lay = _Layout(groups, len(key), empty, order)
-    cache[key] = lay
-    while len(cache) > _CACHE_SIZE:
-        cache.popitem(last=False)
+    lay = _Layout(groups, order)
+    with _CACHE_LOCK:
+        cache[key] = lay
+        while len(cache) > _CACHE_SIZE:
+            cache.popitem(last=False)
     return lay
 
 
