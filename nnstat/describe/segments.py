@@ -39,6 +39,7 @@ Example:
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,7 +55,8 @@ __all__ = ["segment_table", "segment_tables", "HistSpec", "NORM_STATS", "MAX_BLO
 #: Statistics obtainable from multi-tensor norm kernels, without a moment pass.
 NORM_STATS = frozenset({"numel", "abs_mean", "abs_max", "l1", "l2", "rms", "nonfinite"})
 #: Elements per group at most (more of one dtype: several groups, each a whole number of
-#: tensors). The flat buffer holds one group and its powers: at most 2 x 512 MiB for float32.
+#: tensors). The flat buffer holds one group: at most 512 MiB for float32 data (twice that on
+#: CPU, where it also holds the powers, see `_norm_kernels`).
 MAX_GROUP = 1 << 27
 #: Row length of the flat layout (shorter rows when the tensors are small, see `_block`).
 MAX_BLOCK = 4096
@@ -63,6 +65,7 @@ _MIN_BLOCK = 128
 _EXP_LIMIT = {torch.float32: 120, torch.float64: 1000}
 _LAYOUT_CACHE: OrderedDict[tuple, _Layout] = OrderedDict()
 _CACHE_SIZE = 16
+_CACHE_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -192,8 +195,6 @@ class _Layout:
     """Groups of a list of tensors and where each tensor's row lands in the result."""
 
     groups: list[_Group]
-    n_tensors: int
-    empty: list[int]
     order: torch.Tensor | None  # caller position -> row of the grouped table (None: identity)
     empty_rows: dict[tuple[float, ...], torch.Tensor] = field(default_factory=dict)
 
@@ -201,16 +202,14 @@ class _Layout:
 def _layout(tensors: Sequence[torch.Tensor], ws: Workspace | None) -> _Layout:
     key = tuple((t.device, t.dtype, t.numel()) for t in tensors)
     cache = ws.layouts if ws is not None else _LAYOUT_CACHE
-    lay = cache.get(key)
-    if lay is not None:
-        cache.move_to_end(key)
-        return lay
+    with _CACHE_LOCK:  # the module cache may be shared by threads
+        lay = cache.get(key)
+        if lay is not None:
+            cache.move_to_end(key)
+            return lay
     by: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    empty = []
     for i, (dev, dtype, numel) in enumerate(key):
-        if numel == 0:
-            empty.append(i)
-        else:
+        if numel:  # empty tensors get their row in `_reorder`
             by.setdefault((dev, dtype), []).append(i)
     groups = []
     for (dev, dtype), pos in by.items():
@@ -228,10 +227,11 @@ def _layout(tensors: Sequence[torch.Tensor], ws: Workspace | None) -> _Layout:
     if grouped != list(range(len(key))):
         row = {p: r for r, p in enumerate(grouped)}
         order = _on([row.get(i, len(grouped)) for i in range(len(key))], torch.int64, key[0][0])
-    lay = _Layout(groups, len(key), empty, order)
-    cache[key] = lay
-    while len(cache) > _CACHE_SIZE:
-        cache.popitem(last=False)
+    lay = _Layout(groups, order)
+    with _CACHE_LOCK:
+        cache[key] = lay
+        while len(cache) > _CACHE_SIZE:
+            cache.popitem(last=False)
     return lay
 
 
@@ -370,11 +370,18 @@ def _norm_partials(g: _Group, views: list[torch.Tensor], needs: frozenset[str]) 
 
 
 def _norm_kernels(device: torch.device) -> bool:
-    """Whether norm statistics come from the multi-tensor norm kernels: on accelerators. On CPU
-    the flat pass is as fast and exact (its sums are pairwise), while the multi-tensor norm
-    either accumulates float32 sequentially (~1e-5 off on 20k elements) or, asked for float64,
-    copies every tensor to float64 first (10x slower)."""
+    """Whether sums of powers come from norm kernels: on accelerators, whose reductions are
+    trees (float32 sums of d^2 and d^4 within ~2e-7 of float64), norm statistics from the
+    multi-tensor kernels and power sums from row-wise 2- and 4-norms (fewest passes, no second
+    buffer). On CPU torch's norm kernels accumulate sequentially (~1e-6 off on a few thousand
+    elements, ~1e-5 on 20k; asked for float64, the multi-tensor one copies every tensor first,
+    10x slower): there the flat pass forms the powers and adds them with pairwise `sum`."""
     return device.type != "cpu"
+
+
+def _norm_rows(x2: torch.Tensor, p: int) -> torch.Tensor:
+    """Row sums of ``|x|^p`` from the row-wise p-norm (one read, no power written)."""
+    return torch.linalg.vector_norm(x2, p, dim=1).pow_(p)
 
 
 def _segment(g: _Group, partials: torch.Tensor, reduce: str) -> torch.Tensor:
@@ -398,13 +405,18 @@ def _moment_partials(
     r = g.rows()
     b, n_rows = r["block"], r["count"]
     size = n_rows * b
-    buf = ws.flat(2 * size, g.work, g.device)  # the data, then its powers
-    x, x2, t2 = buf[:size], buf[:size].view(n_rows, b), buf[size:].view(n_rows, b)
+    # accelerators: power sums by norm kernels reading d where it is; on CPU the powers are
+    # formed in a second half of the buffer and added up by `sum` (see `_norm_kernels`)
+    fewer = _norm_kernels(g.device)
+    buf = ws.flat(size if fewer else 2 * size, g.work, g.device)
+    x, x2 = buf[:size], buf[:size].view(n_rows, b)
+    t2 = None if fewer else buf[size:].view(n_rows, b)
     inputs = [t for v, pad in zip(views, r["pads"], strict=True) for t in (v, pad) if t.numel()]
     torch.cat(inputs, out=x)  # pads are zeros: neutral for sums, norms and non-zero counts
     a_rows = [x2.sum(1)]
     if "sq" in needs:
-        a_rows.append(torch.mul(x2, x2, out=t2).sum(1))
+        sq = _norm_rows(x2, 2) if t2 is None else torch.mul(x2, x2, out=t2).sum(1)
+        a_rows.append(sq)
     if "l1" in needs:
         a_rows.append(torch.linalg.vector_norm(x2, 1, dim=1))
     if "nnz" in needs:
@@ -445,12 +457,20 @@ def _moment_partials(
         torch.addcmul(per_row[0].unsqueeze(1), x2, per_row[1].unsqueeze(1), out=x2)
         # powers formed in the buffer's two halves and added up by `sum` (torch's CPU 2- and
         # 4-norm kernels were up to ~1e-6 off; sums are pairwise on CPU, trees on GPUs)
-        d2 = torch.mul(x2, x2, out=t2)
-        b_rows = [x2.sum(1), d2.sum(1)]
-        if "s3" in needs:
-            b_rows.append(torch.mul(d2, x2, out=x2).sum(1))  # d is not needed any more
-        if "s4" in needs:
-            b_rows.append(d2.square_().sum(1))
+        if t2 is None:  # 5 passes over d instead of 9: 2- and 4-norms, then d^3 in place
+            b_rows = [x2.sum(1), _norm_rows(x2, 2)]
+            s4 = _norm_rows(x2, 4) if "s4" in needs else None
+            if "s3" in needs:
+                b_rows.append(x2.pow_(3).sum(1))  # d is not needed any more
+            if s4 is not None:
+                b_rows.append(s4)
+        else:
+            d2 = torch.mul(x2, x2, out=t2)
+            b_rows = [x2.sum(1), d2.sum(1)]
+            if "s3" in needs:
+                b_rows.append(torch.mul(d2, x2, out=x2).sum(1))  # d is not needed any more
+            if "s4" in needs:
+                b_rows.append(d2.square_().sum(1))
         sums = _segment(g, torch.stack(b_rows), "sum")
         out += [torch.stack([c64, scale]), sums]
     return torch.cat([*out, g.eps_row]), h

@@ -226,9 +226,10 @@ def stage(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> Sta
     For accelerators: every group's statistics table and histogram rows come from one
     `nnstat.describe.segments.segment_tables` call (a fixed number of kernels per group and
     dtype, not per tensor) and stay queued on the device; `finish` moves them in one transfer. The update is
-    formed in place in the snapshot by two multi-tensor kernels (``prev`` becomes ``W_t -
-    W_prev``); the snapshot is refreshed in `finish`, after the rare exact recomputation of
-    non-finite rows (which reads that difference).
+    formed in place in the snapshot by multi-tensor kernels (``prev`` becomes ``W_t - W_prev``,
+    or its negative when only norm statistics are taken, which the sign does not change); the
+    snapshot is refreshed in `finish`, after the rare exact recomputation of non-finite rows
+    (which reads that difference).
     """
     ws = workspaces if workspaces is not None else {}
     # one flat buffer for all groups: the device queue orders its uses
@@ -238,8 +239,9 @@ def stage(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> Sta
     lists = [tensors for _, _, tensors in plan.groups]
     if plan.prev is not None and plan.weights is not None:
         for prev, cur in _by_dtype(plan.prev, plan.weights):
-            torch._foreach_sub_(prev, cur)  # exact: prev - W, then negated
-            torch._foreach_neg_(prev)
+            torch._foreach_sub_(prev, cur)  # prev - W, exact
+            if not plan.fused:  # norm statistics alone do not see the sign (one pass less)
+                torch._foreach_neg_(prev)
         views = list(plan.update_views if plan.update_views is not None else plan.prev)
         if plan.fused:
             lists += [list(plan.weights), views]

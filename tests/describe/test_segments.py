@@ -50,9 +50,10 @@ def reference(t: torch.Tensor) -> dict[str, float]:
     }
 
 
-def assert_stats(row: dict[str, float], ref: dict[str, float], what: str) -> None:
+def assert_stats(row: dict[str, float], ref: dict[str, float], what: str, loose: float = 1) -> None:
     """Float32-data tolerances: exact counts and extrema, ~1e-6 relative sums; the mean to a
-    millionth of the spread (two-pass centred), skew/kurtosis (order-1 ratios) absolutely."""
+    millionth of the spread (two-pass centred), skew/kurtosis (order-1 ratios) absolutely.
+    `loose` widens the float tolerances."""
     for s in STAT_NAMES:
         a, b = row[s], ref[s]
         msg = f"{what}: {s} = {a!r}, numpy {b!r}"
@@ -61,11 +62,11 @@ def assert_stats(row: dict[str, float], ref: dict[str, float], what: str) -> Non
         elif s in ("numel", "nonfinite", "sparsity", "min", "max", "abs_max"):
             assert a == b, msg
         elif s == "mean":
-            assert abs(a - b) <= 1e-6 * ref["std"] + 1e-15 * abs(b), msg
+            assert abs(a - b) <= loose * 1e-6 * ref["std"] + 1e-15 * abs(b), msg
         elif s in ("skew", "kurtosis"):
-            assert abs(a - b) <= 2e-6, msg
+            assert abs(a - b) <= loose * 2e-6, msg
         else:
-            assert a == pytest.approx(b, rel=1e-6, abs=0.0), msg
+            assert a == pytest.approx(b, rel=loose * 1e-6, abs=0.0), msg
 
 
 def hard_tensors() -> list[torch.Tensor]:
@@ -98,12 +99,19 @@ def hard_tensors() -> list[torch.Tensor]:
     ]
 
 
-def test_every_statistic_matches_numpy_float64(device_path):
+@pytest.mark.parametrize("kernels", [False, True], ids=["CPU sums", "accelerator norms"])
+def test_every_statistic_matches_numpy_float64(device_path, monkeypatch, kernels):
+    """Both ways of forming the power sums: pairwise sums of formed powers (CPU), and the
+    row-wise 2- and 4-norms accelerators use. Here on CPU, whose norm kernels accumulate
+    sequentially, the latter is held to looser tolerances (its accuracy on a GPU is checked
+    there: benchmarks or a CUDA machine)."""
+    monkeypatch.setattr(segments, "_norm_kernels", lambda device: kernels)
     xs = hard_tensors()
     table = summarize(xs, STAT_NAMES)
     for i, (x, row) in enumerate(zip(xs, table.tolist(), strict=True)):
         ref = reference(x)
-        assert_stats(dict(zip(STAT_NAMES, row, strict=True)), ref, f"tensor {i}")
+        row = dict(zip(STAT_NAMES, row, strict=True))
+        assert_stats(row, ref, f"tensor {i}", loose=20 if kernels else 1)
 
 
 def test_device_table_probe_flags_exactly_the_tensors_to_repair():
@@ -197,3 +205,20 @@ def test_lists_reduced_together_equal_lists_reduced_alone():
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
         if ha is not None:
             torch.testing.assert_close(ha, hb, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_every_statistic_matches_numpy_float64_at_full_tolerance():
+    """The accelerator branch where it runs: row-wise norm kernels (tree reductions) for the
+    power sums, the multi-tensor norms accumulating in float64."""
+    xs = hard_tensors()
+    table = summarize([x.cuda() for x in xs], STAT_NAMES)
+    for i, (x, row) in enumerate(zip(xs, table.tolist(), strict=True)):
+        assert_stats(dict(zip(STAT_NAMES, row, strict=True)), reference(x), f"tensor {i}")
+    norms = ("l2", "rms", "abs_max", "nonfinite", "l1", "abs_mean")
+    table = summarize([x.cuda() for x in xs], norms)
+    for i, (x, row) in enumerate(zip(xs, table.tolist(), strict=True)):
+        ref = reference(x)
+        for s, v in zip(norms, row, strict=True):
+            assert v == pytest.approx(ref[s], rel=1e-12, nan_ok=True), (i, s)
