@@ -178,6 +178,8 @@ def read_ahead(
     """
     device = torch.device(device)
     cuda = device.type == "cuda"
+    if cuda and device.index is None:  # "cuda" names the current device: rows there pass
+        device = torch.device("cuda", torch.cuda.current_device())
     reader = _Reader(blocks, max_rows, pin=cuda)
     copies = _DeviceCopies(device) if cuda else None
     try:

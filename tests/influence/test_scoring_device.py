@@ -254,3 +254,16 @@ def test_cuda_scoring_equals_cpu_and_synchronises_once_per_result(tmp_path, mode
         root, preconditioner="raw", damping=DAMPING, batch_size=16, device="cuda"
     )
     torch.testing.assert_close(sb.scores, sa.scores, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_training_rows_already_on_the_device_pass_through():
+    rows = torch.randn(40, WIDTH, generator=torch.Generator().manual_seed(2))
+    kw = dict(preconditioner="identity", top_k=3, batch_size=16, progress=False)
+    a = compute_influence_all(_q(_queries()), _q(rows), **kw)
+    with main_thread_syncs() as syncs:
+        b = compute_influence_all(_q(_queries().cuda()), _q(rows.cuda()), **kw)
+    torch.testing.assert_close(b.helpful_scores, a.helpful_scores, rtol=1e-4, atol=1e-4)
+    assert b.helpful_ids == a.helpful_ids and b.harmful_ids == a.harmful_ids
+    assert len(syncs) <= 4, syncs  # two TensorSources' finiteness checks, the flags, the results
