@@ -1,8 +1,13 @@
 """One prepared check of nnstat on a CUDA machine: tests, step costs and scoring, one table.
 
-Run it on a machine with a GPU and no network, from the repository root, in one call:
+Run it on a machine with a GPU and no network, from the repository root, in one call, with
+nnstat INSTALLED (a wheel: the source tree lacks the ``nnstat.integrations`` mapping that
+installing makes) and the peers' wheels carried (``../shared/tools/gpu_wheels.sh`` fetches them):
 
-    WANDB_MODE=offline python benchmarks/gpu_check.py --out "$OUT" [--budget 540]
+    # here: python -m pip wheel -q --no-deps -w .whl .
+    python3 -m pip install -q --no-index --no-deps --no-compile --ignore-requires-python \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site WANDB_MODE=offline
+    python3 benchmarks/gpu_check.py --out "$OUT" [--budget 540]
 
 It runs, each part in its own process with its own time cap (a part that runs out of time is
 killed and reported; the next still runs), and writes ``gpu_check.md`` (the summary table and
@@ -11,9 +16,10 @@ each part, so a call cut short still returns what finished:
 
 1. ``cuda``: ``pytest -m cuda tests/test_cuda.py`` (the step paths' synchronisation counts are
    checked inside those tests with ``torch.cuda.set_sync_debug_mode``);
-2. ``syncs``: one default and one all-statistics + histograms ``Tracker.step()``, a
-   ``NoiseScale`` step and a logged batch on GPT-2 small under
-   ``torch.cuda.set_sync_debug_mode("error")``: any synchronising call in them fails the part;
+2. ``syncs``: a training step with a default and one with an all-statistics + histograms
+   ``Tracker.step()``, a ``NoiseScale`` step and the backward of a logged batch on GPT-2 small
+   under ``torch.cuda.set_sync_debug_mode("error")``: any synchronising call in them fails the
+   part, and the frame of nnstat that made it is printed;
 3. ``stats``, ``logging``, ``hf``: ``benchmarks/scale.py --device cuda`` on GPT-2 small
    (batch 8 x 512, AdamW), with wandb.watch and LogIX side by side when importable (skipped
    with a note otherwise);
@@ -45,6 +51,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 # a dry run of the inline parts on the CPU checks this script where no GPU is (sizes --quick)
 DEV = os.environ.get("NNSTAT_GPU_CHECK_DEVICE", "cuda")
+# -P: the installed nnstat, not the source tree in the working directory (which lacks the
+# nnstat.integrations mapping that installing makes)
+PYTEST = [PY, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider"]
 
 
 def sync() -> None:
@@ -135,7 +144,7 @@ def parts(args: argparse.Namespace) -> list[Part]:
         ),
         Part(
             "suite",
-            [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", cores, "tests"],
+            PYTEST + ["-n", cores, "tests"],
             240,
             pytest_summary,
         ),
@@ -225,6 +234,16 @@ def _lm_step(model, opt, x) -> None:
     opt.step()
 
 
+def where(error: BaseException) -> str:
+    """The innermost frame of nnstat (else the innermost) that raised `error`."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [f for f in frames if "nnstat" in f.filename and "gpu_check" not in f.filename]
+    f = (ours or frames)[-1]
+    return f"{Path(f.filename).name}:{f.lineno} ({f.name})"
+
+
 def inline_syncs(quick: bool) -> None:
     """Every per-step path on GPT-2 under sync debug mode "error": a sync raises."""
     import tempfile
@@ -238,12 +257,12 @@ def inline_syncs(quick: bool) -> None:
     x = torch.randint(0, 50257, (4, 128), device=DEV)
     failures = []
 
-    def check(name: str, fn: Callable[[], None], warm: int = 2) -> None:
+    def check(name: str, fn: Callable[[], None], warm: int = 2, whole: bool = True) -> None:
         try:
             for _ in range(warm):
                 fn()
             sync()
-            sync_debug("error")
+            sync_debug("error" if whole else "default")  # else fn sets it where it applies
             try:
                 fn()
             finally:
@@ -252,14 +271,15 @@ def inline_syncs(quick: bool) -> None:
             print(f"| {name} | no synchronisation |")
         except Exception as e:  # reported, and the part fails at the end
             failures.append(name)
-            print(f"| {name} | SYNC or error: {type(e).__name__}: {str(e)[:200]} |")
+            print(f"| {name} | SYNC or error: {type(e).__name__}: {str(e)[:160]} at {where(e)} |")
 
     print("| step path (GPT-2, sync debug mode error) | result |")
     print("| --- | --- |")
     for label, kw in (("Tracker default", {}), ("Tracker all + histograms", {"stats": None})):
         if kw:
             kw["histograms"] = True
-        tracker = nnstat.Tracker(model, opt, background=False, **kw)
+        # the default (background=None): on a GPU the step's tables reach the sinks later
+        tracker = nnstat.Tracker(model, opt, **kw)
 
         def tracked(t=tracker) -> None:
             _lm_step(model, opt, x)
@@ -285,13 +305,24 @@ def inline_syncs(quick: bool) -> None:
         nnstat.add_projection(rank=64)
         ids = iter(range(10**6))
 
-        def logged() -> None:
+        def backward_of_logged_batch() -> None:
+            # the contract: nothing synchronises inside backward; the block's end reads one
+            # flag (weights check and NaN/Inf rows), counted by tests/test_cuda.py
             i = next(ids)
             with run(data_id=[f"{i}-{j}" for j in range(x.shape[0])]):
                 model.zero_grad(set_to_none=True)
-                model(input_ids=x, labels=x).loss.backward()
+                loss = model(input_ids=x, labels=x).loss
+                sync_debug("error")
+                try:
+                    loss.backward()
+                finally:
+                    sync_debug("default")
 
-        check("logged batch (rank 64, every module)", logged)
+        check(
+            "backward of a logged batch (rank 64, every module)",
+            backward_of_logged_batch,
+            whole=False,
+        )
         nnstat.finalize()
     if failures:
         raise SystemExit(f"synchronising calls in: {', '.join(failures)}")
