@@ -7,12 +7,20 @@ characters in a seeded random order: the first ``n_train`` train, the next ``n_q
 held-out queries. An example's loss is its mean next-character cross-entropy over the window
 (`lm_loss`). The corpus depends on the Python version, so its sha256 is reported.
 
-The model (`CharTransformer`) is pre-norm: token and position embeddings (the positions looked
-up as ``[B, T]`` ids), one causal self-attention block (``nn.Linear`` q/k/v and output
-projection), one GELU MLP, a final LayerNorm and a linear head. Every training run (the scored
-model and each LDS retraining) starts from the same initialisation (seed ``init_seed``), so a
-retrained subset lands in the basin the influence of the scored model describes rather than in a
-permuted copy of it (attention heads and hidden units are interchangeable).
+The model (`CharTransformer`): token and position embeddings (the positions looked up as
+``[B, T]`` ids), one causal self-attention block (``nn.Linear`` q/k/v and output projection) on
+the residual stream, optionally a GELU MLP (``--lm-mlp``), and a linear head; no LayerNorm (its
+scale invariance under weight decay made L-BFGS crawl). Every training run (the scored model and
+each LDS retraining) starts from the same initialisation (seed ``--lm-init-seed``), so a
+retrained subset lands in the basin the influence of the scored model describes rather than in
+a permuted copy of it.
+
+Continuous symmetries: rotating the residual stream (embeddings, q/k/v input, output projection,
+head), or one head's q and k together, or its v and its slice of the output projection,
+changes neither the loss nor ‖θ‖². At a stationary point of loss + wd/2‖θ‖² each one that
+moves θ is a zero eigenvalue of ``H + wd·I`` orthogonal to every example's gradient. The group
+has `rotation_dimension` dimensions; fewer move θ where weight decay has left dimensions of the
+residual stream or of a head unused (rotations among them change nothing).
 """
 
 from __future__ import annotations
@@ -108,6 +116,13 @@ class CharTransformer(nn.Module):
         return self.head(x)
 
 
+def rotation_dimension(d: int, heads: int) -> int:
+    """Dimension of the rotation symmetries above: so(d) for the residual stream (with an MLP
+    its input and output rotate with the stream as well), and per head so(d/h) twice."""
+    dh = d // heads
+    return d * (d - 1) // 2 + 2 * heads * dh * (dh - 1) // 2
+
+
 def make_lm(args):
     """``(describe, make_model, train, query, info)`` of the task from the command line."""
     text = stdlib_text(args.lm_text)
@@ -131,6 +146,7 @@ def make_lm(args):
         "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
         "characters": len(ids),
         "vocabulary": vocab,
+        "rotation_dimension": rotation_dimension(args.lm_d, args.lm_heads),
     }
     return describe, make_model, train, query, info
 
