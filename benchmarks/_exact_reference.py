@@ -104,6 +104,15 @@ class Explicit:
         """Eigenvectors of ``H + λI`` with ``|eigenvalue| <= tol``: ``[P, k]``."""
         return self.evecs[:, (self.evals + damping).abs() <= tol]
 
+    def restricted_scores(self, keep: torch.Tensor, damping: float, tol: float) -> torch.Tensor:
+        """``g_qᵀ (H_SS + λI)⁺ g_i`` on the parameters ``keep`` (bool ``[P]``) alone: the exact
+        influence of a method that sees only those (eigenvalues up to ``tol`` left out)."""
+        h = self.hessian[keep][:, keep]
+        e, u = torch.linalg.eigh(h + damping * torch.eye(len(h), dtype=h.dtype))
+        u = u[:, e > tol]
+        gq, gi = self.g_query[:, keep] @ u, self.g_train[:, keep] @ u
+        return ((gq / e[e > tol]) @ gi.T).float()
+
     def pinv_scores(self, damping: float, tol: float) -> torch.Tensor:
         """``g_qᵀ (H + λI)⁺ g_i`` over the eigenvalues above ``tol`` (the flat directions left
         out; meaningful where every gradient is orthogonal to them and none is below -tol)."""
@@ -111,6 +120,15 @@ class Explicit:
         keep = e > tol
         u = self.evecs[:, keep]
         return (((self.g_query @ u) / e[keep]) @ (u.T @ self.g_train.T)).float()
+
+
+def module_mask(model: nn.Module, types) -> torch.Tensor:
+    """Per parameter entry, in ``named_parameters`` order: is it a parameter of a module of
+    class ``types``."""
+    owned = {
+        id(p) for m in model.modules() if isinstance(m, types) for p in m.parameters(recurse=False)
+    }
+    return torch.cat([torch.full((p.numel(),), id(p) in owned) for p in model.parameters()])
 
 
 def symmetry_check(ex: Explicit, damping: float, tol: float) -> dict[str, Any]:

@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _exact_reference import Explicit, reference_system
+from _exact_reference import FLAT_TOL, Explicit, module_mask, reference_system
 from scipy.stats import spearmanr
 from sklearn.datasets import load_breast_cancer, load_digits
 from torch import nn
@@ -722,10 +722,12 @@ def reference_rows(ex: Explicit, proto, system, explicit_ref, base, task: Task, 
     return common
 
 
-def lean_reference_rows(ex: Explicit, proto, system, explicit_ref, wd: float, secs: float):
+def lean_reference_rows(ex: Explicit, proto, system, explicit_ref, wd: float, secs: float, linear):
     """The exact rows of a lean run: the explicit Hessian's influence is the reference (first
     row); where it is at λ = wd through a pseudo-inverse, also at the heuristic λ; where the
-    system is indefinite, also the GGN at λ = wd. Plus random scores, the floor."""
+    system is indefinite, also the GGN at λ = wd; the exact influence on the ``linear``
+    parameters alone (what LogIX, Kronfluence and the nn.Linear-only store see). Plus random
+    scores, the floor."""
     lam_ref, lam_heur = system["lambda"], system["lambda_heuristic"]
     common = Board(proto, explicit_ref)
     how = ", pseudo-inverse over the flat directions" if system["kind"] == "pinv" else ""
@@ -747,6 +749,13 @@ def lean_reference_rows(ex: Explicit, proto, system, explicit_ref, wd: float, se
         common.add(
             f"explicit GGN, λ = wd = {wd:.3g}", ex.scores(ex.ggn, wd), group="exact", damping=wd
         )
+    tol = system.get("tol", FLAT_TOL * float(ex.evals.max()))
+    common.add(
+        f"exact on the nn.Linear parameters only ({int(linear.sum())}), λ = {lam_ref:.3g}",
+        ex.restricted_scores(linear, lam_ref, tol),
+        group="exact restricted",
+        damping=lam_ref,
+    )
     gen = torch.Generator().manual_seed(0)
     common.add("random scores", torch.randn(explicit_ref.shape, generator=gen), group="baseline")
     return common
@@ -843,7 +852,8 @@ def bench_setting(task: Task, method: str, args, root: Path) -> list[dict[str, A
     else:
         explicit_ref = ex.scores(ex.hessian, lam_ref)
     if args.lean:
-        common = lean_reference_rows(ex, proto, system, explicit_ref, args.wd, t_explicit)
+        linear = module_mask(base, nn.Linear)
+        common = lean_reference_rows(ex, proto, system, explicit_ref, args.wd, t_explicit, linear)
     else:
         common = reference_rows(ex, proto, system, explicit_ref, base, task, args)
         header["exact_vs_explicit_spearman"] = common.rows[0].pop("_explicit_spearman")
