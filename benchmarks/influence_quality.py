@@ -2,7 +2,8 @@
 
 Tasks on scikit-learn data (bundled, no download): a 64-h-10 tanh MLP on digits, multinomial
 logistic regression on digits (one ``nn.Linear(64, 10)``), a small CNN on the 8x8 digit images,
-optionally logistic regression on breast cancer. Each is trained with full-batch L-BFGS to
+optionally logistic regression on breast cancer; ``lm``: a one-layer causal character
+transformer on the source text of a standard-library module (`_lm_task.py`). Each is trained with full-batch L-BFGS to
 convergence on ``mean CE + wd/2 ||θ||²`` and/or with full-batch Adam (``weight_decay=wd``, the
 same objective, a fixed number of steps). Every method scores the same trained model; the LDS
 uses the same retraining protocol (`nnstat.influence.run_lds_protocol`: ``m`` random 50% subsets,
@@ -27,6 +28,14 @@ damping sweep; Kronfluence EK-FAC at its heuristic and its default.
     .venv/bin/python benchmarks/influence_quality.py --out /tmp/iq.json  # peers: requirements.txt
     .venv/bin/python benchmarks/influence_quality.py --no-peers --tasks logreg --train lbfgs
     .venv/bin/python benchmarks/influence_quality.py --quick --ranks none,8 --out /tmp/iq.json
+    .venv/bin/python benchmarks/influence_quality.py --tasks lm --out /tmp/iq_lm.json
+
+``--tasks lm`` has its own defaults (`TASK_DEFAULTS`: Adam then L-BFGS in float64, wd = 1e-2,
+150 training windows, only the rows of its table, ``--lean``); flags given override them. Its
+exact reference is the explicitly built Hessian (``nnstat.influence.exact`` is not run): at
+λ = wd through a pseudo-inverse where ``H + wd·I`` is singular only along the flat directions of
+the model's continuous symmetries (rotations of the residual stream and of each head's q/k and
+v/out spaces, which leave loss and L2 unchanged and to which every gradient is orthogonal).
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -46,10 +56,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from _exact_reference import FLAT_TOL, Explicit, module_mask, reference_system
 from scipy.stats import spearmanr
 from sklearn.datasets import load_breast_cancer, load_digits
 from torch import nn
-from torch.func import functional_call, grad, jacrev, vmap
 
 import nnstat
 from nnstat.influence import (
@@ -72,6 +82,11 @@ class Task:
     make_model: Callable[[], nn.Module]
     train: tuple[torch.Tensor, torch.Tensor]
     query: tuple[torch.Tensor, torch.Tensor]
+    #: ``loss(outputs, targets, reduction=...)``: the per-example loss and its batch reductions
+    loss: Callable[..., torch.Tensor] = CE
+    #: the dtype of training (the trained model is returned in float32 either way)
+    train_dtype: torch.dtype = torch.float32
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _split(x: np.ndarray, y: np.ndarray, n_train: int, n_query: int, image: bool = False):
@@ -86,7 +101,50 @@ def _split(x: np.ndarray, y: np.ndarray, n_train: int, n_query: int, image: bool
     )
 
 
+#: per-task defaults of the flags left unset on the command line (``None`` there)
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "*": {
+        "train": "both",
+        "n_train": 300,
+        "steps": 300,
+        "lr": 0.01,
+        "lbfgs_iter": 1000,
+        "wd": 1e-3,
+        "ranks": "none,8",
+        "counterfactual": 15,
+        "lean": False,
+    },
+    # float64: float32 L-BFGS stalls at ‖∇‖ ≈ 1e-4 on this objective (its loss's resolution)
+    "lm": {
+        "train": "adam+lbfgs",
+        "n_train": 120,
+        "steps": 300,
+        "lr": 0.03,
+        "lbfgs_iter": 400,
+        "wd": 1e-2,
+        "ranks": "none",
+        "counterfactual": 0,
+        "lean": True,
+    },
+}
+
+
+def task_args(args, name: str):
+    """``args`` with the task's defaults in place of the flags left unset."""
+    out = copy.copy(args)
+    for key, value in {**TASK_DEFAULTS["*"], **TASK_DEFAULTS.get(name, {})}.items():
+        if getattr(out, key) is None:
+            setattr(out, key, value)
+    out.ranks = [None if r.strip().lower() == "none" else int(r) for r in out.ranks.split(",")]
+    return out
+
+
 def make_task(name: str, args) -> Task:
+    if name == "lm":
+        from _lm_task import lm_loss, make_lm
+
+        describe, make_model, train, query, info = make_lm(args)
+        return Task(name, describe, make_model, train, query, lm_loss, torch.float64, info)
     # logistic regressions sit in an nn.Sequential: Kronfluence 1.0.1's prepare_model recurses
     # without end on a bare root nn.Linear (RecursionError); the model is the same
     if name == "cancer":
@@ -144,16 +202,20 @@ def trainer(task: Task, method: str, args) -> Callable[[torch.Tensor], nn.Module
     """``train_fn(indices) -> model``: the scored model and every LDS retraining use it."""
     x, y = task.train
 
+    dtype, loss_fn = task.train_dtype, task.loss
+
     def train_fn(indices: torch.Tensor) -> nn.Module:
-        model = task.make_model()
+        model = task.make_model().to(dtype)
         xs, ys = x[indices], y[indices]
-        if method == "adam":
+        xs = xs.to(dtype) if xs.is_floating_point() else xs
+        if method in ("adam", "adam+lbfgs"):
             opt = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.wd)
             for _ in range(args.steps):
                 opt.zero_grad()
-                CE(model(xs), ys).backward()
+                loss_fn(model(xs), ys).backward()
                 opt.step()
-        else:  # full batch L-BFGS on mean CE + wd/2 ||θ||² (the same objective as Adam's)
+        if method in ("lbfgs", "adam+lbfgs"):
+            # full batch L-BFGS on mean loss + wd/2 ||θ||² (the same objective as Adam's)
             opt = torch.optim.LBFGS(
                 model.parameters(),
                 lr=1.0,
@@ -167,27 +229,32 @@ def trainer(task: Task, method: str, args) -> Callable[[torch.Tensor], nn.Module
 
             def closure():
                 opt.zero_grad()
-                loss = CE(model(xs), ys) + 0.5 * args.wd * l2(model)
+                loss = loss_fn(model(xs), ys) + 0.5 * args.wd * l2(model)
                 loss.backward()
                 return loss
 
             opt.step(closure)
-        return model.eval()
+        return model.float().eval()
 
     return train_fn
 
 
-def objective_grad_norm(model: nn.Module, task: Task, wd: float) -> float:
-    model.zero_grad()
-    (CE(model(task.train[0]), task.train[1]) + 0.5 * wd * l2(model)).backward()
-    norm = torch.sqrt(sum(p.grad.square().sum() for p in model.parameters())).item()
-    model.zero_grad()
-    return norm
+def objective_grad_norm(model: nn.Module, task: Task, wd: float, indices=None) -> float:
+    """‖∇(mean loss + wd/2 ‖θ‖²)‖ over the training set (or ``indices`` of it) at the model's
+    (float32) weights, evaluated in float64."""
+    m64 = copy.deepcopy(model).double()
+    x, y = task.train if indices is None else (task.train[0][indices], task.train[1][indices])
+    x = x.double() if x.is_floating_point() else x
+    (task.loss(m64(x), y) + 0.5 * wd * l2(m64)).backward()
+    return torch.sqrt(sum(p.grad.square().sum() for p in m64.parameters())).item()
 
 
 # ------------------------------------------------------------------------------ nnstat
-def nnstat_logs(model, train, query, root: Path, project: str, rank=None, init="random"):
-    """Log the training set (EK-FAC statistics + per-sample rows) and the queries."""
+def nnstat_logs(
+    model, train, query, root: Path, project: str, rank=None, init="random", loss=CE, types=None
+):
+    """Log the training set (EK-FAC statistics + per-sample rows) and the queries (of the
+    modules of classes ``types`` only, when given)."""
     run = nnstat.init(project=project, root_dir=root)
     x, y = train
     batches = [list(range(i, min(i + 100, len(x)))) for i in range(0, len(x), 100)]
@@ -197,18 +264,18 @@ def nnstat_logs(model, train, query, root: Path, project: str, rank=None, init="
         (root / project).mkdir(parents=True, exist_ok=True)
         shutil.copy(root / full / "statistics.safetensors", root / project)
     nnstat.setup({"log": "grad", "save": "grad", "statistic": "ekfac"})
-    nnstat.watch(model)
+    nnstat.watch(model, type_filter=types)
     if rank is not None:
         nnstat.add_projection(rank=rank, init=init, seed=0)
     for _ in run.schedule():
         for ids in batches:
             with run(data_id=ids):
-                CE(model(x[ids]), y[ids], reduction="sum").backward()
+                loss(model(x[ids]), y[ids], reduction="sum").backward()
             model.zero_grad()
     nnstat.eval()
     loader = nnstat.build_log_dataloader(batch_size=4096)
     with run(data_id=[f"q{i}" for i in range(len(query[0]))]):
-        CE(model(query[0]), query[1], reduction="sum").backward()
+        loss(model(query[0]), query[1], reduction="sum").backward()
     model.zero_grad()
     log = nnstat.get_log()
     nnstat.unwatch()
@@ -231,8 +298,9 @@ def mean_eigenvalue(loader) -> float:
 
 
 # ------------------------------------------------------------------------------ peers
-def logix_scores(model, train, query, root: Path, project: str, hessian: str, dampings):
-    """LogIX 0.1.1 K-FAC or EK-FAC (its scheduler's passes); one score matrix per damping."""
+def logix_scores(model, train, query, root: Path, project: str, hessian: str, dampings, loss=CE):
+    """LogIX 0.1.1 K-FAC or EK-FAC (its scheduler's passes); one score matrix per damping.
+    LogIX watches ``nn.Linear`` / ``nn.Conv2d`` only (and skips their bias)."""
     from logix import LogIX, LogIXScheduler
 
     cwd = os.getcwd()
@@ -252,7 +320,7 @@ def logix_scores(model, train, query, root: Path, project: str, hessian: str, da
                 ids = [str(j) for j in range(i, min(i + 100, len(x)))]
                 with run(data_id=ids):
                     model.zero_grad()
-                    CE(model(x[i : i + 100]), y[i : i + 100], reduction="sum").backward()
+                    loss(model(x[i : i + 100]), y[i : i + 100], reduction="sum").backward()
             run.finalize()
         run.eval()
         # LogIX keeps updating its statistics in eval mode: log the queries without them
@@ -260,7 +328,7 @@ def logix_scores(model, train, query, root: Path, project: str, hessian: str, da
         loader = run.build_log_dataloader()
         with run(data_id=[f"q{i}" for i in range(len(query[0]))]):
             model.zero_grad()
-            CE(model(query[0]), query[1], reduction="sum").backward()
+            loss(model(query[0]), query[1], reduction="sum").backward()
         qlog = run.get_log()
         model.zero_grad()
         # precondition_kfac adds the damping to the EK-FAC eigenvalues in place: restore them
@@ -277,9 +345,10 @@ def logix_scores(model, train, query, root: Path, project: str, hessian: str, da
         os.chdir(cwd)
 
 
-def kronfluence_scores(model, train, query, root: Path, name: str, dampings):
+def kronfluence_scores(model, train, query, root: Path, name: str, dampings, loss=CE):
     """Kronfluence 1.0.1 EK-FAC (true Fisher, its default); one score matrix per damping_factor
-    (``None`` = its heuristic, 0.1 x mean eigenvalue per module)."""
+    (``None`` = its heuristic, 0.1 x mean eigenvalue per module). Kronfluence tracks
+    ``nn.Linear`` / ``nn.Conv2d`` only."""
     from kronfluence.analyzer import Analyzer, prepare_model
     from kronfluence.arguments import ScoreArguments
     from kronfluence.task import Task as KTask
@@ -288,14 +357,16 @@ def kronfluence_scores(model, train, query, root: Path, name: str, dampings):
         def compute_train_loss(self, batch, model, sample=False):
             inputs, targets = batch
             logits = model(inputs)
-            if sample:
+            if sample:  # one class per prediction (per position for a sequence model)
                 with torch.no_grad():
-                    targets = torch.multinomial(torch.softmax(logits.detach(), -1), 1).flatten()
-            return CE(logits, targets, reduction="sum")
+                    probs = torch.softmax(logits.detach(), -1)
+                    flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1)
+                    targets = flat.view(probs.shape[:-1])
+            return loss(logits, targets, reduction="sum")
 
         def compute_measurement(self, batch, model):
             inputs, targets = batch
-            return CE(model(inputs), targets, reduction="sum")
+            return loss(model(inputs), targets, reduction="sum")
 
     task = ClassificationTask()
     model = prepare_model(copy.deepcopy(model), task)
@@ -316,48 +387,6 @@ def kronfluence_scores(model, train, query, root: Path, name: str, dampings):
         )
         out.append(analyzer.load_pairwise_scores(f"scores{i}")["all_modules"].float())
     return out
-
-
-# ------------------------------------------------------------------------------ explicit
-class Explicit:
-    """Float64 Hessian, Gauss-Newton matrix and per-example gradients of the mean CE."""
-
-    def __init__(self, model: nn.Module, train, query) -> None:
-        m64 = copy.deepcopy(model).double()
-        names = [n for n, _ in m64.named_parameters()]
-        shapes = [p.shape for _, p in m64.named_parameters()]
-        sizes = [p.numel() for _, p in m64.named_parameters()]
-        theta = torch.cat([p.detach().reshape(-1) for p in m64.parameters()])
-
-        def outputs(flat, x):
-            parts = torch.split(flat, sizes)
-            p = {n: t.view(s) for n, t, s in zip(names, parts, shapes, strict=True)}
-            return functional_call(m64, p, (x,))
-
-        def loss(flat, x, y):
-            return CE(outputs(flat, x), y)
-
-        x, y = train[0].double(), train[1]
-        self.hessian = jacrev(grad(loss), chunk_size=128)(theta, x, y)
-        self.hessian = (self.hessian + self.hessian.T) / 2
-        jac = jacrev(outputs, chunk_size=128)(theta, x)  # [n, C, P]
-        p = torch.softmax(outputs(theta, x), -1).detach()
-        hl = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
-        hj = torch.einsum("icd,idq->icq", hl, jac)
-        self.ggn = jac.reshape(-1, len(theta)).T @ hj.reshape(-1, len(theta)) / len(x)
-
-        def one(flat, xi, yi):
-            return loss(flat, xi[None], yi[None])
-
-        per = vmap(grad(one), in_dims=(None, 0, 0))
-        self.g_train = per(theta, x, y)
-        self.g_query = per(theta, query[0].double(), query[1])
-        self.evals = torch.linalg.eigvalsh(self.hessian)
-        self.ggn_evals = torch.linalg.eigvalsh(self.ggn)
-
-    def scores(self, matrix: torch.Tensor, damping: float) -> torch.Tensor:
-        a = matrix + damping * torch.eye(len(matrix), dtype=matrix.dtype)
-        return (self.g_query @ torch.linalg.solve(a, self.g_train.T)).float()
 
 
 # ------------------------------------------------------------------------------ scoring
@@ -503,14 +532,14 @@ def bench_store(board: Board, ctx: dict[str, Any], log, loader, args, projected:
         )
     # RelatIF (mode="relatif"): the same scores with each training row divided by the square
     # root of its self-influence; LDS is per query, so only the training side can matter
-    for kind in ("raw", "ekfac"):
+    for kind in () if args.lean else ("raw", "ekfac"):
         board.run(
             f"nnstat {kind} relatif (default damping)",
             lambda kind=kind: unrefined(log, loader, kind, None, mode="relatif"),
             group="unrefined",
             preconditioner=kind,
         )
-    for kind in () if args.quick else ("raw", "ekfac"):
+    for kind in () if args.quick or args.lean else ("raw", "ekfac"):
         for label, lam in sweep.items():
             board.run(
                 f"nnstat {kind}, λ = {label}",
@@ -523,7 +552,7 @@ def bench_store(board: Board, ctx: dict[str, Any], log, loader, args, projected:
     def refine(steps, curvature, **kw) -> Refinement:
         return Refinement(
             model,
-            CE,
+            ctx["loss"],
             train,
             query_data=query,
             steps=steps,
@@ -546,6 +575,8 @@ def bench_store(board: Board, ctx: dict[str, Any], log, loader, args, projected:
     # is indefinite), the refine columns of the tables
     for k in (1, 2, 5, 10):
         go(f"refine k={k}, default", "refine", k, None, damping=None)
+    if args.lean:
+        return
     curvatures = ("hessian", "ggn")
     if args.quick:
         for c in curvatures:
@@ -614,77 +645,41 @@ def bench_store(board: Board, ctx: dict[str, Any], log, loader, args, projected:
                     )
 
 
-def bench_setting(task: Task, method: str, args, root: Path) -> list[dict[str, Any]]:
-    torch.manual_seed(0)
-    train_fn = trainer(task, method, args)
-    t = time.perf_counter()
-    base = train_fn(torch.arange(len(task.train[0])))
-    t_train = time.perf_counter() - t
-    n_params = sum(p.numel() for p in base.parameters())
-    gnorm = objective_grad_norm(base, task, args.wd)
+def peer_versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for name in ("logix-ai", "kronfluence"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def accuracy(model: nn.Module, data) -> float:
+    """Share of correct argmax predictions (per position for a sequence model)."""
     with torch.no_grad():
-        acc_train = (base(task.train[0]).argmax(1) == task.train[1]).float().mean().item()
-        acc_query = (base(task.query[0]).argmax(1) == task.query[1]).float().mean().item()
+        return (model(data[0]).argmax(-1) == data[1]).float().mean().item()
 
-    def query_losses(model):
-        return CE(model(task.query[0]), task.query[1], reduction="none")
 
-    t = time.perf_counter()
-    proto = run_lds_protocol(train_fn, len(task.train[0]), query_losses, m=args.m, seed=1)
-    t_proto = time.perf_counter() - t
-
-    t = time.perf_counter()
-    ex = Explicit(base, task.train, task.query)
-    t_explicit = time.perf_counter() - t
+def reference_rows(ex: Explicit, proto, system, explicit_ref, base, task: Task, args) -> Board:
+    """The exact rows of the full runs: nnstat's CG exact influence (the reference), the
+    explicit Hessian and GGN at its λ and at the sweep's."""
+    lam_ref, lam_heur = system["lambda"], system["lambda_heuristic"]
     lam_min = float(ex.evals.min())
-    lam_heur = max(0.1 * float(ex.evals.clamp_min(0).mean()), -1.5 * lam_min, 1e-4)
-    # the Hessian of the training objective is H + wd·I: λ = wd is the principled damping when
-    # that is positive definite (a converged minimum), else the heuristic of the old benchmark
-    lam_ref = args.wd if lam_min + args.wd > 1e-3 * args.wd else lam_heur
     tau_full = float(ex.g_train.square().sum(1).mean()) / ex.g_train.shape[1]
-    gamma = float(ex.ggn_evals.mean())
-    header = {
-        "task": task.name,
-        "describe": task.describe,
-        "train": method,
-        "n_params": n_params,
-        "n_train": len(task.train[0]),
-        "n_query": len(task.query[0]),
-        "m": args.m,
-        "train_seconds": t_train,
-        "objective_grad_norm": gnorm,
-        "train_accuracy": acc_train,
-        "query_accuracy": acc_query,
-        "protocol_seconds": t_proto,
-        "explicit_seconds": t_explicit,
-        "hessian_eig_min": lam_min,
-        "hessian_eig_max": float(ex.evals.max()),
-        "hessian_eig_mean": float(ex.evals.mean()),
-        "ggn_eig_mean": float(ex.ggn_evals.mean()),
-        "lambda_heuristic": lam_heur,
-        "lambda_exact": lam_ref,
-        "tau_full": tau_full,
-        "gamma": gamma,
-        "wd": args.wd,
-        "threads": torch.get_num_threads(),
-    }
-    print(
-        f"\n### {task.describe}, {method} ({n_params} parameters)\n\n"
-        f"train {t_train:.1f} s, ‖∇objective‖ = {gnorm:.2e}, accuracy train {acc_train:.3f} / "
-        f"query {acc_query:.3f}; LDS protocol {t_proto:.0f} s (m = {args.m}); Hessian eigenvalues "
-        f"[{lam_min:.3g}, {float(ex.evals.max()):.3g}], λ_exact = {lam_ref:.3g} "
-        f"({'wd' if lam_ref == args.wd else 'heuristic'}), λ_heur = {lam_heur:.3g}\n",
-        flush=True,
-    )
-    results = []
+    gamma = ex.ggn_mean_eigenvalue()
     t = time.perf_counter()
-    try:
-        ref = exact(base, CE, task.train, task.query, damping=lam_ref).scores
-        ref_status = "ok"
-    except Exception as e:  # reported
-        ref, ref_status = ex.scores(ex.hessian, lam_ref), f"failed: {e}"
+    if system["kind"] == "pinv":  # CG on a singular system: not run, the explicit one stands in
+        ref, ref_status = explicit_ref, "not run: H + wd·I singular (pseudo-inverse reference)"
+    else:
+        try:
+            ref = exact(base, task.loss, task.train, task.query, damping=lam_ref).scores
+            ref_status = "ok"
+        except Exception as e:  # reported
+            ref, ref_status = explicit_ref, f"failed: {e}"
     t_exact = time.perf_counter() - t
-    explicit_ref = ex.scores(ex.hessian, lam_ref)
     common = Board(proto, ref)
     common.add(
         f"nnstat exact (CG, λ = {lam_ref:.3g})",
@@ -693,6 +688,9 @@ def bench_setting(task: Task, method: str, args, root: Path) -> list[dict[str, A
         status=ref_status,
         group="exact",
         damping=lam_ref,
+    )
+    common.rows[0]["_explicit_spearman"] = float(
+        spearmanr(ref.flatten().numpy(), explicit_ref.flatten().numpy()).statistic
     )
     common.add("explicit Hessian (same λ)", explicit_ref, group="exact", damping=lam_ref)
     common.add("explicit GGN (same λ)", ex.scores(ex.ggn, lam_ref), group="exact", damping=lam_ref)
@@ -721,12 +719,147 @@ def bench_setting(task: Task, method: str, args, root: Path) -> list[dict[str, A
                 damping=lam,
             )
         common.add(f"explicit GGN, λ = {label}", ex.scores(ex.ggn, lam), group="exact", damping=lam)
-    header["exact_vs_explicit_spearman"] = float(
-        spearmanr(ref.flatten().numpy(), explicit_ref.flatten().numpy()).statistic
+    return common
+
+
+def lean_reference_rows(ex: Explicit, proto, system, explicit_ref, wd: float, secs: float, linear):
+    """The exact rows of a lean run: the explicit Hessian's influence is the reference (first
+    row); where it is at λ = wd through a pseudo-inverse, also at the heuristic λ; where the
+    system is indefinite, also the GGN at λ = wd; the exact influence on the ``linear``
+    parameters alone (what LogIX, Kronfluence and the nn.Linear-only store see). Plus random
+    scores, the floor."""
+    lam_ref, lam_heur = system["lambda"], system["lambda_heuristic"]
+    common = Board(proto, explicit_ref)
+    how = ", pseudo-inverse over the flat directions" if system["kind"] == "pinv" else ""
+    common.add(
+        f"exact: explicit Hessian, λ = {lam_ref:.3g}{how}",
+        explicit_ref,
+        seconds=secs,
+        group="exact",
+        damping=lam_ref,
     )
+    if system["kind"] == "pinv":
+        common.add(
+            f"explicit Hessian, λ = λ_heur = {lam_heur:.3g}",
+            ex.scores(ex.hessian, lam_heur),
+            group="exact",
+            damping=lam_heur,
+        )
+    elif lam_ref != wd:  # indefinite: the Gauss-Newton matrix at the objective's own λ
+        common.add(
+            f"explicit GGN, λ = wd = {wd:.3g}", ex.scores(ex.ggn, wd), group="exact", damping=wd
+        )
+    tol = system.get("tol", FLAT_TOL * float(ex.evals.max()))
+    common.add(
+        f"exact on the nn.Linear parameters only ({int(linear.sum())}), λ = {lam_ref:.3g}",
+        ex.restricted_scores(linear, lam_ref, tol),
+        group="exact restricted",
+        damping=lam_ref,
+    )
+    gen = torch.Generator().manual_seed(0)
+    common.add("random scores", torch.randn(explicit_ref.shape, generator=gen), group="baseline")
+    return common
+
+
+def bench_setting(task: Task, method: str, args, root: Path) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    train_fn = trainer(task, method, args)
+    t = time.perf_counter()
+    base = train_fn(torch.arange(len(task.train[0])))
+    t_train = time.perf_counter() - t
+    n_params = sum(p.numel() for p in base.parameters())
+    gnorm = objective_grad_norm(base, task, args.wd)
+    acc_train, acc_query = accuracy(base, task.train), accuracy(base, task.query)
+    with torch.no_grad():
+        loss_train = task.loss(base(task.train[0]), task.train[1]).item()
+        loss_query = task.loss(base(task.query[0]), task.query[1]).item()
+
+    def query_losses(model):
+        return task.loss(model(task.query[0]), task.query[1], reduction="none")
+
+    retrain_gnorms: list[float] = []
+
+    def retrain(indices: torch.Tensor) -> nn.Module:
+        model = train_fn(indices)
+        retrain_gnorms.append(objective_grad_norm(model, task, args.wd, indices))
+        return model
+
+    t = time.perf_counter()
+    proto = run_lds_protocol(retrain, len(task.train[0]), query_losses, m=args.m, seed=1)
+    t_proto = time.perf_counter() - t
+
+    t = time.perf_counter()
+    ex = Explicit(base, task.train, task.query, task.loss)
+    t_explicit = time.perf_counter() - t
+    lam_min = float(ex.evals.min())
+    system = reference_system(ex, args.wd)
+    lam_ref, lam_heur = system["lambda"], system["lambda_heuristic"]
+    tau_full = float(ex.g_train.square().sum(1).mean()) / ex.g_train.shape[1]
+    # lean runs estimate the GGN's trace (32 probes) rather than build it
+    gamma = ex.ggn_mean_eigenvalue(probes=32 if args.lean else 0)
+    header = {
+        "task": task.name,
+        "describe": task.describe,
+        "train": method,
+        "n_params": n_params,
+        "n_train": len(task.train[0]),
+        "n_query": len(task.query[0]),
+        "m": args.m,
+        "train_seconds": t_train,
+        "objective_grad_norm": gnorm,
+        "retrain_grad_norm_median": float(np.median(retrain_gnorms)),
+        "retrain_grad_norm_max": float(np.max(retrain_gnorms)),
+        "retrain_grad_norm_quantiles": {
+            q: float(np.quantile(retrain_gnorms, q)) for q in (0.1, 0.5, 0.9)
+        },
+        "train_accuracy": acc_train,
+        "query_accuracy": acc_query,
+        "train_loss": loss_train,
+        "query_loss": loss_query,
+        "protocol_seconds": t_proto,
+        "explicit_seconds": t_explicit,
+        "hessian_eig_min": lam_min,
+        "hessian_eig_max": float(ex.evals.max()),
+        "hessian_eig_mean": float(ex.evals.mean()),
+        "ggn_eig_mean": gamma,
+        "lambda_heuristic": lam_heur,
+        "lambda_exact": lam_ref,
+        "reference_system": system,
+        "tau_full": tau_full,
+        "gamma": gamma,
+        "wd": args.wd,
+        "threads": torch.get_num_threads(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "peers": peer_versions(),
+        **task.info,
+    }
+    rule = {"pinv": "wd, pseudo-inverse", "solve": "wd" if lam_ref == args.wd else "heuristic"}
+    print(
+        f"\n### {task.describe}, {method} ({n_params} parameters)\n\n"
+        f"train {t_train:.1f} s, ‖∇objective‖ = {gnorm:.2e} (LDS retrainings: median "
+        f"{header['retrain_grad_norm_median']:.1e}, max {header['retrain_grad_norm_max']:.1e}), "
+        f"loss train {loss_train:.3f} / query {loss_query:.3f}, accuracy train {acc_train:.3f} / "
+        f"query {acc_query:.3f}; LDS protocol {t_proto:.0f} s (m = {args.m}); explicit "
+        f"{t_explicit:.0f} s; Hessian eigenvalues [{lam_min:.3g}, {float(ex.evals.max()):.3g}], "
+        f"λ_exact = {lam_ref:.3g} ({rule[system['kind']]}), λ_heur = {lam_heur:.3g}; "
+        f"reference system {system}\n",
+        flush=True,
+    )
+    results = []
+    if system["kind"] == "pinv":
+        explicit_ref = ex.pinv_scores(lam_ref, system["tol"])
+    else:
+        explicit_ref = ex.scores(ex.hessian, lam_ref)
+    if args.lean:
+        linear = module_mask(base, nn.Linear)
+        common = lean_reference_rows(ex, proto, system, explicit_ref, args.wd, t_explicit, linear)
+    else:
+        common = reference_rows(ex, proto, system, explicit_ref, base, task, args)
+        header["exact_vs_explicit_spearman"] = common.rows[0].pop("_explicit_spearman")
     if not args.no_peers:
         sweep = damping_sweep(tau_full, gamma, args.wd)
-        if args.quick:  # a small sweep: the best peer setting is still searched for
+        if args.quick or args.lean:  # a small sweep: the best peer setting is still searched for
             sweep = {k: sweep[k] for k in ("0.1τ", "τ", "0.1γ", "wd")}
         for hessian in ("kfac", "ekfac"):
             dampings = [None, *sweep.values()]
@@ -741,6 +874,7 @@ def bench_setting(task: Task, method: str, args, root: Path) -> list[dict[str, A
                     f"logix_{task.name}_{method}_{hessian}",
                     hessian,
                     dampings,
+                    task.loss,
                 )
             except Exception as e:
                 traceback.print_exc()
@@ -756,16 +890,23 @@ def bench_setting(task: Task, method: str, args, root: Path) -> list[dict[str, A
                     peer="logix",
                     damping=lam,
                 )
-        dampings = [1e-8, None, *([] if args.quick else sweep.values())]
+        short = args.quick or args.lean
+        dampings = [1e-8, None, *([] if short else sweep.values())]
         labels = [
             "1e-8 (default)",
             "heuristic (damping_factor=None)",
-            *([] if args.quick else sweep),
+            *([] if short else sweep),
         ]
         t = time.perf_counter()
         try:
             out = kronfluence_scores(
-                base, task.train, task.query, root, f"kf_{task.name}_{method}", dampings
+                base,
+                task.train,
+                task.query,
+                root,
+                f"kf_{task.name}_{method}",
+                dampings,
+                task.loss,
             )
             secs = (time.perf_counter() - t) / len(dampings)
             for label, lam, s in zip(labels, dampings, out, strict=True):
@@ -789,18 +930,25 @@ def bench_setting(task: Task, method: str, args, root: Path) -> list[dict[str, A
         "tau_full": tau_full,
         "lam_ref": lam_ref,
         "gamma": gamma,
+        "loss": task.loss,
     }
-    for rank in args.ranks:
+    # lean runs add a store of the nn.Linear modules only: what LogIX and Kronfluence cover
+    stores = [(rank, None) for rank in args.ranks] + ([(None, nn.Linear)] if args.lean else [])
+    for rank, types in stores:
         project = f"{task.name}_{method}_" + ("full" if rank is None else f"rank{rank}")
+        project += "_linear" if types else ""
         t = time.perf_counter()
-        log, loader = nnstat_logs(base, task.train, task.query, root, project, rank, args.proj_init)
+        log, loader = nnstat_logs(
+            base, task.train, task.query, root, project, rank, args.proj_init, task.loss, types
+        )
         t_log = time.perf_counter() - t
         label = "unprojected" if rank is None else f"rank {rank} per side ({args.proj_init})"
+        label += ", nn.Linear modules only" if types else ""
         print(f"\n#### nnstat store: {label} (logging {t_log:.1f} s)\n", flush=True)
-        board = Board(proto, ref)
+        board = Board(proto, common.reference)
         bench_store(board, ctx, log, loader, args, projected=rank is not None)
         entry = {**header, "projection": label, "logging_seconds": t_log, "rows": board.rows}
-        if rank is None and args.counterfactual:
+        if rank is None and types is None and args.counterfactual:
             entry["counterfactual"] = counterfactual_check(
                 train_fn, base, task, query_losses, log, loader, args
             )
@@ -819,7 +967,7 @@ def counterfactual_check(train_fn, base, task, query_losses, log, loader, args) 
         for mode in ("dot", "relatif")
     }
     with torch.no_grad():
-        train_loss = CE(base(task.train[0]), task.train[1], reduction="none")
+        train_loss = task.loss(base(task.train[0]), task.train[1], reduction="none")
     t = time.perf_counter()
     out = {}
     for mode, res in scores.items():
@@ -1046,40 +1194,49 @@ def print_doc_tables(summary: list[dict[str, Any]]) -> None:
 
 # ------------------------------------------------------------------------------ main
 def main() -> None:
+    from _lm_task import add_arguments as add_lm_arguments
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tasks", default="mlp,logreg,cnn", help="of mlp, logreg, cnn, cancer")
-    ap.add_argument("--train", choices=["lbfgs", "adam", "both"], default="both")
-    ap.add_argument("--n-train", type=int, default=300)
+    ap.add_argument("--tasks", default="mlp,logreg,cnn", help="of mlp, logreg, cnn, cancer, lm")
+    # flags defaulting to None take the task's value from TASK_DEFAULTS
+    ap.add_argument("--train", choices=["lbfgs", "adam", "both", "adam+lbfgs"], default=None)
+    ap.add_argument("--n-train", type=int, default=None)
     ap.add_argument("--n-query", type=int, default=40)
     ap.add_argument("--hidden", type=int, default=24)
-    ap.add_argument("--steps", type=int, default=300, help="Adam steps")
-    ap.add_argument("--lr", type=float, default=0.01, help="Adam learning rate")
-    ap.add_argument("--lbfgs-iter", type=int, default=1000, help="L-BFGS iterations (max)")
-    ap.add_argument("--wd", type=float, default=1e-3, help="L2 coefficient (both trainings)")
+    ap.add_argument("--steps", type=int, default=None, help="Adam steps")
+    ap.add_argument("--lr", type=float, default=None, help="Adam learning rate")
+    ap.add_argument("--lbfgs-iter", type=int, default=None, help="L-BFGS iterations (max)")
+    ap.add_argument("--wd", type=float, default=None, help="L2 coefficient (both trainings)")
     ap.add_argument("--m", type=int, default=50, help="LDS subsets")
-    ap.add_argument("--ranks", default="none,8", help="store projections: none and/or ranks")
+    ap.add_argument("--ranks", default=None, help="store projections: none and/or ranks")
     ap.add_argument("--proj-init", choices=["random", "pca"], default="random")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--quick", action="store_true", help="only the methods of the docs' tables")
+    ap.add_argument(
+        "--lean", action="store_true", default=None, help="only the rows of the transformer table"
+    )
     ap.add_argument("--out", type=Path, default=None, help="JSON file for all results")
     ap.add_argument(
-        "--counterfactual", type=int, default=15, help="k of the counterfactual check (0: off)"
+        "--counterfactual", type=int, default=None, help="k of the counterfactual check (0: off)"
     )
     ap.add_argument("--counterfactual-repeats", type=int, default=3)
+    add_lm_arguments(ap)
     args = ap.parse_args()
-    args.ranks = [None if r.strip().lower() == "none" else int(r) for r in args.ranks.split(",")]
     torch.set_num_threads(args.threads)
-    trainings = ["lbfgs", "adam"] if args.train == "both" else [args.train]
     print(f"nnstat refinement `fisher` field: {'yes' if HAS_FISHER else 'not yet'}")
     config = {k: v for k, v in vars(args).items() if k != "out"}
     results: list[dict[str, Any]] = []
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
         for name in args.tasks.split(","):
-            task = make_task(name.strip(), args)
+            targs = task_args(args, name.strip())
+            task = make_task(name.strip(), targs)
+            trainings = ["lbfgs", "adam"] if targs.train == "both" else [targs.train]
             for method in trainings:
-                results.extend(bench_setting(task, method, args, Path(d)))
+                for res in bench_setting(task, method, targs, Path(d)):
+                    res["args"] = {k: v for k, v in vars(targs).items() if k != "out"}
+                    results.append(res)
                 if args.out is not None:
                     payload = {"config": config, "has_fisher": HAS_FISHER, "results": results}
                     args.out.write_text(json.dumps(payload, indent=1, default=str))
