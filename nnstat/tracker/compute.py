@@ -46,15 +46,7 @@ from nnstat.describe.ratios import ratio_from_norms
 from nnstat.describe.summary import device_table, pair_tables, repair_table
 from nnstat.distributed import local_tensor
 
-__all__ = [
-    "StepPlan",
-    "tasks",
-    "assemble",
-    "device_results",
-    "stage",
-    "finish",
-    "to_host",
-]
+__all__ = ["StepPlan", "tasks", "assemble", "device_results", "stage", "finish", "to_host"]
 
 Task = tuple[str, Callable[[], Any]]
 
