@@ -14,9 +14,11 @@ model, measured in interleaved rounds so machine load hits all of them alike:
 * wandb.watch(log="all")     offline, ``log_freq=1``, one ``wandb.log`` per step
 * TensorBoard add_histogram  ``SummaryWriter.add_histogram`` of every parameter and gradient
 
-The Tracker runs twice: with background statistics (step t's reductions on a worker thread
+The Tracker runs with its default (``background=None``: background statistics at one torch
+thread, else synchronous), with background statistics (step t's reductions on a worker thread
 while step t+1 trains; its CPU time counts, since the process's CPU time covers every thread)
-and synchronously.
+and synchronously (with two or more torch threads split between this thread and the worker;
+the variant marked "before" keeps them on one thread, as the code before issue 24 did).
 
 Run:  WANDB_MODE=offline .venv/bin/python benchmarks/stats_overhead.py [--steps 4 --rounds 12]
       [--threads 1] [--batch 256] [--no-peers]
@@ -101,9 +103,11 @@ def variants(
 
     out["hand-written l2 of the 5 groups (foreach)"] = manual_groups
 
-    def tracked(label: str, **kw) -> None:
+    def tracked(label: str, unsplit: bool = False, **kw) -> None:
         m, o = make(args.width, args.depth)
         t = nnstat.Tracker(m, o, **kw)
+        if unsplit:  # the synchronous path as it was before issue 24: statistics on one thread
+            t._split_ok = lambda on_cpu: False
         out[label] = lambda: (train_step(m, o, X, y), t.step())
         flushes[label] = t.flush
 
@@ -111,6 +115,12 @@ def variants(
     tracked("nnstat Tracker, default stats (default: auto)")
     for mode, kw in modes:
         tracked(f"nnstat Tracker, default stats ({mode})", **kw)
+    if torch.get_num_threads() > 1:
+        tracked(
+            "nnstat Tracker, default stats (synchronous, one thread: before)",
+            True,
+            background=False,
+        )
     for mode, kw in modes:
         tracked(
             f"nnstat Tracker, all stats + histograms ({mode})", stats=None, histograms=True, **kw

@@ -41,15 +41,7 @@ from nnstat.describe.segments import HistSpec, segment_tables
 from nnstat.describe.summary import pair_tables, repair_table
 from nnstat.distributed import local_tensor
 
-__all__ = [
-    "StepPlan",
-    "tasks",
-    "assemble",
-    "device_results",
-    "stage",
-    "finish",
-    "to_host",
-]
+__all__ = ["StepPlan", "tasks", "assemble", "device_results", "stage", "finish", "to_host"]
 
 Task = tuple[str, Callable[[], Any]]
 
