@@ -257,7 +257,7 @@ def choose_plan(fp: Footprint, memory: int, solver: str, block: int, cuda: bool)
 def product_cost(
     curv: StreamedCurvature,
     lift: Callable[[torch.Tensor], torch.Tensor],
-    project: Callable[[torch.Tensor], torch.Tensor],
+    project: Callable[[list[torch.Tensor]], torch.Tensor],
     width: int,
     dtype: torch.dtype,
     device: torch.device,
