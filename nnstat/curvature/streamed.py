@@ -97,9 +97,10 @@ class StreamedCurvature:
         """What one batch's products share (the batch on the device, its graph)."""
         raise NotImplementedError
 
-    def apply(self, state: Any, v: torch.Tensor) -> torch.Tensor:
+    def apply(self, state: Any, v: torch.Tensor) -> list[torch.Tensor]:
         """``kind``'s product of the batch of ``state`` (its share of the summed loss) with flat
-        vectors ``[c, P]``."""
+        vectors ``[c, P]``, as one ``[c, *shape]`` tensor per entry of the layout (no flat
+        copy: ``project`` reads them as they are)."""
         raise NotImplementedError
 
     def batch_product(
@@ -107,20 +108,23 @@ class StreamedCurvature:
         state: Any,
         v: torch.Tensor,
         lift: Transform | None = None,
-        project: Transform | None = None,
+        project: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """One chunk on one batch: ``project(apply(state, lift(v)))``."""
+        """One chunk on one batch: ``project(apply(state, lift(v)))`` (flat without
+        ``project``)."""
         full = v if lift is None else lift(v)
         with torch.enable_grad(), twice_differentiable():
-            out = self.apply(state, full)
+            parts = self.apply(state, full)
         del full
-        return out if project is None else project(out)
+        if project is not None:
+            return project(parts)
+        return torch.cat([t.reshape(len(v), -1) for t in parts], 1)
 
     def product(
         self,
         v: torch.Tensor,
         lift: Transform | None = None,
-        project: Transform | None = None,
+        project: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
         chunk: int | None = None,
     ) -> torch.Tensor:
         """``kind``'s product with the vectors ``[k, ·]``: one pass over the data, ``chunk``
@@ -211,10 +215,11 @@ class LossFnCurvature(StreamedCurvature):
             sum_weight(len(x), self.reduction),
         )
 
-    def apply(self, state: Any, v: torch.Tensor) -> torch.Tensor:
+    def apply(self, state: Any, v: torch.Tensor) -> list[torch.Tensor]:
         x, y, w = state
         one = self.loss.hvp if self.kind == "hessian" else self.loss.ggn_vp
-        return self.layout.from_dict(one(self.layout.to_dict(v), x, y, w), len(v))
+        res = one(self.layout.to_dict(v), x, y, w)
+        return [res[n] for n in self.layout.names]
 
 
 class BatchLossCurvature(StreamedCurvature):
@@ -273,12 +278,11 @@ class BatchLossCurvature(StreamedCurvature):
             self._checked = True
         return (z, gz, *ggn_graph(z, self.params))
 
-    def apply(self, state: Any, v: torch.Tensor) -> torch.Tensor:
-        k = len(v)
+    def apply(self, state: Any, v: torch.Tensor) -> list[torch.Tensor]:
         vs = [t.to(p.dtype) for t, p in zip(self.layout.split(v), self.params, strict=True)]
         if self.kind == "hessian":
             hv = graph_hvp(state, self.params, vs)
         else:
             z, gz, u, jtu = state
             hv = ggn_apply(z, gz, u, jtu, self.params, vs)
-        return torch.cat([h.reshape(k, -1) for h in hv], 1).to(v.dtype)
+        return [h.to(v.dtype) for h in hv]

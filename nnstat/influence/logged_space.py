@@ -8,7 +8,7 @@ in this space from the capture engine, `logged_preconditioner` the preconditione
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,14 +116,23 @@ class LoggedSpace:
         self.layout = ParamLayout(
             self.names, [shape for s in self.slots for *_, shape, _, _ in s.params]
         )
+        self._first, count = {}, 0  # each slot's first entry among the layout's parameters
+        for slot in self.slots:
+            self._first[id(slot)], count = count, count + len(slot.params)
         self.projected = any(s.p_in is not None or s.p_out is not None for s in self.slots)
 
     # flat [k, P] <-> per-module matrix form [k, d_out, d_in(+1)] (layernorm [k, D(+D)])
-    def matrix(self, flat: torch.Tensor, s: _Slot) -> torch.Tensor:
-        k = flat.shape[0]
-        params = {
-            key: flat[:, off : off + n].reshape(k, *shape) for key, _, shape, off, n in s.params
-        }
+    def matrix(self, flat: torch.Tensor | Sequence[torch.Tensor], s: _Slot) -> torch.Tensor:
+        """Module ``s``'s matrix form of ``flat`` ``[k, P]``, or of its parts (one
+        ``[k, *shape]`` tensor per parameter, in `layout` order)."""
+        if isinstance(flat, torch.Tensor):
+            k = flat.shape[0]
+            params = {
+                key: flat[:, off : off + n].reshape(k, *shape) for key, _, shape, off, n in s.params
+            }
+        else:
+            first = self._first[id(s)]
+            params = {p[0]: flat[first + i] for i, p in enumerate(s.params)}
         return rules.matrix_from_params(s.kind, s.module, params)
 
     def write(self, out: torch.Tensor, s: _Slot, mat: torch.Tensor) -> None:
@@ -131,8 +140,9 @@ class LoggedSpace:
             _, _, _, off, n = next(p for p in s.params if p[0] == key)
             out[:, off : off + n] = value.reshape(len(value), n)
 
-    def project(self, flat: torch.Tensor) -> torch.Tensor:
-        """``vec(P_out X P_inᵀ)`` of every module: flat parameters to the store's row layout."""
+    def project(self, flat: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        """``vec(P_out X P_inᵀ)`` of every module: flat parameters (or their parts, see
+        `matrix`) to the store's row layout."""
         parts = []
         for s in self.slots:
             x = self.matrix(flat, s)

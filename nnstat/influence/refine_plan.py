@@ -230,7 +230,7 @@ def choose_plan(fp: Footprint, memory: int, solver: str, block: int, cuda: bool)
     for s in solvers:
         for b in _halvings(block):
             for host in (False, True) if cuda else (False,):
-                for c in _halvings(matvec_rows(fp, s, b)):
+                for c in range(matvec_rows(fp, s, b), 0, -1):  # the largest chunk that fits
                     parts = footprint(fp, s, b, c, host)
                     need = sum(v for k, v in parts.items() if not k.startswith("host_"))
                     if need <= memory:
@@ -257,7 +257,7 @@ def choose_plan(fp: Footprint, memory: int, solver: str, block: int, cuda: bool)
 def product_cost(
     curv: StreamedCurvature,
     lift: Callable[[torch.Tensor], torch.Tensor],
-    project: Callable[[torch.Tensor], torch.Tensor],
+    project: Callable[[list[torch.Tensor]], torch.Tensor],
     width: int,
     dtype: torch.dtype,
     device: torch.device,

@@ -125,3 +125,28 @@ def test_memory_is_validated():
     for bad in (0, -5, 1.5, True):
         with pytest.raises(ValueError, match="memory must be"):
             Refinement(model, LOSS, data, memory=bad)
+
+
+def test_plan_order_chunk_then_host_then_block_then_cg():
+    """On a GPU the search space moves to the host before blocks shrink: the device then holds
+    the products alone; each step down is taken only when the one before does not fit."""
+    from nnstat.influence.refine_plan import choose_plan
+
+    fp = Footprint(n=32, width=20_000, params=10**6, itemsize=4, steps=5, start=True, probes=8,
+                   fixed=10**7, per_vector=4 * 10**6)  # fmt: skip
+
+    def device_bytes(solver, block, chunk, host):
+        parts = footprint(fp, solver, block, chunk, host)
+        return sum(v for k, v in parts.items() if not k.startswith("host_"))
+
+    full = device_bytes("block", 32, 64, False)  # 64: the second step's directions
+    assert choose_plan(fp, full, "block", 32, cuda=True).chunk == 64
+    plan = choose_plan(fp, device_bytes("block", 32, 1, False), "block", 32, cuda=True)
+    assert (plan.block, plan.chunk, plan.directions) == (32, 1, "device")
+    plan = choose_plan(fp, device_bytes("block", 32, 1, False) - 1, "block", 32, cuda=True)
+    assert (plan.block, plan.directions) == (32, "host") and plan.changed == [
+        "search space on the host"
+    ]
+    assert plan.estimate == device_bytes("block", 32, plan.chunk, True)
+    plan = choose_plan(fp, device_bytes("block", 32, 1, False) - 1, "block", 32, cuda=False)
+    assert plan.block < 32 and plan.directions == "device"
