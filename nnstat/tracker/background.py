@@ -91,7 +91,13 @@ class BackgroundSteps:
         worker): with two or more torch threads training keeps both cores busy, so background
         statistics have no idle core to hide on; split, the step waits less for them (measured
         35-50 ms instead of 43-58 ms for a 10.5M-parameter Adam model, docs/benchmarks.md)."""
-        return on_cpu and torch.get_num_threads() >= 2 and not self._fsdp1
+        # sharded parameters reduce with collectives, which must keep one order on every rank
+        return (
+            on_cpu
+            and torch.get_num_threads() >= 2
+            and not self._fsdp1
+            and not any_dtensor(self.params)
+        )
 
     def _grads_reused(self, plan: StepPlan) -> bool:
         """Whether a gradient shares storage with the previous logged step's (written in place:
