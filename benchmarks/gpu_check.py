@@ -127,7 +127,7 @@ def parts(args: argparse.Namespace) -> list[Part]:
         ),
         Part("syncs", [PY, __file__, "--inline", "syncs"] + (["--quick"] if q else []), 90),
         Part("stats", scale + ["--parts", "stats"], 150),
-        Part("logging", scale + ["--parts", "logging"], 120),
+        Part("logging", scale + ["--parts", "logging"], 210),
         Part("hf", scale + ["--parts", "hf"], 90),
         Part("noise", [PY, __file__, "--inline", "noise"] + (["--quick"] if q else []), 60),
         Part(
