@@ -20,6 +20,8 @@ each part, so a call cut short still returns what finished:
    ``Tracker.step()``, a ``NoiseScale`` step and the backward of a logged batch on GPT-2 small
    under ``torch.cuda.set_sync_debug_mode("error")``: any synchronising call in them fails the
    part, and the frame of nnstat that made it is printed;
+   ``profile``: where a Tracker step's time goes (host ms of ``step()``/``flush()``, the
+   device ms of its kernels beside the training step's, its top kernels);
 3. ``stats``, ``logging``, ``hf``: ``benchmarks/scale.py --device cuda`` on GPT-2 small
    (batch 8 x 512, AdamW), with wandb.watch and LogIX side by side when importable (skipped
    with a note otherwise);
@@ -106,7 +108,8 @@ def parts(args: argparse.Namespace) -> list[Part]:
     q = args.quick
     scale = [PY, "benchmarks/scale.py", "--device", DEV, "--layers", "2" if q else "12"]
     scale += ["--batch", "8", "--seq", "128" if q else "512", "--rounds", "1" if q else "2"]
-    scale += ["--steps", "1" if q else "3"]
+    # blocks of 8 steps: the block's closing flush (once per run in training) is amortised
+    scale += ["--steps", "1" if q else "8"]
     cores = str(max(2, min(12, (os.cpu_count() or 4) - 2)))
     return [
         Part(
@@ -126,6 +129,7 @@ def parts(args: argparse.Namespace) -> list[Part]:
             pytest_summary,
         ),
         Part("syncs", [PY, __file__, "--inline", "syncs"] + (["--quick"] if q else []), 90),
+        Part("profile", [PY, __file__, "--inline", "profile"] + (["--quick"] if q else []), 75),
         Part("stats", scale + ["--parts", "stats"], 150),
         Part("logging", scale + ["--parts", "logging"], 210),
         Part("hf", scale + ["--parts", "hf"], 90),
@@ -144,11 +148,18 @@ def parts(args: argparse.Namespace) -> list[Part]:
         ),
         Part(
             "suite",
-            PYTEST + ["-n", cores, "tests"],
+            # xdist when the image has it (the GPU image may not: then one process)
+            PYTEST + (["-n", cores] if _has("xdist") else []) + ["tests"],
             240,
             pytest_summary,
         ),
     ]
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 def run_part(part: Part, remaining: float, log) -> Outcome:
@@ -257,12 +268,20 @@ def inline_syncs(quick: bool) -> None:
     x = torch.randint(0, 50257, (4, 128), device=DEV)
     failures = []
 
-    def check(name: str, fn: Callable[[], None], warm: int = 2, whole: bool = True) -> None:
+    def check(
+        name: str,
+        fn: Callable[[], None],
+        warm: int = 2,
+        whole: bool = True,
+        arm: list[bool] | None = None,
+    ) -> None:
         try:
             for _ in range(warm):
                 fn()
             sync()
             sync_debug("error" if whole else "default")  # else fn sets it where it applies
+            if arm is not None:
+                arm[0] = True
             try:
                 fn()
             finally:
@@ -304,6 +323,7 @@ def inline_syncs(quick: bool) -> None:
         nnstat.watch(model)
         nnstat.add_projection(rank=64)
         ids = iter(range(10**6))
+        armed = [False]  # the warm-up batches run in the default mode
 
         def backward_of_logged_batch() -> None:
             # the contract: nothing synchronises inside backward; the block's end reads one
@@ -312,7 +332,7 @@ def inline_syncs(quick: bool) -> None:
             with run(data_id=[f"{i}-{j}" for j in range(x.shape[0])]):
                 model.zero_grad(set_to_none=True)
                 loss = model(input_ids=x, labels=x).loss
-                sync_debug("error")
+                sync_debug("error" if armed[0] else "default")
                 try:
                     loss.backward()
                 finally:
@@ -322,6 +342,7 @@ def inline_syncs(quick: bool) -> None:
             "backward of a logged batch (rank 64, every module)",
             backward_of_logged_batch,
             whole=False,
+            arm=armed,
         )
         nnstat.finalize()
     if failures:
@@ -381,6 +402,77 @@ def inline_noise(quick: bool) -> None:
         print(f"| {name} | {med * 1e3:.1f} | {med / base:.2f}x |")
 
 
+def _device_ms(prof) -> list[tuple[str, float, int]]:
+    """(kernel, device ms, calls) of a profile, largest first: the device's own events only
+    (an aten op's device time repeats its kernels'; the key name moved across torch)."""
+    rows = []
+    for e in prof.key_averages():
+        if not str(getattr(e, "device_type", "")).endswith("CUDA"):
+            continue
+        if e.key.startswith("Activity Buffer"):  # the profiler's own
+            continue
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0.0)
+        if us > 0:
+            rows.append((e.key, us / 1e3, e.count))
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def inline_profile(quick: bool) -> None:
+    """Where a Tracker step's time goes on the device: host ms of ``step()`` and ``flush()``,
+    device ms of the kernels ``step()`` queues (the profiler), its top kernels, beside the
+    device ms of the training step itself."""
+    import statistics
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import nnstat
+
+    model = _gpt2(2 if quick else 12)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, 50257, (8, 128 if quick else 512), device=DEV)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])
+    for _ in range(2):
+        _lm_step(model, opt, x)
+    sync()
+    with profile(activities=acts) as prof:
+        _lm_step(model, opt, x)
+        sync()
+    train_ms = sum(r[1] for r in _device_ms(prof))
+    print(f"### training step: {train_ms:.1f} device ms (kernels, GPT-2, batch 8)")
+    for label, kw in (("default", {}), ("all + histograms", {"stats": None, "histograms": True})):
+        t = nnstat.Tracker(model, opt, **kw)
+        host, flush = [], []
+        for i in range(8):
+            _lm_step(model, opt, x)
+            t0 = time.perf_counter()
+            t.step()
+            host.append(time.perf_counter() - t0)
+            if i % 4 == 3:
+                t0 = time.perf_counter()
+                t.flush()
+                flush.append(time.perf_counter() - t0)
+        _lm_step(model, opt, x)
+        sync()
+        with profile(activities=acts) as prof:
+            t.step()
+            sync()
+        rows = _device_ms(prof)
+        total = sum(r[1] for r in rows)
+        t.close()
+        print(
+            f"\n### Tracker {label}: step() host {statistics.median(host) * 1e3:.2f} ms, "
+            f"flush() host {statistics.median(flush) * 1e3:.2f} ms, device {total:.2f} ms "
+            f"({total / max(train_ms, 1e-9) * 100:.1f}% of the training step's device time)\n"
+        )
+        print("| op | device ms | calls |")
+        print("| --- | ---: | ---: |")
+        for key, ms, n in rows[:14]:
+            print(f"| {key[:70]} | {ms:.3f} | {n} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="gpu_check_out", help="folder for gpu_check.md/.log")
@@ -392,7 +484,8 @@ def main() -> None:
     import torch
 
     if args.inline:
-        {"syncs": inline_syncs, "noise": inline_noise}[args.inline](args.quick)
+        inline = {"syncs": inline_syncs, "noise": inline_noise, "profile": inline_profile}
+        inline[args.inline](args.quick)
         return
     if DEV == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; nothing to check (CI never runs this).")

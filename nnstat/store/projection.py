@@ -315,10 +315,16 @@ def _kernels(
     device = home if device is None else torch.device(device)
     if device not in by_device:
         p_in, p_out = by_device[home]
-        # .to keeps the column-major strides (preserve_format)
+        # .to keeps the column-major strides (preserve_format); non_blocking: the copy from
+        # pageable memory is staged by the driver and does not wait for the queued kernels
+        # (the first logged batch runs inside a training loop's backward too)
         by_device[device] = (
-            p_in.to(device=device, dtype=torch.float32),
-            None if p_out is None else p_out.to(device=device, dtype=torch.float32),
+            p_in.to(device=device, dtype=torch.float32, non_blocking=True),
+            (
+                None
+                if p_out is None
+                else p_out.to(device=device, dtype=torch.float32, non_blocking=True)
+            ),
         )
     return by_device[device]
 
