@@ -14,8 +14,9 @@ killed and reported; the next still runs), and writes ``gpu_check.md`` (the summ
 every part's tables) and ``gpu_check.log`` (every part's full output) under ``--out`` after
 each part, so a call cut short still returns what finished:
 
-1. ``cuda``: ``pytest -m cuda tests/test_cuda.py`` (the step paths' synchronisation counts are
-   checked inside those tests with ``torch.cuda.set_sync_debug_mode``);
+1. ``cuda``: ``pytest tests/test_cuda.py`` (the step paths' synchronisation counts are
+   checked inside those tests with ``torch.cuda.set_sync_debug_mode``) and the statistics
+   kernels' tests (``tests/describe``: the fused Triton row kernels compiled for the device);
 2. ``syncs``: a training step with a default and one with an all-statistics + histograms
    ``Tracker.step()``, a ``NoiseScale`` step and the backward of a logged batch on GPT-2 small
    under ``torch.cuda.set_sync_debug_mode("error")``: any synchronising call in them fails the
@@ -121,11 +122,12 @@ def parts(args: argparse.Namespace) -> list[Part]:
                 "-q",
                 "-p",
                 "no:cacheprovider",
-                "-m",
-                "cuda",
                 "tests/test_cuda.py",
+                # the fused row kernels compiled for the GPU (on CI they run interpreted)
+                "tests/describe/test_triton_rows.py",
+                "tests/describe/test_segments.py",
             ],
-            120,
+            150,
             pytest_summary,
         ),
         Part("syncs", [PY, __file__, "--inline", "syncs"] + (["--quick"] if q else []), 90),

@@ -5,6 +5,12 @@ import os
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # the fused row kernels (nnstat.describe.triton_rows) are tested on CPU under Triton's
+    # interpreter, which must be chosen before triton is first imported; a test opts in with
+    # NNSTAT_TRITON=interpret (elsewhere nothing changes: CPU tensors never take that path)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # under pytest-xdist (-n N) every worker is its own process: one torch thread each, so N
     # workers do not fight over the cores (tests are small: one thread is fastest anyway)

@@ -20,6 +20,11 @@ groups the tensors by (device, dtype) and launches a fixed number of kernels per
   positions, from a cached index) are gathered from the flat buffer and counted by one
   scatter/bincount (`binning.bin_flat`).
 
+On CUDA with Triton (`nnstat.describe.triton_rows`) float groups skip the flat copy and torch's
+kernels: fused row kernels read every row where it lies and form all the partials of a pass in
+one read (the norms: one read per group instead of one per norm; the moments: two reads instead
+of about thirteen passes), accumulating in float64; the rows and partials are the same.
+
 The layout of a list (row ownership, pad positions, sample indices) is built once and cached
 (per `Workspace`, else in a small module cache), so a step does no per-tensor host work beyond
 making views. Nothing is read back to the host: the result is a device table whose last column
@@ -46,9 +51,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nnstat.describe import triton_rows
 from nnstat.describe.binning import bin_flat, hist_ranges, sample_runs
 from nnstat.describe.moments import Workspace
-from nnstat.distributed import shift_power_sums
+from nnstat.describe.segment_columns import moment_columns, norm_columns
 
 __all__ = ["segment_table", "segment_tables", "HistSpec", "NORM_STATS", "MAX_BLOCK", "MAX_GROUP"]
 
@@ -109,6 +115,7 @@ class _Group:
     eps_row: torch.Tensor = field(init=False)  # float64 [1, m]: the work dtype's epsilon
     _rows: dict | None = None
     _samples: dict = field(default_factory=dict)
+    _table: triton_rows.RowTable | None = None
 
     def __post_init__(self) -> None:
         self.work = _work_dtype(self.dtype)
@@ -148,6 +155,17 @@ class _Group:
                 "tiled": {},
             }
         return self._rows
+
+    def fused(self) -> bool:
+        """Whether this group is reduced by the fused row kernels (`triton_rows`: CUDA with
+        Triton, float dtypes) instead of the flat copy and torch's kernels."""
+        return self.dtype in triton_rows.FLOAT_DTYPES and triton_rows.available(self.device)
+
+    def table(self) -> triton_rows.RowTable:
+        """The rows' tensors and starts for the fused kernels (cached)."""
+        if self._table is None:
+            self._table = triton_rows.RowTable.build(self.numels, self.rows()["block"], self.device)
+        return self._table
 
     def lengths(self, k: int) -> torch.Tensor:
         """Rows per tensor repeated `k` times: one segment_reduce adds `k` kinds of partials."""
@@ -298,9 +316,11 @@ def segment_tables(
                 views = [ts[i].detach().reshape(-1) for i in g.positions]
                 m += len(g.positions)
                 if norm_path:
-                    parts.append(_norm_partials(g, views, needs).to(dev))
+                    norms = _fused_norm_partials if g.fused() else _norm_partials
+                    parts.append(norms(g, views, needs).to(dev))
                     continue
-                p, h = _moment_partials(g, views, needs, ws, hist)
+                moments = _fused_moment_partials if g.fused() else _moment_partials
+                p, h = moments(g, views, needs, ws, hist)
                 parts.append(p.to(dev))
                 if h is not None:
                     h_list.append(h.to(dev))
@@ -313,7 +333,7 @@ def segment_tables(
             table = _nan(0, k + 1, dev)
         else:
             p = torch.cat(parts, dim=1)
-            table = _norm_columns(p, stats, needs) if norm_path else _columns(p, stats, needs)
+            table = norm_columns(p, stats, needs) if norm_path else moment_columns(p, stats, needs)
         out = []
         for rows, lay, h_list, was in zip(table.split(sizes), layouts, hists, sampled, strict=True):
             if lay is None:
@@ -443,11 +463,8 @@ def _moment_partials(
         h = torch.cat([torch.stack([rlo, rhi], dim=1), counts], dim=1)
     if "pass_b" in needs:
         assert lo is not None and hi is not None
-        c = (out[1][0] / g.n).to(g.work)  # the centre: the mean rounded to the work dtype
-        c64 = c.to(torch.float64)
-        spread = torch.maximum(hi - c64, c64 - lo)
-        limit = _EXP_LIMIT[g.work]
-        scale = torch.exp2(torch.frexp(spread).exponent.clamp_(-limit, limit).neg_().double())
+        c64, scale = _centre_scale(g, out[1][0], lo, hi)
+        c = c64.to(g.work)
         if has_pads:  # pads take their centre: zero deviation
             x.index_copy_(0, r["pad_idx"], c.index_select(0, r["pad_seg"]))
         per_row = (
@@ -476,78 +493,65 @@ def _moment_partials(
     return torch.cat([*out, g.eps_row]), h
 
 
-def _columns(p: torch.Tensor, stats: tuple[str, ...], needs: frozenset[str]) -> torch.Tensor:
-    """The statistic columns (and the probe) from the moment partials of every group at once
-    (rows in `_moment_partials`' order)."""
-    n = p[0]
-    i = 1
-    total = p[i]
-    i += 1
-    sq = l1 = nnz = lo = hi = None
-    if "sq" in needs:
-        sq, i = p[i], i + 1
-    if "l1" in needs:
-        l1, i = p[i], i + 1
-    if "nnz" in needs:
-        nnz, i = p[i], i + 1
-    if "minmax" in needs:
-        lo, hi, i = p[i], p[i + 1], i + 2
-    nan = torch.full_like(n, math.nan)
-    cols: dict[str, torch.Tensor] = {"numel": n, "nonfinite": torch.zeros_like(n)}
-    if "pass_b" in needs:
-        c, scale = p[i], p[i + 1]
-        s = p[i + 2 : i + 4]
-        s1, s2 = s[0] / scale, s[1] / scale**2
-        i += 4
-        s3 = s4 = torch.zeros_like(n)
-        if "s3" in needs:
-            s3, i = p[i] / scale**3, i + 1
-        if "s4" in needs:
-            s4, i = p[i] / scale**4, i + 1
-        r = s1 / n
-        mean = c + r
-        # sums about c moved to the exact mean (one part per tensor: d = c - mean = -r)
-        parts = [v.unsqueeze(0) for v in (n, r.neg(), s1, s2, s3, s4)]
-        m2, m3, m4 = (m / n for m in shift_power_sums(*parts))
-        l2 = (m2 * n + n * mean * mean).sqrt()
-        eps = p[i]
-        # like scipy (and the CPU path): a numerically constant tensor has zero variance and
-        # undefined skew/kurtosis, not the ratio of rounding residues
-        constant = m2 <= (eps * mean) ** 2
-        m2 = torch.where(constant, torch.zeros_like(m2), m2)
-        m3 = torch.where(constant, nan, m3)
-        m4 = torch.where(constant, nan, m4)
-        cols |= {
-            "var": m2,
-            "std": m2.sqrt(),
-            "skew": m3 / m2**1.5,
-            "kurtosis": m4 / (m2 * m2) - 3.0,
-        }
-    else:
-        mean = total / n
-        assert sq is not None
-        l2 = sq.sqrt()
-    cols |= {"mean": mean, "l2": l2, "rms": l2 / n.sqrt()}
-    if lo is not None and hi is not None:
-        cols |= {"min": lo, "max": hi, "abs_max": torch.maximum(hi, lo.neg())}
-    if l1 is not None:
-        cols |= {"l1": l1, "abs_mean": l1 / n}
-    if nnz is not None:
-        cols["sparsity"] = (n - nnz) / n
-    return torch.stack([cols[s] for s in stats] + [l2], dim=1)
-
-
-def _norm_columns(p: torch.Tensor, stats: tuple[str, ...], needs: frozenset[str]) -> torch.Tensor:
-    """Columns of the norm path from `_norm_partials` of every group at once."""
-    n, l2 = p[0], p[1]
-    cols = {"numel": n, "l2": l2, "rms": l2 / n.sqrt(), "nonfinite": torch.zeros_like(l2)}
-    i = 2
+def _fused_norm_partials(
+    g: _Group, views: list[torch.Tensor], needs: frozenset[str]
+) -> torch.Tensor:
+    """`_norm_partials` from ONE read of the group (`triton_rows.pass_a`), not one per norm."""
+    a = triton_rows.pass_a(g.table(), views)
+    rows = [g.n, _segment(g, a[1:2], "sum")[0].sqrt()]
     if "abs_max" in needs:
-        cols["abs_max"], i = p[i], i + 1
+        neg = _segment(g, torch.stack([a[4], a[5].neg()]), "min")  # min and -max per tensor
+        rows.append(torch.maximum(neg[0].neg(), neg[1].neg()))
     if "l1" in needs:
-        cols["l1"] = p[i]
-        cols["abs_mean"] = p[i] / n
-    return torch.stack([cols[s] for s in stats] + [l2], dim=1)
+        rows.append(_segment(g, a[2:3], "sum")[0])
+    return torch.stack(rows)
+
+
+def _fused_moment_partials(
+    g: _Group,
+    views: list[torch.Tensor],
+    needs: frozenset[str],
+    ws: Workspace,
+    hist: HistSpec | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_moment_partials` (same rows) from two reads of the group where it lies (the fused
+    row kernels of `triton_rows`): no flat copy, no pad fix-ups, no power written."""
+    tab = g.table()
+    a = triton_rows.pass_a(tab, views)
+    sel = [0] + [i for i, k in ((1, "sq"), (2, "l1"), (3, "nnz")) if k in needs]
+    out = [g.n.unsqueeze(0), _segment(g, a[sel], "sum")]
+    lo = hi = None
+    if "minmax" in needs:
+        mm = _segment(g, torch.stack([a[4], a[5].neg()]), "min")
+        lo, hi = mm[0], mm[1].neg()
+        out.append(torch.stack([lo, hi]))
+    h = None
+    if hist is not None:
+        assert lo is not None and hi is not None
+        idx, seg, _ = g.samples(hist.max_elements)
+        rlo, rhi = hist_ranges(lo, hi)
+        samples = triton_rows.gather(tab, views, idx, g.work)
+        counts = bin_flat(samples, seg, rlo, rhi, hist.bins, len(g.numels))
+        h = torch.cat([torch.stack([rlo, rhi], dim=1), counts], dim=1)
+    if "pass_b" in needs:
+        assert lo is not None and hi is not None
+        c64, scale = _centre_scale(g, out[1][0], lo, hi)
+        neg_cs = (c64 * scale).neg_().to(g.work)
+        b = triton_rows.pass_b(tab, views, neg_cs, scale.to(g.work))
+        keep = [0, 1] + [i for i, k in ((2, "s3"), (3, "s4")) if k in needs]
+        out += [torch.stack([c64, scale]), _segment(g, b[keep], "sum")]
+    return torch.cat([*out, g.eps_row]), h
+
+
+def _centre_scale(
+    g: _Group, total: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The moment pass' centre (the mean rounded to the work dtype, as float64) and power-of-two
+    scale bringing ``max |x - c|`` near 1."""
+    c64 = (total / g.n).to(g.work).to(torch.float64)
+    spread = torch.maximum(hi - c64, c64 - lo)
+    limit = _EXP_LIMIT[g.work]
+    return c64, torch.exp2(torch.frexp(spread).exponent.clamp_(-limit, limit).neg_().double())
 
 
 def _empty_row(stats: tuple[str, ...]) -> list[float]:
