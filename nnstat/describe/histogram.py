@@ -111,17 +111,24 @@ def build_histograms(
 ) -> list[Histogram]:
     """`Histogram` objects from host counts (``[n, bins]``), ranges and `HIST_SUMMARY` rows;
     sampled counts are rescaled to the finite element count."""
-    out = []
-    for a, b, c, was_sampled, (mn, mx, numel, nonfinite, mean, l2) in zip(
-        lo, hi, counts, sampled, summary_rows, strict=True
+    out: list[Histogram] = []
+    if not len(lo):
+        return out
+    # every row's edges in one call (np.linspace over arrays: the same arithmetic per row)
+    edges = np.linspace(
+        np.asarray(lo, dtype=np.float64), np.asarray(hi, dtype=np.float64), bins + 1, axis=1
+    )
+    totals = np.asarray(counts).sum(axis=1)
+    for a_b, c, total, was_sampled, (mn, mx, numel, nonfinite, mean, l2) in zip(
+        edges, counts, totals, sampled, summary_rows, strict=True
     ):
         num = numel - nonfinite
-        if was_sampled and c.sum() > 0:
-            c = c * (num / c.sum())
+        if was_sampled and total > 0:
+            c = c * (num / total)
         out.append(
             Histogram(
                 counts=c,
-                edges=np.linspace(a, b, bins + 1),
+                edges=a_b,
                 min=mn if num else 0.0,
                 max=mx if num else 0.0,
                 num=num,

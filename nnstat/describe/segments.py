@@ -313,13 +313,17 @@ def segment_tables(
             h_list = []
             m = 0
             for g in lay.groups if lay is not None else []:
-                views = [ts[i].detach().reshape(-1) for i in g.positions]
                 m += len(g.positions)
+                fused = g.fused()
+                if fused:  # the kernels read the tensors where they are: no views to make
+                    views = [ts[i] for i in g.positions]
+                else:
+                    views = [ts[i].detach().reshape(-1) for i in g.positions]
                 if norm_path:
-                    norms = _fused_norm_partials if g.fused() else _norm_partials
+                    norms = _fused_norm_partials if fused else _norm_partials
                     parts.append(norms(g, views, needs).to(dev))
                     continue
-                moments = _fused_moment_partials if g.fused() else _moment_partials
+                moments = _fused_moment_partials if fused else _moment_partials
                 p, h = moments(g, views, needs, ws, hist)
                 parts.append(p.to(dev))
                 if h is not None:
@@ -497,11 +501,10 @@ def _fused_norm_partials(
     g: _Group, views: list[torch.Tensor], needs: frozenset[str]
 ) -> torch.Tensor:
     """`_norm_partials` from ONE read of the group (`triton_rows.pass_a`), not one per norm."""
-    a = triton_rows.pass_a(g.table(), views)
+    a = triton_rows.pass_a(g.table(), views, moments=False)
     rows = [g.n, _segment(g, a[1:2], "sum")[0].sqrt()]
     if "abs_max" in needs:
-        neg = _segment(g, torch.stack([a[4], a[5].neg()]), "min")  # min and -max per tensor
-        rows.append(torch.maximum(neg[0].neg(), neg[1].neg()))
+        rows.append(_segment(g, a[5:6], "max")[0])
     if "l1" in needs:
         rows.append(_segment(g, a[2:3], "sum")[0])
     return torch.stack(rows)
@@ -518,8 +521,9 @@ def _fused_moment_partials(
     row kernels of `triton_rows`): no flat copy, no pad fix-ups, no power written."""
     tab = g.table()
     a = triton_rows.pass_a(tab, views)
+    # rows picked by views and stacked: a list index would copy the index to the device (a sync)
     sel = [0] + [i for i, k in ((1, "sq"), (2, "l1"), (3, "nnz")) if k in needs]
-    out = [g.n.unsqueeze(0), _segment(g, a[sel], "sum")]
+    out = [g.n.unsqueeze(0), _segment(g, torch.stack([a[i] for i in sel]), "sum")]
     lo = hi = None
     if "minmax" in needs:
         mm = _segment(g, torch.stack([a[4], a[5].neg()]), "min")
@@ -539,7 +543,7 @@ def _fused_moment_partials(
         neg_cs = (c64 * scale).neg_().to(g.work)
         b = triton_rows.pass_b(tab, views, neg_cs, scale.to(g.work))
         keep = [0, 1] + [i for i, k in ((2, "s3"), (3, "s4")) if k in needs]
-        out += [torch.stack([c64, scale]), _segment(g, b[keep], "sum")]
+        out += [torch.stack([c64, scale]), _segment(g, torch.stack([b[i] for i in keep]), "sum")]
     return torch.cat([*out, g.eps_row]), h
 
 

@@ -120,9 +120,10 @@ def _pointers(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _flat(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    # reshape(-1) is a view of a contiguous tensor and a contiguous copy of a strided one (held
-    # in the returned list while the kernel is queued)
-    return [t.detach().reshape(-1) for t in tensors]
+    # the kernels read addresses: a contiguous tensor as it is (no view to make, a few
+    # microseconds each on the step's host path), a strided one as a contiguous copy (held in
+    # the returned list while the kernel is queued)
+    return [t if t.is_contiguous() else t.detach().contiguous() for t in tensors]
 
 
 def _kernels() -> Any:
@@ -132,10 +133,11 @@ def _kernels() -> Any:
     return _triton_kernels
 
 
-def pass_a(table: RowTable, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def pass_a(table: RowTable, tensors: Sequence[torch.Tensor], moments: bool = True) -> torch.Tensor:
     """``[6, rows]`` float64: per row sum, sum of squares, l1, non-zeros, min, max (one read
-    of every tensor, no copy). `tensors`: the group's tensors (one dtype, contiguous) in the
-    order of `table`."""
+    of every tensor, no copy); with ``moments=False`` only the sum of squares, l1 and, in the
+    last row, max |x| (rows 0, 3 and 4 are left unwritten). `tensors`: the group's tensors (one
+    dtype) in the order of `table`."""
     views = _flat(tensors)
     out = torch.empty((6, table.rows), dtype=torch.float64, device=views[0].device)
     k = _kernels().pass_a
@@ -148,6 +150,7 @@ def pass_a(table: RowTable, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         table.rows,
         views[0],
         BLOCK=table.block,
+        MOMENTS=moments,
     )
     return out
 

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -313,6 +314,16 @@ def _hists(plan: StepPlan, tensors: list[torch.Tensor], table: torch.Tensor) -> 
     return histograms(tensors, plan.bins, plan.hist_max_elements, summary=summary)
 
 
+@functools.lru_cache(maxsize=64)
+def _metric_keys(
+    group: str, names: tuple[str, ...], computed: tuple[str, ...], stats: tuple[str, ...]
+) -> tuple[list[str], list[int]]:
+    """``"<group>/<name>/<stat>"`` for every name (rows) and asked statistic (columns, in the
+    order computed), and those columns: the same names every step, so built once."""
+    cols = [i for i, s in enumerate(computed) if s in stats]
+    return [f"{group}/{n}/{computed[i]}" for n in names for i in cols], cols
+
+
 def assemble(plan: StepPlan, results: dict[str, Any]) -> dict[str, Any]:
     """The flat metrics dict of a step from the results of its `tasks` (by task key)."""
     if PAIRED in results:
@@ -323,10 +334,9 @@ def assemble(plan: StepPlan, results: dict[str, Any]) -> dict[str, Any]:
     l2 = computed.index("l2")
 
     def put(group: str, names: list[str], table: torch.Tensor, hists: list[Any] | None) -> None:
-        for name, row in zip(names, table.tolist(), strict=True):
-            for s, v in zip(computed, row, strict=True):
-                if s in plan.stats:
-                    metrics[f"{group}/{name}/{s}"] = v
+        keys, cols = _metric_keys(group, tuple(names), computed, tuple(plan.stats))
+        values = table[:, cols] if len(cols) != table.shape[1] else table
+        metrics.update(zip(keys, values.reshape(-1).tolist(), strict=True))
         if hists is not None:
             for name, h in zip(names, hists, strict=True):
                 metrics[f"{group}/{name}/hist"] = h

@@ -122,3 +122,14 @@ def test_histogram_counts_equal_numpy_over_the_sample(fused, max_elements):
         assert was == (sample.size < x.size)
         want, _ = np.histogram(sample.astype(np.float64), bins=bins, range=(lo, hi))
         np.testing.assert_array_equal(row[2:], want)
+
+
+def test_strided_and_offset_tensors_are_read_as_their_values(fused):
+    device, calls = fused
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(64, 130, generator=g)
+    xs = [base.t(), base[3:, 5:], base.reshape(-1)[7:5000], base[::2]]
+    table = summarize([x.to(device) for x in xs], STAT_NAMES)
+    assert calls["a"] == 1 and calls["b"] == 1
+    for i, (x, row) in enumerate(zip(xs, table.tolist(), strict=True)):
+        assert_stats(dict(zip(STAT_NAMES, row, strict=True)), reference(x), f"tensor {i}")
