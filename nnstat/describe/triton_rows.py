@@ -126,6 +126,11 @@ def _flat(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t if t.is_contiguous() else t.detach().contiguous() for t in tensors]
 
 
+def _warps(block: int) -> int:
+    """Warps per row program: 16 elements per thread at most (float64 partials in registers)."""
+    return max(1, min(8, block // 512))
+
+
 def _kernels() -> Any:
     """The jit'd kernels (`nnstat.describe._triton_kernels`, imported on first use)."""
     from nnstat.describe import _triton_kernels
@@ -151,6 +156,7 @@ def pass_a(table: RowTable, tensors: Sequence[torch.Tensor], moments: bool = Tru
         views[0],
         BLOCK=table.block,
         MOMENTS=moments,
+        num_warps=_warps(table.block),
     )
     return out
 
@@ -176,6 +182,7 @@ def pass_b(
         m,
         views[0],
         BLOCK=table.block,
+        num_warps=_warps(table.block),
     )
     return out
 
