@@ -53,7 +53,7 @@ from nnstat.tracker.background import (
     split_run,
     task_costs,
 )
-from nnstat.tracker.compute import StepPlan, assemble, device_results, tasks
+from nnstat.tracker.compute import StepPlan, _by_dtype, assemble, device_results, tasks
 from nnstat.tracker.delivery import DeferredSteps, _InFlight
 from nnstat.tracker.guards import check_owned, first_error
 
@@ -279,10 +279,10 @@ class Tracker(BackgroundSteps, DeferredSteps):
         self._finish_pending()  # a background step still reads (and rewrites) the snapshot
         self._opt_steps_seen = self._opt_steps  # "no optimizer.step() since" counts from here
         if self._prev is not None:
-            torch._foreach_copy_(
-                [local_tensor(t) for t in self._prev],
-                [local_tensor(p.detach()) for p in self.params],
-            )
+            prev = [local_tensor(t) for t in self._prev]
+            # per dtype: a multi-tensor kernel takes its fast path on one dtype only
+            for dst, src in _by_dtype(prev, [local_tensor(p.detach()) for p in self.params]):
+                torch._foreach_copy_(dst, src)
             self._snapped, self._stale = True, False
 
     def poll(self) -> None:
