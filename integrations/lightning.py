@@ -50,7 +50,8 @@ class NNStatCallback(StatsCallbackBase, Callback):
     ``trainer.global_step`` after that step: the explicit step keeps them at their own step
     on every logger's x-axis even though they reach the loggers later. Nothing is read back
     inside the step: on a GPU they start for the host in one non-blocking copy and are logged
-    at a later batch's hook once arrived (checked without waiting), everything left at
+    at a later batch's ``on_before_optimizer_step`` once arrived (checked without waiting,
+    while that batch's backward runs on the device), everything left at
     ``on_train_end``. ``history`` keeps every logged dict (with its ``step``) for
     :mod:`nnstat.plot`. The noise scale uses per-sample gradient norms (B_small = 1) and assumes
     the training loss is a batch mean; set ``noise_scale=False`` to skip it.
@@ -76,12 +77,14 @@ class NNStatCallback(StatsCallbackBase, Callback):
             pl_module.zero_grad(set_to_none=True)
             self._stepped = False
         self.hooks.begin_batch(pl_module)
-        self._log_ready(trainer)
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         self.hooks.end_backward()
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        # earlier steps that have arrived: logged here, where this batch's forward and backward
+        # keep the device busy (at the batch's start it idles after Lightning's own log read)
+        self._log_ready(trainer)
         self._stepped = True
         log = (trainer.global_step + 1) % self._every(trainer) == 0
         # every backward was reported by on_after_backward: a capture still open saw none
