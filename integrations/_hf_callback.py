@@ -54,6 +54,24 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
     under ``train/`` as they do with every training log. The update and trust ratio of a logged step
     are those of that single optimizer step.
 
+    **Which step they belong to.** The statistics of optimizer step ``t`` go into the Trainer's
+    own log of step ``t`` (``on_log`` at ``state.global_step == t``), never a later one: HF's
+    reporters write every key of that log at ``state.global_step`` (W&B's
+    ``train/global_step``, TensorBoard's ``global_step``), so they line up with the loss and
+    learning rate of the same step on the x-axis users already plot, with no extra step key.
+    With ``every=k`` off the Trainer's ``logging_steps`` the callback asks the Trainer to log
+    those steps too (``control.should_log``). A measured step that the Trainer still did not log
+    (a Trainer subclass skipping it) goes into ``state.log_history`` at its own step, with a
+    warning, rather than into a later log under the wrong step.
+
+    **No host synchronisation of its own.** ``on_pre_optimizer_step`` takes the update snapshot
+    (one multi-tensor copy) and ``on_optimizer_step`` queues the statistics (on a GPU they start
+    for the host in one non-blocking copy); neither reads anything back. Before ``on_log`` the
+    Trainer reads its loss back (``tr_loss.item()``), which waits for all work queued before it,
+    that copy included, so ``on_log`` finds it on the host (it waits only where a framework
+    logged without such a read). Non-logging steps launch no kernel and read nothing (the noise
+    scale's capture runs on its own cadence, below).
+
     The noise scale uses per-sample gradient norms (B_small = 1) of one micro-batch in
     ``noise_scale_every`` (default `NOISE_SCALE_EVERY` = 8: the per-sample capture runs inside
     backward and is the expensive part; ``1`` measures every micro-batch), starting with the
@@ -83,10 +101,12 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
         # ... after it): the noise-scale keys are in the logs from the first logging step on
         # instead of appearing only after k steps (a short run would have none)
         self.hooks._micro = self.options.noise_scale_every - 1
+        #: the metrics of the last logged step handed to the Trainer
         self.latest: dict[str, Any] = {}
-        self._pending: dict[str, Any] | None = None
+        self._measured: int | None = None  # the step whose statistics are queued
         self._injected: list[str] = []
         self._placed = False
+        self._warned_unlogged = False
 
     # ---------------------------------------------------------------- placement
     def place(self, handler: CallbackHandler) -> None:
@@ -157,23 +177,58 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
         self.hooks.before_step(model, optimizer, log)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        metrics = self.hooks.after_step()
-        if metrics is not None:
-            self.latest = metrics
-            self._pending = metrics
+        # queued, not read: the Trainer increments global_step right after this event
+        if self.hooks.after_step(state.global_step + 1) is not None:
+            self._measured = state.global_step + 1
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+        if self._measured == state.global_step:
+            control.should_log = True  # `every` off logging_steps: the Trainer logs it too
+            return control
+        return None
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any):
-        if self._pending is None or logs is None or "loss" not in logs:
+        if logs is None or "loss" not in logs:
             return  # only training logs carry the statistics (not eval/final summaries)
-        metrics, self._pending = self._pending, None
-        fresh = [k for k in metrics if k not in logs]
-        logs.update({k: metrics[k] for k in fresh})
-        self._injected = fresh
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update({k: metrics[k] for k in fresh})
+        # the Trainer has just read its loss back: a step measured now is on the host
+        self._hand_over(state, logs, wait=self._measured == state.global_step)
+
+    def _hand_over(self, state: Any, logs: dict | None, wait: bool) -> None:
+        """Put the delivered steps' metrics into the log of their own step (``logs`` when it is
+        that step's), else into ``state.log_history`` at their step."""
+        for step, metrics in self.hooks.collect(wait=wait):
+            self.latest = metrics
+            if step == self._measured:
+                self._measured = None
+            if logs is None or step != state.global_step:
+                self._unlogged(state, step, metrics)
+                continue
+            fresh = [k for k in metrics if k not in logs]
+            logs.update({k: metrics[k] for k in fresh})
+            self._injected = fresh
+            if state.log_history and state.log_history[-1].get("step") == step:
+                state.log_history[-1].update({k: metrics[k] for k in fresh})
+
+    def _unlogged(self, state: Any, step: int, metrics: dict[str, Any]) -> None:
+        history = state.log_history
+        at = len(history)
+        while at and history[at - 1].get("step", -1) > step:
+            at -= 1
+        history.insert(at, {**metrics, "step": step})
+        if not self._warned_unlogged:
+            self._warned_unlogged = True
+            warnings.warn(
+                f"NNStatCallback: the Trainer did not log step {step}, whose statistics were "
+                "measured: they are in trainer.state.log_history at that step but not sent to "
+                "the reporters, which log at the Trainer's own logging steps (warned once)",
+                stacklevel=2,
+            )
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.hooks.close()
+        try:
+            self.hooks.close()  # delivers every step still on its way
+        finally:
+            self._hand_over(state, None, wait=True)
 
 
 def watch_trainer(

@@ -3,8 +3,12 @@
 A training framework calls, per optimizer step: ``begin_batch`` (before forward), ``end_backward``
 (after each backward), ``before_step`` (gradients final, weights not yet updated) and
 ``after_step`` (weights updated, gradients still there). Statistics are measured only on the
-steps the framework logs; the per-step update and trust ratio come from a snapshot taken right
-before that step's optimizer update, so they describe one step, not the whole logging interval.
+steps the framework logs, by ONE `nnstat.Tracker` kept for the whole run: ``before_step`` of a
+logging step takes its update snapshot (`Tracker.snapshot`, one multi-tensor copy), so the
+update and trust ratio describe that one step, not the whole logging interval. Nothing is read
+back inside the step: ``after_step`` queues the statistics (on a GPU they reach the host in one
+non-blocking copy) and `StepStats.collect` hands over the steps that have arrived, each with its
+own step number; non-logging steps launch no kernel and read nothing.
 
 Example:
     >>> import torch
@@ -13,14 +17,15 @@ Example:
     >>> hooks = StepStats(StatsOptions(noise_scale=False))
     >>> hooks.before_step(model, opt, log=True)
     >>> model(torch.ones(2, 3)).sum().backward(); opt.step()
-    >>> "trust_ratio/0.weight" in hooks.after_step()
-    True
+    >>> _ = hooks.after_step(step=1)
+    >>> [(step, "trust_ratio/0.weight" in m) for step, m in hooks.collect(wait=True)]
+    [(1, True)]
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -181,6 +186,10 @@ class _Abandoned(Exception):
 class StepStats:
     """Tracker statistics and a streaming noise scale driven by framework hooks.
 
+    One Tracker serves the whole run (rebuilt only when the model or optimizer object changes);
+    the noise scale reaches it as a provider, so a logged step carries its value as of that
+    step without waiting for the noise scale's own copy. Delivered steps wait in `collect`.
+
     Example:
         >>> hooks = StepStats(StatsOptions(noise_scale=False, groups=["weight"]))
         >>> hooks.before_step(torch.nn.Linear(2, 1), None, log=True)
@@ -193,10 +202,13 @@ class StepStats:
         self.gns: Any = None
         self._gns_model: nn.Module | None = None
         self._gns_ctx: Any = None
-        self._tracker: Any = None
         #: modules left out of the noise scale, with the reason
         self.excluded: dict[str, str] = {}
         self._micro = 0
+        self._tracker: Any = None
+        self._built_for: tuple[Any, Any] = (None, None)  # (model, optimizer) of the Tracker
+        self._log = False  # before_step saw a logging step; after_step measures it
+        self._delivered: list[tuple[int, dict[str, Any]]] = []
 
     # ------------------------------------------------------------------ noise scale
     def begin_batch(self, model: nn.Module) -> None:
@@ -210,7 +222,7 @@ class StepStats:
         if self._gns_ctx is not None:  # a batch whose backward never came (e.g. skipped)
             self._abandon()
         if self._gns_model is not model:
-            self.close()
+            self._close_noise_scale()
             self._gns_model = model
             if self.options.noise_scale_filter is not None:
                 self._start_gns(model, self.options.noise_scale_filter)
@@ -254,6 +266,14 @@ class StepStats:
         cancel = _Abandoned("capture block closed without a measurement")
         ctx.__exit__(_Abandoned, cancel, None)
 
+    def _noise_scale(self) -> Mapping[str, float]:
+        """The Tracker's provider: the noise scale as of this step, filled in when the step is
+        delivered (no wait here); nothing before its first observation."""
+        gns = self.gns
+        if gns is None or not gns.n_observed:
+            return {}
+        return gns.as_provider()()
+
     # ------------------------------------------------------------------ statistics
     def before_step(
         self, model: nn.Module, optimizer: Any, log: bool, measure_open_batch: bool = True
@@ -269,9 +289,16 @@ class StepStats:
             self.end_backward()
         else:
             self._abandon()
-        if not log:
-            self._tracker = None
-            return
+        self._log = log
+        if log:
+            self._tracker_for(model, optimizer).snapshot()
+
+    def _tracker_for(self, model: nn.Module, optimizer: Any) -> Any:
+        """The run's Tracker; a new one when the model or optimizer object changed (the old
+        one is flushed first: its steps stay in `collect`)."""
+        if self._tracker is not None and self._built_for == (model, optimizer):
+            return self._tracker
+        self._close_tracker()
         from nnstat.tracker import Tracker
 
         opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
@@ -279,40 +306,73 @@ class StepStats:
             # DeepSpeed ZeRO and master-weight optimizers step flat fp32 copies: the Tracker
             # would reject them, and their states cannot be matched to layers anyway
             opt = None
-        # a fresh Tracker snapshots the weights at construction: exactly one step's update
         self._tracker = Tracker(
             model,
             opt,
-            every=2,  # measure on the first call only; no second snapshot needed
             stats=self.options.stats,
             include=self.options.include,
             exclude=self.options.exclude,
             groups=self.options.groups,
+            sinks=[self._receive],
         )
+        self._tracker.add_provider(self._noise_scale)
+        self._built_for = (model, optimizer)
+        return self._tracker
 
-    def after_step(self) -> dict[str, Any] | None:
-        """Weights updated: the metrics of this step when it is a logging step, else None."""
-        tracker, self._tracker = self._tracker, None
-        if tracker is None:
+    def _receive(self, metrics: dict[str, Any], step: int) -> None:
+        self._delivered.append((step, metrics))
+
+    def after_step(self, step: int | None = None) -> Mapping[str, Any] | None:
+        """Weights updated: on a logging step, queue its statistics as step ``step`` (default:
+        the Tracker's count of logged steps) and return them as the Tracker did (on a GPU a
+        `nnstat.tracker.StepMetrics` that waits when read: hand them over with `collect`
+        instead); else None. Nothing is read back here."""
+        if not self._log:
             return None
+        self._log = False
         with warnings.catch_warnings():
             # frozen parameters have no gradient; they are simply absent from grad/
             warnings.filterwarnings("ignore", message="Tracker: .* have no gradient")
             # the framework calls this after its optimizer step, so "no optimizer.step() since"
             # means a skipped step (GradScaler after inf/NaN): its update is left out, as it should
             warnings.filterwarnings("ignore", message=r"Tracker\.step\(\) .*has not run since")
-            metrics = dict(tracker.step() or {})
-        if self.gns is not None and self.gns.n_updates:
-            metrics.update(self.gns.to_dict())
-        return metrics
+            return self._tracker.step(step)
 
-    def close(self) -> None:
-        """Remove the noise-scale hooks (the model is left as before)."""
+    def collect(self, wait: bool = False) -> list[tuple[int, dict[str, Any]]]:
+        """``(step, metrics)`` of the logged steps delivered since the last call, in order.
+
+        Without ``wait`` only those already on the host (`nnstat.Tracker.poll`: no host
+        synchronisation); with it every step measured so far (`nnstat.Tracker.flush`, which
+        waits for copies still on their way).
+        """
+        if self._tracker is not None:
+            if wait:
+                self._tracker.flush()
+            else:
+                self._tracker.poll()
+        out, self._delivered = self._delivered, []
+        return out
+
+    def _close_tracker(self) -> None:
+        tracker, self._tracker = self._tracker, None
+        self._built_for = (None, None)
+        if tracker is not None:
+            tracker.close()  # delivers what is left (into `collect`), removes its optimizer hook
+
+    def _close_noise_scale(self) -> None:
         self._abandon()
         if self.gns is not None:
             self.gns.unwatch()
         self.gns = None
         self._gns_model = None
+
+    def close(self) -> None:
+        """End of training: deliver every step still on its way (then in `collect`), remove
+        the Tracker's optimizer hook and the noise-scale hooks (the model is left as before)."""
+        try:
+            self._close_tracker()
+        finally:
+            self._close_noise_scale()
 
 
 def _holds_any(optimizer: Any, model: nn.Module) -> bool:

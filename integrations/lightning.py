@@ -45,8 +45,14 @@ __all__ = ["NNStatCallback", "extract_log", "influence", "self_influence"]
 class NNStatCallback(StatsCallbackBase, Callback):
     """Layer statistics, trust ratios and the noise scale, logged through the Trainer's loggers.
 
-    Logs every ``every`` optimizer steps (default: ``trainer.log_every_n_steps``) at
-    ``step=trainer.global_step``. ``history`` keeps every logged dict (with its ``step``) for
+    Measures every ``every`` optimizer steps (default: ``trainer.log_every_n_steps``) and logs
+    step ``t``'s statistics with ``logger.log_metrics(metrics, step=t)``, ``t`` being
+    ``trainer.global_step`` after that step: the explicit step keeps them at their own step
+    on every logger's x-axis even though they reach the loggers later. Nothing is read back
+    inside the step: on a GPU they start for the host in one non-blocking copy and are logged
+    at a later batch's ``on_before_optimizer_step`` once arrived (checked without waiting,
+    while that batch's backward runs on the device), everything left at
+    ``on_train_end``. ``history`` keeps every logged dict (with its ``step``) for
     :mod:`nnstat.plot`. The noise scale uses per-sample gradient norms (B_small = 1) and assumes
     the training loss is a batch mean; set ``noise_scale=False`` to skip it.
 
@@ -76,25 +82,33 @@ class NNStatCallback(StatsCallbackBase, Callback):
         self.hooks.end_backward()
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        # earlier steps that have arrived: logged here, where this batch's forward and backward
+        # keep the device busy (at the batch's start it idles after Lightning's own log read)
+        self._log_ready(trainer)
         self._stepped = True
         log = (trainer.global_step + 1) % self._every(trainer) == 0
         # every backward was reported by on_after_backward: a capture still open saw none
         self.hooks.before_step(pl_module, optimizer, log, measure_open_batch=False)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int):
-        metrics = self.hooks.after_step()
-        if metrics is None:
-            return
-        step = int(trainer.global_step)
-        self.history.append({**metrics, "step": step})
-        for logger in getattr(trainer, "loggers", []) or []:
-            logger.log_metrics(metrics, step=step)
+        self.hooks.after_step(int(trainer.global_step))  # queued, not read
+        self._log_ready(trainer)
+
+    def _log_ready(self, trainer: Any) -> None:
+        """Log the steps whose statistics are on the host, at their own step (no wait)."""
+        for step, metrics in self.hooks.collect():
+            self.history.append({**metrics, "step": step})
+            for logger in getattr(trainer, "loggers", []) or []:
+                logger.log_metrics(metrics, step=step)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self.hooks.close()
+        try:
+            self.hooks.close()  # delivers every step still on its way
+        finally:
+            self._log_ready(trainer)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self.hooks.close()
+        self.on_train_end(trainer, pl_module)
 
 
 # ------------------------------------------------------------------ influence helpers

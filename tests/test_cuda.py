@@ -248,3 +248,38 @@ def test_logging_cuda_equals_cpu_and_reads_once_per_block(tmp_path):
     assert cpu.ids == gpu.ids == list(range(40))
     torch.testing.assert_close(gpu.rows(0, 40), cpu.rows(0, 40), rtol=1e-4, atol=1e-5)
     assert all(n <= (what == "block") for what, n in syncs), syncs
+
+
+def _train_callback_driver(device: str, strict: bool) -> list[tuple]:
+    """The training callbacks' shared driver (`StepStats`), logging steps 2, 3 and 5."""
+    from nnstat.integrations._hooks import StatsOptions, StepStats
+
+    model = mlp().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = (t.to(device) for t in data())
+    hooks = StepStats(StatsOptions(noise_scale_every=1))
+    out: list[tuple] = []
+    for step in range(1, 7):
+        opt.zero_grad()
+        hooks.begin_batch(model)
+        F.cross_entropy(model(x), y).backward()
+        # the noise scale's first block reads the loss once (its reduction check); its blocks
+        # never sync after that (test_streaming_noise_scale_cuda_never_syncs_inside_batch)
+        hooks.end_backward()
+        with no_syncs() if strict else contextlib.nullcontext():
+            hooks.before_step(model, opt, log=step in (2, 3, 5))  # the snapshot: one copy
+            opt.step()
+            hooks.after_step(step)  # queued: nothing read back
+            out += hooks.collect()  # only what has arrived: never waits
+    hooks.close()
+    return out + hooks.collect()
+
+
+def test_callback_driver_cuda_equals_cpu_and_never_syncs_inside_the_step():
+    cpu = _train_callback_driver("cpu", False)
+    gpu = _train_callback_driver(DEV, True)  # a synchronisation inside the step raises
+    assert [s for s, _ in gpu] == [s for s, _ in cpu] == [2, 3, 5]
+    for (_, a), (_, b) in zip(cpu, gpu, strict=True):
+        assert a.keys() == b.keys() and "trust_ratio/0.weight" in a
+        for k in a:
+            assert b[k] == pytest.approx(a[k], rel=2e-3, abs=1e-5), k

@@ -401,6 +401,12 @@ class NoiseScale:
         self._arrived(wait=True)
         return self._n_updates
 
+    @property
+    def n_observed(self) -> int:
+        """Observations so far, counting captured batches still on their way (waits for
+        none: whether there is anything to report yet, e.g. for a provider)."""
+        return self._n_updates + len(self._inflight)
+
     def _means(self, key: str = _TOTAL) -> tuple[float, float]:
         if key not in self._stats:
             return math.nan, math.nan

@@ -23,8 +23,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import sys
-import traceback
 import warnings
 import weakref
 from collections import deque
@@ -55,8 +53,9 @@ from nnstat.tracker.background import (
     split_run,
     task_costs,
 )
-from nnstat.tracker.compute import StepPlan, assemble, device_results, tasks
+from nnstat.tracker.compute import StepPlan, _by_dtype, assemble, device_results, tasks
 from nnstat.tracker.delivery import DeferredSteps, _InFlight
+from nnstat.tracker.guards import check_owned, first_error
 
 __all__ = ["Tracker", "Sink", "GROUPS", "StepMetrics"]
 
@@ -194,7 +193,7 @@ class Tracker(BackgroundSteps, DeferredSteps):
         self.names = names
         self.params = [lookup[n] for n in names]
         if optimizer is not None:
-            _check_owned(self.names, self.params, optimizer)
+            check_owned(self.names, self.params, optimizer)
         self._fsdp1 = bool(fsdp1_shards(model))
         self._sinks: list[Callable[[dict[str, Any], int], None]] = []
         self._sink_objects: list[Any] = []
@@ -215,6 +214,11 @@ class Tracker(BackgroundSteps, DeferredSteps):
         self._opt_steps = 0
         self._opt_steps_seen = 0
         self._warned_order = False
+        # `snapshot`: the caller took the next logged step's snapshot (that step does not
+        # refresh it); `_stale`: a logged step formed its update in the snapshot and did not
+        # refresh it, so it no longer holds weights
+        self._snapped = False
+        self._stale = False
         self._counter: weakref.finalize | None = None
         target = _hook_target(optimizer) if optimizer is not None else None
         if target is not None:
@@ -254,6 +258,51 @@ class Tracker(BackgroundSteps, DeferredSteps):
         self._providers.append(provider)
 
     # -- the step -------------------------------------------------------------------------
+    def snapshot(self) -> None:
+        """Take the weights the next logged step's update is measured from, now.
+
+        For loops that choose the steps to log as they come (framework callbacks, which then
+        call `step` only on those): call it right before that step's ``optimizer.step()`` and
+        `step` after it; the update and ratios are that one optimizer step's (left out when
+        none ran since, as `step` says). That step leaves the snapshot to the caller (it does
+        not refresh it); a logged step with no ``snapshot()`` since the previous one leaves its
+        update out, with a warning. One multi-tensor copy into the Tracker's own snapshot.
+
+        Example:
+            >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> t = Tracker(model, opt, stats=["l2"], groups=["update"])
+            >>> model(torch.ones(1, 2)).sum().backward(); opt.step()  # not logged
+            >>> t.snapshot(); opt.step()  # the step to log: one more step of 0.1 on the bias
+            >>> round(t.step()["update/bias/l2"], 6)
+            0.1
+        """
+        self._finish_pending()  # a background step still reads (and rewrites) the snapshot
+        self._opt_steps_seen = self._opt_steps  # "no optimizer.step() since" counts from here
+        if self._prev is not None:
+            prev = [local_tensor(t) for t in self._prev]
+            # per dtype: a multi-tensor kernel takes its fast path on one dtype only
+            for dst, src in _by_dtype(prev, [local_tensor(p.detach()) for p in self.params]):
+                torch._foreach_copy_(dst, src)
+            self._snapped, self._stale = True, False
+
+    def poll(self) -> None:
+        """Hand the logged steps that are ready to the sinks without waiting for any: device
+        copies that have arrived (their CUDA event is polled) and a background step whose worker
+        is done. `step` polls too; a loop that calls `step` only on logged steps polls in
+        between to deliver them sooner. Raises the errors of what it delivers, like `step`.
+
+        Example:
+            >>> seen = []
+            >>> t = Tracker(torch.nn.Linear(2, 1), stats=["l2"], sinks=[lambda m, s: seen.append(s)])
+            >>> _ = t.step(); t.poll(); seen
+            [0]
+        """
+        pending = self._pending
+        if pending is not None and pending.job.done():
+            self._finish_pending()
+        self._arrived(wait=False)
+        self._raise_sink_errors()
+
     def _state_keys(self) -> tuple[str, ...]:
         if self.state_keys is not None:
             return self.state_keys
@@ -383,7 +432,7 @@ class Tracker(BackgroundSteps, DeferredSteps):
         return stepped
 
     def _step(self, call: int, step: int, stepped: bool) -> Mapping[str, Any] | None:
-        refresh = self._prev is not None and (call + 1) % self.every == 0
+        refresh = self._prev is not None and not self._snapped and (call + 1) % self.every == 0
         if call % self.every:
             if refresh:
                 # snapshot the weights the next (logged) step's update is measured from
@@ -392,10 +441,21 @@ class Tracker(BackgroundSteps, DeferredSteps):
                     [local_tensor(t) for t in self._prev],
                     [local_tensor(p.detach()) for p in self.params],
                 )
+                self._stale = False
             return None
         on_cpu = _on_cpu(self.params)
         plan = self._plan(refresh)
-        plan.skip_update = not stepped
+        plan.skip_update = not stepped or self._stale
+        if self._stale:
+            warnings.warn(
+                f"Tracker.step() (call {call}): no snapshot() since the previous logged step, "
+                "whose update used the snapshot up: update/, trust_ratio/ and update_ratio/ are "
+                "left out of this step. Call tracker.snapshot() before the optimizer.step() of "
+                "every step you log.",
+                stacklevel=3,
+            )
+        if self._prev is not None:
+            self._snapped, self._stale = False, not refresh
         if self._deferred_ok(on_cpu):
             # providers first: their values are step t's (lazy ones resolve at delivery)
             return self._defer(step, plan, self._workspaces, self._provided(merge=False))
@@ -468,7 +528,7 @@ class Tracker(BackgroundSteps, DeferredSteps):
         """Raise the first sink failure since the last call (the others as notes)."""
         errors, self._sink_errors = self._sink_errors, []
         if errors:
-            raise _first_error(errors, "every other sink received that step")
+            raise first_error(errors, "every other sink received that step")
 
     @property
     def latest(self) -> Mapping[str, Any]:
@@ -519,7 +579,7 @@ class Tracker(BackgroundSteps, DeferredSteps):
                 except BaseException as e:  # raised below, once every sink is closed
                     errors.append((f"closing sink {s!r} failed", e))
         if errors:
-            raise _first_error(errors, "every sink was closed")
+            raise first_error(errors, "every sink was closed")
 
     def __enter__(self) -> Tracker:
         return self
@@ -532,51 +592,3 @@ def _on_cpu(params: list[torch.Tensor]) -> bool:
     """Whether the CPU path applies (numpy passes, background worker); else the accelerator
     path (tests patch this to run the accelerator path on CPU tensors)."""
     return all(p.device.type == "cpu" for p in params)
-
-
-def _check_owned(names: list[str], params: list[torch.Tensor], optimizer: Any) -> None:
-    """Raise if `optimizer` holds none of the trainable `params`, warn if only some."""
-    groups = getattr(optimizer, "param_groups", None)
-    if not isinstance(groups, (list, tuple)):
-        return  # not a torch-style optimizer: nothing to compare with
-    owned = {id(p) for g in groups if isinstance(g, Mapping) for p in g.get("params", ())}
-    trainable = [n for n, p in zip(names, params, strict=True) if p.requires_grad]
-    missing = [
-        n for n, p in zip(names, params, strict=True) if p.requires_grad and id(p) not in owned
-    ]
-    if not missing:
-        return
-    shown = f"{missing[:5]}{' ...' if len(missing) > 5 else ''}"
-    if len(missing) == len(trainable):
-        raise ValueError(
-            f"Tracker: the optimizer holds none of the {len(trainable)} trainable parameters "
-            f"tracked ({shown}): it was built from other tensors (another instance or a copy of "
-            "the model, or master weights), so its states cannot be matched to these layers. "
-            "Pass the optimizer built from this model's parameters (model.parameters() of this "
-            "very instance), or optimizer=None to track weights, gradients and updates without "
-            "optimizer states."
-        )
-    warnings.warn(
-        f"Tracker: the optimizer does not hold {len(missing)} of the {len(trainable)} trainable "
-        f"parameters tracked: {shown}. They get no optimizer statistics, and their update is "
-        "zero (trust ratio inf) unless something else changes them. Track only what this "
-        "optimizer updates (include=/exclude=), or build it from all of them.",
-        stacklevel=3,
-    )
-
-
-def _first_error(errors: list[tuple[str, BaseException]], outcome: str) -> BaseException:
-    """The first of several collected errors, annotated; the others' tracebacks go to stderr
-    (printed, so none is lost) and are named in its notes."""
-    (what, first), rest = errors[0], errors[1:]
-    _note(first, f"({what}; {outcome})")
-    for other_what, other in rest:
-        _note(first, f"also: {other_what}: {type(other).__name__}: {other}")
-        print(f"nnstat: {other_what} (raised after: {first!r}):", file=sys.stderr)
-        traceback.print_exception(type(other), other, other.__traceback__, file=sys.stderr)
-    return first
-
-
-def _note(error: BaseException, text: str) -> None:
-    if hasattr(error, "add_note"):  # Python >= 3.11
-        error.add_note(text)
