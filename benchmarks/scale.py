@@ -16,6 +16,19 @@ the same round, the median of those ratios is reported), at each ``--layers`` de
   for ``lm_head`` only, next to LogIX (``add_lora`` + ``save``), which wraps only ``nn.Linear``
   (on GPT-2 just ``lm_head``) and freezes every other parameter: so lm_head-only rows are
   compared with and without the other parameters' gradients. Bytes per sample from the files.
+  Each logger runs in its own child process against its own plain pass (same model, same
+  frozen parameters).
+
+  Which rows are like for like: GPT-2's ``lm_head`` is TIED to ``transformer.wte``. nnstat
+  logs the tied weight once, under ``lm_head``, as the sum of both uses (the output projection
+  and the embedding lookup at the bottom of the network), so its per-sample gradient needs the
+  backward down to the embedding, through every block, even with ``param_grads=False``.
+  LogIX's LoRA branch sees only the ``nn.Linear`` use and stops the backward at the head. So
+  the tied rows measure different gradients. The ``untied`` rows use
+  ``GPT2Config(tie_word_embeddings=False)``: ``lm_head`` owns its weight, nnstat's
+  ``param_grads=False`` pass and LogIX both need only ``lm_head``'s output gradient, and both
+  are divided by the same plain pass (untied, only ``lm_head`` trainable, whose backward also
+  stops at the head): those two rows are the like-for-like comparison.
 * ``hf``: a ``transformers.Trainer`` with nnstat's ``NNStatCallback()`` (its defaults) vs the
   same Trainer without it.
 
@@ -59,11 +72,12 @@ os.environ.setdefault("WANDB_SILENT", "true")
 Step = Callable[[], None]
 
 
-def gpt2(layers: int, device: str, seed: int = 0) -> torch.nn.Module:
+def gpt2(layers: int, device: str, seed: int = 0, tied: bool = True) -> torch.nn.Module:
+    """``tied=False``: ``lm_head`` gets a weight of its own (not ``transformer.wte``'s)."""
     import transformers
 
     torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(n_layer=layers)
+    cfg = transformers.GPT2Config(n_layer=layers, tie_word_embeddings=tied)
     return transformers.GPT2LMHeadModel(cfg).to(device)
 
 
@@ -199,15 +213,41 @@ def logging_variants(
         frozen = gpt2(layers, args.device)
         _frozen_but(frozen, "wte")  # lm_head is tied to wte: the one trainable weight
         out["plain forward+backward, only lm_head trainable"] = (plain(frozen), none)
+    if only in (None, UNTIED_PLAIN):
+        untied = gpt2(layers, args.device, tied=False)
+        _frozen_but(untied, "lm_head")  # its own weight: the backward stops at the head
+        out[UNTIED_PLAIN] = (plain(untied), none)
     # nnstat's Run is process-wide (the seed's API): one logging variant per process; the
     # others run as child processes through --only, measured against their own plain pass
     return out
 
 
+UNTIED_PLAIN = "plain forward+backward, untied lm_head, only lm_head trainable"
+LOGGING_NOTE = (
+    "\nThe plain rows are divided by the first; each logger row by its own plain pass (same "
+    "model, same frozen parameters) in its child process. GPT-2's lm_head is tied to wte: "
+    "nnstat's tied lm_head rows log the weight's whole gradient (both uses, backward down to "
+    "the embedding), LogIX's only the nn.Linear use, so they are not like for like. The two "
+    "`untied` logger rows (GPT2Config(tie_word_embeddings=False); backward stops at the head "
+    "in both) are."
+)
+
+
+def logger_model(args, layers: int, which: str) -> torch.nn.Module:
+    """The model a logger (and the plain pass it is divided by) runs on: untied for the
+    ``untied`` rows, with every parameter but ``lm_head``'s weight frozen for the ``others
+    frozen`` ones (the tied weight is ``transformer.wte.weight``)."""
+    untied = "untied" in which
+    model = gpt2(layers, args.device, tied=not untied)
+    if "others frozen" in which:
+        _frozen_but(model, "lm_head" if untied else "wte")
+    return model
+
+
 def logging_alone(args, layers: int, which: str, tmp: str) -> tuple[Step, Step, Callable[[], int]]:
     x = tokens(args, args.batch)
-    model = gpt2(layers, args.device)
-    root = os.path.join(tmp, which.replace(" ", "_"))
+    model = logger_model(args, layers, which)
+    root = os.path.join(tmp, which.replace(" ", "_").replace(",", ""))
     if which == "nnstat every supported module":
         step, done = _nnstat_logger(model, root, None, x)
         return step, done, lambda: _bytes(Path(root) / "scale", (".npy",))
@@ -215,16 +255,21 @@ def logging_alone(args, layers: int, which: str, tmp: str) -> tuple[Step, Step, 
         step, done = _nnstat_logger(model, root, r"^lm_head$", x)
         return step, done, lambda: _bytes(Path(root) / "scale", (".npy",))
     if which == "nnstat lm_head, others frozen":
-        _frozen_but(model, "wte")
         step, done = _nnstat_logger(model, root, r"^lm_head$", x)
         return step, done, lambda: _bytes(Path(root) / "scale", (".npy",))
-    if which == "nnstat lm_head, others frozen, param_grads False":
-        # like for like with LogIX: no parameter gradient at all, so the backward stops at
-        # lm_head's output gradient, as it stops at LogIX's LoRA branch
-        _frozen_but(model, "wte")
+    if which in (
+        "nnstat lm_head, others frozen, param_grads False",
+        "nnstat untied lm_head, others frozen, param_grads False",
+    ):
+        # no parameter gradient at all. Tied, the logged gradient still needs the embedding
+        # use's output gradient, so the backward runs down to wte; untied (like for like with
+        # LogIX), it stops at lm_head's output gradient, as it stops at LogIX's LoRA branch
         step, done = _nnstat_logger(model, root, r"^lm_head$", x, param_grads=False)
         return step, done, lambda: _bytes(Path(root) / "scale", (".npy",))
-    if which == "LogIX lm_head (add_lora, others frozen)":
+    if which in (
+        "LogIX lm_head (add_lora, others frozen)",
+        "LogIX untied lm_head (add_lora, others frozen)",
+    ):
         from logix import LogIX
 
         os.makedirs(root, exist_ok=True)
@@ -256,6 +301,9 @@ LOGGERS = [
     "nnstat lm_head, others frozen",
     "nnstat lm_head, others frozen, param_grads False",
     "LogIX lm_head (add_lora, others frozen)",
+    # like for like (see the module docstring): the same gradient, lm_head's own weight
+    "nnstat untied lm_head, others frozen, param_grads False",
+    "LogIX untied lm_head (add_lora, others frozen)",
 ]
 
 
@@ -427,15 +475,12 @@ def logger_child(args) -> None:
     layers = int(args.layers)
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         x = tokens(args, args.batch)
-        model = gpt2(layers, args.device)
-        frozen = "others frozen" in args.logger
+        model = logger_model(args, layers, args.logger)  # the logger's model, hooks aside
 
         def plain() -> None:
             lm_loss(model, x, "sum").backward()
             model.zero_grad(set_to_none=True)
 
-        if frozen:
-            _frozen_but(model, "wte")
         fn, done, nbytes = logging_alone(args, layers, args.logger, tmp)
         runs = {"plain": (plain, lambda: None), args.logger: (fn, lambda: None)}
         times = interleave(args, runs, args.steps)
@@ -500,6 +545,8 @@ def main() -> None:
                     mem = peak_memory(args, part, layers, name) - base_mem
                     line += f" {mem:+.0f} |"
                 print(line, flush=True)
+            if part == "logging":
+                print(LOGGING_NOTE)
         shutil.rmtree(os.path.join(tempfile.gettempdir(), "nnstat-scale"), ignore_errors=True)
 
 

@@ -100,6 +100,16 @@ class ModuleCapture:
         return self
 
     @property
+    def device(self) -> torch.device:
+        """The device of the capture's tensors, read without building any of them."""
+        return (self._g2 if self._g2 is not None else self._b3).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the output-gradient rows (float32), read without building them."""
+        return (self._g2 if self._g2 is not None else self._b3).dtype
+
+    @property
     def num_positions(self) -> int:
         """Positions that were not masked out (the K-FAC ``A`` factor divides by their count).
 
@@ -158,9 +168,7 @@ class ModuleCapture:
     def forward(self) -> torch.Tensor:
         """``[N, T, d_in(+1)]`` float32 inputs in matrix form (embedding: one-hot, materialised)."""
         if self.kind == "embedding":
-            idx = self._a
-            onehot = F.one_hot(idx.clamp(min=0), self.d_in).float()
-            return onehot * (idx >= 0).unsqueeze(-1)
+            return one_hot_rows(self._a, self.d_in)
         return self._a_full()
 
     @property
@@ -294,7 +302,13 @@ class ModuleCapture:
                 )
             g = self.per_sample_grad()
             _check_proj(self.name, "p_in", p_in, g.shape[1])
-            return _into(g @ p_in.to(g).T, out)
+            p_t = p_in.to(g).T
+            if out is None or not _writable_into(out, g, p_t):
+                return _into(g @ p_t, out)
+            # straight into the (strided) columns: a copy kernel fewer per module per batch,
+            # the same GEMM (BLAS writes rows at any leading dimension)
+            _check_out(self.name, out, g.shape[0], p_t.shape[1])
+            return torch.mm(g, p_t, out=out)
         bp, ap = self._projected_factors(p_in, p_out)
         n, r_out, r_in = self.num_samples, bp.shape[-1], ap.shape[-1]
         if out is None:
@@ -303,7 +317,13 @@ class ModuleCapture:
         if bp.shape[1] == 1:  # one position: the outer product, written in place (no bmm temp)
             torch.mul(bp.reshape(n, r_out, 1), ap.reshape(n, 1, r_in), out=out.view(n, r_out, r_in))
             return out
-        return _into(torch.bmm(bp.transpose(1, 2), ap).reshape(n, -1), out)
+        bt = bp.transpose(1, 2)
+        if not _writable_into(out, bt, ap):
+            return _into(torch.bmm(bt, ap).reshape(n, -1), out)
+        # [N, r_out, r_in] written in place (batch stride = the row buffer's width): no temp
+        # and no copy kernel per module per batch, the same batched GEMM
+        torch.bmm(bt, ap, out=out.view(n, r_out, r_in))
+        return out
 
     def row_factors(
         self, p_in: torch.Tensor, p_out: torch.Tensor
@@ -329,15 +349,14 @@ class ModuleCapture:
         _check_proj(self.name, "p_out", p_out, self.d_out)
         p_in, p_out = p_in.to(self._b), p_out.to(self._b)
         if self.kind == "embedding":
-            idx = self._a
-            ap = F.embedding(idx.clamp(min=0), p_in.T) * (idx >= 0).unsqueeze(-1)
+            ap = token_rows(self._a, p_in)
         elif self._bias:
             # [a, 1] @ p_inᵀ without building [a, 1]; masked rows have b = 0 and drop out
             ap = torch.addmm(p_in[:, -1], self._a.reshape(-1, self._a.shape[-1]), p_in[:, :-1].T)
             ap = ap.reshape(*self._a.shape[:2], -1)
         else:
-            ap = self._a @ p_in.T
-        return self._b @ p_out.T, ap
+            ap = _rows_mm(self._a, p_in.T)
+        return _rows_mm(self._b, p_out.T), ap
 
     # ------------------------------------------------------------ sums for statistics
     def forward_gram(self, proj: torch.Tensor | None = None) -> torch.Tensor:
@@ -384,8 +403,7 @@ class ModuleCapture:
         _check_proj(self.name, "projection", proj, self.d_in)
         proj = proj.to(self._b)
         if self.kind == "embedding":
-            idx = self._a.reshape(-1)
-            return F.embedding(idx.clamp(min=0), proj.T) * (idx >= 0).unsqueeze(-1)
+            return token_rows(self._a.reshape(-1), proj)
         a = self._a.reshape(-1, self._a.shape[-1])
         if not self._bias:
             return a @ proj.T
@@ -433,6 +451,52 @@ def _check_out(name: str, out: torch.Tensor, n: int, width: int) -> None:
             f"{name}: out must be a float32 [{n}, {width}] tensor with contiguous rows, got "
             f"{out.dtype} {tuple(out.shape)} strides {out.stride()}"
         )
+
+
+def one_hot_rows(idx: torch.Tensor, width: int) -> torch.Tensor:
+    """``[..., width]`` float32 one-hot rows of indices ``idx`` (``-1``: a zero row): an
+    embedding's forward rows in matrix form.
+
+    Example:
+        >>> one_hot_rows(torch.tensor([2, -1]), 3)
+        tensor([[0., 0., 1.],
+                [0., 0., 0.]])
+    """
+    return F.one_hot(idx.clamp(min=0), width).float() * (idx >= 0).unsqueeze(-1)
+
+
+def token_rows(idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``one_hot_rows(idx, V) @ p.T`` (``p`` ``[r, V]``) as a lookup: the rows of the one-hot
+    matrix are never built (``[N, T, V]``: GBs for a GPT-2 vocabulary). The values are the
+    product's, bit for bit: each output is one ``p`` entry times 1 plus exact zeros.
+
+    Example:
+        >>> p = torch.randn(2, 3)
+        >>> bool(torch.equal(token_rows(torch.tensor([2, -1]), p),
+        ...                  one_hot_rows(torch.tensor([2, -1]), 3) @ p.T))
+        True
+    """
+    return F.embedding(idx.clamp(min=0), p.T) * (idx >= 0).unsqueeze(-1)
+
+
+def _rows_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` for ``[N, T, d]`` rows: the one GEMM ``matmul`` folds them into, viewed back
+    (``matmul`` adds an ``_unsafe_view`` op per call, a dispatch per module per batch)."""
+    if x.dim() != 3 or not x.is_contiguous():
+        return x @ w  # matmul decides how to fold (or batch) rows it cannot view
+    n, t, d = x.shape
+    return torch.mm(x.view(n * t, d), w).view(n, t, w.shape[1])
+
+
+def _writable_into(out: torch.Tensor, *inputs: torch.Tensor) -> bool:
+    """Whether an ``out=`` product may write ``out`` directly (same dtype and device; no
+    autograd graph, which ``out=`` refuses)."""
+    for x in inputs:
+        if x.dtype != out.dtype or x.device != out.device:
+            return False
+        if x.requires_grad and torch.is_grad_enabled():
+            return False
+    return True
 
 
 def _into(rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

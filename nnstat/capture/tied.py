@@ -36,11 +36,18 @@ Example:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from nnstat.capture import rules
-from nnstat.capture.capture import ModuleCapture
+from nnstat.capture.capture import (
+    ModuleCapture,
+    _check_proj,
+    one_hot_rows,
+    token_rows,
+)
 
 __all__ = ["merge", "owner_index", "tie_groups", "unsupported_tie"]
 
@@ -138,13 +145,118 @@ def merge(
         b = torch.cat([c.backward for c in parts], 1)
     else:
         flip = _TRANSPOSED[kind]
-        a_parts, b_parts = [], []
+        a_parts: list[Side] = []
+        b_parts: list[Side] = []
         for c in parts:
-            a, b = c.forward, c.backward  # one-hot rows for an embedding; b scaled
+            # an embedding's one-hot rows stay indices (Tokens); b scaled
+            a = Tokens(c.indices, c.d_in) if c.kind == "embedding" else c.forward
+            b = c.backward
             if _TRANSPOSED[c.kind] != flip:
                 a, b = b, a
             a_parts.append(a)
             b_parts.append(b)
-        a, b = torch.cat(a_parts, 1), torch.cat(b_parts, 1)
+        positions = sum(c.num_positions for c in parts)
+        return TiedCapture(name, module, kind, a_parts, b_parts, positions, dims)
     positions = sum(c.num_positions for c in parts)
     return ModuleCapture(name, module, kind, a, b, positions, None, dims, False)
+
+
+class Tokens(NamedTuple):
+    """One-hot rows ``[N, T, width]`` kept as their indices ``idx`` ``[N, T]`` (``-1``: a zero
+    row): an embedding's token side in a merged capture."""
+
+    idx: torch.Tensor
+    width: int
+
+
+Side = torch.Tensor | Tokens
+
+
+class TiedCapture(ModuleCapture):
+    """A merged capture whose sides are concatenations of the modules' rows over positions,
+    built only when asked for: its projection projects each module's rows and concatenates
+    those, so an embedding's one-hot rows (``[N, T, V]``, plus the ``[N, 2T, V]``
+    concatenation: GBs per batch for GPT-2 on an accelerator) are never built to be logged.
+    The rows are the same, bit for bit: a one-hot row times ``P`` is a lookup of ``P``.
+    Everything else (statistics, per-sample gradients) reads the concatenated matrices.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        kind: str,
+        a_parts: list[Side],
+        b_parts: list[Side],
+        num_positions: int | torch.Tensor,
+        dims: tuple[int, int],
+    ) -> None:
+        dense = next(p for p in (*b_parts, *a_parts) if isinstance(p, torch.Tensor))
+        super().__init__(name, module, kind, dense, dense, num_positions, None, dims, False)
+        self._a3 = self._b3 = None  # built from the parts on first use
+        self._a_parts, self._b_parts = a_parts, b_parts
+        self._dense = dense  # dtype and device of the rows
+        self._length = sum(_length(p) for p in a_parts)  # positions of the concatenation
+
+    @property
+    def device(self) -> torch.device:
+        return self._dense.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dense.dtype
+
+    @property
+    def _a(self) -> torch.Tensor:
+        if self._a3 is None:
+            self._a3 = _joined(self._a_parts)
+        return self._a3
+
+    @property
+    def _b_raw(self) -> torch.Tensor:
+        if self._b3 is None:
+            self._b3 = _joined(self._b_parts)
+        return self._b3
+
+    def _is_plain_row(self) -> bool:
+        if self._length != 1:
+            return False
+        _ = self._a, self._b_raw  # one row: the matrices are small (norms.py reads them)
+        return super()._is_plain_row()
+
+    def _projected_factors(
+        self, p_in: torch.Tensor, p_out: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if p_out is None:
+            raise ValueError(f"{self.name} ({self.kind}) needs both p_in and p_out")
+        _check_proj(self.name, "p_in", p_in, self.d_in)
+        _check_proj(self.name, "p_out", p_out, self.d_out)
+        p_in, p_out = p_in.to(self._dense), p_out.to(self._dense)
+        return _projected(self._b_parts, p_out), _projected(self._a_parts, p_in)
+
+
+def _length(part: Side) -> int:
+    return part.idx.shape[1] if isinstance(part, Tokens) else part.shape[1]
+
+
+def _joined(parts: list[Side]) -> torch.Tensor:
+    rows = [one_hot_rows(p.idx, p.width) if isinstance(p, Tokens) else p for p in parts]
+    return rows[0] if len(rows) == 1 else torch.cat(rows, 1)
+
+
+def _projected(parts: list[Side], p: torch.Tensor) -> torch.Tensor:
+    """``_joined(parts) @ p.T`` ``[N, T, r]``: a side without tokens in one GEMM over its
+    concatenated rows (as :class:`ModuleCapture` does), else each part's rows (GEMM or
+    lookup) concatenated."""
+    if not any(isinstance(q, Tokens) for q in parts):
+        x = _joined(parts)
+        n, t, d = x.shape
+        return torch.mm(x.reshape(n * t, d), p.T).view(n, t, -1)
+    out = []
+    for q in parts:
+        if isinstance(q, Tokens):
+            out.append(token_rows(q.idx, p))
+        else:
+            n, t, d = q.shape
+            out.append(torch.mm(q.reshape(n * t, d), p.T).view(n, t, -1))
+    return out[0] if len(out) == 1 else torch.cat(out, 1)

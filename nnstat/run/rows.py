@@ -115,7 +115,7 @@ class BatchRows:
         assert self._rows is not None
         proj = self._projections[cap.name]
         prev = self._rows.get(cap.name)
-        if cap.num_samples and (self._stage is not None or on_accelerator(cap.backward.device)):
+        if cap.num_samples and (self._stage is not None or on_accelerator(cap.device)):
             self._check_size(cap.name, cap.num_samples)
             self._add_staged(cap, proj, prev)
             return
@@ -129,13 +129,14 @@ class BatchRows:
         if prev is None and writer is not None:
             buf = self._row_buffer(writer, cap.num_samples)
             out = buf[:, self.columns[cap.name]]
-            b = cap.backward
+            # dtype and device read without building the rows (a tied capture's are GBs)
+            here = cap.device == buf.device
             factors = None
-            if b.dtype == torch.float32 and b.device == buf.device and len(buf):
+            if cap.dtype == torch.float32 and here and len(buf):
                 factors = row_factors(cap, proj)
             if factors is not None:
                 self._outer.append(outer.OuterFactors(self.columns[cap.name], *factors))
-            elif b.device == buf.device:
+            elif here:
                 self._all_outer = False
                 project_capture(cap, proj, out=out)
             else:  # an accelerator: one transfer of the projected rows
@@ -157,10 +158,10 @@ class BatchRows:
             self._layout()
             width = sum(p.width for p in self._projections.values())
             self._stage = torch.empty(
-                cap.num_samples, width, dtype=torch.float32, device=cap.backward.device
+                cap.num_samples, width, dtype=torch.float32, device=cap.device
             )
         out = self._stage[:, self.columns[cap.name]]
-        same = cap.backward.device == out.device
+        same = cap.device == out.device
         if prev is not None:
             out.add_(project_capture(cap, proj).to(out.device))
         elif same:

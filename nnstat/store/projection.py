@@ -286,8 +286,8 @@ def row_factors(cap: Any, proj: ModuleProjection) -> tuple[torch.Tensor, torch.T
 
 
 def _device(cap: Any) -> torch.device:
-    """The device of a capture's tensors (its output gradients)."""
-    return cap.backward.device
+    """The device of a capture's tensors (its output gradients), without building them."""
+    return cap.device
 
 
 def _kernels(

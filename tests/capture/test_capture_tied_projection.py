@@ -1,0 +1,87 @@
+"""Projected rows of a tied weight (an embedding tied to the output head, GPT-2 style), which
+the capture projects module by module, the embedding's one-hot token rows as a lookup of the
+projection, without building them: equal to the projection of ``torch.func`` per-sample
+gradients of the shared weight (both uses), and bit for bit equal to the projection of the
+capture's dense matrices (one-hot rows and all), masked positions included."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+import nnstat
+
+V, D, T, N, R_OUT, R_IN = 13, 6, 5, 4, 3, 2
+
+
+class TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(V, D)
+        self.mid = nn.Linear(D, D)
+        self.lm_head = nn.Linear(D, V, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids)
+        return self.lm_head(x + torch.tanh(self.mid(x)))
+
+
+def _loss(logits: torch.Tensor) -> torch.Tensor:
+    return logits.square().sum() / 7 + logits[..., 0].sum()
+
+
+def _head_capture(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None):
+    engine = nnstat.CaptureEngine()
+    assert engine.watch(model) == ["mid", "lm_head"]  # wte is captured under lm_head
+    caps = {}
+    engine.add_consumer(lambda c: caps.update({c.name: c}))
+    with engine.batch(mask=mask):
+        _loss(model(ids)).backward()
+    engine.unwatch()
+    return caps["lm_head"]
+
+
+def test_tied_rows_equal_projected_per_sample_gradients_of_the_shared_weight():
+    torch.manual_seed(0)
+    model = TiedLM().double()
+    ids = torch.randint(0, V, (N, T), generator=torch.Generator().manual_seed(1))
+    p_out = torch.randn(R_OUT, V, dtype=torch.float64)
+    p_in = torch.randn(R_IN, D, dtype=torch.float64)
+    cap = _head_capture(model, ids)
+
+    params = {k: v.detach() for k, v in model.named_parameters()}  # the tied weight once
+    per_sample = vmap(
+        grad(lambda p, x: _loss(functional_call(model, p, (x[None],)))), in_dims=(None, 0)
+    )(params, ids)[
+        "wte.weight"
+    ]  # [N, V, D]: lm_head's orientation, both uses summed
+    want = (p_out @ per_sample @ p_in.T).reshape(N, -1)
+
+    # captures hold float32 rows (whatever the model's dtype): float32 accuracy
+    tol = dict(rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    torch.testing.assert_close(cap.project(p_in, p_out).double(), want, **tol)
+    # written into the columns of a wider row buffer, as the store does
+    buf = torch.zeros(N, 3 + R_OUT * R_IN + 2)
+    got = cap.project(p_in, p_out, out=buf[:, 3 : 3 + R_OUT * R_IN])
+    torch.testing.assert_close(got.double(), want, **tol)
+    assert buf[:, :3].eq(0).all() and buf[:, -2:].eq(0).all()
+
+
+def test_tied_rows_are_bit_for_bit_the_projection_of_the_dense_one_hot_matrices():
+    torch.manual_seed(0)
+    model = TiedLM()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, V, (N, T), generator=g)
+    mask = (torch.rand(N, T, generator=g) > 0.4).float()  # masked tokens: index -1
+    p_out, p_in = torch.randn(R_OUT, V), torch.randn(R_IN, D)
+    cap = _head_capture(model, ids, mask)
+    rows = cap.project(p_in, p_out)
+    # the capture's matrices, built densely: [N, 2T, D] inputs, [N, 2T, V] output gradients
+    # whose first half is the embedding's one-hot tokens (watch order: wte, then lm_head)
+    a, b = cap.forward, cap.backward
+    assert a.shape == (N, 2 * T, D) and b.shape == (N, 2 * T, V)
+    assert torch.equal(b[:, :T].sum(-1), mask)  # one-hot rows, zero where masked
+    dense = torch.bmm((b @ p_out.T).transpose(1, 2), a @ p_in.T).reshape(N, -1)
+    assert torch.equal(rows, dense)
