@@ -133,7 +133,7 @@ def parts(args: argparse.Namespace) -> list[Part]:
         Part("syncs", [PY, __file__, "--inline", "syncs"] + (["--quick"] if q else []), 90),
         Part("profile", [PY, __file__, "--inline", "profile"] + (["--quick"] if q else []), 75),
         Part("stats", scale + ["--parts", "stats"], 150),
-        Part("logging", scale + ["--parts", "logging"], 210),
+        Part("logging", scale + ["--parts", "logging"], 240),
         Part("hf", scale + ["--parts", "hf"], 90),
         Part("noise", [PY, __file__, "--inline", "noise"] + (["--quick"] if q else []), 60),
         Part(
@@ -502,7 +502,8 @@ def main() -> None:
         unknown = set(wanted) - {p.name for p in todo}
         if unknown:
             ap.error(f"unknown parts {sorted(unknown)}; choose from {[p.name for p in todo]}")
-        todo = [p for p in todo if p.name in wanted]
+        by_name = {p.name: p for p in todo}
+        todo = [by_name[name] for name in wanted]  # in the order asked: the budget runs out last
     start = time.perf_counter()
     outcomes: list[Outcome] = []
     with open(out / "gpu_check.log", "w") as log:
