@@ -115,13 +115,8 @@ def parts(args: argparse.Namespace) -> list[Part]:
     return [
         Part(
             "cuda",
-            [
-                PY,
-                "-m",
-                "pytest",
-                "-q",
-                "-p",
-                "no:cacheprovider",
+            PYTEST  # the installed nnstat: the callbacks' test imports nnstat.integrations
+            + [
                 "tests/test_cuda.py",
                 # the fused row kernels compiled for the GPU (on CI they run interpreted)
                 "tests/describe/test_triton_rows.py",

@@ -299,7 +299,11 @@ def segment_tables(
     if not live:
         return [(torch.zeros((0, k + 1), dtype=torch.float64), None, []) for _ in lists]
     dev = live[0][0].device
-    norm_path = hist is None and not set(stats) - NORM_STATS and _norm_kernels(dev)
+    norm_path = (
+        hist is None
+        and not set(stats) - NORM_STATS
+        and (_norm_kernels(dev) or triton_rows.available(dev))
+    )
     if norm_path:
         needs = frozenset(s for s in ("abs_max", "l1") if s in stats or _derived(s, stats))
     else:

@@ -8,11 +8,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_segments import assert_stats, hard_tensors, np_sample, reference
 
 from nnstat.describe import STAT_NAMES, segments, summarize, summary, triton_rows
 from nnstat.describe.segments import HistSpec, segment_table
-
-from test_segments import assert_stats, hard_tensors, np_sample, reference
 
 pytest.importorskip("triton", reason="the dev extra installs triton (Linux x86_64)")
 
@@ -33,9 +32,9 @@ def fused(monkeypatch):
     for name, key in (("pass_a", "a"), ("pass_b", "b"), ("gather", "gather")):
         real = getattr(triton_rows, name)
 
-        def counted(*args, _real=real, _key=key):
+        def counted(*args, _real=real, _key=key, **kwargs):
             calls[_key] += 1
-            return _real(*args)
+            return _real(*args, **kwargs)
 
         monkeypatch.setattr(triton_rows, name, counted)
     return device, calls
