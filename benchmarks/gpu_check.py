@@ -100,7 +100,7 @@ def tables_of(out: str) -> str:
 
 def pytest_summary(out: str) -> str:
     found = re.findall(r"^=*\s*(\d+ (?:passed|failed|errors?|skipped).*?)\s*=*$", out, re.M)
-    fails = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
+    fails = sorted(set(re.findall(r"(?:FAILED|ERROR) (tests/\S+)", out)))
     text = found[-1] if found else "no pytest summary"
     return text + ("; " + ", ".join(fails[:12]) if fails else "")
 
@@ -145,8 +145,9 @@ def parts(args: argparse.Namespace) -> list[Part]:
         ),
         Part(
             "suite",
-            # xdist when the image has it (the GPU image may not: then one process)
-            PYTEST + (["-n", cores] if _has("xdist") else []) + ["tests"],
+            # xdist when the image has it (the GPU image may not: then one process); -v streams
+            # each result as it ends, so a run cut at its cap still names its failures
+            PYTEST + (["-n", cores, "-v"] if _has("xdist") else []) + ["tests"],
             240,
             pytest_summary,
         ),
