@@ -421,6 +421,29 @@ def _segment(g: _Group, partials: torch.Tensor, reduce: str) -> torch.Tensor:
     return out.view(k, len(g.numels))
 
 
+def _extrema(
+    g: _Group, lo_rows: torch.Tensor, hi_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each tensor's min and max from its rows' (one segment reduction for both)."""
+    mm = _segment(g, torch.stack([lo_rows, hi_rows.neg()]), "min")
+    return mm[0], mm[1].neg()
+
+
+def _hist_rows(
+    g: _Group,
+    samples: torch.Tensor,
+    seg: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    hist: HistSpec,
+) -> torch.Tensor:
+    """``[m, 2 + bins]`` rows ``[lo, hi, counts...]`` of the group's histogram samples (their
+    tensor in `seg`) over each tensor's range."""
+    rlo, rhi = hist_ranges(lo, hi)
+    counts = bin_flat(samples, seg, rlo, rhi, hist.bins, len(g.numels))
+    return torch.cat([torch.stack([rlo, rhi], dim=1), counts], dim=1)
+
+
 def _moment_partials(
     g: _Group,
     views: list[torch.Tensor],
@@ -459,16 +482,13 @@ def _moment_partials(
             lo_r, hi_r = x2.amin(1), x2.amax(1)
         else:
             lo_r, hi_r = torch.aminmax(x2, dim=1)
-        mm = _segment(g, torch.stack([lo_r, hi_r.neg()]), "min")
-        lo, hi = mm[0], mm[1].neg()
+        lo, hi = _extrema(g, lo_r, hi_r)
         out.append(torch.stack([lo, hi]))
     h = None
     if hist is not None:
         assert lo is not None and hi is not None
         idx, seg, _ = g.samples(hist.max_elements)
-        rlo, rhi = hist_ranges(lo, hi)
-        counts = bin_flat(x.index_select(0, idx), seg, rlo, rhi, hist.bins, len(g.numels))
-        h = torch.cat([torch.stack([rlo, rhi], dim=1), counts], dim=1)
+        h = _hist_rows(g, x.index_select(0, idx), seg, lo, hi, hist)
     if "pass_b" in needs:
         assert lo is not None and hi is not None
         c64, scale = _centre_scale(g, out[1][0], lo, hi)
@@ -530,17 +550,13 @@ def _fused_moment_partials(
     out = [g.n.unsqueeze(0), _segment(g, torch.stack([a[i] for i in sel]), "sum")]
     lo = hi = None
     if "minmax" in needs:
-        mm = _segment(g, torch.stack([a[4], a[5].neg()]), "min")
-        lo, hi = mm[0], mm[1].neg()
+        lo, hi = _extrema(g, a[4], a[5])
         out.append(torch.stack([lo, hi]))
     h = None
     if hist is not None:
         assert lo is not None and hi is not None
         idx, seg, _ = g.samples(hist.max_elements)
-        rlo, rhi = hist_ranges(lo, hi)
-        samples = triton_rows.gather(tab, views, idx, g.work)
-        counts = bin_flat(samples, seg, rlo, rhi, hist.bins, len(g.numels))
-        h = torch.cat([torch.stack([rlo, rhi], dim=1), counts], dim=1)
+        h = _hist_rows(g, triton_rows.gather(tab, views, idx, g.work), seg, lo, hi, hist)
     if "pass_b" in needs:
         assert lo is not None and hi is not None
         c64, scale = _centre_scale(g, out[1][0], lo, hi)

@@ -170,10 +170,16 @@ def test_histogram_counts_equal_numpy_over_the_sample(max_elements):
     ]
     bins = 16
     _, hist, sampled = segment_table(xs, ("mean",), None, HistSpec(bins, max_elements))
+    assert_histograms(xs, hist, sampled, bins, max_elements)
+
+
+def assert_histograms(xs, hist, sampled, bins: int, max_elements: int | None) -> None:
+    """Each row ``[lo, hi, counts...]`` is numpy's histogram of the documented sample over the
+    tensor's range (a single value spans it +- 0.5)."""
     for x, row, was in zip(xs, hist.tolist(), sampled, strict=True):
-        x = x.reshape(-1).numpy()
+        x = x.reshape(-1).float().numpy() if x.dtype == torch.bfloat16 else x.reshape(-1).numpy()
         lo, hi = float(x.min()), float(x.max())
-        if lo == hi:  # a single value: the histogram spans it +- 0.5
+        if lo == hi:
             lo, hi = lo - 0.5, hi + 0.5
         assert row[:2] == [lo, hi]
         sample = np_sample(x, max_elements)

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
-from test_segments import assert_stats, hard_tensors, np_sample, reference
+from test_segments import assert_histograms, assert_stats, hard_tensors, reference
 
 from nnstat.describe import STAT_NAMES, segments, summarize, summary, triton_rows
 from nnstat.describe.segments import HistSpec, segment_table
@@ -111,16 +110,7 @@ def test_histogram_counts_equal_numpy_over_the_sample(fused, max_elements):
         [x.to(device) for x in xs], ("mean",), None, HistSpec(bins, max_elements)
     )
     assert calls["gather"] == 3  # float32, float64 and bf16 groups
-    for x, row, was in zip(xs, hist.tolist(), sampled, strict=True):
-        x = x.reshape(-1).float().numpy() if x.dtype == torch.bfloat16 else x.reshape(-1).numpy()
-        lo, hi = float(x.min()), float(x.max())
-        if lo == hi:
-            lo, hi = lo - 0.5, hi + 0.5
-        assert row[:2] == [lo, hi]
-        sample = np_sample(x, max_elements)
-        assert was == (sample.size < x.size)
-        want, _ = np.histogram(sample.astype(np.float64), bins=bins, range=(lo, hi))
-        np.testing.assert_array_equal(row[2:], want)
+    assert_histograms(xs, hist, sampled, bins, max_elements)
 
 
 def test_strided_and_offset_tensors_are_read_as_their_values(fused):
