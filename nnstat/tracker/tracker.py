@@ -55,7 +55,7 @@ from nnstat.tracker.background import (
     split_run,
     task_costs,
 )
-from nnstat.tracker.compute import StepPlan, assemble, device_results, tasks
+from nnstat.tracker.compute import StepPlan, assemble, device_results, shares_blocks, tasks
 from nnstat.tracker.delivery import DeferredSteps, _InFlight
 
 __all__ = ["Tracker", "Sink", "GROUPS", "StepMetrics"]
@@ -409,7 +409,7 @@ class Tracker(BackgroundSteps, DeferredSteps):
             if background:
                 handle = self._schedule(step, plan, todo)
             elif split:
-                results = split_run(todo, task_costs(plan, todo))
+                results = split_run(todo, task_costs(plan, todo), shares_blocks(plan))
             elif on_cpu or self._fsdp1 or any_dtensor(self.params):
                 results = {k: fn() for k, fn in todo}
             else:

@@ -283,7 +283,9 @@ def test_background_option_policy_and_errors():
 def test_two_threads_split_the_synchronous_statistics_with_the_worker(monkeypatch, kw):
     """With two torch threads the synchronous statistics run on this thread and the worker at
     once (both cores: training leaves none idle to hide them behind); the numbers are those of
-    the tasks run one after the other, bit for bit."""
+    the tasks run one after the other, bit for bit. The default statistics share each blocked
+    pass block by block (one worker job per pass: 3 groups and the weight/update pass), other
+    statistics split the tasks (one worker job per step)."""
     import nnstat.tracker.background as background
 
     submitted = []
@@ -300,7 +302,7 @@ def test_two_threads_split_the_synchronous_statistics_with_the_worker(monkeypatc
             train(m_a, o_a, i)
             train(m_b, o_b, i)
             a, b = split.step(), serial.step()
-            assert len(submitted) == i + 1 and isinstance(a, dict)
+            assert len(submitted) == (i + 1) * (1 if kw else 4) and isinstance(a, dict)
             assert sorted(a) == sorted(b) and all(same(a[k], b[k]) for k in b)
     finally:
         torch.set_num_threads(n)
