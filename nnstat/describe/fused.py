@@ -45,10 +45,12 @@ __all__ = [
 
 #: Statistics the fused pass can produce.
 FUSED_STATS = frozenset({"numel", "l2", "rms", "abs_max", "nonfinite"})
-#: Block length of a single tensor's pass (CPU): a block stays in L2 cache while it is reduced.
-BLOCK = 1 << 16
-#: Block length of the weight/update pass: the weight, snapshot and difference blocks stay in L2.
-PAIR_BLOCK = 1 << 16
+#: Block length on CPU: a block (with its snapshot and difference) stays in L2 cache while it
+#: is reduced. Longer blocks mean fewer numpy calls, so two threads sharing the blocks hand the
+#: GIL over less often (a 10.5M-parameter Adam model's default statistics: 27 instead of 34 ms
+#: on two threads at 128K than at 64K, one thread as fast); each block's float32 dot product
+#: costs ~5e-8 relative error in the sum of squares (float64 accumulation would cost 5x).
+BLOCK = 1 << 17
 
 
 def _numpy_ok(t: torch.Tensor) -> bool:
@@ -164,8 +166,14 @@ def _np_norms(b: np.ndarray) -> tuple[float, float, float, float]:
 
 
 def _np_pair(wb: np.ndarray, pb: np.ndarray, d: np.ndarray, refresh: bool) -> list[float]:
-    """`_np_norms` of ``wb`` and of ``wb - pb`` (formed in `d`); then ``pb[:] = wb`` if
-    `refresh` (after the difference is reduced, so the exact path still sees the old block)."""
+    """`_np_norms` of ``wb`` and of ``wb - pb``; then ``pb[:] = wb`` if `refresh`.
+
+    The difference is formed in `d`, or with `refresh` in ``pb`` itself (its old values are
+    not needed once the difference exists, and the block stays smaller in cache: measured 9.5
+    instead of 10.3 ms per 10.5M parameters on two threads); it is reduced, exactly if it holds
+    NaN/Inf, before ``pb`` is overwritten."""
+    if refresh:
+        d = pb
     np.subtract(wb, pb, out=d)
     sw, sd = wb.dot(wb), d.dot(d)
     if math.isfinite(sw + sd):
@@ -260,7 +268,7 @@ def _np_pairs(
     current: list[torch.Tensor], previous: list[torch.Tensor], ws: Workspace, refresh: bool
 ) -> list[list[float]]:
     """`weight_update_norms`' rows of flat CPU float32/float64 pairs, block by block."""
-    spans, starts = _spans([w.numel() for w in current], PAIR_BLOCK)
+    spans, starts = _spans([w.numel() for w in current], BLOCK)
     owner = [i for i, (a, b) in enumerate(spans) for _ in range(a, b)]
     ws_np, ps_np = [w.numpy() for w in current], [p.numpy() for p in previous]
     # one difference buffer per thread (lane) and dtype
@@ -268,13 +276,13 @@ def _np_pairs(
     for w in current:
         if w.dtype not in bufs:
             longest = max(t.numel() for t in current if t.dtype == w.dtype)
-            bufs[w.dtype] = [b.numpy() for b in ws.get(min(PAIR_BLOCK, longest), w.dtype, w.device)]
+            bufs[w.dtype] = [b.numpy() for b in ws.get(min(BLOCK, longest), w.dtype, w.device)]
     dts = [bufs[w.dtype] for w in current]
     res = np.empty((len(starts), 8))
 
     def one(k: int, lane: int) -> None:
         i, s = owner[k], starts[k]
-        wb, pb = ws_np[i][s : s + PAIR_BLOCK], ps_np[i][s : s + PAIR_BLOCK]
+        wb, pb = ws_np[i][s : s + BLOCK], ps_np[i][s : s + BLOCK]
         res[k] = _np_pair(wb, pb, dts[i][lane][: wb.size], refresh)
 
     _run_blocks(len(starts), one)

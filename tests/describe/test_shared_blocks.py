@@ -53,7 +53,6 @@ def small_slow_blocks(monkeypatch):
     """Blocks of 64 elements that take a little while, so both threads get some; records
     which threads reduced blocks."""
     monkeypatch.setattr(sf, "BLOCK", 64)
-    monkeypatch.setattr(sf, "PAIR_BLOCK", 64)
     seen = set()
     for name in ("_np_norms", "_np_pair"):
         real = getattr(sf, name)

@@ -255,7 +255,6 @@ def test_fused_weight_update_pass_is_exact_with_nonfinite_blocks(monkeypatch, re
     import nnstat.describe.fused as sf
 
     monkeypatch.setattr(sf, "BLOCK", 64)  # several blocks per tensor
-    monkeypatch.setattr(sf, "PAIR_BLOCK", 64)
     if not use_numpy:  # the torch path (accelerators, half precision)
         monkeypatch.setattr(sf, "_numpy_ok", lambda t: False)
     torch.manual_seed(0)
