@@ -18,8 +18,9 @@ The Tracker runs with its default (``background=None``: background statistics at
 thread, else synchronous), with background statistics (step t's reductions on a worker thread
 while step t+1 trains; its CPU time counts, since the process's CPU time covers every thread)
 and synchronously (with two or more torch threads this thread and the worker share every
-blocked pass block by block; the variants marked "before" keep them on one thread, as the code
-before issue 24 did, or split them by whole tasks, as it did before the shared blocks).
+blocked pass block by block; the variant marked "before" keeps them on one thread, as the code
+before issue 24 did; "split by tasks" gives each thread whole tasks, as the code did before
+the shared blocks).
 
 Run:  WANDB_MODE=offline .venv/bin/python benchmarks/stats_overhead.py [--steps 4 --rounds 12]
       [--threads 1] [--batch 256] [--no-peers]
@@ -116,7 +117,7 @@ def variants(
             if not by_tasks:
                 t.step()
                 return
-            # the two-thread split as it was before the shared blocks: whole tasks per thread
+            # the two-thread split of before the shared blocks: whole tasks per thread
             shares = tracker_module.shares_blocks
             tracker_module.shares_blocks = lambda plan: False
             try:
@@ -138,7 +139,7 @@ def variants(
             background=False,
         )
         tracked(
-            "nnstat Tracker, default stats (synchronous, tasks split: before)",
+            "nnstat Tracker, default stats (synchronous, split by tasks)",
             by_tasks=True,
             background=False,
         )

@@ -9,10 +9,13 @@ cost three memory streams in total instead of about eight with separate reductio
 subtraction and a copy.
 
 On CPU (float32/float64) the block reductions are numpy calls on views of the same memory: they
-cost less per call than torch's and return Python floats, so nothing is stacked per block.
-Blocks holding NaN/Inf (or whose float32 sum of squares overflows) are reduced exactly in
-float64 over their finite elements on the spot, before the snapshot block is overwritten, so the
-result is exact without keeping the old snapshot around.
+cost less per call than torch's and return scalars, so nothing is stacked per block. Each
+block's result goes to its own slot and the slots are combined per tensor in block order, so
+two threads can share a pass block by block (`share_blocks`: the Tracker's two-thread
+synchronous path) with the numbers of one thread, bit for bit. Blocks holding NaN/Inf (or whose
+float32 sum of squares overflows) are reduced exactly in float64 over their finite elements on
+the spot, before the snapshot block is overwritten, so the result is exact without keeping the
+old snapshot around.
 
 Example:
     >>> import torch
@@ -40,6 +43,7 @@ __all__ = [
     "weight_update_norms",
     "FUSED_STATS",
     "light_columns",
+    "share_blocks",
     "sumsq_min_max",
 ]
 
@@ -131,6 +135,11 @@ class _Blocks:
         with self.cond:
             self.n = min(self.n, self.next)
             self.cond.wait_for(lambda: self.finished == self.next)
+        self.fn = _nothing  # a helper job still queued need not keep the tensors alive
+
+
+def _nothing(k: int, lane: int) -> None:
+    return None
 
 
 def _run_blocks(n: int, fn: Callable[[int, int], None]) -> None:
@@ -191,21 +200,17 @@ def _np_pair(wb: np.ndarray, pb: np.ndarray, d: np.ndarray, refresh: bool) -> li
     return row
 
 
-def _combine(res: np.ndarray, spans: list[tuple[int, int]]) -> list[list[float]]:
-    """Per tensor ``[sumsq, min, max, nonfinite]`` (repeated per row group of 4 columns of
-    `res`) from the rows of its blocks ``spans[i] = (first, stop)``, in block order."""
-    out = []
-    for a, b in spans:
-        part = res[a:b]
-        row = []
-        for lo in range(0, res.shape[1], 4):
-            row += [
-                float(part[:, lo].sum()),
-                float(part[:, lo + 1].min()),
-                float(part[:, lo + 2].max()),
-                float(part[:, lo + 3].sum()),
-            ]
-        out.append(row)
+def _combine(res: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """Per tensor ``[sumsq, min, max, nonfinite]`` (repeated per group of 4 columns of `res`)
+    from the rows of its blocks ``spans[i] = (first, stop)`` (consecutive, none empty), in
+    block order: a few segment reductions for all tensors, not a few per tensor."""
+    first = np.array([a for a, _ in spans], dtype=np.intp)
+    out = np.empty((len(spans), res.shape[1]))
+    for lo in range(0, res.shape[1], 4):
+        out[:, lo] = np.add.reduceat(res[:, lo], first)
+        out[:, lo + 1] = np.minimum.reduceat(res[:, lo + 1], first)
+        out[:, lo + 2] = np.maximum.reduceat(res[:, lo + 2], first)
+        out[:, lo + 3] = np.add.reduceat(res[:, lo + 3], first)
     return out
 
 
@@ -263,8 +268,8 @@ def weight_update_norms(
     if on_numpy:
         # every tensor's blocks in one pass, so two threads can share them (`share_blocks`)
         found = _np_pairs([w for _, w, _ in on_numpy], [p for _, _, p in on_numpy], ws, refresh)
-        for (i, _, _), row in zip(on_numpy, found, strict=True):
-            rows[i] = torch.tensor(row, dtype=torch.float64)
+        for (i, _, _), row in zip(on_numpy, torch.from_numpy(found), strict=True):
+            rows[i] = row
     if not rows:
         return torch.zeros((0, 8), dtype=torch.float64)
     return torch.stack(rows)
@@ -272,7 +277,7 @@ def weight_update_norms(
 
 def _np_pairs(
     current: list[torch.Tensor], previous: list[torch.Tensor], ws: Workspace, refresh: bool
-) -> list[list[float]]:
+) -> np.ndarray:
     """`weight_update_norms`' rows of flat CPU float32/float64 pairs, block by block."""
     spans, starts = _spans([w.numel() for w in current], BLOCK)
     owner = [i for i, (a, b) in enumerate(spans) for _ in range(a, b)]
@@ -395,15 +400,16 @@ def sumsq_min_max(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         rows[i] = torch.stack([r[:, 0].sum(), r[:, 1].min(), r[:, 2].max()])
     if on_numpy:
         found = _np_norm_rows([x for _, x in on_numpy])
-        for (i, _), (sq, lo, hi, bad) in zip(on_numpy, found, strict=True):
-            # non-finite blocks give their finite part here; callers detect non-finite values
-            # from the sum of squares, so keep NaN there for them (they recompute exactly)
-            rows[i] = torch.tensor([math.nan if bad else sq, lo, hi], dtype=torch.float64)
+        # non-finite blocks give their finite part here; callers detect non-finite values
+        # from the sum of squares, so keep NaN there for them (they recompute exactly)
+        found[found[:, 3] > 0, 0] = math.nan
+        for (i, _), row in zip(on_numpy, torch.from_numpy(found[:, :3]), strict=True):
+            rows[i] = row
     dev = rows[0].device if rows else torch.device("cpu")
     return torch.stack([r.to(device=dev, dtype=torch.float64) for r in rows])
 
 
-def _np_norm_rows(tensors: list[torch.Tensor]) -> list[list[float]]:
+def _np_norm_rows(tensors: list[torch.Tensor]) -> np.ndarray:
     """``[sumsq, min, max, nonfinite]`` of flat CPU float32/float64 tensors, block by block
     (all tensors' blocks in one pass, so two threads can share them: `share_blocks`)."""
     spans, starts = _spans([x.numel() for x in tensors], BLOCK)
