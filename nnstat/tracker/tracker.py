@@ -404,12 +404,14 @@ class Tracker(BackgroundSteps, DeferredSteps):
         todo = tasks(plan, self._workspaces)
         # outside cpu_single_thread: both read the thread count
         background = self._background_ok(on_cpu)
-        split = not background and len(todo) > 1 and self._split_ok(on_cpu)
+        # two threads share one task's blocks, or take whole tasks when there are several
+        blocks = shares_blocks(plan)
+        split = not background and (blocks or len(todo) > 1) and self._split_ok(on_cpu)
         with cpu_single_thread() if on_cpu else contextlib.nullcontext():
             if background:
                 handle = self._schedule(step, plan, todo)
             elif split:
-                results = split_run(todo, task_costs(plan, todo), shares_blocks(plan))
+                results = split_run(todo, task_costs(plan, todo), blocks)
             elif on_cpu or self._fsdp1 or any_dtensor(self.params):
                 results = {k: fn() for k, fn in todo}
             else:
