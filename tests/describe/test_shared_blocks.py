@@ -48,21 +48,34 @@ def pairs():
     return cur, prev
 
 
+def both_threads_take_blocks(monkeypatch, name, seen, fail_second=False):
+    """Wrap block function `name`: record the threads that run it; while blocks are shared with
+    a real thread, the calling thread waits until that thread has taken one (however late the
+    OS starts it) and blocks take a little while, so both threads get some."""
+    main, started = threading.get_ident(), threading.Event()
+    real = getattr(sf, name)
+
+    def wrapped(*args):
+        seen.add(threading.get_ident())
+        if threading.get_ident() != main:
+            started.set()
+            if fail_second:
+                raise RuntimeError("boom on the second thread")
+        elif sf._SECOND.get() is on_a_thread:
+            assert started.wait(30), "the second thread never took a block"
+        time.sleep(2e-4)
+        return real(*args)
+
+    monkeypatch.setattr(sf, name, wrapped)
+
+
 @pytest.fixture
 def small_slow_blocks(monkeypatch):
-    """Blocks of 64 elements that take a little while, so both threads get some; records
-    which threads reduced blocks."""
+    """Blocks of 64 elements shared by both threads; records which threads reduced blocks."""
     monkeypatch.setattr(sf, "BLOCK", 64)
     seen = set()
     for name in ("_np_norms", "_np_pair"):
-        real = getattr(sf, name)
-
-        def slow(*args, real=real):
-            seen.add(threading.get_ident())
-            time.sleep(2e-4)
-            return real(*args)
-
-        monkeypatch.setattr(sf, name, slow)
+        both_threads_take_blocks(monkeypatch, name, seen)
     return seen
 
 
@@ -106,21 +119,18 @@ def test_shared_sumsq_min_max_is_the_one_thread_pass(small_slow_blocks, submit):
 
 def test_a_failure_on_the_second_thread_is_raised_here_after_its_blocks(monkeypatch):
     monkeypatch.setattr(sf, "BLOCK", 64)
-    main = threading.get_ident()
     running = [0]
     real = sf._np_norms
 
-    def flaky(b):
+    def counted(b):
         running[0] += 1
         try:
-            time.sleep(2e-4)
-            if threading.get_ident() != main:
-                raise RuntimeError("boom on the second thread")
             return real(b)
         finally:
             running[0] -= 1
 
-    monkeypatch.setattr(sf, "_np_norms", flaky)
+    monkeypatch.setattr(sf, "_np_norms", counted)
+    both_threads_take_blocks(monkeypatch, "_np_norms", set(), fail_second=True)
     with sf.share_blocks(on_a_thread), pytest.raises(RuntimeError, match="boom"):
         sf.sumsq_min_max([torch.randn(64 * 40)])
     assert running[0] == 0  # nothing still reads the caller's tensors
