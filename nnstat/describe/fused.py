@@ -122,7 +122,7 @@ class _Blocks:
             error = None
             try:
                 self.fn(k, lane)
-            except BaseException as e:  # re-raised by the calling thread in `run_blocks`
+            except BaseException as e:  # re-raised by the calling thread in `_run_blocks`
                 error = e
             with self.cond:
                 self.finished += 1
