@@ -17,8 +17,10 @@ model, measured in interleaved rounds so machine load hits all of them alike:
 The Tracker runs with its default (``background=None``: background statistics at one torch
 thread, else synchronous), with background statistics (step t's reductions on a worker thread
 while step t+1 trains; its CPU time counts, since the process's CPU time covers every thread)
-and synchronously (with two or more torch threads split between this thread and the worker;
-the variant marked "before" keeps them on one thread, as the code before issue 24 did).
+and synchronously (with two or more torch threads this thread and the worker share every
+blocked pass block by block; the variant marked "before" keeps them on one thread, as the code
+before issue 24 did; "split by tasks" gives each thread whole tasks, as the code did before
+the shared blocks).
 
 Run:  WANDB_MODE=offline .venv/bin/python benchmarks/stats_overhead.py [--steps 4 --rounds 12]
       [--threads 1] [--batch 256] [--no-peers]
@@ -42,6 +44,7 @@ import torch
 from torch import nn
 
 import nnstat
+import nnstat.tracker.tracker as tracker_module
 
 
 def make(width: int, depth: int, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -103,12 +106,26 @@ def variants(
 
     out["hand-written l2 of the 5 groups (foreach)"] = manual_groups
 
-    def tracked(label: str, unsplit: bool = False, **kw) -> None:
+    def tracked(label: str, unsplit: bool = False, by_tasks: bool = False, **kw) -> None:
         m, o = make(args.width, args.depth)
         t = nnstat.Tracker(m, o, **kw)
         if unsplit:  # the synchronous path as it was before issue 24: statistics on one thread
             t._split_ok = lambda on_cpu: False
-        out[label] = lambda: (train_step(m, o, X, y), t.step())
+
+        def step() -> None:
+            train_step(m, o, X, y)
+            if not by_tasks:
+                t.step()
+                return
+            # the two-thread split of before the shared blocks: whole tasks per thread
+            shares = tracker_module.shares_blocks
+            tracker_module.shares_blocks = lambda plan: False
+            try:
+                t.step()
+            finally:
+                tracker_module.shares_blocks = shares
+
+        out[label] = step
         flushes[label] = t.flush
 
     modes = [("background", {"background": True}), ("synchronous", {"background": False})]
@@ -121,14 +138,20 @@ def variants(
             True,
             background=False,
         )
+        tracked(
+            "nnstat Tracker, default stats (synchronous, split by tasks)",
+            by_tasks=True,
+            background=False,
+        )
     for mode, kw in modes:
         tracked(
             f"nnstat Tracker, all stats + histograms ({mode})", stats=None, histograms=True, **kw
         )
 
     if not args.no_peers:
-        import wandb
         from torch.utils.tensorboard import SummaryWriter
+
+        import wandb
 
         m5, o5 = make(args.width, args.depth)
         run = wandb.init(project="nnstat-bench", dir=tmp, mode="offline")

@@ -42,7 +42,16 @@ from nnstat.describe.segments import HistSpec, segment_tables
 from nnstat.describe.summary import pair_tables, repair_table
 from nnstat.distributed import local_tensor
 
-__all__ = ["StepPlan", "tasks", "assemble", "device_results", "stage", "finish", "to_host"]
+__all__ = [
+    "StepPlan",
+    "tasks",
+    "shares_blocks",
+    "assemble",
+    "device_results",
+    "stage",
+    "finish",
+    "to_host",
+]
 
 Task = tuple[str, Callable[[], Any]]
 
@@ -144,6 +153,14 @@ def tasks(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> lis
 
             out.append(("update", update))
     return out
+
+
+def shares_blocks(plan: StepPlan) -> bool:
+    """Whether every task of `plan` is one of `nnstat.describe.fused`'s blocked passes on CPU
+    tensors (the default statistics: weights fused with their update, the other groups'
+    norms with ``abs_max``), so that two threads can share each task's blocks
+    (`nnstat.describe.fused.share_blocks`) rather than split the tasks."""
+    return plan.fused and not plan.histograms and "abs_max" in plan.computed
 
 
 #: Task key of the weights reduced together with their update (`pair_tables`).

@@ -53,7 +53,14 @@ from nnstat.tracker.background import (
     split_run,
     task_costs,
 )
-from nnstat.tracker.compute import StepPlan, _by_dtype, assemble, device_results, tasks
+from nnstat.tracker.compute import (
+    StepPlan,
+    _by_dtype,
+    assemble,
+    device_results,
+    shares_blocks,
+    tasks,
+)
 from nnstat.tracker.delivery import DeferredSteps, _InFlight
 from nnstat.tracker.guards import check_owned, first_error
 
@@ -88,17 +95,14 @@ class Tracker(BackgroundSteps, DeferredSteps):
     ``histograms=True`` keys ``"<group>/<layer>/hist"`` hold `nnstat.describe.Histogram` objects
     (counts from at most `hist_max_elements` elements per tensor, see `nnstat.describe.histogram`).
 
-    Updates need a snapshot of the weights before the step: the Tracker keeps one copy of the
-    tracked parameters, refreshed only on the call before a logged step (with the default
-    statistics the fused pass rewrites it block by block while it reads the weights).
-    On CPU the statistic passes run on one intra-op thread (`nnstat.describe.cpu_single_thread`).
+    Updates need a snapshot: one copy of the tracked parameters, refreshed before a logged step.
 
     ``background`` on CPU: ``True`` reduces step ``t`` on a worker thread while step
     ``t + 1`` trains (`nnstat.tracker.background`: the optimizer's step pre-hook waits for it,
     in-place gradients are read synchronously, a version check guards the rest); ``False`` is
     synchronous; ``None`` (default) picks background when training runs on one torch thread,
-    with an optimizer, outside ``torch.distributed`` (with more torch threads the worker competes
-    with OpenMP for the cores, measured slower). The numbers are bit-identical either way. In
+    with an optimizer, outside ``torch.distributed``; with more, the step's passes are shared
+    by this thread and a worker (`nnstat.describe.fused.share_blocks`), bit-identically. In
     background mode `step` returns a `StepMetrics` mapping that waits on first read, sinks get
     step ``t`` at the next `step`/`flush`/`close` (or exit), and step ``t``'s gradients stay
     referenced until the next optimizer step. On a GPU ``None``/``True`` deliver without a
@@ -464,12 +468,14 @@ class Tracker(BackgroundSteps, DeferredSteps):
         todo = tasks(plan, self._workspaces)
         # outside cpu_single_thread: both read the thread count
         background = self._background_ok(on_cpu)
-        split = not background and len(todo) > 1 and self._split_ok(on_cpu)
+        # two threads share one task's blocks, or take whole tasks when there are several
+        blocks = shares_blocks(plan)
+        split = not background and (blocks or len(todo) > 1) and self._split_ok(on_cpu)
         with cpu_single_thread() if on_cpu else contextlib.nullcontext():
             if background:
                 handle = self._schedule(step, plan, todo)
             elif split:
-                results = split_run(todo, task_costs(plan, todo))
+                results = split_run(todo, task_costs(plan, todo), blocks)
             elif on_cpu or self._fsdp1 or any_dtensor(self.params):
                 results = {k: fn() for k, fn in todo}
             else:

@@ -279,11 +279,20 @@ def test_background_option_policy_and_errors():
         nnstat.Tracker(model, opt, background="yes")
 
 
-@pytest.mark.parametrize("kw", [{}, {"stats": None, "histograms": True, "bins": 8}])
-def test_two_threads_split_the_synchronous_statistics_with_the_worker(monkeypatch, kw):
+@pytest.mark.parametrize(
+    "kw, jobs",
+    [
+        ({}, 4),  # each blocked pass shared: 3 groups and the weight/update pass
+        ({"groups": ["weight", "update"]}, 1),  # a single task is shared too
+        ({"stats": None, "histograms": True, "bins": 8}, 1),  # whole tasks split
+    ],
+)
+def test_two_threads_split_the_synchronous_statistics_with_the_worker(monkeypatch, kw, jobs):
     """With two torch threads the synchronous statistics run on this thread and the worker at
     once (both cores: training leaves none idle to hide them behind); the numbers are those of
-    the tasks run one after the other, bit for bit."""
+    the tasks run one after the other, bit for bit. The default statistics share each blocked
+    pass block by block (one worker job per pass), other statistics split the tasks (one worker
+    job per step)."""
     import nnstat.tracker.background as background
 
     submitted = []
@@ -300,7 +309,7 @@ def test_two_threads_split_the_synchronous_statistics_with_the_worker(monkeypatc
             train(m_a, o_a, i)
             train(m_b, o_b, i)
             a, b = split.step(), serial.step()
-            assert len(submitted) == i + 1 and isinstance(a, dict)
+            assert len(submitted) == (i + 1) * jobs and isinstance(a, dict)
             assert sorted(a) == sorted(b) and all(same(a[k], b[k]) for k in b)
     finally:
         torch.set_num_threads(n)
