@@ -22,7 +22,8 @@ each part, so a call cut short still returns what finished:
    under ``torch.cuda.set_sync_debug_mode("error")``: any synchronising call in them fails the
    part, and the frame of nnstat that made it is printed;
    ``profile``: where a Tracker step's time goes (host ms of ``step()``/``flush()``, the
-   device ms of its kernels beside the training step's, its top kernels);
+   device ms of its kernels beside the training step's, its top kernels); ``profile_logging``:
+   the same for a logged batch (rank 64, every module) beside the plain pass;
 3. ``stats``, ``logging``, ``hf``: ``benchmarks/scale.py --device cuda`` on GPT-2 small
    (batch 8 x 512, AdamW), with wandb.watch and LogIX side by side when importable (skipped
    with a note otherwise);
@@ -49,6 +50,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -127,6 +129,11 @@ def parts(args: argparse.Namespace) -> list[Part]:
         ),
         Part("syncs", [PY, __file__, "--inline", "syncs"] + (["--quick"] if q else []), 90),
         Part("profile", [PY, __file__, "--inline", "profile"] + (["--quick"] if q else []), 75),
+        Part(
+            "profile_logging",
+            [PY, __file__, "--inline", "profile_logging"] + (["--quick"] if q else []),
+            75,
+        ),
         Part("stats", scale + ["--parts", "stats"], 150),
         Part("logging", scale + ["--parts", "logging"], 240),
         Part("hf", scale + ["--parts", "hf"], 90),
@@ -471,6 +478,66 @@ def inline_profile(quick: bool) -> None:
             print(f"| {key[:70]} | {ms:.3f} | {n} |")
 
 
+def inline_profile_logging(quick: bool) -> None:
+    """Where a logged batch's time goes (rank 64, every module): host ms of forward and of
+    backward, device ms of their kernels, beside the plain pass; the top kernels."""
+    import statistics
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import nnstat
+
+    model = _gpt2(2 if quick else 12)
+    x = torch.randint(0, 50257, (8, 128 if quick else 512), device=DEV)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])
+
+    def timed(logged: Callable[[], Any]) -> tuple[float, float, list[tuple[str, float, int]]]:
+        host_f, host_b = [], []
+        for _ in range(4):
+            with logged():
+                model.zero_grad(set_to_none=True)
+                sync()
+                t0 = time.perf_counter()
+                loss = model(input_ids=x, labels=x).loss
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+            sync()
+            host_f.append(t1 - t0)
+            host_b.append(t2 - t1)
+        with profile(activities=acts) as prof, logged():
+            model.zero_grad(set_to_none=True)
+            model(input_ids=x, labels=x).loss.backward()
+            sync()
+        med = statistics.median
+        return med(host_f) * 1e3, med(host_b) * 1e3, _device_ms(prof)
+
+    import contextlib
+
+    plain = timed(contextlib.nullcontext)
+    with tempfile.TemporaryDirectory() as tmp:
+        run = nnstat.init(project="prof", root_dir=tmp)
+        nnstat.setup({"log": "grad", "save": "grad", "loss_reduction": "mean"})
+        nnstat.watch(model)
+        nnstat.add_projection(rank=64)
+        ids = iter(range(10**6))
+        logged = timed(lambda: run(data_id=[f"{next(ids)}-{j}" for j in range(x.shape[0])]))
+        nnstat.finalize()
+    print("| pass (GPT-2, batch 8) | host ms forward | host ms backward | device ms |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, (f, b, rows) in (("plain", plain), ("logged, rank 64, every module", logged)):
+        print(f"| {name} | {f:.1f} | {b:.1f} | {sum(r[1] for r in rows):.1f} |")
+    base = {k: ms for k, ms, _ in plain[2]}
+    extra = sorted(((ms - base.get(k, 0.0), k, n) for k, ms, n in logged[2]), reverse=True)
+    print("\n### kernels the logged pass adds (device ms beyond the plain pass)\n")
+    print("| kernel | extra device ms | calls |")
+    print("| --- | ---: | ---: |")
+    for ms, key, n in extra[:14]:
+        print(f"| {key[:70]} | {ms:.3f} | {n} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="gpu_check_out", help="folder for gpu_check.md/.log")
@@ -482,7 +549,12 @@ def main() -> None:
     import torch
 
     if args.inline:
-        inline = {"syncs": inline_syncs, "noise": inline_noise, "profile": inline_profile}
+        inline = {
+            "syncs": inline_syncs,
+            "noise": inline_noise,
+            "profile": inline_profile,
+            "profile_logging": inline_profile_logging,
+        }
         inline[args.inline](args.quick)
         return
     if DEV == "cuda" and not torch.cuda.is_available():
