@@ -325,14 +325,15 @@ def hf_variants(
         def __getitem__(self, i: int) -> dict:
             return {"input_ids": self.x[i], "labels": self.x[i]}
 
-    def trainer_step(callback: bool) -> Step:
+    def trainer_step(callback: dict | None) -> Step:
         model = gpt2(layers, args.device)
         targs = transformers.TrainingArguments(
-            output_dir=os.path.join(tmp, f"hf-{callback}"), max_steps=args.steps * 10**6,
+            output_dir=os.path.join(tmp, f"hf-{len(callback or ())}-{callback is None}"),
+            max_steps=args.steps * 10**6,
             per_device_train_batch_size=args.batch, logging_steps=10, report_to="none",
             save_strategy="no", use_cpu=args.device == "cpu", disable_tqdm=True, seed=0,
         )  # fmt: skip
-        cbs = [NNStatCallback()] if callback else []
+        cbs = [NNStatCallback(**callback)] if callback is not None else []
         data = Tokens(args.batch * args.steps)
 
         def block() -> None:
@@ -347,7 +348,13 @@ def hf_variants(
         return block
 
     none = lambda: None  # noqa: E731
-    names = {"Trainer": False, "Trainer + NNStatCallback()": True}
+    # the callback's default measures the noise scale on one micro-batch in 8 (per-sample
+    # gradient norms); the third row separates that from the layer statistics
+    names: dict[str, dict | None] = {
+        "Trainer": None,
+        "Trainer + NNStatCallback()": {},
+        "Trainer + NNStatCallback(noise_scale=False)": {"noise_scale": False},
+    }
     return {k: (trainer_step(v), none) for k, v in names.items() if only in (None, k)}
 
 
