@@ -48,6 +48,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -318,17 +319,10 @@ def segment_tables(
             m = 0
             for g in lay.groups if lay is not None else []:
                 m += len(g.positions)
-                fused = g.fused()
-                if fused:  # the kernels read the tensors where they are: no views to make
-                    views = [ts[i] for i in g.positions]
-                else:
-                    views = [ts[i].detach().reshape(-1) for i in g.positions]
                 if norm_path:
-                    norms = _fused_norm_partials if fused else _norm_partials
-                    parts.append(norms(g, views, needs).to(dev))
+                    parts.append(_partials(g, ts, _fused_norm_partials, _norm_partials, needs))
                     continue
-                moments = _fused_moment_partials if fused else _moment_partials
-                p, h = moments(g, views, needs, ws, hist)
+                p, h = _partials(g, ts, _fused_moment_partials, _moment_partials, needs, ws, hist)
                 parts.append(p.to(dev))
                 if h is not None:
                     h_list.append(h.to(dev))
@@ -354,6 +348,18 @@ def segment_tables(
                 h = _reorder(h_rows, lay, [0.0, 1.0] + [0.0] * hist.bins)
             out.append((_reorder(rows, lay, _empty_row(stats)), h, was))
     return out
+
+
+def _partials(g: _Group, ts: Sequence[torch.Tensor], fused: Any, plain: Any, *args: Any) -> Any:
+    """A group's partials by the fused kernels where they serve it, else by torch's (also when
+    the kernels fail to build on first use: `triton_rows.fall_back` warns once)."""
+    if g.fused():
+        try:  # the kernels read the tensors where they are: no views to make
+            return fused(g, [ts[i] for i in g.positions], *args)
+        except Exception as error:  # noqa: BLE001 (re-raised unless the kernels never ran)
+            if not triton_rows.fall_back(error):
+                raise
+    return plain(g, [ts[i].detach().reshape(-1) for i in g.positions], *args)
 
 
 def _nan(rows: int, cols: int, dev: torch.device) -> torch.Tensor:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,12 +59,35 @@ def _importable(interpret: bool) -> bool:
     return True
 
 
+#: The kernels launched in this process (once all have, a failure is an error) and whether
+#: one failed before that (then the torch path serves, see `fall_back`).
+_LAUNCHED: set[str] = set()
+_STATE = {"broken": False}
+
+
+def fall_back(error: BaseException) -> bool:
+    """Whether to serve statistics by torch's kernels after `error` from the fused ones: only
+    while some kernel has not run yet in this process (a Triton that cannot build it here),
+    with one warning naming the error; once all have run, the caller raises it."""
+    if _LAUNCHED >= {"pass_a", "pass_b", "gather"}:
+        return False
+    _STATE["broken"] = True
+    warnings.warn(
+        f"nnstat: the fused statistics kernels failed on first use ({type(error).__name__}: "
+        f"{error}); statistics use torch's kernels instead (same numbers, more passes). Set "
+        "NNSTAT_TRITON=0 to choose that without trying.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return True
+
+
 def available(device: torch.device) -> bool:
     """Whether the fused kernels serve tensors on `device`: CUDA with Triton importable (unless
     ``NNSTAT_TRITON=0``), or the CPU when ``NNSTAT_TRITON=interpret`` under Triton's
     interpreter (``TRITON_INTERPRET=1`` before triton is imported: how the tests run them)."""
     mode = os.environ.get("NNSTAT_TRITON", "1")
-    if mode == "0":
+    if mode == "0" or _STATE["broken"]:
         return False
     if device.type == "cuda":
         return _importable(False)
@@ -158,6 +182,7 @@ def pass_a(table: RowTable, tensors: Sequence[torch.Tensor], moments: bool = Tru
         MOMENTS=moments,
         num_warps=_warps(table.block),
     )
+    _LAUNCHED.add("pass_a")
     return out
 
 
@@ -184,6 +209,7 @@ def pass_b(
         BLOCK=table.block,
         num_warps=_warps(table.block),
     )
+    _LAUNCHED.add("pass_b")
     return out
 
 
@@ -210,4 +236,5 @@ def gather(
         B=table.block,
         BLOCK=block,
     )
+    _LAUNCHED.add("gather")
     return out

@@ -4,6 +4,7 @@ interpreter) against numpy float64 references and against the torch kernels they
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -122,3 +123,33 @@ def test_strided_and_offset_tensors_are_read_as_their_values(fused):
     assert calls["a"] == 1 and calls["b"] == 1
     for i, (x, row) in enumerate(zip(xs, table.tolist(), strict=True)):
         assert_stats(dict(zip(STAT_NAMES, row, strict=True)), reference(x), f"tensor {i}")
+
+
+def _broken_kernels():
+    raise RuntimeError("no compiler for this device")
+
+
+def test_kernels_that_fail_on_first_use_fall_back_to_torch_with_one_warning(fused, monkeypatch):
+    device, _ = fused
+    monkeypatch.setattr(triton_rows, "_LAUNCHED", set())
+    monkeypatch.setattr(triton_rows, "_STATE", {"broken": False})
+    monkeypatch.setattr(triton_rows, "_kernels", _broken_kernels)
+    xs = hard_tensors()
+    with pytest.warns(RuntimeWarning, match="fused statistics kernels failed on first use"):
+        table = summarize([x.to(device) for x in xs], STAT_NAMES)
+    for i, (x, row) in enumerate(zip(xs, table.tolist(), strict=True)):
+        assert_stats(dict(zip(STAT_NAMES, row, strict=True)), reference(x), f"tensor {i}")
+    assert not triton_rows.available(torch.device(device))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once: the torch path serves from now on
+        again = summarize([x.to(device) for x in xs], STAT_NAMES)
+    torch.testing.assert_close(again, table, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_failure_once_the_kernels_have_run_is_raised(fused, monkeypatch):
+    device, _ = fused
+    monkeypatch.setattr(triton_rows, "_LAUNCHED", {"pass_a", "pass_b", "gather"})
+    monkeypatch.setattr(triton_rows, "_STATE", {"broken": False})
+    monkeypatch.setattr(triton_rows, "_kernels", _broken_kernels)
+    with pytest.raises(RuntimeError, match="no compiler"):
+        summarize([torch.randn(100).to(device)], STAT_NAMES)
