@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,8 @@ __all__ = [
     "summarize_sharded",
     "shift_power_sums",
     "norms_sharded",
+    "partial_row",
+    "PARTIAL_COLUMNS",
     "any_dtensor",
     "clean_name",
     "fsdp1_shards",
@@ -48,6 +50,10 @@ __all__ = [
 # column layout of a partial row; every column but MIN/MAX combines by summation
 _NUMEL, _N, _SUM, _S2, _S3, _S4, _MIN, _MAX, _ZEROS, _L1, _SQ = range(11)
 _WIDTH = 11
+#: The columns of a partial row (`partial_row`): element count, finite count, sum, central sums
+#: of squares, cubes and fourth powers (about the part's own mean), min, max, zeros, l1, sum of
+#: squares, all over the finite elements.
+PARTIAL_COLUMNS = ("numel", "n", "sum", "s2", "s3", "s4", "min", "max", "zeros", "l1", "sq")
 
 
 def is_distributed() -> bool:
@@ -128,7 +134,7 @@ def shard_groups(t: torch.Tensor) -> tuple[Any, ...]:
     return tuple(groups)
 
 
-def _partial_row(t: torch.Tensor) -> torch.Tensor:
+def partial_row(t: torch.Tensor) -> torch.Tensor:
     """The partial row (float64, ``[_WIDTH]``) of one local tensor, over its finite elements."""
     x = local_tensor(t).detach().reshape(-1)
     row = torch.zeros(_WIDTH, dtype=torch.float64, device=x.device)
@@ -222,9 +228,17 @@ def _reduce_rows(rows: torch.Tensor, groups: tuple[Any, ...]) -> torch.Tensor:
     return rows
 
 
-def _global_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Partial rows of the whole (unsharded) tensors: one collective per distinct group set."""
-    rows = torch.stack([_partial_row(t).cpu() for t in tensors])
+def _rows_one_by_one(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([partial_row(t).cpu() for t in tensors])
+
+
+def _global_rows(
+    tensors: Sequence[torch.Tensor], local_rows: Callable[..., torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Partial rows of the whole (unsharded) tensors: one collective per distinct group set.
+    `local_rows` gives the local shards' rows ``[k, _WIDTH]`` (float64, CPU) at once (the
+    statistics core's, `nnstat.describe.summary.partial_rows`); default one tensor at a time."""
+    rows = (local_rows or _rows_one_by_one)(tensors)
     by_groups: dict[tuple[int, ...], tuple[tuple[Any, ...], list[int]]] = {}
     for i, t in enumerate(tensors):
         groups = shard_groups(t)
@@ -274,13 +288,18 @@ def _finish(rows: torch.Tensor, stats: Sequence[str], eps: float) -> torch.Tenso
 
 
 def summarize_sharded(
-    tensors: Sequence[torch.Tensor], stats: Sequence[str], combine: bool = False
+    tensors: Sequence[torch.Tensor],
+    stats: Sequence[str],
+    combine: bool = False,
+    local_rows: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`nnstat.describe.summarize` for lists that hold DTensors: statistics of the whole tensors.
 
     Every rank must call it with the same list (it runs collectives). Ordinary tensors are taken
     as replicated (each rank already holds all of it). With ``combine=True`` the result is one
     row describing all tensors as if concatenated (``NetDict.describe(layerwise=False)``).
+    `local_rows`: the local shards' partial rows at once (`nnstat.describe.summary.partial_rows`:
+    the statistics core, a fixed number of kernels per dtype); default one tensor at a time.
     Returns a float64 CPU tensor ``[len(tensors) or 1, len(stats)]``; semantics (finite elements,
     population variance, scipy's biased skew/kurtosis) are those of ``summarize``.
 
@@ -289,7 +308,7 @@ def summarize_sharded(
         [[5.0, 4.0, -0.5]]
     """
     stats = tuple(stats)
-    rows = _global_rows(tensors)
+    rows = _global_rows(tensors, local_rows)
     dtypes = {local_tensor(t).dtype for t in tensors}
     eps = torch.finfo(torch.float64 if dtypes == {torch.float64} else torch.float32).eps
     if combine:

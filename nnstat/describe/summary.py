@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = [
+    "partial_rows",
     "STAT_NAMES",
     "DEFAULT_STATS",
     "summarize",
@@ -198,7 +199,7 @@ def _summarize(
 
     if any_dtensor(tensors):
         # sharded parameters (FSDP fully_shard): local shards reduced across ranks, no gather
-        return summarize_sharded(tensors, stats)
+        return summarize_sharded(tensors, stats, local_rows=partial_rows)
     # the single host transfer of the common case
     return repair_table(device_table(tensors, stats, workspace).cpu(), tensors, stats)
 
@@ -396,3 +397,52 @@ class Description(dict):
         return "\n".join(line.rstrip() for line in lines)
 
     __str__ = __repr__
+
+
+#: What `partial_rows` reads of each local shard (all over its finite elements).
+_ROW_STATS = ("numel", "nonfinite", "mean", "var", "skew", "kurtosis", "min", "max")
+_ROW_STATS += ("sparsity", "l1", "l2")
+
+
+def partial_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[k, 11]`` float64 CPU partial rows (`nnstat.distributed.PARTIAL_COLUMNS`) of the local
+    shards of `tensors`, from ONE `summarize` of them all (the statistics core: a fixed number
+    of kernels per dtype and one host read), instead of ~20 kernels and two reads per tensor.
+
+    The central sums come back from the moments (``s2 = n var``, ``s3 = n skew var^1.5``,
+    ``s4 = n (kurtosis + 3) var^2``; zero for a constant part), exact to float64 rounding.
+
+    Example:
+        >>> from nnstat.distributed import partial_row
+        >>> x = torch.tensor([1.0, 2.0, 4.0, float("nan")])
+        >>> torch.allclose(partial_rows([x])[0], partial_row(x), rtol=1e-12)
+        True
+    """
+    from nnstat.distributed import local_tensor
+
+    local = [local_tensor(t).detach() for t in tensors]
+    col = dict(zip(_ROW_STATS, summarize(local, _ROW_STATS).unbind(1), strict=True))
+    n = col["numel"] - col["nonfinite"]
+    has = n > 0
+    zero = torch.zeros_like(n)
+    var = torch.where(has, col["var"], zero)
+    moving = var > 0  # a constant part's higher central sums are zero (its skew is NaN)
+    s3 = torch.where(moving, col["skew"] * var.pow(1.5) * n, zero)
+    s4 = torch.where(moving, (col["kurtosis"] + 3.0) * var * var * n, zero)
+    inf = torch.full_like(n, math.inf)
+    return torch.stack(
+        [
+            col["numel"],
+            n,
+            torch.where(has, col["mean"] * n, zero),
+            var * n,
+            s3,
+            s4,
+            torch.where(has, col["min"], inf),
+            torch.where(has, col["max"], -inf),
+            torch.where(has, torch.round(col["sparsity"] * n), zero),  # a count
+            torch.where(has, col["l1"], zero),
+            torch.where(has, col["l2"] * col["l2"], zero),
+        ],
+        dim=1,
+    )

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from nnstat.describe import Description, summarize, validate_stats
+from nnstat.describe.summary import partial_rows
 from nnstat.distributed import any_dtensor, norms_sharded, summarize_sharded
 
 __all__ = ["NetDict", "select_names"]
@@ -266,7 +267,8 @@ class NetDict(Mapping[str, torch.Tensor]):
                 {n: dict(zip(stats, row, strict=True)) for n, row in zip(names, table, strict=True)}
             )
         elif any_dtensor(tensors):
-            row = summarize_sharded(tensors, stats, combine=True)[0].tolist()
+            row = summarize_sharded(tensors, stats, combine=True, local_rows=partial_rows)
+            row = row[0].tolist()
             out = Description(zip(stats, row, strict=True))
         else:
             dev = tensors[0].device

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from nnstat.describe.segments import segment_table
+from nnstat.describe.summary import partial_rows
 from nnstat.distributed import any_dtensor, is_dtensor, summarize_sharded
 
 STAT_NAMES: tuple[str, ...] = ("mean", "std", "min", "max", "abs_max", "norm", "nonfinite", "numel")
@@ -56,7 +57,7 @@ def _sharded(segments: list[torch.Tensor]) -> torch.Tensor:
     """FSDP-sharded (DTensor) parameters: local shards reduced across ranks, exact non-finite
     counts (every rank must record the same segments: it runs collectives)."""
     names = ["l2" if s == "norm" else s for s in STAT_NAMES]
-    return summarize_sharded(segments, names)
+    return summarize_sharded(segments, names, local_rows=partial_rows)
 
 
 def light_stats(segments: list[torch.Tensor], abs_max: bool = True) -> torch.Tensor:

@@ -42,7 +42,7 @@ def test_uneven_shards_with_nonfinite_and_empty_pieces_combine_to_the_whole():
     x[77] = float("inf")
     x[10:14] = 0.0
     pieces = [x[:0], x[:40], x[40:41], x[41:41], x[41:]]  # empty shards, as FSDP gives
-    rows = torch.stack([nd._partial_row(p) for p in pieces])
+    rows = torch.stack([nd.partial_row(p) for p in pieces])
     combined = nd._combine(rows.unsqueeze(1))
     got = nd._finish(combined, STAT_NAMES, torch.finfo(torch.float32).eps)[0].tolist()
     want = _numpy_row(x.double().numpy())
@@ -52,6 +52,35 @@ def test_uneven_shards_with_nonfinite_and_empty_pieces_combine_to_the_whole():
     ref = summarize([x], STAT_NAMES)[0].tolist()
     for s, a, b in zip(STAT_NAMES, got, ref, strict=True):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-6), s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batched_partial_rows_combine_to_the_whole_like_numpy(dtype):
+    """`describe.summary.partial_rows` (one summarize of every shard: the statistics core)
+    gives the rows `partial_row` gives one tensor at a time, and they combine to numpy's
+    statistics of the whole tensor."""
+    from nnstat.describe.summary import partial_rows
+
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(3001, generator=g) * 3 + 5).to(dtype)
+    x[[3, 50]] = float("nan")
+    x[777] = float("inf")
+    x[10:14] = 0.0
+    x[2000:2100] = 1.5  # a constant shard below
+    pieces = [x[:0], x[:1000], x[1000:1001], x[1001:2000], x[2000:2100], x[2100:]]
+    batched = partial_rows(pieces)
+    one_by_one = torch.stack([nd.partial_row(p) for p in pieces])
+    exact = [nd.PARTIAL_COLUMNS.index(c) for c in ("numel", "n", "min", "max", "zeros")]
+    torch.testing.assert_close(batched[:, exact], one_by_one[:, exact], rtol=0, atol=0)
+    torch.testing.assert_close(batched, one_by_one, rtol=2e-6, atol=1e-9)
+    combined = nd._combine(batched.unsqueeze(1))
+    eps = torch.finfo(dtype).eps
+    got = nd._finish(combined, STAT_NAMES, eps)[0].tolist()
+    want = _numpy_row(x.double().numpy())
+    for s, v in zip(STAT_NAMES, got, strict=True):
+        # float32 data: moments to float32 rounding; skew/kurtosis (order-1 ratios) absolutely
+        tol = 2e-6 if s in ("skew", "kurtosis") else 1e-9
+        assert v == pytest.approx(want[s], rel=2e-6, abs=tol), s
 
 
 def test_all_nonfinite_and_empty_tensors_match_summarize():
@@ -100,7 +129,7 @@ def test_constant_shards_have_nan_skew_and_kurtosis_like_scipy(n, dtype):
     deviations about the rounded shard mean must not leave their residue in the moments)."""
     x = torch.full((n,), 0.1, dtype=dtype)
     pieces = [x[: n // 3], x[n // 3 :]]
-    rows = torch.stack([nd._partial_row(p) for p in pieces])
+    rows = torch.stack([nd.partial_row(p) for p in pieces])
     combined = nd._combine(rows.unsqueeze(1))
     values = nd._finish(combined, STAT_NAMES, torch.finfo(dtype).eps)[0].tolist()
     got = dict(zip(STAT_NAMES, values, strict=True))
