@@ -20,7 +20,28 @@ import torch
 
 from nnstat.distributed import shift_power_sums
 
-__all__ = ["moment_columns", "norm_columns"]
+__all__ = ["moment_columns", "norm_columns", "centre_scale"]
+
+#: Largest |exponent| of the moment scale in each work dtype (float32's normal range).
+_EXP_LIMIT = {torch.float32: 120, torch.float64: 1000}
+
+
+def centre_scale(
+    total: torch.Tensor, n: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, work: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The moment pass' centre (the mean rounded to the `work` dtype, as float64) and the power
+    of two bringing ``max |x - c|`` near 1 (so ``d^4`` neither overflows nor underflows).
+
+    Example:
+        >>> f = lambda *v: torch.tensor(v, dtype=torch.float64)
+        >>> c, s = centre_scale(f(30.0), f(3.0), f(9.0), f(11.0), torch.float32)
+        >>> c.tolist(), s.tolist()
+        ([10.0], [0.5])
+    """
+    c64 = (total / n).to(work).to(torch.float64)
+    spread = torch.maximum(hi - c64, c64 - lo)
+    limit = _EXP_LIMIT[work]
+    return c64, torch.exp2(torch.frexp(spread).exponent.clamp_(-limit, limit).neg_().double())
 
 
 def moment_columns(p: torch.Tensor, stats: tuple[str, ...], needs: frozenset[str]) -> torch.Tensor:

@@ -20,10 +20,9 @@ groups the tensors by (device, dtype) and launches a fixed number of kernels per
   positions, from a cached index) are gathered from the flat buffer and counted by one
   scatter/bincount (`binning.bin_flat`).
 
-On CUDA with Triton (`nnstat.describe.triton_rows`) float groups skip the flat copy and torch's
-kernels: fused row kernels read every row where it lies and form all the partials of a pass in
-one read (the norms: one read per group instead of one per norm; the moments: two reads instead
-of about thirteen passes), accumulating in float64; the rows and partials are the same.
+On CUDA with Triton (`nnstat.describe.triton_rows`) float groups skip the flat copy: fused row
+kernels read each row where it lies and form a pass' partials in one read (norms: one read per
+group; moments: two, not ~13 passes), in float64; the rows and partials are the same.
 
 The layout of a list (row ownership, pad positions, sample indices) is built once and cached
 (per `Workspace`, else in a small module cache), so a step does no per-tensor host work beyond
@@ -55,7 +54,7 @@ import torch
 from nnstat.describe import triton_rows
 from nnstat.describe.binning import bin_flat, hist_ranges, sample_runs
 from nnstat.describe.moments import Workspace
-from nnstat.describe.segment_columns import moment_columns, norm_columns
+from nnstat.describe.segment_columns import centre_scale, moment_columns, norm_columns
 
 __all__ = ["segment_table", "segment_tables", "HistSpec", "NORM_STATS", "MAX_BLOCK", "MAX_GROUP"]
 
@@ -68,8 +67,6 @@ MAX_GROUP = 1 << 27
 #: Row length of the flat layout (shorter rows when the tensors are small, see `_block`).
 MAX_BLOCK = 4096
 _MIN_BLOCK = 128
-#: Largest |exponent| of the moment scale in each work dtype (float32's normal range).
-_EXP_LIMIT = {torch.float32: 120, torch.float64: 1000}
 _LAYOUT_CACHE: OrderedDict[tuple, _Layout] = OrderedDict()
 _CACHE_SIZE = 16
 _CACHE_LOCK = threading.Lock()
@@ -351,8 +348,8 @@ def segment_tables(
 
 
 def _partials(g: _Group, ts: Sequence[torch.Tensor], fused: Any, plain: Any, *args: Any) -> Any:
-    """A group's partials by the fused kernels where they serve it, else by torch's (also when
-    the kernels fail to build on first use: `triton_rows.fall_back` warns once)."""
+    """A group's partials by the fused kernels where they serve it, else (also when they fail on
+    first use: `triton_rows.fall_back` warns once) by torch's."""
     if g.fused():
         try:  # the kernels read the tensors where they are: no views to make
             return fused(g, [ts[i] for i in g.positions], *args)
@@ -497,7 +494,7 @@ def _moment_partials(
         h = _hist_rows(g, x.index_select(0, idx), seg, lo, hi, hist)
     if "pass_b" in needs:
         assert lo is not None and hi is not None
-        c64, scale = _centre_scale(g, out[1][0], lo, hi)
+        c64, scale = centre_scale(out[1][0], g.n, lo, hi, g.work)
         c = c64.to(g.work)
         if has_pads:  # pads take their centre: zero deviation
             x.index_copy_(0, r["pad_idx"], c.index_select(0, r["pad_seg"]))
@@ -565,23 +562,12 @@ def _fused_moment_partials(
         h = _hist_rows(g, triton_rows.gather(tab, views, idx, g.work), seg, lo, hi, hist)
     if "pass_b" in needs:
         assert lo is not None and hi is not None
-        c64, scale = _centre_scale(g, out[1][0], lo, hi)
+        c64, scale = centre_scale(out[1][0], g.n, lo, hi, g.work)
         neg_cs = (c64 * scale).neg_().to(g.work)
         b = triton_rows.pass_b(tab, views, neg_cs, scale.to(g.work))
         keep = [0, 1] + [i for i, k in ((2, "s3"), (3, "s4")) if k in needs]
         out += [torch.stack([c64, scale]), _segment(g, torch.stack([b[i] for i in keep]), "sum")]
     return torch.cat([*out, g.eps_row]), h
-
-
-def _centre_scale(
-    g: _Group, total: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The moment pass' centre (the mean rounded to the work dtype, as float64) and power-of-two
-    scale bringing ``max |x - c|`` near 1."""
-    c64 = (total / g.n).to(g.work).to(torch.float64)
-    spread = torch.maximum(hi - c64, c64 - lo)
-    limit = _EXP_LIMIT[g.work]
-    return c64, torch.exp2(torch.frexp(spread).exponent.clamp_(-limit, limit).neg_().double())
 
 
 def _empty_row(stats: tuple[str, ...]) -> list[float]:
