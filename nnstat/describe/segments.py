@@ -528,12 +528,14 @@ def _fused_norm_partials(
     g: _Group, views: list[torch.Tensor], needs: frozenset[str]
 ) -> torch.Tensor:
     """`_norm_partials` from ONE read of the group (`triton_rows.pass_a`), not one per norm."""
-    a = triton_rows.pass_a(g.table(), views, moments=False)
-    rows = [g.n, _segment(g, a[1:2], "sum")[0].sqrt()]
+    a = triton_rows.pass_a(g.table(), triton_rows.bind(views), moments=False)
+    keep = [1] + ([2] if "l1" in needs else [])  # sums of squares (and of |x|)
+    sums = _segment(g, torch.stack([a[i] for i in keep]), "sum")
+    rows = [g.n, sums[0].sqrt()]
     if "abs_max" in needs:
         rows.append(_segment(g, a[5:6], "max")[0])
     if "l1" in needs:
-        rows.append(_segment(g, a[2:3], "sum")[0])
+        rows.append(sums[1])
     return torch.stack(rows)
 
 
@@ -546,8 +548,8 @@ def _fused_moment_partials(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`_moment_partials` (same rows) from two reads of the group where it lies (the fused
     row kernels of `triton_rows`): no flat copy, no pad fix-ups, no power written."""
-    tab = g.table()
-    a = triton_rows.pass_a(tab, views)
+    tab, bound = g.table(), triton_rows.bind(views)  # addresses copied once for every pass
+    a = triton_rows.pass_a(tab, bound)
     # rows picked by views and stacked: a list index would copy the index to the device (a sync)
     sel = [0] + [i for i, k in ((1, "sq"), (2, "l1"), (3, "nnz")) if k in needs]
     out = [g.n.unsqueeze(0), _segment(g, torch.stack([a[i] for i in sel]), "sum")]
@@ -559,12 +561,12 @@ def _fused_moment_partials(
     if hist is not None:
         assert lo is not None and hi is not None
         idx, seg, _ = g.samples(hist.max_elements)
-        h = _hist_rows(g, triton_rows.gather(tab, views, idx, g.work), seg, lo, hi, hist)
+        h = _hist_rows(g, triton_rows.gather(tab, bound, idx, g.work), seg, lo, hi, hist)
     if "pass_b" in needs:
         assert lo is not None and hi is not None
         c64, scale = centre_scale(out[1][0], g.n, lo, hi, g.work)
         neg_cs = (c64 * scale).neg_().to(g.work)
-        b = triton_rows.pass_b(tab, views, neg_cs, scale.to(g.work))
+        b = triton_rows.pass_b(tab, bound, neg_cs, scale.to(g.work))
         keep = [0, 1] + [i for i, k in ((2, "s3"), (3, "s4")) if k in needs]
         out += [torch.stack([c64, scale]), _segment(g, torch.stack([b[i] for i in keep]), "sum")]
     return torch.cat([*out, g.eps_row]), h

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["available", "RowTable", "pass_a", "pass_b", "gather", "FLOAT_DTYPES"]
+__all__ = ["available", "RowTable", "Bound", "bind", "pass_a", "pass_b", "gather", "FLOAT_DTYPES"]
 
 #: Element types the kernels read (others take the torch path).
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -49,8 +49,8 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=4)
-def _importable(interpret: bool) -> bool:
+@functools.lru_cache(maxsize=1)
+def _importable() -> bool:
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
@@ -90,8 +90,8 @@ def available(device: torch.device) -> bool:
     if mode == "0" or _STATE["broken"]:
         return False
     if device.type == "cuda":
-        return _importable(False)
-    return device.type == "cpu" and mode == "interpret" and _interpreting() and _importable(True)
+        return _importable()
+    return device.type == "cpu" and mode == "interpret" and _interpreting() and _importable()
 
 
 @dataclass(frozen=True)
@@ -143,11 +143,27 @@ def _pointers(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return ptrs if dev.type == "cpu" else ptrs.to(dev, non_blocking=True)
 
 
-def _flat(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    # the kernels read addresses: a contiguous tensor as it is (no view to make, a few
-    # microseconds each on the step's host path), a strided one as a contiguous copy (held in
-    # the returned list while the kernel is queued)
-    return [t if t.is_contiguous() else t.detach().contiguous() for t in tensors]
+@dataclass(frozen=True)
+class Bound:
+    """A group's tensors as the kernels read them: contiguous (a strided one as a contiguous
+    copy, held here while the kernels are queued) and their addresses on the device, made once
+    for all the passes over the group (`bind`)."""
+
+    tensors: list[torch.Tensor]
+    ptrs: torch.Tensor
+
+
+def bind(tensors: Sequence[torch.Tensor]) -> Bound:
+    """`Bound` of `tensors` (one dtype, in the order of their `RowTable`): a contiguous tensor
+    as it is (no view to make, a few microseconds each on the step's host path).
+
+    Example:
+        >>> b = bind([torch.zeros(3), torch.zeros(4, 2).t()])
+        >>> [t.is_contiguous() for t in b.tensors], b.ptrs.shape
+        ([True, True], torch.Size([2]))
+    """
+    flat = [t if t.is_contiguous() else t.detach().contiguous() for t in tensors]
+    return Bound(flat, _pointers(flat))
 
 
 def _warps(block: int) -> int:
@@ -162,16 +178,16 @@ def _kernels() -> Any:
     return _triton_kernels
 
 
-def pass_a(table: RowTable, tensors: Sequence[torch.Tensor], moments: bool = True) -> torch.Tensor:
+def pass_a(table: RowTable, bound: Bound, moments: bool = True) -> torch.Tensor:
     """``[6, rows]`` float64: per row sum, sum of squares, l1, non-zeros, min, max (one read
     of every tensor, no copy); with ``moments=False`` only the sum of squares, l1 and, in the
-    last row, max |x| (rows 0, 3 and 4 are left unwritten). `tensors`: the group's tensors (one
-    dtype) in the order of `table`."""
-    views = _flat(tensors)
+    last row, max |x| (rows 0, 3 and 4 are left unwritten). `bound`: the group's tensors
+    (`bind`)."""
+    views = bound.tensors
     out = torch.empty((6, table.rows), dtype=torch.float64, device=views[0].device)
     k = _kernels().pass_a
     k[(table.rows,)](
-        _pointers(views),
+        bound.ptrs,
         table.row_t,
         table.row_s,
         table.numels,
@@ -187,17 +203,17 @@ def pass_a(table: RowTable, tensors: Sequence[torch.Tensor], moments: bool = Tru
 
 
 def pass_b(
-    table: RowTable, tensors: Sequence[torch.Tensor], neg_cs: torch.Tensor, scale: torch.Tensor
+    table: RowTable, bound: Bound, neg_cs: torch.Tensor, scale: torch.Tensor
 ) -> torch.Tensor:
     """``[4, rows]`` float64: per row the sums of ``d, d^2, d^3, d^4``, ``d = x * s + neg_cs``
     in the dtype of `neg_cs`/`scale` (``[m]`` per tensor, the work dtype)."""
-    views = _flat(tensors)
+    views = bound.tensors
     m = len(views)
     shift = torch.cat([neg_cs, scale])
     out = torch.empty((4, table.rows), dtype=torch.float64, device=views[0].device)
     k = _kernels().pass_b
     k[(table.rows,)](
-        _pointers(views),
+        bound.ptrs,
         table.row_t,
         table.row_s,
         table.numels,
@@ -213,12 +229,10 @@ def pass_b(
     return out
 
 
-def gather(
-    table: RowTable, tensors: Sequence[torch.Tensor], idx: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
+def gather(table: RowTable, bound: Bound, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The elements at flat positions `idx` (int64, ``row * block + offset``) of the layout, as
     `dtype`."""
-    views = _flat(tensors)
+    views = bound.tensors
     n = idx.numel()
     out = torch.empty(n, dtype=dtype, device=views[0].device)
     if n == 0:
@@ -226,7 +240,7 @@ def gather(
     block = 1024
     k = _kernels().gather
     k[(-(-n // block),)](
-        _pointers(views),
+        bound.ptrs,
         table.row_t,
         table.row_s,
         idx,
