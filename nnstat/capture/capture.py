@@ -339,15 +339,22 @@ class ModuleCapture:
         bp, ap = self._projected_factors(p_in, p_out)
         return bp.reshape(self.num_samples, -1), ap.reshape(self.num_samples, -1)
 
-    def _projected_factors(
-        self, p_in: torch.Tensor, p_out: torch.Tensor | None
+    def _checked_projections(
+        self, p_in: torch.Tensor, p_out: torch.Tensor | None, like: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``b @ p_outᵀ`` ``[N, T, r_out]`` and ``[a, 1] @ p_inᵀ`` ``[N, T, r_in]``."""
+        """Both projection matrices, checked against this module's sides and cast to `like`'s
+        dtype and device."""
         if p_out is None:
             raise ValueError(f"{self.name} ({self.kind}) needs both p_in and p_out")
         _check_proj(self.name, "p_in", p_in, self.d_in)
         _check_proj(self.name, "p_out", p_out, self.d_out)
-        p_in, p_out = p_in.to(self._b), p_out.to(self._b)
+        return p_in.to(like), p_out.to(like)
+
+    def _projected_factors(
+        self, p_in: torch.Tensor, p_out: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``b @ p_outᵀ`` ``[N, T, r_out]`` and ``[a, 1] @ p_inᵀ`` ``[N, T, r_in]``."""
+        p_in, p_out = self._checked_projections(p_in, p_out, self._b)
         if self.kind == "embedding":
             ap = token_rows(self._a, p_in)
         elif self._bias:

@@ -44,7 +44,6 @@ from torch import nn
 from nnstat.capture import rules
 from nnstat.capture.capture import (
     ModuleCapture,
-    _check_proj,
     one_hot_rows,
     token_rows,
 )
@@ -227,11 +226,7 @@ class TiedCapture(ModuleCapture):
     def _projected_factors(
         self, p_in: torch.Tensor, p_out: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if p_out is None:
-            raise ValueError(f"{self.name} ({self.kind}) needs both p_in and p_out")
-        _check_proj(self.name, "p_in", p_in, self.d_in)
-        _check_proj(self.name, "p_out", p_out, self.d_out)
-        p_in, p_out = p_in.to(self._dense), p_out.to(self._dense)
+        p_in, p_out = self._checked_projections(p_in, p_out, self._dense)
         return _projected(self._b_parts, p_out), _projected(self._a_parts, p_in)
 
 
