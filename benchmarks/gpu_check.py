@@ -42,6 +42,7 @@ CUDA the script says so and exits 2. Not a test: CI has no GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import subprocess
@@ -250,6 +251,18 @@ def _lm_step(model, opt, x) -> None:
     opt.step()
 
 
+def _logging_run(model, root: str):
+    """A logging run under `root` of every supported module's rank-64 projected gradients (the
+    GPU targets' logging workload)."""
+    import nnstat
+
+    run = nnstat.init(project="gpu_check", root_dir=root)
+    nnstat.setup({"log": "grad", "save": "grad", "loss_reduction": "mean"})
+    nnstat.watch(model)
+    nnstat.add_projection(rank=64)
+    return run
+
+
 def where(error: BaseException) -> str:
     """The innermost frame of nnstat (else the innermost) that raised `error`."""
     import traceback
@@ -323,10 +336,7 @@ def inline_syncs(quick: bool) -> None:
     check("NoiseScale streaming step", noise)
     gns.unwatch()
     with tempfile.TemporaryDirectory() as tmp:
-        run = nnstat.init(project="sync", root_dir=tmp)
-        nnstat.setup({"log": "grad", "save": "grad", "loss_reduction": "mean"})
-        nnstat.watch(model)
-        nnstat.add_projection(rank=64)
+        run = _logging_run(model, tmp)
         ids = iter(range(10**6))
         armed = [False]  # the warm-up batches run in the default mode
 
@@ -514,14 +524,9 @@ def inline_profile_logging(quick: bool) -> None:
         med = statistics.median
         return med(host_f) * 1e3, med(host_b) * 1e3, _device_ms(prof)
 
-    import contextlib
-
     plain = timed(contextlib.nullcontext)
     with tempfile.TemporaryDirectory() as tmp:
-        run = nnstat.init(project="prof", root_dir=tmp)
-        nnstat.setup({"log": "grad", "save": "grad", "loss_reduction": "mean"})
-        nnstat.watch(model)
-        nnstat.add_projection(rank=64)
+        run = _logging_run(model, tmp)
         ids = iter(range(10**6))
         logged = timed(lambda: run(data_id=[f"{next(ids)}-{j}" for j in range(x.shape[0])]))
         nnstat.finalize()
