@@ -8,6 +8,9 @@ model, measured in interleaved rounds so machine load hits all of them alike:
 * hand-written, 5 groups     + l2 only of weights, grads, both Adam states and updates with
                                ``torch._foreach_norm`` (+ the snapshot copy the update needs):
                                the same memory traffic as the Tracker's default, fewer statistics
+* floor                      + one dot product per tensor of those five groups and the snapshot
+                               copy: every byte the default statistics need read once, no more
+                               (what no implementation of them can undercut on this machine)
 * nnstat Tracker (default)   + l2, rms, abs_max, nonfinite of weights, grads, Adam states and
                                updates, plus trust ratios (fused, one host transfer)
 * nnstat Tracker (full+hist) + all 15 statistics and 64-bin histograms of all of the above
@@ -106,6 +109,28 @@ def variants(
 
     out["hand-written l2 of the 5 groups (foreach)"] = manual_groups
 
+    m8, o8 = make(args.width, args.depth)
+    p8 = [p.detach() for p in m8.parameters()]
+    prev8 = [p.clone() for p in p8]
+
+    def read_once() -> None:
+        # the memory floor of the default statistics: every tracked byte read once (one dot
+        # product per tensor, torch's threads), the snapshot refreshed by one copy, nothing else
+        train_step(m8, o8, X, y)
+        states = [o8.state[p] for p in m8.parameters()]
+        for group in (
+            [p.grad for p in m8.parameters()],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            p8,
+            prev8,
+        ):
+            for t in group:
+                torch.dot(t.reshape(-1), t.reshape(-1))
+        torch._foreach_copy_(prev8, p8)
+
+    out["floor: read the 5 groups once (dot products + snapshot copy)"] = read_once
+
     def tracked(label: str, unsplit: bool = False, by_tasks: bool = False, **kw) -> None:
         m, o = make(args.width, args.depth)
         t = nnstat.Tracker(m, o, **kw)
@@ -143,6 +168,10 @@ def variants(
             by_tasks=True,
             background=False,
         )
+    tracked(
+        "nnstat Tracker, default stats of weight, grad, update (no optimizer states)",
+        groups=("weight", "grad", "update"),
+    )
     for mode, kw in modes:
         tracked(
             f"nnstat Tracker, all stats + histograms ({mode})", stats=None, histograms=True, **kw

@@ -69,6 +69,10 @@ def _build_capture_general(
 ) -> ModuleCapture:
     a_parts, b_parts, keep_parts, positions = [], [], [], 0
     n = None
+    # the mean-loss factor is left to the capture (applied to what is computed from b, not to
+    # b's [N, T, d_out] itself) when every call has the same one
+    scales = {_scale(ctx, b_rows) for _, b_rows, ctx in calls}
+    common = scales.pop() if len(scales) == 1 else None
     for x, g, ctx in calls:
         a = rules.forward_rows(w.kind, w.module, x)
         b, pos_shape = rules.backward_rows(w.kind, w.module, g)
@@ -83,7 +87,7 @@ def _build_capture_general(
                 f"{w.name} ({type(w.module).__name__}): input has {a.shape[1]} positions but "
                 f"the output gradient has {b.shape[1]}"
             )
-        if ctx.loss_reduction == "mean":
+        if common is None and ctx.loss_reduction == "mean":
             b = b * float(ctx.batch_size or n)
         keep = _row_mask(w, ctx.mask, n, pos_shape, b.shape[1])
         if keep is not None:
@@ -110,7 +114,13 @@ def _build_capture_general(
         )
     a = a_parts[0] if len(a_parts) == 1 else torch.cat(a_parts, dim=1)
     b = b_parts[0] if len(b_parts) == 1 else torch.cat(b_parts, dim=1)
-    return ModuleCapture(w.name, w.module, w.kind, a, b, positions, keep, w.dims, w.bias)
+    scale = 1.0 if common is None else common
+    return ModuleCapture(w.name, w.module, w.kind, a, b, positions, keep, w.dims, w.bias, scale)
+
+
+def _scale(ctx: _BatchContext, g: torch.Tensor) -> float:
+    """The factor a mean-reduced loss's output gradients are multiplied by (1 for a sum)."""
+    return float(ctx.batch_size or g.shape[0]) if ctx.loss_reduction == "mean" else 1.0
 
 
 _PLAIN_KINDS = rules.ROW_KINDS
@@ -137,7 +147,7 @@ def _build_plain(
         t = a.shape[1]
         if t != b.shape[1]:
             return _build_capture_general(w, [(x, g, ctx)])
-    scale = float(ctx.batch_size or n) if ctx.loss_reduction == "mean" else 1.0
+    scale = _scale(ctx, g)
     return ModuleCapture._plain(w.name, w.module, w.kind, a, b, n, n * t, w.dims, w.bias, scale)
 
 

@@ -45,6 +45,7 @@ from nnstat.capture import rules
 from nnstat.capture.capture import (
     ModuleCapture,
     one_hot_rows,
+    scaled,
     token_rows,
 )
 
@@ -144,12 +145,13 @@ def merge(
         b = torch.cat([c.backward for c in parts], 1)
     else:
         flip = _TRANSPOSED[kind]
-        a_parts: list[Side] = []
-        b_parts: list[Side] = []
+        a_parts: list[Scaled] = []
+        b_parts: list[Scaled] = []
         for c in parts:
-            # an embedding's one-hot rows stay indices (Tokens); b scaled
-            a = Tokens(c.indices, c.d_in) if c.kind == "embedding" else c.forward
-            b = c.backward
+            # an embedding's one-hot rows stay indices (Tokens); the output gradient stays
+            # unscaled (its mean-loss factor is applied to its projection, or when joined)
+            a = Scaled(Tokens(c.indices, c.d_in) if c.kind == "embedding" else c.forward, 1.0)
+            b = Scaled(c._b_raw, c._scale)
             if _TRANSPOSED[c.kind] != flip:
                 a, b = b, a
             a_parts.append(a)
@@ -171,6 +173,14 @@ class Tokens(NamedTuple):
 Side = torch.Tensor | Tokens
 
 
+class Scaled(NamedTuple):
+    """A part's rows and the factor its values carry (an output gradient's mean-loss
+    rescaling, 1 for inputs), applied to its projection (small) rather than to the rows."""
+
+    rows: Side
+    scale: float
+
+
 class TiedCapture(ModuleCapture):
     """A merged capture whose sides are concatenations of the modules' rows over positions,
     built only when asked for: its projection projects each module's rows and concatenates
@@ -185,17 +195,17 @@ class TiedCapture(ModuleCapture):
         name: str,
         module: nn.Module,
         kind: str,
-        a_parts: list[Side],
-        b_parts: list[Side],
+        a_parts: list[Scaled],
+        b_parts: list[Scaled],
         num_positions: int | torch.Tensor,
         dims: tuple[int, int],
     ) -> None:
-        dense = next(p for p in (*b_parts, *a_parts) if isinstance(p, torch.Tensor))
+        dense = next(p.rows for p in (*b_parts, *a_parts) if isinstance(p.rows, torch.Tensor))
         super().__init__(name, module, kind, dense, dense, num_positions, None, dims, False)
         self._a3 = self._b3 = None  # built from the parts on first use
         self._a_parts, self._b_parts = a_parts, b_parts
         self._dense = dense  # dtype and device of the rows
-        self._length = sum(_length(p) for p in a_parts)  # positions of the concatenation
+        self._length = sum(_length(p.rows) for p in a_parts)  # positions of the concatenation
 
     @property
     def device(self) -> torch.device:
@@ -234,24 +244,28 @@ def _length(part: Side) -> int:
     return part.idx.shape[1] if isinstance(part, Tokens) else part.shape[1]
 
 
-def _joined(parts: list[Side]) -> torch.Tensor:
-    rows = [one_hot_rows(p.idx, p.width) if isinstance(p, Tokens) else p for p in parts]
+def _joined(parts: list[Scaled]) -> torch.Tensor:
+    """The parts' rows concatenated over positions, each times its scale."""
+    rows = [
+        one_hot_rows(p.idx, p.width) if isinstance(p, Tokens) else (p if s == 1.0 else p * s)
+        for p, s in parts
+    ]
     return rows[0] if len(rows) == 1 else torch.cat(rows, 1)
 
 
-def _projected(parts: list[Side], p: torch.Tensor) -> torch.Tensor:
-    """``_joined(parts) @ p.T`` ``[N, T, r]``: a side without tokens in one GEMM over its
-    concatenated rows (as :class:`ModuleCapture` does), else each part's rows (GEMM or
-    lookup) concatenated."""
-    if not any(isinstance(q, Tokens) for q in parts):
-        x = _joined(parts)
+def _projected(parts: list[Scaled], p: torch.Tensor) -> torch.Tensor:
+    """``_joined(parts) @ p.T`` ``[N, T, r]``: a side without tokens and of one scale in one
+    GEMM over its concatenated rows (as :class:`ModuleCapture` does), else each part's rows
+    (GEMM or lookup) concatenated; scales multiply the projected rows."""
+    if not any(isinstance(q.rows, Tokens) for q in parts) and len({q.scale for q in parts}) == 1:
+        x = _joined([Scaled(q.rows, 1.0) for q in parts])
         n, t, d = x.shape
-        return torch.mm(x.reshape(n * t, d), p.T).view(n, t, -1)
+        return scaled(torch.mm(x.reshape(n * t, d), p.T).view(n, t, -1), parts[0].scale)
     out = []
-    for q in parts:
+    for q, s in parts:
         if isinstance(q, Tokens):
-            out.append(token_rows(q.idx, p))
+            out.append(scaled(token_rows(q.idx, p), s))
         else:
             n, t, d = q.shape
-            out.append(torch.mm(q.reshape(n * t, d), p.T).view(n, t, -1))
+            out.append(scaled(torch.mm(q.reshape(n * t, d), p.T).view(n, t, -1), s))
     return out[0] if len(out) == 1 else torch.cat(out, 1)
