@@ -8,9 +8,10 @@ model, measured in interleaved rounds so machine load hits all of them alike:
 * hand-written, 5 groups     + l2 only of weights, grads, both Adam states and updates with
                                ``torch._foreach_norm`` (+ the snapshot copy the update needs):
                                the same memory traffic as the Tracker's default, fewer statistics
-* floor                      + one dot product per tensor of those five groups and the snapshot
-                               copy: every byte the default statistics need read once, no more
-                               (what no implementation of them can undercut on this machine)
+* floor                      + one dot product per tensor of gradients, both Adam states and the
+                               snapshot, then the copy of the weights into the snapshot: every
+                               byte the default statistics need read once (and the snapshot
+                               written once), no more: what no exact implementation undercuts
 * nnstat Tracker (default)   + l2, rms, abs_max, nonfinite of weights, grads, Adam states and
                                updates, plus trust ratios (fused, one host transfer)
 * nnstat Tracker (full+hist) + all 15 statistics and 64-bin histograms of all of the above
@@ -115,14 +116,14 @@ def variants(
 
     def read_once() -> None:
         # the memory floor of the default statistics: every tracked byte read once (one dot
-        # product per tensor, torch's threads), the snapshot refreshed by one copy, nothing else
+        # product per tensor, torch's threads; the weights are read by the copy that refreshes
+        # the snapshot), nothing else
         train_step(m8, o8, X, y)
         states = [o8.state[p] for p in m8.parameters()]
         for group in (
             [p.grad for p in m8.parameters()],
             [s["exp_avg"] for s in states],
             [s["exp_avg_sq"] for s in states],
-            p8,
             prev8,
         ):
             for t in group:
@@ -178,8 +179,7 @@ def variants(
         )
 
     if not args.no_peers:
-        from torch.utils.tensorboard import SummaryWriter
-
+        # one import per block: a ./wandb run directory makes isort call wandb first-party
         import wandb
 
         m5, o5 = make(args.width, args.depth)
@@ -191,6 +191,8 @@ def variants(
             run.log({"loss": loss.item()})
 
         out['wandb.watch(log="all", log_freq=1)'] = watched
+
+        from torch.utils.tensorboard import SummaryWriter
 
         m6, o6 = make(args.width, args.depth)
         writer = SummaryWriter(os.path.join(tmp, "tb"))
