@@ -193,11 +193,15 @@ class ModuleCapture:
         """
         if self.kind == "layernorm":
             # the mean-loss factor on the [N, D(+D)] sums rather than on b's [N, T, D]
-            a, b = self._a, self._b_raw
+            return scaled(self._grad_of(self._b_raw), self._scale)
+        return self._grad_of(self._b)
+
+    def _grad_of(self, b: torch.Tensor) -> torch.Tensor:
+        """:meth:`per_sample_grad` with `b` as the output gradients (scaled or not)."""
+        a = self._a
+        if self.kind == "layernorm":
             w = (b * a).sum(1)
-            w = torch.cat([w, b.sum(1)], dim=1) if rules.has_bias(self.module) else w
-            return scaled(w, self._scale)
-        a, b = self._a, self._b
+            return torch.cat([w, b.sum(1)], dim=1) if rules.has_bias(self.module) else w
         if self.kind == "embedding":
             n, t = a.shape
             valid = a >= 0
@@ -237,13 +241,16 @@ class ModuleCapture:
                 nb2 = nb.square_()
                 return torch.addcmul(nb2, na.square_(), nb2)
             return na.mul_(nb).square_()
-        a, b = self._a, self._b
-        t = b.shape[1]
+        # unscaled output gradients; the mean-loss factor squared multiplies the [N] result
+        return scaled(self._sq_norm_of(self._b_raw), self._scale * self._scale)
+
+    def _sq_norm_of(self, b: torch.Tensor) -> torch.Tensor:
+        a, t = self._a, b.shape[1]
         if self.kind == "layernorm":
-            return self.per_sample_grad().square().sum(1)
+            return self._grad_of(b).square().sum(1)
         if self.kind == "embedding":
             if t * t > self.d_in:
-                return self.per_sample_grad().square().sum((1, 2))
+                return self._grad_of(b).square().sum((1, 2))
             same = (a.unsqueeze(2) == a.unsqueeze(1)) & (a >= 0).unsqueeze(2)
             return (same * torch.bmm(b, b.transpose(1, 2))).sum((1, 2))
         # the implicit ones column adds 1 to a·a' (masked rows have b = 0 and drop out anyway)
@@ -253,7 +260,7 @@ class ModuleCapture:
                 gram_a = gram_a + 1.0
             gram_b = torch.bmm(b, b.transpose(1, 2))
             return (gram_a * gram_b).sum((1, 2))
-        return self.per_sample_grad().square().sum((1, 2))
+        return self._grad_of(b).square().sum((1, 2))
 
     def sq_norm_factors(self) -> tuple[list[torch.Tensor], float] | None:
         """``(tensors, c)`` with ``Σ_i ‖G_i‖² = c · Σ_k ‖tensors[k]‖²_F``, or None.
@@ -392,11 +399,12 @@ class ModuleCapture:
     def backward_gram(self, proj: torch.Tensor | None = None) -> torch.Tensor:
         """``Σ_{n,t} b bᵀ``, ``[d_out, d_out]``; with ``proj`` (``P`` ``[r, d_out]``)
         ``Σ (P b)(P b)ᵀ`` ``[r, r]`` without the ``d_out × d_out`` matrix."""
-        b = self._b.reshape(-1, self._b.shape[-1])
+        b = self._b_raw.reshape(-1, self._b_raw.shape[-1])
         if proj is not None:
             _check_proj(self.name, "projection", proj, self.d_out)
             b = b @ proj.to(b).T
-        return b.T @ b
+        # the mean-loss factor squared on the [d, d] result, not on b's [N, T, d]
+        return scaled(b.T @ b, self._scale * self._scale)
 
     def forward_sq_sum(self) -> torch.Tensor:
         """``Σ_{n,t} a²`` per input dimension (the diagonal of :meth:`forward_gram`)."""
@@ -409,12 +417,12 @@ class ModuleCapture:
 
     def backward_sq_sum(self) -> torch.Tensor:
         """``Σ_{n,t} b²`` per output dimension (the diagonal of :meth:`backward_gram`)."""
-        return self._b.square().sum((0, 1))
+        return scaled(self._b_raw.square().sum((0, 1)), self._scale * self._scale)
 
     def _projected_forward(self, proj: torch.Tensor) -> torch.Tensor:
         """``P [a, 1]`` ``[N·T, r]`` of every position (masked rows zero)."""
         _check_proj(self.name, "projection", proj, self.d_in)
-        proj = proj.to(self._b)
+        proj = proj.to(self._b_raw)
         if self.kind == "embedding":
             return token_rows(self._a.reshape(-1), proj)
         a = self._a.reshape(-1, self._a.shape[-1])
@@ -446,7 +454,7 @@ class ModuleCapture:
 
     def backward_sum(self) -> torch.Tensor:
         """``Σ_{n,t} b``."""
-        return self._b.sum((0, 1))
+        return scaled(self._b_raw.sum((0, 1)), self._scale)
 
     def __repr__(self) -> str:
         return (

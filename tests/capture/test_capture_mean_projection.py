@@ -6,7 +6,9 @@ GPT-2's logits gradient: 0.8 GB per batch). Checked on a batch size that is not 
 sample's own loss, for a sequence Linear, a LayerNorm, a one-position Linear and an embedding
 tied to the output head; and by counting, on the same model, the scalar multiplications and
 concatenations as large as an output gradient that capturing and projecting add beside the plain
-backward (none)."""
+backward (none). The capture's statistics (per-sample squared norms, output-gradient sums,
+Grams and squared sums) likewise multiply their results, not the gradients: a mean-reduced loss
+gives the sum-reduced loss's statistics, and the per-sample norms equal ``torch.func``'s."""
 
 from __future__ import annotations
 
@@ -135,3 +137,47 @@ def test_mean_loss_rows_of_one_position_layers():
     w = torch.cat([ps["0.weight"], ps["0.bias"][..., None]], -1)
     want = (proj["0"][1] @ w @ proj["0"][0].T).reshape(N, -1)
     torch.testing.assert_close(caps[0].project(*proj["0"]), want, rtol=1e-5, atol=1e-6)
+
+
+def _stats(model: nn.Module, ids: torch.Tensor, reduction: str) -> dict[str, dict]:
+    engine = nnstat.CaptureEngine()
+    engine.watch(model)
+    out: dict[str, dict] = {}
+
+    def keep(c) -> None:
+        stats = {"sq_norm": c.per_sample_sq_norm(), "sum": c.backward_sum()}
+        stats["gram"], stats["sq_sum"] = c.backward_gram(), c.backward_sq_sum()
+        stats["proj_gram"] = c.backward_gram(torch.ones(2, c.d_out) / c.d_out)
+        out[c.name] = stats
+
+    engine.add_consumer(keep)
+    with engine.batch(loss_reduction=reduction):
+        loss = _sample_loss(model(ids))
+        (loss / ids.shape[0] if reduction == "mean" else loss).backward()
+    engine.unwatch()
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def test_mean_loss_statistics_equal_the_summed_losses_and_per_sample_norms_torch_funcs():
+    # the factor multiplies each statistic (squared where the statistic is quadratic in the
+    # output gradients), so a mean-reduced loss gives the sum-reduced loss's numbers
+    torch.manual_seed(0)
+    model = TiedLM()
+    ids = torch.randint(0, V, (N, T), generator=torch.Generator().manual_seed(4))
+    mean, total = _stats(model, ids, "mean"), _stats(model, ids, "sum")
+    assert sorted(mean) == ["lm_head", "ln", "mid"]
+    for name in mean:
+        for key, got in mean[name].items():
+            want = total[name][key]
+            tol = dict(rtol=1e-5, atol=1e-6 * want.abs().max().item())
+            torch.testing.assert_close(got, want, **tol, msg=f"{name} {key}")
+    ps = _per_sample(model, ids)
+    sq = {k: v.reshape(N, -1).square().sum(1) for k, v in ps.items()}
+    want = {
+        "lm_head": sq["wte.weight"],
+        "ln": sq["ln.weight"] + sq["ln.bias"],
+        "mid": sq["mid.weight"] + sq["mid.bias"],
+    }
+    for name, w in want.items():
+        torch.testing.assert_close(mean[name]["sq_norm"], w, rtol=1e-4, atol=0.0)
