@@ -1,14 +1,16 @@
-"""What a logged batch adds to GPT-2 small's forward+backward, counted on the ``meta`` device.
+"""What logging (or the noise scale) adds to GPT-2 small's forward+backward, counted on ``meta``.
 
 The model is built on ``meta`` (no memory, no arithmetic: seconds on any machine), so this
 measures the work an accelerator would be given, not time: aten ops (kernel launches), bytes
 that ops read and write (operands plus results: an upper bound on memory traffic, since a cache
-may serve some operands) and GEMM FLOPs, of a plain forward+backward and of the same pass
-inside ``run(data_id=...)`` with rank-64 projections of every supported module (the GPU
-targets' logging workload, `benchmarks/gpu_check.py`). The table lists what logging adds, per
-op and per op shape. Needs ``transformers``.
+may serve some operands) and GEMM FLOPs, of a plain forward+backward and of the same pass with
+nnstat: ``--workload logging`` inside ``run(data_id=...)`` with rank-64 projections of every
+supported module (the GPU targets' logging workload, `benchmarks/gpu_check.py`);
+``--workload noise`` inside ``NoiseScale.batch()`` (per-sample gradient norms of every
+module). The tables list what nnstat adds, in all and per op shape. Needs ``transformers``.
 
-Run:  .venv/bin/python benchmarks/logging_traffic.py [--layers 12 --batch 8 --seq 512]
+Run:  .venv/bin/python benchmarks/logging_traffic.py [--workload logging|noise]
+      [--layers 12 --batch 8 --seq 512]
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--rank", type=int, default=64)
+    p.add_argument("--workload", choices=("logging", "noise"), default="logging")
     args = p.parse_args()
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
@@ -91,33 +94,41 @@ def main() -> None:
         return t
 
     plain = one_pass(None)
-    with tempfile.TemporaryDirectory() as tmp:
-        run = nnstat.init(project="traffic", root_dir=tmp)
-        nnstat.setup({"log": "grad", "save": "grad", "loss_reduction": "mean"})
-        nnstat.watch(model)
-        nnstat.add_projection(rank=args.rank)
-        n = args.batch
-        for b in range(3):  # the first batch fingerprints the weights, moves the projections
-            logged = one_pass(run(data_id=list(range(n * b, n * b + n))))
-        nnstat.finalize()
+    if args.workload == "noise":
+        gns = nnstat.NoiseScale(beta=0.99)
+        gns.watch(model)
+        for _ in range(3):
+            logged = one_pass(gns.batch())
+        what = "NoiseScale, every module"
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            run = nnstat.init(project="traffic", root_dir=tmp)
+            nnstat.setup({"log": "grad", "save": "grad", "loss_reduction": "mean"})
+            nnstat.watch(model)
+            nnstat.add_projection(rank=args.rank)
+            n = args.batch
+            for b in range(3):  # the first batch fingerprints the weights, moves projections
+                logged = one_pass(run(data_id=list(range(n * b, n * b + n))))
+            nnstat.finalize()
+        what = f"logging, rank {args.rank}, every supported module"
 
     def total(c: collections.Counter) -> float:
         return float(sum(c.values()))
 
     print(
-        f"\nGPT-2 ({args.layers} layers), batch {args.batch} x {args.seq}, rank {args.rank}, "
-        f"every supported module, torch {torch.__version__}\n"
+        f"\nGPT-2 ({args.layers} layers), batch {args.batch} x {args.seq}, {what}, "
+        f"torch {torch.__version__}\n"
     )
     print("| pass | aten ops | GB read + written | GEMM GFLOP |")
     print("| --- | ---: | ---: | ---: |")
-    for label, t in (("plain forward+backward", plain), ("logged", logged)):
+    for label, t in (("plain forward+backward", plain), (args.workload, logged)):
         print(
             f"| {label} | {total(t.ops):.0f} | {total(t.bytes) / 1e9:.2f} "
             f"| {total(t.flops) / 1e9:.0f} |"
         )
     extra = collections.Counter(logged.shapes)
     extra.subtract(plain.shapes)
-    print("\n| op (operand shapes) logging adds | GB |")
+    print(f"\n| op (operand shapes) {args.workload} adds | GB |")
     print("| --- | ---: |")
     for (name, shapes), moved in sorted(extra.items(), key=lambda kv: -kv[1])[:12]:
         print(f"| {name} {shapes} | {moved / 1e9:.3f} |")

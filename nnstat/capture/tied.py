@@ -239,6 +239,40 @@ class TiedCapture(ModuleCapture):
         p_in, p_out = self._checked_projections(p_in, p_out, self._dense)
         return _projected(self._b_parts, p_out), _projected(self._a_parts, p_in)
 
+    def per_sample_grad(self) -> torch.Tensor:
+        """``[N, d_out, d_in]``: the sum over the modules of ``b_partᵀ a_part``, each from its
+        own rows (a GEMM; a token side is a scatter of the other side's rows), so neither the
+        one-hot ``[N, T, V]`` rows nor the ``[N, 2T, ·]`` concatenations are built; a part's
+        scale rides on the GEMM's or the scatter's ``alpha``."""
+        n, d_out, d_in = self.num_samples, self.d_out, self.d_in
+        out = self._dense.new_zeros(n, d_out, d_in)
+        for (a, sa), (b, sb) in zip(self._a_parts, self._b_parts, strict=True):
+            if isinstance(b, Tokens):  # rows of G indexed by token: G[i, tok] += a_t
+                _scatter_add(out, b.idx, a, sa * sb)
+            elif isinstance(a, Tokens):  # columns indexed by token: G[i, :, tok] += b_t
+                _scatter_add(out.transpose(1, 2), a.idx, b, sa * sb)
+            else:
+                out.baddbmm_(b.transpose(1, 2), a, alpha=sa * sb)
+        return out
+
+    def per_sample_sq_norm(self) -> torch.Tensor:
+        if self._length == 1:
+            return super().per_sample_sq_norm()  # one row: the plain rows' norms
+        g = self.per_sample_grad()
+        return torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square_()
+
+
+def _scatter_add(out: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, alpha: float) -> None:
+    """``out[i, idx[i, t]] += alpha * rows[i, t]`` for ``out`` ``[N, R, C]`` (any strides: a
+    transposed view is written in place), ``idx`` ``[N, T]`` (``-1``: nothing added) and
+    ``rows`` ``[N, T, C]``, without a boolean-mask selection (a host sync on an accelerator)."""
+    n, t = idx.shape
+    src = torch.where((idx >= 0).unsqueeze(-1), rows, 0.0)
+    if alpha != 1.0:
+        src = src * alpha  # [N, T, C]: the part's small side
+    sample = torch.arange(n, device=idx.device).unsqueeze(1).expand(n, t)
+    out.index_put_((sample.reshape(-1), idx.clamp(min=0).reshape(-1)), src.reshape(n * t, -1), True)
+
 
 def _length(part: Side) -> int:
     return part.idx.shape[1] if isinstance(part, Tokens) else part.shape[1]

@@ -6,6 +6,7 @@ capture's dense matrices (one-hot rows and all), masked positions included."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
@@ -85,3 +86,66 @@ def test_tied_rows_are_bit_for_bit_the_projection_of_the_dense_one_hot_matrices(
     assert torch.equal(b[:, :T].sum(-1), mask)  # one-hot rows, zero where masked
     dense = torch.bmm((b @ p_out.T).transpose(1, 2), a @ p_in.T).reshape(N, -1)
     assert torch.equal(rows, dense)
+
+
+class TiedInput(nn.Module):
+    """A HF ``Conv1D`` (``W`` ``[nx, nf]`` = ``[V, D]``) on dense V-wide features, tied to the
+    embedding: the merged capture's token side is its input side (the transposed orientation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D as HFConv1D
+
+        class Conv1D(HFConv1D):  # without a bias: a tie shares every parameter
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return x @ self.weight
+
+        self.wte = nn.Embedding(V, D)
+        self.proj = Conv1D(D, V)  # Conv1D(nf, nx)
+        self.proj.register_parameter("bias", None)
+        self.proj.weight = self.wte.weight
+        self.out = nn.Linear(D, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        feats = torch.nn.functional.softmax(torch.linspace(-1, 1, V).expand(*ids.shape, V), -1)
+        return self.out(torch.tanh(self.wte(ids) + self.proj(feats * ids.unsqueeze(-1))))
+
+
+def _tied_capture(model: nn.Module, ids: torch.Tensor, owner: str, mask=None):
+    engine = nnstat.CaptureEngine()
+    engine.watch(model)
+    caps = {}
+    engine.add_consumer(lambda c: caps.update({c.name: c}))
+    with engine.batch(mask=mask):
+        _loss(model(ids)).backward()
+    engine.unwatch()
+    model.zero_grad(set_to_none=True)
+    return caps[owner]
+
+
+@pytest.mark.parametrize("model_cls, owner", [(TiedLM, "lm_head"), (TiedInput, "proj")])
+def test_tied_per_sample_gradients_and_norms_from_the_parts_equal_the_dense_matrices(
+    model_cls, owner
+):
+    # the merged capture forms G_i module by module (a GEMM, or a scatter of the rows beside a
+    # token side) instead of from the one-hot rows and their concatenation: the same matrix
+    torch.manual_seed(0)
+    model = model_cls()
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, V, (N, T), generator=g)
+    mask = (torch.rand(N, T, generator=g) > 0.3).float()
+    for m in (None, mask):
+        cap = _tied_capture(model, ids, owner, m)
+        got, norms = cap.per_sample_grad(), cap.per_sample_sq_norm()
+        dense = torch.bmm(cap.backward.transpose(1, 2), cap.forward)  # the joined matrices
+        assert got.shape == dense.shape == (N, cap.d_out, cap.d_in)
+        torch.testing.assert_close(got, dense, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(norms, dense.square().sum((1, 2)), rtol=1e-5, atol=1e-6)
+    # and, unmasked, the shared weight's per-sample gradients of both uses (torch.func)
+    cap = _tied_capture(model, ids, owner)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    want = vmap(grad(lambda p, x: _loss(functional_call(model, p, (x[None],)))), in_dims=(None, 0))(
+        params, ids
+    )["wte.weight"]
+    got = cap.per_sample_grads_by_param()["weight"]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
