@@ -220,6 +220,33 @@ class ModuleCapture:
         # masked rows have b = 0, so the bias gradient is the plain sum over positions
         return torch.cat([torch.bmm(bt, a), b.sum(1).unsqueeze(-1)], dim=-1)
 
+    def batch_grad(self) -> torch.Tensor:
+        """``Σ_i G_i`` in :meth:`per_sample_grad`'s matrix form: the batch's gradient of the
+        module (of the summed per-sample losses) in one product over all positions, without
+        per-sample matrices and without a host read (no boolean-mask selection).
+
+        Example:
+            >>> import torch, nnstat
+            >>> m = torch.nn.Linear(2, 1); e = nnstat.CaptureEngine(); _ = e.watch(m); out = []
+            >>> e.add_consumer(lambda c: out.append(c.batch_grad()))
+            >>> with e.batch(): m(torch.ones(3, 2)).sum().backward()
+            >>> out[0].tolist()  # weight [1, 2], then the bias column
+            [[3.0, 3.0, 3.0]]
+        """
+        if self.kind == "layernorm":
+            return self.per_sample_grad().sum(0)
+        b = self._b_raw.reshape(-1, self._b_raw.shape[-1])
+        if self.kind == "embedding":
+            idx = self._a.reshape(-1)
+            rows = torch.where((idx >= 0).unsqueeze(-1), b, 0.0)
+            g = b.new_zeros(self.d_in, self.d_out).index_add_(0, idx.clamp(min=0), rows).T
+        else:
+            a = self._a.reshape(-1, self._a.shape[-1])
+            g = b.T @ a
+            if self._bias:  # masked rows have b = 0: the bias column is the plain sum
+                g = torch.cat([g, b.sum(0).unsqueeze(-1)], dim=1)
+        return scaled(g, self._scale)
+
     def per_sample_grads_by_param(self) -> dict[str, torch.Tensor]:
         """``{"weight": [N, *weight.shape], "bias": [N, *bias.shape]}`` (bias when present)."""
         return rules.grads_by_param(self.kind, self.module, self.per_sample_grad())

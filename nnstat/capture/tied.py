@@ -255,6 +255,21 @@ class TiedCapture(ModuleCapture):
                 out.baddbmm_(b.transpose(1, 2), a, alpha=sa * sb)
         return out
 
+    def batch_grad(self) -> torch.Tensor:
+        """``Σ_i G_i`` ``[d_out, d_in]``, module by module like :meth:`per_sample_grad`."""
+        out = self._dense.new_zeros(self.d_out, self.d_in)
+        for (a, sa), (b, sb) in zip(self._a_parts, self._b_parts, strict=True):
+            if isinstance(b, Tokens):  # every position as one sample of a [1, N*T] batch
+                _scatter_add(
+                    out[None], b.idx.reshape(1, -1), a.reshape(1, -1, a.shape[-1]), sa * sb
+                )
+            elif isinstance(a, Tokens):
+                rows = b.reshape(1, -1, b.shape[-1])
+                _scatter_add(out.T[None], a.idx.reshape(1, -1), rows, sa * sb)
+            else:
+                out.addmm_(b.reshape(-1, b.shape[-1]).T, a.reshape(-1, a.shape[-1]), alpha=sa * sb)
+        return out
+
     def per_sample_sq_norm(self) -> torch.Tensor:
         if self._length == 1:
             return super().per_sample_sq_norm()  # one row: the plain rows' norms

@@ -192,7 +192,7 @@ class StatisticsCollector:
                 )
         if p is not None:
             self._checked[side] = p
-        return self._near(form, side, cap.backward.device)
+        return self._near(form, side, cap.device)
 
     def _near(self, form: FactorForm, side: str, device: torch.device) -> FactorForm:
         """``form`` with its projection on ``device``, copied there once (a copy from pageable

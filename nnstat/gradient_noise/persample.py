@@ -244,14 +244,4 @@ def batch_grad_sq(cap: Any) -> torch.Tensor:
         >>> round(float(out["sq"]), 4)  # weight grad [3, 3], bias grad 3
         27.0
     """
-    b = cap.backward
-    if cap.kind == "layernorm":
-        g = cap.per_sample_grad().sum(0)
-    elif cap.kind == "embedding":
-        idx, rows = cap.indices.reshape(-1), b.reshape(-1, b.shape[-1])
-        keep = idx >= 0
-        g = b.new_zeros(cap.d_in, b.shape[-1]).index_add_(0, idx[keep], rows[keep])
-    else:
-        a = cap.forward
-        g = b.reshape(-1, b.shape[-1]).T @ a.reshape(-1, a.shape[-1])
-    return g.double().pow(2).sum()
+    return cap.batch_grad().double().pow(2).sum()

@@ -8,7 +8,9 @@ tied to the output head; and by counting, on the same model, the scalar multipli
 concatenations as large as an output gradient that capturing and projecting add beside the plain
 backward (none). The capture's statistics (per-sample squared norms, output-gradient sums,
 Grams and squared sums) likewise multiply their results, not the gradients: a mean-reduced loss
-gives the sum-reduced loss's statistics, and the per-sample norms equal ``torch.func``'s."""
+gives the sum-reduced loss's statistics, and the per-sample norms equal ``torch.func``'s. So do
+the batch gradients (``batch_grad``, the DDP noise scale's per-step input), which on a device
+read nothing back: an embedding's positions are masked arithmetically, not selected."""
 
 from __future__ import annotations
 
@@ -181,3 +183,53 @@ def test_mean_loss_statistics_equal_the_summed_losses_and_per_sample_norms_torch
     }
     for name, w in want.items():
         torch.testing.assert_close(mean[name]["sq_norm"], w, rtol=1e-4, atol=0.0)
+
+
+def test_batch_gradients_equal_the_summed_per_sample_gradients():
+    # Σ_i G_i from one product over all positions, the mean-loss factor on the result; the
+    # tied weight's from its parts (both uses), the embedding's by a scatter
+    torch.manual_seed(0)
+    model = TiedLM()
+    ids = torch.randint(0, V, (N, T), generator=torch.Generator().manual_seed(6))
+    engine = nnstat.CaptureEngine()
+    engine.watch(model)
+    got = {}
+    engine.add_consumer(lambda c: got.update({c.name: c.batch_grad()}))
+    with engine.batch(loss_reduction="mean"):
+        (_sample_loss(model(ids)) / N).backward()
+    engine.unwatch()
+    ps = {k: v.sum(0) for k, v in _per_sample(model, ids).items()}
+    want = {
+        "lm_head": ps["wte.weight"],
+        "ln": torch.cat([ps["ln.weight"], ps["ln.bias"]]),
+        "mid": torch.cat([ps["mid.weight"], ps["mid.bias"][:, None]], 1),
+    }
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
+
+
+def test_an_embeddings_batch_gradient_reads_nothing_back_on_a_device():
+    # the DDP noise scale's per-step path: no boolean-mask selection of the positions with a
+    # gradient (its size is data-dependent: a host sync on an accelerator), checked on meta
+    from _ledger import DeviceLedger
+
+    from nnstat.gradient_noise.persample import batch_grad_sq
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(V, D), nn.Linear(D, 2))
+    ids = torch.zeros(N, T, dtype=torch.long, device="meta")
+    mask = torch.ones(N, T, device="meta")
+    engine = nnstat.CaptureEngine()
+    engine.watch(model)
+    ledger = DeviceLedger()
+    sizes = []
+
+    def consume(cap) -> None:
+        with ledger:
+            sizes.append(tuple(batch_grad_sq(cap).shape))
+
+    engine.add_consumer(consume)
+    with engine.batch(mask=mask, loss_reduction="mean"):
+        model(ids).sum().backward()
+    engine.unwatch()
+    assert sizes == [(), ()] and ledger.sync_ops == [] and ledger.reads == 0
