@@ -280,13 +280,8 @@ class ModuleCapture:
                 return self._grad_of(b).square().sum((1, 2))
             same = (a.unsqueeze(2) == a.unsqueeze(1)) & (a >= 0).unsqueeze(2)
             return (same * torch.bmm(b, b.transpose(1, 2))).sum((1, 2))
-        # the implicit ones column adds 1 to a·a' (masked rows have b = 0 and drop out anyway)
         if t * (self.d_in + self.d_out) < self.d_in * self.d_out:
-            gram_a = torch.bmm(a, a.transpose(1, 2))
-            if self._bias:
-                gram_a = gram_a + 1.0
-            gram_b = torch.bmm(b, b.transpose(1, 2))
-            return (gram_a * gram_b).sum((1, 2))
+            return gram_sq_norms(a, b, self._bias)
         return self._grad_of(b).square().sum((1, 2))
 
     def sq_norm_factors(self) -> tuple[list[torch.Tensor], float] | None:
@@ -525,6 +520,24 @@ def token_rows(idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         True
     """
     return F.embedding(idx.clamp(min=0), p.T) * (idx >= 0).unsqueeze(-1)
+
+
+def gram_sq_norms(a: torch.Tensor, b: torch.Tensor, bias: bool = False) -> torch.Tensor:
+    """``[N]`` squared norms of ``G_i = Σ_t b_t [a_t, 1]ᵀ`` (the ones column when `bias`) from
+    ``Σ_{t,s} (a_t·a_s)(b_t·b_s)``: two ``[N, T, T]`` Grams and one batched dot of them (no
+    product temporary); the ones column adds ``Σ_{t,s} b_t·b_s``, the sum of ``b``'s Gram.
+
+    Example:
+        >>> a, b = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
+        >>> g = torch.cat([b.transpose(1, 2) @ a, b.sum(1).unsqueeze(-1)], -1)
+        >>> bool(torch.allclose(gram_sq_norms(a, b, bias=True), g.square().sum((1, 2))))
+        True
+    """
+    n = a.shape[0]
+    gram_a = torch.bmm(a, a.transpose(1, 2)).view(n, 1, -1)
+    gram_b = torch.bmm(b, b.transpose(1, 2)).view(n, -1, 1)
+    sq = torch.bmm(gram_a, gram_b).view(n)
+    return sq.add_(gram_b.view(n, -1).sum(1)) if bias else sq
 
 
 def scaled(rows: torch.Tensor, scale: float) -> torch.Tensor:
