@@ -65,7 +65,7 @@ class Traffic(TorchDispatchMode):
         self.ops[name] += 1
         self.bytes[name] += moved
         self.shapes[(name, tuple(tuple(t.shape) for t in operands))] += moved
-        if name in _GEMMS:
+        if name.rstrip("_") in _GEMMS:  # in-place forms too (baddbmm_, addmm_)
             a, b = operands[-2], operands[-1]
             self.flops[name] += 2 * a.numel() * b.shape[-1]
         return out

@@ -271,10 +271,38 @@ class TiedCapture(ModuleCapture):
         return out
 
     def per_sample_sq_norm(self) -> torch.Tensor:
+        """``[N]``: from the two sides' Grams over every position when that takes fewer
+        multiply-adds than forming ``G_i`` (a wide head over few positions), else from
+        :meth:`per_sample_grad`."""
         if self._length == 1:
             return super().per_sample_sq_norm()  # one row: the plain rows' norms
+        if _gram_work(self._a_parts) + _gram_work(self._b_parts) < self._matrix_work():
+            return self.gram_sq_norm()
+        return self.matrix_sq_norm()
+
+    def matrix_sq_norm(self) -> torch.Tensor:
+        """``[N]`` squared norms of :meth:`per_sample_grad`'s matrices."""
         g = self.per_sample_grad()
         return torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square_()
+
+    def gram_sq_norm(self) -> torch.Tensor:
+        """``[N]`` ``Σ_{t,s} (a_t·a_s)(b_t·b_s)`` over the positions of every part, each
+        side's Gram assembled block by block: a GEMM between dense parts, a gather between a
+        dense part and token indices, an equality test between two token parts."""
+        n = self.num_samples
+        ga = _side_gram(self._a_parts, n, self._dense).view(n, 1, -1)
+        gb = _side_gram(self._b_parts, n, self._dense).view(n, -1, 1)
+        return torch.bmm(ga, gb).view(n)
+
+    def _matrix_work(self) -> int:
+        n, d = self.num_samples, self.d_out * self.d_in
+        dense = sum(
+            _length(a)
+            for (a, _), (b, _) in zip(self._a_parts, self._b_parts, strict=True)
+            if not isinstance(a, Tokens) and not isinstance(b, Tokens)
+        )
+        # the GEMMs, plus the [N, d_out, d_in] matrices written, scattered into and read
+        return 2 * n * dense * d + 4 * n * d
 
 
 def _scatter_add(out: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, alpha: float) -> None:
@@ -287,6 +315,48 @@ def _scatter_add(out: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, alpha
         src = src * alpha  # [N, T, C]: the part's small side
     sample = torch.arange(n, device=idx.device).unsqueeze(1).expand(n, t)
     out.index_put_((sample.reshape(-1), idx.clamp(min=0).reshape(-1)), src.reshape(n * t, -1), True)
+
+
+def _gram_work(parts: list[Scaled]) -> int:
+    """Multiply-adds of :func:`_side_gram`'s GEMMs (blocks between dense parts)."""
+    dense = [q.rows for q in parts if isinstance(q.rows, torch.Tensor)]
+    total = sum(x.shape[1] for x in dense)
+    return 2 * sum(x.shape[0] * x.shape[1] * x.shape[2] for x in dense) * total
+
+
+def _side_gram(parts: list[Scaled], n: int, like: torch.Tensor) -> torch.Tensor:
+    """``[N, P, P]`` Gram ``x_t·x_s`` of one side's rows over all ``P`` positions (each part
+    times its scale), block by block, without the one-hot rows of a token part."""
+    spans, at = [], 0
+    for q in parts:
+        spans.append((at, at + _length(q.rows)))
+        at += _length(q.rows)
+    out = like.new_empty(n, at, at)
+    for k, (p, sp) in enumerate(parts):
+        for m in range(k, len(parts)):
+            q, sq = parts[m]
+            block = _gram_block(p, q)
+            if sp * sq != 1.0:
+                block = block * (sp * sq)
+            (k0, k1), (m0, m1) = spans[k], spans[m]
+            out[:, k0:k1, m0:m1] = block
+            if m != k:
+                out[:, m0:m1, k0:k1] = block.transpose(1, 2)
+    return out
+
+
+def _gram_block(p: Side, q: Side) -> torch.Tensor:
+    """``[N, T_p, T_q]`` dot products of the rows of two parts (one-hot rows as indices)."""
+    if isinstance(p, Tokens) and isinstance(q, Tokens):
+        same = p.idx.unsqueeze(2) == q.idx.unsqueeze(1)
+        return (same & (p.idx >= 0).unsqueeze(2)).float()
+    if isinstance(p, Tokens):
+        return _gram_block(q, p).transpose(1, 2)
+    if isinstance(q, Tokens):  # x_t · onehot(idx_s) = x_t[idx_s], 0 where idx_s = -1
+        n, t = p.shape[:2]
+        idx = q.idx.clamp(min=0).unsqueeze(1).expand(n, t, q.idx.shape[1])
+        return torch.gather(p, 2, idx) * (q.idx >= 0).unsqueeze(1)
+    return torch.bmm(p, q.transpose(1, 2))
 
 
 def _length(part: Side) -> int:

@@ -140,7 +140,12 @@ def test_tied_per_sample_gradients_and_norms_from_the_parts_equal_the_dense_matr
         dense = torch.bmm(cap.backward.transpose(1, 2), cap.forward)  # the joined matrices
         assert got.shape == dense.shape == (N, cap.d_out, cap.d_in)
         torch.testing.assert_close(got, dense, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(norms, dense.square().sum((1, 2)), rtol=1e-5, atol=1e-6)
+        want = dense.square().sum((1, 2))
+        torch.testing.assert_close(norms, want, rtol=1e-5, atol=1e-6)
+        # both ways to the norms, whichever per_sample_sq_norm picks: the two sides' Grams
+        # (blocks between token parts, token and dense parts, dense parts) or the matrices
+        torch.testing.assert_close(cap.gram_sq_norm(), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(cap.matrix_sq_norm(), want, rtol=1e-5, atol=1e-6)
     # and, unmasked, the shared weight's per-sample gradients of both uses (torch.func)
     cap = _tied_capture(model, ids, owner)
     params = {k: v.detach() for k, v in model.named_parameters()}
@@ -149,3 +154,18 @@ def test_tied_per_sample_gradients_and_norms_from_the_parts_equal_the_dense_matr
     )["wte.weight"]
     got = cap.per_sample_grads_by_param()["weight"]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+
+
+def test_tied_norms_take_the_grams_for_a_wide_head_over_few_positions():
+    # GPT-2's shape in small: a vocabulary much wider than the positions, where the Grams
+    # ([N, 2T, 2T]) cost a fraction of the [N, V, D] per-sample matrices
+    torch.manual_seed(0)
+    model = TiedLM()
+    ids = torch.randint(0, V, (N, 2), generator=torch.Generator().manual_seed(7))
+    cap = _tied_capture(model, ids, "lm_head")
+    calls = []
+    cap.matrix_sq_norm = lambda: calls.append("matrix")  # must not be taken
+    norms = cap.per_sample_sq_norm()
+    dense = torch.bmm(cap.backward.transpose(1, 2), cap.forward).square().sum((1, 2))
+    assert calls == []
+    torch.testing.assert_close(norms, dense, rtol=1e-5, atol=1e-6)
