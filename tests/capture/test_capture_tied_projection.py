@@ -171,3 +171,31 @@ def test_tied_norms_take_the_grams_for_a_wide_head_over_few_positions():
     dense = torch.bmm(cap.backward.transpose(1, 2), cap.forward).square().sum((1, 2))
     assert calls == []
     torch.testing.assert_close(norms, dense, rtol=1e-5, atol=1e-6)
+
+
+def test_tied_norms_and_batch_gradient_build_no_token_sized_tensor():
+    # nothing as large as the one-hot token rows [N, T, V] is built after the backward: the
+    # old capture formed them (and their [N, 2T, V] concatenation) for every norm
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Largest(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.size = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and not func.is_view:  # views build nothing
+                    self.size = max(self.size, t.numel())
+            return out
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    ids = torch.randint(0, V, (N, 2), generator=torch.Generator().manual_seed(8))
+    cap = _tied_capture(model, ids, "lm_head")
+    with Largest() as seen:
+        cap.per_sample_sq_norm()
+        cap.batch_grad()
+    assert 0 < seen.size < N * 2 * V, seen.size
