@@ -243,32 +243,19 @@ class TiedCapture(ModuleCapture):
         """``[N, d_out, d_in]``: the sum over the modules of ``b_partᵀ a_part``, each from its
         own rows (a GEMM; a token side is a scatter of the other side's rows), so neither the
         one-hot ``[N, T, V]`` rows nor the ``[N, 2T, ·]`` concatenations are built; a part's
-        scale rides on the GEMM's or the scatter's ``alpha``."""
-        n, d_out, d_in = self.num_samples, self.d_out, self.d_in
-        out = self._dense.new_zeros(n, d_out, d_in)
-        for (a, sa), (b, sb) in zip(self._a_parts, self._b_parts, strict=True):
-            if isinstance(b, Tokens):  # rows of G indexed by token: G[i, tok] += a_t
-                _scatter_add(out, b.idx, a, sa * sb)
-            elif isinstance(a, Tokens):  # columns indexed by token: G[i, :, tok] += b_t
-                _scatter_add(out.transpose(1, 2), a.idx, b, sa * sb)
-            else:
-                out.baddbmm_(b.transpose(1, 2), a, alpha=sa * sb)
-        return out
+        scale rides on the GEMM's ``alpha`` or on the scattered rows."""
+        out = self._dense.new_zeros(self.num_samples, self.d_out, self.d_in)
+        return _add_products(out, self._a_parts, self._b_parts)
 
     def batch_grad(self) -> torch.Tensor:
-        """``Σ_i G_i`` ``[d_out, d_in]``, module by module like :meth:`per_sample_grad`."""
-        out = self._dense.new_zeros(self.d_out, self.d_in)
-        for (a, sa), (b, sb) in zip(self._a_parts, self._b_parts, strict=True):
-            if isinstance(b, Tokens):  # every position as one sample of a [1, N*T] batch
-                _scatter_add(
-                    out[None], b.idx.reshape(1, -1), a.reshape(1, -1, a.shape[-1]), sa * sb
-                )
-            elif isinstance(a, Tokens):
-                rows = b.reshape(1, -1, b.shape[-1])
-                _scatter_add(out.T[None], a.idx.reshape(1, -1), rows, sa * sb)
-            else:
-                out.addmm_(b.reshape(-1, b.shape[-1]).T, a.reshape(-1, a.shape[-1]), alpha=sa * sb)
-        return out
+        """``Σ_i G_i`` ``[d_out, d_in]``, module by module like :meth:`per_sample_grad`, with
+        every position as one sample of a batch of one."""
+        out = self._dense.new_zeros(1, self.d_out, self.d_in)
+        a, b = (
+            [Scaled(_one_sample(q.rows), q.scale) for q in side]
+            for side in (self._a_parts, self._b_parts)
+        )
+        return _add_products(out, a, b)[0]
 
     def per_sample_sq_norm(self) -> torch.Tensor:
         """``[N]``: from the two sides' Grams over every position when that takes fewer
@@ -303,6 +290,27 @@ class TiedCapture(ModuleCapture):
         )
         # the GEMMs, plus the [N, d_out, d_in] matrices written, scattered into and read
         return 2 * n * dense * d + 4 * n * d
+
+
+def _add_products(out: torch.Tensor, a_parts: list[Scaled], b_parts: list[Scaled]) -> torch.Tensor:
+    """``out[i] += Σ_parts scale · b_partᵀ a_part`` per sample ``i`` (``out`` ``[N, d_out,
+    d_in]``): a batched GEMM between dense parts, a scatter of the dense side's rows at the
+    indices of a token side (rows of ``G`` for output-side tokens, columns for input-side)."""
+    for (a, sa), (b, sb) in zip(a_parts, b_parts, strict=True):
+        if isinstance(b, Tokens):  # G[i, tok] += a_t
+            _scatter_add(out, b.idx, a, sa * sb)
+        elif isinstance(a, Tokens):  # G[i, :, tok] += b_t
+            _scatter_add(out.transpose(1, 2), a.idx, b, sa * sb)
+        else:
+            out.baddbmm_(b.transpose(1, 2), a, alpha=sa * sb)
+    return out
+
+
+def _one_sample(part: Side) -> Side:
+    """A part's rows of every sample as the positions of one sample (``[1, N*T, ...]``)."""
+    if isinstance(part, Tokens):
+        return Tokens(part.idx.reshape(1, -1), part.width)
+    return part.reshape(1, -1, part.shape[-1])
 
 
 def _scatter_add(out: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, alpha: float) -> None:
