@@ -191,8 +191,7 @@ class ModuleCapture:
         ``[N, D, V]``; HF Conv1D: the transpose of its ``(nx, nf)`` weight), ``[N, D(+D)]`` for
         layernorm (weight then bias). Use :meth:`per_sample_grads_by_param` for parameter shapes.
         """
-        if self.kind == "layernorm":
-            # the mean-loss factor on the [N, D(+D)] sums rather than on b's [N, T, D]
+        if self.kind == "layernorm":  # the mean-loss factor on the sums, not on b [N, T, D]
             return scaled(self._grad_of(self._b_raw), self._scale)
         return self._grad_of(self._b)
 
@@ -203,15 +202,8 @@ class ModuleCapture:
             w = (b * a).sum(1)
             return torch.cat([w, b.sum(1)], dim=1) if rules.has_bias(self.module) else w
         if self.kind == "embedding":
-            n, t = a.shape
-            valid = a >= 0
-            # positions without a gradient add zeros (no boolean-mask selection: its size is
-            # data-dependent, a host sync on an accelerator)
-            flat = torch.arange(n, device=a.device).unsqueeze(1) * self.d_in + a.clamp(min=0)
-            src = torch.where(valid.unsqueeze(-1), b, 0.0)
-            out = b.new_zeros(n * self.d_in, self.d_out)
-            out.index_add_(0, flat.reshape(-1), src.reshape(n * t, self.d_out))
-            return out.reshape(n, self.d_in, self.d_out).transpose(1, 2)
+            out = b.new_zeros(a.shape[0], self.d_in, self.d_out)
+            return scatter_rows(out, a, b).transpose(1, 2)
         bt = b.transpose(1, 2)
         if not self._bias:
             return torch.bmm(bt, a)
@@ -236,10 +228,9 @@ class ModuleCapture:
         if self.kind == "layernorm":
             return self.per_sample_grad().sum(0)
         b = self._b_raw.reshape(-1, self._b_raw.shape[-1])
-        if self.kind == "embedding":
-            idx = self._a.reshape(-1)
-            rows = torch.where((idx >= 0).unsqueeze(-1), b, 0.0)
-            g = b.new_zeros(self.d_in, self.d_out).index_add_(0, idx.clamp(min=0), rows).T
+        if self.kind == "embedding":  # every position as one sample of a batch of one
+            g = b.new_zeros(1, self.d_in, self.d_out)
+            g = scatter_rows(g, self._a.reshape(1, -1), b.unsqueeze(0))[0].T
         else:
             a = self._a.reshape(-1, self._a.shape[-1])
             g = b.T @ a
@@ -395,9 +386,8 @@ class ModuleCapture:
             ap = ap.reshape(*self._a.shape[:2], -1)
         else:
             ap = _rows_mm(self._a, p_in.T)
-        # the mean-loss rescaling on the projected [N, T, r_out] rows, not on [N, T, d_out]
-        # (GPT-2's logits gradient: a pass over 0.8 GB per batch avoided); exact for a
-        # power-of-two batch size, one rounding either way otherwise
+        # the mean-loss factor on the projected [N, T, r_out] rows, not on [N, T, d_out]: exact
+        # for a power-of-two batch size, one rounding either way otherwise
         return scaled(_rows_mm(self._b_raw, p_out.T), self._scale), ap
 
     # ------------------------------------------------------------ sums for statistics
@@ -523,9 +513,8 @@ def token_rows(idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def gram_sq_norms(a: torch.Tensor, b: torch.Tensor, bias: bool = False) -> torch.Tensor:
-    """``[N]`` squared norms of ``G_i = Σ_t b_t [a_t, 1]ᵀ`` (the ones column when `bias`) from
-    ``Σ_{t,s} (a_t·a_s)(b_t·b_s)``: two ``[N, T, T]`` Grams and one batched dot of them (no
-    product temporary); the ones column adds ``Σ_{t,s} b_t·b_s``, the sum of ``b``'s Gram.
+    """``[N]`` squared norms of ``G_i = Σ_t b_t [a_t, 1]ᵀ`` (ones column when `bias`: adds the
+    sum of ``b``'s Gram) as one batched dot of the two ``[N, T, T]`` Grams.
 
     Example:
         >>> a, b = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
@@ -538,6 +527,25 @@ def gram_sq_norms(a: torch.Tensor, b: torch.Tensor, bias: bool = False) -> torch
     gram_b = torch.bmm(b, b.transpose(1, 2)).view(n, -1, 1)
     sq = torch.bmm(gram_a, gram_b).view(n)
     return sq.add_(gram_b.view(n, -1).sum(1)) if bias else sq
+
+
+def scatter_rows(
+    out: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, alpha: float = 1.0
+) -> torch.Tensor:
+    """``out[i, idx[i, t]] += alpha * rows[i, t]`` in place (any strides) for ``out`` ``[N, R,
+    C]``, ``idx`` ``[N, T]`` (``-1``: adds zeros, not a boolean selection, a host sync on a GPU).
+
+    Example:
+        >>> out = torch.zeros(1, 3, 2)
+        >>> scatter_rows(out, torch.tensor([[2, -1, 2]]), torch.ones(1, 3, 2))[0].tolist()
+        [[0.0, 0.0], [0.0, 0.0], [2.0, 2.0]]
+    """
+    n, t = idx.shape
+    src = torch.where((idx >= 0).unsqueeze(-1), rows if alpha == 1.0 else rows * alpha, 0.0)
+    sample = torch.arange(n, device=idx.device).unsqueeze(1).expand(n, t)
+    return out.index_put_(
+        (sample.reshape(-1), idx.clamp(min=0).reshape(-1)), src.reshape(n * t, -1), True
+    )
 
 
 def scaled(rows: torch.Tensor, scale: float) -> torch.Tensor:

@@ -46,6 +46,7 @@ from nnstat.capture.capture import (
     ModuleCapture,
     one_hot_rows,
     scaled,
+    scatter_rows,
     token_rows,
 )
 
@@ -298,9 +299,9 @@ def _add_products(out: torch.Tensor, a_parts: list[Scaled], b_parts: list[Scaled
     indices of a token side (rows of ``G`` for output-side tokens, columns for input-side)."""
     for (a, sa), (b, sb) in zip(a_parts, b_parts, strict=True):
         if isinstance(b, Tokens):  # G[i, tok] += a_t
-            _scatter_add(out, b.idx, a, sa * sb)
+            scatter_rows(out, b.idx, a, sa * sb)
         elif isinstance(a, Tokens):  # G[i, :, tok] += b_t
-            _scatter_add(out.transpose(1, 2), a.idx, b, sa * sb)
+            scatter_rows(out.transpose(1, 2), a.idx, b, sa * sb)
         else:
             out.baddbmm_(b.transpose(1, 2), a, alpha=sa * sb)
     return out
@@ -311,18 +312,6 @@ def _one_sample(part: Side) -> Side:
     if isinstance(part, Tokens):
         return Tokens(part.idx.reshape(1, -1), part.width)
     return part.reshape(1, -1, part.shape[-1])
-
-
-def _scatter_add(out: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, alpha: float) -> None:
-    """``out[i, idx[i, t]] += alpha * rows[i, t]`` for ``out`` ``[N, R, C]`` (any strides: a
-    transposed view is written in place), ``idx`` ``[N, T]`` (``-1``: nothing added) and
-    ``rows`` ``[N, T, C]``, without a boolean-mask selection (a host sync on an accelerator)."""
-    n, t = idx.shape
-    src = torch.where((idx >= 0).unsqueeze(-1), rows, 0.0)
-    if alpha != 1.0:
-        src = src * alpha  # [N, T, C]: the part's small side
-    sample = torch.arange(n, device=idx.device).unsqueeze(1).expand(n, t)
-    out.index_put_((sample.reshape(-1), idx.clamp(min=0).reshape(-1)), src.reshape(n * t, -1), True)
 
 
 def _gram_work(parts: list[Scaled]) -> int:
