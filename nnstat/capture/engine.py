@@ -134,7 +134,7 @@ class CaptureEngine(LayoutHooks):
         ``type_filter``: module classes or class names. Modules without parameters of their own
         are never selected. ``nn.MultiheadAttention`` is captured through the module itself:
         its ``in_proj`` (kind ``"attention"``) and the ``out_proj`` inside it (see
-        ``nnstat/capture/attention.py``). Without filters, unsupported modules that own
+        ``nnstat/capture/kinds/attention.py``). Without filters, unsupported modules that own
         parameters are skipped with one warning; with a filter, selecting one raises
         :class:`UnsupportedModuleError`.
         """

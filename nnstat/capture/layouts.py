@@ -6,7 +6,7 @@
   ``[T, T]`` relative-position table): expanded to the batch (broadcast.py) or, when ``T``
   equals the batch size, checked at their first uses (ambiguous.py);
 * ``nn.MultiheadAttention``: one hook on the module gives the rows of ``in_proj`` and of the
-  ``out_proj`` inside it (attention.py);
+  ``out_proj`` inside it (kinds/attention.py);
 * parameters shared by several modules (tied embeddings): captured once, under one module
   (tied.py);
 * modules left out of capture, with the reason and the fix (:attr:`left_out`).
@@ -29,13 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from nnstat.capture import attention, rules
 from nnstat.capture._build import _BatchContext, _Watched, first_tensor
 from nnstat.capture.ambiguous import FIX as AMBIGUOUS_FIX
 from nnstat.capture.ambiguous import check_rows
-from nnstat.capture.attention import attention_call, attention_rows
 from nnstat.capture.broadcast import BroadcastGuard, expand
 from nnstat.capture.capture import ModuleCapture
+from nnstat.capture.kinds import detect_kind, unsupported_reason
+from nnstat.capture.kinds.attention import attention_call, attention_rows
+from nnstat.capture.kinds.attention import unsupported_reason as attention_unsupported
 from nnstat.capture.tied import merge, owner_index, tie_groups, unsupported_tie
 
 __all__ = ["LayoutHooks", "sequence_first_layers"]
@@ -86,7 +87,7 @@ class LayoutHooks:
             for i, (name, m) in enumerate(group):
                 w = by_module.get(m) or self._watched.get(m)
                 if w is None:
-                    w = _Watched(name or "model", m, rules.detect_kind(m) or "")
+                    w = _Watched(name or "model", m, detect_kind(m))
                     out.append(w)
                 w.tied_to = None if i == k else owner
             self._tied[owner] = [m for i, (_, m) in enumerate(group) if i != k]
@@ -338,9 +339,9 @@ def _kind_of(
             "(its attention is captured either way); build the layer with batch_first=True"
         )
     if attn is None:
-        kind = rules.detect_kind(module)
-        return kind, "" if kind is not None else rules.unsupported_reason(module)
-    reason = attention.unsupported_reason(attn)
+        kind = detect_kind(module)
+        return kind, "" if kind is not None else unsupported_reason(module)
+    reason = attention_unsupported(attn)
     if reason is not None:
         return None, f"it is inside an nn.MultiheadAttention whose {reason}"
     if module is not attn.out_proj:

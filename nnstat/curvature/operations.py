@@ -57,7 +57,7 @@ def is_diagonal(factor: torch.Tensor) -> bool:
 
 def diagonal_forward(cap: ModuleCapture) -> bool:
     """True when the module's forward covariance is diagonal by construction (one-hot inputs)."""
-    return cap.kind == "embedding"
+    return cap.kind.tokens
 
 
 def factor_eig(factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -392,7 +392,7 @@ def sq_rotated(
     are multiplied into ``a`` and ``b`` first; embedding rows come from the (sample, token)
     pairs that occur, other kinds in chunks of samples of at most :data:`EKFAC_CHUNK`
     elements."""
-    if cap.kind == "embedding" and m_in is None:
+    if cap.kind.tokens and m_in is None:
         return _embedding_sq_rotated(cap, m_out)
     if m_in is not None and m_out is not None:
         k_out, k_in = m_out.shape[0], m_in.shape[0]

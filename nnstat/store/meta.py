@@ -81,11 +81,11 @@ def _int(v: Any, least: int) -> bool:
 def _module_problems(modules: list, width: int | None, projection: Any) -> list[str]:
     """What is wrong with meta.json's ``modules``: each an object with a safe, unique ``name``
     (a module path: no ``/``, ``\\`` or control characters, no empty ``.`` part), a known
-    ``kind`` (:data:`nnstat.capture.rules.KINDS`), ``r_in``/``r_out`` the ranks its projection
+    ``kind`` (:data:`nnstat.capture.kinds.KINDS`), ``r_in``/``r_out`` the ranks its projection
     gives (``min(rank, d)``, or ``d`` without one; ``r_out`` null for layernorm), ``width =
     r_in * (r_out or 1)`` and ``offset`` right after the previous module; ``row_width`` their
     sum."""
-    from nnstat.capture.rules import KINDS
+    from nnstat.capture.kinds import KINDS
 
     problems: list[str] = []
     rank = projection.get("rank", ...) if isinstance(projection, dict) else ...

@@ -1,4 +1,5 @@
-"""``nn.MultiheadAttention``: per-sample gradients of ``in_proj`` and ``out_proj``.
+"""``nn.MultiheadAttention`` (kind "attention"): per-sample gradients of ``in_proj`` and
+``out_proj``.
 
 The module computes with its bare ``in_proj_weight`` and never calls ``out_proj.forward``, so
 no module hook sees the projections. The engine hooks the attention module itself: its inputs
@@ -32,12 +33,15 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["AttentionCall", "attention_call", "attention_rows", "unsupported_reason"]
+from nnstat.capture.kinds.base import Kind
+
+__all__ = ["Attention", "AttentionCall", "attention_call", "attention_rows", "unsupported_reason"]
 
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 
@@ -195,3 +199,35 @@ def _merge(x: torch.Tensor) -> torch.Tensor:
     """``[N, H, L, d]`` to ``[N, L, H * d]``."""
     n, h, length, d = x.shape
     return x.transpose(1, 2).reshape(n, length, h * d)
+
+
+class Attention(Kind):
+    """Its packed ``in_proj``, ``[3E, E(+1)]`` like an ``nn.Linear(E, 3E)`` (bias = last
+    column), with rows from :func:`attention_rows`; its ``out_proj`` is a "linear" whose rows
+    come from the same place."""
+
+    name = "attention"
+    modules: ClassVar[tuple[type, ...]] = (nn.MultiheadAttention,)
+    plain = True
+
+    def unsupported(self, module: nn.Module) -> str | None:
+        return unsupported_reason(module)
+
+    def has_bias(self, module: nn.Module) -> bool:
+        return module.in_proj_bias is not None
+
+    def dims(self, module: nn.Module) -> tuple[int, int]:
+        return module.embed_dim + self.has_bias(module), 3 * module.embed_dim
+
+    def grads_by_param(self, module: nn.Module, g: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not self.has_bias(module):
+            return {"in_proj_weight": g}
+        return {"in_proj_weight": g[..., :-1], "in_proj_bias": g[..., -1]}
+
+    def matrix_from_params(
+        self, module: nn.Module, params: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        w = params["in_proj_weight"]
+        if not self.has_bias(module):
+            return w
+        return torch.cat([w, params["in_proj_bias"].unsqueeze(-1)], dim=-1)

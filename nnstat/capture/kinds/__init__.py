@@ -1,0 +1,77 @@
+"""Layer kinds: one module per kind of layer, each a :class:`Kind` registered by defining it.
+
+Adding a kind is one module: subclass :class:`Kind` (name, the module classes, ``dims``, and
+whatever differs from a linear layer's dense rows) and import it (here, for the built-in ones).
+
+Example:
+    >>> import torch
+    >>> detect_kind(torch.nn.Conv2d(3, 4, 3)), detect_kind(torch.nn.ReLU())
+    ('conv', None)
+    >>> unsupported_reason(torch.nn.ReLU())
+    'no per-sample gradient rule for this module type'
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from nnstat.capture.kinds.attention import Attention
+from nnstat.capture.kinds.base import REGISTRY, Kind
+from nnstat.capture.kinds.conv import Conv
+from nnstat.capture.kinds.conv1d import HFConv1D, is_hf_conv1d
+from nnstat.capture.kinds.embedding import Embedding
+from nnstat.capture.kinds.layernorm import LayerNorm
+from nnstat.capture.kinds.linear import Linear
+
+__all__ = [
+    "KINDS",
+    "Attention",
+    "Conv",
+    "Embedding",
+    "HFConv1D",
+    "Kind",
+    "LayerNorm",
+    "Linear",
+    "detect_kind",
+    "is_hf_conv1d",
+    "kind_named",
+    "unsupported_reason",
+]
+
+
+#: the names of the built-in kinds; a store's meta.json names one per module
+KINDS = tuple(REGISTRY)
+
+
+def kind_named(name: str) -> Kind:
+    """The registered kind called ``name``.
+
+    Raises:
+        ValueError: no kind has that name (the message lists the registered ones).
+
+    Example:
+        >>> kind_named("linear").outer
+        True
+    """
+    kind = REGISTRY.get(name)
+    if kind is None:
+        raise ValueError(f"unknown capture kind {name!r}; registered kinds: {list(REGISTRY)}")
+    return kind
+
+
+def _matching(module: nn.Module) -> Kind | None:
+    return next((k for k in REGISTRY.values() if k.matches(module)), None)
+
+
+def detect_kind(module: nn.Module) -> Kind | None:
+    """Return the capture kind of ``module`` or ``None`` when no kind supports it."""
+    kind = _matching(module)
+    return kind if kind is not None and kind.unsupported(module) is None else None
+
+
+def unsupported_reason(module: nn.Module) -> str:
+    """Explain why ``module`` cannot be captured (used in errors and warnings)."""
+    kind = _matching(module)
+    if kind is None:
+        return "no per-sample gradient rule for this module type"
+    return kind.unsupported(module) or "supported"
