@@ -20,8 +20,8 @@ from nnstat.curvature.products import ParamLayout, captured_example_grads
 from nnstat.store.integrity import params_hash
 
 from .cache import default_preconditioner, fitted
-from .layout import ModuleSpec
 from .precondition import Preconditioner, _fit_from_rows, kfac_factor, stored_ekfac_factor
+from .row_layout import ModuleSpec
 from .sources import RowSource
 
 

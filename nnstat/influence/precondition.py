@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import ModuleSpec
+from .row_layout import ModuleSpec
 from .sources import RowSource
 from .woodbury import gram_eig, symmetric_eig, woodbury_apply, woodbury_core
 

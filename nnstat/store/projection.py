@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 PROJECTION_INITS = ("random", "pca")
-KRONECKER_KINDS = ("linear", "conv", "conv1d_hf", "embedding", "attention")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from nnstat.capture.kinds.linear import Linear
 
 __all__ = [
     "KINDS",
+    "REGISTRY",
     "Attention",
     "Conv",
     "Embedding",
