@@ -30,10 +30,10 @@ from nnstat.capture._build import (
     _Watched,
     first_tensor,
 )
-from nnstat.capture.ambiguous import SampleRows, add_check_guard
-from nnstat.capture.broadcast import BroadcastOutput, add_guard
 from nnstat.capture.capture import ModuleCapture
-from nnstat.capture.layouts import LayoutHooks, _kind_of, sequence_first_layers
+from nnstat.capture.layouts.ambiguous import SampleRows, add_check_guard
+from nnstat.capture.layouts.broadcast import BroadcastOutput, add_guard
+from nnstat.capture.layouts.hooks import LayoutHooks, kind_of, sequence_first_layers
 
 __all__ = ["LOSS_REDUCTIONS", "CaptureConsumer", "CaptureEngine", "UnsupportedModuleError"]
 
@@ -99,7 +99,8 @@ class CaptureEngine(LayoutHooks):
     @property
     def watched(self) -> dict[str, nn.Module]:
         """Watched modules by name, in watch order (a module that shares its parameters with
-        another one is watched under that one's name alone: see ``nnstat/capture/tied.py``)."""
+        another one is watched under that one's name alone: see ``nnstat/capture/layouts/tied.py``).
+        """
         return {w.name: w.module for w in self._watched.values() if w.tied_to is None}
 
     @property
@@ -154,7 +155,7 @@ class CaptureEngine(LayoutHooks):
                 continue
             parent = next((m for p, m in mha.items() if name.startswith(p + ".")), None)
             layer = next((p for p in seq_first if name.startswith(p + ".")), None)
-            kind, why = _kind_of(module, parent, layer)
+            kind, why = kind_of(module, parent, layer)
             if kind is None:
                 unsupported.append(f"{name or '<root>'} ({type(module).__name__}): {why}")
                 continue

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from nnstat.capture.broadcast import (
+from nnstat.capture.layouts.broadcast import (
     _COMBINE,
     _INPLACE_COMBINE,
     _PERMUTE,

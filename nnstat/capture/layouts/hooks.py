@@ -30,14 +30,14 @@ import torch
 from torch import nn
 
 from nnstat.capture._build import _BatchContext, _Watched, first_tensor
-from nnstat.capture.ambiguous import FIX as AMBIGUOUS_FIX
-from nnstat.capture.ambiguous import check_rows
-from nnstat.capture.broadcast import BroadcastGuard, expand
 from nnstat.capture.capture import ModuleCapture
 from nnstat.capture.kinds import detect_kind, unsupported_reason
 from nnstat.capture.kinds.attention import attention_call, attention_rows
 from nnstat.capture.kinds.attention import unsupported_reason as attention_unsupported
-from nnstat.capture.tied import merge, owner_index, tie_groups, unsupported_tie
+from nnstat.capture.layouts.ambiguous import FIX as AMBIGUOUS_FIX
+from nnstat.capture.layouts.ambiguous import check_rows
+from nnstat.capture.layouts.broadcast import BroadcastGuard, expand
+from nnstat.capture.layouts.tied import merge, owner_index, tie_groups, unsupported_tie
 
 __all__ = ["LayoutHooks", "sequence_first_layers"]
 
@@ -326,7 +326,7 @@ def sequence_first_layers(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
-def _kind_of(
+def kind_of(
     module: nn.Module, attn: nn.Module | None, seq_first: str | None = None
 ) -> tuple[str | None, str]:
     """``(capture kind or None, why not)``; ``attn``: the ``nn.MultiheadAttention`` that holds
