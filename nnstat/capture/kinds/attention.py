@@ -208,26 +208,11 @@ class Attention(Kind):
 
     name = "attention"
     modules: ClassVar[tuple[type, ...]] = (nn.MultiheadAttention,)
+    params = ("in_proj_weight", "in_proj_bias")
     plain = True
 
     def unsupported(self, module: nn.Module) -> str | None:
         return unsupported_reason(module)
 
-    def has_bias(self, module: nn.Module) -> bool:
-        return module.in_proj_bias is not None
-
     def dims(self, module: nn.Module) -> tuple[int, int]:
         return module.embed_dim + self.has_bias(module), 3 * module.embed_dim
-
-    def grads_by_param(self, module: nn.Module, g: torch.Tensor) -> dict[str, torch.Tensor]:
-        if not self.has_bias(module):
-            return {"in_proj_weight": g}
-        return {"in_proj_weight": g[..., :-1], "in_proj_bias": g[..., -1]}
-
-    def matrix_from_params(
-        self, module: nn.Module, params: dict[str, torch.Tensor]
-    ) -> torch.Tensor:
-        w = params["in_proj_weight"]
-        if not self.has_bias(module):
-            return w
-        return torch.cat([w, params["in_proj_bias"].unsqueeze(-1)], dim=-1)

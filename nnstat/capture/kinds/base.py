@@ -72,6 +72,8 @@ class Kind(str):
     name: ClassVar[str]
     #: module classes this kind captures (:meth:`matches` may refine the test)
     modules: ClassVar[tuple[type, ...]] = ()
+    #: the module's weight and bias attributes (the names of the parameters it captures)
+    params: ClassVar[tuple[str, str]] = ("weight", "bias")
     #: the gradient is a sum of outer products ``b aᵀ`` (K-FAC applies)
     outer: ClassVar[bool] = True
     #: forward rows are dense ``[N, T, d_in]`` and the matrix form ends with the bias column
@@ -104,7 +106,7 @@ class Kind(str):
 
     def has_bias(self, module: nn.Module) -> bool:
         """Whether ``module`` has a bias parameter."""
-        return isinstance(getattr(module, "bias", None), torch.Tensor)
+        return isinstance(getattr(module, self.params[1], None), torch.Tensor)
 
     def dims(self, module: nn.Module) -> tuple[int, int]:
         """``(d_in(+1), d_out)`` of the matrix form."""
@@ -134,9 +136,9 @@ class Kind(str):
     def grads_by_param(self, module: nn.Module, g: torch.Tensor) -> dict[str, torch.Tensor]:
         """Split a matrix-form per-sample gradient into ``{param_name: [N, *param.shape]}``."""
         bias = self.has_bias(module)
-        out = {"weight": self.weight_of(module, g[..., :-1] if bias else g)}
+        out = {self.params[0]: self.weight_of(module, g[..., :-1] if bias else g)}
         if bias:
-            out["bias"] = g[..., -1]
+            out[self.params[1]] = g[..., -1]
         return out
 
     def matrix_from_params(
@@ -144,10 +146,10 @@ class Kind(str):
     ) -> torch.Tensor:
         """Inverse of :meth:`grads_by_param`: ``{param_name: [N, *param.shape]}`` to the matrix
         form ``[N, d_out, d_in(+1)]`` (bias = last column)."""
-        w = self.weight_matrix(module, params["weight"])
+        w = self.weight_matrix(module, params[self.params[0]])
         if not self.has_bias(module):
             return w
-        return torch.cat([w, params["bias"].unsqueeze(-1)], dim=-1)
+        return torch.cat([w, params[self.params[1]].unsqueeze(-1)], dim=-1)
 
     def weight_of(self, module: nn.Module, w: torch.Tensor) -> torch.Tensor:
         """The matrix form's weight part ``[N, d_out, d_in]`` in the parameter's shape."""
@@ -233,16 +235,3 @@ class Kind(str):
         if not c._bias:
             return total
         return torch.cat([total, c._ones().sum().reshape(1)])
-
-
-def numel(shape: tuple) -> int:
-    """Product of ``shape``'s sizes (1 for ``()``).
-
-    Example:
-        >>> numel((2, 3)), numel(())
-        (6, 1)
-    """
-    out = 1
-    for s in shape:
-        out *= s
-    return out

@@ -4,13 +4,14 @@ product with one position per (location, group)."""
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nnstat.capture.kinds.base import Kind, numel
+from nnstat.capture.kinds.base import Kind
 
 
 def _unfold(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
@@ -47,7 +48,7 @@ class Conv(Kind):
     modules: ClassVar[tuple[type, ...]] = (nn.Conv1d, nn.Conv2d)
 
     def dims(self, module: nn.Module) -> tuple[int, int]:
-        return numel(_weight_shape(module)[1:]) + self.has_bias(module), module.out_channels
+        return math.prod(_weight_shape(module)[1:]) + self.has_bias(module), module.out_channels
 
     def forward_rows(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]

@@ -30,9 +30,6 @@ class Embedding(Kind):
             )
         return None
 
-    def has_bias(self, module: nn.Module) -> bool:
-        return False
-
     def dims(self, module: nn.Module) -> tuple[int, int]:
         return module.num_embeddings, module.embedding_dim
 

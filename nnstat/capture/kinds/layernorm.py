@@ -4,13 +4,14 @@ sum of outer products: no K-FAC, and its projection is ``G_i @ Pᵀ`` on the fla
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nnstat.capture.kinds.base import Kind, Rows, numel
+from nnstat.capture.kinds.base import Kind, Rows
 from nnstat.capture.matrix import scaled
 
 
@@ -29,7 +30,7 @@ class LayerNorm(Kind):
 
     def dims(self, module: nn.Module) -> tuple[int, int]:
         """``(D, D)`` of the normalised shape."""
-        d = numel(tuple(module.normalized_shape))
+        d = math.prod(tuple(module.normalized_shape))
         return d, d
 
     def logged_dims(self, module: nn.Module) -> tuple[int, int | None]:
@@ -38,17 +39,17 @@ class LayerNorm(Kind):
     def forward_rows(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         shape = tuple(module.normalized_shape)
         xh = F.layer_norm(x.detach().float(), shape, None, None, module.eps)
-        return xh.reshape(x.shape[0], -1, numel(shape))
+        return xh.reshape(x.shape[0], -1, math.prod(shape))
 
     def backward_rows(self, module: nn.Module, g: torch.Tensor) -> tuple[torch.Tensor, tuple]:
         g = g.detach().float()
         nd = len(module.normalized_shape)
         pos = tuple(g.shape[1 : g.dim() - nd])
-        return g.reshape(g.shape[0], -1, numel(tuple(module.normalized_shape))), pos
+        return g.reshape(g.shape[0], -1, math.prod(tuple(module.normalized_shape))), pos
 
     def grads_by_param(self, module: nn.Module, g: torch.Tensor) -> dict[str, torch.Tensor]:
         n, shape = g.shape[0], tuple(module.normalized_shape)
-        d = numel(shape)
+        d = math.prod(shape)
         out = {"weight": g[:, :d].reshape(n, *shape)}
         if self.has_bias(module):
             out["bias"] = g[:, d:].reshape(n, *shape)
