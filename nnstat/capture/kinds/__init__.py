@@ -15,13 +15,18 @@ from __future__ import annotations
 
 from torch import nn
 
-from nnstat.capture.kinds.attention import Attention
 from nnstat.capture.kinds.base import REGISTRY, Kind
+
+# registration order: KINDS and the kind lists in error messages keep this order
+# isort: off
+from nnstat.capture.kinds.linear import Linear
 from nnstat.capture.kinds.conv import Conv
 from nnstat.capture.kinds.conv1d import HFConv1D, is_hf_conv1d
 from nnstat.capture.kinds.embedding import Embedding
+from nnstat.capture.kinds.attention import Attention
 from nnstat.capture.kinds.layernorm import LayerNorm
-from nnstat.capture.kinds.linear import Linear
+
+# isort: on
 
 __all__ = [
     "KINDS",
