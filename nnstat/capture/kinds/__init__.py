@@ -19,25 +19,25 @@ from nnstat.capture.kinds.base import REGISTRY, Kind
 
 # registration order: KINDS and the kind lists in error messages keep this order
 # isort: off
-from nnstat.capture.kinds.linear import Linear
-from nnstat.capture.kinds.conv import Conv
-from nnstat.capture.kinds.conv1d import HFConv1D, is_hf_conv1d
-from nnstat.capture.kinds.embedding import Embedding
-from nnstat.capture.kinds.attention import Attention
-from nnstat.capture.kinds.layernorm import LayerNorm
+from nnstat.capture.kinds.linear import LinearKind
+from nnstat.capture.kinds.conv import ConvKind
+from nnstat.capture.kinds.conv1d import HFConv1DKind, is_hf_conv1d
+from nnstat.capture.kinds.embedding import EmbeddingKind
+from nnstat.capture.kinds.attention import AttentionKind
+from nnstat.capture.kinds.layernorm import LayerNormKind
 
 # isort: on
 
 __all__ = [
     "KINDS",
     "REGISTRY",
-    "Attention",
-    "Conv",
-    "Embedding",
-    "HFConv1D",
+    "AttentionKind",
+    "ConvKind",
+    "EmbeddingKind",
+    "HFConv1DKind",
     "Kind",
-    "LayerNorm",
-    "Linear",
+    "LayerNormKind",
+    "LinearKind",
     "detect_kind",
     "is_hf_conv1d",
     "kind_named",

@@ -41,7 +41,13 @@ from torch import nn
 
 from nnstat.capture.kinds.base import Kind
 
-__all__ = ["Attention", "AttentionCall", "attention_call", "attention_rows", "unsupported_reason"]
+__all__ = [
+    "AttentionCall",
+    "AttentionKind",
+    "attention_call",
+    "attention_rows",
+    "unsupported_reason",
+]
 
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 
@@ -201,7 +207,7 @@ def _merge(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(n, length, h * d)
 
 
-class Attention(Kind):
+class AttentionKind(Kind):
     """Its packed ``in_proj``, ``[3E, E(+1)]`` like an ``nn.Linear(E, 3E)`` (bias = last
     column), with rows from :func:`attention_rows`; its ``out_proj`` is a "linear" whose rows
     come from the same place."""

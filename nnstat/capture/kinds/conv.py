@@ -41,7 +41,7 @@ def _weight_shape(module: nn.Module) -> tuple[int, ...]:
     return (module.out_channels, module.in_channels // module.groups, *module.kernel_size)
 
 
-class Conv(Kind):
+class ConvKind(Kind):
     """``[C_out, C_in/groups·k(+1)]``: the weight flattened after its first dimension."""
 
     name = "conv"

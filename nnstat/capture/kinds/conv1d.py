@@ -27,7 +27,7 @@ def is_hf_conv1d(module: nn.Module) -> bool:
     )
 
 
-class HFConv1D(Kind):
+class HFConv1DKind(Kind):
     """``[nf, nx(+1)]``: the transpose of its ``(nx, nf)`` weight (bias = last column)."""
 
     name = "conv1d_hf"

@@ -13,7 +13,7 @@ from nnstat.capture.kinds.base import Kind, Rows
 from nnstat.capture.matrix import one_hot_rows, scaled, scatter_rows, token_rows
 
 
-class Embedding(Kind):
+class EmbeddingKind(Kind):
     """``[D, V]``: the transpose of the ``[V, D]`` table (no bias)."""
 
     name = "embedding"

@@ -15,7 +15,7 @@ from nnstat.capture.kinds.base import Kind, Rows
 from nnstat.capture.matrix import scaled
 
 
-class LayerNorm(Kind):
+class LayerNormKind(Kind):
     """``[D(+D)]``: the weight's gradient then the bias's, flat over the normalised shape."""
 
     name = "layernorm"

@@ -10,7 +10,7 @@ from torch import nn
 from nnstat.capture.kinds.base import Kind
 
 
-class Linear(Kind):
+class LinearKind(Kind):
     """``[d_out, d_in(+1)]``, the weight's own layout (bias = last column)."""
 
     name = "linear"
