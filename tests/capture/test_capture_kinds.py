@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -81,6 +84,8 @@ def test_kinds_are_their_names_and_unknown_names_are_refused():
     for name in ("linear", "conv", "conv1d_hf", "embedding", "attention", "layernorm"):
         assert kind_named(name) == name and kind_named(name) in KINDS
     assert not kind_named("layernorm").outer and kind_named("embedding").tokens
+    conv = kind_named("conv")  # one instance per kind, also through a copy or a pickle
+    assert copy.deepcopy(conv) is conv and pickle.loads(pickle.dumps(conv)) is conv
     with pytest.raises(ValueError, match="registered kinds"):
         kind_named("lstm")
     with pytest.raises(ValueError, match="already registered"):

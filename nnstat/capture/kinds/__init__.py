@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from nnstat.capture.kinds.base import REGISTRY, Kind
+from nnstat.capture.kinds.base import REGISTRY, Kind, kind_named
 
 # registration order: KINDS and the kind lists in error messages keep this order
 # isort: off
@@ -49,34 +49,34 @@ __all__ = [
 KINDS = tuple(REGISTRY)
 
 
-def kind_named(name: str) -> Kind:
-    """The registered kind called ``name``.
-
-    Raises:
-        ValueError: no kind has that name (the message lists the registered ones).
-
-    Example:
-        >>> kind_named("linear").outer
-        True
-    """
-    kind = REGISTRY.get(name)
-    if kind is None:
-        raise ValueError(f"unknown capture kind {name!r}; registered kinds: {list(REGISTRY)}")
-    return kind
-
-
 def _matching(module: nn.Module) -> Kind | None:
     return next((k for k in REGISTRY.values() if k.matches(module)), None)
 
 
 def detect_kind(module: nn.Module) -> Kind | None:
-    """Return the capture kind of ``module`` or ``None`` when no kind supports it."""
+    """Return the capture kind of ``module`` or ``None`` when no kind supports it.
+
+    Args:
+        module: any module.
+
+    Returns:
+        The first registered kind that matches ``module`` and supports it, else None
+        (:func:`unsupported_reason` says why).
+    """
     kind = _matching(module)
     return kind if kind is not None and kind.unsupported(module) is None else None
 
 
 def unsupported_reason(module: nn.Module) -> str:
-    """Explain why ``module`` cannot be captured (used in errors and warnings)."""
+    """Explain why ``module`` cannot be captured (used in errors and warnings).
+
+    Args:
+        module: a module :func:`detect_kind` returns None for.
+
+    Returns:
+        The matching kind's reason, or that no kind matches its type ("supported" when
+        ``module`` can be captured).
+    """
     kind = _matching(module)
     if kind is None:
         return "no per-sample gradient rule for this module type"

@@ -88,6 +88,10 @@ class Kind(str):
     def __new__(cls) -> Kind:
         return super().__new__(cls, cls.name)
 
+    def __reduce__(self) -> tuple:
+        # one instance per kind: a copy or an unpickled kind is the registered one
+        return (kind_named, (str(self),))
+
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         if "name" in cls.__dict__:
@@ -235,3 +239,26 @@ class Kind(str):
         if not c._bias:
             return total
         return torch.cat([total, c._ones().sum().reshape(1)])
+
+
+def kind_named(name: str) -> Kind:
+    """The registered kind called ``name``.
+
+    Args:
+        name: a kind's name (a store's ``meta.json`` ``kind``), or a kind.
+
+    Returns:
+        The one registered instance of that kind.
+
+    Raises:
+        ValueError: no kind has that name (the message lists the registered ones).
+
+    Example:
+        >>> import copy
+        >>> kind_named("linear").outer, copy.deepcopy(kind_named("conv")) is kind_named("conv")
+        (True, True)
+    """
+    kind = REGISTRY.get(name)
+    if kind is None:
+        raise ValueError(f"unknown capture kind {name!r}; registered kinds: {list(REGISTRY)}")
+    return kind
