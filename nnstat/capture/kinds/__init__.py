@@ -17,36 +17,14 @@ from torch import nn
 
 from nnstat.capture.kinds.base import REGISTRY, Kind, kind_named
 
-# registration order: KINDS and the kind lists in error messages keep this order
+# the built-in kinds register themselves when imported, in this order: the order of the kind
+# lists in error messages
 # isort: off
-from nnstat.capture.kinds.linear import LinearKind
-from nnstat.capture.kinds.conv import ConvKind
-from nnstat.capture.kinds.conv1d import HFConv1DKind, is_hf_conv1d
-from nnstat.capture.kinds.embedding import EmbeddingKind
-from nnstat.capture.kinds.attention import AttentionKind
-from nnstat.capture.kinds.layernorm import LayerNormKind
+from nnstat.capture.kinds import linear, conv, conv1d, embedding, attention, layernorm  # noqa: F401
 
 # isort: on
 
-__all__ = [
-    "KINDS",
-    "REGISTRY",
-    "AttentionKind",
-    "ConvKind",
-    "EmbeddingKind",
-    "HFConv1DKind",
-    "Kind",
-    "LayerNormKind",
-    "LinearKind",
-    "detect_kind",
-    "is_hf_conv1d",
-    "kind_named",
-    "unsupported_reason",
-]
-
-
-#: the names of the built-in kinds; a store's meta.json names one per module
-KINDS = tuple(REGISTRY)
+__all__ = ["REGISTRY", "Kind", "detect_kind", "kind_named", "unsupported_reason"]
 
 
 def _matching(module: nn.Module) -> Kind | None:
