@@ -38,11 +38,12 @@ import numpy as np
 import torch
 
 from nnstat.describe.moments import Workspace
+from nnstat.describe.partials import assemble
 
 __all__ = [
     "weight_update_norms",
     "FUSED_STATS",
-    "light_columns",
+    "light_rows",
     "share_blocks",
     "sumsq_min_max",
 ]
@@ -338,35 +339,21 @@ def _torch_pair(w: torch.Tensor, p: torch.Tensor, ws: Workspace, refresh: bool) 
     )
 
 
-def light_columns(
-    numel: torch.Tensor,
-    sumsq: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    nonfinite: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """The `FUSED_STATS` columns from counts, sums of squares, minima and maxima.
-
-    ``sumsq``/``lo``/``hi`` describe the finite elements; `nonfinite` counts the others (rms
-    divides by the finite count; ``abs_max`` is NaN when nothing is finite).
+def light_rows(numel: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """Partial rows (`nnstat.describe.partials`) from per-tensor ``[sumsq, min, max]`` columns
+    and optionally ``nonfinite`` (`weight_update_norms`' four of W or of W - P; `sumsq_min_max`),
+    all over the finite elements; `partials.finish` gives the `FUSED_STATS` from them.
 
     Example:
-        >>> c = light_columns(*[torch.tensor([v], dtype=torch.float64) for v in (4, 16, -3, 1)])
-        >>> [c[k].item() for k in ("l2", "rms", "abs_max")]
-        [4.0, 2.0, 3.0]
+        >>> from nnstat.describe.partials import finish
+        >>> norms = torch.tensor([[16.0, -3.0, 1.0, 1.0]], dtype=torch.float64)
+        >>> finish(light_rows(torch.tensor([5.0]), norms), ("l2", "rms", "abs_max"), 0.0).tolist()
+        [[4.0, 2.0, 3.0]]
     """
-    if nonfinite is None:
-        nonfinite = torch.zeros_like(sumsq)
-    l2 = sumsq.sqrt()
-    finite = numel - nonfinite
-    abs_max = torch.maximum(hi, -lo)
-    return {
-        "numel": numel,
-        "l2": l2,
-        "rms": l2 / finite.sqrt(),
-        "abs_max": torch.where(finite > 0, abs_max, torch.full_like(abs_max, math.nan)),
-        "nonfinite": nonfinite,
-    }
+    lo, hi = norms[:, 1], norms[:, 2]
+    n = numel - norms[:, 3] if norms.shape[1] > 3 else None
+    amax = torch.maximum(hi, -lo)
+    return assemble(numel.to(norms.dtype), n, sq=norms[:, 0], min=lo, max=hi, amax=amax)
 
 
 def sumsq_min_max(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

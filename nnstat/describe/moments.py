@@ -4,10 +4,14 @@ Each cache-sized block is reduced ~12 times while it is in L2 (sum, centred powe
 fourth, min, max, sign dot products for l1 and the zero count), and the blocks are combined
 exactly in float64. `Workspace` keeps the scratch buffers between calls.
 
+Each tensor's result is its partial row (`nnstat.describe.partials`): the block rows are
+combined by `partials.merge`, the same code that combines shards and ranks.
+
 Example:
     >>> import torch
-    >>> m = _moments(torch.tensor([1.0, 2.0, 3.0, 6.0]))
-    >>> float(m["mean"]), float(m["m2"]), float(m["max"])
+    >>> from nnstat.describe.partials import CENTRE, MAX, S2
+    >>> r = _moments(torch.tensor([1.0, 2.0, 3.0, 6.0]))
+    >>> float(r[CENTRE]), float(r[S2]) / 4, float(r[MAX])
     (3.0, 3.5, 6.0)
 """
 
@@ -20,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from nnstat.distributed import shift_power_sums
+from nnstat.describe import partials as pr
+from nnstat.describe.partials import exact_row, merge
 
 __all__ = ["Workspace", "CHUNK", "moments_of_pair", "pair_ok"]
 
@@ -81,8 +86,6 @@ class Workspace:
 #: cache, so the ~8 reductions per block read cache, not memory (about 2.5x faster than
 #: full-tensor passes on CPU). Accelerators use one block (kernel launches dominate there).
 CHUNK = 1 << 16
-
-_MOMENT_KEYS = ("mean", "m2", "m3", "m4", "min", "max", "zeros", "l1", "l2")
 
 
 def _denormal_scale(head: torch.Tensor) -> float:
@@ -241,8 +244,8 @@ def pair_ok(w: torch.Tensor, p: torch.Tensor) -> bool:
 
 def moments_of_pair(
     w: torch.Tensor, p: torch.Tensor, ws: Workspace | None = None
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """`_moments` of `w` and of ``w - p`` (flat CPU tensors, `pair_ok`), reading each once.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_moments` (partial rows) of `w` and of ``w - p`` (flat CPU tensors, `pair_ok`), reading each once.
 
     The weights and their update of a Tracker step: the difference is never materialised, which
     saves writing and re-reading a tensor of the model's size.
@@ -265,22 +268,22 @@ def moments_of_pair(
         if not redo:
             break
     return (
-        _combine(torch.from_numpy(rw), n, chunk, scales[0], w.dtype),
-        _combine(torch.from_numpy(rd), n, chunk, scales[1], w.dtype),
+        merge(_block_partials(torch.from_numpy(rw), n, chunk, scales[0])),
+        merge(_block_partials(torch.from_numpy(rd), n, chunk, scales[1])),
     )
 
 
-def _moments(x: torch.Tensor, ws: Workspace | None = None) -> dict[str, torch.Tensor]:
-    """Central moments (m_k = mean of (x - mean)^k), min/max, zero count, l1, l2 of a flat tensor.
+def _moments(x: torch.Tensor, ws: Workspace | None = None) -> torch.Tensor:
+    """The partial row (`nnstat.describe.partials.COLUMNS`, float64 ``[WIDTH]``) of a flat
+    tensor, assumed finite (NaN/Inf make its sums non-finite, which callers detect).
 
-    Blocks are centred on their own (rounded) mean ``c`` and combined in float64 with the
+    Blocks are centred on their own (rounded) mean ``c`` and merged in float64 with the
     binomial shift ``sum (x - mu)^k = sum_j C(k, j) (c - mu)^(k - j) sum (x - c)^j``, the
-    ``j = 1`` term included; ``mu`` itself is ``sum (m c + sum (x - c)) / n``.
+    ``j = 1`` term included (`partials.merge`).
     """
     n = x.numel()
     if n == 0:
-        nan = torch.full((), math.nan, dtype=torch.float64, device=x.device)
-        return dict.fromkeys(_MOMENT_KEYS, nan)
+        return exact_row(x)  # the empty row: no elements, extrema at their neutral values
     chunk = CHUNK if x.device.type == "cpu" else n
     d_buf, d2_buf = (ws or Workspace()).get(min(chunk, n), x.dtype, x.device)
     scale = _denormal_scale(x[:chunk])
@@ -299,36 +302,28 @@ def _moments(x: torch.Tensor, ws: Workspace | None = None) -> dict[str, torch.Te
         # a later block far larger than the first overflowed once scaled: plain pass instead
         scale = 1.0
         r = rows(x, chunk, scale, d_buf, d2_buf)
-    return _combine(r, n, chunk, scale, x.dtype)
+    return merge(_block_partials(r, n, chunk, scale))
 
 
-def _combine(
-    r: torch.Tensor, n: int, chunk: int, scale: float, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """The moments of `_moments` from its per-block rows (blocks of `chunk`, the last shorter)."""
-    centres, s1, s2 = r[:, 0], r[:, 1] / scale, r[:, 2] / scale**2
-    s3, s4 = r[:, 3] / scale**3, r[:, 4] / scale**4
-    counts = torch.full_like(centres, float(chunk))
+def _block_partials(r: torch.Tensor, n: int, chunk: int, scale: float) -> torch.Tensor:
+    """Partial rows ``[blocks, WIDTH]`` from `_moment_rows`' (blocks of `chunk`, the last
+    shorter; power sums scaled by `scale`, a power of two: unscaling is exact)."""
+    counts = torch.full((r.shape[0],), float(chunk), dtype=torch.float64)
     counts[-1] = n - chunk * (r.shape[0] - 1)
-    mean = (counts * centres + s1).sum() / n
-    m2, m3, m4 = (m / n for m in shift_power_sums(counts, centres - mean, s1, s2, s3, s4))
-    l2 = (s2 + 2 * centres * s1 + counts * centres**2).sum().sqrt()
-    # like scipy: a (numerically) constant tensor has undefined skew/kurtosis, NaN rather than
-    # the ratio of rounding residues (which was +-inf or finite nonsense)
-    eps = torch.finfo(dtype).eps
-    constant = m2 <= (eps * mean) ** 2
-    nan = torch.full_like(m2, math.nan)
-    m2 = torch.where(constant, torch.zeros_like(m2), m2)
-    m3 = torch.where(constant, nan, m3)
-    m4 = torch.where(constant, nan, m4)
-    return {
-        "mean": mean,
-        "m2": m2,
-        "m3": m3,
-        "m4": m4,
-        "min": r[:, 5].min(),
-        "max": r[:, 6].max(),
-        "zeros": n - r[:, 7].sum(),  # r[:, 7] counts non-zeros
-        "l1": r[:, 8].sum(),
-        "l2": l2,
-    }
+    c, s1 = r[:, 0], r[:, 1] / scale
+    s2, s3, s4 = (r[:, k] / scale**k for k in (2, 3, 4))
+    lo, hi = r[:, 5], r[:, 6]
+    return pr.assemble(
+        counts,
+        centre=c,
+        s1=s1,
+        s2=s2,
+        s3=s3,
+        s4=s4,
+        min=lo,
+        max=hi,
+        amax=torch.maximum(hi, -lo),
+        zeros=counts - r[:, 7],  # r[:, 7] counts non-zeros
+        l1=r[:, 8],
+        sq=s2 + 2 * c * s1 + counts * c * c,  # sum x^2 from the sums about c
+    )

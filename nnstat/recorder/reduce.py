@@ -18,12 +18,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from nnstat.describe import partials
 from nnstat.describe.segments import segment_table
-from nnstat.describe.summary import partial_rows
-from nnstat.distributed import any_dtensor, is_dtensor, summarize_sharded
+from nnstat.describe.sharded import summarize_sharded
+from nnstat.distributed import any_dtensor, is_dtensor
 
 STAT_NAMES: tuple[str, ...] = ("mean", "std", "min", "max", "abs_max", "norm", "nonfinite", "numel")
 COL = {name: i for i, name in enumerate(STAT_NAMES)}
+#: `STAT_NAMES` as `nnstat.describe` names them.
+_DESCRIBE_NAMES = tuple("l2" if s == "norm" else s for s in STAT_NAMES)
 # the core's names of STAT_NAMES but "nonfinite" (the flag comes from the core's probe column)
 _CORE = ("mean", "std", "min", "max", "abs_max", "l2", "numel")
 
@@ -56,8 +59,7 @@ def _with_flag(table: torch.Tensor) -> torch.Tensor:
 def _sharded(segments: list[torch.Tensor]) -> torch.Tensor:
     """FSDP-sharded (DTensor) parameters: local shards reduced across ranks, exact non-finite
     counts (every rank must record the same segments: it runs collectives)."""
-    names = ["l2" if s == "norm" else s for s in STAT_NAMES]
-    return summarize_sharded(segments, names, local_rows=partial_rows)
+    return summarize_sharded(segments, _DESCRIBE_NAMES)
 
 
 def light_stats(segments: list[torch.Tensor], abs_max: bool = True) -> torch.Tensor:
@@ -87,25 +89,18 @@ def light_stats(segments: list[torch.Tensor], abs_max: bool = True) -> torch.Ten
 
 
 def exact_row(t: torch.Tensor) -> np.ndarray:
-    """Statistics of one tensor over its finite entries, in float64 on the host."""
-    x = t.detach().reshape(-1).to("cpu", torch.float64).numpy()
-    ok = np.isfinite(x)
-    f = x[ok]
-    if f.size == 0:
-        nan = float("nan")
-        return np.array([nan, nan, nan, nan, nan, nan, float((~ok).sum()), float(x.size)])
-    return np.array(
-        [
-            f.mean(),
-            f.std(),
-            f.min(),
-            f.max(),
-            np.abs(f).max(),
-            np.sqrt((f * f).sum()),
-            float((~ok).sum()),
-            float(x.size),
-        ]
-    )
+    """Statistics of one tensor over its finite entries, in float64 on the host
+    (`nnstat.describe.partials.exact_row`); all NaN but the counts when none is finite.
+
+    Example:
+        >>> exact_row(torch.tensor([3.0, float("nan"), -4.0]))[[COL["norm"], COL["nonfinite"]]]
+        array([5., 1.])
+    """
+    row = partials.exact_row(t).cpu()
+    out = partials.finish(row[None], _DESCRIBE_NAMES, partials.eps_of(torch.float64))[0]
+    if row[partials.N] == 0:
+        out[COL["norm"]] = float("nan")
+    return out.numpy()
 
 
 def fix_nonfinite(stats: np.ndarray, segments: list[torch.Tensor]) -> list[int]:

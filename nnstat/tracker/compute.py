@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from nnstat.background.transfer import flatten_parts, split_parts
-from nnstat.describe import Workspace, summarize
-from nnstat.describe.fused import FUSED_STATS, light_columns, weight_update_norms
+from nnstat.describe import Workspace, partials, summarize
+from nnstat.describe.fused import FUSED_STATS, light_rows, weight_update_norms
 from nnstat.describe.histogram import (
     HIST_SUMMARY,
     bin_counts,
@@ -367,8 +367,8 @@ def assemble(plan: StepPlan, results: dict[str, Any]) -> dict[str, Any]:
             numel = torch.tensor([t.numel() for t in plan.weights], dtype=torch.float64)
             fused_tables = []
             for lo in (0, 4):
-                cols = light_columns(numel, *(norms[:, lo + k] for k in range(4)))
-                fused_tables.append(torch.stack([cols[s] for s in computed], dim=1))
+                rows = light_rows(numel, norms[:, lo : lo + 4])
+                fused_tables.append(partials.finish(rows, computed, partials.eps_of(torch.float32)))
         put("weight", plan.names, fused_tables[0], None)
         w_l2 = fused_tables[0][:, l2]
     for group, names, _tensors in plan.groups:

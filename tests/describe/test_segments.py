@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from nnstat.describe import STAT_NAMES, segments, summarize, summary
+from nnstat.describe import STAT_NAMES, core, segments, summarize
 from nnstat.describe.moments import Workspace
 from nnstat.describe.segments import HistSpec, segment_table, segment_tables
 
@@ -18,7 +18,7 @@ from nnstat.describe.segments import HistSpec, segment_table, segment_tables
 @pytest.fixture
 def device_path(monkeypatch):
     """`summarize` on CPU tensors takes the accelerator branch (the segments core)."""
-    monkeypatch.setattr(summary, "_host_path", lambda tensors: False)
+    monkeypatch.setattr(core, "_host_path", lambda tensors: False)
 
 
 def reference(t: torch.Tensor) -> dict[str, float]:

@@ -273,9 +273,12 @@ def test_fused_weight_update_pass_is_exact_with_nonfinite_blocks(monkeypatch, re
         np.testing.assert_allclose(table[i].numpy(), expected, rtol=1e-5)
         # refresh rewrites the snapshot with the current weights, else it is left alone
         torch.testing.assert_close(prev[i], c if refresh else p, rtol=0, atol=0, equal_nan=True)
-    cols = sf.light_columns(
-        torch.tensor([300.0, 0.0], dtype=torch.float64), *table[[0, 2], :4].T.contiguous()
-    )
+    from nnstat.describe.partials import finish
+
+    stats = ("rms", "nonfinite", "abs_max")
+    numel = torch.tensor([300.0, 0.0], dtype=torch.float64)
+    rows = finish(sf.light_rows(numel, table[[0, 2], :4]), stats, 0.0)
+    cols = dict(zip(stats, rows.unbind(1), strict=True))
     fin = cur[0][torch.isfinite(cur[0])].double()
     assert cols["rms"][0].item() == pytest.approx(fin.pow(2).mean().sqrt().item(), rel=1e-6)
     assert cols["nonfinite"][0].item() == 1

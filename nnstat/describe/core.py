@@ -1,0 +1,109 @@
+"""The statistics core's dispatcher: partial rows of many tensors from the right backend.
+
+Every statistic of `nnstat.describe` comes from partial rows (`nnstat.describe.partials`: one
+layout, one `merge`, one `finish`). `partial_table` picks the backend that computes them:
+
+- ``torch_segments`` (`nnstat.describe.segments`): tensors on an accelerator, a fixed number of
+  kernels per dtype group; within it, ``triton_rows`` (`nnstat.describe.triton_rows`, the fused
+  Triton row kernels: one read per pass) serves float groups on CUDA where Triton is importable;
+- ``numpy_blocks`` / torch blocks (`nnstat.describe.moments`, `nnstat.describe.fused`): CPU
+  tensors, reduced block by block while each block is in cache.
+
+All take the same arguments (tensors, validated statistic names, a `Workspace`) and give the same
+rows, so `summarize`, ``NetDict.describe``, the Tracker, the recorder and the sharded statistics
+(`nnstat.describe.sharded`) share one code path from partial sums to columns.
+
+Example:
+    >>> import torch
+    >>> rows, eps = partial_table([torch.tensor([1.0, 2.0, 3.0, 6.0])], ("var",))
+    >>> pr.finish(rows, ("var",), eps).tolist()
+    [[3.5]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from nnstat.describe import partials as pr
+from nnstat.describe.moments import Workspace, _moments
+from nnstat.describe.segments import NORM_STATS, segment_partials
+
+__all__ = ["partial_table", "local_partial_rows"]
+
+
+def _work_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _host_path(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether `device_table` takes the per-tensor CPU path (numpy blocks, cache-sized torch
+    blocks) rather than the grouped device core: all tensors on the CPU."""
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def partial_table(
+    tensors: Sequence[torch.Tensor], stats: tuple[str, ...], workspace: Workspace | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The statistics core's dispatcher: partial rows ``[n, WIDTH]`` (`nnstat.describe.partials`,
+    float64, the columns `stats` need) of plain tensors, on their device, and each tensor's
+    epsilon for the constant rule (``[n]``). No host read.
+
+    Tensors on accelerators go to the torch-segment backend (`nnstat.describe.segments`: a fixed
+    number of kernels per dtype group, the Triton-row kernels where they serve); CPU tensors to
+    the blocked passes (numpy blocks where the dtype allows, torch blocks otherwise). The data
+    is assumed finite: a tensor holding NaN/Inf gets a non-finite ``sq`` column, which
+    `repair_table` and `local_partial_rows` recompute exactly on the host.
+
+    Example:
+        >>> rows, eps = partial_table([torch.tensor([3.0, -4.0])], ("l2",))
+        >>> rows[:, pr.SQ].tolist(), eps.tolist() == [torch.finfo(torch.float32).eps]
+        ([25.0], True)
+    """
+    if not _host_path(tensors):
+        # accelerators: O(dtype groups) kernels for the whole list (nnstat.describe.segments)
+        return segment_partials(tensors, stats, workspace)
+    flat = [t.detach().reshape(-1) for t in tensors]
+    flat = [t if t.is_floating_point() else t.to(torch.float32) for t in flat]
+    eps = torch.tensor([pr.eps_of(t.dtype) for t in flat], dtype=torch.float64)
+    need = set(stats)
+    if need - NORM_STATS:
+        # one blocked pass gives every statistic (l2, l1, abs_max included)
+        ws = workspace or Workspace()
+        return torch.stack([_moments(x.to(_work_dtype(x)), ws) for x in flat]), eps
+    n_vec = torch.tensor([float(t.numel()) for t in flat], dtype=torch.float64)
+    cols: dict[str, torch.Tensor] = {}
+    if "abs_max" in need:
+        from nnstat.describe.fused import sumsq_min_max
+
+        # one blocked read gives l2 and abs_max (the inf-norm kernel is slow on CPU);
+        # empty tensors are recomputed by repair_table anyway
+        smm = sumsq_min_max(flat)
+        cols |= {"sq": smm[:, 0], "amax": torch.maximum(smm[:, 2], -smm[:, 1])}
+    else:
+        cols["sq"] = torch.stack(torch._foreach_norm(flat, 2)).to(torch.float64).square()
+    if need & {"l1", "abs_mean"}:
+        cols["l1"] = torch.stack(torch._foreach_norm(flat, 1)).to(torch.float64)
+    return pr.assemble(n_vec, **cols), eps
+
+
+def local_partial_rows(tensors: Sequence[torch.Tensor], stats: tuple[str, ...]) -> torch.Tensor:
+    """``[k, WIDTH]`` float64 CPU partial rows of plain tensors (a DTensor's local shards):
+    `partial_table` (one host read) with the rows of tensors holding NaN/Inf, and of empty
+    ones, recomputed exactly over their finite elements (`partials.exact_row`).
+
+    Example:
+        >>> x = torch.tensor([1.0, 2.0, 4.0, float("nan")])
+        >>> torch.allclose(local_partial_rows([x], ("mean",))[0], pr.exact_row(x), atol=1e-12)
+        True
+    """
+    tensors = [t.detach() for t in tensors]
+    if not tensors:
+        return torch.zeros((0, pr.WIDTH), dtype=torch.float64)
+    rows = partial_table(tensors, stats)[0].cpu()
+    bad = (~torch.isfinite(rows[:, pr.SQ])).nonzero().flatten().tolist()
+    bad += [i for i, t in enumerate(tensors) if t.numel() == 0 and i not in bad]
+    if bad:
+        rows[bad] = torch.stack([pr.exact_row(tensors[i]).cpu() for i in bad])
+    return rows
