@@ -27,14 +27,11 @@ from collections.abc import Sequence
 import torch
 
 from nnstat.describe import partials as pr
-from nnstat.describe.moments import Workspace, _moments
-from nnstat.describe.segments import NORM_STATS, segment_partials
+from nnstat.describe.fused import block_partials
+from nnstat.describe.moments import Workspace
+from nnstat.describe.segments import segment_partials
 
 __all__ = ["partial_table", "local_partial_rows"]
-
-
-def _work_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _host_path(tensors: Sequence[torch.Tensor]) -> bool:
@@ -61,31 +58,8 @@ def partial_table(
         >>> rows[:, pr.SQ].tolist(), eps.tolist() == [torch.finfo(torch.float32).eps]
         ([25.0], True)
     """
-    if not _host_path(tensors):
-        # accelerators: O(dtype groups) kernels for the whole list (nnstat.describe.segments)
-        return segment_partials(tensors, stats, workspace)
-    flat = [t.detach().reshape(-1) for t in tensors]
-    flat = [t if t.is_floating_point() else t.to(torch.float32) for t in flat]
-    eps = torch.tensor([pr.eps_of(t.dtype) for t in flat], dtype=torch.float64)
-    need = set(stats)
-    if need - NORM_STATS:
-        # one blocked pass gives every statistic (l2, l1, abs_max included)
-        ws = workspace or Workspace()
-        return torch.stack([_moments(x.to(_work_dtype(x)), ws) for x in flat]), eps
-    n_vec = torch.tensor([float(t.numel()) for t in flat], dtype=torch.float64)
-    cols: dict[str, torch.Tensor] = {}
-    if "abs_max" in need:
-        from nnstat.describe.fused import sumsq_min_max
-
-        # one blocked read gives l2 and abs_max (the inf-norm kernel is slow on CPU);
-        # empty tensors are recomputed by repair_table anyway
-        smm = sumsq_min_max(flat)
-        cols |= {"sq": smm[:, 0], "amax": torch.maximum(smm[:, 2], -smm[:, 1])}
-    else:
-        cols["sq"] = torch.stack(torch._foreach_norm(flat, 2)).to(torch.float64).square()
-    if need & {"l1", "abs_mean"}:
-        cols["l1"] = torch.stack(torch._foreach_norm(flat, 1)).to(torch.float64)
-    return pr.assemble(n_vec, **cols), eps
+    backend = block_partials if _host_path(tensors) else segment_partials
+    return backend(tensors, stats, workspace)
 
 
 def local_partial_rows(tensors: Sequence[torch.Tensor], stats: tuple[str, ...]) -> torch.Tensor:

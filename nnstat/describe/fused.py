@@ -37,13 +37,15 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from nnstat.describe import moments
+from nnstat.describe import partials as pr
 from nnstat.describe.moments import Workspace
-from nnstat.describe.partials import assemble
 
 __all__ = [
     "weight_update_norms",
     "FUSED_STATS",
     "light_rows",
+    "block_partials",
     "share_blocks",
     "sumsq_min_max",
 ]
@@ -56,13 +58,6 @@ FUSED_STATS = frozenset({"numel", "l2", "rms", "abs_max", "nonfinite"})
 #: on two threads at 128K than at 64K, one thread as fast); each block's float32 dot product
 #: costs ~5e-8 relative error in the sum of squares (float64 accumulation would cost 5x).
 BLOCK = 1 << 17
-
-
-def _numpy_ok(t: torch.Tensor) -> bool:
-    # numpy's float reductions beat torch's per-call cost on cache-sized CPU blocks (min/max
-    # 4 vs 5.6 us, dot 2.9 vs 3.3 us per 64K floats) and return scalars, so no per-block
-    # stacking: about 7 us less per block, ~6 ms per tracked step of a 10M-parameter model
-    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64)
 
 
 #: ``submit(fn)``: runs ``fn()`` on a second thread (see `share_blocks`); None: this thread only
@@ -201,10 +196,12 @@ def _np_pair(wb: np.ndarray, pb: np.ndarray, d: np.ndarray, refresh: bool) -> li
     return row
 
 
-def _combine(res: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+def _per_tensor(res: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
     """Per tensor ``[sumsq, min, max, nonfinite]`` (repeated per group of 4 columns of `res`)
     from the rows of its blocks ``spans[i] = (first, stop)`` (consecutive, none empty), in
-    block order: a few segment reductions for all tensors, not a few per tensor."""
+    block order: a few segment reductions for all tensors, not a few per tensor. It is
+    `partials.merge` restricted to the norm columns (sums and extrema: no moments to shift),
+    over blocks of unequal counts per tensor, in numpy."""
     first = np.array([a for a, _ in spans], dtype=np.intp)
     out = np.empty((len(spans), res.shape[1]))
     for lo in range(0, res.shape[1], 4):
@@ -262,7 +259,7 @@ def weight_update_norms(
         rows.append(None)
         if w.numel() == 0:
             rows[i] = torch.tensor([0.0, math.inf, -math.inf, 0.0] * 2, dtype=torch.float64)
-        elif _numpy_ok(w) and p.dtype == w.dtype and p.device == w.device:
+        elif moments.numpy_ok(w) and p.dtype == w.dtype and p.device == w.device:
             on_numpy.append((i, w, p))
         else:
             rows[i] = _torch_pair(w, p, ws, refresh)
@@ -298,7 +295,7 @@ def _np_pairs(
         res[k] = _np_pair(wb, pb, dts[i][lane][: wb.size], refresh)
 
     _run_blocks(len(starts), one)
-    return _combine(res, spans)
+    return _per_tensor(res, spans)
 
 
 def _torch_pair(w: torch.Tensor, p: torch.Tensor, ws: Workspace, refresh: bool) -> torch.Tensor:
@@ -353,7 +350,7 @@ def light_rows(numel: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
     lo, hi = norms[:, 1], norms[:, 2]
     n = numel - norms[:, 3] if norms.shape[1] > 3 else None
     amax = torch.maximum(hi, -lo)
-    return assemble(numel.to(norms.dtype), n, sq=norms[:, 0], min=lo, max=hi, amax=amax)
+    return pr.assemble(numel.to(norms.dtype), n, sq=norms[:, 0], min=lo, max=hi, amax=amax)
 
 
 def sumsq_min_max(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -375,7 +372,7 @@ def sumsq_min_max(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         if n == 0:
             rows[i] = torch.tensor([0.0, float("nan"), float("nan")], device=x.device)
             continue
-        if _numpy_ok(x):
+        if moments.numpy_ok(x):
             on_numpy.append((i, x))
             continue
         block = BLOCK if x.device.type == "cpu" else n
@@ -409,4 +406,43 @@ def _np_norm_rows(tensors: list[torch.Tensor]) -> np.ndarray:
         res[k] = _np_norms(arrays[owner[k]][s : s + BLOCK])
 
     _run_blocks(len(starts), one)
-    return _combine(res, spans)
+    return _per_tensor(res, spans)
+
+
+def _work_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def block_partials(
+    tensors: Sequence[torch.Tensor], stats: tuple[str, ...], workspace: Workspace | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU backend of `nnstat.describe.core.partial_table` (same arguments and result):
+    partial rows ``[n, WIDTH]`` and epsilons ``[n]`` of CPU tensors, block by block (numpy
+    where `moments.numpy_ok`, torch otherwise): the moment pass (`moments.moment_row`) when
+    `stats` need more than norms, else the norm passes (`sumsq_min_max`, ``_foreach_norm``).
+
+    Example:
+        >>> rows, _ = block_partials([torch.tensor([3.0, -4.0])], ("abs_max",))
+        >>> rows[:, [pr.SQ, pr.AMAX]].tolist()
+        [[25.0, 4.0]]
+    """
+    flat = [t.detach().reshape(-1) for t in tensors]
+    flat = [t if t.is_floating_point() else t.to(torch.float32) for t in flat]
+    eps = torch.tensor([pr.eps_of(t.dtype) for t in flat], dtype=torch.float64)
+    need = set(stats)
+    if need - pr.NORM_STATS:
+        # one blocked pass gives every statistic (l2, l1, abs_max included)
+        ws = workspace or Workspace()
+        return torch.stack([moments.moment_row(x.to(_work_dtype(x)), ws) for x in flat]), eps
+    n_vec = torch.tensor([float(t.numel()) for t in flat], dtype=torch.float64)
+    cols: dict[str, torch.Tensor] = {}
+    if "abs_max" in need:
+        # one blocked read gives l2 and abs_max (the inf-norm kernel is slow on CPU);
+        # empty tensors are recomputed by repair_table anyway
+        smm = sumsq_min_max(flat)
+        cols |= {"sq": smm[:, 0], "amax": torch.maximum(smm[:, 2], -smm[:, 1])}
+    else:
+        cols["sq"] = torch.stack(torch._foreach_norm(flat, 2)).to(torch.float64).square()
+    if need & {"l1", "abs_mean"}:
+        cols["l1"] = torch.stack(torch._foreach_norm(flat, 1)).to(torch.float64)
+    return pr.assemble(n_vec, **cols), eps

@@ -10,7 +10,7 @@ combined by `partials.merge`, the same code that combines shards and ranks.
 Example:
     >>> import torch
     >>> from nnstat.describe.partials import CENTRE, MAX, S2
-    >>> r = _moments(torch.tensor([1.0, 2.0, 3.0, 6.0]))
+    >>> r = moment_row(torch.tensor([1.0, 2.0, 3.0, 6.0]))
     >>> float(r[CENTRE]), float(r[S2]) / 4, float(r[MAX])
     (3.0, 3.5, 6.0)
 """
@@ -27,7 +27,7 @@ import torch
 from nnstat.describe import partials as pr
 from nnstat.describe.partials import exact_row, merge
 
-__all__ = ["Workspace", "CHUNK", "moments_of_pair", "pair_ok"]
+__all__ = ["Workspace", "CHUNK", "moment_row", "moments_of_pair", "pair_ok", "numpy_ok"]
 
 
 class Workspace:
@@ -137,19 +137,24 @@ def _moment_rows(
     return torch.stack(rows).to(torch.float64)
 
 
-def _numpy_ok(x: torch.Tensor) -> bool:
-    # numpy's calls cost ~0.5 us against torch's ~5 us, its BLAS dot reads a cached block at ~5 us
-    # per 64K floats and its SIMD min/max/abs are as fast: the numpy pass below measured ~3x
-    # faster than the torch one (the same ~12 reductions per block) on one core
-    # plain tensors only: a subclass (FSDP2's DTensor) has no .numpy() and its local shard is
-    # not the whole tensor
+def numpy_ok(x: torch.Tensor) -> bool:
+    """Whether the CPU block passes reduce `x` with numpy calls on views of its memory (the one
+    test for this module's moment pass and `nnstat.describe.fused`'s norm passes): a plain CPU
+    float32/float64 tensor.
+
+    numpy's calls cost ~0.5 us against torch's ~5 us, its BLAS dot reads a cached block at ~5 us
+    per 64K floats, its SIMD min/max/abs are as fast, and its reductions return scalars (no
+    per-block stacking): the numpy moment pass measured ~3x faster than the torch one (the same
+    ~12 reductions per block) on one core, the norm pass ~7 us less per block. Plain tensors
+    only: a subclass (FSDP2's DTensor) has no ``.numpy()`` and its local shard is not the whole
+    tensor.
+
+    Example:
+        >>> numpy_ok(torch.ones(2)), numpy_ok(torch.ones(2, dtype=torch.float16))
+        (True, False)
+    """
     plain = type(x) in (torch.Tensor, torch.nn.Parameter)
-    return (
-        plain
-        and x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.float64)
-        and x.numel() > 0
-    )
+    return plain and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
 
 
 def _ones(n: int, dtype: np.dtype) -> np.ndarray:
@@ -239,13 +244,14 @@ def _np_pair_rows(
 
 def pair_ok(w: torch.Tensor, p: torch.Tensor) -> bool:
     """Whether `moments_of_pair` applies: same shape and dtype, CPU float32/float64, non-empty."""
-    return _numpy_ok(w) and p.dtype == w.dtype and p.device == w.device and p.shape == w.shape
+    same = p.dtype == w.dtype and p.device == w.device and p.shape == w.shape
+    return numpy_ok(w) and w.numel() > 0 and same
 
 
 def moments_of_pair(
     w: torch.Tensor, p: torch.Tensor, ws: Workspace | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_moments` (partial rows) of `w` and of ``w - p`` (flat CPU tensors, `pair_ok`), reading each once.
+    """`moment_row` (partial rows) of `w` and of ``w - p`` (flat CPU tensors, `pair_ok`), reading each once.
 
     The weights and their update of a Tracker step: the difference is never materialised, which
     saves writing and re-reading a tensor of the model's size.
@@ -273,7 +279,7 @@ def moments_of_pair(
     )
 
 
-def _moments(x: torch.Tensor, ws: Workspace | None = None) -> torch.Tensor:
+def moment_row(x: torch.Tensor, ws: Workspace | None = None) -> torch.Tensor:
     """The partial row (`nnstat.describe.partials.COLUMNS`, float64 ``[WIDTH]``) of a flat
     tensor, assumed finite (NaN/Inf make its sums non-finite, which callers detect).
 
@@ -288,7 +294,7 @@ def _moments(x: torch.Tensor, ws: Workspace | None = None) -> torch.Tensor:
     d_buf, d2_buf = (ws or Workspace()).get(min(chunk, n), x.dtype, x.device)
     scale = _denormal_scale(x[:chunk])
     rows = _moment_rows
-    if _numpy_ok(x):
+    if numpy_ok(x):
 
         def rows(x: torch.Tensor, chunk: int, scale: float, a: torch.Tensor, b: torch.Tensor):
             # overflow is detected below (non-finite power sums), so numpy need not warn

@@ -38,6 +38,7 @@ import torch
 __all__ = [
     "COLUMNS",
     "WIDTH",
+    "NORM_STATS",
     "shift_power_sums",
     "merge",
     "finish",
@@ -53,6 +54,8 @@ COLUMNS = ("numel", "n", "centre", "s1", "s2", "s3", "s4", "min", "max", "amax",
 COLUMNS += ("sq",)
 NUMEL, N, CENTRE, S1, S2, S3, S4, MIN, MAX, AMAX, ZEROS, L1, SQ = range(len(COLUMNS))
 WIDTH = len(COLUMNS)
+#: Statistics obtainable from norm kernels (counts, sums of squares, l1, max |x|), no moments.
+NORM_STATS = frozenset({"numel", "abs_mean", "abs_max", "l1", "l2", "rms", "nonfinite"})
 
 _SHAPE = frozenset({"var", "std", "skew", "kurtosis"})
 _NEEDS = {

@@ -61,11 +61,7 @@ __all__ = [
     "segment_tables",
     "segment_partials",
     "HistSpec",
-    "NORM_STATS",
 ]
-
-#: Statistics obtainable from multi-tensor norm kernels, without a moment pass.
-NORM_STATS = frozenset({"numel", "abs_mean", "abs_max", "l1", "l2", "rms", "nonfinite"})
 
 
 @dataclass(frozen=True)
@@ -176,7 +172,7 @@ def _segment_rows(
     dev = live[0][0].device
     norm_path = (
         hist is None
-        and not set(stats) - NORM_STATS
+        and not set(stats) - pr.NORM_STATS
         and (_norm_kernels(dev) or triton_rows.available(dev))
     )
     if norm_path:

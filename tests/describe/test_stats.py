@@ -253,10 +253,11 @@ def _light_reference(x: np.ndarray) -> list[float]:
 @pytest.mark.parametrize("refresh", [False, True])
 def test_fused_weight_update_pass_is_exact_with_nonfinite_blocks(monkeypatch, refresh, use_numpy):
     import nnstat.describe.fused as sf
+    import nnstat.describe.moments
 
     monkeypatch.setattr(sf, "BLOCK", 64)  # several blocks per tensor
     if not use_numpy:  # the torch path (accelerators, half precision)
-        monkeypatch.setattr(sf, "_numpy_ok", lambda t: False)
+        monkeypatch.setattr(nnstat.describe.moments, "numpy_ok", lambda t: False)
     torch.manual_seed(0)
     cur = [torch.randn(300), torch.randn(7, 20), torch.randn(0), torch.full((5,), 1e25)]
     prev = [c + 0.01 * torch.randn_like(c) for c in cur]
@@ -290,10 +291,11 @@ def test_fused_weight_update_pass_is_exact_with_nonfinite_blocks(monkeypatch, re
 @pytest.mark.parametrize("use_numpy", [True, False])
 def test_blocked_sumsq_min_max(monkeypatch, use_numpy):
     import nnstat.describe.fused as sf
+    import nnstat.describe.moments
 
     monkeypatch.setattr(sf, "BLOCK", 64)
     if not use_numpy:
-        monkeypatch.setattr(sf, "_numpy_ok", lambda t: False)
+        monkeypatch.setattr(nnstat.describe.moments, "numpy_ok", lambda t: False)
     torch.manual_seed(1)
     xs = [torch.randn(500) * 3, torch.randn(3, 7).double(), torch.full((130,), 1e25)]
     table = sf.sumsq_min_max(xs)
