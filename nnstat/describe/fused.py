@@ -63,7 +63,7 @@ BLOCK = 1 << 17
 #: ``submit(fn)``: runs ``fn()`` on a second thread (see `share_blocks`); None: this thread only
 Submit = Callable[[Callable[[], None]], object]
 _SECOND: contextvars.ContextVar[Submit | None] = contextvars.ContextVar(
-    "nnstat_fused_second_thread", default=None
+    "nnstat_blocks_second_thread", default=None
 )
 
 
@@ -309,7 +309,7 @@ def _torch_pair(w: torch.Tensor, p: torch.Tensor, ws: Workspace, refresh: bool) 
         d = d_buf[: wb.numel()]
         torch.sub(wb, pb, out=d)
         dw, dd = torch.dot(wb, wb), torch.dot(d, d)
-        # amin + amax are faster than the fused aminmax kernel on CPU
+        # amin + amax are faster than the one aminmax kernel on CPU
         parts.append(torch.stack([dw, wb.amin(), wb.amax(), dd, d.amin(), d.amax()]))
         # one cheap check per block: NaN/Inf (or float32 overflow) makes a sum non-finite;
         # such a block is reduced exactly now, while its old snapshot still exists

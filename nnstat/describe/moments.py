@@ -46,7 +46,7 @@ class Workspace:
         self._bufs: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._extra: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._flat: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        #: layouts of the lists `nnstat.describe.segments` has reduced (index tensors, cached)
+        #: layouts of the lists `nnstat.describe.torch_segments` has reduced (index tensors, cached)
         self.layouts: OrderedDict[tuple, Any] = OrderedDict()
 
     def get(
@@ -70,7 +70,7 @@ class Workspace:
         return buf[:n]
 
     def flat(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The flat buffer of `nnstat.describe.segments` (one per dtype and device, grown to the
+        """The flat buffer of `nnstat.describe.torch_segments` (one per dtype and device, grown to the
         largest group seen; contents undefined). Work on one stream reuses it safely: each use
         is queued after the previous one."""
         key = (dtype, device)
@@ -128,7 +128,7 @@ def _moment_rows(
         # sign(x) . sign(x) counts non-zeros and sign(x) . x is the l1 norm: two dot products
         # on cached data instead of the (several times slower) count_nonzero and 1-norm kernels
         torch.sign(xc, out=d)
-        # amin + amax beat the fused aminmax kernel on CPU
+        # amin + amax beat the one aminmax kernel on CPU
         rows.append(
             torch.stack(
                 [c, s1, s2, s3, s4, xc.amin(), xc.amax(), torch.dot(d, d), torch.dot(d, xc)]

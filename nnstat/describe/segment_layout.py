@@ -1,4 +1,4 @@
-"""The flat layout of `nnstat.describe.segments`: tensors grouped by (device, dtype), each group
+"""The flat layout of `nnstat.describe.torch_segments`: tensors grouped by (device, dtype), each group
 laid out in rows of ``B`` elements (each tensor from a new row, its last row padded), and the
 index tensors of that layout, built once per list of tensors and cached.
 
@@ -109,13 +109,13 @@ class Group:
             }
         return self._rows
 
-    def fused(self) -> bool:
+    def triton(self) -> bool:
         """Whether this group is reduced by the fused row kernels (`triton_rows`: CUDA with
         Triton, float dtypes) instead of the flat copy and torch's kernels."""
         return self.dtype in triton_rows.FLOAT_DTYPES and triton_rows.available(self.device)
 
     def table(self) -> triton_rows.RowTable:
-        """The rows' tensors and starts for the fused kernels (cached)."""
+        """The rows' tensors and starts for the Triton row kernels (cached)."""
         if self._table is None:
             self._table = triton_rows.RowTable.build(self.numels, self.rows()["block"], self.device)
         return self._table

@@ -1,12 +1,10 @@
-"""Fused statistic reductions over lists of tensors, computed on device.
+"""Statistics of lists of tensors, computed on device with one host transfer.
 
 `summarize` is the one entry point: it reduces every tensor of a list to a row of statistics and
-moves the whole ``[n_tensors, n_stats]`` table to the host in a single transfer. The cheap
-statistics (norms, ``abs_max``) use fused ``torch._foreach_norm`` kernels across all tensors; the
-moment statistics (mean, var, skew, kurtosis, min, max, sparsity) take a two-pass per-tensor path.
-
-On accelerators (any device but the CPU) `device_table` hands the whole list to
-`nnstat.describe.segments`, which needs a fixed number of kernels per dtype group instead.
+moves the whole ``[n_tensors, n_stats]`` table to the host in a single transfer. The tensors go
+to the statistics core (`nnstat.describe.core.partial_table`: CPU blocks, or on accelerators
+`nnstat.describe.torch_segments` in a fixed number of kernels per dtype group), which gives one
+partial row per tensor; `nnstat.describe.partials.finish` turns the rows into the columns.
 
 Non-finite values: ``nonfinite`` counts NaN and +-Inf elements; every other statistic except
 ``numel`` is computed over the *finite* elements only. Tensors that contain non-finite values (or
@@ -66,7 +64,7 @@ STAT_NAMES: tuple[str, ...] = (
     "sparsity",
     "nonfinite",
 )
-#: The cheap set the Tracker logs by default (all from fused norm kernels).
+#: The cheap set the Tracker logs by default (all from norm kernels, no moment pass).
 DEFAULT_STATS: tuple[str, ...] = ("l2", "rms", "abs_max", "nonfinite")
 
 # statistics whose value changes sign/order when the tensor is negated

@@ -1,8 +1,8 @@
-"""Fused statistics of many tensors, computed on device with one host transfer.
+"""Statistics of many tensors, computed on device with one host transfer.
 
 Why not `nnstat.describe.summarize`: it transfers to the host itself, while the recorder must
 append rule hits and raw values to the same transfer, and evaluate rules on device first. The
-reductions themselves are `nnstat.describe.segments`' (a recorded step has hundreds of small
+reductions themselves are `nnstat.describe.torch_segments`' (a recorded step has hundreds of small
 segments: each tensor, its gradient, and its first k samples; the core reduces them in a fixed
 number of kernels per dtype, two-pass moments included). `test_recorder_activations.py` checks
 that both agree.
@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from nnstat.describe import partials
-from nnstat.describe.segments import segment_table
 from nnstat.describe.sharded import summarize_sharded
+from nnstat.describe.torch_segments import segment_table
 from nnstat.distributed import any_dtensor, is_dtensor
 
 STAT_NAMES: tuple[str, ...] = ("mean", "std", "min", "max", "abs_max", "norm", "nonfinite", "numel")
@@ -65,7 +65,7 @@ def _sharded(segments: list[torch.Tensor]) -> torch.Tensor:
 def light_stats(segments: list[torch.Tensor], abs_max: bool = True) -> torch.Tensor:
     """Only ``nonfinite`` (flag), ``abs_max`` and ``norm``: what rules need on unrecorded steps.
 
-    The multi-tensor norm kernels of `nnstat.describe.segments` (one per dtype, two with
+    The multi-tensor norm kernels of `nnstat.describe.torch_segments` (one per dtype, two with
     ``abs_max``); the other columns are NaN.
 
     Example:

@@ -38,8 +38,8 @@ from nnstat.describe.histogram import (
 )
 from nnstat.describe.moments import pair_ok
 from nnstat.describe.ratios import ratio_from_norms
-from nnstat.describe.segments import HistSpec, segment_tables
 from nnstat.describe.summary import pair_tables, repair_table
+from nnstat.describe.torch_segments import HistSpec, segment_tables
 from nnstat.distributed import local_tensor
 
 __all__ = [
@@ -234,7 +234,7 @@ def stage(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> Sta
     """Every reduction of `plan` on the tensors' device, with no host synchronisation.
 
     For accelerators: every group's statistics table and histogram rows come from one
-    `nnstat.describe.segments.segment_tables` call (a fixed number of kernels per group and
+    `nnstat.describe.torch_segments.segment_tables` call (a fixed number of kernels per group and
     dtype, not per tensor) and stay queued on the device; `finish` moves them in one transfer. The update is
     formed in place in the snapshot by multi-tensor kernels (``prev`` becomes ``W_t - W_prev``,
     or its negative when only norm statistics are taken, which the sign does not change); the

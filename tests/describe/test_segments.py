@@ -1,4 +1,4 @@
-"""The accelerator core `nnstat.describe.segments`, run on CPU tensors (the same torch kernels),
+"""The accelerator core `nnstat.describe.torch_segments`, run on CPU tensors (the same torch kernels),
 against numpy float64 references: every statistic of `summarize`, histogram counts, on data that
 is hard for float32 (a large mean with a tiny spread, values near 1e-12, zeros, NaN/Inf)."""
 
@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from nnstat.describe import STAT_NAMES, core, segments, summarize
+import nnstat.describe.torch_segments as segments
+from nnstat.describe import STAT_NAMES, core, summarize
 from nnstat.describe.moments import Workspace
-from nnstat.describe.segments import HistSpec, segment_table, segment_tables
+from nnstat.describe.torch_segments import HistSpec, segment_table, segment_tables
 
 
 @pytest.fixture

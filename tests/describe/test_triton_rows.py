@@ -10,8 +10,9 @@ import pytest
 import torch
 from test_segments import assert_histograms, assert_stats, hard_tensors, reference
 
-from nnstat.describe import STAT_NAMES, core, segments, summarize, triton_rows
-from nnstat.describe.segments import HistSpec, segment_table
+import nnstat.describe.torch_segments as segments
+from nnstat.describe import STAT_NAMES, core, summarize, triton_rows
+from nnstat.describe.torch_segments import HistSpec, segment_table
 
 pytest.importorskip("triton", reason="the dev extra installs triton (Linux x86_64)")
 

@@ -14,7 +14,7 @@ import torch
 import nnstat
 import nnstat.describe.fused as fused
 import nnstat.describe.moments as moments
-import nnstat.describe.segments as segments
+import nnstat.describe.torch_segments as segments
 from nnstat.tracker import compute
 
 

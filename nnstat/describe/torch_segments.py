@@ -53,8 +53,8 @@ from nnstat.describe import partials as pr
 from nnstat.describe import triton_rows
 from nnstat.describe.binning import bin_flat, hist_ranges
 from nnstat.describe.moments import Workspace
-from nnstat.describe.segment_columns import centre_scale, moment_rows, norm_rows
 from nnstat.describe.segment_layout import Group, layout_of, reorder
+from nnstat.describe.segment_rows import centre_scale, moment_rows, norm_rows
 
 __all__ = [
     "segment_table",
@@ -190,9 +190,9 @@ def _segment_rows(
             for g in lay.groups if lay is not None else []:
                 m += len(g.positions)
                 if norm_path:
-                    parts.append(_partials(g, ts, _fused_norm_partials, _norm_partials, needs))
+                    parts.append(_partials(g, ts, _triton_norm_partials, _norm_partials, needs))
                     continue
-                p, h = _partials(g, ts, _fused_moment_partials, _moment_partials, needs, ws, hist)
+                p, h = _partials(g, ts, _triton_moment_partials, _moment_partials, needs, ws, hist)
                 parts.append(p.to(dev))
                 if h is not None:
                     h_list.append(h.to(dev))
@@ -211,12 +211,12 @@ def _segment_rows(
     return rows, eps, sizes, layouts, hists, sampled
 
 
-def _partials(g: Group, ts: Sequence[torch.Tensor], fused: Any, plain: Any, *args: Any) -> Any:
+def _partials(g: Group, ts: Sequence[torch.Tensor], triton: Any, plain: Any, *args: Any) -> Any:
     """A group's partials by the fused kernels where they serve it, else (also when they fail on
     first use: `triton_rows.fall_back` warns once) by torch's."""
-    if g.fused():
+    if g.triton():
         try:  # the kernels read the tensors where they are: no views to make
-            return fused(g, [ts[i] for i in g.positions], *args)
+            return triton(g, [ts[i] for i in g.positions], *args)
         except Exception as error:  # noqa: BLE001 (re-raised unless the kernels never ran)
             if not triton_rows.fall_back(error):
                 raise
@@ -391,7 +391,7 @@ def _moment_partials(
     return torch.cat([*out, g.eps_row]), h
 
 
-def _fused_norm_partials(
+def _triton_norm_partials(
     g: Group, views: list[torch.Tensor], needs: frozenset[str]
 ) -> torch.Tensor:
     """`_norm_partials` from ONE read of the group (`triton_rows.pass_a`), not one per norm."""
@@ -406,7 +406,7 @@ def _fused_norm_partials(
     return torch.stack(rows)
 
 
-def _fused_moment_partials(
+def _triton_moment_partials(
     g: Group,
     views: list[torch.Tensor],
     needs: frozenset[str],

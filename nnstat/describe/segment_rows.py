@@ -1,6 +1,6 @@
-"""The partial rows of `nnstat.describe.segments` from its per-tensor partials (pure maths).
+"""The partial rows of `nnstat.describe.torch_segments` from its per-tensor partials (pure maths).
 
-`segments` reduces each dtype group to a few rows of float64 partials per tensor (counts, sums,
+`torch_segments` reduces each dtype group to a few rows of float64 partials per tensor (counts, sums,
 sums of squares, l1, non-zeros, min/max, and for the moments the centre, scale and centred power
 sums: only what the statistics need); these functions lay the partials of every group at once
 out as the rows of `nnstat.describe.partials`, which `partials.finish` turns into columns, with
@@ -47,7 +47,8 @@ def centre_scale(
 
 def moment_rows(p: torch.Tensor, needs: frozenset[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial rows ``[m, WIDTH]`` (`nnstat.describe.partials`) and each tensor's epsilon from
-    the moment partials of every group at once (rows in `segments._moment_partials`' order)."""
+    the moment partials of every group at once (rows in `torch_segments`' moment partials' order).
+    """
     n = p[0]
     cols: dict[str, torch.Tensor] = {}
     i = 2
