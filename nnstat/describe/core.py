@@ -6,7 +6,7 @@ layout, one `merge`, one `finish`). `partial_table` picks the backend that compu
 - ``torch_segments`` (`nnstat.describe.torch_segments`): tensors on an accelerator, a fixed number of
   kernels per dtype group; within it, ``triton_rows`` (`nnstat.describe.triton_rows`, the fused
   Triton row kernels: one read per pass) serves float groups on CUDA where Triton is importable;
-- ``numpy_blocks`` / torch blocks (`nnstat.describe.moments`, `nnstat.describe.fused`): CPU
+- ``numpy_blocks`` / torch blocks (`nnstat.describe.moments`, `nnstat.describe.numpy_blocks`): CPU
   tensors, reduced block by block while each block is in cache.
 
 All take the same arguments (tensors, validated statistic names, a `Workspace`) and give the same
@@ -27,8 +27,8 @@ from collections.abc import Sequence
 import torch
 
 from nnstat.describe import partials as pr
-from nnstat.describe.fused import block_partials
 from nnstat.describe.moments import Workspace
+from nnstat.describe.numpy_blocks import block_partials
 from nnstat.describe.torch_segments import segment_partials
 
 __all__ = ["partial_table", "local_partial_rows"]

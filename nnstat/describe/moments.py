@@ -139,7 +139,7 @@ def _moment_rows(
 
 def numpy_ok(x: torch.Tensor) -> bool:
     """Whether the CPU block passes reduce `x` with numpy calls on views of its memory (the one
-    test for this module's moment pass and `nnstat.describe.fused`'s norm passes): a plain CPU
+    test for this module's moment pass and `nnstat.describe.numpy_blocks`'s norm passes): a plain CPU
     float32/float64 tensor.
 
     numpy's calls cost ~0.5 us against torch's ~5 us, its BLAS dot reads a cached block at ~5 us

@@ -27,7 +27,6 @@ import torch
 
 from nnstat.background.transfer import flatten_parts, split_parts
 from nnstat.describe import Workspace, partials, summarize
-from nnstat.describe.fused import FUSED_STATS, light_rows, weight_update_norms
 from nnstat.describe.histogram import (
     HIST_SUMMARY,
     bin_counts,
@@ -37,6 +36,7 @@ from nnstat.describe.histogram import (
     sample_for_histogram,
 )
 from nnstat.describe.moments import pair_ok
+from nnstat.describe.numpy_blocks import LIGHT_STATS, light_rows, weight_update_norms
 from nnstat.describe.ratios import ratio_from_norms
 from nnstat.describe.summary import pair_tables, repair_table
 from nnstat.describe.torch_segments import HistSpec, segment_tables
@@ -156,10 +156,10 @@ def tasks(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> lis
 
 
 def shares_blocks(plan: StepPlan) -> bool:
-    """Whether every task of `plan` is one of `nnstat.describe.fused`'s blocked passes on CPU
+    """Whether every task of `plan` is one of `nnstat.describe.numpy_blocks`'s blocked passes on CPU
     tensors (the default statistics: weights fused with their update, the other groups'
     norms with ``abs_max``), so that two threads can share each task's blocks
-    (`nnstat.describe.fused.share_blocks`) rather than split the tasks."""
+    (`nnstat.describe.numpy_blocks.share_blocks`) rather than split the tasks."""
     return plan.fused and not plan.histograms and "abs_max" in plan.computed
 
 
@@ -172,7 +172,7 @@ def _paired_weights(plan: StepPlan) -> list[torch.Tensor] | None:
     moment statistics, plain tensors of equal shapes), else None."""
     if plan.fused or plan.prev is None or plan.weights is None or plan.update_views is not None:
         return None
-    if not set(plan.computed) - FUSED_STATS:
+    if not set(plan.computed) - LIGHT_STATS:
         return None  # norms only: the per-group norm kernels are cheaper than the moment pass
     weights = next((t for g, _, t in plan.groups if g == "weight"), None)
     if weights is None or len(weights) != len(plan.weights):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nnstat.describe import summarize
-from nnstat.describe.fused import FUSED_STATS, light_rows, sumsq_min_max, weight_update_norms
+from nnstat.describe.numpy_blocks import LIGHT_STATS, light_rows, sumsq_min_max, weight_update_norms
 from nnstat.describe.partials import finish
 from nnstat.describe.summary import pair_tables
 
@@ -70,8 +70,8 @@ def test_pair_tables_rms_of_weights_and_update(stats):
 
 
 def light_columns(numel, *norms):
-    """`light_rows` finished into a dict of the `FUSED_STATS` columns."""
-    stats = sorted(FUSED_STATS)
+    """`light_rows` finished into a dict of the `LIGHT_STATS` columns."""
+    stats = sorted(LIGHT_STATS)
     table = finish(light_rows(numel, torch.stack(norms, dim=1)), stats, 0.0)
     return dict(zip(stats, table.unbind(1), strict=True))
 

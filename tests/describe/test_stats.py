@@ -252,8 +252,8 @@ def _light_reference(x: np.ndarray) -> list[float]:
 @pytest.mark.parametrize("use_numpy", [True, False])
 @pytest.mark.parametrize("refresh", [False, True])
 def test_fused_weight_update_pass_is_exact_with_nonfinite_blocks(monkeypatch, refresh, use_numpy):
-    import nnstat.describe.fused as sf
     import nnstat.describe.moments
+    import nnstat.describe.numpy_blocks as sf
 
     monkeypatch.setattr(sf, "BLOCK", 64)  # several blocks per tensor
     if not use_numpy:  # the torch path (accelerators, half precision)
@@ -290,8 +290,8 @@ def test_fused_weight_update_pass_is_exact_with_nonfinite_blocks(monkeypatch, re
 
 @pytest.mark.parametrize("use_numpy", [True, False])
 def test_blocked_sumsq_min_max(monkeypatch, use_numpy):
-    import nnstat.describe.fused as sf
     import nnstat.describe.moments
+    import nnstat.describe.numpy_blocks as sf
 
     monkeypatch.setattr(sf, "BLOCK", 64)
     if not use_numpy:

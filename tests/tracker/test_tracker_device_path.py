@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import nnstat
-import nnstat.describe.fused as fused
 import nnstat.describe.moments as moments
+import nnstat.describe.numpy_blocks as blocks
 import nnstat.describe.torch_segments as segments
 from nnstat.tracker import compute
 
@@ -25,7 +25,7 @@ def torch_only(monkeypatch):
     monkeypatch.setattr(moments, "CHUNK", 1 << 30)
     # on accelerators it returns 1 before reading anything (float32 denormals are a CPU cost)
     monkeypatch.setattr(moments, "_denormal_scale", lambda head: 1.0)
-    monkeypatch.setattr(fused, "BLOCK", 1 << 30)
+    monkeypatch.setattr(blocks, "BLOCK", 1 << 30)
 
 
 class _HostReads:

@@ -1,4 +1,8 @@
-"""One blocked pass for the Tracker's default statistics of weights and their update.
+"""The CPU backend: blocked passes over cache-sized blocks (numpy calls where the dtype allows).
+
+`block_partials` is the backend `nnstat.describe.core.partial_table` dispatches CPU tensors to
+(the moment pass of `nnstat.describe.moments`, or the norm passes below). The norm passes also
+serve the Tracker's default statistics of weights and their update in one pass.
 
 For each parameter the pass reads ``W_t`` and the snapshot ``W_{t-1}`` block by block, and while
 a block is in cache it computes ``sum(x^2)``, ``min`` and ``max`` of the block and of the
@@ -43,15 +47,15 @@ from nnstat.describe.moments import Workspace
 
 __all__ = [
     "weight_update_norms",
-    "FUSED_STATS",
+    "LIGHT_STATS",
     "light_rows",
     "block_partials",
     "share_blocks",
     "sumsq_min_max",
 ]
 
-#: Statistics the fused pass can produce.
-FUSED_STATS = frozenset({"numel", "l2", "rms", "abs_max", "nonfinite"})
+#: Statistics the weight/update norm pass (`weight_update_norms`, `light_rows`) can produce.
+LIGHT_STATS = frozenset({"numel", "l2", "rms", "abs_max", "nonfinite"})
 #: Block length on CPU: a block (with its snapshot and difference) stays in L2 cache while it
 #: is reduced. Longer blocks mean fewer numpy calls, so two threads sharing the blocks hand the
 #: GIL over less often (a 10.5M-parameter Adam model's default statistics: 27 instead of 34 ms
@@ -339,7 +343,7 @@ def _torch_pair(w: torch.Tensor, p: torch.Tensor, ws: Workspace, refresh: bool) 
 def light_rows(numel: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
     """Partial rows (`nnstat.describe.partials`) from per-tensor ``[sumsq, min, max]`` columns
     and optionally ``nonfinite`` (`weight_update_norms`' four of W or of W - P; `sumsq_min_max`),
-    all over the finite elements; `partials.finish` gives the `FUSED_STATS` from them.
+    all over the finite elements; `partials.finish` gives the `LIGHT_STATS` from them.
 
     Example:
         >>> from nnstat.describe.partials import finish
