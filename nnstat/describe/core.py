@@ -31,7 +31,7 @@ from nnstat.describe.moments import Workspace
 from nnstat.describe.numpy_blocks import block_partials
 from nnstat.describe.torch_segments import segment_partials
 
-__all__ = ["partial_table", "local_partial_rows"]
+__all__ = ["partial_table", "local_partial_rows", "to_repair"]
 
 
 def _host_path(tensors: Sequence[torch.Tensor]) -> bool:
@@ -76,8 +76,20 @@ def local_partial_rows(tensors: Sequence[torch.Tensor], stats: tuple[str, ...]) 
     if not tensors:
         return torch.zeros((0, pr.WIDTH), dtype=torch.float64)
     rows = partial_table(tensors, stats)[0].cpu()
-    bad = (~torch.isfinite(rows[:, pr.SQ])).nonzero().flatten().tolist()
-    bad += [i for i, t in enumerate(tensors) if t.numel() == 0 and i not in bad]
+    bad = to_repair(rows[:, pr.SQ], [t.numel() for t in tensors])
     if bad:
         rows[bad] = torch.stack([pr.exact_row(tensors[i]).cpu() for i in bad])
     return rows
+
+
+def to_repair(probe: torch.Tensor, numels: Sequence[int]) -> list[int]:
+    """The rows whose device result is not to be used (a host read of `probe`): non-finite
+    probe (the tensor holds NaN/Inf or its float32 sum of squares overflowed) or no elements.
+    Their statistics are recomputed from `partials.exact_row`, over the finite elements.
+
+    Example:
+        >>> to_repair(torch.tensor([1.0, float("nan"), 0.0]), [2, 2, 0])
+        [1, 2]
+    """
+    bad = (~torch.isfinite(probe)).nonzero().flatten().tolist()
+    return bad + [i for i, n in enumerate(numels) if n == 0 and i not in bad]

@@ -319,7 +319,7 @@ def _block_partials(r: torch.Tensor, n: int, chunk: int, scale: float) -> torch.
     c, s1 = r[:, 0], r[:, 1] / scale
     s2, s3, s4 = (r[:, k] / scale**k for k in (2, 3, 4))
     lo, hi = r[:, 5], r[:, 6]
-    return pr.assemble(
+    return pr.from_columns(
         counts,
         centre=c,
         s1=s1,

@@ -354,7 +354,7 @@ def light_rows(numel: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
     lo, hi = norms[:, 1], norms[:, 2]
     n = numel - norms[:, 3] if norms.shape[1] > 3 else None
     amax = torch.maximum(hi, -lo)
-    return pr.assemble(numel.to(norms.dtype), n, sq=norms[:, 0], min=lo, max=hi, amax=amax)
+    return pr.from_columns(numel.to(norms.dtype), n, sq=norms[:, 0], min=lo, max=hi, amax=amax)
 
 
 def sumsq_min_max(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -449,4 +449,4 @@ def block_partials(
         cols["sq"] = torch.stack(torch._foreach_norm(flat, 2)).to(torch.float64).square()
     if need & {"l1", "abs_mean"}:
         cols["l1"] = torch.stack(torch._foreach_norm(flat, 1)).to(torch.float64)
-    return pr.assemble(n_vec, **cols), eps
+    return pr.from_columns(n_vec, **cols), eps

@@ -17,8 +17,7 @@ block, a local shard, one rank's rows), to a float64 row of `COLUMNS`:
 `merge` combines the rows of parts into the row of their union, exactly in float64 (the same
 code for blocks, shards and ranks); `finish` turns rows into statistic columns, including the
 constant-tensor rule (a numerically constant tensor has zero variance and NaN skew/kurtosis, as
-scipy gives). A backend fills only the columns the requested statistics read (`needed`); the
-others are ignored by `finish`.
+scipy gives). A backend fills only the columns the requested statistics read; `finish` reads no others.
 
 Example:
     >>> import torch
@@ -43,10 +42,8 @@ __all__ = [
     "merge",
     "finish",
     "exact_row",
-    "exact_rows",
-    "assemble",
+    "from_columns",
     "probe_table",
-    "needed",
     "eps_of",
 ]
 
@@ -58,31 +55,6 @@ WIDTH = len(COLUMNS)
 NORM_STATS = frozenset({"numel", "abs_mean", "abs_max", "l1", "l2", "rms", "nonfinite"})
 
 _SHAPE = frozenset({"var", "std", "skew", "kurtosis"})
-_NEEDS = {
-    "mean": ("centre",),
-    "var": ("centre", "s2"),
-    "std": ("centre", "s2"),
-    "skew": ("centre", "s2", "s3"),
-    "kurtosis": ("centre", "s2", "s4"),
-    "min": ("min",),
-    "max": ("max",),
-    "abs_max": ("amax",),
-    "abs_mean": ("l1",),
-    "l1": ("l1",),
-    "l2": ("sq",),
-    "rms": ("sq",),
-    "sparsity": ("zeros",),
-}
-
-
-def needed(stats: Sequence[str]) -> frozenset[str]:
-    """The columns of `COLUMNS` (beyond ``numel`` and ``n``) that `finish` reads for `stats`.
-
-    Example:
-        >>> sorted(needed(("rms", "max")))
-        ['max', 'sq']
-    """
-    return frozenset(c for s in stats for c in _NEEDS.get(s, ()))
 
 
 def eps_of(dtype: torch.dtype) -> float:
@@ -127,29 +99,23 @@ def shift_power_sums(
     return m2, m3, m4
 
 
-def assemble(numel: torch.Tensor, n: torch.Tensor | None = None, **columns: torch.Tensor):
+def from_columns(numel: torch.Tensor, n: torch.Tensor | None = None, **columns: torch.Tensor):
     """Partial rows ``[k, WIDTH]`` from the columns a backend has, ``[k]`` each by name in
-    `COLUMNS` (``n`` defaults to `numel`: data assumed finite); the others are zeros, or the
-    neutral extrema (``min = inf``, ``max = amax = -inf``).
+    `COLUMNS` (``n`` defaults to `numel`: data assumed finite). The other columns are zero:
+    placeholders that `finish` does not read for statistics that do not need them (a backend
+    fills what the requested statistics need; `exact_row` fills every column).
 
     Example:
         >>> one = torch.tensor([2.0], dtype=torch.float64)
-        >>> assemble(one, sq=one)[0, [N, SQ, MIN]].tolist()
-        [2.0, 2.0, inf]
+        >>> from_columns(one, sq=one)[0, [N, SQ, MIN]].tolist()
+        [2.0, 2.0, 0.0]
     """
     unknown = set(columns) - set(COLUMNS)
     if unknown:
         raise ValueError(f"unknown partial columns {sorted(unknown)}; valid: {list(COLUMNS)}")
     cols = {"numel": numel, "n": numel if n is None else n, **columns}
-    fill: dict[float, torch.Tensor] = {}
-
-    def neutral(name: str) -> torch.Tensor:
-        v = math.inf if name == "min" else -math.inf if name in ("max", "amax") else 0.0
-        if v not in fill:
-            fill[v] = torch.full_like(numel, v)
-        return fill[v]
-
-    return torch.stack([cols[c] if c in cols else neutral(c) for c in COLUMNS], dim=1)
+    zero = torch.zeros_like(numel) if len(cols) < WIDTH else None
+    return torch.stack([cols.get(c, zero) for c in COLUMNS], dim=1)
 
 
 def merge(parts: torch.Tensor) -> torch.Tensor:
@@ -197,7 +163,7 @@ def finish(rows: torch.Tensor, stats: Sequence[str], eps: float | torch.Tensor) 
     Only the columns `stats` read are computed (few kernels on an accelerator).
 
     Args:
-        rows: float64 partial rows (`COLUMNS`); the columns ``needed(stats)`` must be filled.
+        rows: float64 partial rows (`COLUMNS`), with the columns `stats` read filled.
         stats: names of `nnstat.describe.STAT_NAMES`.
         eps: the relative precision of the data (`eps_of`), a float or one per row ``[k]``.
 
@@ -280,18 +246,6 @@ def exact_row(t: torch.Tensor) -> torch.Tensor:
     return row
 
 
-def exact_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """`exact_row` of each tensor, stacked on the CPU: ``[len(tensors), WIDTH]`` float64.
-
-    Example:
-        >>> exact_rows([torch.ones(2), torch.zeros(0)])[:, N].tolist()
-        [2.0, 0.0]
-    """
-    if not tensors:
-        return torch.zeros((0, WIDTH), dtype=torch.float64)
-    return torch.stack([exact_row(t).cpu() for t in tensors])
-
-
 def probe_table(
     rows: torch.Tensor, eps: float | torch.Tensor, stats: Sequence[str]
 ) -> torch.Tensor:
@@ -300,7 +254,7 @@ def probe_table(
     the host with `exact_row`), ``[k, len(stats) + 1]``.
 
     Example:
-        >>> probe_table(exact_rows([torch.tensor([3.0, -4.0])]), 1e-7, ("max",)).tolist()
+        >>> probe_table(exact_row(torch.tensor([3.0, -4.0]))[None], 1e-7, ("max",)).tolist()
         [[3.0, 5.0]]
     """
     return torch.cat([finish(rows, stats, eps), rows[:, SQ : SQ + 1].sqrt()], dim=1)

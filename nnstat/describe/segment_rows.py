@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from nnstat.describe.partials import assemble
+from nnstat.describe.partials import from_columns
 
 __all__ = ["moment_rows", "norm_rows", "centre_scale"]
 
@@ -71,16 +71,16 @@ def moment_rows(p: torch.Tensor, needs: frozenset[str]) -> tuple[torch.Tensor, t
                 cols[f"s{k}"], i = p[i] / scale**k, i + 1
     else:
         cols["s1"] = p[1]  # the sum, about the centre 0
-    return assemble(n, **cols), p[i]
+    return from_columns(n, **cols), p[i]
 
 
 def norm_rows(p: torch.Tensor, needs: frozenset[str]) -> torch.Tensor:
     """Partial rows ``[m, WIDTH]`` of the norm path from `_norm_partials` of every group at once
-    (count, sum of squares, then max |x| and l1 where needed)."""
-    cols = {"sq": p[1]}
+    (count, l2, then max |x| and l1 where needed)."""
+    cols = {"sq": p[1].square()}  # one kernel for every group (the norm kernels give l2)
     i = 2
     if "abs_max" in needs:
         cols["amax"], i = p[i], i + 1
     if "l1" in needs:
         cols["l1"] = p[i]
-    return assemble(p[0], **cols)
+    return from_columns(p[0], **cols)

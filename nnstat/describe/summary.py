@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nnstat.describe import partials as pr
-from nnstat.describe.core import partial_table
+from nnstat.describe.core import partial_table, to_repair
 from nnstat.describe.moments import Workspace
 
 if TYPE_CHECKING:
@@ -231,10 +231,8 @@ def repair_table(
 def _repair(
     table: torch.Tensor, numels: Sequence[int], exact: Callable[[int], torch.Tensor]
 ) -> torch.Tensor:
-    probe = table[:, -1]
+    bad = to_repair(table[:, -1], numels)
     table = table[:, :-1].contiguous()
-    bad = (~torch.isfinite(probe)).nonzero().flatten().tolist()
-    bad += [i for i, n in enumerate(numels) if n == 0 and i not in bad]
     if bad:
         table[bad] = torch.stack([exact(i) for i in bad]).cpu()
     return table

@@ -253,7 +253,7 @@ def _needs(stats: tuple[str, ...], hist: bool) -> frozenset[str]:
 
 
 def _norm_partials(g: Group, views: list[torch.Tensor], needs: frozenset[str]) -> torch.Tensor:
-    """``[2 + len(needs), m]`` float64: counts, sums of squares (and abs_max, l1) of each tensor,
+    """``[2 + len(needs), m]`` float64: counts, l2 (and abs_max, l1) of each tensor of a group,
     from the multi-tensor norm kernels (one launch per kind for the whole group)."""
     if not g.dtype.is_floating_point:
         flat = torch.cat(views).to(torch.float32)
@@ -263,7 +263,6 @@ def _norm_partials(g: Group, views: list[torch.Tensor], needs: frozenset[str]) -
     rows = torch.stack(
         [torch.stack(torch._foreach_norm(views, o, dtype=torch.float64)) for o in ords]
     )
-    rows[0].square_()  # the sum of squares (`nnstat.describe.partials`' column)
     return torch.cat([g.n.unsqueeze(0), rows])
 
 
@@ -398,7 +397,7 @@ def _triton_norm_partials(
     a = triton_rows.pass_a(g.table(), triton_rows.bind(views), moments=False)
     keep = [1] + ([2] if "l1" in needs else [])  # sums of squares (and of |x|)
     sums = _segment(g, torch.stack([a[i] for i in keep]), "sum")
-    rows = [g.n, sums[0]]
+    rows = [g.n, sums[0].sqrt()]
     if "abs_max" in needs:
         rows.append(_segment(g, a[5:6], "max")[0])
     if "l1" in needs:
