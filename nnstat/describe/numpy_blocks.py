@@ -227,15 +227,10 @@ def _spans(sizes: Sequence[int], block: int) -> tuple[list[tuple[int, int]], lis
 
 
 def _finite_part(x: torch.Tensor) -> torch.Tensor:
-    """``[sum(x^2), min(x), max(x), #non-finite]`` over the finite elements, in float64."""
-    finite = torch.isfinite(x)
-    xf = x[finite].to(torch.float64)
-    bad = float(x.numel() - xf.numel())
-    if not xf.numel():
-        return torch.tensor([0.0, math.inf, -math.inf, bad], dtype=torch.float64)
-    return torch.stack(
-        [xf.dot(xf), xf.min(), xf.max(), torch.tensor(bad, dtype=torch.float64)]
-    ).cpu()
+    """``[sum(x^2), min(x), max(x), #non-finite]`` over the finite elements, in float64 on the
+    host (from `partials.exact_row`; no finite element: ``[0, inf, -inf, numel]``)."""
+    r = pr.exact_row(x).cpu()
+    return torch.stack([r[pr.SQ], r[pr.MIN], r[pr.MAX], r[pr.NUMEL] - r[pr.N]])
 
 
 def weight_update_norms(

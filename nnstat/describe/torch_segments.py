@@ -53,7 +53,7 @@ from nnstat.describe import partials as pr
 from nnstat.describe import triton_rows
 from nnstat.describe.binning import bin_flat, hist_ranges
 from nnstat.describe.moments import Workspace
-from nnstat.describe.segment_layout import Group, layout_of, reorder
+from nnstat.describe.segment_layout import Group, Layout, layout_of, reorder
 from nnstat.describe.segment_rows import centre_scale, moment_rows, norm_rows
 
 __all__ = [
@@ -115,14 +115,14 @@ def segment_tables(
     """
     lists = [list(ts) for ts in lists]
     k = len(stats)
-    core = _segment_rows(lists, stats, workspace, hist)
-    if core is None:
+    red = _segment_rows(lists, stats, workspace, hist)
+    if red is None:
         return [(torch.zeros((0, k + 1), dtype=torch.float64), None, []) for _ in lists]
-    rows, eps, sizes, layouts, hists, sampled = core
-    table = pr.probe_table(rows, eps, stats)  # one set of small kernels for every list
+    table = pr.probe_table(red.rows, red.eps, stats)  # one set of small kernels for every list
     dev = table.device
     out = []
-    for part, lay, h_list, was in zip(table.split(sizes), layouts, hists, sampled, strict=True):
+    per_list = zip(table.split(red.sizes), red.layouts, red.hists, red.sampled, strict=True)
+    for part, lay, h_list, was in per_list:
         if lay is None:
             out.append((torch.zeros((0, k + 1), dtype=torch.float64), None, []))
             continue
@@ -140,22 +140,36 @@ def segment_partials(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial rows ``[n, WIDTH]`` (`nnstat.describe.partials`, the columns `stats` need) of
     non-empty-list `tensors` on their device and each one's epsilon ``[n]``: the torch-segment
-    backend of `nnstat.describe.summary.partial_table`. No host read.
+    backend of `nnstat.describe.core.partial_table`. No host read.
 
     Example:
         >>> rows, eps = segment_partials([torch.tensor([1.0, 2.0, 3.0, 6.0])], ("var",))
         >>> pr.finish(rows, ("var",), eps).tolist()
         [[3.5]]
     """
-    core = _segment_rows([list(tensors)], stats, workspace, None)
-    assert core is not None and core[3][0] is not None
-    rows, eps, _, (lay,), _, _ = core
-    both = reorder(torch.cat([rows, eps[:, None]], dim=1), lay, _EMPTY_PARTIAL)
+    red = _segment_rows([list(tensors)], stats, workspace, None)
+    assert red is not None and red.layouts[0] is not None
+    both = torch.cat([red.rows, red.eps[:, None]], dim=1)
+    both = reorder(both, red.layouts[0], _EMPTY_PARTIAL)
     return both[:, :-1], both[:, -1]
 
 
-#: An empty tensor's partial row and epsilon (`_reorder`'s filler in `segment_partials`).
+#: An empty tensor's partial row and epsilon (`reorder`'s filler in `segment_partials`).
 _EMPTY_PARTIAL = pr.exact_row(torch.zeros(0)).tolist() + [1.0]
+
+
+@dataclass
+class _Reduced:
+    """`_segment_rows`' result: the partial rows and epsilons of every non-empty tensor of the
+    lists (grouped order, on the first tensor's device) and, per list, their number, its layout
+    (None: an empty list), its groups' histogram rows and which tensors were subsampled."""
+
+    rows: torch.Tensor
+    eps: torch.Tensor
+    sizes: list[int]
+    layouts: list[Layout | None]
+    hists: list[list[torch.Tensor]]
+    sampled: list[list[bool]]
 
 
 def _segment_rows(
@@ -163,9 +177,8 @@ def _segment_rows(
     stats: tuple[str, ...],
     workspace: Workspace | None,
     hist: HistSpec | None,
-) -> tuple | None:
-    """The partial rows and epsilons of every non-empty tensor of `lists` (grouped order), the
-    number per list, the lists' layouts, histogram rows and sampled flags (None: all empty)."""
+) -> _Reduced | None:
+    """The partials of every list of `lists` as `_Reduced` (None: every list is empty)."""
     live = [ts for ts in lists if ts]
     if not live:
         return None
@@ -201,14 +214,14 @@ def _segment_rows(
             sizes.append(m)
             hists.append(h_list)
             sampled.append(was if hist is not None else [])
-        if not parts:  # only empty tensors: their rows are filled in by `_reorder`
+        if not parts:  # only empty tensors: their rows are filled in by `reorder`
             rows, eps = _nan(0, pr.WIDTH, dev), _nan(0, 1, dev)[:, 0]
         elif norm_path:
             rows = norm_rows(torch.cat(parts, dim=1), needs)
             eps = rows[:, pr.N]  # unused: the norm statistics have no constant rule
         else:
             rows, eps = moment_rows(torch.cat(parts, dim=1), needs)
-    return rows, eps, sizes, layouts, hists, sampled
+    return _Reduced(rows, eps, sizes, layouts, hists, sampled)
 
 
 def _partials(g: Group, ts: Sequence[torch.Tensor], triton: Any, plain: Any, *args: Any) -> Any:
