@@ -174,38 +174,43 @@ def finish(rows: torch.Tensor, stats: Sequence[str], eps: float | torch.Tensor) 
         >>> finish(exact_row(torch.tensor([2.0, 2.0, 2.0]))[None], ("var", "skew", "l2"), 1e-7)
         tensor([[0.0000,    nan, 3.4641]], dtype=torch.float64)
     """
+    cols = _columns(rows, set(stats), eps)
+    return torch.stack([cols[s] for s in stats], dim=1)
+
+
+def _columns(rows: torch.Tensor, want: set[str], eps: float | torch.Tensor) -> dict:
+    """`finish`'s columns by name: those of `want` (and a few computed on the way)."""
     n = rows[:, N]
-    has = n > 0
-    safe = n.clamp_min(1)
-    nan = torch.full_like(n, math.nan)
+    empty = n == 0
+    # NaN for a row without finite elements: every ratio over it is then NaN, no guard each
+    # (masked_fill takes the scalar as it is: no scalar tensor made on the device)
+    per = n.masked_fill(empty, math.nan)
     cols: dict[str, torch.Tensor] = {"numel": rows[:, NUMEL], "nonfinite": rows[:, NUMEL] - n}
-    want = set(stats)
     if want & (_SHAPE | {"mean"}):
         centre, s1 = rows[:, CENTRE], rows[:, S1]
-        mean = centre + s1 / safe
-        cols["mean"] = torch.where(has, mean, nan)
+        cols["mean"] = mean = centre + s1 / per
     if want & _SHAPE:
         # the sums about the centre moved to the exact mean (one part per row: d = c - mean)
         parts = [v.unsqueeze(0) for v in (n, centre - mean, s1, rows[:, S2], rows[:, S3])]
-        m2, m3, m4 = (m / safe for m in shift_power_sums(*parts, rows[:, S4].unsqueeze(0)))
+        m2, m3, m4 = (m / per for m in shift_power_sums(*parts, rows[:, S4].unsqueeze(0)))
         constant = m2 <= (eps * mean) ** 2
-        m2 = torch.where(has, torch.where(constant, torch.zeros_like(m2), m2), nan)
-        undefined = constant | ~has
+        m2 = m2.masked_fill(constant, 0.0)
         cols["var"], cols["std"] = m2, m2.sqrt()
-        cols["skew"] = torch.where(undefined, nan, m3) / m2**1.5
-        cols["kurtosis"] = torch.where(undefined, nan, m4) / (m2 * m2) - 3.0
+        cols["skew"] = m3.masked_fill(constant, math.nan) / m2**1.5
+        cols["kurtosis"] = m4.masked_fill(constant, math.nan) / (m2 * m2) - 3.0
     for name, at in (("min", MIN), ("max", MAX), ("abs_max", AMAX)):
         if name in want:
-            cols[name] = torch.where(has, rows[:, at], nan)
-    if want & {"l1", "abs_mean"}:
-        cols["l1"] = rows[:, L1]
-        cols["abs_mean"] = torch.where(has, rows[:, L1] / safe, nan)
+            cols[name] = rows[:, at].masked_fill(empty, math.nan)
+    cols["l1"] = rows[:, L1]
+    if "abs_mean" in want:
+        cols["abs_mean"] = rows[:, L1] / per
     if want & {"l2", "rms"}:
         cols["l2"] = rows[:, SQ].sqrt()
-        cols["rms"] = torch.where(has, cols["l2"] / safe.sqrt(), nan)
+    if "rms" in want:
+        cols["rms"] = cols["l2"] / per.sqrt()
     if "sparsity" in want:
-        cols["sparsity"] = torch.where(has, rows[:, ZEROS] / safe, nan)
-    return torch.stack([cols[s] for s in stats], dim=1)
+        cols["sparsity"] = rows[:, ZEROS] / per
+    return cols
 
 
 def exact_row(t: torch.Tensor) -> torch.Tensor:
@@ -257,4 +262,5 @@ def probe_table(
         >>> probe_table(exact_row(torch.tensor([3.0, -4.0]))[None], 1e-7, ("max",)).tolist()
         [[3.0, 5.0]]
     """
-    return torch.cat([finish(rows, stats, eps), rows[:, SQ : SQ + 1].sqrt()], dim=1)
+    cols = _columns(rows, {*stats, "l2"}, eps)
+    return torch.stack([cols[s] for s in stats] + [cols["l2"]], dim=1)
