@@ -3,9 +3,10 @@
 Every statistic of `nnstat.describe` comes from partial rows (`nnstat.describe.partials`: one
 layout, one `merge`, one `finish`). `partial_table` picks the backend that computes them:
 
-- ``torch_segments`` (`nnstat.describe.torch_segments`): tensors on an accelerator, a fixed number of
-  kernels per dtype group; within it, ``triton_rows`` (`nnstat.describe.triton_rows`, the fused
-  Triton row kernels: one read per pass) serves float groups on CUDA where Triton is importable;
+- ``torch_segments`` (`nnstat.describe.torch_segments`): tensors on an accelerator, a fixed
+  number of kernels per dtype group; within it, ``triton_rows`` (`nnstat.describe.triton_rows`,
+  the fused Triton row kernels: one read per pass) serves float groups on CUDA where Triton is
+  importable;
 - ``numpy_blocks`` / torch blocks (`nnstat.describe.moments`, `nnstat.describe.numpy_blocks`): CPU
   tensors, reduced block by block while each block is in cache.
 
@@ -47,8 +48,8 @@ def partial_table(
     float64, the columns `stats` need) of plain tensors, on their device, and each tensor's
     epsilon for the constant rule (``[n]``). No host read.
 
-    Tensors on accelerators go to the torch-segment backend (`nnstat.describe.torch_segments`: a fixed
-    number of kernels per dtype group, the Triton-row kernels where they serve); CPU tensors to
+    Tensors on accelerators go to the torch-segment backend (`nnstat.describe.torch_segments`: a
+    fixed number of kernels per dtype group, the Triton-row kernels where they serve); CPU to
     the blocked passes (numpy blocks where the dtype allows, torch blocks otherwise). The data
     is assumed finite: a tensor holding NaN/Inf gets a non-finite ``sq`` column, which
     `repair_table` and `local_partial_rows` recompute exactly on the host.

@@ -70,8 +70,8 @@ class Workspace:
         return buf[:n]
 
     def flat(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The flat buffer of `nnstat.describe.torch_segments` (one per dtype and device, grown to the
-        largest group seen; contents undefined). Work on one stream reuses it safely: each use
+        """The flat buffer of `nnstat.describe.torch_segments` (one per dtype and device, grown to
+        the largest group seen; contents undefined). Work on one stream reuses it safely: each use
         is queued after the previous one."""
         key = (dtype, device)
         buf = self._flat.get(key)
@@ -139,8 +139,8 @@ def _moment_rows(
 
 def numpy_ok(x: torch.Tensor) -> bool:
     """Whether the CPU block passes reduce `x` with numpy calls on views of its memory (the one
-    test for this module's moment pass and `nnstat.describe.numpy_blocks`'s norm passes): a plain CPU
-    float32/float64 tensor.
+    test for this module's moment pass and `nnstat.describe.numpy_blocks`' norm passes): a
+    plain CPU float32/float64 tensor.
 
     numpy's calls cost ~0.5 us against torch's ~5 us, its BLAS dot reads a cached block at ~5 us
     per 64K floats, its SIMD min/max/abs are as fast, and its reductions return scalars (no
@@ -251,7 +251,8 @@ def pair_ok(w: torch.Tensor, p: torch.Tensor) -> bool:
 def moments_of_pair(
     w: torch.Tensor, p: torch.Tensor, ws: Workspace | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`moment_row` (partial rows) of `w` and of ``w - p`` (flat CPU tensors, `pair_ok`), reading each once.
+    """`moment_row` (partial rows) of `w` and of ``w - p`` (flat CPU tensors, `pair_ok`),
+    reading each once.
 
     The weights and their update of a Tracker step: the difference is never materialised, which
     saves writing and re-reading a tensor of the model's size.

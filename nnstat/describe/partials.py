@@ -17,7 +17,8 @@ block, a local shard, one rank's rows), to a float64 row of `COLUMNS`:
 `merge` combines the rows of parts into the row of their union, exactly in float64 (the same
 code for blocks, shards and ranks); `finish` turns rows into statistic columns, including the
 constant-tensor rule (a numerically constant tensor has zero variance and NaN skew/kurtosis, as
-scipy gives). A backend fills only the columns the requested statistics read; `finish` reads no others.
+scipy gives). A backend fills only the columns the requested statistics read; `finish` reads
+no others.
 
 Example:
     >>> import torch

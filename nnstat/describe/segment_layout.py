@@ -1,5 +1,5 @@
-"""The flat layout of `nnstat.describe.torch_segments`: tensors grouped by (device, dtype), each group
-laid out in rows of ``B`` elements (each tensor from a new row, its last row padded), and the
+"""The flat layout of `nnstat.describe.torch_segments`: tensors grouped by (device, dtype), each
+group laid out in rows of ``B`` elements (each tensor from a new row, its last row padded), and the
 index tensors of that layout, built once per list of tensors and cached.
 
 Example:

@@ -1,10 +1,10 @@
 """The partial rows of `nnstat.describe.torch_segments` from its per-tensor partials (pure maths).
 
-`torch_segments` reduces each dtype group to a few rows of float64 partials per tensor (counts, sums,
-sums of squares, l1, non-zeros, min/max, and for the moments the centre, scale and centred power
-sums: only what the statistics need); these functions lay the partials of every group at once
-out as the rows of `nnstat.describe.partials`, which `partials.finish` turns into columns, with
-a handful of small kernels and no host read.
+`torch_segments` reduces each dtype group to a few rows of float64 partials per tensor (counts,
+sums, sums of squares, l1, non-zeros, min/max, and for the moments the centre, scale and centred
+power sums: only what the statistics need); these functions lay the partials of every group at once
+out as the rows of `nnstat.describe.partials`, which `partials.finish` turns into columns, with a
+handful of small kernels and no host read.
 
 Example:
     >>> import torch

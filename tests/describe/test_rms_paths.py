@@ -3,8 +3,8 @@
 `summarize` picks its kernels by the statistics asked for: norms only (``_foreach_norm``), norms
 with ``abs_max`` (the blocked sum of squares, min and max), with ``l1``, the moment pass, the
 exact recomputation of a tensor holding NaN/Inf (finite elements only), and `pair_tables`
-(weights and their update in one read); `light_rows` and `partials.finish` build the Tracker's fused columns from
-sums of squares. Each derives ``rms`` from a norm and a count.
+(weights and their update in one read); `light_rows` and `partials.finish` build the Tracker's
+light columns from sums of squares. Each derives ``rms`` from a norm and a count.
 """
 
 from __future__ import annotations

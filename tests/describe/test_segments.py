@@ -1,6 +1,7 @@
-"""The accelerator core `nnstat.describe.torch_segments`, run on CPU tensors (the same torch kernels),
-against numpy float64 references: every statistic of `summarize`, histogram counts, on data that
-is hard for float32 (a large mean with a tiny spread, values near 1e-12, zeros, NaN/Inf)."""
+"""The accelerator core `nnstat.describe.torch_segments`, run on CPU tensors (the same torch
+kernels), against numpy float64 references: every statistic of `summarize`, histogram counts, on
+data that is hard for float32 (a large mean with a tiny spread, values near 1e-12, zeros,
+NaN/Inf)."""
 
 from __future__ import annotations
 

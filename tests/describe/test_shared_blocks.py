@@ -1,8 +1,8 @@
-"""The blocked numpy passes of `nnstat.describe.numpy_blocks` shared by two threads (`share_blocks`):
-the numbers are bit for bit those of one thread and equal numpy's float64 reference (NaN/Inf
-blocks exact, empty tensors, float64 and overflowing float32 tensors), the snapshot refresh is
-complete, a failure on the second thread is raised by the caller, and a busy second thread
-holds nothing up."""
+"""The blocked numpy passes of `nnstat.describe.numpy_blocks` shared by two threads
+(`share_blocks`): the numbers are bit for bit those of one thread and equal numpy's float64
+reference (NaN/Inf blocks exact, empty tensors, float64 and overflowing float32 tensors), the
+snapshot refresh is complete, a failure on the second thread is raised by the caller, and a busy
+second thread holds nothing up."""
 
 import math
 import threading
