@@ -2,7 +2,7 @@
 each histogram and the counts of many samples at once, with no host synchronisation.
 
 The pieces `nnstat.describe.histogram` (the public `histograms`) and the device core
-`nnstat.describe.segments` share, so that both bin the same elements the same way.
+`nnstat.describe.torch_segments` share, so that both bin the same elements the same way.
 
 Example:
     >>> import torch

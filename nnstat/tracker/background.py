@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from nnstat.background import Job, submit
-from nnstat.describe.fused import share_blocks
+from nnstat.describe.numpy_blocks import share_blocks
 from nnstat.distributed import any_dtensor, is_distributed
 from nnstat.tracker.compute import StepPlan, assemble
 
@@ -266,7 +266,7 @@ def split_run(
     """Run independent tasks on this thread and on the statistics worker at once; returns
     ``{key: fn()}`` once both are done (the same numbers as running them in order).
 
-    `blocks`: every task is a blocked numpy pass of `nnstat.describe.fused` (the default
+    `blocks`: every task is a blocked numpy pass of `nnstat.describe.numpy_blocks` (the default
     statistics, `nnstat.tracker.compute.shares_blocks`): the tasks run in order and both
     threads share each one block by block, so they finish together (a split by tasks left
     this thread alone with the weight/update pass: 24 instead of 18 ms for a 10.5M-parameter

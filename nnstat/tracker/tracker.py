@@ -34,8 +34,8 @@ from torch import nn
 
 from nnstat.background.transfer import PinnedBuffers
 from nnstat.describe import DEFAULT_STATS, Workspace, cpu_single_thread, validate_stats
-from nnstat.describe.fused import FUSED_STATS
 from nnstat.describe.histogram import DEFAULT_MAX_ELEMENTS
+from nnstat.describe.numpy_blocks import LIGHT_STATS
 from nnstat.distributed import (
     any_dtensor,
     clean_name,
@@ -102,7 +102,7 @@ class Tracker(BackgroundSteps, DeferredSteps):
     in-place gradients are read synchronously, a version check guards the rest); ``False`` is
     synchronous; ``None`` (default) picks background when training runs on one torch thread,
     with an optimizer, outside ``torch.distributed``; with more, the step's passes are shared
-    by this thread and a worker (`nnstat.describe.fused.share_blocks`), bit-identically. In
+    by this thread and a worker (`nnstat.describe.numpy_blocks.share_blocks`), bit-identically. In
     background mode `step` returns a `StepMetrics` mapping that waits on first read, sinks get
     step ``t`` at the next `step`/`flush`/`close` (or exit), and step ``t``'s gradients stay
     referenced until the next optimizer step. On a GPU ``None``/``True`` deliver without a
@@ -365,7 +365,7 @@ class Tracker(BackgroundSteps, DeferredSteps):
             self._prev is not None
             and "weight" in self.groups
             and not self.histograms
-            and set(self.stats) <= FUSED_STATS
+            and set(self.stats) <= LIGHT_STATS
             and not any_dtensor(self.params)
             and not self._fsdp1
         )
