@@ -25,14 +25,14 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from nnstat.background.transfer import PinnedBuffers
+from nnstat.background.deferred import InOrder
+from nnstat.background.transfer import HostBuffers
 from nnstat.describe import DEFAULT_STATS, Workspace, cpu_single_thread, validate_stats
 from nnstat.describe.fused import FUSED_STATS
 from nnstat.describe.histogram import DEFAULT_MAX_ELEMENTS
@@ -45,14 +45,6 @@ from nnstat.distributed import (
     local_tensor,
 )
 from nnstat.netdict import select_names
-from nnstat.tracker.background import (
-    BackgroundSteps,
-    StepMetrics,
-    _hook_target,
-    _Pending,
-    split_run,
-    task_costs,
-)
 from nnstat.tracker.compute import (
     StepPlan,
     _by_dtype,
@@ -61,8 +53,10 @@ from nnstat.tracker.compute import (
     shares_blocks,
     tasks,
 )
-from nnstat.tracker.delivery import DeferredSteps, _InFlight
+from nnstat.tracker.delivery import DeferredSteps
 from nnstat.tracker.guards import check_owned, first_error
+from nnstat.tracker.pending import StepMetrics
+from nnstat.tracker.worker import BackgroundSteps, Pending, hook_target, split_run, task_costs
 
 __all__ = ["Tracker", "Sink", "GROUPS", "StepMetrics"]
 
@@ -98,7 +92,7 @@ class Tracker(BackgroundSteps, DeferredSteps):
     Updates need a snapshot: one copy of the tracked parameters, refreshed before a logged step.
 
     ``background`` on CPU: ``True`` reduces step ``t`` on a worker thread while step
-    ``t + 1`` trains (`nnstat.tracker.background`: the optimizer's step pre-hook waits for it,
+    ``t + 1`` trains (`nnstat.tracker.worker`: the optimizer's step pre-hook waits for it,
     in-place gradients are read synchronously, a version check guards the rest); ``False`` is
     synchronous; ``None`` (default) picks background when training runs on one torch thread,
     with an optimizer, outside ``torch.distributed``; with more, the step's passes are shared
@@ -176,9 +170,9 @@ class Tracker(BackgroundSteps, DeferredSteps):
             )
         self.background = background
         self._sync_only = False
-        self._pending: _Pending | None = None
-        self._inflight: deque[_InFlight] = deque()
-        self._buffers = PinnedBuffers()
+        self._pending: Pending | None = None
+        self._inflight = InOrder()
+        self._buffers = HostBuffers(pin=True, minimum=256)
         self._hook: Any = None
         self._grad_storages: list[weakref.ref] | None = None
         self.groups = (
@@ -224,7 +218,7 @@ class Tracker(BackgroundSteps, DeferredSteps):
         self._snapped = False
         self._stale = False
         self._counter: weakref.finalize | None = None
-        target = _hook_target(optimizer) if optimizer is not None else None
+        target = hook_target(optimizer) if optimizer is not None else None
         if target is not None:
             ref = weakref.ref(self)
 
@@ -547,11 +541,17 @@ class Tracker(BackgroundSteps, DeferredSteps):
         """Wait for the step of `handle` (a read of it) and hand it to the sinks."""
         if self._pending is not None and self._pending.handle is handle:
             self._finish_pending()
-        elif any(f.handle is handle for f in self._inflight):
+        elif self._inflight.holds(handle):
             self._arrived(wait=True, upto=handle)
         else:
             return
         self._raise_sink_errors()  # the sinks just got this step: their errors
+
+    def forget_pending(self) -> None:
+        """Drop the steps on their way without delivering them (a forked child: its worker
+        thread and CUDA context are the parent's, which delivers them)."""
+        self._pending = None
+        self._inflight.clear()
 
     # -- lifecycle ------------------------------------------------------------------------
     def flush(self) -> None:

@@ -17,7 +17,7 @@ import nnstat
 import nnstat.tracker.compute
 from nnstat.background import submit
 from nnstat.describe import Histogram
-from nnstat.tracker.background import StepMetrics
+from nnstat.tracker.pending import StepMetrics
 
 
 def setup(seed=0, opt_cls=torch.optim.Adam):
@@ -293,7 +293,7 @@ def test_two_threads_split_the_synchronous_statistics_with_the_worker(monkeypatc
     the tasks run one after the other, bit for bit. The default statistics share each blocked
     pass block by block (one worker job per pass), other statistics split the tasks (one worker
     job per step)."""
-    import nnstat.tracker.background as background
+    import nnstat.tracker.worker as background
 
     submitted = []
     real = background.submit

@@ -1,4 +1,4 @@
-"""Background statistics of the Tracker: scheduling, the safety checks, delivery in order.
+"""The Tracker's steps on the CPU worker thread: scheduling, the safety checks, delivery in order.
 
 `BackgroundSteps` is the part of `nnstat.tracker.Tracker` that hands a logged step's
 reductions to the worker thread (`nnstat.background`) and collects them later:
@@ -16,9 +16,7 @@ reductions to the worker thread (`nnstat.background`) and collects them later:
 * a worker exception is re-raised in the training thread at the next ``step``/``flush``/
   ``close`` or when the step's metrics are read; a sink's exception too, after every other sink
   got the step (and, at ``step``, after that step is scheduled, so no sink loses it);
-* pending steps are flushed at exit (a forked child forgets its parent's); if that fails, the
-  errors are printed and the process exits with status 120 (CPython's status for a failed
-  finalization) instead of 0.
+* pending steps are flushed at exit (`nnstat.tracker.pending`).
 
 Example:
     >>> import torch, nnstat
@@ -33,14 +31,9 @@ Example:
 
 from __future__ import annotations
 
-import atexit
-import os
-import sys
 import threading
-import traceback
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,8 +43,9 @@ from nnstat.background import Job, submit
 from nnstat.describe.fused import share_blocks
 from nnstat.distributed import any_dtensor, is_distributed
 from nnstat.tracker.compute import StepPlan, assemble
+from nnstat.tracker.pending import PENDING, StepMetrics, drop_keys, register_atexit
 
-__all__ = ["BackgroundSteps", "StepMetrics"]
+__all__ = ["BackgroundSteps", "Pending", "hook_target", "split_run", "task_costs"]
 
 
 class BackgroundSteps:
@@ -65,7 +59,7 @@ class BackgroundSteps:
     _prev: list[torch.Tensor] | None
     _fsdp1: bool
     _sync_only: bool
-    _pending: _Pending | None
+    _pending: Pending | None
     _hook: Any
     _grad_storages: list[weakref.ref] | None
 
@@ -81,7 +75,7 @@ class BackgroundSteps:
         return (
             wanted
             and on_cpu
-            and (self.optimizer is None or _hook_target(self.optimizer) is not None)
+            and (self.optimizer is None or hook_target(self.optimizer) is not None)
             and not self._sync_only
             and not self._fsdp1
             and not any_dtensor(self.params)
@@ -135,7 +129,7 @@ class BackgroundSteps:
                 if tracker is not None and tracker._pending is not None:
                     tracker._join(tracker._pending, whole=False)
 
-            self._hook = _hook_target(self.optimizer).register_step_pre_hook(wait_for_statistics)
+            self._hook = hook_target(self.optimizer).register_step_pre_hook(wait_for_statistics)
         guard = threading.Event()
         late_conflicts: list[tuple[str, str]] = []
         # what the optimizer changes first, so its pre-hook waits only for that part; step t's
@@ -162,22 +156,22 @@ class BackgroundSteps:
         # the tasks hold what they read; keep only names here so step t's gradients are freed
         # as soon as the worker and the version check are done with them
         plan.groups = [(g, names, []) for g, names, _ in plan.groups]
-        pending = _Pending(step, plan, job, watched, StepMetrics(self, step))
+        pending = Pending(step, plan, job, watched, StepMetrics(self._settle, step))
         pending.guard, pending.late_conflicts = guard, late_conflicts
         self._pending = pending
-        _PENDING.add(self)
-        _register_atexit()
+        PENDING.add(self)
+        register_atexit()
         # overlap: tasks that must run now do so while the worker reads the rest
         try:
             pending.local = {k: fn() for k, fn in todo if k in inline}
         except BaseException:
             pending.job.wait()  # this step cannot be completed: nothing of it is delivered
             self._pending = None
-            _PENDING.discard(self)
+            PENDING.discard(self)
             raise
         return pending.handle
 
-    def _join(self, pending: _Pending, whole: bool = True) -> None:
+    def _join(self, pending: Pending, whole: bool = True) -> None:
         """Wait for the worker (only for what the optimizer changes unless `whole`) and check
         nothing it read changed meanwhile (safe inside the optimizer's pre-hook)."""
         if not pending.joined:
@@ -191,7 +185,7 @@ class BackgroundSteps:
             self._conflicts(pending, pending.late_conflicts)
             pending.late_conflicts = []
 
-    def _conflicts(self, pending: _Pending, found: list[tuple[str, str]]) -> None:
+    def _conflicts(self, pending: Pending, found: list[tuple[str, str]]) -> None:
         if not found:
             return
         pending.conflicts += found
@@ -209,7 +203,7 @@ class BackgroundSteps:
             return
         self._join(pending)
         self._pending = None
-        _PENDING.discard(self)
+        PENDING.discard(self)
         if self._hook is not None:
             self._hook.remove()  # re-registered with the next background step
             self._hook = None
@@ -223,10 +217,10 @@ class BackgroundSteps:
         if pending.conflicts:
             self._drop_torn(metrics, pending)
         metrics.update(pending.extra)
-        pending.handle._data = metrics
+        pending.handle.set(metrics)
         self._deliver(metrics, pending.step, pending.handle)
 
-    def _drop_torn(self, metrics: dict[str, Any], pending: _Pending) -> None:
+    def _drop_torn(self, metrics: dict[str, Any], pending: Pending) -> None:
         labels = drop_keys(metrics, pending.conflicts)
         warnings.warn(
             f"Tracker: {labels[:5]}{' ...' if len(labels) > 5 else ''} changed in place while "
@@ -235,21 +229,6 @@ class BackgroundSteps:
             f"weights as they are now, and statistics are computed synchronously from now on",
             stacklevel=4,
         )
-
-
-def drop_keys(metrics: dict[str, Any], torn: list[tuple[str, str]]) -> list[str]:
-    """Delete the metrics of each torn ``(group, layer)`` (a torn weight or update takes the
-    layer's ratios along, a weight its update too); returns their ``"group/layer"`` labels."""
-    prefixes = []
-    for group, name in torn:
-        prefixes.append(f"{group}/{name}/")
-        if group in ("weight", "update"):
-            prefixes += [f"trust_ratio/{name}", f"update_ratio/{name}"]
-        if group == "weight":
-            prefixes.append(f"update/{name}/")
-    for key in [k for k in metrics if k.startswith(tuple(prefixes))]:
-        del metrics[key]
-    return [f"{g}/{n}" for g, n in torn]
 
 
 def task_costs(plan: StepPlan, todo: list[tuple[str, Any]]) -> list[float]:
@@ -302,55 +281,10 @@ def split_run(
     return {k: out[k] for k, _ in todo}
 
 
-class StepMetrics(Mapping[str, Any]):
-    """The metrics of a step whose statistics are still on their way: reduced by the background
-    worker (CPU), or copied from the accelerator without waiting (`nnstat.tracker.delivery`).
-
-    A read-only mapping: the first read waits for them (and hands the step to the sinks if
-    that has not happened yet), so reading it every step gives up the overlap (on a GPU: makes
-    the host wait for the device every step): log through sinks to keep it. ``dict(m)`` or
-    ``m.copy()`` gives a plain dict, e.g. for ``json.dump``.
-
-    Example:
-        >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> import nnstat
-        >>> m = nnstat.Tracker(model, opt, background=True, stats=["l2"], groups=["weight"]).step()
-        >>> sorted(m)
-        ['weight/bias/l2', 'weight/weight/l2']
-    """
-
-    def __init__(self, tracker: Any, step: int) -> None:
-        self._tracker = tracker
-        self.step = step
-        self._data: dict[str, Any] | None = None
-        self._missing = f"the statistics of step {step} failed (raised before)"
-
-    def _resolve(self) -> dict[str, Any]:
-        if self._data is None:
-            self._tracker._settle(self)  # waits for this step, hands it to the sinks
-            if self._data is None:
-                raise RuntimeError(self._missing)
-        return self._data
-
-    def __getitem__(self, key: str) -> Any:
-        return self._resolve()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._resolve())
-
-    def __len__(self) -> int:
-        return len(self._resolve())
-
-    def __repr__(self) -> str:
-        return f"StepMetrics(step={self.step}, {self._resolve()!r})"
-
-    def copy(self) -> dict[str, Any]:
-        """A plain dict of the metrics (``wandb.log(tracker.step())`` copies what it gets)."""
-        return dict(self._resolve())
-
-
 @dataclass(eq=False)
-class _Pending:
+class Pending:
+    """A logged step whose statistics the worker thread reduces (`BackgroundSteps`)."""
+
     step: int
     plan: StepPlan
     job: Job
@@ -364,7 +298,7 @@ class _Pending:
     late_conflicts: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _hook_target(optimizer: Any) -> torch.optim.Optimizer | None:
+def hook_target(optimizer: Any) -> torch.optim.Optimizer | None:
     """The optimizer whose ``step()`` runs step pre-hooks: wrappers that never ran
     ``Optimizer.__init__`` (accelerate's ``AcceleratedOptimizer``) delegate to ``.optimizer``."""
     seen = 0
@@ -375,92 +309,3 @@ def _hook_target(optimizer: Any) -> torch.optim.Optimizer | None:
             return optimizer
         optimizer, seen = getattr(optimizer, "optimizer", None), seen + 1
     return None
-
-
-# trackers with background statistics not yet handed to their sinks (kept alive until then)
-_PENDING: set[BackgroundSteps] = set()
-_ATEXIT = [False]
-
-
-def _forget_pending() -> None:
-    # a forked child has no worker thread: its copies of pending steps would never complete,
-    # and they belong to the parent, which delivers them (the child's sinks must not repeat them)
-    for tracker in list(_PENDING):
-        tracker._pending = None
-        tracker._inflight.clear()  # device copies: the child has no CUDA context of its own
-    _PENDING.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pending)
-
-
-def _register_atexit() -> None:
-    # registered at first use, i.e. after the sinks' own libraries (atexit runs last-in
-    # first-out, so the statistics reach W&B/TensorBoard before those shut down)
-    if not _ATEXIT[0]:
-        atexit.register(_flush_all)
-        _ATEXIT[0] = True
-
-
-def _flush_all() -> None:
-    errors = []
-    for tracker in list(_PENDING):
-        try:
-            tracker.flush()
-        except BaseException as e:  # flush every tracker, then report every failure
-            errors.append(e)
-    if not errors:
-        return
-    # an exception leaving an atexit callback is printed as "ignored" and the exit status stays
-    # 0: print them here and make the exit status say the run's last statistics were lost
-    print(
-        f"nnstat: {len(errors)} error(s) while delivering background statistics at interpreter "
-        "exit (the last steps may be missing from some sinks); the process exits with status "
-        "120. Call tracker.close() at the end of training to get this error there instead.",
-        file=sys.stderr,
-    )
-    for e in errors:
-        traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
-    _fail_exit_status()
-
-
-class _FailingFinalFlush:
-    """Stands in for ``sys.stdout``/``sys.stderr``; its flush fails once the interpreter is
-    finalizing.
-
-    No API sets the exit status from an atexit callback; ``os._exit`` would skip the callbacks
-    still to run (e.g. W&B's own teardown) and the flushing of open files. CPython flushes the
-    standard streams after every atexit callback and, if that fails, exits with status 120
-    (``Py_RunMain``), so the failure is reported without cutting anything short.
-    """
-
-    def __init__(self, stream: Any) -> None:
-        self._stream = stream
-
-    def __repr__(self) -> str:
-        return f"<{self._stream!r}, failing its final flush for nnstat>"
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
-
-    def write(self, text: str) -> int:
-        return self._stream.write(text)
-
-    def flush(self) -> None:
-        self._stream.flush()
-        # only the interpreter's final flush fails (later atexit callbacks still flush freely)
-        if sys.is_finalizing():
-            raise RuntimeError(
-                "nnstat: background statistics could not be delivered at exit (errors above): "
-                "exit status 120"
-            )
-
-
-def _fail_exit_status() -> None:
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name, None)
-        if stream is not None and not getattr(stream, "closed", True):
-            setattr(sys, name, _FailingFinalFlush(stream))
-            return
-    os._exit(120)  # no open standard stream to fail with: end now rather than exit with 0
