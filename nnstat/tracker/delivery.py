@@ -29,7 +29,7 @@ Example:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,9 +38,9 @@ import torch
 from nnstat.background.deferred import InFlight, InOrder
 from nnstat.background.transfer import HostBuffers, LocalCopy, start_copy
 from nnstat.tracker.compute import Staged, StepPlan, assemble, finish, stage
-from nnstat.tracker.pending import PENDING, StepMetrics, drop_keys, register_atexit
+from nnstat.tracker.pending import StepMetrics, drop_keys
 
-__all__ = ["DeferredSteps", "rereads"]
+__all__ = ["DeviceSteps", "rereads"]
 
 
 def rereads(plan: StepPlan, st: Staged, host: list[torch.Tensor]) -> list[tuple[str, str, Any]]:
@@ -81,25 +81,39 @@ class _Step:
     extra: list[Mapping[str, Any]] = field(default_factory=list)
 
 
-class DeferredSteps:
-    """Mixin of `nnstat.tracker.Tracker`: the deferred accelerator path (module docstring)."""
+class DeviceSteps:
+    """The Tracker's device-deferred executor (see the module docstring).
 
-    # set by Tracker.__init__
-    names: list[str]
-    _sync_only: bool
-    _inflight: InOrder
-    _buffers: HostBuffers
-    _warned_meta: bool = False
+    It owns the steps on their way to the host (`inflight`) and the pinned buffers their copies
+    land in; the Tracker queues a step with `defer` and hands `arrived` the function that
+    delivers finished steps to the sinks. `torn` turns True once a step's NaN/Inf rows could not
+    be recomputed (the Tracker then reads every step back inside ``step()``).
 
-    def _deliver(
-        self, metrics: dict[str, Any], step: int, handle: StepMetrics | None = None
-    ) -> None:
-        raise NotImplementedError  # Tracker's
+    Example:
+        >>> DeviceSteps().torn
+        False
+    """
 
-    def _defer(
-        self, step: int, plan: StepPlan, workspaces: dict[str, Any], extra: list[Any]
+    def __init__(self) -> None:
+        self.inflight = InOrder()
+        self.torn = False
+        self._buffers = HostBuffers(pin=True, minimum=256)
+        self._warned_meta = False
+
+    def holds(self, handle: StepMetrics) -> bool:
+        """Whether `handle`'s step is on its way."""
+        return self.inflight.holds(handle)
+
+    def defer(
+        self,
+        step: int,
+        plan: StepPlan,
+        workspaces: dict[str, Any],
+        extra: list[Any],
+        settle: Callable[[StepMetrics], None],
     ) -> StepMetrics:
-        """Queue step `step`'s reductions and its one copy to the host; nothing is read back."""
+        """Queue step `step`'s reductions and its one copy to the host; nothing is read back.
+        Returns its `StepMetrics` (`settle` fills it in when first read)."""
         st = stage(plan, workspaces)
         # what finish may read again, as it is now (the snapshot refresh below changes prev)
         held = [t for tensors, *_ in st.groups.values() for t in tensors]
@@ -111,7 +125,7 @@ class DeferredSteps:
             torch._foreach_copy_(plan.prev, plan.weights)
             plan.refresh = False
         copy = start_copy(st.parts, self._buffers)
-        handle = StepMetrics(self._settle, step)
+        handle = StepMetrics(settle, step)
         if isinstance(copy, LocalCopy) and copy.meta:
             # no values exist: nothing is queued for the sinks (nor for the flush at exit)
             handle.missing = f"step {step}: {LocalCopy.META}"
@@ -124,26 +138,25 @@ class DeferredSteps:
                 )
             return handle
         work = _Step(plan, st, versions, extra)
-        self._inflight.append(InFlight(copy, work, [handle], step))
-        PENDING.add(self)
-        register_atexit()
+        self.inflight.append(InFlight(copy, work, [handle], step))
         return handle
 
-    def _arrived(self, wait: bool, upto: StepMetrics | None = None) -> None:
-        """Hand the steps whose copies have arrived to the sinks, oldest first; with `wait`
-        every queued step (up to `upto`'s when given), waiting for its copy."""
-        try:
-            self._inflight.drain(
-                self._complete,
-                wait,
-                upto,
-                note=lambda f: f"(raised completing nnstat's device statistics of step {f.number})",
-            )
-        finally:
-            if not self._inflight:
-                PENDING.discard(self)
+    def arrived(
+        self,
+        deliver: Callable[[dict[str, Any], int, StepMetrics], None],
+        wait: bool,
+        upto: StepMetrics | None = None,
+    ) -> None:
+        """``deliver(metrics, step, handle)`` the steps whose copies have arrived, oldest first;
+        with `wait` every queued step (up to `upto`'s when given), waiting for its copy."""
+        self.inflight.drain(
+            lambda entry: deliver(*self._complete(entry)),
+            wait,
+            upto,
+            note=lambda f: f"(raised completing nnstat's device statistics of step {f.number})",
+        )
 
-    def _complete(self, entry: InFlight) -> None:
+    def _complete(self, entry: InFlight) -> tuple[dict[str, Any], int, StepMetrics]:
         f: _Step = entry.work
         host = entry.copy.wait()
         torn = [
@@ -156,7 +169,7 @@ class DeferredSteps:
         metrics = assemble(f.plan, finish(f.plan, f.staged, host))
         if torn:
             labels = drop_keys(metrics, torn)
-            self._sync_only = True
+            self.torn = True
             warnings.warn(
                 f"Tracker: {labels[:5]}{' ...' if len(labels) > 5 else ''} held NaN/Inf at step "
                 f"{entry.number} and changed in place before that step reached the host, so their "
@@ -168,4 +181,4 @@ class DeferredSteps:
         for extra in f.extra:
             metrics.update(extra)
         entry.handles[0].set(metrics)
-        self._deliver(metrics, entry.number, entry.handles[0])
+        return metrics, entry.number, entry.handles[0]

@@ -1,6 +1,6 @@
 """The Tracker's steps on the CPU worker thread: scheduling, the safety checks, delivery in order.
 
-`BackgroundSteps` is the part of `nnstat.tracker.Tracker` that hands a logged step's
+`WorkerSteps` is the executor of `nnstat.tracker.Tracker` that hands a logged step's
 reductions to the worker thread (`nnstat.background`) and collects them later:
 
 * weights and optimizer states change only inside ``optimizer.step()``: the worker reduces them
@@ -34,6 +34,7 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,27 +44,47 @@ from nnstat.background import Job, submit
 from nnstat.describe.fused import share_blocks
 from nnstat.distributed import any_dtensor, is_distributed
 from nnstat.tracker.compute import StepPlan, assemble
-from nnstat.tracker.pending import PENDING, StepMetrics, drop_keys, register_atexit
+from nnstat.tracker.pending import StepMetrics, drop_keys
 
-__all__ = ["BackgroundSteps", "Pending", "hook_target", "split_run", "task_costs"]
+__all__ = ["Pending", "WorkerSteps", "hook_target", "split_run", "task_costs"]
 
 
-class BackgroundSteps:
-    """Mixin of `nnstat.tracker.Tracker`: the background path (see the module docstring)."""
+class WorkerSteps:
+    """The Tracker's CPU worker executor (see the module docstring).
 
-    # set by Tracker.__init__
-    background: bool | None
-    optimizer: Any
-    names: list[str]
-    params: list[torch.Tensor]
-    _prev: list[torch.Tensor] | None
-    _fsdp1: bool
-    _sync_only: bool
-    _pending: Pending | None
-    _hook: Any
-    _grad_storages: list[weakref.ref] | None
+    It owns the step in flight (`pending`) and the optimizer's step pre-hook that waits for it;
+    the Tracker hands it a step with `schedule` and takes the finished metrics back with
+    `finish`, to deliver them. `torn` turns True once a tensor changed while the worker read it
+    (the Tracker then stays synchronous).
 
-    def _background_ok(self, on_cpu: bool) -> bool:
+    Args:
+        background: the Tracker's ``background`` argument (``None``: auto).
+        optimizer: the Tracker's optimizer (``None``: none).
+        names: the tracked parameters' names.
+        params: the tracked parameters.
+        prev: the Tracker's weight snapshot (``None``: updates not tracked); torn layers of it
+            are copied again from the weights.
+        fsdp1: the model is wrapped by FSDP1 (never background).
+    """
+
+    def __init__(
+        self,
+        background: bool | None,
+        optimizer: Any,
+        names: list[str],
+        params: list[torch.Tensor],
+        prev: list[torch.Tensor] | None,
+        fsdp1: bool,
+    ) -> None:
+        self.background, self.optimizer, self.fsdp1 = background, optimizer, fsdp1
+        self.names, self.params, self.prev = names, params, prev
+        self.pending: Pending | None = None
+        self.torn = False
+        self._hook: Any = None
+        self._grad_storages: list[weakref.ref] | None = None
+
+    def usable(self, on_cpu: bool) -> bool:
+        """Whether this step may go to the worker (the Tracker checks it is not synchronous)."""
         wanted = self.background
         if wanted is None:
             # auto: single-process CPU training on one torch thread with an optimizer to hook.
@@ -76,23 +97,17 @@ class BackgroundSteps:
             wanted
             and on_cpu
             and (self.optimizer is None or hook_target(self.optimizer) is not None)
-            and not self._sync_only
-            and not self._fsdp1
+            and not self.fsdp1
             and not any_dtensor(self.params)
         )
 
-    def _split_ok(self, on_cpu: bool) -> bool:
-        """Whether the synchronous CPU statistics run on two threads at once (this one and the
-        worker): with two or more torch threads training keeps both cores busy, so background
-        statistics have no idle core to hide on; split, the step waits less for them (measured
-        35-50 ms instead of 43-58 ms for a 10.5M-parameter Adam model, docs/benchmarks.md)."""
-        # sharded parameters reduce with collectives, which must keep one order on every rank
-        return (
-            on_cpu
-            and torch.get_num_threads() >= 2
-            and not self._fsdp1
-            and not any_dtensor(self.params)
-        )
+    def holds(self, handle: StepMetrics) -> bool:
+        """Whether `handle` is the step in flight."""
+        return self.pending is not None and self.pending.handle is handle
+
+    def ready(self) -> bool:
+        """Whether a step is in flight and the worker is done with it (`finish` waits not)."""
+        return self.pending is not None and self.pending.job.done()
 
     def _grads_reused(self, plan: StepPlan) -> bool:
         """Whether a gradient shares storage with the previous logged step's (written in place:
@@ -106,7 +121,11 @@ class BackgroundSteps:
         alive = {id(s) for s in (r() for r in before) if s is not None}
         return any(id(g.untyped_storage()) in alive for g in grads)
 
-    def _schedule(self, step: int, plan: StepPlan, todo: list[Any]) -> StepMetrics:
+    def schedule(
+        self, step: int, plan: StepPlan, todo: list[Any], settle: Callable[[StepMetrics], None]
+    ) -> StepMetrics:
+        """Hand step `step`'s tasks `todo` to the worker (gradients written in place are read
+        here, now); returns its `StepMetrics`, which `settle` fills in when first read."""
         # gradients written in place must be read now; everything else waits in place for the
         # worker (weights and optimizer states change only in optimizer.step: pre-hook)
         inline = {"group:grad"} if self._grads_reused(plan) else set()
@@ -125,9 +144,9 @@ class BackgroundSteps:
             ref = weakref.ref(self)
 
             def wait_for_statistics(optimizer: Any, args: Any, kwargs: Any) -> None:
-                tracker = ref()
-                if tracker is not None and tracker._pending is not None:
-                    tracker._join(tracker._pending, whole=False)
+                steps = ref()
+                if steps is not None and steps.pending is not None:
+                    steps.join(steps.pending, whole=False)
 
             self._hook = hook_target(self.optimizer).register_step_pre_hook(wait_for_statistics)
         guard = threading.Event()
@@ -156,22 +175,19 @@ class BackgroundSteps:
         # the tasks hold what they read; keep only names here so step t's gradients are freed
         # as soon as the worker and the version check are done with them
         plan.groups = [(g, names, []) for g, names, _ in plan.groups]
-        pending = Pending(step, plan, job, watched, StepMetrics(self._settle, step))
+        pending = Pending(step, plan, job, watched, StepMetrics(settle, step))
         pending.guard, pending.late_conflicts = guard, late_conflicts
-        self._pending = pending
-        PENDING.add(self)
-        register_atexit()
+        self.pending = pending
         # overlap: tasks that must run now do so while the worker reads the rest
         try:
             pending.local = {k: fn() for k, fn in todo if k in inline}
         except BaseException:
             pending.job.wait()  # this step cannot be completed: nothing of it is delivered
-            self._pending = None
-            PENDING.discard(self)
+            self.pending = None
             raise
         return pending.handle
 
-    def _join(self, pending: Pending, whole: bool = True) -> None:
+    def join(self, pending: Pending, whole: bool = True) -> None:
         """Wait for the worker (only for what the optimizer changes unless `whole`) and check
         nothing it read changed meanwhile (safe inside the optimizer's pre-hook)."""
         if not pending.joined:
@@ -189,24 +205,27 @@ class BackgroundSteps:
         if not found:
             return
         pending.conflicts += found
-        self._sync_only = True
+        self.torn = True
         torn = {n for g, n in found if g == "weight"}
-        if self._prev is not None and torn:
+        if self.prev is not None and torn:
             # the snapshot of these layers was copied from weights being modified
-            for n, prev, p in zip(self.names, self._prev, self.params, strict=True):
+            for n, prev, p in zip(self.names, self.prev, self.params, strict=True):
                 if n in torn:
                     prev.copy_(p.detach())
 
-    def _finish_pending(self) -> None:
-        pending = self._pending
+    def finish(self) -> tuple[dict[str, Any], int, StepMetrics] | None:
+        """Wait for the step in flight and return ``(metrics, step, handle)`` to deliver
+        (``None``: none in flight).
+
+        Raises:
+            BaseException: what the worker raised reducing the step (the step is dropped).
+        """
+        pending = self.pending
         if pending is None:
-            return
-        self._join(pending)
-        self._pending = None
-        PENDING.discard(self)
-        if self._hook is not None:
-            self._hook.remove()  # re-registered with the next background step
-            self._hook = None
+            return None
+        self.join(pending)
+        self.pending = None
+        self.close()  # the hook is registered again with the next background step
         job = pending.job
         if job.error is not None:
             err = job.error
@@ -218,7 +237,13 @@ class BackgroundSteps:
             self._drop_torn(metrics, pending)
         metrics.update(pending.extra)
         pending.handle.set(metrics)
-        self._deliver(metrics, pending.step, pending.handle)
+        return metrics, pending.step, pending.handle
+
+    def close(self) -> None:
+        """Remove the optimizer's step pre-hook."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
     def _drop_torn(self, metrics: dict[str, Any], pending: Pending) -> None:
         labels = drop_keys(metrics, pending.conflicts)
@@ -283,7 +308,7 @@ def split_run(
 
 @dataclass(eq=False)
 class Pending:
-    """A logged step whose statistics the worker thread reduces (`BackgroundSteps`)."""
+    """A logged step whose statistics the worker thread reduces (`WorkerSteps`)."""
 
     step: int
     plan: StepPlan

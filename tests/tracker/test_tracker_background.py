@@ -367,7 +367,7 @@ def test_forked_child_drops_the_parents_pending_step():
     pid = os.fork()
     if pid == 0:  # child: no worker thread here; flushing must neither hang nor deliver
         tracker.flush()
-        os._exit(0 if seen == [] and tracker._pending is None else 1)
+        os._exit(0 if seen == [] and tracker._worker.pending is None else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     tracker.flush()
