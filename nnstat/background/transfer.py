@@ -32,6 +32,7 @@ __all__ = [
     "HostBuffers",
     "HostCopy",
     "LocalCopy",
+    "copy_to_host",
     "host_empty",
     "flatten_parts",
     "split_parts",
@@ -86,6 +87,26 @@ def host_empty(
         if not fallback:
             raise
         return torch.empty(n, dtype=dtype)
+
+
+def copy_to_host(dst: torch.Tensor, src: torch.Tensor) -> Any:
+    """Copy `src` into the host tensor `dst`: from a CUDA device without waiting (`dst` pinned)
+    and return the CUDA event recorded after the copy (wait for it before reading `dst`);
+    elsewhere at once, returning ``None``.
+
+    Example:
+        >>> dst = torch.empty(2); copy_to_host(dst, torch.ones(2)), dst.tolist()
+        (None, [1.0, 1.0])
+    """
+    if src.device.type != "cuda":
+        dst.copy_(src)
+        return None
+    # the device tensor may be freed right after: the caching allocator reuses its memory only
+    # for work queued later on this stream, i.e. after the copy
+    dst.copy_(src, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(src.device))
+    return event
 
 
 class HostBuffers:
@@ -220,11 +241,7 @@ class CudaCopy(HostCopy):
         self._n = flat.numel()
         self._buffers = buffers
         self._buf: torch.Tensor | None = buffers.take(self._n, torch.float64)
-        # the device vector may be freed right after: the caching allocator reuses its memory
-        # only for work queued later on this stream, i.e. after the copy
-        self._buf[: self._n].copy_(flat, non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record(torch.cuda.current_stream(flat.device))
+        self._event = copy_to_host(self._buf[: self._n], flat)
 
     def done(self) -> bool:
         return self._buf is None or self._event.query()

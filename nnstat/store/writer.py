@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from nnstat.background import start_one_thread_worker
-from nnstat.background.transfer import HostBuffers
+from nnstat.background.transfer import HostBuffers, copy_to_host
 from nnstat.store import outer
 from nnstat.store.commits import append_commit, committed_shards, recover_log
 from nnstat.store.direct import DirectShardFile, StagingBuffer
@@ -363,13 +363,8 @@ class StoreWriter:
             ids = [ids[j] for j in select]
         if not len(ids):
             return
-        cuda = rows.device.type == "cuda"
-        host = self.row_buffer(rows.shape[0], pinned=cuda)
-        host.copy_(rows.detach(), non_blocking=cuda)
-        ready = None
-        if cuda:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(rows.device))
+        host = self.row_buffer(rows.shape[0], pinned=rows.device.type == "cuda")
+        ready = copy_to_host(host, rows.detach())
         self._queue.put((list(ids), [host], host, None, ready, select))
 
     def submit(self, fn: Callable[[], None]) -> None:
