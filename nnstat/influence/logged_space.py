@@ -21,7 +21,7 @@ from nnstat.store.integrity import params_hash
 
 from .cache import default_preconditioner, fitted
 from .layout import ModuleSpec
-from .precondition import Preconditioner, _fit_from_rows, kfac_factor, stored_ekfac_factor
+from .precondition import Preconditioner, fit_from_rows, kfac_factor, stored_ekfac_factor
 from .sources import RowSource
 
 
@@ -271,5 +271,5 @@ def logged_preconditioner(
             factors[m.name] = f if f is not None else kfac_factor(m, stats, projections)
     dense = [m for m in source.layout if not m.kronecker]
     if dense:
-        factors.update(_fit_from_rows(source, dense, {}, batch_size))
+        factors.update(fit_from_rows(source, dense, {}, batch_size))
     return Preconditioner(kind, list(source.layout), factors)

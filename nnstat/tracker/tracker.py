@@ -44,8 +44,8 @@ from nnstat.distributed import (
 from nnstat.netdict import select_names
 from nnstat.tracker.compute import (
     StepPlan,
-    _by_dtype,
     assemble,
+    by_dtype,
     device_results,
     shares_blocks,
     tasks,
@@ -241,7 +241,7 @@ class Tracker:
         if self._prev is not None:
             prev = [local_tensor(t) for t in self._prev]
             # per dtype: a multi-tensor kernel takes its fast path on one dtype only
-            for dst, src in _by_dtype(prev, [local_tensor(p.detach()) for p in self.params]):
+            for dst, src in by_dtype(prev, [local_tensor(p.detach()) for p in self.params]):
                 torch._foreach_copy_(dst, src)
             self._snapped, self._stale = True, False
 
