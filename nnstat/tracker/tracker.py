@@ -46,15 +46,14 @@ from nnstat.tracker.compute import (
     StepPlan,
     assemble,
     by_dtype,
-    device_results,
-    shares_blocks,
     tasks,
 )
 from nnstat.tracker.delivery import DeviceSteps
 from nnstat.tracker.guards import StepOrder, check_owned, first_error
+from nnstat.tracker.inline import InlineSteps
 from nnstat.tracker.pending import PENDING, StepMetrics, register_atexit
 from nnstat.tracker.sinks import Sink, Sinks
-from nnstat.tracker.worker import WorkerSteps, hook_target, split_run, task_costs
+from nnstat.tracker.worker import WorkerSteps, hook_target
 
 __all__ = ["Tracker", "Sink", "GROUPS", "StepMetrics"]
 
@@ -170,8 +169,9 @@ class Tracker:
         if optimizer is not None:
             check_owned(self.names, self.params, optimizer)
         self._fsdp1 = bool(fsdp1_shards(model))
-        # the executors of a logged step besides the inline one: the CPU worker thread and the
-        # device-deferred copy to the host (`nnstat.tracker.worker`, `nnstat.tracker.delivery`)
+        # the executors of a logged step: inline (synchronous), the device-deferred copy to the
+        # host and (below, with the snapshot) the CPU worker thread
+        self._inline = InlineSteps(self.params, self._fsdp1)
         self._device = DeviceSteps()
         self._sinks = Sinks()
         for s in sinks:
@@ -399,22 +399,14 @@ class Tracker:
         # anything still on its way is delivered first: sinks get the steps in order
         self._arrived(wait=True)
         todo = tasks(plan, self._workspaces)
-        # outside cpu_single_thread: both read the thread count
+        # outside cpu_single_thread: it reads the thread count
         background = not self._sync_only and self._worker.usable(on_cpu)
-        # two threads share one task's blocks, or take whole tasks when there are several
-        blocks = shares_blocks(plan)
-        split = not background and (blocks or len(todo) > 1) and self._split_ok(on_cpu)
-        with cpu_single_thread() if on_cpu else contextlib.nullcontext():
-            if background:
+        if background:
+            with cpu_single_thread() if on_cpu else contextlib.nullcontext():
                 handle = self._worker.schedule(step, plan, todo, self._settle)
-                self._track_pending()
-            elif split:
-                results = split_run(todo, task_costs(plan, todo), blocks)
-            elif on_cpu or self._fsdp1 or any_dtensor(self.params):
-                results = {k: fn() for k, fn in todo}
-            else:
-                # accelerators, synchronous: every reduction queued on the device, one transfer
-                results = device_results(plan, self._workspaces)
+            self._track_pending()
+        else:
+            results = self._inline.run(plan, todo, self._workspaces, on_cpu)
         if background:
             # providers run while the worker reduces this step (their values are step t's)
             self._worker.pending.extra = self._provided()
@@ -480,19 +472,6 @@ class Tracker:
         """Whether every step is read synchronously now (a step was torn: changed in place while
         the worker read it, or NaN/Inf rows that could not be recomputed on the device)."""
         return self._worker.torn or self._device.torn
-
-    def _split_ok(self, on_cpu: bool) -> bool:
-        """Whether the synchronous CPU statistics run on two threads at once (this one and the
-        worker): with two or more torch threads training keeps both cores busy, so background
-        statistics have no idle core to hide on; split, the step waits less for them (measured
-        35-50 ms instead of 43-58 ms for a 10.5M-parameter Adam model, docs/benchmarks.md)."""
-        # sharded parameters reduce with collectives, which must keep one order on every rank
-        return (
-            on_cpu
-            and torch.get_num_threads() >= 2
-            and not self._fsdp1
-            and not any_dtensor(self.params)
-        )
 
     def _finish_pending(self) -> None:
         """Wait for the worker's step in flight, if any, and hand it to the sinks."""

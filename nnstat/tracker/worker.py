@@ -41,12 +41,11 @@ from typing import Any
 import torch
 
 from nnstat.background import Job, submit
-from nnstat.describe.fused import share_blocks
 from nnstat.distributed import any_dtensor, is_distributed
 from nnstat.tracker.compute import StepPlan, assemble
 from nnstat.tracker.pending import StepMetrics, drop_keys
 
-__all__ = ["Pending", "WorkerSteps", "hook_target", "split_run", "task_costs"]
+__all__ = ["Pending", "WorkerSteps", "hook_target"]
 
 
 class WorkerSteps:
@@ -254,56 +253,6 @@ class WorkerSteps:
             f"weights as they are now, and statistics are computed synchronously from now on",
             stacklevel=4,
         )
-
-
-def task_costs(plan: StepPlan, todo: list[tuple[str, Any]]) -> list[float]:
-    """Relative cost of each task of `todo`: the elements it reads (a weight/update task reads
-    the weights and their snapshot)."""
-    numel = {f"group:{g}": float(sum(t.numel() for t in ts)) for g, _, ts in plan.groups}
-    weights = float(sum(t.numel() for t in plan.weights or ()))
-    return [numel[k] if k in numel else 2.0 * weights for k, _ in todo]
-
-
-def split_run(
-    todo: list[tuple[str, Any]], costs: list[float], blocks: bool = False
-) -> dict[str, Any]:
-    """Run independent tasks on this thread and on the statistics worker at once; returns
-    ``{key: fn()}`` once both are done (the same numbers as running them in order).
-
-    `blocks`: every task is a blocked numpy pass of `nnstat.describe.fused` (the default
-    statistics, `nnstat.tracker.compute.shares_blocks`): the tasks run in order and both
-    threads share each one block by block, so they finish together (a split by tasks left
-    this thread alone with the weight/update pass: 24 instead of 18 ms for a 10.5M-parameter
-    Adam model, docs/benchmarks.md). Otherwise each task runs whole on one thread, split by
-    `costs` (longest first onto the less loaded side); the worker's share is submitted first,
-    so both sides start at once.
-
-    Example:
-        >>> split_run([("a", lambda: 1), ("b", lambda: 2)], [1.0, 1.0])
-        {'a': 1, 'b': 2}
-    """
-    if blocks:
-        with share_blocks(submit):
-            return {k: fn() for k, fn in todo}
-    order = sorted(range(len(todo)), key=lambda i: -costs[i])
-    mine: list[int] = []
-    theirs: list[int] = []
-    load = [0.0, 0.0]
-    for i in order:
-        side = 0 if load[0] <= load[1] else 1
-        (mine if side == 0 else theirs).append(i)
-        load[side] += costs[i]
-    job = submit(lambda: {todo[i][0]: todo[i][1]() for i in theirs}) if theirs else None
-    out: dict[str, Any] = {}
-    try:
-        for i in mine:
-            out[todo[i][0]] = todo[i][1]()
-    finally:
-        if job is not None:
-            job.wait()  # never leave the worker reading tensors the caller goes on to change
-    if job is not None:
-        out.update(job.result())
-    return {k: out[k] for k, _ in todo}
 
 
 @dataclass(eq=False)
