@@ -92,33 +92,17 @@ class InFlight:
     number: int = 0
 
 
-class InOrder:
-    """`InFlight` results, completed oldest first (see the module docstring).
+class InOrder(deque[InFlight]):
+    """`InFlight` results in a deque, completed oldest first (see the module docstring).
 
     Example:
         >>> queue = InOrder(); len(queue), bool(queue)
         (0, False)
     """
 
-    def __init__(self) -> None:
-        self._queue: deque[InFlight] = deque()
-
-    def append(self, entry: InFlight) -> None:
-        self._queue.append(entry)
-
-    def clear(self) -> None:
-        self._queue.clear()
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def last(self) -> InFlight:
-        """The newest entry."""
-        return self._queue[-1]
-
     def holds(self, handle: Deferred) -> bool:
         """Whether `handle` is filled in by a queued entry."""
-        return any(h is handle for e in self._queue for h in e.handles)
+        return any(h is handle for e in self for h in e.handles)
 
     def drain(
         self,
@@ -139,11 +123,11 @@ class InOrder:
         Raises:
             BaseException: what ``complete`` raised (the entry is dropped from the queue).
         """
-        while self._queue:
-            entry = self._queue[0]
+        while self:
+            entry = self[0]
             if not wait and not entry.copy.done():
                 break
-            self._queue.popleft()
+            self.popleft()
             try:
                 complete(entry)
             except BaseException as e:

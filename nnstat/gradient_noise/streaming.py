@@ -439,7 +439,7 @@ class NoiseScale:
         if not self._inflight:
             return self._to_dict()
         # the values as of the last batch, filled in when it arrives (no wait here)
-        entry = self._inflight.last()
+        entry = self._inflight[-1]
 
         def settle() -> None:
             if self._inflight.holds(snapshot):
