@@ -172,10 +172,10 @@ def _warps(block: int) -> int:
 
 
 def _kernels() -> Any:
-    """The jit'd kernels (`nnstat.describe._triton_kernels`, imported on first use)."""
-    from nnstat.describe import _triton_kernels
+    """The jit'd kernels (`nnstat.describe.triton_kernels`, imported on first use)."""
+    from nnstat.describe import triton_kernels
 
-    return _triton_kernels
+    return triton_kernels
 
 
 def pass_a(table: RowTable, bound: Bound, moments: bool = True) -> torch.Tensor:

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from scipy import stats as sps
 
-from .lds import _seed_everything
+from .lds import seed_everything
 
 DIRECTIONS = ("harmful", "helpful")
 
@@ -230,7 +230,7 @@ def counterfactual(
         run_seed = seed * 1_000_003 + r
 
         def trained(kept: torch.Tensor, run_seed: int = run_seed) -> Any:
-            _seed_everything(run_seed)
+            seed_everything(run_seed)
             with torch.enable_grad():
                 return train_fn(kept)
 

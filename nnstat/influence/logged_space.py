@@ -20,7 +20,7 @@ from nnstat.curvature.products import ParamLayout, captured_example_grads
 from nnstat.store.integrity import params_hash
 
 from .cache import default_preconditioner, fitted
-from .precondition import Preconditioner, _fit_from_rows, kfac_factor, stored_ekfac_factor
+from .precondition import Preconditioner, fit_from_rows, kfac_factor, stored_ekfac_factor
 from .row_layout import ModuleSpec
 from .sources import RowSource
 
@@ -269,5 +269,5 @@ def logged_preconditioner(
             factors[m.name] = f if f is not None else kfac_factor(m, stats, projections)
     dense = [m for m in source.layout if not m.kronecker]
     if dense:
-        factors.update(_fit_from_rows(source, dense, {}, batch_size))
+        factors.update(fit_from_rows(source, dense, {}, batch_size))
     return Preconditioner(kind, list(source.layout), factors)

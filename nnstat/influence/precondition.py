@@ -366,7 +366,7 @@ def dense_groups(widths: list[int], budget: int = DENSE_FIT_BUDGET) -> list[list
     return groups
 
 
-def _fit_from_rows(
+def fit_from_rows(
     source: RowSource,
     dense: list[ModuleSpec],
     kron: dict[str, KronFactor],
@@ -459,20 +459,20 @@ class Preconditioner:
         if kind == "identity":
             return cls(kind, layout, {})
         if kind == "raw":
-            return cls(kind, layout, _fit_from_rows(source, layout, {}, batch_size))
+            return cls(kind, layout, fit_from_rows(source, layout, {}, batch_size))
         stats, projections = source.statistics(), source.projections()
         kron = {m.name: kfac_factor(m, stats, projections) for m in layout if m.kronecker}
         dense = [m for m in layout if not m.kronecker]
         if kind == "kfac":
             factors: dict[str, DenseFactor | LowRankFactor | KronFactor] = dict(kron)
             if dense:
-                factors.update(_fit_from_rows(source, dense, {}, batch_size))
+                factors.update(fit_from_rows(source, dense, {}, batch_size))
             return cls(kind, layout, factors)
         stored = {m.name: stored_ekfac_factor(m, stats, projections) for m in layout if m.kronecker}
         factors = {name: f for name, f in stored.items() if f is not None}
         todo = {name: f for name, f in kron.items() if stored.get(name) is None}
         if dense or todo:
-            factors.update(_fit_from_rows(source, dense, todo, batch_size))
+            factors.update(fit_from_rows(source, dense, todo, batch_size))
         pre = cls(kind, layout, factors)
         pre.origin = {
             m.name: (

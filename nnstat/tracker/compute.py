@@ -219,7 +219,7 @@ class Staged:
     fused: tuple[int, int] | None = None
 
 
-def _by_dtype(*lists: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], ...]]:
+def by_dtype(*lists: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], ...]]:
     """Parallel lists split by (device, dtype) of the first: a multi-tensor kernel takes its
     fast path (one launch per chunk of tensors) only on lists of one dtype and device."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
@@ -248,7 +248,7 @@ def stage(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> Sta
     keys = [f"group:{group}" for group, _, _ in plan.groups]
     lists = [tensors for _, _, tensors in plan.groups]
     if plan.prev is not None and plan.weights is not None:
-        for prev, cur in _by_dtype(plan.prev, plan.weights):
+        for prev, cur in by_dtype(plan.prev, plan.weights):
             torch._foreach_sub_(prev, cur)  # prev - W, exact
             if not plan.fused:  # norm statistics alone do not see the sign (one pass less)
                 torch._foreach_neg_(prev)
@@ -309,7 +309,7 @@ def finish(plan: StepPlan, st: Staged, host: list[torch.Tensor]) -> dict[str, An
         tw = repair_table(host[st.fused[0]], plan.weights, computed)
         results["update"] = (tw, repair_table(host[st.fused[1]], list(views), computed))
     if plan.refresh and plan.prev is not None and plan.weights is not None:
-        for prev, cur in _by_dtype(plan.prev, plan.weights):
+        for prev, cur in by_dtype(plan.prev, plan.weights):
             torch._foreach_copy_(prev, cur)
     return results
 

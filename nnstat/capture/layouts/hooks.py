@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nnstat.capture._build import _BatchContext, _Watched, first_tensor
+from nnstat.capture.build import BatchContext, Watched, first_tensor
 from nnstat.capture.capture import ModuleCapture
 from nnstat.capture.kinds import detect_kind, unsupported_reason
 from nnstat.capture.kinds.attention import attention_call, attention_rows
@@ -51,8 +51,8 @@ class LayoutHooks:
         True
     """
 
-    _watched: dict[nn.Module, _Watched]
-    _ctx: _BatchContext | None
+    _watched: dict[nn.Module, Watched]
+    _ctx: BatchContext | None
     _left_out: dict[str, str]
     _attention: set[nn.Module]
     _root_call: tuple[tuple, dict] | None
@@ -61,8 +61,8 @@ class LayoutHooks:
     _on_output_grad: Callable[..., None]  # CaptureEngine's: records one call's rows
 
     def _select_ties(
-        self, model: nn.Module, selected: list[_Watched], unsupported: list[str]
-    ) -> list[_Watched]:
+        self, model: nn.Module, selected: list[Watched], unsupported: list[str]
+    ) -> list[Watched]:
         """``selected`` with every tie group it touches completed (tied.py): the group's
         other modules are added as aliases of its owner, the owner is added when missing, and
         a group that cannot be merged is reported in ``unsupported`` instead."""
@@ -87,7 +87,7 @@ class LayoutHooks:
             for i, (name, m) in enumerate(group):
                 w = by_module.get(m) or self._watched.get(m)
                 if w is None:
-                    w = _Watched(name or "model", m, detect_kind(m))
+                    w = Watched(name or "model", m, detect_kind(m))
                     out.append(w)
                 w.tied_to = None if i == k else owner
             self._tied[owner] = [m for i, (_, m) in enumerate(group) if i != k]
@@ -191,7 +191,7 @@ class LayoutHooks:
                 pending[attn.out_proj] = [(o, dy, ctx) for (_, (o, dy)), ctx in rows]
 
     def _shared(
-        self, w: _Watched, x: torch.Tensor, output: torch.Tensor, ctx: _BatchContext
+        self, w: Watched, x: torch.Tensor, output: torch.Tensor, ctx: BatchContext
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(what the model reads instead of output, the input as rows per sample)`` for a
         module whose input (without gradient) the batch may share, else None.
@@ -234,9 +234,7 @@ class LayoutHooks:
             return check_rows(output, BroadcastGuard(w.name, batch, source, refuse, layout)), x
         return None
 
-    def _guard(
-        self, w: _Watched, upstream: BroadcastGuard, checked: bool = False
-    ) -> BroadcastGuard:
+    def _guard(self, w: Watched, upstream: BroadcastGuard, checked: bool = False) -> BroadcastGuard:
         """A guard for ``w``, which computed row by row on an upstream module's expansion
         (broadcast.py) or, ``checked``, on its rows under check (ambiguous.py)."""
         if checked:
@@ -253,7 +251,7 @@ class LayoutHooks:
         t = first_tensor(*self._root_call)
         return t is x or (t is not None and t.data_ptr() == x.data_ptr() and t.shape == x.shape)
 
-    def _block_batch(self, ctx: _BatchContext) -> tuple[int | None, str]:
+    def _block_batch(self, ctx: BatchContext) -> tuple[int | None, str]:
         """The block's number of samples and where it came from."""
         if isinstance(ctx.samples, int):
             return ctx.samples, "the block's samples"

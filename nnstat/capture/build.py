@@ -20,7 +20,7 @@ LOSS_REDUCTIONS = ("sum", "mean")
 
 
 @dataclass(frozen=True)
-class _BatchContext:
+class BatchContext:
     batch_size: int | None
     mask: torch.Tensor | None
     loss_reduction: str
@@ -29,7 +29,7 @@ class _BatchContext:
 
 
 @dataclass
-class _Watched:
+class Watched:
     name: str
     module: nn.Module
     kind: Kind
@@ -48,7 +48,7 @@ class _Watched:
         self.bias = self.kind.dense and self.kind.has_bias(self.module)
 
 
-def _check_batch_args(batch_size: int | None, loss_reduction: str) -> None:
+def check_batch_args(batch_size: int | None, loss_reduction: str) -> None:
     if loss_reduction not in LOSS_REDUCTIONS:
         raise ValueError(
             f"unknown loss_reduction {loss_reduction!r}; valid: {', '.join(LOSS_REDUCTIONS)}"
@@ -57,8 +57,8 @@ def _check_batch_args(batch_size: int | None, loss_reduction: str) -> None:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
 
 
-def _build_capture(
-    w: _Watched, calls: list[tuple[torch.Tensor, torch.Tensor, _BatchContext]]
+def build_capture(
+    w: Watched, calls: list[tuple[torch.Tensor, torch.Tensor, BatchContext]]
 ) -> ModuleCapture:
     if len(calls) == 1 and calls[0][2].mask is None and w.kind.plain:
         return _build_plain(w, *calls[0])
@@ -66,7 +66,7 @@ def _build_capture(
 
 
 def _build_capture_general(
-    w: _Watched, calls: list[tuple[torch.Tensor, torch.Tensor, _BatchContext]]
+    w: Watched, calls: list[tuple[torch.Tensor, torch.Tensor, BatchContext]]
 ) -> ModuleCapture:
     a_parts, b_parts, keep_parts, positions = [], [], [], 0
     n = None
@@ -118,14 +118,12 @@ def _build_capture_general(
     return ModuleCapture(w.name, w.module, w.kind, a, b, positions, keep, w.dims, w.bias, scale)
 
 
-def _scale(ctx: _BatchContext, g: torch.Tensor) -> float:
+def _scale(ctx: BatchContext, g: torch.Tensor) -> float:
     """The factor a mean-reduced loss's output gradients are multiplied by (1 for a sum)."""
     return float(ctx.batch_size or g.shape[0]) if ctx.loss_reduction == "mean" else 1.0
 
 
-def _build_plain(
-    w: _Watched, x: torch.Tensor, g: torch.Tensor, ctx: _BatchContext
-) -> ModuleCapture:
+def _build_plain(w: Watched, x: torch.Tensor, g: torch.Tensor, ctx: BatchContext) -> ModuleCapture:
     """The common case (one call, no mask, linear rows) with the fewest tensor ops: same
     result as the general path, which costs a dozen Python calls per module per step."""
     xs, gs = x.shape, g.shape
@@ -149,7 +147,7 @@ def _build_plain(
 
 
 def _row_mask(
-    w: _Watched, mask: torch.Tensor | None, n: int, pos_shape: tuple, rows: int
+    w: Watched, mask: torch.Tensor | None, n: int, pos_shape: tuple, rows: int
 ) -> torch.Tensor | None:
     """Mask per matrix row ``[N, rows]`` (float 0/1), or None when the mask does not apply."""
     if mask is None:
@@ -167,7 +165,7 @@ def _row_mask(
     return m
 
 
-def _hook_target(output: torch.Tensor) -> torch.Tensor:
+def hook_target(output: torch.Tensor) -> torch.Tensor:
     """The tensor whose gradient equals the output's, robust to later in-place ops.
 
     A layer applied to ``[N, T, d]`` returns a view of a 2-D result; an in-place op on that view
@@ -187,7 +185,7 @@ def _hook_target(output: torch.Tensor) -> torch.Tensor:
     return output
 
 
-def _reshaped(hook: Callable[[torch.Tensor], None], shape: torch.Size, grad: torch.Tensor) -> None:
+def reshaped(hook: Callable[[torch.Tensor], None], shape: torch.Size, grad: torch.Tensor) -> None:
     hook(grad.reshape(shape))
 
 
