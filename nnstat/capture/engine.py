@@ -23,12 +23,12 @@ from torch import nn
 from nnstat.capture.build import (
     LOSS_REDUCTIONS,
     BatchContext,
+    Watched,
     build_capture,
     check_batch_args,
+    first_tensor,
     hook_target,
     reshaped,
-    Watched,
-    first_tensor,
 )
 from nnstat.capture.capture import ModuleCapture
 from nnstat.capture.layouts.ambiguous import SampleRows, add_check_guard
