@@ -60,9 +60,7 @@ def diagonal_forward(cap: ModuleCapture) -> bool:
     return cap.kind == "embedding"
 
 
-def factor_eig(
-    factor: torch.Tensor, psd: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def factor_eig(factor: torch.Tensor, psd: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Eigenvalues (float64) and eigenvectors of a symmetric factor, dense or diagonal.
 
     A diagonal factor's eigenvectors are the identity, returned as ``None`` (never a

@@ -20,7 +20,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -85,6 +85,10 @@ class StreamedCurvature:
         self.device = device
         self.n_train: int | None = None
         self.passes = 0
+        #: keep every batch's prepared state (its gradient graph) for the next products: data
+        #: held in memory, small models (exact influence, the Hessian noise scale)
+        self.keep = False
+        self._kept: list[tuple[int, Any]] | None = None
 
     def data_batches(self) -> Iterator[Any]:
         """The training data's batches as they come (not yet on the device)."""
@@ -134,10 +138,7 @@ class StreamedCurvature:
         chunk = k if not chunk else max(1, min(chunk, k))
         out: torch.Tensor | None = None
         seen = 0
-        for batch in self.data_batches():
-            n = self.batch_len(batch)
-            with torch.enable_grad(), twice_differentiable():
-                state = self.prepare(batch)
+        for n, state in self.prepared():
             for lo in range(0, k, chunk):
                 part = self.batch_product(state, v[lo : lo + chunk], lift, project)
                 if out is None:
@@ -147,6 +148,23 @@ class StreamedCurvature:
             del state
             seen += n
         return self._finish(out, seen)
+
+    def prepared(self) -> Iterator[tuple[int, Any]]:
+        """``(examples, state)`` of every batch, `prepare`'d as the pass reaches it (or kept
+        from the first pass, with `keep`)."""
+        if self._kept is not None:
+            yield from self._kept
+            return
+        kept: list[tuple[int, Any]] | None = [] if self.keep else None
+        for batch in self.data_batches():
+            n = self.batch_len(batch)
+            with torch.enable_grad(), twice_differentiable():
+                state = self.prepare(batch)
+            if kept is not None:
+                kept.append((n, state))
+            yield n, state
+            del state
+        self._kept = kept
 
     def first_batch(self) -> Any:
         """The first batch of the data (for measuring what a product costs)."""
@@ -228,7 +246,8 @@ class BatchLossCurvature(StreamedCurvature):
     model's parameters). The GGN splits the loss at the output of the last module call to finish
     inside ``batch_loss`` (the model itself, or e.g. ``self.net`` in a Lightning
     ``training_step``; its ``.logits`` for HF outputs), checked on the first batch. Batches are
-    moved to the model's device before ``batch_loss`` sees them."""
+    moved to the model's device before ``batch_loss`` sees them. ``params``: the tensors
+    ``batch_loss`` differentiates (default: the model's parameters named by ``layout``)."""
 
     def __init__(
         self,
@@ -238,9 +257,12 @@ class BatchLossCurvature(StreamedCurvature):
         data: Any,
         kind: str,
         loss_reduction: str = "mean",
+        params: Sequence[torch.Tensor] | None = None,
     ) -> None:
-        by_name = dict(model.named_parameters())
-        self.params = [by_name[n] for n in layout.names]
+        if params is None:
+            by_name = dict(model.named_parameters())
+            params = [by_name[n] for n in layout.names]
+        self.params = list(params)
         super().__init__(kind, self.params[0].device if self.params else None)
         self.model = model
         self.layout = layout
@@ -286,3 +308,38 @@ class BatchLossCurvature(StreamedCurvature):
             z, gz, u, jtu = state
             hv = ggn_apply(z, gz, u, jtu, self.params, vs)
         return [h.to(v.dtype) for h in hv]
+
+
+def kept_curvature(
+    loss: FunctionalLoss, layout: ParamLayout, batches: Sequence[Batch], kind: str = "hessian"
+) -> BatchLossCurvature:
+    """The curvature ``kind`` of ``loss``'s mean over ``batches`` (held in memory) with every
+    batch's gradient graph built on the first product and kept (`StreamedCurvature.keep`): each
+    product is then one reverse pass per batch, batched over its vectors. For small models
+    (exact influence, the Hessian noise scale).
+
+    Example:
+        >>> from nnstat.curvature.products import FunctionalLoss, ParamLayout
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> x = torch.randn(8, 2, dtype=torch.float64)
+        >>> y = torch.randn(8, 1, dtype=torch.float64)
+        >>> loss = FunctionalLoss(model, lambda o, t: ((o - t) ** 2).mean(), ["weight"],
+        ...                       torch.float64, loss_reduction="mean")
+        >>> curv = kept_curvature(loss, ParamLayout(["weight"], [(1, 2)]), [(x[:5], y[:5]), (x[5:], y[5:])])
+        >>> h = curv.product(torch.eye(2, dtype=torch.float64))
+        >>> torch.allclose(h, 2 * x.T @ x / 8), torch.equal(curv.product(torch.eye(2, dtype=torch.float64)), h)
+        (True, True)
+    """
+    params = [loss.theta[n].detach().requires_grad_(True) for n in layout.names]
+    by_name = dict(zip(layout.names, params, strict=True))
+    curv = BatchLossCurvature(
+        loss.model,
+        layout,
+        lambda batch: loss.loss(by_name, *batch),
+        batches,
+        kind,
+        loss.reduction or "mean",
+        params=params,
+    )
+    curv.keep = True
+    return curv

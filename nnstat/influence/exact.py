@@ -36,14 +36,8 @@ from typing import Any
 
 import torch
 
-from nnstat.curvature.products import (
-    Batch,
-    FunctionalLoss,
-    ParamLayout,
-    graph_hvp,
-    iter_batches,
-    mean_loss_weight,
-)
+from nnstat.curvature.products import Batch, FunctionalLoss, ParamLayout, iter_batches
+from nnstat.curvature.streamed import kept_curvature
 
 from .krylov import (
     block_cg,
@@ -65,33 +59,6 @@ def _batches(data: Any, batch_size: int, dtype: torch.dtype) -> list[Batch]:
     if not out:
         raise ValueError("empty data")
     return out
-
-
-def _hvp_fn(
-    loss: FunctionalLoss, layout: ParamLayout, batches: list[Batch]
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Hessian-vector products of the mean training loss for a stack of flat vectors ``[k, P]``.
-
-    The gradient graph of every batch is built once (``create_graph``) and reused: each product is
-    then a single reverse pass per batch (`graph_hvp`), batched over the ``k`` vectors.
-    """
-    n = sum(len(x) for x, _ in batches)
-    theta = layout.from_dict(loss.theta, 1)[0].requires_grad_(True)
-    grads = []
-    with torch.enable_grad():
-        for x, y in batches:
-            w = mean_loss_weight(len(x), n, loss.reduction or "mean")
-            batch_loss = w * loss.loss(layout.to_dict(theta), x, y)
-            (g,) = torch.autograd.grad(batch_loss, theta, create_graph=True)
-            grads.append(g)
-
-    def many(vs: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(vs)
-        for g in grads:
-            out += graph_hvp([g], [theta], [vs])[0]
-        return out
-
-    return many
 
 
 INDEFINITE = ("raise", "damp")
@@ -215,7 +182,7 @@ def exact(
     layout = ParamLayout(names, [loss.theta[n].shape for n in names])
     train = _batches(train_data, batch_size, dtype)
     query = _batches(query_data, batch_size, dtype)
-    hvp = _hvp_fn(loss, layout, train)
+    hvp = kept_curvature(loss, layout, train).product
 
     def example_grads(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return layout.from_dict(loss.example_grads(x, y), len(x))

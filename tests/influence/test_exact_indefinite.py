@@ -17,7 +17,7 @@ from nnstat.influence import exact
 from nnstat.influence.krylov import block_cg, lanczos_ritz, preconditioned_cg
 
 D = torch.float64
-exact_mod = importlib.import_module("nnstat.influence.exact")  # the package exports the function
+streamed_mod = importlib.import_module("nnstat.curvature.streamed")  # the products
 
 
 def _matrix(evals: list[float], seed: int = 0) -> torch.Tensor:
@@ -75,8 +75,8 @@ def test_exact_refuses_an_indefinite_system_within_bounded_passes(solver, monkey
     assert lam_min < -0.02  # the untrained tanh MLP's Hessian is indefinite
     lam = -lam_min / 3  # H + λI keeps a negative eigenvalue
     passes = []
-    hvp = exact_mod.graph_hvp
-    monkeypatch.setattr(exact_mod, "graph_hvp", lambda *a: passes.append(1) or hvp(*a))
+    hvp = streamed_mod.graph_hvp
+    monkeypatch.setattr(streamed_mod, "graph_hvp", lambda *a: passes.append(1) or hvp(*a))
     with pytest.raises(ValueError, match="not positive definite") as e:
         exact(model, nn.functional.cross_entropy, train, query, lam, solver=solver, batch_size=30)
     msg = str(e.value)
