@@ -16,6 +16,7 @@ non-positive curvature, NaN) is acted on at the next step's read, before its ite
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +44,11 @@ def _not_positive_definite(
     err.curvature = curvature  # type: ignore[attr-defined]
     err.pap = pap  # type: ignore[attr-defined]
     return err
+
+
+#: LiSSA stops a row whose series term grew this many times its smallest (it never grows where
+#: A is positive definite: the row's iterate diverges along negative curvature)
+DIVERGED = 100.0
 
 
 def _read(*values: torch.Tensor) -> list[float]:
@@ -220,21 +226,59 @@ def lissa(
 ) -> torch.Tensor:
     """LiSSA / Neumann series ``A⁻¹ b ≈ (1/scale) Σ_j (I − A/scale)^j b`` (``scale > λ_max(A)``).
 
+    The series converges only where ``A`` is positive definite with ``λ_max(A) < 2 · scale``:
+    its terms ``d_j = (I − A/scale)^j (I − A/scale) b`` then never grow. A row whose term grows
+    to ``DIVERGED`` x its smallest so far (or is not finite; or, after ``depth`` steps, ends
+    above twice its smallest) is refused like conjugate gradient's non-positive curvature: a ``ValueError`` with
+    ``err.rows`` and ``err.curvature``, the Rayleigh quotient of ``A`` along the growing term
+    (``A d_j = scale · (d_j − d_{j+1})``, no product spent), clamped at 0. One host read per
+    step.
+
     Example:
         >>> import torch
         >>> A = torch.tensor([[2.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
         >>> x = lissa(lambda v: v @ A, torch.ones(1, 2, dtype=torch.float64), scale=3.0)
         >>> [round(v, 6) for v in x[0].tolist()]
         [0.5, 1.0]
+        >>> B = torch.tensor([[2.0, 0.0], [0.0, -0.5]], dtype=torch.float64)
+        >>> lissa(lambda v: v @ B, torch.ones(1, 2, dtype=torch.float64), scale=3.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: not positive definite
     """
+    k = rhs.shape[0]
+    tiny = torch.finfo(rhs.dtype).tiny
     est = rhs.clone()
+    prev: torch.Tensor | None = None
+    low = [math.inf] * k  # each row's smallest term so far
+    norms = ritzes = [0.0] * k
     for _ in range(depth):
         new = rhs + est - matvec(est) / scale
-        change = (new - est).norm() / new.norm().clamp_min(torch.finfo(rhs.dtype).tiny)
-        est = new
-        if change < tol:
-            break
+        term = new - est
+        ritz = torch.zeros_like(term[:, 0])
+        if prev is not None:  # the Rayleigh quotient of A along the previous term
+            ritz = scale * (1 - (term * prev).sum(1) / (prev * prev).sum(1).clamp_min(tiny))
+        change = term.norm() / new.norm().clamp_min(tiny)
+        values = _read(term.norm(dim=1), ritz, change)
+        norms, ritzes = values[:k], values[k : 2 * k]
+        bad = [i for i, n in enumerate(norms) if not math.isfinite(n) or n > DIVERGED * low[i]]
+        if bad:
+            raise _not_positive_definite(bad, [_curvature(ritzes[i]) for i in bad])
+        low = [min(a, b) for a, b in zip(low, norms, strict=True)]
+        est, prev = new, term
+        if values[-1] < tol:
+            return est / scale
+    # depth spent: a row whose term ended above twice its smallest diverges, slowly
+    bad = [i for i in range(k) if norms[i] > 2 * low[i]]
+    if bad:
+        raise _not_positive_definite(bad, [_curvature(ritzes[i]) for i in bad])
     return est / scale
+
+
+def _curvature(ritz: float) -> float:
+    """A growing LiSSA term's curvature for the error: its Rayleigh quotient, at most 0 (a
+    mixture of directions can read positive before the growing one dominates)."""
+    return min(ritz, 0.0) if math.isfinite(ritz) else 0.0
 
 
 def top_eigenvalue(
