@@ -105,11 +105,6 @@ def sum_weight(batch_size: int, loss_reduction: str) -> float:
     return float(batch_size) if loss_reduction == "mean" else 1.0
 
 
-def mean_loss_weight(batch_size: int, n: int, loss_reduction: str) -> float:
-    """Weight of a batch loss in the *mean* of ``n`` examples' losses (data held in memory)."""
-    return sum_weight(batch_size, loss_reduction) / n
-
-
 def twice_differentiable() -> Any:
     """Attention through the math kernel: the fused CPU/flash kernels have no second derivative."""
     from torch.nn.attention import SDPBackend, sdpa_kernel

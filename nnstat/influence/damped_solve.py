@@ -204,3 +204,27 @@ def damped_solve(
             retry = op.adaptive and solver != "block" and len(op.found) < MAX_DAMPING_RAISES
             if not retry or op.raise_damping(err.theta) == 0:
                 raise err from None
+
+
+def conjugate_gradient(
+    matvec: Callable[[torch.Tensor], torch.Tensor],
+    rhs: torch.Tensor,
+    tol: float = 1e-10,
+    max_iter: int = 1000,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Solve ``A x_k = rhs_k`` for every row ``k`` of ``rhs`` (A symmetric positive definite) to
+    relative residual ``tol``: `damped_solve` by per-query CG without a preconditioner.
+
+    Returns ``(x, relative residuals)``. Raises `IndefiniteError` when ``A`` is not positive
+    definite along a search direction (a non-convex loss with too little damping).
+
+    Example:
+        >>> import torch
+        >>> A = torch.tensor([[4.0, 1.0], [1.0, 3.0]], dtype=torch.float64)
+        >>> b = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
+        >>> x, _ = conjugate_gradient(lambda v: v @ A, b)
+        >>> torch.allclose(x @ A, b)
+        True
+    """
+    x, info = damped_solve(DampedOperator(matvec, 0.0), rhs, "cg", max_iter, tol=tol)
+    return x, info["residual"]

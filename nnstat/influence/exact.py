@@ -40,8 +40,14 @@ import torch
 from nnstat.curvature.products import Batch, FunctionalLoss, ParamLayout, iter_batches
 from nnstat.curvature.streamed import kept_curvature
 
-from .damped_solve import DAMPING_RAISE, DampedOperator, IndefiniteError, damped_solve
-from .krylov import conjugate_gradient, lissa
+from .damped_solve import (
+    DAMPING_RAISE,
+    DampedOperator,
+    IndefiniteError,
+    conjugate_gradient,
+    damped_solve,
+)
+from .krylov import lissa
 from .refine.memory import available_memory
 from .result import InfluenceResult
 

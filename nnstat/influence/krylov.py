@@ -1,8 +1,7 @@
 """Krylov solvers for ``A X = B`` with many right-hand sides (pure maths on ``[k, P]`` rows).
 
 The one home of the influence code's solvers. ``preconditioned_cg`` runs one conjugate-gradient
-recurrence per row (the rows only share the batched ``matvec``); `conjugate_gradient` is it
-without a preconditioner. `lissa` is the Neumann series, scaled by `top_eigenvalue` (power
+recurrence per row (the rows only share the batched ``matvec``). `lissa` is the Neumann series, scaled by `top_eigenvalue` (power
 iteration). ``block_cg`` shares one search space between all rows: each step adds every row's
 preconditioned residual to it, and every row takes the best iterate in the whole space.
 Refinement solves one system per query against the same curvature, so a block of 32 queries
@@ -25,7 +24,6 @@ import torch
 __all__ = [
     "block_cg",
     "block_directions",
-    "conjugate_gradient",
     "lanczos_ritz",
     "lissa",
     "preconditioned_cg",
@@ -183,38 +181,6 @@ def preconditioned_cg(
 
 def _identity(r: torch.Tensor) -> torch.Tensor:
     return r
-
-
-def conjugate_gradient(
-    matvec: Callable[[torch.Tensor], torch.Tensor],
-    rhs: torch.Tensor,
-    tol: float = 1e-10,
-    max_iter: int = 1000,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Solve ``A x_k = rhs_k`` for every row ``k`` of ``rhs`` (A symmetric positive definite) to
-    relative residual ``tol``: `preconditioned_cg` without a preconditioner.
-
-    Returns ``(x, relative residuals)``. Raises when ``A`` is not positive definite along a search
-    direction (a non-convex loss with too little damping).
-
-    Example:
-        >>> import torch
-        >>> A = torch.tensor([[4.0, 1.0], [1.0, 3.0]], dtype=torch.float64)
-        >>> x, _ = conjugate_gradient(lambda v: v @ A, torch.tensor([[1.0, 2.0]], dtype=torch.float64))
-        >>> torch.allclose(x @ A, torch.tensor([[1.0, 2.0]], dtype=torch.float64))
-        True
-    """
-    try:
-        x, info = preconditioned_cg(matvec, None, rhs, max_iter, tol=tol)
-    except ValueError as e:
-        pap = getattr(e, "pap", None)
-        if not pap:
-            raise
-        raise ValueError(
-            "H + damping·I is not positive definite along a conjugate-gradient direction "
-            f"(pᵀAp = {min(pap):.3g}); increase the damping"
-        ) from None
-    return x, info["residual"]
 
 
 def lissa(
