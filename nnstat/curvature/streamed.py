@@ -37,7 +37,9 @@ from nnstat.curvature.products import (
     ggn_graph,
     graph_hvp,
     iter_batches,
+    looks_reduced_by,
     output_logits,
+    slice_batch,
     sum_weight,
     twice_differentiable,
 )
@@ -166,6 +168,42 @@ class StreamedCurvature:
             del state
         self._kept = kept
 
+    def batch_count(self) -> int | None:
+        """Training batches per pass where the data's length says so, else ``None``."""
+        try:
+            return len(self.data)  # type: ignore[attr-defined]
+        except TypeError:
+            return None
+
+    def loss_of(self, batch: Any) -> torch.Tensor:
+        """The loss of ``batch`` (as the data yields it) as the products see it."""
+        raise NotImplementedError
+
+    def check_reduction(self, reduction: str, name: str, examples: int = 8) -> None:
+        """Refuse a loss that reduces a batch otherwise than ``reduction`` declares, on the first
+        ``examples`` of the first batch: their loss as one batch against the mean of their own
+        losses (`products.looks_reduced_by`; no gradient). A sum declared a mean scales the
+        curvature by the batch size against the preconditioner and the rows, and the rankings
+        change with no other sign."""
+        batch = self.first_batch()
+        batch = slice_batch(batch, 0, examples, self.batch_len(batch))
+        n = self.batch_len(batch)
+        with torch.no_grad():
+            losses = [self.loss_of(batch)]
+            losses += [self.loss_of(slice_batch(batch, i, i + 1, n)) for i in range(n)]
+        whole, *singles = torch.stack([t.reshape(()) for t in losses]).tolist()  # one read
+        found = looks_reduced_by(whole, singles)
+        if found is None or found == reduction:
+            return
+        mean = sum(singles) / n
+        raise ValueError(
+            f"{name} reduces a batch by its {found}, but loss_reduction={reduction!r}: on the "
+            f"first {n} training examples it gives {whole:.4g} for the batch and {mean:.4g} on "
+            f"average for each alone ({whole / mean:.3g} x). Pass loss_reduction={found!r}, or "
+            f"a {name} that takes the batch's {reduction} (e.g. cross_entropy(..., "
+            f"reduction={reduction!r}))"
+        )
+
     def first_batch(self) -> Any:
         """The first batch of the data (for measuring what a product costs)."""
         for batch in self.data_batches():
@@ -220,6 +258,20 @@ class LossFnCurvature(StreamedCurvature):
     def batch_len(self, batch: Any) -> int:
         return len(batch[0])
 
+    def batch_count(self) -> int | None:
+        data = self.data
+        if isinstance(data, torch.utils.data.DataLoader):
+            return super().batch_count()
+        try:
+            n = len(data[0]) if isinstance(data, (tuple, list)) else len(data)
+        except TypeError:  # an iterable dataset
+            return None
+        return -(-n // self.batch_size)
+
+    def loss_of(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return self.loss.loss(self.loss.theta, to_device(x, self.device), to_device(y, self.device))
+
     def example_grads(self, data: Any) -> Iterator[torch.Tensor]:
         """``[b, P]`` gradients of each example's own loss, batch by batch."""
         for x, y in self.batches(data):
@@ -273,6 +325,9 @@ class BatchLossCurvature(StreamedCurvature):
 
     def data_batches(self) -> Iterator[Any]:
         return iter(self.data)
+
+    def loss_of(self, batch: Any) -> torch.Tensor:
+        return self.batch_loss(to_device(batch, self.device))
 
     def prepare(self, batch: Any) -> Any:
         batch = to_device(batch, self.device)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +40,9 @@ from nnstat.curvature.streamed import StreamedCurvature
 
 from ..krylov import block_directions
 from .memory import measure_peak, size
+
+if TYPE_CHECKING:
+    from .cost import Cost
 
 #: the measured product cost is scaled by this (allocator rounding, batches unlike the first)
 PRODUCT_MARGIN = 1.25
@@ -105,7 +108,8 @@ class Plan:
     """A chosen plan: ``solver``, ``block`` (queries solved together), ``chunk`` (vectors per
     curvature product), where the search space lives (``directions``: ``"device"``/``"host"``),
     the bytes it is estimated at on the device (``estimate``) out of ``budget``, by part
-    (``parts``), and what it changed from what was asked (``changed``)."""
+    (``parts``), what it changed from what was asked (``changed``) and what it will cost
+    (``cost``: passes, products, estimated time)."""
 
     solver: str
     block: int
@@ -116,6 +120,7 @@ class Plan:
     parts: dict[str, int]
     footprint: Footprint
     changed: list[str] = field(default_factory=list)
+    cost: Cost | None = None  # passes, products and time (`cost.estimate_cost`)
 
     def meta(self) -> dict[str, Any]:
         """``result.meta["refine"]["memory"]``."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,7 @@ from ..logged_space import LoggedSpace, check_against_rows, check_weights
 from ..precondition import Preconditioner
 from ..sources import RowSource, all_rows
 from .config import Refinement
+from .cost import estimate_cost, product_time
 from .memory import available_memory
 from .plan import Footprint, Plan, choose_plan, product_cost, warn_changed
 from .solve import raised_rule, solve
@@ -30,9 +32,10 @@ def plan_for(
     n: int,
     width: int,
     deferred: bool,
+    refit: bool,
 ) -> Plan:
-    """The memory plan of this refinement (`plan.choose_plan`), the product's share
-    measured on the first training batch."""
+    """The plan of this refinement (`plan.choose_plan`) with its cost (`cost.estimate_cost`),
+    the product's memory and time measured on the first training batch."""
     device = curv.device or torch.device("cpu")
     fixed, per_vector, measured = product_cost(
         curv, flat.lift, flat.project, width, refine.dtype, device
@@ -53,6 +56,8 @@ def plan_for(
     memory = refine.memory if refine.memory is not None else available_memory(device)
     plan = choose_plan(fp, memory, refine.solver, refine.query_batch, device.type == "cuda")
     warn_changed(plan)
+    times = product_time(curv, flat.lift, flat.project, width, refine.dtype, device)
+    plan.cost = estimate_cost(plan, refine.query_batch, curv.batch_count(), times, refit)
     return plan
 
 
@@ -89,12 +94,13 @@ def setup(
     ids, q_rows = all_rows(query, batch_size)
     check_weights(flat, train.meta or {}, str(getattr(train, "path", "") or "(in memory)"))
     curv = curvature_of(refine, flat, refine.curvature or "hessian")
+    curv.check_reduction(refine.loss_reduction, "loss_fn" if refine.loss_fn else "batch_loss")
     if query_data is not None:  # the queries' own data: its gradients must be the log's rows
         grads = query_grads(refine, flat, curv, query_data)
         check_against_rows(flat, grads, q_rows, ids, query.meta or {})
     pre, refit = preconditioner_of(refine, train, flat, kind, batch_size)
     lam = refine.damping if refine.damping is not None else damping
-    plan = plan_for(refine, curv, flat, pre, len(q_rows), q_rows.shape[1], lam is None)
+    plan = plan_for(refine, curv, flat, pre, len(q_rows), q_rows.shape[1], lam is None, refit)
     return Setup(device, flat, ids, q_rows, curv, pre, refit, lam, plan)
 
 
@@ -161,6 +167,9 @@ def refine_queries(
         unit="pass",
         disable=None if refine.progress is None else not refine.progress,
     )
+    assert plan.cost is not None
+    if not bar.disable:  # the cost, before the first pass
+        bar.write(f"nnstat: refining {len(rhs)} queries: {plan.cost.describe()}", file=sys.stderr)
     system.op.on_product = lambda: bar.update(1)
     with bar:
         solved = solve(refine, system, rhs, s.ids, plan)
@@ -184,6 +193,7 @@ def refine_queries(
         "max_residual": float(torch.cat(solved.residual).max()),
         "device": str(s.device),
         "memory": plan.meta(),
+        "cost": plan.cost.meta(),
     }
     if not math.isfinite(report["max_residual"]):
         raise ValueError("refinement produced NaN/Inf: check the data and the damping")
