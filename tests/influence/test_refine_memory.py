@@ -1,5 +1,5 @@
 """Refinement under a memory budget: the plan follows the budget, the scores do not (float64),
-the estimate bounds the allocations measured by the profiler, and a budget that one query
+the estimate bounds the allocations measured (`measure_peak`), and a budget that one query
 cannot fit is refused naming the bytes needed.
 
 A 12-32-6 tanh MLP (614 parameters, unprojected: the logged width is the parameter count),

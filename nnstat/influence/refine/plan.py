@@ -219,7 +219,8 @@ def warn_changed(plan: Plan) -> None:
     if changed:
         warnings.warn(
             f"nnstat: refinement's search space would not fit memory={size(plan.budget)}: "
-            f"{', '.join(changed)} (estimated {size(plan.estimate)}; "
+            f"{', '.join(changed)}{': ' + plan.cost.multiplied if plan.cost else ''} "
+            f"(estimated {size(plan.estimate)}; "
             "result.meta['refine']['memory']). Solutions agree once converged; iterates "
             "before differ. Pass a larger memory, lower query_batch, or project the store",
             stacklevel=4,

@@ -55,9 +55,9 @@ def plan_for(
     )
     memory = refine.memory if refine.memory is not None else available_memory(device)
     plan = choose_plan(fp, memory, refine.solver, refine.query_batch, device.type == "cuda")
-    warn_changed(plan)
     times = product_time(curv, flat.lift, flat.project, width, refine.dtype, device)
     plan.cost = estimate_cost(plan, refine.query_batch, curv.batch_count(), times, refit)
+    warn_changed(plan)
     return plan
 
 
@@ -161,15 +161,17 @@ def refine_queries(
     system = LoggedSystem(s.curv, s.flat, s.pre, refine.dtype, s.lam, plan.chunk, s.device)
     rule = set_damping(system, plan.solver, width, here)
     system.op.adaptive = refine.curvature is None and rule != "given"
+    assert plan.cost is not None
+    show = sys.stderr.isatty() if refine.progress is None else refine.progress
+    if show:  # the cost, before the first pass
+        print(f"nnstat: refining {len(rhs)} queries: {plan.cost.describe()}", file=sys.stderr)
     bar = tqdm(
         total=-(-len(rhs) // plan.block) * refine.steps,
         desc=f"refine ({system.curv.kind})",
         unit="pass",
-        disable=None if refine.progress is None else not refine.progress,
+        disable=not show,
+        file=sys.stderr,
     )
-    assert plan.cost is not None
-    if not bar.disable:  # the cost, before the first pass
-        bar.write(f"nnstat: refining {len(rhs)} queries: {plan.cost.describe()}", file=sys.stderr)
     system.op.on_product = lambda: bar.update(1)
     with bar:
         solved = solve(refine, system, rhs, s.ids, plan)
