@@ -31,7 +31,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -40,9 +40,6 @@ from nnstat.curvature.streamed import StreamedCurvature
 
 from ..krylov import block_directions
 from .memory import measure_peak, size
-
-if TYPE_CHECKING:
-    from .cost import Cost
 
 #: the measured product cost is scaled by this (allocator rounding, batches unlike the first)
 PRODUCT_MARGIN = 1.25
@@ -120,7 +117,7 @@ class Plan:
     parts: dict[str, int]
     footprint: Footprint
     changed: list[str] = field(default_factory=list)
-    cost: Cost | None = None  # passes, products and time (`cost.estimate_cost`)
+    cost: Any = None  # a `cost.Cost` (passes, products, time), set once the plan is chosen
 
     def meta(self) -> dict[str, Any]:
         """``result.meta["refine"]["memory"]``."""
