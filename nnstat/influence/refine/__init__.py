@@ -40,6 +40,13 @@ solved again at the final ``λ``), per-query CG solves again (at most ``MAX_DAMP
 times). With a given damping an indefinite Hessian makes every query use the Gauss-Newton
 matrix instead. Each with a warning, every pass counted, and the report saying so.
 
+The modules, in reading order: ``config`` (`Refinement`, what is asked), ``system`` (the
+logged system and what it is built from: curvature, query gradients, preconditioner, default
+damping), ``solve`` (every block through `nnstat.influence.damped_solve`, the solve exact
+influence shares), ``memory``/``plan`` (the budget and the plan that fits it), ``cost`` (passes,
+products and an estimated time, stated before the first pass), ``run`` (`refine_queries`:
+setup, plan, solve, report).
+
 Example:
     >>> import torch
     >>> from nnstat.influence import ModuleSpec, TensorSource, compute_influence_all

@@ -57,9 +57,9 @@ class Refinement:
             at the memory of ``2 · steps · query_batch`` logged-space vectors); ``"cg"``: one
             conjugate-gradient recurrence per query.
         memory: bytes refinement may use on the model's device beyond the model, its data and
-            the logs' rows (``None``: `refine_plan.available_memory`, 80% of the free GPU
+            the logs' rows (``None``: `memory.available_memory`, 80% of the free GPU
             memory, or 50% of the available RAM on the CPU). It sets the plan
-            (`refine_plan.choose_plan`, reported in ``result.meta["refine"]["memory"]`` with its
+            (`plan.choose_plan`, reported in ``result.meta["refine"]["memory"]`` with its
             estimate): the vectors per curvature product (``chunk``: the same results), on a
             GPU where the search space lives (device or host: the same results), then smaller
             blocks and per-query CG (a warning: the same solution once converged); where one
