@@ -68,6 +68,13 @@ def factor_eig(factor: torch.Tensor, psd: bool = False) -> tuple[torch.Tensor, t
     factor is a curvature estimate, positive semi-definite up to round-off: a dense one is
     symmetrised first and the eigenvalues are clamped at 0 (the preconditioners' use).
 
+    Args:
+        factor: ``[d, d]`` or its diagonal ``[d]``.
+        psd: symmetrise and clamp as above.
+
+    Returns:
+        ``(eigenvalues [d] float64, eigenvectors [d, d] or None)``.
+
     Example:
         >>> import torch
         >>> vals, vecs = factor_eig(torch.tensor([2.0, 1.0]))

@@ -103,6 +103,15 @@ def slice_batch(batch: Any, lo: int, hi: int, n: int | None = None) -> Any:
     """The examples ``lo:hi`` of a batch of ``n`` (default `batch_len`): every tensor whose
     first dimension is ``n`` sliced, in dicts, lists and tuples; anything else as it is.
 
+    Args:
+        batch: a tensor, or dicts, lists and tuples of them (and of other values).
+        lo: the first example.
+        hi: one past the last example.
+        n: the batch's size (default: `batch_len`).
+
+    Returns:
+        The batch of examples ``lo:hi``, in ``batch``'s structure.
+
     Example:
         >>> b = slice_batch({"x": torch.arange(6).reshape(3, 2), "scale": torch.ones(())}, 1, 2)
         >>> b["x"].tolist(), b["scale"].shape

@@ -184,7 +184,16 @@ class StreamedCurvature:
         ``examples`` of the first batch: their loss as one batch against the mean of their own
         losses (`products.looks_reduced_by`; no gradient). A sum declared a mean scales the
         curvature by the batch size against the preconditioner and the rows, and the rankings
-        change with no other sign."""
+        change with no other sign.
+
+        Args:
+            reduction: the declared ``"mean"`` or ``"sum"``.
+            name: the loss's argument name, for the message.
+            examples: how many examples of the first batch to compare.
+
+        Raises:
+            ValueError: the loss reduces otherwise, naming the fix.
+        """
         batch = self.first_batch()
         batch = slice_batch(batch, 0, examples, self.batch_len(batch))
         n = self.batch_len(batch)
@@ -372,6 +381,15 @@ def kept_curvature(
     batch's gradient graph built on the first product and kept (`StreamedCurvature.keep`): each
     product is then one reverse pass per batch, batched over its vectors. For small models
     (exact influence, the Hessian noise scale).
+
+    Args:
+        loss: the loss as a function of its parameters ``loss.theta`` (its ``reduction`` set).
+        layout: the flat layout of ``loss.theta``'s names.
+        batches: ``(inputs, targets)`` batches, held in memory.
+        kind: ``"hessian"`` or ``"ggn"``.
+
+    Returns:
+        A `BatchLossCurvature` whose ``product(v [k, P])`` is the curvature of the mean loss.
 
     Example:
         >>> from nnstat.curvature.products import FunctionalLoss, ParamLayout

@@ -44,6 +44,20 @@ def hessian_noise_scale(
     ``Sigma`` is the per-example gradient covariance (normalised by ``n``) and ``H`` the
     Hessian of the mean loss, both over all trainable parameters.
 
+    Args:
+        model: the model (its trainable parameters).
+        loss_fn: ``loss_fn(outputs, targets)`` -> the batch's mean loss.
+        inputs: ``[n, ...]``.
+        targets: ``[n, ...]``.
+        chunk: vectors per Hessian-vector product.
+
+    Returns:
+        `HessianNoiseScale` (``b_noise`` is ``inf`` with a warning where ``GᵀHG <= 0``).
+
+    Raises:
+        TypeError: inputs or targets that are not tensors.
+        ValueError: fewer than 2 samples, or a loss that is not a scalar.
+
     Example:
         >>> _ = torch.manual_seed(0)
         >>> m = nn.Linear(3, 1, bias=False)

@@ -215,8 +215,18 @@ def conjugate_gradient(
     """Solve ``A x_k = rhs_k`` for every row ``k`` of ``rhs`` (A symmetric positive definite) to
     relative residual ``tol``: `damped_solve` by per-query CG without a preconditioner.
 
-    Returns ``(x, relative residuals)``. Raises `IndefiniteError` when ``A`` is not positive
-    definite along a search direction (a non-convex loss with too little damping).
+    Args:
+        matvec: ``A`` on rows ``[k, P]``.
+        rhs: ``[k, P]``.
+        tol: the relative residual to stop at.
+        max_iter: steps at most.
+
+    Returns:
+        ``(x, relative residuals)``.
+
+    Raises:
+        IndefiniteError: ``A`` is not positive definite along a search direction (a
+            non-convex loss with too little damping).
 
     Example:
         >>> import torch

@@ -116,6 +116,31 @@ def exact(
     ``result.meta["damping"]`` is the ``λ`` used, ``["damping_rule"]`` how it was chosen. Ids
     are positions in the data. Put the model in ``eval()`` mode if it has dropout or batch norm.
 
+    Args:
+        model: the trained model (all its trainable parameters are ``H``'s).
+        loss_fn: ``loss_fn(outputs, targets)`` -> the batch loss reduced as ``loss_reduction``.
+        train_data: the training data: a tuple of tensors, a Dataset or a DataLoader.
+        query_data: the queries, in the same forms.
+        damping: ``λ >= 0``.
+        loss_reduction: ``"mean"`` or ``"sum"``.
+        method: ``"cg"`` or ``"lissa"``.
+        batch_size: examples per batch of tensor or Dataset data.
+        tol: the relative residual (CG) or relative change (LiSSA) to stop at.
+        max_iter: CG's passes at most (default above).
+        lissa_depth: LiSSA's terms at most.
+        dtype: the compute dtype.
+        indefinite: ``"raise"`` or ``"damp"``.
+        solver: ``None`` (by ``memory``), ``"block"`` or ``"cg"``.
+        memory: bytes block CG's search space may take (``None``: the free memory's share).
+
+    Returns:
+        `InfluenceResult` with ``scores [n_query, n_train]`` (float32) and ``meta``.
+
+    Raises:
+        ValueError: bad arguments, empty data, non-finite query gradients, or ``H + λI`` not
+            positive definite under ``indefinite="raise"`` (the message names the damping that
+            would do).
+
     Example:
         >>> import torch
         >>> m = torch.nn.Linear(2, 2)

@@ -200,6 +200,19 @@ def lissa(
     (``A d_j = scale · (d_j − d_{j+1})``, no product spent), clamped at 0. One host read per
     step.
 
+    Args:
+        matvec: ``A`` on rows ``[k, P]``.
+        rhs: ``b``, ``[k, P]``.
+        scale: above ``λ_max(A)`` (e.g. 1.1 x `top_eigenvalue`).
+        depth: terms at most.
+        tol: the relative change of the iterate (all rows together) to stop at.
+
+    Returns:
+        ``A⁻¹ rhs`` as far as the series got, ``[k, P]``.
+
+    Raises:
+        ValueError: a row's series diverges (``err.rows``, ``err.curvature``).
+
     Example:
         >>> import torch
         >>> A = torch.tensor([[2.0, 0.0], [0.0, 1.0]], dtype=torch.float64)

@@ -100,6 +100,13 @@ def measure_peak(fn: Callable[[], Any], device: torch.device) -> tuple[Any, int 
     resets; CPU: the storages its operations allocate, `Allocations`). ``None`` for another
     device.
 
+    Args:
+        fn: the computation.
+        device: where its allocations are measured.
+
+    Returns:
+        ``(fn(), peak bytes or None)``.
+
     Example:
         >>> _, peak = measure_peak(lambda: torch.ones(1000, 1000).sum(), torch.device("cpu"))
         >>> peak >= 4_000_000

@@ -114,7 +114,23 @@ def refinement_plan(
 ) -> Plan:
     """The memory plan `compute_influence_all(query, train, refine=refine)` would solve with
     (its ``result.meta["refine"]["memory"]`` is ``plan.meta()``), without solving: the
-    product's share measured on the first training batch, the rest counted.
+    product's share measured on the first training batch, the rest counted; ``plan.cost``:
+    its passes, products and estimated time.
+
+    Args:
+        refine: the refinement.
+        query: the query log (any source `compute_influence_all` takes).
+        train: the gradient store.
+        damping: `compute_influence_all`'s ``damping``.
+        preconditioner: `compute_influence_all`'s ``preconditioner``.
+        batch_size: rows read at once.
+
+    Returns:
+        The `plan.Plan`.
+
+    Raises:
+        ValueError: the budget cannot hold one query (the bytes needed named), a loss
+            reduced otherwise than declared, or weights other than the store's.
 
     Example:
         >>> import torch
@@ -126,6 +142,8 @@ def refinement_plan(
         >>> plan = refinement_plan(r, rows, rows)
         >>> plan.solver, plan.block, plan.estimate > 0
         ('block', 8, True)
+        >>> plan.cost.passes, plan.cost.products  # 5 steps of one block of 8 queries
+        (5, 40)
     """
     from ..sources import as_source
 
