@@ -14,7 +14,7 @@ raised past negative Hessian curvature found along the search space
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import torch
@@ -133,13 +133,13 @@ class LoggedSystem:
     flat: LoggedSpace
     pre: Preconditioner
     dtype: torch.dtype
-    lam: float | None
+    lam: InitVar[float | None]  # the damping to start from (``op.lam`` as it evolves)
     chunk: int | None = None  # vectors per curvature product (None: all at once)
     device: torch.device | None = None  # the products' (the model's); y may live elsewhere
     op: DampedOperator = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.op = DampedOperator(self.curvature, self.lam, mean_curvature=self.mean_curvature)
+    def __post_init__(self, lam: float | None) -> None:
+        self.op = DampedOperator(self.curvature, lam, mean_curvature=self.mean_curvature)
 
     def curvature(self, y: torch.Tensor) -> torch.Tensor:
         """``P H Pᵀ y``: each chunk of ``y`` lifted, multiplied and projected batch by batch."""
