@@ -1,5 +1,5 @@
 """What a refinement will cost, stated before it runs: passes over the training data,
-curvature-vector products, and an estimated time from a product measured on the first batch.
+curvature-vector products, and an estimated time from a product timed on the first batch.
 
 A pass is one product of the solver's ``A + λI`` with a block's vectors, streamed over every
 training batch. The solve spends ``steps`` passes per block of queries (fewer once every query
@@ -56,13 +56,13 @@ def product_time(
     dtype: torch.dtype,
     device: torch.device,
 ) -> tuple[float, float]:
-    """``(fixed, per_vector)`` seconds of one chunk's product on the first training batch: the
-    fastest of two timings at one and at two vectors (after a first, untimed product: one-off
-    set-up excluded; the fastest: a busy machine's pauses excluded)."""
+    """``(fixed, per_vector)`` seconds of one chunk's product on the first training batch, timed
+    at one vector (the faster of two: a busy machine's pauses excluded) and at two. Run after
+    `plan.product_cost`'s products on the same batch, so no one-off set-up is timed."""
     batch = curv.first_batch()
     gen = torch.Generator().manual_seed(0)
     times: dict[int, float] = {1: math.inf, 2: math.inf}
-    for c in (1, 1, 2, 1, 2):
+    for c in (1, 2, 1):
         y = torch.randn(c, width, generator=gen, dtype=dtype).to(device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
