@@ -195,7 +195,7 @@ def lissa(
     The series converges only where ``A`` is positive definite with ``λ_max(A) < 2 · scale``:
     its terms ``d_j = (I − A/scale)^j (I − A/scale) b`` then never grow. A row whose term grows
     to ``DIVERGED`` x its smallest so far (or is not finite; or, after ``depth`` steps, ends
-    above twice its smallest) is refused like conjugate gradient's non-positive curvature: a ``ValueError`` with
+    above twice its smallest), above rounding's level of its iterate, is refused like conjugate gradient's non-positive curvature: a ``ValueError`` with
     ``err.rows`` and ``err.curvature``, the Rayleigh quotient of ``A`` along the growing term
     (``A d_j = scale · (d_j − d_{j+1})``, no product spent), clamped at 0. One host read per
     step.
@@ -230,7 +230,10 @@ def lissa(
     est = rhs.clone()
     prev: torch.Tensor | None = None
     low = [math.inf] * k  # each row's smallest term so far
-    norms = ritzes = [0.0] * k
+    norms = ritzes = floors = [0.0] * k
+    # terms at rounding's level of the iterate (a series converged as far as the dtype allows)
+    # may wobble: never read as growth
+    floor = 1000 * torch.finfo(rhs.dtype).eps
     for _ in range(depth):
         new = rhs + est - matvec(est) / scale
         term = new - est
@@ -238,9 +241,13 @@ def lissa(
         if prev is not None:  # the Rayleigh quotient of A along the previous term
             ritz = scale * (1 - (term * prev).sum(1) / (prev * prev).sum(1).clamp_min(tiny))
         change = term.norm() / new.norm().clamp_min(tiny)
-        values = _read(term.norm(dim=1), ritz, change)
-        norms, ritzes = values[:k], values[k : 2 * k]
-        bad = [i for i, n in enumerate(norms) if not math.isfinite(n) or n > DIVERGED * low[i]]
+        values = _read(term.norm(dim=1), ritz, floor * new.norm(dim=1), change)
+        norms, ritzes, floors = values[:k], values[k : 2 * k], values[2 * k : 3 * k]
+        bad = [
+            i
+            for i, n in enumerate(norms)
+            if not math.isfinite(n) or (n > DIVERGED * low[i] and n > floors[i])
+        ]
         if bad:
             raise _not_positive_definite(bad, [_curvature(ritzes[i]) for i in bad])
         low = [min(a, b) for a, b in zip(low, norms, strict=True)]
@@ -248,7 +255,7 @@ def lissa(
         if values[-1] < tol:
             return est / scale
     # depth spent: a row whose term ended above twice its smallest diverges, slowly
-    bad = [i for i in range(k) if norms[i] > 2 * low[i]]
+    bad = [i for i in range(k) if norms[i] > 2 * low[i] and norms[i] > floors[i]]
     if bad:
         raise _not_positive_definite(bad, [_curvature(ritzes[i]) for i in bad])
     return est / scale
