@@ -262,7 +262,8 @@ def graph_hvp(
 
 def ggn_graph(z: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list]:
     """``(u, Jᵀu)`` with ``J = ∂z/∂params`` built with ``create_graph`` (linear in ``u``): the
-    part of `graph_ggn_vp` that does not depend on the vectors, built once per batch."""
+    part of the GGN product that does not depend on the vectors, built once per batch
+    (`ggn_apply` multiplies)."""
     u = torch.zeros_like(z, requires_grad=True)
     return u, list(torch.autograd.grad(z, params, grad_outputs=u, create_graph=True))
 
@@ -280,19 +281,6 @@ def ggn_apply(
     jv = batched_grad(jtu, [u], vs)[0]  # [k, *z.shape]
     hjv = batched_grad([gz], [z], [jv])[0]
     return batched_grad([z], params, [hjv])
-
-
-def graph_ggn_vp(
-    z: torch.Tensor,
-    gz: torch.Tensor,
-    params: Sequence[torch.Tensor],
-    vs: Sequence[torch.Tensor],
-) -> list[torch.Tensor]:
-    """``Jᵀ H_L J v_k`` with ``z`` the model's output (``J = ∂z/∂params``) and ``gz = ∂loss/∂z``
-    built with ``create_graph``, all by reverse mode: ``J v`` is the derivative of ``u ↦ Jᵀu``
-    (linear in ``u``) in direction ``v``."""
-    u, jtu = ggn_graph(z, params)
-    return ggn_apply(z, gz, u, jtu, params, vs)
 
 
 def check_loss_through(
