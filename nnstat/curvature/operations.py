@@ -60,21 +60,36 @@ def diagonal_forward(cap: ModuleCapture) -> bool:
     return cap.kind.tokens
 
 
-def factor_eig(factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def factor_eig(factor: torch.Tensor, psd: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Eigenvalues (float64) and eigenvectors of a symmetric factor, dense or diagonal.
 
     A diagonal factor's eigenvectors are the identity, returned as ``None`` (never a
-    ``d × d`` matrix) with the diagonal, in index order, as its eigenvalues.
+    ``d × d`` matrix) with the diagonal, in index order, as its eigenvalues. ``psd``: the
+    factor is a curvature estimate, positive semi-definite up to round-off: a dense one is
+    symmetrised first and the eigenvalues are clamped at 0 (the preconditioners' use).
+
+    Args:
+        factor: ``[d, d]`` or its diagonal ``[d]``.
+        psd: symmetrise and clamp as above.
+
+    Returns:
+        ``(eigenvalues [d] float64, eigenvectors [d, d] or None)``.
 
     Example:
         >>> import torch
         >>> vals, vecs = factor_eig(torch.tensor([2.0, 1.0]))
         >>> vals.tolist(), vecs
         ([2.0, 1.0], None)
+        >>> factor_eig(torch.tensor([2.0, -1e-9]), psd=True)
+        (tensor([2., 0.], dtype=torch.float64), None)
     """
+    m = factor.to(torch.float64)
     if is_diagonal(factor):
-        return factor.to(torch.float64), None
-    return torch.linalg.eigh(factor.to(torch.float64))
+        return (m.clamp_min(0.0) if psd else m), None
+    if not psd:
+        return torch.linalg.eigh(m)
+    evals, evecs = torch.linalg.eigh((m + m.T) / 2)
+    return evals.clamp_min(0.0), evecs
 
 
 @dataclass(frozen=True, eq=False)  # holds a tensor: compared by .form, never ==

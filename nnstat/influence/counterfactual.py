@@ -10,7 +10,7 @@ Design:
 * Every arm (the full data, the ranking under test, each baseline, random) is retrained with the
   user's ``train_fn(kept_indices)`` from the **same seeds**: repeat ``r`` of every arm starts from
   the same random state, so differences between arms come from the removed examples, not from
-  the initialisation or the batch order (a paired design; `lds._seed_everything` seeds torch,
+  the initialisation or the batch order (a paired design; `lds.seed_everything` seeds torch,
   numpy and ``random``).
 * The removal set of a ranking is its top ``k`` for the chosen queries jointly (the scores summed
   over them): ``direction="harmful"`` removes the most harmful examples (lowest scores: the query's

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nnstat.curvature.operations import factor_eig, rotate
+
 from .row_layout import ModuleSpec
 from .sources import RowSource
 from .woodbury import gram_eig, symmetric_eig, woodbury_apply, woodbury_core
@@ -105,37 +107,6 @@ def damped_inverse(evals: torch.Tensor, evecs: torch.Tensor, damping: float) -> 
     if (denom <= 0).any():
         raise ValueError("curvature + damping is singular: use a damping > 0")
     return ((evecs / denom) @ evecs.T).to(torch.float32)
-
-
-def factor_eig(factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`symmetric_eig` of a K-FAC factor; a diagonal one (1-D) keeps its entries as eigenvalues
-    (index order, clamped at 0) and the identity as eigenbasis, returned as ``None``.
-
-    Example:
-        >>> import torch
-        >>> factor_eig(torch.tensor([2.0, -1e-9]))
-        (tensor([2., 0.], dtype=torch.float64), None)
-    """
-    if factor.dim() == 1:
-        return factor.to(torch.float64).clamp_min(0.0), None
-    return symmetric_eig(factor)
-
-
-def rotate(
-    g: torch.Tensor, q_out: torch.Tensor | None, q_in: torch.Tensor | None, transpose: bool = False
-) -> torch.Tensor:
-    """``Q_out G Q_inᵀ`` (``transpose``: ``Q_outᵀ G Q_in``) with ``None`` the identity.
-
-    Example:
-        >>> import torch
-        >>> rotate(torch.ones(1, 2, 2), None, 2 * torch.eye(2))[0, 0].tolist()
-        [2.0, 2.0]
-    """
-    if q_out is not None:
-        g = (q_out.T if transpose else q_out) @ g
-    if q_in is not None:
-        g = g @ (q_in if transpose else q_in.T)
-    return g
 
 
 def kron_precondition(
@@ -291,8 +262,8 @@ def kfac_factor(
             f"module {spec.name!r}: statistics give a {s.shape[0]}x{a.shape[0]} gradient but the "
             f"log stores {spec.r_out}x{spec.r_in}"
         )
-    ls, qs = factor_eig(s)
-    la, qa = factor_eig(a)
+    ls, qs = factor_eig(s, psd=True)
+    la, qa = factor_eig(a, psd=True)
     return KronFactor(qs, qa, torch.outer(ls, la))
 
 
