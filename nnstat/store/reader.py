@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from nnstat.store.commits import committed_shards
+from nnstat.store.commits import check_ids, committed_shards
 from nnstat.store.files import (
     META_FILE,
     PROJECTIONS_FILE,
@@ -125,15 +125,11 @@ class GradientStore:
         # the shards the commit logs (shards/rank{r}.log) name: a lost file is an error, not
         # a store with fewer rows (stores written before the logs: every complete shard)
         required = self.meta.get("shard_logs") is True
-        for shard in committed_shards(self.path / SHARD_DIR, required):
+        logged = committed_shards(self.path / SHARD_DIR, required)
+        for shard in logged:
             npy, ids_path = shard.npy, shard.ids
             ids = _read_ids(ids_path)
-            if shard.rows is not None and shard.rows != len(ids):
-                raise ValueError(
-                    f"{ids_path}: {len(ids)} ids, but {ids_path.parent / f'rank{shard.rank}.log'}"
-                    f" records {shard.rows} rows for this shard: the ids file was replaced or "
-                    f"edited: {_DAMAGED}"
-                )
+            check_ids(shard, ids, digest=False)  # the count its log records
             _check_shard_header(npy, np_dtype, self.dtype, self.row_width)
             self._starts.append(len(self.ids))
             self._lengths.append(len(ids))
@@ -141,6 +137,9 @@ class GradientStore:
             self.ids.extend(ids)
         if len(set(self.ids)) != len(self.ids):
             raise _duplicate_ids_error(self.path, self.shards, self._starts, self.ids)
+        # then (new stores) the digest its log records: reordered or swapped ids files
+        for shard, start, n in zip(logged, self._starts, self._lengths, strict=True):
+            check_ids(shard, self.ids[start : start + n])
         self._maps: dict[int, np.ndarray] = {}
         self._tensors: dict[str, dict[str, torch.Tensor]] = {}  # verified safetensors, by name
 

@@ -34,10 +34,16 @@ import torch
 
 from nnstat.background import start_one_thread_worker
 from nnstat.store import outer
-from nnstat.store.commits import append_commit, committed_shards, recover_log
+from nnstat.store.commits import (
+    append_begin,
+    append_commit,
+    check_ids,
+    committed_shards,
+    recover_log,
+)
 from nnstat.store.direct import DirectShardFile, StagingBuffer
 from nnstat.store.errors import StoreLockedError, StoreWriteError
-from nnstat.store.ids import DataId, read_ids
+from nnstat.store.ids import DataId, ids_digest, read_ids
 from nnstat.store.shards import (
     STORE_DTYPES,
     ShardFile,
@@ -515,6 +521,10 @@ class StoreWriter:
         shard, self._shard = self._shard, None
         assert shard is not None
         try:
+            # first: the shard may be adopted as pending (a crash before its log line) only
+            # with this line, whose digest its ids are checked against whenever they are read
+            digest = ids_digest(self._shard_ids)
+            append_begin(self.shard_dir, self.rank, shard.stem, shard.rows, digest)
             shard.commit(self._shard_ids)
         except BaseException:
             shard.abort()
@@ -533,5 +543,7 @@ def stored_ids(shard_dir: Path, require_log: bool = False) -> set[DataId]:
     commit logs: :func:`~nnstat.store.commits.committed_shards`)."""
     out: set[DataId] = set()
     for shard in committed_shards(shard_dir, require_log):
-        out.update(read_ids(shard.ids))
+        ids = read_ids(shard.ids)
+        check_ids(shard, ids)
+        out.update(ids)
     return out
