@@ -244,8 +244,9 @@ class GradientStore:
         """Statistics saved by the run (``"{module}/{stream}/{statistic}"``), empty if none.
 
         Checked once against meta.json's ``statistics_sha256``: a file beside a recorded
-        ``null`` is refused like a mismatch; only a meta.json without the key (written before
-        nnstat recorded it) reads the file unchecked.
+        ``null`` is refused like a mismatch, and so is one beside a meta.json without the key
+        that has commit logs (``shard_logs``: written after the key existed); only a store
+        written before nnstat recorded it reads the file unchecked.
         """
         return self._verified(STATISTICS_FILE, "statistics_sha256", required=False)
 
@@ -346,7 +347,9 @@ def _load_verified(
                 f"the rows. Delete it, or run the statistics pass for this store again (its "
                 f"finalize() records the hash)"
             )
-        if required:
+        if required or meta.get("shard_logs") is True:
+            # a store with commit logs was written after nnstat recorded every hash key: a
+            # key deleted from its meta.json is no older store, the file would go unchecked
             raise ValueError(
                 f"{path}: {meta_path} records no {key}, so the file cannot be checked against "
                 "the rows (nnstat always records it): the meta.json was edited or belongs to "
