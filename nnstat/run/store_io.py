@@ -28,10 +28,10 @@ from nnstat.store.files import (
 )
 from nnstat.store.integrity import tensors_hash
 from nnstat.store.lazy import LazyStatistics
+from nnstat.store.lock import WriterLock
 from nnstat.store.logger import StoreLogger
 from nnstat.store.meta import record_statistics_hash
 from nnstat.store.projection import ModuleProjection, ModuleSpec
-from nnstat.store.writer import WriterLock
 
 
 def save_statistics(collector: Any, path: Path, rank: int) -> dict[str, torch.Tensor]:
