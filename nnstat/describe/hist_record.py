@@ -1,6 +1,7 @@
-"""The check of a histogram record read back from a file (a run's ``metrics.jsonl``): the one
-validator ``nnstat.integrations.read_jsonl`` and the viewer's reader share, so what one keeps
-the other draws.
+"""Histogram records handed to sinks and read back: :func:`own_copy` gives each sink arrays of
+its own, and :func:`check_histogram` is the one check of a record read back from a file (a
+run's ``metrics.jsonl``) that ``nnstat.integrations.read_jsonl`` and the viewer's reader share,
+so what one keeps the other draws.
 
 A record whose parts disagree would be shown as some other distribution: decreasing or NaN
 edges, NaN/Inf or negative counts, counts whose total is not ``num`` (the finite elements the
@@ -15,8 +16,12 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
+
+from nnstat.describe.histogram import Histogram
 
 # counts are float32 values rescaled to num: their total matches it to float32 rounding
 _TOTAL_RTOL = 1e-4
@@ -61,3 +66,24 @@ def check_histogram(
             raise ValueError(f"histogram counts total {total:g}, but its num is {num:g}")
     if lo is not None and hi is not None and lo > hi:
         raise ValueError(f"histogram min {lo} is above its max {hi}")
+
+
+def own_copy(value: Any) -> Any:
+    """``value``, or a :class:`~nnstat.describe.histogram.Histogram` with arrays of its own: a
+    sink that zeroes or reuses them in place changes no other sink's data.
+
+    Args:
+        value: a metric's value.
+
+    Returns:
+        ``value`` itself, or its histogram copy.
+
+    Example:
+        >>> import numpy as np
+        >>> h = Histogram(np.ones(2), np.arange(3.0), 0.0, 2.0, 2.0, 2.0, 2.0)
+        >>> own_copy(h).counts is h.counts, own_copy(1.5)
+        (False, 1.5)
+    """
+    if isinstance(value, Histogram):
+        return dataclasses.replace(value, counts=value.counts.copy(), edges=value.edges.copy())
+    return value

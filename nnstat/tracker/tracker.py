@@ -23,7 +23,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 import weakref
 from collections import deque
@@ -36,7 +35,8 @@ from torch import nn
 from nnstat.background.transfer import PinnedBuffers
 from nnstat.describe import DEFAULT_STATS, Workspace, cpu_single_thread, validate_stats
 from nnstat.describe.fused import FUSED_STATS
-from nnstat.describe.histogram import DEFAULT_MAX_ELEMENTS, Histogram
+from nnstat.describe.hist_record import own_copy
+from nnstat.describe.histogram import DEFAULT_MAX_ELEMENTS
 from nnstat.distributed import (
     any_dtensor,
     clean_name,
@@ -525,10 +525,8 @@ class Tracker(BackgroundSteps, DeferredSteps):
         self._latest = metrics if handle is None else handle
         for log, sink in zip(self._sinks, self._sink_objects, strict=True):
             try:
-                # each sink gets its own copy: one that pops or clears keys (some loggers do),
-                # or zeroes a histogram's arrays in place, must not change what the sinks
-                # after it or step()'s caller see
-                log({k: _own(v) for k, v in metrics.items()}, step)
+                # a copy per sink (histogram arrays too): one popping or zeroing changes no other
+                log({k: own_copy(v) for k, v in metrics.items()}, step)
             except Exception as e:  # kept for _raise_sink_errors: the other sinks come first
                 self._sink_errors.append((f"sink {sink!r} failed on step {step}", e))
 
@@ -600,10 +598,3 @@ def _on_cpu(params: list[torch.Tensor]) -> bool:
     """Whether the CPU path applies (numpy passes, background worker); else the accelerator
     path (tests patch this to run the accelerator path on CPU tensors)."""
     return all(p.device.type == "cpu" for p in params)
-
-
-def _own(value: Any) -> Any:
-    """``value``, a histogram with arrays of its own (a sink's copy)."""
-    if isinstance(value, Histogram):
-        return dataclasses.replace(value, counts=value.counts.copy(), edges=value.edges.copy())
-    return value
