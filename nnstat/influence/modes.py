@@ -158,8 +158,9 @@ def m_norms(rows: torch.Tensor, applied: torch.Tensor) -> torch.Tensor:
         ``[n]`` norms.
 
     Example:
-        >>> m_norms(torch.tensor([[3e-29, 4e-29]]), torch.tensor([[3e-29, 4e-29]])).tolist()
-        [5.000000097707608e-29]
+        >>> g = torch.tensor([[3e-29, 4e-29]])
+        >>> f"{m_norms(g, g).item():.3g}"
+        '5e-29'
     """
     scale, unit = m_norm_parts(rows.to(torch.float32), applied.to(torch.float32))
     return scale * unit
