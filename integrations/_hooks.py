@@ -235,6 +235,11 @@ class StepStats:
             self._gns_ctx = self.gns.batch()
             self._gns_ctx.__enter__()
 
+    @property
+    def capture_open(self) -> bool:
+        """Whether a noise-scale capture is open (its backward not yet folded in)."""
+        return self._gns_ctx is not None and not isinstance(self._gns_ctx, ModuleProbe)
+
     def _start_gns(self, model: nn.Module, name_filter: str) -> None:
         from nnstat.gradient_noise import NoiseScale
 
