@@ -135,11 +135,12 @@
       chart.lines.filter((l) => has(other, l.key)).forEach((l) => lines.push(
         { label: `${other.id}: ${l.label}`, run: other, key: l.key, dash: true }));
     }
-    // null breaks the line (a logged NaN/Inf), undefined is "not logged at this step" and
-    // the line is drawn across it: series logged at other cadences, or the other run's steps
+    // NaN (a logged NaN/Inf: the chart breaks the line there and counts it) apart from
+    // undefined, "not logged at this step", across which the line is drawn: series logged at
+    // other cadences, or the other run's steps
     const at = (r, key) => {
       const gaps = new Set((r.nonfinite && r.nonfinite[key]) || []);
-      const own = r.series[key].map((v, i) => (gaps.has(i) ? null : v === null ? undefined : v));
+      const own = r.series[key].map((v, i) => (gaps.has(i) ? NaN : v === null ? undefined : v));
       if (r.steps === x) return own;
       const m = new Map(r.steps.map((s, i) => [s, own[i]]));
       return x.map((s) => m.get(s));
