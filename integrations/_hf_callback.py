@@ -24,26 +24,36 @@ __all__ = ["NNStatCallback", "watch_trainer", "NOISE_SCALE_EVERY"]
 NOISE_SCALE_EVERY = 8
 
 
-def _reporter_classes() -> tuple[type, ...]:
+def _printer_classes() -> tuple[type, ...]:
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    classes: list[type] = [PrinterCallback, ProgressCallback]
     try:
-        from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
-    except ImportError:  # pragma: no cover - older/newer layouts
-        return ()
-    return tuple(c for c in INTEGRATION_TO_CALLBACK.values() if isinstance(c, type))
+        from transformers.utils.notebook import NotebookProgressCallback
+
+        classes.append(NotebookProgressCallback)
+    except ImportError:  # pragma: no cover - notebook extras missing
+        pass
+    return tuple(classes)
 
 
-class _StripInjected(TrainerCallback):
-    """Runs right after the reporters: removes nnstat's keys from the log dict again, so the
-    console progress bar does not print hundreds of layer statistics."""
+class _HideFromConsole(TrainerCallback):
+    """Placed around the console printer (``ProgressCallback``/``PrinterCallback``): the one
+    before it takes nnstat's keys out of the log dict, so the console does not print hundreds
+    of layer statistics, and the one after it puts them back, so every later callback (a
+    user's ``on_log``) sees them."""
 
-    def __init__(self, owner: NNStatCallback) -> None:
-        self.owner = owner
+    def __init__(self, owner: NNStatCallback, restore: bool) -> None:
+        self.owner, self.restore = owner, restore
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any):
-        if logs is not None:
-            for key in self.owner._injected:
-                logs.pop(key, None)
-        self.owner._injected = []
+        if logs is None:
+            return
+        if self.restore:
+            logs.update(self.owner._hidden)
+            self.owner._hidden = {}
+        else:
+            self.owner._hidden = {k: logs.pop(k) for k in self.owner._injected if k in logs}
 
 
 class NNStatCallback(StatsCallbackBase, TrainerCallback):
@@ -104,7 +114,8 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
         #: the metrics of the last logged step handed to the Trainer
         self.latest: dict[str, Any] = {}
         self._measured: int | None = None  # the step whose statistics are queued
-        self._injected: list[str] = []
+        self._injected: list[str] = []  # the keys this callback put into the last log
+        self._hidden: dict[str, Any] = {}  # ... taken out while the console printer runs
         self._placed = False
         self._warned_unlogged = False
         self._warned_clipped = False
@@ -113,20 +124,33 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
 
     # ---------------------------------------------------------------- placement
     def place(self, handler: CallbackHandler) -> None:
-        """Put this callback right before the reporting callbacks (and a cleaner right after
-        them), so the reporters see nnstat's keys in the very log dict they write."""
+        """Put this callback right before the reporting callbacks, so the reporters see
+        nnstat's keys in the very log dict they write, and hide them from the console printer
+        only (every other callback, a user's ``on_log`` included, sees them)."""
         # a new list, not an in-place edit: this may run inside the handler's loop over the
         # old list, which must go on visiting every callback exactly once
         callbacks = [
-            c for c in handler.callbacks if c is not self and not isinstance(c, _StripInjected)
+            c for c in handler.callbacks if c is not self and not isinstance(c, _HideFromConsole)
         ]
-        reporters = _reporter_classes()
-        idx = [i for i, c in enumerate(callbacks) if reporters and isinstance(c, reporters)]
-        first = idx[0] if idx else len(callbacks)
-        callbacks.insert(first, self)
-        last = (idx[-1] + 2) if idx else first + 1
-        callbacks.insert(last, _StripInjected(self))
-        handler.callbacks = callbacks
+        # first after the Trainer's flow control: before the reporters and every callback
+        # that reads the logs (a user's, JsonlCallback), with or without reporters
+        from transformers.trainer_callback import DefaultFlowCallback
+
+        at = next(
+            (i for i, c in enumerate(callbacks) if not isinstance(c, DefaultFlowCallback)),
+            len(callbacks),
+        )
+        callbacks.insert(at, self)
+        printers = _printer_classes()
+        placed: list[Any] = []
+        for c in callbacks:
+            printer = isinstance(c, printers)
+            if printer:
+                placed.append(_HideFromConsole(self, restore=False))
+            placed.append(c)
+            if printer:
+                placed.append(_HideFromConsole(self, restore=True))
+        handler.callbacks = placed
         self._placed = True
 
     def _place_from_caller(self) -> None:
