@@ -60,3 +60,32 @@ def test_user_callbacks_see_the_statistics_the_console_does_not_and_jsonl_holds_
         key = "weight/transformer.h.0.mlp.c_fc.weight/l2"
         assert series[key][i] == pytest.approx(log[key])
     assert Path(run_dir, "metrics.jsonl").is_file()
+
+
+def test_influence_path_saves_the_texts_and_the_queries_the_explorer_shows(tmp_path):
+    from nnstat.integrations.huggingface import NNStatArguments, patch_trainer
+
+    from nnstat.viewer.examples import load_examples, query_sets
+
+    def text(row) -> str:
+        return " ".join(str(int(t)) for t in row["input_ids"])
+
+    train, query = Tokens(6), Tokens(9)
+    query.x = query.x[6:]  # three rows the training set does not hold
+    nnstat_args = NNStatArguments("p", root_dir=str(tmp_path), rank=4, track=False, text_fn=text)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True,
+        per_device_eval_batch_size=3,
+    )  # fmt: skip
+    trainer = patch_trainer(transformers.Trainer)(
+        nnstat_args=nnstat_args, model=_model(), args=args, train_dataset=train
+    )
+    run = trainer.extract_log()
+    trainer.influence(query)
+    shown = load_examples(run.path)
+    assert shown is not None
+    assert shown.ids == list(range(6)) and shown.texts == [text(train[i]) for i in range(6)]
+    (folder,) = query_sets(run.path)
+    assert folder.name == "queries"
+    queries = load_examples(folder)
+    assert queries is not None and queries.texts == [text(query[i]) for i in range(3)]
