@@ -90,7 +90,8 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
 
     Args:
         stats, groups, include, exclude, every, noise_scale, noise_scale_beta,
-        noise_scale_filter, noise_scale_every: see :class:`nnstat.integrations._hooks.StatsOptions`;
+        noise_scale_filter, noise_scale_every, noise_scale_window: see
+            :class:`nnstat.integrations._hooks.StatsOptions`;
             ``every=None`` follows ``TrainingArguments.logging_steps`` and
             ``noise_scale_every=None`` (the default) means `NOISE_SCALE_EVERY`.
 

@@ -119,3 +119,39 @@ def test_a_clip_outside_the_accelerator_is_warned_and_left_out_of_the_noise_scal
     with pytest.warns(UserWarning, match="clipped the gradients .* before the noise scale"):
         trainer.train()
     assert not any("noise_scale/b_simple" in h for h in trainer.state.log_history)
+
+
+def test_windowed_noise_scale_has_an_interval_from_the_second_observation_under_clipping(
+    tmp_path,
+):
+    model = _model()
+    record = _Record(model)
+    cb = NNStatCallback(stats=["l2"], groups=["weight"], noise_scale_every=1, noise_scale_window=8)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        per_device_train_batch_size=N,
+        max_steps=5,
+        logging_steps=1,
+        learning_rate=1e-2,
+    )  # fmt: skip  (max_grad_norm: the Trainer's default 1.0)
+    trainer = transformers.Trainer(model, args, train_dataset=Tokens(5 * N), callbacks=[cb])
+    trainer.train()
+    logged = {h["step"]: h for h in trainer.state.log_history if "noise_scale/b_simple" in h}
+    modules = sorted(
+        k.split("/")[1] for k in logged[2] if k.startswith("noise_scale/") and k.count("/") == 2
+    )
+    refs = {s: _reference(model, *record.states[s - 1], modules) for s in logged}
+    for step, h in logged.items():
+        seen = [refs[s] for s in refs if s <= step]
+        expected = sum(t for _, t in seen) / sum(g for g, _ in seen)  # ratio of window means
+        assert h["noise_scale/b_simple"] == pytest.approx(expected, rel=1e-4)
+        if step >= 3:  # two observations: a bootstrap interval
+            low, high = h["noise_scale/low"], h["noise_scale/high"]
+            assert math.isfinite(low) and math.isfinite(high) and 0 < low <= high
+    with pytest.raises(ValueError, match="noise_scale_window"):
+        NNStatCallback(noise_scale_window=1)
