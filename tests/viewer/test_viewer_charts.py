@@ -4,6 +4,7 @@ its newlines."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -79,3 +80,39 @@ def test_example_text_keeps_its_newlines(page):
         t.textContent = 'def f():\\n    return 1\\n'; c.append(t); document.body.append(c);
         const lines = t.innerText.split('\\n').length; c.remove(); return lines; }""")
     assert height >= 2
+
+
+def test_runs_page_counts_logged_inf_and_keeps_the_top_layers_by_change(
+    tmp_path, browser  # noqa: F811
+):
+    from nnstat.integrations import JsonlLogger
+
+    from nnstat.viewer.server import serve_in_thread
+    from tests.viewer.test_viewer import Page
+
+    # layer i grows by a factor 1 + i/10 over the run: the top 5 by change are layers 23-27
+    with JsonlLogger(tmp_path / "runs" / "deep") as log:
+        for step in range(4):
+            metrics = {f"weight/layer{i}/l2": 1.0 + step * i / 30 for i in range(28)}
+            metrics["loss"] = math.inf if step in (1, 2) else 1.0 / (step + 1)
+            log.log(metrics, step=step)
+    srv, url = serve_in_thread(tmp_path)
+    try:
+        p = Page(browser, url + "#runs/0")
+        loss = "#run-body .chart[data-key='loss']"
+        p.page.wait_for_selector(f"{loss} .u-over")
+        assert "2 non-finite values (Inf/NaN) not drawn" in p.page.inner_text(loss)
+        for details in p.page.query_selector_all("details:not([open]) summary"):
+            details.click()
+        chart = "#run-body .chart[data-key='weight/*/l2']"
+        p.page.wait_for_selector(f"{chart} .u-over")
+        labels = "e => e.nnChart.series.slice(1).map(s => s.label)"
+        assert len(p.page.eval_on_selector(chart, labels)) == 28
+        p.page.select_option("#run-top", "5")
+        p.page.wait_for_selector(f"{chart} .u-over")
+        top = p.page.eval_on_selector(chart, labels)
+        assert sorted(top) == sorted(f"layer{i}" for i in range(23, 28))
+        p.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()

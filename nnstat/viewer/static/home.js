@@ -79,7 +79,7 @@
   }
 
   // ------------------------------------------------------------------------------ runs
-  const R = { run: 0, compare: -1, filter: "", log: false, open: Object.create(null) };
+  const R = { run: 0, compare: -1, filter: "", log: false, top: 0, open: Object.create(null) };
 
   // "<group>/<layer>/<stat>" keys (the Tracker's) become one chart per group and statistic with
   // a line per layer; "train/loss" and "test/loss" one chart with a line per split; other keys
@@ -122,6 +122,20 @@
     return lines.length ? { ...chart, lines } : null;
   }
   const matches = (chart) => filtered(chart) !== null;
+
+  // "lines: top k by change": a chart with more than k lines keeps the k whose value moved most
+  // over the run, relative to where it started (|last - first| / |first|, finite values only)
+  function change(run, key) {
+    const vals = run.series[key].filter((v) => v !== null && Number.isFinite(v));
+    if (vals.length < 2) return -1;
+    const first = vals[0], last = vals[vals.length - 1];
+    return Math.abs(last - first) / Math.max(Math.abs(first), 1e-12);
+  }
+  function topLines(run, chart) {
+    if (!(R.top > 0) || chart.lines.length <= R.top) return chart;
+    const ranked = chart.lines.map((l) => [change(run, l.key), l]).sort((a, b) => b[0] - a[0]);
+    return { ...chart, lines: ranked.slice(0, R.top).map(([, l]) => l) };
+  }
 
   // the chart's lines of this run, and dashed the same keys of the compared run, on the union
   // of both runs' steps
@@ -175,7 +189,7 @@
     const body = $("run-body");
     if (!DATA.runs.length) { body.replaceChildren(hint("No Tracker run under this folder.")); return; }
     const run = DATA.runs[R.run];
-    const charts = chartsOf(run).map(filtered).filter(Boolean);
+    const charts = chartsOf(run).map(filtered).filter(Boolean).map((c) => topLines(run, c));
     const sections = new Map();
     charts.forEach((c) => {
       if (!sections.has(c.section)) sections.set(c.section, []);
@@ -239,6 +253,7 @@
     });
     $("run-filter").addEventListener("input", (ev) => { R.filter = ev.target.value; renderRuns(); });
     $("run-log").addEventListener("change", (ev) => { R.log = ev.target.checked; renderRuns(); });
+    $("run-top").addEventListener("change", (ev) => { R.top = Number(ev.target.value); renderRuns(); });
     // served: read the runs again while training appends to them
     $("run-refresh").hidden = !served;
     $("run-refresh").addEventListener("click", () => window.NNRecorder.fetchData().then((data) => {
