@@ -24,7 +24,8 @@ DEMO_STAMP := $(VENV)/.demo-installed-$(shell cat pyproject.toml constraints.txt
 
 $(DEMO_STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	test -f $(STAMP) || $(BIN)/python -m pip install -q --no-compile -c constraints.txt -e ".[demo]"
+	test -f $(STAMP) || { echo "make demo: installing nnstat[demo] (torch CPU and the demo's packages) into $(VENV): about 2 minutes the first time"; \
+	  $(BIN)/python -m pip install -q --no-compile -c constraints.txt -e ".[demo]"; }
 	rm -f $(VENV)/.demo-installed-* && touch $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)

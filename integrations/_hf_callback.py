@@ -24,26 +24,36 @@ __all__ = ["NNStatCallback", "watch_trainer", "NOISE_SCALE_EVERY"]
 NOISE_SCALE_EVERY = 8
 
 
-def _reporter_classes() -> tuple[type, ...]:
+def _printer_classes() -> tuple[type, ...]:
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    classes: list[type] = [PrinterCallback, ProgressCallback]
     try:
-        from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
-    except ImportError:  # pragma: no cover - older/newer layouts
-        return ()
-    return tuple(c for c in INTEGRATION_TO_CALLBACK.values() if isinstance(c, type))
+        from transformers.utils.notebook import NotebookProgressCallback
+
+        classes.append(NotebookProgressCallback)
+    except ImportError:  # pragma: no cover - notebook extras missing
+        pass
+    return tuple(classes)
 
 
-class _StripInjected(TrainerCallback):
-    """Runs right after the reporters: removes nnstat's keys from the log dict again, so the
-    console progress bar does not print hundreds of layer statistics."""
+class _HideFromConsole(TrainerCallback):
+    """Placed around the console printer (``ProgressCallback``/``PrinterCallback``): the one
+    before it takes nnstat's keys out of the log dict, so the console does not print hundreds
+    of layer statistics, and the one after it puts them back, so every later callback (a
+    user's ``on_log``) sees them."""
 
-    def __init__(self, owner: NNStatCallback) -> None:
-        self.owner = owner
+    def __init__(self, owner: NNStatCallback, restore: bool) -> None:
+        self.owner, self.restore = owner, restore
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any):
-        if logs is not None:
-            for key in self.owner._injected:
-                logs.pop(key, None)
-        self.owner._injected = []
+        if logs is None:
+            return
+        if self.restore:
+            logs.update(self.owner._hidden)
+            self.owner._hidden = {}
+        else:
+            self.owner._hidden = {k: logs.pop(k) for k in self.owner._injected if k in logs}
 
 
 class NNStatCallback(StatsCallbackBase, TrainerCallback):
@@ -80,7 +90,8 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
 
     Args:
         stats, groups, include, exclude, every, noise_scale, noise_scale_beta,
-        noise_scale_filter, noise_scale_every: see :class:`nnstat.integrations._hooks.StatsOptions`;
+        noise_scale_filter, noise_scale_every, noise_scale_window: see
+            :class:`nnstat.integrations._hooks.StatsOptions`;
             ``every=None`` follows ``TrainingArguments.logging_steps`` and
             ``noise_scale_every=None`` (the default) means `NOISE_SCALE_EVERY`.
 
@@ -104,41 +115,53 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
         #: the metrics of the last logged step handed to the Trainer
         self.latest: dict[str, Any] = {}
         self._measured: int | None = None  # the step whose statistics are queued
-        self._injected: list[str] = []
+        self._injected: list[str] = []  # the keys this callback put into the last log
+        self._hidden: dict[str, Any] = {}  # ... taken out while the console printer runs
         self._placed = False
         self._warned_unlogged = False
+        self._warned_clipped = False
+        self._trainer: Any = None  # set by watch_trainer; else found on the stack
+        self._guarded: Any = None  # the accelerator whose clip_grad_norm_ is wrapped
 
     # ---------------------------------------------------------------- placement
     def place(self, handler: CallbackHandler) -> None:
-        """Put this callback right before the reporting callbacks (and a cleaner right after
-        them), so the reporters see nnstat's keys in the very log dict they write."""
+        """Put this callback right before the reporting callbacks, so the reporters see
+        nnstat's keys in the very log dict they write, and hide them from the console printer
+        only (every other callback, a user's ``on_log`` included, sees them)."""
         # a new list, not an in-place edit: this may run inside the handler's loop over the
         # old list, which must go on visiting every callback exactly once
         callbacks = [
-            c for c in handler.callbacks if c is not self and not isinstance(c, _StripInjected)
+            c for c in handler.callbacks if c is not self and not isinstance(c, _HideFromConsole)
         ]
-        reporters = _reporter_classes()
-        idx = [i for i, c in enumerate(callbacks) if reporters and isinstance(c, reporters)]
-        first = idx[0] if idx else len(callbacks)
-        callbacks.insert(first, self)
-        last = (idx[-1] + 2) if idx else first + 1
-        callbacks.insert(last, _StripInjected(self))
-        handler.callbacks = callbacks
+        # first after the Trainer's flow control: before the reporters and every callback
+        # that reads the logs (a user's, JsonlCallback), with or without reporters
+        from transformers.trainer_callback import DefaultFlowCallback
+
+        at = next(
+            (i for i, c in enumerate(callbacks) if not isinstance(c, DefaultFlowCallback)),
+            len(callbacks),
+        )
+        callbacks.insert(at, self)
+        printers = _printer_classes()
+        placed: list[Any] = []
+        for c in callbacks:
+            printer = isinstance(c, printers)
+            if printer:
+                placed.append(_HideFromConsole(self, restore=False))
+            placed.append(c)
+            if printer:
+                placed.append(_HideFromConsole(self, restore=True))
+        handler.callbacks = placed
         self._placed = True
 
     def _place_from_caller(self) -> None:
         # Callbacks given to Trainer(callbacks=[...]) come after the reporters, whose on_log
         # would then run before ours. The handler dispatching this event is our caller's
         # `self`; it is found on the stack (HF's CallbackHandler.call_event).
-        frame = sys._getframe(1)
-        for _ in range(6):
-            if frame is None:
-                break
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, CallbackHandler) and self in owner.callbacks:
-                self.place(owner)
-                return
-            frame = frame.f_back
+        handler = _on_stack(lambda o: isinstance(o, CallbackHandler) and self in o.callbacks)
+        if handler is not None:
+            self.place(handler)
+            return
         warnings.warn(
             "NNStatCallback could not find the Trainer's callback handler; use "
             "watch_trainer(trainer) so the reporters receive nnstat's metrics "
@@ -146,10 +169,53 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
             stacklevel=3,
         )
 
+    # ---------------------------------------------------------------- clipping
+    # The Trainer clips the gradients (max_grad_norm=1.0 by default) between the last backward
+    # and on_pre_optimizer_step. The noise scale's batch gradient is read from .grad and its
+    # per-sample norms were captured during backward: read after the clip, |G|^2 comes out
+    # scaled by the clip factor squared (often negative, B_simple inf). The capture therefore
+    # closes right before the Trainer's clip, inside `accelerator.clip_grad_norm_`.
+    def _guard_clipping(self, trainer: Any) -> None:
+        accelerator = getattr(trainer, "accelerator", None)
+        clip = getattr(accelerator, "clip_grad_norm_", None)
+        if clip is None or getattr(clip, "_nnstat_owner", None) is self:
+            return
+        hooks = self.hooks
+
+        def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+            if hooks.capture_open:
+                hooks.end_backward()  # .grad as the backward left it
+            return clip(*args, **kwargs)
+
+        clip_grad_norm_._nnstat_owner = self  # type: ignore[attr-defined]
+        accelerator.clip_grad_norm_ = clip_grad_norm_
+        self._guarded = accelerator
+
+    def _unguard_clipping(self) -> None:
+        accelerator, self._guarded = self._guarded, None
+        clip = getattr(accelerator, "clip_grad_norm_", None)
+        if getattr(clip, "_nnstat_owner", None) is self:
+            del accelerator.clip_grad_norm_  # the class's method again
+
+    def _warn_clipped(self) -> None:
+        if not self._warned_clipped:
+            self._warned_clipped = True
+            warnings.warn(
+                "NNStatCallback: the Trainer clipped the gradients (max_grad_norm > 0) before "
+                "the noise scale could read them (no accelerator.clip_grad_norm_ to close its "
+                "capture first), so these micro-batches are left out of the noise scale; use "
+                "watch_trainer(trainer), or TrainingArguments(max_grad_norm=0) (warned once)",
+                stacklevel=3,
+            )
+
     # ---------------------------------------------------------------- events
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self._placed:
             self._place_from_caller()
+        if self.options.noise_scale:
+            trainer = self._trainer or _on_stack(_is_trainer)
+            if trainer is not None:
+                self._guard_clipping(trainer)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any):
         if model is not None:
@@ -174,7 +240,12 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
         self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kw
     ) -> None:
         log = model is not None and self._logs_step(args, state, state.global_step + 1)
-        self.hooks.before_step(model, optimizer, log)
+        # a capture still open here missed the Trainer's clip (.grad is clipped now, the
+        # per-sample norms are not): left out; the module probe reads no .grad and closes
+        after_clip = float(getattr(args, "max_grad_norm", 0) or 0) > 0 and self.hooks.capture_open
+        if after_clip:
+            self._warn_clipped()
+        self.hooks.before_step(model, optimizer, log, measure_open_batch=not after_clip)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         # queued, not read: the Trainer increments global_step right after this event
@@ -225,6 +296,7 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
             )
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._unguard_clipping()
         try:
             self.hooks.close()  # delivers every step still on its way
         finally:
@@ -244,4 +316,25 @@ def watch_trainer(
     elif kwargs:
         raise ValueError(f"pass either a callback or its options, not both: {list(kwargs)}")
     callback.place(trainer.callback_handler)
+    callback._trainer = trainer
     return callback
+
+
+def _is_trainer(obj: Any) -> bool:
+    from transformers import Trainer
+
+    return isinstance(obj, Trainer)
+
+
+def _on_stack(match: Any, depth: int = 8) -> Any:
+    """The first ``self`` of the callers' frames (above this callback's own) that ``match``
+    accepts: HF's CallbackHandler dispatching the event, the Trainer running the loop."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if owner is not None and match(owner):
+            return owner
+        frame = frame.f_back
+    return None

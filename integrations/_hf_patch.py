@@ -15,6 +15,8 @@ Example:
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,12 @@ class NNStatArguments:
         track: also add an ``NNStatCallback`` (statistics during ``trainer.train()``), with
             ``callback_options`` as its keyword arguments.
         progress: tqdm bars on the passes (``None``: automatic).
+        text_fn: the text the influence explorer (``nnstat view``) shows for a dataset row,
+            e.g. ``lambda row: tok.decode(row["input_ids"])``; ``None``: the Trainer's
+            ``processing_class.decode`` of ``input_key`` when it has one, else no texts.
+            ``extract_log`` saves the training set's texts beside the store, ``influence``
+            saves its queries (``viewer/queries/<query_name>``) with theirs.
+        query_name: the folder name of the query set ``influence`` saves.
 
     Example:
         >>> NNStatArguments("proj", lora=False).effective_rank() is None
@@ -85,6 +93,8 @@ class NNStatArguments:
     track: bool = True
     callback_options: dict[str, Any] = field(default_factory=dict)
     progress: bool | None = None
+    text_fn: Callable[[Any], str] | None = None
+    query_name: str = "queries"
 
     def __post_init__(self) -> None:
         if self.data_id not in _DATA_IDS:
@@ -242,7 +252,42 @@ def patch_trainer(trainer_cls: type) -> type:
                     "NNStatArguments(project=<new name>) logs into a new one.",
                 )
                 raise
+            self._nnstat_save_texts(dataset, run.path)
             return run
+
+        # ------------------------------------------------------------ explorer texts
+        def _nnstat_text_fn(self) -> Callable[[Any], str] | None:
+            a = self.nnstat_args
+            if a.text_fn is not None:
+                return a.text_fn
+            decode = getattr(getattr(self, "processing_class", None), "decode", None)
+            if decode is None:
+                return None
+            return lambda row: decode(row[a.input_key])
+
+        def _nnstat_save_texts(self, dataset: Any, folder: Any) -> None:
+            """Each row's text beside ``folder`` (a store or a query set), for the explorer;
+            the folder's ids are in dataset order (the passes do not shuffle)."""
+            from nnstat.viewer.examples import read_query_ids, save_examples
+
+            text_fn = self._nnstat_text_fn()
+            if text_fn is None:
+                return
+            folder = Path(folder)
+            if (folder / "query.json").is_file():
+                ids = read_query_ids(folder)
+            else:
+                from nnstat.store import GradientStore
+
+                ids = GradientStore(folder).ids
+            if len(ids) != len(dataset):
+                warnings.warn(
+                    f"nnstat: {folder} holds {len(ids)} rows, the dataset {len(dataset)}: no "
+                    "texts saved for the explorer (extract_log(overwrite=True) logs it afresh)",
+                    stacklevel=3,
+                )
+                return
+            save_examples(folder, ids, texts=[str(text_fn(dataset[i])) for i in range(len(ids))])
 
         def _nnstat_query(self, dataset: Any) -> Any:
             if self.nnstat_run is None:
@@ -265,6 +310,11 @@ def patch_trainer(trainer_cls: type) -> type:
                 overrides, ("mode", "preconditioner", "damping", "top_k")
             )
             log = self._nnstat_query(query_dataset)
+            if self._nnstat_text_fn() is not None:
+                from nnstat.viewer.examples import save_queries
+
+                folder = save_queries(log, self.nnstat_run.path, self.nnstat_args.query_name)
+                self._nnstat_save_texts(query_dataset, folder)
             with eval_mode(self.model):
                 refinement_ = self._nnstat_refinement(refine, query_dataset)
                 return compute_influence_all(

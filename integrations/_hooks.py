@@ -56,6 +56,9 @@ class StatsOptions:
             updated every step and reported on logging steps. The training loss must be a
             mean over the batch.
         noise_scale_beta: EMA factor of the noise-scale averages.
+        noise_scale_window: average the last this many observations instead (a sliding mean,
+            in place of the EMA), which also logs a 95% bootstrap interval of ``b_simple`` as
+            ``noise_scale/low`` and ``noise_scale/high`` from the second observation on.
         noise_scale_every: measure the noise scale on one micro-batch in this many (per-sample
             norms cost a few forward-backward fractions on sequence models; the EMA just sees
             fewer, equally unbiased observations).
@@ -72,6 +75,7 @@ class StatsOptions:
     noise_scale_beta: float = 0.9
     noise_scale_filter: str | None = None
     noise_scale_every: int = 1
+    noise_scale_window: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.noise_scale_every, int) or self.noise_scale_every < 1:
@@ -80,6 +84,9 @@ class StatsOptions:
             )
         if self.every is not None and (not isinstance(self.every, int) or self.every < 1):
             raise ValueError(f"every must be a positive int or None, got {self.every!r}")
+        window = self.noise_scale_window
+        if window is not None and (not isinstance(window, int) or window < 2):
+            raise ValueError(f"noise_scale_window must be an int >= 2 or None, got {window!r}")
         if not 0.0 <= self.noise_scale_beta < 1.0:
             raise ValueError(f"noise_scale_beta must be in [0, 1), got {self.noise_scale_beta}")
 
@@ -235,10 +242,19 @@ class StepStats:
             self._gns_ctx = self.gns.batch()
             self._gns_ctx.__enter__()
 
+    @property
+    def capture_open(self) -> bool:
+        """Whether a noise-scale capture is open (its backward not yet folded in)."""
+        return self._gns_ctx is not None and not isinstance(self._gns_ctx, ModuleProbe)
+
     def _start_gns(self, model: nn.Module, name_filter: str) -> None:
         from nnstat.gradient_noise import NoiseScale
 
-        self.gns = NoiseScale(beta=self.options.noise_scale_beta)
+        window = self.options.noise_scale_window
+        if window is None:
+            self.gns = NoiseScale(beta=self.options.noise_scale_beta)
+        else:
+            self.gns = NoiseScale(window=window)
         self.gns.watch(model, name_filter=name_filter)
 
     def end_backward(self) -> None:
@@ -415,6 +431,7 @@ class StatsCallbackBase:
         noise_scale_beta: float = 0.9,
         noise_scale_filter: str | None = None,
         noise_scale_every: int | None = None,
+        noise_scale_window: int | None = None,
     ) -> None:
         from nnstat.describe import validate_stats
 
@@ -430,6 +447,7 @@ class StatsCallbackBase:
             noise_scale_beta=noise_scale_beta,
             noise_scale_filter=noise_scale_filter,
             noise_scale_every=noise_scale_every,
+            noise_scale_window=noise_scale_window,
         )
         self.hooks = StepStats(self.options)
         self._init_state()

@@ -189,3 +189,18 @@ def test_python_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.Monkey
     finally:
         torch.set_num_threads(threads)
     assert not mismatches, "\n\n".join(mismatches)
+
+
+def test_readme_tracker_block_runs_on_its_own(tmp_path: Path, monkeypatch) -> None:
+    """The README's Tracker block is the one users copy alone: it runs in a fresh namespace."""
+    monkeypatch.chdir(tmp_path)
+    blocks = [
+        (line, code)
+        for lang, line, code in fenced_blocks((ROOT / "README.md").read_text(encoding="utf-8"))
+        if lang == "python" and "nnstat.Tracker(" in code
+    ]
+    assert len(blocks) == 1, [line for line, _ in blocks]
+    line, code = blocks[0]
+    source = "\n" * (line - 1) + code
+    exec(compile(source, str(ROOT / "README.md"), "exec"), {"__name__": "doc_example"})
+    assert any(tmp_path.joinpath("runs", "exp1").iterdir())

@@ -22,6 +22,10 @@ CASES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "batch_size_noise_scale.py": (("sklearn",), ("| 0 | per_sample |", "| 0 | fit |", "| 16 |")),
     "influence_cnn.py": (("sklearn", "matplotlib"), ("most helpful training digits", "flipped")),
     "hf_trainer.py": (("transformers",), ("helped by training #", "self-influence", "B_simple")),
+    "hf_journey.py": (
+        ("transformers",),
+        ("callback: step 16", "noise_scale: B_simple", "most helpful #", "nnstat view hf_journey"),
+    ),
     "lightning_module.py": (("lightning", "sklearn"), ("B_simple", "highest self-influence")),
     "recorder_planted_bug.py": (("sklearn",), ("'tensor': 'normalized'", "fixed trial: clean")),
 }
@@ -67,9 +71,33 @@ def test_example_runs_quick(name, tmp_path, monkeypatch, capsys):
     stdout = capsys.readouterr().out
     for text in expected:
         assert text in stdout, f"{text!r} not in the output of {name}:\n{stdout[-2000:]}"
+    if name == "hf_journey.py":
+        _check_journey(tmp_path / "hf_journey", stdout)
     if name == "influence_cnn.py":
         png = tmp_path / "influence_cnn.png"
         assert png.exists() and png.stat().st_size > 20_000
+
+
+def _check_journey(out: Path, stdout: str) -> None:
+    """What `nnstat view` opens: the training run's metrics (a finite noise scale under the
+    Trainer's clipping from the first logged step) and the store with its texts and queries."""
+    import math
+
+    from nnstat.viewer.discover import discover
+    from nnstat.viewer.examples import load_examples, query_sets
+    from nnstat.viewer.runs import load_run
+
+    found = discover(out)
+    assert [p.name for p in found.runs] == ["train"] and len(found.stores) == 1
+    run = load_run(out, found.runs[0], lambda p, m: None)
+    b_simple = run["series"]["noise_scale/b_simple"]
+    assert b_simple and all(v is not None and math.isfinite(v) and v > 0 for v in b_simple)
+    store = found.stores[0]
+    examples = load_examples(store)
+    assert examples is not None and all(isinstance(t, str) and t for t in examples.texts)
+    assert any("\n" in t for t in examples.texts)  # source text, lines kept
+    (queries,) = query_sets(store)
+    assert len(load_examples(queries).texts) == 3
 
 
 def test_ddp_example_with_torchrun(tmp_path):

@@ -82,6 +82,15 @@ def _pair_result(
     )
 
 
+def _estimates(n: int, method: str, progress: bool | None) -> Any:
+    """``range(n)`` with a tqdm bar on stderr: ``progress=None`` shows it when stderr is a
+    terminal (tqdm's own rule: none in CI logs or tests), ``True`` always, ``False`` never."""
+    from tqdm.auto import tqdm
+
+    off = None if progress is None else not progress
+    return tqdm(range(n), desc=f"noise scale ({method})", unit="batch", disable=off, leave=False)
+
+
 def _draw(gen: torch.Generator, n_data: int, size: int) -> torch.Tensor:
     return torch.randint(n_data, (size,), generator=gen)
 
@@ -95,6 +104,7 @@ def _two_batch(
     b_big: int,
     n_estimates: int,
     gen: torch.Generator,
+    progress: bool | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Each big batch is split into chunks of ``b_small``: one big gradient, many small ones.
 
@@ -103,7 +113,7 @@ def _two_batch(
     # per-estimate vectors stay on the model's device; one copy to the host at the end
     small: list[torch.Tensor] = []
     big: list[torch.Tensor] = []
-    for _ in range(n_estimates):
+    for _ in _estimates(n_estimates, "two_batch", progress):
         idx = _draw(gen, len(src), b_big)
         total = [torch.zeros_like(p, dtype=torch.float64) for p in params]
         chunk_sq = []
@@ -127,6 +137,7 @@ def _per_sample(
     n_estimates: int,
     gen: torch.Generator,
     name_filter: str | None,
+    progress: bool | None = None,
 ) -> tuple[np.ndarray, np.ndarray, list[str]]:
     from nnstat.gradient_noise.persample import PerSampleNorms
 
@@ -147,7 +158,7 @@ def _per_sample(
         names = list(collector.names)
         small = np.zeros((n_estimates, len(names)))
         big = np.zeros((n_estimates, len(names)))
-        for i in range(n_estimates):
+        for i in _estimates(n_estimates, "per_sample", progress):
             for p in model.parameters():
                 p.grad = None
             batch = src.batch(_draw(gen, len(src), b_big))
@@ -181,6 +192,7 @@ def noise_scale(
     hessian: bool = False,
     hessian_samples: int = 256,
     name_filter: str | None = None,
+    progress: bool | None = None,
 ) -> NoiseScaleResult:
     """Estimate the gradient noise scale ``B_simple`` of ``model`` on ``data`` at its weights.
 
@@ -200,6 +212,8 @@ def noise_scale(
         hessian: also compute ``B_noise = tr(H Sigma)/G^T H G`` on ``hessian_samples``
             samples with exact Hessian-vector products (small models, tensor data only).
         name_filter: regex of module names for ``per_sample`` (default: all supported).
+        progress: a progress bar over the estimates on stderr (``two_batch``, ``per_sample``):
+            ``None`` shows it when stderr is a terminal, ``True`` always, ``False`` never.
 
     Returns:
         A :class:`NoiseScaleResult`. ``b_simple`` is ``inf`` (with a ``RuntimeWarning``) when the
@@ -237,7 +251,7 @@ def noise_scale(
     if method == "two_batch":
         check_batch_sizes(small_batch, big_batch)
         small, big = _two_batch(
-            model, loss_fn, src, params, small_batch, big_batch, n_estimates, gen
+            model, loss_fn, src, params, small_batch, big_batch, n_estimates, gen, progress
         )
         result = _pair_result(
             method, small, big, small_batch, big_batch, names, n_estimates * big_batch, seed
@@ -246,7 +260,7 @@ def noise_scale(
         if big_batch < 2:
             raise ValueError(f"per_sample needs big_batch >= 2 samples, got {big_batch}")
         small, big, mod_names = _per_sample(
-            model, loss_fn, src, big_batch, n_estimates, gen, name_filter
+            model, loss_fn, src, big_batch, n_estimates, gen, name_filter, progress
         )
         result = _pair_result(
             method, small, big, 1, big_batch, mod_names, n_estimates * big_batch, seed

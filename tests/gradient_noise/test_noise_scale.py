@@ -460,3 +460,18 @@ def test_noise_scale_uncertainty_is_that_of_its_own_estimates(problem):
     assert r.b_simple_stderr == pytest.approx(np.std(boot[np.isfinite(boot)], ddof=1), rel=1e-5)
     lo, hi = int(0.025 * (n_boot - 1)), int(0.975 * (n_boot - 1))
     assert r.interval == pytest.approx((boot[lo], boot[hi]), rel=1e-5)
+
+
+@pytest.mark.parametrize("method", ["two_batch", "per_sample"])
+def test_progress_bar_on_request_silent_by_default_and_results_unchanged(capsys, method):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    x = torch.randn(64, 4)
+    y = x.sum(1, keepdim=True)
+    kw = dict(method=method, small_batch=4, big_batch=16, n_estimates=5)
+    quiet = nnstat.noise_scale(model, nn.functional.mse_loss, (x, y), **kw)
+    assert capsys.readouterr() == ("", "")  # stderr is not a terminal here: no bar
+    shown = nnstat.noise_scale(model, nn.functional.mse_loss, (x, y), progress=True, **kw)
+    err = capsys.readouterr().err
+    assert f"noise scale ({method})" in err and "/5 [" in err
+    assert shown.b_simple == quiet.b_simple

@@ -278,7 +278,10 @@ def test_hf_callback_waits_at_on_log_only_when_nothing_read_the_device(tmp_path,
     trainer = transformers.Trainer(
         model=_model(), args=args, train_dataset=Tokens(16, 0), callbacks=[Phase(), cb]
     )
-    cb.place(trainer.callback_handler)  # after Phase: its on_log runs first
+    phase = next(c for c in trainer.callback_handler.callbacks if isinstance(c, Phase))
+    cb.place(trainer.callback_handler)
+    trainer.callback_handler.callbacks.remove(phase)
+    trainer.callback_handler.callbacks.insert(0, phase)  # before cb: its on_log runs first
     trainer.train()
     assert deferred.seen == ["on_log", "on_log"]
     logged = [

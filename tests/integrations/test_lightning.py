@@ -242,3 +242,16 @@ def test_step_stats_noise_scale_every():
     assert hooks.gns.n_updates == 2
     hooks.close()
     assert all(not m._forward_hooks and not m._backward_hooks for m in module.modules())
+
+
+def test_noise_scale_is_read_before_lightnings_gradient_clipping(tmp_path):
+    # Lightning clips after on_before_optimizer_step; the capture closes at on_after_backward,
+    # before it, so a clip that scales every gradient leaves the estimate as without clipping
+    cb, ref = NNStatCallback(stats=["l2"], groups=["weight"], every=1), _Reference(step=2)
+    loader = torch.utils.data.DataLoader(_data(), batch_size=8, shuffle=False)
+    trainer = _trainer(tmp_path, [ref, cb], max_steps=5, gradient_clip_val=1e-4, logger=False)
+    trainer.fit(Tiny(), loader)
+    history = [h for h in cb.history if "noise_scale/b_simple" in h]
+    assert [h["step"] for h in history] == [2, 3, 4, 5]
+    for h in history:
+        assert h["noise_scale/b_simple"] == pytest.approx(ref.values[h["step"]], rel=1e-4)

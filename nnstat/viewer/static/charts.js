@@ -6,6 +6,15 @@
   const PALETTE = ["#4c78a8", "#e45756", "#54a24b", "#f58518", "#b279a2", "#72b7b2",
     "#ff9da6", "#9d755d", "#bab0ac", "#eeca3b"];
 
+  // the i-th line's colour: the palette, then hues a golden angle apart (a 28-layer chart gets
+  // 28 distinguishable lines, not the palette's 10 three times over)
+  function color(i) {
+    if (i < PALETTE.length) return PALETTE[i];
+    const k = i - PALETTE.length;
+    return `hsl(${Math.round((k * 137.508 + 20) % 360)}, ${[70, 50, 85][k % 3]}%, ` +
+      `${[42, 32, 55][Math.floor(k / 3) % 3]}%)`;
+  }
+
   const STEP_INCRS = [];
   for (let e = 1; e <= 1e12; e *= 10) STEP_INCRS.push(e, 2 * e, 5 * e);
 
@@ -16,17 +25,34 @@
     return Number.isInteger(x) && Math.abs(x) < 1e7 ? String(x) : x.toPrecision(4);
   }
 
-  // tick labels with as many digits as the tick spacing needs (uPlot's default shows
-  // "0.001 0.001 0.001" on an axis spanning 0.0010-0.0013)
+  // exponent of the last significant digit of a tick increment: 0.25 -> -2, 25 -> 0, 2e6 -> 6
+  function lastDigit(incr) {
+    let e = Math.floor(Math.log10(incr));
+    for (let k = 0; k < 16; k += 1, e -= 1) {
+      const q = incr / Math.pow(10, e);
+      if (Math.abs(q - Math.round(q)) < 1e-9 * Math.max(1, q)) return e;
+    }
+    return e;
+  }
+
+  // One tick label. Ticks are multiples of the increment, so the increment's last significant
+  // digit is the last digit every label needs: 0.25, 0.5, 0.75 -> "0.25" "0.50" "0.75" (not
+  // "0.3" "0.5" "0.8", which taking the digits from the increment's order of magnitude gave)
+  // and 0.0010-0.0013 -> "0.0010" ... (uPlot's default repeats "0.001").
+  function tickLabel(v, incr) {
+    if (v === null || v === undefined) return "";
+    if (v === 0 || !(incr > 0)) return String(v);
+    const e = lastDigit(incr);
+    const a = Math.abs(v);
+    if (a < 1e-4 || a >= 1e6) {
+      const p = Math.min(Math.max(Math.floor(Math.log10(a)) - e + 1, 1), 16);
+      return v.toExponential(p - 1);
+    }
+    return v.toFixed(Math.min(Math.max(-e, 0), 16));
+  }
+
   function ticks(u, vals, axis, space, incr) {
-    return vals.map((v) => {
-      if (v === null || v === undefined) return "";
-      if (v === 0 || !(incr > 0)) return String(v);
-      const digits = Math.floor(Math.log10(Math.abs(v))) - Math.floor(Math.log10(incr)) + 1;
-      const p = Math.min(Math.max(digits, 1), 12);
-      const a = Math.abs(v);
-      return a < 1e-4 || a >= 1e6 ? v.toExponential(p - 1) : String(Number(v.toPrecision(p)));
-    });
+    return vals.map((v) => tickLabel(v, incr));
   }
 
   function note(text) {
@@ -62,25 +88,28 @@
     box.replaceChildren();
     const log = !!opts.log;
     let hidden = 0;
+    let nonfinite = 0;  // Inf/NaN values: not drawable, counted and said below the chart
     // uPlot breaks a line at null and draws across undefined: null = a gap the data has (NaN,
     // a value a log axis cannot place), undefined = nothing logged at that x
     const ys = opts.series.map((s) => s.values.map((v) => {
       if (v === undefined) return undefined;
-      if (v === null || !Number.isFinite(v)) return null;
+      if (v === null) return null;
+      if (!Number.isFinite(v)) { nonfinite += 1; return null; }
       if (log && v <= 0) { hidden += 1; return null; }  // no place on a log axis
       return v;
     }));
     const drawn = (v) => v !== null && v !== undefined;
     if (!ys.some((vals) => vals.some(drawn))) {
       box.append(note(`${opts.title ? opts.title + ": " : ""}no finite values` +
-        (log && hidden ? " above 0 (log scale)" : "")));
+        (log && hidden ? " above 0 (log scale)" : "") +
+        (nonfinite ? ` (${nonfinite} non-finite)` : "")));
       return null;
     }
     const width = Math.max(260, Math.floor(box.clientWidth || box.parentElement.clientWidth || 400));
     const series = [{ label: opts.xLabel || "step", value: (u, v) => fmt(v) }];
     opts.series.forEach((s, i) => series.push({
       label: s.label,
-      stroke: s.color || PALETTE[i % PALETTE.length],
+      stroke: s.color || color(i),
       width: 1.5,
       dash: s.dash ? [6, 4] : undefined,
       spanGaps: false,
@@ -101,6 +130,10 @@
       plugins: [markerPlugin(opts.marker)],
     }, [opts.x, ...ys], box);
     if (hidden) box.append(note(`${hidden} value(s) ≤ 0 not drawn on the log scale`));
+    if (nonfinite) {
+      box.append(note(`${nonfinite} non-finite value${nonfinite === 1 ? "" : "s"} ` +
+        "(Inf/NaN) not drawn"));
+    }
     box.nnChart = plot;  // for tests and the console: the chart of this box
     return plot;
   }
@@ -128,5 +161,5 @@
     }, [edges, [...counts, counts[counts.length - 1]]], box);
   }
 
-  window.NNChart = { line, histogram, fmt, PALETTE };
+  window.NNChart = { line, histogram, fmt, tickLabel, color, PALETTE };
 })();

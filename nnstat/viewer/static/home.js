@@ -79,7 +79,7 @@
   }
 
   // ------------------------------------------------------------------------------ runs
-  const R = { run: 0, compare: -1, filter: "", log: false, open: Object.create(null) };
+  const R = { run: 0, compare: -1, filter: "", log: false, top: 0, open: Object.create(null) };
 
   // "<group>/<layer>/<stat>" keys (the Tracker's) become one chart per group and statistic with
   // a line per layer; "train/loss" and "test/loss" one chart with a line per split; other keys
@@ -123,6 +123,20 @@
   }
   const matches = (chart) => filtered(chart) !== null;
 
+  // "lines: top k by change": a chart with more than k lines keeps the k whose value moved most
+  // over the run, relative to where it started (|last - first| / |first|, finite values only)
+  function change(run, key) {
+    const vals = run.series[key].filter((v) => v !== null && Number.isFinite(v));
+    if (vals.length < 2) return -1;
+    const first = vals[0], last = vals[vals.length - 1];
+    return Math.abs(last - first) / Math.max(Math.abs(first), 1e-12);
+  }
+  function topLines(run, chart) {
+    if (!(R.top > 0) || chart.lines.length <= R.top) return chart;
+    const ranked = chart.lines.map((l) => [change(run, l.key), l]).sort((a, b) => b[0] - a[0]);
+    return { ...chart, lines: ranked.slice(0, R.top).map(([, l]) => l) };
+  }
+
   // the chart's lines of this run, and dashed the same keys of the compared run, on the union
   // of both runs' steps
   function drawChart(box, run, chart) {
@@ -135,11 +149,12 @@
       chart.lines.filter((l) => has(other, l.key)).forEach((l) => lines.push(
         { label: `${other.id}: ${l.label}`, run: other, key: l.key, dash: true }));
     }
-    // null breaks the line (a logged NaN/Inf), undefined is "not logged at this step" and
-    // the line is drawn across it: series logged at other cadences, or the other run's steps
+    // NaN (a logged NaN/Inf: the chart breaks the line there and counts it) apart from
+    // undefined, "not logged at this step", across which the line is drawn: series logged at
+    // other cadences, or the other run's steps
     const at = (r, key) => {
       const gaps = new Set((r.nonfinite && r.nonfinite[key]) || []);
-      const own = r.series[key].map((v, i) => (gaps.has(i) ? null : v === null ? undefined : v));
+      const own = r.series[key].map((v, i) => (gaps.has(i) ? NaN : v === null ? undefined : v));
       if (r.steps === x) return own;
       const m = new Map(r.steps.map((s, i) => [s, own[i]]));
       return x.map((s) => m.get(s));
@@ -174,7 +189,7 @@
     const body = $("run-body");
     if (!DATA.runs.length) { body.replaceChildren(hint("No Tracker run under this folder.")); return; }
     const run = DATA.runs[R.run];
-    const charts = chartsOf(run).map(filtered).filter(Boolean);
+    const charts = chartsOf(run).map(filtered).filter(Boolean).map((c) => topLines(run, c));
     const sections = new Map();
     charts.forEach((c) => {
       if (!sections.has(c.section)) sections.set(c.section, []);
@@ -238,6 +253,7 @@
     });
     $("run-filter").addEventListener("input", (ev) => { R.filter = ev.target.value; renderRuns(); });
     $("run-log").addEventListener("change", (ev) => { R.log = ev.target.checked; renderRuns(); });
+    $("run-top").addEventListener("change", (ev) => { R.top = Number(ev.target.value); renderRuns(); });
     // served: read the runs again while training appends to them
     $("run-refresh").hidden = !served;
     $("run-refresh").addEventListener("click", () => window.NNRecorder.fetchData().then((data) => {

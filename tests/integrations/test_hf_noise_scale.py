@@ -1,0 +1,157 @@
+"""The HF callback's noise scale under the Trainer's gradient clipping, against per-sample
+gradients of the same model states computed independently (one ``autograd.grad`` per sample)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from nnstat.integrations.huggingface import NNStatCallback  # noqa: E402
+
+VOCAB, T, N = 48, 12, 8
+
+
+def _model():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        # counting sequences: a consistent gradient direction, so |G|^2 > 0 from the start
+        start = torch.randint(1, VOCAB, (n, 1), generator=torch.Generator().manual_seed(1))
+        self.x = (start + torch.arange(T)) % VOCAB
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+class _Record:
+    """Weights and inputs of every training forward (a forward pre-hook on the model)."""
+
+    def __init__(self, model) -> None:
+        self.states: list[tuple[dict, torch.Tensor]] = []
+        model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        if module.training and torch.is_grad_enabled():
+            state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+            self.states.append((state, kwargs["input_ids"].detach().clone()))
+
+
+def _reference(model, state: dict, x: torch.Tensor, modules: list[str]) -> tuple[float, float]:
+    """``(|G|^2, tr Sigma)`` unbiased from per-sample gradients (B_small = 1, B_big = n) of the
+    modules ``modules`` at ``state``; each sample's loss is its token mean."""
+    ref = _model()
+    ref.load_state_dict(state)
+    params = [p for m in modules for p in ref.get_submodule(m).parameters(recurse=False)]
+    per = []
+    for i in range(len(x)):
+        loss = ref(input_ids=x[i : i + 1], labels=x[i : i + 1]).loss
+        grads = torch.autograd.grad(loss, params)
+        per.append(torch.cat([g.double().flatten() for g in grads]))
+    g = torch.stack(per)
+    n = len(g)
+    small = float(g.pow(2).sum(1).mean())
+    big = float(g.mean(0).pow(2).sum())
+    g_sq = (n * big - small) / (n - 1)
+    trace = (small - big) * n / (n - 1)
+    return g_sq, trace
+
+
+@pytest.mark.parametrize("max_grad_norm", [1e-3, 0.0])
+def test_noise_scale_matches_per_sample_reference_with_and_without_clipping(
+    tmp_path, max_grad_norm
+):
+    model = _model()
+    record = _Record(model)
+    cb = NNStatCallback(stats=["l2"], groups=["weight"], noise_scale_every=1, noise_scale_beta=0.0)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, save_strategy="no",
+        disable_tqdm=True, seed=0, per_device_train_batch_size=N, max_steps=5, logging_steps=1,
+        learning_rate=1e-2, max_grad_norm=max_grad_norm,
+    )  # fmt: skip
+    trainer = transformers.Trainer(model, args, train_dataset=Tokens(5 * N), callbacks=[cb])
+    trainer.train()
+    logged = {h["step"]: h for h in trainer.state.log_history if "noise_scale/b_simple" in h}
+    # the first micro-batch probes which modules qualify; every later one is measured
+    assert sorted(logged) == [2, 3, 4, 5]
+    # the modules measured: the per-layer keys noise_scale/<module>/b_simple
+    modules = sorted(
+        k.split("/")[1] for k in logged[2] if k.startswith("noise_scale/") and k.count("/") == 2
+    )
+    assert modules and not any("wte" in m or "lm_head" in m for m in modules)
+    scales = []
+    for step, h in logged.items():
+        state, x = record.states[step - 1]
+        g_sq, trace = _reference(model, state, x, modules)
+        assert math.isfinite(h["noise_scale/b_simple"])
+        assert h["noise_scale/b_simple"] == pytest.approx(trace / g_sq, rel=1e-4)
+        # the Trainer divides the summed token losses by the batch's label count, the
+        # reference by each sample's predicted tokens: one common factor on both estimates
+        scales += [h["noise_scale/grad_sq_norm"] / g_sq, h["noise_scale/trace_sigma"] / trace]
+    assert scales == pytest.approx([((T - 1) / T) ** 2] * len(scales), rel=1e-4)
+
+
+def test_a_clip_outside_the_accelerator_is_warned_and_left_out_of_the_noise_scale(tmp_path):
+    class OwnClip(transformers.Trainer):
+        def _clip_grad_norm(self, model):  # clips without accelerator.clip_grad_norm_
+            return torch.nn.utils.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
+
+    cb = NNStatCallback(stats=["l2"], groups=["weight"], noise_scale_every=1, noise_scale_beta=0.0)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, save_strategy="no",
+        disable_tqdm=True, per_device_train_batch_size=N, max_steps=3, logging_steps=1,
+        max_grad_norm=1e-3,
+    )  # fmt: skip
+    trainer = OwnClip(_model(), args, train_dataset=Tokens(3 * N), callbacks=[cb])
+    with pytest.warns(UserWarning, match="clipped the gradients .* before the noise scale"):
+        trainer.train()
+    assert not any("noise_scale/b_simple" in h for h in trainer.state.log_history)
+
+
+def test_windowed_noise_scale_has_an_interval_from_the_second_observation_under_clipping(
+    tmp_path,
+):
+    model = _model()
+    record = _Record(model)
+    cb = NNStatCallback(stats=["l2"], groups=["weight"], noise_scale_every=1, noise_scale_window=8)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        per_device_train_batch_size=N,
+        max_steps=5,
+        logging_steps=1,
+        learning_rate=1e-2,
+    )  # fmt: skip  (max_grad_norm: the Trainer's default 1.0)
+    trainer = transformers.Trainer(model, args, train_dataset=Tokens(5 * N), callbacks=[cb])
+    trainer.train()
+    logged = {h["step"]: h for h in trainer.state.log_history if "noise_scale/b_simple" in h}
+    modules = sorted(
+        k.split("/")[1] for k in logged[2] if k.startswith("noise_scale/") and k.count("/") == 2
+    )
+    refs = {s: _reference(model, *record.states[s - 1], modules) for s in logged}
+    for step, h in logged.items():
+        seen = [refs[s] for s in refs if s <= step]
+        expected = sum(t for _, t in seen) / sum(g for g, _ in seen)  # ratio of window means
+        assert h["noise_scale/b_simple"] == pytest.approx(expected, rel=1e-4)
+        if step >= 3:  # two observations: a bootstrap interval
+            low, high = h["noise_scale/low"], h["noise_scale/high"]
+            assert math.isfinite(low) and math.isfinite(high) and 0 < low <= high
+    with pytest.raises(ValueError, match="noise_scale_window"):
+        NNStatCallback(noise_scale_window=1)
