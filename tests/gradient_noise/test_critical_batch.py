@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -126,3 +128,44 @@ def test_bad_input_is_refused_with_the_fix():
         steps_to_target([{"step": 1}], 0.7)
     with pytest.raises(ValueError, match="window"):
         steps_to_target([(0, 1.0)], 0.7, window=0)
+
+
+def test_benchmark_quick_mode_writes_table_figure_and_results(tmp_path, capsys, monkeypatch):
+    """``benchmarks/critical_batch.py --quick``: every task and target gets a row, a fit (or the
+    reason there is none) and the noise scale at the same model state."""
+    pytest.importorskip("sklearn")
+    pytest.importorskip("matplotlib")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "critical_batch.py"
+    spec = importlib.util.spec_from_file_location("critical_batch_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts benchmarks/ first
+    spec.loader.exec_module(bench)
+    img, out = tmp_path / "cb.png", tmp_path / "cb.json"
+    bench.main(["--quick", "--img", str(img), "--json", str(out)])
+    stdout = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert [t["name"] for t in result["tasks"]] == ["digits MLP", "digits CNN", "char LM"]
+    rows = [line for line in stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[0].startswith("| task | target loss | B_crit (95% interval)")
+    assert len(rows) == 1 + sum(len(t["targets"]) for t in result["tasks"])
+    for task in result["tasks"]:
+        assert len(task["fits"]) == len(task["noise"]) == len(task["targets"])
+        for fit in task["fits"]:
+            if "error" in fit:
+                continue
+            lo, hi = fit["b_crit_interval"]
+            assert lo <= fit["b_crit"] <= hi
+            assert fit["b_crit"] == pytest.approx(fit["e_min"] / fit["s_min"])
+            # the row carries the fitted value and the measured ratio
+            row = next(r for r in rows if r.startswith(f"| {task['name']} | {fit['target']} |"))
+            assert f"{fit['b_crit']:.3g}" in row
+        for ns in task["noise"]:
+            assert ns["b_simple"] > 0 and ns["b_noise"] > 0
+    for name in ("digits MLP", "digits CNN"):
+        task = next(t for t in result["tasks"] if t["name"] == name)
+        assert any("error" not in f for f in task["fits"]), task["fits"]
+    assert img.stat().st_size > 10_000
