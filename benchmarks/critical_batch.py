@@ -16,8 +16,10 @@ Method. Plain SGD (the setting of the paper's derivation), batches drawn with re
 training loss evaluated on the whole training set (a fixed 1024-window subset for the LM) at
 steps spaced 4% apart and interpolated to each target (`nnstat.gradient_noise.steps_to_target`).
 Learning rate: seed 0 scans a grid of powers of two from the top (diverging runs stop at once)
-and stops one rate past the best, a run stopping once it is 1.5x slower than the best so far;
-the best rate per batch size and target is then run with the other seeds. Fit:
+and stops one rate past the best, a run stopping once it is 1.5x slower than the best so far.
+Per batch size and target, the rate used is the largest from seed 0's best down (by at most two
+grid steps) at which every seed reaches the target (seed 0's best can sit at the edge of
+stability, where another seed diverges). Fit:
 `nnstat.critical_batch_size` over the seeds (seed bootstrap, 95%).
 """
 
@@ -236,39 +238,59 @@ def sweep_task(task: Task, seeds: int, log: Callable[[str], None]) -> dict[str, 
     for b in task.batch_sizes:
         t0 = time.perf_counter()
         scan = tune(task, b, start)
+        full: dict[tuple[float, int], Run] = {}
+
+        def run(
+            lr: float,
+            seed: int,
+            b: int = b,
+            scan: dict[float, Run] = scan,
+            full: dict[tuple[float, int], Run] = full,
+        ) -> Run:
+            """Seed 0 reuses its scan run unless that one was cut short by the pruning."""
+            if seed == 0 and lr in scan and (scan[lr].diverged or scan[lr].steps[-1] is not None):
+                return scan[lr]
+            if (lr, seed) not in full:
+                full[lr, seed] = train(task, b, lr, seed, task.max_steps)
+            return full[lr, seed]
+
         best_lr: list[float | None] = []
+        chosen: list[float | None] = []
+        steps: list[list[float]] = []
         for i in range(len(task.targets)):
             reached = {lr: r.steps[i] for lr, r in scan.items() if r.steps[i] is not None}
-            best_lr.append(min(reached, key=reached.get) if reached else None)
-        steps: list[list[float | None]] = [
-            [scan[lr].steps[i]] if lr is not None else [] for i, lr in enumerate(best_lr)
-        ]
-        runs_at = {lr: [scan[lr]] for lr in set(best_lr) if lr is not None}
-        for lr in runs_at:
-            for s in range(1, seeds):
-                runs_at[lr].append(train(task, b, lr, s, task.max_steps))
-        for i, lr in enumerate(best_lr):
-            if lr is not None:
-                steps[i] = [r.steps[i] for r in runs_at[lr]]
+            best = min(reached, key=reached.get) if reached else None
+            best_lr.append(best)
+            chosen.append(None)
+            steps.append([])
+            # the best rate of seed 0 can sit at the edge of stability: the rate used is the
+            # largest, from the best down by at most two steps of the grid, at which every seed
+            # reaches the target
+            for lr in [v for v in task.lrs if best is not None and v <= best][:3]:
+                at = [run(lr, s).steps[i] for s in range(seeds)]
+                if all(v is not None for v in at):
+                    chosen[i], steps[i] = lr, at
+                    break
         # below B_crit the best rate grows about in proportion to B, above it less: a batch
         # twice as large starts its scan at four times the previous best rate
         found = [v for v in best_lr if v is not None]
         start = min(max(task.lrs), 4 * max(found)) if found else max(task.lrs)
         per_b[b] = {
             "best_lr": best_lr,
+            "lr": chosen,
             "steps": steps,
             "scanned": {str(lr): r.steps for lr, r in scan.items()},
         }
         log(
-            f"  B={b:4d} lr={best_lr} steps(seed 0)={[s[0] if s else None for s in steps]} "
-            f"({time.perf_counter() - t0:.1f} s)"
+            f"  B={b:4d} lr={chosen} (seed 0 best {best_lr}) steps(seed 0)="
+            f"{[round(s[0], 1) if s else None for s in steps]} ({time.perf_counter() - t0:.1f} s)"
         )
     return per_b
 
 
 def noise_at_targets(task: Task, per_b: dict[int, dict[str, Any]], quick: bool) -> list[dict]:
     """B_simple and B_noise at the states of the reference run as it reaches each target."""
-    lr = next((v for v in reversed(per_b[task.ref_batch]["best_lr"]) if v is not None), None)
+    lr = next((v for v in reversed(per_b[task.ref_batch]["lr"]) if v is not None), None)
     if lr is None:
         return [{} for _ in task.targets]
     run = train(task, task.ref_batch, lr, 0, task.max_steps, snapshot=True)
@@ -304,11 +326,7 @@ def noise_at_targets(task: Task, per_b: dict[int, dict[str, Any]], quick: bool) 
 def fit_targets(task: Task, per_b: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
     fits = []
     for i, target in enumerate(task.targets):
-        sweep = {
-            b: d["steps"][i]
-            for b, d in per_b.items()
-            if d["steps"][i] and all(s is not None for s in d["steps"][i])
-        }
+        sweep = {b: d["steps"][i] for b, d in per_b.items() if d["steps"][i]}
         left_out = [b for b in per_b if b not in sweep]
         entry: dict[str, Any] = {"target": target, "sweep": sweep, "left_out": left_out}
         try:
@@ -339,8 +357,8 @@ def _g(v: float | None) -> str:
 def table(result: dict[str, Any]) -> str:
     lines = [
         "| task | target loss | B_crit (95% interval) | S_min | E_min | B_simple | B_noise "
-        "| B_simple / B_crit | B_noise / B_crit |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| B_simple / B_crit | B_noise / B_crit | batch sizes fitted |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for task in result["tasks"]:
         for fit, ns in zip(task["fits"], task["noise"], strict=True):
@@ -360,6 +378,8 @@ def table(result: dict[str, Any]) -> str:
                     _g(bs / bc) if bs is not None else "–",
                     _g(bn / bc) if bn is not None else "–",
                 ]
+            # a batch size left out: no rate near the tuned one took every seed to the target
+            cells.append(f"{len(fit['sweep'])} of {len(task['batch_sizes'])}")
             lines.append(f"| {task['name']} | {fit['target']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
