@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -56,7 +56,6 @@ class CriticalBatchSize:
     method: str
     level: float = 0.95
     n_boot: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def predicted_steps(self, batch_size: float) -> float:
         """``S(B) = S_min + E_min / B``: the steps the fit predicts at ``batch_size``."""
