@@ -58,6 +58,7 @@ _EXPORTS: dict[str, str] = {
     "noise_scale": "nnstat.gradient_noise",
     "NoiseScale": "nnstat.gradient_noise",
     "NoiseScaleResult": "nnstat.gradient_noise",
+    "critical_batch_size": "nnstat.gradient_noise",
     # recorder
     "Recorder": "nnstat.recorder",
 }

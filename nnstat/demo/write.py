@@ -36,7 +36,7 @@ from nnstat.demo.steps import (
 )
 from nnstat.netdict import trust_ratio
 
-__all__ = ["write_report", "NoiseStage", "noise_stages", "batch_advice"]
+__all__ = ["write_report", "NoiseStage", "noise_stages", "batch_advice", "implied_critical"]
 
 # the phases the report's timing table lists, in order ("of which" is part of the one above)
 TIMED = (
@@ -115,54 +115,100 @@ def _n(v: float) -> str:
     return "∞" if math.isinf(v) else f"{v:.0f}"
 
 
+#: ``B_simple / B_crit`` measured by training (``benchmarks/critical_batch.py``, the table in
+#: docs/noise-scale.md): the lowest and highest ratio over a digits MLP, a digits CNN and a
+#: character LM at their first target loss (early) and their last (late). B_simple
+#: over-estimated the critical batch size every time; the advice divides it by these factors.
+B_SIMPLE_OVER_CRIT_EARLY = (2.1, 3.6)
+B_SIMPLE_OVER_CRIT_LATE = (2.8, 13.8)
+
+
+def _f(v: float) -> str:
+    return f"{v:g}"
+
+
+def implied_critical(
+    b_simple: tuple[float, float], over: tuple[float, float]
+) -> tuple[float, float]:
+    """The critical batch size range that ``B_simple`` estimates in ``[lo, hi]`` imply, given the
+    measured over-estimate factors ``over = (least, most)``.
+
+    Example:
+        >>> implied_critical((100.0, 200.0), (2.0, 10.0))
+        (10.0, 100.0)
+    """
+    return b_simple[0] / over[1], b_simple[1] / over[0]
+
+
 def batch_advice(stages: list[NoiseStage], batch: int, n_train: int) -> tuple[str, str]:
     """(one-line summary, paragraph): the batch size the noise scale suggests at each stage of
     training, and how sure that is (the spread of the late estimates and their bootstrap
-    intervals)."""
+    intervals). B_simple is read through the over-estimate of the critical batch size measured
+    by training (``B_SIMPLE_OVER_CRIT_*``), not taken as the critical batch size itself.
+
+    Example:
+        >>> h = [{"step": 10 * i, "noise_scale/b_simple": v, "noise_scale/low": 0.8 * v,
+        ...       "noise_scale/high": 1.2 * v, "train/loss": 1.0} for i, v in
+        ...      enumerate([50.0, 60.0, 55.0, 900.0, 1100.0, 1000.0])]
+        >>> batch_advice(noise_stages(h), batch=64, n_train=5000)[0]
+        '64 is about right (late B_simple 1000–1100, critical batch size about 72–393)'
+    """
     if not stages:
         return "n/a", "No noise-scale estimate was logged."
     early, late = stages[0], stages[-1]
     lo, hi = late.spread
+    ce = implied_critical((early.median, early.median), B_SIMPLE_OVER_CRIT_EARLY)
+    cl = implied_critical((lo, hi), B_SIMPLE_OVER_CRIT_LATE)
+    (e0, e1), (l0, l1) = B_SIMPLE_OVER_CRIT_EARLY, B_SIMPLE_OVER_CRIT_LATE
     parts = [
         f"B_simple grew from a median of {_n(early.median)} early in training (steps "
         f"{early.first_step}–{early.last_step}, training loss {early.train_loss:.2f}) to "
         f"{_n(late.median)} late (steps {late.first_step}–{late.last_step}, loss "
         f"{late.train_loss:.2f}): as the mean gradient shrinks next to its per-sample noise, "
-        "larger batches stay useful for longer."
+        "larger batches stay useful for longer.",
+        f"B_simple is not the critical batch size itself: measured by training on three small "
+        f"tasks (docs/noise-scale.md), it was {_f(e0)}–{_f(e1)} times the critical batch size "
+        f"early in training and {_f(l0)}–{_f(l1)} times late, never below it. Read that way, "
+        f"these estimates put the critical batch size at about {_n(ce[0])}–{_n(ce[1])} early "
+        f"and {_n(cl[0])}–{_n(cl[1])} late.",
     ]
-    if early.median > 2 * batch:
-        parts.append(f"Even early on, batch {batch} was well below B_simple.")
-    elif early.median < batch / 2:
-        parts.append(f"Early on, batch {batch} was above B_simple: a smaller batch would do.")
+    if ce[0] > 2 * batch:
+        parts.append(f"Even early on, batch {batch} was well below that.")
+    elif ce[1] < batch / 2:
+        parts.append(f"Early on, batch {batch} was above it: a smaller batch would do.")
     else:
         parts.append(f"Early on, batch {batch} was about the critical batch size.")
-    if lo > 2 * batch:
+    crit = f"critical batch size about {_n(cl[0])}–{_n(cl[1])}"
+    if cl[0] > 2 * batch:
         # conservative: a power of two below the lowest bootstrap bound of the late estimates
-        # (below every late estimate at 95% confidence), at most the whole training set
-        floor = late.low if math.isfinite(late.low) and late.low > batch else lo
+        # divided by the largest over-estimate measured, at most the whole training set
+        low = late.low / l1
+        floor = low if math.isfinite(low) and low > batch else cl[0]
         target = (
             n_train if math.isinf(floor) else min(int(2 ** math.floor(math.log2(floor))), n_train)
         )
         parts.append(
-            f"Late in training every estimate ({_n(lo)}–{_n(hi)}) exceeds 2 × {batch}: a larger "
-            f"batch there would cut the number of steps almost proportionally. {target} is a "
-            f"safe choice: the power of two below {_n(floor)}, the lowest bootstrap bound of the "
-            f"late estimates. A batch that grows during training ({batch} → {target}) follows "
-            "the measured noise scale."
+            f"Late in training every estimate ({_n(lo)}–{_n(hi)}) puts it above 2 × {batch}: a "
+            "larger "
+            f"batch there would cut the number of steps. {target} is a safe choice: the power of "
+            f"two below {_n(floor)}, the lowest bootstrap bound of the late estimates divided by "
+            f"{_f(l1)}. A batch that grows during training ({batch} → {target}) follows the "
+            "measured noise scale."
         )
-        summary = f"{batch} early, {target} late (late B_simple {_n(lo)}–{_n(hi)})"
-    elif hi < batch / 2:
+        summary = f"{batch} early, {target} late (late B_simple {_n(lo)}–{_n(hi)}, {crit})"
+    elif cl[1] < batch / 2:
         parts.append(
-            f"Late in training every estimate ({_n(lo)}–{_n(hi)}) is below half the batch size: "
-            f"a smaller batch than {batch} would give the same progress per step for less compute."
+            f"Late in training every estimate ({_n(lo)}–{_n(hi)}) puts it below half the batch "
+            "size: a "
+            f"smaller batch than {batch} would give the same progress per step for less compute."
         )
-        summary = f"smaller than {batch} (late B_simple {_n(lo)}–{_n(hi)})"
+        summary = f"smaller than {batch} (late B_simple {_n(lo)}–{_n(hi)}, {crit})"
     else:
         parts.append(
-            f"Late in training the estimates ({_n(lo)}–{_n(hi)}) bracket the batch size "
-            f"{batch}: it is about right."
+            f"Late in training the range the estimates ({_n(lo)}–{_n(hi)}) imply brackets the "
+            f"batch size {batch}: it is about right."
         )
-        summary = f"{batch} is about right (late B_simple {_n(lo)}–{_n(hi)})"
+        summary = f"{batch} is about right (late B_simple {_n(lo)}–{_n(hi)}, {crit})"
     if hi > n_train:
         # |G|² is then a small difference of two noisy squared norms: the estimate is bounded
         # below by what the data can show, not measured, and its interval runs off the top
@@ -227,9 +273,9 @@ def write_report(state: Any) -> None:
     _layers_section(rep, state, hist)
     rep.section("Which batch size? The gradient noise scale")
     rep.paragraph(
-        "B_simple = tr(Σ)/‖G‖² estimates the critical batch size (McCandlish et al. 2018): "
-        "below it, doubling the batch almost halves the number of steps; above it, extra "
-        "samples are mostly wasted. Estimated every "
+        "B_simple = tr(Σ)/‖G‖² is the noise scale that predicts the critical batch size "
+        "(McCandlish et al. 2018): below the critical batch size, doubling the batch almost "
+        "halves the number of steps; above it, extra samples are mostly wasted. Estimated every "
         f"{NOISE_SCALE_EVERY * cfg.log_every} steps from per-sample gradients (bootstrap 95% "
         "interval)."
     )

@@ -3,7 +3,9 @@
 `noise_scale` estimates ``B_simple = tr(Σ) / |G|²`` from a model, a loss and data (two batch
 sizes, per-sample gradients, or a fit over several sizes; optionally the Hessian-weighted
 ``B_noise``); `NoiseScale` tracks it while training (per step, per layer, or for free from DDP's
-all-reduce). The function is exported as ``nnstat.noise_scale``; this package is named
+all-reduce); `critical_batch_size` measures what they predict from a batch-size sweep
+(steps to a target loss per batch size, e.g. from `steps_to_target` on each run's history). The
+function is exported as ``nnstat.noise_scale``; this package is named
 ``gradient_noise`` so that it does not shadow it (``nnstat.gns`` is its deprecated old name).
 
 Example:
@@ -15,6 +17,7 @@ Example:
 """
 
 from nnstat.gradient_noise.batches import BatchSource
+from nnstat.gradient_noise.critical import CriticalBatchSize, critical_batch_size, steps_to_target
 from nnstat.gradient_noise.ddp import (
     DDPNoiseScaleState,
     noise_scale_comm_hook,
@@ -27,13 +30,16 @@ from nnstat.gradient_noise.streaming import NoiseScale
 
 __all__ = [
     "BatchSource",
+    "CriticalBatchSize",
     "DDPNoiseScaleState",
     "HessianNoiseScale",
     "LayerNoiseScale",
     "NoiseScale",
     "NoiseScaleResult",
+    "critical_batch_size",
     "hessian_noise_scale",
     "noise_scale",
     "noise_scale_comm_hook",
     "register_noise_scale_hook",
+    "steps_to_target",
 ]

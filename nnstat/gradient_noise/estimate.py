@@ -3,8 +3,10 @@
 With per-example gradient covariance ``Sigma`` and true gradient ``G``,
 ``E|G_B|^2 = |G|^2 + tr(Sigma)/B``. Measuring ``|G_B|^2`` at two (or more) batch sizes gives
 unbiased estimates of ``|G|^2`` and ``tr(Sigma)``, and the *simple noise scale*
-``B_simple = tr(Sigma)/|G|^2`` approximates the critical batch size ``B_crit``: below it, doubling
-the batch almost halves the number of steps; above it, extra samples are mostly wasted.
+``B_simple = tr(Sigma)/|G|^2`` predicts the critical batch size ``B_crit`` (below ``B_crit``,
+doubling the batch almost halves the number of steps; above it, extra samples are mostly
+wasted), but over-estimates it: by 2-14x on the tasks of ``benchmarks/critical_batch.py``, where
+``B_noise`` came closer (docs/noise-scale.md); `critical_batch_size` measures ``B_crit``.
 
 ``B_simple`` is always the ratio of separately averaged ``tr(Sigma)`` and ``|G|^2`` estimates.
 The Hessian-weighted ``B_noise = tr(H Sigma)/G^T H G`` is available with ``hessian=True`` for

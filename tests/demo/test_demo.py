@@ -26,7 +26,12 @@ from nnstat.demo.train import (
     run,
     train,
 )
-from nnstat.demo.write import batch_advice, noise_stages
+from nnstat.demo.write import (
+    B_SIMPLE_OVER_CRIT_EARLY,
+    B_SIMPLE_OVER_CRIT_LATE,
+    batch_advice,
+    noise_stages,
+)
 
 
 def test_demo_rejects_bad_arguments(capsys):
@@ -113,15 +118,18 @@ def test_noise_stages_split_training_in_thirds():
 
 
 def test_batch_advice_follows_the_late_estimates_and_states_their_spread():
-    values = [50.0, 60.0, 55.0, 200.0, 300.0, 250.0, 1100.0, 1200.0, 1000.0]
+    values = [50.0, 60.0, 55.0, 200.0, 300.0, 250.0, 4400.0, 4800.0, 4000.0]
     stages = noise_stages(_history(values, [v * 0.8 for v in values], [v * 1.3 for v in values]))
-    summary, text = batch_advice(stages, batch=64, n_train=5000)
-    # the power of two below the lowest late bootstrap bound (0.8 x 1000 = 800)
-    assert "64 early, 512 late" in summary and "below 800" in text
-    assert "1000–1200" in text and f"factor {1200 / 1000:.1f}" in text
-    assert "about the critical batch size" in text  # early median 55 vs batch 64
-    summary, text = batch_advice(stages, batch=1024, n_train=5000)
-    assert "about right" in summary  # 1000..1200 brackets 1024
+    summary, text = batch_advice(stages, batch=64, n_train=10000)
+    # the power of two below the lowest late bootstrap bound (0.8 x 4000 = 3200) divided by the
+    # largest over-estimate of the critical batch size measured (13.8): 232 -> 128
+    assert B_SIMPLE_OVER_CRIT_LATE[1] == 13.8
+    assert "64 early, 128 late" in summary and "below 232" in text
+    assert "4000–4800" in text and f"factor {4800 / 4000:.1f}" in text
+    # early median 55 implies a critical batch size of 55/3.6-55/2.1 = 15-26, below 64 / 2
+    assert "Early on, batch 64 was above it" in text
+    summary, text = batch_advice(stages, batch=1024, n_train=10000)
+    assert "about right" in summary  # 4000/13.8 = 290 .. 4800/2.8 = 1714 brackets 1024
     inf_stages = noise_stages(
         _history([50.0, 60.0, math.inf], [40.0, 50.0, 800.0], [60.0, 70.0, math.inf])
     )
@@ -129,7 +137,49 @@ def test_batch_advice_follows_the_late_estimates_and_states_their_spread():
     assert "only a lower bound" in text and "exceed the 300 training digits" in text
     assert "lost resolution" in text and "not as evidence that full-batch" in text
     # estimates within the training set size make no resolution claim
-    assert "lost resolution" not in batch_advice(stages, batch=64, n_train=5000)[1]
+    assert "lost resolution" not in batch_advice(stages, batch=64, n_train=10000)[1]
     summary, text = batch_advice(stages, batch=64, n_train=1100)
-    assert "exceed the 1100 training digits (bootstrap intervals up to 1560)" in text
+    assert "exceed the 1100 training digits (bootstrap intervals up to 6240)" in text
     assert batch_advice([], 64, 100)[0] == "n/a"
+
+
+def test_batch_advice_sentence_is_computed_from_the_estimates():
+    """Two different sets of estimates give two different sentences, each with the critical
+    batch size its own estimates imply (B_simple divided by the measured over-estimates)."""
+    texts = []
+    for late in ([4000.0, 4400.0, 4800.0], [300.0, 330.0, 360.0]):
+        values = [50.0, 60.0, 55.0, 200.0, 300.0, 250.0, *late]
+        stages = noise_stages(
+            _history(values, [0.8 * v for v in values], [1.3 * v for v in values])
+        )
+        summary, text = batch_advice(stages, batch=64, n_train=10000)
+        lo, hi = min(late), max(late)
+        implied = (
+            f"{lo / B_SIMPLE_OVER_CRIT_LATE[1]:.0f}–{hi / B_SIMPLE_OVER_CRIT_LATE[0]:.0f} late"
+        )
+        early = 55.0 / B_SIMPLE_OVER_CRIT_EARLY[1], 55.0 / B_SIMPLE_OVER_CRIT_EARLY[0]
+        assert implied in text and f"about {early[0]:.0f}–{early[1]:.0f} early" in text
+        assert f"late B_simple {lo:.0f}–{hi:.0f}" in summary
+        texts.append(text)
+    assert texts[0] != texts[1]
+
+
+def test_batch_advice_factors_are_the_documented_measurements():
+    """The over-estimate factors the advice divides by are the extremes of the
+    B_simple / B_crit column of docs/noise-scale.md's table (first target early, last late)."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "noise-scale.md").read_text()
+    rows = [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in page.splitlines()
+        if line.startswith("| digits ") or line.startswith("| char ")
+    ]
+    by_task: dict[str, list[float]] = {}
+    for row in rows:
+        by_task.setdefault(row[0], []).append(float(row[7]))
+    assert len(by_task) == 3 and all(len(r) >= 2 for r in by_task.values())
+    early = [r[0] for r in by_task.values()]
+    late = [r[-1] for r in by_task.values()]
+    assert B_SIMPLE_OVER_CRIT_EARLY == (round(min(early), 1), round(max(early), 1))
+    assert B_SIMPLE_OVER_CRIT_LATE == (round(min(late), 1), round(max(late), 1))
