@@ -126,10 +126,13 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(word)
 
 
-def checksum(words: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """One 0-d int64 checksum of a flat int32 tensor, left on its device: the sum of
-    ``word_i * (2i + 1)``, each product wrapping modulo 2**32 (``weights``: at least
-    ``words.numel()`` of those odd weights, :class:`Weights`; made here when not given).
+def checksum(
+    words: torch.Tensor, weights: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One 0-d int32 checksum of a flat int32 tensor, left on its device: the sum of
+    ``word_i * (2i + 1)`` modulo 2**32 (``weights``: at least ``words.numel()`` of those odd
+    weights, made here when not given; ``out``: a buffer of at least as many words for the
+    products, which may be ``words`` itself).
 
     Every single changed word is caught (an odd weight times a nonzero difference is nonzero
     modulo 2**32), and so is an exchange of two words unless their difference times
@@ -145,22 +148,29 @@ def checksum(words: torch.Tensor, weights: torch.Tensor | None = None) -> torch.
     n = words.numel()
     if weights is None:
         weights = torch.arange(1, 2 * n, 2, dtype=torch.int32, device=words.device)
-    return torch.mul(words, weights[:n]).sum(dtype=torch.int64)
+    products = torch.mul(words, weights[:n], out=None if out is None else out[:n])
+    return products.sum(dtype=torch.int32)
 
 
 class Weights:
-    """:func:`checksum`'s odd weights per device, kept (4 bytes per word of the largest group:
-    as many bytes as its tensors) so that a block boundary launches no kernel to make them;
-    also the few zero bytes that pad a group of 1/2-byte words to whole 32-bit words."""
+    """:func:`checksum`'s odd weights and a buffer for the words of a group, per device, kept
+    (each 4 bytes per word of the largest group: twice its tensors' bytes), so that a block
+    boundary allocates nothing (on CPU, fresh memory made the check ~10x slower) and launches no
+    kernel to make the weights; also the few zero bytes that pad a group of 1/2-byte words to
+    whole 32-bit words."""
 
     def __init__(self) -> None:
-        self._weights: dict[torch.device, torch.Tensor] = {}
+        self._weights: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pads: dict[tuple, torch.Tensor] = {}
 
-    def __call__(self, n: int, device: torch.device) -> torch.Tensor:
+    def __call__(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights and the words buffer on ``device``, each of at least ``n`` words."""
         w = self._weights.get(device)
-        if w is None or w.numel() < n:
-            w = torch.arange(1, 2 * n, 2, dtype=torch.int32, device=device)
+        if w is None or w[0].numel() < n:
+            w = (
+                torch.arange(1, 2 * n, 2, dtype=torch.int32, device=device),
+                torch.empty(n, dtype=torch.int32, device=device),
+            )
             self._weights[device] = w
         return w
 
@@ -194,10 +204,13 @@ def _state(model: Models, weights: Weights) -> tuple[list[tuple], dict[tuple, to
     sums = {}
     for key, group in groups.items():
         group = weights.pad(group)
-        # narrower words are always copied: a view to int32 needs a 4-byte-aligned offset
-        one = len(group) == 1 and group[0].dtype == torch.int32
-        words = (group[0] if one else torch.cat(group)).view(torch.int32)
-        sums[key] = checksum(words, weights(words.numel(), words.device))
+        n = sum(g.numel() * g.element_size() for g in group) // 4
+        w, buf = weights(n, group[0].device)
+        if len(group) == 1 and group[0].dtype == torch.int32:
+            words = group[0]  # one tensor of 32-bit words: read where it is
+        else:  # into the kept buffer (as its own word type; 1/2-byte words are always copied)
+            words = torch.cat(group, out=buf[:n].view(group[0].dtype)).view(torch.int32)
+        sums[key] = checksum(words, w, buf)
     return ids, sums
 
 

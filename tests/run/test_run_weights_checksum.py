@@ -132,13 +132,15 @@ def test_the_checksum_sees_every_single_change_and_exchanges(dtype):
 
     g = torch.Generator().manual_seed(1)
     t = (torch.randn(257, generator=g) * 100).to(dtype)
-    words = lambda x: (
-        x.view(torch.int16).to(torch.int32) if x.element_size() == 2 else x.view(torch.int32)
-    )  # noqa: E731
+
+    def words(x):
+        return x.view(torch.int16).to(torch.int32) if x.element_size() == 2 else x.view(torch.int32)
+
     base = int(checksum(words(t)))
-    # the closed form: sum of word_i * (2i + 1), each product modulo 2**32 (as int32)
+    # the closed form: sum of word_i * (2i + 1) modulo 2**32 (as int32)
     w = words(t).long()
-    ref = sum(((int(v) * (2 * i + 1) + 2**31) % 2**32) - 2**31 for i, v in enumerate(w.tolist()))
+    ref = sum(int(v) * (2 * i + 1) for i, v in enumerate(w.tolist()))
+    ref = (ref + 2**31) % 2**32 - 2**31
     assert base == ref
     for i in range(0, 257, 17):
         u = t.clone()
@@ -149,3 +151,24 @@ def test_the_checksum_sees_every_single_change_and_exchanges(dtype):
             u = t.clone()
             u[[i, j]] = t[[j, i]]
             assert int(checksum(words(u))) != base
+
+
+def test_the_block_check_names_the_dtype_group_that_changed():
+    """Odd-sized 2-byte and 1-byte groups (padded to whole words) and a float32 group: an edit of
+    one element is found, in its group only, however the groups are laid out."""
+    from nnstat.run.weights import BlockGuard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1, bias=False).to(torch.bfloat16))
+    model.register_buffer("mask", torch.tensor([True, False, True]))
+    for edit, group in [
+        (lambda: model[1].weight.data[0, 1].mul_(-1), "torch.bfloat16"),
+        (lambda: model.mask.data[1].fill_(True), "torch.bool"),
+        (lambda: model[0].bias.data[2].add_(1e-6), "torch.float32"),
+    ]:
+        guard = BlockGuard()
+        guard.record(model)
+        assert guard.changed(model) == []
+        edit()
+        (changed,) = guard.changed(model)
+        assert group in changed
