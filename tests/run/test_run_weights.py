@@ -55,7 +55,7 @@ def test_changed_batchnorm_statistics_are_refused(tmp_path):
 @pytest.mark.parametrize("how", ["sgd", "fused-adam", "data"])
 def test_training_while_logging_is_refused_at_the_next_block(tmp_path, how):
     model = _mlp()
-    if how == "data":  # bypasses the version counter: caught by the sampled values
+    if how == "data":  # bypasses the version counter: caught by the checksum
 
         def step():
             model[2].bias.data.add_(1.0)
