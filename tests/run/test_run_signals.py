@@ -1,4 +1,4 @@
-"""Issue #27 item 9: SIGTERM (a scheduler stopping the job) or SIGINT without finalize() commits
+"""SIGTERM (a scheduler stopping the job) or SIGINT without finalize() commits
 the open shard like a normal exit, then the signal goes on to the handler installed before."""
 
 import signal
