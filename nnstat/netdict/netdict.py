@@ -52,6 +52,13 @@ class NetDict(Mapping[str, torch.Tensor]):
 
     Binary operators accept another NetDict with exactly the same keys, or a scalar.
 
+    Args:
+        data: layer name → tensor; ``None``: empty.
+
+    Raises:
+        TypeError: a key that is not a string or a value that is not a tensor.
+        ValueError: (operators) another NetDict with different layers.
+
     Example:
         >>> import torch
         >>> a = NetDict({"w": torch.tensor([3.0, 4.0])})
