@@ -312,7 +312,7 @@ def compute_stats(
         state_keys: optimizer states to describe (``"exp_avg"``, ...).
         include: regex (``re.search``) of parameter names to keep; ``None``: all.
         exclude: regex of parameter names to leave out.
-        stats: statistic names (see `nnstat.describe`); ``None``: the defaults.
+        stats: statistic names (see `nnstat.describe`); ``None``: all of them.
         layerwise: one row per layer (``False``: one per group for the whole network).
 
     Returns:

@@ -310,6 +310,13 @@ class StepMetrics(Mapping[str, Any]):
     the host wait for the device every step): log through sinks to keep it. ``dict(m)`` or
     ``m.copy()`` gives a plain dict, e.g. for ``json.dump``.
 
+    Args:
+        tracker: the `nnstat.Tracker` that made it (`Tracker.step` builds it).
+        step: the step number.
+
+    Raises:
+        Exception: (on first read) the error of that step's statistics or of a sink.
+
     Example:
         >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> import nnstat

@@ -117,6 +117,30 @@ class Tracker(BackgroundSteps, DeferredSteps):
     update. A sink that raises does not stop the others: every sink gets the step, then the
     first error is raised (by `step`, `flush`, `close` or the read that delivered it).
 
+    Args:
+        model: the network whose parameters are tracked.
+        optimizer: its optimizer (for the optimizer states and updates); ``None``: neither.
+        every: log on one `step` call in ``every``.
+        stats: statistic names (`nnstat.describe`); ``None``: all of them.
+        histograms: also log a histogram per tensor.
+        sinks: objects with ``log(metrics, step)`` (or callables) that receive each logged
+            step, e.g. `nnstat.integrations.wandb.WandbSink`.
+        include: regex (``re.search``) of parameter names to track; ``None``: all.
+        exclude: regex of parameter names to leave out.
+        groups: which of ``weight``, ``grad``, ``optimizer``, ``update`` to log.
+        state_keys: optimizer state keys to log; ``None``: every state tensor the optimizer
+            holds.
+        bins: histogram bins.
+        hist_max_elements: elements sampled per tensor for histograms (``None``: all).
+        background: ``True``, ``False`` or ``None`` (auto), as described above.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer, a sink
+            neither has ``log`` nor is callable, or ``background`` not a bool or None.
+        ValueError: ``every < 1``, an unknown group or statistic, no parameter matching
+            ``include``/``exclude``, an optimizer holding none of the tracked parameters, or
+            ``background=True`` without the optimizer it needs.
+
     Example:
         >>> model = torch.nn.Linear(2, 1)
         >>> t = Tracker(model, stats=["l2"], groups=["weight"])
@@ -396,6 +420,17 @@ class Tracker(BackgroundSteps, DeferredSteps):
         `step` defaults to the number of previous calls. With background statistics the
         returned `StepMetrics` fills in when first read (or at the next `step`, `flush`,
         `close`); sinks receive every step's plain dict, in order.
+
+        Args:
+            step: the step number given to sinks; ``None``: the number of previous calls.
+
+        Returns:
+            The metrics (a plain dict, or a `StepMetrics` filled in on first read) on a
+            logging step, else ``None``.
+
+        Raises:
+            Exception: an error of a previous step's background statistics or of a sink,
+                raised once every sink has had that step.
         """
         call = self._calls
         self._calls += 1
@@ -555,8 +590,12 @@ class Tracker(BackgroundSteps, DeferredSteps):
 
     # -- lifecycle ------------------------------------------------------------------------
     def flush(self) -> None:
-        """Wait for background statistics and device copies and hand them to the sinks
-        (re-raises errors of the statistics and of sinks, once every sink has had the step)."""
+        """Wait for background statistics and device copies and hand them to the sinks.
+
+        Raises:
+            Exception: an error of the statistics or of a sink, once every sink has had the
+                step.
+        """
         self._finish_pending()
         self._arrived(wait=True)
         self._raise_sink_errors()
@@ -566,6 +605,9 @@ class Tracker(BackgroundSteps, DeferredSteps):
 
         Every sink is closed even when flushing or another sink's ``close`` fails; the first
         error is raised afterwards (the others as notes).
+
+        Raises:
+            Exception: the first error of flushing or of a sink's ``close``.
         """
         errors: list[tuple[str, BaseException]] = []
         try:
