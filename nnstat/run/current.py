@@ -119,7 +119,8 @@ def watch(model: nn.Module, name_filter: Any = None, type_filter: Any = None) ->
         The names of the watched modules.
 
     Raises:
-        RuntimeError: no current run (call :func:`init` first); a logging pass is open (call :func:`finalize` first).
+        RuntimeError: no current run (call :func:`init` first), or a logging pass is open
+            (call :func:`finalize` first).
     """
     return current_run().watch(model, name_filter=name_filter, type_filter=type_filter)
 
@@ -147,7 +148,8 @@ def add_projection(rank: int | None = 64, init: str = "random", seed: int = 0) -
         The layout ``{module: (r_out, r_in)}``.
 
     Raises:
-        RuntimeError: no current run (call :func:`init` first), no watched model, or a logging pass is open.
+        RuntimeError: no current run (call :func:`init` first), no watched model, or a
+            logging pass is open.
         ValueError: ``init="pca"`` without a statistics pass, or an invalid ``rank``/``init``.
     """
     return current_run().add_projection(rank=rank, init=init, seed=seed)
@@ -167,7 +169,8 @@ def finalize() -> None:
     """:meth:`Run.finalize` on the current run: flush the store, save statistics.
 
     Raises:
-        RuntimeError: no current run (call :func:`init` first); or the store writer's error (disk full, a failed write), re-raised here.
+        RuntimeError: no current run (call :func:`init` first).
+        Exception: the store writer's error (disk full, a failed write), re-raised here.
     """
     current_run().finalize()
 
@@ -179,7 +182,8 @@ def eval() -> Run:  # noqa: A001 - the seed's API name
         The current run, in eval mode.
 
     Raises:
-        RuntimeError: no current run (call :func:`init` first), or a logging pass is open (call :func:`finalize` first).
+        RuntimeError: no current run (call :func:`init` first), or a logging pass is open
+            (call :func:`finalize` first).
     """
     return current_run().eval()
 
@@ -192,7 +196,8 @@ def get_log() -> GradientLog:
         previous ``get_log``), which are then cleared.
 
     Raises:
-        RuntimeError: no current run (call :func:`init` first), the run is not in eval mode, or nothing was captured.
+        RuntimeError: no current run (call :func:`init` first), the run is not in eval mode,
+            or nothing was captured.
     """
     return current_run().get_log()
 
@@ -208,6 +213,7 @@ def build_log_dataloader(batch_size: int = 1024, num_workers: int = 0) -> Any:
         A DataLoader of ``(ids, rows)`` blocks over the run's store.
 
     Raises:
-        RuntimeError: no current run (call :func:`init` first), or a logging pass is open (call :func:`finalize` first).
+        RuntimeError: no current run (call :func:`init` first), or a logging pass is open
+            (call :func:`finalize` first).
     """
     return current_run().build_log_dataloader(batch_size=batch_size, num_workers=num_workers)
