@@ -265,7 +265,14 @@ class Tracker(BackgroundSteps, DeferredSteps):
 
     # -- wiring ---------------------------------------------------------------------------
     def add_sink(self, sink: Any) -> None:
-        """Send every logged dict to `sink` (``sink.log(metrics, step)`` or ``sink(metrics, step)``)."""
+        """Send every logged dict to `sink` (``sink.log(metrics, step)`` or ``sink(metrics, step)``).
+
+        Args:
+            sink: an object with ``log(metrics, step)``, or a callable.
+
+        Raises:
+            TypeError: ``sink`` has no ``log`` method and is not callable.
+        """
         self._sinks.append(_as_log(sink))
         self._sink_objects.append(sink)
         attach = getattr(sink, "attach", None)
@@ -274,6 +281,12 @@ class Tracker(BackgroundSteps, DeferredSteps):
 
     def add_provider(self, provider: Callable[[], Mapping[str, Any]]) -> None:
         """Merge ``provider()`` (a flat ``{key: value}`` dict) into every logged step.
+
+        Args:
+            provider: a callable returning the dict (e.g. `NoiseScale.as_provider`).
+
+        Raises:
+            TypeError: ``provider`` is not callable.
 
         Example:
             >>> t = Tracker(torch.nn.Linear(1, 1), groups=["weight"], stats=["l2"])
