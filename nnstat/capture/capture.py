@@ -20,18 +20,6 @@ class ModuleCapture:
     gradient of **each sample's own loss** (already multiplied by the batch size when the loss
     was a mean), and masked positions are zero in both streams.
 
-    Args:
-        name: the module's name in the watched model.
-        module: the module.
-        kind: its layer kind (``"linear"``, ``"conv"``, ``"embedding"``, ``"layernorm"``, ...).
-        a: forward rows ``[N, T, d_in]`` (an embedding: ``[N, T]`` token indices).
-        b: output gradients ``[N, T, d_out]``, before ``scale``.
-        num_positions: positions per sample (an int, or a mask's count as a 0-d tensor).
-        keep: ``[N, T]`` 0/1 of unmasked positions; ``None``: all kept.
-        dims: ``(d_in, d_out)`` when known; ``None``: from the module.
-        bias: whether the module has a bias; ``None``: from the module.
-        scale: factor of the output gradients (the batch size for a mean loss).
-
     Example:
         >>> import torch, nnstat
         >>> model = torch.nn.Linear(3, 2)

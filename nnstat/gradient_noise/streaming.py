@@ -239,8 +239,7 @@ class NoiseScale:
             b_big: the big batch size (``> b_small``).
 
         Raises:
-            ValueError: ``b_small >= b_big``, different layer keys, or a non-finite or
-                negative norm.
+            ValueError: ``b_small >= b_big``, different keys, or a non-finite or negative norm.
             TypeError: one scalar and one dict.
         """
         check_batch_sizes(b_small, b_big)
@@ -298,15 +297,7 @@ class NoiseScale:
 
         Both are mean gradients (of mean losses) over ``b_small`` and ``b_big`` samples, keyed by
         parameter name, e.g. ``{n: p.grad.clone() for n, p in model.named_parameters()}``.
-
-        Args:
-            small_grads: parameter name → mean gradient over ``b_small`` samples.
-            big_grads: the same names → mean gradient over ``b_big`` samples.
-            b_small: the small batch size.
-            b_big: the big batch size.
-
-        Raises:
-            ValueError: different names or shapes, or invalid batch sizes.
+        Raises ``ValueError`` for different names or shapes; otherwise as `update`.
         """
         if set(small_grads) != set(big_grads):
             raise ValueError(f"parameter names differ: {sorted(set(small_grads) ^ set(big_grads))}")
@@ -333,11 +324,7 @@ class NoiseScale:
             name_filter: regex of module names to watch; ``None``: all supported.
             type_filter: module classes to watch.
 
-        Returns:
-            The names of the watched modules.
-
-        Raises:
-            RuntimeError: this NoiseScale already watches a model.
+        Returns the names of the watched modules; ``RuntimeError`` if it already watches one.
         """
 
         if self._capture is not None:
@@ -360,9 +347,6 @@ class NoiseScale:
         Args:
             batch_size: the loss's batch size; ``None``: each module's batch dimension.
             loss_reduction: ``"mean"`` or ``"sum"``.
-
-        Returns:
-            A context manager around one backward.
 
         Raises:
             RuntimeError: no watched model (call `watch` first).
@@ -441,9 +425,6 @@ class NoiseScale:
             ddp_model: the ``DistributedDataParallel`` model.
             local_batch_size: samples per rank per optimizer step.
             process_group: the group to all-reduce over; ``None``: the default group.
-
-        Returns:
-            The hook's state (its ``local_batch_size`` can be changed).
 
         Example::
 

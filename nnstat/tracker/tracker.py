@@ -117,30 +117,6 @@ class Tracker(BackgroundSteps, DeferredSteps):
     update. A sink that raises does not stop the others: every sink gets the step, then the
     first error is raised (by `step`, `flush`, `close` or the read that delivered it).
 
-    Args:
-        model: the network whose parameters are tracked.
-        optimizer: its optimizer (for the optimizer states and updates); ``None``: neither.
-        every: log on one `step` call in ``every``.
-        stats: statistic names (`nnstat.describe`); ``None``: all of them.
-        histograms: also log a histogram per tensor.
-        sinks: objects with ``log(metrics, step)`` (or callables) that receive each logged
-            step, e.g. `nnstat.integrations.wandb.WandbSink`.
-        include: regex (``re.search``) of parameter names to track; ``None``: all.
-        exclude: regex of parameter names to leave out.
-        groups: which of ``weight``, ``grad``, ``optimizer``, ``update`` to log.
-        state_keys: optimizer state keys to log; ``None``: every state tensor the optimizer
-            holds.
-        bins: histogram bins.
-        hist_max_elements: elements sampled per tensor for histograms (``None``: all).
-        background: ``True``, ``False`` or ``None`` (auto), as described above.
-
-    Raises:
-        TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer, a sink
-            neither has ``log`` nor is callable, or ``background`` not a bool or None.
-        ValueError: ``every < 1``, an unknown group or statistic, no parameter matching
-            ``include``/``exclude``, an optimizer holding none of the tracked parameters, or
-            ``background=True`` without the optimizer it needs.
-
     Example:
         >>> model = torch.nn.Linear(2, 1)
         >>> t = Tracker(model, stats=["l2"], groups=["weight"])
@@ -265,14 +241,7 @@ class Tracker(BackgroundSteps, DeferredSteps):
 
     # -- wiring ---------------------------------------------------------------------------
     def add_sink(self, sink: Any) -> None:
-        """Send every logged dict to `sink` (``sink.log(metrics, step)`` or ``sink(metrics, step)``).
-
-        Args:
-            sink: an object with ``log(metrics, step)``, or a callable.
-
-        Raises:
-            TypeError: ``sink`` has no ``log`` method and is not callable.
-        """
+        """Send every logged dict to `sink` (``sink.log(metrics, step)`` or ``sink(metrics, step)``)."""
         self._sinks.append(_as_log(sink))
         self._sink_objects.append(sink)
         attach = getattr(sink, "attach", None)
@@ -281,12 +250,6 @@ class Tracker(BackgroundSteps, DeferredSteps):
 
     def add_provider(self, provider: Callable[[], Mapping[str, Any]]) -> None:
         """Merge ``provider()`` (a flat ``{key: value}`` dict) into every logged step.
-
-        Args:
-            provider: a callable returning the dict (e.g. `NoiseScale.as_provider`).
-
-        Raises:
-            TypeError: ``provider`` is not callable.
 
         Example:
             >>> t = Tracker(torch.nn.Linear(1, 1), groups=["weight"], stats=["l2"])
@@ -433,17 +396,6 @@ class Tracker(BackgroundSteps, DeferredSteps):
         `step` defaults to the number of previous calls. With background statistics the
         returned `StepMetrics` fills in when first read (or at the next `step`, `flush`,
         `close`); sinks receive every step's plain dict, in order.
-
-        Args:
-            step: the step number given to sinks; ``None``: the number of previous calls.
-
-        Returns:
-            The metrics (a plain dict, or a `StepMetrics` filled in on first read) on a
-            logging step, else ``None``.
-
-        Raises:
-            Exception: an error of a previous step's background statistics or of a sink,
-                raised once every sink has had that step.
         """
         call = self._calls
         self._calls += 1
@@ -603,12 +555,8 @@ class Tracker(BackgroundSteps, DeferredSteps):
 
     # -- lifecycle ------------------------------------------------------------------------
     def flush(self) -> None:
-        """Wait for background statistics and device copies and hand them to the sinks.
-
-        Raises:
-            Exception: an error of the statistics or of a sink, once every sink has had the
-                step.
-        """
+        """Wait for background statistics and device copies and hand them to the sinks
+        (re-raises errors of the statistics and of sinks, once every sink has had the step)."""
         self._finish_pending()
         self._arrived(wait=True)
         self._raise_sink_errors()
@@ -618,9 +566,6 @@ class Tracker(BackgroundSteps, DeferredSteps):
 
         Every sink is closed even when flushing or another sink's ``close`` fails; the first
         error is raised afterwards (the others as notes).
-
-        Raises:
-            Exception: the first error of flushing or of a sink's ``close``.
         """
         errors: list[tuple[str, BaseException]] = []
         try:
