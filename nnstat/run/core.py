@@ -72,9 +72,6 @@ class Run:
             refused otherwise. Eval-mode queries never delete. Settable later
             (``run.overwrite = True``): it applies at the next first pass of a schedule.
 
-    Raises:
-        ValueError: ``project`` is not a plain directory name, or ``config`` is invalid.
-
     Example:
         >>> run = Run("demo", root_dir="/tmp/nnstat_doc")  # doctest: +SKIP
         >>> with run(data_id=ids): loss.backward()  # doctest: +SKIP
