@@ -1,7 +1,7 @@
 """Results of device work on their way to the host: one non-blocking copy, awaited later.
 
 `start_copy` flattens a list of device tensors into one float64 vector and starts ONE copy to
-the host; on CUDA with ``non_blocking=True`` into a pinned buffer (`PinnedBuffers`, reused
+the host; on CUDA with ``non_blocking=True`` into a pinned buffer (`HostBuffers`, reused
 across calls), followed by a CUDA event. `HostCopy.done` polls the event (``Event.query()``,
 which never waits); `HostCopy.wait` blocks only when the caller has chosen to. What is queued on
 the device meanwhile keeps running: the training step that follows is not held up by a read.
@@ -12,23 +12,28 @@ on CPU tensors in CI.
 
 Example:
     >>> import torch
-    >>> copy = start_copy([torch.tensor([[1.0, 2.0]]), torch.tensor([3])], PinnedBuffers())
+    >>> copy = start_copy([torch.tensor([[1.0, 2.0]]), torch.tensor([3])], HostBuffers(pin=True))
     >>> copy.done(), [t.tolist() for t in copy.wait()]
     (True, [[[1.0, 2.0]], [3.0]])
 """
 
 from __future__ import annotations
 
+import collections
 import math
-from typing import ClassVar
+import threading
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 
 __all__ = [
     "CudaCopy",
+    "HostBuffers",
     "HostCopy",
     "LocalCopy",
-    "PinnedBuffers",
+    "copy_to_host",
+    "host_empty",
     "flatten_parts",
     "split_parts",
     "start_copy",
@@ -62,22 +67,119 @@ def split_parts(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tens
     return out
 
 
-class PinnedBuffers:
-    """Page-locked float64 host buffers, reused across steps (a buffer returns once its copy
-    has been read; allocating pinned memory is slow and freeing it synchronises the device)."""
+def host_empty(
+    n: int, dtype: torch.dtype | None = None, pin: bool = False, fallback: bool = False
+) -> torch.Tensor:
+    """A flat host buffer of `n` elements (`dtype`: torch's default); page-locked with `pin` (the target of a
+    non-blocking copy from a CUDA device). `fallback`: pageable memory where pinning that much is
+    refused (each copy into it then waits for the device).
 
-    def __init__(self) -> None:
-        self._free: list[torch.Tensor] = []
+    Example:
+        >>> host_empty(3, torch.float64).shape
+        torch.Size([3])
+    """
+    dtype = dtype or torch.get_default_dtype()
+    if not pin:
+        return torch.empty(n, dtype=dtype)
+    try:
+        return torch.empty(n, dtype=dtype, pin_memory=True)
+    except RuntimeError:
+        if not fallback:
+            raise
+        return torch.empty(n, dtype=dtype)
 
-    def take(self, n: int) -> torch.Tensor:
-        """A free buffer of at least `n` elements (a new one if none fits)."""
-        for i, buf in enumerate(self._free):
-            if buf.numel() >= n:
-                return self._free.pop(i)
-        return torch.empty(max(n, 256), dtype=torch.float64, pin_memory=True)
 
-    def give(self, buf: torch.Tensor) -> None:
-        self._free.append(buf)
+def copy_to_host(dst: torch.Tensor, src: torch.Tensor) -> Any:
+    """Copy `src` into the host tensor `dst`: from a CUDA device without waiting (`dst` pinned)
+    and return the CUDA event recorded after the copy (wait for it before reading `dst`);
+    elsewhere at once, returning ``None``.
+
+    Example:
+        >>> dst = torch.empty(2); copy_to_host(dst, torch.ones(2)), dst.tolist()
+        (None, [1.0, 1.0])
+    """
+    if src.device.type != "cuda":
+        dst.copy_(src)
+        return None
+    # the device tensor may be freed right after: the caching allocator reuses its memory only
+    # for work queued later on this stream, i.e. after the copy
+    dst.copy_(src, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(src.device))
+    return event
+
+
+class HostBuffers:
+    """Host staging buffers, reused: allocating pinned memory is slow and freeing it
+    synchronises the device, and fresh multi-MB pageable buffers cost page faults.
+
+    `take` hands out a flat buffer of at least `n` elements (the most recently returned one that
+    fits, else a new one); `give` returns it, with the CUDA event after which the device no
+    longer reads it (``None``: free now, as on CPU), and `take` waits for that event only when it
+    hands the buffer out again. At most `keep` free buffers are kept (the oldest are let go).
+    Thread-safe: one thread may give back what another takes.
+
+    Args:
+        pin: page-locked memory (the host end of non-blocking copies from a CUDA device).
+        keep: free buffers kept at most (``None``: all).
+        minimum: the smallest buffer allocated, in elements.
+        alloc: makes a new flat buffer ``alloc(n, dtype)`` (default: `host_empty`).
+
+    Example:
+        >>> pool = HostBuffers(pin=False)
+        >>> buf = pool.take(4, torch.float64); pool.give(buf)
+        >>> pool.take(2, torch.float64) is buf, pool.owns(buf)
+        (True, True)
+    """
+
+    def __init__(
+        self,
+        pin: bool,
+        keep: int | None = None,
+        minimum: int = 1,
+        alloc: Callable[[int, torch.dtype], torch.Tensor] | None = None,
+    ) -> None:
+        self.pin, self._keep, self._minimum, self._alloc = pin, keep, minimum, alloc
+        self._free: collections.deque[tuple[torch.Tensor, Any]] = collections.deque()
+        self._mine: set[int] = set()  # data pointers of the buffers this pool made
+        self._lock = threading.Lock()
+
+    def take(self, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A flat buffer of at least `n` elements of `dtype` (its content is undefined)."""
+        found = None
+        with self._lock:
+            for i in range(len(self._free) - 1, -1, -1):
+                buf, event = self._free[i]
+                if buf.dtype == dtype and buf.numel() >= n:
+                    del self._free[i]
+                    found = buf, event
+                    break
+        if found is None:
+            n = max(n, self._minimum)
+            if self._alloc is not None:
+                buf = self._alloc(n, dtype)
+            else:
+                buf = host_empty(n, dtype, self.pin)
+            self._mine.add(buf.data_ptr())
+            return buf
+        buf, event = found
+        if event is not None and not event.query():
+            event.synchronize()  # the device still reads it: the copy was queued just now
+        return buf
+
+    def give(self, buf: torch.Tensor, after: Any = None) -> None:
+        """Take `buf` back (a view of it gives the whole buffer back), free once the CUDA event
+        `after` has completed (``None``: now)."""
+        base = buf._base if buf._base is not None else buf
+        with self._lock:
+            self._free.append((base, after))
+            if self._keep is not None and len(self._free) > self._keep:
+                self._mine.discard(self._free.popleft()[0].data_ptr())
+
+    def owns(self, buf: torch.Tensor) -> bool:
+        """Whether `buf` (or the buffer it views) was made by this pool."""
+        base = buf._base if buf._base is not None else buf
+        return base.data_ptr() in self._mine
 
 
 class HostCopy:
@@ -133,17 +235,13 @@ class LocalCopy(HostCopy):
 class CudaCopy(HostCopy):
     """A non-blocking copy into pinned memory, and the CUDA event recorded after it."""
 
-    def __init__(self, parts: list[torch.Tensor], buffers: PinnedBuffers) -> None:
+    def __init__(self, parts: list[torch.Tensor], buffers: HostBuffers) -> None:
         super().__init__(parts)
         flat = flatten_parts(parts)
         self._n = flat.numel()
         self._buffers = buffers
-        self._buf: torch.Tensor | None = buffers.take(self._n)
-        # the device vector may be freed right after: the caching allocator reuses its memory
-        # only for work queued later on this stream, i.e. after the copy
-        self._buf[: self._n].copy_(flat, non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record(torch.cuda.current_stream(flat.device))
+        self._buf: torch.Tensor | None = buffers.take(self._n, torch.float64)
+        self._event = copy_to_host(self._buf[: self._n], flat)
 
     def done(self) -> bool:
         return self._buf is None or self._event.query()
@@ -160,7 +258,7 @@ class CudaCopy(HostCopy):
         return self._host
 
 
-def start_copy(parts: list[torch.Tensor], buffers: PinnedBuffers) -> HostCopy:
+def start_copy(parts: list[torch.Tensor], buffers: HostBuffers) -> HostCopy:
     """Start moving `parts` (tensors on one device) to the host in one transfer.
 
     Pinned memory and an event on CUDA; elsewhere the copy is made at once (`LocalCopy`).

@@ -10,7 +10,7 @@ Example:
 
 from nnstat.capture.capture import ModuleCapture
 from nnstat.capture.engine import CaptureConsumer, CaptureEngine, UnsupportedModuleError
-from nnstat.capture.rules import detect_kind
+from nnstat.capture.kinds import detect_kind
 
 __all__ = [
     "CaptureConsumer",

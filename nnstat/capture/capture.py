@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from nnstat.capture import rules
+from nnstat.capture.kinds import Kind, kind_named
+from nnstat.capture.matrix import rows_mm, scaled
 from nnstat.capture.norms import sq_norm_factors
 
 
@@ -36,7 +36,7 @@ class ModuleCapture:
         self,
         name: str,
         module: nn.Module,
-        kind: str,
+        kind: str | Kind,
         a: torch.Tensor,
         b: torch.Tensor,
         num_positions: int | torch.Tensor,
@@ -47,7 +47,7 @@ class ModuleCapture:
     ) -> None:
         self.name = name
         self.module = module
-        self.kind = kind
+        self.kind = kind = kind_named(kind)  # the layer kind: its products are computed there
         # embedding: [N, T] long indices (-1 = no gradient); else [N, T, d_in] WITHOUT the bias's
         # ones column: it is implicit (= keep) so no [N, T, d_in + 1] copy is made unless asked
         self._a3: torch.Tensor | None = a
@@ -62,19 +62,19 @@ class ModuleCapture:
         # dims/bias may come precomputed (the engine does it once at watch time: this object is
         # built per module per backward, so attribute probing here is a fixed per-step cost)
         if bias is None:
-            bias = rules.has_bias(module)
-        self._bias = bias and kind in rules.BIAS_KINDS
+            bias = kind.has_bias(module)
+        self._bias = bias and kind.dense
         self.num_samples = int(b.shape[0])
         # an int, or a 0-d tensor (a mask's count) read only when num_positions is asked for
         self._positions: int | torch.Tensor = num_positions
-        self.d_in, self.d_out = rules.dims(kind, module) if dims is None else dims
+        self.d_in, self.d_out = kind.dims(module) if dims is None else dims
 
     @classmethod
     def _plain(
         cls,
         name: str,
         module: nn.Module,
-        kind: str,
+        kind: Kind,
         a: torch.Tensor,
         b: torch.Tensor,
         n: int,
@@ -162,14 +162,12 @@ class ModuleCapture:
     @property
     def is_kronecker(self) -> bool:
         """True when the gradient is a sum of outer products ``b aᵀ`` (all kinds but layernorm)."""
-        return self.kind in rules.OUTER_KINDS
+        return self.kind.outer
 
     @property
     def forward(self) -> torch.Tensor:
         """``[N, T, d_in(+1)]`` float32 inputs in matrix form (embedding: one-hot, materialised)."""
-        if self.kind == "embedding":
-            return one_hot_rows(self._a, self.d_in)
-        return self._a_full()
+        return self.kind.forward(self)
 
     @property
     def backward(self) -> torch.Tensor:
@@ -179,7 +177,7 @@ class ModuleCapture:
     @property
     def indices(self) -> torch.Tensor:
         """Embedding only: ``[N, T]`` indices, ``-1`` where the position has no gradient."""
-        if self.kind != "embedding":
+        if not self.kind.tokens:
             raise AttributeError(f"{self.name}: indices exist only for embedding, not {self.kind}")
         return self._a
 
@@ -191,26 +189,7 @@ class ModuleCapture:
         ``[N, D, V]``; HF Conv1D: the transpose of its ``(nx, nf)`` weight), ``[N, D(+D)]`` for
         layernorm (weight then bias). Use :meth:`per_sample_grads_by_param` for parameter shapes.
         """
-        if self.kind == "layernorm":  # the mean-loss factor on the sums, not on b [N, T, D]
-            return scaled(self._grad_of(self._b_raw), self._scale)
-        return self._grad_of(self._b)
-
-    def _grad_of(self, b: torch.Tensor) -> torch.Tensor:
-        """:meth:`per_sample_grad` with `b` as the output gradients (scaled or not)."""
-        a = self._a
-        if self.kind == "layernorm":
-            w = (b * a).sum(1)
-            return torch.cat([w, b.sum(1)], dim=1) if rules.has_bias(self.module) else w
-        if self.kind == "embedding":
-            out = b.new_zeros(a.shape[0], self.d_in, self.d_out)
-            return scatter_rows(out, a, b).transpose(1, 2)
-        bt = b.transpose(1, 2)
-        if not self._bias:
-            return torch.bmm(bt, a)
-        if b.shape[1] < self.d_out:  # appending the ones column to A is the smaller copy
-            return torch.bmm(bt, self._a_full())
-        # masked rows have b = 0, so the bias gradient is the plain sum over positions
-        return torch.cat([torch.bmm(bt, a), b.sum(1).unsqueeze(-1)], dim=-1)
+        return self.kind.per_sample_grad(self)
 
     def batch_grad(self) -> torch.Tensor:
         """``Σ_i G_i`` in :meth:`per_sample_grad`'s matrix form: the batch's gradient of the
@@ -225,22 +204,11 @@ class ModuleCapture:
             >>> out[0].tolist()  # weight [1, 2], then the bias column
             [[3.0, 3.0, 3.0]]
         """
-        if self.kind == "layernorm":
-            return self.per_sample_grad().sum(0)
-        b = self._b_raw.reshape(-1, self._b_raw.shape[-1])
-        if self.kind == "embedding":  # every position as one sample of a batch of one
-            g = b.new_zeros(1, self.d_in, self.d_out)
-            g = scatter_rows(g, self._a.reshape(1, -1), b.unsqueeze(0))[0].T
-        else:
-            a = self._a.reshape(-1, self._a.shape[-1])
-            g = b.T @ a
-            if self._bias:  # masked rows have b = 0: the bias column is the plain sum
-                g = torch.cat([g, b.sum(0).unsqueeze(-1)], dim=1)
-        return scaled(g, self._scale)
+        return self.kind.batch_grad(self)
 
     def per_sample_grads_by_param(self) -> dict[str, torch.Tensor]:
         """``{"weight": [N, *weight.shape], "bias": [N, *bias.shape]}`` (bias when present)."""
-        return rules.grads_by_param(self.kind, self.module, self.per_sample_grad())
+        return self.kind.grads_by_param(self.module, self.per_sample_grad())
 
     def per_sample_sq_norm(self) -> torch.Tensor:
         """``[N]`` squared Frobenius norm of each sample's gradient (weight and bias together).
@@ -260,20 +228,7 @@ class ModuleCapture:
                 return torch.addcmul(nb2, na.square_(), nb2)
             return na.mul_(nb).square_()
         # unscaled output gradients; the mean-loss factor squared multiplies the [N] result
-        return scaled(self._sq_norm_of(self._b_raw), self._scale * self._scale)
-
-    def _sq_norm_of(self, b: torch.Tensor) -> torch.Tensor:
-        a, t = self._a, b.shape[1]
-        if self.kind == "layernorm":
-            return self._grad_of(b).square().sum(1)
-        if self.kind == "embedding":
-            if t * t > self.d_in:
-                return self._grad_of(b).square().sum((1, 2))
-            same = (a.unsqueeze(2) == a.unsqueeze(1)) & (a >= 0).unsqueeze(2)
-            return (same * torch.bmm(b, b.transpose(1, 2))).sum((1, 2))
-        if t * (self.d_in + self.d_out) < self.d_in * self.d_out:
-            return gram_sq_norms(a, b, self._bias)
-        return self._grad_of(b).square().sum((1, 2))
+        return scaled(self.kind.sq_norm(self, self._b_raw), self._scale * self._scale)
 
     def sq_norm_factors(self) -> tuple[list[torch.Tensor], float] | None:
         """``(tensors, c)`` with ``Σ_i ‖G_i‖² = c · Σ_k ‖tensors[k]‖²_F``, or None.
@@ -302,7 +257,7 @@ class ModuleCapture:
         """One position per sample and an outer-product gradient ``b aᵀ`` (dense inputs)."""
         if self._g2 is None and self._b3.shape[1] != 1:
             return False
-        return self.kind in _ROW_KINDS
+        return self.kind.dense
 
     def project(
         self,
@@ -378,17 +333,10 @@ class ModuleCapture:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``b @ p_outᵀ`` ``[N, T, r_out]`` and ``[a, 1] @ p_inᵀ`` ``[N, T, r_in]``."""
         p_in, p_out = self._checked_projections(p_in, p_out, self._b_raw)
-        if self.kind == "embedding":
-            ap = token_rows(self._a, p_in)
-        elif self._bias:
-            # [a, 1] @ p_inᵀ without building [a, 1]; masked rows have b = 0 and drop out
-            ap = torch.addmm(p_in[:, -1], self._a.reshape(-1, self._a.shape[-1]), p_in[:, :-1].T)
-            ap = ap.reshape(*self._a.shape[:2], -1)
-        else:
-            ap = _rows_mm(self._a, p_in.T)
+        ap = self.kind.projected_rows(self, p_in)
         # the mean-loss factor on the projected [N, T, r_out] rows, not on [N, T, d_out]: exact
         # for a power-of-two batch size, one rounding either way otherwise
-        return scaled(_rows_mm(self._b_raw, p_out.T), self._scale), ap
+        return scaled(rows_mm(self._b_raw, p_out.T), self._scale), ap
 
     # ------------------------------------------------------------ sums for statistics
     def forward_gram(self, proj: torch.Tensor | None = None) -> torch.Tensor:
@@ -397,16 +345,7 @@ class ModuleCapture:
         if proj is not None:
             ap = self._projected_forward(proj)
             return ap.T @ ap
-        if self.kind == "embedding":
-            return torch.diag(self._token_counts())
-        a = self._a.reshape(-1, self._a.shape[-1])
-        gram = a.T @ a
-        if not self._bias:
-            return gram
-        k = self._ones().reshape(-1)
-        col = k @ a
-        corner = (k * k).sum().reshape(1, 1)
-        return torch.cat([torch.cat([gram, col[:, None]], 1), torch.cat([col[None], corner], 1)])
+        return self.kind.forward_gram(self)
 
     def backward_gram(self, proj: torch.Tensor | None = None) -> torch.Tensor:
         """``Σ_{n,t} b bᵀ``, ``[d_out, d_out]``; with ``proj`` (``P`` ``[r, d_out]``)
@@ -420,12 +359,7 @@ class ModuleCapture:
 
     def forward_sq_sum(self) -> torch.Tensor:
         """``Σ_{n,t} a²`` per input dimension (the diagonal of :meth:`forward_gram`)."""
-        if self.kind == "embedding":
-            return self.forward_sum()  # one-hot: a² = a
-        total = self._a.square().sum((0, 1))
-        if not self._bias:
-            return total
-        return torch.cat([total, self._ones().square().sum().reshape(1)])
+        return self.kind.forward_sq_sum(self)
 
     def backward_sq_sum(self) -> torch.Tensor:
         """``Σ_{n,t} b²`` per output dimension (the diagonal of :meth:`backward_gram`)."""
@@ -434,35 +368,11 @@ class ModuleCapture:
     def _projected_forward(self, proj: torch.Tensor) -> torch.Tensor:
         """``P [a, 1]`` ``[N·T, r]`` of every position (masked rows zero)."""
         _check_proj(self.name, "projection", proj, self.d_in)
-        proj = proj.to(self._b_raw)
-        if self.kind == "embedding":
-            return token_rows(self._a.reshape(-1), proj)
-        a = self._a.reshape(-1, self._a.shape[-1])
-        if not self._bias:
-            return a @ proj.T
-        k = self._ones().reshape(-1, 1)
-        return torch.addmm(k * proj[:, -1], a, proj[:, :-1].T)
+        return self.kind.projected_forward(self, proj.to(self._b_raw))
 
     def forward_sum(self) -> torch.Tensor:
         """``Σ_{n,t} a`` over unmasked positions."""
-        if self.kind == "embedding":
-            return self._token_counts()
-        total = self._a.sum((0, 1))
-        if not self._bias:
-            return total
-        return torch.cat([total, self._ones().sum().reshape(1)])
-
-    def _token_counts(self) -> torch.Tensor:
-        """Embedding: ``[V]`` float32 count of each index over positions with a gradient.
-
-        A scatter-add of 0/1 weights: no boolean-mask selection and no ``bincount`` (both read
-        the device back: the selection's size, bincount's maximum on CUDA). Counts up to 2^24
-        per batch are exact in float32, in any order of the additions.
-        """
-        idx = self._a.reshape(-1)
-        valid = idx >= 0
-        counts = torch.zeros(self.d_in, device=idx.device)
-        return counts.index_add_(0, idx.clamp(min=0), valid.float())
+        return self.kind.forward_sum(self)
 
     def backward_sum(self) -> torch.Tensor:
         """``Σ_{n,t} b``."""
@@ -475,91 +385,12 @@ class ModuleCapture:
         )
 
 
-_ROW_KINDS = (*rules.ROW_KINDS, "conv")
-
-
 def _check_out(name: str, out: torch.Tensor, n: int, width: int) -> None:
     if out.shape != (n, width) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(
             f"{name}: out must be a float32 [{n}, {width}] tensor with contiguous rows, got "
             f"{out.dtype} {tuple(out.shape)} strides {out.stride()}"
         )
-
-
-def one_hot_rows(idx: torch.Tensor, width: int) -> torch.Tensor:
-    """``[..., width]`` float32 one-hot rows of indices ``idx`` (``-1``: a zero row): an
-    embedding's forward rows in matrix form.
-
-    Example:
-        >>> one_hot_rows(torch.tensor([2, -1]), 3)
-        tensor([[0., 0., 1.],
-                [0., 0., 0.]])
-    """
-    return F.one_hot(idx.clamp(min=0), width).float() * (idx >= 0).unsqueeze(-1)
-
-
-def token_rows(idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``one_hot_rows(idx, V) @ p.T`` (``p`` ``[r, V]``) as a lookup: the rows of the one-hot
-    matrix are never built (``[N, T, V]``: GBs for a GPT-2 vocabulary). The values are the
-    product's, bit for bit: each output is one ``p`` entry times 1 plus exact zeros.
-
-    Example:
-        >>> p = torch.randn(2, 3)
-        >>> bool(torch.equal(token_rows(torch.tensor([2, -1]), p),
-        ...                  one_hot_rows(torch.tensor([2, -1]), 3) @ p.T))
-        True
-    """
-    return F.embedding(idx.clamp(min=0), p.T) * (idx >= 0).unsqueeze(-1)
-
-
-def gram_sq_norms(a: torch.Tensor, b: torch.Tensor, bias: bool = False) -> torch.Tensor:
-    """``[N]`` squared norms of ``G_i = Σ_t b_t [a_t, 1]ᵀ`` (ones column when `bias`: adds the
-    sum of ``b``'s Gram) as one batched dot of the two ``[N, T, T]`` Grams.
-
-    Example:
-        >>> a, b = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
-        >>> g = torch.cat([b.transpose(1, 2) @ a, b.sum(1).unsqueeze(-1)], -1)
-        >>> bool(torch.allclose(gram_sq_norms(a, b, bias=True), g.square().sum((1, 2))))
-        True
-    """
-    n = a.shape[0]
-    gram_a = torch.bmm(a, a.transpose(1, 2)).view(n, 1, -1)
-    gram_b = torch.bmm(b, b.transpose(1, 2)).view(n, -1, 1)
-    sq = torch.bmm(gram_a, gram_b).view(n)
-    return sq.add_(gram_b.view(n, -1).sum(1)) if bias else sq
-
-
-def scatter_rows(
-    out: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, alpha: float = 1.0
-) -> torch.Tensor:
-    """``out[i, idx[i, t]] += alpha * rows[i, t]`` in place (any strides) for ``out`` ``[N, R,
-    C]``, ``idx`` ``[N, T]`` (``-1``: adds zeros, not a boolean selection, a host sync on a GPU).
-
-    Example:
-        >>> out = torch.zeros(1, 3, 2)
-        >>> scatter_rows(out, torch.tensor([[2, -1, 2]]), torch.ones(1, 3, 2))[0].tolist()
-        [[0.0, 0.0], [0.0, 0.0], [2.0, 2.0]]
-    """
-    n, t = idx.shape
-    src = torch.where((idx >= 0).unsqueeze(-1), rows if alpha == 1.0 else rows * alpha, 0.0)
-    sample = torch.arange(n, device=idx.device).unsqueeze(1).expand(n, t)
-    return out.index_put_(
-        (sample.reshape(-1), idx.clamp(min=0).reshape(-1)), src.reshape(n * t, -1), True
-    )
-
-
-def scaled(rows: torch.Tensor, scale: float) -> torch.Tensor:
-    """``rows * scale``, in place on `rows` (a fresh product) unless ``scale == 1``."""
-    return rows if scale == 1.0 else rows.mul_(scale)
-
-
-def _rows_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w`` for ``[N, T, d]`` rows: the one GEMM ``matmul`` folds them into, viewed back
-    (``matmul`` adds an ``_unsafe_view`` op per call, a dispatch per module per batch)."""
-    if x.dim() != 3 or not x.is_contiguous():
-        return x @ w  # matmul decides how to fold (or batch) rows it cannot view
-    n, t, d = x.shape
-    return torch.mm(x.view(n * t, d), w).view(n, t, w.shape[1])
 
 
 def _writable_into(out: torch.Tensor, *inputs: torch.Tensor) -> bool:

@@ -20,20 +20,20 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from nnstat.capture._build import (
+from nnstat.capture.build import (
     LOSS_REDUCTIONS,
-    _BatchContext,
-    _build_capture,
-    _check_batch_args,
-    _hook_target,
-    _reshaped,
-    _Watched,
+    BatchContext,
+    Watched,
+    build_capture,
+    check_batch_args,
     first_tensor,
+    hook_target,
+    reshaped,
 )
-from nnstat.capture.ambiguous import SampleRows, add_check_guard
-from nnstat.capture.broadcast import BroadcastOutput, add_guard
 from nnstat.capture.capture import ModuleCapture
-from nnstat.capture.layouts import LayoutHooks, _kind_of, sequence_first_layers
+from nnstat.capture.layouts.ambiguous import SampleRows, add_check_guard
+from nnstat.capture.layouts.broadcast import BroadcastOutput, add_guard
+from nnstat.capture.layouts.hooks import LayoutHooks, kind_of, sequence_first_layers
 
 __all__ = ["LOSS_REDUCTIONS", "CaptureConsumer", "CaptureEngine", "UnsupportedModuleError"]
 
@@ -73,14 +73,14 @@ class CaptureEngine(LayoutHooks):
     """
 
     def __init__(self) -> None:
-        self._watched: dict[nn.Module, _Watched] = {}
+        self._watched: dict[nn.Module, Watched] = {}
         self._handles: list[Any] = []
         self._consumers: list[Callable[[ModuleCapture], None]] = []
         self._forward_consumers: list[Callable[[str, nn.Module, Any, Any], None]] = []
         self._backward_consumers: list[Callable[[list[ModuleCapture]], None]] = []
-        self._ctx: _BatchContext | None = None
-        self._contexts: dict[tuple, _BatchContext] = {}
-        self._pending: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor, _BatchContext]]] = {}
+        self._ctx: BatchContext | None = None
+        self._contexts: dict[tuple, BatchContext] = {}
+        self._pending: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor, BatchContext]]] = {}
         self._lock = threading.Lock()
         self._flush_queued = False
         self._roots: list[nn.Module] = []
@@ -99,7 +99,8 @@ class CaptureEngine(LayoutHooks):
     @property
     def watched(self) -> dict[str, nn.Module]:
         """Watched modules by name, in watch order (a module that shares its parameters with
-        another one is watched under that one's name alone: see ``nnstat/capture/tied.py``)."""
+        another one is watched under that one's name alone: see ``nnstat/capture/layouts/tied.py``).
+        """
         return {w.name: w.module for w in self._watched.values() if w.tied_to is None}
 
     @property
@@ -134,7 +135,7 @@ class CaptureEngine(LayoutHooks):
         ``type_filter``: module classes or class names. Modules without parameters of their own
         are never selected. ``nn.MultiheadAttention`` is captured through the module itself:
         its ``in_proj`` (kind ``"attention"``) and the ``out_proj`` inside it (see
-        ``nnstat/capture/attention.py``). Without filters, unsupported modules that own
+        ``nnstat/capture/kinds/attention.py``). Without filters, unsupported modules that own
         parameters are skipped with one warning; with a filter, selecting one raises
         :class:`UnsupportedModuleError`.
 
@@ -156,7 +157,7 @@ class CaptureEngine(LayoutHooks):
         types = _as_list(type_filter)
         mha = {n: m for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
         seq_first = sequence_first_layers(model)
-        selected: list[_Watched] = []
+        selected: list[Watched] = []
         unsupported: list[str] = []
         for name, module in model.named_modules():
             if not any(True for _ in module.parameters(recurse=False)):
@@ -167,13 +168,13 @@ class CaptureEngine(LayoutHooks):
                 continue
             parent = next((m for p, m in mha.items() if name.startswith(p + ".")), None)
             layer = next((p for p in seq_first if name.startswith(p + ".")), None)
-            kind, why = _kind_of(module, parent, layer)
+            kind, why = kind_of(module, parent, layer)
             if kind is None:
                 unsupported.append(f"{name or '<root>'} ({type(module).__name__}): {why}")
                 continue
             if module in self._watched:
                 continue
-            selected.append(_Watched(name or "model", module, kind, via=parent))
+            selected.append(Watched(name or "model", module, kind, via=parent))
         selected = self._select_ties(model, selected, unsupported)
         if unsupported:
             msg = "cannot capture per-sample gradients of: " + "; ".join(unsupported)
@@ -317,7 +318,7 @@ class CaptureEngine(LayoutHooks):
     ) -> None:
         """Validate and open a batch (``batch()`` without its generator, for per-step callers
         that close it with ``_end()``)."""
-        _check_batch_args(batch_size, loss_reduction)
+        check_batch_args(batch_size, loss_reduction)
         if samples is not None and samples != "input":
             if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
                 raise ValueError(f'samples must be a non-negative int or "input", got {samples!r}')
@@ -325,13 +326,13 @@ class CaptureEngine(LayoutHooks):
             key = (batch_size, loss_reduction, outputs_require_grad, samples)
             ctx = self._contexts.get(key)
             if ctx is None:
-                ctx = self._contexts[key] = _BatchContext(
+                ctx = self._contexts[key] = BatchContext(
                     batch_size, None, loss_reduction, outputs_require_grad, samples
                 )
         else:
             if not isinstance(mask, torch.Tensor) or mask.dim() < 1:
                 raise ValueError("mask must be a tensor of shape [N] or [N, *positions]")
-            ctx = _BatchContext(
+            ctx = BatchContext(
                 batch_size, mask.detach(), loss_reduction, outputs_require_grad, samples
             )
         if self._ctx is not None:
@@ -381,7 +382,7 @@ class CaptureEngine(LayoutHooks):
                 self.model_input = t.detach()
 
     def _on_forward(
-        self, w: _Watched, module: nn.Module, inputs: tuple, output: Any
+        self, w: Watched, module: nn.Module, inputs: tuple, output: Any
     ) -> torch.Tensor | None:
         ctx = self._ctx
         if ctx is None:
@@ -434,9 +435,9 @@ class CaptureEngine(LayoutHooks):
         # the input travels in the closure, so a recomputed forward (activation checkpointing)
         # pairs with its own backward and a forward whose output never gets a gradient is dropped
         hook = partial(self._on_output_grad, module, x, ctx)
-        target = _hook_target(output) if output._is_view() else output
+        target = hook_target(output) if output._is_view() else output
         if target is not output:
-            hook = partial(_reshaped, hook, output.shape)
+            hook = partial(reshaped, hook, output.shape)
         fresh = type(target) is torch.Tensor and target._backward_hooks is None
         register = getattr(target.grad_fn, _REGISTER_HOOK_DICT, None) if fresh else None
         if register is not None:
@@ -451,7 +452,7 @@ class CaptureEngine(LayoutHooks):
         return replaced
 
     def _on_output_grad(
-        self, module: nn.Module, x: torch.Tensor, ctx: _BatchContext, grad: torch.Tensor
+        self, module: nn.Module, x: torch.Tensor, ctx: BatchContext, grad: torch.Tensor
     ) -> None:
         if grad.requires_grad:  # create_graph=True: keep no graph alive through captures
             grad = grad.detach()
@@ -476,7 +477,7 @@ class CaptureEngine(LayoutHooks):
             self._attention_rows(pending)
         left_out = self._left_out
         caps = [
-            _build_capture(w, pending[module])
+            build_capture(w, pending[module])
             for module, w in list(self._watched.items())
             if pending.get(module) and not (left_out and w.name in left_out)
         ]

@@ -57,24 +57,39 @@ def is_diagonal(factor: torch.Tensor) -> bool:
 
 def diagonal_forward(cap: ModuleCapture) -> bool:
     """True when the module's forward covariance is diagonal by construction (one-hot inputs)."""
-    return cap.kind == "embedding"
+    return cap.kind.tokens
 
 
-def factor_eig(factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def factor_eig(factor: torch.Tensor, psd: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Eigenvalues (float64) and eigenvectors of a symmetric factor, dense or diagonal.
 
     A diagonal factor's eigenvectors are the identity, returned as ``None`` (never a
-    ``d × d`` matrix) with the diagonal, in index order, as its eigenvalues.
+    ``d × d`` matrix) with the diagonal, in index order, as its eigenvalues. ``psd``: the
+    factor is a curvature estimate, positive semi-definite up to round-off: a dense one is
+    symmetrised first and the eigenvalues are clamped at 0 (the preconditioners' use).
+
+    Args:
+        factor: ``[d, d]`` or its diagonal ``[d]``.
+        psd: symmetrise and clamp as above.
+
+    Returns:
+        ``(eigenvalues [d] float64, eigenvectors [d, d] or None)``.
 
     Example:
         >>> import torch
         >>> vals, vecs = factor_eig(torch.tensor([2.0, 1.0]))
         >>> vals.tolist(), vecs
         ([2.0, 1.0], None)
+        >>> factor_eig(torch.tensor([2.0, -1e-9]), psd=True)
+        (tensor([2., 0.], dtype=torch.float64), None)
     """
+    m = factor.to(torch.float64)
     if is_diagonal(factor):
-        return factor.to(torch.float64), None
-    return torch.linalg.eigh(factor.to(torch.float64))
+        return (m.clamp_min(0.0) if psd else m), None
+    if not psd:
+        return torch.linalg.eigh(m)
+    evals, evecs = torch.linalg.eigh((m + m.T) / 2)
+    return evals.clamp_min(0.0), evecs
 
 
 @dataclass(frozen=True, eq=False)  # holds a tensor: compared by .form, never ==
@@ -434,7 +449,7 @@ def sq_rotated(
     are multiplied into ``a`` and ``b`` first; embedding rows come from the (sample, token)
     pairs that occur, other kinds in chunks of samples of at most :data:`EKFAC_CHUNK`
     elements."""
-    if cap.kind == "embedding" and m_in is None:
+    if cap.kind.tokens and m_in is None:
         return _embedding_sq_rotated(cap, m_out)
     if m_in is not None and m_out is not None:
         k_out, k_in = m_out.shape[0], m_in.shape[0]

@@ -99,15 +99,58 @@ def batch_len(batch: Any) -> int:
     raise TypeError(f"cannot find a batch dimension in {type(batch).__name__}")
 
 
+def slice_batch(batch: Any, lo: int, hi: int, n: int | None = None) -> Any:
+    """The examples ``lo:hi`` of a batch of ``n`` (default `batch_len`): every tensor whose
+    first dimension is ``n`` sliced, in dicts, lists and tuples; anything else as it is.
+
+    Args:
+        batch: a tensor, or dicts, lists and tuples of them (and of other values).
+        lo: the first example.
+        hi: one past the last example.
+        n: the batch's size (default: `batch_len`).
+
+    Returns:
+        The batch of examples ``lo:hi``, in ``batch``'s structure.
+
+    Example:
+        >>> b = slice_batch({"x": torch.arange(6).reshape(3, 2), "scale": torch.ones(())}, 1, 2)
+        >>> b["x"].tolist(), b["scale"].shape
+        ([[2, 3]], torch.Size([]))
+    """
+    n = batch_len(batch) if n is None else n
+    if isinstance(batch, torch.Tensor):
+        return batch[lo:hi] if batch.dim() and batch.shape[0] == n else batch
+    if isinstance(batch, Mapping):
+        return type(batch)({k: slice_batch(v, lo, hi, n) for k, v in batch.items()})  # type: ignore
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(slice_batch(v, lo, hi, n) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(slice_batch(v, lo, hi, n) for v in batch)
+    return batch
+
+
+def looks_reduced_by(whole: float, singles: Sequence[float]) -> str | None:
+    """How a batch loss ``whole`` reduces its examples' own losses ``singles`` (each a batch of
+    one, where a mean and a sum agree): ``"sum"`` where it is nearer (in ratio) ``n`` x their
+    mean than their mean, else ``"mean"``; ``None`` where losses that are not all positive
+    and finite, or one example, say nothing.
+
+    Example:
+        >>> looks_reduced_by(10.0, [2.0, 3.0, 5.0]), looks_reduced_by(3.4, [2.0, 3.0, 5.0])
+        ('sum', 'mean')
+    """
+    n = len(singles)
+    mean = sum(singles) / max(n, 1)
+    if n < 2 or not (0 < whole < math.inf and 0 < mean < math.inf):
+        return None
+    ratio = math.log(whole / mean)
+    return "sum" if abs(ratio - math.log(n)) < abs(ratio) else "mean"
+
+
 def sum_weight(batch_size: int, loss_reduction: str) -> float:
     """Weight of a batch loss in the *sum* of the examples' losses (a streamed pass divides by
     the count once, so the data is read once per product, never once more to count it)."""
     return float(batch_size) if loss_reduction == "mean" else 1.0
-
-
-def mean_loss_weight(batch_size: int, n: int, loss_reduction: str) -> float:
-    """Weight of a batch loss in the *mean* of ``n`` examples' losses (data held in memory)."""
-    return sum_weight(batch_size, loss_reduction) / n
 
 
 def twice_differentiable() -> Any:
@@ -219,7 +262,8 @@ def graph_hvp(
 
 def ggn_graph(z: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list]:
     """``(u, Jᵀu)`` with ``J = ∂z/∂params`` built with ``create_graph`` (linear in ``u``): the
-    part of `graph_ggn_vp` that does not depend on the vectors, built once per batch."""
+    part of the GGN product that does not depend on the vectors, built once per batch
+    (`ggn_apply` multiplies)."""
     u = torch.zeros_like(z, requires_grad=True)
     return u, list(torch.autograd.grad(z, params, grad_outputs=u, create_graph=True))
 
@@ -237,19 +281,6 @@ def ggn_apply(
     jv = batched_grad(jtu, [u], vs)[0]  # [k, *z.shape]
     hjv = batched_grad([gz], [z], [jv])[0]
     return batched_grad([z], params, [hjv])
-
-
-def graph_ggn_vp(
-    z: torch.Tensor,
-    gz: torch.Tensor,
-    params: Sequence[torch.Tensor],
-    vs: Sequence[torch.Tensor],
-) -> list[torch.Tensor]:
-    """``Jᵀ H_L J v_k`` with ``z`` the model's output (``J = ∂z/∂params``) and ``gz = ∂loss/∂z``
-    built with ``create_graph``, all by reverse mode: ``J v`` is the derivative of ``u ↦ Jᵀu``
-    (linear in ``u``) in direction ``v``."""
-    u, jtu = ggn_graph(z, params)
-    return ggn_apply(z, gz, u, jtu, params, vs)
 
 
 def check_loss_through(

@@ -20,7 +20,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,7 +37,9 @@ from nnstat.curvature.products import (
     ggn_graph,
     graph_hvp,
     iter_batches,
+    looks_reduced_by,
     output_logits,
+    slice_batch,
     sum_weight,
     twice_differentiable,
 )
@@ -85,6 +87,10 @@ class StreamedCurvature:
         self.device = device
         self.n_train: int | None = None
         self.passes = 0
+        #: keep every batch's prepared state (its gradient graph) for the next products: data
+        #: held in memory, small models (exact influence, the Hessian noise scale)
+        self.keep = False
+        self._kept: list[tuple[int, Any]] | None = None
 
     def data_batches(self) -> Iterator[Any]:
         """The training data's batches as they come (not yet on the device)."""
@@ -134,10 +140,7 @@ class StreamedCurvature:
         chunk = k if not chunk else max(1, min(chunk, k))
         out: torch.Tensor | None = None
         seen = 0
-        for batch in self.data_batches():
-            n = self.batch_len(batch)
-            with torch.enable_grad(), twice_differentiable():
-                state = self.prepare(batch)
+        for n, state in self.prepared():
             for lo in range(0, k, chunk):
                 part = self.batch_product(state, v[lo : lo + chunk], lift, project)
                 if out is None:
@@ -147,6 +150,68 @@ class StreamedCurvature:
             del state
             seen += n
         return self._finish(out, seen)
+
+    def prepared(self) -> Iterator[tuple[int, Any]]:
+        """``(examples, state)`` of every batch, `prepare`'d as the pass reaches it (or kept
+        from the first pass, with `keep`)."""
+        if self._kept is not None:
+            yield from self._kept
+            return
+        kept: list[tuple[int, Any]] | None = [] if self.keep else None
+        for batch in self.data_batches():
+            n = self.batch_len(batch)
+            with torch.enable_grad(), twice_differentiable():
+                state = self.prepare(batch)
+            if kept is not None:
+                kept.append((n, state))
+            yield n, state
+            del state
+        self._kept = kept
+
+    def batch_count(self) -> int | None:
+        """Training batches per pass where the data's length says so, else ``None``."""
+        try:
+            return len(self.data)  # type: ignore[attr-defined]
+        except TypeError:
+            return None
+
+    def loss_of(self, batch: Any) -> torch.Tensor:
+        """The loss of ``batch`` (as the data yields it) as the products see it."""
+        raise NotImplementedError
+
+    def check_reduction(self, reduction: str, name: str, examples: int = 8) -> None:
+        """Refuse a loss that reduces a batch otherwise than ``reduction`` declares, on the first
+        ``examples`` of the first batch: their loss as one batch against the mean of their own
+        losses (`products.looks_reduced_by`; no gradient). A sum declared a mean scales the
+        curvature by the batch size against the preconditioner and the rows, and the rankings
+        change with no other sign.
+
+        Args:
+            reduction: the declared ``"mean"`` or ``"sum"``.
+            name: the loss's argument name, for the message.
+            examples: how many examples of the first batch to compare.
+
+        Raises:
+            ValueError: the loss reduces otherwise, naming the fix.
+        """
+        batch = self.first_batch()
+        batch = slice_batch(batch, 0, examples, self.batch_len(batch))
+        n = self.batch_len(batch)
+        with torch.no_grad():
+            losses = [self.loss_of(batch)]
+            losses += [self.loss_of(slice_batch(batch, i, i + 1, n)) for i in range(n)]
+        whole, *singles = torch.stack([t.reshape(()) for t in losses]).tolist()  # one read
+        found = looks_reduced_by(whole, singles)
+        if found is None or found == reduction:
+            return
+        mean = sum(singles) / n
+        raise ValueError(
+            f"{name} reduces a batch by its {found}, but loss_reduction={reduction!r}: on the "
+            f"first {n} training examples it gives {whole:.4g} for the batch and {mean:.4g} on "
+            f"average for each alone ({whole / mean:.3g} x). Pass loss_reduction={found!r}, or "
+            f"a {name} that takes the batch's {reduction} (e.g. cross_entropy(..., "
+            f"reduction={reduction!r}))"
+        )
 
     def first_batch(self) -> Any:
         """The first batch of the data (for measuring what a product costs)."""
@@ -202,6 +267,20 @@ class LossFnCurvature(StreamedCurvature):
     def batch_len(self, batch: Any) -> int:
         return len(batch[0])
 
+    def batch_count(self) -> int | None:
+        data = self.data
+        if isinstance(data, torch.utils.data.DataLoader):
+            return super().batch_count()
+        try:
+            n = len(data[0]) if isinstance(data, (tuple, list)) else len(data)
+        except TypeError:  # an iterable dataset
+            return None
+        return -(-n // self.batch_size)
+
+    def loss_of(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return self.loss.loss(self.loss.theta, to_device(x, self.device), to_device(y, self.device))
+
     def example_grads(self, data: Any) -> Iterator[torch.Tensor]:
         """``[b, P]`` gradients of each example's own loss, batch by batch."""
         for x, y in self.batches(data):
@@ -228,7 +307,8 @@ class BatchLossCurvature(StreamedCurvature):
     model's parameters). The GGN splits the loss at the output of the last module call to finish
     inside ``batch_loss`` (the model itself, or e.g. ``self.net`` in a Lightning
     ``training_step``; its ``.logits`` for HF outputs), checked on the first batch. Batches are
-    moved to the model's device before ``batch_loss`` sees them."""
+    moved to the model's device before ``batch_loss`` sees them. ``params``: the tensors
+    ``batch_loss`` differentiates (default: the model's parameters named by ``layout``)."""
 
     def __init__(
         self,
@@ -238,9 +318,12 @@ class BatchLossCurvature(StreamedCurvature):
         data: Any,
         kind: str,
         loss_reduction: str = "mean",
+        params: Sequence[torch.Tensor] | None = None,
     ) -> None:
-        by_name = dict(model.named_parameters())
-        self.params = [by_name[n] for n in layout.names]
+        if params is None:
+            by_name = dict(model.named_parameters())
+            params = [by_name[n] for n in layout.names]
+        self.params = list(params)
         super().__init__(kind, self.params[0].device if self.params else None)
         self.model = model
         self.layout = layout
@@ -251,6 +334,9 @@ class BatchLossCurvature(StreamedCurvature):
 
     def data_batches(self) -> Iterator[Any]:
         return iter(self.data)
+
+    def loss_of(self, batch: Any) -> torch.Tensor:
+        return self.batch_loss(to_device(batch, self.device))
 
     def prepare(self, batch: Any) -> Any:
         batch = to_device(batch, self.device)
@@ -286,3 +372,47 @@ class BatchLossCurvature(StreamedCurvature):
             z, gz, u, jtu = state
             hv = ggn_apply(z, gz, u, jtu, self.params, vs)
         return [h.to(v.dtype) for h in hv]
+
+
+def kept_curvature(
+    loss: FunctionalLoss, layout: ParamLayout, batches: Sequence[Batch], kind: str = "hessian"
+) -> BatchLossCurvature:
+    """The curvature ``kind`` of ``loss``'s mean over ``batches`` (held in memory) with every
+    batch's gradient graph built on the first product and kept (`StreamedCurvature.keep`): each
+    product is then one reverse pass per batch, batched over its vectors. For small models
+    (exact influence, the Hessian noise scale).
+
+    Args:
+        loss: the loss as a function of its parameters ``loss.theta`` (its ``reduction`` set).
+        layout: the flat layout of ``loss.theta``'s names.
+        batches: ``(inputs, targets)`` batches, held in memory.
+        kind: ``"hessian"`` or ``"ggn"``.
+
+    Returns:
+        A `BatchLossCurvature` whose ``product(v [k, P])`` is the curvature of the mean loss.
+
+    Example:
+        >>> from nnstat.curvature.products import FunctionalLoss, ParamLayout
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> x = torch.randn(8, 2, dtype=torch.float64)
+        >>> y = torch.randn(8, 1, dtype=torch.float64)
+        >>> loss = FunctionalLoss(model, lambda o, t: ((o - t) ** 2).mean(), ["weight"],
+        ...                       torch.float64, loss_reduction="mean")
+        >>> curv = kept_curvature(loss, ParamLayout(["weight"], [(1, 2)]), [(x[:5], y[:5]), (x[5:], y[5:])])
+        >>> h = curv.product(torch.eye(2, dtype=torch.float64))
+        >>> torch.allclose(h, 2 * x.T @ x / 8), torch.equal(curv.product(torch.eye(2, dtype=torch.float64)), h)
+        (True, True)
+    """
+    params = [loss.theta[n].detach().requires_grad_(True) for n in layout.names]
+    by_name = dict(zip(layout.names, params, strict=True))
+    curv = BatchLossCurvature(
+        loss.model,
+        layout,
+        lambda batch: loss.loss(by_name, *batch),
+        batches,
+        kind,
+        loss.reduction or "mean",
+        params=params,
+    )
+    curv.keep = True
+    return curv

@@ -1,9 +1,11 @@
 """nnstat.describe: the statistics of tensors, reduced on device with one host transfer.
 
-`summarize` (fused norms, moments, sparsity, NaN/Inf counts), `histograms`, the one-pass
-weight/update norms a Tracker needs (`nnstat.describe.fused`) and the ratio conventions of the
-trust ratio. Everything here works on plain tensors: NetDict, the Tracker and the recorder
-build on it.
+`summarize` (norms, moments, sparsity, NaN/Inf counts), `histograms`, the one-pass
+weight/update norms a Tracker needs (`nnstat.describe.numpy_blocks`) and the ratio conventions
+of the trust ratio. Everything here works on plain tensors: NetDict, the Tracker and the
+recorder build on it. Every statistic comes from one partial-row layout (`partials`: `merge`,
+`finish`), computed by the backend `core.partial_table` picks (CPU blocks, torch segments,
+Triton rows).
 
 Example:
     >>> import torch

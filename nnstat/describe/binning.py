@@ -2,7 +2,7 @@
 each histogram and the counts of many samples at once, with no host synchronisation.
 
 The pieces `nnstat.describe.histogram` (the public `histograms`) and the device core
-`nnstat.describe.segments` share, so that both bin the same elements the same way.
+`nnstat.describe.torch_segments` share, so that both bin the same elements the same way.
 
 Example:
     >>> import torch
@@ -18,7 +18,9 @@ import torch
 
 __all__ = ["sample_runs", "bin_counts", "bin_flat", "count_indices", "hist_ranges"]
 
-_BLOCK = 1024  # contiguous run length of the subsample (whole cache lines, not strided reads)
+SUBSAMPLE_RUN = (
+    1024  # contiguous run length of the subsample (whole cache lines, not strided reads)
+)
 
 
 def sample_runs(numel: int, max_elements: int | None) -> tuple[list[int], int, bool]:
@@ -32,12 +34,12 @@ def sample_runs(numel: int, max_elements: int | None) -> tuple[list[int], int, b
         >>> sample_runs(10, 4), sample_runs(8192, 2048)
         (([0], 10, False), ([0, 4096], 1024, True))
     """
-    if max_elements is None or numel <= max_elements or numel < 2 * _BLOCK:
+    if max_elements is None or numel <= max_elements or numel < 2 * SUBSAMPLE_RUN:
         return [0], numel, False
-    n_blocks = numel // _BLOCK
-    take = max(1, max_elements // _BLOCK)
+    n_blocks = numel // SUBSAMPLE_RUN
+    take = max(1, max_elements // SUBSAMPLE_RUN)
     stride = max(1, n_blocks // take)
-    return [r * _BLOCK for r in range(0, n_blocks, stride)[:take]], _BLOCK, True
+    return [r * SUBSAMPLE_RUN for r in range(0, n_blocks, stride)[:take]], SUBSAMPLE_RUN, True
 
 
 def bin_counts(

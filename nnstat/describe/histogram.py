@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from nnstat.describe.binning import (
-    _BLOCK,
+    SUBSAMPLE_RUN,
     bin_counts,
     bin_flat,
     count_indices,
@@ -80,9 +80,9 @@ def _subsample(x: torch.Tensor, max_elements: int | None) -> tuple[torch.Tensor,
     runs, _, sampled = sample_runs(x.numel(), max_elements)
     if not sampled:
         return x, False
-    n_blocks = x.numel() // _BLOCK
-    stride = runs[1] // _BLOCK - runs[0] // _BLOCK if len(runs) > 1 else 1
-    rows = x[: n_blocks * _BLOCK].view(n_blocks, _BLOCK)[::stride][: len(runs)]
+    n_blocks = x.numel() // SUBSAMPLE_RUN
+    stride = runs[1] // SUBSAMPLE_RUN - runs[0] // SUBSAMPLE_RUN if len(runs) > 1 else 1
+    rows = x[: n_blocks * SUBSAMPLE_RUN].view(n_blocks, SUBSAMPLE_RUN)[::stride][: len(runs)]
     return rows.reshape(-1), True
 
 

@@ -4,10 +4,14 @@ Each cache-sized block is reduced ~12 times while it is in L2 (sum, centred powe
 fourth, min, max, sign dot products for l1 and the zero count), and the blocks are combined
 exactly in float64. `Workspace` keeps the scratch buffers between calls.
 
+Each tensor's result is its partial row (`nnstat.describe.partials`): the block rows are
+combined by `partials.merge`, the same code that combines shards and ranks.
+
 Example:
     >>> import torch
-    >>> m = _moments(torch.tensor([1.0, 2.0, 3.0, 6.0]))
-    >>> float(m["mean"]), float(m["m2"]), float(m["max"])
+    >>> from nnstat.describe.partials import CENTRE, MAX, S2
+    >>> r = moment_row(torch.tensor([1.0, 2.0, 3.0, 6.0]))
+    >>> float(r[CENTRE]), float(r[S2]) / 4, float(r[MAX])
     (3.0, 3.5, 6.0)
 """
 
@@ -20,9 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from nnstat.distributed import shift_power_sums
+from nnstat.describe import partials as pr
+from nnstat.describe.partials import exact_row, merge
 
-__all__ = ["Workspace", "CHUNK", "moments_of_pair", "pair_ok"]
+__all__ = ["Workspace", "CHUNK", "moment_row", "moments_of_pair", "pair_ok", "numpy_ok"]
 
 
 class Workspace:
@@ -41,7 +46,7 @@ class Workspace:
         self._bufs: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._extra: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._flat: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        #: layouts of the lists `nnstat.describe.segments` has reduced (index tensors, cached)
+        #: layouts of the lists `nnstat.describe.torch_segments` has reduced (index tensors, cached)
         self.layouts: OrderedDict[tuple, Any] = OrderedDict()
 
     def get(
@@ -65,8 +70,8 @@ class Workspace:
         return buf[:n]
 
     def flat(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The flat buffer of `nnstat.describe.segments` (one per dtype and device, grown to the
-        largest group seen; contents undefined). Work on one stream reuses it safely: each use
+        """The flat buffer of `nnstat.describe.torch_segments` (one per dtype and device, grown to
+        the largest group seen; contents undefined). Work on one stream reuses it safely: each use
         is queued after the previous one."""
         key = (dtype, device)
         buf = self._flat.get(key)
@@ -81,8 +86,6 @@ class Workspace:
 #: cache, so the ~8 reductions per block read cache, not memory (about 2.5x faster than
 #: full-tensor passes on CPU). Accelerators use one block (kernel launches dominate there).
 CHUNK = 1 << 16
-
-_MOMENT_KEYS = ("mean", "m2", "m3", "m4", "min", "max", "zeros", "l1", "l2")
 
 
 def _denormal_scale(head: torch.Tensor) -> float:
@@ -124,7 +127,7 @@ def _moment_rows(
         # sign(x) . sign(x) counts non-zeros and sign(x) . x is the l1 norm: two dot products
         # on cached data instead of the (several times slower) count_nonzero and 1-norm kernels
         torch.sign(xc, out=d)
-        # amin + amax beat the fused aminmax kernel on CPU
+        # amin + amax beat the one aminmax kernel on CPU
         rows.append(
             torch.stack(
                 [c, s1, s2, s3, s4, xc.amin(), xc.amax(), torch.dot(d, d), torch.dot(d, xc)]
@@ -133,19 +136,24 @@ def _moment_rows(
     return torch.stack(rows).to(torch.float64)
 
 
-def _numpy_ok(x: torch.Tensor) -> bool:
-    # numpy's calls cost ~0.5 us against torch's ~5 us, its BLAS dot reads a cached block at ~5 us
-    # per 64K floats and its SIMD min/max/abs are as fast: the numpy pass below measured ~3x
-    # faster than the torch one (the same ~12 reductions per block) on one core
-    # plain tensors only: a subclass (FSDP2's DTensor) has no .numpy() and its local shard is
-    # not the whole tensor
+def numpy_ok(x: torch.Tensor) -> bool:
+    """Whether the CPU block passes reduce `x` with numpy calls on views of its memory (the one
+    test for this module's moment pass and `nnstat.describe.numpy_blocks`' norm passes): a
+    plain CPU float32/float64 tensor.
+
+    numpy's calls cost ~0.5 us against torch's ~5 us, its BLAS dot reads a cached block at ~5 us
+    per 64K floats, its SIMD min/max/abs are as fast, and its reductions return scalars (no
+    per-block stacking): the numpy moment pass measured ~3x faster than the torch one (the same
+    ~12 reductions per block) on one core, the norm pass ~7 us less per block. Plain tensors
+    only: a subclass (FSDP2's DTensor) has no ``.numpy()`` and its local shard is not the whole
+    tensor.
+
+    Example:
+        >>> numpy_ok(torch.ones(2)), numpy_ok(torch.ones(2, dtype=torch.float16))
+        (True, False)
+    """
     plain = type(x) in (torch.Tensor, torch.nn.Parameter)
-    return (
-        plain
-        and x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.float64)
-        and x.numel() > 0
-    )
+    return plain and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
 
 
 def _ones(n: int, dtype: np.dtype) -> np.ndarray:
@@ -235,13 +243,15 @@ def _np_pair_rows(
 
 def pair_ok(w: torch.Tensor, p: torch.Tensor) -> bool:
     """Whether `moments_of_pair` applies: same shape and dtype, CPU float32/float64, non-empty."""
-    return _numpy_ok(w) and p.dtype == w.dtype and p.device == w.device and p.shape == w.shape
+    same = p.dtype == w.dtype and p.device == w.device and p.shape == w.shape
+    return numpy_ok(w) and w.numel() > 0 and same
 
 
 def moments_of_pair(
     w: torch.Tensor, p: torch.Tensor, ws: Workspace | None = None
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """`_moments` of `w` and of ``w - p`` (flat CPU tensors, `pair_ok`), reading each once.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moment_row` (partial rows) of `w` and of ``w - p`` (flat CPU tensors, `pair_ok`),
+    reading each once.
 
     The weights and their update of a Tracker step: the difference is never materialised, which
     saves writing and re-reading a tensor of the model's size.
@@ -264,27 +274,27 @@ def moments_of_pair(
         if not redo:
             break
     return (
-        _combine(torch.from_numpy(rw), n, chunk, scales[0], w.dtype),
-        _combine(torch.from_numpy(rd), n, chunk, scales[1], w.dtype),
+        merge(_block_partials(torch.from_numpy(rw), n, chunk, scales[0])),
+        merge(_block_partials(torch.from_numpy(rd), n, chunk, scales[1])),
     )
 
 
-def _moments(x: torch.Tensor, ws: Workspace | None = None) -> dict[str, torch.Tensor]:
-    """Central moments (m_k = mean of (x - mean)^k), min/max, zero count, l1, l2 of a flat tensor.
+def moment_row(x: torch.Tensor, ws: Workspace | None = None) -> torch.Tensor:
+    """The partial row (`nnstat.describe.partials.COLUMNS`, float64 ``[WIDTH]``) of a flat
+    tensor, assumed finite (NaN/Inf make its sums non-finite, which callers detect).
 
-    Blocks are centred on their own (rounded) mean ``c`` and combined in float64 with the
+    Blocks are centred on their own (rounded) mean ``c`` and merged in float64 with the
     binomial shift ``sum (x - mu)^k = sum_j C(k, j) (c - mu)^(k - j) sum (x - c)^j``, the
-    ``j = 1`` term included; ``mu`` itself is ``sum (m c + sum (x - c)) / n``.
+    ``j = 1`` term included (`partials.merge`).
     """
     n = x.numel()
     if n == 0:
-        nan = torch.full((), math.nan, dtype=torch.float64, device=x.device)
-        return dict.fromkeys(_MOMENT_KEYS, nan)
+        return exact_row(x)  # the empty row: no elements, extrema at their neutral values
     chunk = CHUNK if x.device.type == "cpu" else n
     d_buf, d2_buf = (ws or Workspace()).get(min(chunk, n), x.dtype, x.device)
     scale = _denormal_scale(x[:chunk])
     rows = _moment_rows
-    if _numpy_ok(x):
+    if numpy_ok(x):
 
         def rows(x: torch.Tensor, chunk: int, scale: float, a: torch.Tensor, b: torch.Tensor):
             # overflow is detected below (non-finite power sums), so numpy need not warn
@@ -298,36 +308,28 @@ def _moments(x: torch.Tensor, ws: Workspace | None = None) -> dict[str, torch.Te
         # a later block far larger than the first overflowed once scaled: plain pass instead
         scale = 1.0
         r = rows(x, chunk, scale, d_buf, d2_buf)
-    return _combine(r, n, chunk, scale, x.dtype)
+    return merge(_block_partials(r, n, chunk, scale))
 
 
-def _combine(
-    r: torch.Tensor, n: int, chunk: int, scale: float, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """The moments of `_moments` from its per-block rows (blocks of `chunk`, the last shorter)."""
-    centres, s1, s2 = r[:, 0], r[:, 1] / scale, r[:, 2] / scale**2
-    s3, s4 = r[:, 3] / scale**3, r[:, 4] / scale**4
-    counts = torch.full_like(centres, float(chunk))
+def _block_partials(r: torch.Tensor, n: int, chunk: int, scale: float) -> torch.Tensor:
+    """Partial rows ``[blocks, WIDTH]`` from `_moment_rows`' (blocks of `chunk`, the last
+    shorter; power sums scaled by `scale`, a power of two: unscaling is exact)."""
+    counts = torch.full((r.shape[0],), float(chunk), dtype=torch.float64)
     counts[-1] = n - chunk * (r.shape[0] - 1)
-    mean = (counts * centres + s1).sum() / n
-    m2, m3, m4 = (m / n for m in shift_power_sums(counts, centres - mean, s1, s2, s3, s4))
-    l2 = (s2 + 2 * centres * s1 + counts * centres**2).sum().sqrt()
-    # like scipy: a (numerically) constant tensor has undefined skew/kurtosis, NaN rather than
-    # the ratio of rounding residues (which was +-inf or finite nonsense)
-    eps = torch.finfo(dtype).eps
-    constant = m2 <= (eps * mean) ** 2
-    nan = torch.full_like(m2, math.nan)
-    m2 = torch.where(constant, torch.zeros_like(m2), m2)
-    m3 = torch.where(constant, nan, m3)
-    m4 = torch.where(constant, nan, m4)
-    return {
-        "mean": mean,
-        "m2": m2,
-        "m3": m3,
-        "m4": m4,
-        "min": r[:, 5].min(),
-        "max": r[:, 6].max(),
-        "zeros": n - r[:, 7].sum(),  # r[:, 7] counts non-zeros
-        "l1": r[:, 8].sum(),
-        "l2": l2,
-    }
+    c, s1 = r[:, 0], r[:, 1] / scale
+    s2, s3, s4 = (r[:, k] / scale**k for k in (2, 3, 4))
+    lo, hi = r[:, 5], r[:, 6]
+    return pr.from_columns(
+        counts,
+        centre=c,
+        s1=s1,
+        s2=s2,
+        s3=s3,
+        s4=s4,
+        min=lo,
+        max=hi,
+        amax=torch.maximum(hi, -lo),
+        zeros=counts - r[:, 7],  # r[:, 7] counts non-zeros
+        l1=r[:, 8],
+        sq=s2 + 2 * c * s1 + counts * c * c,  # sum x^2 from the sums about c
+    )

@@ -1,7 +1,8 @@
 """Ratios of norms with the conventions nnstat reports: ``x/0 = inf`` for ``x > 0``, ``0/0 = nan``.
 
 The trust ratio and the update ratio (`nnstat.trust_ratio`) are taken from the same per-layer
-norms in a Tracker's fused pass and in `nnstat.netdict.dynamics`; this is their one division.
+norms in a Tracker's weight/update pass and in `nnstat.netdict.dynamics`; this is their one
+division.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""Fused statistic reductions over lists of tensors, computed on device.
+"""Statistics of lists of tensors, computed on device with one host transfer.
 
 `summarize` is the one entry point: it reduces every tensor of a list to a row of statistics and
-moves the whole ``[n_tensors, n_stats]`` table to the host in a single transfer. The cheap
-statistics (norms, ``abs_max``) use fused ``torch._foreach_norm`` kernels across all tensors; the
-moment statistics (mean, var, skew, kurtosis, min, max, sparsity) take a two-pass per-tensor path.
-
-On accelerators (any device but the CPU) `device_table` hands the whole list to
-`nnstat.describe.segments`, which needs a fixed number of kernels per dtype group instead.
+moves the whole ``[n_tensors, n_stats]`` table to the host in a single transfer. The tensors go
+to the statistics core (`nnstat.describe.core.partial_table`: CPU blocks, or on accelerators
+`nnstat.describe.torch_segments` in a fixed number of kernels per dtype group), which gives one
+partial row per tensor; `nnstat.describe.partials.finish` turns the rows into the columns.
 
 Non-finite values: ``nonfinite`` counts NaN and +-Inf elements; every other statistic except
 ``numel`` is computed over the *finite* elements only. Tensors that contain non-finite values (or
@@ -29,14 +27,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nnstat.describe.moments import _MOMENT_KEYS, Workspace, _moments
-from nnstat.describe.segments import NORM_STATS, segment_table
+from nnstat.describe import partials as pr
+from nnstat.describe.core import partial_table, to_repair
+from nnstat.describe.moments import Workspace
 
 if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = [
-    "partial_rows",
     "STAT_NAMES",
     "DEFAULT_STATS",
     "summarize",
@@ -66,7 +64,7 @@ STAT_NAMES: tuple[str, ...] = (
     "sparsity",
     "nonfinite",
 )
-#: The cheap set the Tracker logs by default (all from fused norm kernels).
+#: The cheap set the Tracker logs by default (all from norm kernels, no moment pass).
 DEFAULT_STATS: tuple[str, ...] = ("l2", "rms", "abs_max", "nonfinite")
 
 # statistics whose value changes sign/order when the tensor is negated
@@ -117,49 +115,9 @@ def validate_stats(stats: Sequence[str] | str | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(stats))
 
 
-def _work_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-def _shape_stats(mo: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """mean, var, std, skew, kurtosis (excess), min and max from `_moments`' central moments
-    (one tensor's, or stacked for many)."""
-    m2 = mo["m2"]
-    return {
-        "mean": mo["mean"],
-        "var": m2,
-        "std": m2.sqrt(),
-        "skew": mo["m3"] / m2**1.5,
-        "kurtosis": mo["m4"] / (m2 * m2) - 3.0,
-        "min": mo["min"],
-        "max": mo["max"],
-    }
-
-
 def _exact_row(t: torch.Tensor, stats: tuple[str, ...]) -> torch.Tensor:
-    """All statistics of one tensor in float64, over its finite elements."""
-    x = t.detach().reshape(-1).to(torch.float64)
-    finite = torch.isfinite(x)
-    total = x.numel()
-    nonfinite = (total - finite.sum()).to(torch.float64)
-    x = x[finite]
-    n = x.numel()
-    nan = torch.tensor(math.nan, dtype=torch.float64, device=x.device)
-    l1 = x.abs().sum()
-    l2 = torch.linalg.vector_norm(x)
-    mo = _moments(x)
-    values = {
-        "numel": torch.tensor(float(total), dtype=torch.float64, device=x.device),
-        "l1": l1,
-        "l2": l2,
-        "abs_max": x.abs().max() if n else nan,
-        "abs_mean": l1 / n if n else nan,
-        "rms": l2 / math.sqrt(n) if n else nan,
-        "nonfinite": nonfinite,
-        **_shape_stats(mo),
-        "sparsity": mo["zeros"] / n if n else nan,
-    }
-    return torch.stack([values[s] for s in stats])
+    """All statistics of one tensor in float64, over its finite elements (on the host)."""
+    return pr.finish(pr.exact_row(t)[None], stats, pr.eps_of(torch.float64))[0].cpu()
 
 
 def summarize(
@@ -194,19 +152,14 @@ def _summarize(
             raise TypeError(f"summarize expects tensors, item {i} is {type(t).__name__}")
     if not tensors:
         return torch.zeros((0, len(stats)), dtype=torch.float64)
-    from nnstat.distributed import any_dtensor, summarize_sharded
+    from nnstat.describe.sharded import summarize_sharded
+    from nnstat.distributed import any_dtensor
 
     if any_dtensor(tensors):
         # sharded parameters (FSDP fully_shard): local shards reduced across ranks, no gather
-        return summarize_sharded(tensors, stats, local_rows=partial_rows)
+        return summarize_sharded(tensors, stats)
     # the single host transfer of the common case
     return repair_table(device_table(tensors, stats, workspace).cpu(), tensors, stats)
-
-
-def _host_path(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether `device_table` takes the per-tensor CPU path (numpy blocks, cache-sized torch
-    blocks) rather than the grouped device core: all tensors on the CPU."""
-    return all(t.device.type == "cpu" for t in tensors)
 
 
 def device_table(
@@ -223,71 +176,7 @@ def device_table(
         >>> device_table([torch.tensor([3.0, -4.0])], ("l2", "max")).tolist()
         [[5.0, 3.0, 5.0]]
     """
-    if not _host_path(tensors):
-        # accelerators: O(dtype groups) kernels for the whole list (nnstat.describe.segments)
-        return segment_table(tensors, stats, workspace)[0]
-    flat = [t.detach().reshape(-1) for t in tensors]
-    flat = [t if t.is_floating_point() else t.to(torch.float32) for t in flat]
-    numels = [t.numel() for t in flat]
-    dev = flat[0].device
-
-    def column(values: Sequence[torch.Tensor]) -> torch.Tensor:
-        # tiny per-tensor scalars; moving them to one device is free compared to the reductions
-        return torch.stack([v.to(device=dev, dtype=torch.float64) for v in values])
-
-    need = set(stats)
-    # non_blocking: a pageable host-to-device copy then does not wait for the queued kernels
-    n_vec = torch.tensor(numels, dtype=torch.float64).to(dev, non_blocking=True)
-    cols: dict[str, torch.Tensor] = {"numel": n_vec}
-    if need - NORM_STATS:
-        # one blocked pass gives every statistic (l2, l1, abs_max included)
-        ws = workspace or Workspace()
-        mo = [_moments(x.to(_work_dtype(x)), ws) for x in flat]
-        return _moment_table(mo, n_vec, stats)
-    else:
-        if "abs_max" in need:
-            from nnstat.describe.fused import sumsq_min_max
-
-            # one blocked read gives l2 and abs_max (the inf-norm kernel is slow on CPU);
-            # empty tensors are recomputed by repair_table anyway
-            smm = sumsq_min_max(flat).to(dev)
-            cols["l2"] = smm[:, 0].sqrt()
-            cols["abs_max"] = torch.maximum(smm[:, 2], -smm[:, 1])
-        else:
-            cols["l2"] = column(torch._foreach_norm(flat, 2))
-        if need & {"l1", "abs_mean"}:
-            cols["l1"] = column(torch._foreach_norm(flat, 1))
-    # l2 doubles as the finiteness probe: NaN/Inf anywhere (or float32 overflow) makes it non-finite
-    l2 = cols["l2"]
-    cols["rms"] = l2 / n_vec.sqrt()
-    cols["nonfinite"] = torch.zeros_like(l2)
-    if "l1" in cols:
-        cols["abs_mean"] = cols["l1"] / n_vec
-    return torch.stack([cols[s] for s in stats] + [l2], dim=1)
-
-
-def _moment_table(
-    mo: Sequence[dict[str, torch.Tensor]], n_vec: torch.Tensor, stats: tuple[str, ...]
-) -> torch.Tensor:
-    """`device_table`'s table (probe column last) from per-tensor `_moments` dicts."""
-    dev = n_vec.device
-    m = {
-        k: torch.stack([row[k].to(device=dev, dtype=torch.float64) for row in mo])
-        for k in _MOMENT_KEYS
-    }
-    l1, l2 = m["l1"], m["l2"]
-    cols = {
-        "numel": n_vec,
-        **_shape_stats(m),
-        "abs_max": torch.maximum(m["max"], -m["min"]),
-        "sparsity": m["zeros"] / n_vec,
-        "l1": l1,
-        "l2": l2,
-        "rms": l2 / n_vec.sqrt(),
-        "nonfinite": torch.zeros_like(l2),
-        "abs_mean": l1 / n_vec,
-    }
-    return torch.stack([cols[s] for s in stats] + [l2], dim=1)
+    return pr.probe_table(*partial_table(tensors, stats, workspace), stats)
 
 
 def pair_tables(
@@ -315,9 +204,9 @@ def pair_tables(
             moments_of_pair(c.detach().reshape(-1), p.reshape(-1), ws)
             for c, p in zip(current, previous, strict=True)
         ]
-        n_vec = torch.tensor([float(c.numel()) for c in current], dtype=torch.float64)
-        tw = _moment_table([a for a, _ in pairs], n_vec, stats)
-        td = _moment_table([b for _, b in pairs], n_vec, stats)
+        eps = torch.tensor([pr.eps_of(c.dtype) for c in current], dtype=torch.float64)
+        tw = pr.probe_table(torch.stack([a for a, _ in pairs]), eps, stats)
+        td = pr.probe_table(torch.stack([b for _, b in pairs]), eps, stats)
         # NaN/Inf (rare): exact rows over the finite elements; the difference is formed only then
         tw = _repair(tw, [t.numel() for t in current], lambda i: _exact_row(current[i], stats))
         td = _repair(
@@ -341,10 +230,8 @@ def repair_table(
 def _repair(
     table: torch.Tensor, numels: Sequence[int], exact: Callable[[int], torch.Tensor]
 ) -> torch.Tensor:
-    probe = table[:, -1]
+    bad = to_repair(table[:, -1], numels)
     table = table[:, :-1].contiguous()
-    bad = (~torch.isfinite(probe)).nonzero().flatten().tolist()
-    bad += [i for i, n in enumerate(numels) if n == 0 and i not in bad]
     if bad:
         table[bad] = torch.stack([exact(i) for i in bad]).cpu()
     return table
@@ -396,52 +283,3 @@ class Description(dict):
         return "\n".join(line.rstrip() for line in lines)
 
     __str__ = __repr__
-
-
-#: What `partial_rows` reads of each local shard (all over its finite elements).
-_ROW_STATS = ("numel", "nonfinite", "mean", "var", "skew", "kurtosis", "min", "max")
-_ROW_STATS += ("sparsity", "l1", "l2")
-
-
-def partial_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[k, 11]`` float64 CPU partial rows (`nnstat.distributed.PARTIAL_COLUMNS`) of the local
-    shards of `tensors`, from ONE `summarize` of them all (the statistics core: a fixed number
-    of kernels per dtype and one host read), instead of ~20 kernels and two reads per tensor.
-
-    The central sums come back from the moments (``s2 = n var``, ``s3 = n skew var^1.5``,
-    ``s4 = n (kurtosis + 3) var^2``; zero for a constant part), exact to float64 rounding.
-
-    Example:
-        >>> from nnstat.distributed import partial_row
-        >>> x = torch.tensor([1.0, 2.0, 4.0, float("nan")])
-        >>> torch.allclose(partial_rows([x])[0], partial_row(x), rtol=1e-12)
-        True
-    """
-    from nnstat.distributed import local_tensor
-
-    local = [local_tensor(t).detach() for t in tensors]
-    col = dict(zip(_ROW_STATS, summarize(local, _ROW_STATS).unbind(1), strict=True))
-    n = col["numel"] - col["nonfinite"]
-    has = n > 0
-    zero = torch.zeros_like(n)
-    var = torch.where(has, col["var"], zero)
-    moving = var > 0  # a constant part's higher central sums are zero (its skew is NaN)
-    s3 = torch.where(moving, col["skew"] * var.pow(1.5) * n, zero)
-    s4 = torch.where(moving, (col["kurtosis"] + 3.0) * var * var * n, zero)
-    inf = torch.full_like(n, math.inf)
-    return torch.stack(
-        [
-            col["numel"],
-            n,
-            torch.where(has, col["mean"] * n, zero),
-            var * n,
-            s3,
-            s4,
-            torch.where(has, col["min"], inf),
-            torch.where(has, col["max"], -inf),
-            torch.where(has, torch.round(col["sparsity"] * n), zero),  # a count
-            torch.where(has, col["l1"], zero),
-            torch.where(has, col["l2"] * col["l2"], zero),
-        ],
-        dim=1,
-    )

@@ -1,6 +1,6 @@
-"""Fused row kernels (Triton) for `nnstat.describe.segments` on CUDA: one read per pass.
+"""Fused row kernels (Triton) for `nnstat.describe.torch_segments` on CUDA: one read per pass.
 
-`segments` lays a dtype group out in rows of ``B`` elements, each tensor starting a new row.
+`torch_segments` lays a dtype group out in rows of ``B`` elements, each tensor starting a new row.
 With torch's kernels that layout needs a copy of the group into a flat buffer and then one
 kernel per partial (sum, sum of squares, l1, non-zeros, min/max, then the centred powers):
 about 13 passes over the group for the full statistics. These kernels read each row where it
@@ -9,11 +9,11 @@ compute every partial of a pass in that one read:
 
 - `pass_a`: per row ``[sum, sum x^2, sum |x|, non-zeros, min, max]``;
 - `pass_b`: per row ``[sum d, sum d^2, sum d^3, sum d^4]`` with ``d = x * s - c * s`` formed in
-  the work dtype (``s`` a power of two and ``c`` the tensor's centre, as `segments` defines
+  the work dtype (``s`` a power of two and ``c`` the tensor's centre, as `torch_segments` defines
   them, so ``d`` is exactly its definition there);
 - `gather`: the histogram samples at flat positions of that layout.
 
-Sums accumulate in float64 (what `segments` adds rows up in), min and max are exact. NaN/Inf
+Sums accumulate in float64 (what `torch_segments` adds rows up in), min and max are exact. NaN/Inf
 make the row's sum of squares non-finite, which the callers' probe already routes to the exact
 host recomputation. Nothing is read back: the results are device tensors.
 
@@ -172,10 +172,10 @@ def _warps(block: int) -> int:
 
 
 def _kernels() -> Any:
-    """The jit'd kernels (`nnstat.describe._triton_kernels`, imported on first use)."""
-    from nnstat.describe import _triton_kernels
+    """The jit'd kernels (`nnstat.describe.triton_kernels`, imported on first use)."""
+    from nnstat.describe import triton_kernels
 
-    return _triton_kernels
+    return triton_kernels
 
 
 def pass_a(table: RowTable, bound: Bound, moments: bool = True) -> torch.Tensor:

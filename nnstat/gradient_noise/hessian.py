@@ -2,7 +2,7 @@
 
 Exact for the sample it is given: per-sample gradients by ``vmap(grad)``, Hessian-vector
 products by reverse-over-reverse double backward on the gradient graph, built once
-(``nnstat.curvature.products``). Cost is about ``n`` HVPs, so this is for small
+(`nnstat.curvature.streamed.kept_curvature`, the curvature operator exact influence uses). Cost is about ``n`` HVPs, so this is for small
 models; ``B_simple`` is the practical proxy elsewhere (it equals ``B_noise`` when the Hessian is
 a multiple of the identity, and McCandlish et al. find the two track each other in practice).
 """
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nnstat.curvature.products import FunctionalLoss, ParamLayout, graph_hvp
+from nnstat.curvature.products import FunctionalLoss, ParamLayout
+from nnstat.curvature.streamed import kept_curvature
 from nnstat.gradient_noise.batches import LossFn
 
 
@@ -43,6 +44,20 @@ def hessian_noise_scale(
     ``Sigma`` is the per-example gradient covariance (normalised by ``n``) and ``H`` the
     Hessian of the mean loss, both over all trainable parameters.
 
+    Args:
+        model: the model (its trainable parameters).
+        loss_fn: ``loss_fn(outputs, targets)`` -> the batch's mean loss.
+        inputs: ``[n, ...]``.
+        targets: ``[n, ...]``.
+        chunk: vectors per Hessian-vector product.
+
+    Returns:
+        `HessianNoiseScale` (``b_noise`` is ``inf`` with a warning where ``GᵀHG <= 0``).
+
+    Raises:
+        TypeError: inputs or targets that are not tensors.
+        ValueError: fewer than 2 samples, or a loss that is not a scalar.
+
     Example:
         >>> _ = torch.manual_seed(0)
         >>> m = nn.Linear(3, 1, bias=False)
@@ -57,28 +72,13 @@ def hessian_noise_scale(
     if n < 2:
         raise ValueError(f"the Hessian noise scale needs at least 2 samples, got {n}")
     names = [k for k, p in model.named_parameters() if p.requires_grad]
-    loss = FunctionalLoss(model, loss_fn, names)
+    loss = FunctionalLoss(model, loss_fn, names, loss_reduction="mean")
     layout = ParamLayout(names, [loss.theta[k].shape for k in names])
     flat = layout.from_dict(loss.example_grads(inputs, targets), n).double()
     g_mean = flat.mean(dim=0)
     dev = flat - g_mean
-    params = [loss.theta[k].requires_grad_(True) for k in names]
-    with torch.enable_grad():
-        # reverse-over-reverse on one gradient graph; forward-over-reverse trips over
-        # ZeroTensors in some losses' backward formulas
-        grads = torch.autograd.grad(
-            loss.loss(dict(zip(names, params, strict=True)), inputs, targets),
-            params,
-            create_graph=True,
-        )
-
-    def hvp(v: torch.Tensor) -> torch.Tensor:
-        """``H v`` for float64 rows ``[k, P]``, in the parameters' dtype, back as float64."""
-        vs = [t.to(p.dtype) for t, p in zip(layout.split(v), params, strict=True)]
-        return layout.from_dict(
-            dict(zip(names, graph_hvp(grads, params, vs), strict=True)), len(v)
-        ).double()
-
+    # H v for float64 rows [k, P], in the parameters' dtype on one gradient graph built once
+    hvp = kept_curvature(loss, layout, [(inputs, targets)]).product
     g_h_g_t = g_mean @ hvp(g_mean[None])[0]
     quad = torch.zeros((), dtype=torch.float64, device=flat.device)
     for start in range(0, n, chunk):

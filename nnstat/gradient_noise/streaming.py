@@ -5,16 +5,16 @@ from __future__ import annotations
 import math
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from nnstat.background.transfer import HostCopy, PinnedBuffers, start_copy
+from nnstat.background.deferred import Deferred, InFlight, InOrder
+from nnstat.background.transfer import HostBuffers, start_copy
 from nnstat.capture.reduction import MeanLossProbe
 from nnstat.describe import as_float
 from nnstat.gradient_noise.ddp import DDPNoiseScaleState, register_noise_scale_hook
@@ -123,43 +123,6 @@ def _warn_mismatch(probe: MeanLossProbe, loss_reduction: str, n: int) -> None:
     )
 
 
-@dataclass(eq=False)
-class _InFlight:
-    """A captured batch whose norms are on their way to the host."""
-
-    staged: StagedNorms
-    copy: HostCopy
-    number: int  # its position among the updates (1 = first)
-    snapshots: list[_Snapshot] = field(default_factory=list)
-
-
-class _Snapshot(Mapping[str, float]):
-    """`NoiseScale.to_dict` as of a given update, filled in when that update arrives (a
-    provider's value at ``tracker.step()``, read when the Tracker delivers that step)."""
-
-    def __init__(self, owner: NoiseScale, entry: _InFlight) -> None:
-        self._owner, self._entry = owner, entry
-        self._data: dict[str, float] | None = None
-
-    def _resolve(self) -> dict[str, float]:
-        if self._data is None and self._entry in self._owner._inflight:
-            self._owner._arrived(wait=True, upto=self._entry)
-        if self._data is None:
-            raise RuntimeError(
-                f"noise-scale update {self._entry.number} failed (raised before): no value"
-            )
-        return self._data
-
-    def __getitem__(self, key: str) -> float:
-        return self._resolve()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._resolve())
-
-    def __len__(self) -> int:
-        return len(self._resolve())
-
-
 class NoiseScale:
     """Streaming gradient noise scale ``B_simple = tr(Sigma) / |G|^2`` for every training step.
 
@@ -212,9 +175,9 @@ class NoiseScale:
         self.beta, self.window, self.prefix = beta, window, prefix
         self._n_updates = 0
         self._stats: dict[str, _Average] = {}
-        self._inflight: deque[_InFlight] = deque()  # captured batches on their way (GPU)
+        self._inflight = InOrder()  # captured batches on their way (GPU)
         self._queued = 0  # captured batches queued so far (numbers them)
-        self._buffers = PinnedBuffers()
+        self._buffers = HostBuffers(pin=True, minimum=256)
         self._capture: PerSampleNorms | None = None
         self._compiled = False  # the watched model is torch.compile'd: no function mode inside
         self._checked: set[str] = set()  # loss reductions a probe checked since watch()
@@ -381,28 +344,24 @@ class NoiseScale:
         it has arrived (at once on CPU)."""
         self._queued += 1
         copy = start_copy([staged.values], self._buffers)
-        self._inflight.append(_InFlight(staged, copy, self._queued))
+        self._inflight.append(InFlight(copy, staged, number=self._queued))
         self._arrived(wait=False)
 
-    def _arrived(self, wait: bool, upto: _InFlight | None = None) -> None:
+    def _arrived(self, wait: bool, upto: Deferred | None = None) -> None:
         """Add the captured batches that have reached the host, in order; with `wait` every
-        one (up to `upto` when given), waiting for its copy."""
-        while self._inflight:
-            entry = self._inflight[0]
-            if not wait and not entry.copy.done():
-                break
-            self._inflight.popleft()
-            (values,) = entry.copy.wait()
-            try:
-                self._add_captured(*entry.staged.resolve(values.tolist()))
-            except BaseException as e:
-                if hasattr(e, "add_note"):
-                    e.add_note(f"(noise-scale batch {entry.number}, read after its batch())")
-                raise
-            for snapshot in entry.snapshots:
-                snapshot._data = self._to_dict()
-            if entry is upto:
-                break
+        one (up to the one `upto` waits for, when given), waiting for its copy."""
+        self._inflight.drain(
+            self._complete,
+            wait,
+            upto,
+            note=lambda e: f"(noise-scale batch {e.number}, read after its batch())",
+        )
+
+    def _complete(self, entry: InFlight) -> None:
+        (values,) = entry.copy.wait()
+        self._add_captured(*entry.work.resolve(values.tolist()))
+        for snapshot in entry.handles:
+            snapshot.set(self._to_dict())
 
     def unwatch(self) -> None:
         """Remove the capture hooks (the model is left exactly as before ``watch``)."""
@@ -521,8 +480,15 @@ class NoiseScale:
         if not self._inflight:
             return self._to_dict()
         # the values as of the last batch, filled in when it arrives (no wait here)
-        snapshot = _Snapshot(self, self._inflight[-1])
-        self._inflight[-1].snapshots.append(snapshot)
+        entry = self._inflight[-1]
+
+        def settle() -> None:
+            if self._inflight.holds(snapshot):
+                self._arrived(wait=True, upto=snapshot)
+
+        missing = f"noise-scale update {entry.number} failed (raised before): no value"
+        snapshot = Deferred(settle, missing)
+        entry.handles.append(snapshot)
         return snapshot
 
     def as_provider(self) -> Callable[[], Mapping[str, float]]:

@@ -18,11 +18,11 @@ from .cache import clear_cache
 from .counterfactual import CounterfactualResult, counterfactual
 from .exact import exact
 from .krylov import block_cg, preconditioned_cg
-from .layout import ModuleSpec
 from .lds import LDSProtocol, lds, lds_per_query, run_lds_protocol, subset_masks
 from .precondition import PRECONDITIONERS, Preconditioner
 from .refine import CURVATURES, Refinement, refinement_plan
 from .result import InfluenceResult, SelfInfluenceResult, TopKInfluence
+from .row_layout import ModuleSpec
 from .score import MODES, compute_influence_all, compute_self_influence
 from .sources import TensorSource, as_source
 

@@ -10,7 +10,7 @@ Design:
 * Every arm (the full data, the ranking under test, each baseline, random) is retrained with the
   user's ``train_fn(kept_indices)`` from the **same seeds**: repeat ``r`` of every arm starts from
   the same random state, so differences between arms come from the removed examples, not from
-  the initialisation or the batch order (a paired design; `lds._seed_everything` seeds torch,
+  the initialisation or the batch order (a paired design; `lds.seed_everything` seeds torch,
   numpy and ``random``).
 * The removal set of a ranking is its top ``k`` for the chosen queries jointly (the scores summed
   over them): ``direction="harmful"`` removes the most harmful examples (lowest scores: the query's
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from scipy import stats as sps
 
-from .lds import _seed_everything
+from .lds import seed_everything
 
 DIRECTIONS = ("harmful", "helpful")
 
@@ -230,7 +230,7 @@ def counterfactual(
         run_seed = seed * 1_000_003 + r
 
         def trained(kept: torch.Tensor, run_seed: int = run_seed) -> Any:
-            _seed_everything(run_seed)
+            seed_everything(run_seed)
             with torch.enable_grad():
                 return train_fn(kept)
 

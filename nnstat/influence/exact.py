@@ -2,8 +2,9 @@
 
 ``score(q, i) = g_qᵀ (H + λI)⁻¹ g_i`` where ``H`` is the true Hessian of the **mean** training loss,
 obtained matrix-free: Hessian-vector products by double backward on the real training loss
-(``nnstat.curvature.products``, the gradient graph of the data built once), solved by conjugate
-gradient (default) or LiSSA (``krylov.py``). Per-example gradients come from
+(`nnstat.curvature.streamed.kept_curvature`, the gradient graph of the data built once), solved
+by conjugate gradient (default) or LiSSA through `damped_solve.damped_solve`, the solve
+refinement uses. Per-example gradients come from
 ``torch.func.vmap(grad(...))``. Everything runs in float64 by default: this is the reference the
 approximations are measured against.
 
@@ -12,11 +13,11 @@ its search space, at most two ``P × P`` matrices, fits ``memory``): it ends wit
 passes for ``k`` queries, and the Ritz values of its whole space find negative curvature of
 ``H + λI`` that each query's own recurrence can miss for hundreds of steps. Otherwise one
 recurrence per query (``solver="cg"``), stopped at ``max_iter``; the Lanczos tridiagonal of its
-coefficients gives the curvature it reports. Where ``H + λI`` is not positive definite the
-reference is undefined: ``indefinite="raise"`` (default) stops with the damping that would do,
-``indefinite="damp"`` raises ``λ`` by refinement's rule (`refine_system.raised_damping`: at
-least 1.5 x the Hessian's most negative curvature found), with a warning and
-``result.meta["damping_rule"]`` saying so.
+coefficients gives the curvature it reports; LiSSA's series diverges there, which it detects
+by its growing terms. Where ``H + λI`` is not positive definite the reference is undefined:
+``indefinite="raise"`` (default) stops with the damping that would do, ``indefinite="damp"``
+raises ``λ`` by refinement's rule (`damped_solve.raised_damping`: at least 1.5 x the Hessian's
+most negative curvature found), with a warning and ``result.meta["damping_rule"]`` saying so.
 
 Example:
     >>> import torch
@@ -36,24 +37,18 @@ from typing import Any
 
 import torch
 
-from nnstat.curvature.products import (
-    Batch,
-    FunctionalLoss,
-    ParamLayout,
-    graph_hvp,
-    iter_batches,
-    mean_loss_weight,
-)
+from nnstat.curvature.products import Batch, FunctionalLoss, ParamLayout, iter_batches
+from nnstat.curvature.streamed import kept_curvature
 
-from .krylov import (
-    block_cg,
+from .damped_solve import (
+    DAMPING_RAISE,
+    DampedOperator,
+    IndefiniteError,
     conjugate_gradient,
-    lissa,
-    preconditioned_cg,
-    top_eigenvalue,
+    damped_solve,
 )
-from .refine_plan import available_memory
-from .refine_system import DAMPING_RAISE, MAX_DAMPING_RAISES, raised_damping
+from .krylov import lissa
+from .refine.memory import available_memory
 from .result import InfluenceResult
 
 __all__ = ["conjugate_gradient", "exact", "iter_batches", "lissa"]
@@ -67,94 +62,23 @@ def _batches(data: Any, batch_size: int, dtype: torch.dtype) -> list[Batch]:
     return out
 
 
-def _hvp_fn(
-    loss: FunctionalLoss, layout: ParamLayout, batches: list[Batch]
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Hessian-vector products of the mean training loss for a stack of flat vectors ``[k, P]``.
-
-    The gradient graph of every batch is built once (``create_graph``) and reused: each product is
-    then a single reverse pass per batch (`graph_hvp`), batched over the ``k`` vectors.
-    """
-    n = sum(len(x) for x, _ in batches)
-    theta = layout.from_dict(loss.theta, 1)[0].requires_grad_(True)
-    grads = []
-    with torch.enable_grad():
-        for x, y in batches:
-            w = mean_loss_weight(len(x), n, loss.reduction or "mean")
-            batch_loss = w * loss.loss(layout.to_dict(theta), x, y)
-            (g,) = torch.autograd.grad(batch_loss, theta, create_graph=True)
-            grads.append(g)
-
-    def many(vs: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(vs)
-        for g in grads:
-            out += graph_hvp([g], [theta], [vs])[0]
-        return out
-
-    return many
-
-
 INDEFINITE = ("raise", "damp")
 
 
-def _indefinite_error(lam: float, curvature: float, solver: str) -> ValueError:
-    """The error of an indefinite ``H + λI`` found with Ritz value ``curvature``."""
-    theta = curvature - lam
-    need = DAMPING_RAISE * -theta
-    return ValueError(
-        f"exact influence: H + damping·I is not positive definite (damping {lam:.3g}): "
-        f"conjugate gradient ({solver}) found a Ritz value {curvature:.3g} of it, i.e. the "
-        f"Hessian has curvature {theta:.3g} < -damping there, so (H + λI)⁻¹ is no influence "
-        f"reference. Pass damping >= {need:.3g} ({DAMPING_RAISE} x that curvature, the rule "
-        "Refinement uses), or indefinite='damp' to raise it so (result.meta['damping_rule'] "
-        "says to what)"
+def _indefinite_error(e: IndefiniteError) -> ValueError:
+    """The user's error of an indefinite ``H + λI`` (``e``)."""
+    found = (
+        f"conjugate gradient ({e.solver}) found a Ritz value {min(e.curvature):.3g} of it"
+        if e.solver != "lissa"
+        else f"LiSSA's iterate grew along a direction of Rayleigh quotient {min(e.curvature):.3g}"
     )
-
-
-def _solve(
-    hvp: Callable[[torch.Tensor], torch.Tensor],
-    rhs: torch.Tensor,
-    lam: float,
-    solver: str,
-    tol: float,
-    max_iter: int,
-    damp: bool,
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``(H + λI)⁻¹ rhs`` by ``solver``, λ raised by `raised_damping` where ``damp``; ``info``
-    with the final ``"damping"`` and the Hessian curvatures raised past (``"found"``)."""
-    state: dict[str, Any] = {"lam": lam, "found": []}
-
-    def matvec(v: torch.Tensor) -> torch.Tensor:
-        return hvp(v) + state["lam"] * v
-
-    def shift(mu: float) -> float:  # the block solver raises λ in place, no product repeated
-        new = raised_damping(mu - state["lam"], state["lam"])
-        if new is None:
-            return 0.0
-        state["found"].append(mu - state["lam"])
-        delta, state["lam"] = new - state["lam"], new
-        return delta
-
-    for _ in range(MAX_DAMPING_RAISES + 1):
-        try:
-            if solver == "block":
-                x, info = block_cg(
-                    matvec, lambda r: r, rhs, max_iter, tol=tol, shift=shift if damp else None
-                )
-            else:
-                x, info = preconditioned_cg(matvec, None, rhs, max_iter, tol=tol)
-        except ValueError as e:
-            curv = getattr(e, "curvature", None)
-            if not curv:
-                raise
-            if not damp or solver == "block":
-                raise _indefinite_error(state["lam"], min(curv), solver) from None
-            theta = min(curv) - state["lam"]  # per query: solve again at the raised λ
-            state["found"].append(theta)
-            state["lam"] = raised_damping(theta, state["lam"]) or state["lam"]
-            continue
-        return x, {**info, "damping": state["lam"], "found": state["found"]}
-    raise _indefinite_error(state["lam"], min(curv), solver)
+    return ValueError(
+        f"exact influence: H + damping·I is not positive definite (damping {e.lam:.3g}): "
+        f"{found}, i.e. the Hessian has curvature {e.theta:.3g} < -damping there, so (H + λI)⁻¹ "
+        f"is no influence reference. Pass damping >= {e.need:.3g} ({DAMPING_RAISE} x that "
+        "curvature, the rule Refinement uses), or indefinite='damp' to raise it so "
+        "(result.meta['damping_rule'] says to what)"
+    )
 
 
 def exact(
@@ -182,13 +106,40 @@ def exact(
     this is for small models). ``method="cg"`` solves by conjugate gradient to relative residual
     ``tol`` (``solver``: ``"block"``, all queries in one search space, at most ``max_iter``
     passes, default ``⌈P / k⌉ + 2``, when ``2 · P²`` values fit ``memory`` bytes, default
-    `refine_plan.available_memory`; ``"cg"``: one recurrence per query, at most ``max_iter``
+    `refine.memory.available_memory`; ``"cg"``: one recurrence per query, at most ``max_iter``
     steps, default ``min(2P, 1000)``); ``method="lissa"`` uses the Neumann series with a
-    power-iteration scale. ``indefinite``: where ``H + λI`` turns out not positive definite,
-    ``"raise"`` stops with the damping that would do, ``"damp"`` raises ``λ`` to 1.5 x the
-    Hessian's most negative curvature found (as `Refinement` does), with a warning;
+    power-iteration scale, ``lissa_depth`` terms at most, and refuses (or, with
+    ``indefinite="damp"``, damps) a series that diverges. ``indefinite``: where ``H + λI``
+    turns out not positive definite, ``"raise"`` stops with the damping that would do,
+    ``"damp"`` raises ``λ`` to 1.5 x the Hessian's most negative curvature found (as
+    `Refinement` does), with a warning;
     ``result.meta["damping"]`` is the ``λ`` used, ``["damping_rule"]`` how it was chosen. Ids
     are positions in the data. Put the model in ``eval()`` mode if it has dropout or batch norm.
+
+    Args:
+        model: the trained model (all its trainable parameters are ``H``'s).
+        loss_fn: ``loss_fn(outputs, targets)`` -> the batch loss reduced as ``loss_reduction``.
+        train_data: the training data: a tuple of tensors, a Dataset or a DataLoader.
+        query_data: the queries, in the same forms.
+        damping: ``λ >= 0``.
+        loss_reduction: ``"mean"`` or ``"sum"``.
+        method: ``"cg"`` or ``"lissa"``.
+        batch_size: examples per batch of tensor or Dataset data.
+        tol: the relative residual (CG) or relative change (LiSSA) to stop at.
+        max_iter: CG's passes at most (default above).
+        lissa_depth: LiSSA's terms at most.
+        dtype: the compute dtype.
+        indefinite: ``"raise"`` or ``"damp"``.
+        solver: ``None`` (by ``memory``), ``"block"`` or ``"cg"``.
+        memory: bytes block CG's search space may take (``None``: the free memory's share).
+
+    Returns:
+        `InfluenceResult` with ``scores [n_query, n_train]`` (float32) and ``meta``.
+
+    Raises:
+        ValueError: bad arguments, empty data, non-finite query gradients, or ``H + λI`` not
+            positive definite under ``indefinite="raise"`` (the message names the damping that
+            would do).
 
     Example:
         >>> import torch
@@ -215,7 +166,7 @@ def exact(
     layout = ParamLayout(names, [loss.theta[n].shape for n in names])
     train = _batches(train_data, batch_size, dtype)
     query = _batches(query_data, batch_size, dtype)
-    hvp = _hvp_fn(loss, layout, train)
+    hvp = kept_curvature(loss, layout, train).product
 
     def example_grads(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return layout.from_dict(loss.example_grads(x, y), len(x))
@@ -225,55 +176,44 @@ def exact(
         raise ValueError("query gradients contain NaN/Inf")
     n_q, dim = q_grads.shape
     meta: dict[str, Any] = {"mode": "dot", "preconditioner": f"exact-{method}"}
-    if method == "cg":
-        if solver is None:
-            budget = available_memory(q_grads.device) if memory is None else memory
-            space = 2 * dim * dim * torch.finfo(dtype).bits // 8
-            solver = "block" if space <= budget else "cg"
-        if max_iter is None:
-            max_iter = -(-dim // n_q) + 2 if solver == "block" else min(2 * dim, 1000)
-        solved, info = _solve(hvp, q_grads, damping, solver, tol, max_iter, indefinite == "damp")
-        residual = float(info["residual"].max())
-        if residual > max(tol, 1e-6):
-            warnings.warn(
-                f"conjugate gradient ({solver}) stopped after {info['passes']} passes at relative "
-                f"residual {residual:.2e}; raise max_iter or the damping",
-                stacklevel=2,
-            )
-        rule = "given"
-        if info["found"]:
-            rule = (
-                f"raised from {damping:.3g} to {info['damping']:.3g} to stay {DAMPING_RAISE} x "
-                f"the Hessian's most negative curvature found ({min(info['found']):.3g}), "
-                "indefinite='damp'"
-            )
-            warnings.warn(
-                f"nnstat: exact influence: H + damping·I is not positive definite enough: the "
-                f"damping was {rule} (result.meta['damping_rule']); pass a larger damping, or "
-                "indefinite='raise' to make this an error",
-                stacklevel=2,
-            )
-        meta.update(
-            damping=info["damping"],
-            damping_asked=damping,
-            damping_rule=rule,
-            solver=solver,
-            passes=info["passes"],
-            max_residual=residual,
+    if method == "lissa":
+        solver, max_iter = "lissa", lissa_depth
+    if solver is None:
+        budget = available_memory(q_grads.device) if memory is None else memory
+        space = 2 * dim * dim * torch.finfo(dtype).bits // 8
+        solver = "block" if space <= budget else "cg"
+    if max_iter is None:
+        max_iter = -(-dim // n_q) + 2 if solver == "block" else min(2 * dim, 1000)
+    op = DampedOperator(hvp, damping, adaptive=indefinite == "damp")
+    try:
+        solved, info = damped_solve(op, q_grads, solver, max_iter, tol=tol)
+    except IndefiniteError as e:
+        raise _indefinite_error(e) from None
+    residual = float(info["residual"].max()) if "residual" in info else None
+    if residual is not None and residual > max(tol, 1e-6):
+        warnings.warn(
+            f"conjugate gradient ({solver}) stopped after {info['passes']} passes at relative "
+            f"residual {residual:.2e}; raise max_iter or the damping",
+            stacklevel=2,
         )
-    else:
-        matvec = _damped(hvp, damping)
-        scale = 1.1 * top_eigenvalue(matvec, dim, dtype)
-        solved = lissa(matvec, q_grads, scale, lissa_depth, tol)
-        meta.update(damping=damping, damping_rule="given")
+    rule = "given"
+    if op.found:
+        rule = (
+            f"raised from {damping:.3g} to {op.lam:.3g} to stay {DAMPING_RAISE} x "
+            f"the Hessian's most negative curvature found ({min(op.found):.3g}), "
+            "indefinite='damp'"
+        )
+        warnings.warn(
+            f"nnstat: exact influence: H + damping·I is not positive definite enough: the "
+            f"damping was {rule} (result.meta['damping_rule']); pass a larger damping, or "
+            "indefinite='raise' to make this an error",
+            stacklevel=2,
+        )
+    meta.update(damping=op.lam, damping_asked=damping, damping_rule=rule, passes=info["passes"])
+    if method == "cg":
+        meta.update(solver=solver, max_residual=residual)
     scores = torch.cat([solved @ example_grads(x, y).T for x, y in train], dim=1)
     n_train = scores.shape[1]
     return InfluenceResult(
         scores.to(torch.float32), list(range(len(q_grads))), list(range(n_train)), meta
     )
-
-
-def _damped(
-    hvp: Callable[[torch.Tensor], torch.Tensor], lam: float
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda v: hvp(v) + lam * v

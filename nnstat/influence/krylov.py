@@ -1,8 +1,7 @@
 """Krylov solvers for ``A X = B`` with many right-hand sides (pure maths on ``[k, P]`` rows).
 
 The one home of the influence code's solvers. ``preconditioned_cg`` runs one conjugate-gradient
-recurrence per row (the rows only share the batched ``matvec``); `conjugate_gradient` is it
-without a preconditioner. `lissa` is the Neumann series, scaled by `top_eigenvalue` (power
+recurrence per row (the rows only share the batched ``matvec``). `lissa` is the Neumann series, scaled by `top_eigenvalue` (power
 iteration). ``block_cg`` shares one search space between all rows: each step adds every row's
 preconditioned residual to it, and every row takes the best iterate in the whole space.
 Refinement solves one system per query against the same curvature, so a block of 32 queries
@@ -16,6 +15,7 @@ non-positive curvature, NaN) is acted on at the next step's read, before its ite
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +24,6 @@ import torch
 __all__ = [
     "block_cg",
     "block_directions",
-    "conjugate_gradient",
     "lanczos_ritz",
     "lissa",
     "preconditioned_cg",
@@ -43,6 +42,11 @@ def _not_positive_definite(
     err.curvature = curvature  # type: ignore[attr-defined]
     err.pap = pap  # type: ignore[attr-defined]
     return err
+
+
+#: LiSSA stops a row whose series term grew this many times its smallest (it never grows where
+#: A is positive definite: the row's iterate diverges along negative curvature)
+DIVERGED = 100.0
 
 
 def _read(*values: torch.Tensor) -> list[float]:
@@ -179,38 +183,6 @@ def _identity(r: torch.Tensor) -> torch.Tensor:
     return r
 
 
-def conjugate_gradient(
-    matvec: Callable[[torch.Tensor], torch.Tensor],
-    rhs: torch.Tensor,
-    tol: float = 1e-10,
-    max_iter: int = 1000,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Solve ``A x_k = rhs_k`` for every row ``k`` of ``rhs`` (A symmetric positive definite) to
-    relative residual ``tol``: `preconditioned_cg` without a preconditioner.
-
-    Returns ``(x, relative residuals)``. Raises when ``A`` is not positive definite along a search
-    direction (a non-convex loss with too little damping).
-
-    Example:
-        >>> import torch
-        >>> A = torch.tensor([[4.0, 1.0], [1.0, 3.0]], dtype=torch.float64)
-        >>> x, _ = conjugate_gradient(lambda v: v @ A, torch.tensor([[1.0, 2.0]], dtype=torch.float64))
-        >>> torch.allclose(x @ A, torch.tensor([[1.0, 2.0]], dtype=torch.float64))
-        True
-    """
-    try:
-        x, info = preconditioned_cg(matvec, None, rhs, max_iter, tol=tol)
-    except ValueError as e:
-        pap = getattr(e, "pap", None)
-        if not pap:
-            raise
-        raise ValueError(
-            "H + damping·I is not positive definite along a conjugate-gradient direction "
-            f"(pᵀAp = {min(pap):.3g}); increase the damping"
-        ) from None
-    return x, info["residual"]
-
-
 def lissa(
     matvec: Callable[[torch.Tensor], torch.Tensor],
     rhs: torch.Tensor,
@@ -220,21 +192,79 @@ def lissa(
 ) -> torch.Tensor:
     """LiSSA / Neumann series ``A⁻¹ b ≈ (1/scale) Σ_j (I − A/scale)^j b`` (``scale > λ_max(A)``).
 
+    The series converges only where ``A`` is positive definite with ``λ_max(A) < 2 · scale``:
+    its terms ``d_j = (I − A/scale)^j (I − A/scale) b`` then never grow. A row whose term grows
+    to ``DIVERGED`` x its smallest so far (or is not finite; or, after ``depth`` steps, ends
+    above twice its smallest), above rounding's level of its iterate, is refused like conjugate gradient's non-positive curvature: a ``ValueError`` with
+    ``err.rows`` and ``err.curvature``, the Rayleigh quotient of ``A`` along the growing term
+    (``A d_j = scale · (d_j − d_{j+1})``, no product spent), clamped at 0. One host read per
+    step.
+
+    Args:
+        matvec: ``A`` on rows ``[k, P]``.
+        rhs: ``b``, ``[k, P]``.
+        scale: above ``λ_max(A)`` (e.g. 1.1 x `top_eigenvalue`).
+        depth: terms at most.
+        tol: the relative change of the iterate (all rows together) to stop at.
+
+    Returns:
+        ``A⁻¹ rhs`` as far as the series got, ``[k, P]``.
+
+    Raises:
+        ValueError: a row's series diverges (``err.rows``, ``err.curvature``).
+
     Example:
         >>> import torch
         >>> A = torch.tensor([[2.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
         >>> x = lissa(lambda v: v @ A, torch.ones(1, 2, dtype=torch.float64), scale=3.0)
         >>> [round(v, 6) for v in x[0].tolist()]
         [0.5, 1.0]
+        >>> B = torch.tensor([[2.0, 0.0], [0.0, -0.5]], dtype=torch.float64)
+        >>> lissa(lambda v: v @ B, torch.ones(1, 2, dtype=torch.float64), scale=3.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: not positive definite
     """
+    k = rhs.shape[0]
+    tiny = torch.finfo(rhs.dtype).tiny
     est = rhs.clone()
+    prev: torch.Tensor | None = None
+    low = [math.inf] * k  # each row's smallest term so far
+    norms = ritzes = floors = [0.0] * k
+    # terms at rounding's level of the iterate (a series converged as far as the dtype allows)
+    # may wobble: never read as growth
+    floor = 1000 * torch.finfo(rhs.dtype).eps
     for _ in range(depth):
         new = rhs + est - matvec(est) / scale
-        change = (new - est).norm() / new.norm().clamp_min(torch.finfo(rhs.dtype).tiny)
-        est = new
-        if change < tol:
-            break
+        term = new - est
+        ritz = torch.zeros_like(term[:, 0])
+        if prev is not None:  # the Rayleigh quotient of A along the previous term
+            ritz = scale * (1 - (term * prev).sum(1) / (prev * prev).sum(1).clamp_min(tiny))
+        change = term.norm() / new.norm().clamp_min(tiny)
+        values = _read(term.norm(dim=1), ritz, floor * new.norm(dim=1), change)
+        norms, ritzes, floors = values[:k], values[k : 2 * k], values[2 * k : 3 * k]
+        bad = [
+            i
+            for i, n in enumerate(norms)
+            if not math.isfinite(n) or (n > DIVERGED * low[i] and n > floors[i])
+        ]
+        if bad:
+            raise _not_positive_definite(bad, [_curvature(ritzes[i]) for i in bad])
+        low = [min(a, b) for a, b in zip(low, norms, strict=True)]
+        est, prev = new, term
+        if values[-1] < tol:
+            return est / scale
+    # depth spent: a row whose term ended above twice its smallest diverges, slowly
+    bad = [i for i in range(k) if norms[i] > 2 * low[i] and norms[i] > floors[i]]
+    if bad:
+        raise _not_positive_definite(bad, [_curvature(ritzes[i]) for i in bad])
     return est / scale
+
+
+def _curvature(ritz: float) -> float:
+    """A growing LiSSA term's curvature for the error: its Rayleigh quotient, at most 0 (a
+    mixture of directions can read positive before the growing one dominates)."""
+    return min(ritz, 0.0) if math.isfinite(ritz) else 0.0
 
 
 def top_eigenvalue(

@@ -142,7 +142,7 @@ def subset_masks(n_train: int, m: int, alpha: float = 0.5, seed: int = 0) -> tor
     return torch.from_numpy(masks)
 
 
-def _seed_everything(seed: int) -> None:
+def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -185,7 +185,7 @@ def run_lds_protocol(
         indices = masks[j].nonzero().flatten()
         runs = []
         for r in range(seeds_per_subset):
-            _seed_everything(seed * 1_000_003 + j * 1_009 + r)
+            seed_everything(seed * 1_000_003 + j * 1_009 + r)
             with torch.enable_grad():
                 model = train_fn(indices)
             with torch.no_grad():

@@ -15,13 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from nnstat.capture import rules
+from nnstat.capture.kinds import Kind, detect_kind, unsupported_reason
 from nnstat.curvature.products import ParamLayout, captured_example_grads
 from nnstat.store.integrity import params_hash
 
 from .cache import default_preconditioner, fitted
-from .layout import ModuleSpec
-from .precondition import Preconditioner, _fit_from_rows, kfac_factor, stored_ekfac_factor
+from .precondition import Preconditioner, fit_from_rows, kfac_factor, stored_ekfac_factor
+from .row_layout import ModuleSpec
 from .sources import RowSource
 
 
@@ -31,7 +31,7 @@ class _Slot:
 
     spec: ModuleSpec  # the store's layout entry (projected widths)
     module: nn.Module
-    kind: str
+    kind: Kind
     d_out: int | None
     d_in: int
     params: list[tuple[str, str, torch.Size, int, int]]  # (key, full name, shape, offset, numel)
@@ -70,12 +70,10 @@ class LoggedSpace:
         offset = 0
         for spec in source.layout:
             module = _find_module(model, spec.name)
-            kind = rules.detect_kind(module)
+            kind = detect_kind(module)
             if kind is None:
-                raise ValueError(f"module {spec.name!r}: {rules.unsupported_reason(module)}")
-            d_in, d_out = rules.dims(kind, module)
-            if kind == "layernorm":
-                d_in, d_out = d_in * (1 + rules.has_bias(module)), None
+                raise ValueError(f"module {spec.name!r}: {unsupported_reason(module)}")
+            d_in, d_out = kind.logged_dims(module)
             info = meta_modules.get(spec.name)
             if info is not None and (info.get("d_in"), info.get("d_out")) != (d_in, d_out):
                 raise ValueError(
@@ -133,10 +131,10 @@ class LoggedSpace:
         else:
             first = self._first[id(s)]
             params = {p[0]: flat[first + i] for i, p in enumerate(s.params)}
-        return rules.matrix_from_params(s.kind, s.module, params)
+        return s.kind.matrix_from_params(s.module, params)
 
     def write(self, out: torch.Tensor, s: _Slot, mat: torch.Tensor) -> None:
-        for key, value in rules.grads_by_param(s.kind, s.module, mat).items():
+        for key, value in s.kind.grads_by_param(s.module, mat).items():
             _, _, _, off, n = next(p for p in s.params if p[0] == key)
             out[:, off : off + n] = value.reshape(len(value), n)
 
@@ -146,7 +144,7 @@ class LoggedSpace:
         parts = []
         for s in self.slots:
             x = self.matrix(flat, s)
-            if s.kind == "layernorm":
+            if not s.kind.outer:  # a flat gradient
                 parts.append(x if s.p_in is None else x @ s.p_in.T)
                 continue
             if s.p_out is not None:
@@ -162,7 +160,7 @@ class LoggedSpace:
         out = y.new_zeros(len(y), self.size)
         for s in self.slots:
             block = y[:, s.spec.offset : s.spec.stop]
-            if s.kind == "layernorm":
+            if not s.kind.outer:
                 mat = block if s.p_in is None else block @ s.p_in
             else:
                 r_out = s.d_out if s.p_out is None else s.p_out.shape[0]
@@ -271,5 +269,5 @@ def logged_preconditioner(
             factors[m.name] = f if f is not None else kfac_factor(m, stats, projections)
     dense = [m for m in source.layout if not m.kronecker]
     if dense:
-        factors.update(_fit_from_rows(source, dense, {}, batch_size))
+        factors.update(fit_from_rows(source, dense, {}, batch_size))
     return Preconditioner(kind, list(source.layout), factors)

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from nnstat.background.transfer import host_empty
+
 from .modes import normalise, raw_scores
 from .pipeline import Block
 from .topk import merge_topk
@@ -58,10 +60,7 @@ def _all_pairs_buffer(n_rows: int, n_test: int, device: torch.device) -> torch.T
     pinning so much is refused (each copy then waits for its block). Elsewhere: on ``device``."""
     if device.type != "cuda":
         return torch.empty(n_rows, n_test, device=device)
-    try:
-        return torch.empty(n_rows, n_test, pin_memory=True)
-    except RuntimeError:
-        return torch.empty(n_rows, n_test)
+    return host_empty(n_rows * n_test, pin=True, fallback=True).view(n_rows, n_test)
 
 
 def _bad_units(sums: list[torch.Tensor], units: list[tuple[tuple, list]]) -> list[tuple]:

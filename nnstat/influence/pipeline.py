@@ -11,9 +11,11 @@ device scores block ``k``; the main thread copies each buffer to the device with
 ``non_blocking=True`` on a side stream, and the scoring stream waits for that copy's event, so
 disk reads, host-to-device copies and scoring overlap. Rows already on the device pass through.
 
-An error raised while reading (a damaged shard, a shape that does not match its ids) is
-re-raised in the consumer, with its traceback, where its block would have come; the thread stops
-when the consumer does (an error there, or a consumer that stops early).
+The thread is a `nnstat.background.worker.Reader` and the host buffers a
+`nnstat.background.transfer.HostBuffers` pool, handed back with the event of the device copy
+that reads them. An error raised while reading (a damaged shard, a shape that does not match its
+ids) is re-raised in the consumer, with its traceback, where its block would have come; the
+thread stops when the consumer does (an error there, or a consumer that stops early).
 
 Example:
     >>> from nnstat.influence.sources import TensorSource
@@ -24,13 +26,13 @@ Example:
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from nnstat.background.transfer import HostBuffers
+from nnstat.background.worker import Reader
 
 from .sources import RowSource
 
@@ -66,64 +68,6 @@ def units(source: RowSource, batch_size: int, rank: int = 0, world: int = 1) -> 
     for b_idx, (ids, rows) in enumerate(source.iter_blocks(batch_size)):
         if b_idx % world == rank:
             yield (0, b_idx), ids, rows
-
-
-@dataclass
-class _Failed:
-    error: BaseException
-
-
-_END = object()
-
-
-class _Reader:
-    """The reader thread. It takes a free host buffer (and the event of the device copy that
-    last read it), fills it with the next block, and queues it; the consumer gives the buffer
-    back once the device has what it needs from it."""
-
-    def __init__(self, blocks: Iterator[Block], max_rows: int, pin: bool) -> None:
-        self.ready: queue.SimpleQueue = queue.SimpleQueue()
-        self.free: queue.SimpleQueue = queue.SimpleQueue()
-        for slot in range(DEPTH):
-            self.free.put((slot, None))
-        self.stop = threading.Event()
-        self._blocks, self._pin, self._max_rows = blocks, pin, max_rows
-        self._buffers: list[torch.Tensor | None] = [None] * DEPTH
-        self.thread = threading.Thread(target=self._run, name="nnstat-shard-reader", daemon=True)
-        self.thread.start()
-
-    def _take(self) -> tuple[int, Any] | None:
-        while not self.stop.is_set():
-            try:
-                return self.free.get(timeout=0.05)
-            except queue.Empty:
-                continue
-        return None
-
-    def _buffer(self, slot: int, rows: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers[slot]
-        n, width = rows.shape
-        if buf is None or buf.shape[0] < n or buf.shape[1] != width:
-            buf = torch.empty(max(n, self._max_rows), width, pin_memory=self._pin)
-            self._buffers[slot] = buf
-        return buf[:n]
-
-    def _run(self) -> None:
-        try:
-            for key, ids, rows in self._blocks:
-                token = self._take()
-                if token is None:
-                    return  # the consumer stopped
-                slot, copied = token
-                if rows.device.type == "cpu":
-                    if copied is not None and not copied.query():
-                        copied.synchronize()  # wait until the device has read this buffer
-                    # the disk read (a memory-mapped shard is read here, on this thread)
-                    rows = self._buffer(slot, rows).copy_(rows)
-                self.ready.put((slot, key, ids, rows))
-            self.ready.put(_END)
-        except BaseException as e:  # handed to the consumer, never dropped
-            self.ready.put(_Failed(e))
 
 
 class _DeviceCopies:
@@ -180,29 +124,36 @@ def read_ahead(
     cuda = device.type == "cuda"
     if cuda and device.index is None:  # "cuda" names the current device: rows there pass
         device = torch.device("cuda", torch.cuda.current_device())
-    reader = _Reader(blocks, max_rows, pin=cuda)
+    pool = HostBuffers(pin=cuda, keep=DEPTH)
+    dtype = torch.get_default_dtype()
+
+    def fill(block: Block) -> tuple[Block, torch.Tensor | None]:
+        # on the reader thread: the disk read (a memory-mapped shard is read here)
+        key, ids, rows = block
+        if rows.device.type != "cpu":
+            return block, None
+        n, width = rows.shape
+        # waits, if need be, until the device has read the buffer's previous rows
+        flat = pool.take(max(n, max_rows) * width, dtype)
+        return (key, ids, flat[: n * width].view(n, width).copy_(rows)), flat
+
+    reader = Reader(blocks, fill, DEPTH, "nnstat-shard-reader")
     copies = _DeviceCopies(device) if cuda else None
     try:
-        while True:
-            item = reader.ready.get()
-            if item is _END:
-                return
-            if isinstance(item, _Failed):
-                raise item.error
-            slot, key, ids, rows = item
+        for (key, ids, rows), flat in reader:
             if copies is not None and rows.device != device:
                 rows, copied, i = copies.copy(rows)
-                reader.free.put((slot, copied))  # refilled once the copy has read it
+                if flat is not None:
+                    pool.give(flat, copied)  # refilled once the copy has read it
+                reader.done()
                 yield key, ids, rows
                 copies.scored(i)
             else:
                 if rows.device != device:
                     rows = rows.to(device)
                 yield key, ids, rows
-                reader.free.put((slot, None))  # the consumer is done with these rows
+                if flat is not None:
+                    pool.give(flat)  # the consumer is done with these rows
+                reader.done()
     finally:
-        reader.stop.set()
-        reader.thread.join()
-        close = getattr(blocks, "close", None)
-        if close is not None:  # a generator left mid-shard: release what it holds now
-            close()
+        reader.close()

@@ -45,7 +45,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import ModuleSpec
+from nnstat.curvature.operations import factor_eig, rotate
+
+from .row_layout import ModuleSpec
 from .sources import RowSource
 from .woodbury import gram_eig, symmetric_eig, woodbury_apply, woodbury_core
 
@@ -105,37 +107,6 @@ def damped_inverse(evals: torch.Tensor, evecs: torch.Tensor, damping: float) -> 
     if (denom <= 0).any():
         raise ValueError("curvature + damping is singular: use a damping > 0")
     return ((evecs / denom) @ evecs.T).to(torch.float32)
-
-
-def factor_eig(factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`symmetric_eig` of a K-FAC factor; a diagonal one (1-D) keeps its entries as eigenvalues
-    (index order, clamped at 0) and the identity as eigenbasis, returned as ``None``.
-
-    Example:
-        >>> import torch
-        >>> factor_eig(torch.tensor([2.0, -1e-9]))
-        (tensor([2., 0.], dtype=torch.float64), None)
-    """
-    if factor.dim() == 1:
-        return factor.to(torch.float64).clamp_min(0.0), None
-    return symmetric_eig(factor)
-
-
-def rotate(
-    g: torch.Tensor, q_out: torch.Tensor | None, q_in: torch.Tensor | None, transpose: bool = False
-) -> torch.Tensor:
-    """``Q_out G Q_inᵀ`` (``transpose``: ``Q_outᵀ G Q_in``) with ``None`` the identity.
-
-    Example:
-        >>> import torch
-        >>> rotate(torch.ones(1, 2, 2), None, 2 * torch.eye(2))[0, 0].tolist()
-        [2.0, 2.0]
-    """
-    if q_out is not None:
-        g = (q_out.T if transpose else q_out) @ g
-    if q_in is not None:
-        g = g @ (q_in if transpose else q_in.T)
-    return g
 
 
 def kron_precondition(
@@ -291,8 +262,8 @@ def kfac_factor(
             f"module {spec.name!r}: statistics give a {s.shape[0]}x{a.shape[0]} gradient but the "
             f"log stores {spec.r_out}x{spec.r_in}"
         )
-    ls, qs = factor_eig(s)
-    la, qa = factor_eig(a)
+    ls, qs = factor_eig(s, psd=True)
+    la, qa = factor_eig(a, psd=True)
     return KronFactor(qs, qa, torch.outer(ls, la))
 
 
@@ -366,7 +337,7 @@ def dense_groups(widths: list[int], budget: int = DENSE_FIT_BUDGET) -> list[list
     return groups
 
 
-def _fit_from_rows(
+def fit_from_rows(
     source: RowSource,
     dense: list[ModuleSpec],
     kron: dict[str, KronFactor],
@@ -459,20 +430,20 @@ class Preconditioner:
         if kind == "identity":
             return cls(kind, layout, {})
         if kind == "raw":
-            return cls(kind, layout, _fit_from_rows(source, layout, {}, batch_size))
+            return cls(kind, layout, fit_from_rows(source, layout, {}, batch_size))
         stats, projections = source.statistics(), source.projections()
         kron = {m.name: kfac_factor(m, stats, projections) for m in layout if m.kronecker}
         dense = [m for m in layout if not m.kronecker]
         if kind == "kfac":
             factors: dict[str, DenseFactor | LowRankFactor | KronFactor] = dict(kron)
             if dense:
-                factors.update(_fit_from_rows(source, dense, {}, batch_size))
+                factors.update(fit_from_rows(source, dense, {}, batch_size))
             return cls(kind, layout, factors)
         stored = {m.name: stored_ekfac_factor(m, stats, projections) for m in layout if m.kronecker}
         factors = {name: f for name, f in stored.items() if f is not None}
         todo = {name: f for name, f in kron.items() if stored.get(name) is None}
         if dense or todo:
-            factors.update(_fit_from_rows(source, dense, todo, batch_size))
+            factors.update(fit_from_rows(source, dense, todo, batch_size))
         pre = cls(kind, layout, factors)
         pre.origin = {
             m.name: (

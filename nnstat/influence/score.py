@@ -37,13 +37,13 @@ from tqdm.auto import tqdm
 from nnstat.distributed import rank_world
 
 from .cache import default_preconditioner, fitted, has_kfac_statistics, has_stored_ekfac
-from .layout import check_compatible, check_same_weights
 from .modes import MODES, check_mode, normalise, raw_scores
 from .ondevice import stream_scores, stream_self_influence
 from .pipeline import Block, read_ahead, units
 from .precondition import PRECONDITIONERS, Preconditioner
 from .refine import Refinement, refine_queries
 from .result import InfluenceResult, SelfInfluenceResult, TopKInfluence
+from .row_layout import check_compatible, check_same_weights
 from .sources import (
     LogSource,
     RowSource,

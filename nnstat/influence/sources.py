@@ -27,7 +27,7 @@ import torch
 from nnstat.store.files import PROJECTIONS_FILE, STATISTICS_FILE, load_safetensors
 from nnstat.store.lazy import LazyStatistics
 
-from .layout import ModuleSpec, layout_from_meta, row_width, validate_layout
+from .row_layout import ModuleSpec, layout_from_meta, row_width, validate_layout
 
 
 @runtime_checkable

@@ -20,9 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from nnstat.distributed import clean_name, fsdp1_shards
-from nnstat.distributed import fsdp1_grad as _grad
-from nnstat.distributed import fsdp1_whole as _view
+from nnstat.distributed import clean_name, fsdp1_grad, fsdp1_shards, fsdp1_whole
 from nnstat.netdict.netdict import NetDict, select_names
 
 __all__ = [
@@ -128,7 +126,10 @@ def get_weight(
     """
     shards = fsdp1_shards(model)
     return NetDict(
-        {n: _take(_view(p, p, shards), device, copy) for n, p in _params(model, include, exclude)}
+        {
+            n: _take(fsdp1_whole(p, p, shards), device, copy)
+            for n, p in _params(model, include, exclude)
+        }
     )
 
 
@@ -175,7 +176,7 @@ def get_grad(
     shards = fsdp1_shards(model)
     out, absent = {}, []
     for n, p in params:
-        g = _grad(p, shards)
+        g = fsdp1_grad(p, shards)
         if g is not None:
             out[n] = _take(g, device, copy)
         elif p.requires_grad:
@@ -259,7 +260,7 @@ def get_optimizer_state(
         if v is None and id(p) in shards and p.numel() == 0:
             v = p.detach()  # FSDP1: this rank holds no slice of the parameter (nor of its state)
         if isinstance(v, torch.Tensor):
-            out[n] = _take(_view(v, p, shards), device, copy)
+            out[n] = _take(fsdp1_whole(v, p, shards), device, copy)
     return NetDict(out)
 
 
@@ -344,9 +345,9 @@ def compute_stats(
     )
     named = _params(model, include, exclude)
     shards = fsdp1_shards(model)
-    with_grad = [n for n, p in named if _grad(p, shards) is not None]
+    with_grad = [n for n, p in named if fsdp1_grad(p, shards) is not None]
     if len(with_grad) < len(named):
-        absent = [n for n, p in named if _grad(p, shards) is None and p.requires_grad]
+        absent = [n for n, p in named if fsdp1_grad(p, shards) is None and p.requires_grad]
         if absent:
             warnings.warn(
                 f"{len(absent)} parameter(s) have no gradient and are left out of grad/: "

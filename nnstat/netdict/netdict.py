@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from nnstat.describe import Description, summarize, validate_stats
-from nnstat.describe.summary import partial_rows
-from nnstat.distributed import any_dtensor, norms_sharded, summarize_sharded
+from nnstat.describe.sharded import norms_sharded, summarize_sharded
+from nnstat.distributed import any_dtensor
 
 __all__ = ["NetDict", "select_names"]
 
@@ -297,7 +297,7 @@ class NetDict(Mapping[str, torch.Tensor]):
                 {n: dict(zip(stats, row, strict=True)) for n, row in zip(names, table, strict=True)}
             )
         elif any_dtensor(tensors):
-            row = summarize_sharded(tensors, stats, combine=True, local_rows=partial_rows)
+            row = summarize_sharded(tensors, stats, combine=True)
             row = row[0].tolist()
             out = Description(zip(stats, row, strict=True))
         else:

@@ -12,8 +12,6 @@ from typing import Any
 
 import torch
 
-from nnstat.capture.rules import BIAS_KINDS, has_bias
-
 
 class ActivationConsumer:
     """Capture-engine consumer that files module inputs / output gradients into a recorder batch.
@@ -39,9 +37,9 @@ class ActivationConsumer:
             self.recorder.start_iteration()
             it = b.current
         fwd = None
-        if cap.kind != "embedding":  # one-hot rows would be large and say little
+        if not cap.kind.tokens:  # one-hot rows would be large and say little
             fwd = cap.forward
-            if cap.kind in BIAS_KINDS and has_bias(cap.module):
+            if cap.kind.dense and cap.kind.has_bias(cap.module):
                 fwd = fwd[..., :-1]
         grad = cap.backward
         if self.loss_reduction == "mean":

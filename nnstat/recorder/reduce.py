@@ -1,8 +1,8 @@
-"""Fused statistics of many tensors, computed on device with one host transfer.
+"""Statistics of many tensors, computed on device with one host transfer.
 
 Why not `nnstat.describe.summarize`: it transfers to the host itself, while the recorder must
 append rule hits and raw values to the same transfer, and evaluate rules on device first. The
-reductions themselves are `nnstat.describe.segments`' (a recorded step has hundreds of small
+reductions themselves are `nnstat.describe.torch_segments`' (a recorded step has hundreds of small
 segments: each tensor, its gradient, and its first k samples; the core reduces them in a fixed
 number of kernels per dtype, two-pass moments included). `test_recorder_activations.py` checks
 that both agree.
@@ -18,12 +18,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nnstat.describe.segments import segment_table
-from nnstat.describe.summary import partial_rows
-from nnstat.distributed import any_dtensor, is_dtensor, summarize_sharded
+from nnstat.describe import partials
+from nnstat.describe.sharded import summarize_sharded
+from nnstat.describe.torch_segments import segment_table
+from nnstat.distributed import any_dtensor, is_dtensor
 
 STAT_NAMES: tuple[str, ...] = ("mean", "std", "min", "max", "abs_max", "norm", "nonfinite", "numel")
 COL = {name: i for i, name in enumerate(STAT_NAMES)}
+#: `STAT_NAMES` as `nnstat.describe` names them.
+_DESCRIBE_NAMES = tuple("l2" if s == "norm" else s for s in STAT_NAMES)
 # the core's names of STAT_NAMES but "nonfinite" (the flag comes from the core's probe column)
 _CORE = ("mean", "std", "min", "max", "abs_max", "l2", "numel")
 
@@ -56,14 +59,13 @@ def _with_flag(table: torch.Tensor) -> torch.Tensor:
 def _sharded(segments: list[torch.Tensor]) -> torch.Tensor:
     """FSDP-sharded (DTensor) parameters: local shards reduced across ranks, exact non-finite
     counts (every rank must record the same segments: it runs collectives)."""
-    names = ["l2" if s == "norm" else s for s in STAT_NAMES]
-    return summarize_sharded(segments, names, local_rows=partial_rows)
+    return summarize_sharded(segments, _DESCRIBE_NAMES)
 
 
 def light_stats(segments: list[torch.Tensor], abs_max: bool = True) -> torch.Tensor:
     """Only ``nonfinite`` (flag), ``abs_max`` and ``norm``: what rules need on unrecorded steps.
 
-    The multi-tensor norm kernels of `nnstat.describe.segments` (one per dtype, two with
+    The multi-tensor norm kernels of `nnstat.describe.torch_segments` (one per dtype, two with
     ``abs_max``); the other columns are NaN.
 
     Example:
@@ -87,25 +89,18 @@ def light_stats(segments: list[torch.Tensor], abs_max: bool = True) -> torch.Ten
 
 
 def exact_row(t: torch.Tensor) -> np.ndarray:
-    """Statistics of one tensor over its finite entries, in float64 on the host."""
-    x = t.detach().reshape(-1).to("cpu", torch.float64).numpy()
-    ok = np.isfinite(x)
-    f = x[ok]
-    if f.size == 0:
-        nan = float("nan")
-        return np.array([nan, nan, nan, nan, nan, nan, float((~ok).sum()), float(x.size)])
-    return np.array(
-        [
-            f.mean(),
-            f.std(),
-            f.min(),
-            f.max(),
-            np.abs(f).max(),
-            np.sqrt((f * f).sum()),
-            float((~ok).sum()),
-            float(x.size),
-        ]
-    )
+    """Statistics of one tensor over its finite entries, in float64 on the host
+    (`nnstat.describe.partials.exact_row`); all NaN but the counts when none is finite.
+
+    Example:
+        >>> exact_row(torch.tensor([3.0, float("nan"), -4.0]))[[COL["norm"], COL["nonfinite"]]]
+        array([5., 1.])
+    """
+    row = partials.exact_row(t).cpu()
+    out = partials.finish(row[None], _DESCRIBE_NAMES, partials.eps_of(torch.float64))[0]
+    if row[partials.N] == 0:
+        out[COL["norm"]] = float("nan")
+    return out.numpy()
 
 
 def fix_nonfinite(stats: np.ndarray, segments: list[torch.Tensor]) -> list[int]:

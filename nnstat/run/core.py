@@ -52,7 +52,7 @@ from nnstat.store.meta import build_meta, prepare_store, record_statistics_hash
 from nnstat.store.projection import (
     ModuleProjection,
     build_projections,
-    module_spec,
+    module_shape,
     projection_tensors,
 )
 from nnstat.store.reader import GradientLog, make_log_dataloader
@@ -517,7 +517,7 @@ class Run:
             )
             self._projection_set = True
             return
-        specs = [module_spec(n, m) for n, m in self.engine.watched.items()]
+        specs = [module_shape(n, m) for n, m in self.engine.watched.items()]
         args = dict(self._projection_args)
         if not self._projection_set:
             args["rank"] = self.config.rank

@@ -29,7 +29,7 @@ from nnstat.store.files import (
 from nnstat.store.integrity import tensors_hash
 from nnstat.store.lazy import LazyStatistics
 from nnstat.store.logger import StoreLogger
-from nnstat.store.projection import ModuleProjection, ModuleSpec
+from nnstat.store.projection import ModuleProjection, ModuleShape
 from nnstat.store.writer import WriterLock
 
 
@@ -145,7 +145,7 @@ def projections_from_store(
         )
     out: dict[str, ModuleProjection] = {}
     for m in store.modules:
-        spec = ModuleSpec(m["name"], m["kind"], int(m["d_in"]), m["d_out"])
+        spec = ModuleShape(m["name"], m["kind"], int(m["d_in"]), m["d_out"])
         out[m["name"]] = ModuleProjection(
             spec,
             int(m["r_in"]),

@@ -81,11 +81,11 @@ def _int(v: Any, least: int) -> bool:
 def _module_problems(modules: list, width: int | None, projection: Any) -> list[str]:
     """What is wrong with meta.json's ``modules``: each an object with a safe, unique ``name``
     (a module path: no ``/``, ``\\`` or control characters, no empty ``.`` part), a known
-    ``kind`` (:data:`nnstat.capture.rules.KINDS`), ``r_in``/``r_out`` the ranks its projection
+    ``kind`` (a registered :class:`~nnstat.capture.kinds.Kind`), ``r_in``/``r_out`` the ranks its projection
     gives (``min(rank, d)``, or ``d`` without one; ``r_out`` null for layernorm), ``width =
     r_in * (r_out or 1)`` and ``offset`` right after the previous module; ``row_width`` their
     sum."""
-    from nnstat.capture.rules import KINDS
+    from nnstat.capture.kinds import REGISTRY
 
     problems: list[str] = []
     rank = projection.get("rank", ...) if isinstance(projection, dict) else ...
@@ -112,8 +112,9 @@ def _module_problems(modules: list, width: int | None, projection: Any) -> list[
         names.add(name if isinstance(name, str) else "")
         at = f"{at} ({name!r})"
         kind = m.get("kind", "linear")
-        if kind not in KINDS:
-            problems.append(f"{at}: kind {kind!r} is not one of {list(KINDS)}")
+        known = isinstance(kind, str) and kind in REGISTRY
+        if not known:
+            problems.append(f"{at}: kind {kind!r} is not one of {list(REGISTRY)}")
         if not (_int(m["offset"], 0) and _int(m["width"], 0)):
             problems.append(f"{at}: offset/width must be ints >= 0")
             continue
@@ -121,7 +122,7 @@ def _module_problems(modules: list, width: int | None, projection: Any) -> list[
             problems.append(f"{at}: offset {m['offset']}, but the previous modules end at {end}")
         end = m["offset"] + m["width"]
         r_in, r_out = m["r_in"], m.get("r_out")
-        flat = kind == "layernorm"
+        flat = known and not REGISTRY[kind].outer  # a flat gradient (layernorm)
         if not _int(r_in, 1) or (r_out is not None or not flat) and not _int(r_out, 1):
             problems.append(
                 f"{at}: r_in {r_in!r} / r_out {r_out!r} must be positive ints"

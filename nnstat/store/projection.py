@@ -8,7 +8,7 @@ identity (nothing to compress, inner products exact); the real ranks are recorde
 
 Example:
     >>> import torch
-    >>> spec = module_spec("fc", torch.nn.Linear(10, 3))
+    >>> spec = module_shape("fc", torch.nn.Linear(10, 3))
     >>> (spec.d_in, spec.d_out)
     (11, 3)
     >>> proj = random_projection(spec, rank=4, seed=0)
@@ -28,11 +28,10 @@ import torch
 from torch import nn
 
 PROJECTION_INITS = ("random", "pca")
-KRONECKER_KINDS = ("linear", "conv", "conv1d_hf", "embedding", "attention")
 
 
 @dataclass(frozen=True)
-class ModuleSpec:
+class ModuleShape:
     """Shape of one watched module's per-sample gradient: ``[d_out, d_in]`` (or ``[d_in]``)."""
 
     name: str
@@ -45,7 +44,7 @@ class ModuleSpec:
 class ModuleProjection:
     """Projection matrices of one module (``None`` = identity on that side, i.e. no compression)."""
 
-    spec: ModuleSpec
+    spec: ModuleShape
     r_in: int
     r_out: int | None
     p_in: torch.Tensor | None
@@ -57,25 +56,23 @@ class ModuleProjection:
         return self.r_in * (self.r_out or 1)
 
 
-def module_spec(name: str, module: nn.Module) -> ModuleSpec:
-    """Per-sample gradient shape of ``module``, from the capture engine's rules.
+def module_shape(name: str, module: nn.Module) -> ModuleShape:
+    """Per-sample gradient shape of ``module``, from its capture kind.
 
     Example:
-        >>> module_spec("e", torch.nn.Embedding(7, 2))
-        ModuleSpec(name='e', kind='embedding', d_in=7, d_out=2)
+        >>> module_shape("e", torch.nn.Embedding(7, 2))
+        ModuleShape(name='e', kind='embedding', d_in=7, d_out=2)
     """
-    from nnstat.capture import rules  # the engine decides what is supported and the shapes
+    from nnstat.capture.kinds import detect_kind, unsupported_reason  # the kinds decide
 
-    kind = rules.detect_kind(module)
+    kind = detect_kind(module)
     if kind is None:
         raise TypeError(
             f"module {name!r} of type {type(module).__name__} cannot be logged: "
-            f"{rules.unsupported_reason(module)}"
+            f"{unsupported_reason(module)}"
         )
-    d_in, d_out = rules.dims(kind, module)
-    if kind == "layernorm":  # flat gradient: weight then bias
-        return ModuleSpec(name, kind, int(d_in) * (1 + rules.has_bias(module)), None)
-    return ModuleSpec(name, kind, int(d_in), int(d_out))
+    d_in, d_out = kind.logged_dims(module)  # d_out None: a flat gradient (layernorm)
+    return ModuleShape(name, str(kind), int(d_in), None if d_out is None else int(d_out))
 
 
 def module_seed(seed: int, name: str) -> int:
@@ -89,7 +86,7 @@ def _gaussian(r: int, d: int, gen: torch.Generator) -> torch.Tensor | None:
     return torch.randn(r, d, generator=gen) / math.sqrt(r)
 
 
-def random_projection(spec: ModuleSpec, rank: int, seed: int = 0) -> ModuleProjection:
+def random_projection(spec: ModuleShape, rank: int, seed: int = 0) -> ModuleProjection:
     """Gaussian projection ``N(0, 1/r)`` on both sides, from :func:`module_seed`."""
     _check_rank(rank)
     gen = torch.Generator().manual_seed(module_seed(seed, spec.name))
@@ -123,7 +120,7 @@ def _top_eigvecs(cov: torch.Tensor, r: int, what: str) -> torch.Tensor | None:
 
 
 def pca_projection(
-    spec: ModuleSpec, rank: int, statistics: Mapping[str, torch.Tensor]
+    spec: ModuleShape, rank: int, statistics: Mapping[str, torch.Tensor]
 ) -> ModuleProjection:
     """Top eigenvectors of the module's forward/backward covariances from a statistics pass.
 
@@ -159,7 +156,7 @@ def pca_projection(
     )
 
 
-def full_gradient(spec: ModuleSpec) -> ModuleProjection:
+def full_gradient(spec: ModuleShape) -> ModuleProjection:
     """No projection: the whole per-sample gradient is stored (``rank=None``)."""
     return ModuleProjection(spec, spec.d_in, spec.d_out, None, None)
 
@@ -170,7 +167,7 @@ def _check_rank(rank: Any) -> None:
 
 
 def build_projections(
-    specs: list[ModuleSpec],
+    specs: list[ModuleShape],
     rank: int | None,
     init: str = "random",
     seed: int = 0,
@@ -179,7 +176,7 @@ def build_projections(
     """One :class:`ModuleProjection` per module, in ``specs`` order.
 
     Example:
-        >>> specs = [module_spec("fc", torch.nn.Linear(4, 2))]
+        >>> specs = [module_shape("fc", torch.nn.Linear(4, 2))]
         >>> build_projections(specs, None)["fc"].width
         10
     """
@@ -247,7 +244,7 @@ def project_capture(
         >>> engine.add_consumer(caps.append)
         >>> with engine.batch():
         ...     lin(torch.randn(3, 6)).sum().backward()
-        >>> proj = random_projection(module_spec("model", lin), rank=2)
+        >>> proj = random_projection(module_shape("model", lin), rank=2)
         >>> project_capture(caps[0], proj).shape
         torch.Size([3, 4])
     """
@@ -273,7 +270,7 @@ def row_factors(cap: Any, proj: ModuleProjection) -> tuple[torch.Tensor, torch.T
         >>> engine.add_consumer(caps.append)
         >>> with engine.batch():
         ...     lin(torch.randn(3, 6)).sum().backward()
-        >>> proj = random_projection(module_spec("model", lin), rank=2)
+        >>> proj = random_projection(module_shape("model", lin), rank=2)
         >>> b, a = row_factors(caps[0], proj)
         >>> torch.equal((b[:, :, None] * a[:, None, :]).reshape(3, -1), project_capture(caps[0], proj))
         True

@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import errno
 import math
 import mmap
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 
 from nnstat.background import start_one_thread_worker
+from nnstat.background.transfer import HostBuffers, copy_to_host
 from nnstat.store import outer
 from nnstat.store.commits import append_commit, committed_shards, recover_log
 from nnstat.store.direct import DirectShardFile, StagingBuffer
@@ -65,6 +65,11 @@ def anon_array(count: int, dtype: Any) -> np.ndarray:
         return np.empty(0, dtype=dtype)
     m = mmap.mmap(-1, nbytes, flags=_ANON_FLAGS) if _ANON_FLAGS else mmap.mmap(-1, nbytes)
     return np.frombuffer(m, dtype=dtype, count=count)
+
+
+def _mapped_rows(count: int, dtype: torch.dtype) -> torch.Tensor:
+    # float32 rows in their own anonymous mapping (`anon_array`), for the writer's row buffers
+    return torch.from_numpy(anon_array(count, np.float32))
 
 
 # errno values of a filesystem that cannot lock at all (as opposed to a lock that is held)
@@ -274,10 +279,6 @@ class StoreWriter:
         self.row_width, self.shard_rows, self.dtype, self.rank = row_width, shard_rows, dtype, rank
         self._index = index
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
-        # every buffer that can be in flight (the queue's, one being written, one being filled)
-        # is kept for reuse: a slow fsync lets the queue fill, and re-mapping the buffers it
-        # took costs the training thread ~1.2 ms each the next time (6.6 MB, populated)
-        self._keep_buffers = queue_size + 2
         self._error: BaseException | None = None
         self._shard: ShardFile | None = None
         self._stage: StagingBuffer | None = None  # the direct-I/O staging buffer, made once
@@ -286,11 +287,14 @@ class StoreWriter:
         self.bytes_written = 0
         self.shards_written: list[str] = []
         # rows are assembled in reused buffers: fresh multi-MB tensors every batch cost page
-        # faults (expensive under virtualisation) in the training thread
-        self._free: collections.deque[torch.Tensor] = collections.deque()
-        # pinned row buffers (rows copied from a CUDA device), kept apart from the mapped ones
-        self._free_pinned: collections.deque[torch.Tensor] = collections.deque()
-        self._pinned: set[int] = set()  # data pointers of the pinned buffers this writer made
+        # faults (expensive under virtualisation) in the training thread; pinned ones (rows
+        # copied from a CUDA device) are kept apart from the mapped ones. Every buffer that can be
+        # in flight (the queue's, one being written, one being filled) is kept for reuse: a slow
+        # fsync lets the queue fill, and re-mapping the buffers it took costs the training
+        # thread ~1.2 ms each the next time (6.6 MB, populated)
+        keep = queue_size + 2
+        self._mapped = HostBuffers(pin=False, keep=keep, minimum=0, alloc=_mapped_rows)
+        self._pinned = HostBuffers(pin=True, keep=keep)
         self._half: np.ndarray | None = None  # 16-bit rows of one batch, reused (see _encode)
         # torch ops in the thread (16-bit encoding) run on it alone, next to training's threads
         self._thread = start_one_thread_worker(self._loop, "nnstat-store-writer")
@@ -311,17 +315,9 @@ class StoreWriter:
         same few buffers circulate instead of a fresh allocation per batch. ``pinned``: in
         page-locked memory, the target of a non-blocking copy from a CUDA device.
         """
-        free = self._free_pinned if pinned else self._free
-        while free:
-            buf = free.pop()
-            if buf.shape[0] >= n:
-                return buf[:n]
-            self._pinned.discard(buf.data_ptr())  # too small: dropped
-        if pinned:
-            buf = torch.empty(max(n, 1) * self.row_width, dtype=torch.float32, pin_memory=True)
-            self._pinned.add(buf.data_ptr())
-            return buf.view(-1, self.row_width)[:n]
-        return torch.from_numpy(anon_array(n * self.row_width, np.float32)).view(n, self.row_width)
+        pool = self._pinned if pinned else self._mapped
+        size = (max(n, 1) if pinned else n) * self.row_width
+        return pool.take(size, torch.float32)[: n * self.row_width].view(n, self.row_width)
 
     def put(
         self,
@@ -367,13 +363,8 @@ class StoreWriter:
             ids = [ids[j] for j in select]
         if not len(ids):
             return
-        cuda = rows.device.type == "cuda"
-        host = self.row_buffer(rows.shape[0], pinned=cuda)
-        host.copy_(rows.detach(), non_blocking=cuda)
-        ready = None
-        if cuda:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(rows.device))
+        host = self.row_buffer(rows.shape[0], pinned=rows.device.type == "cuda")
+        ready = copy_to_host(host, rows.detach())
         self._queue.put((list(ids), [host], host, None, ready, select))
 
     def submit(self, fn: Callable[[], None]) -> None:
@@ -382,13 +373,7 @@ class StoreWriter:
         self._queue.put(fn)
 
     def _release(self, buf: torch.Tensor) -> None:
-        base = buf._base if buf._base is not None else buf  # the whole buffer, flat or not
-        free = self._free_pinned if base.data_ptr() in self._pinned else self._free
-        if len(free) < self._keep_buffers:
-            # deque append/pop are atomic: no lock with the thread
-            free.append(base.view(-1, self.row_width))
-        else:
-            self._pinned.discard(base.data_ptr())
+        (self._pinned if self._pinned.owns(buf) else self._mapped).give(buf)
 
     def pending(self) -> int:
         """Blocks not yet taken by the thread."""

@@ -15,7 +15,7 @@ Example:
     >>> tracker.close()
 """
 
-from nnstat.tracker.background import StepMetrics
+from nnstat.tracker.pending import StepMetrics
 from nnstat.tracker.tracker import GROUPS, Sink, Tracker
 
 __all__ = ["GROUPS", "Sink", "StepMetrics", "Tracker"]

@@ -26,8 +26,7 @@ from typing import Any
 import torch
 
 from nnstat.background.transfer import flatten_parts, split_parts
-from nnstat.describe import Workspace, summarize
-from nnstat.describe.fused import FUSED_STATS, light_columns, weight_update_norms
+from nnstat.describe import Workspace, partials, summarize
 from nnstat.describe.histogram import (
     HIST_SUMMARY,
     bin_counts,
@@ -37,9 +36,10 @@ from nnstat.describe.histogram import (
     sample_for_histogram,
 )
 from nnstat.describe.moments import pair_ok
+from nnstat.describe.numpy_blocks import LIGHT_STATS, light_rows, weight_update_norms
 from nnstat.describe.ratios import ratio_from_norms
-from nnstat.describe.segments import HistSpec, segment_tables
 from nnstat.describe.summary import pair_tables, repair_table
+from nnstat.describe.torch_segments import HistSpec, segment_tables
 from nnstat.distributed import local_tensor
 
 __all__ = [
@@ -156,10 +156,10 @@ def tasks(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> lis
 
 
 def shares_blocks(plan: StepPlan) -> bool:
-    """Whether every task of `plan` is one of `nnstat.describe.fused`'s blocked passes on CPU
+    """Whether every task of `plan` is one of `nnstat.describe.numpy_blocks`'s blocked passes on CPU
     tensors (the default statistics: weights fused with their update, the other groups'
     norms with ``abs_max``), so that two threads can share each task's blocks
-    (`nnstat.describe.fused.share_blocks`) rather than split the tasks."""
+    (`nnstat.describe.numpy_blocks.share_blocks`) rather than split the tasks."""
     return plan.fused and not plan.histograms and "abs_max" in plan.computed
 
 
@@ -172,7 +172,7 @@ def _paired_weights(plan: StepPlan) -> list[torch.Tensor] | None:
     moment statistics, plain tensors of equal shapes), else None."""
     if plan.fused or plan.prev is None or plan.weights is None or plan.update_views is not None:
         return None
-    if not set(plan.computed) - FUSED_STATS:
+    if not set(plan.computed) - LIGHT_STATS:
         return None  # norms only: the per-group norm kernels are cheaper than the moment pass
     weights = next((t for g, _, t in plan.groups if g == "weight"), None)
     if weights is None or len(weights) != len(plan.weights):
@@ -219,7 +219,7 @@ class Staged:
     fused: tuple[int, int] | None = None
 
 
-def _by_dtype(*lists: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], ...]]:
+def by_dtype(*lists: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], ...]]:
     """Parallel lists split by (device, dtype) of the first: a multi-tensor kernel takes its
     fast path (one launch per chunk of tensors) only on lists of one dtype and device."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
@@ -234,7 +234,7 @@ def stage(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> Sta
     """Every reduction of `plan` on the tensors' device, with no host synchronisation.
 
     For accelerators: every group's statistics table and histogram rows come from one
-    `nnstat.describe.segments.segment_tables` call (a fixed number of kernels per group and
+    `nnstat.describe.torch_segments.segment_tables` call (a fixed number of kernels per group and
     dtype, not per tensor) and stay queued on the device; `finish` moves them in one transfer. The update is
     formed in place in the snapshot by multi-tensor kernels (``prev`` becomes ``W_t - W_prev``,
     or its negative when only norm statistics are taken, which the sign does not change); the
@@ -248,7 +248,7 @@ def stage(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> Sta
     keys = [f"group:{group}" for group, _, _ in plan.groups]
     lists = [tensors for _, _, tensors in plan.groups]
     if plan.prev is not None and plan.weights is not None:
-        for prev, cur in _by_dtype(plan.prev, plan.weights):
+        for prev, cur in by_dtype(plan.prev, plan.weights):
             torch._foreach_sub_(prev, cur)  # prev - W, exact
             if not plan.fused:  # norm statistics alone do not see the sign (one pass less)
                 torch._foreach_neg_(prev)
@@ -309,7 +309,7 @@ def finish(plan: StepPlan, st: Staged, host: list[torch.Tensor]) -> dict[str, An
         tw = repair_table(host[st.fused[0]], plan.weights, computed)
         results["update"] = (tw, repair_table(host[st.fused[1]], list(views), computed))
     if plan.refresh and plan.prev is not None and plan.weights is not None:
-        for prev, cur in _by_dtype(plan.prev, plan.weights):
+        for prev, cur in by_dtype(plan.prev, plan.weights):
             torch._foreach_copy_(prev, cur)
     return results
 
@@ -367,8 +367,8 @@ def assemble(plan: StepPlan, results: dict[str, Any]) -> dict[str, Any]:
             numel = torch.tensor([t.numel() for t in plan.weights], dtype=torch.float64)
             fused_tables = []
             for lo in (0, 4):
-                cols = light_columns(numel, *(norms[:, lo + k] for k in range(4)))
-                fused_tables.append(torch.stack([cols[s] for s in computed], dim=1))
+                rows = light_rows(numel, norms[:, lo : lo + 4])
+                fused_tables.append(partials.finish(rows, computed, partials.eps_of(torch.float32)))
         put("weight", plan.names, fused_tables[0], None)
         w_l2 = fused_tables[0][:, l2]
     for group, names, _tensors in plan.groups:

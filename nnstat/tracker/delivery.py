@@ -29,18 +29,18 @@ Example:
 from __future__ import annotations
 
 import warnings
-from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from nnstat.background.transfer import HostCopy, LocalCopy, PinnedBuffers, start_copy
-from nnstat.tracker.background import _PENDING, StepMetrics, _register_atexit, drop_keys
+from nnstat.background.deferred import InFlight, InOrder
+from nnstat.background.transfer import HostBuffers, LocalCopy, start_copy
 from nnstat.tracker.compute import Staged, StepPlan, assemble, finish, stage
+from nnstat.tracker.pending import StepMetrics, drop_keys
 
-__all__ = ["DeferredSteps", "rereads"]
+__all__ = ["DeviceSteps", "rereads"]
 
 
 def rereads(plan: StepPlan, st: Staged, host: list[torch.Tensor]) -> list[tuple[str, str, Any]]:
@@ -72,37 +72,48 @@ def rereads(plan: StepPlan, st: Staged, host: list[torch.Tensor]) -> list[tuple[
 
 
 @dataclass(eq=False)
-class _InFlight:
-    """A logged step whose tables are on their way to the host."""
+class _Step:
+    """What a logged step in flight needs at delivery (`InFlight.work`)."""
 
-    step: int
     plan: StepPlan
     staged: Staged
-    copy: HostCopy
     versions: dict[int, int]  # id(tensor) -> its _version when staged
-    handle: StepMetrics
     extra: list[Mapping[str, Any]] = field(default_factory=list)
 
 
-class DeferredSteps:
-    """Mixin of `nnstat.tracker.Tracker`: the deferred accelerator path (module docstring)."""
+class DeviceSteps:
+    """The Tracker's device-deferred executor (see the module docstring).
 
-    # set by Tracker.__init__
-    names: list[str]
-    _sync_only: bool
-    _inflight: deque[_InFlight]
-    _buffers: PinnedBuffers
-    _warned_meta: bool = False
+    It owns the steps on their way to the host (`inflight`) and the pinned buffers their copies
+    land in; the Tracker queues a step with `defer` and hands `arrived` the function that
+    delivers finished steps to the sinks. `torn` turns True once a step's NaN/Inf rows could not
+    be recomputed (the Tracker then reads every step back inside ``step()``).
 
-    def _deliver(
-        self, metrics: dict[str, Any], step: int, handle: StepMetrics | None = None
-    ) -> None:
-        raise NotImplementedError  # Tracker's
+    Example:
+        >>> DeviceSteps().torn
+        False
+    """
 
-    def _defer(
-        self, step: int, plan: StepPlan, workspaces: dict[str, Any], extra: list[Any]
+    def __init__(self) -> None:
+        self.inflight = InOrder()
+        self.torn = False
+        self._buffers = HostBuffers(pin=True, minimum=256)
+        self._warned_meta = False
+
+    def holds(self, handle: StepMetrics) -> bool:
+        """Whether `handle`'s step is on its way."""
+        return self.inflight.holds(handle)
+
+    def defer(
+        self,
+        step: int,
+        plan: StepPlan,
+        workspaces: dict[str, Any],
+        extra: list[Any],
+        settle: Callable[[StepMetrics], None],
     ) -> StepMetrics:
-        """Queue step `step`'s reductions and its one copy to the host; nothing is read back."""
+        """Queue step `step`'s reductions and its one copy to the host; nothing is read back.
+        Returns its `StepMetrics` (`settle` fills it in when first read)."""
         st = stage(plan, workspaces)
         # what finish may read again, as it is now (the snapshot refresh below changes prev)
         held = [t for tensors, *_ in st.groups.values() for t in tensors]
@@ -114,10 +125,10 @@ class DeferredSteps:
             torch._foreach_copy_(plan.prev, plan.weights)
             plan.refresh = False
         copy = start_copy(st.parts, self._buffers)
-        handle = StepMetrics(self, step)
+        handle = StepMetrics(settle, step)
         if isinstance(copy, LocalCopy) and copy.meta:
             # no values exist: nothing is queued for the sinks (nor for the flush at exit)
-            handle._missing = f"step {step}: {LocalCopy.META}"
+            handle.missing = f"step {step}: {LocalCopy.META}"
             if not self._warned_meta:
                 self._warned_meta = True
                 warnings.warn(
@@ -126,33 +137,28 @@ class DeferredSteps:
                     stacklevel=4,
                 )
             return handle
-        self._inflight.append(_InFlight(step, plan, st, copy, versions, handle, extra))
-        _PENDING.add(self)
-        _register_atexit()
+        work = _Step(plan, st, versions, extra)
+        self.inflight.append(InFlight(copy, work, [handle], step))
         return handle
 
-    def _arrived(self, wait: bool, upto: StepMetrics | None = None) -> None:
-        """Hand the steps whose copies have arrived to the sinks, oldest first; with `wait`
-        every queued step (up to `upto`'s when given), waiting for its copy."""
-        while self._inflight:
-            f = self._inflight[0]
-            if not wait and not f.copy.done():
-                break
-            self._inflight.popleft()
-            try:
-                self._complete(f)
-            except BaseException as e:
-                if hasattr(e, "add_note"):
-                    e.add_note(f"(raised completing nnstat's device statistics of step {f.step})")
-                raise
-            finally:
-                if not self._inflight:
-                    _PENDING.discard(self)
-            if f.handle is upto:
-                break
+    def arrived(
+        self,
+        deliver: Callable[[dict[str, Any], int, StepMetrics], None],
+        wait: bool,
+        upto: StepMetrics | None = None,
+    ) -> None:
+        """``deliver(metrics, step, handle)`` the steps whose copies have arrived, oldest first;
+        with `wait` every queued step (up to `upto`'s when given), waiting for its copy."""
+        self.inflight.drain(
+            lambda entry: deliver(*self._complete(entry)),
+            wait,
+            upto,
+            note=lambda f: f"(raised completing nnstat's device statistics of step {f.number})",
+        )
 
-    def _complete(self, f: _InFlight) -> None:
-        host = f.copy.wait()
+    def _complete(self, entry: InFlight) -> tuple[dict[str, Any], int, StepMetrics]:
+        f: _Step = entry.work
+        host = entry.copy.wait()
         torn = [
             (group, name)
             for group, name, t in rereads(f.plan, f.staged, host)
@@ -163,16 +169,16 @@ class DeferredSteps:
         metrics = assemble(f.plan, finish(f.plan, f.staged, host))
         if torn:
             labels = drop_keys(metrics, torn)
-            self._sync_only = True
+            self.torn = True
             warnings.warn(
                 f"Tracker: {labels[:5]}{' ...' if len(labels) > 5 else ''} held NaN/Inf at step "
-                f"{f.step} and changed in place before that step reached the host, so their "
+                f"{entry.number} and changed in place before that step reached the host, so their "
                 "statistics over the finite elements could not be computed: they are left out "
-                f"of step {f.step}, and from now on each step is read back inside tracker.step() "
+                f"of step {entry.number}, and from now on each step is read back inside tracker.step() "
                 "(one device-to-host transfer per step) so that NaN/Inf rows stay exact",
                 stacklevel=5,
             )
         for extra in f.extra:
             metrics.update(extra)
-        f.handle._data = metrics
-        self._deliver(metrics, f.step, f.handle)
+        entry.handles[0].set(metrics)
+        return metrics, entry.number, entry.handles[0]

@@ -1,7 +1,8 @@
 """Guards of the Tracker against silent misuse, and how it raises several collected errors.
 
 `check_owned` refuses an optimizer built from other tensors (and warns when it holds only some
-of the tracked parameters); `first_error` raises the first of several errors (sinks, flushes)
+of the tracked parameters); `StepOrder` counts ``optimizer.step()`` calls and warns (once) when
+``tracker.step()`` comes before it; `first_error` raises the first of several errors (sinks, flushes)
 with the others named in its notes and printed, so none is lost.
 
 Example:
@@ -17,12 +18,13 @@ from __future__ import annotations
 import sys
 import traceback
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["check_owned", "first_error"]
+__all__ = ["StepOrder", "check_owned", "first_error"]
 
 
 def check_owned(names: list[str], params: list[torch.Tensor], optimizer: Any) -> None:
@@ -54,6 +56,81 @@ def check_owned(names: list[str], params: list[torch.Tensor], optimizer: Any) ->
         "optimizer updates (include=/exclude=), or build it from all of them.",
         stacklevel=3,
     )
+
+
+class StepOrder:
+    """Counts the optimizer's steps (a step post-hook) to tell whether ``optimizer.step()`` ran
+    between two calls of ``tracker.step()``.
+
+    The hook is removed by `close`, or when `owner` (the Tracker) is collected: framework
+    callbacks build one Tracker per logged step and never close it, and hooks must not pile up
+    on the optimizer.
+
+    Args:
+        owner: the Tracker whose lifetime the hook follows.
+        optimizer: the optimizer to count (``None``: unknown; every step counts as stepped).
+
+    Example:
+        >>> import torch
+        >>> p = torch.nn.Parameter(torch.ones(1)); opt = torch.optim.SGD([p], lr=0.1)
+        >>> owner = torch.nn.Module(); order = StepOrder(owner, opt)
+        >>> p.grad = torch.ones(1); opt.step(); order.stepped(0, has_update=True)
+        True
+        >>> order.close(); opt._optimizer_step_post_hooks
+        OrderedDict()
+    """
+
+    def __init__(self, owner: Any, optimizer: torch.optim.Optimizer | None) -> None:
+        self.count = 0
+        self._seen = 0
+        self._warned = False
+        self._remove: weakref.finalize | None = None
+        if optimizer is not None:
+            ref = weakref.ref(self)
+
+            def count_step(opt: Any, args: Any, kwargs: Any) -> None:
+                order = ref()
+                if order is not None:
+                    order.count += 1
+
+            handle = optimizer.register_step_post_hook(count_step)
+            self._remove = weakref.finalize(owner, handle.remove)
+            self._remove.atexit = False
+
+    def mark(self) -> None:
+        """Count "no optimizer.step() since" from now."""
+        self._seen = self.count
+
+    def close(self) -> None:
+        """Remove the hook (once)."""
+        if self._remove is not None:
+            self._remove()
+
+    def stepped(self, call: int, has_update: bool) -> bool:
+        """Whether ``optimizer.step()`` ran since the previous call (True when unknown); warns
+        once when not (`call`: the Tracker's call number; `has_update`: it tracks updates)."""
+        if self._remove is None or not self._remove.alive:
+            return True
+        stepped = self.count != self._seen
+        self._seen = self.count
+        if not stepped and not self._warned:
+            self._warned = True
+            since = "the Tracker was created" if call == 0 else "the previous tracker.step()"
+            dropped = (
+                " There is no update to measure: update/, trust_ratio/ and update_ratio/ are "
+                "left out of such steps (rather than logged as a zero update, trust ratio inf)."
+                if has_update
+                else ""
+            )
+            warnings.warn(
+                f"Tracker.step() (call {call}): optimizer.step() has not run since {since}."
+                f"{dropped} Call tracker.step() once per iteration, after optimizer.step() "
+                "(called before it, every statistic lags one step behind). A step skipped on "
+                "purpose (torch.amp.GradScaler after inf/NaN gradients) also shows up here; "
+                "then nothing is wrong. Warned once per Tracker.",
+                stacklevel=3,
+            )
+        return stepped
 
 
 def first_error(errors: list[tuple[str, BaseException]], outcome: str) -> BaseException:

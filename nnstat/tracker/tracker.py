@@ -24,18 +24,15 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import nn
 
-from nnstat.background.transfer import PinnedBuffers
 from nnstat.describe import DEFAULT_STATS, Workspace, cpu_single_thread, validate_stats
-from nnstat.describe.fused import FUSED_STATS
 from nnstat.describe.histogram import DEFAULT_MAX_ELEMENTS
+from nnstat.describe.numpy_blocks import LIGHT_STATS
 from nnstat.distributed import (
     any_dtensor,
     clean_name,
@@ -45,24 +42,18 @@ from nnstat.distributed import (
     local_tensor,
 )
 from nnstat.netdict import select_names
-from nnstat.tracker.background import (
-    BackgroundSteps,
-    StepMetrics,
-    _hook_target,
-    _Pending,
-    split_run,
-    task_costs,
-)
 from nnstat.tracker.compute import (
     StepPlan,
-    _by_dtype,
     assemble,
-    device_results,
-    shares_blocks,
+    by_dtype,
     tasks,
 )
-from nnstat.tracker.delivery import DeferredSteps, _InFlight
-from nnstat.tracker.guards import check_owned, first_error
+from nnstat.tracker.delivery import DeviceSteps
+from nnstat.tracker.guards import StepOrder, check_owned, first_error
+from nnstat.tracker.inline import InlineSteps
+from nnstat.tracker.pending import PENDING, StepMetrics, register_atexit
+from nnstat.tracker.sinks import Sink, Sinks
+from nnstat.tracker.worker import WorkerSteps, hook_target
 
 __all__ = ["Tracker", "Sink", "GROUPS", "StepMetrics"]
 
@@ -70,22 +61,7 @@ __all__ = ["Tracker", "Sink", "GROUPS", "StepMetrics"]
 GROUPS: tuple[str, ...] = ("weight", "grad", "optimizer", "update")
 
 
-@runtime_checkable
-class Sink(Protocol):
-    """Anything with ``log(metrics, step)``; plain callables ``f(metrics, step)`` work too."""
-
-    def log(self, metrics: dict[str, Any], step: int) -> None: ...
-
-
-def _as_log(sink: Any) -> Callable[[dict[str, Any], int], None]:
-    if hasattr(sink, "log") and callable(sink.log):
-        return sink.log
-    if callable(sink):
-        return sink
-    raise TypeError(f"a sink needs a log(metrics, step) method or must be callable, got {sink!r}")
-
-
-class Tracker(BackgroundSteps, DeferredSteps):
+class Tracker:
     """Log statistics of a model (and its optimizer) every `every` calls of `step`.
 
     Call `step()` once per training iteration, after ``optimizer.step()``. Metric keys:
@@ -98,11 +74,11 @@ class Tracker(BackgroundSteps, DeferredSteps):
     Updates need a snapshot: one copy of the tracked parameters, refreshed before a logged step.
 
     ``background`` on CPU: ``True`` reduces step ``t`` on a worker thread while step
-    ``t + 1`` trains (`nnstat.tracker.background`: the optimizer's step pre-hook waits for it,
+    ``t + 1`` trains (`nnstat.tracker.worker`: the optimizer's step pre-hook waits for it,
     in-place gradients are read synchronously, a version check guards the rest); ``False`` is
     synchronous; ``None`` (default) picks background when training runs on one torch thread,
     with an optimizer, outside ``torch.distributed``; with more, the step's passes are shared
-    by this thread and a worker (`nnstat.describe.fused.share_blocks`), bit-identically. In
+    by this thread and a worker (`nnstat.describe.numpy_blocks.share_blocks`), bit-identically. In
     background mode `step` returns a `StepMetrics` mapping that waits on first read, sinks get
     step ``t`` at the next `step`/`flush`/`close` (or exit), and step ``t``'s gradients stay
     referenced until the next optimizer step. On a GPU ``None``/``True`` deliver without a
@@ -116,6 +92,24 @@ class Tracker(BackgroundSteps, DeferredSteps):
     ``update/``, ``trust_ratio/`` and ``update_ratio/`` out of that step instead of logging a zero
     update. A sink that raises does not stop the others: every sink gets the step, then the
     first error is raised (by `step`, `flush`, `close` or the read that delivered it).
+
+    Args:
+        model: the network whose parameters are tracked.
+        optimizer: its optimizer (for the optimizer states and updates); ``None``: neither.
+        every: log on one `step` call in ``every``.
+        stats: statistic names (`nnstat.describe`); ``None``: all of them.
+        histograms: also log a histogram per tensor (``bins`` bins, from at most
+            ``hist_max_elements`` elements; ``None``: all).
+        sinks: objects with ``log(metrics, step)`` (or callables) receiving each logged step.
+        include: regex (``re.search``) of parameter names to track; ``exclude``: to leave out.
+        groups: which of ``weight``, ``grad``, ``optimizer``, ``update`` to log.
+        state_keys: optimizer state keys to log; ``None``: every state tensor.
+        background: ``True``, ``False`` or ``None`` (auto), as described above.
+
+    Raises:
+        TypeError: a wrong type of ``model``, ``optimizer``, a sink or ``background``.
+        ValueError: ``every < 1``, an unknown group or statistic, no parameter to track, an
+            optimizer holding none of them, or ``background=True`` without the optimizer.
 
     Example:
         >>> model = torch.nn.Linear(2, 1)
@@ -175,12 +169,6 @@ class Tracker(BackgroundSteps, DeferredSteps):
                 "step pre-hook keeps the weights unchanged while the background thread reads them"
             )
         self.background = background
-        self._sync_only = False
-        self._pending: _Pending | None = None
-        self._inflight: deque[_InFlight] = deque()
-        self._buffers = PinnedBuffers()
-        self._hook: Any = None
-        self._grad_storages: list[weakref.ref] | None = None
         self.groups = (
             tuple(groups) if optimizer is not None else tuple(g for g in groups if g != "optimizer")
         )
@@ -199,10 +187,11 @@ class Tracker(BackgroundSteps, DeferredSteps):
         if optimizer is not None:
             check_owned(self.names, self.params, optimizer)
         self._fsdp1 = bool(fsdp1_shards(model))
-        self._sinks: list[Callable[[dict[str, Any], int], None]] = []
-        self._sink_objects: list[Any] = []
-        # (what failed, error) of sinks, raised once every sink has had the step
-        self._sink_errors: list[tuple[str, BaseException]] = []
+        # the executors of a logged step: inline (synchronous), the device-deferred copy to the
+        # host and (below, with the snapshot) the CPU worker thread
+        self._inline = InlineSteps(self.params, self._fsdp1)
+        self._device = DeviceSteps()
+        self._sinks = Sinks()
         for s in sinks:
             self.add_sink(s)
         self._providers: list[Callable[[], Mapping[str, Any]]] = []
@@ -213,37 +202,22 @@ class Tracker(BackgroundSteps, DeferredSteps):
         self._prev: list[torch.Tensor] | None = None
         if "update" in self.groups:
             self._prev = [p.detach().clone() for p in self.params]
-        # optimizer steps counted by a step post-hook: a step() with none since the last call
-        # was made before optimizer.step() (or the step was skipped), there is no update
-        self._opt_steps = 0
-        self._opt_steps_seen = 0
-        self._warned_order = False
+        self._worker = WorkerSteps(
+            background, optimizer, self.names, self.params, self._prev, self._fsdp1
+        )
+        # a step() with no optimizer.step() since the last call was made before
+        # optimizer.step() (or the step was skipped): there is no update
+        self._order = StepOrder(self, hook_target(optimizer) if optimizer is not None else None)
         # `snapshot`: the caller took the next logged step's snapshot (that step does not
         # refresh it); `_stale`: a logged step formed its update in the snapshot and did not
         # refresh it, so it no longer holds weights
         self._snapped = False
         self._stale = False
-        self._counter: weakref.finalize | None = None
-        target = _hook_target(optimizer) if optimizer is not None else None
-        if target is not None:
-            ref = weakref.ref(self)
-
-            def count_step(opt: Any, args: Any, kwargs: Any) -> None:
-                tracker = ref()
-                if tracker is not None:
-                    tracker._opt_steps += 1
-
-            handle = target.register_step_post_hook(count_step)
-            # removed by close(), or when the Tracker is collected (framework callbacks build
-            # one per logged step and never close it: hooks must not pile up on the optimizer)
-            self._counter = weakref.finalize(self, handle.remove)
-            self._counter.atexit = False
 
     # -- wiring ---------------------------------------------------------------------------
     def add_sink(self, sink: Any) -> None:
         """Send every logged dict to `sink` (``sink.log(metrics, step)`` or ``sink(metrics, step)``)."""
-        self._sinks.append(_as_log(sink))
-        self._sink_objects.append(sink)
+        self._sinks.add(sink)
         attach = getattr(sink, "attach", None)
         if callable(attach):  # e.g. W&B: flush pending background steps before wandb.finish()
             attach(self.flush)
@@ -281,11 +255,11 @@ class Tracker(BackgroundSteps, DeferredSteps):
             0.1
         """
         self._finish_pending()  # a background step still reads (and rewrites) the snapshot
-        self._opt_steps_seen = self._opt_steps  # "no optimizer.step() since" counts from here
+        self._order.mark()  # "no optimizer.step() since" counts from here
         if self._prev is not None:
             prev = [local_tensor(t) for t in self._prev]
             # per dtype: a multi-tensor kernel takes its fast path on one dtype only
-            for dst, src in _by_dtype(prev, [local_tensor(p.detach()) for p in self.params]):
+            for dst, src in by_dtype(prev, [local_tensor(p.detach()) for p in self.params]):
                 torch._foreach_copy_(dst, src)
             self._snapped, self._stale = True, False
 
@@ -301,11 +275,10 @@ class Tracker(BackgroundSteps, DeferredSteps):
             >>> _ = t.step(); t.poll(); seen
             [0]
         """
-        pending = self._pending
-        if pending is not None and pending.job.done():
+        if self._worker.ready():
             self._finish_pending()
         self._arrived(wait=False)
-        self._raise_sink_errors()
+        self._sinks.raise_errors()
 
     def _state_keys(self) -> tuple[str, ...]:
         if self.state_keys is not None:
@@ -365,7 +338,7 @@ class Tracker(BackgroundSteps, DeferredSteps):
             self._prev is not None
             and "weight" in self.groups
             and not self.histograms
-            and set(self.stats) <= FUSED_STATS
+            and set(self.stats) <= LIGHT_STATS
             and not any_dtensor(self.params)
             and not self._fsdp1
         )
@@ -400,7 +373,7 @@ class Tracker(BackgroundSteps, DeferredSteps):
         call = self._calls
         self._calls += 1
         step = call if step is None else step
-        stepped = self._optimizer_stepped(call)
+        stepped = self._order.stepped(call, has_update=self._prev is not None)
         self._finish_pending()
         self._arrived(wait=False)  # device steps whose copy has arrived (polled, no wait)
         try:
@@ -408,32 +381,7 @@ class Tracker(BackgroundSteps, DeferredSteps):
         finally:
             # a sink that failed on the previous step (delivered just now) is raised after this
             # step was scheduled, so neither it nor the other sinks lose this one
-            self._raise_sink_errors()
-
-    def _optimizer_stepped(self, call: int) -> bool:
-        """Whether ``optimizer.step()`` ran since the previous `step` (True when unknown)."""
-        if self._counter is None or not self._counter.alive:
-            return True
-        stepped = self._opt_steps != self._opt_steps_seen
-        self._opt_steps_seen = self._opt_steps
-        if not stepped and not self._warned_order:
-            self._warned_order = True
-            since = "the Tracker was created" if call == 0 else "the previous tracker.step()"
-            dropped = (
-                " There is no update to measure: update/, trust_ratio/ and update_ratio/ are "
-                "left out of such steps (rather than logged as a zero update, trust ratio inf)."
-                if self._prev is not None
-                else ""
-            )
-            warnings.warn(
-                f"Tracker.step() (call {call}): optimizer.step() has not run since {since}."
-                f"{dropped} Call tracker.step() once per iteration, after optimizer.step() "
-                "(called before it, every statistic lags one step behind). A step skipped on "
-                "purpose (torch.amp.GradScaler after inf/NaN gradients) also shows up here; "
-                "then nothing is wrong. Warned once per Tracker.",
-                stacklevel=3,
-            )
-        return stepped
+            self._sinks.raise_errors()
 
     def _step(self, call: int, step: int, stepped: bool) -> Mapping[str, Any] | None:
         refresh = self._prev is not None and not self._snapped and (call + 1) % self.every == 0
@@ -462,28 +410,24 @@ class Tracker(BackgroundSteps, DeferredSteps):
             self._snapped, self._stale = False, not refresh
         if self._deferred_ok(on_cpu):
             # providers first: their values are step t's (lazy ones resolve at delivery)
-            return self._defer(step, plan, self._workspaces, self._provided(merge=False))
+            extra = self._provided(merge=False)
+            handle = self._device.defer(step, plan, self._workspaces, extra, self._settle)
+            self._track_pending()
+            return handle
         # anything still on its way is delivered first: sinks get the steps in order
         self._arrived(wait=True)
         todo = tasks(plan, self._workspaces)
-        # outside cpu_single_thread: both read the thread count
-        background = self._background_ok(on_cpu)
-        # two threads share one task's blocks, or take whole tasks when there are several
-        blocks = shares_blocks(plan)
-        split = not background and (blocks or len(todo) > 1) and self._split_ok(on_cpu)
-        with cpu_single_thread() if on_cpu else contextlib.nullcontext():
-            if background:
-                handle = self._schedule(step, plan, todo)
-            elif split:
-                results = split_run(todo, task_costs(plan, todo), blocks)
-            elif on_cpu or self._fsdp1 or any_dtensor(self.params):
-                results = {k: fn() for k, fn in todo}
-            else:
-                # accelerators, synchronous: every reduction queued on the device, one transfer
-                results = device_results(plan, self._workspaces)
+        # outside cpu_single_thread: it reads the thread count
+        background = not self._sync_only and self._worker.usable(on_cpu)
+        if background:
+            with cpu_single_thread() if on_cpu else contextlib.nullcontext():
+                handle = self._worker.schedule(step, plan, todo, self._settle)
+            self._track_pending()
+        else:
+            results = self._inline.run(plan, todo, self._workspaces, on_cpu)
         if background:
             # providers run while the worker reduces this step (their values are step t's)
-            self._pending.extra = self._provided()
+            self._worker.pending.extra = self._provided()
             return handle
         metrics = assemble(plan, results)
         metrics.update(self._provided())
@@ -522,19 +466,7 @@ class Tracker(BackgroundSteps, DeferredSteps):
         self, metrics: dict[str, Any], step: int, handle: StepMetrics | None = None
     ) -> None:
         self._latest = metrics if handle is None else handle
-        for log, sink in zip(self._sinks, self._sink_objects, strict=True):
-            try:
-                # each sink gets its own copy: one that pops or clears keys (some loggers do)
-                # must not empty the dict for the sinks after it or for step()'s caller
-                log(dict(metrics), step)
-            except Exception as e:  # kept for _raise_sink_errors: the other sinks come first
-                self._sink_errors.append((f"sink {sink!r} failed on step {step}", e))
-
-    def _raise_sink_errors(self) -> None:
-        """Raise the first sink failure since the last call (the others as notes)."""
-        errors, self._sink_errors = self._sink_errors, []
-        if errors:
-            raise first_error(errors, "every other sink received that step")
+        self._sinks.log(metrics, step)
 
     @property
     def latest(self) -> Mapping[str, Any]:
@@ -545,13 +477,49 @@ class Tracker(BackgroundSteps, DeferredSteps):
 
     def _settle(self, handle: StepMetrics) -> None:
         """Wait for the step of `handle` (a read of it) and hand it to the sinks."""
-        if self._pending is not None and self._pending.handle is handle:
+        if self._worker.holds(handle):
             self._finish_pending()
-        elif any(f.handle is handle for f in self._inflight):
+        elif self._device.holds(handle):
             self._arrived(wait=True, upto=handle)
         else:
             return
-        self._raise_sink_errors()  # the sinks just got this step: their errors
+        self._sinks.raise_errors()  # the sinks just got this step: their errors
+
+    @property
+    def _sync_only(self) -> bool:
+        """Whether every step is read synchronously now (a step was torn: changed in place while
+        the worker read it, or NaN/Inf rows that could not be recomputed on the device)."""
+        return self._worker.torn or self._device.torn
+
+    def _finish_pending(self) -> None:
+        """Wait for the worker's step in flight, if any, and hand it to the sinks."""
+        try:
+            done = self._worker.finish()
+        finally:
+            self._track_pending()
+        if done is not None:
+            self._deliver(*done)
+
+    def _arrived(self, wait: bool, upto: StepMetrics | None = None) -> None:
+        """Hand the device steps that have arrived to the sinks (`DeviceSteps.arrived`)."""
+        try:
+            self._device.arrived(self._deliver, wait, upto)
+        finally:
+            self._track_pending()
+
+    def _track_pending(self) -> None:
+        """Keep this Tracker in the flush at exit while a step is on its way."""
+        if self._worker.pending is not None or len(self._device.inflight):
+            PENDING.add(self)
+            register_atexit()
+        else:
+            PENDING.discard(self)
+
+    def forget_pending(self) -> None:
+        """Drop the steps on their way without delivering them (a forked child: its worker
+        thread and CUDA context are the parent's, which delivers them)."""
+        self._worker.pending = None
+        self._device.inflight.clear()
 
     # -- lifecycle ------------------------------------------------------------------------
     def flush(self) -> None:
@@ -559,7 +527,7 @@ class Tracker(BackgroundSteps, DeferredSteps):
         (re-raises errors of the statistics and of sinks, once every sink has had the step)."""
         self._finish_pending()
         self._arrived(wait=True)
-        self._raise_sink_errors()
+        self._sinks.raise_errors()
 
     def close(self) -> None:
         """Flush, remove the optimizer hooks and close every sink that has a ``close()``.
@@ -572,18 +540,9 @@ class Tracker(BackgroundSteps, DeferredSteps):
             self.flush()
         except BaseException as e:  # raised below, once every sink is closed
             errors.append(("flushing the Tracker failed", e))
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        if self._counter is not None:
-            self._counter()  # removes the step counter's hook (once)
-        for s in self._sink_objects:
-            close = getattr(s, "close", None)
-            if callable(close):
-                try:
-                    close()
-                except BaseException as e:  # raised below, once every sink is closed
-                    errors.append((f"closing sink {s!r} failed", e))
+        self._worker.close()
+        self._order.close()
+        self._sinks.close(errors)
         if errors:
             raise first_error(errors, "every sink was closed")
 

@@ -49,7 +49,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from nnstat.influence.layout import check_compatible
+from nnstat.influence.row_layout import check_compatible
 from nnstat.influence.sources import all_finite
 from nnstat.store import GradientLog, GradientStore
 from nnstat.store.files import atomic_write_bytes, read_json

@@ -54,7 +54,7 @@ from nnstat.viewer.examples import (
 )
 from nnstat.viewer.scores import (
     SavedScores,
-    _plain,
+    json_plain,
     load_scores,
     method_difference,
     method_line,
@@ -433,7 +433,7 @@ class Explorer:
                 "source": scores or "here",
                 "label": label,
                 "line": method_line(meta),
-                **_plain(
+                **json_plain(
                     {key: meta.get(key) for key in ("mode", "preconditioner", "damping")}
                     | {key: meta.get(key) for key in ("module_damping", "refine")},
                     "meta",

@@ -89,7 +89,7 @@ class SavedScores:
         return self.result.test_ids
 
 
-def _plain(value: Any, where: str) -> Any:
+def json_plain(value: Any, where: str) -> Any:
     """``value`` as JSON (numbers, strings, lists, objects); non-finite floats as strings."""
     if isinstance(value, torch.Tensor):
         value = value.tolist()
@@ -102,9 +102,9 @@ def _plain(value: Any, where: str) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, dict):
-        return {str(k): _plain(v, f"{where}.{k}") for k, v in value.items()}
+        return {str(k): json_plain(v, f"{where}.{k}") for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v, where) for v in value]
+        return [json_plain(v, where) for v in value]
     raise TypeError(f"save_scores: {where} holds a {type(value).__name__}, not JSON")
 
 
@@ -219,8 +219,8 @@ def save_scores(
         "label": str(label),
         "queries": "" if queries is None else queries,
         "kind": kind,
-        "test_ids": _plain(test_ids, "test_ids"),
-        "meta": _plain(dict(result.meta), "meta"),
+        "test_ids": json_plain(test_ids, "test_ids"),
+        "meta": json_plain(dict(result.meta), "meta"),
         "store_ids_sha256": ids_digest(store.ids),
         "query_ids_sha256": q_digest,
         "tensors_sha256": hashlib.sha256(blob).hexdigest(),

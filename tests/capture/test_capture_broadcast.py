@@ -3,7 +3,7 @@
 References are per-example autograd backward passes (batch size 1 each) of a copy of the model
 whose tied ``lm_head`` weight is a separate parameter of the same value, so every module's own
 contribution is a plain ``.grad``. The tied parameter is captured once, under ``lm_head``
-(nnstat/capture/tied.py): its reference is the sum of ``lm_head``'s and ``wte``'s gradients.
+(nnstat/capture/layouts/tied.py): its reference is the sum of ``lm_head``'s and ``wte``'s gradients.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def test_tied_rows_equal_projected_per_sample_gradients_of_the_shared_weight():
     assert buf[:, :3].eq(0).all() and buf[:, -2:].eq(0).all()
 
 
-def test_tied_rows_are_bit_for_bit_the_projection_of_the_dense_one_hot_matrices():
+def test_tied_rows_are_the_projection_of_the_dense_one_hot_matrices():
     torch.manual_seed(0)
     model = TiedLM()
     g = torch.Generator().manual_seed(2)
@@ -84,8 +84,11 @@ def test_tied_rows_are_bit_for_bit_the_projection_of_the_dense_one_hot_matrices(
     a, b = cap.forward, cap.backward
     assert a.shape == (N, 2 * T, D) and b.shape == (N, 2 * T, V)
     assert torch.equal(b[:, :T].sum(-1), mask)  # one-hot rows, zero where masked
-    dense = torch.bmm((b @ p_out.T).transpose(1, 2), a @ p_in.T).reshape(N, -1)
-    assert torch.equal(rows, dense)
+    # the reference in float64: the part-by-part GEMMs and the dense one are blocked
+    # differently by the BLAS, so their float32 results may differ in the last bit
+    a64, b64, po64, pi64 = a.double(), b.double(), p_out.double(), p_in.double()
+    dense = torch.bmm((b64 @ po64.T).transpose(1, 2), a64 @ pi64.T).reshape(N, -1)
+    torch.testing.assert_close(rows.double(), dense, rtol=1e-5, atol=1e-5 * dense.abs().max())
 
 
 class TiedInput(nn.Module):

@@ -3,8 +3,8 @@
 `summarize` picks its kernels by the statistics asked for: norms only (``_foreach_norm``), norms
 with ``abs_max`` (the blocked sum of squares, min and max), with ``l1``, the moment pass, the
 exact recomputation of a tensor holding NaN/Inf (finite elements only), and `pair_tables`
-(weights and their update in one read); `light_columns` builds the Tracker's fused columns from
-sums of squares. Each derives ``rms`` from a norm and a count.
+(weights and their update in one read); `light_rows` and `partials.finish` build the Tracker's
+light columns from sums of squares. Each derives ``rms`` from a norm and a count.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from nnstat.describe import summarize
-from nnstat.describe.fused import light_columns, sumsq_min_max, weight_update_norms
+from nnstat.describe.numpy_blocks import LIGHT_STATS, light_rows, sumsq_min_max, weight_update_norms
+from nnstat.describe.partials import finish
 from nnstat.describe.summary import pair_tables
 
 
@@ -68,7 +69,14 @@ def test_pair_tables_rms_of_weights_and_update(stats):
     )
 
 
-def test_light_columns_rms_from_sums_of_squares():
+def light_columns(numel, *norms):
+    """`light_rows` finished into a dict of the `LIGHT_STATS` columns."""
+    stats = sorted(LIGHT_STATS)
+    table = finish(light_rows(numel, torch.stack(norms, dim=1)), stats, 0.0)
+    return dict(zip(stats, table.unbind(1), strict=True))
+
+
+def test_light_rows_rms_from_sums_of_squares():
     xs = [x.float() for x in _tensors()]
     numel = torch.tensor([x.numel() for x in xs], dtype=torch.float64)
     smm = sumsq_min_max(xs)

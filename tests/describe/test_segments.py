@@ -1,6 +1,7 @@
-"""The accelerator core `nnstat.describe.segments`, run on CPU tensors (the same torch kernels),
-against numpy float64 references: every statistic of `summarize`, histogram counts, on data that
-is hard for float32 (a large mean with a tiny spread, values near 1e-12, zeros, NaN/Inf)."""
+"""The accelerator core `nnstat.describe.torch_segments`, run on CPU tensors (the same torch
+kernels), against numpy float64 references: every statistic of `summarize`, histogram counts, on
+data that is hard for float32 (a large mean with a tiny spread, values near 1e-12, zeros,
+NaN/Inf)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from nnstat.describe import STAT_NAMES, segments, summarize, summary
+import nnstat.describe.torch_segments as segments
+from nnstat.describe import STAT_NAMES, core, summarize
 from nnstat.describe.moments import Workspace
-from nnstat.describe.segments import HistSpec, segment_table, segment_tables
+from nnstat.describe.torch_segments import HistSpec, segment_table, segment_tables
 
 
 @pytest.fixture
 def device_path(monkeypatch):
     """`summarize` on CPU tensors takes the accelerator branch (the segments core)."""
-    monkeypatch.setattr(summary, "_host_path", lambda tensors: False)
+    monkeypatch.setattr(core, "_host_path", lambda tensors: False)
 
 
 def reference(t: torch.Tensor) -> dict[str, float]:

@@ -1,8 +1,8 @@
-"""The blocked numpy passes of `nnstat.describe.fused` shared by two threads (`share_blocks`):
-the numbers are bit for bit those of one thread and equal numpy's float64 reference (NaN/Inf
-blocks exact, empty tensors, float64 and overflowing float32 tensors), the snapshot refresh is
-complete, a failure on the second thread is raised by the caller, and a busy second thread
-holds nothing up."""
+"""The blocked numpy passes of `nnstat.describe.numpy_blocks` shared by two threads
+(`share_blocks`): the numbers are bit for bit those of one thread and equal numpy's float64
+reference (NaN/Inf blocks exact, empty tensors, float64 and overflowing float32 tensors), the
+snapshot refresh is complete, a failure on the second thread is raised by the caller, and a busy
+second thread holds nothing up."""
 
 import math
 import threading
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-import nnstat.describe.fused as sf
+import nnstat.describe.numpy_blocks as sf
 
 
 def on_a_thread(fn):

@@ -253,11 +253,12 @@ def _light_reference(x: np.ndarray) -> list[float]:
 @pytest.mark.parametrize("use_numpy", [True, False])
 @pytest.mark.parametrize("refresh", [False, True])
 def test_fused_weight_update_pass_is_exact_with_nonfinite_blocks(monkeypatch, refresh, use_numpy):
-    import nnstat.describe.fused as sf
+    import nnstat.describe.moments
+    import nnstat.describe.numpy_blocks as sf
 
     monkeypatch.setattr(sf, "BLOCK", 64)  # several blocks per tensor
     if not use_numpy:  # the torch path (accelerators, half precision)
-        monkeypatch.setattr(sf, "_numpy_ok", lambda t: False)
+        monkeypatch.setattr(nnstat.describe.moments, "numpy_ok", lambda t: False)
     torch.manual_seed(0)
     cur = [torch.randn(300), torch.randn(7, 20), torch.randn(0), torch.full((5,), 1e25)]
     prev = [c + 0.01 * torch.randn_like(c) for c in cur]
@@ -274,9 +275,12 @@ def test_fused_weight_update_pass_is_exact_with_nonfinite_blocks(monkeypatch, re
         np.testing.assert_allclose(table[i].numpy(), expected, rtol=1e-5)
         # refresh rewrites the snapshot with the current weights, else it is left alone
         torch.testing.assert_close(prev[i], c if refresh else p, rtol=0, atol=0, equal_nan=True)
-    cols = sf.light_columns(
-        torch.tensor([300.0, 0.0], dtype=torch.float64), *table[[0, 2], :4].T.contiguous()
-    )
+    from nnstat.describe.partials import finish
+
+    stats = ("rms", "nonfinite", "abs_max")
+    numel = torch.tensor([300.0, 0.0], dtype=torch.float64)
+    rows = finish(sf.light_rows(numel, table[[0, 2], :4]), stats, 0.0)
+    cols = dict(zip(stats, rows.unbind(1), strict=True))
     fin = cur[0][torch.isfinite(cur[0])].double()
     assert cols["rms"][0].item() == pytest.approx(fin.pow(2).mean().sqrt().item(), rel=1e-6)
     assert cols["nonfinite"][0].item() == 1
@@ -287,11 +291,12 @@ def test_fused_weight_update_pass_is_exact_with_nonfinite_blocks(monkeypatch, re
 
 @pytest.mark.parametrize("use_numpy", [True, False])
 def test_blocked_sumsq_min_max(monkeypatch, use_numpy):
-    import nnstat.describe.fused as sf
+    import nnstat.describe.moments
+    import nnstat.describe.numpy_blocks as sf
 
     monkeypatch.setattr(sf, "BLOCK", 64)
     if not use_numpy:
-        monkeypatch.setattr(sf, "_numpy_ok", lambda t: False)
+        monkeypatch.setattr(nnstat.describe.moments, "numpy_ok", lambda t: False)
     torch.manual_seed(1)
     xs = [torch.randn(500) * 3, torch.randn(3, 7).double(), torch.full((130,), 1e25)]
     table = sf.sumsq_min_max(xs)

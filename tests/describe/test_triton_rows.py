@@ -10,8 +10,9 @@ import pytest
 import torch
 from test_segments import assert_histograms, assert_stats, hard_tensors, reference
 
-from nnstat.describe import STAT_NAMES, segments, summarize, summary, triton_rows
-from nnstat.describe.segments import HistSpec, segment_table
+import nnstat.describe.torch_segments as segments
+from nnstat.describe import STAT_NAMES, core, summarize, triton_rows
+from nnstat.describe.torch_segments import HistSpec, segment_table
 
 pytest.importorskip("triton", reason="the dev extra installs triton (Linux x86_64)")
 
@@ -27,7 +28,7 @@ def fused(monkeypatch):
         device = "cpu"
         if not triton_rows.available(torch.device("cpu")):
             pytest.fail("TRITON_INTERPRET=1 must be set before triton is imported (conftest)")
-    monkeypatch.setattr(summary, "_host_path", lambda tensors: False)
+    monkeypatch.setattr(core, "_host_path", lambda tensors: False)
     calls = {"a": 0, "b": 0, "gather": 0}
     for name, key in (("pass_a", "a"), ("pass_b", "b"), ("gather", "gather")):
         real = getattr(triton_rows, name)

@@ -1,4 +1,5 @@
-"""The shard-combination maths of nnstat.distributed against numpy/scipy on the whole tensor."""
+"""The shard-combination maths (`nnstat.describe.partials`, `nnstat.describe.sharded`) against
+numpy/scipy on the whole tensor."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from nnstat import distributed as nd
-from nnstat.describe import STAT_NAMES, summarize
+from nnstat.describe import STAT_NAMES, partials, summarize
+from nnstat.describe.sharded import norms_sharded, summarize_sharded
 
 
 def _numpy_row(x: np.ndarray) -> dict[str, float]:
@@ -42,9 +44,9 @@ def test_uneven_shards_with_nonfinite_and_empty_pieces_combine_to_the_whole():
     x[77] = float("inf")
     x[10:14] = 0.0
     pieces = [x[:0], x[:40], x[40:41], x[41:41], x[41:]]  # empty shards, as FSDP gives
-    rows = torch.stack([nd.partial_row(p) for p in pieces])
-    combined = nd._combine(rows.unsqueeze(1))
-    got = nd._finish(combined, STAT_NAMES, torch.finfo(torch.float32).eps)[0].tolist()
+    rows = torch.stack([partials.exact_row(p) for p in pieces])
+    combined = partials.merge(rows.unsqueeze(1))
+    got = partials.finish(combined, STAT_NAMES, torch.finfo(torch.float32).eps)[0].tolist()
     want = _numpy_row(x.double().numpy())
     for s, v in zip(STAT_NAMES, got, strict=True):
         assert v == pytest.approx(want[s], rel=1e-9, abs=1e-12), s
@@ -56,10 +58,10 @@ def test_uneven_shards_with_nonfinite_and_empty_pieces_combine_to_the_whole():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_batched_partial_rows_combine_to_the_whole_like_numpy(dtype):
-    """`describe.summary.partial_rows` (one summarize of every shard: the statistics core)
-    gives the rows `partial_row` gives one tensor at a time, and they combine to numpy's
+    """`describe.core.local_partial_rows` (the statistics core on every shard at once)
+    gives the rows `partials.exact_row` gives one tensor at a time, and they combine to numpy's
     statistics of the whole tensor."""
-    from nnstat.describe.summary import partial_rows
+    from nnstat.describe.core import local_partial_rows
 
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(3001, generator=g) * 3 + 5).to(dtype)
@@ -68,14 +70,14 @@ def test_batched_partial_rows_combine_to_the_whole_like_numpy(dtype):
     x[10:14] = 0.0
     x[2000:2100] = 1.5  # a constant shard below
     pieces = [x[:0], x[:1000], x[1000:1001], x[1001:2000], x[2000:2100], x[2100:]]
-    batched = partial_rows(pieces)
-    one_by_one = torch.stack([nd.partial_row(p) for p in pieces])
-    exact = [nd.PARTIAL_COLUMNS.index(c) for c in ("numel", "n", "min", "max", "zeros")]
+    batched = local_partial_rows(pieces, STAT_NAMES)
+    one_by_one = torch.stack([partials.exact_row(p) for p in pieces])
+    exact = [partials.COLUMNS.index(c) for c in ("numel", "n", "min", "max", "amax", "zeros")]
     torch.testing.assert_close(batched[:, exact], one_by_one[:, exact], rtol=0, atol=0)
     torch.testing.assert_close(batched, one_by_one, rtol=2e-6, atol=1e-9)
-    combined = nd._combine(batched.unsqueeze(1))
+    combined = partials.merge(batched.unsqueeze(1))
     eps = torch.finfo(dtype).eps
-    got = nd._finish(combined, STAT_NAMES, eps)[0].tolist()
+    got = partials.finish(combined, STAT_NAMES, eps)[0].tolist()
     want = _numpy_row(x.double().numpy())
     for s, v in zip(STAT_NAMES, got, strict=True):
         # float32 data: moments to float32 rounding; skew/kurtosis (order-1 ratios) absolutely
@@ -85,7 +87,7 @@ def test_batched_partial_rows_combine_to_the_whole_like_numpy(dtype):
 
 def test_all_nonfinite_and_empty_tensors_match_summarize():
     xs = [torch.full((3,), float("nan")), torch.zeros(0), torch.tensor([2.0, 2.0])]
-    got = nd.summarize_sharded(xs, STAT_NAMES)
+    got = summarize_sharded(xs, STAT_NAMES)
     ref = summarize(xs, STAT_NAMES)
     torch.testing.assert_close(got, ref, equal_nan=True)
 
@@ -94,7 +96,7 @@ def test_all_nonfinite_and_empty_tensors_match_summarize():
 def test_norms_match_numpy(p):
     x = torch.tensor([3.0, -4.0, 0.0, 0.5])
     want = float(np.linalg.norm(x.numpy(), ord=p))
-    assert nd.norms_sharded([x], p)[0] == pytest.approx(want)
+    assert norms_sharded([x], p)[0] == pytest.approx(want)
 
 
 @pytest.fixture
@@ -129,9 +131,9 @@ def test_constant_shards_have_nan_skew_and_kurtosis_like_scipy(n, dtype):
     deviations about the rounded shard mean must not leave their residue in the moments)."""
     x = torch.full((n,), 0.1, dtype=dtype)
     pieces = [x[: n // 3], x[n // 3 :]]
-    rows = torch.stack([nd.partial_row(p) for p in pieces])
-    combined = nd._combine(rows.unsqueeze(1))
-    values = nd._finish(combined, STAT_NAMES, torch.finfo(dtype).eps)[0].tolist()
+    rows = torch.stack([partials.exact_row(p) for p in pieces])
+    combined = partials.merge(rows.unsqueeze(1))
+    values = partials.finish(combined, STAT_NAMES, torch.finfo(dtype).eps)[0].tolist()
     got = dict(zip(STAT_NAMES, values, strict=True))
     f = x.double().numpy()
     assert got["var"] == pytest.approx(float(np.var(f)), abs=1e-30)

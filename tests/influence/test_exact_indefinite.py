@@ -14,10 +14,10 @@ from _influence_ref import flat_grads, full_hessian, tiny_problem
 from torch import nn
 
 from nnstat.influence import exact
-from nnstat.influence.krylov import block_cg, lanczos_ritz, preconditioned_cg
+from nnstat.influence.krylov import block_cg, lanczos_ritz, lissa, preconditioned_cg
 
 D = torch.float64
-exact_mod = importlib.import_module("nnstat.influence.exact")  # the package exports the function
+streamed_mod = importlib.import_module("nnstat.curvature.streamed")  # the products
 
 
 def _matrix(evals: list[float], seed: int = 0) -> torch.Tensor:
@@ -75,8 +75,8 @@ def test_exact_refuses_an_indefinite_system_within_bounded_passes(solver, monkey
     assert lam_min < -0.02  # the untrained tanh MLP's Hessian is indefinite
     lam = -lam_min / 3  # H + λI keeps a negative eigenvalue
     passes = []
-    hvp = exact_mod.graph_hvp
-    monkeypatch.setattr(exact_mod, "graph_hvp", lambda *a: passes.append(1) or hvp(*a))
+    hvp = streamed_mod.graph_hvp
+    monkeypatch.setattr(streamed_mod, "graph_hvp", lambda *a: passes.append(1) or hvp(*a))
     with pytest.raises(ValueError, match="not positive definite") as e:
         exact(model, nn.functional.cross_entropy, train, query, lam, solver=solver, batch_size=30)
     msg = str(e.value)
@@ -115,3 +115,53 @@ def test_exact_stops_at_max_iter_and_says_so():
     with pytest.warns(UserWarning, match="stopped after 5 passes"):
         res = exact(model, nn.functional.cross_entropy, train, query, lam, solver="cg", max_iter=5)
     assert res.meta["passes"] == 5 and res.meta["max_residual"] > 1e-6
+
+
+def test_lissa_refuses_an_explicit_indefinite_matrix_with_its_negative_curvature():
+    """The Neumann series diverges along a negative eigenvalue: stopped long before its depth,
+    the curvature it reports is negative and no lower than λ_min (a Rayleigh quotient)."""
+    evals = [-0.3] + [0.5 + 0.2 * i for i in range(19)]
+    a = _matrix(evals)
+    b = torch.randn(3, 20, generator=torch.Generator().manual_seed(2), dtype=D)
+    calls = []
+
+    def matvec(v):
+        calls.append(len(v))
+        return v @ a
+
+    with pytest.raises(ValueError, match="not positive definite") as e:
+        lissa(matvec, b, scale=1.1 * max(abs(x) for x in evals), depth=5000)
+    assert len(calls) < 200
+    assert all(-0.3 - 1e-9 <= c <= 0 for c in e.value.curvature)
+    assert min(e.value.curvature) < -0.2  # the growing direction dominates when it is stopped
+
+
+def test_exact_lissa_refuses_an_indefinite_system_like_conjugate_gradient(monkeypatch):
+    model, train, query, h, evals = _mlp()
+    lam_min = float(evals[0])
+    lam = -lam_min / 3  # H + λI keeps a negative eigenvalue
+    passes = []
+    hvp = streamed_mod.graph_hvp
+    monkeypatch.setattr(streamed_mod, "graph_hvp", lambda *a: passes.append(1) or hvp(*a))
+    with pytest.raises(ValueError, match="not positive definite") as e:
+        exact(model, nn.functional.cross_entropy, train, query, lam, method="lissa",
+              batch_size=30, lissa_depth=1000)  # fmt: skip
+    msg = str(e.value)
+    assert f"damping {lam:.3g}" in msg and "indefinite='damp'" in msg and "LiSSA" in msg
+    theta = float(msg.split("the Hessian has curvature ")[1].split(" ")[0])
+    assert lam_min - 1e-3 <= theta < -lam
+    assert len(passes) < 200  # power iteration's 30, then the series until it grows
+
+
+def test_exact_lissa_damps_an_indefinite_system_and_matches_the_explicit_solve():
+    model, train, query, h, evals = _mlp()
+    lam_min = float(evals[0])
+    with pytest.warns(UserWarning, match="raised from"):
+        res = exact(model, nn.functional.cross_entropy, train, query, -lam_min / 3,
+                    method="lissa", indefinite="damp")  # fmt: skip
+    lam = res.meta["damping"]
+    assert lam > -lam_min and "raised from" in res.meta["damping_rule"]
+    assert torch.isfinite(res.scores).all()
+    g_t, g_q = flat_grads(model, *train), flat_grads(model, *query)
+    ref = g_q @ torch.linalg.solve(h + lam * torch.eye(len(h), dtype=D), g_t.T)
+    assert ((res.scores.double() - ref).norm() / ref.norm()).item() < 1e-5

@@ -22,7 +22,7 @@ from nnstat.influence import (
 from nnstat.influence.precondition import (
     DenseFactor,
     LowRankFactor,
-    _fit_from_rows,
+    fit_from_rows,
     symmetric_eig,
 )
 
@@ -146,10 +146,10 @@ def test_dense_covariances_are_fitted_a_group_per_pass():
         ModuleSpec("b", 20, 4, 5),
         ModuleSpec("c", 40, 3, 6, "layernorm", flat_width=18),
     ]
-    one = _fit_from_rows(TensorSource(rows, layout=layout), layout, {}, 7)
+    one = fit_from_rows(TensorSource(rows, layout=layout), layout, {}, 7)
     src = _CountingSource(rows, layout=layout)
     # room for one 20x20 float64 covariance per pass: three passes
-    split = _fit_from_rows(src, layout, {}, 7, budget=8 * 20 * 20)
+    split = fit_from_rows(src, layout, {}, 7, budget=8 * 20 * 20)
     assert _CountingSource.passes == 3
     for m in layout:
         assert isinstance(split[m.name], DenseFactor)

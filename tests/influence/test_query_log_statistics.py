@@ -12,7 +12,7 @@ from torch import nn
 
 import nnstat
 from nnstat.influence import compute_self_influence
-from nnstat.influence.refine_plan import measure_peak
+from nnstat.influence.refine.memory import measure_peak
 from nnstat.store.lazy import LazyStatistics
 
 N_LAYERS, WIDTH = 6, 48

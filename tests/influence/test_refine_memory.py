@@ -1,5 +1,5 @@
 """Refinement under a memory budget: the plan follows the budget, the scores do not (float64),
-the estimate bounds the allocations measured by the profiler, and a budget that one query
+the estimate bounds the allocations measured (`measure_peak`), and a budget that one query
 cannot fit is refused naming the bytes needed.
 
 A 12-32-6 tanh MLP (614 parameters, unprojected: the logged width is the parameter count),
@@ -13,9 +13,10 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-import nnstat.influence.refine as refine_mod
+import nnstat.influence.refine.run as refine_mod
 from nnstat.influence import ModuleSpec, Refinement, TensorSource, compute_influence_all
-from nnstat.influence.refine_plan import Footprint, footprint, measure_peak
+from nnstat.influence.refine.memory import measure_peak
+from nnstat.influence.refine.plan import Footprint, footprint
 
 D = torch.float64
 LOSS = nn.functional.cross_entropy
@@ -130,7 +131,7 @@ def test_memory_is_validated():
 def test_plan_order_chunk_then_host_then_block_then_cg():
     """On a GPU the search space moves to the host before blocks shrink: the device then holds
     the products alone; each step down is taken only when the one before does not fit."""
-    from nnstat.influence.refine_plan import choose_plan
+    from nnstat.influence.refine.plan import choose_plan
 
     fp = Footprint(n=32, width=20_000, params=10**6, itemsize=4, steps=5, start=True, probes=8,
                    fixed=10**7, per_vector=4 * 10**6)  # fmt: skip

@@ -18,8 +18,8 @@ import torch
 from _ledger import host_reads
 
 from nnstat.influence import compute_influence_all, compute_self_influence, score
-from nnstat.influence.layout import ModuleSpec
 from nnstat.influence.pipeline import read_ahead, units
+from nnstat.influence.row_layout import ModuleSpec
 from nnstat.influence.sources import StoreSource, TensorSource
 from nnstat.store import GradientStore, StoreWriter
 

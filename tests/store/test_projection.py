@@ -7,7 +7,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import nnstat
-from nnstat.store.projection import build_projections, module_spec, random_projection
+from nnstat.store.projection import build_projections, module_shape, random_projection
 
 
 def per_sample_grads(model, loss_of_output, *inputs):
@@ -134,7 +134,7 @@ def test_full_gradients_without_projection(tmp_path):
 
 
 def test_rank_capped_and_identity_sides_recorded():
-    spec = module_spec("fc", nn.Linear(10, 4))
+    spec = module_shape("fc", nn.Linear(10, 4))
     p = random_projection(spec, rank=64, seed=0)
     assert (p.r_in, p.r_out, p.p_in, p.p_out) == (11, 4, None, None)
     p = random_projection(spec, rank=2, seed=0)
@@ -146,7 +146,7 @@ def test_rank_capped_and_identity_sides_recorded():
 
 def test_random_projection_preserves_norms_in_expectation():
     torch.manual_seed(4)
-    spec = module_spec("fc", nn.Linear(49, 30))
+    spec = module_shape("fc", nn.Linear(49, 30))
     g = torch.randn(30, 50)
     ratios = []
     for seed in range(300):
@@ -180,7 +180,7 @@ def test_pca_uses_top_eigenvectors_of_kfac_factors(tmp_path):
 
 
 def test_pca_without_statistics_is_refused():
-    specs = [module_spec("fc", nn.Linear(4, 3))]
+    specs = [module_shape("fc", nn.Linear(4, 3))]
     with pytest.raises(ValueError, match="statistics pass"):
         build_projections(specs, 2, "pca", statistics={})
     with pytest.raises(ValueError, match="missing"):
@@ -437,5 +437,5 @@ def test_recorded_seed_rule_regenerates_every_module_matrix(tmp_path):
     assert again.keys() == proj.keys()
     assert all(torch.equal(again[k], proj[k]) for k in proj)
     # a different seed moves every matrix
-    spec = module_spec("1", model[1])
+    spec = module_shape("1", model[1])
     assert not torch.allclose(random_projection(spec, 3, seed=6).p_in, proj["1/p_in"])

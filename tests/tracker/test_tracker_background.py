@@ -17,7 +17,7 @@ import nnstat
 import nnstat.tracker.compute
 from nnstat.background import submit
 from nnstat.describe import Histogram
-from nnstat.tracker.background import StepMetrics
+from nnstat.tracker.pending import StepMetrics
 
 
 def setup(seed=0, opt_cls=torch.optim.Adam):
@@ -293,7 +293,7 @@ def test_two_threads_split_the_synchronous_statistics_with_the_worker(monkeypatc
     the tasks run one after the other, bit for bit. The default statistics share each blocked
     pass block by block (one worker job per pass), other statistics split the tasks (one worker
     job per step)."""
-    import nnstat.tracker.background as background
+    import nnstat.tracker.inline as background
 
     submitted = []
     real = background.submit
@@ -304,7 +304,7 @@ def test_two_threads_split_the_synchronous_statistics_with_the_worker(monkeypatc
         (m_a, o_a), (m_b, o_b) = setup(), setup()
         split = nnstat.Tracker(m_a, o_a, background=False, **kw)
         serial = nnstat.Tracker(m_b, o_b, background=False, **kw)
-        serial._split_ok = lambda on_cpu: False
+        serial._inline.split_ok = lambda on_cpu: False
         for i in range(3):
             train(m_a, o_a, i)
             train(m_b, o_b, i)
@@ -367,7 +367,7 @@ def test_forked_child_drops_the_parents_pending_step():
     pid = os.fork()
     if pid == 0:  # child: no worker thread here; flushing must neither hang nor deliver
         tracker.flush()
-        os._exit(0 if seen == [] and tracker._pending is None else 1)
+        os._exit(0 if seen == [] and tracker._worker.pending is None else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     tracker.flush()

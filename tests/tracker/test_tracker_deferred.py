@@ -23,7 +23,7 @@ import nnstat
 from nnstat.background.transfer import LocalCopy
 from nnstat.tracker import compute, delivery
 from nnstat.tracker import tracker as tracker_module
-from nnstat.tracker.background import StepMetrics
+from nnstat.tracker.pending import StepMetrics
 
 
 @pytest.fixture

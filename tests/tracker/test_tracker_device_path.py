@@ -12,21 +12,20 @@ import pytest
 import torch
 
 import nnstat
-import nnstat.describe.fused as fused
 import nnstat.describe.moments as moments
-import nnstat.describe.segments as segments
+import nnstat.describe.numpy_blocks as blocks
+import nnstat.describe.torch_segments as segments
 from nnstat.tracker import compute
 
 
 @pytest.fixture
 def torch_only(monkeypatch):
     """CPU tensors take the kernels an accelerator runs (no numpy, no block loop)."""
-    monkeypatch.setattr(moments, "_numpy_ok", lambda x: False)
-    monkeypatch.setattr(fused, "_numpy_ok", lambda x: False)
+    monkeypatch.setattr(moments, "numpy_ok", lambda x: False)
     monkeypatch.setattr(moments, "CHUNK", 1 << 30)
     # on accelerators it returns 1 before reading anything (float32 denormals are a CPU cost)
     monkeypatch.setattr(moments, "_denormal_scale", lambda head: 1.0)
-    monkeypatch.setattr(fused, "BLOCK", 1 << 30)
+    monkeypatch.setattr(blocks, "BLOCK", 1 << 30)
 
 
 class _HostReads:

@@ -131,6 +131,6 @@ def test_poll_delivers_a_finished_background_step():
     _backward(model, 0)
     opt.step()
     handle = tracker.step(5)
-    tracker._pending.job.wait()  # the worker is done; poll must not need to wait for it
+    tracker._worker.pending.job.wait()  # the worker is done; poll must not need to wait for it
     tracker.poll()
-    assert got == [5] and tracker._pending is None and handle["weight/0.bias/l2"] > 0
+    assert got == [5] and tracker._worker.pending is None and handle["weight/0.bias/l2"] > 0

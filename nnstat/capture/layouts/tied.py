@@ -41,19 +41,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from nnstat.capture import rules
-from nnstat.capture.capture import (
-    ModuleCapture,
-    one_hot_rows,
-    scaled,
-    scatter_rows,
-    token_rows,
-)
+from nnstat.capture.capture import ModuleCapture
+from nnstat.capture.kinds import Kind, detect_kind
+from nnstat.capture.matrix import one_hot_rows, scaled, scatter_rows, token_rows
 
 __all__ = ["merge", "owner_index", "tie_groups", "unsupported_tie"]
-
-#: kinds a tie may join; their matrix form is the weight (False) or its transpose (True)
-_TRANSPOSED = {"linear": False, "conv1d_hf": True, "embedding": True}
 
 
 def tie_groups(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
@@ -87,8 +79,8 @@ def unsupported_tie(group: list[tuple[str, nn.Module]]) -> str | None:
     """Why the modules of ``group`` cannot be captured as one, or None when they can."""
     names = ", ".join(repr(n) for n, _ in group)
     for _, m in group:
-        kind = rules.detect_kind(m)
-        if kind not in _TRANSPOSED:
+        kind = detect_kind(m)
+        if kind is None or kind.tie_transposed is None:
             return (
                 f"the modules {names} share a parameter and {type(m).__name__} (kind {kind}) "
                 "has no rule to merge a shared parameter's rows; untie it or exclude the group "
@@ -109,13 +101,14 @@ def owner_index(modules: list[nn.Module]) -> int:
     """Index of the module a tie group is logged under: the first one that is not an
     embedding (its matrix form is the weight itself), else the first."""
     for i, m in enumerate(modules):
-        if rules.detect_kind(m) != "embedding":
+        kind = detect_kind(m)
+        if kind is None or not kind.tokens:
             return i
     return 0
 
 
 def merge(
-    name: str, module: nn.Module, kind: str, dims: tuple[int, int], parts: list[ModuleCapture]
+    name: str, module: nn.Module, kind: Kind, dims: tuple[int, int], parts: list[ModuleCapture]
 ) -> ModuleCapture:
     """One capture of the shared parameter under the owner (``name``, ``module``, ``kind``,
     ``dims``) from the captures of the group's modules in this backward (see the module
@@ -141,19 +134,19 @@ def merge(
         raise ValueError(
             f"{name}: the modules that share its parameter saw different batch sizes ({sizes})"
         )
-    if all(c.kind == "embedding" for c in parts) and kind == "embedding":
+    if kind.tokens and all(c.kind.tokens for c in parts):
         a = torch.cat([c.indices for c in parts], 1)
         b = torch.cat([c.backward for c in parts], 1)
     else:
-        flip = _TRANSPOSED[kind]
+        flip = kind.tie_transposed
         a_parts: list[Scaled] = []
         b_parts: list[Scaled] = []
         for c in parts:
             # an embedding's one-hot rows stay indices (Tokens); the output gradient stays
             # unscaled (its mean-loss factor is applied to its projection, or when joined)
-            a = Scaled(Tokens(c.indices, c.d_in) if c.kind == "embedding" else c.forward, 1.0)
+            a = Scaled(Tokens(c.indices, c.d_in) if c.kind.tokens else c.forward, 1.0)
             b = Scaled(c._b_raw, c._scale)
-            if _TRANSPOSED[c.kind] != flip:
+            if c.kind.tie_transposed != flip:
                 a, b = b, a
             a_parts.append(a)
             b_parts.append(b)

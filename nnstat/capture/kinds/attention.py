@@ -1,4 +1,5 @@
-"""``nn.MultiheadAttention``: per-sample gradients of ``in_proj`` and ``out_proj``.
+"""``nn.MultiheadAttention`` (kind "attention"): per-sample gradients of ``in_proj`` and
+``out_proj``.
 
 The module computes with its bare ``in_proj_weight`` and never calls ``out_proj.forward``, so
 no module hook sees the projections. The engine hooks the attention module itself: its inputs
@@ -32,12 +33,21 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["AttentionCall", "attention_call", "attention_rows", "unsupported_reason"]
+from nnstat.capture.kinds.base import Kind
+
+__all__ = [
+    "AttentionCall",
+    "AttentionKind",
+    "attention_call",
+    "attention_rows",
+    "unsupported_reason",
+]
 
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 
@@ -195,3 +205,20 @@ def _merge(x: torch.Tensor) -> torch.Tensor:
     """``[N, H, L, d]`` to ``[N, L, H * d]``."""
     n, h, length, d = x.shape
     return x.transpose(1, 2).reshape(n, length, h * d)
+
+
+class AttentionKind(Kind):
+    """Its packed ``in_proj``, ``[3E, E(+1)]`` like an ``nn.Linear(E, 3E)`` (bias = last
+    column), with rows from :func:`attention_rows`; its ``out_proj`` is a "linear" whose rows
+    come from the same place."""
+
+    name = "attention"
+    modules: ClassVar[tuple[type, ...]] = (nn.MultiheadAttention,)
+    params = ("in_proj_weight", "in_proj_bias")
+    plain = True
+
+    def unsupported(self, module: nn.Module) -> str | None:
+        return unsupported_reason(module)
+
+    def dims(self, module: nn.Module) -> tuple[int, int]:
+        return module.embed_dim + self.has_bias(module), 3 * module.embed_dim

@@ -24,15 +24,15 @@ from typing import Any
 
 import torch
 
-from nnstat.capture.broadcast import (
-    _COMBINE,
-    _INPLACE_COMBINE,
-    _PERMUTE,
-    _RESHAPE,
-    _ROWWISE,
+from nnstat.capture.layouts.broadcast import (
+    COMBINE,
+    INPLACE_COMBINE,
+    PERMUTE,
+    RESHAPE,
+    ROWWISE,
     BroadcastGuard,
-    _axis_order,
-    _inserts_only,
+    axis_order,
+    inserts_only,
 )
 
 __all__ = ["FIX", "SampleRows", "add_check_guard", "check_rows"]
@@ -107,7 +107,7 @@ def _check(func: Any, args: tuple, kwargs: dict) -> Any:
     name = getattr(func, "__name__", "")
     guards = tuple(g for t in found for g in t._nnstat_guards)
     first = found[0]
-    if name in _COMBINE or name in _INPLACE_COMBINE:
+    if name in COMBINE or name in INPLACE_COMBINE:
         batch = guards[0].batch
         for t in found:
             axis = t._nnstat_axis + result.dim() - t.dim()
@@ -122,9 +122,9 @@ def _check(func: Any, args: tuple, kwargs: dict) -> Any:
         if alone and result.shape == first.shape and result is not first:
             return _rewrap(result, first._nnstat_axis, guards)  # x * 0.5, x + bias: keep checking
         return result  # combined with data of its own rows: they are samples
-    if name in _ROWWISE and result.shape == first.shape and result is not first:
+    if name in ROWWISE and result.shape == first.shape and result is not first:
         return _rewrap(result, first._nnstat_axis, guards)
-    if name in _PERMUTE or name in _RESHAPE or (name == "__getitem__" and _inserts_only(args)):
+    if name in PERMUTE or name in RESHAPE or (name == "__getitem__" and inserts_only(args)):
         axis = _moved_axis(name, args, kwargs, first, result)
         if axis is not None and len(found) == 1 and args and args[0] is first:
             return _rewrap(result, axis, guards)
@@ -142,8 +142,8 @@ def _moved_axis(
 ) -> int | None:
     """Where the rows' axis of ``t`` lands in ``result`` after a permute or reshape."""
     axis = t._nnstat_axis  # type: ignore[attr-defined]
-    if name in _PERMUTE:
-        order = _axis_order(name, args, kwargs, t.dim())
+    if name in PERMUTE:
+        order = axis_order(name, args, kwargs, t.dim())
         return None if order is None else order.index(axis)
     # a reshape keeps the rows' axis where the elements before it still fill whole dimensions
     before, size = 1, t.shape[axis]

@@ -13,14 +13,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from nnstat.capture import rules
 from nnstat.capture.capture import ModuleCapture
+from nnstat.capture.kinds import Kind, kind_named
 
 LOSS_REDUCTIONS = ("sum", "mean")
 
 
 @dataclass(frozen=True)
-class _BatchContext:
+class BatchContext:
     batch_size: int | None
     mask: torch.Tensor | None
     loss_reduction: str
@@ -29,10 +29,10 @@ class _BatchContext:
 
 
 @dataclass
-class _Watched:
+class Watched:
     name: str
     module: nn.Module
-    kind: str
+    kind: Kind
     # the nn.MultiheadAttention whose hook delivers this module's rows (its out_proj)
     via: nn.Module | None = None
     # the module it shares its parameters with, whose capture takes its rows (tied.py)
@@ -42,12 +42,13 @@ class _Watched:
     bias: bool = False
 
     def __post_init__(self) -> None:
-        self.dims = rules.dims(self.kind, self.module)
+        self.kind = kind_named(self.kind)  # a registered kind, also when given by name
+        self.dims = self.kind.dims(self.module)
         # the implicit ones column exists only for kinds with a matrix-form bias
-        self.bias = rules.has_bias(self.module) and self.kind in rules.BIAS_KINDS
+        self.bias = self.kind.dense and self.kind.has_bias(self.module)
 
 
-def _check_batch_args(batch_size: int | None, loss_reduction: str) -> None:
+def check_batch_args(batch_size: int | None, loss_reduction: str) -> None:
     if loss_reduction not in LOSS_REDUCTIONS:
         raise ValueError(
             f"unknown loss_reduction {loss_reduction!r}; valid: {', '.join(LOSS_REDUCTIONS)}"
@@ -56,16 +57,16 @@ def _check_batch_args(batch_size: int | None, loss_reduction: str) -> None:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
 
 
-def _build_capture(
-    w: _Watched, calls: list[tuple[torch.Tensor, torch.Tensor, _BatchContext]]
+def build_capture(
+    w: Watched, calls: list[tuple[torch.Tensor, torch.Tensor, BatchContext]]
 ) -> ModuleCapture:
-    if len(calls) == 1 and calls[0][2].mask is None and w.kind in _PLAIN_KINDS:
+    if len(calls) == 1 and calls[0][2].mask is None and w.kind.plain:
         return _build_plain(w, *calls[0])
     return _build_capture_general(w, calls)
 
 
 def _build_capture_general(
-    w: _Watched, calls: list[tuple[torch.Tensor, torch.Tensor, _BatchContext]]
+    w: Watched, calls: list[tuple[torch.Tensor, torch.Tensor, BatchContext]]
 ) -> ModuleCapture:
     a_parts, b_parts, keep_parts, positions = [], [], [], 0
     n = None
@@ -74,8 +75,10 @@ def _build_capture_general(
     scales = {_scale(ctx, b_rows) for _, b_rows, ctx in calls}
     common = scales.pop() if len(scales) == 1 else None
     for x, g, ctx in calls:
-        a = rules.forward_rows(w.kind, w.module, x)
-        b, pos_shape = rules.backward_rows(w.kind, w.module, g)
+        if x.dim() < 1:
+            raise ValueError(f"{type(w.module).__name__}: input has no batch dimension")
+        a = w.kind.forward_rows(w.module, x)
+        b, pos_shape = w.kind.backward_rows(w.module, g)
         if n is None:
             n = b.shape[0]
         elif b.shape[0] != n:
@@ -92,10 +95,7 @@ def _build_capture_general(
         keep = _row_mask(w, ctx.mask, n, pos_shape, b.shape[1])
         if keep is not None:
             b = b * keep.unsqueeze(-1)
-            if w.kind == "embedding":
-                a = a.masked_fill(~keep.bool(), -1)
-            else:
-                a = a * keep.unsqueeze(-1)
+            a = w.kind.masked_rows(a, keep)
             positions = positions + keep.sum()  # left on the device (read if asked for)
         else:
             positions += n * a.shape[1]
@@ -118,17 +118,12 @@ def _build_capture_general(
     return ModuleCapture(w.name, w.module, w.kind, a, b, positions, keep, w.dims, w.bias, scale)
 
 
-def _scale(ctx: _BatchContext, g: torch.Tensor) -> float:
+def _scale(ctx: BatchContext, g: torch.Tensor) -> float:
     """The factor a mean-reduced loss's output gradients are multiplied by (1 for a sum)."""
     return float(ctx.batch_size or g.shape[0]) if ctx.loss_reduction == "mean" else 1.0
 
 
-_PLAIN_KINDS = rules.ROW_KINDS
-
-
-def _build_plain(
-    w: _Watched, x: torch.Tensor, g: torch.Tensor, ctx: _BatchContext
-) -> ModuleCapture:
+def _build_plain(w: Watched, x: torch.Tensor, g: torch.Tensor, ctx: BatchContext) -> ModuleCapture:
     """The common case (one call, no mask, linear rows) with the fewest tensor ops: same
     result as the general path, which costs a dozen Python calls per module per step."""
     xs, gs = x.shape, g.shape
@@ -152,7 +147,7 @@ def _build_plain(
 
 
 def _row_mask(
-    w: _Watched, mask: torch.Tensor | None, n: int, pos_shape: tuple, rows: int
+    w: Watched, mask: torch.Tensor | None, n: int, pos_shape: tuple, rows: int
 ) -> torch.Tensor | None:
     """Mask per matrix row ``[N, rows]`` (float 0/1), or None when the mask does not apply."""
     if mask is None:
@@ -170,7 +165,7 @@ def _row_mask(
     return m
 
 
-def _hook_target(output: torch.Tensor) -> torch.Tensor:
+def hook_target(output: torch.Tensor) -> torch.Tensor:
     """The tensor whose gradient equals the output's, robust to later in-place ops.
 
     A layer applied to ``[N, T, d]`` returns a view of a 2-D result; an in-place op on that view
@@ -190,7 +185,7 @@ def _hook_target(output: torch.Tensor) -> torch.Tensor:
     return output
 
 
-def _reshaped(hook: Callable[[torch.Tensor], None], shape: torch.Size, grad: torch.Tensor) -> None:
+def reshaped(hook: Callable[[torch.Tensor], None], shape: torch.Size, grad: torch.Tensor) -> None:
     hook(grad.reshape(shape))
 
 

@@ -43,33 +43,25 @@ Example:
 from __future__ import annotations
 
 import math
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from nnstat.describe import partials as pr
 from nnstat.describe import triton_rows
-from nnstat.describe.binning import bin_flat, hist_ranges, sample_runs
+from nnstat.describe.binning import bin_flat, hist_ranges
 from nnstat.describe.moments import Workspace
-from nnstat.describe.segment_columns import centre_scale, moment_columns, norm_columns
+from nnstat.describe.segment_layout import Group, Layout, layout_of, reorder
+from nnstat.describe.segment_rows import centre_scale, moment_rows, norm_rows
 
-__all__ = ["segment_table", "segment_tables", "HistSpec", "NORM_STATS", "MAX_BLOCK", "MAX_GROUP"]
-
-#: Statistics obtainable from multi-tensor norm kernels, without a moment pass.
-NORM_STATS = frozenset({"numel", "abs_mean", "abs_max", "l1", "l2", "rms", "nonfinite"})
-#: Elements per group at most (more of one dtype: several groups, each a whole number of
-#: tensors). The flat buffer holds one group: at most 512 MiB for float32 data (twice that on
-#: CPU, where it also holds the powers, see `_norm_kernels`).
-MAX_GROUP = 1 << 27
-#: Row length of the flat layout (shorter rows when the tensors are small, see `_block`).
-MAX_BLOCK = 4096
-_MIN_BLOCK = 128
-_LAYOUT_CACHE: OrderedDict[tuple, _Layout] = OrderedDict()
-_CACHE_SIZE = 16
-_CACHE_LOCK = threading.Lock()
+__all__ = [
+    "segment_table",
+    "segment_tables",
+    "segment_partials",
+    "HistSpec",
+]
 
 
 @dataclass(frozen=True)
@@ -79,176 +71,6 @@ class HistSpec:
 
     bins: int
     max_elements: int | None
-
-
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _block(numels: Sequence[int]) -> int:
-    """Row length: `MAX_BLOCK`, halved while padding would exceed a quarter of the data."""
-    total = sum(numels)
-    b = MAX_BLOCK
-    while b > _MIN_BLOCK and sum(-(-n // b) * b for n in numels) > 1.25 * total:
-        b //= 2
-    return b
-
-
-def _on(values: Sequence[float] | Sequence[int], dtype: torch.dtype, dev: torch.device):
-    # non_blocking: a pageable host-to-device copy then does not wait for the queued kernels
-    return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
-
-
-@dataclass
-class _Group:
-    """One (device, dtype) group of a list: its tensors' positions and, built on first use,
-    the flat layout (rows of `block`, each tensor from a new row, its last row padded)."""
-
-    device: torch.device
-    dtype: torch.dtype
-    positions: list[int]
-    numels: list[int]
-    work: torch.dtype = field(init=False)
-    n: torch.Tensor = field(init=False)  # float64 [m] element counts
-    eps_row: torch.Tensor = field(init=False)  # float64 [1, m]: the work dtype's epsilon
-    _rows: dict | None = None
-    _samples: dict = field(default_factory=dict)
-    _table: triton_rows.RowTable | None = None
-
-    def __post_init__(self) -> None:
-        self.work = _work_dtype(self.dtype)
-        self.n = _on([float(k) for k in self.numels], torch.float64, self.device)
-        eps = torch.finfo(self.work).eps
-        self.eps_row = torch.full((1, len(self.numels)), eps, dtype=torch.float64)
-        self.eps_row = self.eps_row.to(self.device, non_blocking=True)
-
-    def rows(self) -> dict:
-        """The flat layout's index tensors (cached)."""
-        if self._rows is None:
-            # per-tensor sizes in Python (no tensor is read), index vectors built by torch
-            b = _block(self.numels)
-            counts = [-(-k // b) for k in self.numels]
-            starts = [0]
-            for c in counts[:-1]:
-                starts.append(starts[-1] + c * b)
-            pads = [c * b - k for c, k in zip(counts, self.numels, strict=True)]
-            seg = torch.arange(len(self.numels))
-            pad_seg = torch.repeat_interleave(seg, torch.tensor(pads), output_size=sum(pads))
-            first = torch.tensor(starts)
-            ends = [s + k for s, k in zip(starts, self.numels, strict=True)]
-            pad_idx = _ranges(torch.tensor(ends), torch.tensor(pads), sum(pads))
-            row_seg = torch.repeat_interleave(seg, torch.tensor(counts), output_size=sum(counts))
-            dev = self.device
-            zeros = torch.zeros(b, dtype=self.work, device=dev)
-            self._rows = {
-                "block": b,
-                "count": sum(counts),
-                "starts": starts,
-                "pads": [zeros[:p] for p in pads],
-                "lengths": _on(counts, torch.int64, dev),
-                "row_seg": row_seg.to(dev, non_blocking=True),
-                "pad_idx": pad_idx.to(dev, non_blocking=True),
-                "pad_src": first[pad_seg].to(dev, non_blocking=True),
-                "pad_seg": pad_seg.to(dev, non_blocking=True),
-                "tiled": {},
-            }
-        return self._rows
-
-    def fused(self) -> bool:
-        """Whether this group is reduced by the fused row kernels (`triton_rows`: CUDA with
-        Triton, float dtypes) instead of the flat copy and torch's kernels."""
-        return self.dtype in triton_rows.FLOAT_DTYPES and triton_rows.available(self.device)
-
-    def table(self) -> triton_rows.RowTable:
-        """The rows' tensors and starts for the fused kernels (cached)."""
-        if self._table is None:
-            self._table = triton_rows.RowTable.build(self.numels, self.rows()["block"], self.device)
-        return self._table
-
-    def lengths(self, k: int) -> torch.Tensor:
-        """Rows per tensor repeated `k` times: one segment_reduce adds `k` kinds of partials."""
-        r = self.rows()
-        if k not in r["tiled"]:
-            r["tiled"][k] = r["lengths"].repeat(k)
-        return r["tiled"][k]
-
-    def samples(self, max_elements: int | None) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
-        """Flat positions of the histogram samples in the flat buffer, their tensor, and which
-        tensors were subsampled (`binning.sample_runs`' positions, cached)."""
-        if max_elements not in self._samples:
-            r = self.rows()
-            run_starts, run_seg, sampled = [], [], []
-            length = []
-            for i, (k, s) in enumerate(zip(self.numels, r["starts"], strict=True)):
-                runs, run_length, was = sample_runs(k, max_elements)
-                run_starts += [s + start for start in runs]
-                run_seg += [i] * len(runs)
-                length += [run_length] * len(runs)
-                sampled.append(was)
-            lengths = torch.tensor(length, dtype=torch.int64)
-            total = sum(length)
-            seg = torch.repeat_interleave(torch.tensor(run_seg), lengths, output_size=total)
-            idx = _ranges(torch.tensor(run_starts, dtype=torch.int64), lengths, total)
-            dev = self.device
-            self._samples[max_elements] = (
-                idx.to(dev, non_blocking=True),
-                seg.to(dev, non_blocking=True),
-                sampled,
-            )
-        return self._samples[max_elements]
-
-
-def _ranges(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
-    """``cat([arange(s, s + n) for s, n in zip(starts, lengths)])`` (`total` elements) without
-    a Python loop over elements (host int64 tensors; layouts are built once)."""
-    offsets = lengths.cumsum(0) - lengths
-    base = torch.repeat_interleave(starts - offsets, lengths, output_size=total)
-    return base + torch.arange(total)
-
-
-@dataclass
-class _Layout:
-    """Groups of a list of tensors and where each tensor's row lands in the result."""
-
-    groups: list[_Group]
-    order: torch.Tensor | None  # caller position -> row of the grouped table (None: identity)
-    empty_rows: dict[tuple[float, ...], torch.Tensor] = field(default_factory=dict)
-
-
-def _layout(tensors: Sequence[torch.Tensor], ws: Workspace | None) -> _Layout:
-    key = tuple((t.device, t.dtype, t.numel()) for t in tensors)
-    cache = ws.layouts if ws is not None else _LAYOUT_CACHE
-    with _CACHE_LOCK:  # the module cache may be shared by threads
-        lay = cache.get(key)
-        if lay is not None:
-            cache.move_to_end(key)
-            return lay
-    by: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, (dev, dtype, numel) in enumerate(key):
-        if numel:  # empty tensors get their row in `_reorder`
-            by.setdefault((dev, dtype), []).append(i)
-    groups = []
-    for (dev, dtype), pos in by.items():
-        # groups of at most MAX_GROUP elements (whole tensors): bounds the flat buffer
-        part, size = [], 0
-        for i in pos:
-            if part and size + key[i][2] > MAX_GROUP:
-                groups.append(_Group(dev, dtype, part, [key[j][2] for j in part]))
-                part, size = [], 0
-            part.append(i)
-            size += key[i][2]
-        groups.append(_Group(dev, dtype, part, [key[j][2] for j in part]))
-    grouped = [i for g in groups for i in g.positions]
-    order = None
-    if grouped != list(range(len(key))):
-        row = {p: r for r, p in enumerate(grouped)}
-        order = _on([row.get(i, len(grouped)) for i in range(len(key))], torch.int64, key[0][0])
-    lay = _Layout(groups, order)
-    with _CACHE_LOCK:
-        cache[key] = lay
-        while len(cache) > _CACHE_SIZE:
-            cache.popitem(last=False)
-    return lay
 
 
 def segment_table(
@@ -293,13 +115,77 @@ def segment_tables(
     """
     lists = [list(ts) for ts in lists]
     k = len(stats)
+    red = _segment_rows(lists, stats, workspace, hist)
+    if red is None:
+        return [(torch.zeros((0, k + 1), dtype=torch.float64), None, []) for _ in lists]
+    table = pr.probe_table(red.rows, red.eps, stats)  # one set of small kernels for every list
+    dev = table.device
+    out = []
+    per_list = zip(table.split(red.sizes), red.layouts, red.hists, red.sampled, strict=True)
+    for part, lay, h_list, was in per_list:
+        if lay is None:
+            out.append((torch.zeros((0, k + 1), dtype=torch.float64), None, []))
+            continue
+        h = None
+        if hist is not None:
+            h_rows = torch.cat(h_list) if h_list else _nan(0, 2 + hist.bins, dev)
+            # an empty tensor's histogram: no counts over the nominal range [0, 1]
+            h = reorder(h_rows, lay, [0.0, 1.0] + [0.0] * hist.bins)
+        out.append((reorder(part, lay, _empty_row(stats)), h, was))
+    return out
+
+
+def segment_partials(
+    tensors: Sequence[torch.Tensor], stats: tuple[str, ...], workspace: Workspace | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial rows ``[n, WIDTH]`` (`nnstat.describe.partials`, the columns `stats` need) of
+    non-empty-list `tensors` on their device and each one's epsilon ``[n]``: the torch-segment
+    backend of `nnstat.describe.core.partial_table`. No host read.
+
+    Example:
+        >>> rows, eps = segment_partials([torch.tensor([1.0, 2.0, 3.0, 6.0])], ("var",))
+        >>> pr.finish(rows, ("var",), eps).tolist()
+        [[3.5]]
+    """
+    red = _segment_rows([list(tensors)], stats, workspace, None)
+    assert red is not None and red.layouts[0] is not None
+    both = torch.cat([red.rows, red.eps[:, None]], dim=1)
+    both = reorder(both, red.layouts[0], _EMPTY_PARTIAL)
+    return both[:, :-1], both[:, -1]
+
+
+#: An empty tensor's partial row and epsilon (`reorder`'s filler in `segment_partials`).
+_EMPTY_PARTIAL = pr.exact_row(torch.zeros(0)).tolist() + [1.0]
+
+
+@dataclass
+class _Reduced:
+    """`_segment_rows`' result: the partial rows and epsilons of every non-empty tensor of the
+    lists (grouped order, on the first tensor's device) and, per list, their number, its layout
+    (None: an empty list), its groups' histogram rows and which tensors were subsampled."""
+
+    rows: torch.Tensor
+    eps: torch.Tensor
+    sizes: list[int]
+    layouts: list[Layout | None]
+    hists: list[list[torch.Tensor]]
+    sampled: list[list[bool]]
+
+
+def _segment_rows(
+    lists: list[list[torch.Tensor]],
+    stats: tuple[str, ...],
+    workspace: Workspace | None,
+    hist: HistSpec | None,
+) -> _Reduced | None:
+    """The partials of every list of `lists` as `_Reduced` (None: every list is empty)."""
     live = [ts for ts in lists if ts]
     if not live:
-        return [(torch.zeros((0, k + 1), dtype=torch.float64), None, []) for _ in lists]
+        return None
     dev = live[0][0].device
     norm_path = (
         hist is None
-        and not set(stats) - NORM_STATS
+        and not set(stats) - pr.NORM_STATS
         and (_norm_kernels(dev) or triton_rows.available(dev))
     )
     if norm_path:
@@ -307,7 +193,7 @@ def segment_tables(
     else:
         needs = _needs(stats, hist is not None)
     ws = workspace or Workspace()
-    layouts = [_layout(ts, workspace) if ts else None for ts in lists]
+    layouts = [layout_of(ts, workspace) if ts else None for ts in lists]
     parts, hists, sizes, sampled = [], [], [], []
     with torch.no_grad():
         for ts, lay in zip(lists, layouts, strict=True):
@@ -317,9 +203,9 @@ def segment_tables(
             for g in lay.groups if lay is not None else []:
                 m += len(g.positions)
                 if norm_path:
-                    parts.append(_partials(g, ts, _fused_norm_partials, _norm_partials, needs))
+                    parts.append(_partials(g, ts, _triton_norm_partials, _norm_partials, needs))
                     continue
-                p, h = _partials(g, ts, _fused_moment_partials, _moment_partials, needs, ws, hist)
+                p, h = _partials(g, ts, _triton_moment_partials, _moment_partials, needs, ws, hist)
                 parts.append(p.to(dev))
                 if h is not None:
                     h_list.append(h.to(dev))
@@ -328,31 +214,22 @@ def segment_tables(
             sizes.append(m)
             hists.append(h_list)
             sampled.append(was if hist is not None else [])
-        if not parts:  # only empty tensors: their NaN rows are repaired on the host
-            table = _nan(0, k + 1, dev)
+        if not parts:  # only empty tensors: their rows are filled in by `reorder`
+            rows, eps = _nan(0, pr.WIDTH, dev), _nan(0, 1, dev)[:, 0]
+        elif norm_path:
+            rows = norm_rows(torch.cat(parts, dim=1), needs)
+            eps = rows[:, pr.N]  # unused: the norm statistics have no constant rule
         else:
-            p = torch.cat(parts, dim=1)
-            table = norm_columns(p, stats, needs) if norm_path else moment_columns(p, stats, needs)
-        out = []
-        for rows, lay, h_list, was in zip(table.split(sizes), layouts, hists, sampled, strict=True):
-            if lay is None:
-                out.append((torch.zeros((0, k + 1), dtype=torch.float64), None, []))
-                continue
-            h = None
-            if hist is not None:
-                h_rows = torch.cat(h_list) if h_list else _nan(0, 2 + hist.bins, dev)
-                # an empty tensor's histogram: no counts over the nominal range [0, 1]
-                h = _reorder(h_rows, lay, [0.0, 1.0] + [0.0] * hist.bins)
-            out.append((_reorder(rows, lay, _empty_row(stats)), h, was))
-    return out
+            rows, eps = moment_rows(torch.cat(parts, dim=1), needs)
+    return _Reduced(rows, eps, sizes, layouts, hists, sampled)
 
 
-def _partials(g: _Group, ts: Sequence[torch.Tensor], fused: Any, plain: Any, *args: Any) -> Any:
+def _partials(g: Group, ts: Sequence[torch.Tensor], triton: Any, plain: Any, *args: Any) -> Any:
     """A group's partials by the fused kernels where they serve it, else (also when they fail on
     first use: `triton_rows.fall_back` warns once) by torch's."""
-    if g.fused():
+    if g.triton():
         try:  # the kernels read the tensors where they are: no views to make
-            return fused(g, [ts[i] for i in g.positions], *args)
+            return triton(g, [ts[i] for i in g.positions], *args)
         except Exception as error:  # noqa: BLE001 (re-raised unless the kernels never ran)
             if not triton_rows.fall_back(error):
                 raise
@@ -388,7 +265,7 @@ def _needs(stats: tuple[str, ...], hist: bool) -> frozenset[str]:
     return frozenset(need)
 
 
-def _norm_partials(g: _Group, views: list[torch.Tensor], needs: frozenset[str]) -> torch.Tensor:
+def _norm_partials(g: Group, views: list[torch.Tensor], needs: frozenset[str]) -> torch.Tensor:
     """``[2 + len(needs), m]`` float64: counts, l2 (and abs_max, l1) of each tensor of a group,
     from the multi-tensor norm kernels (one launch per kind for the whole group)."""
     if not g.dtype.is_floating_point:
@@ -396,8 +273,10 @@ def _norm_partials(g: _Group, views: list[torch.Tensor], needs: frozenset[str]) 
         views = list(flat.split(g.numels))
     # float64 accumulation and result, read in the tensors' own dtype (no copy on accelerators)
     ords = [2.0] + [math.inf if s == "abs_max" else 1.0 for s in ("abs_max", "l1") if s in needs]
-    rows = [torch.stack(torch._foreach_norm(views, o, dtype=torch.float64)) for o in ords]
-    return torch.cat([g.n.unsqueeze(0), torch.stack(rows)])
+    rows = torch.stack(
+        [torch.stack(torch._foreach_norm(views, o, dtype=torch.float64)) for o in ords]
+    )
+    return torch.cat([g.n.unsqueeze(0), rows])
 
 
 def _norm_kernels(device: torch.device) -> bool:
@@ -415,7 +294,7 @@ def _norm_rows(x2: torch.Tensor, p: int) -> torch.Tensor:
     return torch.linalg.vector_norm(x2, p, dim=1).pow_(p)
 
 
-def _segment(g: _Group, partials: torch.Tensor, reduce: str) -> torch.Tensor:
+def _segment(g: Group, partials: torch.Tensor, reduce: str) -> torch.Tensor:
     """``[k, R]`` row partials reduced per tensor to ``[k, m]`` float64 (one kernel)."""
     k = partials.shape[0]
     out = torch.segment_reduce(
@@ -425,7 +304,7 @@ def _segment(g: _Group, partials: torch.Tensor, reduce: str) -> torch.Tensor:
 
 
 def _extrema(
-    g: _Group, lo_rows: torch.Tensor, hi_rows: torch.Tensor
+    g: Group, lo_rows: torch.Tensor, hi_rows: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each tensor's min and max from its rows' (one segment reduction for both)."""
     mm = _segment(g, torch.stack([lo_rows, hi_rows.neg()]), "min")
@@ -433,7 +312,7 @@ def _extrema(
 
 
 def _hist_rows(
-    g: _Group,
+    g: Group,
     samples: torch.Tensor,
     seg: torch.Tensor,
     lo: torch.Tensor,
@@ -448,7 +327,7 @@ def _hist_rows(
 
 
 def _moment_partials(
-    g: _Group,
+    g: Group,
     views: list[torch.Tensor],
     needs: frozenset[str],
     ws: Workspace,
@@ -524,8 +403,8 @@ def _moment_partials(
     return torch.cat([*out, g.eps_row]), h
 
 
-def _fused_norm_partials(
-    g: _Group, views: list[torch.Tensor], needs: frozenset[str]
+def _triton_norm_partials(
+    g: Group, views: list[torch.Tensor], needs: frozenset[str]
 ) -> torch.Tensor:
     """`_norm_partials` from ONE read of the group (`triton_rows.pass_a`), not one per norm."""
     a = triton_rows.pass_a(g.table(), triton_rows.bind(views), moments=False)
@@ -539,8 +418,8 @@ def _fused_norm_partials(
     return torch.stack(rows)
 
 
-def _fused_moment_partials(
-    g: _Group,
+def _triton_moment_partials(
+    g: Group,
     views: list[torch.Tensor],
     needs: frozenset[str],
     ws: Workspace,
@@ -577,14 +456,3 @@ def _empty_row(stats: tuple[str, ...]) -> list[float]:
     for the rest; its probe is finite (nothing to repair)."""
     zero = {"numel", "l1", "l2", "nonfinite"}
     return [0.0 if s in zero else math.nan for s in stats] + [0.0]
-
-
-def _reorder(rows: torch.Tensor, lay: _Layout, empty: list[float]) -> torch.Tensor:
-    """Grouped rows back in the caller's order; empty tensors get the row `empty`."""
-    if lay.order is None:
-        return rows
-    key = tuple(empty)
-    if key not in lay.empty_rows:  # cached: no host-to-device copy per call
-        lay.empty_rows[key] = _on([empty], torch.float64, rows.device)
-    rows = torch.cat([rows, lay.empty_rows[key]])
-    return rows.index_select(0, lay.order.to(rows.device))

@@ -18,8 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# kinds whose per-sample gradient is a sum of outer products b aᵀ (K-FAC applies)
-KRONECKER_KINDS = frozenset({"linear", "conv", "conv1d_hf", "embedding", "attention"})
+from nnstat.capture.kinds import REGISTRY
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,8 @@ class ModuleSpec:
 
     @property
     def kronecker(self) -> bool:
-        return self.kind in KRONECKER_KINDS and self.r_out * self.r_in == self.width
+        kind = REGISTRY.get(self.kind)  # "flat": rows without a module (TensorSource)
+        return kind is not None and kind.outer and self.r_out * self.r_in == self.width
 
     @property
     def stop(self) -> int:

@@ -6,7 +6,7 @@
   ``[T, T]`` relative-position table): expanded to the batch (broadcast.py) or, when ``T``
   equals the batch size, checked at their first uses (ambiguous.py);
 * ``nn.MultiheadAttention``: one hook on the module gives the rows of ``in_proj`` and of the
-  ``out_proj`` inside it (attention.py);
+  ``out_proj`` inside it (kinds/attention.py);
 * parameters shared by several modules (tied embeddings): captured once, under one module
   (tied.py);
 * modules left out of capture, with the reason and the fix (:attr:`left_out`).
@@ -29,14 +29,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from nnstat.capture import attention, rules
-from nnstat.capture._build import _BatchContext, _Watched, first_tensor
-from nnstat.capture.ambiguous import FIX as AMBIGUOUS_FIX
-from nnstat.capture.ambiguous import check_rows
-from nnstat.capture.attention import attention_call, attention_rows
-from nnstat.capture.broadcast import BroadcastGuard, expand
+from nnstat.capture.build import BatchContext, Watched, first_tensor
 from nnstat.capture.capture import ModuleCapture
-from nnstat.capture.tied import merge, owner_index, tie_groups, unsupported_tie
+from nnstat.capture.kinds import detect_kind, unsupported_reason
+from nnstat.capture.kinds.attention import attention_call, attention_rows
+from nnstat.capture.kinds.attention import unsupported_reason as attention_unsupported
+from nnstat.capture.layouts.ambiguous import FIX as AMBIGUOUS_FIX
+from nnstat.capture.layouts.ambiguous import check_rows
+from nnstat.capture.layouts.broadcast import BroadcastGuard, expand
+from nnstat.capture.layouts.tied import merge, owner_index, tie_groups, unsupported_tie
 
 __all__ = ["LayoutHooks", "sequence_first_layers"]
 
@@ -50,8 +51,8 @@ class LayoutHooks:
         True
     """
 
-    _watched: dict[nn.Module, _Watched]
-    _ctx: _BatchContext | None
+    _watched: dict[nn.Module, Watched]
+    _ctx: BatchContext | None
     _left_out: dict[str, str]
     _attention: set[nn.Module]
     _root_call: tuple[tuple, dict] | None
@@ -60,8 +61,8 @@ class LayoutHooks:
     _on_output_grad: Callable[..., None]  # CaptureEngine's: records one call's rows
 
     def _select_ties(
-        self, model: nn.Module, selected: list[_Watched], unsupported: list[str]
-    ) -> list[_Watched]:
+        self, model: nn.Module, selected: list[Watched], unsupported: list[str]
+    ) -> list[Watched]:
         """``selected`` with every tie group it touches completed (tied.py): the group's
         other modules are added as aliases of its owner, the owner is added when missing, and
         a group that cannot be merged is reported in ``unsupported`` instead."""
@@ -86,7 +87,7 @@ class LayoutHooks:
             for i, (name, m) in enumerate(group):
                 w = by_module.get(m) or self._watched.get(m)
                 if w is None:
-                    w = _Watched(name or "model", m, rules.detect_kind(m) or "")
+                    w = Watched(name or "model", m, detect_kind(m))
                     out.append(w)
                 w.tied_to = None if i == k else owner
             self._tied[owner] = [m for i, (_, m) in enumerate(group) if i != k]
@@ -190,7 +191,7 @@ class LayoutHooks:
                 pending[attn.out_proj] = [(o, dy, ctx) for (_, (o, dy)), ctx in rows]
 
     def _shared(
-        self, w: _Watched, x: torch.Tensor, output: torch.Tensor, ctx: _BatchContext
+        self, w: Watched, x: torch.Tensor, output: torch.Tensor, ctx: BatchContext
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(what the model reads instead of output, the input as rows per sample)`` for a
         module whose input (without gradient) the batch may share, else None.
@@ -233,9 +234,7 @@ class LayoutHooks:
             return check_rows(output, BroadcastGuard(w.name, batch, source, refuse, layout)), x
         return None
 
-    def _guard(
-        self, w: _Watched, upstream: BroadcastGuard, checked: bool = False
-    ) -> BroadcastGuard:
+    def _guard(self, w: Watched, upstream: BroadcastGuard, checked: bool = False) -> BroadcastGuard:
         """A guard for ``w``, which computed row by row on an upstream module's expansion
         (broadcast.py) or, ``checked``, on its rows under check (ambiguous.py)."""
         if checked:
@@ -252,7 +251,7 @@ class LayoutHooks:
         t = first_tensor(*self._root_call)
         return t is x or (t is not None and t.data_ptr() == x.data_ptr() and t.shape == x.shape)
 
-    def _block_batch(self, ctx: _BatchContext) -> tuple[int | None, str]:
+    def _block_batch(self, ctx: BatchContext) -> tuple[int | None, str]:
         """The block's number of samples and where it came from."""
         if isinstance(ctx.samples, int):
             return ctx.samples, "the block's samples"
@@ -325,7 +324,7 @@ def sequence_first_layers(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
-def _kind_of(
+def kind_of(
     module: nn.Module, attn: nn.Module | None, seq_first: str | None = None
 ) -> tuple[str | None, str]:
     """``(capture kind or None, why not)``; ``attn``: the ``nn.MultiheadAttention`` that holds
@@ -338,9 +337,9 @@ def _kind_of(
             "(its attention is captured either way); build the layer with batch_first=True"
         )
     if attn is None:
-        kind = rules.detect_kind(module)
-        return kind, "" if kind is not None else rules.unsupported_reason(module)
-    reason = attention.unsupported_reason(attn)
+        kind = detect_kind(module)
+        return kind, "" if kind is not None else unsupported_reason(module)
+    reason = attention_unsupported(attn)
     if reason is not None:
         return None, f"it is inside an nn.MultiheadAttention whose {reason}"
     if module is not attn.out_proj:

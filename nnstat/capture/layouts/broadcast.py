@@ -52,7 +52,7 @@ import torch
 __all__ = ["BroadcastGuard", "BroadcastOutput", "add_guard", "expand", "per_sample_rows"]
 
 # elementwise ops that combine their tensor operands by broadcasting (out-of-place)
-_COMBINE = frozenset(
+COMBINE = frozenset(
     {
         "add", "sub", "subtract", "mul", "multiply", "div", "divide", "true_divide", "where",
         "addcmul", "addcdiv", "lerp", "maximum", "minimum",
@@ -61,7 +61,7 @@ _COMBINE = frozenset(
     }
 )  # fmt: skip
 # the same, in place into a tensor that is not the tracked one (BERT: ``emb += pos``)
-_INPLACE_COMBINE = frozenset(
+INPLACE_COMBINE = frozenset(
     {"__iadd__", "add_", "__isub__", "sub_", "__imul__", "mul_", "__itruediv__", "div_", "copy_"}
 )
 # writes that are not checked: refused
@@ -72,11 +72,11 @@ _INPLACE_OTHER = frozenset(
     }
 )  # fmt: skip
 # ops that only reshape the values (each sample's row alike); ``x[None]`` is checked apart
-_RESHAPE = frozenset({"view", "reshape", "unsqueeze", "flatten", "unflatten", "view_as"})
+RESHAPE = frozenset({"view", "reshape", "unsqueeze", "flatten", "unflatten", "view_as"})
 # ops that move axes (a [T, T, heads] relative-position table turned [heads, T, T])
-_PERMUTE = frozenset({"permute", "transpose", "swapaxes", "swapdims"})
+PERMUTE = frozenset({"permute", "transpose", "swapaxes", "swapdims"})
 # ops that map each sample's row to the same result row (the batch axis stays axis 0)
-_ROWWISE = frozenset(
+ROWWISE = frozenset(
     {
         "to", "type", "type_as", "float", "half", "bfloat16", "double", "contiguous", "clone",
         "dropout", "layer_norm", "gelu", "relu", "silu", "tanh", "sigmoid", "neg", "__neg__",
@@ -248,13 +248,13 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         _refuse(found, name, " with out=")
         return _original(func, args, kwargs)
     if (
-        name in _INPLACE_COMBINE
+        name in INPLACE_COMBINE
         or name in _INPLACE_OTHER
         or (name.endswith("_") and not name.endswith("__"))
     ):
         target = args[0] if args else None
         if (
-            name in _INPLACE_COMBINE
+            name in INPLACE_COMBINE
             and isinstance(target, torch.Tensor)
             and not isinstance(target, BroadcastOutput)
             and all(t.dim() == target.dim() for t in found)
@@ -264,13 +264,13 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
             return func(*args, **kwargs)
         _refuse(found, name, " (in place)")
         return _original(func, args, kwargs)
-    if name in _COMBINE:
+    if name in COMBINE:
         return _combine(func, name, args, kwargs, found, guards, batch)
-    if name in _ROWWISE:
+    if name in ROWWISE:
         return _rowwise(func, name, args, kwargs, found, guards, batch)
-    if name in _RESHAPE or (name == "__getitem__" and _inserts_only(args)):
+    if name in RESHAPE or (name == "__getitem__" and inserts_only(args)):
         return _reshape(func, name, args, kwargs, found, guards, batch)
-    if name in _PERMUTE:
+    if name in PERMUTE:
         return _permute(func, name, args, kwargs, found, guards, batch)
     if name == "detach":  # no gradient flows through it: nothing to check
         return _original(func, args, kwargs)
@@ -385,7 +385,7 @@ def _permute(
     t = args[0] if args else None
     if len(found) == 1 and t is found[0] and isinstance(orig, torch.Tensor):
         lead = t.dim() - t._nnstat_orig.dim()  # 1: the model's tensor has no batch dimension
-        order = _axis_order(name, args, kwargs, t._nnstat_orig.dim())
+        order = axis_order(name, args, kwargs, t._nnstat_orig.dim())
         if order is not None and (lead or order[0] == 0):
             order = [0, *(d + 1 for d in order)] if lead else order
             result = t._nnstat_expanded.permute(order)
@@ -395,7 +395,7 @@ def _permute(
     return orig
 
 
-def _axis_order(name: str, args: tuple, kwargs: dict, ndim: int) -> list[int] | None:
+def axis_order(name: str, args: tuple, kwargs: dict, ndim: int) -> list[int] | None:
     """The permutation ``permute``/``transpose`` apply to a tensor of ``ndim`` dimensions."""
     try:
         if name == "permute":
@@ -413,7 +413,7 @@ def _axis_order(name: str, args: tuple, kwargs: dict, ndim: int) -> list[int] | 
     return order
 
 
-def _inserts_only(args: tuple) -> bool:
+def inserts_only(args: tuple) -> bool:
     """``x[None]``, ``x[:, None]``, ``x[..., None, :]``: indexing that only adds dimensions."""
     index = args[1] if len(args) > 1 else ()
     items = index if isinstance(index, tuple) else (index,)

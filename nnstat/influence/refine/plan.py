@@ -28,7 +28,6 @@ Example:
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -39,87 +38,11 @@ import torch
 from nnstat.curvature.products import twice_differentiable
 from nnstat.curvature.streamed import StreamedCurvature
 
-from .krylov import block_directions
+from ..krylov import block_directions
+from .memory import measure_peak, size
 
-#: the default budget: this fraction of the free device memory (CUDA) or of the available RAM
-DEFAULT_FRACTION = {"cuda": 0.8, "cpu": 0.5}
 #: the measured product cost is scaled by this (allocator rounding, batches unlike the first)
 PRODUCT_MARGIN = 1.25
-GiB = 2**30
-
-
-def size(n: float) -> str:
-    """``n`` bytes for a message.
-
-    Example:
-        >>> size(3 * 2**30), size(1536)
-        ('3.00 GiB', '1.50 KiB')
-    """
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def available_memory(device: torch.device | str) -> int:
-    """The default ``memory`` budget on ``device``: `DEFAULT_FRACTION` of its free memory
-    (CUDA: ``torch.cuda.mem_get_info``; CPU: ``MemAvailable`` of ``/proc/meminfo``, else the
-    physical memory).
-
-    Example:
-        >>> available_memory("cpu") > 0
-        True
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(DEFAULT_FRACTION["cuda"] * free)
-    free = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    free = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if free is None:
-        try:
-            free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            free = 8 * GiB
-    return int(DEFAULT_FRACTION["cpu"] * free)
-
-
-def measure_peak(fn: Callable[[], Any], device: torch.device) -> tuple[Any, int | None]:
-    """``(fn(), peak bytes)``: the most ``fn`` had allocated on ``device`` at once beyond what
-    was allocated when it started (CUDA: the caching allocator's statistics, whose peak this
-    resets; CPU: the allocations the profiler records). ``None`` where it cannot be measured
-    (another device, or a profiler already running).
-
-    Example:
-        >>> _, peak = measure_peak(lambda: torch.ones(1000, 1000).sum(), torch.device("cpu"))
-        >>> peak >= 4_000_000
-        True
-    """
-    if device.type == "cuda":
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        out = fn()
-        return out, torch.cuda.max_memory_allocated(device) - base
-    if device.type != "cpu" or torch.autograd.profiler._is_profiler_enabled:
-        return fn(), None
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    now = peak = 0
-    for e in events:
-        if e.device_type() == torch.autograd.DeviceType.CPU:
-            now += e.nbytes()
-            peak = max(peak, now)
-    return out, peak
 
 
 @dataclass
@@ -182,7 +105,8 @@ class Plan:
     """A chosen plan: ``solver``, ``block`` (queries solved together), ``chunk`` (vectors per
     curvature product), where the search space lives (``directions``: ``"device"``/``"host"``),
     the bytes it is estimated at on the device (``estimate``) out of ``budget``, by part
-    (``parts``), and what it changed from what was asked (``changed``)."""
+    (``parts``), what it changed from what was asked (``changed``) and what it will cost
+    (``cost``: passes, products, estimated time)."""
 
     solver: str
     block: int
@@ -193,6 +117,7 @@ class Plan:
     parts: dict[str, int]
     footprint: Footprint
     changed: list[str] = field(default_factory=list)
+    cost: Any = None  # a `cost.Cost` (passes, products, time), set once the plan is chosen
 
     def meta(self) -> dict[str, Any]:
         """``result.meta["refine"]["memory"]``."""
@@ -291,7 +216,8 @@ def warn_changed(plan: Plan) -> None:
     if changed:
         warnings.warn(
             f"nnstat: refinement's search space would not fit memory={size(plan.budget)}: "
-            f"{', '.join(changed)} (estimated {size(plan.estimate)}; "
+            f"{', '.join(changed)}{': ' + plan.cost.multiplied if plan.cost else ''} "
+            f"(estimated {size(plan.estimate)}; "
             "result.meta['refine']['memory']). Solutions agree once converged; iterates "
             "before differ. Pass a larger memory, lower query_batch, or project the store",
             stacklevel=4,

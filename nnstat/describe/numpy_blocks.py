@@ -1,4 +1,8 @@
-"""One blocked pass for the Tracker's default statistics of weights and their update.
+"""The CPU backend: blocked passes over cache-sized blocks (numpy calls where the dtype allows).
+
+`block_partials` is the backend `nnstat.describe.core.partial_table` dispatches CPU tensors to
+(the moment pass of `nnstat.describe.moments`, or the norm passes below). The norm passes also
+serve the Tracker's default statistics of weights and their update in one pass.
 
 For each parameter the pass reads ``W_t`` and the snapshot ``W_{t-1}`` block by block, and while
 a block is in cache it computes ``sum(x^2)``, ``min`` and ``max`` of the block and of the
@@ -37,18 +41,21 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from nnstat.describe import moments
+from nnstat.describe import partials as pr
 from nnstat.describe.moments import Workspace
 
 __all__ = [
     "weight_update_norms",
-    "FUSED_STATS",
-    "light_columns",
+    "LIGHT_STATS",
+    "light_rows",
+    "block_partials",
     "share_blocks",
     "sumsq_min_max",
 ]
 
-#: Statistics the fused pass can produce.
-FUSED_STATS = frozenset({"numel", "l2", "rms", "abs_max", "nonfinite"})
+#: Statistics the weight/update norm pass (`weight_update_norms`, `light_rows`) can produce.
+LIGHT_STATS = frozenset({"numel", "l2", "rms", "abs_max", "nonfinite"})
 #: Block length on CPU: a block (with its snapshot and difference) stays in L2 cache while it
 #: is reduced. Longer blocks mean fewer numpy calls, so two threads sharing the blocks hand the
 #: GIL over less often (faster at two threads at 128K than at 64K elements, one thread as
@@ -57,17 +64,10 @@ FUSED_STATS = frozenset({"numel", "l2", "rms", "abs_max", "nonfinite"})
 BLOCK = 1 << 17
 
 
-def _numpy_ok(t: torch.Tensor) -> bool:
-    # numpy's float reductions beat torch's per-call cost on cache-sized CPU blocks (min/max
-    # 4 vs 5.6 us, dot 2.9 vs 3.3 us per 64K floats) and return scalars, so no per-block
-    # stacking: about 7 us less per block, ~6 ms per tracked step of a 10M-parameter model
-    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64)
-
-
 #: ``submit(fn)``: runs ``fn()`` on a second thread (see `share_blocks`); None: this thread only
 Submit = Callable[[Callable[[], None]], object]
 _SECOND: contextvars.ContextVar[Submit | None] = contextvars.ContextVar(
-    "nnstat_fused_second_thread", default=None
+    "nnstat_blocks_second_thread", default=None
 )
 
 
@@ -199,10 +199,12 @@ def _np_pair(wb: np.ndarray, pb: np.ndarray, d: np.ndarray, refresh: bool) -> li
     return row
 
 
-def _combine(res: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+def _per_tensor(res: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
     """Per tensor ``[sumsq, min, max, nonfinite]`` (repeated per group of 4 columns of `res`)
     from the rows of its blocks ``spans[i] = (first, stop)`` (consecutive, none empty), in
-    block order: a few segment reductions for all tensors, not a few per tensor."""
+    block order: a few segment reductions for all tensors, not a few per tensor. It is
+    `partials.merge` restricted to the norm columns (sums and extrema: no moments to shift),
+    over blocks of unequal counts per tensor, in numpy."""
     first = np.array([a for a, _ in spans], dtype=np.intp)
     out = np.empty((len(spans), res.shape[1]))
     for lo in range(0, res.shape[1], 4):
@@ -224,15 +226,10 @@ def _spans(sizes: Sequence[int], block: int) -> tuple[list[tuple[int, int]], lis
 
 
 def _finite_part(x: torch.Tensor) -> torch.Tensor:
-    """``[sum(x^2), min(x), max(x), #non-finite]`` over the finite elements, in float64."""
-    finite = torch.isfinite(x)
-    xf = x[finite].to(torch.float64)
-    bad = float(x.numel() - xf.numel())
-    if not xf.numel():
-        return torch.tensor([0.0, math.inf, -math.inf, bad], dtype=torch.float64)
-    return torch.stack(
-        [xf.dot(xf), xf.min(), xf.max(), torch.tensor(bad, dtype=torch.float64)]
-    ).cpu()
+    """``[sum(x^2), min(x), max(x), #non-finite]`` over the finite elements, in float64 on the
+    host (from `partials.exact_row`; no finite element: ``[0, inf, -inf, numel]``)."""
+    r = pr.exact_row(x).cpu()
+    return torch.stack([r[pr.SQ], r[pr.MIN], r[pr.MAX], r[pr.NUMEL] - r[pr.N]])
 
 
 def weight_update_norms(
@@ -260,7 +257,7 @@ def weight_update_norms(
         rows.append(None)
         if w.numel() == 0:
             rows[i] = torch.tensor([0.0, math.inf, -math.inf, 0.0] * 2, dtype=torch.float64)
-        elif _numpy_ok(w) and p.dtype == w.dtype and p.device == w.device:
+        elif moments.numpy_ok(w) and p.dtype == w.dtype and p.device == w.device:
             on_numpy.append((i, w, p))
         else:
             rows[i] = _torch_pair(w, p, ws, refresh)
@@ -296,7 +293,7 @@ def _np_pairs(
         res[k] = _np_pair(wb, pb, dts[i][lane][: wb.size], refresh)
 
     _run_blocks(len(starts), one)
-    return _combine(res, spans)
+    return _per_tensor(res, spans)
 
 
 def _torch_pair(w: torch.Tensor, p: torch.Tensor, ws: Workspace, refresh: bool) -> torch.Tensor:
@@ -310,7 +307,7 @@ def _torch_pair(w: torch.Tensor, p: torch.Tensor, ws: Workspace, refresh: bool) 
         d = d_buf[: wb.numel()]
         torch.sub(wb, pb, out=d)
         dw, dd = torch.dot(wb, wb), torch.dot(d, d)
-        # amin + amax are faster than the fused aminmax kernel on CPU
+        # amin + amax are faster than the one aminmax kernel on CPU
         parts.append(torch.stack([dw, wb.amin(), wb.amax(), dd, d.amin(), d.amax()]))
         # one cheap check per block: NaN/Inf (or float32 overflow) makes a sum non-finite;
         # such a block is reduced exactly now, while its old snapshot still exists
@@ -337,35 +334,21 @@ def _torch_pair(w: torch.Tensor, p: torch.Tensor, ws: Workspace, refresh: bool) 
     )
 
 
-def light_columns(
-    numel: torch.Tensor,
-    sumsq: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    nonfinite: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """The `FUSED_STATS` columns from counts, sums of squares, minima and maxima.
-
-    ``sumsq``/``lo``/``hi`` describe the finite elements; `nonfinite` counts the others (rms
-    divides by the finite count; ``abs_max`` is NaN when nothing is finite).
+def light_rows(numel: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """Partial rows (`nnstat.describe.partials`) from per-tensor ``[sumsq, min, max]`` columns
+    and optionally ``nonfinite`` (`weight_update_norms`' four of W or of W - P; `sumsq_min_max`),
+    all over the finite elements; `partials.finish` gives the `LIGHT_STATS` from them.
 
     Example:
-        >>> c = light_columns(*[torch.tensor([v], dtype=torch.float64) for v in (4, 16, -3, 1)])
-        >>> [c[k].item() for k in ("l2", "rms", "abs_max")]
-        [4.0, 2.0, 3.0]
+        >>> from nnstat.describe.partials import finish
+        >>> norms = torch.tensor([[16.0, -3.0, 1.0, 1.0]], dtype=torch.float64)
+        >>> finish(light_rows(torch.tensor([5.0]), norms), ("l2", "rms", "abs_max"), 0.0).tolist()
+        [[4.0, 2.0, 3.0]]
     """
-    if nonfinite is None:
-        nonfinite = torch.zeros_like(sumsq)
-    l2 = sumsq.sqrt()
-    finite = numel - nonfinite
-    abs_max = torch.maximum(hi, -lo)
-    return {
-        "numel": numel,
-        "l2": l2,
-        "rms": l2 / finite.sqrt(),
-        "abs_max": torch.where(finite > 0, abs_max, torch.full_like(abs_max, math.nan)),
-        "nonfinite": nonfinite,
-    }
+    lo, hi = norms[:, 1], norms[:, 2]
+    n = numel - norms[:, 3] if norms.shape[1] > 3 else None
+    amax = torch.maximum(hi, -lo)
+    return pr.from_columns(numel.to(norms.dtype), n, sq=norms[:, 0], min=lo, max=hi, amax=amax)
 
 
 def sumsq_min_max(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -387,7 +370,7 @@ def sumsq_min_max(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         if n == 0:
             rows[i] = torch.tensor([0.0, float("nan"), float("nan")], device=x.device)
             continue
-        if _numpy_ok(x):
+        if moments.numpy_ok(x):
             on_numpy.append((i, x))
             continue
         block = BLOCK if x.device.type == "cpu" else n
@@ -421,4 +404,43 @@ def _np_norm_rows(tensors: list[torch.Tensor]) -> np.ndarray:
         res[k] = _np_norms(arrays[owner[k]][s : s + BLOCK])
 
     _run_blocks(len(starts), one)
-    return _combine(res, spans)
+    return _per_tensor(res, spans)
+
+
+def _work_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def block_partials(
+    tensors: Sequence[torch.Tensor], stats: tuple[str, ...], workspace: Workspace | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU backend of `nnstat.describe.core.partial_table` (same arguments and result):
+    partial rows ``[n, WIDTH]`` and epsilons ``[n]`` of CPU tensors, block by block (numpy
+    where `moments.numpy_ok`, torch otherwise): the moment pass (`moments.moment_row`) when
+    `stats` need more than norms, else the norm passes (`sumsq_min_max`, ``_foreach_norm``).
+
+    Example:
+        >>> rows, _ = block_partials([torch.tensor([3.0, -4.0])], ("abs_max",))
+        >>> rows[:, [pr.SQ, pr.AMAX]].tolist()
+        [[25.0, 4.0]]
+    """
+    flat = [t.detach().reshape(-1) for t in tensors]
+    flat = [t if t.is_floating_point() else t.to(torch.float32) for t in flat]
+    eps = torch.tensor([pr.eps_of(t.dtype) for t in flat], dtype=torch.float64)
+    need = set(stats)
+    if need - pr.NORM_STATS:
+        # one blocked pass gives every statistic (l2, l1, abs_max included)
+        ws = workspace or Workspace()
+        return torch.stack([moments.moment_row(x.to(_work_dtype(x)), ws) for x in flat]), eps
+    n_vec = torch.tensor([float(t.numel()) for t in flat], dtype=torch.float64)
+    cols: dict[str, torch.Tensor] = {}
+    if "abs_max" in need:
+        # one blocked read gives l2 and abs_max (the inf-norm kernel is slow on CPU);
+        # empty tensors are recomputed by repair_table anyway
+        smm = sumsq_min_max(flat)
+        cols |= {"sq": smm[:, 0], "amax": torch.maximum(smm[:, 2], -smm[:, 1])}
+    else:
+        cols["sq"] = torch.stack(torch._foreach_norm(flat, 2)).to(torch.float64).square()
+    if need & {"l1", "abs_mean"}:
+        cols["l1"] = torch.stack(torch._foreach_norm(flat, 1)).to(torch.float64)
+    return pr.from_columns(n_vec, **cols), eps
