@@ -43,6 +43,7 @@ from typing import Any
 from nnstat.integrations._owners import FlushOwners
 
 from nnstat.describe import Histogram
+from nnstat.describe.hist_record import check_histogram
 
 __all__ = ["FORMAT_VERSION", "METRICS_FILE", "JsonlLogger", "read_jsonl"]
 
@@ -220,9 +221,14 @@ def _decode_hist(h: Any) -> dict[str, Any]:
         )
     out: dict[str, Any] = {"edges": [_decode(x) for x in edges]}
     out["counts"] = [_decode(x) for x in counts]
-    if any(c < 0 for c in out["counts"]):
-        raise ValueError("histogram has a negative count")
     out.update({k: _decode(h[k]) for k in _HIST_SCALARS})
+    try:  # the check the viewer's reader makes too
+        check_histogram(out["edges"], out["counts"], out["num"], out["min"], out["max"])
+    except ValueError as e:
+        raise ValueError(
+            f"{e}; the record was edited or written by another tool (JsonlLogger writes "
+            "consistent ones)"
+        ) from None
     return out
 
 

@@ -146,9 +146,16 @@ def _as_matrix(scores: Any) -> torch.Tensor:
     return s
 
 
-def _mean_loss(query_loss_fn: Callable[[Any], Any], model: Any, queries: list[int]) -> float:
+def _mean_loss(
+    query_loss_fn: Callable[[Any], Any], model: Any, queries: list[int], n_query: int
+) -> float:
     with torch.no_grad():
         v = torch.as_tensor(query_loss_fn(model), dtype=torch.float64).flatten()
+    if v.numel() != n_query:  # shorter: an IndexError; longer: other queries' losses
+        raise ValueError(
+            f"query_loss_fn(model) returned {v.numel()} losses, but scores has {n_query} query "
+            "rows: return one loss per query, in the order of scores' rows"
+        )
     if not torch.isfinite(v).all():
         raise ValueError("query_loss_fn returned NaN/Inf")
     return float(v[queries].mean())
@@ -235,7 +242,7 @@ def counterfactual(
                 return train_fn(kept)
 
         full = trained(everyone)
-        base = _mean_loss(query_loss_fn, full, qs)
+        base = _mean_loss(query_loss_fn, full, qs, n_query)
         result.full_loss.append(base)
         if correct_fn is not None:
             result.full_correct.append(_fraction(correct_fn, full, qs))  # type: ignore[union-attr]
@@ -249,7 +256,7 @@ def counterfactual(
             model = trained(everyone[keep])
             arm = result.arms[name]
             arm.removed.append(sorted(removed.tolist()))
-            arm.change.append(_mean_loss(query_loss_fn, model, qs) - base)
+            arm.change.append(_mean_loss(query_loss_fn, model, qs, n_query) - base)
             if correct_fn is not None:
                 arm.correct.append(_fraction(correct_fn, model, qs))  # type: ignore[union-attr]
     return result

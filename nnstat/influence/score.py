@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from nnstat.distributed import rank_world
 
 from .cache import default_preconditioner, fitted, has_kfac_statistics, has_stored_ekfac
-from .modes import MODES, check_mode, normalise, raw_scores
+from .modes import MODES, check_mode, m_norms, normalise, raw_scores
 from .ondevice import stream_scores, stream_self_influence
 from .pipeline import Block, read_ahead, units
 from .precondition import PRECONDITIONERS, Preconditioner
@@ -265,7 +265,7 @@ def compute_influence_all(
         test_ids, q_rows = all_rows(q, batch_size)
         q_rows = q_rows.to(dev)
         q_pre = pre.apply(q_rows, damping)
-        q_norm = (q_pre * q_rows).sum(1) if mode != "dot" else None
+        q_norm = m_norms(q_rows, q_pre) if mode != "dot" else None
         meta = {
             "mode": mode,
             "preconditioner": pre.kind,
@@ -283,7 +283,7 @@ def compute_influence_all(
 
 @dataclass
 class _Scoring:
-    """One call's preconditioned queries ``Q M`` (``q_norm``: their ``g_qᵀ M g_q``) and
+    """One call's preconditioned queries ``Q M`` (``q_norm``: their ``‖g_q‖_M``) and
     options, as both branches read them."""
 
     q_pre: torch.Tensor

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -27,6 +26,7 @@ from nnstat.curvature import StatisticsCollector
 from nnstat.distributed import rank_world
 from nnstat.run import store_io
 from nnstat.run.config import RunConfig, configured
+from nnstat.run.lifecycle import PassEnd
 from nnstat.run.params import (
     check_store_weights,
     freeze_params,
@@ -44,11 +44,11 @@ from nnstat.run.rows import (
 )
 from nnstat.run.signals import CommitOnSignal
 from nnstat.run.weights import BlockGuard, model_fingerprint
-from nnstat.store.errors import StoreWriteError, add_note
+from nnstat.store.errors import StoreWriteError
 from nnstat.store.files import META_FILE
 from nnstat.store.ids import duplicate_ids, normalize_ids
 from nnstat.store.logger import StoreLogger, filter_nonfinite
-from nnstat.store.meta import build_meta, prepare_store, record_statistics_hash
+from nnstat.store.meta import build_meta, prepare_store
 from nnstat.store.projection import (
     ModuleProjection,
     build_projections,
@@ -58,7 +58,7 @@ from nnstat.store.projection import (
 from nnstat.store.reader import GradientLog, make_log_dataloader
 
 
-class Run:
+class Run(PassEnd):
     """One logging project: configuration, watched model, projection, store and statistics.
 
     Args:
@@ -122,6 +122,7 @@ class Run:
         self._probe_reduction = True  # the first block of a pass / eval log checks the loss
         self._warned_once: set[str] = set()
         self._writer_error: StoreWriteError | None = None  # raised again by finalize()
+        self._flushed_by_signal = False  # this pass's rows were flushed by a signal
 
     def __repr__(self) -> str:
         return f"Run(project={self.project!r}, path={str(self.path)!r}, mode={self.mode!r})"
@@ -192,7 +193,15 @@ class Run:
         watched model's forward in the block, e.g. the token ids or images); any other tensor
         (float, or more than one dimension): its rows hashed the same way; ``None``:
         consecutive ints. ``mask``: ``[N]`` or ``[N, positions]`` (nonzero = keep).
+
+        SIGTERM/SIGINT/SIGHUP inside the block are held until it ends (its rows complete), then
+        handled (:mod:`nnstat.run.signals`).
         """
+        with self._on_signal.hold(), self._block(data_id, mask) as run:
+            yield run
+
+    @contextmanager
+    def _block(self, data_id: Any, mask: torch.Tensor | None) -> Iterator[Run]:
         if self.engine is None or not self.engine.watched:
             raise RuntimeError("call watch(model) before run(...)")
         self._check_writer()
@@ -317,6 +326,10 @@ class Run:
             self._eval_ids += ids
             self._eval_rows.append(rows.detach().cpu())
             return
+        recycle = rowbuf
+        if self._logger is None:  # flushed by a second signal inside the block: reopened
+            self._open_logger()
+            keep, recycle = self._admit(ids), None  # the buffer was the closed writer's
         assert self._logger is not None
         if block.staged is not None:
             flag = same if isinstance(same, torch.Tensor) else None
@@ -331,7 +344,7 @@ class Run:
         self._guard.confirm(same)
         if rowbuf is not None:
             # the rows were assembled in place: one contiguous block, one write in the thread
-            self._logger.add(ids, rowbuf, keep, recycle=rowbuf, factors=factors)
+            self._logger.add(ids, rowbuf, keep, recycle=recycle, factors=factors)
         else:
             # module blocks go to the writer as they are: it writes them row by row (writev)
             self._logger.add(ids, [c.detach().cpu() for c in cols], keep)
@@ -363,48 +376,6 @@ class Run:
                 raise RuntimeError("finalize() was called inside a schedule() loop")
             yield spec
             self.finalize()
-
-    def finalize(self) -> None:
-        """End the pass: flush the store (tqdm when long), save statistics, raise writer errors.
-
-        In eval mode there is nothing to finalize (queries stay in memory until get_log()).
-        """
-        if self.mode == "eval":
-            return
-        collector = self._collector if self._stats_on() else None
-        logger, self._logger = self._logger, None
-        self._on_signal.restore()
-        self._pass_params, self._probe_reduction = None, True
-        self._guard.reset()
-        error: BaseException | None = self._writer_error
-        self._writer_error = None
-        try:
-            if logger is not None:
-                logger.close(progress=True)
-        except BaseException as e:  # raised below, after the statistics were saved
-            error = e
-        if collector is not None:
-            try:
-                self._stats_state = store_io.save_statistics(collector, self.path, self.rank)
-                record_statistics_hash(self.path, self.rank, saved=self._stats_state)
-            except BaseException as e:
-                if error is None:
-                    raise
-                # the writer's failure stays the error raised (often the cause of this one)
-                add_note(error, f"the statistics were not saved either: {e!r}")
-            finally:
-                if collector.done:
-                    self._collector = None
-        if error is not None:
-            raise error
-        self._next_auto_id = 0
-        if logger is None and collector is None:
-            # an empty pass is not a pass: the next loop is still this one
-            warnings.warn("finalize(): nothing was logged in this pass", stacklevel=2)
-            return
-        # the next loop is the next pass (EK-FAC: factors, then eigenvalues); after the last,
-        # a new round starts
-        self._pass = (self._pass + 1) % len(self.config.passes())
 
     def eval(self) -> Run:
         """Analysis mode: capture projected gradients in memory (for :meth:`get_log`), save nothing."""
@@ -542,43 +513,3 @@ class Run:
         if not self._atexit:
             self._atexit = True
             atexit.register(self._flush_at_exit)
-
-    def _flush_at_exit(self, why: str = "exit") -> None:
-        """A pass never finalize()d: its rows are flushed at exit or on SIGTERM/SIGINT (whole
-        shards, meta.json), so none is lost; its statistics are not saved (their all-reduce
-        needs every rank)."""
-        logger, self._logger = self._logger, None
-        self._on_signal.restore()
-        if logger is None:
-            return
-        warnings.warn(
-            f"nnstat: the logging pass of {self.path} was never finalize()d; its rows are "
-            f"flushed at {why}, but its statistics are not saved. Call finalize() after each "
-            "pass (or loop over run.schedule(), which does).",
-            stacklevel=1,
-        )
-        # no all-reduce: other ranks may be gone; an error here is printed by atexit
-        logger.close(progress=False, collective=False)
-
-    def _check_writer(self) -> None:
-        with self._writer_errors():
-            if self._logger is not None:
-                self._logger.writer.check()
-
-    @contextmanager
-    def _writer_errors(self) -> Iterator[None]:
-        """A writer failure ends the pass where it surfaces: the writer is stopped (its lock
-        released, so another run may write the store) and the error is kept for finalize()."""
-        try:
-            yield
-        except StoreWriteError as e:
-            logger, self._logger = self._logger, None
-            self._on_signal.restore()
-            if logger is not None:
-                store_io.close_after_failure(logger, e)
-            self._writer_error = e
-            raise
-
-    def _require_no_open_pass(self, what: str) -> None:
-        if self._logger is not None:
-            raise RuntimeError(f"{what} during a logging pass: call finalize() first")

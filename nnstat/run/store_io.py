@@ -28,9 +28,10 @@ from nnstat.store.files import (
 )
 from nnstat.store.integrity import tensors_hash
 from nnstat.store.lazy import LazyStatistics
+from nnstat.store.lock import WriterLock
 from nnstat.store.logger import StoreLogger
+from nnstat.store.meta import record_statistics_hash
 from nnstat.store.projection import ModuleProjection, ModuleShape
-from nnstat.store.writer import WriterLock
 
 
 def save_statistics(collector: Any, path: Path, rank: int) -> dict[str, torch.Tensor]:
@@ -180,3 +181,45 @@ def close_after_failure(logger: StoreLogger, error: BaseException) -> None:
         pass  # the failure being raised, seen again by close()
     except Exception as also:  # noqa: BLE001 - reported on the error being raised
         add_note(error, f"closing the store failed too: {also!r}")
+
+
+def close_pass(
+    logger: StoreLogger | None,
+    collector: Any,
+    path: Path,
+    rank: int,
+    error: BaseException | None = None,
+) -> dict[str, torch.Tensor] | None:
+    """End a logging pass: flush the store, then save the statistics (and record their hash).
+
+    Args:
+        logger: the pass's open logger (``None``: no rows logged, or flushed already).
+        collector: the pass's statistics collector (``None``: no statistics this pass).
+        path: the project directory.
+        rank: this process's rank.
+        error: a writer failure seen earlier in the pass, raised at the end.
+
+    Returns:
+        The saved statistics' state (``None`` without a collector).
+
+    Raises:
+        StoreWriteError: the writer failed (the statistics are saved first; a failure to save
+            them too is added to it as a note: the writer's failure is often the cause).
+    """
+    saved = None
+    try:
+        if logger is not None:
+            logger.close(progress=True)
+    except BaseException as e:  # raised below, after the statistics were saved
+        error = e
+    if collector is not None:
+        try:
+            saved = save_statistics(collector, path, rank)
+            record_statistics_hash(path, rank, saved=saved)
+        except BaseException as e:
+            if error is None:
+                raise
+            add_note(error, f"the statistics were not saved either: {e!r}")
+    if error is not None:
+        raise error
+    return saved

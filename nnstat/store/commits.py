@@ -2,12 +2,17 @@
 per committed shard of rank ``r``, so that a store knows its own shards and refuses one that
 lost a file instead of opening with fewer rows.
 
-A shard is committed in four steps (:meth:`~nnstat.store.shards.ShardFile.commit`, then
-:func:`append_commit`): ``.npy.tmp`` sealed and fsynced; the ids file renamed into place; the
-``.npy`` renamed into place (the shard is now complete); its line appended to the log and
-fsynced. A crash between the last two leaves one complete shard past the log's last line: it
-is *pending*, and both readers and the next writer of that rank adopt it (the writer appends its
-line), so readers and writers always agree on the rows. A torn last line (a crash mid-append)
+A shard is committed in five steps (:func:`append_begin`,
+:meth:`~nnstat.store.shards.ShardFile.commit`, then :func:`append_commit`): a
+``"begin {stem} {rows} {ids_sha256}"`` line appended and fsynced (the digest of the shard's ids
+in order, :func:`~nnstat.store.ids.ids_digest`); ``.npy.tmp`` sealed and fsynced; the ids file
+renamed into place; the ``.npy`` renamed into place (the shard is now complete); its line
+appended to the log and fsynced. A crash between the last two leaves one complete shard past
+the log's last line: it is *pending*, and both readers and the next writer of that rank adopt
+it (the writer appends its line), so readers and writers always agree on the rows. In a log
+with ``begin`` lines, only a shard whose commit began there is pending: one copied in from
+another store is refused. Every shard with a ``begin`` line has its ids checked against the
+digest when read (:func:`check_ids`): a reordered or swapped ids file is refused. A torn last line (a crash mid-append)
 is no line: the writer rewrites the log without it. Anything else that disagrees with the log
 (a logged shard with a missing file, a row count that differs, an unlogged shard before the
 last logged one) is a ``ValueError`` naming the file and the fix.
@@ -32,7 +37,7 @@ from nnstat.store import files
 from nnstat.store.shards import list_shards
 
 _LOG_RE = re.compile(r"^rank(\d+)\.log$")
-_LINE_RE = re.compile(r"^(rank\d+-\d{5,}) (\d+)$")
+_LINE_RE = re.compile(r"^(begin )?(rank(\d+)-\d{5,}) (\d+)(?: ([0-9a-f]{64}))?$")
 _FILE_RE = re.compile(r"^rank(\d+)-\d{5,}\.")
 _FIX = (
     "restore the missing file from a copy of this store, or log the store again "
@@ -50,6 +55,17 @@ class Shard(NamedTuple):
     npy: Path
     ids: Path
     rows: int | None
+    digest: str | None = None  # ids_digest of its ids, from its begin line (None: not logged)
+
+
+class LogEntries(NamedTuple):
+    """A parsed commit log: ``rows`` of each committed shard, ``begun``: ``(rows, digest)`` of
+    each shard whose commit began (the last such line), ``lines``: the complete lines."""
+
+    rows: dict[str, int]
+    begun: dict[str, tuple[int, str]]
+    torn: bool
+    lines: list[str]
 
 
 def log_path(shard_dir: Path, rank: int) -> Path:
@@ -60,30 +76,90 @@ def log_path(shard_dir: Path, rank: int) -> Path:
 def read_log(path: Path) -> tuple[dict[str, int], bool]:
     """``({stem: rows}, torn)`` of a commit log; ``torn``: its last line was cut short (a crash
     mid-append: that shard is not logged). A damaged line is a ``ValueError`` naming the file."""
+    entries = parse_log(path)
+    return entries.rows, entries.torn
+
+
+def parse_log(path: Path, rank: int | None = None) -> LogEntries:
+    """Every entry of a commit log (:class:`LogEntries`). A damaged line, or (given ``rank``)
+    one naming another rank's shard, is a ``ValueError`` naming the file, the line and the fix.
+    """
     path = Path(path)
     data = path.read_bytes()
-    lines = data.split(b"\n")
-    torn = lines[-1] != b""  # a complete log ends with a newline
+    raw_lines = data.split(b"\n")
+    torn = raw_lines[-1] != b""  # a complete log ends with a newline
     entries: dict[str, int] = {}
-    for n, raw in enumerate(lines[:-1], start=1):
-        m = _LINE_RE.match(raw.decode("utf-8", errors="replace"))
-        if m is None or m.group(1) in entries:
+    begun: dict[str, tuple[int, str]] = {}
+    lines: list[str] = []
+    for n, raw in enumerate(raw_lines[:-1], start=1):
+        line = raw.decode("utf-8", errors="replace")
+        m = _LINE_RE.match(line)
+        begin = m is not None and m.group(1) is not None
+        if m is None or begin != (m.group(5) is not None) or (not begin and m.group(2) in entries):
             raise ValueError(
-                f"{path}: line {n} {raw[:80]!r} is not a new '{{shard}} {{rows}}' entry; the "
-                "commit log is damaged: restore it from a copy of this store or log the store "
-                "again"
+                f"{path}: line {n} {raw[:80]!r} is not a new '{{shard}} {{rows}}' or 'begin "
+                "{shard} {rows} {ids_sha256}' entry; the commit log is damaged: restore it "
+                "from a copy of this store or log the store again"
             )
-        entries[m.group(1)] = int(m.group(2))
-    return entries, torn
+        if rank is not None and int(m.group(3)) != rank:
+            raise ValueError(
+                f"{path}: line {n} names shard {m.group(2)} of rank {m.group(3)}, but this is "
+                f"the commit log of rank {rank} (a log copied or renamed from another rank?): "
+                f"restore rank{rank}.log from a copy of this store, or log the store again"
+            )
+        if begin:
+            begun[m.group(2)] = (int(m.group(4)), m.group(5))
+        else:
+            entries[m.group(2)] = int(m.group(4))
+        lines.append(line)
+    return LogEntries(entries, begun, torn, lines)
+
+
+def check_ids(shard: Shard, ids: list, digest: bool = True) -> None:
+    """Refuse ids that are not the ones committed with ``shard`` (its log's digest).
+
+    Args:
+        shard: a shard from :func:`committed_shards`.
+        ids: its ids file's content.
+        digest: also compare the digest (``False``: the count only).
+
+    Raises:
+        ValueError: naming the ids file, when the count or the digest differs from the log's.
+    """
+    from nnstat.store.ids import ids_digest
+
+    log = log_path(shard.ids.parent, shard.rank)
+    if shard.rows is not None and shard.rows != len(ids):
+        raise ValueError(
+            f"{shard.ids}: {len(ids)} ids, but {log} records {shard.rows} rows for this shard: "
+            "the ids file was replaced or edited; restore it from a copy of this store or log "
+            "the store again"
+        )
+    if digest and shard.digest is not None and ids_digest(ids) != shard.digest:
+        raise ValueError(
+            f"{shard.ids}: these are not the ids committed with {shard.npy.name} (their digest "
+            f"differs from the one {log} records): the ids file was reordered, edited or "
+            "swapped with another shard's, so its rows would be read under the wrong ids. "
+            "Restore it from a copy of this store, or log the store again"
+        )
+
+
+def append_begin(shard_dir: Path, rank: int, stem: str, rows: int, digest: str) -> None:
+    """Append ``"begin {stem} {rows} {digest}"`` to ``rank``'s commit log and fsync it (the
+    first step of a shard's commit: the shard may count as pending only after it)."""
+    _append(log_path(shard_dir, rank), f"begin {stem} {rows} {digest}\n")
 
 
 def append_commit(shard_dir: Path, rank: int, stem: str, rows: int) -> None:
     """Append ``"{stem} {rows}"`` to ``rank``'s commit log and fsync it (the last step of a
     shard's commit; only the holder of that rank's writer lock calls it)."""
-    path = log_path(shard_dir, rank)
+    _append(log_path(shard_dir, rank), f"{stem} {rows}\n")
+
+
+def _append(path: Path, line: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        _write_all(fd, f"{stem} {rows}\n".encode())
+        _write_all(fd, line.encode())
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -122,20 +198,20 @@ def committed_shards(shard_dir: Path, required: bool = False) -> list[Shard]:
                 )
             out += [Shard(*s, None) for s in mine]
             continue
-        logged, _torn = read_log(path)
-        out += _check_rank(shard_dir, path, logged, mine)
+        out += _check_rank(shard_dir, path, parse_log(path, rank), mine)
     return out
 
 
 def _check_rank(
-    shard_dir: Path, path: Path, logged: dict[str, int], mine: list[tuple[int, int, Path, Path]]
+    shard_dir: Path, path: Path, log: LogEntries, mine: list[tuple[int, int, Path, Path]]
 ) -> list[Shard]:
     present = {npy.name[: -len(".npy")]: (r, i, npy, ids) for r, i, npy, ids in mine}
     fix = _FIX.format(log=path)
+    logged = log.rows
     for stem, rows in logged.items():
         if stem not in present:
             lost = [f"{stem}{ext}" for ext in (".npy", ".ids.json")]
-            lost = [n for n in lost if not (shard_dir / n).exists()]
+            lost = [n for n in lost if not (shard_dir / n).exists()] or lost
             raise ValueError(
                 f"{shard_dir / lost[0]} is missing, but {path} records shard {stem} ({rows} "
                 f"rows) as committed: the store lost {' and '.join(lost)}. {fix}"
@@ -143,10 +219,18 @@ def _check_rank(
     last = max((present[s][1] for s in logged), default=-1)
     out = []
     for stem, (r, i, npy, ids) in sorted(present.items(), key=lambda kv: kv[1][1]):
+        digest = log.begun[stem][1] if stem in log.begun else None
         if stem in logged:
-            out.append(Shard(r, i, npy, ids, logged[stem]))
+            out.append(Shard(r, i, npy, ids, logged[stem], digest))
+        elif i > last and i == mine[-1][1] and (digest is not None or not log.begun):
+            out.append(Shard(r, i, npy, ids, None, digest))  # pending: renamed, not yet logged
         elif i > last and i == mine[-1][1]:
-            out.append(Shard(r, i, npy, ids, None))  # pending: renamed, not yet logged
+            raise ValueError(
+                f"{npy}: shard {stem} is past the last one {path} records, but no commit of it "
+                "began in this store (its log has no 'begin' line for it): a shard copied in "
+                "from another store is not adopted. Remove its .npy and .ids.json, or log the "
+                "store again"
+            )
         else:
             raise ValueError(
                 f"{npy}: shard {stem} is not in {path}, which lists every shard this store's "
@@ -171,11 +255,13 @@ def recover_log(shard_dir: Path, rank: int, required: bool = False) -> list[str]
         lines = [f"{stem} {len(read_ids(s.ids))}\n" for stem, s in zip(stems, mine, strict=True)]
         files.atomic_write_bytes(path, "".join(lines).encode())
         return stems
-    logged, torn = read_log(path)
-    if torn:
-        text = "".join(f"{stem} {rows}\n" for stem, rows in logged.items())
-        files.atomic_write_bytes(path, text.encode())
+    log = parse_log(path, rank)
+    logged = log.rows
+    if log.torn:  # the complete lines, begin lines included
+        files.atomic_write_bytes(path, "".join(f"{line}\n" for line in log.lines).encode())
     adopted = [(stem, s) for stem, s in zip(stems, mine, strict=True) if stem not in logged]
     for stem, s in adopted:  # at most one: the pending shard
-        append_commit(shard_dir, rank, stem, len(read_ids(s.ids)))
+        ids = read_ids(s.ids)
+        check_ids(s, ids)
+        append_commit(shard_dir, rank, stem, len(ids))
     return [stem for stem, _ in adopted]

@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,23 @@ def read_ids(ids_path: Path) -> list[DataId]:
     if bad:
         raise ValueError(f"{ids_path}: ids must be ints or strings, got {bad[:3]!r}")
     return ids
+
+
+def ids_digest(ids: Sequence[DataId]) -> str:
+    """SHA-256 of a shard's ids in order (their compact JSON): what the commit log records for
+    the shard, so a reordered, edited or swapped ids file is refused at open.
+
+    Args:
+        ids: the shard's ids, in row order.
+
+    Returns:
+        64 hex digits.
+
+    Example:
+        >>> ids_digest([0, 1]) == ids_digest([1, 0])
+        False
+    """
+    return hashlib.sha256(json.dumps(list(ids), separators=(",", ":")).encode()).hexdigest()
 
 
 def duplicate_ids(ids: list) -> list:

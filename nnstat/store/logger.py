@@ -3,7 +3,7 @@
 :class:`StoreLogger` sits between the Run and the background :class:`StoreWriter`. It owns the
 decisions that must be made in the training process (so errors surface where the user is):
 
-* one writer per rank: the rank's lock (:class:`~nnstat.store.writer.WriterLock`) is taken
+* one writer per rank: the rank's lock (:class:`~nnstat.store.lock.WriterLock`) is taken
   before the store is read, so a second process is refused before it touches anything;
 * a store that already exists is resumed only if its meta agrees on everything that shapes the
   rows (configuration, layout, projection hash, dtype) and on the weights they were computed
@@ -39,8 +39,9 @@ from nnstat.store import files, outer
 from nnstat.store.errors import ModelChangedError, StoreWriteError, add_note
 from nnstat.store.ids import DataId
 from nnstat.store.integrity import diff_dicts
+from nnstat.store.lock import WriterLock
 from nnstat.store.shards import STORE_DTYPES, overflow_threshold
-from nnstat.store.writer import StoreWriter, WriterLock, stored_ids
+from nnstat.store.writer import StoreWriter, stored_ids
 
 NONFINITE_POLICIES = ("error", "skip", "keep")
 ON_STORED_ID = ("skip", "error")

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from nnstat.store.commits import committed_shards
+from nnstat.store.commits import check_ids, committed_shards
 from nnstat.store.files import (
     META_FILE,
     PROJECTIONS_FILE,
@@ -140,15 +140,11 @@ class GradientStore:
         # the shards the commit logs (shards/rank{r}.log) name: a lost file is an error, not
         # a store with fewer rows (stores written before the logs: every complete shard)
         required = self.meta.get("shard_logs") is True
-        for shard in committed_shards(self.path / SHARD_DIR, required):
+        logged = committed_shards(self.path / SHARD_DIR, required)
+        for shard in logged:
             npy, ids_path = shard.npy, shard.ids
             ids = _read_ids(ids_path)
-            if shard.rows is not None and shard.rows != len(ids):
-                raise ValueError(
-                    f"{ids_path}: {len(ids)} ids, but {ids_path.parent / f'rank{shard.rank}.log'}"
-                    f" records {shard.rows} rows for this shard: the ids file was replaced or "
-                    f"edited: {_DAMAGED}"
-                )
+            check_ids(shard, ids, digest=False)  # the count its log records
             _check_shard_header(npy, np_dtype, self.dtype, self.row_width)
             self._starts.append(len(self.ids))
             self._lengths.append(len(ids))
@@ -156,6 +152,9 @@ class GradientStore:
             self.ids.extend(ids)
         if len(set(self.ids)) != len(self.ids):
             raise _duplicate_ids_error(self.path, self.shards, self._starts, self.ids)
+        # then (new stores) the digest its log records: reordered or swapped ids files
+        for shard, start, n in zip(logged, self._starts, self._lengths, strict=True):
+            check_ids(shard, self.ids[start : start + n])
         self._maps: dict[int, np.ndarray] = {}
         self._tensors: dict[str, dict[str, torch.Tensor]] = {}  # verified safetensors, by name
 
@@ -282,8 +281,9 @@ class GradientStore:
         """Statistics saved by the run (``"{module}/{stream}/{statistic}"``), empty if none.
 
         Checked once against meta.json's ``statistics_sha256``: a file beside a recorded
-        ``null`` is refused like a mismatch; only a meta.json without the key (written before
-        nnstat recorded it) reads the file unchecked.
+        ``null`` is refused like a mismatch, and so is one beside a meta.json without the key
+        that has commit logs (``shard_logs``: written after the key existed); only a store
+        written before nnstat recorded it reads the file unchecked.
         """
         return self._verified(STATISTICS_FILE, "statistics_sha256", required=False)
 
@@ -384,7 +384,9 @@ def _load_verified(
                 f"the rows. Delete it, or run the statistics pass for this store again (its "
                 f"finalize() records the hash)"
             )
-        if required:
+        if required or meta.get("shard_logs") is True:
+            # a store with commit logs was written after nnstat recorded every hash key: a
+            # key deleted from its meta.json is no older store, the file would go unchecked
             raise ValueError(
                 f"{path}: {meta_path} records no {key}, so the file cannot be checked against "
                 "the rows (nnstat always records it): the meta.json was edited or belongs to "

@@ -17,13 +17,11 @@ Example:
 
 from __future__ import annotations
 
-import errno
 import math
 import mmap
 import os
 import queue
 import shutil
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,10 +32,17 @@ import torch
 from nnstat.background import start_one_thread_worker
 from nnstat.background.transfer import HostBuffers, copy_to_host
 from nnstat.store import outer
-from nnstat.store.commits import append_commit, committed_shards, recover_log
+from nnstat.store.commits import (
+    append_begin,
+    append_commit,
+    check_ids,
+    committed_shards,
+    recover_log,
+)
 from nnstat.store.direct import DirectShardFile, StagingBuffer
-from nnstat.store.errors import StoreLockedError, StoreWriteError
-from nnstat.store.ids import DataId, read_ids
+from nnstat.store.errors import StoreWriteError
+from nnstat.store.ids import DataId, ids_digest, read_ids
+from nnstat.store.lock import WriterLock
 from nnstat.store.shards import (
     STORE_DTYPES,
     ShardFile,
@@ -70,150 +75,6 @@ def anon_array(count: int, dtype: Any) -> np.ndarray:
 def _mapped_rows(count: int, dtype: torch.dtype) -> torch.Tensor:
     # float32 rows in their own anonymous mapping (`anon_array`), for the writer's row buffers
     return torch.from_numpy(anon_array(count, np.float32))
-
-
-# errno values of a filesystem that cannot lock at all (as opposed to a lock that is held)
-_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
-
-
-def lock_path(shard_dir: Path, rank: int) -> Path:
-    """The lock file of ``rank``'s writer in ``shard_dir`` (``rank{r}.lock``; never a shard)."""
-    return Path(shard_dir) / f"rank{rank}.lock"
-
-
-def lock_dir(shard_dir: Path, rank: int) -> Path:
-    """The lock directory of ``rank``'s writer (``rank{r}.lock.d``, holding the holder's pid)."""
-    return Path(shard_dir) / f"rank{rank}.lock.d"
-
-
-class WriterLock:
-    """An exclusive ``fcntl.flock`` held for a writer's life on ``shards/rank{r}.lock.d``, a
-    directory (never empty: it holds the holder's ``pid``), and on ``shards/rank{r}.lock``.
-
-    Two writers of one rank would interleave shard indices and delete each other's temporary
-    files (each cleans its rank's leftovers on open), so the second is refused. The kernel
-    drops the lock when the holder's process dies (SIGKILL included): a crash never leaves a
-    stale lock, and the next writer takes it. A lock on a file is lost when the file is
-    deleted (the next writer locks a new file of that name), so the lock that counts is the
-    directory's: a non-empty directory cannot be removed by ``rm``, ``unlink`` or ``rmdir``.
-    After locking, the locked directory is checked to still be the one at that path (else it
-    was replaced meanwhile: locked again); :meth:`check` tells the holder whether it still is.
-    The file lock keeps out writers of nnstat versions that lock only the file. Platforms
-    without ``fcntl`` (Windows) do not lock.
-
-    Args:
-        shard_dir: directory of the shards (must exist).
-        rank: the rank whose shards the holder writes.
-    """
-
-    def __init__(self, shard_dir: Path, rank: int) -> None:
-        self.path = lock_path(shard_dir, rank)
-        self.dir = lock_dir(shard_dir, rank)
-        self._fd: int | None = None
-        self._file_fd: int | None = None
-        self._where = (rank, Path(shard_dir).parent)
-        try:
-            import fcntl  # noqa: F401
-        except ImportError:  # not POSIX: no advisory locks to take
-            return
-        for _ in range(100):  # the directory replaced between open and flock: lock the new one
-            self.dir.mkdir(exist_ok=True)
-            os.close(os.open(self.dir / "pid", os.O_WRONLY | os.O_CREAT, 0o644))  # never empty
-            fd = self._lock(os.open(self.dir, os.O_RDONLY), self.dir / "pid")
-            if fd is None:
-                return  # no locks on this filesystem (warned)
-            if self._same(fd):
-                break
-            os.close(fd)
-        else:
-            raise StoreLockedError(f"{self.dir}: replaced again and again while being locked")
-        try:
-            self._file_fd = self._lock(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644), self.path)
-            with open(self.dir / "pid", "w") as f:
-                f.write(f"{os.getpid()}\n")
-            if self._file_fd is not None:
-                os.ftruncate(self._file_fd, 0)
-                os.pwrite(self._file_fd, f"{os.getpid()}\n".encode(), 0)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
-
-    def _same(self, fd: int) -> bool:
-        try:
-            st = os.stat(self.dir)
-        except FileNotFoundError:
-            return False
-        mine = os.fstat(fd)
-        return (st.st_ino, st.st_dev) == (mine.st_ino, mine.st_dev)
-
-    def _lock(self, fd: int, pid_file: Path) -> int | None:
-        """``fd`` locked (exclusive, non-blocking); ``None`` where the filesystem cannot lock."""
-        import fcntl
-
-        rank, store = self._where
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            try:
-                holder = pid_file.read_text(errors="replace").strip() or "unknown"
-            except OSError:
-                holder = "unknown"
-            same = holder == str(os.getpid())
-            who = (
-                "an earlier logging pass of this process that was not finalize()d"
-                if same
-                else f"another process (pid {holder})"
-            )
-            raise StoreLockedError(
-                f"{self.path}: {who} is writing rank {rank} of the gradient store "
-                f"{store}; two writers of one rank would corrupt its shards. "
-                + (
-                    "Call finalize() on that run first."
-                    if same
-                    else "Wait until it has finished, or log into another project."
-                )
-            ) from None
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in _NO_LOCKS:
-                raise
-            # a filesystem without flock (some FUSE/network mounts): writing stays possible,
-            # and the user learns that a second writer would not be refused there
-            warnings.warn(
-                f"{self.path}: this filesystem does not support file locks ({e.strerror}); a "
-                "second writer of the same rank would not be refused",
-                stacklevel=4,
-            )
-            return None
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
-    def check(self) -> None:
-        """Raise :class:`StoreLockedError` when the locked directory is no longer the one at its
-        path (someone removed it with ``rm -r``): another writer could be in, so this one must
-        not create or remove files."""
-        if self._fd is not None and not self._same(self._fd):
-            raise StoreLockedError(
-                f"{self.dir} was removed while this writer held it: another writer of rank "
-                f"{self._where[0]} may be writing {self._where[1]}; this writer stopped. Never "
-                "remove a lock directory of a running writer"
-            )
-
-    def release(self) -> None:
-        """Unlock (closing the descriptors drops the flocks); idempotent."""
-        fd, self._fd = self._fd, None
-        file_fd, self._file_fd = self._file_fd, None
-        for d in (file_fd, fd):
-            if d is not None:
-                os.close(d)
 
 
 _STOP = object()
@@ -500,6 +361,10 @@ class StoreWriter:
         shard, self._shard = self._shard, None
         assert shard is not None
         try:
+            # first: the shard may be adopted as pending (a crash before its log line) only
+            # with this line, whose digest its ids are checked against whenever they are read
+            digest = ids_digest(self._shard_ids)
+            append_begin(self.shard_dir, self.rank, shard.stem, shard.rows, digest)
             shard.commit(self._shard_ids)
         except BaseException:
             shard.abort()
@@ -518,5 +383,7 @@ def stored_ids(shard_dir: Path, require_log: bool = False) -> set[DataId]:
     commit logs: :func:`~nnstat.store.commits.committed_shards`)."""
     out: set[DataId] = set()
     for shard in committed_shards(shard_dir, require_log):
-        out.update(read_ids(shard.ids))
+        ids = read_ids(shard.ids)
+        check_ids(shard, ids)
+        out.update(ids)
     return out

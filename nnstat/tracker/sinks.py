@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+from nnstat.describe.hist_record import own_copy
 from nnstat.tracker.guards import first_error
 
 __all__ = ["Sink", "Sinks"]
@@ -58,9 +59,9 @@ class Sinks:
         """Hand step `step` to every sink (a failure is kept for `raise_errors`)."""
         for log, sink in zip(self._logs, self.objects, strict=True):
             try:
-                # each sink gets its own copy: one that pops or clears keys (some loggers do)
-                # must not empty the dict for the sinks after it or for step()'s caller
-                log(dict(metrics), step)
+                # each sink gets its own copy, histogram arrays too: one that pops or clears
+                # keys or zeroes an array (some loggers do) changes no other sink's data
+                log({k: own_copy(v) for k, v in metrics.items()}, step)
             except Exception as e:  # kept for raise_errors: the other sinks come first
                 self._errors.append((f"sink {sink!r} failed on step {step}", e))
 

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nnstat.describe.hist_record import check_histogram
 from nnstat.viewer.safe import Refused, inside
 
 RUN_FILE = "metrics.jsonl"
@@ -60,7 +61,25 @@ def _hist(v: dict[str, Any]) -> dict[str, Any]:
         raise Refused("a histogram needs edges and counts lists")
     if len(edges) != len(counts) + 1 or not counts or len(counts) > MAX_BINS:
         raise Refused(f"a histogram needs len(edges) = len(counts) + 1 <= {MAX_BINS + 1}")
-    return {"edges": [_value(x) for x in edges], "counts": [_value(x) for x in counts]}
+    e, c = [_float(x) for x in edges], [_float(x) for x in counts]
+    num, lo, hi = (None if h.get(k) is None else _float(h[k]) for k in ("num", "min", "max"))
+    try:  # the check read_jsonl makes: what one reader keeps, the other draws
+        check_histogram(e, c, num, lo, hi)
+    except ValueError as exc:
+        raise Refused(
+            f"{exc}; the record was edited or written by another tool (JsonlLogger writes "
+            "consistent ones)"
+        ) from None
+    return {"edges": e, "counts": c}
+
+
+def _float(v: Any) -> float:
+    """A number or a non-finite string as a float (the histogram check refuses non-finite)."""
+    if isinstance(v, str) and v in _NONFINITE:
+        return _NONFINITE[v]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise Refused(f"value must be a number or NaN/Infinity string, got {json.dumps(v)[:60]}")
+    return float(v)
 
 
 def load_run(root: Path, folder: Path, report: Callable[[Path, str], None]) -> dict | None:

@@ -132,3 +132,12 @@ def test_nonfinite_scores_are_refused():
         counterfactual(
             lambda i: 0, lambda m: torch.zeros(1), torch.tensor([[1.0, float("nan")]]), k=1
         )
+
+
+@pytest.mark.parametrize("n_losses", [1, 3])
+def test_query_losses_of_the_wrong_length_are_refused(n_losses):
+    # shorter: before, a bare IndexError; longer: other queries' losses, averaged silently
+    with pytest.raises(ValueError, match=rf"returned {n_losses} losses, but scores has 2 query"):
+        counterfactual(
+            lambda idx: 0.0, lambda m: torch.zeros(n_losses), torch.zeros(2, 10), k=2, queries=[1]
+        )

@@ -109,6 +109,18 @@ def _hist(**change):
     return {k: v for k, v in h.items() if v is not None}
 
 
+# what both readers (read_jsonl and the viewer's) refuse
+BAD_RECORDS = [
+    (_hist(edges=[0.0, 2.0, 1.0]), "edges decrease"),
+    (_hist(edges=[0.0, "NaN", 2.0]), "edge 1 is nan"),
+    (_hist(counts=[1.0, "NaN"], num=1.0), "count 1 is nan"),
+    (_hist(counts=["Infinity", 2.0]), "count 0 is inf"),
+    (_hist(counts=[1.0, 5.0]), "counts total 6, but its num is 3"),
+    (_hist(min=3.0, max=2.0), "min 3.0 is above its max 2.0"),
+    (_hist(counts=[4.0, -1.0]), "negative count"),
+]
+
+
 @pytest.mark.parametrize(
     "bad, message",
     [
@@ -120,7 +132,8 @@ def _hist(**change):
         (_hist(extra=1.0), "must hold edges, counts"),
         (_hist(edges="0 1 2"), "non-empty lists"),
         (_hist(counts=[1.0, "x"]), "unexpected string"),
-    ],
+    ]
+    + BAD_RECORDS,
 )
 def test_histogram_records_whose_parts_disagree_are_skipped_and_named(tmp_path, bad, message):
     with JsonlLogger(tmp_path) as log:
@@ -134,3 +147,19 @@ def test_histogram_records_whose_parts_disagree_are_skipped_and_named(tmp_path, 
     assert [r["step"] for r in rows] == [0, 2]  # the good record after it is kept
     assert rows[1]["metrics"]["w/hist"]["counts"] == [1.0, 2.0]
     assert len(problems) == 1 and f"{METRICS_FILE}:3" in problems[0] and message in problems[0]
+
+
+@pytest.mark.parametrize("bad, message", BAD_RECORDS)
+def test_the_viewer_refuses_what_read_jsonl_refuses(tmp_path, bad, message):
+    from nnstat.viewer.runs import load_run
+
+    with JsonlLogger(tmp_path / "run") as log:
+        log.log({"loss": 1.0}, step=0)
+    with open(tmp_path / "run" / METRICS_FILE, "a") as f:
+        f.write(json.dumps({"step": 1, "time": 0.0, "metrics": {"w/hist": {"hist": bad}}}) + "\n")
+    reported = []
+    run = load_run(tmp_path, tmp_path / "run", lambda path, why: reported.append(why))
+    assert run is not None and not run["hists"]  # before: drawn (negative counts included)
+    assert len(reported) == 1 and message in reported[0]
+    _, problems = read_jsonl(tmp_path / "run")
+    assert len(problems) == 1 and message in problems[0]

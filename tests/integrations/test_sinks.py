@@ -258,3 +258,28 @@ def test_wandb_finish_finishes_the_run_when_another_sink_fails(tmp_path, monkeyp
     finally:
         if wandb.run is not None:
             wandb.finish()
+
+
+def test_each_sink_gets_its_own_histogram_arrays():
+    seen = []
+
+    def zeroing(metrics, step):  # a sink that reuses what it is given, in place
+        for v in metrics.values():
+            if isinstance(v, nnstat.describe.Histogram):
+                v.counts[:] = 0
+                v.edges[:] = 0
+
+    def keeping(metrics, step):
+        seen.append(
+            {
+                k: (v.counts.copy(), v.edges.copy())
+                for k, v in metrics.items()
+                if isinstance(v, nnstat.describe.Histogram)
+            }
+        )
+
+    _, tracker, metrics = tracked_run([zeroing, keeping], steps=2)
+    assert seen and all(seen[-1])
+    for key, (counts, edges) in seen[-1].items():
+        assert counts.sum() > 0 and edges[-1] > edges[0], key  # before: the first sink's zeros
+        np.testing.assert_array_equal(counts, metrics[key].counts)  # step()'s value, unchanged

@@ -1,5 +1,6 @@
-"""SIGTERM (a scheduler stopping the job) or SIGINT without finalize() commits
-the open shard like a normal exit, then the signal goes on to the handler installed before."""
+"""SIGTERM (a scheduler stopping the job), SIGINT or SIGHUP without finalize() commits the open
+shard like a normal exit, then the signal goes on to the handler installed before; a signal inside
+a block or inside finalize() is held until it ends; a graceful user handler keeps every row."""
 
 import signal
 import subprocess
@@ -75,3 +76,111 @@ def test_handlers_are_restored_when_the_pass_ends(tmp_path):
     finally:
         nnstat.unwatch()
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+GRACEFUL = r"""
+import os, signal, sys, warnings, torch
+import nnstat
+
+root, where = sys.argv[1], sys.argv[2]
+stop = []
+signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))  # finish the step
+torch.manual_seed(0)
+model = torch.nn.Linear(5, 3)
+run = nnstat.init(project="p", root_dir=root)
+nnstat.setup({"statistic": "none", "rank": 2, "shard_rows": 8})
+nnstat.watch(model)
+for step, lo in enumerate(range(0, 40, 4)):
+    with run(data_id=list(range(lo, lo + 4))):
+        model(torch.randn(4, 5)).square().sum().backward()
+        if step == 2 and where == "inside":
+            os.kill(os.getpid(), signal.SIGTERM)
+    if step == 2 and where == "between":
+        os.kill(os.getpid(), signal.SIGTERM)
+    if stop and step >= (4 if where == "keeps-logging" else 2):
+        break
+    if step == 1 and where == "keeps-logging":
+        os.kill(os.getpid(), signal.SIGTERM)
+with warnings.catch_warnings():
+    warnings.simplefilter("error", UserWarning)  # "nothing was logged" would fail here
+    try:
+        nnstat.finalize()
+    except UserWarning as w:
+        print("warned:", w, flush=True)
+print("stopped after", len(stop), "signal(s)", flush=True)
+"""
+
+
+@pytest.mark.parametrize("where, rows", [("inside", 12), ("between", 12), ("keeps-logging", 20)])
+def test_a_graceful_user_handler_finishes_the_step_and_keeps_every_row(tmp_path, where, rows):
+    script = tmp_path / "log.py"
+    script.write_text(GRACEFUL)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), where],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    # before: an AssertionError in the block after the flush, and the open shard lost
+    assert done.returncode == 0, done.stderr
+    assert "stopped after 1 signal(s)" in done.stdout
+    assert "warned" not in done.stdout
+    store = nnstat.GradientStore(tmp_path / "p")
+    assert sorted(store.ids) == list(range(rows))
+    assert store.rows(0, rows).shape == (rows, store.row_width)
+
+
+FINALIZE = r"""
+import os, signal, sys, torch
+import nnstat
+from nnstat.store import writer
+
+root = sys.argv[1]
+close = writer.StoreWriter.close
+
+
+def close_after_a_signal(self, progress=False):  # the scheduler's SIGTERM lands mid-flush
+    os.kill(os.getpid(), signal.SIGTERM)
+    return close(self, progress)
+
+
+writer.StoreWriter.close = close_after_a_signal
+torch.manual_seed(0)
+model = torch.nn.Linear(5, 3)
+run = nnstat.init(project="p", root_dir=root)
+nnstat.setup({"statistic": "none", "rank": 2, "shard_rows": 8})
+nnstat.watch(model)
+for lo in range(0, 20, 4):
+    with run(data_id=list(range(lo, lo + 4))):
+        model(torch.randn(4, 5)).square().sum().backward()
+nnstat.finalize()
+print("not reached", flush=True)
+"""
+
+
+def test_sigterm_during_finalize_keeps_the_open_shard(tmp_path):
+    script = tmp_path / "log.py"
+    script.write_text(FINALIZE)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert "not reached" not in done.stdout
+    assert done.returncode == -signal.SIGTERM, done.stderr  # still ends killed by SIGTERM
+    store = nnstat.GradientStore(tmp_path / "p")
+    assert sorted(store.ids) == list(range(20))  # before: 16 (the open shard of 4 was lost)
+
+
+def test_sighup_without_finalize_keeps_every_row(tmp_path):
+    script = tmp_path / "log.py"
+    script.write_text(SCRIPT.replace("else signal.SIGTERM)", "else signal.SIGHUP)"))
+    assert "else signal.SIGHUP)" in script.read_text()
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "sighup"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == -signal.SIGHUP, done.stderr
+    assert "flushed at a signal" in done.stderr
+    store = nnstat.GradientStore(tmp_path / "p")
+    assert sorted(store.ids) == list(range(20))  # before: 16

@@ -126,10 +126,12 @@ def test_a_lost_commit_log_and_an_unlogged_shard_are_refused(tmp_path):
         nnstat.GradientStore(path)
     (shards / "rank0-00010.npy").rename(shards / "rank0-00002.npy")
     (shards / "rank0-00010.ids.json").rename(shards / "rank0-00002.ids.json")
-    # rank0-00009 is past the last logged shard: a commit killed before its log line, adopted
-    # (and then its ids are found twice)
-    with pytest.raises(ValueError, match="stored in .*rank0-00003.npy and in .*rank0-00009.npy"):
+    # rank0-00009 is past the last logged shard, but no commit of it began in this store: a
+    # copy from elsewhere, not a commit killed before its log line, so it is not adopted
+    with pytest.raises(ValueError, match=r"rank0-00009.npy: .* no commit of it began"):
         nnstat.GradientStore(path)
+    with pytest.raises(ValueError, match=r"rank0-00009.npy: .* no commit of it began"):
+        _store(tmp_path, "p")  # nor by a writer resuming the store
     (shards / "rank0-00012.npy").write_bytes((shards / "rank0-00003.npy").read_bytes())
     (shards / "rank0-00012.ids.json").write_text("[1000, 1001, 1002, 1003, 1004, 1005, 6, 7]")
     with pytest.raises(ValueError, match=r"rank0-00009.npy: shard rank0-00009 is not in .*rank0"):
@@ -188,3 +190,58 @@ def test_a_kill_at_each_step_of_a_commit_recovers(tmp_path, crash, kept):
     for rid, row in zip(store.ids, store.rows(0, len(store)), strict=True):
         torch.testing.assert_close(row, ref_rows[rid])
     assert Path(store.path / "meta.json").exists()
+
+
+def test_a_reordered_or_swapped_ids_file_is_refused_with_its_name(tmp_path):
+    path = _store(tmp_path, "p")
+    shards = path / "shards"
+    first = shards / "rank0-00001.ids.json"
+    original = first.read_text()
+    ids = nnstat.store.files.read_json(first)
+    nnstat.store.files.atomic_write_json(first, ids[::-1])  # same ids, other rows
+    match = r"rank0-00001.ids.json: these are not the ids committed with rank0-00001.npy"
+    with pytest.raises(ValueError, match=match):
+        nnstat.GradientStore(path)  # before: opened, every row under another id
+    with pytest.raises(ValueError, match=match):
+        _store(tmp_path, "p")  # a writer resuming it reads them the same way
+    first.write_text(original)
+    second = shards / "rank0-00002.ids.json"
+    swapped = second.read_text()
+    second.write_text(original)
+    first.write_text(swapped)  # two shards of 64 rows: the counts agree
+    with pytest.raises(ValueError, match=r"rank0-00001.ids.json: these are not the ids"):
+        nnstat.GradientStore(path)
+    first.write_text(original)
+    second.write_text(swapped)
+    assert sorted(nnstat.GradientStore(path).ids) == list(range(200))
+
+
+def test_a_shard_copied_from_another_store_is_not_adopted(tmp_path):
+    path = _store(tmp_path, "p", n=100)
+    other = _store(tmp_path, "other", n=300)
+    for ext in (".npy", ".ids.json"):  # the next index after this store's last shard
+        (path / "shards" / f"rank0-00002{ext}").write_bytes(
+            (other / "shards" / f"rank0-00004{ext}").read_bytes()
+        )
+    with pytest.raises(ValueError, match=r"rank0-00002.npy: .* no commit of it began"):
+        nnstat.GradientStore(path)  # before: adopted as a crash leftover, 100 + 44 rows
+
+
+def test_a_log_line_naming_another_ranks_shard_is_a_clear_error(tmp_path):
+    path = _store(tmp_path, "p", n=100)
+    shards = path / "shards"
+    for ext in (".npy", ".ids.json"):
+        (shards / f"rank1-00000{ext}").write_bytes((shards / f"rank0-00000{ext}").read_bytes())
+    with open(shards / "rank0.log", "a") as f:
+        f.write("rank1-00000 64\n")
+    with pytest.raises(ValueError, match=r"rank0.log: line \d+ names shard rank1-00000 of rank 1"):
+        nnstat.GradientStore(path)  # before: a bare IndexError
+
+
+def test_a_log_without_begin_lines_still_adopts_its_pending_shard(tmp_path):
+    path = _store(tmp_path, "p", n=100)
+    log = path / "shards" / "rank0.log"
+    lines = [ln for ln in log.read_text().splitlines() if not ln.startswith("begin ")]
+    assert lines == ["rank0-00000 64", "rank0-00001 36"]
+    log.write_text(lines[0] + "\n")  # as written before begin lines, killed before the last
+    assert sorted(nnstat.GradientStore(path).ids) == list(range(100))

@@ -177,7 +177,7 @@ def test_stores_without_statistics_and_params_hashes_are_scored_without_them(sto
     # scored without those checks (the projection hash is in every format)
     log, path, _ = store
     meta = json.loads((path / META_FILE).read_text())
-    for key in ("statistics_sha256", "params_sha256"):
+    for key in ("statistics_sha256", "params_sha256", "shard_logs"):  # shard_logs came later
         meta.pop(key, None)
     (path / META_FILE).write_text(json.dumps(meta))
     before = _score(log, path, preconditioner="kfac", damping=0.1)
@@ -186,6 +186,21 @@ def test_stores_without_statistics_and_params_hashes_are_scored_without_them(sto
     save_file({k: v * 2 for k, v in stats.items()}, path / STATISTICS_FILE)
     after = _score(log, path, preconditioner="kfac", damping=0.1)  # nothing to check against
     assert not torch.allclose(before.scores, after.scores)
+
+
+def test_statistics_swapped_in_after_their_hash_key_was_deleted_are_refused(store, tmp_path):
+    log, path, _ = store
+    meta = json.loads((path / META_FILE).read_text())
+    assert meta["shard_logs"] is True  # a store written since every hash key is recorded
+    del meta["statistics_sha256"]
+    (path / META_FILE).write_text(json.dumps(meta))
+    stats = load_file(path / STATISTICS_FILE)
+    save_file({k: v * 2 for k, v in stats.items()}, path / STATISTICS_FILE)
+    match = r"statistics\.safetensors: .*meta\.json records no statistics_sha256"
+    with pytest.raises(ValueError, match=match):
+        GradientStore(path).statistics()
+    with pytest.raises(ValueError, match=match):  # before: scored with the swapped statistics
+        _score(log, path, preconditioner="kfac", damping=0.1)
 
 
 def test_a_missing_statistics_file_with_a_recorded_hash_is_refused(store):

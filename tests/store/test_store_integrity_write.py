@@ -20,10 +20,9 @@ from torch import nn
 
 import nnstat
 from nnstat.store import StoreWriteError, StoreWriter, files
-from nnstat.store.errors import ModelChangedError
+from nnstat.store.errors import ModelChangedError, StoreLockedError
 from nnstat.store.ids import content_ids, normalize_ids, read_ids
 from nnstat.store.meta import read_meta
-from nnstat.store.writer import StoreLockedError
 
 # ---------------------------------------------------------------------------------- helpers
 

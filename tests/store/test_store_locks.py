@@ -85,3 +85,44 @@ def test_a_writer_whose_lock_directory_was_removed_stops(tmp_path):
         a.close()
     assert isinstance(info.value.__cause__, StoreLockedError)
     assert "rank0.lock.d was removed while this writer held it" in str(info.value.__cause__)
+
+
+def test_a_filesystem_whose_flock_locks_nothing_is_detected(tmp_path, monkeypatch):
+    import fcntl
+
+    from nnstat.store.lock import WriterLock
+
+    monkeypatch.setattr(fcntl, "flock", lambda fd, op: None)  # accepted, enforced nowhere
+    with pytest.warns(UserWarning, match="accepts file locks but does not enforce them"):
+        lock = WriterLock(tmp_path, 0)  # before: "held", and a second writer got in as well
+    assert not lock.held
+    lock.release()
+
+
+FORKED = r"""
+import os, sys, time
+from nnstat.store.lock import WriterLock
+lock = WriterLock(__import__("pathlib").Path(sys.argv[1]), 0)
+assert lock.held
+if os.fork() == 0:  # a worker forked while the writer holds the lock, outliving it
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 1), os.dup2(null, 2)  # the test does not wait for its output
+    time.sleep(10)
+    os._exit(0)
+print("parent done", flush=True)
+os._exit(0)
+"""
+
+
+def test_a_forked_child_does_not_keep_a_dead_writers_lock(tmp_path):
+    from nnstat.store.lock import WriterLock
+
+    script = tmp_path / "fork.py"
+    script.write_text(FORKED)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert "parent done" in done.stdout, done.stderr
+    lock = WriterLock(tmp_path, 0)  # before: refused, naming the dead parent's pid
+    assert lock.held
+    lock.release()

@@ -1,0 +1,123 @@
+"""How a logging pass of a :class:`~nnstat.run.core.Run` ends: ``finalize()``, a signal or the
+interpreter's exit without it (:mod:`nnstat.run.signals`), or a writer failure.
+
+:class:`PassEnd` is a part of ``Run`` (its base class), kept apart because these paths share
+one concern: the open pass's rows reach the disk whichever way the pass ends.
+
+Example:
+    >>> from nnstat.run import Run
+    >>> issubclass(Run, PassEnd)
+    True
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from nnstat.run import store_io
+from nnstat.run.signals import CommitOnSignal
+from nnstat.store.errors import StoreWriteError
+from nnstat.store.logger import StoreLogger
+
+
+class PassEnd:
+    """Ending a logging pass (see the module docstring); the state is the ``Run``'s."""
+
+    path: Path
+    rank: int
+    mode: str
+    config: Any
+    _logger: StoreLogger | None
+    _collector: Any
+    _stats_state: dict
+    _on_signal: CommitOnSignal
+    _pass: int
+    _pass_params: str | None
+    _probe_reduction: bool
+    _guard: Any
+    _writer_error: StoreWriteError | None
+    _flushed_by_signal: bool
+    _next_auto_id: int
+
+    def _stats_on(self) -> bool:  # pragma: no cover - Run's
+        raise NotImplementedError
+
+    def finalize(self) -> None:
+        """End the pass: flush the store (tqdm when long), save statistics, raise writer errors.
+
+        In eval mode there is nothing to finalize (queries stay in memory until get_log()).
+        """
+        if self.mode == "eval":
+            return
+        # a signal while the store is flushed is handled once it is complete (the handlers are
+        # still ours until then: a restored SIGTERM would end the process half-way through)
+        with self._on_signal.hold():
+            self._finalize()
+
+    def _finalize(self) -> None:
+        collector = self._collector if self._stats_on() else None
+        logger, self._logger = self._logger, None
+        self._pass_params, self._probe_reduction = None, True
+        self._guard.reset()
+        error, self._writer_error = self._writer_error, None
+        try:
+            saved = store_io.close_pass(logger, collector, self.path, self.rank, error)
+        finally:
+            self._on_signal.restore()
+            if collector is not None and collector.done:
+                self._collector = None
+        self._stats_state = saved if saved is not None else self._stats_state
+        self._next_auto_id = 0
+        flushed, self._flushed_by_signal = self._flushed_by_signal, False
+        if logger is None and collector is None and not flushed:
+            # an empty pass is not a pass: the next loop is still this one
+            warnings.warn("finalize(): nothing was logged in this pass", stacklevel=2)
+            return
+        # the next loop is the next pass (EK-FAC: factors, then eigenvalues); after the last,
+        # a new round starts
+        self._pass = (self._pass + 1) % len(self.config.passes())
+
+    def _flush_at_exit(self, why: str = "exit") -> None:
+        """A pass never finalize()d: its rows are flushed at exit or on SIGTERM/SIGINT (whole
+        shards, meta.json), so none is lost; its statistics are not saved (their all-reduce
+        needs every rank)."""
+        logger, self._logger = self._logger, None
+        self._on_signal.restore()
+        if logger is None:
+            return
+        self._flushed_by_signal = why == "a signal"
+        warnings.warn(
+            f"nnstat: the logging pass of {self.path} was never finalize()d; its rows are "
+            f"flushed at {why}, but its statistics are not saved. Call finalize() after each "
+            "pass (or loop over run.schedule(), which does).",
+            stacklevel=1,
+        )
+        # no all-reduce: other ranks may be gone; an error here is printed by atexit
+        logger.close(progress=False, collective=False)
+
+    def _check_writer(self) -> None:
+        with self._writer_errors():
+            if self._logger is not None:
+                self._logger.writer.check()
+
+    @contextmanager
+    def _writer_errors(self) -> Iterator[None]:
+        """A writer failure ends the pass where it surfaces: the writer is stopped (its lock
+        released, so another run may write the store) and the error is kept for finalize()."""
+        try:
+            yield
+        except StoreWriteError as e:
+            logger, self._logger = self._logger, None
+            self._on_signal.restore()
+            if logger is not None:
+                store_io.close_after_failure(logger, e)
+            self._writer_error = e
+            raise
+
+    def _require_no_open_pass(self, what: str) -> None:
+        if self._logger is not None:
+            raise RuntimeError(f"{what} during a logging pass: call finalize() first")
