@@ -9,6 +9,7 @@ shows; change both together.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,42 @@ def test_every_unit_has_a_layer():
     units = {_unit(m) for m in FILES} - {"__init__"}
     for unit in units:
         _layer(unit)
+
+
+def architecture_layers(text: str) -> dict[str, int]:
+    """``{unit: layer number}`` from the table under "## Packages and layers" of
+    docs/architecture.md (rows ``| 3 | `run/` | ... |``; a unit cell may name several
+    packages ``x/`` and root files ``x.py``)."""
+    section = text.split("## Packages and layers", 1)[1].split("\n## ", 1)[0]
+    out = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 2 or not cells[0].isdigit():
+            continue
+        for name in re.findall(r"`(\w+)(?:/|\.py)`", cells[1]):  # `run/`, `cli.py`
+            out[name] = int(cells[0])
+    return out
+
+
+def test_architecture_page_shows_the_layer_table():
+    """docs/architecture.md numbers the layers bottom-up (0 = lowest) with the units of LAYERS."""
+    shown = architecture_layers((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8"))
+    expected = {unit: len(LAYERS) - 1 - i for i, layer in enumerate(LAYERS) for unit in layer}
+    assert shown == expected, (
+        "docs/architecture.md's layer table differs from LAYERS: "
+        f"missing {sorted(expected.keys() - shown.keys())}, "
+        f"extra {sorted(shown.keys() - expected.keys())}, "
+        f"other layer {sorted(u for u in expected.keys() & shown.keys() if shown[u] != expected[u])}"
+    )
+
+
+def test_architecture_table_parser():
+    text = (
+        "## Packages and layers\n| layer | unit | what |\n| --- | --- | --- |\n"
+        "| 2 | `cli.py` | x |\n| 1 | `statistics/`, `gns/` | y |\n"
+        "| 0 | `integrations/` (installed as `nnstat.integrations`) | z |\n## Next\n| 9 | `a/` | |\n"
+    )
+    assert architecture_layers(text) == {"cli": 2, "statistics": 1, "gns": 1, "integrations": 0}
 
 
 def test_imports_point_down():
