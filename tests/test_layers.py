@@ -154,6 +154,36 @@ def test_architecture_table_parser():
     assert architecture_layers(text) == {"cli": 2, "statistics": 1, "gns": 1, "integrations": 0}
 
 
+def package_map(text: str) -> set[str]:
+    """Module paths (``capture/kinds/linear.py``, ``integrations/jsonl.py``) listed in the
+    package map: the first ``text`` block of the page's "Packages and layers" section."""
+    section = text.split("## Packages and layers", 1)[1]
+    block = section.split("```text", 1)[1].split("```", 1)[0]
+    out, unit = set(), ""
+    for line in block.splitlines():
+        head = re.match(r"^(\s*)(\w+/)\s", line + " ")
+        if head:  # a unit's first line: `  capture/    build.py ...`, `nnstat/  cli.py ...`
+            unit = "" if head.group(2) == "nnstat/" else head.group(2)
+        out |= {unit + f for f in re.findall(r"[\w/]+\.py", line)}
+    return out
+
+
+def test_architecture_page_lists_every_module():
+    """The package map names every module of nnstat and nnstat.integrations, and nothing else."""
+    shown = package_map((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8"))
+    files = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")}
+    files |= {
+        "integrations/" + str(p.relative_to(INTEGRATIONS)) for p in INTEGRATIONS.rglob("*.py")
+    }
+    # a subpackage's __init__.py is its public face, not listed (the root's is)
+    files = {f for f in files if not f.endswith("/__init__.py")}
+    shown = {f for f in shown if not f.endswith("/__init__.py")}
+    assert shown == files, (
+        f"docs/architecture.md's package map: missing {sorted(files - shown)}, "
+        f"extra {sorted(shown - files)}"
+    )
+
+
 def test_imports_point_down():
     wrong = []
     for module in FILES:
