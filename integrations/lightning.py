@@ -263,9 +263,17 @@ def extract_log(
     with _quiet_logging(module):
         names = probe_filter(module, first, loss, name_filter, type_filter)
         run = open_run(
-            module, project, root_dir, cfg, rank=rank, init=init, seed=seed,
-            name_filter=names, type_filter=type_filter, overwrite=overwrite,
-        )  # fmt: skip
+            module,
+            project,
+            root_dir,
+            cfg,
+            rank=rank,
+            init=init,
+            seed=seed,
+            name_filter=names,
+            type_filter=type_filter,
+            overwrite=overwrite,
+        )
         log_pass(run, PassData(module, batches, loss, ids_fn=ids_fn, progress=progress))
     return run
 
@@ -348,9 +356,15 @@ def influence(
             refine, run, module, train_dataloader, query_dataloader, loss_fn, progress
         )
         return compute_influence_all(
-            log, run.path, mode=mode, preconditioner=preconditioner, damping=damping,
-            top_k=top_k, progress=progress, refine=refined,
-        )  # fmt: skip
+            log,
+            run.path,
+            mode=mode,
+            preconditioner=preconditioner,
+            damping=damping,
+            top_k=top_k,
+            progress=progress,
+            refine=refined,
+        )
 
 
 def self_influence(

@@ -210,9 +210,10 @@ def pair_tables(
         # NaN/Inf (rare): exact rows over the finite elements; the difference is formed only then
         tw = _repair(tw, [t.numel() for t in current], lambda i: _exact_row(current[i], stats))
         td = _repair(
-            td, [t.numel() for t in current],
+            td,
+            [t.numel() for t in current],
             lambda i: _exact_row(current[i].detach() - previous[i], stats),
-        )  # fmt: skip
+        )
     return tw, td
 
 
