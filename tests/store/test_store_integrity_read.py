@@ -248,6 +248,9 @@ def test_query_captured_from_other_weights_is_refused(tmp_path):
             call()
     # a query log from before nnstat recorded the weights is scored without the comparison
     moved.meta.pop("params_sha256")
+    with pytest.raises(ValueError, match=r"model_sha256 \w+\.\.\.\) .*whole model"):
+        compute_influence_all(moved, path, progress=False)  # the whole model still differs
+    moved.meta.pop("model_sha256")
     compute_influence_all(moved, path, preconditioner="kfac", damping=0.1, progress=False)
 
 
