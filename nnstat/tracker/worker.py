@@ -13,10 +13,11 @@ reductions to the worker thread (`nnstat.background`) and collects them later:
 * every tensor the worker reads has its ``_version`` recorded; if one changed before the join,
   its numbers may be torn: they are dropped with a warning naming the tensor and the Tracker
   stays synchronous from then on. ``p.data`` writes bypass version counters: each weight's L2
-  norm is taken when the step is scheduled (one pass over the weights, ``torch._foreach_norm``)
+  norm is taken when the step is scheduled (one pass over the weights, ``torch._foreach_norm``
+  summing in float64)
   and again by the worker once it has read them; a weight whose norm differs was edited after
   ``tracker.step()`` and is dropped the same way (an edit that keeps every norm, a sign flip or
-  a permutation, or one below float rounding, is not seen);
+  a permutation, or one that moves a norm by less than 1e-9 relative, is not seen);
 * a worker exception is re-raised in the training thread at the next ``step``/``flush``/
   ``close`` or when the step's metrics are read; a sink's exception too, after every other sink
   got the step (and, at ``step``, after that step is scheduled, so no sink loses it);
@@ -281,19 +282,22 @@ class NormCheck:
         self.tensors = [t.detach() for _, t in named if t.is_floating_point()]
         if len(self.tensors) != len(self.names):  # integer weights: nothing to compare
             self.names, self.tensors = [], []
-        self.norms = torch._foreach_norm(self.tensors) if self.tensors else []
+        self.norms = self._norms()
+
+    def _norms(self) -> list[torch.Tensor]:
+        # float64 sums: the worker's thread count may order them differently (see changed)
+        return torch._foreach_norm(self.tensors, 2, dtype=torch.float64) if self.tensors else []
 
     def changed(self) -> list[str]:
-        """The names whose weight's norm is not what it was (NaN == NaN); the tensors are
-        let go."""
+        """The names whose weight's norm is not what it was, beyond the 1e-9 relative that a
+        float64 sum taken in another order may differ by (NaN == NaN); the tensors are let go."""
         if not self.tensors:
             return []
-        now = torch._foreach_norm(self.tensors)
-        self.tensors = []
+        now, self.tensors = self._norms(), []
         return [
             n
             for n, a, b in zip(self.names, self.norms, now, strict=True)
-            if not (a == b or (a.isnan() and b.isnan()))
+            if not ((a - b).abs() <= 1e-9 * a.abs() or (a.isnan() and b.isnan()))
         ]
 
 
