@@ -93,6 +93,24 @@ class Tracker:
     update. A sink that raises does not stop the others: every sink gets the step, then the
     first error is raised (by `step`, `flush`, `close` or the read that delivered it).
 
+    Args:
+        model: the network whose parameters are tracked.
+        optimizer: its optimizer (for the optimizer states and updates); ``None``: neither.
+        every: log on one `step` call in ``every``.
+        stats: statistic names (`nnstat.describe`); ``None``: all of them.
+        histograms: also log a histogram per tensor (``bins`` bins, from at most
+            ``hist_max_elements`` elements; ``None``: all).
+        sinks: objects with ``log(metrics, step)`` (or callables) receiving each logged step.
+        include: regex (``re.search``) of parameter names to track; ``exclude``: to leave out.
+        groups: which of ``weight``, ``grad``, ``optimizer``, ``update`` to log.
+        state_keys: optimizer state keys to log; ``None``: every state tensor.
+        background: ``True``, ``False`` or ``None`` (auto), as described above.
+
+    Raises:
+        TypeError: a wrong type of ``model``, ``optimizer``, a sink or ``background``.
+        ValueError: ``every < 1``, an unknown group or statistic, no parameter to track, an
+            optimizer holding none of them, or ``background=True`` without the optimizer.
+
     Example:
         >>> model = torch.nn.Linear(2, 1)
         >>> t = Tracker(model, stats=["l2"], groups=["weight"])

@@ -1,4 +1,4 @@
-"""Issue #27 item 3: the fingerprint covers everything the rows depend on (every parameter and
+"""The fingerprint covers everything the rows depend on (every parameter and
 buffer of the watched model) and is checked between the blocks of a pass."""
 
 import pytest
