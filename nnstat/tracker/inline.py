@@ -11,7 +11,7 @@ Example:
     >>> import torch
     >>> from nnstat.tracker.compute import StepPlan
     >>> w = torch.ones(3)
-    >>> plan = StepPlan(names=["w"], stats=["l2"], fused=False, refresh=False,
+    >>> plan = StepPlan(names=["w"], stats=["l2"], paired=False, refresh=False,
     ...                 groups=[("weight", ["w"], [w])])
     >>> InlineSteps([w], fsdp1=False).run(plan, [("group:weight", lambda: 1.0)], {}, True)
     {'group:weight': 1.0}

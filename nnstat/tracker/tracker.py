@@ -1,6 +1,6 @@
 """Tracker: one line in a training loop logs weight/grad/optimizer-state/update statistics.
 
-Each logged step reduces every tracked tensor (fused blocked passes, `nnstat.tracker.compute`;
+Each logged step reduces every tracked tensor (blocked passes, `nnstat.tracker.compute`;
 on accelerators everything stays queued on the device until ONE host transfer per step, on CPU
 each group's table is read as it is done), derives trust ratios from the same norms, adds the
 metrics of registered providers, and hands one flat dict to every sink. On CPU the reductions
@@ -334,7 +334,7 @@ class Tracker:
         return out
 
     def _plan(self, refresh: bool) -> StepPlan:
-        fused = (
+        paired = (
             self._prev is not None
             and "weight" in self.groups
             and not self.histograms
@@ -345,9 +345,9 @@ class Tracker:
         plan = StepPlan(
             names=list(self.names),
             stats=self.stats,
-            fused=fused,
+            paired=paired,
             refresh=refresh,
-            groups=self._collect(weights=not fused),
+            groups=self._collect(weights=not paired),
             histograms=self.histograms,
             bins=self.bins,
             hist_max_elements=self.hist_max_elements,

@@ -139,7 +139,7 @@ class WorkerSteps:
             if f"group:{group}" not in inline:
                 rows = [(group, n, t, t._version) for n, t in zip(names, tensors, strict=True)]
                 (grad_watch if group == "grad" else watched).extend(rows)
-        if plan.fused and plan.weights is not None:
+        if plan.paired and plan.weights is not None:
             watched += [
                 ("weight", n, t, t._version) for n, t in zip(plan.names, plan.weights, strict=True)
             ]

@@ -173,11 +173,11 @@ def test_gradient_changed_while_the_worker_reads_it_is_skipped(monkeypatch):
     tracker.step()  # first logged step: gradients read synchronously (no history yet)
     tracker.flush()
     gate = threading.Event()
-    fused = nnstat.tracker.compute.weight_update_norms
+    original = nnstat.tracker.compute.weight_update_norms
 
     def held(*args, **kwargs):
         assert gate.wait(10)
-        return fused(*args, **kwargs)
+        return original(*args, **kwargs)
 
     # the worker reduces weights first and step 1's gradients last: hold it at the weights
     monkeypatch.setattr(nnstat.tracker.compute, "weight_update_norms", held)
@@ -490,11 +490,11 @@ def test_a_data_edit_after_step_warns_and_skips_that_weight(monkeypatch, edit):
     tracker.step()
     tracker.flush()
     gate = threading.Event()
-    fused = nnstat.tracker.compute.weight_update_norms
+    original = nnstat.tracker.compute.weight_update_norms
 
     def held(*args, **kwargs):
         assert gate.wait(10)
-        return fused(*args, **kwargs)
+        return original(*args, **kwargs)
 
     monkeypatch.setattr(nnstat.tracker.compute, "weight_update_norms", held)
     train(model, opt, 1)
