@@ -294,11 +294,10 @@ class NormCheck:
         if not self.tensors:
             return []
         now, self.tensors = self._norms(), []
-        return [
-            n
-            for n, a, b in zip(self.names, self.norms, now, strict=True)
-            if not ((a - b).abs() <= 1e-9 * a.abs() or (a.isnan() and b.isnan()))
-        ]
+        a, b = torch.stack(self.norms), torch.stack(now)
+        # equal first: an infinite norm stays infinite (inf - inf is NaN, never <= a bound)
+        same = (a == b) | ((a - b).abs() <= 1e-9 * a.abs()) | (a.isnan() & b.isnan())
+        return [n for n, kept in zip(self.names, same.tolist(), strict=True) if not kept]
 
 
 @dataclass(eq=False)

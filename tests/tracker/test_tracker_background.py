@@ -527,3 +527,25 @@ def test_no_data_edit_no_warning():
         tracker.flush()
     assert not tracker._sync_only
     tracker.close()
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_nonfinite_weights_are_not_taken_for_data_edits(value):
+    """A weight holding Inf or NaN keeps an infinite or NaN norm: it is unchanged, not edited
+    (inf - inf is NaN), so its statistics are delivered with their nonfinite counts."""
+    model, opt = setup()
+    tracker = nnstat.Tracker(model, opt, background=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(3):
+            train(model, opt, i)
+            if i == 2:
+                with torch.no_grad():
+                    model[0].bias[1] = value
+            out = tracker.step()
+        tracker.flush()
+    assert out["weight/0.bias/nonfinite"] == 1
+    w = model[0].bias.detach().double()
+    assert out["weight/0.bias/l2"] == pytest.approx(float(w[torch.isfinite(w)].norm()), rel=1e-6)
+    assert not tracker._sync_only
+    tracker.close()
