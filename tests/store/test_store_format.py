@@ -211,7 +211,7 @@ def test_bad_dtype_in_writer_is_raised_in_caller(tmp_path):
 
 
 def test_shard_that_disagrees_with_its_ids_is_refused(tmp_path):
-    store = _write(tmp_path, torch.ones(4, 6), [1, 2, 3, 4])
+    _write(tmp_path, torch.ones(4, 6), [1, 2, 3, 4])
     (tmp_path / "shards" / "rank0-00000.ids.json").write_text("[1, 2, 3]")
     # the commit log records 4 rows: refused at open, naming the ids file and the log
     with pytest.raises(ValueError, match=r"rank0-00000.ids.json: 3 ids, but .*rank0.log records 4"):
