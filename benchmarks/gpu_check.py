@@ -253,7 +253,7 @@ def _lm_step(model, opt, x) -> None:
 
 def _logging_run(model, root: str):
     """A logging run under `root` of every supported module's rank-64 projected gradients (the
-    GPU targets' logging workload)."""
+    logging workload of the GPU tables in docs/benchmarks.md)."""
     import nnstat
 
     run = nnstat.init(project="gpu_check", root_dir=root)

@@ -1019,7 +1019,7 @@ def _one(rows: list[dict[str, Any]], method: str):
 
 
 def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per task x training x projection: the issue's targets, from the rows above."""
+    """Per task x training x projection: best peer, defaults and refinement side by side, from the rows above."""
     out = []
     shared = {
         (r["task"], r["train"]): r["rows"] for r in results if r["projection"].startswith("shared")

@@ -5,7 +5,7 @@ measures the work an accelerator would be given, not time: aten ops (kernel laun
 that ops read and write (operands plus results: an upper bound on memory traffic, since a cache
 may serve some operands) and GEMM FLOPs, of a plain forward+backward and of the same pass with
 nnstat: ``--workload logging`` inside ``run(data_id=...)`` with rank-64 projections of every
-supported module (the GPU targets' logging workload, `benchmarks/gpu_check.py`);
+supported module (the logging workload of `benchmarks/gpu_check.py`);
 ``--workload noise`` inside ``NoiseScale.batch()`` (per-sample gradient norms of every
 module). The tables list what nnstat adds, in all and per op shape. Needs ``transformers``.
 

@@ -1,7 +1,7 @@
 """Noise-scale benchmark: tracker overhead and estimator accuracy on scikit-learn digits.
 
 1. Overhead: an MLP training loop with ``nnstat.NoiseScale`` (per-sample norms from the capture
-   engine, every step) vs. the same plain loop (target: <= 1.15x), and vs. ``HandWritten``, the
+   engine, every step) vs. the same plain loop, and vs. ``HandWritten``, the
    minimal hook-based tracker written by hand for this model: the floor of the approach.
 2. Accuracy: each method of ``nnstat.noise_scale`` vs. the exact B_simple of the data set,
    computed from exhaustive per-sample gradients (``torch.func.vmap(grad)``), and the exact

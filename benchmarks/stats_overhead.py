@@ -22,9 +22,8 @@ The Tracker runs with its default (``background=None``: background statistics at
 thread, else synchronous), with background statistics (step t's reductions on a worker thread
 while step t+1 trains; its CPU time counts, since the process's CPU time covers every thread)
 and synchronously (with two or more torch threads this thread and the worker share every
-blocked pass block by block; the variant marked "before" keeps them on one thread, as the code
-before issue 24 did; "split by tasks" gives each thread whole tasks, as the code did before
-the shared blocks).
+blocked pass block by block; the "one thread" variant keeps them on this thread alone, and
+"split by tasks" gives each thread whole tasks instead of shared blocks).
 
 Run:  WANDB_MODE=offline .venv/bin/python benchmarks/stats_overhead.py [--steps 4 --rounds 12]
       [--threads 1] [--batch 256] [--no-peers]
@@ -135,7 +134,7 @@ def variants(
     def tracked(label: str, unsplit: bool = False, by_tasks: bool = False, **kw) -> None:
         m, o = make(args.width, args.depth)
         t = nnstat.Tracker(m, o, **kw)
-        if unsplit:  # the synchronous path as it was before issue 24: statistics on one thread
+        if unsplit:  # synchronous statistics on this thread alone
             t._split_ok = lambda on_cpu: False
 
         def step() -> None:
@@ -143,7 +142,7 @@ def variants(
             if not by_tasks:
                 t.step()
                 return
-            # the two-thread split of before the shared blocks: whole tasks per thread
+            # two threads, whole tasks per thread instead of shared blocks
             shares = tracker_module.shares_blocks
             tracker_module.shares_blocks = lambda plan: False
             try:
@@ -160,7 +159,7 @@ def variants(
         tracked(f"nnstat Tracker, default stats ({mode})", **kw)
     if torch.get_num_threads() > 1:
         tracked(
-            "nnstat Tracker, default stats (synchronous, one thread: before)",
+            "nnstat Tracker, default stats (synchronous, one thread)",
             True,
             background=False,
         )

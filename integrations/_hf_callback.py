@@ -89,11 +89,23 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
     model's loss is a mean over the batch (the HF default). Set ``noise_scale=False`` to skip it.
 
     Args:
-        stats, groups, include, exclude, every, noise_scale, noise_scale_beta,
-        noise_scale_filter, noise_scale_every, noise_scale_window: see
-            :class:`nnstat.integrations._hooks.StatsOptions`;
-            ``every=None`` follows ``TrainingArguments.logging_steps`` and
-            ``noise_scale_every=None`` (the default) means `NOISE_SCALE_EVERY`.
+        stats: statistics per tracked tensor (see ``nnstat.describe``).
+        groups: Tracker groups (``weight``, ``grad``, ``optimizer``, ``update``).
+        include: regex of parameter names to track; ``None``: all.
+        exclude: regex of parameter names to leave out.
+        every: log every this many optimizer steps; ``None``: ``TrainingArguments.logging_steps``.
+        noise_scale: also stream ``noise_scale/b_simple`` from per-sample gradient norms.
+        noise_scale_beta: EMA factor of the noise-scale averages.
+        noise_scale_filter: regex of module names for the noise scale; ``None``: every
+            supported module whose parameters are not shared with another module.
+        noise_scale_every: measure the noise scale on one micro-batch in this many;
+            ``None``: `NOISE_SCALE_EVERY` (8).
+        noise_scale_window: a sliding mean over this many noise-scale observations with a
+            bootstrap interval (``noise_scale/low`` and ``/high``); ``None``: the EMA alone (window >= 2).
+
+    Raises:
+        ValueError: ``every`` or ``noise_scale_every`` not a positive int, ``noise_scale_beta``
+            outside ``[0, 1)``, or an unknown statistic.
 
     Example:
         >>> cb = NNStatCallback(stats=["l2", "rms"], noise_scale=False)
@@ -307,6 +319,17 @@ def watch_trainer(
     trainer: Any, callback: NNStatCallback | None = None, **kwargs: Any
 ) -> NNStatCallback:
     """Add an :class:`NNStatCallback` to ``trainer`` in the right place (before the reporters).
+
+    Args:
+        trainer: a ``transformers.Trainer``.
+        callback: the callback to add; ``None``: a new one built from ``kwargs``.
+        **kwargs: the options of a new :class:`NNStatCallback`.
+
+    Returns:
+        The callback added.
+
+    Raises:
+        ValueError: both ``callback`` and ``kwargs``.
 
     Example:
         >>> cb = watch_trainer(trainer, stats=["l2"])  # doctest: +SKIP

@@ -68,6 +68,9 @@ class NNStatArguments:
             saves its queries (``viewer/queries/<query_name>``) with theirs.
         query_name: the folder name of the query set ``influence`` saves.
 
+    Raises:
+        ValueError: an unknown ``data_id`` or a ``rank`` that is not a positive int.
+
     Example:
         >>> NNStatArguments("proj", lora=False).effective_rank() is None
         True
@@ -124,6 +127,15 @@ def patch_trainer(trainer_cls: type) -> type:
     models that take it; ``mean × batch size`` otherwise), so scores match the plain API with a
     ``reduction="sum"`` loss. The passes run the model in eval mode, batch size
     ``per_device_eval_batch_size``, in dataset order.
+
+    Args:
+        trainer_cls: a ``transformers.Trainer`` subclass.
+
+    Returns:
+        The subclass ``NNStatTrainer``.
+
+    Raises:
+        TypeError: ``trainer_cls`` is not a Trainer subclass.
 
     Example:
         >>> from transformers import Trainer  # doctest: +SKIP

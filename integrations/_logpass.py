@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nnstat.curvature.products import batch_len as batch_size_of
+from nnstat.curvature.products import batch_len
 
 __all__ = [
     "PassData",
@@ -35,7 +35,6 @@ __all__ = [
     "open_run",
     "log_pass",
     "query_log",
-    "batch_size_of",
     "probe_filter",
     "refinement",
     "eval_mode",
@@ -195,7 +194,7 @@ class PassData:
         # None: tqdm's own rule, no bar when the output is not a terminal (CI logs, files)
         off = None if self.progress is None else not self.progress
         for batch in tqdm(batches, desc=desc, total=total, disable=off, leave=False):
-            n = batch_size_of(batch)
+            n = batch_len(batch)
             ids = (
                 list(range(start, start + n)) if self.ids_fn is None else self.ids_fn(batch, start)
             )

@@ -93,6 +93,9 @@ class JsonlLogger:
         run_dir: folder of the run; created when missing. ``nnstat view`` finds the run by the
             ``metrics.jsonl`` file in it.
 
+    Raises:
+        NotADirectoryError: ``run_dir`` exists and is not a folder.
+
     Example:
         >>> import tempfile, torch, nnstat
         >>> from nnstat.integrations import JsonlLogger
@@ -236,6 +239,16 @@ def read_jsonl(run_dir: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
     order (non-finite strings decoded to floats; histograms as plain dicts of lists). A line
     that does not parse (a truncated last line after a crash) is skipped and described in
     ``problems``; a missing file or a wrong header raises.
+
+    Args:
+        run_dir: the folder holding ``metrics.jsonl``.
+
+    Returns:
+        ``(rows, problems)``.
+
+    Raises:
+        FileNotFoundError: no ``metrics.jsonl`` in ``run_dir``.
+        ValueError: a header that is not a JsonlLogger's.
 
     Example:
         >>> read_jsonl("runs/exp1")  # doctest: +SKIP

@@ -56,6 +56,23 @@ class NNStatCallback(StatsCallbackBase, Callback):
     :mod:`nnstat.plot`. The noise scale uses per-sample gradient norms (B_small = 1) and assumes
     the training loss is a batch mean; set ``noise_scale=False`` to skip it.
 
+    Args:
+        stats: statistics per tracked tensor (see ``nnstat.describe``).
+        groups: Tracker groups (``weight``, ``grad``, ``optimizer``, ``update``).
+        include: regex of parameter names to track; ``None``: all.
+        exclude: regex of parameter names to leave out.
+        every: log every this many optimizer steps; ``None``: ``trainer.log_every_n_steps``.
+        noise_scale: also stream ``noise_scale/b_simple`` from per-sample gradient norms.
+        noise_scale_beta: EMA factor of the noise-scale averages.
+        noise_scale_filter: regex of module names for the noise scale; ``None``: every
+            supported module whose parameters are not shared with another module.
+        noise_scale_every: measure the noise scale on one micro-batch in this many;
+            ``None``: every micro-batch.
+
+    Raises:
+        ValueError: ``every`` or ``noise_scale_every`` not a positive int, ``noise_scale_beta``
+            outside ``[0, 1)``, or an unknown statistic.
+
     Example:
         >>> cb = NNStatCallback(stats=["l2"], every=10, noise_scale=False)
         >>> cb.options.every
@@ -208,6 +225,32 @@ def extract_log(
     weights (it is refused otherwise). ``trainer`` is accepted for symmetry with Lightning's
     API and may be ``None``.
 
+    Args:
+        trainer: the Lightning Trainer (or ``None``).
+        module: the ``LightningModule``.
+        dataloader: the training data, not shuffled (ids are positions unless ``ids_fn``).
+        project: store directory name under ``root_dir``.
+        root_dir: parent directory of stores.
+        config: ``nnstat.setup`` dictionary or statistic preset name.
+        rank: projection rank per side; ``None``: full per-sample gradients.
+        ekfac: ``None``: EK-FAC unless ``config`` names a statistic; ``True`` forces it.
+        init: ``"random"`` or ``"pca"`` projections.
+        seed: seed of the random projections.
+        name_filter: regex of module names to watch.
+        type_filter: module classes to watch.
+        loss_fn: ``loss_fn(batch, batch_idx)``; ``None``: ``module.training_step``.
+        loss_reduction: ``"mean"`` or ``"sum"``, how the loss reduces the batch.
+        ids_fn: ``ids_fn(batch, start)`` giving the batch's data ids.
+        progress: tqdm bars (``None``: automatic).
+        overwrite: replace a store logged from other weights.
+
+    Returns:
+        The :class:`nnstat.Run` that logged the store.
+
+    Raises:
+        ValueError: an invalid configuration, or a store of other weights without
+            ``overwrite``.
+
     Example:
         >>> run = extract_log(trainer, module, train_loader, project="p")  # doctest: +SKIP
     """
@@ -220,9 +263,17 @@ def extract_log(
     with _quiet_logging(module):
         names = probe_filter(module, first, loss, name_filter, type_filter)
         run = open_run(
-            module, project, root_dir, cfg, rank=rank, init=init, seed=seed,
-            name_filter=names, type_filter=type_filter, overwrite=overwrite,
-        )  # fmt: skip
+            module,
+            project,
+            root_dir,
+            cfg,
+            rank=rank,
+            init=init,
+            seed=seed,
+            name_filter=names,
+            type_filter=type_filter,
+            overwrite=overwrite,
+        )
         log_pass(run, PassData(module, batches, loss, ids_fn=ids_fn, progress=progress))
     return run
 
@@ -271,6 +322,28 @@ def influence(
     steps on the Gauss-Newton curvature of the module's loss over ``train_dataloader`` (the
     unshuffled data the store was logged from), or pass a `nnstat.influence.Refinement`.
 
+    Args:
+        trainer: the Lightning Trainer (or ``None``).
+        module: the ``LightningModule`` at the weights the store was logged with.
+        query_dataloader: the query data.
+        run: the :class:`nnstat.Run` :func:`extract_log` returned.
+        mode: score mode (``"dot"``, ``"cosine"``, ``"l2"``, ``"relatif"``).
+        preconditioner: ``None`` (the store's default), ``"identity"``, ``"raw"``,
+            ``"kfac"`` or ``"ekfac"``.
+        damping: preconditioner damping; ``None``: its default rule.
+        top_k: keep the ``top_k`` best training examples per query.
+        loss_fn: ``loss_fn(batch, batch_idx)``; ``None``: ``module.training_step``.
+        ids_fn: ``ids_fn(batch, start)`` giving the queries' ids.
+        progress: tqdm bars (``None``: automatic).
+        refine: refinement steps, or a `nnstat.influence.Refinement`.
+        train_dataloader: the training data, for ``refine``.
+
+    Returns:
+        An ``InfluenceResult`` (``TopKInfluence`` with ``top_k``).
+
+    Raises:
+        ValueError: queries from other weights than the store's, or invalid options.
+
     Example:
         >>> result = influence(trainer, module, test_loader, run, top_k=5)  # doctest: +SKIP
     """
@@ -283,9 +356,15 @@ def influence(
             refine, run, module, train_dataloader, query_dataloader, loss_fn, progress
         )
         return compute_influence_all(
-            log, run.path, mode=mode, preconditioner=preconditioner, damping=damping,
-            top_k=top_k, progress=progress, refine=refined,
-        )  # fmt: skip
+            log,
+            run.path,
+            mode=mode,
+            preconditioner=preconditioner,
+            damping=damping,
+            top_k=top_k,
+            progress=progress,
+            refine=refined,
+        )
 
 
 def self_influence(
@@ -304,6 +383,25 @@ def self_influence(
 ) -> Any:
     """Self-influence of each logged training example (``dataloader=None``) or of each example
     of ``dataloader`` (``SelfInfluenceResult``); ``refine`` as in :func:`influence`.
+
+    Args:
+        trainer: the Lightning Trainer (or ``None``).
+        module: the ``LightningModule``.
+        run: the :class:`nnstat.Run` :func:`extract_log` returned.
+        dataloader: examples to score; ``None``: the logged training examples.
+        preconditioner: as in :func:`influence`.
+        damping: as in :func:`influence`.
+        loss_fn: ``loss_fn(batch, batch_idx)``; ``None``: ``module.training_step``.
+        ids_fn: ``ids_fn(batch, start)`` giving the examples' ids.
+        progress: tqdm bars (``None``: automatic).
+        refine: refinement steps, or a `nnstat.influence.Refinement`.
+        train_dataloader: the training data, for ``refine``.
+
+    Returns:
+        A ``SelfInfluenceResult``.
+
+    Raises:
+        ValueError: invalid options, or data from other weights than the store's.
 
     Example:
         >>> self_influence(trainer, module, run).scores.shape  # doctest: +SKIP

@@ -31,6 +31,14 @@ class TensorBoardSink:
     ``add_scalars``, which opens a run per key); `nnstat.describe.Histogram` values through
     ``add_histogram_raw`` (already binned on device, no copy of the tensor to the host).
 
+    Args:
+        log_dir: directory of the event files; ``None``: TensorBoard's default (``runs/...``).
+        writer: an existing ``SummaryWriter`` to write through instead.
+        **kwargs: further ``SummaryWriter`` arguments.
+
+    Raises:
+        ImportError: the tensorboard package is missing.
+
     Example:
         >>> import tempfile
         >>> sink = TensorBoardSink(tempfile.mkdtemp())

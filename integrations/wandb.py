@@ -22,7 +22,17 @@ __all__ = ["WandbSink", "to_wandb"]
 
 
 def to_wandb(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Replace every `nnstat.describe.Histogram` by a ``wandb.Histogram`` (other values unchanged)."""
+    """Replace every `nnstat.describe.Histogram` by a ``wandb.Histogram`` (other values unchanged).
+
+    Args:
+        metrics: a Tracker's metrics dict.
+
+    Returns:
+        A new dict for ``wandb.log``.
+
+    Raises:
+        ImportError: the wandb package is missing.
+    """
     import wandb
 
     out = {}
@@ -39,6 +49,14 @@ class WandbSink:
 
     Uses `run` if given, else the active ``wandb.run``, else starts one with ``wandb.init(**kwargs)``
     (and finishes it on `close`). W&B keeps at most 512 histogram bins.
+
+    Args:
+        run: the W&B run to log to; ``None``: the active one, else a new one.
+        **init_kwargs: ``wandb.init`` arguments for a new run.
+
+    Raises:
+        ImportError: the wandb package is missing.
+        ValueError: both ``run`` and ``init_kwargs``.
 
     Example:
         >>> sink = WandbSink(project="nnstat", mode="offline")  # doctest: +SKIP

@@ -9,6 +9,7 @@ shows; change both together.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,72 @@ def test_every_unit_has_a_layer():
     units = {_unit(m) for m in FILES} - {"__init__"}
     for unit in units:
         _layer(unit)
+
+
+def architecture_layers(text: str) -> dict[str, int]:
+    """``{unit: layer number}`` from the table under "## Packages and layers" of
+    docs/architecture.md (rows ``| 3 | `run/` | ... |``; a unit cell may name several
+    packages ``x/`` and root files ``x.py``)."""
+    section = text.split("## Packages and layers", 1)[1].split("\n## ", 1)[0]
+    out = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 2 or not cells[0].isdigit():
+            continue
+        for name in re.findall(r"`(\w+)(?:/|\.py)`", cells[1]):  # `run/`, `cli.py`
+            out[name] = int(cells[0])
+    return out
+
+
+def test_architecture_page_shows_the_layer_table():
+    """docs/architecture.md numbers the layers bottom-up (0 = lowest) with the units of LAYERS."""
+    shown = architecture_layers((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8"))
+    expected = {unit: len(LAYERS) - 1 - i for i, layer in enumerate(LAYERS) for unit in layer}
+    assert shown == expected, (
+        "docs/architecture.md's layer table differs from LAYERS: "
+        f"missing {sorted(expected.keys() - shown.keys())}, "
+        f"extra {sorted(shown.keys() - expected.keys())}, "
+        f"other layer {sorted(u for u in expected.keys() & shown.keys() if shown[u] != expected[u])}"
+    )
+
+
+def test_architecture_table_parser():
+    text = (
+        "## Packages and layers\n| layer | unit | what |\n| --- | --- | --- |\n"
+        "| 2 | `cli.py` | x |\n| 1 | `statistics/`, `gns/` | y |\n"
+        "| 0 | `integrations/` (installed as `nnstat.integrations`) | z |\n## Next\n| 9 | `a/` | |\n"
+    )
+    assert architecture_layers(text) == {"cli": 2, "statistics": 1, "gns": 1, "integrations": 0}
+
+
+def package_map(text: str) -> set[str]:
+    """Module paths (``capture/kinds/linear.py``, ``integrations/jsonl.py``) listed in the
+    package map: the first ``text`` block of the page's "Packages and layers" section."""
+    section = text.split("## Packages and layers", 1)[1]
+    block = section.split("```text", 1)[1].split("```", 1)[0]
+    out, unit = set(), ""
+    for line in block.splitlines():
+        head = re.match(r"^(\s*)(\w+/)\s", line + " ")
+        if head:  # a unit's first line: `  capture/    build.py ...`, `nnstat/  cli.py ...`
+            unit = "" if head.group(2) == "nnstat/" else head.group(2)
+        out |= {unit + f for f in re.findall(r"[\w/]+\.py", line)}
+    return out
+
+
+def test_architecture_page_lists_every_module():
+    """The package map names every module of nnstat and nnstat.integrations, and nothing else."""
+    shown = package_map((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8"))
+    files = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")}
+    files |= {
+        "integrations/" + str(p.relative_to(INTEGRATIONS)) for p in INTEGRATIONS.rglob("*.py")
+    }
+    # a subpackage's __init__.py is its public face, not listed (the root's is)
+    files = {f for f in files if not f.endswith("/__init__.py")}
+    shown = {f for f in shown if not f.endswith("/__init__.py")}
+    assert shown == files, (
+        f"docs/architecture.md's package map: missing {sorted(files - shown)}, "
+        f"extra {sorted(shown - files)}"
+    )
 
 
 def test_imports_point_down():

@@ -138,6 +138,19 @@ class CaptureEngine(LayoutHooks):
         ``nnstat/capture/kinds/attention.py``). Without filters, unsupported modules that own
         parameters are skipped with one warning; with a filter, selecting one raises
         :class:`UnsupportedModuleError`.
+
+        Args:
+            model: the network.
+            name_filter: regex or regexes of module names to watch; ``None``: all.
+            type_filter: module classes or class names to watch; ``None``: all supported.
+
+        Returns:
+            The names of the watched modules.
+
+        Raises:
+            UnsupportedModuleError: a filter selects a module the engine cannot capture (an
+                unsupported kind, or a layer of a sequence-first transformer).
+            ValueError: a module of that name is already watched.
         """
         explicit = name_filter is not None or type_filter is not None
         names = _as_list(name_filter)
@@ -215,6 +228,12 @@ class CaptureEngine(LayoutHooks):
         receives the list of all captures of one backward at once, in watch order, so it can
         batch its work over modules (e.g. one kernel over every module's
         :meth:`~nnstat.capture.capture.ModuleCapture.sq_norm_factors`).
+
+        Args:
+            consumer: the object or callable.
+
+        Raises:
+            TypeError: it has none of those methods and is not callable.
         """
         fn = getattr(consumer, "on_capture", consumer)
         on_forward = getattr(consumer, "on_forward", None)
@@ -265,7 +284,20 @@ class CaptureEngine(LayoutHooks):
         position ids ``[1, T]``) is captured with exact per-sample gradients through an
         expansion of its output, and one that cannot be is left out with one warning
         (:attr:`left_out`); without either, such a module's capture holds the batch's summed
-        gradient as one sample, as before.
+        gradient as one sample.
+
+        Args:
+            batch_size: the loss's batch size for ``loss_reduction="mean"``; ``None``: each
+                module's batch dimension.
+            mask: ``[N]`` or ``[N, *positions]``, nonzero = keep.
+            loss_reduction: ``"sum"`` or ``"mean"``, how the loss reduced the batch.
+            outputs_require_grad: make watched outputs require grad (frozen parameters).
+            samples: the number of samples, ``"input"`` or ``None``.
+
+        Raises:
+            ValueError: an invalid ``batch_size``, ``loss_reduction``, ``mask`` or
+                ``samples``.
+            RuntimeError: ``batch()`` blocks nested.
         """
         self._begin(batch_size, mask, loss_reduction, outputs_require_grad, samples)
         try:

@@ -68,6 +68,10 @@ class StatisticsCollector:
             (no statistics).
         prior: tensors of finalized statistics to start from (:meth:`load`).
 
+    Raises:
+        ValueError: an unknown configuration key or preset.
+        TypeError: ``config`` of another type.
+
     Example:
         >>> import torch, nnstat
         >>> from nnstat.curvature import StatisticsCollector

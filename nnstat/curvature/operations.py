@@ -249,7 +249,15 @@ class Statistic:
 
     @classmethod
     def key(cls, module: str, stream: str) -> str:
-        """State key ``"{module}/{stream}/{statistic}"``."""
+        """State key ``"{module}/{stream}/{statistic}"``.
+
+        Args:
+            module: the module's name.
+            stream: ``"forward"``, ``"backward"`` or ``"grad"``.
+
+        Returns:
+            The key of this statistic in a collector's :meth:`state_dict`.
+        """
         return f"{module}/{stream}/{cls.name}"
 
     @classmethod
@@ -292,8 +300,22 @@ class Covariance(Statistic):
 
     @classmethod
     def contribution(cls, cap, stream, prior, form: FactorForm | None = None):
-        """``form``: of a forward/backward factor (default: `factor_form` with the default
-        limit and no projection; the collector passes its own)."""
+        """One batch's sum of ``stream``'s uncentered covariance and its count.
+
+        Args:
+            cap: the module's capture.
+            stream: ``"forward"``, ``"backward"`` or ``"grad"``.
+            prior: finalized statistics of previous passes (unused).
+            form: of a forward/backward factor (default: `factor_form` with the default
+                limit and no projection; the collector passes its own).
+
+        Returns:
+            ``(sum, count)``.
+
+        Raises:
+            ValueError: the ``grad`` covariance would be wider than ``MAX_RAW_DIM`` (use
+                ``kfac`` or ``ekfac`` for that layer).
+        """
         if stream in ("forward", "backward"):
             return factor_contribution(cap, stream, form or factor_form(cap, stream))
         g = cap.per_sample_grad().reshape(cap.num_samples, -1)
@@ -330,6 +352,15 @@ class KFAC(Statistic):
         """``(A ⊗ S + damping)⁻¹ vec(G)`` for ``G`` of shape ``[..., d_out, d_in]``.
 
         ``a`` or ``s`` may be diagonal factors (1-D). Never modifies ``a`` or ``s``.
+
+        Args:
+            g: gradients ``[..., d_out, d_in]``.
+            a: the forward factor ``[d_in, d_in]`` (or its diagonal ``[d_in]``).
+            s: the backward factor ``[d_out, d_out]`` (or its diagonal).
+            damping: added to every eigenvalue of ``A ⊗ S``.
+
+        Returns:
+            The preconditioned gradients, shaped like ``g``.
         """
         ea, qa = factor_eig(a)
         es, qs = factor_eig(s)
@@ -371,7 +402,18 @@ class EKFAC(Statistic):
         eigenvalues: torch.Tensor,
         damping: float = 0.0,
     ) -> torch.Tensor:
-        """``Q (Λ + damping)⁻¹ Qᵀ vec(G)`` for ``G`` ``[..., d_out, d_in]``; inputs untouched."""
+        """``Q (Λ + damping)⁻¹ Qᵀ vec(G)`` for ``G`` ``[..., d_out, d_in]``; inputs untouched.
+
+        Args:
+            g: gradients ``[..., d_out, d_in]``.
+            qa: eigenvectors of the forward factor ``[d_in, d_in]``.
+            qs: eigenvectors of the backward factor ``[d_out, d_out]``.
+            eigenvalues: the corrected eigenvalues ``[d_out, d_in]``.
+            damping: added to every eigenvalue.
+
+        Returns:
+            The preconditioned gradients, shaped like ``g``.
+        """
         return ekfac_apply(g, qa, qs, eigenvalues, damping)
 
 

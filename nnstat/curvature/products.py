@@ -223,19 +223,28 @@ def batched_grad(
     try:
         return list(
             torch.autograd.grad(
-                outputs, inputs, grad_outputs=vs, is_grads_batched=True, retain_graph=True,
-                allow_unused=True, materialize_grads=True,
+                outputs,
+                inputs,
+                grad_outputs=vs,
+                is_grads_batched=True,
+                retain_graph=True,
+                allow_unused=True,
+                materialize_grads=True,
             )
-        )  # fmt: skip
+        )
     except RuntimeError:  # an operator without a batching rule: one vector at a time
         k = len(vs[0])
         rows = [
             torch.autograd.grad(
-                outputs, inputs, [t[i] for t in vs], retain_graph=True, allow_unused=True,
+                outputs,
+                inputs,
+                [t[i] for t in vs],
+                retain_graph=True,
+                allow_unused=True,
                 materialize_grads=True,
             )
             for i in range(k)
-        ]  # fmt: skip
+        ]
         return [torch.stack([r[j] for r in rows]) for j in range(len(inputs))]
 
 

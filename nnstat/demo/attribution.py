@@ -174,10 +174,16 @@ def check_explanations(state: Any) -> None:
     for k in (k for k in KS if k < len(state.X_train)):
         with torch.random.fork_rng():  # the retrainings' seeds stay out of the demo's state
             exp.counterfactual[k] = nnstat.influence.counterfactual(
-                train_fn, query_loss, scores["raw"], k, direction="helpful",
+                train_fn,
+                query_loss,
+                scores["raw"],
+                k,
+                direction="helpful",
                 baselines={"relatif": scores["relatif"].sum(0), "loss": train_loss},
-                repeats=REPEATS, correct_fn=correct, seed=state.config.seed,
-            )  # fmt: skip
+                repeats=REPEATS,
+                correct_fn=correct,
+                seed=state.config.seed,
+            )
         arms = exp.counterfactual[k].arms
         arms["raw"] = arms.pop("scores")
         arms["raw"].name = "raw"

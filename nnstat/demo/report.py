@@ -65,7 +65,6 @@ class FigureInfo:
     """What the report knows of one embedded figure."""
 
     title: str
-    width_px: float  # displayed width in CSS pixels (after the page scales it down)
     min_text_px: float  # the smallest visible text as displayed, in CSS pixels
 
 
@@ -179,7 +178,7 @@ class HtmlReport:
         natural = float(fig.get_figwidth()) * 100.0  # CSS px at 100 px per inch
         width = min(natural, PAGE_WIDTH_PX)
         data = base64.b64encode(figure_png(fig, dpi=SAVE_DPI)).decode("ascii")
-        info = FigureInfo(title, width, _min_text_px(fig, width / natural))
+        info = FigureInfo(title, _min_text_px(fig, width / natural))
         self.figures.append(info)
         alt_text = html.escape(alt or title, quote=True)
         cap = f"<figcaption>{html.escape(caption)}</figcaption>" if caption else ""

@@ -103,8 +103,9 @@ def mislabel_section(rep: HtmlReport, state: Any, m: MislabelSearch | None) -> N
         ],
     )
     if m.found < k:
-        rep.paragraph(f"The planted digits self-influence misses in its top {k} rank "
-                      f"{_missed_ranks(m)}.")  # fmt: skip
+        rep.paragraph(
+            f"The planted digits self-influence misses in its top {k} rank " f"{_missed_ranks(m)}."
+        )
     rep.figure(
         nplt.ranking_recall(
             {"self-influence": m.scores, "training loss": m.loss},
@@ -231,11 +232,16 @@ def influence_section(rep: HtmlReport, state: Any, ex: DemoExtras) -> None:
     # "2*": the label trained on, starred when it is a planted wrong one
     labels = [f"{int(v)}{'*' if i in planted else ''}" for i, v in enumerate(state.y_train)]
     fig = nplt.influence_figure(
-        {i: state.images_test[i] for i in wrong}, state.images_train, result, k=TOP_K,
-        train_labels=labels, query_captions=captions, max_queries=8,
+        {i: state.images_test[i] for i in wrong},
+        state.images_train,
+        result,
+        k=TOP_K,
+        train_labels=labels,
+        query_captions=captions,
+        max_queries=8,
         title=f"misclassified test digits and their {TOP_K} most helpful and harmful training "
         f"digits ({NAMES[chosen]})",
-    )  # fmt: skip
+    )
     fig.savefig(state.config.log_dir / "influence.png")  # also on its own, for slides and docs
     rep.figure(
         fig,
@@ -330,9 +336,15 @@ def counterfactual_section(rep: HtmlReport, state: Any, ex: DemoExtras) -> None:
             lo, hi = arm.interval
             hits = np.mean([sum(i in planted for i in removed) for removed in arm.removed])
             rows.append(
-                [k, NAMES[name], arm.mean, f"[{lo:+.3f}, {hi:+.3f}]",
-                 f"{float(np.mean(arm.correct)) * q:.1f} (full data {full:.1f})", round(hits, 1)]
-            )  # fmt: skip
+                [
+                    k,
+                    NAMES[name],
+                    arm.mean,
+                    f"[{lo:+.3f}, {hi:+.3f}]",
+                    f"{float(np.mean(arm.correct)) * q:.1f} (full data {full:.1f})",
+                    round(hits, 1),
+                ]
+            )
     rep.grid(
         [
             "k",

@@ -154,9 +154,14 @@ def watch_training(state: Any) -> None:
             # report explains; one warning per estimate would only clutter the console
             warnings.filterwarnings("ignore", message=r"the \|G\|\^2 estimate")
             result = nnstat.noise_scale(
-                state.model, nn.functional.cross_entropy, data, method="per_sample",
-                big_batch=128 if quick else 256, n_estimates=4 if quick else 16, seed=calls["n"],
-            )  # fmt: skip
+                state.model,
+                nn.functional.cross_entropy,
+                data,
+                method="per_sample",
+                big_batch=128 if quick else 256,
+                n_estimates=4 if quick else 16,
+                seed=calls["n"],
+            )
         key = "of which noise scale"
         ex.timings[key] = ex.timings.get(key, 0.0) + time.perf_counter() - t0
         return {k: v for k, v in result.to_dict().items() if k.count("/") == 1}

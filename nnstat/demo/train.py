@@ -224,10 +224,16 @@ def train(state: DemoState) -> None:
         print(f"epoch {epoch + 1}/{cfg.epochs}  train loss {loss:.4f}")
 
     fit(
-        model, state.optimizer, state.X_train, state.y_train, cfg,
-        generator=torch.Generator().manual_seed(cfg.seed), before_step=before_step,
-        after_step=state.tracker.step, after_epoch=after_epoch,
-    )  # fmt: skip
+        model,
+        state.optimizer,
+        state.X_train,
+        state.y_train,
+        cfg,
+        generator=torch.Generator().manual_seed(cfg.seed),
+        before_step=before_step,
+        after_step=state.tracker.step,
+        after_epoch=after_epoch,
+    )
     # the Tracker's statistics, the evaluations and the noise scale run inside these steps
     extras(state).timings["training (with Tracker, evaluation, noise scale)"] = (
         time.perf_counter() - t0

@@ -431,18 +431,26 @@ def _layers_section(rep: HtmlReport, state: Any, hist: list[dict[str, Any]]) -> 
         "a few statistics in one fused pass; these are the numbers TensorBoard and W&B received."
     )
     grad_map = nplt.stat_heatmap(
-        hist, "l2", prefix="grad/", log=True, robust=True,
+        hist,
+        "l2",
+        prefix="grad/",
+        log=True,
+        robust=True,
         title="gradient L2 norm per layer over training",
-    )  # fmt: skip
+    )
     rep.figure(
         grad_map,
         "Log colour scale limited to the 2nd–98th percentile of all values (arrows: beyond).",
     )
     later = [h for h in hist if h["step"] > 0]
     update_map = nplt.stat_heatmap(
-        later or hist, "rms", prefix="update/", log=True, robust=True,
+        later or hist,
+        "rms",
+        prefix="update/",
+        log=True,
+        robust=True,
         title="RMS of each step's update per layer (step 0 left out)",
-    )  # fmt: skip
+    )
     rep.figure(
         update_map,
         "Step 0 is left out: Adam's first update is sign-like (≈ lr for every weight) and would "

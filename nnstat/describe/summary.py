@@ -76,8 +76,7 @@ def cpu_single_thread() -> Iterator[None]:
     """Run torch CPU ops on one intra-op thread inside the block (restored afterwards).
 
     The statistic passes work on cache-sized blocks; splitting each small block over threads
-    costs more in synchronisation than it saves, badly so on a loaded machine (measured 6x more
-    CPU time with 2 threads than with 1 on a shared 2-core VM). The setting is process-wide, so
+    costs more in synchronisation than it saves, badly so on a loaded machine. The setting is process-wide, so
     torch ops running concurrently in other Python threads are affected while the block runs.
 
     Example:
@@ -211,9 +210,10 @@ def pair_tables(
         # NaN/Inf (rare): exact rows over the finite elements; the difference is formed only then
         tw = _repair(tw, [t.numel() for t in current], lambda i: _exact_row(current[i], stats))
         td = _repair(
-            td, [t.numel() for t in current],
+            td,
+            [t.numel() for t in current],
             lambda i: _exact_row(current[i].detach() - previous[i], stats),
-        )  # fmt: skip
+        )
     return tw, td
 
 

@@ -27,6 +27,26 @@ class NoiseScaleResult:
     ``b_simple`` and its 2.5/97.5% order statistics); with ``n_estimates=1`` the standard error
     is the delta method on the fit's covariance and the interval is NaN. ``per_layer`` is keyed
     by parameter name (module name for ``per_sample``).
+
+    Args:
+        method: ``"two_batch"``, ``"per_sample"`` or ``"fit"``.
+        b_simple: the noise scale ``trace_sigma / grad_sq_norm``.
+        grad_sq_norm: the unbiased estimate of ``|G|^2``.
+        trace_sigma: the unbiased estimate of ``tr(Sigma)``.
+        b_simple_stderr: standard error of ``b_simple``.
+        interval: 95% interval of ``b_simple``.
+        n_samples: samples drawn in all.
+        n_estimates: independent big batches.
+        batch_sizes: the batch sizes used.
+        per_layer: the same estimates per layer.
+        fit_residual: (``fit``) the curve fit's residual.
+        b_noise: the Hessian-weighted ``B_noise`` when asked for.
+        estimates: the raw per-batch estimates.
+
+    Example:
+        >>> r = NoiseScaleResult("two_batch", 4.0, 1.0, 4.0, 0.1, (3.8, 4.2), 10, 1, [2, 8])
+        >>> r.b_simple == r.trace_sigma / r.grad_sq_norm
+        True
     """
 
     method: str

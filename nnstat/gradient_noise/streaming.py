@@ -143,6 +143,15 @@ class NoiseScale:
     or at a later ``batch()``. ``as_provider()`` gives a Tracker each step's values without
     waiting: they are filled in when the Tracker delivers that step.
 
+    Args:
+        beta: EMA factor of the two averages (default 0.99 when no ``window`` is given).
+        window: average over the last ``window`` observations instead of an EMA.
+        prefix: prefix of the keys of `to_dict` and `as_provider`.
+
+    Raises:
+        ValueError: both ``beta`` and ``window``, ``beta`` outside ``[0, 1)``, or a
+            non-positive ``window``.
+
     Example:
         >>> gns = NoiseScale(beta=0.9)
         >>> gns.update(g_small_sq=1.0 + 4.0 / 2, g_big_sq=1.0 + 4.0 / 8, b_small=2, b_big=8)
@@ -185,6 +194,16 @@ class NoiseScale:
 
         Pass floats for the whole model, or dicts ``layer -> squared norm`` (same keys) to also
         track every layer; the model total is then the sum over the layers.
+
+        Args:
+            g_small_sq: ``|g|^2`` of the mean gradient over ``b_small`` samples.
+            g_big_sq: ``|g|^2`` of the mean gradient over ``b_big`` samples.
+            b_small: the small batch size.
+            b_big: the big batch size (``> b_small``).
+
+        Raises:
+            ValueError: ``b_small >= b_big``, different keys, or a non-finite or negative norm.
+            TypeError: one scalar and one dict.
         """
         check_batch_sizes(b_small, b_big)
         self._arrived(wait=True)  # captured batches first: the averages keep their order
@@ -241,6 +260,7 @@ class NoiseScale:
 
         Both are mean gradients (of mean losses) over ``b_small`` and ``b_big`` samples, keyed by
         parameter name, e.g. ``{n: p.grad.clone() for n, p in model.named_parameters()}``.
+        Raises ``ValueError`` for different names or shapes; otherwise as `update`.
         """
         if set(small_grads) != set(big_grads):
             raise ValueError(f"parameter names differ: {sorted(set(small_grads) ^ set(big_grads))}")
@@ -261,6 +281,13 @@ class NoiseScale:
 
         Then wrap each backward in ``with gns.batch(): ...`` (a loss that is the batch mean;
         ``gns.batch(loss_reduction="sum")`` for a sum over the batch).
+
+        Args:
+            model: the network.
+            name_filter: regex of module names to watch; ``None``: all supported.
+            type_filter: module classes to watch.
+
+        Returns the names of the watched modules; ``RuntimeError`` if it already watches one.
         """
 
         if self._capture is not None:
@@ -279,6 +306,15 @@ class NoiseScale:
         The first block of each reduction after ``watch`` checks the loss (a
         ``MeanLossProbe``) and warns when it was a sum where ``"mean"`` was given, or the
         reverse (``trace_sigma`` and ``grad_sq_norm`` would be off by ``N^2``).
+
+        Args:
+            batch_size: the loss's batch size; ``None``: each module's batch dimension.
+            loss_reduction: ``"mean"`` or ``"sum"``.
+
+        Raises:
+            RuntimeError: no watched model (call `watch` first).
+            ValueError: an unknown ``loss_reduction``; (at a later read or ``batch()``) a
+                batch whose norms hold NaN/Inf.
 
         Example (training loop)::
 
@@ -343,6 +379,11 @@ class NoiseScale:
         ``no_sync()``, average the micro-batch losses (divide each by their number) and pass
         the samples per rank per optimizer step. Whole-model values only (no per-layer split).
         The returned state's ``local_batch_size`` can be changed between steps.
+
+        Args:
+            ddp_model: the ``DistributedDataParallel`` model.
+            local_batch_size: samples per rank per optimizer step.
+            process_group: the group to all-reduce over; ``None``: the default group.
 
         Example::
 

@@ -117,7 +117,6 @@ class LoggedSpace:
         self._first, count = {}, 0  # each slot's first entry among the layout's parameters
         for slot in self.slots:
             self._first[id(slot)], count = count, count + len(slot.params)
-        self.projected = any(s.p_in is not None or s.p_out is not None for s in self.slots)
 
     # flat [k, P] <-> per-module matrix form [k, d_out, d_in(+1)] (layernorm [k, D(+D)])
     def matrix(self, flat: torch.Tensor | Sequence[torch.Tensor], s: _Slot) -> torch.Tensor:

@@ -497,8 +497,11 @@ class Preconditioner:
             f = self.factors.get(m.name)
             if isinstance(f, KronFactor):  # float32 bases and denominators
                 total += 4 * (m.r_out**2 * (f.q_out is not None) + m.r_in**2 * (f.q_in is not None))
-            total += {DenseFactor: 4 * m.width**2, LowRankFactor: 8 * len(getattr(f, "rows", ())) ** 2,
-                      KronFactor: 4 * m.width}.get(type(f), 0)  # fmt: skip
+            total += {
+                DenseFactor: 4 * m.width**2,
+                LowRankFactor: 8 * len(getattr(f, "rows", ())) ** 2,
+                KronFactor: 4 * m.width,
+            }.get(type(f), 0)
         return total
 
     def apply(self, rows: torch.Tensor, damping: float | None) -> torch.Tensor:

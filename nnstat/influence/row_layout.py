@@ -189,18 +189,31 @@ def check_same_weights(
 ) -> None:
     """Raise ``ValueError`` when the query rows were captured from other weights than the store.
 
-    Compares ``params_sha256`` (the watched parameters' fingerprint at capture) when both metas
-    record it; logs written before nnstat recorded it are not compared.
+    Compares ``params_sha256`` (the watched parameters' fingerprint at capture) and
+    ``model_sha256`` (every parameter and buffer of the model, and of the modules holding a
+    watched submodule: an unwatched backbone changed since the store was logged changes the
+    query rows too) when both metas record them; logs written before nnstat recorded them are
+    not compared.
+
+    Args:
+        query: the query log's meta.
+        train: the store's meta.
+        query_name: how the message names the query side.
+        train_name: how the message names the store.
+
+    Raises:
+        ValueError: a fingerprint differs; the message names both and the fix.
 
     Example:
         >>> check_same_weights({"params_sha256": "a"}, {}, "query", "store")
     """
-    q, t = query.get("params_sha256"), train.get("params_sha256")
-    if q is None or t is None or q == t:
-        return
-    raise ValueError(
-        f"{query_name} (params_sha256 {str(q)[:16]}...) and {train_name} (params_sha256 "
-        f"{str(t)[:16]}...) were captured from different weights: gradients of two models do "
-        "not score against each other. Re-capture the queries with the weights the store was "
-        "logged with, or log a new store with the current weights"
-    )
+    for key, what in (("params_sha256", "watched parameters"), ("model_sha256", "whole model")):
+        q, t = query.get(key), train.get(key)
+        if q is None or t is None or q == t:
+            continue
+        raise ValueError(
+            f"{query_name} ({key} {str(q)[:16]}...) and {train_name} ({key} {str(t)[:16]}...) "
+            f"were captured from different weights of the {what}: gradients of two models do "
+            "not score against each other. Re-capture the queries with the weights the store "
+            "was logged with, or log a new store with the current weights"
+        )

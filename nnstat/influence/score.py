@@ -145,6 +145,18 @@ def _refined_meta(
     }
 
 
+def _unrefined_meta(pre: Preconditioner, damping: float | None, refine: Any) -> dict[str, Any]:
+    """``result.meta`` of scores with ``pre`` (a ``refine`` that ran no step says so)."""
+    meta = {
+        "preconditioner": pre.kind,
+        "damping": damping,
+        "module_damping": pre.module_dampings(damping),
+    }
+    if refine is not None:
+        meta["refine"] = {"steps": 0, "products": 0, "passes": 0}
+    return meta
+
+
 def _score_block(
     q_pre: torch.Tensor,
     q_norm: torch.Tensor | None,
@@ -266,14 +278,7 @@ def compute_influence_all(
         q_rows = q_rows.to(dev)
         q_pre = pre.apply(q_rows, damping)
         q_norm = m_norms(q_rows, q_pre) if mode != "dot" else None
-        meta = {
-            "mode": mode,
-            "preconditioner": pre.kind,
-            "damping": damping,
-            "module_damping": pre.module_dampings(damping),
-        }
-        if refine is not None:
-            meta["refine"] = {"steps": 0, "products": 0, "passes": 0}
+        meta = {"mode": mode, **_unrefined_meta(pre, damping, refine)}
     job = _Scoring(q_pre, q_norm, pre, damping, mode, top_k, batch_size, test_ids, meta)
     rank, _ = _dist()
     disable = True if rank != 0 else _quiet(progress)
@@ -520,14 +525,7 @@ def compute_self_influence(
             values = torch.cat(parts) if parts else torch.empty(0)
     if not ids:
         raise ValueError("the log is empty")
-    meta = {
-        "preconditioner": pre.kind,
-        "damping": damping,
-        "module_damping": pre.module_dampings(damping),
-    }
-    if refine is not None:
-        meta["refine"] = {"steps": 0, "products": 0, "passes": 0}
-    return SelfInfluenceResult(values, ids, meta)
+    return SelfInfluenceResult(values, ids, _unrefined_meta(pre, damping, refine))
 
 
 def _self_on_device(

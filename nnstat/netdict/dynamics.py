@@ -39,6 +39,17 @@ def _norm_pairs(W_prev: NetDict, W_curr: NetDict) -> tuple[list[str], torch.Tens
 def trust_ratio(W_prev: NetDict, W_curr: NetDict) -> dict[str, float]:
     """Per layer ``‖W_curr‖₂ / ‖W_curr − W_prev‖₂`` (``inf`` for a zero update).
 
+    Args:
+        W_prev: weights before the step (:func:`~nnstat.get_weight`).
+        W_curr: weights after it, with the same keys.
+
+    Returns:
+        Layer name → ratio.
+
+    Raises:
+        TypeError: the arguments are not NetDicts.
+        ValueError: an empty NetDict, or the two have different layers.
+
     Example:
         >>> W = NetDict({"w": torch.ones(2)})
         >>> trust_ratio(W, W)
@@ -50,6 +61,17 @@ def trust_ratio(W_prev: NetDict, W_curr: NetDict) -> dict[str, float]:
 
 def update_ratio(W_prev: NetDict, W_curr: NetDict) -> dict[str, float]:
     """Per layer ``‖W_curr − W_prev‖₂ / ‖W_curr‖₂``, the inverse of `trust_ratio`.
+
+    Args:
+        W_prev: weights before the step (:func:`~nnstat.get_weight`).
+        W_curr: weights after it, with the same keys.
+
+    Returns:
+        Layer name → ratio.
+
+    Raises:
+        TypeError: the arguments are not NetDicts.
+        ValueError: an empty NetDict, or the two have different layers.
 
     Example:
         >>> W = NetDict({"w": torch.ones(2)})

@@ -37,6 +37,11 @@ __all__ = [
 class UnknownStateKeyError(KeyError):
     """An optimizer-state key that no parameter's state holds; the message lists those that exist.
 
+    Args:
+        key: the key asked for.
+        existing: the keys the optimizer's states hold.
+        optimizer: the optimizer's class name, for the message.
+
     Example:
         >>> str(UnknownStateKeyError("exp_avg_sg", ["exp_avg", "exp_avg_sq"]))[:40]
         "unknown optimizer state key 'exp_avg_sg'"
@@ -100,6 +105,20 @@ def get_weight(
     (in-place optimizers would otherwise change ``W0`` too). Tensors stay on the model's device
     unless `device` is given.
 
+    Args:
+        model: the network.
+        include: regex (``re.search``) of parameter names to keep; ``None``: all.
+        exclude: regex of parameter names to leave out.
+        device: device to put the tensors on; ``None``: where they are.
+        copy: detached copies (``False``: the parameters' own detached storage).
+
+    Returns:
+        A :class:`NetDict` parameter name → weight tensor.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: the model has no parameters, or none matches ``include``/``exclude``.
+
     Example:
         >>> W = get_weight(torch.nn.Linear(2, 1), include="bias")
         >>> list(W)
@@ -127,6 +146,24 @@ def get_grad(
     Parameters with ``requires_grad=False`` are skipped silently. Trainable parameters whose
     ``.grad`` is None are skipped with one warning naming them (``missing="warn"``), silently
     (``"ignore"``) or raise (``"raise"``). If no parameter has a gradient, a ValueError is raised.
+
+    Args:
+        model: the network, after ``loss.backward()``.
+        include: regex (``re.search``) of parameter names to keep; ``None``: all.
+        exclude: regex of parameter names to leave out.
+        device: device to put the tensors on; ``None``: where they are.
+        copy: detached copies (``False``: the ``.grad`` tensors themselves, detached).
+        missing: trainable parameters without ``.grad``: ``"warn"``, ``"ignore"`` or
+            ``"raise"``.
+
+    Returns:
+        A :class:`NetDict` parameter name → gradient.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: the model has no parameters, or none matches ``include``/``exclude``.
+            Also: no parameter has a gradient yet, ``missing="raise"`` with one missing, or
+            an unknown ``missing``.
 
     Example:
         >>> m = torch.nn.Linear(2, 1); m(torch.ones(1, 2)).sum().backward()
@@ -188,6 +225,23 @@ def get_optimizer_state(
     Parameters without that state (no step yet, frozen) are left out. An unknown key raises
     `UnknownStateKeyError` listing the keys that exist.
 
+    Args:
+        model: the network the optimizer trains.
+        optimizer: the optimizer holding the state.
+        key: the state's name in ``optimizer.state[p]``.
+        include: regex (``re.search``) of parameter names to keep; ``None``: all.
+        exclude: regex of parameter names to leave out.
+        device: device to put the tensors on; ``None``: where they are.
+        copy: detached copies (``False``: the state tensors themselves).
+
+    Returns:
+        A :class:`NetDict` parameter name → state tensor.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or ``optimizer`` not an optimizer.
+        UnknownStateKeyError: no parameter's state holds ``key`` (a ``KeyError``).
+        ValueError: no parameter matches ``include``/``exclude``.
+
     Example:
         >>> m = torch.nn.Linear(2, 1); opt = torch.optim.Adam(m.parameters())
         >>> m(torch.ones(1, 2)).sum().backward(); opt.step()
@@ -216,6 +270,17 @@ def get_update(W0: NetDict, W1: NetDict, lr: float = 1.0) -> NetDict:
     With ``lr=1`` this is the raw update; with the optimizer's learning rate it is the update
     direction (``-grad`` for plain SGD).
 
+    Args:
+        W0: weights before the step (e.g. ``get_weight(model)`` before ``optimizer.step()``).
+        W1: weights after it, with the same keys.
+        lr: divisor of the difference.
+
+    Returns:
+        A :class:`NetDict` of ``(W1 - W0) / lr``.
+
+    Raises:
+        ValueError: ``lr`` is zero, or the two NetDicts have different layers.
+
     Example:
         >>> a = NetDict({"w": torch.tensor([1.0])}); b = NetDict({"w": torch.tensor([0.5])})
         >>> get_update(a, b, lr=0.5)["w"].tolist()
@@ -241,6 +306,24 @@ def compute_stats(
     Keys are ``"weight/<layer>/<stat>"``, ``"grad/<layer>/<stat>"``, ``"<state_key>/<layer>/<stat>"``.
     State keys are validated before anything is computed. Parameters without ``.grad`` are left
     out of ``grad/`` with one warning (all of ``grad/`` when nothing has a gradient yet).
+
+    Args:
+        model: the network.
+        optimizer: its optimizer; needed for ``state_keys``.
+        state_keys: optimizer states to describe (``"exp_avg"``, ...).
+        include: regex (``re.search``) of parameter names to keep; ``None``: all.
+        exclude: regex of parameter names to leave out.
+        stats: statistic names (see `nnstat.describe`); ``None``: all of them.
+        layerwise: one row per layer (``False``: one per group for the whole network).
+
+    Returns:
+        A flat dict metric key → float.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: the model has no parameters, or none matches ``include``/``exclude``.
+        UnknownStateKeyError: a state key no parameter's state holds.
+        ValueError: ``state_keys`` without an optimizer, or an unknown statistic.
 
     Example:
         >>> m = torch.nn.Linear(2, 1); opt = torch.optim.Adam(m.parameters())

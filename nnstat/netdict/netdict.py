@@ -52,6 +52,13 @@ class NetDict(Mapping[str, torch.Tensor]):
 
     Binary operators accept another NetDict with exactly the same keys, or a scalar.
 
+    Args:
+        data: layer name → tensor; ``None``: empty.
+
+    Raises:
+        TypeError: a key that is not a string or a value that is not a tensor.
+        ValueError: (operators) another NetDict with different layers.
+
     Example:
         >>> import torch
         >>> a = NetDict({"w": torch.tensor([3.0, 4.0])})
@@ -213,6 +220,15 @@ class NetDict(Mapping[str, torch.Tensor]):
     def norm(self, p: float = 2) -> float:
         """The p-norm of the whole network, as if all layers were one flat vector.
 
+        Args:
+            p: the norm's order (``inf``, ``-inf`` and ``0`` included).
+
+        Returns:
+            The norm.
+
+        Raises:
+            ValueError: an empty NetDict.
+
         Example:
             >>> NetDict({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}).norm(2)
             5.0
@@ -254,6 +270,20 @@ class NetDict(Mapping[str, torch.Tensor]):
         `stats` defaults to every name in `nnstat.describe.STAT_NAMES`. NaN/Inf are counted in
         ``nonfinite``; the other statistics (except ``numel``) describe the finite elements.
 
+        Args:
+            layerwise: one row per layer (``False``: one for the whole network).
+            include: regex (``re.search``) of layer names to describe; ``None``: all.
+            exclude: regex of layer names to leave out.
+            stats: statistic names; ``None``: all of them.
+            display: also print the table.
+
+        Returns:
+            A `Description`: ``{stat: value}``, or ``{layer: {stat: value}}`` when layerwise.
+
+        Raises:
+            ValueError: an empty NetDict, no layer matching ``include``/``exclude``, or an
+                unknown statistic.
+
         Example:
             >>> d = NetDict({"a": torch.tensor([1.0, 3.0])}).describe(stats=["mean", "max"])
             >>> dict(d)
@@ -291,6 +321,21 @@ class NetDict(Mapping[str, torch.Tensor]):
 
         With ``layerwise=False`` the keys are ``"<prefix><stat>"`` for the whole network.
 
+        Args:
+            include: regex of layer names to describe; ``None``: all.
+            exclude: regex of layer names to leave out.
+            stats: statistic names; ``None``: all of them.
+            prefix: prepended to every key (e.g. ``"weight/"``).
+            layerwise: per layer (``False``: the whole network).
+            display: also print the table.
+
+        Returns:
+            The flat metrics dict.
+
+        Raises:
+            ValueError: an empty NetDict, no layer matching ``include``/``exclude``, or an
+                unknown statistic.
+
         Example:
             >>> NetDict({"fc.weight": torch.ones(2)}).describe_layers(stats=["l1"], prefix="w/")
             {'w/fc.weight/l1': 2.0}
@@ -303,6 +348,9 @@ class NetDict(Mapping[str, torch.Tensor]):
     # -- persistence ----------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
         """Save as safetensors (``.safetensors``) or a plain tensor dict for ``torch.load``.
+
+        Args:
+            path: the file; its suffix picks the format.
 
         Example:
             >>> import tempfile, os
@@ -321,7 +369,18 @@ class NetDict(Mapping[str, torch.Tensor]):
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu") -> NetDict:
-        """Load a NetDict saved by `save` (never unpickles arbitrary objects)."""
+        """Load a NetDict saved by `save` (never unpickles arbitrary objects).
+
+        Args:
+            path: a file written by `save`.
+            device: device to load the tensors onto.
+
+        Returns:
+            The NetDict, in the saved layer order.
+
+        Raises:
+            ValueError: the file does not hold a dict of tensors.
+        """
         path = Path(path)
         if path.suffix == ".safetensors":
             from safetensors import safe_open

@@ -335,9 +335,13 @@ def noise_scale_plot(
         top = np.nanmax(np.where(np.isfinite(high), high, shown)) if np.isfinite(shown).any() else 1
         unbounded = bool(np.isposinf(high).any())
         ax.fill_between(
-            x, low, np.where(np.isposinf(high), top * 1e3, high), color="#4c72b0", alpha=0.2,
+            x,
+            low,
+            np.where(np.isposinf(high), top * 1e3, high),
+            color="#4c72b0",
+            alpha=0.2,
             label="interval" + (" (to the top: no upper bound)" if unbounded else ""),
-        )  # fmt: skip
+        )
     ax.plot(x, shown, marker="o", markersize=3, color="#4c72b0", label="B_simple = tr(Σ)/‖G‖²")
     if batch_size is not None:
         ax.axhline(batch_size, color="#dd8452", linestyle="--", label=f"batch size {batch_size}")

@@ -82,9 +82,14 @@ def receptive_fields(
     for i, u in enumerate(units):
         r, c = divmod(i, ncols)
         ax.text(
-            c * (wd + gap_x) + (wd - 1) / 2, r * (h + gap_y) + gap_y - 0.7, str(int(u)),
-            ha="center", va="bottom", fontsize=8.5, color="0.25",
-        )  # fmt: skip
+            c * (wd + gap_x) + (wd - 1) / 2,
+            r * (h + gap_y) + gap_y - 0.7,
+            str(int(u)),
+            ha="center",
+            va="bottom",
+            fontsize=8.5,
+            color="0.25",
+        )
     ax.set_axis_off()
     fig.colorbar(image, ax=ax, shrink=0.8, label=label, extend="both")
     what = "largest weight norm first" if order == "norm" else "layer order"

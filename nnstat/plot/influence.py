@@ -142,8 +142,15 @@ def influence_figure(
         (x_harmful, k, "most harmful  (score < 0: raises the query's loss)", _HARMFUL),
     ):
         centre = x + (1.25 * span - 0.25) / 2
-        fig.text(centre / width, (top + 0.1) / height, text, color=colour, ha="center",
-                 va="bottom", fontsize=10)  # fmt: skip
+        fig.text(
+            centre / width,
+            (top + 0.1) / height,
+            text,
+            color=colour,
+            ha="center",
+            va="bottom",
+            fontsize=10,
+        )
 
     def show(
         rect: tuple[float, float, float, float], img: np.ndarray, text: str, colour: str
@@ -271,13 +278,19 @@ def ranking_recall(
         hits = ranking_hits(scores, flagged)[:max_k]
         at_k = int(hits[min(n_flagged, n) - 1])
         ax.plot(
-            ks, hits, color=colours[i % len(colours)], linewidth=1.8,
+            ks,
+            hits,
+            color=colours[i % len(colours)],
+            linewidth=1.8,
             label=f"{name}: {at_k}/{n_flagged} in the top {n_flagged}",
-        )  # fmt: skip
+        )
     ax.plot(
-        ks, ks * n_flagged / n, color="0.45", linestyle="--",
+        ks,
+        ks * n_flagged / n,
+        color="0.45",
+        linestyle="--",
         label=f"random order: {n_flagged * n_flagged / n:.1f} expected in the top {n_flagged}",
-    )  # fmt: skip
+    )
     ax.axvline(n_flagged, color="0.3", linestyle=":", linewidth=1.0)
     ax.set_xlim(0, max_k)
     ax.set_ylim(0, n_flagged * 1.05)

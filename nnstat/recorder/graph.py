@@ -109,32 +109,3 @@ def graph_hash(document: dict[str, object]) -> str:
     """
     text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def topological_order(names: Sequence[str], edges: Iterable[tuple[str, str]]) -> list[str]:
-    """Names ordered so parents come first; ties keep the order of ``names``.
-
-    Example:
-        >>> topological_order(["c", "b", "a"], [("a", "b"), ("b", "c")])
-        ['a', 'b', 'c']
-    """
-    rank = {n: i for i, n in enumerate(names)}
-    children: dict[str, list[str]] = {n: [] for n in names}
-    indeg = dict.fromkeys(names, 0)
-    for a, b in edges:
-        if a in rank and b in rank:
-            children[a].append(b)
-            indeg[b] += 1
-    ready = sorted((n for n in names if indeg[n] == 0), key=rank.__getitem__)
-    out: list[str] = []
-    while ready:
-        n = ready.pop(0)
-        out.append(n)
-        for c in children[n]:
-            indeg[c] -= 1
-            if indeg[c] == 0:
-                ready.append(c)
-                ready.sort(key=rank.__getitem__)
-    # cycles cannot come from autograd; manual edges might add one, keep those nodes last
-    out += [n for n in names if n not in set(out)]
-    return out

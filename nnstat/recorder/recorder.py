@@ -36,6 +36,25 @@ class Recorder:
     Call `finish_batch` after ``loss.backward()`` and before ``optimizer.zero_grad()`` so that
     parameter gradients are still in ``.grad``.
 
+    Args:
+        root: folder of recordings (``root/group/trial``).
+        group: folder of comparable trials (a plain folder name).
+        trial: this run's folder name.
+        every: the default schedule: steps between recordings, a `Schedule`, its dict form,
+            or ``None`` (record only when a rule fires or a step is decided).
+        schedules: a schedule per ``type_of_execution`` (e.g. ``"eval"``).
+        rules: anomaly rules checked on every step (`nnstat.recorder.Rule`).
+        sample_k: also describe each of the first ``sample_k`` samples.
+        raw_max_numel: keep the raw values of tensors with at most this many elements.
+        on_nonfinite: NaN/Inf in a recorded step: ``"warn"`` or ``"raise"``.
+        overwrite: replace an existing trial folder.
+
+    Raises:
+        ValueError: an invalid ``on_nonfinite``, ``sample_k``, ``raw_max_numel``, schedule, or
+            a group/trial that is not a plain folder name.
+        TypeError: a rule that is not a `Rule`.
+        FileExistsError: the trial folder exists and ``overwrite`` is False.
+
     Example:
         >>> import torch, nnstat
         >>> model = torch.nn.Linear(3, 1)
@@ -169,7 +188,15 @@ class Recorder:
 
     # ---- step structure ----------------------------------------------------------------
     def start_batch(self, step: int, type_of_execution: str = "train") -> None:
-        """Begin a training step; decides (cheaply) whether its tensors are captured."""
+        """Begin a training step; decides (cheaply) whether its tensors are captured.
+
+        Args:
+            step: the training step.
+            type_of_execution: ``"train"``, ``"eval"``, ... (selects the schedule).
+
+        Raises:
+            RuntimeError: called twice without `finish_batch`.
+        """
         if self._batch is not None:
             raise RuntimeError("start_batch called twice without finish_batch")
         sched = self.schedule_for(type_of_execution)
@@ -197,9 +224,21 @@ class Recorder:
     ) -> torch.Tensor:
         """Register a tensor of the current (or, after `finish_iteration`, the last) iteration.
 
-        Returns the tensor unchanged.
         Its gradient is captured with a tensor hook when it requires grad. Works under
         ``torch.no_grad()`` (forward values only); ``requires_grad`` is never changed.
+
+        Args:
+            name: the tensor's name (unique in the iteration).
+            tensor: the tensor.
+            role: ``"input"``, ``"target"``, ``"output"``, ``"loss"`` or ``"intermediate"``.
+
+        Returns:
+            ``tensor``, unchanged.
+
+        Raises:
+            RuntimeError: called outside `start_batch`/`finish_batch`.
+            ValueError: an unknown role, or a name registered twice.
+            TypeError: ``tensor`` is not a tensor.
         """
         b = self._batch
         if b is None:
@@ -263,7 +302,16 @@ class Recorder:
 
     # ---- the per-step reduction ----------------------------------------------------------
     def finish_batch(self) -> dict[str, Any] | None:
-        """Reduce, evaluate rules, and write the step if it is recorded. Returns its record."""
+        """Reduce, evaluate rules, and write the step if it is recorded.
+
+        Returns:
+            The step's record (``"reason"``: ``"schedule"``, ``"decision"`` or a rule), or
+            ``None`` when it is not recorded.
+
+        Raises:
+            RuntimeError: called without `start_batch`.
+            NonFiniteError: NaN/Inf in a recorded step with ``on_nonfinite="raise"``.
+        """
         b = self._require_batch("finish_batch")
         if self._engine_ctx is not None:
             ctx, self._engine_ctx = self._engine_ctx, None

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nnstat.store.files import load_safetensors
+from nnstat.store.files import load_safetensors, read_json
 
 FORMAT_VERSION = 1
 _OWN = ("trial.json", "notes.jsonl", "kpis.jsonl", "graphs", "steps")
@@ -139,10 +139,6 @@ def iter_trials(root: Path) -> Iterator[Path]:
             yield from (g for g in sorted(child.iterdir()) if (g / "trial.json").exists())
 
 
-def read_json(path: Path) -> Any:
-    return json.loads(Path(path).read_text(encoding="utf-8"))
-
-
 def read_step_meta(trial: Path) -> list[dict[str, Any]]:
     """JSON records of every complete step of a trial, ordered by (type, step).
 
@@ -170,15 +166,6 @@ def read_step_values(trial: Path, stem: str) -> dict[str, torch.Tensor]:
         >>> read_step_values(Path("runs/recorder/g/t"), "train-000000000")["0/forward/loss"]  # doctest: +SKIP
     """
     return load_safetensors(Path(trial) / "steps" / f"{stem}.values.safetensors")
-
-
-def read_notes(trial: Path) -> list[dict[str, Any]]:
-    """Notes of a trial; a partly written last line is ignored.
-
-    Example:
-        >>> [n["text"] for n in read_notes(Path("runs/recorder/g/t"))]  # doctest: +SKIP
-    """
-    return _read_jsonl(Path(trial) / "notes.jsonl")
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:

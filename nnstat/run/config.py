@@ -67,6 +67,10 @@ class RunConfig:
         size_budget_bytes: warn when the projected store size exceeds this (default 8 GiB).
         num_samples: number of samples in the pass, for the up-front store size check.
 
+    Raises:
+        ValueError: (construction, :meth:`from_any`, :meth:`update`) an unknown key or an
+            invalid value, named in the message.
+
     Example:
         >>> cfg = RunConfig.from_any({"log": "grad", "save": "grad", "statistic": "ekfac"})
         >>> [p.name for p in cfg.passes()]

@@ -43,7 +43,7 @@ from nnstat.run.rows import (
     refuse_left_out,
 )
 from nnstat.run.signals import CommitOnSignal
-from nnstat.run.weights import BlockGuard, model_fingerprint
+from nnstat.run.weights import BlockGuard, Models, enclosing, model_fingerprint
 from nnstat.store.errors import StoreWriteError
 from nnstat.store.files import META_FILE
 from nnstat.store.ids import duplicate_ids, normalize_ids
@@ -118,7 +118,10 @@ class Run(PassEnd):
         self._pass_model: str | None = None  # model_sha256: every parameter and buffer
         self._round_params: tuple | None = None
         self._guard = BlockGuard()  # the model at the end of the pass's last block
+        # the watched model, or the outermost modules holding it (found once per pass)
+        self._covered: Models | None = None
         self._eval_params: str | None = None
+        self._eval_model: str | None = None  # model_sha256 of the current eval log
         self._probe_reduction = True  # the first block of a pass / eval log checks the loss
         self._warned_once: set[str] = set()
         self._writer_error: StoreWriteError | None = None  # raised again by finalize()
@@ -221,9 +224,12 @@ class Run(PassEnd):
         same: bool | torch.Tensor = True
         if self.mode == "log" and (logging or self._stats_on()):
             self._begin_pass()
-            same = self._guard.begin(self.model)
+            same = self._guard.begin(self._covered)
         elif self.mode == "eval" and self._eval_params is None:
             self._eval_params = params_fingerprint(self.engine)
+            self._eval_model = model_fingerprint(
+                enclosing(self.model) if self.model is not None else None
+            )
         if logging:
             self._open_logger()
             assert self._logger is not None
@@ -281,7 +287,7 @@ class Run(PassEnd):
                 keep = self._admit(ids)
             self._complete(block, ids, keep, same)
         if self.mode == "log" and self._pass_params is not None:
-            self._guard.record(self.model)
+            self._guard.record(self._covered)
 
     def _on_capture(self, cap: Any) -> None:
         if not self._rows.open:
@@ -383,7 +389,7 @@ class Run(PassEnd):
         self.mode = "eval"
         self._eval_ids, self._eval_rows, self._eval_seen = [], [], set()
         self._next_auto_id = 0
-        self._eval_params, self._probe_reduction = None, True
+        self._eval_params, self._eval_model, self._probe_reduction = None, None, True
         if self._projections is None and self.engine is not None and self.engine.watched:
             self._build_projections()  # from the store when it exists (see below)
         return self
@@ -405,11 +411,12 @@ class Run(PassEnd):
         # the weights when this log's first block was captured; scoring compares them with the
         # store's (meta["params_sha256"])
         meta = self.store_meta(params_sha256=self._eval_params, statistics_sha256=stats_hash)
+        meta["model_sha256"] = self._eval_model  # every tensor of the model (and its parents)
         projections = projection_tensors(self._projections) if self._projections else {}
         log = GradientLog(list(self._eval_ids), rows, meta, stats, projections)
         self._eval_ids, self._eval_rows, self._eval_seen = [], [], set()
         self._next_auto_id = 0
-        self._eval_params, self._probe_reduction = None, True
+        self._eval_params, self._eval_model, self._probe_reduction = None, None, True
         return log
 
     def build_log_dataloader(self, batch_size: int = 1024, num_workers: int = 0) -> Any:
@@ -455,7 +462,8 @@ class Run(PassEnd):
             store_io.clear_store(self.path, self.rank, self.world_size)
             self.overwrite = False
         current = params_fingerprint(self.engine)
-        whole = model_fingerprint(self.model)
+        self._covered = enclosing(self.model) if self.model is not None else None
+        whole = model_fingerprint(self._covered)
         check_store_weights(self.path, current, self._warned_once, whole)
         if self._pass > 0 and self._round_params not in (None, (current, whole)):
             raise weights_changed_error([p.name for p in self.config.passes()], self._pass)

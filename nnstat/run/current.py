@@ -57,6 +57,18 @@ def init(
 
     ``overwrite=True``: its first logging pass replaces what the store holds (see :class:`Run`).
 
+    Args:
+        project: name of the store directory under ``root_dir``.
+        root_dir: parent directory of projects.
+        config: an initial :class:`RunConfig` or its dict form (as :func:`setup` takes).
+        overwrite: let the first logging pass replace what the store holds.
+
+    Returns:
+        The new current :class:`Run`.
+
+    Raises:
+        ValueError: ``project`` is not a plain directory name, or ``config`` is invalid.
+
     Example:
         >>> run = init(project="my_project")  # doctest: +SKIP
     """
@@ -79,22 +91,67 @@ def current_run() -> Run:
 
 
 def setup(config: RunConfig | Mapping[str, Any]) -> Run:
-    """:meth:`Run.setup` on the current run."""
+    """:meth:`Run.setup` on the current run.
+
+    Args:
+        config: a :class:`RunConfig` (replaces the configuration) or a dict of its keys
+            (updates the current one, keeping the rest).
+
+    Returns:
+        The current run.
+
+    Raises:
+        ValueError: an unknown key or an invalid value, named in the message.
+        RuntimeError: no current run (call :func:`init` first).
+    """
     return current_run().setup(config)
 
 
 def watch(model: nn.Module, name_filter: Any = None, type_filter: Any = None) -> list[str]:
-    """:meth:`Run.watch` on the current run."""
+    """:meth:`Run.watch` on the current run.
+
+    Args:
+        model: the network whose supported modules are watched.
+        name_filter: regex (or list of regexes) of module names to keep; ``None``: all.
+        type_filter: module class (or tuple of classes) to keep; ``None``: all supported.
+
+    Returns:
+        The names of the watched modules.
+
+    Raises:
+        RuntimeError: no current run (call :func:`init` first), or a logging pass is open
+            (call :func:`finalize` first).
+    """
     return current_run().watch(model, name_filter=name_filter, type_filter=type_filter)
 
 
 def unwatch() -> None:
-    """:meth:`Run.unwatch` on the current run."""
+    """:meth:`Run.unwatch` on the current run: every hook removed, the model as before.
+
+    Raises:
+        RuntimeError: no current run (call :func:`init` first).
+    """
     current_run().unwatch()
 
 
 def add_projection(rank: int | None = 64, init: str = "random", seed: int = 0) -> dict:
-    """:meth:`Run.add_projection` on the current run."""
+    """:meth:`Run.add_projection` on the current run.
+
+    Args:
+        rank: per-side rank of each module's projection (``rank x rank`` rows); ``None``
+            stores full per-sample gradients.
+        init: ``"random"`` (Gaussian from ``seed``) or ``"pca"`` (top eigenvectors of a
+            previous statistics pass).
+        seed: seed of the random projections.
+
+    Returns:
+        The layout ``{module: (r_out, r_in)}``.
+
+    Raises:
+        RuntimeError: no current run (call :func:`init` first), no watched model, or a
+            logging pass is open.
+        ValueError: ``init="pca"`` without a statistics pass, or an invalid ``rank``/``init``.
+    """
     return current_run().add_projection(rank=rank, init=init, seed=seed)
 
 
@@ -109,20 +166,54 @@ def schedule() -> Iterator[int]:
 
 
 def finalize() -> None:
-    """:meth:`Run.finalize` on the current run."""
+    """:meth:`Run.finalize` on the current run: flush the store, save statistics.
+
+    Raises:
+        RuntimeError: no current run (call :func:`init` first).
+        Exception: the store writer's error (disk full, a failed write), re-raised here.
+    """
     current_run().finalize()
 
 
 def eval() -> Run:  # noqa: A001 - the seed's API name
-    """:meth:`Run.eval` on the current run."""
+    """:meth:`Run.eval` on the current run: capture query rows in memory, save nothing.
+
+    Returns:
+        The current run, in eval mode.
+
+    Raises:
+        RuntimeError: no current run (call :func:`init` first), or a logging pass is open
+            (call :func:`finalize` first).
+    """
     return current_run().eval()
 
 
 def get_log() -> GradientLog:
-    """:meth:`Run.get_log` on the current run."""
+    """:meth:`Run.get_log` on the current run.
+
+    Returns:
+        A :class:`~nnstat.store.GradientLog` of the rows captured since :func:`eval` (or the
+        previous ``get_log``), which are then cleared.
+
+    Raises:
+        RuntimeError: no current run (call :func:`init` first), the run is not in eval mode,
+            or nothing was captured.
+    """
     return current_run().get_log()
 
 
 def build_log_dataloader(batch_size: int = 1024, num_workers: int = 0) -> Any:
-    """:meth:`Run.build_log_dataloader` on the current run."""
+    """:meth:`Run.build_log_dataloader` on the current run.
+
+    Args:
+        batch_size: rows per block.
+        num_workers: DataLoader worker processes.
+
+    Returns:
+        A DataLoader of ``(ids, rows)`` blocks over the run's store.
+
+    Raises:
+        RuntimeError: no current run (call :func:`init` first), or a logging pass is open
+            (call :func:`finalize` first).
+    """
     return current_run().build_log_dataloader(batch_size=batch_size, num_workers=num_workers)

@@ -7,14 +7,16 @@ Two fingerprints:
 * :func:`model_fingerprint` (meta.json's ``model_sha256``): sha256 over every parameter and
   buffer of the model, taken at the first block of each pass and compared with the store's,
   like ``params_sha256`` (which stays the watched parameters' hash, so older stores resume);
-* :class:`BlockGuard`: a cheap per-block check. At the end of each ``run(...)`` block it keeps,
-  per tensor, its identity (storage pointer, shape, dtype), its ``_version`` counter (which
-  in-place updates such as ``opt.step()`` or ``load_state_dict`` bump) and a few strided
-  sampled values (updates that do not bump it: ``p.data.mul_()``, fused optimizers); at the
-  start of the next block of the same pass anything that differs is a
-  :class:`~nnstat.store.errors.ModelChangedError` naming the tensors. Changes *inside* a block
-  (a train-mode BatchNorm updating its running statistics in forward) are not changes between
-  blocks.
+* :class:`BlockGuard`: a per-block check. At the end of each ``run(...)`` block it keeps, per
+  tensor, its identity (storage pointer, shape, dtype) and its ``_version`` counter (which
+  in-place updates such as ``opt.step()`` or ``load_state_dict`` bump), per module its
+  training mode, and per (device, dtype) group one :func:`checksum` of every bit of its
+  tensors, computed on their device in a few kernels per group (updates that do not bump
+  ``_version``: ``p.data[:, 1::2].mul_(2)``, one element, fused optimizers); at the start of
+  the next block of the same pass anything that differs is a
+  :class:`~nnstat.store.errors.ModelChangedError` naming the tensors, modules or group.
+  Changes *inside* a block (a train-mode BatchNorm updating its running statistics in
+  forward) are not changes between blocks.
 
 Example:
     >>> m = torch.nn.Linear(2, 2); guard = BlockGuard(); guard.record(m)
@@ -25,30 +27,86 @@ Example:
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from nnstat.store.errors import ModelChangedError
 from nnstat.store.integrity import params_hash
 
-SAMPLES = 4  # strided values kept per tensor at each block boundary
-_SAMPLED = "(sampled values of the parameters or buffers)"
+Models = torch.nn.Module | list[torch.nn.Module]  # a model, or the roots enclosing it
 
 
-def model_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter and buffer of ``model`` as ``(name, tensor)``, parameters first
-    (a DTensor gathered with ``full_tensor()``)."""
+def named(models: Models, what: str) -> list[tuple[str, Any]]:
+    """``named_parameters`` / ``named_buffers`` / ``named_modules`` (``what``) of one model or
+    of a list of them (names prefixed ``"i:"`` when there are several)."""
+    if isinstance(models, torch.nn.Module):
+        models = [models]
+    return [
+        (f"{i}:{n}" if len(models) > 1 else n, x)
+        for i, m in enumerate(models)
+        for n, x in getattr(m, what)()
+    ]
+
+
+def model_tensors(model: Models) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``model`` (or of each of a list of models) as
+    ``(name, tensor)``, parameters first (a DTensor gathered with ``full_tensor()``)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch built without distributed
         DTensor = ()  # noqa: N806
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+    for name, t in [*named(model, "named_parameters"), *named(model, "named_buffers")]:
         t = t.detach()
         yield name, t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def model_fingerprint(model: torch.nn.Module | None) -> str | None:
+def _parents(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that hold ``module`` as a child (found through the garbage collector's
+    referrers: a module does not know its parents)."""
+    out: list[torch.nn.Module] = []
+    for holder in gc.get_referrers(module):
+        if not isinstance(holder, dict):
+            continue
+        for owner in gc.get_referrers(holder):  # the parent, or its instance dict
+            if isinstance(owner, torch.nn.Module) and owner._modules is holder:
+                out.append(owner)
+            elif isinstance(owner, dict) and owner.get("_modules") is holder:
+                out += [
+                    m
+                    for m in gc.get_referrers(owner)
+                    if isinstance(m, torch.nn.Module) and m.__dict__ is owner
+                ]
+    return out
+
+
+def enclosing(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """``[model]``, or when it is a submodule of others (``watch(model.head)``), the outermost
+    modules holding it: their parameters, buffers and training modes feed its rows (a
+    backbone computes its input, the layers after it its output gradients), so a parent
+    changed between blocks or before a resume is a changed model. Found once per pass (a scan
+    of the garbage collector's objects: ~0.1 s in a small process, more in a large one).
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        >>> enclosing(net[1])[0] is net
+        True
+    """
+    roots, seen, todo = [], {id(model)}, [model]
+    while todo:
+        m = todo.pop()
+        parents = [p for p in _parents(m) if id(p) not in seen]
+        if not parents and m is not model:
+            roots.append(m)
+        for p in parents:
+            seen.add(id(p))
+            todo.append(p)
+    return roots or [model]
+
+
+def model_fingerprint(model: Models | None) -> str | None:
     """``meta["model_sha256"]``: :func:`~nnstat.store.integrity.params_hash` of
     :func:`model_tensors` (same on every rank: see ``params_fingerprint``)."""
     if model is None:
@@ -59,37 +117,115 @@ def model_fingerprint(model: torch.nn.Module | None) -> str | None:
         return combine_rank_digests(params_hash(model_tensors(model)))
 
 
-def _state(model: torch.nn.Module) -> tuple[list[tuple], dict[tuple, torch.Tensor]]:
-    """Per tensor its identity and version; the strided samples concatenated per (device,
-    dtype), left on the device (copies: the cat owns them)."""
-    ids = []
-    groups: dict[tuple, list[torch.Tensor]] = {}  # samples by (device, dtype): one cat each
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as a flat integer tensor (a view when ``t`` is contiguous): 32-bit words for
+    4/8/16-byte dtypes, 16/8-bit ones for 2/1-byte dtypes (bool, float16, bfloat16, float8)."""
+    size = t.element_size()
+    word = torch.int32 if size % 4 == 0 else (torch.int16 if size == 2 else torch.uint8)
+    return t.reshape(-1).view(word)
+
+
+def checksum(
+    words: torch.Tensor, weights: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One 0-d int32 checksum of a flat int32 tensor, left on its device: the sum of
+    ``word_i * (2i + 1)`` modulo 2**32 (``weights``: at least ``words.numel()`` of those odd
+    weights, made here when not given; ``out``: a buffer of at least as many words for the
+    products, which may be ``words`` itself).
+
+    Every single changed word is caught (an odd weight times a nonzero difference is nonzero
+    modulo 2**32), and so is an exchange of two words unless their difference times
+    ``2 (j - i)`` is a multiple of 2**32 (e.g. two float32 values that differ only in their
+    sign bit, exchanged: the one case a write could plausibly make); several changes are missed
+    only when their weighted differences cancel modulo 2**32.
+
+    Example:
+        >>> a = torch.tensor([1.0, 2.0, 3.0]).view(torch.int32)
+        >>> bool(checksum(a) == checksum(a.flip(0)))
+        False
+    """
+    n = words.numel()
+    if weights is None:
+        weights = torch.arange(1, 2 * n, 2, dtype=torch.int32, device=words.device)
+    products = torch.mul(words, weights[:n], out=None if out is None else out[:n])
+    return products.sum(dtype=torch.int32)
+
+
+class Weights:
+    """:func:`checksum`'s odd weights and a buffer for the words of a group, per device, kept
+    (each 4 bytes per word of the largest group: twice its tensors' bytes), so that a block
+    boundary allocates nothing (on CPU, fresh memory made the check ~10x slower) and launches no
+    kernel to make the weights; also the few zero bytes that pad a group of 1/2-byte words to
+    whole 32-bit words."""
+
+    def __init__(self) -> None:
+        self._weights: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pads: dict[tuple, torch.Tensor] = {}
+
+    def __call__(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights and the words buffer on ``device``, each of at least ``n`` words."""
+        w = self._weights.get(device)
+        if w is None or w[0].numel() < n:
+            w = (
+                torch.arange(1, 2 * n, 2, dtype=torch.int32, device=device),
+                torch.empty(n, dtype=torch.int32, device=device),
+            )
+            self._weights[device] = w
+        return w
+
+    def pad(self, words: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``words`` plus zero bytes up to a multiple of 4 bytes (none for 32-bit words)."""
+        size = words[0].element_size()
+        extra = (-sum(w.numel() for w in words) * size) % 4 // size
+        if not extra:
+            return words
+        key = (words[0].device, words[0].dtype, extra)
+        if key not in self._pads:
+            self._pads[key] = torch.zeros(extra, dtype=words[0].dtype, device=words[0].device)
+        return [*words, self._pads[key]]
+
+
+def _state(model: Models, weights: Weights) -> tuple[list[tuple], dict[tuple, torch.Tensor]]:
+    """Per tensor its identity and version, per module its training mode (``m.train()`` /
+    ``m.eval()`` change what a forward computes); per (device, dtype) one :func:`checksum` of
+    every bit of its tensors concatenated, left on the device (not read here): a cat, a
+    product and a sum per group."""
+    ids: list[tuple] = [
+        (f"{n or 'model'} (training mode)", m.training) for n, m in named(model, "named_modules")
+    ]
+    groups: dict[tuple, list[torch.Tensor]] = {}  # words by (device, dtype): one cat each
+    for name, t in [*named(model, "named_parameters"), *named(model, "named_buffers")]:
         local = getattr(t, "to_local", None)  # a DTensor (FSDP2): this rank's shard
         t = local() if callable(local) else t
         ids.append((name, t.data_ptr(), tuple(t.shape), t.dtype, t._version))
-        n = t.numel()
-        if n:
-            step = max(1, n // SAMPLES)
-            if t.is_contiguous():  # one strided view, no copy
-                sample = torch.as_strided(t, (-(-n // step),), (step,), t.storage_offset())
-            else:
-                sample = t.reshape(-1)[::step]
-            groups.setdefault((t.device, t.dtype), []).append(sample)
-    return ids, {key: torch.cat(group) for key, group in groups.items()}
+        if t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(_words(t.detach()))
+    sums = {}
+    for key, group in groups.items():
+        group = weights.pad(group)
+        n = sum(g.numel() * g.element_size() for g in group) // 4
+        w, buf = weights(n, group[0].device)
+        if len(group) == 1 and group[0].dtype == torch.int32:
+            words = group[0]  # one tensor of 32-bit words: read where it is
+        else:  # into the kept buffer (as its own word type; 1/2-byte words are always copied)
+            words = torch.cat(group, out=buf[:n].view(group[0].dtype)).view(torch.int32)
+        sums[key] = checksum(words, w, buf)
+    return ids, sums
 
 
 def _same_bits(a: dict[tuple, torch.Tensor], b: dict[tuple, torch.Tensor]) -> bool | torch.Tensor:
-    """Whether two sample sets hold the same bits (NaN == NaN): a bool when the shapes tell, else
-    a 0-d bool tensor on the device, not read here (recording and comparing the samples read
-    nothing: the caller reads the flag, with the block's other flags, in one host read)."""
-    if a.keys() != b.keys() or any(a[k].shape != b[k].shape for k in a):
+    """Whether two checksum sets are equal: a bool when the groups tell, else a ``[groups]``
+    bool tensor on the device, not read here (recording and comparing the checksums read
+    nothing: the caller reads the flags, with the block's other flags, in one host read)."""
+    if a.keys() != b.keys():
         return False
     if not a:
         return True
     device = next(iter(a.values())).device  # groups on other devices join it (no host copy)
-    flags = [(a[k].view(torch.uint8) == b[k].view(torch.uint8)).all().to(device) for k in a]
-    return torch.stack(flags).all()
+    if len(a) == 1:
+        (k,) = a
+        return a[k] == b[k]
+    return torch.stack([a[k].to(device) for k in a]) == torch.stack([b[k].to(device) for k in a])
 
 
 class BlockGuard:
@@ -97,55 +233,70 @@ class BlockGuard:
 
     def __init__(self) -> None:
         self._state: tuple[list[tuple], dict[tuple, torch.Tensor]] | None = None
+        self._groups: list[tuple] = []  # the (device, dtype) groups of the last begin()
+        self._weights = Weights()
 
     def reset(self) -> None:
         self._state = None
 
-    def record(self, model: torch.nn.Module | None) -> None:
+    def record(self, model: Models | None) -> None:
         if model is not None:
             with torch.no_grad():
-                self._state = _state(model)
+                self._state = _state(model, self._weights)
 
-    def _compare(self, model: torch.nn.Module | None) -> tuple[list[str], bool | torch.Tensor]:
+    def _compare(self, model: Models | None) -> tuple[list[str], bool | torch.Tensor]:
         """The tensors whose identity or version differ from the last :meth:`record`, and
-        whether the sampled values are the same (a device flag, not read)."""
+        whether each group's checksum is the same (a device flag, not read)."""
         if self._state is None or model is None:
             return [], True
         with torch.no_grad():
-            ids, values = _state(model)
+            ids, values = _state(model, self._weights)
         old_ids, old_values = self._state
         out = [a[0] for a, b in zip(ids, old_ids, strict=False) if a != b]
         if len(ids) != len(old_ids):
-            out.append(f"({len(old_ids)} -> {len(ids)} tensors)")
+            out.append(f"({len(old_ids)} -> {len(ids)} tensors or modules)")
+        self._groups = list(values)
         return out, True if out else _same_bits(values, old_values)
 
-    def changed(self, model: torch.nn.Module | None) -> list[str]:
-        """Names of the tensors that differ from the last :meth:`record` (all of them when only
-        the sampled values tell)."""
+    def changed(self, model: Models | None) -> list[str]:
+        """Names of the tensors or modules that differ from the last :meth:`record` (a
+        (device, dtype) group when only its checksum tells)."""
         out, same = self._compare(model)
-        return out if out or bool(same) else [_SAMPLED]
+        return out or self._values_changed(same)
 
-    def check(self, model: torch.nn.Module | None) -> None:
+    def check(self, model: Models | None) -> None:
         """Raise :class:`ModelChangedError` when the model changed since the last block (one
         host read: :meth:`begin` then :meth:`confirm`)."""
         self.confirm(self.begin(model))
 
-    def begin(self, model: torch.nn.Module | None) -> bool | torch.Tensor:
+    def begin(self, model: Models | None) -> bool | torch.Tensor:
         """At a block's start: raise at once when a tensor was replaced or updated in place
-        (identity, version); return whether the sampled values are unchanged, as a device flag
+        (identity, version, training mode); return whether each group's checksum is unchanged,
+        as a device flag
         the block reads with its other flags at its end (:meth:`confirm`)."""
         out, same = self._compare(model)
         self._refuse(out)
         return same
 
     def confirm(self, same: bool | list[bool] | torch.Tensor) -> None:
-        """Raise when :meth:`begin`'s flag (or its value, read by the caller) says the sampled
-        values changed; a tensor flag is read here."""
+        """Raise when :meth:`begin`'s flag (or its value, read by the caller) says a group's
+        checksum changed; a tensor flag is read here."""
+        self._refuse(self._values_changed(same))
+
+    def _values_changed(self, same: bool | list[bool] | torch.Tensor) -> list[str]:
         if isinstance(same, torch.Tensor):
-            same = bool(same)
-        elif isinstance(same, list):
-            same = all(same)
-        self._refuse([] if same else [_SAMPLED])
+            same = same.reshape(-1).tolist()
+        if isinstance(same, bool):
+            same = [same] * max(1, len(self._groups))
+        if all(same):
+            return []
+        if len(same) != len(self._groups):  # the groups themselves differ
+            return ["(the values of the parameters or buffers)"]
+        return [
+            f"(the values of the {dtype} parameters or buffers on {device}: checksum)"
+            for (device, dtype), ok in zip(self._groups, same, strict=True)
+            if not ok
+        ]
 
     def _refuse(self, changed: list[str]) -> None:
         if changed:

@@ -68,6 +68,13 @@ def module_view(meta: dict[str, Any], rows: torch.Tensor, name: str) -> torch.Te
 class GradientLog:
     """Rows captured in memory (the query side of influence), same layout as a store.
 
+    Args:
+        ids: one data id per row.
+        rows: ``[n, row_width]`` float rows.
+        meta: the store-style metadata (``row_width``, ``modules``, hashes).
+        statistics: statistics tensors of the run (``"{module}/{stream}/{statistic}"``).
+        projections: the projection matrices (``"{module}/p_in"``, ``"{module}/p_out"``).
+
     Example:
         >>> log = GradientLog(ids=[0], rows=torch.zeros(1, 2), meta={"row_width": 2, "modules": []})
         >>> len(log)
@@ -101,6 +108,14 @@ class GradientStore:
 
     Attributes: ``path``, ``meta`` (meta.json), ``modules``, ``row_width``, ``dtype``, ``ids``
     (in row order), ``shards`` (``.npy`` paths).
+
+    Args:
+        path: the store directory (``root_dir/project`` of the run that wrote it).
+
+    Raises:
+        FileNotFoundError: ``path`` has no ``meta.json``.
+        ValueError: files that do not belong together or are damaged (a shard, its ids, its
+            commit log, duplicate ids), named in the message.
 
     Example:
         >>> store = GradientStore("./nnstat_logs/my_project")  # doctest: +SKIP
@@ -192,7 +207,15 @@ class GradientStore:
             handle.madvise(mmap.MADV_WILLNEED)
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` as one float32 tensor (slices across shard boundaries)."""
+        """Rows ``[start, stop)`` as one float32 tensor (slices across shard boundaries).
+
+        Args:
+            start: first row.
+            stop: one past the last row (clipped to the store's length).
+
+        Returns:
+            ``[stop - start, row_width]`` float32 rows.
+        """
         start, stop = max(0, start), min(len(self), stop)
         if stop <= start:
             return torch.empty(0, self.row_width)
@@ -208,7 +231,14 @@ class GradientStore:
         return decode_rows(array, self.dtype)
 
     def iter_blocks(self, batch_size: int = 1024) -> Iterator[tuple[list[DataId], torch.Tensor]]:
-        """Yield ``(ids, rows)`` blocks of up to ``batch_size`` rows in store order."""
+        """Yield ``(ids, rows)`` blocks of up to ``batch_size`` rows in store order.
+
+        Args:
+            batch_size: rows per block.
+
+        Returns:
+            An iterator of ``(ids, rows)``.
+        """
         for start in range(0, len(self), batch_size):
             stop = min(start + batch_size, len(self))
             yield self.ids[start:stop], self.rows(start, stop)
@@ -234,7 +264,14 @@ class GradientStore:
         return module_view(self.meta, rows, name)
 
     def load(self) -> GradientLog:
-        """Every row in memory as a :class:`GradientLog` (small stores only)."""
+        """Every row in memory as a :class:`GradientLog` (small stores only).
+
+        Returns:
+            The store's rows, ids, metadata, statistics and projections.
+
+        Raises:
+            ValueError: statistics or projections that do not match meta.json's hashes.
+        """
         return GradientLog(
             list(self.ids),
             self.rows(0, len(self)),

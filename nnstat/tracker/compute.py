@@ -2,14 +2,14 @@
 
 A `StepPlan` lists what one logged step reads: the weights with their snapshot (for updates)
 and every other group (gradients, optimizer states...). `tasks` turns it into a few
-independent tasks (one per group; weights and updates together when the fused pass applies).
+independent tasks (one per group; weights and updates together when the paired pass applies).
 The Tracker runs them inline or on the background worker; a task computes the same numbers
 wherever it runs, so both give bit-identical metrics. `assemble` then builds the flat ``"<group>/<layer>/<stat>"`` dict.
 
 Example:
     >>> import torch
     >>> w, prev = [torch.tensor([3.0, 4.0])], [torch.tensor([3.0, 3.0])]
-    >>> plan = StepPlan(["w"], ("l2",), fused=True, weights=w, prev=prev, refresh=True)
+    >>> plan = StepPlan(["w"], ("l2",), paired=True, weights=w, prev=prev, refresh=True)
     >>> results = {key: fn() for key, fn in tasks(plan)}
     >>> metrics = assemble(plan, results)
     >>> metrics["weight/w/l2"], metrics["update/w/l2"], metrics["trust_ratio/w"]
@@ -61,7 +61,7 @@ class StepPlan:
     """What one logged step reduces.
 
     `groups` holds ``(group, layer names, tensors)`` for every group but updates (and but the
-    weights when `fused`). `weights`/`prev` are the current weights and their snapshot when
+    weights when `paired`). `weights`/`prev` are the current weights and their snapshot when
     updates are tracked; `update_views` what to summarize after the in-place difference
     (FSDP1 wrappers of `prev`; `prev` itself otherwise). `refresh`: leave ``prev == weights``.
     `skip_update`: no optimizer step since the snapshot, so the update is still computed (the
@@ -70,7 +70,7 @@ class StepPlan:
 
     names: list[str]
     stats: tuple[str, ...]
-    fused: bool = False
+    paired: bool = False
     weights: list[torch.Tensor] | None = None
     prev: list[torch.Tensor] | None = None
     refresh: bool = False
@@ -128,14 +128,14 @@ def tasks(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> lis
                 return out
 
             out.append((PAIRED, weight_and_update))
-        elif plan.fused:
+        elif plan.paired:
 
-            def fused() -> Any:
+            def paired() -> Any:
                 return weight_update_norms(
                     w, prev, plan.refresh, ws.setdefault("update", Workspace())
                 )
 
-            out.append(("update", fused))
+            out.append(("update", paired))
         else:
             views = plan.update_views if plan.update_views is not None else prev
 
@@ -157,10 +157,10 @@ def tasks(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> lis
 
 def shares_blocks(plan: StepPlan) -> bool:
     """Whether every task of `plan` is one of `nnstat.describe.numpy_blocks`'s blocked passes on CPU
-    tensors (the default statistics: weights fused with their update, the other groups'
+    tensors (the default statistics: weights paired with their update, the other groups'
     norms with ``abs_max``), so that two threads can share each task's blocks
     (`nnstat.describe.numpy_blocks.share_blocks`) rather than split the tasks."""
-    return plan.fused and not plan.histograms and "abs_max" in plan.computed
+    return plan.paired and not plan.histograms and "abs_max" in plan.computed
 
 
 #: Task key of the weights reduced together with their update (`pair_tables`).
@@ -170,7 +170,7 @@ PAIRED = "weight+update"
 def _paired_weights(plan: StepPlan) -> list[torch.Tensor] | None:
     """The weight group's tensors when weights and update can be reduced in one read (CPU,
     moment statistics, plain tensors of equal shapes), else None."""
-    if plan.fused or plan.prev is None or plan.weights is None or plan.update_views is not None:
+    if plan.paired or plan.prev is None or plan.weights is None or plan.update_views is not None:
         return None
     if not set(plan.computed) - LIGHT_STATS:
         return None  # norms only: the per-group norm kernels are cheaper than the moment pass
@@ -208,7 +208,7 @@ class Staged:
 
     `parts` are the device tensors to transfer, in order; `groups` maps a result key to
     ``(tensors, index of its table in parts, index of its histogram rows or None, which
-    histograms were subsampled)``; `fused`: the indices of the weight and update tables of the
+    histograms were subsampled)``; `paired`: the indices of the weight and update tables of the
     norm-only pass.
     """
 
@@ -216,7 +216,7 @@ class Staged:
     groups: dict[str, tuple[list[torch.Tensor], int, int | None, list[bool]]] = field(
         default_factory=dict
     )
-    fused: tuple[int, int] | None = None
+    paired: tuple[int, int] | None = None
 
 
 def by_dtype(*lists: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], ...]]:
@@ -250,10 +250,10 @@ def stage(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> Sta
     if plan.prev is not None and plan.weights is not None:
         for prev, cur in by_dtype(plan.prev, plan.weights):
             torch._foreach_sub_(prev, cur)  # prev - W, exact
-            if not plan.fused:  # norm statistics alone do not see the sign (one pass less)
+            if not plan.paired:  # norm statistics alone do not see the sign (one pass less)
                 torch._foreach_neg_(prev)
         views = list(plan.update_views if plan.update_views is not None else plan.prev)
-        if plan.fused:
+        if plan.paired:
             lists += [list(plan.weights), views]
         else:
             keys.append("update")
@@ -269,9 +269,9 @@ def stage(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> Sta
             st.parts.append(hist)
             h = len(st.parts) - 1
         st.groups[key] = (tensors, at, h, sampled)
-    if len(results) == n + 2:  # the fused pass' weights and update
+    if len(results) == n + 2:  # the paired pass' weights and update
         st.parts += [results[n][0], results[n + 1][0]]
-        st.fused = (len(st.parts) - 2, len(st.parts) - 1)
+        st.paired = (len(st.parts) - 2, len(st.parts) - 1)
     return st
 
 
@@ -303,11 +303,11 @@ def finish(plan: StepPlan, st: Staged, host: list[torch.Tensor]) -> dict[str, An
                     [tensors[i]], plan.bins, plan.hist_max_elements, summary=summary[i : i + 1]
                 )[0]
         results[key] = (table, hists)
-    if st.fused is not None:
+    if st.paired is not None:
         assert plan.weights is not None and plan.prev is not None
         views = plan.update_views if plan.update_views is not None else plan.prev
-        tw = repair_table(host[st.fused[0]], plan.weights, computed)
-        results["update"] = (tw, repair_table(host[st.fused[1]], list(views), computed))
+        tw = repair_table(host[st.paired[0]], plan.weights, computed)
+        results["update"] = (tw, repair_table(host[st.paired[1]], list(views), computed))
     if plan.refresh and plan.prev is not None and plan.weights is not None:
         for prev, cur in by_dtype(plan.prev, plan.weights):
             torch._foreach_copy_(prev, cur)
@@ -359,7 +359,7 @@ def assemble(plan: StepPlan, results: dict[str, Any]) -> dict[str, Any]:
                 metrics[f"{group}/{name}/hist"] = h
 
     fused_tables = None
-    if plan.fused and "update" in results:
+    if plan.paired and "update" in results:
         norms = results["update"]
         if isinstance(norms, tuple):  # the device path's weight and update tables (`finish`)
             fused_tables = list(norms)

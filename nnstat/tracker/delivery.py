@@ -46,7 +46,7 @@ __all__ = ["DeviceSteps", "rereads"]
 def rereads(plan: StepPlan, st: Staged, host: list[torch.Tensor]) -> list[tuple[str, str, Any]]:
     """``(group, layer, tensor)`` that `compute.finish` reads again from the device for these
     host tables: the rows flagged by a non-finite probe (a table's last column, `repair_table`;
-    histograms are binned again for the same rows) and the fused weight/update rows with a
+    histograms are binned again for the same rows) and the paired weight/update rows with a
     non-finite sum of squares (`repair_update_rows`, which reads the weights and the snapshot).
 
     Keep in step with `finish` (``tests/tracker/test_tracker_deferred.py`` checks that `finish`
@@ -59,12 +59,12 @@ def rereads(plan: StepPlan, st: Staged, host: list[torch.Tensor]) -> list[tuple[
         group = "update" if key == "update" else key.removeprefix("group:")
         for i in (~torch.isfinite(host[at][:, -1])).nonzero().flatten().tolist():
             out.append((group, names[key][i], tensors[i]))
-    if st.fused is not None:  # the fused pass' weight and update tables (`repair_table` both)
+    if st.paired is not None:  # the paired pass' weight and update tables (`repair_table` both)
         assert plan.weights is not None and plan.prev is not None
         views = plan.update_views if plan.update_views is not None else plan.prev
         for group, at, tensors in (
-            ("weight", st.fused[0], plan.weights),
-            ("update", st.fused[1], views),
+            ("weight", st.paired[0], plan.weights),
+            ("update", st.paired[1], views),
         ):
             for i in (~torch.isfinite(host[at][:, -1])).nonzero().flatten().tolist():
                 out.append((group, plan.names[i], tensors[i]))

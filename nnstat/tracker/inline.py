@@ -11,7 +11,7 @@ Example:
     >>> import torch
     >>> from nnstat.tracker.compute import StepPlan
     >>> w = torch.ones(3)
-    >>> plan = StepPlan(names=["w"], stats=["l2"], fused=False, refresh=False,
+    >>> plan = StepPlan(names=["w"], stats=["l2"], paired=False, refresh=False,
     ...                 groups=[("weight", ["w"], [w])])
     >>> InlineSteps([w], fsdp1=False).run(plan, [("group:weight", lambda: 1.0)], {}, True)
     {'group:weight': 1.0}
@@ -47,8 +47,8 @@ class InlineSteps:
     def split_ok(self, on_cpu: bool) -> bool:
         """Whether the synchronous CPU statistics run on two threads at once (this one and the
         worker): with two or more torch threads training keeps both cores busy, so background
-        statistics have no idle core to hide on; split, the step waits less for them (measured
-        35-50 ms instead of 43-58 ms for a 10.5M-parameter Adam model, docs/benchmarks.md)."""
+        statistics have no idle core to hide on; split, the step waits less for them
+        (docs/benchmarks.md, "Statistics overhead")."""
         # sharded parameters reduce with collectives, which must keep one order on every rank
         return (
             on_cpu
@@ -90,9 +90,8 @@ def split_run(
 
     `blocks`: every task is a blocked numpy pass of `nnstat.describe.numpy_blocks` (the default
     statistics, `nnstat.tracker.compute.shares_blocks`): the tasks run in order and both
-    threads share each one block by block, so they finish together (a split by tasks left
-    this thread alone with the weight/update pass: 24 instead of 18 ms for a 10.5M-parameter
-    Adam model, docs/benchmarks.md). Otherwise each task runs whole on one thread, split by
+    threads share each one block by block, so they finish together (a split by tasks would
+    leave this thread alone with the weight/update pass, the longest). Otherwise each task runs whole on one thread, split by
     `costs` (longest first onto the less loaded side); the worker's share is submitted first,
     so both sides start at once.
 

@@ -37,6 +37,13 @@ class StepMetrics(Deferred):
     gives up the overlap (on a GPU: makes the host wait for the device every step): log through
     sinks to keep it. ``dict(m)`` or ``m.copy()`` gives a plain dict, e.g. for ``json.dump``.
 
+    Args:
+        settle: waits for this step and hands it to the sinks (`Tracker.step` builds it).
+        step: the step number.
+
+    Raises:
+        Exception: (on first read) the error of that step's statistics or of a sink.
+
     Example:
         >>> import torch, nnstat
         >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -1,6 +1,6 @@
 """Tracker: one line in a training loop logs weight/grad/optimizer-state/update statistics.
 
-Each logged step reduces every tracked tensor (fused blocked passes, `nnstat.tracker.compute`;
+Each logged step reduces every tracked tensor (blocked passes, `nnstat.tracker.compute`;
 on accelerators everything stays queued on the device until ONE host transfer per step, on CPU
 each group's table is read as it is done), derives trust ratios from the same norms, adds the
 metrics of registered providers, and hands one flat dict to every sink. On CPU the reductions
@@ -92,6 +92,24 @@ class Tracker:
     ``update/``, ``trust_ratio/`` and ``update_ratio/`` out of that step instead of logging a zero
     update. A sink that raises does not stop the others: every sink gets the step, then the
     first error is raised (by `step`, `flush`, `close` or the read that delivered it).
+
+    Args:
+        model: the network whose parameters are tracked.
+        optimizer: its optimizer (for the optimizer states and updates); ``None``: neither.
+        every: log on one `step` call in ``every``.
+        stats: statistic names (`nnstat.describe`); ``None``: all of them.
+        histograms: also log a histogram per tensor (``bins`` bins, from at most
+            ``hist_max_elements`` elements; ``None``: all).
+        sinks: objects with ``log(metrics, step)`` (or callables) receiving each logged step.
+        include: regex (``re.search``) of parameter names to track; ``exclude``: to leave out.
+        groups: which of ``weight``, ``grad``, ``optimizer``, ``update`` to log.
+        state_keys: optimizer state keys to log; ``None``: every state tensor.
+        background: ``True``, ``False`` or ``None`` (auto), as described above.
+
+    Raises:
+        TypeError: a wrong type of ``model``, ``optimizer``, a sink or ``background``.
+        ValueError: ``every < 1``, an unknown group or statistic, no parameter to track, an
+            optimizer holding none of them, or ``background=True`` without the optimizer.
 
     Example:
         >>> model = torch.nn.Linear(2, 1)
@@ -316,7 +334,7 @@ class Tracker:
         return out
 
     def _plan(self, refresh: bool) -> StepPlan:
-        fused = (
+        paired = (
             self._prev is not None
             and "weight" in self.groups
             and not self.histograms
@@ -327,9 +345,9 @@ class Tracker:
         plan = StepPlan(
             names=list(self.names),
             stats=self.stats,
-            fused=fused,
+            paired=paired,
             refresh=refresh,
-            groups=self._collect(weights=not fused),
+            groups=self._collect(weights=not paired),
             histograms=self.histograms,
             bins=self.bins,
             hist_max_elements=self.hist_max_elements,

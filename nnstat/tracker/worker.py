@@ -12,7 +12,12 @@ reductions to the worker thread (`nnstat.background`) and collects them later:
   logged step (no history yet);
 * every tensor the worker reads has its ``_version`` recorded; if one changed before the join,
   its numbers may be torn: they are dropped with a warning naming the tensor and the Tracker
-  stays synchronous from then on (``p.data`` writes bypass version counters and cannot be seen);
+  stays synchronous from then on. ``p.data`` writes bypass version counters: each weight's L2
+  norm is taken when the step is scheduled (one pass over the weights, ``torch._foreach_norm``
+  summing in float64)
+  and again by the worker once it has read them; a weight whose norm differs was edited after
+  ``tracker.step()`` and is dropped the same way (an edit that keeps every norm, a sign flip or
+  a permutation, or one that moves a norm by less than 1e-9 relative, is not seen);
 * a worker exception is re-raised in the training thread at the next ``step``/``flush``/
   ``close`` or when the step's metrics are read; a sink's exception too, after every other sink
   got the step (and, at ``step``, after that step is scheduled, so no sink loses it);
@@ -134,10 +139,11 @@ class WorkerSteps:
             if f"group:{group}" not in inline:
                 rows = [(group, n, t, t._version) for n, t in zip(names, tensors, strict=True)]
                 (grad_watch if group == "grad" else watched).extend(rows)
-        if plan.fused and plan.weights is not None:
+        if plan.paired and plan.weights is not None:
             watched += [
                 ("weight", n, t, t._version) for n, t in zip(plan.names, plan.weights, strict=True)
             ]
+        edits = NormCheck([(n, t) for g, n, t, _ in watched if g == "weight"])
         # first: a failure here must not leave a step pending
         if self.optimizer is not None and self._hook is None:
             ref = weakref.ref(self)
@@ -150,6 +156,7 @@ class WorkerSteps:
             self._hook = hook_target(self.optimizer).register_step_pre_hook(wait_for_statistics)
         guard = threading.Event()
         late_conflicts: list[tuple[str, str]] = []
+        edited: list[tuple[str, str]] = []  # weights the worker found edited (.data)
         # what the optimizer changes first, so its pre-hook waits only for that part; step t's
         # gradients are not touched by step t + 1 (set_to_none gave those new tensors), so their
         # reduction may run on during optimizer.step()
@@ -161,6 +168,8 @@ class WorkerSteps:
             try:
                 for k, fn in guarded:
                     out[k] = fn()
+                # before the optimizer may change the weights (its pre-hook waits for guard)
+                edited.extend(("weight", n) for n in edits.changed())
             finally:
                 guard.set()
             for k, fn in late:
@@ -175,7 +184,7 @@ class WorkerSteps:
         # as soon as the worker and the version check are done with them
         plan.groups = [(g, names, []) for g, names, _ in plan.groups]
         pending = Pending(step, plan, job, watched, StepMetrics(settle, step))
-        pending.guard, pending.late_conflicts = guard, late_conflicts
+        pending.guard, pending.late_conflicts, pending.edited = guard, late_conflicts, edited
         self.pending = pending
         # overlap: tasks that must run now do so while the worker reads the rest
         try:
@@ -192,7 +201,8 @@ class WorkerSteps:
         if not pending.joined:
             pending.guard.wait()
             pending.joined = True
-            self._conflicts(pending, [(g, n) for g, n, t, v in pending.watched if t._version != v])
+            found = [(g, n) for g, n, t, v in pending.watched if t._version != v]
+            self._conflicts(pending, found + [e for e in pending.edited if e not in found])
             pending.watched = []
         if whole and not pending.job.done():
             pending.job.wait()
@@ -248,11 +258,47 @@ class WorkerSteps:
         labels = drop_keys(metrics, pending.conflicts)
         warnings.warn(
             f"Tracker: {labels[:5]}{' ...' if len(labels) > 5 else ''} changed in place while "
-            f"the background thread read them (after tracker.step()); their statistics of step {pending.step} are skipped (those "
-            f"values no longer exist), the update of the next logged step is measured from the "
-            f"weights as they are now, and statistics are computed synchronously from now on",
+            f"the background thread read them (after tracker.step(), e.g. a p.data edit); their "
+            f"statistics of step {pending.step} are skipped (those values no longer exist), the "
+            f"update of the next logged step is measured from the weights as they are now, and "
+            f"statistics are computed synchronously from now on. Call tracker.flush() before "
+            f"editing weights after tracker.step(), or use background=False",
             stacklevel=4,
         )
+
+
+class NormCheck:
+    """The L2 norm of each weight when a step is scheduled (``torch._foreach_norm``: one pass,
+    in the training thread), and which differ when :meth:`changed` takes them again.
+
+    Example:
+        >>> w = torch.ones(3); check = NormCheck([("w", w)])
+        >>> w.data[1] = 5.0; check.changed()
+        ['w']
+    """
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        self.names = [n for n, _ in named]
+        self.tensors = [t.detach() for _, t in named if t.is_floating_point()]
+        if len(self.tensors) != len(self.names):  # integer weights: nothing to compare
+            self.names, self.tensors = [], []
+        self.norms = self._norms()
+
+    def _norms(self) -> list[torch.Tensor]:
+        # float64 sums: the worker's thread count may order them differently (see changed)
+        return torch._foreach_norm(self.tensors, 2, dtype=torch.float64) if self.tensors else []
+
+    def changed(self) -> list[str]:
+        """The names whose weight's norm is not what it was, beyond the 1e-9 relative that a
+        float64 sum taken in another order may differ by (NaN == NaN); the tensors are let go."""
+        if not self.tensors:
+            return []
+        now, self.tensors = self._norms(), []
+        return [
+            n
+            for n, a, b in zip(self.names, self.norms, now, strict=True)
+            if not ((a - b).abs() <= 1e-9 * a.abs() or (a.isnan() and b.isnan()))
+        ]
 
 
 @dataclass(eq=False)
@@ -270,6 +316,7 @@ class Pending:
     conflicts: list[tuple[str, str]] = field(default_factory=list)
     guard: threading.Event = field(default_factory=threading.Event)
     late_conflicts: list[tuple[str, str]] = field(default_factory=list)
+    edited: list[tuple[str, str]] = field(default_factory=list)
 
 
 def hook_target(optimizer: Any) -> torch.optim.Optimizer | None:

@@ -38,7 +38,6 @@ _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "infinity": m
 
 
 # ------------------------------------------------------------------------------- checked reads
-_inside = inside  # every read goes through it (nnstat/viewer/safe.py)
 
 
 def _reject_constant(name: str) -> Any:
@@ -51,7 +50,7 @@ def _loads(text: str) -> Any:
 
 def _read_json(root: Path, path: Path) -> Any:
     try:
-        return _loads(_inside(root, path).read_text(encoding="utf-8"))
+        return _loads(inside(root, path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise Refused(f"not JSON ({exc})") from exc
     except UnicodeDecodeError as exc:
@@ -63,7 +62,7 @@ def _read_jsonl(root: Path, path: Path, report: Callable[[str], None]) -> Iterat
     if not path.exists():
         return
     try:
-        text = _inside(root, path).read_text(encoding="utf-8")
+        text = inside(root, path).read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise Refused(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
     lines = text.split("\n")
@@ -235,7 +234,7 @@ def _values(root: Path, path: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     try:
-        tensors = load_file(str(_inside(root, path)))
+        tensors = load_file(str(inside(root, path)))
     except SafetensorError as exc:
         raise Refused(f"not a safetensors file ({exc})") from exc
     out = {}
@@ -287,7 +286,7 @@ def _step(
     step_file = steps / f"{stem}.json"
     kpis = _kpis(meta.get("kpis", {}), "kpis", lambda m: report(step_file, m))
     try:
-        stats = np.load(_inside(root, steps / f"{stem}.npy"), allow_pickle=False)
+        stats = np.load(inside(root, steps / f"{stem}.npy"), allow_pickle=False)
     except (OSError, ValueError, EOFError) as exc:
         # ValueError: not an .npy array or one holding pickled objects (never loaded)
         raise Refused(f"{stem}.npy: cannot read the statistics ({exc})") from exc

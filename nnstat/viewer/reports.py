@@ -23,7 +23,7 @@ import hashlib
 from html.parser import HTMLParser
 from pathlib import Path
 
-__all__ = ["EXPORT_REPORT_MAX", "embed_report", "embed_report_text", "style_hashes"]
+__all__ = ["EXPORT_REPORT_MAX", "csp_hash", "embed_report", "embed_report_text", "style_hashes"]
 
 # a report larger than this is not carried in an export (the demo's is well under 1 MiB)
 EXPORT_REPORT_MAX = 8 * 1024 * 1024
@@ -89,9 +89,15 @@ def style_hashes(html: str) -> tuple[set[str], set[str]]:
     p = _Styles()
     p.feed(html.replace("\r\n", "\n").replace("\r", "\n"))
     p.close()
-    return {_hash(t) for t in p.elements}, {_hash(t) for t in p.attributes}
+    return {csp_hash(t) for t in p.elements}, {csp_hash(t) for t in p.attributes}
 
 
-def _hash(text: str) -> str:
+def csp_hash(text: str) -> str:
+    """The Content-Security-Policy source (``'sha256-...'``) that allows ``text`` inline.
+
+    Example:
+        >>> csp_hash("")
+        "'sha256-47DEQpj8HBSa+/TImW+5JCeuQeRkm5NMpJWZG3hSuFU='"
+    """
     digest = base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode("ascii")
     return f"'sha256-{digest}'"

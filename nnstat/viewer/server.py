@@ -16,8 +16,6 @@ with its port, so a web page in the browser cannot reach it through DNS rebindin
 from __future__ import annotations
 
 import argparse
-import base64
-import hashlib
 import json
 import sys
 import threading
@@ -29,7 +27,7 @@ from nnstat.influence.cli import usage_error
 from nnstat.viewer.bundle import load_bundle
 from nnstat.viewer.discover import discover, rel_id
 from nnstat.viewer.explorer import Explorer
-from nnstat.viewer.reports import embed_report, style_hashes
+from nnstat.viewer.reports import csp_hash, embed_report, style_hashes
 
 STATIC = Path(__file__).parent / "static"
 _TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
@@ -84,7 +82,7 @@ def render_page(data: dict | None = None) -> str:
     # request leaves the page (no connect-src, images from data: only). The reports' sandboxed
     # srcdoc frames keep this policy: their <style> elements and style attributes are allowed
     # by their hashes too (nnstat.viewer.reports)
-    style_src = [_hash(css) for css in styles]
+    style_src = [csp_hash(css) for css in styles]
     elements: set[str] = set()
     attributes: set[str] = set()
     for rep in data.get("reports", []):
@@ -96,7 +94,7 @@ def render_page(data: dict | None = None) -> str:
     if attributes:
         style_src.append("'unsafe-hashes'")
     csp = (
-        f"default-src 'none'; script-src {' '.join(_hash(js) for js in scripts)}; "
+        f"default-src 'none'; script-src {' '.join(csp_hash(js) for js in scripts)}; "
         f"style-src {' '.join(style_src)}; img-src data:; base-uri 'none'; "
         "form-action 'none'"
     )
@@ -114,11 +112,6 @@ def _swap(html: str, old: str, new: str) -> str:
     if html.count(old) != 1:
         raise RuntimeError(f"nnstat/viewer/static/index.html must hold {old!r} exactly once")
     return html.replace(old, new)
-
-
-def _hash(text: str) -> str:
-    digest = base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode("ascii")
-    return f"'sha256-{digest}'"
 
 
 def export_bundle(root: str | Path, bundle: dict | None = None) -> dict:

@@ -109,8 +109,9 @@ def _as_dict(row):
 @pytest.mark.parametrize("n", [1000, 200_000])
 @pytest.mark.filterwarnings("ignore:Precision loss:RuntimeWarning")
 def test_constant_tensor_has_nan_skew_and_kurtosis_like_scipy(dtype, n):
-    """Issue #15: 1,000 copies of 0.1 gave skew=-inf/kurtosis=+inf and 200,000 gave finite
-    nonsense (rounding residues of the block means divided by a zeroed or tiny variance)."""
+    """A constant tensor has undefined skew and kurtosis (NaN, as scipy says), however many
+    copies it holds: the rounding residues of the block means must not be divided by a zeroed or
+    tiny variance (that would give skew=-inf/kurtosis=+inf, or finite nonsense)."""
     from nnstat.netdict import NetDict
 
     for value in (0.1, 1e-10, 1e6, 0.0):
@@ -120,7 +121,7 @@ def test_constant_tensor_has_nan_skew_and_kurtosis_like_scipy(dtype, n):
         assert math.isnan(ref_skew) and math.isnan(ref_kurt)  # the reference calls it undefined
         for row in (
             _as_dict(summarize([t], STAT_NAMES)[0].tolist()),
-            dict(NetDict({"a": t}).describe()),  # the public entry point of the issue
+            dict(NetDict({"a": t}).describe()),  # the public entry point
         ):
             assert math.isnan(row["skew"]) and math.isnan(row["kurtosis"]), (value, row)
             assert row["var"] == 0.0 and row["std"] == 0.0

@@ -310,7 +310,7 @@ def test_bad_input():
         nnstat.noise_scale(model, loss, (x, y), n_estimates=0)
 
 
-# -- uncertainty outputs against independent references (issue #15) --------------------------
+# -- uncertainty outputs against independent references ----------------------------------------
 
 
 def _delta_stderr(num: np.ndarray, den: np.ndarray) -> float:

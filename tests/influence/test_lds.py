@@ -86,7 +86,7 @@ def test_retraining_protocol_is_deterministic_with_seeds():
     assert a.evaluate(scores) == pytest.approx(lds(scores, a.subset_masks, a.subset_losses))
 
 
-# -- the protocol's subsets, repeats and per-run seeding (issue #15) --------------------------
+# -- the protocol's subsets, repeats and per-run seeding ----------------------------------------
 
 
 def _recording_protocol(seed: int, m: int, repeats: int, extra_draws: int = 0):

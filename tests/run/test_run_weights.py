@@ -1,4 +1,4 @@
-"""Issue #27 item 3: the fingerprint covers everything the rows depend on (every parameter and
+"""The fingerprint covers everything the rows depend on (every parameter and
 buffer of the watched model) and is checked between the blocks of a pass."""
 
 import pytest
@@ -55,7 +55,7 @@ def test_changed_batchnorm_statistics_are_refused(tmp_path):
 @pytest.mark.parametrize("how", ["sgd", "fused-adam", "data"])
 def test_training_while_logging_is_refused_at_the_next_block(tmp_path, how):
     model = _mlp()
-    if how == "data":  # bypasses the version counter: caught by the sampled values
+    if how == "data":  # bypasses the version counter: caught by the checksum
 
         def step():
             model[2].bias.data.add_(1.0)
@@ -94,5 +94,5 @@ def test_the_block_check_reads_the_device_once_per_block_boundary():
         assert len(reads) == 1
         with torch.no_grad():
             model[0].weight.data[0, 0] += 1.0  # .data: no _version bump, only the samples tell
-        with pytest.raises(ModelChangedError, match="sampled values"):
+        with pytest.raises(ModelChangedError, match="checksum"):
             guard.check(model)

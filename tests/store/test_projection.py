@@ -406,7 +406,7 @@ def test_rows_beyond_float16_range_follow_the_nonfinite_policy(tmp_path, rows_fo
 
 
 def test_recorded_seed_rule_regenerates_every_module_matrix(tmp_path):
-    """Issue #15: the per-module seeds. Two modules of identical shape get different matrices;
+    """The per-module seeds: two modules of identical shape get different matrices;
     the matrices follow the rule written to meta.json (regenerated here from its text, with
     zlib.crc32 of the module name); the same name and seed reproduce them in a new run."""
     import json

@@ -1,4 +1,4 @@
-"""Reading and scoring refuse a store whose files do not belong together (issue #15, items 2 and 4).
+"""Reading and scoring refuse a store whose files do not belong together .
 
 Each test logs a real store with the plain API, tampers with one file on disk the way a swap, a
 copy or a damaged disk would, and checks that opening or scoring raises a ValueError naming that
@@ -155,8 +155,8 @@ def test_statistics_from_another_run_are_refused(store, tmp_path):
 
 
 def test_statistics_beside_a_null_statistics_hash_are_refused(store, tmp_path):
-    # issue #27 item 2: a store logged without statistics records statistics_sha256 null; a
-    # statistics file that appears there belongs to another store (as projections would)
+    # a store logged without statistics records statistics_sha256 null; a statistics file
+    # that appears there belongs to another store (as projections would)
     log, path, _ = store
     _, bare = _log(tmp_path, "bare", statistic="none")
     assert json.loads((bare / META_FILE).read_text())["statistics_sha256"] is None
@@ -172,9 +172,9 @@ def test_statistics_beside_a_null_statistics_hash_are_refused(store, tmp_path):
     assert GradientStore(bare).statistics() == {}
 
 
-def test_stores_without_the_newer_hashes_are_read_as_before(store):
-    # statistics_sha256 and params_sha256 came with issue #15: stores written before have
-    # neither, and are scored without them (the projection hash always existed)
+def test_stores_without_statistics_and_params_hashes_are_scored_without_them(store):
+    # a store whose meta.json lacks statistics_sha256 and params_sha256 (an older format) is
+    # scored without those checks (the projection hash is in every format)
     log, path, _ = store
     meta = json.loads((path / META_FILE).read_text())
     later = ("shard_logs", "format_revision", "store_id")  # keys of later format revisions
@@ -249,6 +249,9 @@ def test_query_captured_from_other_weights_is_refused(tmp_path):
             call()
     # a query log from before nnstat recorded the weights is scored without the comparison
     moved.meta.pop("params_sha256")
+    with pytest.raises(ValueError, match=r"model_sha256 \w+\.\.\.\) .*whole model"):
+        compute_influence_all(moved, path, progress=False)  # the whole model still differs
+    moved.meta.pop("model_sha256")
     compute_influence_all(moved, path, preconditioner="kfac", damping=0.1, progress=False)
 
 
@@ -420,8 +423,8 @@ def _edit_module(meta, i, **changes):
     ],
 )
 def test_meta_json_modules_are_checked_at_open(store, changes, match):
-    # issue #27 item 10: a damaged layout opened, and scoring blamed the query ("query 8 !=
-    # train 16"); now opening names the file, the module and the key
+    # a damaged layout is refused at open, naming the file, the module and the key (not
+    # later by scoring, blaming the query: "query 8 != train 16")
     log, path, _ = store
     meta_file = path / META_FILE
     good = json.loads(meta_file.read_text())

@@ -1,4 +1,4 @@
-"""What the writer guarantees (issue #15): ids trace back to the data, rows of one store come
+"""What the writer guarantees: ids trace back to the data, rows of one store come
 from one model, one writer per rank, no crash window, errors that name their cause."""
 
 from __future__ import annotations

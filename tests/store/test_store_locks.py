@@ -1,5 +1,6 @@
-"""Issue #27 item 14: deleting the lock file while writer A holds it let writer B in, and B
-removed A's temporary shard. The lock that counts is now a flock on a non-empty directory."""
+"""One writer per store: the lock that counts is a flock on a non-empty directory, so deleting
+the lock file while writer A holds it does not let writer B in (B would remove A's temporary
+shard)."""
 
 import os
 import shutil

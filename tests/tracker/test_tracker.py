@@ -180,4 +180,4 @@ def test_fused_default_path_every_two_with_nonfinite_weights():
             assert out[f"update/{n}/l2"] == pytest.approx(l2(upd), rel=1e-4)
             assert out[f"update/{n}/abs_max"] == pytest.approx(upd.abs().max().item(), rel=1e-4)
             assert out[f"trust_ratio/{n}"] == pytest.approx(l2(w) / l2(upd), rel=1e-4)
-    assert tracker._plan(refresh=False).fused
+    assert tracker._plan(refresh=False).paired

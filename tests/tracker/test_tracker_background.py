@@ -173,11 +173,11 @@ def test_gradient_changed_while_the_worker_reads_it_is_skipped(monkeypatch):
     tracker.step()  # first logged step: gradients read synchronously (no history yet)
     tracker.flush()
     gate = threading.Event()
-    fused = nnstat.tracker.compute.weight_update_norms
+    original = nnstat.tracker.compute.weight_update_norms
 
     def held(*args, **kwargs):
         assert gate.wait(10)
-        return fused(*args, **kwargs)
+        return original(*args, **kwargs)
 
     # the worker reduces weights first and step 1's gradients last: hold it at the weights
     monkeypatch.setattr(nnstat.tracker.compute, "weight_update_norms", held)
@@ -479,3 +479,51 @@ print("done")
     # the other sink still got the last step; the callbacks after the flush still ran
     assert log.read_text().split() == ["0", "1", "2"]
     assert out.stdout.split() == ["done", "earlier", "atexit", "callback", "ran"]
+
+
+@pytest.mark.parametrize("edit", ["scale", "one element"])
+def test_a_data_edit_after_step_warns_and_skips_that_weight(monkeypatch, edit):
+    """``p.data`` writes bump no version counter: the weight's norm taken at ``step()`` tells."""
+    model, opt = setup()
+    tracker = nnstat.Tracker(model, opt, background=True)
+    train(model, opt, 0)
+    tracker.step()
+    tracker.flush()
+    gate = threading.Event()
+    original = nnstat.tracker.compute.weight_update_norms
+
+    def held(*args, **kwargs):
+        assert gate.wait(10)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(nnstat.tracker.compute, "weight_update_norms", held)
+    train(model, opt, 1)
+    before = flat(model[2].weight)
+    out = tracker.step()
+    if edit == "scale":
+        model[2].weight.data.mul_(2)  # after step(), before the worker read it
+    else:
+        model[2].weight.data[1, 4] += 0.5
+    gate.set()
+    pattern = r"weight/2\.weight.*p\.data edit.*tracker\.flush\(\) before editing.*background=False"
+    with pytest.warns(UserWarning, match=pattern):
+        tracker.flush()
+    # step 1's values of the edited weight are dropped, not computed from the edited values
+    assert "weight/2.weight/l2" not in out
+    assert out["weight/0.weight/l2"] == pytest.approx(np.linalg.norm(flat(model[0].weight)))
+    assert np.linalg.norm(before) != pytest.approx(np.linalg.norm(flat(model[2].weight)))
+    assert tracker._sync_only
+    tracker.close()
+
+
+def test_no_data_edit_no_warning():
+    model, opt = setup()
+    tracker = nnstat.Tracker(model, opt, background=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(4):
+            train(model, opt, i)
+            tracker.step()
+        tracker.flush()
+    assert not tracker._sync_only
+    tracker.close()

@@ -1,4 +1,4 @@
-"""The Tracker's ``rms`` of every group on its fused (norms-only) and moment paths, vs numpy."""
+"""The Tracker's ``rms`` of every group on its paired norms-only and moment paths, vs numpy."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ def _backward(model, i):
     nn.functional.cross_entropy(model(x), y).backward()
 
 
-@pytest.mark.parametrize("stats", [["l2", "rms"], ["l2", "mean"]], ids=["fused", "moments"])
+@pytest.mark.parametrize("stats", [["l2", "rms"], ["l2", "mean"]], ids=["norms", "moments"])
 def test_snapshot_makes_each_logged_update_exactly_one_optimizer_step(path, stats):
     model, opt = _setup()
     got: list[tuple[int, dict]] = []

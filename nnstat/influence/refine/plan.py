@@ -159,11 +159,15 @@ def choose_plan(fp: Footprint, memory: int, solver: str, block: int, cuda: bool)
                     parts = footprint(fp, s, b, c, host)
                     need = sum(v for k, v in parts.items() if not k.startswith("host_"))
                     if need <= memory:
-                        changed = [f"{what}" for what, moved in (
-                            (f"solver {solver!r} -> {s!r}", s != solver),
-                            (f"block {block} -> {b}", b != block),
-                            ("search space on the host", host),
-                        ) if moved]  # fmt: skip
+                        changed = [
+                            f"{what}"
+                            for what, moved in (
+                                (f"solver {solver!r} -> {s!r}", s != solver),
+                                (f"block {block} -> {b}", b != block),
+                                ("search space on the host", host),
+                            )
+                            if moved
+                        ]
                         directions = "host" if host else "device"
                         return Plan(s, b, c, directions, need, memory, parts, fp, changed)
     parts = footprint(fp, "cg", 1, 1, cuda)

@@ -50,9 +50,14 @@ def solve_blocks(
         start = system.pre.apply(b, None).to(system.dtype) if deferred else None
         try:
             y, info = damped_solve(
-                op, b, plan.solver, refine.steps, tol=1e-12,
-                precondition=system.precondition, start=start,
-            )  # fmt: skip
+                op,
+                b,
+                plan.solver,
+                refine.steps,
+                tol=1e-12,
+                precondition=system.precondition,
+                start=start,
+            )
         except IndefiniteError as e:
             e.rows = [lo + i for i in e.rows]
             raise
