@@ -28,16 +28,20 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
 from typing import NamedTuple
 
 from nnstat.store import files
-from nnstat.store.shards import list_shards
+from nnstat.store.shards import file_rows_digest, list_shards
 
 _LOG_RE = re.compile(r"^rank(\d+)\.log$")
-_LINE_RE = re.compile(r"^(begin )?(rank(\d+)-\d{5,}) (\d+)(?: ([0-9a-f]{64}))?$")
+# "begin {stem} {rows} {ids_sha256}[ {rows_sha256}]" or "{stem} {rows}"; logs written before
+# shard content hashes have begin lines without the last field
+_HEX = r"(?: ([0-9a-f]{64}))?"
+_LINE_RE = re.compile(rf"^(begin )?(rank(\d+)-\d{{5,}}) (\d+){_HEX}{_HEX}$")
 _FILE_RE = re.compile(r"^rank(\d+)-\d{5,}\.")
 _FIX = (
     "restore the missing file from a copy of this store, or log the store again "
@@ -56,6 +60,7 @@ class Shard(NamedTuple):
     ids: Path
     rows: int | None
     digest: str | None = None  # ids_digest of its ids, from its begin line (None: not logged)
+    content: str | None = None  # rows_hasher digest of its rows, from its begin line
 
 
 class LogEntries(NamedTuple):
@@ -63,7 +68,7 @@ class LogEntries(NamedTuple):
     each shard whose commit began (the last such line), ``lines``: the complete lines."""
 
     rows: dict[str, int]
-    begun: dict[str, tuple[int, str]]
+    begun: dict[str, tuple[int, str, str | None]]
     torn: bool
     lines: list[str]
 
@@ -89,7 +94,7 @@ def parse_log(path: Path, rank: int | None = None) -> LogEntries:
     raw_lines = data.split(b"\n")
     torn = raw_lines[-1] != b""  # a complete log ends with a newline
     entries: dict[str, int] = {}
-    begun: dict[str, tuple[int, str]] = {}
+    begun: dict[str, tuple[int, str, str | None]] = {}
     lines: list[str] = []
     for n, raw in enumerate(raw_lines[:-1], start=1):
         line = raw.decode("utf-8", errors="replace")
@@ -98,8 +103,8 @@ def parse_log(path: Path, rank: int | None = None) -> LogEntries:
         if m is None or begin != (m.group(5) is not None) or (not begin and m.group(2) in entries):
             raise ValueError(
                 f"{path}: line {n} {raw[:80]!r} is not a new '{{shard}} {{rows}}' or 'begin "
-                "{shard} {rows} {ids_sha256}' entry; the commit log is damaged: restore it "
-                "from a copy of this store or log the store again"
+                "{shard} {rows} {ids_sha256} {rows_sha256}' entry; the commit log is damaged: "
+                "restore it from a copy of this store or log the store again"
             )
         if rank is not None and int(m.group(3)) != rank:
             raise ValueError(
@@ -108,7 +113,7 @@ def parse_log(path: Path, rank: int | None = None) -> LogEntries:
                 f"restore rank{rank}.log from a copy of this store, or log the store again"
             )
         if begin:
-            begun[m.group(2)] = (int(m.group(4)), m.group(5))
+            begun[m.group(2)] = (int(m.group(4)), m.group(5), m.group(6))
         else:
             entries[m.group(2)] = int(m.group(4))
         lines.append(line)
@@ -144,10 +149,42 @@ def check_ids(shard: Shard, ids: list, digest: bool = True) -> None:
         )
 
 
-def append_begin(shard_dir: Path, rank: int, stem: str, rows: int, digest: str) -> None:
-    """Append ``"begin {stem} {rows} {digest}"`` to ``rank``'s commit log and fsync it (the
-    first step of a shard's commit: the shard may count as pending only after it)."""
-    _append(log_path(shard_dir, rank), f"begin {stem} {rows} {digest}\n")
+def check_content(shard: Shard) -> None:
+    """Refuse a shard whose rows are not the ones committed with it: their
+    :func:`~nnstat.store.shards.rows_hasher` digest (the whole file after its header is read)
+    against the one its log's ``begin`` line records. A shard logged before content hashes
+    existed (no digest) is not checked.
+
+    Args:
+        shard: a shard from :func:`committed_shards`.
+
+    Raises:
+        ValueError: naming the shard, when its rows' digest differs from the log's.
+    """
+    if shard.content is None:
+        return
+    header = files.read_npy_header(shard.npy)
+    nbytes = math.prod(header.shape) * header.dtype.itemsize
+    if file_rows_digest(shard.npy, header.offset, nbytes) != shard.content:
+        log = log_path(shard.npy.parent, shard.rank)
+        raise ValueError(
+            f"{shard.npy}: its rows are not the ones committed with this shard (their SHA-256 "
+            f"differs from the one {log} records): the file was modified, damaged or replaced "
+            "by another store's shard of the same size. Restore it from a copy of this store, "
+            "or log the store again"
+        )
+
+
+def append_begin(
+    shard_dir: Path, rank: int, stem: str, rows: int, digest: str, content: str | None = None
+) -> None:
+    """Append ``"begin {stem} {rows} {digest} {content}"`` to ``rank``'s commit log and fsync
+    it (the first step of a shard's commit: the shard may count as pending only after it).
+    ``digest``: :func:`~nnstat.store.ids.ids_digest` of its ids; ``content``:
+    :func:`~nnstat.store.shards.rows_hasher`'s digest of its rows (the writer always gives it).
+    """
+    tail = f" {content}" if content is not None else ""
+    _append(log_path(shard_dir, rank), f"begin {stem} {rows} {digest}{tail}\n")
 
 
 def append_commit(shard_dir: Path, rank: int, stem: str, rows: int) -> None:
@@ -219,11 +256,12 @@ def _check_rank(
     last = max((present[s][1] for s in logged), default=-1)
     out = []
     for stem, (r, i, npy, ids) in sorted(present.items(), key=lambda kv: kv[1][1]):
-        digest = log.begun[stem][1] if stem in log.begun else None
+        digest, content = log.begun[stem][1:] if stem in log.begun else (None, None)
         if stem in logged:
-            out.append(Shard(r, i, npy, ids, logged[stem], digest))
+            out.append(Shard(r, i, npy, ids, logged[stem], digest, content))
         elif i > last and i == mine[-1][1] and (digest is not None or not log.begun):
-            out.append(Shard(r, i, npy, ids, None, digest))  # pending: renamed, not yet logged
+            # pending: renamed, not yet logged
+            out.append(Shard(r, i, npy, ids, None, digest, content))
         elif i > last and i == mine[-1][1]:
             raise ValueError(
                 f"{npy}: shard {stem} is past the last one {path} records, but no commit of it "
@@ -263,5 +301,6 @@ def recover_log(shard_dir: Path, rank: int, required: bool = False) -> list[str]
     for stem, s in adopted:  # at most one: the pending shard
         ids = read_ids(s.ids)
         check_ids(s, ids)
+        check_content(s)  # one read of the one shard a crash left unlogged
         append_commit(shard_dir, rank, stem, len(ids))
     return [stem for stem, _ in adopted]

@@ -28,7 +28,13 @@ from typing import Any
 import numpy as np
 
 from nnstat.store.files import TMP_SUFFIX
-from nnstat.store.shards import ShardFile, check_blocks, npy_header, remove_orphan_ids
+from nnstat.store.shards import (
+    ShardFile,
+    check_blocks,
+    npy_header,
+    remove_orphan_ids,
+    rows_hasher,
+)
 
 #: bytes staged before one direct write (a multiple of every logical block size in use)
 STAGE_BYTES = 4 * 2**20
@@ -72,6 +78,7 @@ class DirectShardFile(ShardFile):
         self.target = self.dir / f"{stem}.npy"
         self.tmp = self.target.with_name(self.target.name + TMP_SUFFIX)
         self.rows = 0
+        self.hasher = rows_hasher()  # the rows' bytes in file order, as they are written
         self._stage = stage
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         self.direct = hasattr(os, "O_DIRECT")
@@ -91,6 +98,7 @@ class DirectShardFile(ShardFile):
         n = check_blocks(self.stem, blocks, self.width, self.np_dtype)
         rows = blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
         src = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
+        self.hasher.update(src)  # hashlib releases the GIL for large buffers
         stage, pos = self._stage, 0
         if (
             self.direct

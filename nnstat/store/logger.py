@@ -278,6 +278,8 @@ class StoreLogger:
         # logged from now on, but its meta.json cannot vouch for ranks other writers left
         self._require_log = False
         self.meta["shard_logs"] = True
+        # a store with commit logs always holds this key (null: no statistics with its rows)
+        self.meta.setdefault("statistics_sha256", None)
         if not fresh:
             old = files.read_json(meta_path)
             if not isinstance(old, dict):
@@ -293,9 +295,18 @@ class StoreLogger:
             # unchanged by this pass until statistics are saved (the Run records their hash)
             self.meta["statistics_sha256"] = old.get("statistics_sha256")
             for key in ("params_sha256", "model_sha256"):
-                if old.get(key) is None:
+                if key not in old:
                     # an older store: its rows' weights are unknown, so this pass cannot
                     # vouch for them either
+                    self.meta.pop(key, None)
+                elif old[key] is None:
+                    self.meta[key] = None  # recorded as unknown: the key stays (revision 3)
+            # the store keeps its identity and the revision it was created in: this pass
+            # cannot vouch for what an older writer left (content hashes of its shards)
+            for key in ("store_id", "format_revision"):
+                if key in old:
+                    self.meta[key] = old[key]
+                else:
                     self.meta.pop(key, None)
         self.stored: set[DataId] = stored_ids(self.path / files.SHARD_DIR, self._require_log)
         self.seen: set[DataId] = set()

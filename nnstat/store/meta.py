@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,53 @@ from nnstat.store.projection import ModuleProjection, layout, projection_tensors
 from nnstat.store.shards import STORE_DTYPES
 
 FORMAT_VERSION = 1
+#: the revision of format 1 a new store is written in (``meta.json``'s ``format_revision``):
+#: 2 (no ``format_revision``, ``"shard_logs": true``) added the commit logs; 3 a ``store_id``
+#: and each shard's content hash in its log. An older revision still opens, with the checks
+#: its files allow.
+FORMAT_REVISION = 3
+#: the revision from which meta.json always holds each key (its value may be ``null``): a
+#: store of that revision or later without it was edited, and is refused (:func:`read_meta`)
+#: rather than read unchecked as an older store
+REQUIRED_SINCE = {
+    "statistics_sha256": 2,
+    "projection_sha256": 3,
+    "params_sha256": 3,
+    "model_sha256": 3,
+    "store_id": 3,
+}
+#: what each key of :data:`REQUIRED_SINCE` vouches for (named in the error when it is missing)
+VOUCHES_FOR = {
+    "statistics_sha256": f"{files.STATISTICS_FILE}",
+    "projection_sha256": f"{files.PROJECTIONS_FILE}",
+    "params_sha256": "the weights of the watched modules",
+    "model_sha256": "the weights of the whole model",
+    "store_id": "the files saved for this store (viewer/examples.json)",
+}
+
+
+def format_revision(meta: Mapping[str, Any]) -> int:
+    """The revision of format 1 a store's ``meta`` was written in (see :data:`FORMAT_REVISION`).
+
+    Example:
+        >>> format_revision({"format_revision": 3}), format_revision({"shard_logs": True})
+        (3, 2)
+    """
+    rev = meta.get("format_revision")
+    if isinstance(rev, int) and not isinstance(rev, bool):
+        return rev
+    return 2 if meta.get("shard_logs") is True else 1
+
+
+def missing_keys(meta: Mapping[str, Any]) -> list[str]:
+    """The keys of :data:`REQUIRED_SINCE` that ``meta``'s revision always holds but it lacks.
+
+    Example:
+        >>> missing_keys({"shard_logs": True}), missing_keys({})
+        (['statistics_sha256'], [])
+    """
+    rev = format_revision(meta)
+    return [k for k, since in REQUIRED_SINCE.items() if since <= rev and k not in meta]
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -31,7 +79,8 @@ def read_meta(path: Path) -> dict[str, Any]:
     checked: ``format_version`` (this version), ``row_width`` (a positive int), ``dtype`` (one of
     :data:`STORE_DTYPES`, default float32) and ``modules`` (a list of ``{name, offset, width,
     r_in}`` that tile the row, with safe names, known kinds and ranks consistent with their
-    widths and dimensions: :func:`_module_problems`). Anything else is a ``ValueError`` naming
+    widths and dimensions: :func:`_module_problems`), ``format_revision`` (one this nnstat
+    reads) and every key that revision always holds (:func:`missing_keys`). Anything else is a ``ValueError`` naming
     the file and the field.
 
     Example:
@@ -58,6 +107,17 @@ def read_meta(path: Path) -> dict[str, Any]:
         width = None
     if meta.get("dtype", "float32") not in STORE_DTYPES:
         problems.append(f"'dtype' {meta.get('dtype')!r} is not one of {sorted(STORE_DTYPES)}")
+    rev = meta.get("format_revision", 2)
+    if isinstance(rev, bool) or not isinstance(rev, int) or not 2 <= rev <= FORMAT_REVISION:
+        problems.append(
+            f"'format_revision' {rev!r} is not one this nnstat reads (2 to {FORMAT_REVISION})"
+        )
+    else:
+        problems += [
+            f"{VOUCHES_FOR[key]}: would go unchecked, meta.json records no {key}, which every "
+            f"store of format revision {format_revision(meta)} records (the key was deleted)"
+            for key in missing_keys(meta)
+        ]
     modules = meta.get("modules")
     if not isinstance(modules, list):
         problems.append(f"'modules' must be a list, got {modules!r}")
@@ -168,6 +228,10 @@ def build_meta(
     mods = layout(projections)
     return {
         "format_version": FORMAT_VERSION,
+        "format_revision": FORMAT_REVISION,
+        # this store's identity: files saved for it (examples) carry it, so files copied from
+        # another store with the same ids are refused; a new one with every new store
+        "store_id": uuid.uuid4().hex,
         "nnstat_version": __version__,
         "project": project,
         "config": config,

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from nnstat.store.commits import check_ids, committed_shards
+from nnstat.store.commits import Shard, check_content, check_ids, committed_shards, log_path
 from nnstat.store.files import (
     META_FILE,
     PROJECTIONS_FILE,
@@ -41,7 +41,7 @@ from nnstat.store.files import (
 )
 from nnstat.store.ids import DataId, read_ids
 from nnstat.store.integrity import tensors_hash
-from nnstat.store.meta import read_meta
+from nnstat.store.meta import format_revision, read_meta
 from nnstat.store.shards import STORE_DTYPES, decode_rows
 
 
@@ -139,13 +139,16 @@ class GradientStore:
         # scoring reads them anyway, so opening a store never costs a pass over its rows
         # the shards the commit logs (shards/rank{r}.log) name: a lost file is an error, not
         # a store with fewer rows (stores written before the logs: every complete shard)
-        required = self.meta.get("shard_logs") is True
+        required = format_revision(self.meta) >= 2  # written with commit logs (shard_logs)
         logged = committed_shards(self.path / SHARD_DIR, required)
+        hashed = format_revision(self.meta) >= 3  # every shard's log records its content hash
         for shard in logged:
             npy, ids_path = shard.npy, shard.ids
             ids = _read_ids(ids_path)
             check_ids(shard, ids, digest=False)  # the count its log records
-            _check_shard_header(npy, np_dtype, self.dtype, self.row_width)
+            if hashed and shard.content is None:
+                raise _unhashed_error(shard)
+            _check_shard_header(npy, np_dtype, self.dtype, self.row_width, len(ids))
             self._starts.append(len(self.ids))
             self._lengths.append(len(ids))
             self.shards.append(npy)
@@ -155,6 +158,7 @@ class GradientStore:
         # then (new stores) the digest its log records: reordered or swapped ids files
         for shard, start, n in zip(logged, self._starts, self._lengths, strict=True):
             check_ids(shard, self.ids[start : start + n])
+        self._logged = logged
         self._maps: dict[int, np.ndarray] = {}
         self._tensors: dict[str, dict[str, torch.Tensor]] = {}  # verified safetensors, by name
 
@@ -177,7 +181,14 @@ class GradientStore:
     def shard_array(self, i: int) -> np.ndarray:
         """Memory-mapped array of shard ``i`` (validated against its ids and the row width)."""
         if i not in self._maps:
-            a = np.load(self.shards[i], mmap_mode="r", allow_pickle=False)
+            try:
+                a = np.load(self.shards[i], mmap_mode="r", allow_pickle=False)
+            except FileNotFoundError as e:  # removed since the store was opened
+                raise FileNotFoundError(
+                    f"{self.shards[i]} is missing: it was removed or renamed after the store "
+                    f"was opened ({len(self)} rows); restore it from a copy of this store, or "
+                    "log the store again"
+                ) from e
             if a.ndim != 2 or a.shape != (self._lengths[i], self.row_width):
                 raise ValueError(
                     f"{self.shards[i]}: shape {a.shape}, expected ({self._lengths[i]}, "
@@ -269,6 +280,33 @@ class GradientStore:
             self.projections(),
         )
 
+    def verify(self) -> int:
+        """The full check of the store's files, reading every byte once: each shard's rows
+        against the content hash its commit log records (a shard whose bytes changed while its
+        size did not: a bit flip, an edit, another store's shard of the same shape), and the
+        projections and statistics against meta.json (:meth:`projections`,
+        :meth:`statistics`). Opening checks only what is cheap (sizes, headers, ids); run this
+        after copying a store, or before results that matter.
+
+        Returns:
+            The number of shards whose content was checked (shards logged before content
+            hashes existed are not).
+
+        Raises:
+            ValueError: naming the first file that is not this store's own, and the fix.
+
+        Example:
+            >>> GradientStore("./nnstat_logs/my_project").verify()  # doctest: +SKIP
+            1
+        """
+        checked = 0
+        for shard in self._logged:
+            check_content(shard)
+            checked += shard.content is not None
+        self.projections()
+        self.statistics()
+        return checked
+
     def projections(self) -> dict[str, torch.Tensor]:
         """The projection matrices (``"{module}/p_in"``, ``"{module}/p_out"``), empty if none.
 
@@ -321,8 +359,18 @@ def _read_ids(ids_path: Path) -> list[DataId]:
         raise ValueError(f"{e}: {_DAMAGED}") from e
 
 
-def _check_shard_header(npy: Path, np_dtype: np.dtype, dtype: str, width: int) -> None:
-    """A shard's ``.npy`` header against meta.json (a few hundred bytes read, and one stat)."""
+def _unhashed_error(shard: Shard) -> ValueError:
+    return ValueError(
+        f"{shard.npy}: {log_path(shard.npy.parent, shard.rank)} records no content hash for "
+        "this shard, but meta.json's format_revision says its writer recorded one for every "
+        "shard: the log was edited or the shard comes from another store. Restore the log "
+        f"from a copy of this store, or log the store again"
+    )
+
+
+def _check_shard_header(npy: Path, np_dtype: np.dtype, dtype: str, width: int, rows: int) -> None:
+    """A shard's ``.npy`` header against meta.json and its ids file (a few hundred bytes read,
+    and one stat)."""
     try:  # a damaged header, or a file shorter than its header says
         header = read_npy_header(npy)
     except ValueError as e:
@@ -337,6 +385,11 @@ def _check_shard_header(npy: Path, np_dtype: np.dtype, dtype: str, width: int) -
         raise ValueError(
             f"{npy}: shape {header.shape}{order}, but meta.json says C-order rows of width "
             f"{width}; the shard comes from another store or was rewritten: {_DAMAGED}"
+        )
+    if header.shape[0] != rows:
+        raise ValueError(
+            f"{npy}: {header.shape[0]} rows, but its ids file (and commit log) say {rows}; the "
+            f"shard comes from another store or was rewritten: {_DAMAGED}"
         )
 
 

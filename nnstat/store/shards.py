@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import re
@@ -113,6 +114,36 @@ def npy_header(rows: int, width: int, np_dtype: Any, nbytes: int = _HEADER_BYTES
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(body)) + body.encode("latin1")
 
 
+def rows_hasher() -> Any:
+    """The content hash of a shard: SHA-256 over its rows' bytes as stored (the file after its
+    ``.npy`` header, whatever the header's size), fed by the writer as it writes the rows, so
+    the file is never read back. :func:`file_rows_digest` recomputes it from a file.
+
+    Example:
+        >>> h = rows_hasher(); h.update(np.zeros(2, np.float32)); len(h.hexdigest())
+        64
+    """
+    return hashlib.sha256()
+
+
+def file_rows_digest(path: Path, offset: int, nbytes: int, chunk: int = 16 * 2**20) -> str:
+    """:func:`rows_hasher`'s digest of ``nbytes`` bytes of rows starting at ``offset`` in the
+    file at ``path`` (a shard's data, after its header), read in chunks of ``chunk`` bytes."""
+    h = rows_hasher()
+    buf = bytearray(min(chunk, max(nbytes, 1)))
+    view = memoryview(buf)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        left = nbytes
+        while left:
+            got = f.readinto(view[: min(len(buf), left)])
+            if not got:
+                raise ValueError(f"{path}: ends {left} bytes before the rows its header announces")
+            h.update(view[:got])
+            left -= got
+    return h.hexdigest()
+
+
 def check_blocks(stem: str, blocks: Sequence[np.ndarray], width: int, np_dtype: Any) -> int:
     """The row count ``b`` of column blocks ``[b, w_k]`` (same ``b``, widths adding up to
     ``width``, all of ``np_dtype``); otherwise an error naming the shard ``stem``."""
@@ -137,6 +168,7 @@ class ShardFile:
         self.target = self.dir / f"{stem}.npy"
         self.tmp = self.target.with_name(self.target.name + files.TMP_SUFFIX)
         self.rows = 0
+        self.hasher = rows_hasher()  # the rows' bytes in file order, as they are written
         self._f = open(self.tmp, "wb")
         self._f.write(npy_header(0, width, self.np_dtype))
         self._f.flush()
@@ -145,15 +177,23 @@ class ShardFile:
     def nbytes(self) -> int:
         return self.rows * self.width * self.np_dtype.itemsize
 
+    def rows_digest(self) -> str:
+        """:func:`rows_hasher`'s digest of the rows appended so far (what the commit log
+        records for the shard)."""
+        return self.hasher.hexdigest()
+
     def append(self, blocks: list[np.ndarray]) -> None:
         """Write rows given as column blocks ``[b, w_k]`` whose widths add up to ``width``."""
         n = check_blocks(self.stem, blocks, self.width, self.np_dtype)
         blocks = [np.ascontiguousarray(b) for b in blocks]
         if len(blocks) == 1 or not hasattr(os, "writev"):
             joined = blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
+            self.hasher.update(memoryview(joined).cast("B"))
             self._f.write(memoryview(joined).cast("B"))
         else:
             views = [memoryview(b[i]).cast("B") for i in range(n) for b in blocks]
+            for v in views:  # the file's order: row by row, each row's blocks in turn
+                self.hasher.update(v)
             _writev_all(self._f.fileno(), views)
         self.rows += n
 

@@ -364,7 +364,8 @@ class StoreWriter:
             # first: the shard may be adopted as pending (a crash before its log line) only
             # with this line, whose digest its ids are checked against whenever they are read
             digest = ids_digest(self._shard_ids)
-            append_begin(self.shard_dir, self.rank, shard.stem, shard.rows, digest)
+            content = shard.rows_digest()  # hashed as the rows were written
+            append_begin(self.shard_dir, self.rank, shard.stem, shard.rows, digest, content)
             shard.commit(self._shard_ids)
         except BaseException:
             shard.abort()

@@ -9,6 +9,7 @@ texts) beside the store's files; :func:`save_queries` writes a query log (the in
                                             "labels": [...] | null, "texts": [...] | null,
                                             "images": {"shape": [n, H, W(, C)]} | null,
                                             "ids_sha256": <digest of the store's ids>,
+                                            "store_id": <meta.json's store_id> | null,
                                             "digests": [<digest of id, label, text, image>, ...]}
     <store>/viewer/examples.safetensors     "images" float32 [n, H, W] or [n, H, W, C] (C = 1, 3, 4)
     <store>/viewer/queries/<name>/query.json         {"format": "nnstat-queries", "version": 1,
@@ -18,7 +19,9 @@ texts) beside the store's files; :func:`save_queries` writes a query log (the in
 
 Everything is JSON or safetensors (no pickle), written to a temporary name and renamed.
 :func:`load_examples` refuses a file whose ``ids_sha256`` is not the digest of the folder's ids
-now (the store was logged again, the file copied from another) or whose ``digests`` do not match
+now (the store was logged again, the file copied from another), whose ``store_id`` is not the
+store's (copied from another store with the same ids; stores written before stores had an id
+are not checked), or whose ``digests`` do not match
 each example's id, label, text and image (ids reordered or edited), and files of version 1 (no
 digests, so such a mix-up could not be seen): no examples rather than wrong ones. The
 explorer scores each query set of a store against that store, and the store against itself
@@ -114,9 +117,16 @@ def _example_digests(
 
 def _folder_ids(folder: Path) -> list:
     """The ids of a gradient store or of a query set written by :func:`save_queries`."""
+    return _folder_identity(folder)[0]
+
+
+def _folder_identity(folder: Path) -> tuple[list, str | None]:
+    """The ids of a store or query set, and the ``store_id`` of the store (``None`` for a
+    query set, or a store written before stores had an id)."""
     if (folder / QUERY_JSON).is_file():
-        return list(_read_query_json(folder)["ids"])
-    return GradientStore(folder).ids  # raises "... is not a gradient store" on other folders
+        return list(_read_query_json(folder)["ids"]), None
+    store = GradientStore(folder)  # raises "... is not a gradient store" on other folders
+    return store.ids, store.meta.get("store_id")
 
 
 def _examples_dir(folder: Path) -> Path:
@@ -207,7 +217,7 @@ def save_examples(
     folder = Path(store_dir)
     if not folder.is_dir():
         raise FileNotFoundError(f"save_examples: {folder} is not a folder")
-    known = _folder_ids(folder)
+    known, store_id = _folder_identity(folder)
     if isinstance(ids, (torch.Tensor, np.ndarray)):
         ids = ids.tolist()
     ids = [i.item() if isinstance(i, np.generic) else i for i in ids]
@@ -236,6 +246,8 @@ def save_examples(
         "images": None,
         # binds the file to the folder's ids now, and each example's id to its content
         "ids_sha256": ids_digest(known),
+        # ... and to the store itself: another store with the same ids has another id
+        "store_id": store_id,
     }
     t = None if images is None else _as_images(images, n)
     record["digests"] = _example_digests(ids, record["labels"], record["texts"], t)
@@ -312,7 +324,14 @@ def _check_bound(folder: Path, path: Path, rec: dict, ex: Examples) -> None:
             f"{rec.get('version')}), so an example shown against the wrong id could not be "
             f"detected; {_FIX}"
         )
-    if rec.get("ids_sha256") != ids_digest(_folder_ids(folder)):
+    ids, store_id = _folder_identity(folder)
+    if store_id is not None and rec.get("store_id") != store_id:
+        raise ValueError(
+            f"{path}: saved for another store (store_id {rec.get('store_id')!r}, {folder} is "
+            f"{store_id!r}): copied from a store with the same ids, its examples are not this "
+            f"store's; {_FIX}"
+        )
+    if rec.get("ids_sha256") != ids_digest(ids):
         raise ValueError(
             f"{path}: saved for other ids than {folder} holds now (ids_sha256 differs: the store "
             f"or query set was written again, or the file comes from another); {_FIX}"
