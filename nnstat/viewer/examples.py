@@ -30,7 +30,7 @@ explorer scores each query set of a store against that store, and the store agai
 Example:
     >>> import tempfile, numpy as np
     >>> from nnstat.viewer.examples import save_examples, load_examples
-    >>> store = _tiny_store(tempfile.mkdtemp(), ["a", "b"])
+    >>> store = tiny_store(tempfile.mkdtemp(), ["a", "b"])
     >>> _ = save_examples(store, ["a", "b"], images=np.zeros((2, 8, 8)), labels=[3, 5])
     >>> ex = load_examples(store)
     >>> ex.ids, ex.labels, tuple(ex.images.shape)
@@ -207,7 +207,7 @@ def save_examples(
 
     Example:
         >>> import tempfile
-        >>> store = _tiny_store(tempfile.mkdtemp(), [0, 1, 2])
+        >>> store = tiny_store(tempfile.mkdtemp(), [0, 1, 2])
         >>> save_examples(store, [0, 2], texts=["a cat", "a dog"]).name
         'examples.json'
         >>> save_examples(store, [7])
@@ -272,7 +272,7 @@ def load_examples(store_dir: str | Path) -> Examples | None:
 
     Example:
         >>> import tempfile
-        >>> load_examples(_tiny_store(tempfile.mkdtemp(), [0])) is None
+        >>> load_examples(tiny_store(tempfile.mkdtemp(), [0])) is None
         True
     """
     out_dir = _examples_dir(Path(store_dir))
@@ -377,7 +377,7 @@ def save_queries(log: GradientLog, store_dir: str | Path, name: str = "queries")
     Example:
         >>> import tempfile, torch
         >>> from nnstat.store import GradientLog
-        >>> store = _tiny_store(tempfile.mkdtemp(), [0, 1])
+        >>> store = tiny_store(tempfile.mkdtemp(), [0, 1])
         >>> meta = GradientStore(store).meta
         >>> q = save_queries(GradientLog(["q0"], torch.ones(1, 2), meta), store)
         >>> load_queries(q).ids
@@ -454,7 +454,7 @@ def saved_sets(store_dir: str | Path, kind: str, marker: str) -> list[Path]:
     return sorted(p for p in root.iterdir() if (p / marker).is_file())
 
 
-def _tiny_store(root: str | Path, ids: list, rows: torch.Tensor | None = None) -> Path:
+def tiny_store(root: str | Path, ids: list, rows: torch.Tensor | None = None) -> Path:
     """A 2-wide store with ``ids`` and ``rows`` (default ``0, 1, 2, ...`` row-major), for the
     examples above and the tests."""
     from nnstat.store.files import atomic_write_json

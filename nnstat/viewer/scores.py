@@ -21,8 +21,8 @@ whose tensors are not the ones the JSON names, with a message naming the file an
 Example:
     >>> import tempfile, torch
     >>> from nnstat.influence import InfluenceResult
-    >>> from nnstat.viewer.examples import _tiny_store
-    >>> store = _tiny_store(tempfile.mkdtemp(), [0, 1, 2])
+    >>> from nnstat.viewer.examples import tiny_store
+    >>> store = tiny_store(tempfile.mkdtemp(), [0, 1, 2])
     >>> r = InfluenceResult(torch.tensor([[1.0, -2.0, 3.0]]), [1], [0, 1, 2], {"mode": "dot"})
     >>> _ = save_scores(store, "mine", r, label="by hand")
     >>> load_scores(store, "mine").result.scores.tolist()

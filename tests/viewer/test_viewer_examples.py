@@ -13,7 +13,7 @@ import nnstat
 from nnstat.influence import compute_influence_all
 from nnstat.store import GradientStore
 from nnstat.viewer import load_examples, load_queries, save_examples, save_queries
-from nnstat.viewer.examples import _tiny_store, query_sets
+from nnstat.viewer.examples import tiny_store, query_sets
 
 
 def make_store(root, n_train: int = 24, n_query: int = 3):
@@ -106,7 +106,7 @@ def _nan_store(root):
     """A 2-wide store whose row of id 1 is NaN (a damaged shard, or nonfinite='keep')."""
     (root / "s").mkdir(parents=True)
     rows = torch.tensor([[1.0, 2.0], [float("nan"), 1.0], [3.0, 4.0]])
-    return _tiny_store(root / "s", [0, 1, 2], rows)
+    return tiny_store(root / "s", [0, 1, 2], rows)
 
 
 def test_nan_query_rows_name_their_file(tmp_path, capsys):
@@ -193,7 +193,7 @@ def test_examples_are_bound_to_their_ids(tmp_path):
 
     # a file saved for other ids (copied from another store) is refused naming the file
     (tmp_path / "other").mkdir()
-    other = _tiny_store(tmp_path / "other", ids[::-1])
+    other = tiny_store(tmp_path / "other", ids[::-1])
     (other / "viewer").mkdir()
     (other / "viewer" / "examples.json").write_text(good)
     (other / "viewer" / "examples.safetensors").write_bytes(

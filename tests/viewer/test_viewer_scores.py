@@ -71,13 +71,13 @@ def test_saved_scores_round_trip_exactly(tmp_path):
 
 def test_scores_bound_to_the_ids_are_refused_naming_the_file(tmp_path):
     from nnstat.viewer.bundle import load_bundle
-    from nnstat.viewer.examples import _tiny_store
+    from nnstat.viewer.examples import tiny_store
 
     store, log, refined = make_run(tmp_path / "a")
     path = save_scores(store, "refined", refined, queries="wrong")
     # copied beside another store with other ids
     (tmp_path / "b").mkdir()
-    other = _tiny_store(tmp_path / "b", list(range(24))[::-1])
+    other = tiny_store(tmp_path / "b", list(range(24))[::-1])
     shutil.copytree(store / "viewer", other / "viewer")
     copied = other / "viewer" / "scores" / "refined" / "scores.json"
     with pytest.raises(ValueError, match="saved for other ids than") as err:
