@@ -13,7 +13,7 @@ import nnstat
 from nnstat.influence import compute_influence_all
 from nnstat.store import GradientStore
 from nnstat.viewer import load_examples, load_queries, save_examples, save_queries
-from nnstat.viewer.examples import tiny_store, query_sets
+from nnstat.viewer.examples import query_sets, tiny_store
 
 
 def make_store(root, n_train: int = 24, n_query: int = 3):
