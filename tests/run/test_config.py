@@ -154,8 +154,11 @@ def test_setup_takes_a_run_config_like_its_dict_form(tmp_path):
     a, meta_a, store_a = _store(tmp_path, "dict", flat)
     b, meta_b, store_b = _store(tmp_path, "typed", nnstat.RunConfig(**flat))
     assert a.config == b.config == RunConfig.from_any(flat)
+    # a store's id is drawn fresh for each store: two stores never share one
+    assert meta_a["store_id"] != meta_b["store_id"]
     for m in (meta_a, meta_b):
         m.pop("project")
+        m.pop("store_id")
     assert meta_a == meta_b
     assert store_a.ids == store_b.ids and torch.equal(store_a.rows(0, 12), store_b.rows(0, 12))
     assert (a.path / "statistics.json").read_text() == (b.path / "statistics.json").read_text()
