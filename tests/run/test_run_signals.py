@@ -11,6 +11,14 @@ import torch
 
 import nnstat
 
+
+def _default_signals() -> None:
+    """The child starts with SIGINT/SIGHUP at their defaults: a test launched under ``nohup`` or
+    as a background job inherits them ignored, and nnstat rightly leaves an ignored signal so."""
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 SCRIPT = r"""
 import os, signal, sys, time, torch
 import nnstat
@@ -46,6 +54,7 @@ def test_a_signal_without_finalize_keeps_every_row(tmp_path, how, returncode):
     done = subprocess.run(
         [sys.executable, str(script), str(tmp_path), how],
         capture_output=True,
+        preexec_fn=_default_signals,
         text=True,
         timeout=120,
     )
@@ -118,6 +127,7 @@ def test_a_graceful_user_handler_finishes_the_step_and_keeps_every_row(tmp_path,
     done = subprocess.run(
         [sys.executable, str(script), str(tmp_path), where],
         capture_output=True,
+        preexec_fn=_default_signals,
         text=True,
         timeout=120,
     )
@@ -162,7 +172,11 @@ def test_sigterm_during_finalize_keeps_the_open_shard(tmp_path):
     script = tmp_path / "log.py"
     script.write_text(FINALIZE)
     done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        preexec_fn=_default_signals,
+        text=True,
+        timeout=120,
     )
     assert "not reached" not in done.stdout
     assert done.returncode == -signal.SIGTERM, done.stderr  # still ends killed by SIGTERM
@@ -177,6 +191,7 @@ def test_sighup_without_finalize_keeps_every_row(tmp_path):
     done = subprocess.run(
         [sys.executable, str(script), str(tmp_path), "sighup"],
         capture_output=True,
+        preexec_fn=_default_signals,
         text=True,
         timeout=120,
     )
