@@ -3,7 +3,8 @@
 A communication hook replaces DDP's default all-reduce: it appends the squared norm of the
 rank's local gradient bucket to the bucket and averages both in the same collective, so every
 rank gets ``mean_r |G_r|^2`` (``B_small`` = per-rank batch) and ``|G|^2`` of the averaged
-gradient (``B_big`` = global batch) with no extra communication round.
+gradient (``B_big`` = global batch) with no extra communication round and no read back: the
+norms are staged on the device for the tracker's one non-blocking copy.
 """
 
 import threading
@@ -14,12 +15,14 @@ import torch
 import torch.distributed as dist
 
 from nnstat.distributed import is_distributed
+from nnstat.gradient_noise.microbatch import StagedPairs
 
 
-class NormUpdates(Protocol):
-    """What the hook feeds: `nnstat.NoiseScale.update` (squared norms at two batch sizes)."""
+class StagedUpdates(Protocol):
+    """What the hook feeds: `nnstat.NoiseScale.add_staged` (squared norms at two batch sizes,
+    still on the device)."""
 
-    def update(self, g_small_sq: float, g_big_sq: float, b_small: float, b_big: float) -> None: ...
+    def add_staged(self, staged: StagedPairs) -> None: ...
 
 
 @dataclass
@@ -27,31 +30,29 @@ class DDPNoiseScaleState:
     """State of :func:`noise_scale_comm_hook`; set ``local_batch_size`` if it changes.
 
     ``local_batch_size`` is the number of samples per rank behind the synchronised gradient, and
-    the loss must be their mean (DDP averages gradients across ranks).
+    the loss must be their mean (DDP averages gradients across ranks). The buckets' squared
+    norms are summed on the device and staged at the last bucket: the hook reads nothing back.
     """
 
-    tracker: NormUpdates
+    tracker: StagedUpdates
     local_batch_size: int
     process_group: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _local_sq: float = 0.0
-    _global_sq: float = 0.0
+    _sums: torch.Tensor | None = None  # (local, global) squared norms of the buckets so far
     _done: int = 0
     _total: int | None = None
 
-    def _bucket_done(self, local_sq: float, global_sq: float) -> None:
+    def _bucket_done(self, sums: torch.Tensor) -> None:
         with self._lock:
-            self._local_sq += local_sq
-            self._global_sq += global_sq
+            self._sums = sums if self._sums is None else self._sums + sums
             self._done += 1
             if self._total is None or self._done < self._total:
                 return
-            local, glob = self._local_sq, self._global_sq
-            self._local_sq = self._global_sq = 0.0
+            staged, self._sums = self._sums, None
             self._done, self._total = 0, None
         world = dist.get_world_size(self.process_group)
         b = self.local_batch_size
-        self.tracker.update(local, glob, b, b * world)
+        self.tracker.add_staged(StagedPairs(staged, lambda v: ([], v[:1], v[1:], b, b * world)))
 
 
 def noise_scale_comm_hook(
@@ -81,14 +82,15 @@ def noise_scale_comm_hook(
     def finish(f: torch.futures.Future[Any]) -> torch.Tensor:
         reduced = f.value()[0]
         grads = reduced[:-1]
-        state._bucket_done(float(reduced[-1]), float(grads.double().pow(2).sum()))
+        # (mean_r |G_r|^2, |G|^2) of this bucket, left on the device
+        state._bucket_done(torch.stack([reduced[-1].double(), grads.double().pow(2).sum()]))
         return grads.to(buf.dtype).reshape(buf.shape)
 
     return fut.then(finish)
 
 
 def register_noise_scale_hook(
-    ddp_model: Any, tracker: NormUpdates, local_batch_size: int, process_group: Any = None
+    ddp_model: Any, tracker: StagedUpdates, local_batch_size: int, process_group: Any = None
 ) -> DDPNoiseScaleState:
     """Register :func:`noise_scale_comm_hook` on a ``DistributedDataParallel`` model."""
     if not is_distributed():

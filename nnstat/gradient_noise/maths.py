@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -212,3 +215,57 @@ def warn_if_noise(g_sq: float) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+class SeparateAverages:
+    """Separate running averages of the numerator tr(Sigma) and denominator |G|^2: an EMA with
+    factor ``beta`` (bias-corrected, like Adam's ``1 - beta^t``) or the mean of the last
+    ``window`` observations (``beta`` then unused). Their ratio, never the mean of the per-step
+    ratios, is the noise scale (`nnstat.NoiseScale`).
+
+    Example:
+        >>> avg = SeparateAverages(beta=0.5, window=None)
+        >>> avg.add(4.0, 1.0); avg.add(8.0, 1.0)
+        >>> avg.means()
+        (6.666666666666667, 1.0)
+    """
+
+    def __init__(self, beta: float | None, window: int | None) -> None:
+        self.beta, self.window = beta, window
+        self.num = self.den = self.weight = 0.0
+        self.nums: deque[float] = deque(maxlen=window)
+        self.dens: deque[float] = deque(maxlen=window)
+
+    def add(self, trace: float, g_sq: float) -> None:
+        if self.window is not None:
+            self.nums.append(trace)
+            self.dens.append(g_sq)
+            return
+        b = self.beta
+        assert b is not None
+        self.num = b * self.num + (1 - b) * trace
+        self.den = b * self.den + (1 - b) * g_sq
+        self.weight = b * self.weight + (1 - b)  # bias correction, like Adam's 1 - beta^t
+
+    def means(self) -> tuple[float, float]:
+        if self.window is not None:
+            n = len(self.nums)
+            return (sum(self.nums) / n, sum(self.dens) / n) if n else (math.nan, math.nan)
+        if self.weight == 0:
+            return math.nan, math.nan
+        return self.num / self.weight, self.den / self.weight
+
+    def state(self) -> dict[str, Any]:
+        if self.window is not None:
+            return {"nums": list(self.nums), "dens": list(self.dens)}
+        return {"num": self.num, "den": self.den, "weight": self.weight}
+
+    def load(self, state: Mapping[str, Any]) -> None:
+        if self.window is not None:
+            self.nums.clear()
+            self.dens.clear()
+            self.nums.extend(float(v) for v in state["nums"])
+            self.dens.extend(float(v) for v in state["dens"])
+        else:
+            self.num, self.den = float(state["num"]), float(state["den"])
+            self.weight = float(state["weight"])

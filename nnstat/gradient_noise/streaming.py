@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections import deque
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
@@ -18,55 +17,17 @@ from nnstat.background.transfer import HostBuffers, start_copy
 from nnstat.capture.reduction import MeanLossProbe
 from nnstat.describe import as_float
 from nnstat.gradient_noise.ddp import DDPNoiseScaleState, register_noise_scale_hook
-from nnstat.gradient_noise.maths import check_batch_sizes, ratio_of_means, safe_ratio
+from nnstat.gradient_noise.maths import (
+    SeparateAverages,
+    check_batch_sizes,
+    ratio_of_means,
+    safe_ratio,
+)
+from nnstat.gradient_noise.microbatch import MicroBatchNorms, StagedPairs
 from nnstat.gradient_noise.persample import PerSampleNorms, StagedNorms
 
 Scalar = float | torch.Tensor
 _TOTAL = ""  # key of the whole-model statistics; layers use their names
-
-
-class _Average:
-    """Separate running averages of the numerator tr(Sigma) and denominator |G|^2."""
-
-    def __init__(self, beta: float | None, window: int | None) -> None:
-        self.beta, self.window = beta, window
-        self.num = self.den = self.weight = 0.0
-        self.nums: deque[float] = deque(maxlen=window)
-        self.dens: deque[float] = deque(maxlen=window)
-
-    def add(self, trace: float, g_sq: float) -> None:
-        if self.window is not None:
-            self.nums.append(trace)
-            self.dens.append(g_sq)
-            return
-        b = self.beta
-        assert b is not None
-        self.num = b * self.num + (1 - b) * trace
-        self.den = b * self.den + (1 - b) * g_sq
-        self.weight = b * self.weight + (1 - b)  # bias correction, like Adam's 1 - beta^t
-
-    def means(self) -> tuple[float, float]:
-        if self.window is not None:
-            n = len(self.nums)
-            return (sum(self.nums) / n, sum(self.dens) / n) if n else (math.nan, math.nan)
-        if self.weight == 0:
-            return math.nan, math.nan
-        return self.num / self.weight, self.den / self.weight
-
-    def state(self) -> dict[str, Any]:
-        if self.window is not None:
-            return {"nums": list(self.nums), "dens": list(self.dens)}
-        return {"num": self.num, "den": self.den, "weight": self.weight}
-
-    def load(self, state: Mapping[str, Any]) -> None:
-        if self.window is not None:
-            self.nums.clear()
-            self.dens.clear()
-            self.nums.extend(float(v) for v in state["nums"])
-            self.dens.extend(float(v) for v in state["dens"])
-        else:
-            self.num, self.den = float(state["num"]), float(state["den"])
-            self.weight = float(state["weight"])
 
 
 class _TrackedBatch:
@@ -133,7 +94,8 @@ class NoiseScale:
     estimate comes close to zero.
 
     Feeds: ``update`` (norms you computed), ``update_grads`` (two gradient dicts), ``watch`` +
-    ``batch()`` (per-sample norms from the capture engine: ``b_small = 1``), or
+    ``batch()`` (per-sample norms from the capture engine: ``b_small = 1``),
+    ``watch_microbatches`` (gradient accumulation's micro-batches vs their sum), or
     ``register_ddp`` (local vs all-reduced gradient under DDP).
 
     On a GPU ``batch()`` reads nothing back: its norms start for the host in one non-blocking
@@ -174,13 +136,14 @@ class NoiseScale:
                 raise ValueError(f"beta must be in [0, 1), got {beta}")
         self.beta, self.window, self.prefix = beta, window, prefix
         self._n_updates = 0
-        self._stats: dict[str, _Average] = {}
+        self._stats: dict[str, SeparateAverages] = {}
         self._inflight = InOrder()  # captured batches on their way (GPU)
         self._queued = 0  # captured batches queued so far (numbers them)
         self._buffers = HostBuffers(pin=True, minimum=256)
         self._capture: PerSampleNorms | None = None
         self._compiled = False  # the watched model is torch.compile'd: no function mode inside
         self._checked: set[str] = set()  # loss reductions a probe checked since watch()
+        self._micro: list[MicroBatchNorms] = []  # watch_microbatches feeds
 
     # ----------------------------------------------------------------- feeding
     def update(
@@ -245,7 +208,7 @@ class NoiseScale:
         for k, s, b in zip(keys, small, big, strict=True):
             avg = self._stats.get(k)
             if avg is None:
-                avg = self._stats[k] = _Average(self.beta, self.window)
+                avg = self._stats[k] = SeparateAverages(self.beta, self.window)
             avg.add((s - b) * c_t, (b_big * b - b_small * s) * c_g)
         self._n_updates += 1
 
@@ -339,7 +302,46 @@ class NoiseScale:
         big.append(sum(big))
         self._add([*names, _TOTAL], small, big, 1, n)
 
-    def _queue(self, staged: StagedNorms) -> None:
+    def watch_microbatches(
+        self, model: nn.Module, micro_batch_size: int | None = None, accumulation: str = "mean"
+    ) -> MicroBatchNorms:
+        """Feed this tracker from gradient accumulation: one observation per optimizer step.
+
+        Each ``backward()`` of ``model`` is one micro-batch (``B_small`` = its samples, its loss
+        their mean); ``end_step()`` of the returned `MicroBatchNorms`, called once the step's
+        gradients are final (before clipping), adds ``mean_k |g_k|^2`` against the accumulated
+        gradient's ``|G|^2`` (``B_big`` = all the step's samples), per module. Nothing beyond
+        one multi-tensor norm per micro-batch runs, and nothing is read back inside the step.
+
+        Args:
+            model: the network (every parameter that requires a gradient).
+            micro_batch_size: samples per micro-batch (or pass it to ``end_step``).
+            accumulation: ``"mean"``: micro-batch losses divided by their number (HF, Lightning);
+                ``"sum"``: added as they are.
+
+        Returns:
+            The `MicroBatchNorms` (``close()`` removes its hooks; `unwatch` does too).
+
+        Example::
+
+            micro = gns.watch_microbatches(model, micro_batch_size=8)
+            for step in range(steps):
+                for x, y in micro_batches(4):
+                    (loss_fn(model(x), y) / 4).backward()
+                micro.end_step()
+                opt.step(); opt.zero_grad()
+        """
+        micro = MicroBatchNorms(model, self.add_staged, micro_batch_size, accumulation)
+        self._micro.append(micro)
+        return micro
+
+    def add_staged(self, staged: StagedPairs) -> None:
+        """Add an observation whose squared norms are still on the device (`StagedPairs`, from
+        `watch_microbatches` or the DDP hook): its one copy to the host starts now; it joins
+        the averages once arrived, in order with the other feeds."""
+        self._queue(staged)
+
+    def _queue(self, staged: StagedNorms | StagedPairs) -> None:
         """A captured batch: its one copy to the host starts now, it joins the averages once
         it has arrived (at once on CPU)."""
         self._queued += 1
@@ -359,15 +361,25 @@ class NoiseScale:
 
     def _complete(self, entry: InFlight) -> None:
         (values,) = entry.copy.wait()
-        self._add_captured(*entry.work.resolve(values.tolist()))
+        if isinstance(entry.work, StagedNorms):
+            self._add_captured(*entry.work.resolve(values.tolist()))
+        elif (pairs := entry.work.resolve(values.tolist())) is not None:
+            names, small, big, b_small, b_big = pairs
+            check_batch_sizes(b_small, b_big)
+            if names:  # per layer, plus the model's total
+                small, big = [*small, sum(small)], [*big, sum(big)]
+            self._add([*names, _TOTAL], small, big, b_small, b_big)
         for snapshot in entry.handles:
             snapshot.set(self._to_dict())
 
     def unwatch(self) -> None:
-        """Remove the capture hooks (the model is left exactly as before ``watch``)."""
+        """Remove the capture and micro-batch hooks (the model is left exactly as before)."""
         if self._capture is not None:
             self._capture.close()
             self._capture = None
+        for micro in self._micro:
+            micro.close()
+        self._micro = []
 
     def register_ddp(
         self, ddp_model: nn.Module, local_batch_size: int, process_group: Any = None
@@ -527,7 +539,7 @@ class NoiseScale:
             )
         stats = {}
         for k, v in state["stats"].items():
-            avg = _Average(self.beta, self.window)
+            avg = SeparateAverages(self.beta, self.window)
             avg.load(v)
             stats[k] = avg
         self._stats = stats

@@ -50,12 +50,34 @@ def _train(rank: int, out_dir: str) -> None:
         json.dump(record, f)
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _count_reads(rank: int, out_dir: str) -> None:
+    """Host reads during the synchronised backwards, copies held back as on a GPU."""
+    from _ledger import host_reads
+
+    from nnstat.background.transfer import LocalCopy
+
+    ddp = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=1e-4)
+    gns = nnstat.NoiseScale(window=10)
+    gns.register_ddp(ddp, local_batch_size=B)
+    LocalCopy.ready = False
+    counter: list[str] = []
+    with host_reads(counter):  # every thread's: the hook's futures finish off this one
+        for step in range(STEPS):
+            x, y = _data(step)
+            sl = slice(rank * B, (rank + 1) * B)
+            nn.functional.cross_entropy(ddp(x[sl]), y[sl]).backward()
+            ddp.zero_grad()
+    LocalCopy.ready = True
+    with open(os.path.join(out_dir, f"reads{rank}.json"), "w") as f:
+        json.dump({"reads": counter, "n_updates": gns.n_updates}, f)
+
+
+def _worker(rank: int, port: int, out_dir: str, job=_train) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        _train(rank, out_dir)
+        job(rank, out_dir)
         # tear down once both ranks are done and the DDP reducer (which holds the group) is
         # gone: destroying the group under a live reducer aborted a rank at exit (SIGABRT,
         # "terminate called without an active exception", seen once in CI)
@@ -110,6 +132,14 @@ def test_ddp_hook_matches_single_process(tmp_path):
             ):
                 p.grad = g.reshape(p.shape).clone()
         opt.step()
+
+
+@pytest.mark.timeout(120)
+def test_ddp_hook_reads_nothing_back_inside_the_step(tmp_path):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), _count_reads), nprocs=WORLD, join=True)
+    for r in range(WORLD):
+        got = json.loads((tmp_path / f"reads{r}.json").read_text())
+        assert got == {"reads": [], "n_updates": STEPS}
 
 
 def test_register_ddp_needs_distributed():

@@ -1,0 +1,239 @@
+"""Noise scale from gradient accumulation's micro-batches: norms of gradients that exist anyway.
+
+With ``K`` micro-batches of ``b`` samples per optimizer step, each micro-batch's backward adds its
+own gradient ``g_k`` to ``.grad``; ``g_k`` is a mean gradient over ``b`` samples and the
+accumulated ``.grad`` the mean over ``K b``. ``mean_k |g_k|^2`` and ``|.grad|^2`` are then the
+two squared norms of McCandlish et al.'s two-batch estimator (``B_small = b``,
+``B_big = K b``), with no extra forward, backward or per-sample work.
+
+`MicroBatchNorms` takes ``g_k`` from a hook on every parameter (the gradient a backward brings,
+before it is added to ``.grad``; a parameter whose ``.grad`` is still empty keeps that gradient
+as its ``.grad``, read at the end of the backward), reduces each micro-batch to squared norms
+with one multi-tensor norm (`nnstat.gradient_noise.batches.sq_norms`) at the end of its
+backward, and at the optimizer step stages every micro-batch's norms and the accumulated
+gradient's in one device vector (`StagedPairs`) for one non-blocking copy to the host: nothing
+is read back inside the step.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nnstat.gradient_noise.batches import sq_norms
+
+__all__ = ["MicroBatchNorms", "Pairs", "StagedPairs"]
+
+#: ``(layer names, |G_small|^2 per layer, |G_big|^2 per layer, b_small, b_big)``; no names: the
+#: two lists hold the whole model's value only
+Pairs = tuple[list[str], list[float], list[float], float, float]
+
+
+@dataclass(eq=False)
+class StagedPairs:
+    """An observation at two batch sizes whose squared norms are still on the device: `values`
+    is the one vector to read back; `resolve` turns its host values into `Pairs` (``None``: the
+    observation is dropped, with a warning saying why).
+
+    Example:
+        >>> s = StagedPairs(torch.tensor([3.0, 2.0]), lambda v: ([], v[:1], v[1:], 1, 4))
+        >>> s.resolve(s.values.tolist())
+        ([], [3.0], [2.0], 1, 4)
+    """
+
+    values: torch.Tensor
+    combine: Callable[[list[float]], Pairs | None]
+
+    def resolve(self, values: list[float]) -> Pairs | None:
+        """`Pairs` from the host values of `values` (``None``: dropped)."""
+        return self.combine(values)
+
+
+def module_names(names: list[str]) -> tuple[list[str], list[int]]:
+    """The owning module of each parameter name (its prefix; a root parameter names itself):
+    the distinct modules in order, and each parameter's index into them.
+
+    Example:
+        >>> module_names(["0.weight", "0.bias", "2.weight", "scale"])
+        (['0', '2', 'scale'], [0, 0, 1, 2])
+    """
+    index: dict[str, int] = {}
+    owner = [index.setdefault(n.rpartition(".")[0] or n, len(index)) for n in names]
+    return list(index), owner
+
+
+class MicroBatchNorms:
+    """Squared norms of each micro-batch's gradient and of the accumulated gradient.
+
+    Every ``backward()`` of the model counts as one micro-batch; `end_step` (gradients final,
+    before clipping and the optimizer step) hands the step's observation to ``sink`` (e.g.
+    `nnstat.NoiseScale.add_staged`). Built by `nnstat.NoiseScale.watch_microbatches`.
+
+    Args:
+        model: the network; every parameter that requires a gradient is covered.
+        sink: receives each step's `StagedPairs`.
+        micro_batch_size: samples per micro-batch (``b``; each micro-batch's loss a mean over
+            them); can be given per step to `end_step` instead.
+        accumulation: how the micro-batch losses add up to the step's: ``"mean"`` (each divided
+            by the number of micro-batches, as HF's Trainer and Lightning do: ``.grad`` is the
+            step's mean gradient) or ``"sum"`` (``.grad`` is the sum of the micro-batch means).
+            Only ``grad_sq_norm`` and ``trace_sigma`` depend on it, not ``b_simple``.
+
+    Raises:
+        ValueError: no parameter requires a gradient, a bad ``micro_batch_size`` or an unknown
+            ``accumulation``.
+
+    Example:
+        >>> model, seen = nn.Sequential(nn.Linear(3, 1)), []
+        >>> micro = MicroBatchNorms(model, seen.append, micro_batch_size=4)
+        >>> for _ in range(2):
+        ...     model(torch.randn(4, 3)).pow(2).mean().div(2).backward()
+        >>> micro.end_step(), seen[0].resolve(seen[0].values.tolist())[0]
+        (True, ['0'])
+        >>> micro.close()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sink: Callable[[StagedPairs], None],
+        micro_batch_size: int | None = None,
+        accumulation: str = "mean",
+    ) -> None:
+        if accumulation not in ("mean", "sum"):
+            raise ValueError(f"accumulation must be 'mean' or 'sum', got {accumulation!r}")
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no parameter that requires a gradient")
+        self.micro_batch_size = _batch_size(micro_batch_size, allow_none=True)
+        self.sink, self.accumulation = sink, accumulation
+        self.params = [p for _, p in named]
+        self.names, self._owner = module_names([n for n, _ in named])
+        self._fresh: list[int] = []  # parameters whose .grad this backward creates
+        self._stash: list[tuple[int, torch.Tensor]] = []  # the others: the gradient it adds
+        self._micro: list[tuple[list[int], torch.Tensor]] = []  # per micro-batch: which, norms
+        self._dirty: tuple[list[int], torch.Tensor] | None = None  # .grad left from before
+        self._in_backward = False
+        self._handles = [
+            p.register_hook(functools.partial(self._on_grad, i)) for i, p in enumerate(self.params)
+        ]
+
+    @property
+    def pending(self) -> int:
+        """Micro-batches seen since the last `end_step` (counting a backward still running)."""
+        return len(self._micro) + self._in_backward
+
+    def _on_grad(self, i: int, grad: torch.Tensor) -> None:
+        if not self._in_backward:
+            # the first gradient of this backward: no .grad has been added to yet, so what
+            # holds values now was there before it; the end of the backward reduces its norms
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            if not self._micro:
+                self._check_cleared()
+        if self.params[i].grad is None:
+            self._fresh.append(i)
+        else:
+            self._stash.append((i, grad))
+
+    def _check_cleared(self) -> None:
+        """The step's first micro-batch: stage the norms of gradients left from before (none
+        after ``zero_grad()``: no kernel), which would make ``.grad`` more than the step's sum."""
+        left = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
+        if left:
+            with torch.no_grad():
+                self._dirty = ([i for i, _ in left], sq_norms([g for _, g in left]))
+
+    def _backward_done(self) -> None:
+        fresh, stash = self._fresh, self._stash
+        self._fresh, self._stash, self._in_backward = [], [], False
+        grads = [self.params[i].grad for i in fresh] + [g for _, g in stash]
+        if any(g is None for g in grads):
+            return  # gradients that never reached .grad (torch.autograd.grad): no micro-batch
+        with torch.no_grad():  # .grad may carry a graph (create_graph=True): build none
+            self._micro.append((fresh + [i for i, _ in stash], sq_norms(grads)))
+
+    def discard(self) -> None:
+        """Drop the micro-batches seen since the last `end_step` (e.g. gradients clipped
+        before they could be measured)."""
+        self._micro, self._dirty = [], None
+
+    def end_step(self, micro_batch_size: int | None = None) -> bool:
+        """The step's gradients are final (before clipping): stage its observation for the sink.
+
+        Args:
+            micro_batch_size: samples per micro-batch; ``None``: the constructor's.
+
+        Returns:
+            Whether an observation was staged (``False`` with fewer than 2 micro-batches: one
+            batch size only; nothing is kept).
+
+        Raises:
+            ValueError: no micro-batch size given anywhere, or one below 1.
+        """
+        micro, dirty = self._micro, self._dirty
+        self.discard()
+        k = len(micro)
+        if k < 2:
+            return False
+        b = _batch_size(micro_batch_size or self.micro_batch_size, allow_none=False)
+        present = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
+        with torch.no_grad():
+            parts = [norms for _, norms in micro] + [sq_norms([g for _, g in present])]
+            if dirty is not None:
+                parts.append(dirty[1])
+            values = torch.cat([t.to(parts[-1].device) for t in parts])
+        which = [idx for idx, _ in micro] + [[i for i, _ in present]]
+        scale = 1.0 / k if self.accumulation == "mean" else 1.0  # g_k = scale x its mean
+        combine = functools.partial(self._combine, which, dirty is not None, k, b, scale)
+        self.sink(StagedPairs(values, combine))
+        return True
+
+    def _combine(
+        self, which: list[list[int]], dirty: bool, k: int, b: int, scale: float, v: list[float]
+    ) -> Pairs | None:
+        n = len(self.names)
+        small, big = [0.0] * n, [0.0] * n
+        pos = 0
+        for m, idx in enumerate(which):
+            into = big if m == k else small
+            for i in idx:
+                into[self._owner[i]] += v[pos]
+                pos += 1
+        if dirty and any(x != 0 for x in v[pos:]):
+            warnings.warn(
+                "nnstat: the gradients held values before this optimizer step's first "
+                "micro-batch, so .grad is not the sum of its micro-batches: the step is left "
+                "out of the noise scale. Clear them (optimizer.zero_grad()) after each step.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
+        seen = sorted({self._owner[i] for i in which[-1]})
+        # mean_k |mean gradient of micro-batch k|^2 and |mean gradient of the step|^2
+        small_sq = [small[j] / (k * scale * scale) for j in seen]
+        big_sq = [big[j] / (k * k * scale * scale) for j in seen]
+        return [self.names[j] for j in seen], small_sq, big_sq, b, k * b
+
+    def close(self) -> None:
+        """Remove the hooks (the model is left as before)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.discard()
+
+
+def _batch_size(value: int | None, allow_none: bool) -> int | None:
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(
+            f"micro_batch_size must be a positive int (samples per micro-batch), got {value!r}; "
+            "pass it to watch_microbatches() or end_step()"
+        )
+    return value
