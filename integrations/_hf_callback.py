@@ -82,11 +82,18 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
     logged without such a read). Non-logging steps launch no kernel and read nothing (the noise
     scale's capture runs on its own cadence, below).
 
-    The noise scale uses per-sample gradient norms (B_small = 1) of one micro-batch in
-    ``noise_scale_every`` (default `NOISE_SCALE_EVERY` = 8: the per-sample capture runs inside
-    backward and is the expensive part; ``1`` measures every micro-batch), starting with the
-    first micro-batch after the one that probes which modules qualify, which assumes the
-    model's loss is a mean over the batch (the HF default). Set ``noise_scale=False`` to skip it.
+    **The noise scale's estimator** (``noise_scale_method``). With gradient accumulation
+    (``gradient_accumulation_steps > 1``) the default (``"auto"``) compares each micro-batch's
+    gradient (``B_small = per_device_train_batch_size``) with the accumulated one (``B_big`` =
+    that times the accumulation steps and the world size) at every optimizer step: one
+    multi-tensor norm per micro-batch, nothing read back, no per-sample work
+    (`nnstat.NoiseScale.watch_microbatches`). Without accumulation it uses per-sample gradient
+    norms (B_small = 1) of one micro-batch in ``noise_scale_every`` (default
+    `NOISE_SCALE_EVERY` = 8: the per-sample capture runs inside backward and is the expensive
+    part; ``1`` measures every micro-batch), starting with the first micro-batch after the one
+    that probes which modules qualify. Both estimate the same ``B_simple``; force one with
+    ``noise_scale_method="per_sample"`` or ``"micro_batch"``. Either assumes the model's loss
+    is a mean over the batch (the HF default). Set ``noise_scale=False`` to skip it.
 
     Args:
         stats: statistics per tracked tensor (see ``nnstat.describe``).
@@ -94,7 +101,8 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
         include: regex of parameter names to track; ``None``: all.
         exclude: regex of parameter names to leave out.
         every: log every this many optimizer steps; ``None``: ``TrainingArguments.logging_steps``.
-        noise_scale: also stream ``noise_scale/b_simple`` from per-sample gradient norms.
+        noise_scale: also stream ``noise_scale/b_simple``.
+        noise_scale_method: ``"auto"``, ``"per_sample"`` or ``"micro_batch"`` (above).
         noise_scale_beta: EMA factor of the noise-scale averages.
         noise_scale_filter: regex of module names for the noise scale; ``None``: every
             supported module whose parameters are not shared with another module.
@@ -105,7 +113,7 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
 
     Raises:
         ValueError: ``every`` or ``noise_scale_every`` not a positive int, ``noise_scale_beta``
-            outside ``[0, 1)``, or an unknown statistic.
+            outside ``[0, 1)``, an unknown ``noise_scale_method`` or statistic.
 
     Example:
         >>> cb = NNStatCallback(stats=["l2", "rms"], noise_scale=False)
@@ -195,8 +203,7 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
         hooks = self.hooks
 
         def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
-            if hooks.capture_open:
-                hooks.end_backward()  # .grad as the backward left it
+            hooks.before_clip()  # .grad as the backward left it
             return clip(*args, **kwargs)
 
         clip_grad_norm_._nnstat_owner = self  # type: ignore[attr-defined]
@@ -224,6 +231,11 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self._placed:
             self._place_from_caller()
+        self.hooks.configure(
+            int(getattr(args, "gradient_accumulation_steps", 1) or 1),
+            getattr(args, "per_device_train_batch_size", None),
+            int(getattr(args, "world_size", 1) or 1),
+        )
         if self.options.noise_scale:
             trainer = self._trainer or _on_stack(_is_trainer)
             if trainer is not None:
@@ -257,7 +269,9 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
         after_clip = float(getattr(args, "max_grad_norm", 0) or 0) > 0 and self.hooks.capture_open
         if after_clip:
             self._warn_clipped()
-        self.hooks.before_step(model, optimizer, log, measure_open_batch=not after_clip)
+        self.hooks.before_step(
+            model, optimizer, log, measure_open_batch=not after_clip, clipped=after_clip
+        )
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         # queued, not read: the Trainer increments global_step right after this event

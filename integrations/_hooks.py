@@ -52,9 +52,14 @@ class StatsOptions:
         include / exclude: regexes on parameter names.
         every: log every this many optimizer steps; ``None`` follows the framework's own
             logging interval.
-        noise_scale: stream ``noise_scale/b_simple`` (per-sample gradient norms, B_small = 1),
-            updated every step and reported on logging steps. The training loss must be a
-            mean over the batch.
+        noise_scale: stream ``noise_scale/b_simple``, reported on logging steps. The training
+            loss must be a mean over the batch.
+        noise_scale_method: how: ``"per_sample"`` (per-sample gradient norms, B_small = 1, on
+            one micro-batch in ``noise_scale_every``), ``"micro_batch"`` (gradient
+            accumulation's micro-batches against their sum, every step: one multi-tensor norm
+            per micro-batch, no per-sample work; needs 2 or more micro-batches per step) or
+            ``"auto"`` (the default): ``"micro_batch"`` where the framework accumulates
+            gradients, else ``"per_sample"``.
         noise_scale_beta: EMA factor of the noise-scale averages.
         noise_scale_window: average the last this many observations instead (a sliding mean,
             in place of the EMA), which also logs a 95% bootstrap interval of ``b_simple`` as
@@ -72,6 +77,7 @@ class StatsOptions:
     exclude: str | None = None
     every: int | None = None
     noise_scale: bool = True
+    noise_scale_method: str = "auto"
     noise_scale_beta: float = 0.9
     noise_scale_filter: str | None = None
     noise_scale_every: int = 1
@@ -89,6 +95,15 @@ class StatsOptions:
             raise ValueError(f"noise_scale_window must be an int >= 2 or None, got {window!r}")
         if not 0.0 <= self.noise_scale_beta < 1.0:
             raise ValueError(f"noise_scale_beta must be in [0, 1), got {self.noise_scale_beta}")
+        if self.noise_scale_method not in NOISE_SCALE_METHODS:
+            raise ValueError(
+                f"noise_scale_method must be one of {NOISE_SCALE_METHODS}, got "
+                f"{self.noise_scale_method!r}"
+            )
+
+
+#: values of ``StatsOptions.noise_scale_method``
+NOISE_SCALE_METHODS = ("auto", "per_sample", "micro_batch")
 
 
 def _names_regex(names: Sequence[str]) -> str:
@@ -212,12 +227,26 @@ class StepStats:
         #: modules left out of the noise scale, with the reason
         self.excluded: dict[str, str] = {}
         self._micro = 0
+        #: the noise scale's estimator: "per_sample" or "micro_batch" (`configure` resolves "auto")
+        self.method = {"auto": "per_sample"}.get(method := self.options.noise_scale_method, method)
+        self._micro_feed: Any = None  # MicroBatchNorms of the micro_batch method
+        self._micro_batch_size: int | None = None
+        self._ranks = 1
         self._tracker: Any = None
         self._built_for: tuple[Any, Any] = (None, None)  # (model, optimizer) of the Tracker
         self._log = False  # before_step saw a logging step; after_step measures it
         self._delivered: list[tuple[int, dict[str, Any]]] = []
 
     # ------------------------------------------------------------------ noise scale
+    def configure(self, accumulation_steps: int, micro_batch_size: int | None, ranks: int = 1):
+        """What the framework runs: ``accumulation_steps`` micro-batches of
+        ``micro_batch_size`` samples per optimizer step on each of ``ranks`` processes (whose
+        gradients it averages at the step). ``noise_scale_method="auto"`` picks
+        ``"micro_batch"`` when ``accumulation_steps > 1``, else ``"per_sample"``."""
+        if self.options.noise_scale_method == "auto":
+            self.method = "micro_batch" if accumulation_steps > 1 else "per_sample"
+        self._micro_batch_size, self._ranks = micro_batch_size, int(ranks)
+
     def begin_batch(self, model: nn.Module) -> None:
         """Before the forward pass of a micro-batch: start capturing per-sample norms.
 
@@ -225,6 +254,13 @@ class StepStats:
         :class:`ModuleProbe`); the noise scale watches those from the next one on.
         """
         if not self.options.noise_scale or not model.training:
+            return
+        if self.method == "micro_batch":
+            if self._gns_model is not model:  # hooks on every parameter: no probe needed
+                self._close_noise_scale()
+                self._gns_model = model
+                self.gns = self._new_gns()
+                self._micro_feed = self.gns.watch_microbatches(model, ranks=self._ranks)
             return
         if self._gns_ctx is not None:  # a batch whose backward never came (e.g. skipped)
             self._abandon()
@@ -244,18 +280,32 @@ class StepStats:
 
     @property
     def capture_open(self) -> bool:
-        """Whether a noise-scale capture is open (its backward not yet folded in)."""
+        """Whether a noise-scale capture is open (its backward not yet folded in), or, with the
+        micro-batch method, micro-batches wait for the step's measurement."""
+        if self._micro_feed is not None:
+            return self._micro_feed.pending > 0
         return self._gns_ctx is not None and not isinstance(self._gns_ctx, ModuleProbe)
 
-    def _start_gns(self, model: nn.Module, name_filter: str) -> None:
+    def _new_gns(self) -> Any:
         from nnstat.gradient_noise import NoiseScale
 
         window = self.options.noise_scale_window
         if window is None:
-            self.gns = NoiseScale(beta=self.options.noise_scale_beta)
-        else:
-            self.gns = NoiseScale(window=window)
+            return NoiseScale(beta=self.options.noise_scale_beta)
+        return NoiseScale(window=window)
+
+    def _start_gns(self, model: nn.Module, name_filter: str) -> None:
+        self.gns = self._new_gns()
         self.gns.watch(model, name_filter=name_filter)
+
+    def before_clip(self) -> None:
+        """The step's gradients are final and not yet clipped: measure what the noise scale
+        reads from ``.grad`` (the open capture; the micro-batch method's step)."""
+        if self._micro_feed is not None:
+            if self._micro_feed.pending:
+                self._micro_feed.end_step(self._micro_batch_size)
+        elif self.capture_open:
+            self.end_backward()
 
     def end_backward(self) -> None:
         """After the backward pass of a micro-batch: fold its norms into the estimate."""
@@ -292,7 +342,12 @@ class StepStats:
 
     # ------------------------------------------------------------------ statistics
     def before_step(
-        self, model: nn.Module, optimizer: Any, log: bool, measure_open_batch: bool = True
+        self,
+        model: nn.Module,
+        optimizer: Any,
+        log: bool,
+        measure_open_batch: bool = True,
+        clipped: bool = False,
     ) -> None:
         """Gradients are final and the weights not yet updated; ``log`` says whether this step
         is a logging step (its update is measured from the weights now).
@@ -300,8 +355,15 @@ class StepStats:
         ``measure_open_batch``: a capture block still open holds the last micro-batch's backward
         (frameworks without an after-backward event); ``False`` when the framework reports every
         backward, so a block still open had none (a skipped batch) and is discarded.
+        ``clipped``: ``.grad`` was clipped since the last backward; the micro-batch method's
+        step is then discarded (else measured here, see `before_clip`).
         """
-        if measure_open_batch:
+        if self._micro_feed is not None:
+            if clipped:
+                self._micro_feed.discard()
+            else:
+                self.before_clip()
+        elif measure_open_batch:
             self.end_backward()
         else:
             self._abandon()
@@ -378,9 +440,10 @@ class StepStats:
     def _close_noise_scale(self) -> None:
         self._abandon()
         if self.gns is not None:
-            self.gns.unwatch()
+            self.gns.unwatch()  # the micro-batch hooks too
         self.gns = None
         self._gns_model = None
+        self._micro_feed = None
 
     def close(self) -> None:
         """End of training: deliver every step still on its way (then in `collect`), remove
@@ -428,6 +491,7 @@ class StatsCallbackBase:
         exclude: str | None = None,
         every: int | None = None,
         noise_scale: bool = True,
+        noise_scale_method: str = "auto",
         noise_scale_beta: float = 0.9,
         noise_scale_filter: str | None = None,
         noise_scale_every: int | None = None,
@@ -444,6 +508,7 @@ class StatsCallbackBase:
             exclude=exclude,
             every=every,
             noise_scale=noise_scale,
+            noise_scale_method=noise_scale_method,
             noise_scale_beta=noise_scale_beta,
             noise_scale_filter=noise_scale_filter,
             noise_scale_every=noise_scale_every,

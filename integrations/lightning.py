@@ -53,8 +53,13 @@ class NNStatCallback(StatsCallbackBase, Callback):
     at a later batch's ``on_before_optimizer_step`` once arrived (checked without waiting,
     while that batch's backward runs on the device), everything left at
     ``on_train_end``. ``history`` keeps every logged dict (with its ``step``) for
-    :mod:`nnstat.plot`. The noise scale uses per-sample gradient norms (B_small = 1) and assumes
-    the training loss is a batch mean; set ``noise_scale=False`` to skip it.
+    :mod:`nnstat.plot`. The noise scale (the training loss must be a batch mean; set
+    ``noise_scale=False`` to skip it) compares, with ``accumulate_grad_batches > 1``, each
+    micro-batch's gradient with the accumulated one at every optimizer step (``B_small`` = the
+    micro-batch's samples, the first tensor's leading dimension; one multi-tensor norm per
+    micro-batch, no per-sample work: `nnstat.NoiseScale.watch_microbatches`), and otherwise
+    uses per-sample gradient norms (B_small = 1); ``noise_scale_method="per_sample"`` or
+    ``"micro_batch"`` forces one.
 
     Args:
         stats: statistics per tracked tensor (see ``nnstat.describe``).
@@ -62,7 +67,9 @@ class NNStatCallback(StatsCallbackBase, Callback):
         include: regex of parameter names to track; ``None``: all.
         exclude: regex of parameter names to leave out.
         every: log every this many optimizer steps; ``None``: ``trainer.log_every_n_steps``.
-        noise_scale: also stream ``noise_scale/b_simple`` from per-sample gradient norms.
+        noise_scale: also stream ``noise_scale/b_simple``.
+        noise_scale_method: ``"auto"`` (micro-batches under gradient accumulation, else
+            per-sample norms), ``"per_sample"`` or ``"micro_batch"``.
         noise_scale_beta: EMA factor of the noise-scale averages.
         noise_scale_filter: regex of module names for the noise scale; ``None``: every
             supported module whose parameters are not shared with another module.
@@ -71,7 +78,7 @@ class NNStatCallback(StatsCallbackBase, Callback):
 
     Raises:
         ValueError: ``every`` or ``noise_scale_every`` not a positive int, ``noise_scale_beta``
-            outside ``[0, 1)``, or an unknown statistic.
+            outside ``[0, 1)``, an unknown ``noise_scale_method`` or statistic.
 
     Example:
         >>> cb = NNStatCallback(stats=["l2"], every=10, noise_scale=False)
@@ -87,6 +94,12 @@ class NNStatCallback(StatsCallbackBase, Callback):
         return self.options.every or int(getattr(trainer, "log_every_n_steps", 50) or 50)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int):
+        if self.options.noise_scale:
+            self.hooks.configure(
+                int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
+                _batch_size(batch),
+                int(getattr(trainer, "world_size", 1) or 1),
+            )
         if self.options.noise_scale and self._stepped:
             # Lightning clears gradients inside its closure, after the forward pass; the
             # noise scale reads this batch's gradient as .grad after minus .grad before, so the
@@ -126,6 +139,16 @@ class NNStatCallback(StatsCallbackBase, Callback):
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self.on_train_end(trainer, pl_module)
+
+
+def _batch_size(batch: Any) -> int | None:
+    """The leading dimension of the batch's first tensor (its samples), if any."""
+    from torch.utils._pytree import tree_leaves
+
+    for leaf in tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return None
 
 
 # ------------------------------------------------------------------ influence helpers

@@ -83,10 +83,13 @@ class MicroBatchNorms:
             by the number of micro-batches, as HF's Trainer and Lightning do: ``.grad`` is the
             step's mean gradient) or ``"sum"`` (``.grad`` is the sum of the micro-batch means).
             Only ``grad_sq_norm`` and ``trace_sigma`` depend on it, not ``b_simple``.
+        ranks: processes whose gradients ``.grad`` averages at the step (DDP with
+            accumulation under ``no_sync()``: each rank's micro-batches are its own, the step's
+            ``.grad`` the all-reduced one, ``B_big = ranks x K x b``); 1 without DDP.
 
     Raises:
-        ValueError: no parameter requires a gradient, a bad ``micro_batch_size`` or an unknown
-            ``accumulation``.
+        ValueError: no parameter requires a gradient, a bad ``micro_batch_size`` or ``ranks``,
+            or an unknown ``accumulation``.
 
     Example:
         >>> model, seen = nn.Sequential(nn.Linear(3, 1)), []
@@ -104,6 +107,7 @@ class MicroBatchNorms:
         sink: Callable[[StagedPairs], None],
         micro_batch_size: int | None = None,
         accumulation: str = "mean",
+        ranks: int = 1,
     ) -> None:
         if accumulation not in ("mean", "sum"):
             raise ValueError(f"accumulation must be 'mean' or 'sum', got {accumulation!r}")
@@ -112,6 +116,9 @@ class MicroBatchNorms:
             raise ValueError("the model has no parameter that requires a gradient")
         self.micro_batch_size = _batch_size(micro_batch_size, allow_none=True)
         self.sink, self.accumulation = sink, accumulation
+        if not isinstance(ranks, int) or ranks < 1:
+            raise ValueError(f"ranks must be a positive int (processes averaged), got {ranks!r}")
+        self.ranks = ranks
         self.params = [p for _, p in named]
         self.names, self._owner = module_names([n for n, _ in named])
         self._fresh: list[int] = []  # parameters whose .grad this backward creates
@@ -218,7 +225,7 @@ class MicroBatchNorms:
         # mean_k |mean gradient of micro-batch k|^2 and |mean gradient of the step|^2
         small_sq = [small[j] / (k * scale * scale) for j in seen]
         big_sq = [big[j] / (k * k * scale * scale) for j in seen]
-        return [self.names[j] for j in seen], small_sq, big_sq, b, k * b
+        return [self.names[j] for j in seen], small_sq, big_sq, b, self.ranks * k * b
 
     def close(self) -> None:
         """Remove the hooks (the model is left as before)."""

@@ -303,7 +303,11 @@ class NoiseScale:
         self._add([*names, _TOTAL], small, big, 1, n)
 
     def watch_microbatches(
-        self, model: nn.Module, micro_batch_size: int | None = None, accumulation: str = "mean"
+        self,
+        model: nn.Module,
+        micro_batch_size: int | None = None,
+        accumulation: str = "mean",
+        ranks: int = 1,
     ) -> MicroBatchNorms:
         """Feed this tracker from gradient accumulation: one observation per optimizer step.
 
@@ -318,6 +322,8 @@ class NoiseScale:
             micro_batch_size: samples per micro-batch (or pass it to ``end_step``).
             accumulation: ``"mean"``: micro-batch losses divided by their number (HF, Lightning);
                 ``"sum"``: added as they are.
+            ranks: DDP processes the step's ``.grad`` averages over (accumulating under
+                ``no_sync()``; ``B_big`` = ranks x all micro-batches' samples).
 
         Returns:
             The `MicroBatchNorms` (``close()`` removes its hooks; `unwatch` does too).
@@ -331,7 +337,7 @@ class NoiseScale:
                 micro.end_step()
                 opt.step(); opt.zero_grad()
         """
-        micro = MicroBatchNorms(model, self.add_staged, micro_batch_size, accumulation)
+        micro = MicroBatchNorms(model, self.add_staged, micro_batch_size, accumulation, ranks)
         self._micro.append(micro)
         return micro
 

@@ -155,3 +155,64 @@ def test_windowed_noise_scale_has_an_interval_from_the_second_observation_under_
             assert math.isfinite(low) and math.isfinite(high) and 0 < low <= high
     with pytest.raises(ValueError, match="noise_scale_window"):
         NNStatCallback(noise_scale_window=1)
+
+
+def _micro_reference(states: list[tuple[dict, torch.Tensor]]) -> float:
+    """B_simple of one optimizer step from its micro-batches' gradients, each taken on its own
+    (``autograd.grad`` of the micro-batch's mean loss over every parameter) and the two-batch
+    formula: B_small = one micro-batch, B_big = all of them."""
+    from nnstat.gradient_noise.maths import two_batch
+
+    ref = _model()
+    ref.load_state_dict(states[0][0])
+    params = list(ref.parameters())
+    means = []
+    for _, x in states:
+        grads = torch.autograd.grad(ref(input_ids=x, labels=x).loss, params)
+        means.append(torch.cat([g.double().flatten() for g in grads]))
+    g = torch.stack(means)
+    small, big = float(g.pow(2).sum(1).mean()), float(g.mean(0).pow(2).sum())
+    g_sq, trace = two_batch(small, big, len(states[0][1]), len(states[0][1]) * len(states))
+    return trace / g_sq
+
+
+@pytest.mark.parametrize("max_grad_norm", [1e-3, 0.0])
+def test_gradient_accumulation_defaults_to_the_micro_batch_estimator(tmp_path, max_grad_norm):
+    model = _model()
+    record = _Record(model)
+    cb = NNStatCallback(stats=["l2"], groups=["weight"], noise_scale_beta=0.0)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, save_strategy="no",
+        disable_tqdm=True, seed=0, per_device_train_batch_size=N // 2, max_steps=3,
+        logging_steps=1, learning_rate=1e-2, max_grad_norm=max_grad_norm,
+        gradient_accumulation_steps=2,
+    )  # fmt: skip
+    trainer = transformers.Trainer(model, args, train_dataset=Tokens(3 * N), callbacks=[cb])
+    trainer.train()
+    assert cb.hooks.method == "micro_batch"
+    logged = {h["step"]: h for h in trainer.state.log_history if "noise_scale/b_simple" in h}
+    assert sorted(logged) == [1, 2, 3]  # no probing micro-batch: measured from the first step
+    for step, h in logged.items():
+        states = record.states[2 * (step - 1) : 2 * step]
+        assert h["noise_scale/b_simple"] == pytest.approx(_micro_reference(states), rel=1e-4)
+    # every parameter is covered, the tied embedding and head included (once)
+    assert "noise_scale/transformer.wte/b_simple" in logged[1]
+
+
+def test_the_estimator_can_be_forced_either_way(tmp_path):
+    args = dict(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, save_strategy="no",
+        disable_tqdm=True, per_device_train_batch_size=N // 2, max_steps=2, logging_steps=1,
+    )  # fmt: skip
+    for accumulation, method, chosen in [(2, "per_sample", "per_sample"), (1, "auto", "per_sample"),
+                                         (1, "micro_batch", "micro_batch")]:  # fmt: skip
+        cb = NNStatCallback(stats=["l2"], groups=["weight"], noise_scale_method=method)
+        targs = transformers.TrainingArguments(gradient_accumulation_steps=accumulation, **args)
+        trainer = transformers.Trainer(_model(), targs, train_dataset=Tokens(4 * N), callbacks=[cb])
+        trainer.train()
+        assert cb.hooks.method == chosen
+        # one micro-batch per step gives the micro-batch estimator nothing to compare
+        has = any("noise_scale/b_simple" in h for h in trainer.state.log_history)
+        assert has == (accumulation == 2 or chosen == "per_sample")
+    with pytest.raises(ValueError, match="noise_scale_method"):
+        NNStatCallback(noise_scale_method="microbatch")

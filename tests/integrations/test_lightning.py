@@ -255,3 +255,43 @@ def test_noise_scale_is_read_before_lightnings_gradient_clipping(tmp_path):
     assert [h["step"] for h in history] == [2, 3, 4, 5]
     for h in history:
         assert h["noise_scale/b_simple"] == pytest.approx(ref.values[h["step"]], rel=1e-4)
+
+
+class _MicroReference(L.Callback):
+    """B_simple of each optimizer step from its micro-batches' mean gradients (torch.func, at
+    the weights they were taken at) and the two-batch formula."""
+
+    def __init__(self) -> None:
+        self.means: list[torch.Tensor] = []
+        self.values: dict[int, float] = {}
+        self.b = 0
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        g = _per_sample_grads(module, *batch)
+        self.means.append(torch.cat([v.double().mean(0).flatten() for v in g.values()]))
+        self.b = len(batch[0])
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        from nnstat.gradient_noise.maths import two_batch
+
+        g, self.means = torch.stack(self.means), []
+        small, big = float(g.pow(2).sum(1).mean()), float(g.mean(0).pow(2).sum())
+        g_sq, trace = two_batch(small, big, self.b, self.b * len(g))
+        self.values[trainer.global_step + 1] = trace / g_sq
+
+
+def test_gradient_accumulation_defaults_to_the_micro_batch_estimator(tmp_path):
+    cb = NNStatCallback(stats=["l2"], groups=["weight"], every=1, noise_scale_beta=0.0)
+    ref = _MicroReference()
+    loader = torch.utils.data.DataLoader(_data(), batch_size=8, shuffle=False)
+    trainer = _trainer(
+        tmp_path, [ref, cb], max_steps=3, accumulate_grad_batches=2, gradient_clip_val=1e-4,
+        logger=False,
+    )  # fmt: skip
+    trainer.fit(Tiny(), loader)
+    assert cb.hooks.method == "micro_batch"
+    history = [h for h in cb.history if "noise_scale/b_simple" in h]
+    assert [h["step"] for h in history] == [1, 2, 3]  # no probing batch
+    for h in history:
+        assert h["noise_scale/b_simple"] == pytest.approx(ref.values[h["step"]], rel=1e-4)
+    assert {"noise_scale/net.0/b_simple", "noise_scale/net.2/b_simple"} <= set(history[0])
