@@ -1,6 +1,7 @@
 """Cost of nnstat's HF Trainer callback vs. wandb.watch, side by side in one process.
 
-    python benchmarks/hf_callback_overhead.py [--steps 60] [--repeats 3]
+    python benchmarks/hf_callback_overhead.py [--steps 60] [--repeats 3] [--accumulation 2]
+        [--warmup 10]
 
 A 4-layer GPT-2 (n_embd 128, built from a config) trained by ``transformers.Trainer`` on random
 tokens (batch 16, 64 tokens), ``logging_steps=10``, W&B offline. Rows, each the median wall time
@@ -13,6 +14,12 @@ of the training loop relative to a plain Trainer (``report_to="none"``):
 * ``NNStatCallback()``: the default, the same plus the per-sample noise scale on one step in
   ``NOISE_SCALE_EVERY`` (8),
 * ``NNStatCallback(noise_scale_every=1)``: the noise scale on **every** step.
+
+With ``--accumulation K`` every loop accumulates K micro-batches of 16 / K sequences per step
+(the same 16 per step), and the rows are ``NNStatCallback()`` (its default there: the
+micro-batch noise scale on every step), ``noise_scale_method="per_sample"`` (one micro-batch
+in 8) and ``"per_sample", noise_scale_every=1``. ``--warmup W`` times the loop from step W on
+(the steady state: start-up, the first step's probe and allocations left out).
 
 Prints a markdown table: per row the median over repeats of the loop's wall and CPU (process)
 time, and the median of each repeat's ratio to the plain loop of the same repeat (the rows run
@@ -49,10 +56,20 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class _Timer(transformers.TrainerCallback):
-    """Times the training loop only (not Trainer construction or W&B start-up)."""
+    """Times the training loop only (not Trainer construction or W&B start-up), from step
+    ``warmup`` on."""
+
+    def __init__(self, warmup: int = 0) -> None:
+        self.warmup = warmup
 
     def on_train_begin(self, *a, **k):
         self.start, self.cpu_start = time.perf_counter(), time.process_time()
+
+    def on_step_begin(self, args, state, control, **k):
+        if self.warmup and state.global_step == self.warmup and not hasattr(self, "reset"):
+            self.reset = True
+            self.start, self.cpu_start = time.perf_counter(), time.process_time()
+            _TimedNNStat.seconds = 0.0
 
     def on_train_end(self, *a, **k):
         self.seconds = time.perf_counter() - self.start
@@ -88,23 +105,41 @@ KINDS = {  # row label -> NNStatCallback options (None: no nnstat callback)
 }
 
 
-def run(kind: str, steps: int, out: str) -> tuple[float, float, float]:
+ACCUMULATING = {  # the rows with --accumulation > 1
+    "plain": None,
+    "NNStatCallback(noise_scale=False)": {"noise_scale": False},
+    "NNStatCallback() (default: micro-batch noise scale every step)": {},
+    'NNStatCallback(noise_scale_method="per_sample") (every 8th micro-batch)': {
+        "noise_scale_method": "per_sample"
+    },
+    'NNStatCallback(noise_scale_method="per_sample", noise_scale_every=1)': {
+        "noise_scale_method": "per_sample",
+        "noise_scale_every": 1,
+    },
+}
+
+
+def run(
+    kind: str, steps: int, out: str, accumulation: int = 1, warmup: int = 0
+) -> tuple[float, float, float]:
     """(wall s, CPU s, s inside the callback's methods) of one training loop."""
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=512, n_positions=64, n_embd=128, n_layer=4, n_head=4,
                                   bos_token_id=0, eos_token_id=0)  # fmt: skip
     _TimedNNStat.seconds = 0.0
+    options = {**KINDS, **ACCUMULATING}[kind]
     model = transformers.GPT2LMHeadModel(cfg)
     report = "wandb" if kind == "wandb.watch" else "none"
     os.environ["WANDB_WATCH"] = "all" if kind == "wandb.watch" else "false"
     args = transformers.TrainingArguments(
-        output_dir=out, max_steps=steps, per_device_train_batch_size=16, logging_steps=10,
-        report_to=report, save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+        output_dir=out, max_steps=steps, per_device_train_batch_size=16 // accumulation,
+        gradient_accumulation_steps=accumulation, logging_steps=10, report_to=report,
+        save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
     )  # fmt: skip
-    timer = _Timer()
+    timer = _Timer(warmup)
     callbacks: list = [timer]
-    if KINDS[kind] is not None:
-        callbacks.append(_TimedNNStat(**KINDS[kind]))
+    if options is not None:
+        callbacks.append(_TimedNNStat(**options))
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=Tokens(steps * 16), callbacks=callbacks
     )
@@ -121,23 +156,29 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-wandb", action="store_true", help="leave out the wandb.watch row")
+    p.add_argument("--accumulation", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--warmup", type=int, default=0, help="time from this step on")
     a = p.parse_args()
-    kinds = [k for k in KINDS if not (a.skip_wandb and k == "wandb.watch")]
+    if a.accumulation > 1:
+        kinds = list(ACCUMULATING)
+    else:
+        kinds = [k for k in KINDS if not (a.skip_wandb and k == "wandb.watch")]
     wall: dict[str, list[float]] = {k: [] for k in kinds}
     cpu: dict[str, list[float]] = {k: [] for k in kinds}
     inside: dict[str, list[float]] = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory() as out:
         os.environ.setdefault("WANDB_DIR", out)
-        run("plain", 10, out)  # warm-up
+        run("plain", 10, out, a.accumulation)  # warm-up
         for r in range(a.repeats):
             # interleaved, rotating the first row, so machine noise hits every row alike
             for k in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
-                total, used, own = run(k, a.steps, out)
+                total, used, own = run(k, a.steps, out, a.accumulation, a.warmup)
                 wall[k].append(total)
                 cpu[k].append(used)
                 inside[k].append(own)
     med = statistics.median
-    print(f"\n{a.steps} steps, GPT-2 4x128, batch 16x64 tokens, logging_steps=10, "
+    print(f"\n{a.steps} steps (timed from step {a.warmup}), GPT-2 4x128, batch 16x64 tokens "
+          f"in {a.accumulation} micro-batches, logging_steps=10, "
           f"{torch.get_num_threads()} torch threads, median of {a.repeats}, load average "
           f"{os.getloadavg()[0]:.1f}\n")  # fmt: skip
     print("| training loop | wall s | wall / plain, per repeat | CPU s | CPU / plain, per repeat "
@@ -146,7 +187,7 @@ def main() -> None:
     for k in kinds:
         rw = med(x / b for x, b in zip(wall[k], wall["plain"], strict=True))
         rc = med(x / b for x, b in zip(cpu[k], cpu["plain"], strict=True))
-        own = f"{med(inside[k]):.2f} s" if KINDS[k] is not None else ""
+        own = f"{med(inside[k]):.2f} s" if {**KINDS, **ACCUMULATING}[k] is not None else ""
         print(f"| {k} | {med(wall[k]):.2f} | {rw:.3f}x | {med(cpu[k]):.2f} | {rc:.3f}x | {own} |")
 
 

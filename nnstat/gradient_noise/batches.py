@@ -156,19 +156,31 @@ def mean_grads(
     return out
 
 
-def sq_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-tensor squared norms as a float64 vector, on the gradients' device (no host read).
+def sq_norms(grads: Sequence[torch.Tensor], dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Per-tensor squared norms as a ``dtype`` vector, on the gradients' device (no host read).
 
-    One ``torch._foreach_norm`` accumulating in float64 (a few kernels per dtype group on a GPU,
-    instead of three per tensor), squared after.
+    One ``torch._foreach_norm`` accumulating in ``dtype`` (a few kernels per dtype group on a
+    GPU, instead of three per tensor), squared after. ``dtype=torch.float32`` is for the
+    per-step paths: on a CPU a float64 norm of float32 tensors converts each tensor first.
 
     Example:
         >>> sq_norms([torch.tensor([3.0, 4.0]), torch.ones(2, 2)]).tolist()
         [25.0, 4.0]
     """
     if not grads:
-        return torch.zeros(0, dtype=torch.float64)
-    return torch.stack(torch._foreach_norm(list(grads), 2, dtype=torch.float64)).square()
+        return torch.zeros(0, dtype=dtype)
+    return torch.stack(torch._foreach_norm(list(grads), 2, dtype=dtype)).square()
+
+
+def norm_dtype(grads: Sequence[torch.Tensor]) -> torch.dtype:
+    """float64 when a gradient is float64, else float32 (half-precision norms would lose the
+    digits the two-batch difference needs; float32 ones keep them without a conversion).
+
+    Example:
+        >>> norm_dtype([torch.ones(2, dtype=torch.bfloat16)]), norm_dtype([torch.ones(2).double()])
+        (torch.float32, torch.float64)
+    """
+    return torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
 
 
 def to_host(rows: Sequence[torch.Tensor]) -> np.ndarray:

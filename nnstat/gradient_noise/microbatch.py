@@ -9,8 +9,8 @@ two squared norms of McCandlish et al.'s two-batch estimator (``B_small = b``,
 `MicroBatchNorms` takes ``g_k`` from a hook on every parameter (the gradient a backward brings,
 before it is added to ``.grad``; a parameter whose ``.grad`` is still empty keeps that gradient
 as its ``.grad``, read at the end of the backward), reduces each micro-batch to squared norms
-with one multi-tensor norm (`nnstat.gradient_noise.batches.sq_norms`) at the end of its
-backward, and at the optimizer step stages every micro-batch's norms and the accumulated
+with one multi-tensor norm (`nnstat.gradient_noise.batches.sq_norms`, accumulating in float32
+for float32 and half-precision gradients) at the end of its backward, and at the optimizer step stages every micro-batch's norms and the accumulated
 gradient's in one device vector (`StagedPairs`) for one non-blocking copy to the host: nothing
 is read back inside the step.
 """
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nnstat.gradient_noise.batches import sq_norms
+from nnstat.gradient_noise.batches import norm_dtype, sq_norms
 
 __all__ = ["MicroBatchNorms", "Pairs", "StagedPairs"]
 
@@ -154,7 +154,8 @@ class MicroBatchNorms:
         left = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
         if left:
             with torch.no_grad():
-                self._dirty = ([i for i, _ in left], sq_norms([g for _, g in left]))
+                grads = [g for _, g in left]
+                self._dirty = ([i for i, _ in left], sq_norms(grads, norm_dtype(grads)))
 
     def _backward_done(self) -> None:
         fresh, stash = self._fresh, self._stash
@@ -163,7 +164,7 @@ class MicroBatchNorms:
         if any(g is None for g in grads):
             return  # gradients that never reached .grad (torch.autograd.grad): no micro-batch
         with torch.no_grad():  # .grad may carry a graph (create_graph=True): build none
-            self._micro.append((fresh + [i for i, _ in stash], sq_norms(grads)))
+            self._micro.append((fresh + [i for i, _ in stash], sq_norms(grads, norm_dtype(grads))))
 
     def discard(self) -> None:
         """Drop the micro-batches seen since the last `end_step` (e.g. gradients clipped
@@ -191,7 +192,8 @@ class MicroBatchNorms:
         b = _batch_size(micro_batch_size or self.micro_batch_size, allow_none=False)
         present = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
         with torch.no_grad():
-            parts = [norms for _, norms in micro] + [sq_norms([g for _, g in present])]
+            grads = [g for _, g in present]
+            parts = [norms for _, norms in micro] + [sq_norms(grads, norm_dtype(grads))]
             if dirty is not None:
                 parts.append(dirty[1])
             values = torch.cat([t.to(parts[-1].device) for t in parts])

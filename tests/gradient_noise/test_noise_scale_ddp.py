@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -72,6 +73,25 @@ def _count_reads(rank: int, out_dir: str) -> None:
         json.dump({"reads": counter, "n_updates": gns.n_updates}, f)
 
 
+def _accumulate(rank: int, out_dir: str) -> None:
+    """Two micro-batches of B / 2 per rank and step, the first under no_sync()."""
+    ddp = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=1e-4)
+    gns = nnstat.NoiseScale(window=10)
+    micro = gns.watch_microbatches(ddp, micro_batch_size=B // 2, ranks=WORLD)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    for step in range(STEPS):
+        x, y = _data(step)
+        for k, sync in ((0, ddp.no_sync()), (1, contextlib.nullcontext())):
+            sl = slice(rank * B + k * B // 2, rank * B + (k + 1) * B // 2)
+            with sync:
+                (nn.functional.cross_entropy(ddp(x[sl]), y[sl]) / 2).backward()
+        micro.end_step()
+        opt.step()
+        opt.zero_grad()
+    with open(os.path.join(out_dir, f"micro{rank}.json"), "w") as f:
+        json.dump(gns.state_dict(), f)
+
+
 def _worker(rank: int, port: int, out_dir: str, job=_train) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
@@ -140,6 +160,40 @@ def test_ddp_hook_reads_nothing_back_inside_the_step(tmp_path):
     for r in range(WORLD):
         got = json.loads((tmp_path / f"reads{r}.json").read_text())
         assert got == {"reads": [], "n_updates": STEPS}
+
+
+@pytest.mark.timeout(120)
+def test_micro_batches_under_ddp_no_sync_match_a_single_process_reference(tmp_path):
+    """Each rank: its own micro-batches' gradients (local, before the all-reduce) against the
+    all-reduced step gradient (B_big = ranks x micro-batches x samples)."""
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), _accumulate), nprocs=WORLD, join=True)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    refs = [nnstat.NoiseScale(window=10) for _ in range(WORLD)]
+    for step in range(STEPS):
+        x, y = _data(step)
+        means = []  # [rank][micro-batch] mean gradients, each on its own
+        for r in range(WORLD):
+            means.append([])
+            for k in range(2):
+                sl = slice(r * B + k * B // 2, r * B + (k + 1) * B // 2)
+                model.zero_grad()
+                nn.functional.cross_entropy(model(x[sl]), y[sl]).backward()
+                means[r].append(_flat_grad(model).double().clone())
+        step_grad = torch.stack([g for r in means for g in r]).mean(0)
+        for r in range(WORLD):
+            small = float(torch.stack([g.pow(2).sum() for g in means[r]]).mean())
+            refs[r].update(small, float(step_grad.pow(2).sum()), B // 2, WORLD * B)
+        with torch.no_grad():
+            sizes = [p.numel() for p in model.parameters()]
+            for p, g in zip(model.parameters(), step_grad.float().split(sizes), strict=True):
+                p.grad = g.reshape(p.shape).clone()
+        opt.step()
+    for r in range(WORLD):
+        got = json.loads((tmp_path / f"micro{r}.json").read_text())["stats"][""]
+        expected = refs[r].state_dict()["stats"][""]
+        assert got["nums"] == pytest.approx(expected["nums"], rel=1e-5)
+        assert got["dens"] == pytest.approx(expected["dens"], rel=1e-5)
 
 
 def test_register_ddp_needs_distributed():

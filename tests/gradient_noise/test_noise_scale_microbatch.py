@@ -83,13 +83,16 @@ def test_each_step_is_the_two_batch_estimate_of_its_micro_batch_gradients(accumu
         opt.zero_grad()
     state = gns.state_dict()["stats"]
     for step, (small, big) in enumerate(expected):
-        for layer in small:
-            g_sq, trace = two_batch(small[layer], big[layer], b, k * b)
-            assert state[layer]["dens"][step] == pytest.approx(g_sq, rel=1e-6, abs=1e-12)
-            assert state[layer]["nums"][step] == pytest.approx(trace, rel=1e-6)
-        g_sq, trace = two_batch(sum(small.values()), sum(big.values()), b, k * b)
-        assert state[""]["dens"][step] == pytest.approx(g_sq, rel=1e-6, abs=1e-12)
-        assert state[""]["nums"][step] == pytest.approx(trace, rel=1e-6)
+        pairs = {layer: (small[layer], big[layer]) for layer in small}
+        pairs[""] = (sum(small.values()), sum(big.values()))
+        for layer, (s_sq, b_sq) in pairs.items():
+            g_sq, trace = two_batch(s_sq, b_sq, b, k * b)
+            # the norms accumulate in float32: each input within ~1e-6 of its own size,
+            # carried through the two-batch formula's differences
+            g_tol = 1e-6 * (k * b * b_sq + b * s_sq) / (k * b - b)
+            t_tol = 1e-6 * (s_sq + b_sq) / (1 / b - 1 / (k * b))
+            assert state[layer]["dens"][step] == pytest.approx(g_sq, abs=g_tol)
+            assert state[layer]["nums"][step] == pytest.approx(trace, abs=t_tol)
     assert sorted(gns.layer_values()) == ["0", "2"]
     gns.unwatch()
     assert all(not p._backward_hooks for p in model.parameters())
@@ -288,8 +291,9 @@ def test_meta_ops_grow_with_micro_batches_not_tensors_and_read_nothing():
         added[layers] = ops - plain
     assert added[1] == added[6]
     # per micro-batch one multi-tensor norm, its stack and square; at the step the same for
-    # .grad, then the staging concatenation and the copy's flattening
+    # .grad (float32), then the staging concatenation and the copy's float64 flattening
     norms = 3 + 1
     assert dict(added[1]) == {
-        "aten::_foreach_norm": norms, "aten::stack": norms, "aten::pow": norms, "aten::cat": 2
+        "aten::_foreach_norm": norms, "aten::stack": norms, "aten::pow": norms, "aten::cat": 2,
+        "aten::_to_copy": 1,
     }  # fmt: skip
