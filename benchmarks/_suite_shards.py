@@ -26,8 +26,9 @@ from pathlib import Path
 CHILD_COST = 30_000
 CHILD = re.compile(r"subprocess\.(?:run|Popen)|mp\.spawn\(|torchrun|torch\.compile\(")
 # "tests/x.py::test_a[p] PASSED   [ 12%]" (-v); "FAILED tests/x.py::test_a - ..." (-ra)
-VERBOSE = re.compile(r"^(tests/\S+?\.py)::(\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
-SUMMARY = re.compile(r"^(FAILED|ERROR) (tests/\S+)")
+# (parameter ids may hold spaces)
+VERBOSE = re.compile(r"^(tests/\S+?\.py)::(.+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)(?= |$)")
+SUMMARY = re.compile(r"^(FAILED|ERROR) (tests/.+?)(?: - .*)?$")
 
 
 def test_files(root: Path, exclude: set[str] | frozenset[str] = frozenset()) -> list[str]:
