@@ -6,8 +6,9 @@ and caches stay in one process), and ``workers`` pytest processes take shards fr
 until none is left. Each shard writes its own verbose log (one line per test as it ends), so a
 suite cut at its time cap still names every failure so far and the files that never finished.
 
-A file's expected cost is its size plus a fixed charge for each child process it starts
-(a child re-imports torch: seconds each), which is what the slowest files have in common.
+A file's expected cost is its size plus a fixed charge for each child process it starts (a
+child re-imports torch: seconds each), each compile and each benchmark script it runs in
+process: what the slowest files have in common.
 """
 
 from __future__ import annotations
@@ -22,13 +23,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# bytes of test source counted for one child process (each re-imports torch)
+# bytes of test source counted for one child process (each re-imports torch), compile or
+# benchmark run in process (a quick mode that trains models)
 CHILD_COST = 30_000
-CHILD = re.compile(r"subprocess\.(?:run|Popen)|mp\.spawn\(|torchrun|torch\.compile\(")
+CHILD = re.compile(
+    r"subprocess\.(?:run|Popen)|mp\.spawn\(|torchrun|torch\.compile\(|\"benchmarks\" / \""
+)
 # "tests/x.py::test_a[p] PASSED   [ 12%]" (-v); "FAILED tests/x.py::test_a - ..." (-ra)
 # (parameter ids may hold spaces)
 VERBOSE = re.compile(r"^(tests/\S+?\.py)::(.+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)(?= |$)")
 SUMMARY = re.compile(r"^(FAILED|ERROR) (tests/.+?)(?: - .*)?$")
+# "12.31s call     tests/x.py::test_a" (--durations)
+DURATION = re.compile(r"^(\d+\.\d+)s (call|setup|teardown) +(tests/\S.*)$")
 
 
 def test_files(root: Path, exclude: set[str] | frozenset[str] = frozenset()) -> list[str]:
@@ -62,6 +68,7 @@ class SuiteResult:
     failed: list[str] = field(default_factory=list)
     unfinished: list[str] = field(default_factory=list)
     crashed: list[str] = field(default_factory=list)  # shards that exited without a summary
+    slowest: list[tuple[float, str]] = field(default_factory=list)  # (s, "call tests/...")
     seconds: float = 0.0
 
     def counts(self) -> Counter:
@@ -85,8 +92,14 @@ class SuiteResult:
 
 
 def parse_log(text: str, result: SuiteResult) -> None:
-    """Adds a shard's per-test lines (verbose mode) and its short summary's failures."""
+    """Adds a shard's per-test lines (verbose mode), its short summary's failures and its
+    slowest tests (``--durations``)."""
     for line in text.splitlines():
+        m = DURATION.match(line)
+        if m:
+            result.slowest.append((float(m.group(1)), f"{m.group(2)} {m.group(3)}"))
+            result.slowest.sort(reverse=True)
+            continue
         m = VERBOSE.match(line)
         if m:
             result.outcomes[f"{m.group(1)}::{m.group(2)}"] = m.group(3)

@@ -167,9 +167,10 @@ def cores() -> int:
     return max(2, min(14, (os.cpu_count() or 4) - 2))
 
 
-def run_suite(part: Part, cap: float, log, out: Path, skip: set[str]) -> tuple[str, str]:
+def run_suite(part: Part, cap: float, log, out: Path, skip: set[str]) -> tuple[str, str, str]:
     """A test part through `_suite_shards` (parallel pytest processes, no xdist needed):
-    the part's listed files, or every test file but `skip`. Returns (status, output)."""
+    the part's listed files, or every test file but `skip`. Returns (status, summary, the
+    table of the slowest tests)."""
     from _suite_shards import run, test_files
 
     files = part.argv[1:] or test_files(ROOT, exclude=skip)
@@ -179,11 +180,14 @@ def run_suite(part: Part, cap: float, log, out: Path, skip: set[str]) -> tuple[s
         log.write(line + "\n")
         log.flush()
 
-    res = run(PYTEST, files, workers, cap, out / f"{part.name}-logs", ROOT, progress)
+    pytest = PYTEST + ["--durations=8"]  # each shard's slowest: where the next cut comes from
+    res = run(pytest, files, workers, cap, out / f"{part.name}-logs", ROOT, progress)
     status = "ok" if res.ok() else "FAILED"
     if res.unfinished:
         status = f"TIMEOUT after {cap:.0f} s"
-    return status, res.summary()
+    slow = [f"| {what} | {sec:.1f} |" for sec, what in res.slowest[:12]]
+    table = "\n".join([f"### slowest tests ({workers} processes)", "", "| test | s |"])
+    return status, res.summary(), "\n".join([table, "| --- | ---: |", *slow]) if slow else ""
 
 
 def run_part(
@@ -197,8 +201,8 @@ def run_part(
     log.flush()
     if part.argv[0] == "suite":
         os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true")
-        status, summary = run_suite(part, cap, log, folder, set(skip))
-        return Outcome(part.name, status, time.perf_counter() - t0, summary, "")
+        status, summary, slowest = run_suite(part, cap, log, folder, set(skip))
+        return Outcome(part.name, status, time.perf_counter() - t0, summary, slowest)
     # its own process group: a part cut at its cap takes its children with it (scale.py
     # runs each logger in a child that would otherwise keep the GPU busy for the next part)
     proc = subprocess.Popen(
