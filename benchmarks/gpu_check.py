@@ -18,8 +18,9 @@ call cut short still returns what finished:
 
 1. ``cuda`` (55 s): ``tests/test_cuda.py`` (the step paths' synchronisation counts are checked
    inside those tests with ``torch.cuda.set_sync_debug_mode``), the statistics kernels' tests
-   (``tests/describe``: the fused Triton row kernels compiled for the device) and scoring on
-   the device, one pytest process per file;
+   (``tests/describe``: the fused Triton row kernels compiled for the device), scoring and
+   refinement on the device: every test file that uses the GPU (``CUDA_FILES``), one pytest
+   process per file;
 2. ``syncs`` (35 s): a training step with a default and one with an all-statistics +
    histograms ``Tracker.step()``, a ``NoiseScale`` step and the backward of a logged batch on
    GPT-2 small under ``torch.cuda.set_sync_debug_mode("error")``: any synchronising call in
@@ -37,10 +38,11 @@ call cut short still returns what finished:
    throughput against the device's own matmul rate);
 7. ``refine`` (35 s): ``benchmarks/scale_influence.py --device cuda --refine-steps 5`` (GPT-2
    small, time, peak memory, products);
-8. ``suite`` (60 s, or what the budget has left): every other test file, in parallel pytest
-   processes (``benchmarks/_suite_shards.py``: no pytest-xdist needed), last, since it only
-   needs to pass. Each process logs one line per test as it ends (``--out/suite-logs``), so a
-   suite cut at its cap still names its failures and the files that did not finish.
+8. ``suite`` (60 s, or what the budget has left): every other test file (CPU only), in
+   parallel pytest processes with one torch thread each (``benchmarks/_suite_shards.py``: no
+   pytest-xdist needed), last, since it only needs to pass. Each process logs one line per
+   test as it ends (``--out/suite-logs``), so a suite cut at its cap still names its failures
+   and the files that did not finish; the slowest tests are listed under ``## suite``.
 
 ``--parts`` picks a subset (comma list); ``--quick`` shrinks every part (a smoke run;
 ``NNSTAT_GPU_CHECK_DEVICE=cpu`` runs it on the CPU). Without CUDA the script says so and exits
