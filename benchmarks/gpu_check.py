@@ -32,7 +32,8 @@ call cut short still returns what finished:
    on GPT-2 small (batch 8 x 512, AdamW), with wandb.watch side by side when importable
    (skipped with a note otherwise); logging measures every module (``--loggers
    every-module``: the like-for-like rows against LogIX are ``scale.py --parts logging``);
-5. ``noise`` (25 s): the streaming ``NoiseScale`` and ``describe_layers()`` on GPT-2 small, ms
+5. ``noise`` (25 s): the streaming ``NoiseScale`` (per-sample; micro-batch over 2 accumulated
+   micro-batches) and ``describe_layers()`` on GPT-2 small, ms
    per step next to a plain step measured in the same process;
 6. ``scoring`` (20 s): ``benchmarks/scoring_throughput.py --device cuda`` (100,000 rows;
    throughput against the device's own matmul rate);
@@ -369,6 +370,18 @@ def inline_syncs(quick: bool) -> None:
 
     check("NoiseScale streaming step", noise)
     gns.unwatch()
+    micro_gns = nnstat.NoiseScale(beta=0.99)
+    micro = micro_gns.watch_microbatches(model, micro_batch_size=x.shape[0] // 2)
+
+    def micro_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        for half in x.chunk(2):
+            (model(input_ids=half, labels=half).loss / 2).backward()
+        micro.end_step()
+        opt.step()
+
+    check("NoiseScale micro-batch step (2 micro-batches)", micro_step)
+    micro_gns.unwatch()
     with tempfile.TemporaryDirectory() as tmp:
         run = _logging_run(model, tmp)
         ids = iter(range(10**6))
@@ -399,7 +412,8 @@ def inline_syncs(quick: bool) -> None:
 
 
 def inline_noise(quick: bool) -> None:
-    """ms per step: plain, + NoiseScale, and one describe_layers() of the weights."""
+    """ms per step: plain, + NoiseScale, and one describe_layers() of the weights; then 2
+    accumulated micro-batches per step, plain and + the micro-batch NoiseScale."""
     import copy
     import statistics
 
@@ -415,9 +429,27 @@ def inline_noise(quick: bool) -> None:
     x = torch.randint(0, 50257, (8, 128 if quick else 512), device=DEV)
     gns = nnstat.NoiseScale(beta=0.99)
     gns.watch(watched)
+    accumulated = copy.deepcopy(model)  # its own copy: the micro-batch hooks stay off the others
+    opt_a = torch.optim.AdamW(accumulated.parameters(), lr=1e-4)
+    micro_gns = nnstat.NoiseScale(beta=0.99)
+    micro = micro_gns.watch_microbatches(accumulated, micro_batch_size=x.shape[0] // 2)
 
     def plain() -> None:
         _lm_step(model, opt, x)
+
+    def accumulate(net, optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        for half in x.chunk(2):
+            (net(input_ids=half, labels=half).loss / 2).backward()
+
+    def plain_two_micro() -> None:
+        accumulate(model, opt)
+        opt.step()
+
+    def micro_noise() -> None:
+        accumulate(accumulated, opt_a)
+        micro.end_step()
+        opt_a.step()
 
     def noise() -> None:
         opt_w.zero_grad(set_to_none=True)
@@ -429,7 +461,13 @@ def inline_noise(quick: bool) -> None:
         _lm_step(model, opt, x)
         nnstat.get_weight(model).describe_layers()
 
-    variants = {"plain step": plain, "+ NoiseScale": noise, "+ describe_layers()": described}
+    variants = {
+        "plain step": plain,
+        "+ NoiseScale": noise,
+        "+ describe_layers()": described,
+        "plain, 2 micro-batches": plain_two_micro,
+        "+ micro-batch NoiseScale": micro_noise,
+    }
     times: dict[str, list[float]] = {k: [] for k in variants}
     for fn in variants.values():
         fn()
