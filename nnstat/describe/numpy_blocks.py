@@ -392,6 +392,8 @@ def sumsq_min_max(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         # non-finite blocks give their finite part here; callers detect non-finite values
         # from the sum of squares, so keep NaN there for them (they recompute exactly)
         found[found[:, 3] > 0, 0] = math.nan
+        if len(on_numpy) == len(tensors):  # the common case: the table as it is, no row loop
+            return torch.from_numpy(np.ascontiguousarray(found[:, :3]))
         for (i, _), row in zip(on_numpy, torch.from_numpy(found[:, :3]), strict=True):
             rows[i] = row
     dev = rows[0].device if rows else torch.device("cpu")
