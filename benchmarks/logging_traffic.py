@@ -31,7 +31,8 @@ _GEMMS = ("mm", "bmm", "addmm", "baddbmm")
 
 class Traffic(TorchDispatchMode):
     """Per op name: launches, bytes of operands and results, GEMM FLOPs; per (op, operand
-    shapes): bytes. A meta tensor copied to the host (a flag read) reads as ones."""
+    shapes): bytes. A meta tensor copied to the host (a flag read, the staged rows' copy) reads
+    as ones."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -45,7 +46,7 @@ class Traffic(TorchDispatchMode):
         name = func.overloadpacket.__name__
         src = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if name == "copy_" and src.device.type == "cpu" and args[1].device.type == "meta":
-            return src  # the staged rows' copy to the host: nothing to copy on meta
+            return src.fill_(1)  # the staged rows' copy to the host: ones (flags: True)
         if src is not None and src.device.type == "meta":
             if name == "_local_scalar_dense":
                 return True if src.dtype == torch.bool else 1

@@ -16,7 +16,9 @@ Two fingerprints:
   the next block of the same pass anything that differs is a
   :class:`~nnstat.store.errors.ModelChangedError` naming the tensors, modules or group.
   Changes *inside* a block (a train-mode BatchNorm updating its running statistics in
-  forward) are not changes between blocks.
+  forward) are not changes between blocks. A block inside which no tensor's identity,
+  version or mode changed keeps the checksums taken at its start as its end state: one pass
+  over the weights per block, not two.
 
 Example:
     >>> m = torch.nn.Linear(2, 2); guard = BlockGuard(); guard.record(m)
@@ -28,7 +30,7 @@ Example:
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -185,11 +187,13 @@ class Weights:
         return [*words, self._pads[key]]
 
 
-def _state(model: Models, weights: Weights) -> tuple[list[tuple], dict[tuple, torch.Tensor]]:
+def _state(
+    model: Models, weights: Weights, sums: bool = True
+) -> tuple[list[tuple], dict[tuple, torch.Tensor]]:
     """Per tensor its identity and version, per module its training mode (``m.train()`` /
     ``m.eval()`` change what a forward computes); per (device, dtype) one :func:`checksum` of
     every bit of its tensors concatenated, left on the device (not read here): a cat, a
-    product and a sum per group."""
+    product and a sum per group (``sums=False``: the identities alone, no kernel)."""
     ids: list[tuple] = [
         (f"{n or 'model'} (training mode)", m.training) for n, m in named(model, "named_modules")
     ]
@@ -198,7 +202,7 @@ def _state(model: Models, weights: Weights) -> tuple[list[tuple], dict[tuple, to
         local = getattr(t, "to_local", None)  # a DTensor (FSDP2): this rank's shard
         t = local() if callable(local) else t
         ids.append((name, t.data_ptr(), tuple(t.shape), t.dtype, t._version))
-        if t.numel():
+        if t.numel() and sums:
             groups.setdefault((t.device, t.dtype), []).append(_words(t.detach()))
     sums = {}
     for key, group in groups.items():
@@ -235,14 +239,26 @@ class BlockGuard:
         self._state: tuple[list[tuple], dict[tuple, torch.Tensor]] | None = None
         self._groups: list[tuple] = []  # the (device, dtype) groups of the last begin()
         self._weights = Weights()
+        # the state begin() computed: the block's end state too when nothing was updated
+        self._begun: tuple[list[tuple], dict[tuple, torch.Tensor]] | None = None
 
     def reset(self) -> None:
-        self._state = None
+        self._state = self._begun = None
 
     def record(self, model: Models | None) -> None:
-        if model is not None:
-            with torch.no_grad():
-                self._state = _state(model, self._weights)
+        """Keep ``model``'s state at a block's end. When no tensor was replaced or updated in
+        place inside the block (identities, versions and training modes as :meth:`begin`
+        found them), :meth:`begin`'s checksums are kept: no kernel, no second pass over the
+        weights (a bits-only change inside the block, e.g. through ``.data``, then reads as a
+        change at the next :meth:`begin`: refused, as the block's rows came from two models)."""
+        if model is None:
+            return
+        begun, self._begun = self._begun, None
+        with torch.no_grad():
+            if begun is not None and _state(model, self._weights, sums=False)[0] == begun[0]:
+                self._state = begun
+                return
+            self._state = _state(model, self._weights)
 
     def _compare(self, model: Models | None) -> tuple[list[str], bool | torch.Tensor]:
         """The tensors whose identity or version differ from the last :meth:`record`, and
@@ -251,6 +267,7 @@ class BlockGuard:
             return [], True
         with torch.no_grad():
             ids, values = _state(model, self._weights)
+        self._begun = (ids, values)
         old_ids, old_values = self._state
         out = [a[0] for a, b in zip(ids, old_ids, strict=False) if a != b]
         if len(ids) != len(old_ids):
@@ -286,26 +303,51 @@ class BlockGuard:
     def _values_changed(self, same: bool | list[bool] | torch.Tensor) -> list[str]:
         if isinstance(same, torch.Tensor):
             same = same.reshape(-1).tolist()
-        if isinstance(same, bool):
-            same = [same] * max(1, len(self._groups))
-        if all(same):
-            return []
-        if len(same) != len(self._groups):  # the groups themselves differ
-            return ["(the values of the parameters or buffers)"]
-        return [
-            f"(the values of the {dtype} parameters or buffers on {device}: checksum)"
-            for (device, dtype), ok in zip(self._groups, same, strict=True)
-            if not ok
-        ]
+        return values_changed(same, self._groups)
+
+    def deferred(self) -> Callable[[list[bool]], None]:
+        """:meth:`confirm` for values read later, elsewhere (the store's writer thread reads
+        :meth:`begin`'s flag from the block's host copy): a function of the flag's values that
+        raises :class:`ModelChangedError` when a group's checksum changed. It keeps this
+        block's groups; the guard's state is left as it is."""
+        groups = list(self._groups)
+
+        def confirm(same: list[bool]) -> None:
+            changed = values_changed(same, groups)
+            if changed:
+                raise changed_error(changed)
+
+        return confirm
 
     def _refuse(self, changed: list[str]) -> None:
         if changed:
             self._state = None
-            raise ModelChangedError(
-                f"the model changed between two run(...) blocks of one logging pass "
-                f"({', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}): an optimizer "
-                "step or another update while logging, so the pass's rows would come from "
-                "several models. Log with fixed weights (after training, or each checkpoint "
-                "into its own project, or with overwrite=True), and finalize() the pass before "
-                "changing the model"
-            )
+            raise changed_error(changed)
+
+
+def values_changed(same: bool | list[bool], groups: list[tuple]) -> list[str]:
+    """The (device, dtype) ``groups`` whose checksum flag in ``same`` is False, as names for
+    :func:`changed_error` (``same``: one flag per group, or one bool for all)."""
+    if isinstance(same, bool):
+        same = [same] * max(1, len(groups))
+    if all(same):
+        return []
+    if len(same) != len(groups):  # the groups themselves differ
+        return ["(the values of the parameters or buffers)"]
+    return [
+        f"(the values of the {dtype} parameters or buffers on {device}: checksum)"
+        for (device, dtype), ok in zip(groups, same, strict=True)
+        if not ok
+    ]
+
+
+def changed_error(changed: list[str]) -> ModelChangedError:
+    """The refusal of a model that changed between two blocks (``changed``: what differs)."""
+    return ModelChangedError(
+        f"the model changed between two run(...) blocks of one logging pass "
+        f"({', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}): an optimizer "
+        "step or another update while logging, so the pass's rows would come from "
+        "several models. Log with fixed weights (after training, or each checkpoint "
+        "into its own project, or with overwrite=True), and finalize() the pass before "
+        "changing the model"
+    )
