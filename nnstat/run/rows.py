@@ -11,8 +11,7 @@ copy at the block's end (the store's writer queues it, non-blocking, into pinned
 thread reads the flags once the copy has landed): nothing is read back inside the step.
 :class:`BatchRows` holds that per-block state for :class:`nnstat.run.Run`;
 :func:`module_blocks`, :func:`refuse_left_out` and :func:`input_ids` are the checks and ids of
-a block's rows before they are stored, :func:`read_flags` the values of device flags in one
-host read (the eval path's and the weights guard's outside a logged block).
+a block's rows before they are stored.
 
 Example:
     >>> rows = BatchRows()
@@ -215,31 +214,6 @@ class BatchRows:
             self._buffer = writer.row_buffer(n)
             self._layout()
         return self._buffer
-
-
-def read_flags(*flags: torch.Tensor | None) -> list[list[bool] | None]:
-    """The values of a block's device flags (``[k]`` or 0-d bool tensors, ``None`` for none) in
-    ONE host read: a block reads the device back once, whatever it checks.
-
-    Example:
-        >>> read_flags(torch.tensor(True), None, torch.tensor([True, False]))
-        [[True], None, [True, False]]
-    """
-    given = [f.reshape(-1) for f in flags if f is not None]
-    if not given:
-        return [None for _ in flags]
-    device = given[0].device
-    values = torch.cat([f.to(device=device, dtype=torch.bool) for f in given]).tolist()
-    out: list[list[bool] | None] = []
-    pos = 0
-    for f in flags:
-        if f is None:
-            out.append(None)
-            continue
-        k = f.numel()
-        out.append(values[pos : pos + k])
-        pos += k
-    return out
 
 
 def module_blocks(
