@@ -481,21 +481,24 @@ class StoreLogger:
         rows to write (``None``: all), or the refusal (raised)."""
         n = len(ids)
         flags = (words[: n + groups] != 0).tolist()  # a host copy: reads no device
-        if groups and confirm is not None:
-            confirm(flags[n : n + groups])
-        if finite and not all(flags[j] for j in take):
-            if self.options.nonfinite == "error":
-                error = nonfinite_error([ids[j] for j in take if not flags[j]], self.options.dtype)
-                add_note(
-                    error,
-                    "found when the rows had left the device: these rows and those of the "
-                    "blocks logged after them are not stored (the rows before them are); "
-                    "log them again in a pass that resumes the store",
-                )
-                raise error
-            good = [j for j in take if flags[j]]
-            self.skipped_nonfinite += len(take) - len(good)  # read at close, after the thread
-            take = good
+        try:
+            if groups and confirm is not None:
+                confirm(flags[n : n + groups])
+            if finite and not all(flags[j] for j in take):
+                if self.options.nonfinite == "error":
+                    bad = [ids[j] for j in take if not flags[j]]
+                    raise nonfinite_error(bad, self.options.dtype)
+                good = [j for j in take if flags[j]]
+                self.skipped_nonfinite += len(take) - len(good)  # read at close, after the thread
+                take = good
+        except ValueError as error:
+            add_note(
+                error,
+                "found when the rows had left the device: the rows of this block and of the "
+                "blocks logged after it are not stored (those before it are); log them again "
+                "in a pass that resumes the store",
+            )
+            raise
         return None if len(take) == n else take
 
     def _budget_warning(self) -> None:
