@@ -126,8 +126,7 @@ def _log_cpu(tmp_path, layers, staged, monkeypatch, name):
     "config", [{}, {"nonfinite": "skip"}, {"nonfinite": "keep"}, {"dtype": "float16"}]
 )
 def test_a_logged_block_on_a_device_reads_nothing_back(tmp_path, config):
-    """The guard's and the NaN/Inf flags travel in the rows' copy: no read in the step (was
-    one per block: the flags read together at the block's end)."""
+    """The guard's and the NaN/Inf flags travel in the rows' copy: no read in the step."""
     blocks, ops = _log(tmp_path, 8, "meta", config)
     assert [reads for reads, *_ in blocks] == [0] * len(blocks)
     assert all(to_host == 1 and to_device == 0 for _, to_host, to_device, _ in blocks)

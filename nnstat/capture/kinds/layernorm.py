@@ -5,8 +5,8 @@ sum of outer products: no K-FAC, and its projection is ``G_i @ Pᵀ`` on the fla
 The capture keeps the module's input ``x`` as it came (a view, no copy, when it is float32) and
 ``x̂`` is recomputed where a product needs it (one ``layer_norm`` kernel reading ``x``): the
 per-sample gradient then makes ONE ``[N, T, D]`` temporary, ``x̂``, multiplied by ``b`` in
-place and summed over positions, where keeping ``x̂`` from the capture and forming ``b∘x̂``
-made two (GPT-2 small: 25 LayerNorms x 12.6 MB at batch 8 x 512)."""
+place and summed over positions (keeping ``x̂`` beside the input and forming ``b∘x̂`` would
+make two: GPT-2 small has 25 LayerNorms of 12.6 MB each at batch 8 x 512)."""
 
 from __future__ import annotations
 
