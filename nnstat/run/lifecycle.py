@@ -54,6 +54,10 @@ class PassEnd:
         Raises:
             Exception: the store writer's error (disk full, a failed write), re-raised here once
                 the pass is closed.
+            ValueError: on an accelerator, a refusal the writer's thread found in the flags of
+                a block's copy (NaN/Inf under ``nonfinite="error"``, or
+                :class:`~nnstat.store.errors.ModelChangedError`) and no block raised yet: the
+                rows before the refused block are stored, none from it on.
         """
         if self.mode == "eval":
             return
