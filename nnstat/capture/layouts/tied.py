@@ -261,6 +261,17 @@ class TiedCapture(ModuleCapture):
             return self.gram_sq_norm()
         return self.matrix_sq_norm()
 
+    def sq_norm_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
+        """:meth:`per_sample_sq_norm` summed over the samples: the side Grams' dot (0-d), or the
+        per-sample matrices for the caller's foreach norm (the parts carry their scales)."""
+        if self._length == 1:
+            return super().sq_norm_parts()
+        if _gram_work(self._a_parts) + _gram_work(self._b_parts) < self._matrix_work():
+            n = self.num_samples
+            ga = _side_gram(self._a_parts, n, self._dense).view(-1)
+            return [], [torch.dot(ga, _side_gram(self._b_parts, n, self._dense).view(-1))], 1.0
+        return [self.per_sample_grad()], [], 1.0
+
     def matrix_sq_norm(self) -> torch.Tensor:
         """``[N]`` squared norms of :meth:`per_sample_grad`'s matrices."""
         g = self.per_sample_grad()
