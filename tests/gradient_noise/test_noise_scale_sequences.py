@@ -72,7 +72,8 @@ def test_sequence_norms_match_torch_func_on_both_paths(bias):
     norms.close()
 
 
-def test_capture_sums_match_per_sample_norms_of_each_path():
+@pytest.mark.parametrize("masked", [False, True])
+def test_capture_sums_match_per_sample_norms_of_each_path(masked):
     from nnstat.capture.norms import sq_norm_sums
 
     torch.manual_seed(1)
@@ -82,7 +83,8 @@ def test_capture_sums_match_per_sample_norms_of_each_path():
     caps: list = []
     engine.add_consumer(caps.append)
     x = torch.randn(5, 16, 64)
-    with engine.batch():
+    keep = (torch.rand(5, 16) > 0.3).float() if masked else None  # the bias's ones: kept rows
+    with engine.batch(mask=keep):
         model(x).square().mean().backward()
     parts = dict(zip([c.name for c in caps], sq_norm_sums(caps), strict=True))
     # the wide layer: the Grams' dot and its bias term; the narrow one: G_i and Σ_t b_t
