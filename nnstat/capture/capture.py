@@ -240,6 +240,9 @@ class ModuleCapture:
         squared, left to the caller (a float on the host, not a kernel). :func:`sq_norm_sums`
         does this for many captures, the one-position ones in fewer kernels.
 
+        Returns:
+            The tensors (norms to take), the 0-d values (to add) and the factor ``c``.
+
         Example:
             >>> import torch, nnstat
             >>> m = torch.nn.Linear(3, 2); e = nnstat.CaptureEngine(); _ = e.watch(m); caps = []

@@ -56,6 +56,14 @@ def gram_is_cheaper(t: int, d_in: int, d_out: int) -> bool:
     the matrices' squares are the smaller terms of each). Wide layers over few positions take
     the Grams; at GPT-2 small's T = 512 every layer wider than ``2·512`` on one side does.
 
+    Args:
+        t: positions per sample.
+        d_in: the matrix form's input side (bias column included).
+        d_out: its output side.
+
+    Returns:
+        True when the Grams are the cheaper way to the squared norms.
+
     Example:
         >>> gram_is_cheaper(512, 769, 3072), gram_is_cheaper(512, 769, 768)
         (True, False)
@@ -68,6 +76,14 @@ def gram_sq_norm_sum(a: torch.Tensor, b: torch.Tensor, bias: bool = False) -> li
     one dot of the two ``[N, T, T]`` Grams over every sample at once, and with `bias` the sum
     of ``b``'s Gram (the ones column's ``Σ_{t,s} b_t·b_s``), left for the caller to add: no
     ``[N]`` values, no in-place add, one kernel per term.
+
+    Args:
+        a: ``[N, T, d_in]`` forward rows (no ones column).
+        b: ``[N, T, d_out]`` output gradients (zero where a position is masked).
+        bias: the matrix form ends with the ones column.
+
+    Returns:
+        The dot, and with `bias` the sum of ``b``'s Gram (0-d tensors).
 
     Example:
         >>> a, b = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
