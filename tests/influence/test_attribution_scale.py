@@ -30,7 +30,7 @@ TINY = dict(
     vocab_size=96,
     max_position_embeddings=64,
 )
-RANK = 4
+RANK = 2
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +229,7 @@ def test_tiny_llama_logged_scored_and_refined_on_the_cpu(bench, tmp_path):
         None,
         [train[lo : lo + 4] for lo in range(0, len(train), 4)],
         batch_loss=lambda x: _per_sequence_losses(model, x).sum(),
-        steps=12,
+        steps=8,
         curvature="ggn",
         loss_reduction="sum",
         damping=damping,
