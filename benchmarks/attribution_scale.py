@@ -16,7 +16,11 @@ skipped. ``--gpt2-refine`` then runs the 12-layer GPT-2 refinement row of
     # the whole workload (1,024 sequences x 1,024 tokens)
     python3 benchmarks/attribution_scale.py --device cuda --n 1024 --seq 1024
     # what benchmarks/gpu_check.py --parts attribution runs (fits its time cap)
-    python3 benchmarks/attribution_scale.py --device cuda --n 64 --queries 64 --gpt2-refine
+    python3 benchmarks/attribution_scale.py --device cuda --n 32 --queries 64 --refine-steps 1 \
+        --gpt2-refine
+    # a dry run of the whole flow on a CPU (a 2-layer model of the same modules)
+    .venv/bin/python benchmarks/attribution_scale.py --device cpu --tiny --n 8 --seq 32 \
+        --queries 4 --refine-queries 2 --batch 4
     # the memory plan only, on `meta` (no device, no memory): runs anywhere
     .venv/bin/python benchmarks/attribution_scale.py --plan-only --batch 4
 
@@ -58,6 +62,14 @@ LLAMA_1B = dict(
     tie_word_embeddings=False,
 )
 MIB = 2**20
+# --tiny: a 2-layer model with the same modules, to dry-run this script on a CPU
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+)
 
 
 def llama_config(**overrides) -> LlamaConfig:
@@ -244,13 +256,16 @@ def build_model(cfg: LlamaConfig, device: str, dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def log_store(model, data, root: str, project: str, keys: dict, batch: int, device: str) -> dict:
-    """Log ``data`` (``[n, seq]`` tokens) with EK-FAC statistics (``run.schedule()``: factors,
-    eigenvalues, rows) into ``root/project``; seconds, tokens/s and peak MiB of each pass."""
+def log_store(
+    model, data, root: str, project: str, keys: dict, batch: int, device: str, statistic: str
+) -> dict:
+    """Log ``data`` (``[n, seq]`` tokens) into ``root/project`` with ``statistic`` (``ekfac``:
+    ``run.schedule()`` runs the factors pass, then the eigenvalues pass that also saves the rows);
+    seconds, tokens/s and peak MiB of each pass."""
     import nnstat
 
     run = nnstat.init(project=project, root_dir=root, overwrite=True)
-    setup = {"log": "grad", "save": "grad", "statistic": "ekfac", "param_grads": False}
+    setup = {"log": "grad", "save": "grad", "statistic": statistic, "param_grads": False}
     nnstat.setup({**setup, **keys})
     nnstat.watch(model)
     out: dict = {}
@@ -265,7 +280,7 @@ def log_store(model, data, root: str, project: str, keys: dict, batch: int, devi
             model.zero_grad(set_to_none=True)
         _sync(device)
         seconds = time.perf_counter() - start
-        out[str(p)] = {
+        out[p.name] = {
             "seconds": seconds,
             "tokens_per_s": data.numel() / seconds,
             "peak_mib": _peak_mib(device),
@@ -368,7 +383,7 @@ def _row(name: str, stage: str, r: dict, tokens: int | None) -> str:
 
 
 def run_gpu(args) -> None:
-    cfg = llama_config()
+    cfg = llama_config(**(TINY if args.tiny else {}))
     dtype = torch.bfloat16
     model = build_model(cfg, args.device, dtype)
     gen = torch.Generator().manual_seed(1)
@@ -376,17 +391,17 @@ def run_gpu(args) -> None:
     query = torch.randint(0, cfg.vocab_size, (args.queries, args.seq), generator=gen)
     full = 1024 * 1024
     print(f"# Llama {parameter_count(cfg) / 1e9:.2f}B, bf16, {args.n} x {args.seq} tokens")
-    print(memory_plan(cfg, args.batch, args.seq).table())
+    print(memory_plan(cfg, args.batch, args.seq).table())  # on meta: an upper bound
     print()
     print("| logger | stage | seconds | tokens/s | peak MiB | s for 1,024 x 1,024 (linear) |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for name, keys in RUNS:
         args.run_keys = keys
         with tempfile.TemporaryDirectory() as root:
-            stages = log_store(model, train, root, "train", keys, args.batch, args.device)
+            stages = log_store(model, train, root, "train", keys, args.batch, args.device, "ekfac")
             for stage, r in stages.items():
                 print(_row(name, f"log: {stage}", r, full), flush=True)
-            log_store(model, query, root, "queries", {**keys}, args.batch, args.device)
+            log_store(model, query, root, "queries", keys, args.batch, args.device, "none")
             done = score_and_refine(model, train, query, root, args)
             print(_row(name, f"score {args.queries} queries", done["score"], None), flush=True)
             if "refine" in done:
@@ -402,6 +417,7 @@ def run_gpu(args) -> None:
     if args.gpt2_refine:
         cmd = [sys.executable, str(Path(__file__).parent / "scale_influence.py")]
         cmd += ["--device", args.device, "--n-layer", "12", "--refine-steps", "5"]
+        # the 12-layer refinement row that gpu_check's ``refine`` part runs at 1,024 sequences
         cmd += ["--n", "256", "--queries", "32", "--seq", "128", "--statistics", "none"]
         cmd += ["--kinds", "refined", "--refine-batch", "32", "--store", "/tmp/nnstat_gpt2_12"]
         print("\n# GPT-2 12 layers, refinement: " + " ".join(cmd[1:]), flush=True)
@@ -419,6 +435,7 @@ def main() -> None:
     ap.add_argument("--refine-queries", type=int, default=8, help="0: no refinement")
     ap.add_argument("--refine-steps", type=int, default=2)
     ap.add_argument("--gpt2-refine", action="store_true", help="the 12-layer GPT-2 row")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer model: a dry run on a CPU")
     ap.add_argument("--plan-only", action="store_true", help="print the memory plan on meta")
     ap.add_argument("--quick", action="store_true", help="16 x 256 tokens, 8 queries, 2 refined")
     args = ap.parse_args()

@@ -152,6 +152,13 @@ def parts(args: argparse.Namespace) -> list[Part]:
             150,
         ),
         Part(
+            "attribution",  # the ~1B Llama: log (EK-FAC), score, refine; LogIX; GPT-2 12 layers
+            [PY, "benchmarks/attribution_scale.py", "--device", DEV]
+            + (["--quick"] if q else ["--n", "32", "--queries", "64", "--refine-steps", "1"])
+            + ([] if q else ["--gpt2-refine"]),
+            240,
+        ),
+        Part(
             "suite",
             # xdist when the image has it (the GPU image may not: then one process); -v streams
             # each result as it ends, so a run cut at its cap still names its failures
