@@ -16,8 +16,9 @@ skipped. ``--gpt2-refine`` then runs the 12-layer GPT-2 refinement row of
     # the whole workload (1,024 sequences x 1,024 tokens)
     python3 benchmarks/attribution_scale.py --device cuda --n 1024 --seq 1024
     # what benchmarks/gpu_check.py --parts attribution runs (fits its time cap)
-    python3 benchmarks/attribution_scale.py --device cuda --n 32 --queries 64 --refine-steps 1 \
-        --gpt2-refine
+    python3 benchmarks/attribution_scale.py --device cuda --n 16 --queries 64 --refine-steps 1
+    # with the 12-layer GPT-2 refinement row (gpu_check's `refine` part runs it on its own)
+    python3 benchmarks/attribution_scale.py --device cuda --n 1024 --gpt2-refine
     # a dry run of the whole flow on a CPU (a 2-layer model of the same modules)
     .venv/bin/python benchmarks/attribution_scale.py --device cpu --tiny --n 8 --seq 32 \
         --queries 4 --refine-queries 2 --batch 4
@@ -289,9 +290,11 @@ def log_store(
     return out
 
 
-def log_logix(model, data, root: str, batch: int, device: str) -> dict | str:
-    """LogIX's LoRA logging of the same model and batches (``benchmarks/scale.py``'s LogIX arm):
-    seconds, tokens/s, peak MiB; or why it was skipped."""
+def log_logix(cfg: LlamaConfig, data, root: str, batch: int, device: str) -> dict | str:
+    """LogIX's LoRA logging (``benchmarks/scale.py``'s LogIX arm) of the same batches on its own
+    copy of the model (same seed, same weights: LoRA modules change the model they are added
+    to): seconds, tokens/s and peak MiB of that model and its work (what was allocated before
+    it is left out); or why it was skipped."""
     import importlib.util
     import os
 
@@ -299,6 +302,9 @@ def log_logix(model, data, root: str, batch: int, device: str) -> dict | str:
         return "skipped: logix is not importable here"
     from logix import LogIX
 
+    base = torch.cuda.memory_allocated() / MIB if device.startswith("cuda") else 0.0
+    _reset_peak(device)
+    model = build_model(cfg, device, torch.bfloat16)
     here = os.getcwd()
     os.makedirs(root, exist_ok=True)
     os.chdir(root)
@@ -308,7 +314,6 @@ def log_logix(model, data, root: str, batch: int, device: str) -> dict | str:
         lx.add_lora()
         lx.setup({"grad": ["log"]})
         lx.save(True)
-        _reset_peak(device)
         _sync(device)
         start = time.perf_counter()
         for lo in range(0, len(data), batch):
@@ -321,11 +326,9 @@ def log_logix(model, data, root: str, batch: int, device: str) -> dict | str:
         lx.finalize()
     finally:
         os.chdir(here)
-    return {
-        "seconds": seconds,
-        "tokens_per_s": data.numel() / seconds,
-        "peak_mib": _peak_mib(device),
-    }
+    peak = _peak_mib(device) - base
+    del model, lx
+    return {"seconds": seconds, "tokens_per_s": data.numel() / seconds, "peak_mib": peak}
 
 
 def score_and_refine(model, train, query, root: str, args) -> dict:
@@ -395,12 +398,19 @@ def run_gpu(args) -> None:
     print()
     print("| logger | stage | seconds | tokens/s | peak MiB | s for 1,024 x 1,024 (linear) |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
-    for name, keys in RUNS:
+    for i, (name, keys) in enumerate(RUNS):
         args.run_keys = keys
         with tempfile.TemporaryDirectory() as root:
             stages = log_store(model, train, root, "train", keys, args.batch, args.device, "ekfac")
             for stage, r in stages.items():
                 print(_row(name, f"log: {stage}", r, full), flush=True)
+            if i == 0:  # LogIX beside the first variant, before the longer stages
+                with tempfile.TemporaryDirectory() as lx_root:
+                    lx = log_logix(cfg, train, lx_root, args.batch, args.device)
+                if isinstance(lx, str):
+                    print(f"| LogIX (LoRA, rank 64) | {lx} | | | | |", flush=True)
+                else:
+                    print(_row("LogIX (LoRA, rank 64)", "log", lx, full), flush=True)
             log_store(model, query, root, "queries", keys, args.batch, args.device, "none")
             done = score_and_refine(model, train, query, root, args)
             print(_row(name, f"score {args.queries} queries", done["score"], None), flush=True)
@@ -408,12 +418,6 @@ def run_gpu(args) -> None:
                 r = done["refine"]
                 stage = f"refine {args.refine_queries} ({r['passes']} passes)"
                 print(_row(name, stage, r, None), flush=True)
-    with tempfile.TemporaryDirectory() as root:
-        lx = log_logix(model, train, root, args.batch, args.device)
-    if isinstance(lx, str):
-        print(f"| LogIX (LoRA, rank 64) | {lx} | | | | |")
-    else:
-        print(_row("LogIX (LoRA, rank 64)", "log", lx, full))
     if args.gpt2_refine:
         cmd = [sys.executable, str(Path(__file__).parent / "scale_influence.py")]
         cmd += ["--device", args.device, "--n-layer", "12", "--refine-steps", "5"]

@@ -1,6 +1,8 @@
 """Shared fixtures."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -34,3 +36,20 @@ def rows_formed_in(request, monkeypatch):
     if request.param == "device staging":
         monkeypatch.setattr(rows, "on_accelerator", lambda device: True)
     return request.param
+
+
+@pytest.fixture
+def run_python(tmp_path):
+    """``run_python(*args, **kw)``: ``subprocess.run([python, *args], **kw)`` from `tmp_path`.
+
+    A child started with ``-c`` or ``-m`` puts its working directory first on its path; from
+    the repository root that is the source tree, not the nnstat this process imported (an
+    installed wheel, where the tests run against one: the source tree lacks the
+    ``nnstat.integrations`` mapping that installing makes).
+    """
+
+    def run(*args: str, **kw) -> subprocess.CompletedProcess:
+        kw.setdefault("cwd", tmp_path)
+        return subprocess.run([sys.executable, *args], **kw)
+
+    return run

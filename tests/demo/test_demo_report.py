@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import html
+import importlib.util
 import io
 import re
 import struct
@@ -94,6 +95,9 @@ def demo(tmp_path_factory):
     return SimpleNamespace(state=states[0], out=out.getvalue(), page=page, log_dir=log_dir)
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("wandb") is None, reason="wandb is not installed (nnstat[wandb])"
+)  # the demo logs to W&B only where wandb is installed; this test counts its run
 def test_console_reports_training_and_logs(demo):
     out, log_dir = demo.out, demo.log_dir
     assert "epoch 12/12" in out and "test accuracy" in out
