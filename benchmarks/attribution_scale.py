@@ -146,15 +146,18 @@ def saved_bytes(model, x: torch.Tensor) -> int:
     return sum(b for k, b in seen.items() if k not in params)
 
 
-def watched_linears(model) -> list[tuple[str, int, int]]:
-    """``(name, d_in, d_out)`` of the modules a run logs (Linear and Embedding; RMSNorm has no
-    per-sample rule and is skipped by ``nnstat.watch`` with a warning)."""
-    out = []
+def watched_modules(model) -> list[tuple[str, int, int | None]]:
+    """``(name, d_in, d_out)`` of the modules a run logs: every Linear and the embedding (their
+    rows are ``r_out x r_in``), and every RMSNorm (``d_out`` None: a flat gradient of ``D``,
+    projected to ``r``); rotary embeddings have no parameters."""
+    out: list[tuple[str, int, int | None]] = []
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear):
             out.append((name, m.in_features, m.out_features))
         elif isinstance(m, torch.nn.Embedding):
             out.append((name, m.num_embeddings, m.embedding_dim))
+        elif type(m).__name__ == "LlamaRMSNorm":
+            out.append((name, m.weight.numel(), None))
     return out
 
 
@@ -175,7 +178,8 @@ def memory_plan(
     module's inputs and output gradients in its backward hook plus their rank-``rank``
     projections, ``queue_size`` blocks of ``batch`` float32 rows, and the EK-FAC factors (``A``
     ``d_in²``, ``S`` ``d_out²``, float32, with an eigenbasis each; a side over
-    ``max_factor_dim`` is kept projected, ``rank²``; an embedding's input side is its diagonal).
+    ``max_factor_dim`` is kept projected, ``rank²``; an embedding's input side is its diagonal;
+    an RMSNorm's ``D²`` gradient covariance).
 
     Args:
         cfg: the model's configuration.
@@ -195,23 +199,15 @@ def memory_plan(
         >>> plan.parameters == 2 * parameter_count(llama_config())
         True
     """
-    from transformers import LlamaForCausalLM
-
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            torch.manual_seed(0)
-            model = LlamaForCausalLM(cfg).eval()
-    finally:
-        torch.set_default_dtype(old)
+    model = build_model(cfg, device, dtype)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     x = torch.zeros(batch, seq, dtype=torch.long, device=device)
     acts = saved_bytes(model, x)
-    mods = watched_linears(model)
+    mods = watched_modules(model)
     f32, tokens = 4, batch * seq
-    capture = max(tokens * (d_in + d_out + 2 * rank) * f32 for _, d_in, d_out in mods)
-    width = len(mods) * rank * rank
+    capture = max(tokens * (d_in + (d_out or d_in) + 2 * rank) * f32 for _, d_in, d_out in mods)
+    widths = [min(rank, d_in) * (min(rank, d_out) if d_out else 1) for _, d_in, d_out in mods]
+    width = sum(widths)
     rows = queue_size * batch * width * f32
 
     def side(d: int, diagonal: bool = False) -> int:
@@ -220,9 +216,12 @@ def memory_plan(
         return 2 * (rank * rank if d > max_factor_dim else d * d) * f32  # factor + eigenbasis
 
     ekfac = 0
-    for name, d_in, d_out in mods:
+    for (name, d_in, d_out), w in zip(mods, widths, strict=True):
+        if d_out is None:  # a norm: its exact gradient covariance, no Kronecker factors
+            ekfac += d_in * d_in * f32
+            continue
         emb = name.endswith("embed_tokens")
-        ekfac += side(d_in, diagonal=emb) + side(d_out) + width // len(mods) * f32
+        ekfac += side(d_in, diagonal=emb) + side(d_out) + w * f32  # + the eigenvalues
     return MemoryPlan(batch, seq, rank, params, acts, capture, rows, ekfac, len(mods), width)
 
 

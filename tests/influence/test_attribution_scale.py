@@ -60,8 +60,10 @@ def test_memory_plan_of_the_1b_model_on_meta(bench):
     cfg = bench.llama_config()
     plan = bench.memory_plan(cfg, batch=2, seq=256)
     assert plan.parameters == 2 * bench.parameter_count(cfg)  # bfloat16
-    # 16 layers x 7 Linear + lm_head + the embedding, rank 64 on both sides
-    assert plan.watched == 16 * 7 + 2 and plan.row_width == plan.watched * 64 * 64
+    # 16 layers x 7 Linear + lm_head + the embedding, rank 64 on both sides; 33 RMSNorms, 64
+    norms = 2 * 16 + 1
+    assert plan.watched == 16 * 7 + 2 + norms
+    assert plan.row_width == (16 * 7 + 2) * 64 * 64 + norms * 64
     assert plan.rows_in_flight == 16 * 2 * plan.row_width * 4
     # the capture's largest module: lm_head (2048 in, 32000 out) over 2 x 256 positions
     assert plan.capture == 2 * 256 * (2048 + 32000 + 128) * 4
@@ -70,7 +72,8 @@ def test_memory_plan_of_the_1b_model_on_meta(bench):
     layer = 4 * 2 * (2 * h * h) + 3 * 2 * (h * h + i * i)
     emb = 32000 + 2 * h * h  # the embedding's diagonal input side, its dense output side
     head = 2 * h * h + 2 * 64 * 64  # lm_head's 32000 side is over max_factor_dim: projected
-    assert plan.ekfac == 4 * (16 * layer + emb + head + plan.row_width)
+    eigenvalues = plan.row_width - norms * 64  # the Kronecker modules' corrected eigenvalues
+    assert plan.ekfac == 4 * (16 * layer + emb + head + eigenvalues + norms * h * h)
     # activations grow linearly in the tokens of a batch at a fixed length
     double = bench.memory_plan(cfg, batch=4, seq=256)
     assert double.activations == pytest.approx(2 * plan.activations, rel=1e-3)
@@ -116,9 +119,12 @@ def _reference_rows(model, x, store: GradientStore) -> torch.Tensor:
         for entry in store.meta["modules"]:
             m = mods[entry["name"]]
             (g,) = torch.autograd.grad(loss, m.weight, retain_graph=True)
+            p_in = proj[f"{entry['name']}/p_in"]
+            if entry["r_out"] is None:  # RMSNorm: a flat gradient, projected on one side
+                parts.append(p_in @ g.reshape(-1))
+                continue
             g = g.T if isinstance(m, torch.nn.Embedding) else g  # matrix form [d_out, d_in]
-            p_in, p_out = proj[f"{entry['name']}/p_in"], proj[f"{entry['name']}/p_out"]
-            parts.append((p_out @ g @ p_in.T).reshape(-1))
+            parts.append((proj[f"{entry['name']}/p_out"] @ g @ p_in.T).reshape(-1))
         rows.append(torch.cat(parts))
     return torch.stack(rows)
 
@@ -162,7 +168,13 @@ def _ggn_logged(model, data, store: GradientStore) -> torch.Tensor:
         out = {k: torch.zeros_like(t) for k, t in params.items()}
         for e in layout:
             n = e["name"]
-            block = v[e["offset"] : e["offset"] + e["width"]].reshape(e["r_out"], e["r_in"])
+            block = v[e["offset"] : e["offset"] + e["width"]]
+            if e["r_out"] is None:  # RMSNorm: flat
+                out[f"{n}.weight"] = (block @ proj[f"{n}/p_in"]).reshape(
+                    params[f"{n}.weight"].shape
+                )
+                continue
+            block = block.reshape(e["r_out"], e["r_in"])
             w = proj[f"{n}/p_out"].T @ block @ proj[f"{n}/p_in"]
             out[f"{n}.weight"] = w.T if isinstance(mods[n], torch.nn.Embedding) else w
         return out
@@ -172,6 +184,9 @@ def _ggn_logged(model, data, store: GradientStore) -> torch.Tensor:
         for e in layout:
             n = e["name"]
             g = grads[f"{n}.weight"]
+            if e["r_out"] is None:  # RMSNorm: flat
+                parts.append(proj[f"{n}/p_in"] @ g.reshape(-1))
+                continue
             g = g.T if isinstance(mods[n], torch.nn.Embedding) else g
             parts.append((proj[f"{n}/p_out"] @ g @ proj[f"{n}/p_in"].T).reshape(-1))
         return torch.cat(parts)
@@ -200,11 +215,12 @@ def test_tiny_llama_logged_scored_and_refined_on_the_cpu(bench, tmp_path):
     query = torch.randint(0, cfg.vocab_size, (3, 12), generator=gen)
     names, warned = _log(model, train, tmp_path, "train", "ekfac")
     _log(model, query, tmp_path, "queries", "none")
-    # what nnstat captures of a Llama: every Linear and the embedding; the RMSNorm weights
-    # have no per-sample rule and are skipped with a warning naming them (not silently)
-    assert len(names) == 2 * 7 + 2 and "lm_head" in names and "model.embed_tokens" in names
-    assert any("LlamaRMSNorm" in w and "model.norm" in w and "skipped" in w for w in warned)
     store = GradientStore(tmp_path / "train")
+    # what nnstat captures of a Llama: every Linear, the embedding and every RMSNorm (rotary
+    # embeddings have no parameters): every parameter, nothing skipped
+    assert len(names) == 2 * 7 + 2 + 2 * 2 + 1 and {"lm_head", "model.norm"} <= set(names)
+    assert not [w for w in warned if "cannot capture" in w]
+    assert store.meta["row_width"] == (2 * 7 + 2) * RANK * RANK + 5 * RANK
     rows = torch.cat([torch.as_tensor(r) for _, r in store.iter_blocks(64)])
     ref = _reference_rows(model, train, store)
     assert torch.allclose(rows, ref, rtol=1e-4, atol=1e-6 * ref.abs().max())
