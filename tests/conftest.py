@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -12,6 +13,11 @@ if not torch.cuda.is_available():
     # interpreter, which must be chosen before triton is first imported; a test opts in with
     # NNSTAT_TRITON=interpret (elsewhere nothing changes: CPU tensors never take that path)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# W&B writes offline runs (HF Trainer's report_to, the seeds' wandb.log examples) into ./wandb
+# unless told otherwise: tests leave the working tree as they found it
+os.environ.setdefault("WANDB_DIR", tempfile.mkdtemp(prefix="nnstat-tests-wandb-"))
+os.environ.setdefault("WANDB_MODE", "offline")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # under pytest-xdist (-n N) every worker is its own process: one torch thread each, so N

@@ -14,7 +14,7 @@ from nnstat.capture.kinds import detect_kind
 
 
 def _norms() -> list[tuple[str, nn.Module]]:
-    out = [("torch", nn.RMSNorm(6, eps=1e-5)), ("torch eps None", nn.RMSNorm(6))]
+    out = [("torch", nn.RMSNorm(6, eps=1e-5)), ("torch, 2-d", nn.RMSNorm((2, 3), eps=1e-5))]
     llama = pytest.importorskip("transformers.models.llama.modeling_llama")
     out.append(("llama", llama.LlamaRMSNorm(6, eps=1e-6)))
     return out
@@ -28,17 +28,19 @@ class Collect:
         self.grads[cap.name] = cap.per_sample_grads_by_param()["weight"]
 
 
-@pytest.mark.parametrize("which", ["torch", "torch eps None", "llama"])
+@pytest.mark.parametrize("which", ["torch", "torch, 2-d", "llama"])
 def test_rmsnorm_per_sample_grads_match_autograd(which):
     norm = dict(_norms())[which]
     torch.manual_seed(0)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)  # not the all-ones init: the weight must not cancel out
-    model = nn.Sequential(nn.Linear(4, 6), norm, nn.Linear(6, 3))
+    shape = norm.weight.shape
+    model = nn.Sequential(nn.Linear(4, 6), nn.Unflatten(-1, shape), norm, nn.Flatten(-len(shape)))
+    model.append(nn.Linear(6, 3))
     x, y = torch.randn(5, 7, 4), torch.randn(5, 7, 3)
     assert detect_kind(norm) == "rmsnorm"
     engine = nnstat.CaptureEngine()
-    assert "1" in engine.watch(model)
+    assert "2" in engine.watch(model)
     got = Collect()
     engine.add_consumer(got)
     with engine.batch():
@@ -49,10 +51,10 @@ def test_rmsnorm_per_sample_grads_match_autograd(which):
         model.zero_grad()
         ((model(x[i : i + 1]) - y[i : i + 1]) ** 2).sum().backward()
         want.append(norm.weight.grad.clone())
-    assert torch.allclose(got.grads["1"], torch.stack(want), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(got.grads["2"], torch.stack(want), rtol=1e-5, atol=1e-6)
 
 
-def test_rmsnorm_look_alikes_and_parameterless_norms_are_skipped_with_a_warning():
+def test_rmsnorm_look_alikes_and_an_unknown_epsilon_are_skipped_with_a_warning():
     class GemmaLikeRMSNorm(nn.Module):  # (1 + weight) * x̂: another formula, not captured
         def __init__(self) -> None:
             super().__init__()

@@ -40,6 +40,7 @@ class Rows(Protocol):
     d_out: int
     _bias: bool  # the matrix form ends with the bias's ones column
     _scale: float
+    _keep: torch.Tensor | None  # [N, T] 0/1 of unmasked rows (None: all kept)
 
     @property
     def _a(self) -> torch.Tensor: ...

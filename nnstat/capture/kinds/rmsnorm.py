@@ -3,7 +3,8 @@
 As for LayerNorm (whose kind this extends), the gradient is elementwise, ``G_i = Σ_t b∘x̂``, not
 a sum of outer products. Captured: ``torch.nn.RMSNorm`` (with ``elementwise_affine``) and
 transformers' ``LlamaRMSNorm`` (``weight * x̂`` in the input dtype, ``x̂`` computed in float32
-with ``variance_epsilon``). Other RMSNorm classes are left to the usual skip-with-a-warning:
+with ``variance_epsilon``). As for LayerNorm, the capture keeps the input and ``x̂`` is
+recomputed where a product needs it. Other RMSNorm classes are left to the usual skip-with-a-warning:
 variants differ (Gemma's ``(1 + weight)``, T5's without the cast), and a look-alike matched by
 name could be logged with the wrong ``x̂``.
 """
@@ -16,6 +17,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from nnstat.capture.kinds.base import Rows
 from nnstat.capture.kinds.layernorm import LayerNormKind
 
 #: class names (any module path) captured with Llama's formula; checked for `variance_epsilon`
@@ -36,6 +38,11 @@ class RMSNormKind(LayerNormKind):
     def unsupported(self, module: nn.Module) -> str | None:
         if not isinstance(getattr(module, "weight", None), torch.Tensor):
             return "RMSNorm without elementwise_affine has no parameters"
+        if self.eps(module) is None:
+            return (
+                "nn.RMSNorm(eps=None) takes its epsilon from the input's dtype, which the "
+                "capture does not keep: give eps explicitly (e.g. torch.finfo(dtype).eps)"
+            )
         return None
 
     def dims(self, module: nn.Module) -> tuple[int, int]:
@@ -43,17 +50,24 @@ class RMSNormKind(LayerNormKind):
         d = module.weight.numel()
         return d, d
 
-    def eps(self, module: nn.Module, dtype: torch.dtype) -> float:
-        """The module's epsilon (``nn.RMSNorm(eps=None)``: the input dtype's machine epsilon)."""
+    def eps(self, module: nn.Module) -> float | None:
+        """The module's epsilon (Llama's ``variance_epsilon``, torch's ``eps``)."""
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-        return torch.finfo(dtype).eps if eps is None else float(eps)
+        return None if eps is None else float(eps)
 
     def forward_rows(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        d = module.weight.numel()
-        xf = x.detach().float().reshape(x.shape[0], -1, d)
-        xh = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps(module, x.dtype))
-        # Llama multiplies the weight by x̂ cast back to the input dtype: its gradient sees that
-        return xh.to(x.dtype).float()
+        """The input ``[N, T, D]`` as it is: :meth:`normalised` makes ``x̂`` when needed."""
+        return x.detach().float().reshape(x.shape[0], -1, module.weight.numel())
+
+    def normalised(self, c: Rows, masked: bool = True) -> torch.Tensor:
+        """A fresh ``[N, T, D]`` ``x̂`` of the capture's input, in float32 (Llama casts it to
+        the input dtype before the product: a bfloat16 model's rows differ by that rounding);
+        ``masked``: masked positions zeroed."""
+        a = c._a
+        xh = a * torch.rsqrt(a.square().mean(-1, keepdim=True) + self.eps(c.module))
+        if masked and c._keep is not None:
+            xh.mul_(c._keep.unsqueeze(-1))
+        return xh
 
     def backward_rows(self, module: nn.Module, g: torch.Tensor) -> tuple[torch.Tensor, tuple]:
         g = g.detach().float()
