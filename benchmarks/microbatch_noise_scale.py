@@ -66,14 +66,18 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(1)
     print(f"\n{a.steps} steps at fixed weights, window = the whole run, seed {a.seed}\n")
-    print("| K x b | exact B_simple | per-sample: value [95% interval] | micro-batch: value "
-          "[95% interval] | width micro / per-sample |")  # fmt: skip
+    print(
+        "| K x b | exact B_simple | per-sample: value [95% interval] | micro-batch: value "
+        "[95% interval] | width micro / per-sample |"
+    )
     print("| --- | ---: | ---: | ---: | ---: |")
     for k, b in ((2, 8), (4, 8), (4, 32), (8, 32)):
         r = compare(k, b, a.steps, a.seed)
         (exact, _, _), (ps, pl, ph), (mb, ml, mh) = r["exact"], r["per-sample"], r["micro-batch"]
-        print(f"| {k} x {b} | {exact:.1f} | {ps:.1f} [{pl:.1f}, {ph:.1f}] | {mb:.1f} "
-              f"[{ml:.1f}, {mh:.1f}] | {(mh - ml) / (ph - pl):.2f} |")  # fmt: skip
+        print(
+            f"| {k} x {b} | {exact:.1f} | {ps:.1f} [{pl:.1f}, {ph:.1f}] | {mb:.1f} "
+            f"[{ml:.1f}, {mh:.1f}] | {(mh - ml) / (ph - pl):.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -330,9 +330,14 @@ def hf_variants(
         targs = transformers.TrainingArguments(
             output_dir=os.path.join(tmp, f"hf-{len(callback or ())}-{callback is None}"),
             max_steps=args.steps * 10**6,
-            per_device_train_batch_size=args.batch, logging_steps=10, report_to="none",
-            save_strategy="no", use_cpu=args.device == "cpu", disable_tqdm=True, seed=0,
-        )  # fmt: skip
+            per_device_train_batch_size=args.batch,
+            logging_steps=10,
+            report_to="none",
+            save_strategy="no",
+            use_cpu=args.device == "cpu",
+            disable_tqdm=True,
+            seed=0,
+        )
         cbs = [NNStatCallback(**callback)] if callback is not None else []
         data = Tokens(args.batch * args.steps)
 

@@ -176,7 +176,11 @@ class ModuleCapture:
 
     @property
     def indices(self) -> torch.Tensor:
-        """Embedding only: ``[N, T]`` indices, ``-1`` where the position has no gradient."""
+        """Embedding only: ``[N, T]`` indices, ``-1`` where the position has no gradient.
+
+        Raises:
+            AttributeError: the module is not an embedding.
+        """
         if not self.kind.tokens:
             raise AttributeError(f"{self.name}: indices exist only for embedding, not {self.kind}")
         return self._a
@@ -188,6 +192,9 @@ class ModuleCapture:
         ``[N, d_out, d_in(+1)]`` for outer-product kinds (bias = last column; embedding:
         ``[N, D, V]``; HF Conv1D: the transpose of its ``(nx, nf)`` weight), ``[N, D(+D)]`` for
         layernorm (weight then bias). Use :meth:`per_sample_grads_by_param` for parameter shapes.
+
+        Returns:
+            float32 ``[N, ...]``: each sample's gradient of its own loss (see the class).
         """
         return self.kind.per_sample_grad(self)
 
@@ -229,6 +236,35 @@ class ModuleCapture:
             return na.mul_(nb).square_()
         # unscaled output gradients; the mean-loss factor squared multiplies the [N] result
         return scaled(self.kind.sq_norm(self, self._b_raw), self._scale * self._scale)
+
+    def sq_norm_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
+        """``(tensors, values, c)`` with ``Σ_i ‖G_i‖² = c · (Σ_k ‖tensors[k]‖²_F + Σ values)``.
+
+        The batch's summed per-sample squared norms without the ``[N]`` per-sample values:
+        one-position rows give :meth:`sq_norm_factors`'s factors; positions over a sequence give
+        the two Grams' dot or the per-sample matrices, whichever takes fewer multiply-adds (see
+        :meth:`~nnstat.capture.kinds.Kind.sq_norm_parts`). ``c`` is the mean-loss factor
+        squared, left to the caller (a float on the host, not a kernel). :func:`sq_norm_sums`
+        does this for many captures, the one-position ones in fewer kernels.
+
+        Returns:
+            The tensors (norms to take), the 0-d values (to add) and the factor ``c``.
+
+        Example:
+            >>> import torch, nnstat
+            >>> m = torch.nn.Linear(3, 2); e = nnstat.CaptureEngine(); _ = e.watch(m); caps = []
+            >>> e.add_consumer(caps.append)
+            >>> with e.batch(): m(torch.randn(4, 5, 3)).sum().backward()
+            >>> ts, vs, c = caps[0].sq_norm_parts()
+            >>> total = c * (sum(t.square().sum() for t in ts) + sum(vs))
+            >>> bool(torch.isclose(total, caps[0].per_sample_sq_norm().sum()))
+            True
+        """
+        factors = self.sq_norm_factors()
+        if factors is not None:
+            return factors[0], [], factors[1]
+        tensors, values = self.kind.sq_norm_parts(self, self._b_raw)
+        return tensors, values, self._scale * self._scale
 
     def sq_norm_factors(self) -> tuple[list[torch.Tensor], float] | None:
         """``(tensors, c)`` with ``Σ_i ‖G_i‖² = c · Σ_k ‖tensors[k]‖²_F``, or None.
@@ -272,6 +308,29 @@ class ModuleCapture:
         shape ``[r, D]`` alone, returns ``[N, r]``. ``out`` (optional, float32, may be a column
         slice of a wider row buffer) receives the result and is returned: a caller that reuses
         its buffers never allocates the ``[N, r_out * r_in]`` result.
+
+        Args:
+            p_in: ``[r_in, d_in(+1)]`` input-side projection (layernorm: ``[r, D]``).
+            p_out: ``[r_out, d_out]`` output-side projection; ``None`` for layernorm only.
+            out: float32 ``[N, r_out * r_in]`` buffer (or column slice) to write into.
+
+        Returns:
+            The ``[N, r_out * r_in]`` projected rows (``out`` when given).
+
+        Raises:
+            ValueError: a projection of the wrong shape, ``p_out`` missing for an
+                outer-product kind or given for layernorm, or ``out`` of the wrong shape; the
+                message names the module.
+
+        Example:
+            >>> import torch, nnstat
+            >>> m = torch.nn.Linear(3, 2); e = nnstat.CaptureEngine(); _ = e.watch(m); caps = []
+            >>> e.add_consumer(caps.append)
+            >>> with e.batch(): m(torch.randn(4, 3)).sum().backward()
+            >>> p_in, p_out = torch.randn(2, 4), torch.randn(2, 2)
+            >>> ref = torch.einsum("ro,nod,sd->nrs", p_out, caps[0].per_sample_grad(), p_in)
+            >>> torch.allclose(caps[0].project(p_in, p_out), ref.reshape(4, -1), atol=1e-5)
+            True
         """
         if not self.is_kronecker:
             if p_out is not None:
@@ -311,6 +370,16 @@ class ModuleCapture:
 
         ``project(p_in, p_out)[i]`` equals ``vec(outer(bp[i], ap[i]))`` bit for bit: a caller
         may form the rows later (the gradient store does, in its writer thread).
+
+        Args:
+            p_in: ``[r_in, d_in(+1)]`` input-side projection.
+            p_out: ``[r_out, d_out]`` output-side projection.
+
+        Returns:
+            ``(bp, ap)``, or ``None`` for several positions per sample or a non-dense kind.
+
+        Raises:
+            ValueError: a projection of the wrong shape (the message names the module).
         """
         if not self._is_plain_row():
             return None
@@ -341,7 +410,11 @@ class ModuleCapture:
     # ------------------------------------------------------------ sums for statistics
     def forward_gram(self, proj: torch.Tensor | None = None) -> torch.Tensor:
         """``Σ_{n,t} a aᵀ`` over unmasked positions, ``[d_in(+1), d_in(+1)]``; with ``proj``
-        (``P`` ``[r, d_in(+1)]``) that of the projected inputs, ``Σ (P a)(P a)ᵀ`` ``[r, r]``."""
+        (``P`` ``[r, d_in(+1)]``) that of the projected inputs, ``Σ (P a)(P a)ᵀ`` ``[r, r]``.
+
+        Raises:
+            ValueError: ``proj`` of the wrong shape (the message names the module).
+        """
         if proj is not None:
             ap = self._projected_forward(proj)
             return ap.T @ ap
@@ -349,7 +422,11 @@ class ModuleCapture:
 
     def backward_gram(self, proj: torch.Tensor | None = None) -> torch.Tensor:
         """``Σ_{n,t} b bᵀ``, ``[d_out, d_out]``; with ``proj`` (``P`` ``[r, d_out]``)
-        ``Σ (P b)(P b)ᵀ`` ``[r, r]`` without the ``d_out × d_out`` matrix."""
+        ``Σ (P b)(P b)ᵀ`` ``[r, r]`` without the ``d_out × d_out`` matrix.
+
+        Raises:
+            ValueError: ``proj`` of the wrong shape (the message names the module).
+        """
         b = self._b_raw.reshape(-1, self._b_raw.shape[-1])
         if proj is not None:
             _check_proj(self.name, "projection", proj, self.d_out)

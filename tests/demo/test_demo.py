@@ -101,10 +101,15 @@ def test_rerun_keeps_foreign_files_and_refuses_foreign_folders(tmp_path):
 
 def _history(values: list[float], lows: list[float], highs: list[float]) -> list[dict]:
     return [
-        {"step": 10 * i, "noise_scale/b_simple": v, "noise_scale/low": lo,
-         "noise_scale/high": hi, "train/loss": 2.0 / (i + 1)}
+        {
+            "step": 10 * i,
+            "noise_scale/b_simple": v,
+            "noise_scale/low": lo,
+            "noise_scale/high": hi,
+            "train/loss": 2.0 / (i + 1),
+        }
         for i, (v, lo, hi) in enumerate(zip(values, lows, highs, strict=True))
-    ]  # fmt: skip
+    ]
 
 
 def test_noise_stages_split_training_in_thirds():
