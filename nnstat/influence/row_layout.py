@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nnstat.capture.kinds import REGISTRY
+from nnstat.store.factored import dense_modules, is_factored
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,8 @@ def validate_layout(layout: Sequence[ModuleSpec], width: int) -> None:
 
 
 def layout_from_meta(meta: Mapping[str, Any]) -> list[ModuleSpec]:
-    """Build the layout from a store's ``meta.json`` ``modules`` list.
+    """Build the layout from a store's ``meta.json`` ``modules`` list (of the dense rows: a
+    factored module is ``r_out * r_in`` wide, see :func:`~nnstat.store.factored.densify`).
 
     Example:
         >>> layout_from_meta({"modules": [{"name": "fc", "kind": "linear", "offset": 0,
@@ -95,6 +97,9 @@ def layout_from_meta(meta: Mapping[str, Any]) -> list[ModuleSpec]:
     modules = meta.get("modules")
     if not modules:
         raise ValueError("meta has no 'modules' list: cannot tell where each module's columns are")
+    # a store of factored rows is read as dense rows (sources densify each block): its
+    # modules as those rows lay them out
+    modules = dense_modules(modules) if is_factored(meta) else modules
     out = []
     for m in modules:
         missing = [k for k in ("name", "offset", "width") if k not in m]

@@ -45,6 +45,7 @@ from nnstat.run.rows import (
 from nnstat.run.signals import CommitOnSignal
 from nnstat.run.weights import BlockGuard, Models, enclosing, model_fingerprint
 from nnstat.store.errors import StoreWriteError
+from nnstat.store.factored import EnergyTally
 from nnstat.store.files import META_FILE
 from nnstat.store.ids import duplicate_ids, normalize_ids
 from nnstat.store.logger import StoreLogger, filter_nonfinite
@@ -417,6 +418,7 @@ class Run(PassEnd):
         self._eval_ids, self._eval_rows, self._eval_seen = [], [], set()
         self._next_auto_id = 0
         self._eval_params, self._eval_model, self._probe_reduction = None, None, True
+        self._rows.energy = EnergyTally()  # queries' energy is not recorded anywhere
         return log
 
     def build_log_dataloader(self, batch_size: int = 1024, num_workers: int = 0) -> Any:
@@ -504,7 +506,7 @@ class Run(PassEnd):
         if args["init"] == "pca" and args["rank"] is not None:
             stats = store_io.finalized_statistics(self._stats_state, self.path)
         self._projections = build_projections(
-            specs, args["rank"], args["init"], args["seed"], stats
+            specs, args["rank"], args["init"], args["seed"], stats, self.config.factors
         )
 
     def _open_logger(self) -> None:

@@ -27,8 +27,14 @@ import torch
 
 from nnstat.capture.capture import modules_by_size
 from nnstat.store import outer
+from nnstat.store.factored import EnergyTally, factor_rows
 from nnstat.store.ids import content_ids
-from nnstat.store.projection import ModuleProjection, project_capture, row_factors
+from nnstat.store.projection import (
+    ModuleProjection,
+    project_capture,
+    projected_factors,
+    row_factors,
+)
 
 
 def on_accelerator(device: torch.device) -> bool:
@@ -75,6 +81,8 @@ class BatchRows:
         self._outer: list[outer.OuterFactors] = []
         self._all_outer = True
         self._sizes: dict[str, int] = {}  # module -> samples it saw in this block
+        # captured energy of factored modules over the pass (the Run records it in meta.json)
+        self.energy = EnergyTally()
 
     @property
     def open(self) -> bool:
@@ -115,9 +123,12 @@ class BatchRows:
         assert self._rows is not None
         proj = self._projections[cap.name]
         prev = self._rows.get(cap.name)
+        factored = None
+        if proj.factors and cap.num_samples:
+            factored = self._factored(cap, proj, prev)
         if cap.num_samples and (self._stage is not None or on_accelerator(cap.device)):
             self._check_size(cap.name, cap.num_samples)
-            self._add_staged(cap, proj, prev)
+            self._add_staged(cap, proj, prev, factored)
             return
         if cap.num_samples == 0:  # an empty batch (a filtered last batch): nothing to project
             if prev is None:
@@ -132,9 +143,12 @@ class BatchRows:
             # dtype and device read without building the rows (a tied capture's are GBs)
             here = cap.device == buf.device
             factors = None
-            if cap.dtype == torch.float32 and here and len(buf):
+            if cap.dtype == torch.float32 and here and len(buf) and factored is None:
                 factors = row_factors(cap, proj)
-            if factors is not None:
+            if factored is not None:
+                self._all_outer = False
+                out.copy_(factored)
+            elif factors is not None:
                 self._outer.append(outer.OuterFactors(self.columns[cap.name], *factors))
             elif here:
                 self._all_outer = False
@@ -148,12 +162,33 @@ class BatchRows:
             assert self._buffer is not None
             outer.fill(self._buffer, self._outer)
             self._outer, self._all_outer = [], False
-        rows = project_capture(cap, proj).float()
+        rows = project_capture(cap, proj).float() if factored is None else factored
         self._rows[cap.name] = rows if prev is None else prev.add_(rows)
 
-    def _add_staged(self, cap: Any, proj: ModuleProjection, prev: torch.Tensor | None) -> None:
+    def _factored(self, cap: Any, proj: ModuleProjection, prev: Any) -> torch.Tensor:
+        """The factored rows of a module stored as factors (:mod:`nnstat.store.factored`),
+        computed on the capture's device; their energy is tallied."""
+        if prev is not None:
+            raise ValueError(
+                f"module {cap.name!r} is stored as factors (factors={proj.factors}), and a "
+                "second backward in one run(...) block would add two factored gradients, which "
+                "is not a sum of their factors: call backward once per block, or log dense "
+                "rows (factors=None)"
+            )
+        assert proj.factors is not None
+        rows, energy = factor_rows(*projected_factors(cap, proj), proj.factors)
+        self.energy.add(cap.name, energy)
+        return rows
+
+    def _add_staged(
+        self,
+        cap: Any,
+        proj: ModuleProjection,
+        prev: torch.Tensor | None,
+        factored: torch.Tensor | None = None,
+    ) -> None:
         """Project into this module's columns of the device staging buffer (a second backward
-        adds to them); no host transfer."""
+        adds to them); no host transfer. ``factored``: the module's rows, already made."""
         if self._stage is None:
             self._layout()
             width = sum(p.width for p in self._projections.values())
@@ -162,7 +197,9 @@ class BatchRows:
             )
         out = self._stage[:, self.columns[cap.name]]
         same = cap.device == out.device
-        if prev is not None:
+        if factored is not None:
+            out.copy_(factored)
+        elif prev is not None:
             out.add_(project_capture(cap, proj).to(out.device))
         elif same:
             project_capture(cap, proj, out=out)
