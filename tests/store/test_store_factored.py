@@ -243,3 +243,19 @@ def test_bad_factors_are_refused(bad):
 def test_factors_need_a_projection_rank():
     with pytest.raises(ValueError, match=r"factors=4 .* rank is None .* rank=64, factors=8"):
         nnstat.RunConfig(factors=4)
+
+
+def test_the_device_staging_path_stores_the_same_factored_rows(tmp_path, monkeypatch):
+    from nnstat.run import rows as run_rows
+
+    x, xq = _data(N, 5), _data(2, 5, seed=2)
+    host, _ = _log(tmp_path, "host", x, xq, factors=2)
+    # the accelerator branch (one staging buffer per block, one copy), run on the CPU
+    monkeypatch.setattr(run_rows, "on_accelerator", lambda device: True)
+    staged, _ = _log(tmp_path, "staged", x, xq, factors=2)
+    a, b = GradientStore(host), GradientStore(staged)
+    assert torch.equal(a.rows(0, N), b.rows(0, N))
+    assert (
+        read_json(host / "meta.json")["factor_energy"]
+        == read_json(staged / "meta.json")["factor_energy"]
+    )
