@@ -259,3 +259,31 @@ def test_the_device_staging_path_stores_the_same_factored_rows(tmp_path, monkeyp
         read_json(host / "meta.json")["factor_energy"]
         == read_json(staged / "meta.json")["factor_energy"]
     )
+
+
+@pytest.mark.parametrize("kind", ["embedding", "conv"])
+def test_other_kronecker_kinds_store_exact_factors(tmp_path, kind):
+    torch.manual_seed(0)
+    if kind == "embedding":  # [B, T] tokens: T = 3 positions per sample
+        model = nn.Sequential(nn.Embedding(30, 12), nn.Linear(12, 10))
+        x = torch.randint(0, 30, (N, 3))
+    else:  # a 1x1 convolution over 3 pixels
+        model = nn.Sequential(nn.Conv2d(12, 10, 1), nn.Flatten(), nn.Linear(30, 9))
+        x = torch.randn(N, 12, 3, 1)
+    paths = {}
+    for name, factors in (("f", 3), ("d", None)):
+        run = nnstat.init(project=f"{kind}_{name}", root_dir=tmp_path)
+        nnstat.setup({"save": "grad", "rank": 8, "factors": factors})
+        nnstat.watch(model)
+        for s in range(0, N, BATCH):
+            with run(data_id=list(range(s, s + BATCH))):
+                model(x[s : s + BATCH]).square().sum().backward()
+            model.zero_grad()
+        nnstat.finalize()
+        nnstat.unwatch()
+        paths[name] = tmp_path / f"{kind}_{name}"
+    f, d = GradientStore(paths["f"]), GradientStore(paths["d"])
+    assert f.meta["modules"][0]["factors"] == 3
+    torch.testing.assert_close(
+        _dense64(f.rows(0, N), f.meta["modules"]), d.rows(0, N).double(), rtol=1e-5, atol=1e-5
+    )
