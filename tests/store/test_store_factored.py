@@ -287,3 +287,57 @@ def test_other_kronecker_kinds_store_exact_factors(tmp_path, kind):
     torch.testing.assert_close(
         _dense64(f.rows(0, N), f.meta["modules"]), d.rows(0, N).double(), rtol=1e-5, atol=1e-5
     )
+
+
+def _mlp_store(root, project, factors):
+    """A one-position MLP (exact factors), K-FAC statistics, and what refinement needs."""
+    torch.manual_seed(0)
+    X, Y = torch.randn(N, D_IN), torch.randint(0, 5, (N,))
+    Xq, Yq = torch.randn(3, D_IN), torch.randint(0, 5, (3,))
+    model = nn.Sequential(nn.Linear(D_IN, 16), nn.Tanh(), nn.Linear(16, 5))
+
+    def loss_fn(x, y):
+        return nn.functional.cross_entropy(model(x), y, reduction="sum")
+
+    run = nnstat.init(project=project, root_dir=root)
+    nnstat.setup({"log": "grad", "save": "grad", "statistic": "kfac", "rank": 8,
+                  "factors": factors})  # fmt: skip
+    nnstat.watch(model)
+    for s in range(0, N, BATCH):
+        with run(data_id=list(range(s, s + BATCH))):
+            loss_fn(X[s : s + BATCH], Y[s : s + BATCH]).backward()
+        model.zero_grad()
+    nnstat.finalize()
+    nnstat.eval()
+    with run(data_id=[f"q{i}" for i in range(3)]):
+        loss_fn(Xq, Yq).backward()
+    model.zero_grad()
+    log = nnstat.get_log()
+    nnstat.unwatch()
+    return root / project, log, model, (X, Y), (Xq, Yq)
+
+
+def test_refinement_and_the_viewer_read_a_factored_store_as_the_dense_one(tmp_path):
+    from nnstat.influence import Refinement
+    from nnstat.viewer import save_queries
+    from nnstat.viewer.explorer import Explorer
+
+    got = {}
+    for name, factors in (("f", 1), ("d", None)):
+        path, log, model, train, query = _mlp_store(tmp_path / name, "p", factors)
+        refine = Refinement(model, nn.functional.cross_entropy, train, query_data=query,
+                            steps=2, curvature="ggn", progress=False)  # fmt: skip
+        refined = compute_influence_all(log, path, refine=refine, progress=False)
+        save_queries(log, path, name="q")
+        lists = Explorer(tmp_path / name).influence("p", "q", 1, k=5, mode="relatif")
+        got[name] = (refined.scores, lists, GradientStore(path).meta["modules"])
+    assert got["f"][2][0]["factors"] == 1 and "factors" not in got["d"][2][0]
+    torch.testing.assert_close(got["f"][0], got["d"][0], rtol=1e-4, atol=1e-4)
+    f_lists, d_lists = got["f"][1], got["d"][1]
+    assert [e["id"] for e in f_lists["helpful"]] == [e["id"] for e in d_lists["helpful"]]
+    torch.testing.assert_close(
+        torch.tensor([e["score"] for e in f_lists["helpful"]]),
+        torch.tensor([e["score"] for e in d_lists["helpful"]]),
+        rtol=1e-4,
+        atol=1e-5,
+    )
