@@ -402,8 +402,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 continue
             bb = np.geomspace(min(task["batch_sizes"]) / 2, max(task["batch_sizes"]) * 2, 200)
             s_fit = fit["s_min"] + fit["e_min"] / bb
-            ax.plot(bb * s_fit, s_fit, color=color, lw=1.2,
-                    label=f"loss {fit['target']}: B_crit {fit['b_crit']:.3g}")  # fmt: skip
+            ax.plot(
+                bb * s_fit,
+                s_fit,
+                color=color,
+                lw=1.2,
+                label=f"loss {fit['target']}: B_crit {fit['b_crit']:.3g}",
+            )
             ax.scatter([2 * fit["e_min"]], [2 * fit["s_min"]], marker="x", color=color, s=40)
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -412,8 +417,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_title(task["name"], fontsize=10)
         if any("error" not in f for f in task["fits"]):
             ax.legend(fontsize=7)
-    fig.suptitle("Steps vs examples to a target loss; fitted (S/S_min−1)(E/E_min−1)=1, × at B_crit",
-                 fontsize=9)  # fmt: skip
+    fig.suptitle(
+        "Steps vs examples to a target loss; fitted (S/S_min−1)(E/E_min−1)=1, × at B_crit",
+        fontsize=9,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

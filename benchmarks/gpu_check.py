@@ -5,38 +5,48 @@ nnstat INSTALLED (a wheel: the source tree lacks the ``nnstat.integrations`` map
 installing makes) and the peers' wheels carried (``../shared/tools/gpu_wheels.sh`` fetches them):
 
     # here: python -m pip wheel -q --no-deps -w .whl .
-    python3 -m pip install -q --no-index --no-deps --no-compile --ignore-requires-python \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site WANDB_MODE=offline
-    python3 benchmarks/gpu_check.py --out "$OUT" [--budget 540]
+    python3 benchmarks/gpu_check.py --wheels .whl --out "$OUT"      # [--budget 480]
 
-It runs, each part in its own process with its own time cap (a part that runs out of time is
-killed and reported; the next still runs), and writes ``gpu_check.md`` (the summary table and
-every part's tables) and ``gpu_check.log`` (every part's full output) under ``--out`` after
-each part, so a call cut short still returns what finished:
+``--wheels DIR`` installs every ``DIR/*.whl`` (no network, no dependencies) into ``DIR/site``
+and puts it first on every part's ``PYTHONPATH``. The whole check fits ``--budget`` (480 s by
+default, the install included): the caps below sum to 390 s, which leaves 90 s for one more
+part. Each part runs in its own process group with its own cap (a part that runs out of time is
+killed with its children and reported; the next still runs); time an earlier part leaves unused
+goes to the later ones. ``gpu_check.md`` (the summary table and every part's tables) and
+``gpu_check.log`` (every part's full output) are written under ``--out`` after each part, so a
+call cut short still returns what finished:
 
-1. ``cuda``: ``pytest tests/test_cuda.py`` (the step paths' synchronisation counts are
-   checked inside those tests with ``torch.cuda.set_sync_debug_mode``) and the statistics
-   kernels' tests (``tests/describe``: the fused Triton row kernels compiled for the device);
-2. ``syncs``: a training step with a default and one with an all-statistics + histograms
-   ``Tracker.step()``, a ``NoiseScale`` step and the backward of a logged batch on GPT-2 small
-   under ``torch.cuda.set_sync_debug_mode("error")``: any synchronising call in them fails the
-   part, and the frame of nnstat that made it is printed;
-   ``profile``: where a Tracker step's time goes (host ms of ``step()``/``flush()``, the
-   device ms of its kernels beside the training step's, its top kernels); ``profile_logging``:
-   the same for a logged batch (rank 64, every module) beside the plain pass;
-3. ``stats``, ``logging``, ``hf``: ``benchmarks/scale.py --device cuda`` on GPT-2 small
-   (batch 8 x 512, AdamW), with wandb.watch and LogIX side by side when importable (skipped
-   with a note otherwise);
-4. ``noise``: the streaming ``NoiseScale`` and ``describe_layers()`` on GPT-2 small, ms per step
-   next to a plain step measured in the same process;
-5. ``scoring``: ``benchmarks/scoring_throughput.py --device cuda`` (throughput against the
-   device's own matmul rate);
-6. ``refine``: ``benchmarks/scale_influence.py --device cuda --refine-steps 5`` (GPT-2 small,
-   time, peak memory, products);
-7. ``suite``: the whole test suite (``pytest -n <cores>``), last, since it only needs to pass.
+1. ``cuda`` (55 s): ``tests/test_cuda.py`` (the step paths' synchronisation counts are checked
+   inside those tests with ``torch.cuda.set_sync_debug_mode``), the statistics kernels' tests
+   (``tests/describe``: the fused Triton row kernels compiled for the device), scoring and
+   refinement on the device: every test file that uses the GPU (``CUDA_FILES``), one pytest
+   process per file;
+2. ``syncs`` (35 s): a training step with a default and one with an all-statistics +
+   histograms ``Tracker.step()``, a ``NoiseScale`` step and the backward of a logged batch on
+   GPT-2 small under ``torch.cuda.set_sync_debug_mode("error")``: any synchronising call in
+   them fails the part, and the frame of nnstat that made it is printed;
+3. ``profile`` (40 s): where a Tracker step's time goes (host ms of ``step()``/``flush()``, the
+   device ms of its kernels beside the training step's, its top kernels), then the same for a
+   logged batch (rank 64, every module) beside the plain pass;
+4. ``stats`` (45 s), ``logging`` (45 s), ``hf`` (30 s): ``benchmarks/scale.py --device cuda``
+   on GPT-2 small (batch 8 x 512, AdamW), with wandb.watch side by side when importable
+   (skipped with a note otherwise); logging measures every module (``--loggers
+   every-module``: the like-for-like rows against LogIX are ``scale.py --parts logging``);
+5. ``noise`` (25 s): the streaming ``NoiseScale`` and ``describe_layers()`` on GPT-2 small, ms
+   per step next to a plain step measured in the same process;
+6. ``scoring`` (20 s): ``benchmarks/scoring_throughput.py --device cuda`` (100,000 rows;
+   throughput against the device's own matmul rate);
+7. ``refine`` (35 s): ``benchmarks/scale_influence.py --device cuda --refine-steps 5`` (GPT-2
+   small, time, peak memory, products);
+8. ``suite`` (60 s, or what the budget has left): every other test file (CPU only), in
+   parallel pytest processes with one torch thread each (``benchmarks/_suite_shards.py``: no
+   pytest-xdist needed), last, since it only needs to pass. Each process logs one line per
+   test as it ends (``--out/suite-logs``), so a suite cut at its cap still names its failures
+   and the files that did not finish; the slowest tests are listed under ``## suite``.
 
-``--parts`` picks a subset (comma list); ``--quick`` shrinks every part (a smoke run). Without
-CUDA the script says so and exits 2. Not a test: CI has no GPU.
+``--parts`` picks a subset (comma list); ``--quick`` shrinks every part (a smoke run;
+``NNSTAT_GPU_CHECK_DEVICE=cpu`` runs it on the CPU). Without CUDA the script says so and exits
+2. Not a test: CI has no GPU (tests/test_gpu_check.py checks the plan and the suite's runner).
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ import argparse
 import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -101,96 +112,119 @@ def tables_of(out: str) -> str:
     return "\n".join(keep)
 
 
-def pytest_summary(out: str) -> str:
-    found = re.findall(r"^=*\s*(\d+ (?:passed|failed|errors?|skipped).*?)\s*=*$", out, re.M)
-    fails = sorted(set(re.findall(r"(?:FAILED|ERROR) (tests/\S+)", out)))
-    text = found[-1] if found else "no pytest summary"
-    return text + ("; " + ", ".join(fails[:12]) if fails else "")
+# the test files the `cuda` part runs (the suite leaves them out when both run)
+CUDA_FILES = [
+    "tests/test_cuda.py",
+    # the fused row kernels compiled for the GPU (on CI they run interpreted)
+    "tests/describe/test_triton_rows.py",
+    "tests/describe/test_segments.py",
+    "tests/influence/test_scoring_device.py",
+    "tests/influence/test_refine_device.py",
+]
+# seconds for the whole check (the caps of `parts` sum to at most this: one device call with
+# time to run it again)
+BUDGET = 480.0
 
 
 def parts(args: argparse.Namespace) -> list[Part]:
+    """The parts, in order, with their caps (seconds; they sum to at most `BUDGET`)."""
     q = args.quick
     scale = [PY, "benchmarks/scale.py", "--device", DEV, "--layers", "2" if q else "12"]
     scale += ["--batch", "8", "--seq", "128" if q else "512", "--rounds", "1" if q else "2"]
     # blocks of 8 steps: the block's closing flush (once per run in training) is amortised
     scale += ["--steps", "1" if q else "8"]
-    cores = str(max(2, min(12, (os.cpu_count() or 4) - 2)))
+    quick = ["--quick"] if q else []
     return [
-        Part(
-            "cuda",
-            PYTEST  # the installed nnstat: the callbacks' test imports nnstat.integrations
-            + [
-                "tests/test_cuda.py",
-                # the fused row kernels compiled for the GPU (on CI they run interpreted)
-                "tests/describe/test_triton_rows.py",
-                "tests/describe/test_segments.py",
-            ],
-            150,
-            pytest_summary,
-        ),
-        Part("syncs", [PY, __file__, "--inline", "syncs"] + (["--quick"] if q else []), 90),
-        Part("profile", [PY, __file__, "--inline", "profile"] + (["--quick"] if q else []), 75),
-        Part(
-            "profile_logging",
-            [PY, __file__, "--inline", "profile_logging"] + (["--quick"] if q else []),
-            75,
-        ),
-        Part("stats", scale + ["--parts", "stats"], 150),
-        Part("logging", scale + ["--parts", "logging"], 240),
-        Part("hf", scale + ["--parts", "hf"], 90),
-        Part("noise", [PY, __file__, "--inline", "noise"] + (["--quick"] if q else []), 60),
+        # the installed nnstat: the callbacks' test imports nnstat.integrations
+        Part("cuda", ["suite", *CUDA_FILES], 55),
+        Part("syncs", [PY, __file__, "--inline", "syncs"] + quick, 35),
+        # a Tracker step's and a logged batch's device time, one process (one CUDA start-up)
+        Part("profile", [PY, __file__, "--inline", "profile"] + quick, 40),
+        Part("stats", scale + ["--parts", "stats"], 45),
+        # the row the targets need; the like-for-like rows: scale.py --parts logging
+        Part("logging", scale + ["--parts", "logging", "--loggers", "every-module"], 45),
+        Part("hf", scale + ["--parts", "hf"], 30),
+        Part("noise", [PY, __file__, "--inline", "noise"] + quick, 25),
         Part(
             "scoring",
             [PY, "benchmarks/scoring_throughput.py", "--device", DEV]
-            + (["--rows", "20000", "--repeat", "2"] if q else []),
-            60,
+            + (
+                ["--rows", "20000", "--repeat", "2"] if q else ["--rows", "100000", "--repeat", "3"]
+            ),
+            20,
         ),
         Part(
             "refine",
             [PY, "benchmarks/scale_influence.py", "--device", DEV, "--refine-steps", "5"]
-            + (["--quick"] if q else ["--n", "1024", "--queries", "32", "--seq", "128"]),
-            150,
+            + (["--quick"] if q else ["--n", "512", "--queries", "16", "--seq", "128"]),
+            35,
         ),
-        Part(
-            "suite",
-            # xdist when the image has it (the GPU image may not: then one process); -v streams
-            # each result as it ends, so a run cut at its cap still names its failures
-            PYTEST + (["-n", cores, "-v"] if _has("xdist") else []) + ["tests"],
-            240,
-            pytest_summary,
-        ),
+        # last: it only needs to pass, and it may use what the budget has left
+        Part("suite", ["suite"], 60),
     ]
 
 
-def _has(module: str) -> bool:
-    import importlib.util
+def cores() -> int:
+    """Parallel pytest processes: the cores less two (the GPU parts' own processes)."""
+    return max(2, min(14, (os.cpu_count() or 4) - 2))
 
-    return importlib.util.find_spec(module) is not None
+
+def run_suite(part: Part, cap: float, log, out: Path, skip: set[str]) -> tuple[str, str, str]:
+    """A test part through `_suite_shards` (parallel pytest processes, no xdist needed):
+    the part's listed files, or every test file but `skip`. Returns (status, summary, the
+    table of the slowest tests)."""
+    from _suite_shards import run, test_files
+
+    files = part.argv[1:] or test_files(ROOT, exclude=skip)
+    workers = min(cores(), len(files))
+
+    def progress(line: str) -> None:
+        log.write(line + "\n")
+        log.flush()
+
+    pytest = PYTEST + ["--durations=8"]  # each shard's slowest: where the next cut comes from
+    res = run(pytest, files, workers, cap, out / f"{part.name}-logs", ROOT, progress)
+    status = "ok" if res.ok() else "FAILED"
+    if res.unfinished:
+        status = f"TIMEOUT after {cap:.0f} s"
+    slow = [f"| {what} | {sec:.1f} |" for sec, what in res.slowest[:12]]
+    table = "\n".join([f"### slowest tests ({workers} processes)", "", "| test | s |"])
+    return status, res.summary(), "\n".join([table, "| --- | ---: |", *slow]) if slow else ""
 
 
-def run_part(part: Part, remaining: float, log) -> Outcome:
-    cap = min(part.cap, remaining)
+def run_part(
+    part: Part, cap: float, log, folder: Path, skip: frozenset[str] = frozenset()
+) -> Outcome:
     if cap < 15:
         return Outcome(part.name, "skipped (no time left)", 0.0, "", "")
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline", WANDB_SILENT="true")
     t0 = time.perf_counter()
     log.write(f"\n\n===== {part.name}: {' '.join(part.argv)} (cap {cap:.0f} s)\n")
     log.flush()
+    if part.argv[0] == "suite":
+        os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true")
+        status, summary, slowest = run_suite(part, cap, log, folder, set(skip))
+        return Outcome(part.name, status, time.perf_counter() - t0, summary, slowest)
+    # its own process group: a part cut at its cap takes its children with it (scale.py
+    # runs each logger in a child that would otherwise keep the GPU busy for the next part)
+    proc = subprocess.Popen(
+        part.argv,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        proc = subprocess.run(
-            part.argv,
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=cap,
-        )
-        out, status = proc.stdout + proc.stderr, "ok" if proc.returncode == 0 else "FAILED"
-        if proc.returncode not in (0, 1) and status == "FAILED":
+        out, _ = proc.communicate(timeout=cap)
+        status = "ok" if proc.returncode == 0 else "FAILED"
+        if proc.returncode not in (0, 1):
             status = f"FAILED (exit {proc.returncode})"
-    except subprocess.TimeoutExpired as e:
-        raw = (e.stdout or b"") + (e.stderr or b"")
-        out = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
         status = f"TIMEOUT after {cap:.0f} s"
     seconds = time.perf_counter() - t0
     log.write(out)
@@ -543,12 +577,37 @@ def inline_profile_logging(quick: bool) -> None:
         print(f"| {key[:70]} | {ms:.3f} | {n} |")
 
 
+def install_wheels(folder: Path, log) -> None:
+    """Installs every wheel in `folder` (nnstat's own, the peers' and pytest's where the
+    image lacks them) into ``folder/site`` without network, first on every part's path."""
+    wheels = sorted(folder.glob("*.whl"))
+    if not wheels:
+        raise SystemExit(f"gpu_check: --wheels {folder}: no .whl files there")
+    site = folder.resolve() / "site"
+    cmd = [PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
+    cmd += ["--ignore-requires-python", "--upgrade", "--target", str(site), *map(str, wheels)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    log.write(f"===== wheels: {' '.join(cmd)}\n{done.stdout}{done.stderr}")
+    if done.returncode:
+        raise SystemExit(f"gpu_check: installing {folder}/*.whl failed: {done.stderr[-500:]}")
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(site) + (os.pathsep + path if path else "")
+
+
+def caps(todo: list[Part], remaining: float, i: int) -> float:
+    """Part `i`'s time: its cap, or more where earlier parts left time that the later parts'
+    caps do not need; never more than the budget has left."""
+    later = sum(p.cap for p in todo[i + 1 :])
+    return min(remaining, max(todo[i].cap, remaining - later))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="gpu_check_out", help="folder for gpu_check.md/.log")
-    ap.add_argument("--budget", type=float, default=540.0, help="seconds for all parts")
+    ap.add_argument("--budget", type=float, default=BUDGET, help="seconds for all parts")
     ap.add_argument("--parts", default=None, help="comma list (default: all)")
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    ap.add_argument("--wheels", type=Path, default=None, help="install DIR/*.whl first")
     ap.add_argument("--inline", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     import torch
@@ -557,7 +616,7 @@ def main() -> None:
         inline = {
             "syncs": inline_syncs,
             "noise": inline_noise,
-            "profile": inline_profile,
+            "profile": lambda q: (inline_profile(q), print(), inline_profile_logging(q)),
             "profile_logging": inline_profile_logging,
         }
         inline[args.inline](args.quick)
@@ -565,6 +624,7 @@ def main() -> None:
     if DEV == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; nothing to check (CI never runs this).")
         raise SystemExit(2)
+    start = time.perf_counter()  # the budget covers the wheels' install too
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     header = device_header()
@@ -577,12 +637,15 @@ def main() -> None:
             ap.error(f"unknown parts {sorted(unknown)}; choose from {[p.name for p in todo]}")
         by_name = {p.name: p for p in todo}
         todo = [by_name[name] for name in wanted]  # in the order asked: the budget runs out last
-    start = time.perf_counter()
+    # the suite leaves out the files a test part of this run has already run
+    ran = frozenset(f for p in todo if p.argv[:1] == ["suite"] for f in p.argv[1:])
     outcomes: list[Outcome] = []
     with open(out / "gpu_check.log", "w") as log:
-        for part in todo:
-            remaining = args.budget - (time.perf_counter() - start)
-            o = run_part(part, remaining, log)
+        if args.wheels:
+            install_wheels(args.wheels, log)
+        for i, part in enumerate(todo):
+            cap = caps(todo, args.budget - (time.perf_counter() - start), i)
+            o = run_part(part, cap, log, out, ran)
             outcomes.append(o)
             print(f"{o.name}: {o.status} in {o.seconds:.0f} s {o.summary}", flush=True)
             write_report(out / "gpu_check.md", header, outcomes)

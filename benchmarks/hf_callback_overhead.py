@@ -91,16 +91,30 @@ KINDS = {  # row label -> NNStatCallback options (None: no nnstat callback)
 def run(kind: str, steps: int, out: str) -> tuple[float, float, float]:
     """(wall s, CPU s, s inside the callback's methods) of one training loop."""
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=512, n_positions=64, n_embd=128, n_layer=4, n_head=4,
-                                  bos_token_id=0, eos_token_id=0)  # fmt: skip
+    cfg = transformers.GPT2Config(
+        vocab_size=512,
+        n_positions=64,
+        n_embd=128,
+        n_layer=4,
+        n_head=4,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     _TimedNNStat.seconds = 0.0
     model = transformers.GPT2LMHeadModel(cfg)
     report = "wandb" if kind == "wandb.watch" else "none"
     os.environ["WANDB_WATCH"] = "all" if kind == "wandb.watch" else "false"
     args = transformers.TrainingArguments(
-        output_dir=out, max_steps=steps, per_device_train_batch_size=16, logging_steps=10,
-        report_to=report, save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
-    )  # fmt: skip
+        output_dir=out,
+        max_steps=steps,
+        per_device_train_batch_size=16,
+        logging_steps=10,
+        report_to=report,
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
     timer = _Timer()
     callbacks: list = [timer]
     if KINDS[kind] is not None:
@@ -137,11 +151,15 @@ def main() -> None:
                 cpu[k].append(used)
                 inside[k].append(own)
     med = statistics.median
-    print(f"\n{a.steps} steps, GPT-2 4x128, batch 16x64 tokens, logging_steps=10, "
-          f"{torch.get_num_threads()} torch threads, median of {a.repeats}, load average "
-          f"{os.getloadavg()[0]:.1f}\n")  # fmt: skip
-    print("| training loop | wall s | wall / plain, per repeat | CPU s | CPU / plain, per repeat "
-          "| in nnstat's callback methods |")  # fmt: skip
+    print(
+        f"\n{a.steps} steps, GPT-2 4x128, batch 16x64 tokens, logging_steps=10, "
+        f"{torch.get_num_threads()} torch threads, median of {a.repeats}, load average "
+        f"{os.getloadavg()[0]:.1f}\n"
+    )
+    print(
+        "| training loop | wall s | wall / plain, per repeat | CPU s | CPU / plain, per repeat "
+        "| in nnstat's callback methods |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for k in kinds:
         rw = med(x / b for x, b in zip(wall[k], wall["plain"], strict=True))

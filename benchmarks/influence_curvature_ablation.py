@@ -255,8 +255,11 @@ def main() -> None:
             print_table(res, args.c)
             results.append(res)
     if a.out is not None:
-        a.out.write_text(json.dumps({"config": vars(a) | {"out": str(a.out)}, "results": results},
-                                    indent=1, default=str))  # fmt: skip
+        a.out.write_text(
+            json.dumps(
+                {"config": vars(a) | {"out": str(a.out)}, "results": results}, indent=1, default=str
+            )
+        )
 
 
 if __name__ == "__main__":

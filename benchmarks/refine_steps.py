@@ -52,9 +52,16 @@ def main() -> None:
         cells = []
         for k in STEPS:
             refine = Refinement(
-                model, LOSS, (tx, ty), steps=k, damping=lam, curvature="hessian",
-                preconditioner="raw", progress=False, dtype=torch.float64,
-            )  # fmt: skip
+                model,
+                LOSS,
+                (tx, ty),
+                steps=k,
+                damping=lam,
+                curvature="hessian",
+                preconditioner="raw",
+                progress=False,
+                dtype=torch.float64,
+            )
             s = compute_influence_all(query, train, refine=refine, damping=lam).scores.numpy()
             rho = np.mean([spearmanr(s[i], ref[i]).statistic for i in range(len(s))])
             cells.append(f"{rho:.3f}")

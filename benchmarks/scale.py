@@ -330,9 +330,14 @@ def hf_variants(
         targs = transformers.TrainingArguments(
             output_dir=os.path.join(tmp, f"hf-{len(callback or ())}-{callback is None}"),
             max_steps=args.steps * 10**6,
-            per_device_train_batch_size=args.batch, logging_steps=10, report_to="none",
-            save_strategy="no", use_cpu=args.device == "cpu", disable_tqdm=True, seed=0,
-        )  # fmt: skip
+            per_device_train_batch_size=args.batch,
+            logging_steps=10,
+            report_to="none",
+            save_strategy="no",
+            use_cpu=args.device == "cpu",
+            disable_tqdm=True,
+            seed=0,
+        )
         cbs = [NNStatCallback(**callback)] if callback is not None else []
         data = Tokens(args.batch * args.steps)
 
@@ -458,6 +463,8 @@ def logging_rows(args, layers: int) -> dict[str, tuple[float, float, int]]:
     for which in LOGGERS:
         if which.startswith("LogIX") and "logix" not in args.peers:
             continue
+        if args.loggers == "every-module" and which != LOGGERS[0]:
+            continue
         cmd = [sys.executable, __file__, "--logger", which, "--layers", str(layers)]
         cmd += [
             "--batch",
@@ -509,6 +516,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--peers", default="wandb,logix", help="comma list; empty for none")
     p.add_argument("--memory", action="store_true", help="peak memory of each variant alone")
+    # each logger row is a child process that builds GPT-2 again: a short check runs one
+    p.add_argument("--loggers", choices=("all", "every-module"), default="all")
     p.add_argument("--probe", help=argparse.SUPPRESS)
     p.add_argument("--logger", help=argparse.SUPPRESS)
     args = p.parse_args()

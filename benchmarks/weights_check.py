@@ -39,9 +39,16 @@ def main() -> None:
     torch.manual_seed(0)
     w = a.width
     model = nn.Sequential(
-        nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(),
-        nn.Linear(w, w), nn.ReLU(), nn.Linear(w, 10),
-    )  # fmt: skip
+        nn.Linear(w, w),
+        nn.ReLU(),
+        nn.Linear(w, w),
+        nn.ReLU(),
+        nn.Linear(w, w),
+        nn.ReLU(),
+        nn.Linear(w, w),
+        nn.ReLU(),
+        nn.Linear(w, 10),
+    )
     n = sum(p.numel() for p in model.parameters())
     x, y = torch.randn(a.batch, w), torch.randint(0, 10, (a.batch,))
     guard = BlockGuard()

@@ -67,9 +67,15 @@ def main() -> None:
             opt.step()
         for method in ("two_batch", "per_sample", "fit"):
             r = nnstat.noise_scale(
-                model, loss_fn, (X, y), method=method, small_batch=8, big_batch=big,
-                n_estimates=n_est, seed=phase,
-            )  # fmt: skip
+                model,
+                loss_fn,
+                (X, y),
+                method=method,
+                small_batch=8,
+                big_batch=big,
+                n_estimates=n_est,
+                seed=phase,
+            )
             lo, hi = r.interval
             print(f"| {steps} | {method} | {r.b_simple:.0f} | {lo:.0f} - {hi:.0f} |")
     print("\nsteps to reach full-data loss < 0.3 (fewer steps per sample = batch below B_crit):")

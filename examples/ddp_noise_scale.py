@@ -58,9 +58,11 @@ def main() -> None:
             if tracker is not None:
                 metrics = tracker.step(step)
                 if metrics and step % 20 == 0:
-                    print(f"step {step}: B_simple {metrics['noise_scale/b_simple']:.1f} "
-                          f"(B_small {local_batch}, B_big {local_batch * world}), trust ratio "
-                          f"{metrics['trust_ratio/0.weight']:.0f}")  # fmt: skip
+                    print(
+                        f"step {step}: B_simple {metrics['noise_scale/b_simple']:.1f} "
+                        f"(B_small {local_batch}, B_big {local_batch * world}), trust ratio "
+                        f"{metrics['trust_ratio/0.weight']:.0f}"
+                    )
             step += 1
 
     # per-sample gradients of the whole data set: each rank logs its share to its own shards
@@ -81,8 +83,10 @@ def main() -> None:
     dist.barrier()
     if rank == 0:
         store = nnstat.GradientStore(run.path)
-        print(f"gradient store {run.path}: {len(store)} rows from {world} ranks "
-              f"(all {len(data)} ids: {sorted(store.ids) == list(range(len(data)))})")  # fmt: skip
+        print(
+            f"gradient store {run.path}: {len(store)} rows from {world} ranks "
+            f"(all {len(data)} ids: {sorted(store.ids) == list(range(len(data)))})"
+        )
     dist.destroy_process_group()
 
 

@@ -78,45 +78,74 @@ def main() -> None:
 
     texts = stdlib_text(9 if quick else 20)
     train, held_out = Bytes(texts[:-1], length, per_file), Bytes(texts[-1:], length, 3)
-    print(f"data: {len(train)} training sequences of {length} bytes from {len(texts) - 1} "
-          f"standard-library files; 3 held out from {texts[-1][0]}")  # fmt: skip
+    print(
+        f"data: {len(train)} training sequences of {length} bytes from {len(texts) - 1} "
+        f"standard-library files; 3 held out from {texts[-1][0]}"
+    )
 
     torch.manual_seed(0)
     config = GPT2Config(
-        vocab_size=256, n_positions=length, n_embd=width, n_layer=2, n_head=4,
-        bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+        vocab_size=256,
+        n_positions=length,
+        n_embd=width,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = GPT2LMHeadModel(config)
 
     # 1. train: statistics + noise scale on the logging steps, written as metrics.jsonl
     nnstat_args = NNStatArguments(
-        "store", root_dir=str(out), rank=8, text_fn=as_text,
+        "store",
+        root_dir=str(out),
+        rank=8,
+        text_fn=as_text,
         callback_options={"noise_scale_every": 1, "stats": ["l2", "rms", "nonfinite"]},
-    )  # fmt: skip
+    )
     args = TrainingArguments(
-        output_dir=str(out / "trainer"), report_to="none", use_cpu=True, save_strategy="no",
-        max_steps=steps, logging_steps=4 if quick else 10, per_device_train_batch_size=16,
-        per_device_eval_batch_size=16, learning_rate=3e-3, disable_tqdm=True, seed=0,
-    )  # fmt: skip
+        output_dir=str(out / "trainer"),
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        max_steps=steps,
+        logging_steps=4 if quick else 10,
+        per_device_train_batch_size=16,
+        per_device_eval_batch_size=16,
+        learning_rate=3e-3,
+        disable_tqdm=True,
+        seed=0,
+    )
     trainer = patch_trainer(Trainer)(
-        nnstat_args=nnstat_args, model=model, args=args, train_dataset=train,
+        nnstat_args=nnstat_args,
+        model=model,
+        args=args,
+        train_dataset=train,
         callbacks=[JsonlCallback(out / "runs" / "train")],
-    )  # fmt: skip
+    )
     trainer.train()
     logged = [h for h in trainer.state.log_history if "noise_scale/b_simple" in h]
     last = logged[-1]
-    print(f"callback: step {last['step']} loss {last['loss']:.3f}, noise scale "
-          f"B_simple {last['noise_scale/b_simple']:.1f} (max_grad_norm={args.max_grad_norm})")  # fmt: skip
+    print(
+        f"callback: step {last['step']} loss {last['loss']:.3f}, noise scale "
+        f"B_simple {last['noise_scale/b_simple']:.1f} (max_grad_norm={args.max_grad_norm})"
+    )
 
     # 2. the noise scale at the trained weights, from fresh batches (two batch sizes)
     model.eval()
     result = nnstat.noise_scale(
-        model, next_byte_loss, ({"input_ids": train.x}, train.x), small_batch=4,
-        big_batch=16 if quick else 64, n_estimates=4 if quick else 16,
-    )  # fmt: skip
+        model,
+        next_byte_loss,
+        ({"input_ids": train.x}, train.x),
+        small_batch=4,
+        big_batch=16 if quick else 64,
+        n_estimates=4 if quick else 16,
+    )
     low, high = result.interval
-    print(f"noise_scale: B_simple {result.b_simple:.1f} "
-          f"(95% interval {low:.1f} to {high:.1f}, {result.n_estimates} estimates)")  # fmt: skip
+    print(
+        f"noise_scale: B_simple {result.b_simple:.1f} "
+        f"(95% interval {low:.1f} to {high:.1f}, {result.n_estimates} estimates)"
+    )
 
     # 3. a store of every training sequence (EK-FAC, rank-8 projection), texts beside it
     run = trainer.extract_log()
@@ -127,8 +156,10 @@ def main() -> None:
     for q, (ids, scores) in enumerate(zip(top.helpful_ids, top.helpful_scores, strict=True)):
         query = as_text(held_out[q]).replace("\n", "\\n")[:40]
         best = as_text(train[int(ids[0])]).replace("\n", "\\n")[:40]
-        print(f"query {q} {query!r}: most helpful #{ids[0]} {best!r} "
-              f"(score {float(scores[0]):.3g})")  # fmt: skip
+        print(
+            f"query {q} {query!r}: most helpful #{ids[0]} {best!r} "
+            f"(score {float(scores[0]):.3g})"
+        )
     print(f"open it: nnstat view {out}")
 
 

@@ -42,8 +42,15 @@ class Counting(torch.utils.data.Dataset):
 
 def tiny_gpt2() -> GPT2LMHeadModel:
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2,
-                        bos_token_id=0, eos_token_id=0)  # fmt: skip
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=LENGTH,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -53,10 +60,17 @@ def main() -> None:
     train = Counting(64 if QUICK else 512, seed=0, noisy=4 if QUICK else 16)
     model = tiny_gpt2()
     args = TrainingArguments(
-        output_dir=out, max_steps=6 if QUICK else 300, per_device_train_batch_size=16,
-        learning_rate=3e-3, logging_steps=2 if QUICK else 25, report_to="tensorboard",
-        save_strategy="no", use_cpu=True, disable_tqdm=QUICK, per_device_eval_batch_size=64,
-    )  # fmt: skip
+        output_dir=out,
+        max_steps=6 if QUICK else 300,
+        per_device_train_batch_size=16,
+        learning_rate=3e-3,
+        logging_steps=2 if QUICK else 25,
+        report_to="tensorboard",
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=QUICK,
+        per_device_eval_batch_size=64,
+    )
     # 1. statistics during training, reported through TensorBoard with the Trainer's own logs
     callback = NNStatCallback(stats=["l2", "rms"])
     trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=[callback])
@@ -64,8 +78,10 @@ def main() -> None:
     logged = [h for h in trainer.state.log_history if "noise_scale/b_simple" in h]
     name = "transformer.h.0.attn.c_attn.weight"
     for h in logged[-3:]:
-        print(f"step {h['step']}: loss {h['loss']:.3f}  trust_ratio({name}) "
-              f"{h[f'trust_ratio/{name}']:.1f}  B_simple {h['noise_scale/b_simple']:.1f}")  # fmt: skip
+        print(
+            f"step {h['step']}: loss {h['loss']:.3f}  trust_ratio({name}) "
+            f"{h[f'trust_ratio/{name}']:.1f}  B_simple {h['noise_scale/b_simple']:.1f}"
+        )
     print(f"TensorBoard: tensorboard --logdir {os.environ['TENSORBOARD_LOGGING_DIR']}")
 
     # 2. influence: log projected per-sample gradients of the training set, then score queries
@@ -82,8 +98,10 @@ def main() -> None:
     self_inf = analysis.self_influence()
     ranked = self_inf.scores.argsort(descending=True)[: len(train.noisy)].tolist()
     found = sorted(set(ranked) & set(train.noisy))
-    print(f"{len(found)} of the {len(train.noisy)} random (noisy) training sequences have the "
-          f"highest self-influence")  # fmt: skip
+    print(
+        f"{len(found)} of the {len(train.noisy)} random (noisy) training sequences have the "
+        f"highest self-influence"
+    )
 
 
 if __name__ == "__main__":

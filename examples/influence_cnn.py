@@ -82,13 +82,19 @@ def main() -> None:
     top = result.top_k(3)
     for q, test_id in enumerate(top.test_ids):
         helpful = ", ".join(f"#{i} ({int(y_train[i])})" for i in top.helpful_ids[q])
-        print(f"test #{test_id}: true {int(y_test[test_id])}, predicted {int(pred[test_id])}; "
-              f"most helpful training digits: {helpful}")  # fmt: skip
+        print(
+            f"test #{test_id}: true {int(y_test[test_id])}, predicted {int(pred[test_id])}; "
+            f"most helpful training digits: {helpful}"
+        )
     captions = [f"#{i}: {int(y_test[i])} → {int(pred[i])}" for i in wrong]
     fig = nplt.influence_figure(
-        {i: X_test[i, 0] for i in wrong}, X_train[:, 0], result, k=4,
-        train_labels=y_train, query_captions=captions,
-    )  # fmt: skip
+        {i: X_test[i, 0] for i in wrong},
+        X_train[:, 0],
+        result,
+        k=4,
+        train_labels=y_train,
+        query_captions=captions,
+    )
     fig.savefig("influence_cnn.png")
     print("wrote influence_cnn.png")
 
@@ -97,8 +103,10 @@ def main() -> None:
     order = self_inf.scores.argsort(descending=True)
     top_ids = [self_inf.ids[i] for i in order[:30].tolist()]
     found = sorted(set(top_ids) & set(flipped.tolist()))
-    print(f"{len(found)} of the 10 flipped labels are among the 30 highest self-influence "
-          f"scores (of {n}; random ranking would find {10 * 30 / n:.1f})")  # fmt: skip
+    print(
+        f"{len(found)} of the 10 flipped labels are among the 30 highest self-influence "
+        f"scores (of {n}; random ranking would find {10 * 30 / n:.1f})"
+    )
 
 
 if __name__ == "__main__":

@@ -46,18 +46,26 @@ def main() -> None:
     module = Digits()
     stats = NNStatCallback(stats=["l2", "rms"], every=5)
     trainer = L.Trainer(
-        max_epochs=1 if QUICK else 10, callbacks=[stats], logger=CSVLogger(out),
-        accelerator="cpu", devices=1, enable_checkpointing=False, enable_model_summary=False,
+        max_epochs=1 if QUICK else 10,
+        callbacks=[stats],
+        logger=CSVLogger(out),
+        accelerator="cpu",
+        devices=1,
+        enable_checkpointing=False,
+        enable_model_summary=False,
         enable_progress_bar=not QUICK,
-    )  # fmt: skip
+    )
     trainer.fit(module, DataLoader(train, batch_size=32, shuffle=True))
     last = stats.history[-1]
-    print(f"step {last['step']}: trust_ratio(net.0.weight) {last['trust_ratio/net.0.weight']:.1f}, "
-          f"B_simple {last['noise_scale/b_simple']:.1f}; metrics in {trainer.logger.log_dir}")  # fmt: skip
+    print(
+        f"step {last['step']}: trust_ratio(net.0.weight) {last['trust_ratio/net.0.weight']:.1f}, "
+        f"B_simple {last['noise_scale/b_simple']:.1f}; metrics in {trainer.logger.log_dir}"
+    )
 
     # influence: the training loader must not shuffle, so positions name dataset rows
-    run = extract_log(trainer, module, DataLoader(train, batch_size=100), project="digits",
-                      root_dir=out, rank=16)  # fmt: skip
+    run = extract_log(
+        trainer, module, DataLoader(train, batch_size=100), project="digits", root_dir=out, rank=16
+    )
     module.eval()
     with torch.no_grad():
         pred = module.net(test.tensors[0]).argmax(1)
@@ -66,8 +74,10 @@ def main() -> None:
     top = influence(trainer, module, DataLoader(queries, batch_size=5), run, top_k=3)
     for q, helpful in enumerate(top.helpful_ids):
         labels = [int(train.tensors[1][i]) for i in helpful]
-        print(f"misclassified test digit (true {int(queries.tensors[1][q])}, predicted "
-              f"{int(pred[wrong[q]])}): training labels most helpful to its true label {labels}")  # fmt: skip
+        print(
+            f"misclassified test digit (true {int(queries.tensors[1][q])}, predicted "
+            f"{int(pred[wrong[q]])}): training labels most helpful to its true label {labels}"
+        )
     scores = self_influence(trainer, module, run).scores
     print(f"training digits with the highest self-influence: {scores.argsort()[-5:].tolist()}")
 

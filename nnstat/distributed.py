@@ -29,7 +29,6 @@ __all__ = [
     "is_dtensor",
     "local_tensor",
     "shard_groups",
-    "all_reduce_sum",
     "all_gather_rows",
     "all_reduce_over",
     "any_dtensor",
@@ -56,18 +55,6 @@ def rank_world(group: Any = None) -> tuple[int, int]:
     if is_distributed():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
-
-
-def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """Sum `tensor` in place over the ranks of `group` (no-op when not distributed); returns it.
-
-    Example:
-        >>> all_reduce_sum(torch.tensor([2.0])).tolist()
-        [2.0]
-    """
-    if is_distributed() and dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, group=group)
-    return tensor
 
 
 def is_dtensor(t: Any) -> bool:

@@ -1,6 +1,9 @@
 """Shared fixtures."""
 
 import os
+import subprocess
+import sys
+import tempfile
 
 import pytest
 import torch
@@ -10,6 +13,11 @@ if not torch.cuda.is_available():
     # interpreter, which must be chosen before triton is first imported; a test opts in with
     # NNSTAT_TRITON=interpret (elsewhere nothing changes: CPU tensors never take that path)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# W&B writes offline runs (HF Trainer's report_to, the seeds' wandb.log examples) into ./wandb
+# unless told otherwise: tests leave the working tree as they found it
+os.environ.setdefault("WANDB_DIR", tempfile.mkdtemp(prefix="nnstat-tests-wandb-"))
+os.environ.setdefault("WANDB_MODE", "offline")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # under pytest-xdist (-n N) every worker is its own process: one torch thread each, so N
@@ -34,3 +42,20 @@ def rows_formed_in(request, monkeypatch):
     if request.param == "device staging":
         monkeypatch.setattr(rows, "on_accelerator", lambda device: True)
     return request.param
+
+
+@pytest.fixture
+def run_python(tmp_path):
+    """``run_python(*args, **kw)``: ``subprocess.run([python, *args], **kw)`` from `tmp_path`.
+
+    A child started with ``-c`` or ``-m`` puts its working directory first on its path; from
+    the repository root that is the source tree, not the nnstat this process imported (an
+    installed wheel, where the tests run against one: the source tree lacks the
+    ``nnstat.integrations`` mapping that installing makes).
+    """
+
+    def run(*args: str, **kw) -> subprocess.CompletedProcess:
+        kw.setdefault("cwd", tmp_path)
+        return subprocess.run([sys.executable, *args], **kw)
+
+    return run

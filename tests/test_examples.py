@@ -107,7 +107,11 @@ def test_ddp_example_with_torchrun(tmp_path):
     assert torchrun, "torchrun (from torch) is not on PATH"
     out = subprocess.run(
         [torchrun, "--standalone", "--nproc_per_node", "2", str(EXAMPLES / "ddp_noise_scale.py")],
-        cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "B_simple" in out.stdout and "all 256 ids: True" in out.stdout, out.stdout

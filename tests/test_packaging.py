@@ -1,7 +1,5 @@
 """Packaging: every sub-package is installed, and `import nnstat` stays light."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import tomllib
@@ -20,13 +18,13 @@ def test_every_subpackage_is_listed_in_pyproject():
     assert on_disk <= listed, f"add to [tool.setuptools] packages: {sorted(on_disk - listed)}"
 
 
-def test_import_nnstat_does_not_import_optional_dependencies():
+def test_import_nnstat_does_not_import_optional_dependencies(run_python):
     code = (
         "import sys, nnstat, nnstat.integrations\n"
         "heavy = {'transformers', 'lightning', 'wandb', 'tensorboard', 'matplotlib', 'pytorch_lightning'}\n"
         "print(sorted(heavy & set(sys.modules)))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = run_python("-c", code, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 
 

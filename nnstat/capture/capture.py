@@ -176,7 +176,11 @@ class ModuleCapture:
 
     @property
     def indices(self) -> torch.Tensor:
-        """Embedding only: ``[N, T]`` indices, ``-1`` where the position has no gradient."""
+        """Embedding only: ``[N, T]`` indices, ``-1`` where the position has no gradient.
+
+        Raises:
+            AttributeError: the module is not an embedding.
+        """
         if not self.kind.tokens:
             raise AttributeError(f"{self.name}: indices exist only for embedding, not {self.kind}")
         return self._a
@@ -188,6 +192,9 @@ class ModuleCapture:
         ``[N, d_out, d_in(+1)]`` for outer-product kinds (bias = last column; embedding:
         ``[N, D, V]``; HF Conv1D: the transpose of its ``(nx, nf)`` weight), ``[N, D(+D)]`` for
         layernorm (weight then bias). Use :meth:`per_sample_grads_by_param` for parameter shapes.
+
+        Returns:
+            float32 ``[N, ...]``: each sample's gradient of its own loss (see the class).
         """
         return self.kind.per_sample_grad(self)
 
@@ -272,6 +279,29 @@ class ModuleCapture:
         shape ``[r, D]`` alone, returns ``[N, r]``. ``out`` (optional, float32, may be a column
         slice of a wider row buffer) receives the result and is returned: a caller that reuses
         its buffers never allocates the ``[N, r_out * r_in]`` result.
+
+        Args:
+            p_in: ``[r_in, d_in(+1)]`` input-side projection (layernorm: ``[r, D]``).
+            p_out: ``[r_out, d_out]`` output-side projection; ``None`` for layernorm only.
+            out: float32 ``[N, r_out * r_in]`` buffer (or column slice) to write into.
+
+        Returns:
+            The ``[N, r_out * r_in]`` projected rows (``out`` when given).
+
+        Raises:
+            ValueError: a projection of the wrong shape, ``p_out`` missing for an
+                outer-product kind or given for layernorm, or ``out`` of the wrong shape; the
+                message names the module.
+
+        Example:
+            >>> import torch, nnstat
+            >>> m = torch.nn.Linear(3, 2); e = nnstat.CaptureEngine(); _ = e.watch(m); caps = []
+            >>> e.add_consumer(caps.append)
+            >>> with e.batch(): m(torch.randn(4, 3)).sum().backward()
+            >>> p_in, p_out = torch.randn(2, 4), torch.randn(2, 2)
+            >>> ref = torch.einsum("ro,nod,sd->nrs", p_out, caps[0].per_sample_grad(), p_in)
+            >>> torch.allclose(caps[0].project(p_in, p_out), ref.reshape(4, -1), atol=1e-5)
+            True
         """
         if not self.is_kronecker:
             if p_out is not None:
@@ -311,6 +341,16 @@ class ModuleCapture:
 
         ``project(p_in, p_out)[i]`` equals ``vec(outer(bp[i], ap[i]))`` bit for bit: a caller
         may form the rows later (the gradient store does, in its writer thread).
+
+        Args:
+            p_in: ``[r_in, d_in(+1)]`` input-side projection.
+            p_out: ``[r_out, d_out]`` output-side projection.
+
+        Returns:
+            ``(bp, ap)``, or ``None`` for several positions per sample or a non-dense kind.
+
+        Raises:
+            ValueError: a projection of the wrong shape (the message names the module).
         """
         if not self._is_plain_row():
             return None
@@ -351,7 +391,11 @@ class ModuleCapture:
     # ------------------------------------------------------------ sums for statistics
     def forward_gram(self, proj: torch.Tensor | None = None) -> torch.Tensor:
         """``Σ_{n,t} a aᵀ`` over unmasked positions, ``[d_in(+1), d_in(+1)]``; with ``proj``
-        (``P`` ``[r, d_in(+1)]``) that of the projected inputs, ``Σ (P a)(P a)ᵀ`` ``[r, r]``."""
+        (``P`` ``[r, d_in(+1)]``) that of the projected inputs, ``Σ (P a)(P a)ᵀ`` ``[r, r]``.
+
+        Raises:
+            ValueError: ``proj`` of the wrong shape (the message names the module).
+        """
         if proj is not None:
             ap = self._projected_forward(proj)
             return ap.T @ ap
@@ -359,7 +403,11 @@ class ModuleCapture:
 
     def backward_gram(self, proj: torch.Tensor | None = None) -> torch.Tensor:
         """``Σ_{n,t} b bᵀ``, ``[d_out, d_out]``; with ``proj`` (``P`` ``[r, d_out]``)
-        ``Σ (P b)(P b)ᵀ`` ``[r, r]`` without the ``d_out × d_out`` matrix."""
+        ``Σ (P b)(P b)ᵀ`` ``[r, r]`` without the ``d_out × d_out`` matrix.
+
+        Raises:
+            ValueError: ``proj`` of the wrong shape (the message names the module).
+        """
         b = self._b_raw.reshape(-1, self._b_raw.shape[-1])
         if proj is not None:
             _check_proj(self.name, "projection", proj, self.d_out)

@@ -407,10 +407,6 @@ def _np_norm_rows(tensors: list[torch.Tensor]) -> np.ndarray:
     return _per_tensor(res, spans)
 
 
-def _work_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def block_partials(
     tensors: Sequence[torch.Tensor], stats: tuple[str, ...], workspace: Workspace | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -431,7 +427,10 @@ def block_partials(
     if need - pr.NORM_STATS:
         # one blocked pass gives every statistic (l2, l1, abs_max included)
         ws = workspace or Workspace()
-        return torch.stack([moments.moment_row(x.to(_work_dtype(x)), ws) for x in flat]), eps
+        return (
+            torch.stack([moments.moment_row(x.to(pr.work_dtype(x.dtype)), ws) for x in flat]),
+            eps,
+        )
     n_vec = torch.tensor([float(t.numel()) for t in flat], dtype=torch.float64)
     cols: dict[str, torch.Tensor] = {}
     if "abs_max" in need:

@@ -46,6 +46,7 @@ __all__ = [
     "from_columns",
     "probe_table",
     "eps_of",
+    "work_dtype",
 ]
 
 COLUMNS = ("numel", "n", "centre", "s1", "s2", "s3", "s4", "min", "max", "amax", "zeros", "l1")
@@ -58,15 +59,25 @@ NORM_STATS = frozenset({"numel", "abs_mean", "abs_max", "l1", "l2", "rms", "nonf
 _SHAPE = frozenset({"var", "std", "skew", "kurtosis"})
 
 
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype data of `dtype` is reduced in: float64 for float64 data, float32 otherwise
+    (lower precisions are reduced in float32).
+
+    Example:
+        >>> work_dtype(torch.bfloat16), work_dtype(torch.float64)
+        (torch.float32, torch.float64)
+    """
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def eps_of(dtype: torch.dtype) -> float:
-    """The epsilon of the constant-tensor rule for data of `dtype`: float64's for float64 data,
-    float32's otherwise (lower precisions are reduced in float32).
+    """The epsilon of the constant-tensor rule for data of `dtype`: that of its `work_dtype`.
 
     Example:
         >>> eps_of(torch.bfloat16) == torch.finfo(torch.float32).eps
         True
     """
-    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    return torch.finfo(work_dtype(dtype)).eps
 
 
 def shift_power_sums(

@@ -21,6 +21,7 @@ import torch
 from nnstat.describe import triton_rows
 from nnstat.describe.binning import sample_runs
 from nnstat.describe.moments import Workspace
+from nnstat.describe.partials import work_dtype
 
 __all__ = ["Group", "Layout", "layout_of", "reorder", "on_device", "MAX_BLOCK", "MAX_GROUP"]
 
@@ -34,10 +35,6 @@ _MIN_BLOCK = 128
 _LAYOUT_CACHE: OrderedDict[tuple, Layout] = OrderedDict()
 _CACHE_SIZE = 16
 _CACHE_LOCK = threading.Lock()
-
-
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _block(numels: Sequence[int]) -> int:
@@ -71,7 +68,7 @@ class Group:
     _table: triton_rows.RowTable | None = None
 
     def __post_init__(self) -> None:
-        self.work = _work_dtype(self.dtype)
+        self.work = work_dtype(self.dtype)
         self.n = on_device([float(k) for k in self.numels], torch.float64, self.device)
         eps = torch.finfo(self.work).eps
         self.eps_row = torch.full((1, len(self.numels)), eps, dtype=torch.float64)

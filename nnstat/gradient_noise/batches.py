@@ -16,20 +16,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
+from nnstat.curvature.streamed import to_device
+
 LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-def to_device(obj: Any, device: torch.device) -> Any:
-    """Move tensors nested in dicts/lists/tuples to ``device``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, Mapping):
-        return type(obj)({k: to_device(v, device) for k, v in obj.items()})
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(to_device(v, device) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(v, device) for v in obj)
-    return obj
 
 
 class BatchSource:

@@ -192,16 +192,6 @@ class RunConfig:
         """The passes over the data this configuration needs, in order."""
         return plan_passes(self.spec, self.log, self.save)
 
-    @property
-    def save_grad(self) -> bool:
-        """Whether some pass writes per-sample gradients to the store."""
-        return any(bool(p.save.get("grad")) for p in self.passes())
-
-    @property
-    def statistics_on(self) -> bool:
-        """Whether some pass updates statistics."""
-        return any(any(p.statistic.values()) for p in self.passes())
-
     def content(self) -> dict[str, Any]:
         """The configuration meta.json records (and a resumed store must agree on): what
         shapes the stored rows, not how they were computed or written."""

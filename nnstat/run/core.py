@@ -135,7 +135,11 @@ class Run(PassEnd):
     def setup(self, config: RunConfig | Mapping[str, Any]) -> Run:
         """Configure the run: a :class:`~nnstat.run.config.RunConfig` replaces the
         configuration; a dict of its keys updates the current one (``{"rank": 16}`` keeps
-        the rest). Unknown keys and invalid values raise an error naming them.
+        the rest).
+
+        Raises:
+            ValueError: an unknown key or an invalid value, named in the message.
+            RuntimeError: a logging pass is open (call :meth:`finalize` first).
         """
         self._require_no_open_pass("setup()")
         self.config = configured(self.config, config)
@@ -147,7 +151,13 @@ class Run(PassEnd):
         name_filter: str | list[str] | None = None,
         type_filter: Any = None,
     ) -> list[str]:
-        """Watch ``model``'s supported modules (regex ``name_filter``, classes ``type_filter``)."""
+        """Watch ``model``'s supported modules (regex ``name_filter``, classes ``type_filter``).
+
+        Raises:
+            RuntimeError: a logging pass is open (call :meth:`finalize` first).
+            ValueError: a filter selects a module that cannot be captured
+                (:class:`~nnstat.capture.engine.UnsupportedModuleError`), or one already watched.
+        """
         self._require_no_open_pass("watch()")
         from nnstat.capture.engine import CaptureEngine
 
@@ -172,6 +182,11 @@ class Run(PassEnd):
         eigenvectors of the forward/backward covariances of a previous statistics pass (this run's
         or ``statistics.safetensors`` in the store), an error if there is none. ``rank=None``
         stores full per-sample gradients. Returns the layout ``{module: (r_out, r_in)}``.
+
+        Raises:
+            RuntimeError: no watched model, or a logging pass is open.
+            ValueError: ``init="pca"`` without a statistics pass, or an invalid ``rank``/``init``
+                (the previous projection stays in place).
         """
         self._require_no_open_pass("add_projection()")
         old = (self._projection_args, self._projection_set, self._projections)
@@ -200,6 +215,13 @@ class Run(PassEnd):
 
         SIGTERM/SIGINT/SIGHUP inside the block are held until it ends (its rows complete), then
         handled (:mod:`nnstat.run.signals`).
+
+        Raises:
+            RuntimeError: no watched model, nothing captured in the block, or the store
+                writer failed (its error as the cause).
+            TypeError: ``data_id`` is a string other than ``"hash"``.
+            ValueError: ``data_id`` does not match the batch (count, duplicates), or watched
+                modules saw different batch sizes; the message names the fix.
         """
         with self._on_signal.hold(), self._block(data_id, mask) as run:
             yield run
@@ -374,6 +396,9 @@ class Run(PassEnd):
             >>> for _ in run.schedule():  # doctest: +SKIP
             ...     for x, y in loader:
             ...         with run(data_id=ids): loss_fn(model(x), y).backward()
+
+        Raises:
+            RuntimeError: a logging pass is open, or ``finalize()`` was called inside the loop.
         """
         self._require_no_open_pass("schedule()")
         self._pass = 0
@@ -385,7 +410,11 @@ class Run(PassEnd):
             self.finalize()
 
     def eval(self) -> Run:
-        """Analysis mode: capture projected gradients in memory (for :meth:`get_log`), save nothing."""
+        """Analysis mode: capture projected gradients in memory (for :meth:`get_log`), save nothing.
+
+        Raises:
+            RuntimeError: a logging pass is open (call :meth:`finalize` first).
+        """
         self._require_no_open_pass("eval()")
         self.mode = "eval"
         self._eval_ids, self._eval_rows, self._eval_seen = [], [], set()
@@ -401,7 +430,11 @@ class Run(PassEnd):
         return self
 
     def get_log(self) -> GradientLog:
-        """Rows captured since :meth:`eval` (or the previous ``get_log``), then cleared."""
+        """Rows captured since :meth:`eval` (or the previous ``get_log``), then cleared.
+
+        Raises:
+            RuntimeError: the run is not in eval mode, or nothing was captured.
+        """
         if self.mode != "eval":
             raise RuntimeError("get_log() returns what eval() mode captured: call eval() first")
         if not self._eval_ids:
@@ -422,7 +455,11 @@ class Run(PassEnd):
         return log
 
     def build_log_dataloader(self, batch_size: int = 1024, num_workers: int = 0) -> Any:
-        """DataLoader of ``(ids, rows)`` blocks over this run's store (after :meth:`finalize`)."""
+        """DataLoader of ``(ids, rows)`` blocks over this run's store (after :meth:`finalize`).
+
+        Raises:
+            RuntimeError: a logging pass is open (call :meth:`finalize` first).
+        """
         self._require_no_open_pass("build_log_dataloader()")
         return make_log_dataloader(self.path, batch_size=batch_size, num_workers=num_workers)
 

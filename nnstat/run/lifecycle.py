@@ -53,6 +53,10 @@ class PassEnd:
         """End the pass: flush the store (tqdm when long), save statistics, raise writer errors.
 
         In eval mode there is nothing to finalize (queries stay in memory until get_log()).
+
+        Raises:
+            Exception: the store writer's error (disk full, a failed write), re-raised here once
+                the pass is closed.
         """
         if self.mode == "eval":
             return

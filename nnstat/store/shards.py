@@ -240,19 +240,6 @@ def _writev_all(fd: int, views: list[memoryview]) -> None:
                 rest = rest[os.write(fd, rest) :]
 
 
-def write_shard(shard_dir: Path, stem: str, rows: np.ndarray, ids: list[DataId]) -> None:
-    """Write one whole ``[n, w]`` shard atomically (see :class:`ShardFile`)."""
-    if rows.shape[0] != len(ids):
-        raise ValueError(f"shard {stem}: {rows.shape[0]} rows but {len(ids)} ids")
-    shard = ShardFile(shard_dir, stem, rows.shape[1], rows.dtype)
-    try:
-        shard.append([rows])
-        shard.commit(ids)
-    except BaseException:
-        shard.abort()
-        raise
-
-
 def list_shards(shard_dir: Path) -> list[tuple[int, int, Path, Path]]:
     """Complete shards in ``shard_dir`` as ``(rank, index, npy_path, ids_path)``, sorted."""
     shard_dir = Path(shard_dir)

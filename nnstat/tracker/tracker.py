@@ -1,3 +1,6 @@
+# size: one class, the Tracker's public surface (construction, snapshot, step, poll, flush,
+# close) with each method's Args/Raises and example; the work lives in compute, inline, worker,
+# delivery and sinks beside it.
 """Tracker: one line in a training loop logs weight/grad/optimizer-state/update statistics.
 
 Each logged step reduces every tracked tensor (blocked passes, `nnstat.tracker.compute`;
@@ -366,9 +369,24 @@ class Tracker:
     def step(self, step: int | None = None) -> Mapping[str, Any] | None:
         """Record statistics if this call is a logging step; returns the metrics (else None).
 
-        `step` defaults to the number of previous calls. With background statistics the
-        returned `StepMetrics` fills in when first read (or at the next `step`, `flush`,
-        `close`); sinks receive every step's plain dict, in order.
+        With background statistics the returned `StepMetrics` fills in when first read (or at
+        the next `step`, `flush`, `close`); sinks receive every step's plain dict, in order.
+
+        Args:
+            step: the step the sinks get; defaults to the number of previous calls.
+
+        Returns:
+            The step's metrics (flat ``{key: value}``), or ``None`` between logged steps.
+
+        Raises:
+            TypeError: a provider returned something other than a dict.
+            Exception: an error of a sink or of the background statistics of an earlier step,
+                raised here once every sink has had that step.
+
+        Example:
+            >>> t = Tracker(torch.nn.Linear(2, 1), stats=["l2"], groups=["weight"], every=2)
+            >>> sorted(t.step()), t.step()
+            (['weight/bias/l2', 'weight/weight/l2'], None)
         """
         call = self._calls
         self._calls += 1
@@ -523,8 +541,18 @@ class Tracker:
 
     # -- lifecycle ------------------------------------------------------------------------
     def flush(self) -> None:
-        """Wait for background statistics and device copies and hand them to the sinks
-        (re-raises errors of the statistics and of sinks, once every sink has had the step)."""
+        """Wait for background statistics and device copies and hand them to the sinks.
+
+        Raises:
+            Exception: an error of the statistics or of a sink, re-raised once every sink has
+                had the step.
+
+        Example:
+            >>> seen = []
+            >>> t = Tracker(torch.nn.Linear(2, 1), stats=["l2"], sinks=[lambda m, s: seen.append(s)])
+            >>> _ = t.step(); t.flush(); seen
+            [0]
+        """
         self._finish_pending()
         self._arrived(wait=True)
         self._sinks.raise_errors()
@@ -532,8 +560,13 @@ class Tracker:
     def close(self) -> None:
         """Flush, remove the optimizer hooks and close every sink that has a ``close()``.
 
-        Every sink is closed even when flushing or another sink's ``close`` fails; the first
-        error is raised afterwards (the others as notes).
+        Raises:
+            Exception: the first error of flushing or of a sink's ``close``, raised once every
+                sink is closed (the others attached as notes).
+
+        Example:
+            >>> with Tracker(torch.nn.Linear(2, 1), stats=["l2"]) as t:  # close() at the end
+            ...     _ = t.step()
         """
         errors: list[tuple[str, BaseException]] = []
         try:

@@ -13,13 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nnstat.store.files import META_FILE, SHARD_DIR
+from nnstat.viewer.runs import RUN_FILE  # nnstat.integrations.JsonlLogger's file
+
 # how deep `discover` looks below the folder, and how many folders at most: `nnstat view ~`
 # must answer quickly instead of walking a home directory
 MAX_DEPTH = 4
 MAX_FOLDERS = 5000
 TRIAL_FILE = "trial.json"
-RUN_FILE = "metrics.jsonl"  # nnstat.integrations.JsonlLogger's file (integrations/jsonl.py)
-STORE_FILE = "meta.json"  # with a shards/ folder: a gradient store (nnstat/store)
 
 
 @dataclass
@@ -68,7 +69,7 @@ def discover(root: str | Path, report: Callable[[Path, str], None] | None = None
             if (folder / RUN_FILE).exists():
                 found.runs.append(folder)
                 continue
-            if (folder / STORE_FILE).is_file() and (folder / "shards").is_dir():
+            if (folder / META_FILE).is_file() and (folder / SHARD_DIR).is_dir():  # a gradient store
                 found.stores.append(folder)
                 continue
             if folder != root and folder.is_symlink():

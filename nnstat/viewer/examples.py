@@ -56,11 +56,13 @@ from nnstat.influence.row_layout import check_compatible
 from nnstat.influence.sources import all_finite
 from nnstat.store import GradientLog, GradientStore
 from nnstat.store.files import atomic_write_bytes, read_json
+from nnstat.store.ids import ids_digest
 
 __all__ = [
     "Examples",
     "VIEWER_DIR",
     "ids_digest",
+    "ids_match",
     "load_examples",
     "load_queries",
     "query_sets",
@@ -87,15 +89,28 @@ class Examples:
     texts: list[str] | None = None
 
 
-def ids_digest(ids: Sequence[Any]) -> str:
-    """sha256 (hex) of ``ids`` in order, as compact JSON (``1`` and ``"1"`` differ).
+def ids_match(recorded: Any, ids: Sequence[Any]) -> bool:
+    """Whether ``recorded`` is the digest of ``ids`` in order.
+
+    The digest is the store's (:func:`~nnstat.store.ids.ids_digest`, whose JSON escapes non-ASCII
+    characters); the unescaped UTF-8 form of the same JSON is accepted too, so a viewer file that
+    recorded that form for non-ASCII string ids still verifies.
+
+    Args:
+        recorded: the digest a viewer file records (anything: a missing field never matches).
+        ids: the ids it should be the digest of.
+
+    Returns:
+        ``True`` when ``recorded`` is either form of the digest of ``ids``.
 
     Example:
-        >>> ids_digest([0, 1]) == ids_digest([0, 1]) != ids_digest([1, 0])
-        True
+        >>> ids_match(ids_digest([0, "é"]), [0, "é"]), ids_match(ids_digest([0, 1]), [1, 0])
+        (True, False)
     """
+    if recorded == ids_digest(ids):
+        return True
     text = json.dumps(list(ids), separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return recorded == hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def _example_digests(
@@ -113,11 +128,6 @@ def _example_digests(
             h.update(images[n].contiguous().numpy().tobytes())
         out.append(h.hexdigest()[:32])
     return out
-
-
-def _folder_ids(folder: Path) -> list:
-    """The ids of a gradient store or of a query set written by :func:`save_queries`."""
-    return _folder_identity(folder)[0]
 
 
 def _folder_identity(folder: Path) -> tuple[list, str | None]:
@@ -331,7 +341,7 @@ def _check_bound(folder: Path, path: Path, rec: dict, ex: Examples) -> None:
             f"{store_id!r}): copied from a store with the same ids, its examples are not this "
             f"store's; {_FIX}"
         )
-    if rec.get("ids_sha256") != ids_digest(ids):
+    if not ids_match(rec.get("ids_sha256"), ids):
         raise ValueError(
             f"{path}: saved for other ids than {folder} holds now (ids_sha256 differs: the store "
             f"or query set was written again, or the file comes from another); {_FIX}"

@@ -46,9 +46,10 @@ from safetensors.torch import save as st_save
 from nnstat.influence.result import InfluenceResult, TopKInfluence
 from nnstat.store import GradientStore
 from nnstat.store.files import atomic_write_bytes, read_json
+from nnstat.store.ids import ids_digest
 from nnstat.viewer.examples import (
     VIEWER_DIR,
-    ids_digest,
+    ids_match,
     query_sets,
     read_query_ids,
     saved_sets,
@@ -267,7 +268,7 @@ def load_scores(store_dir: str | Path, name: str) -> SavedScores:
     if not isinstance(test_ids, list) or not isinstance(meta, dict):
         raise ValueError(f"{path}: test_ids must be a list and meta an object; {_FIX}")
     store = GradientStore(folder)
-    if rec.get("store_ids_sha256") != ids_digest(store.ids):
+    if not ids_match(rec.get("store_ids_sha256"), store.ids):
         raise ValueError(
             f"{path}: saved for other ids than {folder} holds now (store_ids_sha256 differs: the "
             f"store was written again, or the file comes from another store); {_FIX}"
@@ -275,12 +276,12 @@ def load_scores(store_dir: str | Path, name: str) -> SavedScores:
     queries = rec.get("queries") or ""
     if queries:
         q_folder = _query_folder(folder, queries)
-        if rec.get("query_ids_sha256") != ids_digest(read_query_ids(q_folder)):
+        if not ids_match(rec.get("query_ids_sha256"), read_query_ids(q_folder)):
             raise ValueError(
                 f"{path}: saved for other query ids than {q_folder} holds now (query_ids_sha256 "
                 f"differs: the query set was saved again); {_FIX}"
             )
-        if ids_digest(test_ids) != rec["query_ids_sha256"]:
+        if not ids_match(rec["query_ids_sha256"], test_ids):
             raise ValueError(f"{path}: test_ids are not the query set's ids; {_FIX}")
     tpath = path.with_name(SCORES_TENSORS)
     try:

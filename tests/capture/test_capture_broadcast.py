@@ -27,17 +27,20 @@ B, T, V = 3, 8, 97
 def tiny_gpt2() -> nn.Module:
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        n_layer=2, n_head=2, n_embd=32, vocab_size=V, n_positions=32, bos_token_id=0,
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        vocab_size=V,
+        n_positions=32,
+        bos_token_id=0,
         eos_token_id=0,
-    )  # fmt: skip
+    )
     return transformers.GPT2LMHeadModel(config).eval()  # eval: no dropout, same as the reference
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Each sequence's next-token loss, summed over tokens and sequences (-100: no loss)."""
-    return F.cross_entropy(
-        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum"
-    )  # fmt: skip
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum")
 
 
 def reference(

@@ -250,9 +250,14 @@ def test_gpt2_readme_kfac_workflow_runs_with_lm_head_over_the_limit(tmp_path):
     torch.manual_seed(0)
     vocab = 300
     config = transformers.GPT2Config(
-        n_layer=1, n_embd=32, n_head=2, vocab_size=vocab, n_positions=32,
-        bos_token_id=vocab - 1, eos_token_id=vocab - 1,
-    )  # fmt: skip
+        n_layer=1,
+        n_embd=32,
+        n_head=2,
+        vocab_size=vocab,
+        n_positions=32,
+        bos_token_id=vocab - 1,
+        eos_token_id=vocab - 1,
+    )
     model = transformers.GPT2LMHeadModel(config)
     data = torch.randint(0, vocab, (8, 16))
 

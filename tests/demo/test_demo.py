@@ -7,6 +7,7 @@ one epoch and to the steps that write logs."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 
@@ -59,6 +60,9 @@ def _short_run(log_dir, monkeypatch) -> None:
     run(cfg, steps=[prepare_log_dir, load_digits_data, build, train, report])
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("wandb") is None, reason="wandb is not installed (nnstat[wandb])"
+)  # the demo logs to W&B only where wandb is installed; this test counts its run
 def test_rerun_replaces_the_run_folder(tmp_path, monkeypatch, capsys):
     log_dir = tmp_path / "logs"
     threads = torch.get_num_threads()
@@ -97,10 +101,15 @@ def test_rerun_keeps_foreign_files_and_refuses_foreign_folders(tmp_path):
 
 def _history(values: list[float], lows: list[float], highs: list[float]) -> list[dict]:
     return [
-        {"step": 10 * i, "noise_scale/b_simple": v, "noise_scale/low": lo,
-         "noise_scale/high": hi, "train/loss": 2.0 / (i + 1)}
+        {
+            "step": 10 * i,
+            "noise_scale/b_simple": v,
+            "noise_scale/low": lo,
+            "noise_scale/high": hi,
+            "train/loss": 2.0 / (i + 1),
+        }
         for i, (v, lo, hi) in enumerate(zip(values, lows, highs, strict=True))
-    ]  # fmt: skip
+    ]
 
 
 def test_noise_stages_split_training_in_thirds():

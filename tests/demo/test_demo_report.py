@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import html
+import importlib.util
 import io
 import re
 import struct
@@ -94,6 +95,9 @@ def demo(tmp_path_factory):
     return SimpleNamespace(state=states[0], out=out.getvalue(), page=page, log_dir=log_dir)
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("wandb") is None, reason="wandb is not installed (nnstat[wandb])"
+)  # the demo logs to W&B only where wandb is installed; this test counts its run
 def test_console_reports_training_and_logs(demo):
     out, log_dir = demo.out, demo.log_dir
     assert "epoch 12/12" in out and "test accuracy" in out
@@ -289,8 +293,12 @@ def test_counterfactual_section_has_every_arm_and_picks_the_grid(demo):
     text = _text(demo.page)
     assert "Do the explanations hold? Remove, retrain, compare" in text
     cf = json.loads((demo.log_dir / "counterfactual.json").read_text())
-    names = {"raw": "raw influence", "relatif": "RelatIF", "loss": "highest training loss",
-             "random": "random"}  # fmt: skip
+    names = {
+        "raw": "raw influence",
+        "relatif": "RelatIF",
+        "loss": "highest training loss",
+        "random": "random",
+    }
     q = len(saved["misclassified"])
     support = {}
     for k, res in cf["by_k"].items():
@@ -314,16 +322,18 @@ def test_counterfactual_section_has_every_arm_and_picks_the_grid(demo):
                 f"{np.mean(arm['correct']) * q:.1f} (full data "
                 f"{np.mean(res['full_correct']) * q:.1f})",
             ], (k, name)
-            removed_planted = np.mean([len(set(r) & set(saved["planted"].tolist()))
-                                       for r in arm["removed"]])  # fmt: skip
+            removed_planted = np.mean(
+                [len(set(r) & set(saved["planted"].tolist())) for r in arm["removed"]]
+            )
             assert float(cells[3]) == pytest.approx(round(removed_planted, 1))
         for name in ("raw", "relatif"):
             support.setdefault(name, []).append(res["arms"][name]["mean"])
     chosen = max(("raw", "relatif"), key=lambda n: (np.mean(support[n]), n == "raw"))
     assert cf["chosen"] == chosen
     assert f"The grid shows {names[chosen]}:" in text
-    assert f"training digits ({names[chosen]})" in _text(" ".join(re.findall(
-        r'data-title="([^"]*)"', demo.page)))  # fmt: skip
+    assert f"training digits ({names[chosen]})" in _text(
+        " ".join(re.findall(r'data-title="([^"]*)"', demo.page))
+    )
     assert f"the score with the larger rise ({np.mean(support[chosen]):+.3f})" in text
 
 
@@ -382,8 +392,11 @@ def test_viewer_shows_the_reports_scores_under_their_saved_names(demo):
         res = explorer.influence(
             "gradients/digits", "misclassified", r, k=3, scores=names[chosen][0]
         )
-        line = re.search(rf"test #{q}: true \d, predicted \d; most supportive (.*?); most opp"
-                         rf"osing (.*?)(?=  |$|\n)", text)  # fmt: skip
+        line = re.search(
+            rf"test #{q}: true \d, predicted \d; most supportive (.*?); most opp"
+            rf"osing (.*?)(?=  |$|\n)",
+            text,
+        )
         assert line, q
         got = [re.findall(r"#(\d+)", line[1]), re.findall(r"#(\d+)", line[2])]
         assert got == [[str(e["id"]) for e in res[side]] for side in ("helpful", "harmful")], q

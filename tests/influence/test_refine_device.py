@@ -23,7 +23,8 @@ from nnstat.influence import ModuleSpec, Refinement, TensorSource, compute_influ
 
 D = torch.float64
 LOSS = nn.functional.cross_entropy
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+CUDA = pytest.param("cuda", marks=pytest.mark.cuda)
+DEVICES = ["cpu"] + ([CUDA] if torch.cuda.is_available() else [])
 SYNCING_OPS = ("nonzero", "masked_select", "unique", "_local_scalar_dense")
 
 
@@ -44,8 +45,9 @@ class _SyncOps(TorchDispatchMode):
 def _problem(device: str):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3)).to(device)
-    x = torch.randn(60, 6, device=device)
-    y = torch.randint(0, 3, (60,), device=device)
+    # drawn on the CPU for every device (a GPU's generator draws other numbers)
+    x = torch.randn(60, 6).to(device)
+    y = torch.randint(0, 3, (60,)).to(device)
     params = {k: v.detach() for k, v in model.named_parameters()}
     g = vmap(
         grad(lambda p, a, b: LOSS(functional_call(model, p, (a[None],)), b[None])), (None, 0, 0)

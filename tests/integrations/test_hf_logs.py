@@ -11,9 +11,9 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from nnstat.integrations.huggingface import JsonlCallback, NNStatCallback  # noqa: E402
+from test_hf_noise_scale import N, Tokens, _model  # noqa: E402
 
 from nnstat.viewer.runs import load_run  # noqa: E402
-from tests.integrations.test_hf_noise_scale import N, Tokens, _model  # noqa: E402
 
 
 class _UserLogs(transformers.TrainerCallback):

@@ -261,7 +261,7 @@ def test_compute_stats_groups_and_validation():
 def test_seed_readme_usage_with_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    import wandb
+    wandb = pytest.importorskip("wandb", reason="wandb is not installed (nnstat[wandb])")
 
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), 1e-3)

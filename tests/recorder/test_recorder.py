@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -148,7 +146,7 @@ def test_recorded_statistics_match_independent_references(tmp_path) -> None:
     assert mods["fc1"]["params_own"] == 36 and mods["(root)"]["params_total"] == 36 + 21
 
 
-def test_dependency_graph_and_stable_hash(tmp_path) -> None:
+def test_dependency_graph_and_stable_hash(tmp_path, run_python) -> None:
     torch.manual_seed(0)
     model = MLP()
     x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
@@ -176,8 +174,9 @@ def test_dependency_graph_and_stable_hash(tmp_path) -> None:
         "import json,sys; from nnstat.recorder import graph_hash; "
         "print(graph_hash(json.loads(sys.stdin.read())))"
     )
-    env_out = subprocess.run(
-        [sys.executable, "-c", code],
+    env_out = run_python(
+        "-c",
+        code,
         input=json.dumps(doc),
         capture_output=True,
         text=True,

@@ -2,8 +2,6 @@
 
 import math
 import os
-import subprocess
-import sys
 import threading
 import warnings
 
@@ -224,7 +222,7 @@ def test_worker_exception_is_raised_in_training_thread(collect, monkeypatch):
     assert not opt._optimizer_step_pre_hooks
 
 
-def test_unclosed_tracker_is_flushed_at_exit(tmp_path):
+def test_unclosed_tracker_is_flushed_at_exit(tmp_path, run_python):
     log = tmp_path / "steps.txt"
     code = f"""
 import torch, nnstat
@@ -238,7 +236,7 @@ for i in range(3):
     opt.zero_grad(); model(torch.randn(4, 3)).sum().backward(); opt.step(); tracker.step()
 print(f"{{model.weight.norm().item():.6f}}")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = run_python("-c", code, capture_output=True, text=True, check=True)
     rows = log.read_text().split("\n")[:-1]
     assert [r.split()[0] for r in rows] == ["0", "1", "2"]
     assert rows[-1].split()[1] == out.stdout.strip()
@@ -454,7 +452,7 @@ def test_close_closes_every_sink_and_raises_after():
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
 
 
-def test_failure_of_the_exit_time_flush_gives_a_nonzero_exit_status(tmp_path):
+def test_failure_of_the_exit_time_flush_gives_a_nonzero_exit_status(tmp_path, run_python):
     log = tmp_path / "steps.txt"
     code = f"""
 import atexit, torch, nnstat
@@ -472,7 +470,7 @@ for i in range(3):
     opt.zero_grad(); model(torch.randn(4, 3)).sum().backward(); opt.step(); tracker.step()
 print("done")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    out = run_python("-c", code, capture_output=True, text=True)
     assert out.returncode != 0, out.stderr
     assert "ConnectionError: sink down at exit" in out.stderr
     assert "exits with status 120" in out.stderr

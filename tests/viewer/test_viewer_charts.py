@@ -8,9 +8,9 @@ import math
 import re
 
 import pytest
+from test_viewer import browser  # noqa: F401  (the chromium fixture)
 
 from nnstat.viewer.server import STATIC
-from tests.viewer.test_viewer import browser  # noqa: F401  (the chromium fixture)
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +86,9 @@ def test_runs_page_counts_logged_inf_and_keeps_the_top_layers_by_change(
     tmp_path, browser  # noqa: F811
 ):
     from nnstat.integrations import JsonlLogger
+    from test_viewer import Page
 
     from nnstat.viewer.server import serve_in_thread
-    from tests.viewer.test_viewer import Page
 
     # layer i grows by a factor 1 + i/10 over the run: the top 5 by change are layers 23-27
     with JsonlLogger(tmp_path / "runs" / "deep") as log:

@@ -225,3 +225,25 @@ def test_explorer_shows_why_examples_are_not_shown(browser, tmp_path):  # noqa: 
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_examples_record_the_store_digest_of_non_ascii_ids(tmp_path):
+    import hashlib
+
+    from nnstat.store.ids import ids_digest
+
+    ids = ["café", "naïve", "東京"]
+    (tmp_path / "s").mkdir()
+    store = tiny_store(tmp_path / "s", ids)
+    path = save_examples(store, ids, labels=[1, 2, 3])
+    # one digest for ids on disk: the store's commit log and the viewer file agree
+    escaped = hashlib.sha256(json.dumps(ids, separators=(",", ":")).encode()).hexdigest()
+    assert json.loads(path.read_text())["ids_sha256"] == escaped == ids_digest(ids)
+    # a viewer file recording the unescaped UTF-8 form of the same JSON still verifies
+    text = json.dumps(ids, separators=(",", ":"), ensure_ascii=False)
+    _edit(path, lambda r: r.update(ids_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest()))
+    assert load_examples(store).labels == [1, 2, 3]
+    # any other digest is refused, naming the file
+    _edit(path, lambda r: r.update(ids_sha256=ids_digest(ids[::-1])))
+    with pytest.raises(ValueError, match="saved for other ids than"):
+        load_examples(store)

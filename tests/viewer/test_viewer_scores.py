@@ -128,9 +128,14 @@ def test_explorer_names_the_method_and_compares_with_saved_scores(tmp_path):
         ex.influence("p", "wrong", 0, scores="nope")
     summary = next(s for s in ex_summary(tmp_path) if s["id"] == "p")
     assert summary["score_sets"] == [
-        {"name": "refined", "label": "the report's lists", "queries": "wrong", "n": 3,
-         "method": method_line(refined.meta)}
-    ]  # fmt: skip
+        {
+            "name": "refined",
+            "label": "the report's lists",
+            "queries": "wrong",
+            "n": 3,
+            "method": method_line(refined.meta),
+        }
+    ]
     line = ex.self_influence("p", 3)["method"]["line"]
     assert line.startswith("self-influence") and "ekfac" in line
 

@@ -52,36 +52,28 @@ import torch
 __all__ = ["BroadcastGuard", "BroadcastOutput", "add_guard", "expand", "per_sample_rows"]
 
 # elementwise ops that combine their tensor operands by broadcasting (out-of-place)
-COMBINE = frozenset(
-    {
-        "add", "sub", "subtract", "mul", "multiply", "div", "divide", "true_divide", "where",
-        "addcmul", "addcdiv", "lerp", "maximum", "minimum",
-        "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
-        "__truediv__", "__rtruediv__",
-    }
-)  # fmt: skip
+COMBINE = frozenset("""
+    add sub subtract mul multiply div divide true_divide where addcmul addcdiv lerp maximum
+    minimum __add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__
+    """.split())
 # the same, in place into a tensor that is not the tracked one (BERT: ``emb += pos``)
 INPLACE_COMBINE = frozenset(
     {"__iadd__", "add_", "__isub__", "sub_", "__imul__", "mul_", "__itruediv__", "div_", "copy_"}
 )
 # writes that are not checked: refused
-_INPLACE_OTHER = frozenset(
-    {
-        "__setitem__", "__ior__", "__iand__", "__ixor__", "__ilshift__", "__irshift__",
-        "__imod__", "__ifloordiv__", "__ipow__", "__imatmul__",
-    }
-)  # fmt: skip
+_INPLACE_OTHER = frozenset("""
+    __setitem__ __ior__ __iand__ __ixor__ __ilshift__ __irshift__ __imod__ __ifloordiv__
+    __ipow__ __imatmul__
+    """.split())
 # ops that only reshape the values (each sample's row alike); ``x[None]`` is checked apart
 RESHAPE = frozenset({"view", "reshape", "unsqueeze", "flatten", "unflatten", "view_as"})
 # ops that move axes (a [T, T, heads] relative-position table turned [heads, T, T])
 PERMUTE = frozenset({"permute", "transpose", "swapaxes", "swapdims"})
 # ops that map each sample's row to the same result row (the batch axis stays axis 0)
-ROWWISE = frozenset(
-    {
-        "to", "type", "type_as", "float", "half", "bfloat16", "double", "contiguous", "clone",
-        "dropout", "layer_norm", "gelu", "relu", "silu", "tanh", "sigmoid", "neg", "__neg__",
-    }
-)  # fmt: skip
+ROWWISE = frozenset("""
+    to type type_as float half bfloat16 double contiguous clone dropout layer_norm gelu relu
+    silu tanh sigmoid neg __neg__
+    """.split())
 
 
 #: how a shared output looks, for messages: ``[1, T]`` ids, or ids without a batch dimension
