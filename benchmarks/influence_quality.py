@@ -64,6 +64,7 @@ from torch import nn
 import nnstat
 from nnstat.influence import (
     Refinement,
+    as_source,
     compute_influence_all,
     exact,
     lds_per_query,
@@ -304,7 +305,8 @@ def in_train_order(res) -> torch.Tensor:
 def mean_eigenvalue(loader) -> float:
     """Trace / width of the block-diagonal curvature (E‖g‖² / columns of the store rows)."""
     total, n, width = 0.0, 0, 0
-    for _, rows in loader.dataset.store.iter_blocks(4096):
+    # the source's blocks: dense rows also of a factored store (its stored columns are factors)
+    for _, rows in as_source(loader).iter_blocks(4096):
         total += float(rows.double().square().sum())
         n, width = n + len(rows), rows.shape[1]
     return total / n / width

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nnstat.capture.kinds import REGISTRY
-from nnstat.store.factored import dense_modules, is_factored
+from nnstat.store.factored import dense_layout, dense_modules, is_factored
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,8 @@ def meta_differences(query: Mapping[str, Any], train: Mapping[str, Any]) -> list
         ['row_width: query 4 != train 6']
     """
     diffs = []
+    # a factored store pairs with queries logged dense: both compared as dense rows
+    query, train = {**query, **dense_layout(query)}, {**train, **dense_layout(train)}
     for key in _FINGERPRINT_KEYS:
         if key not in query and key not in train:
             continue

@@ -45,7 +45,7 @@ from nnstat.run.rows import (
 from nnstat.run.signals import CommitOnSignal
 from nnstat.run.weights import BlockGuard, Models, enclosing, model_fingerprint
 from nnstat.store.errors import StoreWriteError
-from nnstat.store.factored import EnergyTally
+from nnstat.store.factored import EnergyTally, dense_layout
 from nnstat.store.files import META_FILE
 from nnstat.store.ids import duplicate_ids, normalize_ids
 from nnstat.store.logger import StoreLogger, filter_nonfinite
@@ -280,7 +280,9 @@ class Run(PassEnd):
             self._warned_once,
         )
         assert self._projections is not None
-        self._rows.begin(self._projections)
+        # queries are logged exact (dense), whatever the store's factors: few rows, and
+        # refinement checks them against their gradients
+        self._rows.begin(self._projections, factor=self.mode != "eval")
         try:
             with (
                 self.engine.batch(
@@ -333,7 +335,9 @@ class Run(PassEnd):
             return
         assert self._projections is not None
         batch, rowbuf, factors = block.rows, block.buffer, block.factors
-        cols = module_blocks(batch, self._projections, self._warned_missing)
+        cols = module_blocks(
+            batch, self._projections, self._warned_missing, factored=self.mode != "eval"
+        )
         n = cols[0].shape[0]
         if rowbuf is not None:
             for name, col in zip(self._projections, cols, strict=True):
@@ -445,6 +449,7 @@ class Run(PassEnd):
         # the weights when this log's first block was captured; scoring compares them with the
         # store's (meta["params_sha256"])
         meta = self.store_meta(params_sha256=self._eval_params, statistics_sha256=stats_hash)
+        meta.update(dense_layout(meta))  # the queries' rows are dense (see _rows.begin)
         meta["model_sha256"] = self._eval_model  # every tensor of the model (and its parents)
         projections = projection_tensors(self._projections) if self._projections else {}
         log = GradientLog(list(self._eval_ids), rows, meta, stats, projections)

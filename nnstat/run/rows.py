@@ -80,6 +80,7 @@ class BatchRows:
         # modules whose rows are outer products left for the writer to form (see store.outer)
         self._outer: list[outer.OuterFactors] = []
         self._all_outer = True
+        self._factor = True  # factored modules stored as factors (begin's factor)
         self._sizes: dict[str, int] = {}  # module -> samples it saw in this block
         # captured energy of factored modules over the pass (the Run records it in meta.json)
         self.energy = EnergyTally()
@@ -89,9 +90,11 @@ class BatchRows:
         """True between :meth:`begin` and :meth:`end`."""
         return self._rows is not None
 
-    def begin(self, projections: Mapping[str, ModuleProjection]) -> None:
-        """Start a block under ``projections``."""
+    def begin(self, projections: Mapping[str, ModuleProjection], factor: bool = True) -> None:
+        """Start a block under ``projections``; ``factor=False`` (queries: few, kept exact)
+        makes dense rows also of the modules a store keeps as factors."""
         self._projections = projections
+        self._factor = factor
         self._rows, self._buffer, self._stage = {}, None, None
         self._outer, self._all_outer = [], True
         self._sizes = {}
@@ -124,7 +127,7 @@ class BatchRows:
         proj = self._projections[cap.name]
         prev = self._rows.get(cap.name)
         factored = None
-        if proj.factors and cap.num_samples:
+        if proj.factors and cap.num_samples and self._factor:
             factored = self._factored(cap, proj, prev)
         if cap.num_samples and (self._stage is not None or on_accelerator(cap.device)):
             self._check_size(cap.name, cap.num_samples)
@@ -133,7 +136,7 @@ class BatchRows:
         if cap.num_samples == 0:  # an empty batch (a filtered last batch): nothing to project
             if prev is None:
                 buf = self._row_buffer(writer, 0) if writer is not None else None
-                empty = torch.zeros(0, proj.width)
+                empty = torch.zeros(0, self._width(proj))
                 self._rows[cap.name] = empty if buf is None else buf[:, self.columns[cap.name]]
             return
         self._check_size(cap.name, cap.num_samples)
@@ -191,7 +194,7 @@ class BatchRows:
         adds to them); no host transfer. ``factored``: the module's rows, already made."""
         if self._stage is None:
             self._layout()
-            width = sum(p.width for p in self._projections.values())
+            width = sum(self._width(p) for p in self._projections.values())
             self._stage = torch.empty(
                 cap.num_samples, width, dtype=torch.float32, device=cap.device
             )
@@ -207,11 +210,14 @@ class BatchRows:
             out.copy_(project_capture(cap, proj))
         self._rows[cap.name] = out
 
+    def _width(self, p: ModuleProjection) -> int:
+        return p.width if self._factor else p.dense_width
+
     def _layout(self) -> None:
         offset = 0
         for name, p in self._projections.items():
-            self.columns[name] = slice(offset, offset + p.width)
-            offset += p.width
+            self.columns[name] = slice(offset, offset + self._width(p))
+            offset += self._width(p)
 
     def _check_size(self, name: str, n: int) -> None:
         """Every module of a block must see its N samples: name the ones that did not."""
@@ -269,11 +275,12 @@ def module_blocks(
     batch: Mapping[str, torch.Tensor],
     projections: Mapping[str, ModuleProjection],
     warned: set[str],
+    factored: bool = True,
 ) -> list[torch.Tensor]:
     """One ``[N, width]`` block per module in layout order; zeros for modules without gradient.
 
     A watched module that took no part in the loss has a zero gradient: stored as zeros, with a
-    one-time warning naming it. Nothing captured at all is an error (no backward in the block).
+    one-time warning naming it (``factored=False``: a query block's dense widths). Nothing captured at all is an error (no backward in the block).
     """
     if not batch:
         raise RuntimeError(
@@ -289,7 +296,10 @@ def module_blocks(
             "gradients are stored as zeros (they did not take part in the loss)",
             stacklevel=4,
         )
-    return [batch[m] if m in batch else torch.zeros(n, p.width) for m, p in projections.items()]
+    return [
+        batch[m] if m in batch else torch.zeros(n, p.width if factored else p.dense_width)
+        for m, p in projections.items()
+    ]
 
 
 def refuse_left_out(

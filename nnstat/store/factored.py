@@ -149,6 +149,21 @@ def dense_modules(modules: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def dense_layout(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """``modules`` and ``row_width`` of ``meta`` as its dense rows lay them out (the form a
+    query log of a factored store has, and the one two logs are compared in).
+
+    Example:
+        >>> mods = [{"name": "a", "offset": 0, "width": 14, "r_out": 3, "r_in": 4, "factors": 2}]
+        >>> dense_layout({"modules": mods, "row_width": 14})["row_width"]
+        12
+    """
+    if not is_factored(meta):
+        return {k: meta[k] for k in ("modules", "row_width") if k in meta}
+    modules = dense_modules(meta["modules"])
+    return {"modules": modules, "row_width": sum(int(m["width"]) for m in modules)}
+
+
 def densify(rows: torch.Tensor, modules: Sequence[Mapping[str, Any]]) -> torch.Tensor:
     """Stored rows ``[N, row_width]`` of a store whose ``modules`` (meta.json) may be factored,
     as float32 dense rows (the layout of :func:`dense_modules`). A block at a time: the dense

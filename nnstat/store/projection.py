@@ -60,6 +60,12 @@ class ModuleProjection:
         if self.factors:
             assert self.r_out is not None
             return factored_width(self.factors, self.r_out, self.r_in)
+        return self.dense_width
+
+    @property
+    def dense_width(self) -> int:
+        """Columns of this module's dense row (``r_out * r_in``): a query log's, or a store's
+        without ``factors``."""
         return self.r_in * (self.r_out or 1)
 
 

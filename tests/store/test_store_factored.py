@@ -118,7 +118,11 @@ def test_exact_factored_store_scores_as_its_factors_and_as_the_dense_store(tmp_p
     assert fstore.row_width == sum(T * (m["r_out"] + m["r_in"]) for m in mods) < dstore.row_width
     stored = fstore.rows(0, len(fstore))
     train64 = _dense64(stored, mods)
-    query64 = _dense64(flog.rows, mods)
+    # queries are logged exact, as dense rows, and named so in their meta
+    assert all("factors" not in m for m in flog.meta["modules"])
+    assert flog.rows.shape[1] == flog.meta["row_width"] == dstore.row_width
+    torch.testing.assert_close(flog.rows, dlog.rows)
+    query64 = flog.rows.double()
     # the dense store's rows (the engine's projected product, no factors) are the same rows
     torch.testing.assert_close(train64, dstore.rows(0, len(dstore)).double(), rtol=1e-5,
                                atol=1e-5)  # fmt: skip
