@@ -159,6 +159,14 @@ def parts(args: argparse.Namespace) -> list[Part]:
             + (["--quick"] if q else ["--n", "512", "--queries", "16", "--seq", "128"]),
             35,
         ),
+        Part(
+            # the ~1B Llama: log with EK-FAC (and LogIX), score, refine; GPT-2's 12-layer
+            # refinement row is the `refine` part's
+            "attribution",
+            [PY, "benchmarks/attribution_scale.py", "--device", DEV]
+            + (["--quick"] if q else ["--n", "16", "--queries", "64", "--refine-steps", "1"]),
+            90,
+        ),
         # last: it only needs to pass, and it may use what the budget has left
         Part("suite", ["suite"], 60),
     ]

@@ -8,8 +8,14 @@
    Hessian-weighted B_noise.
 3. B_simple over training (streaming tracker), printed and optionally plotted.
 
+4. Long sequences (``--parts sequence``): GPT-2 small's per-layer linear maps (width 768) over
+   T = 512 positions: a training step with and without ``nnstat.NoiseScale``, and the per-batch
+   norm reduction alone on the same captures, three ways: summed without per-sample values
+   (what the tracker does: the Grams' dot where cheaper, else ``G_i`` into one foreach norm),
+   per-sample ``[N]`` values then their mean, and every ``G_i`` materialised.
+
 Run: ``.venv/bin/python benchmarks/noise_scale_overhead.py [--plot docs/img/noise_scale.png]``
-(``--parts overhead --widths 256/64 --rounds 6`` for a quick look).
+(``--parts overhead --widths 256/64 --rounds 6`` for a quick look; ``--parts sequence``).
 Not a test: CI never runs it. Prints markdown tables.
 """
 
@@ -162,6 +168,102 @@ def overhead(x, y, width: int, batch: int, steps: int, rounds: int) -> dict:
     }
 
 
+class Layers(nn.Module):
+    """GPT-2's per-layer linear maps (qkv, attention output, MLP in and out) over [N, T, D]."""
+
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        d = width
+        self.blocks = nn.ModuleList(
+            nn.ModuleList(
+                [nn.Linear(d, 3 * d), nn.Linear(d, d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)]
+            )
+            for _ in range(layers)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1]
+        for qkv, out, fc, proj in self.blocks:
+            q, k, v = qkv(x).split(d, dim=-1)
+            x = x + out(torch.tanh(q * k) * v)
+            x = x + proj(nn.functional.gelu(fc(x)))
+        return x
+
+
+def sequence(width: int, seq: int, batch: int, layers: int, rounds: int) -> dict:
+    """Step time with and without the tracker, and the norm reduction alone three ways."""
+    from nnstat.capture.norms import sq_norm_sums
+
+    torch.manual_seed(0)
+    model = Layers(width, layers)
+    x = torch.randn(batch, seq, width)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    gns = nnstat.NoiseScale(beta=0.9)
+
+    def step(tracked: bool) -> float:
+        t0 = time.perf_counter()
+        if tracked:
+            with gns.batch():
+                model(x).square().mean().backward()
+        else:
+            model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - t0
+
+    gns.watch(model)
+    steps: dict[str, list[float]] = {"plain": [], "tracked": []}
+    for r in range(rounds + 1):  # the first round warms up
+        for k in ("plain", "tracked") if r % 2 else ("tracked", "plain"):
+            t = step(k == "tracked")
+            if r:
+                steps[k].append(t)
+    b_simple = gns.value
+    gns.unwatch()
+
+    engine = nnstat.CaptureEngine()
+    engine.watch(model)
+    caps: list = []
+    engine.add_consumer(caps.append)
+    with engine.batch():
+        model(x).square().mean().backward()
+    model.zero_grad()
+
+    def summed() -> torch.Tensor:  # the tracker's reduction
+        parts = sq_norm_sums(caps)
+        tensors = [t for ts, _, _ in parts for t in ts]
+        values = [v for _, vs, _ in parts for v in vs]
+        return torch.stack([*torch._foreach_norm(tensors), *values])
+
+    ways = {
+        "summed": summed,
+        "per_sample": lambda: torch.stack([c.per_sample_sq_norm().mean() for c in caps]),
+        "materialised": lambda: torch.stack(
+            [c.per_sample_grad().square().sum((1, 2)).mean() for c in caps]
+        ),
+    }
+    norm_times: dict[str, list[float]] = {k: [] for k in ways}
+    for r in range(rounds + 1):
+        order = list(ways)[r % 3 :] + list(ways)[: r % 3]
+        for k in order:
+            t0 = time.perf_counter()
+            ways[k]()
+            if r:
+                norm_times[k].append(time.perf_counter() - t0)
+    engine.unwatch()
+    med = statistics.median
+    return {
+        "plain_s": med(steps["plain"]),
+        "ratio": med(a / b for a, b in zip(steps["tracked"], steps["plain"], strict=True)),
+        "b_simple": b_simple,
+        **{f"{k}_ms": 1e3 * med(v) for k, v in norm_times.items()},
+        **{
+            f"{k}_rel": med(a / b for a, b in zip(v, norm_times["summed"], strict=True))
+            for k, v in norm_times.items()
+        },
+    }
+
+
 def exact_b_simple(model, x, y) -> float:
     params = {k: v.detach() for k, v in model.named_parameters()}
 
@@ -259,7 +361,10 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=10, help="repetitions per accuracy cell")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--plot", default=None, help="write the B_simple-over-training figure here")
-    ap.add_argument("--parts", default="overhead,accuracy,training", help="comma-separated")
+    ap.add_argument(
+        "--parts", default="overhead,accuracy,training", help="comma-separated (or: sequence)"
+    )
+    ap.add_argument("--seq", default="768/512/2/1", help="sequence part: width/T/batch/layers")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     x, y = digits()
@@ -271,6 +376,26 @@ def main() -> None:
         print_accuracy(x, y, args)
     if "training" in parts:
         print_training(x, y, args)
+    if "sequence" in parts:
+        print_sequence(args)
+
+
+def print_sequence(args) -> None:
+    width, seq, batch, layers = (int(v) for v in args.seq.split("/"))
+    r = sequence(width, seq, batch, layers, args.rounds)
+    print(
+        f"\n## Long sequences (linear maps of {layers} GPT-2 layer(s), width {width}, T = {seq}, "
+        f"batch {batch}, {args.threads} thread(s); medians of {args.rounds} interleaved rounds)\n"
+    )
+    print(
+        "| plain step s | NoiseScale step / plain | norms summed ms | per-sample values, x "
+        "| G_i materialised, x |"
+    )
+    print("| --- | --- | --- | --- | --- |")
+    print(
+        f"| {r['plain_s']:.2f} | {r['ratio']:.2f}x | {r['summed_ms']:.0f} "
+        f"| {r['per_sample_rel']:.2f}x | {r['materialised_rel']:.2f}x |"
+    )
 
 
 def print_overhead(x, y, args) -> None:

@@ -111,7 +111,7 @@ class DeviceLedger(TorchDispatchMode):
             if dst.device.type == "cpu" and source.device.type != "cpu":
                 self.to_host.append(bool(args[2]) if len(args) > 2 else False)
                 if source.device.type == "meta":
-                    return dst
+                    return dst.fill_(1)  # answered with ones, like a read (flags: True)
             elif dst.device.type != "cpu" and source.device.type == "cpu" and source.dim():
                 self.to_device += 1
         return func(*args, **kwargs)

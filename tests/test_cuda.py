@@ -241,7 +241,8 @@ def _log_blocks(device: str, root: str, syncs: list | None = None) -> nnstat.Gra
 
 def test_logging_cuda_equals_cpu_and_reads_once_per_block(tmp_path):
     """The rows stay on the GPU until one non-blocking copy per block: nothing synchronises
-    inside backward, and the block reads one flag (the weights guard's and the rows' NaN/Inf)."""
+    inside backward; the weights guard's and the rows' NaN/Inf flags travel in that copy and
+    are checked by the writer's thread (a block reads at most what the bound below allows)."""
     cpu = _log_blocks("cpu", str(tmp_path))
     syncs: list[tuple[str, int]] = []
     gpu = _log_blocks(DEV, str(tmp_path / "dev"), syncs)

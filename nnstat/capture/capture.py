@@ -237,6 +237,35 @@ class ModuleCapture:
         # unscaled output gradients; the mean-loss factor squared multiplies the [N] result
         return scaled(self.kind.sq_norm(self, self._b_raw), self._scale * self._scale)
 
+    def sq_norm_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
+        """``(tensors, values, c)`` with ``Σ_i ‖G_i‖² = c · (Σ_k ‖tensors[k]‖²_F + Σ values)``.
+
+        The batch's summed per-sample squared norms without the ``[N]`` per-sample values:
+        one-position rows give :meth:`sq_norm_factors`'s factors; positions over a sequence give
+        the two Grams' dot or the per-sample matrices, whichever takes fewer multiply-adds (see
+        :meth:`~nnstat.capture.kinds.Kind.sq_norm_parts`). ``c`` is the mean-loss factor
+        squared, left to the caller (a float on the host, not a kernel). :func:`sq_norm_sums`
+        does this for many captures, the one-position ones in fewer kernels.
+
+        Returns:
+            The tensors (norms to take), the 0-d values (to add) and the factor ``c``.
+
+        Example:
+            >>> import torch, nnstat
+            >>> m = torch.nn.Linear(3, 2); e = nnstat.CaptureEngine(); _ = e.watch(m); caps = []
+            >>> e.add_consumer(caps.append)
+            >>> with e.batch(): m(torch.randn(4, 5, 3)).sum().backward()
+            >>> ts, vs, c = caps[0].sq_norm_parts()
+            >>> total = c * (sum(t.square().sum() for t in ts) + sum(vs))
+            >>> bool(torch.isclose(total, caps[0].per_sample_sq_norm().sum()))
+            True
+        """
+        factors = self.sq_norm_factors()
+        if factors is not None:
+            return factors[0], [], factors[1]
+        tensors, values = self.kind.sq_norm_parts(self, self._b_raw)
+        return tensors, values, self._scale * self._scale
+
     def sq_norm_factors(self) -> tuple[list[torch.Tensor], float] | None:
         """``(tensors, c)`` with ``Σ_i ‖G_i‖² = c · Σ_k ‖tensors[k]‖²_F``, or None.
 

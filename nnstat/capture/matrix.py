@@ -50,6 +50,52 @@ def gram_sq_norms(a: torch.Tensor, b: torch.Tensor, bias: bool = False) -> torch
     return sq.add_(gram_b.view(n, -1).sum(1)) if bias else sq
 
 
+def gram_is_cheaper(t: int, d_in: int, d_out: int) -> bool:
+    """Whether the Grams take fewer multiply-adds than forming ``G_i`` ``[d_out, d_in]`` over
+    `t` positions: ``t² (d_in + d_out)`` against ``t d_in d_out`` per sample (the Grams' dot and
+    the matrices' squares are the smaller terms of each). Wide layers over few positions take
+    the Grams; at GPT-2 small's T = 512 every layer wider than ``2·512`` on one side does.
+
+    Args:
+        t: positions per sample.
+        d_in: the matrix form's input side (bias column included).
+        d_out: its output side.
+
+    Returns:
+        True when the Grams are the cheaper way to the squared norms.
+
+    Example:
+        >>> gram_is_cheaper(512, 769, 3072), gram_is_cheaper(512, 769, 768)
+        (True, False)
+    """
+    return t * (d_in + d_out) < d_in * d_out
+
+
+def gram_sq_norm_sum(a: torch.Tensor, b: torch.Tensor, bias: bool = False) -> list[torch.Tensor]:
+    """0-d values adding to ``Σ_i ‖G_i‖²`` (:func:`gram_sq_norms` summed over the samples):
+    one dot of the two ``[N, T, T]`` Grams over every sample at once, and with `bias` the sum
+    of ``b``'s Gram (the ones column's ``Σ_{t,s} b_t·b_s``), left for the caller to add: no
+    ``[N]`` values, no in-place add, one kernel per term.
+
+    Args:
+        a: ``[N, T, d_in]`` forward rows (no ones column).
+        b: ``[N, T, d_out]`` output gradients (zero where a position is masked).
+        bias: the matrix form ends with the ones column.
+
+    Returns:
+        The dot, and with `bias` the sum of ``b``'s Gram (0-d tensors).
+
+    Example:
+        >>> a, b = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
+        >>> bool(torch.allclose(sum(gram_sq_norm_sum(a, b, True)), gram_sq_norms(a, b, True).sum()))
+        True
+    """
+    gram_a = torch.bmm(a, a.transpose(1, 2))
+    gram_b = torch.bmm(b, b.transpose(1, 2))
+    out = [torch.dot(gram_a.view(-1), gram_b.view(-1))]
+    return [*out, gram_b.sum()] if bias else out
+
+
 def scatter_rows(
     out: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, alpha: float = 1.0
 ) -> torch.Tensor:

@@ -3,7 +3,9 @@
 The noise-scale tracker needs ``sum_i ||g_i||^2`` of every watched layer on every step; for
 one-position layers (``[N, d]`` rows) ``||g_i||^2 = ||a_i||^2 ||b_i||^2 (+ ||b_i||^2`` for the
 bias), so each stream is read once for its row norms and the products are taken on ``[N]``
-values for all layers in one ``_foreach_mul``.
+values for all layers in one ``_foreach_mul``. Layers over a sequence give the sum over the
+samples directly: the two Grams' dot (0-d) or the per-sample matrices (their norms join the
+caller's one foreach norm), whichever takes fewer multiply-adds.
 
 Example:
     >>> import torch, nnstat
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["sq_norm_factors"]
+__all__ = ["sq_norm_factors", "sq_norm_sums"]
 
 
 def sq_norm_factors(
@@ -59,3 +61,38 @@ def sq_norm_factors(
         return factors
     it = iter(factors)
     return [next(it) if c._is_plain_row() else None for c in caps]
+
+
+def sq_norm_sums(
+    caps: Sequence[Any],
+) -> list[tuple[list[torch.Tensor], list[torch.Tensor], float]]:
+    """:meth:`ModuleCapture.sq_norm_parts` of each capture, the one-position ones through
+    :func:`sq_norm_factors` (their row scalings in one kernel).
+
+    ``Σ_i ‖G_i‖² = c · (Σ_k ‖tensors[k]‖²_F + Σ values)`` for each ``(tensors, values, c)``:
+    a caller takes every capture's tensors' norms in one ``torch._foreach_norm`` and reads
+    them with the 0-d values in one vector (the noise scale's per-step path: no ``[N]``
+    per-sample values, no mean, no scaling kernel per module).
+
+    Args:
+        caps: :class:`~nnstat.capture.ModuleCapture` objects of one batch.
+
+    Returns:
+        One ``(tensors, values, c)`` per capture, in order.
+
+    Example:
+        >>> import torch, nnstat
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))
+        >>> engine = nnstat.CaptureEngine(); _ = engine.watch(model); caps = []
+        >>> engine.add_consumer(caps.append)
+        >>> with engine.batch():
+        ...     model(torch.randn(5, 2, 64)).sum().backward()
+        >>> # wide: the Grams' dot and the bias's sum; narrow: G_i and Σ_t b_t
+        >>> [(len(t), len(v)) for t, v, _ in sq_norm_sums(caps)]
+        [(0, 2), (2, 0)]
+    """
+    factors = sq_norm_factors(caps)
+    return [
+        cap.sq_norm_parts() if f is None else (f[0], [], f[1])
+        for cap, f in zip(caps, factors, strict=True)
+    ]

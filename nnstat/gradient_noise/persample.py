@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from nnstat.capture.capture import ModuleCapture, modules_by_size
-from nnstat.capture.norms import sq_norm_factors
+from nnstat.capture.norms import sq_norm_sums
 from nnstat.distributed import rank_world
 
 
@@ -174,15 +174,14 @@ class PerSampleNorms:
         a handful of values once it is on the host.
         """
         norm_in: list[torch.Tensor] = []  # tensors whose Frobenius norms are needed
-        scalars: list[torch.Tensor] = []  # 0-d values that are already the final numbers
-        spans: list[tuple[int, int, float]] = []  # per module: norm_in[i:j] times c, or j < 0
-        for cap, factors in zip(caps, sq_norm_factors(caps), strict=True):
-            if factors is None:
-                spans.append((len(scalars), -1, 1.0))
-                scalars.append(cap.per_sample_sq_norm().mean())
-            else:
-                spans.append((len(norm_in), len(norm_in) + len(factors[0]), factors[1] / n))
-                norm_in.extend(factors[0])
+        scalars: list[torch.Tensor] = []  # 0-d values that add to a module's sum as they are
+        # per module: c times (the squares of norm_in[i:j] plus scalars[k:m])
+        spans: list[tuple[int, int, int, int, float]] = []
+        for tensors, values, c in sq_norm_sums(caps):
+            i, k = len(norm_in), len(scalars)
+            spans.append((i, i + len(tensors), k, k + len(values), c / n))
+            norm_in.extend(tensors)
+            scalars.extend(values)
         owner: list[int] = []
         n_factors = len(norm_in)
         if local_big:
@@ -215,9 +214,9 @@ class PerSampleNorms:
             if has_loss and not math.isfinite(value := values.pop()):
                 raise ValueError(f"loss_fn returned a non-finite loss ({value})")
             norms, rest = values[:n_norms], values[n_norms:]
-            small = []
-            for i, j, c in spans:
-                small.append(rest[i] if j < 0 else c * sum(v * v for v in norms[i:j]))
+            small = [
+                c * (sum(v * v for v in norms[i:j]) + sum(rest[k:m])) for i, j, k, m, c in spans
+            ]
             if local_big:
                 return small, rest[len(rest) - n_caps :]
             big = [0.0] * n_caps

@@ -39,7 +39,6 @@ from nnstat.run.rows import (
     Block,
     input_ids,
     module_blocks,
-    read_flags,
     refuse_left_out,
 )
 from nnstat.run.signals import CommitOnSignal
@@ -126,7 +125,7 @@ class Run(PassEnd):
         self._probe_reduction = True  # the first block of a pass / eval log checks the loss
         self._warned_once: set[str] = set()
         self._writer_error: StoreWriteError | None = None  # raised again by finalize()
-        self._flushed_by_signal = False  # this pass's rows were flushed by a signal
+        self._flushed_early = False  # this pass's rows were flushed (a signal, a refusal)
 
     def __repr__(self) -> str:
         return f"Run(project={self.project!r}, path={str(self.path)!r}, mode={self.mode!r})"
@@ -280,9 +279,14 @@ class Run(PassEnd):
             self._warned_once,
         )
         assert self._projections is not None
+        # the staging buffer (an accelerator) keeps words for the guard's flags after the rows;
         # queries are logged exact (dense), whatever the store's factors: few rows, and
         # refinement checks them against their gradients
-        self._rows.begin(self._projections, factor=self.mode != "eval")
+        self._rows.begin(
+            self._projections,
+            same.numel() if isinstance(same, torch.Tensor) else 0,
+            factor=self.mode != "eval",
+        )
         try:
             with (
                 self.engine.batch(
@@ -328,8 +332,10 @@ class Run(PassEnd):
         self, block: Block, ids: list | None, keep: Any, same: bool | torch.Tensor = True
     ) -> None:
         """Store (or keep, in eval mode) a closed block's rows. ``same``: the weights guard's
-        flag (:meth:`BlockGuard.begin`), confirmed here; on an accelerator it is read with the
-        rows' NaN/Inf flags: the block's one host read."""
+        flag (:meth:`BlockGuard.begin`), confirmed here; on an accelerator it travels with the
+        rows and their NaN/Inf flags in the block's one copy, and the store's writer thread
+        checks them all once the copy has landed: nothing is read back in the step (a refusal
+        is raised at the next block or at finalize())."""
         if not (self.mode == "eval" or self._saving()):
             self._guard.confirm(same)
             return
@@ -368,11 +374,10 @@ class Run(PassEnd):
             flag = same if isinstance(same, torch.Tensor) else None
             if flag is None:
                 self._guard.confirm(same)
-            same_read, ok = read_flags(flag, self._logger.row_flags(block.staged))
-            if same_read is not None:
-                self._guard.confirm(same_read)
-            # the rows leave the device in one copy, queued; the writer waits for it
-            self._logger.add_staged(ids, block.staged, keep, ok)
+            confirm = self._guard.deferred() if flag is not None else None
+            # the rows and their flags leave the device in one copy, queued; the writer's
+            # thread waits for it, then checks the flags
+            self._logger.add_staged(ids, block.staged, keep, block.flat, flag, confirm)
             return
         self._guard.confirm(same)
         if rowbuf is not None:

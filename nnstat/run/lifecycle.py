@@ -42,7 +42,7 @@ class PassEnd:
     _probe_reduction: bool
     _guard: Any
     _writer_error: StoreWriteError | None
-    _flushed_by_signal: bool
+    _flushed_early: bool
     _next_auto_id: int
     _rows: Any
 
@@ -57,6 +57,10 @@ class PassEnd:
         Raises:
             Exception: the store writer's error (disk full, a failed write), re-raised here once
                 the pass is closed.
+            ValueError: on an accelerator, a refusal the writer's thread found in the flags of
+                a block's copy (NaN/Inf under ``nonfinite="error"``, or
+                :class:`~nnstat.store.errors.ModelChangedError`) and no block raised yet: the
+                rows before the refused block are stored, none from it on.
         """
         if self.mode == "eval":
             return
@@ -82,7 +86,7 @@ class PassEnd:
                 self._collector = None
         self._stats_state = saved if saved is not None else self._stats_state
         self._next_auto_id = 0
-        flushed, self._flushed_by_signal = self._flushed_by_signal, False
+        flushed, self._flushed_early = self._flushed_early, False
         if logger is None and collector is None and not flushed:
             # an empty pass is not a pass: the next loop is still this one
             warnings.warn("finalize(): nothing was logged in this pass", stacklevel=2)
@@ -99,7 +103,7 @@ class PassEnd:
         self._on_signal.restore()
         if logger is None:
             return
-        self._flushed_by_signal = why == "a signal"
+        self._flushed_early = why == "a signal"
         warnings.warn(
             f"nnstat: the logging pass of {self.path} was never finalize()d; its rows are "
             f"flushed at {why}, but its statistics are not saved. Call finalize() after each "
@@ -117,9 +121,21 @@ class PassEnd:
     @contextmanager
     def _writer_errors(self) -> Iterator[None]:
         """A writer failure ends the pass where it surfaces: the writer is stopped (its lock
-        released, so another run may write the store) and the error is kept for finalize()."""
+        released, so another run may write the store) and the error is kept for finalize().
+        A refusal of staged rows by their flags, found in the writer's thread (NaN/Inf under
+        ``nonfinite="error"``, a changed model), ends the store's writing the same way where
+        it surfaces, raised once: the rows before it are stored, a later block resumes."""
         try:
             yield
+        except ValueError as e:
+            logger = self._logger
+            if logger is None or e is not logger.writer.refused:
+                raise
+            self._logger = None
+            self._on_signal.restore()
+            store_io.close_after_failure(logger, e)
+            self._flushed_early = True  # the rows before the refusal: flushed, a pass
+            raise
         except StoreWriteError as e:
             logger, self._logger = self._logger, None
             self._on_signal.restore()

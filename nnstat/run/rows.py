@@ -5,11 +5,13 @@ columns of one of the writer's reused row buffers (no per-batch allocation); an 
 block with two backward passes keeps one fresh tensor per module instead (two passes add up,
 like the gradients they project). On an accelerator (:func:`on_accelerator`) the rows stay
 there: every module projects into its columns of one staging buffer on the device, laid out
-like the stored row, and the block's rows leave the device in ONE copy at its end (the store's
-writer queues it, non-blocking, into pinned memory); nothing is read back inside backward.
+like the stored row, followed by a few words for the block's flags (the weights guard's and the
+rows' NaN/Inf flags, written there at its end), and the whole buffer leaves the device in ONE
+copy at the block's end (the store's writer queues it, non-blocking, into pinned memory; its
+thread reads the flags once the copy has landed): nothing is read back inside the step.
 :class:`BatchRows` holds that per-block state for :class:`nnstat.run.Run`;
 :func:`module_blocks`, :func:`refuse_left_out` and :func:`input_ids` are the checks and ids of
-a block's rows before they are stored, :func:`read_flags` the block's one host read.
+a block's rows before they are stored.
 
 Example:
     >>> rows = BatchRows()
@@ -52,13 +54,16 @@ def on_accelerator(device: torch.device) -> bool:
 class Block(NamedTuple):
     """A closed block's rows: ``rows`` (module → ``[N, width]``, views of ``buffer`` or
     ``staged`` when those exist), ``buffer`` (the writer's host row buffer, or ``None``),
-    ``factors`` (outer products the writer forms, or ``None``) and ``staged`` (the device
-    staging buffer ``[N, row_width]``, or ``None``)."""
+    ``factors`` (outer products the writer forms, or ``None``), ``staged`` (the device
+    staging buffer ``[N, row_width]``, or ``None``) and ``flat`` (the flat device buffer
+    ``staged`` is the start of, followed by ``N`` + the ``flags`` of :meth:`BatchRows.begin`
+    words for the block's flags; ``None`` without ``staged``)."""
 
     rows: dict[str, torch.Tensor]
     buffer: torch.Tensor | None = None
     factors: list[outer.OuterFactors] | None = None
     staged: torch.Tensor | None = None
+    flat: torch.Tensor | None = None
 
 
 class BatchRows:
@@ -68,7 +73,7 @@ class BatchRows:
         >>> rows = BatchRows()
         >>> rows.begin({})
         >>> rows.end()
-        Block(rows={}, buffer=None, factors=None, staged=None)
+        Block(rows={}, buffer=None, factors=None, staged=None, flat=None)
     """
 
     def __init__(self) -> None:
@@ -77,6 +82,8 @@ class BatchRows:
         self._rows: dict[str, torch.Tensor] | None = None
         self._buffer: torch.Tensor | None = None
         self._stage: torch.Tensor | None = None  # the device staging buffer of the block
+        self._flat: torch.Tensor | None = None  # _stage's flat buffer, with the flags' words
+        self._flags = 0  # words after the rows and their N row flags (the guard's flags)
         # modules whose rows are outer products left for the writer to form (see store.outer)
         self._outer: list[outer.OuterFactors] = []
         self._all_outer = True
@@ -90,12 +97,17 @@ class BatchRows:
         """True between :meth:`begin` and :meth:`end`."""
         return self._rows is not None
 
-    def begin(self, projections: Mapping[str, ModuleProjection], factor: bool = True) -> None:
-        """Start a block under ``projections``; ``factor=False`` (queries: few, kept exact)
-        makes dense rows also of the modules a store keeps as factors."""
+    def begin(
+        self, projections: Mapping[str, ModuleProjection], flags: int = 0, factor: bool = True
+    ) -> None:
+        """Start a block under ``projections``; a device staging buffer keeps ``N + flags``
+        words after the rows (the rows' NaN/Inf flags and ``flags`` more). ``factor=False``
+        (queries: few, kept exact) makes dense rows also of the modules a store keeps as
+        factors."""
         self._projections = projections
         self._factor = factor
-        self._rows, self._buffer, self._stage = {}, None, None
+        self._rows, self._buffer, self._stage, self._flat = {}, None, None, None
+        self._flags = flags
         self._outer, self._all_outer = [], True
         self._sizes = {}
 
@@ -109,6 +121,7 @@ class BatchRows:
         rows, self._rows = self._rows or {}, None
         buffer, self._buffer = self._buffer, None
         stage, self._stage = self._stage, None
+        flat, self._flat = self._flat, None
         factors, self._outer = self._outer, []
         if factors and not self._all_outer:
             assert buffer is not None
@@ -118,7 +131,7 @@ class BatchRows:
             for name in self._projections:
                 if name not in rows:  # took no part in the loss: stored as zeros
                     stage[:, self.columns[name]].zero_()
-        return Block(rows, buffer, factors or None, stage)
+        return Block(rows, buffer, factors or None, stage, flat)
 
     def add(self, cap: Any, writer: Any | None) -> None:
         """Project one module's capture; in place into ``writer``'s row buffer when given, into
@@ -195,9 +208,12 @@ class BatchRows:
         if self._stage is None:
             self._layout()
             width = sum(self._width(p) for p in self._projections.values())
-            self._stage = torch.empty(
-                cap.num_samples, width, dtype=torch.float32, device=cap.device
+            n = cap.num_samples
+            # the flags' words after the rows: they leave the device in the rows' one copy
+            self._flat = torch.empty(
+                n * width + n + self._flags, dtype=torch.float32, device=cap.device
             )
+            self._stage = self._flat[: n * width].view(n, width)
         out = self._stage[:, self.columns[cap.name]]
         same = cap.device == out.device
         if factored is not None:
@@ -244,31 +260,6 @@ class BatchRows:
             self._buffer = writer.row_buffer(n)
             self._layout()
         return self._buffer
-
-
-def read_flags(*flags: torch.Tensor | None) -> list[list[bool] | None]:
-    """The values of a block's device flags (``[k]`` or 0-d bool tensors, ``None`` for none) in
-    ONE host read: a block reads the device back once, whatever it checks.
-
-    Example:
-        >>> read_flags(torch.tensor(True), None, torch.tensor([True, False]))
-        [[True], None, [True, False]]
-    """
-    given = [f.reshape(-1) for f in flags if f is not None]
-    if not given:
-        return [None for _ in flags]
-    device = given[0].device
-    values = torch.cat([f.to(device=device, dtype=torch.bool) for f in given]).tolist()
-    out: list[list[bool] | None] = []
-    pos = 0
-    for f in flags:
-        if f is None:
-            out.append(None)
-            continue
-        k = f.numel()
-        out.append(values[pos : pos + k])
-        pos += k
-    return out
 
 
 def module_blocks(

@@ -16,7 +16,9 @@ Two fingerprints:
   the next block of the same pass anything that differs is a
   :class:`~nnstat.store.errors.ModelChangedError` naming the tensors, modules or group.
   Changes *inside* a block (a train-mode BatchNorm updating its running statistics in
-  forward) are not changes between blocks.
+  forward) are not changes between blocks. A block inside which no tensor's identity,
+  version or mode changed keeps the checksums taken at its start as its end state: one pass
+  over the weights per block, not two.
 
 Example:
     >>> m = torch.nn.Linear(2, 2); guard = BlockGuard(); guard.record(m)
@@ -28,7 +30,7 @@ Example:
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -125,13 +127,34 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(word)
 
 
-def checksum(
-    words: torch.Tensor, weights: torch.Tensor | None = None, out: torch.Tensor | None = None
-) -> torch.Tensor:
+#: columns of the grid :func:`checksum` reduces (the words are padded with zeros to a multiple)
+COLUMNS = 4096
+
+
+def checksum_weights(rows: int, device: torch.device | None = None) -> torch.Tensor:
+    """:func:`checksum`'s weights for grids of up to ``rows`` rows: ``2j + 1`` for each of the
+    :data:`COLUMNS` columns, then ``2 * COLUMNS * i`` for each row ``i`` (int32, modulo 2**32).
+
+    Example:
+        >>> checksum_weights(2)[[0, 1, COLUMNS, COLUMNS + 1]].tolist()
+        [1, 3, 0, 8192]
+    """
+    cols = torch.arange(1, 2 * COLUMNS, 2, dtype=torch.int64, device=device)
+    starts = torch.arange(rows, dtype=torch.int64, device=device) * (2 * COLUMNS)
+    # int64 -> int32 keeps the low 32 bits: the weights modulo 2**32
+    return torch.cat([cols, starts]).to(torch.int32)
+
+
+def checksum(words: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """One 0-d int32 checksum of a flat int32 tensor, left on its device: the sum of
-    ``word_i * (2i + 1)`` modulo 2**32 (``weights``: at least ``words.numel()`` of those odd
-    weights, made here when not given; ``out``: a buffer of at least as many words for the
-    products, which may be ``words`` itself).
+    ``word_i * (2i + 1)`` modulo 2**32 (``weights``: :func:`checksum_weights` of at least the
+    grid's rows, made here when not given).
+
+    Computed without a product per word: the words, zero-padded to a ``[rows, COLUMNS]`` grid
+    (a view when ``words.numel()`` is a multiple of :data:`COLUMNS`), are reduced along each
+    axis, row sums ``r_i`` and column sums ``c_j``, and ``sum_ij w_ij (2(i C + j) + 1) =
+    sum_j (2j + 1) c_j + sum_i 2 C i r_i``: two reads of the words, no write of their size
+    (a product then a sum read them twice and wrote them once).
 
     Every single changed word is caught (an odd weight times a nonzero difference is nonzero
     modulo 2**32), and so is an exchange of two words unless their difference times
@@ -145,38 +168,43 @@ def checksum(
         False
     """
     n = words.numel()
+    if n % COLUMNS or not n:
+        words = torch.cat([words, words.new_zeros(-n % COLUMNS or COLUMNS)])
+    grid = words.view(-1, COLUMNS)
+    rows = grid.shape[0]
     if weights is None:
-        weights = torch.arange(1, 2 * n, 2, dtype=torch.int32, device=words.device)
-    products = torch.mul(words, weights[:n], out=None if out is None else out[:n])
-    return products.sum(dtype=torch.int32)
+        weights = checksum_weights(rows, words.device)
+    sums = torch.cat([grid.sum(0, dtype=torch.int32), grid.sum(1, dtype=torch.int32)])
+    return (sums * weights[: COLUMNS + rows]).sum(dtype=torch.int32)
 
 
 class Weights:
-    """:func:`checksum`'s odd weights and a buffer for the words of a group, per device, kept
-    (each 4 bytes per word of the largest group: twice its tensors' bytes), so that a block
-    boundary allocates nothing (on CPU, fresh memory made the check ~10x slower) and launches no
-    kernel to make the weights; also the few zero bytes that pad a group of 1/2-byte words to
-    whole 32-bit words."""
+    """:func:`checksum`'s weights and a buffer for the words of a group, per device, kept (the
+    buffer 4 bytes per word of the largest group, the weights one per :data:`COLUMNS` of them),
+    so that a block boundary allocates nothing (on CPU, fresh memory made the check ~10x
+    slower) and launches no kernel to make the weights; also the few zero words that pad a
+    group to whole 32-bit words and to a multiple of :data:`COLUMNS` of them."""
 
     def __init__(self) -> None:
         self._weights: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pads: dict[tuple, torch.Tensor] = {}
 
     def __call__(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weights and the words buffer on ``device``, each of at least ``n`` words."""
+        """The weights for ``n`` words and the words buffer on ``device`` (at least ``n``)."""
         w = self._weights.get(device)
-        if w is None or w[0].numel() < n:
+        if w is None or w[1].numel() < n:
             w = (
-                torch.arange(1, 2 * n, 2, dtype=torch.int32, device=device),
+                checksum_weights(-(-n // COLUMNS), device),
                 torch.empty(n, dtype=torch.int32, device=device),
             )
             self._weights[device] = w
         return w
 
     def pad(self, words: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``words`` plus zero bytes up to a multiple of 4 bytes (none for 32-bit words)."""
+        """``words`` plus zeros up to a multiple of :data:`COLUMNS` 32-bit words (whole words
+        first: 1/2-byte words are padded to a multiple of 4 bytes)."""
         size = words[0].element_size()
-        extra = (-sum(w.numel() for w in words) * size) % 4 // size
+        extra = (-sum(w.numel() for w in words) * size) % (4 * COLUMNS) // size
         if not extra:
             return words
         key = (words[0].device, words[0].dtype, extra)
@@ -185,11 +213,14 @@ class Weights:
         return [*words, self._pads[key]]
 
 
-def _state(model: Models, weights: Weights) -> tuple[list[tuple], dict[tuple, torch.Tensor]]:
+def _state(
+    model: Models, weights: Weights, sums: bool = True
+) -> tuple[list[tuple], dict[tuple, torch.Tensor]]:
     """Per tensor its identity and version, per module its training mode (``m.train()`` /
     ``m.eval()`` change what a forward computes); per (device, dtype) one :func:`checksum` of
-    every bit of its tensors concatenated, left on the device (not read here): a cat, a
-    product and a sum per group."""
+    every bit of its tensors concatenated, left on the device (not read here): a cat and two
+    reductions of the words per group, and three small kernels (``sums=False``: the identities
+    alone, no kernel)."""
     ids: list[tuple] = [
         (f"{n or 'model'} (training mode)", m.training) for n, m in named(model, "named_modules")
     ]
@@ -198,7 +229,7 @@ def _state(model: Models, weights: Weights) -> tuple[list[tuple], dict[tuple, to
         local = getattr(t, "to_local", None)  # a DTensor (FSDP2): this rank's shard
         t = local() if callable(local) else t
         ids.append((name, t.data_ptr(), tuple(t.shape), t.dtype, t._version))
-        if t.numel():
+        if t.numel() and sums:
             groups.setdefault((t.device, t.dtype), []).append(_words(t.detach()))
     sums = {}
     for key, group in groups.items():
@@ -206,10 +237,10 @@ def _state(model: Models, weights: Weights) -> tuple[list[tuple], dict[tuple, to
         n = sum(g.numel() * g.element_size() for g in group) // 4
         w, buf = weights(n, group[0].device)
         if len(group) == 1 and group[0].dtype == torch.int32:
-            words = group[0]  # one tensor of 32-bit words: read where it is
+            words = group[0]  # one tensor of 32-bit words, a whole grid: read where it is
         else:  # into the kept buffer (as its own word type; 1/2-byte words are always copied)
             words = torch.cat(group, out=buf[:n].view(group[0].dtype)).view(torch.int32)
-        sums[key] = checksum(words, w, buf)
+        sums[key] = checksum(words, w)
     return ids, sums
 
 
@@ -235,14 +266,26 @@ class BlockGuard:
         self._state: tuple[list[tuple], dict[tuple, torch.Tensor]] | None = None
         self._groups: list[tuple] = []  # the (device, dtype) groups of the last begin()
         self._weights = Weights()
+        # the state begin() computed: the block's end state too when nothing was updated
+        self._begun: tuple[list[tuple], dict[tuple, torch.Tensor]] | None = None
 
     def reset(self) -> None:
-        self._state = None
+        self._state = self._begun = None
 
     def record(self, model: Models | None) -> None:
-        if model is not None:
-            with torch.no_grad():
-                self._state = _state(model, self._weights)
+        """Keep ``model``'s state at a block's end. When no tensor was replaced or updated in
+        place inside the block (identities, versions and training modes as :meth:`begin`
+        found them), :meth:`begin`'s checksums are kept: no kernel, no second pass over the
+        weights (a bits-only change inside the block, e.g. through ``.data``, then reads as a
+        change at the next :meth:`begin`: refused, as the block's rows came from two models)."""
+        if model is None:
+            return
+        begun, self._begun = self._begun, None
+        with torch.no_grad():
+            if begun is not None and _state(model, self._weights, sums=False)[0] == begun[0]:
+                self._state = begun
+                return
+            self._state = _state(model, self._weights)
 
     def _compare(self, model: Models | None) -> tuple[list[str], bool | torch.Tensor]:
         """The tensors whose identity or version differ from the last :meth:`record`, and
@@ -251,6 +294,7 @@ class BlockGuard:
             return [], True
         with torch.no_grad():
             ids, values = _state(model, self._weights)
+        self._begun = (ids, values)
         old_ids, old_values = self._state
         out = [a[0] for a, b in zip(ids, old_ids, strict=False) if a != b]
         if len(ids) != len(old_ids):
@@ -286,26 +330,51 @@ class BlockGuard:
     def _values_changed(self, same: bool | list[bool] | torch.Tensor) -> list[str]:
         if isinstance(same, torch.Tensor):
             same = same.reshape(-1).tolist()
-        if isinstance(same, bool):
-            same = [same] * max(1, len(self._groups))
-        if all(same):
-            return []
-        if len(same) != len(self._groups):  # the groups themselves differ
-            return ["(the values of the parameters or buffers)"]
-        return [
-            f"(the values of the {dtype} parameters or buffers on {device}: checksum)"
-            for (device, dtype), ok in zip(self._groups, same, strict=True)
-            if not ok
-        ]
+        return values_changed(same, self._groups)
+
+    def deferred(self) -> Callable[[list[bool]], None]:
+        """:meth:`confirm` for values read later, elsewhere (the store's writer thread reads
+        :meth:`begin`'s flag from the block's host copy): a function of the flag's values that
+        raises :class:`ModelChangedError` when a group's checksum changed. It keeps this
+        block's groups; the guard's state is left as it is."""
+        groups = list(self._groups)
+
+        def confirm(same: list[bool]) -> None:
+            changed = values_changed(same, groups)
+            if changed:
+                raise changed_error(changed)
+
+        return confirm
 
     def _refuse(self, changed: list[str]) -> None:
         if changed:
             self._state = None
-            raise ModelChangedError(
-                f"the model changed between two run(...) blocks of one logging pass "
-                f"({', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}): an optimizer "
-                "step or another update while logging, so the pass's rows would come from "
-                "several models. Log with fixed weights (after training, or each checkpoint "
-                "into its own project, or with overwrite=True), and finalize() the pass before "
-                "changing the model"
-            )
+            raise changed_error(changed)
+
+
+def values_changed(same: bool | list[bool], groups: list[tuple]) -> list[str]:
+    """The (device, dtype) ``groups`` whose checksum flag in ``same`` is False, as names for
+    :func:`changed_error` (``same``: one flag per group, or one bool for all)."""
+    if isinstance(same, bool):
+        same = [same] * max(1, len(groups))
+    if all(same):
+        return []
+    if len(same) != len(groups):  # the groups themselves differ
+        return ["(the values of the parameters or buffers)"]
+    return [
+        f"(the values of the {dtype} parameters or buffers on {device}: checksum)"
+        for (device, dtype), ok in zip(groups, same, strict=True)
+        if not ok
+    ]
+
+
+def changed_error(changed: list[str]) -> ModelChangedError:
+    """The refusal of a model that changed between two blocks (``changed``: what differs)."""
+    return ModelChangedError(
+        f"the model changed between two run(...) blocks of one logging pass "
+        f"({', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}): an optimizer "
+        "step or another update while logging, so the pass's rows would come from "
+        "several models. Log with fixed weights (after training, or each checkpoint "
+        "into its own project, or with overwrite=True), and finalize() the pass before "
+        "changing the model"
+    )

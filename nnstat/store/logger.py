@@ -128,6 +128,11 @@ def filter_nonfinite(
     return kept, out if isinstance(rows, list) else out[0], len(bad)
 
 
+def _chosen(take: list[int], words: torch.Tensor) -> list[int]:
+    """The rows ``take`` of a staged block (no flags to read: ``words`` is unused)."""
+    return take
+
+
 def nonfinite_error(bad: list[DataId], dtype: str) -> ValueError:
     """The error of ``nonfinite="error"`` for the rows of ids ``bad`` in a ``dtype`` store."""
     limit = overflow_threshold(dtype)
@@ -416,39 +421,86 @@ class StoreLogger:
         self.writer.put(ids, rows, recycle=recycle)
         self._budget_warning()
 
-    def row_flags(self, rows: torch.Tensor) -> torch.Tensor | None:
-        """:func:`row_flags` of rows on a device under this pass's NaN/Inf policy (``None``
-        under ``"keep"``: nothing to check); read by the caller with its other flags."""
-        if self.options.nonfinite == "keep" or not len(rows):
-            return None
-        return row_flags(rows, self.options.dtype)
-
     def add_staged(
         self,
         ids: list[DataId],
         rows: torch.Tensor,
         keep: list[bool] | None = None,
-        finite: list[bool] | None = None,
+        flat: torch.Tensor | None = None,
+        same: torch.Tensor | None = None,
+        confirm: Callable[[list[bool]], None] | None = None,
     ) -> None:
         """Queue rows ``[N, W]`` that are still on a device (already admitted): the writer
         copies them to the host in one non-blocking transfer and writes them once it is done.
+        Nothing is read back here: the rows' NaN/Inf flags (:func:`row_flags`, not under
+        ``"keep"``) and ``same`` go to the words after the rows in ``flat`` (the flat staging
+        buffer ``rows`` begins, with ``N + same.numel()`` words after them), travel in the
+        same copy, and the writer's thread applies the policy to them once it has landed.
 
-        ``finite``: :meth:`row_flags`' values, read by the caller (``None`` under ``"keep"``);
-        the NaN/Inf policy and ``keep`` choose the rows the writer writes, from the host copy.
+        ``same``: the weights guard's device flag (one per group), checked there by
+        ``confirm`` (which raises :class:`~nnstat.store.errors.ModelChangedError`). A refusal
+        in the thread (NaN/Inf under ``"error"``, a changed model) is raised, with the same
+        message, by the next :meth:`admit`, :meth:`add`, :meth:`add_staged` or :meth:`close`;
+        the rows queued before the refused ones are stored, none after them.
+
+        Raises:
+            ValueError: an earlier block's rows were refused (see above).
+            StoreWriteError: the writer failed.
         """
         self.writer.check()
         self.seen.update(ids)
-        take = range(len(ids)) if keep is None else [j for j, k in enumerate(keep) if k]
-        self.skipped_stored += len(ids) - len(take)
-        if finite is not None and not all(finite[j] for j in take):
-            if self.options.nonfinite == "error":
-                raise nonfinite_error([ids[j] for j in take if not finite[j]], self.options.dtype)
-            bad = sum(1 for j in take if not finite[j])
-            take = [j for j in take if finite[j]]
-            self.skipped_nonfinite += bad
-        select = None if len(take) == len(ids) else list(take)
-        self.writer.put_staged(ids, rows, select)
+        n = len(ids)
+        take = list(range(n)) if keep is None else [j for j, k in enumerate(keep) if k]
+        self.skipped_stored += n - len(take)
+        finite = self.options.nonfinite != "keep" and n > 0
+        if flat is None or not (finite or same is not None):
+            flat, decide = None, None  # nothing to check: the rows alone
+            if len(take) < n:
+                decide = functools.partial(_chosen, take)
+        else:
+            words = flat[rows.numel() :]
+            if finite:
+                words[:n].copy_(row_flags(rows, self.options.dtype))
+            if same is not None:
+                words[n : n + same.numel()].copy_(same.reshape(-1))
+            decide = functools.partial(
+                self._decide, ids, take, finite, same.numel() if same is not None else 0, confirm
+            )
+        self.writer.put_staged(ids, rows, flat, decide)
         self._budget_warning()
+
+    def _decide(
+        self,
+        ids: list[DataId],
+        take: list[int],
+        finite: bool,
+        groups: int,
+        confirm: Callable[[list[bool]], None] | None,
+        words: torch.Tensor,
+    ) -> list[int] | None:
+        """In the writer's thread, from the host copy of a staged block's flag ``words``: the
+        rows to write (``None``: all), or the refusal (raised)."""
+        n = len(ids)
+        flags = (words[: n + groups] != 0).tolist()  # a host copy: reads no device
+        try:
+            if groups and confirm is not None:
+                confirm(flags[n : n + groups])
+            if finite and not all(flags[j] for j in take):
+                if self.options.nonfinite == "error":
+                    bad = [ids[j] for j in take if not flags[j]]
+                    raise nonfinite_error(bad, self.options.dtype)
+                good = [j for j in take if flags[j]]
+                self.skipped_nonfinite += len(take) - len(good)  # read at close, after the thread
+                take = good
+        except ValueError as error:
+            add_note(
+                error,
+                "found when the rows had left the device: the rows of this block and of the "
+                "blocks logged after it are not stored (those before it are); log them again "
+                "in a pass that resumes the store",
+            )
+            raise
+        return None if len(take) == n else take
 
     def _budget_warning(self) -> None:
         queued = (len(self.seen) - self.skipped_stored) * self.bytes_per_row
@@ -471,6 +523,11 @@ class StoreLogger:
         """
         try:
             written = self.writer.close(progress=progress)
+        except ValueError as e:  # the refusal of staged rows, seen first here
+            if e is not self.writer.refused:
+                raise
+            self._rewrite_meta(collective)
+            raise
         except StoreWriteError as e:
             try:
                 self._rewrite_meta(collective)

@@ -2,7 +2,11 @@
 
 Training only waits on disk when the queue is full. Any error in the thread is kept and raised
 in the training process by the next :meth:`StoreWriter.put`, :meth:`StoreWriter.check` or
-:meth:`StoreWriter.close` — never swallowed.
+:meth:`StoreWriter.close` — never swallowed. Rows staged on a device (:meth:`StoreWriter.put_staged`)
+may come with flags the thread reads from their host copy, once it has landed: when those
+refuse the rows (NaN/Inf under ``nonfinite="error"``, a changed model), the thread commits the
+rows before them, stores nothing from then on, and the refusal is raised as it is (a
+``ValueError``), once, by the next call.
 
 Example:
     >>> import tempfile, torch
@@ -141,6 +145,10 @@ class StoreWriter:
         self._index = index
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._error: BaseException | None = None
+        # a refusal of staged rows by their flags (set by the thread), and the same object
+        # once it was raised in the caller's thread (raised once: the pass may go on)
+        self._refusal: ValueError | None = None
+        self.refused: ValueError | None = None
         self._shard: ShardFile | None = None
         self._stage: StagingBuffer | None = None  # the direct-I/O staging buffer, made once
         self._shard_ids: list[DataId] = []
@@ -162,22 +170,33 @@ class StoreWriter:
 
     # ----------------------------------------------------------------- training-process side
     def check(self) -> None:
-        """Raise :class:`StoreWriteError` if the background thread failed."""
+        """Raise :class:`StoreWriteError` if the background thread failed; raise the refusal of
+        staged rows by their flags (:meth:`put_staged`) as it is, the first time it is seen.
+
+        Raises:
+            StoreWriteError: the thread failed (the original exception is the ``__cause__``).
+            ValueError: staged rows were refused (NaN/Inf under ``nonfinite="error"``, or
+                :class:`~nnstat.store.errors.ModelChangedError`); nothing after them is stored.
+        """
         if self._error is not None:
             err = self._error
             raise StoreWriteError(
                 f"gradient store writer failed in {self.shard_dir}: {err!r}"
             ) from err
+        if self._refusal is not None and self.refused is None:
+            self.refused = self._refusal
+            raise self._refusal
 
-    def row_buffer(self, n: int, pinned: bool = False) -> torch.Tensor:
+    def row_buffer(self, n: int, pinned: bool = False, extra: int = 0) -> torch.Tensor:
         """A float32 ``[n, row_width]`` buffer to fill and pass to :meth:`put` as ``recycle``.
 
         Its content is undefined. The writer takes it back once the rows are on disk, so the
         same few buffers circulate instead of a fresh allocation per batch. ``pinned``: in
-        page-locked memory, the target of a non-blocking copy from a CUDA device.
+        page-locked memory, the target of a non-blocking copy from a CUDA device. ``extra``:
+        words kept after the rows in the same flat buffer (the view's ``_base``).
         """
         pool = self._pinned if pinned else self._mapped
-        size = (max(n, 1) if pinned else n) * self.row_width
+        size = (max(n, 1) if pinned else n) * self.row_width + extra
         return pool.take(size, torch.float32)[: n * self.row_width].view(n, self.row_width)
 
     def put(
@@ -206,27 +225,41 @@ class StoreWriter:
             self._release(recycle)
 
     def put_staged(
-        self, ids: list[DataId], rows: torch.Tensor, select: list[int] | None = None
+        self,
+        ids: list[DataId],
+        rows: torch.Tensor,
+        flat: torch.Tensor | None = None,
+        decide: Callable[[torch.Tensor], list[int] | None] | None = None,
     ) -> None:
         """Queue rows ``[N, row_width]`` that are on a device (``len(ids) == N``): ONE copy into
         a reused host row buffer, non-blocking from CUDA into pinned memory with an event the
         thread waits on before writing, so the training thread never waits for the device.
 
-        ``select``: the positions of the rows to write (the others, e.g. NaN/Inf rows skipped
-        by the policy, are dropped in the thread); ``None``: all.
+        ``flat``: the flat device buffer ``rows`` is the start of, followed by flag words: the
+        whole of it is the one copy, and once it has landed the thread calls ``decide(words)``
+        with the host copy of the words after the rows. ``decide`` returns the positions of the
+        rows to write (``None``: all; e.g. NaN/Inf rows skipped by the policy), or raises a
+        ``ValueError`` refusing them (see the module docstring).
+
+        Raises:
+            ValueError: ``rows`` is not ``[len(ids), row_width]``, or an earlier block's rows were
+                refused by their flags (:meth:`check`).
+            StoreWriteError: the thread failed.
         """
         self.check()
         if rows.dim() != 2 or rows.shape != (len(ids), self.row_width):
             raise ValueError(
                 f"expected rows of shape [{len(ids)}, {self.row_width}], got {tuple(rows.shape)}"
             )
-        if select is not None:
-            ids = [ids[j] for j in select]
         if not len(ids):
             return
-        host = self.row_buffer(rows.shape[0], pinned=rows.device.type == "cuda")
-        ready = copy_to_host(host, rows.detach())
-        self._queue.put((list(ids), [host], host, None, ready, select))
+        n = rows.shape[0] * self.row_width
+        src = rows.detach() if flat is None else flat.detach()
+        host = self.row_buffer(rows.shape[0], rows.device.type == "cuda", src.numel() - n)
+        whole = host._base if host._base is not None else host
+        ready = copy_to_host(whole[: src.numel()].view(src.shape), src)
+        words = whole[n : src.numel()]
+        self._queue.put((list(ids), [host], host, None, ready, decide, words))
 
     def submit(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` in the thread, in order with the rows (an error is raised like theirs)."""
@@ -269,12 +302,12 @@ class StoreWriter:
         while True:
             item = self._queue.get()
             if item is _STOP:
-                if self._error is None:
+                if self._error is None and self._refusal is None:
                     self._run_guarded(self._flush)
                 if self._shard is not None:  # after an error: the partial shard never counts
                     self._run_guarded(self._shard.abort)
                 return
-            if self._error is not None:
+            if self._error is not None or self._refusal is not None:
                 continue  # keep draining so put() never deadlocks; the error is raised there
             if callable(item):
                 self._run_guarded(item)
@@ -294,13 +327,23 @@ class StoreWriter:
         recycle: torch.Tensor | None,
         factors: list[outer.OuterFactors] | None,
         ready: Any = None,
-        select: list[int] | None = None,
+        decide: Callable[[torch.Tensor], list[int] | None] | None = None,
+        words: torch.Tensor | None = None,
     ) -> None:
         try:
             if ready is not None:  # the copy from the device (put_staged) has landed
                 ready.synchronize()
-            if select is not None:
-                blocks = [b[select] for b in blocks]
+            if decide is not None:
+                try:
+                    select = decide(words)
+                except ValueError as refusal:
+                    # the rows before these were good: committed; none from here on
+                    self._flush()
+                    self._refusal = refusal
+                    return
+                if select is not None:
+                    ids = [ids[j] for j in select]
+                    blocks = [b[select] for b in blocks]
             if factors:
                 outer.fill(blocks[0], factors)
             self._write(ids, blocks)

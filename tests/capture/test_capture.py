@@ -194,6 +194,38 @@ def test_layernorm_affine(shape, bias):
     assert_matches(caps, reference_grads(model, ce_sum, x, y))
 
 
+def test_layernorm_with_a_mask_forward_stream_and_per_sample_grads():
+    """The capture keeps LayerNorm's input and makes x̂ when asked: the forward stream (and
+    its sums) is x̂ with masked positions zero, and the per-sample gradients of a masked
+    batch equal torch.func's of each sample's masked loss."""
+    torch.manual_seed(1)
+    ln = nn.LayerNorm((3, 4))
+    with torch.no_grad():
+        ln.weight.normal_(), ln.bias.normal_()
+    x, mask = torch.randn(4, 5, 3, 4), (torch.rand(4, 5) > 0.4).float()
+    engine, caps = CaptureEngine(), []
+    engine.watch(ln)
+    engine.add_consumer(caps.append)
+    with engine.batch(mask=mask):
+        (ln(x).square().sum((2, 3)) * mask).sum().backward()
+    (c,) = caps
+    ref = F.layer_norm(x, (3, 4)).reshape(4, 5, 12) * mask[..., None]
+    torch.testing.assert_close(c.forward, ref)
+    flat = ref.reshape(-1, 12)
+    torch.testing.assert_close(c.forward_gram(), flat.T @ flat, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c.forward_sum(), flat.sum(0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c.forward_sq_sum(), flat.square().sum(0), rtol=1e-5, atol=1e-5)
+    params = {k: v.detach() for k, v in ln.named_parameters()}
+
+    def loss(p, xi, mi):
+        return (functional_call(ln, p, (xi,)).square().sum((1, 2)) * mi).sum()
+
+    g = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, mask)
+    got = c.per_sample_grads_by_param()
+    torch.testing.assert_close(got["weight"], g["weight"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got["bias"], g["bias"], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("hook_api", ["private", "public fallback"])
 def test_module_called_twice_and_inplace_relu(hook_api, monkeypatch):
     if hook_api == "public fallback":  # as on a torch without the private registration method

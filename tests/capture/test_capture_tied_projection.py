@@ -149,6 +149,13 @@ def test_tied_per_sample_gradients_and_norms_from_the_parts_equal_the_dense_matr
         # (blocks between token parts, token and dense parts, dense parts) or the matrices
         torch.testing.assert_close(cap.gram_sq_norm(), want, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(cap.matrix_sq_norm(), want, rtol=1e-5, atol=1e-6)
+        # summed over the samples (the noise scale's per-step path): the Gram blocks' dots
+        total = want.double().sum()
+        blocks = sum(v.double() for v in cap.gram_sq_norm_sum())
+        torch.testing.assert_close(blocks, total, rtol=1e-5, atol=1e-6)
+        tensors, values, c = cap.sq_norm_parts()
+        parts = c * (sum(t.double().square().sum() for t in tensors) + sum(values))
+        torch.testing.assert_close(parts.double(), total, rtol=1e-5, atol=1e-6)
         # the batch gradient, use by use over all positions at once
         torch.testing.assert_close(cap.batch_grad(), dense.sum(0), rtol=1e-5, atol=1e-6)
     # and, unmasked, the shared weight's per-sample gradients of both uses (torch.func)

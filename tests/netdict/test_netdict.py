@@ -279,3 +279,29 @@ def test_seed_readme_usage_with_wandb_offline(tmp_path, monkeypatch):
     finally:
         run.finish()
     assert all("ln" in k for k in logged)
+
+
+def test_copies_of_mixed_dtypes_are_independent_snapshots_of_their_own_storage(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model[1].to(torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model[1](model[0](torch.randn(5, 3)).double()).sum().backward()
+    opt.step()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    W = nnstat.get_weight(model)
+    M = nnstat.get_optimizer_state(model, opt, "exp_avg")
+    G = nnstat.get_grad(model)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    moments = {n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
+    opt.step()  # in place: the parameters, their moments and (after zero_grad) their gradients
+    opt.zero_grad(set_to_none=False)
+    storages = set()
+    for n, p in model.named_parameters():
+        assert W[n].dtype == p.dtype and not torch.equal(W[n], p)
+        assert torch.equal(W[n], before[n]) and torch.equal(G[n], grads[n])
+        assert torch.equal(M[n], moments[n])
+        storages |= {t.untyped_storage().data_ptr() for t in (W[n], G[n], M[n])}
+    assert len(storages) == 3 * 4  # saving one entry saves only that entry
+    W.save(tmp_path / "w.safetensors")
+    assert list(nnstat.NetDict.load(tmp_path / "w.safetensors")) == list(W)

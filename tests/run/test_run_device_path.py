@@ -1,6 +1,7 @@
 """Logging on an accelerator: a block's projected rows stay on the device until one copy at its
-end, and the block reads the device back once (the weights guard's flag and the rows' NaN/Inf
-flags together), however many modules are watched.
+end, which also carries the weights guard's flag and the rows' NaN/Inf flags; the training
+thread reads nothing back (the store's writer thread checks the flags from the host copy),
+however many modules are watched.
 
 Checked on the ``meta`` device (which takes the accelerator branch; its host reads are answered
 by the ledger) and on the CPU with the accelerator branch forced, where the store can be
@@ -16,6 +17,8 @@ from torch import nn
 
 import nnstat
 from nnstat.run import rows as run_rows
+from nnstat.store.errors import ModelChangedError
+from nnstat.store.logger import nonfinite_error
 from nnstat.store.writer import StoreWriter
 
 
@@ -119,16 +122,116 @@ def _log_cpu(tmp_path, layers, staged, monkeypatch, name):
     return per_block[1:], nnstat.GradientStore(tmp_path / name)
 
 
-def test_forced_device_branch_on_the_cpu_reads_once_and_stores_the_same_bytes(
+@pytest.mark.parametrize(
+    "config", [{}, {"nonfinite": "skip"}, {"nonfinite": "keep"}, {"dtype": "float16"}]
+)
+def test_a_logged_block_on_a_device_reads_nothing_back(tmp_path, config):
+    """The guard's and the NaN/Inf flags travel in the rows' copy: no read in the step."""
+    blocks, ops = _log(tmp_path, 8, "meta", config)
+    assert [reads for reads, *_ in blocks] == [0] * len(blocks)
+    assert all(to_host == 1 and to_device == 0 for _, to_host, to_device, _ in blocks)
+    assert ops == []
+
+
+def test_forced_device_branch_on_the_cpu_reads_nothing_and_stores_the_same_bytes(
     tmp_path, monkeypatch
 ):
     few, _ = _log_cpu(tmp_path, 2, True, monkeypatch, "few")
     many, staged = _log_cpu(tmp_path, 8, True, monkeypatch, "many")
     assert few == many
-    # one read (guard + NaN/Inf flags), one copy into the host buffer, no sync-prone op
-    assert set(few) == {(1, 1, 0)}
+    # no read in the training thread (the flags are read by the writer's thread from the
+    # host copy), one copy into the host buffer, no sync-prone op
+    assert set(few) == {(0, 1, 0)}
     _, host = _log_cpu(tmp_path, 8, False, monkeypatch, "host")
     assert staged.ids == host.ids == list(range(16))
     assert staged.shards and len(staged.shards) == len(host.shards)
     for a, b in zip(staged.shards, host.shards, strict=True):
         assert a.read_bytes() == b.read_bytes()
+
+
+def _log_blocks(
+    tmp_path, name, monkeypatch, staged, blocks=6, nan_at=None, between=None, config=None
+):
+    """Blocks of 4 samples on the CPU (the accelerator branch forced when ``staged``); sample
+    ``nan_at`` has a NaN input, ``between(b)`` runs after block ``b``. Returns the error raised
+    by a block or by finalize() (``None``: none) and the store."""
+    monkeypatch.setattr(run_rows, "on_accelerator", lambda device: staged, raising=False)
+    model = _mlp(2)
+    idx = torch.randint(0, 20, (4 * blocks, 5), generator=torch.Generator().manual_seed(2))
+    run = nnstat.init(project=name, root_dir=tmp_path)
+    nnstat.setup({"statistic": "none", "rank": 4, **(config or {})})
+    nnstat.watch(model)
+    error = None
+    try:
+        for b in range(blocks):
+            ids = list(range(4 * b, 4 * b + 4))
+            with run(data_id=ids):
+                out = model(idx[ids])
+                if nan_at in ids:
+                    out = out * torch.tensor([0.0 if i != nan_at else float("nan") for i in ids])[
+                        :, None, None
+                    ].add(1.0)
+                out.square().sum().backward()
+            model.zero_grad()
+            if between is not None:
+                between(model, b)
+    except ValueError as e:  # raised by a block
+        error = e
+    try:
+        nnstat.finalize()  # the rows before a refusal raised by a block were flushed then
+    except ValueError as e:
+        assert error is None, "a refusal is raised once"
+        error = e
+    finally:
+        nnstat.unwatch()
+    return error, nnstat.GradientStore(tmp_path / name)
+
+
+def _rows(store):
+    return store.rows(0, len(store))
+
+
+def test_nan_rows_found_after_the_copy_are_refused_at_the_next_call_rows_before_kept(
+    tmp_path, monkeypatch
+):
+    """Under nonfinite="error", a NaN row found by the writer's thread (after the block's copy
+    has landed) is refused with the same message as on the host path, at the next block or
+    at finalize(); the blocks before it are stored intact, nothing from its block on."""
+    error, host = _log_blocks(tmp_path, "host", monkeypatch, False, nan_at=9)
+    assert isinstance(error, ValueError) and "ids [9] contain NaN/Inf" in str(error)
+    error, staged = _log_blocks(tmp_path, "staged", monkeypatch, True, nan_at=9)
+    assert type(error) is ValueError
+    # the host path's message (Python 3.10 appends the note about the later blocks to it)
+    assert str(error).split("\n")[0] == str(nonfinite_error([9], "float32"))
+    assert staged.ids == list(range(8))  # blocks 0 and 1; block 2 (ids 8-11) and later: none
+    clean_error, clean = _log_blocks(tmp_path, "clean", monkeypatch, False)
+    assert clean_error is None
+    assert torch.equal(_rows(staged), _rows(clean)[:8])
+    # the host path refuses the block at its end: the same rows before it
+    assert host.ids == list(range(8)) and torch.equal(_rows(host), _rows(staged))
+
+
+def test_nan_rows_under_skip_are_dropped_in_the_writer_thread(tmp_path, monkeypatch):
+    skip = {"nonfinite": "skip"}
+    error, staged = _log_blocks(tmp_path, "s", monkeypatch, True, nan_at=9, config=skip)
+    assert error is None
+    error, host = _log_blocks(tmp_path, "h", monkeypatch, False, nan_at=9, config=skip)
+    assert error is None
+    assert staged.ids == host.ids == [i for i in range(24) if i != 9]
+    assert staged.meta["skipped_rows"] == host.meta["skipped_rows"] == 1
+    assert torch.equal(_rows(staged), _rows(host))
+
+
+def test_a_model_changed_through_data_is_refused_from_the_copied_flag(tmp_path, monkeypatch):
+    """A change only the checksum tells (``.data``: no version bump) between blocks: on the
+    accelerator branch its flag is read by the writer's thread, and the refusal comes at the
+    next block or finalize(); the blocks before the change are stored, none after it."""
+
+    def step(model, b):
+        if b == 1:
+            model[1].bias.data.add_(1.0)
+
+    error, store = _log_blocks(tmp_path, "w", monkeypatch, True, between=step)
+    assert isinstance(error, ModelChangedError)
+    assert "changed between two run(...) blocks" in str(error) and "checksum" in str(error)
+    assert store.ids == list(range(8))

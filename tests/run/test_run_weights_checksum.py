@@ -172,3 +172,25 @@ def test_the_block_check_names_the_dtype_group_that_changed():
         edit()
         (changed,) = guard.changed(model)
         assert group in changed
+
+
+@pytest.mark.parametrize("extra", [0, 5])
+def test_the_checksum_of_a_grid_of_words_is_the_closed_form(extra):
+    """Words over several rows of the reduced grid (whole rows, and a padded last row): the row
+    and column sums give exactly sum(word_i * (2i + 1)) modulo 2**32, and a change or an
+    exchange anywhere (across rows, within a column) changes it."""
+    from nnstat.run.weights import COLUMNS, checksum
+
+    g = torch.Generator().manual_seed(2)
+    n = 3 * COLUMNS + extra
+    w = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, generator=g)
+    idx = torch.arange(n, dtype=torch.int64)
+    ref = int((w.long() * (2 * idx + 1)).sum()) % 2**32
+    assert int(checksum(w)) % 2**32 == ref
+    for i, j in [(1, COLUMNS + 1), (7, 2 * COLUMNS + 9), (n - 1, 0)]:
+        u = w.clone()
+        u[[i, j]] = w[[j, i]]
+        assert int(checksum(u)) != int(checksum(w))
+        u = w.clone()
+        u[i] ^= 1 << 30
+        assert int(checksum(u)) != int(checksum(w))

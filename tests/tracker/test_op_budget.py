@@ -153,3 +153,27 @@ def test_describe_layers_is_within_budget_and_does_not_grow_with_layers():
     assert counts[0].device == counts[1].device
     assert not SYNCING & set(counts[0].device)
     assert counts[0].host_reads == 1
+
+
+#: ops that allocate without launching a kernel
+ALLOCATING = {"empty", "empty_like", "empty_strided", "new_empty"}
+
+
+def test_describe_layers_of_a_fresh_weight_copy_launches_kernels_per_dtype_group():
+    """The everyday call, ``wandb.log(nnstat.get_weight(model).describe_layers())`` every step:
+    the copy of the weights too is a kernel per dtype group, not per tensor."""
+
+    def kernels(model: torch.nn.Module) -> OpCount:
+        for _ in range(2):  # the second call reuses the cached layout
+            with OpCount() as count:
+                nnstat.get_weight(model).describe_layers()
+        for op in ALLOCATING:
+            count.device.pop(op, None)
+        return count
+
+    twelve, two = kernels(gpt2_shaped(12)), kernels(gpt2_shaped(2))
+    assert twelve.device == two.device, (twelve.device - two.device, two.device - twelve.device)
+    assert twelve.total <= 150, twelve.device.most_common(12)
+    assert not SYNCING & set(twelve.device) and twelve.host_reads == 1
+    mixed = kernels(gpt2_shaped(2, embed_dtype=torch.bfloat16))
+    assert two.total < mixed.total <= 2 * two.total and mixed.host_reads == 1

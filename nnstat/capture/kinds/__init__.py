@@ -20,7 +20,8 @@ from nnstat.capture.kinds.base import REGISTRY, Kind, kind_named
 # the built-in kinds register themselves when imported, in this order: the order of the kind
 # lists in error messages
 # isort: off
-from nnstat.capture.kinds import linear, conv, conv1d, embedding, attention, layernorm  # noqa: F401
+from nnstat.capture.kinds import linear, conv, conv1d, embedding, attention  # noqa: F401
+from nnstat.capture.kinds import layernorm, rmsnorm  # noqa: F401
 
 # isort: on
 

@@ -27,7 +27,13 @@ from typing import ClassVar, Protocol
 import torch
 from torch import nn
 
-from nnstat.capture.matrix import gram_sq_norms, rows_mm, scaled
+from nnstat.capture.matrix import (
+    gram_is_cheaper,
+    gram_sq_norm_sum,
+    gram_sq_norms,
+    rows_mm,
+    scaled,
+)
 
 
 class Rows(Protocol):
@@ -40,6 +46,7 @@ class Rows(Protocol):
     d_out: int
     _bias: bool  # the matrix form ends with the bias's ones column
     _scale: float
+    _keep: torch.Tensor | None  # [N, T] 0/1 of unmasked rows (None: all kept)
 
     @property
     def _a(self) -> torch.Tensor: ...
@@ -195,9 +202,26 @@ class Kind(str):
 
     def sq_norm(self, c: Rows, b: torch.Tensor) -> torch.Tensor:
         """``[N]`` squared norms of the per-sample gradients with `b` as output gradients."""
-        if b.shape[1] * (c.d_in + c.d_out) < c.d_in * c.d_out:
+        if gram_is_cheaper(b.shape[1], c.d_in, c.d_out):
             return gram_sq_norms(c._a, b, c._bias)
         return self.grad(c, b).square().sum((1, 2))
+
+    def sq_norm_parts(
+        self, c: Rows, b: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``(tensors, values)`` with ``Σ_i ‖G_i‖² = Σ_k ‖tensors[k]‖²_F + Σ values`` (`b` as
+        output gradients): :meth:`sq_norm` summed over the samples without its ``[N]`` values,
+        for a caller that takes many modules' Frobenius norms in one foreach kernel (the noise
+        scale's per-step sum). The Grams give 0-d values (:func:`gram_sq_norm_sum`); otherwise
+        the weight part ``bᵀ a`` and the bias column's position sums ``Σ_t b_t`` are the
+        tensors (masked rows have ``b = 0``): no ones column, no squares, no sums here.
+        """
+        if type(self).sq_norm is not Kind.sq_norm:  # a kind with its own per-sample rule
+            return [], [self.sq_norm(c, b).sum()]
+        if gram_is_cheaper(b.shape[1], c.d_in, c.d_out):
+            return [], gram_sq_norm_sum(c._a, b, c._bias)
+        g = torch.bmm(b.transpose(1, 2), c._a)
+        return ([g, b.sum(1)] if c._bias else [g]), []
 
     def projected_rows(self, c: Rows, p_in: torch.Tensor) -> torch.Tensor:
         """``[a, 1] @ p_inᵀ`` ``[N, T, r_in]`` (``p_in`` checked and cast)."""

@@ -70,6 +70,14 @@ class EmbeddingKind(Kind):
         same = (a.unsqueeze(2) == a.unsqueeze(1)) & (a >= 0).unsqueeze(2)
         return (same * torch.bmm(b, b.transpose(1, 2))).sum((1, 2))
 
+    def sq_norm_parts(
+        self, c: Rows, b: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        # sq_norm's choice; the scattered per-sample gradients join the caller's foreach norm
+        if b.shape[1] ** 2 > c.d_in:
+            return [self.grad(c, b)], []
+        return [], [self.sq_norm(c, b).sum()]
+
     def projected_rows(self, c: Rows, p_in: torch.Tensor) -> torch.Tensor:
         return token_rows(c._a, p_in)
 

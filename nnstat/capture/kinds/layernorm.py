@@ -1,6 +1,12 @@
 """``nn.LayerNorm`` (with ``elementwise_affine``): rows are the normalised input ``x̂`` and the
 output gradient ``b``, and ``G_i = [Σ_t b∘x̂, Σ_t b]`` (weight then bias) is elementwise, not a
-sum of outer products: no K-FAC, and its projection is ``G_i @ Pᵀ`` on the flat gradient."""
+sum of outer products: no K-FAC, and its projection is ``G_i @ Pᵀ`` on the flat gradient.
+
+The capture keeps the module's input ``x`` as it came (a view, no copy, when it is float32) and
+``x̂`` is recomputed where a product needs it (one ``layer_norm`` kernel reading ``x``): the
+per-sample gradient then makes ONE ``[N, T, D]`` temporary, ``x̂``, multiplied by ``b`` in
+place and summed over positions (keeping ``x̂`` beside the input and forming ``b∘x̂`` would
+make two: GPT-2 small has 25 LayerNorms of 12.6 MB each at batch 8 x 512)."""
 
 from __future__ import annotations
 
@@ -37,9 +43,22 @@ class LayerNormKind(Kind):
         return self.dims(module)[0] * (1 + self.has_bias(module)), None
 
     def forward_rows(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        shape = tuple(module.normalized_shape)
-        xh = F.layer_norm(x.detach().float(), shape, None, None, module.eps)
-        return xh.reshape(x.shape[0], -1, math.prod(shape))
+        """The input ``[N, T, D]`` as it is: :meth:`normalised` makes ``x̂`` when needed."""
+        return x.detach().float().reshape(x.shape[0], -1, math.prod(module.normalized_shape))
+
+    def masked_rows(self, a: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Unchanged: the capture's ``keep`` masks ``x̂`` (:meth:`normalised`), and masked rows
+        have ``b = 0``, which the gradient's product drops."""
+        return a
+
+    def normalised(self, c: Rows, masked: bool = True) -> torch.Tensor:
+        """A fresh ``[N, T, D]`` ``x̂`` of the capture's input (LayerNorm over the flattened
+        normalised shape: the same elements' mean and variance); ``masked``: masked positions
+        zeroed (the forward stream; the gradient's product needs no mask)."""
+        xh = F.layer_norm(c._a, (c._a.shape[-1],), None, None, c.module.eps)
+        if masked and c._keep is not None:
+            xh.mul_(c._keep.unsqueeze(-1))
+        return xh
 
     def backward_rows(self, module: nn.Module, g: torch.Tensor) -> tuple[torch.Tensor, tuple]:
         g = g.detach().float()
@@ -70,8 +89,26 @@ class LayerNormKind(Kind):
         return scaled(self.grad(c, c._b_raw), c._scale)
 
     def grad(self, c: Rows, b: torch.Tensor) -> torch.Tensor:
-        w = (b * c._a).sum(1)
+        # x̂ is the one [N, T, D] temporary: b∘x̂ is formed in it, then summed over positions
+        w = self.normalised(c, masked=False).mul_(b).sum(1)
         return torch.cat([w, b.sum(1)], dim=1) if self.has_bias(c.module) else w
+
+    # the forward stream is x̂ (masked positions zero), made from the input when asked for
+    def forward(self, c: Rows) -> torch.Tensor:
+        return self.normalised(c)
+
+    def forward_gram(self, c: Rows) -> torch.Tensor:
+        a = self.normalised(c).reshape(-1, c._a.shape[-1])
+        return a.T @ a
+
+    def forward_sq_sum(self, c: Rows) -> torch.Tensor:
+        return self.normalised(c).square_().sum((0, 1))
+
+    def forward_sum(self, c: Rows) -> torch.Tensor:
+        return self.normalised(c).sum((0, 1))
+
+    def projected_forward(self, c: Rows, proj: torch.Tensor) -> torch.Tensor:
+        return self.normalised(c).reshape(-1, c._a.shape[-1]) @ proj.T
 
     def batch_grad(self, c: Rows) -> torch.Tensor:
         return self.per_sample_grad(c).sum(0)

@@ -261,6 +261,33 @@ class TiedCapture(ModuleCapture):
             return self.gram_sq_norm()
         return self.matrix_sq_norm()
 
+    def sq_norm_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
+        """:meth:`per_sample_sq_norm` summed over the samples: the side Grams' dot (0-d), or the
+        per-sample matrices for the caller's foreach norm (the parts carry their scales)."""
+        if self._length == 1:
+            return super().sq_norm_parts()
+        if _gram_work(self._a_parts) + _gram_work(self._b_parts) < self._matrix_work():
+            return [], self.gram_sq_norm_sum(), 1.0
+        return [self.per_sample_grad()], [], 1.0
+
+    def gram_sq_norm_sum(self) -> list[torch.Tensor]:
+        """0-d values adding to ``Σ_i`` of :meth:`gram_sq_norm`: block by block, each pair of
+        parts' Gram blocks of the two sides dotted over every sample (an off-diagonal pair
+        once, weighted twice for its mirror; the parts' scales as weights on the 0-d dot), so
+        neither ``[N, P, P]`` Gram is assembled."""
+        a, b = self._a_parts, self._b_parts
+        values = []
+        for k in range(len(a)):
+            for m in range(k, len(a)):
+                ga, gb = _gram_block(a[k].rows, a[m].rows), _gram_block(b[k].rows, b[m].rows)
+                if ga.is_contiguous() and gb.is_contiguous():
+                    dot = torch.dot(ga.view(-1), gb.view(-1))
+                else:
+                    dot = torch.mul(ga, gb).sum()
+                w = a[k].scale * a[m].scale * b[k].scale * b[m].scale * (1 if m == k else 2)
+                values.append(dot if w == 1.0 else dot * w)
+        return values
+
     def matrix_sq_norm(self) -> torch.Tensor:
         """``[N]`` squared norms of :meth:`per_sample_grad`'s matrices."""
         g = self.per_sample_grad()
