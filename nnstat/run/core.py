@@ -280,13 +280,9 @@ class Run(PassEnd):
         )
         assert self._projections is not None
         # the staging buffer (an accelerator) keeps words for the guard's flags after the rows;
-        # queries are logged exact (dense), whatever the store's factors: few rows, and
-        # refinement checks them against their gradients
-        self._rows.begin(
-            self._projections,
-            same.numel() if isinstance(same, torch.Tensor) else 0,
-            factor=self.mode != "eval",
-        )
+        # queries are logged exact (dense) whatever the store's factors (refinement checks them)
+        flags = same.numel() if isinstance(same, torch.Tensor) else 0
+        self._rows.begin(self._projections, flags, factor=self.mode != "eval")
         try:
             with (
                 self.engine.batch(
@@ -341,9 +337,7 @@ class Run(PassEnd):
             return
         assert self._projections is not None
         batch, rowbuf, factors = block.rows, block.buffer, block.factors
-        cols = module_blocks(
-            batch, self._projections, self._warned_missing, factored=self.mode != "eval"
-        )
+        cols = module_blocks(batch, self._projections, self._warned_missing, self.mode != "eval")
         n = cols[0].shape[0]
         if rowbuf is not None:
             for name, col in zip(self._projections, cols, strict=True):
