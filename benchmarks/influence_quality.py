@@ -64,6 +64,7 @@ from torch import nn
 import nnstat
 from nnstat.influence import (
     Refinement,
+    as_source,
     compute_influence_all,
     exact,
     lds_per_query,
@@ -251,10 +252,20 @@ def objective_grad_norm(model: nn.Module, task: Task, wd: float, indices=None) -
 
 # ------------------------------------------------------------------------------ nnstat
 def nnstat_logs(
-    model, train, query, root: Path, project: str, rank=None, init="random", loss=CE, types=None
+    model,
+    train,
+    query,
+    root: Path,
+    project: str,
+    rank=None,
+    init="random",
+    loss=CE,
+    types=None,
+    factors=None,
 ):
     """Log the training set (EK-FAC statistics + per-sample rows) and the queries (of the
-    modules of classes ``types`` only, when given)."""
+    modules of classes ``types`` only, when given); ``factors``: factored rows (``rank``
+    needed)."""
     run = nnstat.init(project=project, root_dir=root)
     x, y = train
     batches = [list(range(i, min(i + 100, len(x)))) for i in range(0, len(x), 100)]
@@ -263,7 +274,10 @@ def nnstat_logs(
         full = project.rsplit("_rank", 1)[0] + "_full"
         (root / project).mkdir(parents=True, exist_ok=True)
         shutil.copy(root / full / "statistics.safetensors", root / project)
-    nnstat.setup({"log": "grad", "save": "grad", "statistic": "ekfac"})
+    setup = {"log": "grad", "save": "grad", "statistic": "ekfac"}
+    if factors is not None:
+        setup.update(rank=rank, factors=factors)
+    nnstat.setup(setup)
     nnstat.watch(model, type_filter=types)
     if rank is not None:
         nnstat.add_projection(rank=rank, init=init, seed=0)
@@ -291,7 +305,8 @@ def in_train_order(res) -> torch.Tensor:
 def mean_eigenvalue(loader) -> float:
     """Trace / width of the block-diagonal curvature (E‖g‖² / columns of the store rows)."""
     total, n, width = 0.0, 0, 0
-    for _, rows in loader.dataset.store.iter_blocks(4096):
+    # the source's blocks: dense rows also of a factored store (its stored columns are factors)
+    for _, rows in as_source(loader).iter_blocks(4096):
         total += float(rows.double().square().sum())
         n, width = n + len(rows), rows.shape[1]
     return total / n / width
@@ -933,17 +948,34 @@ def bench_setting(task: Task, method: str, args, root: Path) -> list[dict[str, A
         "loss": task.loss,
     }
     # lean runs add a store of the nn.Linear modules only: what LogIX and Kronfluence cover
-    stores = [(rank, None) for rank in args.ranks] + ([(None, nn.Linear)] if args.lean else [])
-    for rank, types in stores:
+    stores = [(rank, None, None) for rank in args.ranks]
+    stores += [(None, nn.Linear, None)] if args.lean else []
+    # factored rows (--factors): each "rank:c" pair, of the modules the dense stores cover
+    stores += [(rank, None, c) for rank, c in args.factors]
+    for rank, types, factors in stores:
         project = f"{task.name}_{method}_" + ("full" if rank is None else f"rank{rank}")
-        project += "_linear" if types else ""
+        project += ("_linear" if types else "") + (f"_c{factors}" if factors else "")
         t = time.perf_counter()
         log, loader = nnstat_logs(
-            base, task.train, task.query, root, project, rank, args.proj_init, task.loss, types
+            base,
+            task.train,
+            task.query,
+            root,
+            project,
+            rank,
+            args.proj_init,
+            task.loss,
+            types,
+            factors,
         )
         t_log = time.perf_counter() - t
         label = "unprojected" if rank is None else f"rank {rank} per side ({args.proj_init})"
         label += ", nn.Linear modules only" if types else ""
+        if factors:
+            width = loader.dataset.store.row_width
+            label += f", factored c = {factors} ({width} columns per row)"
+        else:
+            label += f" ({loader.dataset.store.row_width} columns per row)"
         print(f"\n#### nnstat store: {label} (logging {t_log:.1f} s)\n", flush=True)
         board = Board(proto, common.reference)
         bench_store(board, ctx, log, loader, args, projected=rank is not None)
@@ -1210,6 +1242,11 @@ def main() -> None:
     ap.add_argument("--m", type=int, default=50, help="LDS subsets")
     ap.add_argument("--ranks", default=None, help="store projections: none and/or ranks")
     ap.add_argument("--proj-init", choices=["random", "pca"], default="random")
+    ap.add_argument(
+        "--factors",
+        default="",
+        help="factored stores as rank:c pairs, e.g. 64:8,256:8 (nnstat.setup(factors=c))",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--quick", action="store_true", help="only the methods of the docs' tables")
@@ -1223,6 +1260,7 @@ def main() -> None:
     ap.add_argument("--counterfactual-repeats", type=int, default=3)
     add_lm_arguments(ap)
     args = ap.parse_args()
+    args.factors = [tuple(int(v) for v in p.split(":")) for p in args.factors.split(",") if p]
     torch.set_num_threads(args.threads)
     print(f"nnstat refinement `fisher` field: {'yes' if HAS_FISHER else 'not yet'}")
     config = {k: v for k, v in vars(args).items() if k != "out"}

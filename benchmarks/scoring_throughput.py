@@ -11,6 +11,14 @@ width`` per call).
 
     .venv/bin/python benchmarks/scoring_throughput.py --rows 200000 --width 512 --queries 64
     .venv/bin/python benchmarks/scoring_throughput.py --device cuda   # < 1 min on an H100
+
+``--factored 64:8,256:8`` compares instead stores of factored rows (``factors=c``: ``c`` pairs
+``[c, r]`` per module of two ``r x r`` modules) with the dense store of ``--dense-rank``: bytes
+per row and nnstat's CPU scoring time (identity and raw, all pairs), next to the two contractions
+that never form the training side's dense matrices (plain torch, rows in memory): factored
+queries ``sum((U_a U_bᵀ) ∘ (V_a V_bᵀ))`` and dense queries ``Σ_j U_b,j · (Q V_b,jᵀ)``.
+
+    .venv/bin/python benchmarks/scoring_throughput.py --rows 50000 --factored 64:8,64:4,256:8
 """
 
 from __future__ import annotations
@@ -55,6 +63,111 @@ def _write_store(root: Path, rows: int, width: int, shard_rows: int) -> dict:
     return meta
 
 
+def _write_factored(root: Path, rows: int, r: int, c: int | None, gen) -> dict:
+    """A store of two ``r x r`` modules, dense rows (``c`` None) or ``c`` factor pairs each."""
+    modules, offset = [], 0
+    for name in ("fc1", "fc2"):
+        w = r * r if c is None else c * 2 * r
+        m = {"name": name, "kind": "linear", "offset": offset, "width": w, "r_out": r, "r_in": r}
+        modules.append(m if c is None else {**m, "factors": c})
+        offset += w
+    meta = {"format_version": 1, "row_width": offset, "dtype": "float32", "modules": modules}
+    root.mkdir(parents=True)
+    (root / "meta.json").write_text(json.dumps(meta))
+    writer = StoreWriter(root / "shards", row_width=offset, shard_rows=50_000)
+    for start in range(0, rows, 8192):
+        n = min(8192, rows - start)
+        writer.put(list(range(start, start + n)), torch.randn(n, offset, generator=gen))
+    writer.close()
+    return meta
+
+
+def factored_main(args) -> None:
+    """Dense rank ``--dense-rank`` against each ``rank:c`` of ``--factored`` (see the module's
+    docstring); interleaved rounds, the ratio to the dense store taken within each round."""
+    from nnstat.store.factored import split
+
+    gen = torch.Generator().manual_seed(0)
+    configs = [(args.dense_rank, None)] + [
+        tuple(int(v) for v in p.split(":")) for p in args.factored.split(",") if p
+    ]
+    methods, info = {}, {}
+    with tempfile.TemporaryDirectory() as d:
+        for r, c in configs:
+            name = f"dense rank {r}" if c is None else f"factored rank {r}, c = {c}"
+            meta = _write_factored(Path(d) / name.replace(" ", "_"), args.rows, r, c, gen)
+            store = GradientStore(Path(d) / name.replace(" ", "_"))
+            q = torch.randn(args.queries, meta["row_width"], generator=gen)
+            log = GradientLog(list(range(args.queries)), q, meta)
+            info[name] = meta["row_width"] * 4
+            # raw fits a dense covariance per module: (r²)² entries, too large past rank 64
+            for kind in ("identity", "raw") if r <= 64 else ("identity",):
+                compute_influence_all(log, store, preconditioner=kind, damping=0.1, progress=False)
+
+                def score(kind=kind, log=log, store=store):
+                    compute_influence_all(
+                        log, store, preconditioner=kind, damping=0.1, progress=False
+                    )
+
+                methods[(name, f"nnstat {kind}, all pairs")] = lambda f=score: _timed(f, CPU)
+            rows = torch.cat([torch.from_numpy(np.load(p)) for p in store.shards])
+            if c is None:
+                methods[(name, "torch Q @ Tᵀ (rows in memory)")] = lambda q=q, rows=rows: _timed(
+                    lambda: q @ rows.T, CPU
+                )
+                continue
+            half = meta["row_width"] // 2
+            ub, vb = split(rows[:, :half], c, r, r)  # module fc1 (fc2 costs the same)
+            ua, va = split(q[:, :half], c, r, r)
+            dense_q = torch.randn(args.queries, r, r, generator=gen)
+
+            def factor_factor(ua=ua, va=va, ub=ub, vb=vb):
+                # [nq, c, N, c] Gram products of U and of V, their product summed over pairs
+                uu = torch.einsum("qir,njr->qnij", ua, ub)
+                vv = torch.einsum("qir,njr->qnij", va, vb)
+                return (uu * vv).sum((2, 3))
+
+            def dense_query(q=dense_q, ub=ub, vb=vb):
+                qv = torch.einsum("qoi,nci->qnco", q, vb)  # Q V_jᵀ for every row and pair
+                return (qv * ub[None]).sum((2, 3))
+
+            # one module of two: twice the time is the row's
+            methods[(name, "torch factored queries, sum((UaUbᵀ)∘(VaVbᵀ)), x2 modules")] = (
+                lambda f=factor_factor: 2 * _timed(f, CPU)
+            )
+            if r <= 64:  # c · r² per pair and query: past rank 64 it dwarfs the rest
+                methods[(name, "torch dense queries, Σ_j U_j·(Q V_jᵀ), x2 modules")] = (
+                    lambda f=dense_query: 2 * _timed(f, CPU)
+                )
+        times = {k: [] for k in methods}
+        for rnd in range(args.repeat):
+            keys = list(methods)
+            random.Random(rnd).shuffle(keys)
+            for k in keys:
+                times[k].append(methods[k]())
+    dense = f"dense rank {args.dense_rank}"
+    print(
+        f"\n{args.rows} train rows, {args.queries} queries, two r x r modules, CPU, torch "
+        f"{torch.__version__}, threads {torch.get_num_threads()}, {args.repeat} interleaved "
+        "rounds (median)\n"
+    )
+    print("| store | bytes per row | method | seconds | dense rank's time / this |")
+    print("| --- | ---: | --- | ---: | ---: |")
+    for (name, method), ts in times.items():
+        base = times.get((dense, method))
+        if base is None:  # the torch contractions: against torch's dense product
+            base = times[(dense, "torch Q @ Tᵀ (rows in memory)")]
+        ratio = float(np.median(np.array(base) / np.array(ts)))
+        print(
+            f"| {name} | {info[name]:,} ({info[dense] / info[name]:.1f}x fewer) | {method} | "
+            f"{float(np.median(ts)):.4f} | {ratio:.2f}x |",
+            flush=True,
+        )
+
+
+CPU = torch.device("cpu")
+
+
 def _timed(fn, device: torch.device, inner: int = 1) -> float:
     """Seconds per call of ``fn`` (``inner`` calls, the device drained before and after)."""
     if device.type == "cuda":
@@ -77,7 +190,12 @@ def main() -> None:
     ap.add_argument(
         "--device", default="cpu", help="where the queries are, so where nnstat scores (cuda)"
     )
+    ap.add_argument("--factored", default="", help="rank:c pairs: factored stores (see above)")
+    ap.add_argument("--dense-rank", type=int, default=64, help="the dense store --factored beats")
     args = ap.parse_args()
+    if args.factored:
+        factored_main(args)
+        return
     device = torch.device(args.device)
     flops = 2.0 * args.queries * args.rows * args.width  # one Q @ T.T
     with tempfile.TemporaryDirectory() as d:

@@ -386,6 +386,16 @@ class ModuleCapture:
         bp, ap = self._projected_factors(p_in, p_out)
         return bp.reshape(self.num_samples, -1), ap.reshape(self.num_samples, -1)
 
+    def projected_factors(
+        self, p_in: torch.Tensor, p_out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(b P_outᵀ, [a, 1] P_inᵀ)`` per position, ``[N, T, r_out]`` and ``[N, T, r_in]``:
+        ``project(p_in, p_out)[n]`` is ``vec(Σ_t outer(bp[n, t], ap[n, t]))`` (the gradient
+        store factors it: :mod:`nnstat.store.factored`). Kronecker kinds only."""
+        if not self.is_kronecker:
+            raise ValueError(f"{self.name} ({self.kind}) has no Kronecker structure to factor")
+        return self._projected_factors(p_in, p_out)
+
     def _checked_projections(
         self, p_in: torch.Tensor, p_out: torch.Tensor | None, like: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

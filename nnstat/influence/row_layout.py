@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nnstat.capture.kinds import REGISTRY
+from nnstat.store.factored import dense_layout, dense_modules, is_factored
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,8 @@ def validate_layout(layout: Sequence[ModuleSpec], width: int) -> None:
 
 
 def layout_from_meta(meta: Mapping[str, Any]) -> list[ModuleSpec]:
-    """Build the layout from a store's ``meta.json`` ``modules`` list.
+    """Build the layout from a store's ``meta.json`` ``modules`` list (of the dense rows: a
+    factored module is ``r_out * r_in`` wide, see :func:`~nnstat.store.factored.densify`).
 
     Example:
         >>> layout_from_meta({"modules": [{"name": "fc", "kind": "linear", "offset": 0,
@@ -95,6 +97,9 @@ def layout_from_meta(meta: Mapping[str, Any]) -> list[ModuleSpec]:
     modules = meta.get("modules")
     if not modules:
         raise ValueError("meta has no 'modules' list: cannot tell where each module's columns are")
+    # a store of factored rows is read as dense rows (sources densify each block): its
+    # modules as those rows lay them out
+    modules = dense_modules(modules) if is_factored(meta) else modules
     out = []
     for m in modules:
         missing = [k for k in ("name", "offset", "width") if k not in m]
@@ -137,6 +142,8 @@ def meta_differences(query: Mapping[str, Any], train: Mapping[str, Any]) -> list
         ['row_width: query 4 != train 6']
     """
     diffs = []
+    # a factored store pairs with queries logged dense: both compared as dense rows
+    query, train = {**query, **dense_layout(query)}, {**train, **dense_layout(train)}
     for key in _FINGERPRINT_KEYS:
         if key not in query and key not in train:
             continue

@@ -24,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from nnstat.store.factored import densify, is_factored
 from nnstat.store.files import PROJECTIONS_FILE, STATISTICS_FILE, load_safetensors
 from nnstat.store.lazy import LazyStatistics
 
@@ -151,10 +152,12 @@ class StoreSource:
         self.meta = dict(store.meta)
         self.ids = list(store.ids)
         self.root = Path(_store_root(store))
+        # factored rows (meta's modules with "factors") are densified a block at a time
+        self._factored = self.meta["modules"] if is_factored(self.meta) else None
         try:
             self.layout = layout_from_meta(self.meta)
             width = int(getattr(store, "row_width", row_width(self.layout)))
-            validate_layout(self.layout, width)
+            validate_layout(self.layout, row_width(self.layout) if self._factored else width)
         except ValueError as e:
             raise ValueError(f"{self.root / 'meta.json'}: {e}") from e
         # the writer refused ("error") or dropped ("skip") non-finite rows; "keep" stored them
@@ -188,8 +191,12 @@ class StoreSource:
             # calls finite (the streaming score loop checks its scores instead)
             if self.finite and not all_finite(rows):
                 raise self.nonfinite_error(self.shard_at(start, rows), list(ids), rows)
-            yield list(ids), rows
+            yield list(ids), self._dense(rows)
             start += len(ids)
+
+    def _dense(self, rows: torch.Tensor) -> torch.Tensor:
+        """A block of stored rows as dense rows (factored modules multiplied out)."""
+        return rows if self._factored is None else densify(rows, self._factored)
 
     def shard_at(self, start: int, rows: torch.Tensor) -> Any:
         """The shard (index) holding the first non-finite row of the block at row ``start``."""
@@ -239,10 +246,10 @@ class StoreSource:
             if start is not None:
                 for lo in range(0, len(mapped), batch_size):
                     hi = min(lo + batch_size, len(mapped))
-                    yield ids[start + lo : start + hi], mapped[lo:hi]
+                    yield ids[start + lo : start + hi], self._dense(mapped[lo:hi])
                 return
         for ids, rows in self.store.iter_shard_blocks(shard, batch_size):
-            yield list(ids), torch.as_tensor(rows, dtype=torch.float32)
+            yield list(ids), self._dense(torch.as_tensor(rows, dtype=torch.float32))
 
     def prefetch(self, shard: Any) -> None:
         """Ask the OS to read ``shard`` (an entry of `iter_shards`) ahead, if the store can."""
@@ -305,6 +312,8 @@ class LogSource(TensorSource):
     def __init__(self, log: Any) -> None:
         meta = dict(log.meta)
         rows = torch.as_tensor(log.rows, dtype=torch.float32)
+        if is_factored(meta):  # queries are scored dense (preconditioned as dense rows)
+            rows = densify(rows, meta["modules"])
         stats = getattr(log, "statistics", None)
         projections = getattr(log, "projections", None)
         super().__init__(

@@ -59,6 +59,10 @@ class RunConfig:
         nonfinite: store rows with NaN/Inf: ``error`` | ``skip`` (counted) | ``keep``.
         dtype: dtype of stored rows (``float32``, ``float16``, ``bfloat16``).
         rank: default projection rank of the store (``None`` = no projection).
+        factors: store each Kronecker module's projected per-sample gradient as this many
+            factor pairs (``G ≈ Uᵀ V``, ``U`` ``[c, r_out]``, ``V`` ``[c, r_in]``; exact when a
+            sample has at most ``c`` positions, a truncated SVD otherwise) instead of its
+            ``r_out * r_in`` entries; needs ``rank`` (``None``: dense rows).
         max_factor_dim: largest dense K-FAC factor (``None``: ``MAX_FACTOR_DIM``, 16384); a
             larger one is kept in the logged space of its side's projection, else diagonal.
         shard_rows: rows per store shard file (``None``: about 64 MiB per shard).
@@ -78,7 +82,7 @@ class RunConfig:
         >>> RunConfig.from_any({"statistics": "kfac"})
         Traceback (most recent call last):
         ...
-        ValueError: unknown configuration key 'statistics'; valid keys: log, save, statistic, loss_reduction, param_grads, nonfinite, dtype, rank, max_factor_dim, shard_rows, queue_size, on_stored_id, size_budget_bytes, num_samples
+        ValueError: unknown configuration key 'statistics'; valid keys: log, save, statistic, loss_reduction, param_grads, nonfinite, dtype, rank, factors, max_factor_dim, shard_rows, queue_size, on_stored_id, size_budget_bytes, num_samples
 
         ``nnstat.setup`` takes one directly, as well as the dict form:
 
@@ -96,6 +100,7 @@ class RunConfig:
     nonfinite: str = "error"
     dtype: str = "float32"
     rank: int | None = None
+    factors: int | None = None
     max_factor_dim: int | None = None
     shard_rows: int | None = None
     queue_size: int = 16
@@ -117,6 +122,12 @@ class RunConfig:
         if not isinstance(self.param_grads, bool):
             raise ValueError(f"param_grads must be True or False, got {self.param_grads!r}")
         _check_int("rank", self.rank, minimum=1, optional=True)
+        _check_int("factors", self.factors, minimum=1, optional=True)
+        if self.factors is not None and self.rank is None:
+            raise ValueError(
+                f"factors={self.factors} factors the projected rows, but rank is None (no "
+                "projection): set a projection rank too, e.g. rank=64, factors=8"
+            )
         _check_int("shard_rows", self.shard_rows, minimum=1, optional=True)
         _check_int("queue_size", self.queue_size, minimum=1, optional=False)
         _check_int("size_budget_bytes", self.size_budget_bytes, minimum=1, optional=False)
@@ -187,6 +198,8 @@ class RunConfig:
         run = self.to_json()
         for key in _NOT_RECORDED:
             run.pop(key)
+        if run["factors"] is None:  # recorded only when set: stores of dense rows keep their meta
+            run.pop("factors")
         return {"run": run}
 
     @property

@@ -44,6 +44,7 @@ from nnstat.run.rows import (
 from nnstat.run.signals import CommitOnSignal
 from nnstat.run.weights import BlockGuard, Models, enclosing, model_fingerprint
 from nnstat.store.errors import StoreWriteError
+from nnstat.store.factored import EnergyTally, dense_layout
 from nnstat.store.files import META_FILE
 from nnstat.store.ids import duplicate_ids, normalize_ids
 from nnstat.store.logger import StoreLogger, filter_nonfinite
@@ -278,8 +279,10 @@ class Run(PassEnd):
             self._warned_once,
         )
         assert self._projections is not None
-        # the staging buffer (an accelerator) keeps words for the guard's flags after the rows
-        self._rows.begin(self._projections, same.numel() if isinstance(same, torch.Tensor) else 0)
+        # the staging buffer (an accelerator) keeps words for the guard's flags after the rows;
+        # queries are logged exact (dense) whatever the store's factors (refinement checks them)
+        flags = same.numel() if isinstance(same, torch.Tensor) else 0
+        self._rows.begin(self._projections, flags, factor=self.mode != "eval")
         try:
             with (
                 self.engine.batch(
@@ -334,7 +337,7 @@ class Run(PassEnd):
             return
         assert self._projections is not None
         batch, rowbuf, factors = block.rows, block.buffer, block.factors
-        cols = module_blocks(batch, self._projections, self._warned_missing)
+        cols = module_blocks(batch, self._projections, self._warned_missing, self.mode != "eval")
         n = cols[0].shape[0]
         if rowbuf is not None:
             for name, col in zip(self._projections, cols, strict=True):
@@ -445,12 +448,14 @@ class Run(PassEnd):
         # the weights when this log's first block was captured; scoring compares them with the
         # store's (meta["params_sha256"])
         meta = self.store_meta(params_sha256=self._eval_params, statistics_sha256=stats_hash)
+        meta.update(dense_layout(meta))  # the queries' rows are dense (see _rows.begin)
         meta["model_sha256"] = self._eval_model  # every tensor of the model (and its parents)
         projections = projection_tensors(self._projections) if self._projections else {}
         log = GradientLog(list(self._eval_ids), rows, meta, stats, projections)
         self._eval_ids, self._eval_rows, self._eval_seen = [], [], set()
         self._next_auto_id = 0
         self._eval_params, self._eval_model, self._probe_reduction = None, None, True
+        self._rows.energy = EnergyTally()  # queries' energy is not recorded anywhere
         return log
 
     def build_log_dataloader(self, batch_size: int = 1024, num_workers: int = 0) -> Any:
@@ -542,7 +547,7 @@ class Run(PassEnd):
         if args["init"] == "pca" and args["rank"] is not None:
             stats = store_io.finalized_statistics(self._stats_state, self.path)
         self._projections = build_projections(
-            specs, args["rank"], args["init"], args["seed"], stats
+            specs, args["rank"], args["init"], args["seed"], stats, self.config.factors
         )
 
     def _open_logger(self) -> None:

@@ -21,7 +21,9 @@ from typing import Any
 from nnstat.run import store_io
 from nnstat.run.signals import CommitOnSignal
 from nnstat.store.errors import StoreWriteError
+from nnstat.store.factored import EnergyTally
 from nnstat.store.logger import StoreLogger
+from nnstat.store.meta import record_factor_energy
 
 
 class PassEnd:
@@ -42,6 +44,7 @@ class PassEnd:
     _writer_error: StoreWriteError | None
     _flushed_early: bool
     _next_auto_id: int
+    _rows: Any
 
     def _stats_on(self) -> bool:  # pragma: no cover - Run's
         raise NotImplementedError
@@ -74,6 +77,9 @@ class PassEnd:
         error, self._writer_error = self._writer_error, None
         try:
             saved = store_io.close_pass(logger, collector, self.path, self.rank, error)
+            energy, self._rows.energy = self._rows.energy, EnergyTally()
+            if logger is not None:
+                record_factor_energy(self.path, self.rank, energy.summary())
         finally:
             self._on_signal.restore()
             if collector is not None and collector.done:

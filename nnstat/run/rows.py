@@ -29,8 +29,14 @@ import torch
 
 from nnstat.capture.capture import modules_by_size
 from nnstat.store import outer
+from nnstat.store.factored import EnergyTally, factor_rows
 from nnstat.store.ids import content_ids
-from nnstat.store.projection import ModuleProjection, project_capture, row_factors
+from nnstat.store.projection import (
+    ModuleProjection,
+    project_capture,
+    projected_factors,
+    row_factors,
+)
 
 
 def on_accelerator(device: torch.device) -> bool:
@@ -81,17 +87,25 @@ class BatchRows:
         # modules whose rows are outer products left for the writer to form (see store.outer)
         self._outer: list[outer.OuterFactors] = []
         self._all_outer = True
+        self._factor = True  # factored modules stored as factors (begin's factor)
         self._sizes: dict[str, int] = {}  # module -> samples it saw in this block
+        # captured energy of factored modules over the pass (the Run records it in meta.json)
+        self.energy = EnergyTally()
 
     @property
     def open(self) -> bool:
         """True between :meth:`begin` and :meth:`end`."""
         return self._rows is not None
 
-    def begin(self, projections: Mapping[str, ModuleProjection], flags: int = 0) -> None:
+    def begin(
+        self, projections: Mapping[str, ModuleProjection], flags: int = 0, factor: bool = True
+    ) -> None:
         """Start a block under ``projections``; a device staging buffer keeps ``N + flags``
-        words after the rows (the rows' NaN/Inf flags and ``flags`` more)."""
+        words after the rows (the rows' NaN/Inf flags and ``flags`` more). ``factor=False``
+        (queries: few, kept exact) makes dense rows also of the modules a store keeps as
+        factors."""
         self._projections = projections
+        self._factor = factor
         self._rows, self._buffer, self._stage, self._flat = {}, None, None, None
         self._flags = flags
         self._outer, self._all_outer = [], True
@@ -125,14 +139,17 @@ class BatchRows:
         assert self._rows is not None
         proj = self._projections[cap.name]
         prev = self._rows.get(cap.name)
+        factored = None
+        if proj.factors and cap.num_samples and self._factor:
+            factored = self._factored(cap, proj, prev)
         if cap.num_samples and (self._stage is not None or on_accelerator(cap.device)):
             self._check_size(cap.name, cap.num_samples)
-            self._add_staged(cap, proj, prev)
+            self._add_staged(cap, proj, prev, factored)
             return
         if cap.num_samples == 0:  # an empty batch (a filtered last batch): nothing to project
             if prev is None:
                 buf = self._row_buffer(writer, 0) if writer is not None else None
-                empty = torch.zeros(0, proj.width)
+                empty = torch.zeros(0, self._width(proj))
                 self._rows[cap.name] = empty if buf is None else buf[:, self.columns[cap.name]]
             return
         self._check_size(cap.name, cap.num_samples)
@@ -142,9 +159,12 @@ class BatchRows:
             # dtype and device read without building the rows (a tied capture's are GBs)
             here = cap.device == buf.device
             factors = None
-            if cap.dtype == torch.float32 and here and len(buf):
+            if cap.dtype == torch.float32 and here and len(buf) and factored is None:
                 factors = row_factors(cap, proj)
-            if factors is not None:
+            if factored is not None:
+                self._all_outer = False
+                out.copy_(factored)
+            elif factors is not None:
                 self._outer.append(outer.OuterFactors(self.columns[cap.name], *factors))
             elif here:
                 self._all_outer = False
@@ -158,15 +178,36 @@ class BatchRows:
             assert self._buffer is not None
             outer.fill(self._buffer, self._outer)
             self._outer, self._all_outer = [], False
-        rows = project_capture(cap, proj).float()
+        rows = project_capture(cap, proj).float() if factored is None else factored
         self._rows[cap.name] = rows if prev is None else prev.add_(rows)
 
-    def _add_staged(self, cap: Any, proj: ModuleProjection, prev: torch.Tensor | None) -> None:
+    def _factored(self, cap: Any, proj: ModuleProjection, prev: Any) -> torch.Tensor:
+        """The factored rows of a module stored as factors (:mod:`nnstat.store.factored`),
+        computed on the capture's device; their energy is tallied."""
+        if prev is not None:
+            raise ValueError(
+                f"module {cap.name!r} is stored as factors (factors={proj.factors}), and a "
+                "second backward in one run(...) block would add two factored gradients, which "
+                "is not a sum of their factors: call backward once per block, or log dense "
+                "rows (factors=None)"
+            )
+        assert proj.factors is not None
+        rows, energy = factor_rows(*projected_factors(cap, proj), proj.factors)
+        self.energy.add(cap.name, energy)
+        return rows
+
+    def _add_staged(
+        self,
+        cap: Any,
+        proj: ModuleProjection,
+        prev: torch.Tensor | None,
+        factored: torch.Tensor | None = None,
+    ) -> None:
         """Project into this module's columns of the device staging buffer (a second backward
-        adds to them); no host transfer."""
+        adds to them); no host transfer. ``factored``: the module's rows, already made."""
         if self._stage is None:
             self._layout()
-            width = sum(p.width for p in self._projections.values())
+            width = sum(self._width(p) for p in self._projections.values())
             n = cap.num_samples
             # the flags' words after the rows: they leave the device in the rows' one copy
             self._flat = torch.empty(
@@ -175,7 +216,9 @@ class BatchRows:
             self._stage = self._flat[: n * width].view(n, width)
         out = self._stage[:, self.columns[cap.name]]
         same = cap.device == out.device
-        if prev is not None:
+        if factored is not None:
+            out.copy_(factored)
+        elif prev is not None:
             out.add_(project_capture(cap, proj).to(out.device))
         elif same:
             project_capture(cap, proj, out=out)
@@ -183,11 +226,14 @@ class BatchRows:
             out.copy_(project_capture(cap, proj))
         self._rows[cap.name] = out
 
+    def _width(self, p: ModuleProjection) -> int:
+        return p.width if self._factor else p.dense_width
+
     def _layout(self) -> None:
         offset = 0
         for name, p in self._projections.items():
-            self.columns[name] = slice(offset, offset + p.width)
-            offset += p.width
+            self.columns[name] = slice(offset, offset + self._width(p))
+            offset += self._width(p)
 
     def _check_size(self, name: str, n: int) -> None:
         """Every module of a block must see its N samples: name the ones that did not."""
@@ -220,11 +266,12 @@ def module_blocks(
     batch: Mapping[str, torch.Tensor],
     projections: Mapping[str, ModuleProjection],
     warned: set[str],
+    factored: bool = True,
 ) -> list[torch.Tensor]:
     """One ``[N, width]`` block per module in layout order; zeros for modules without gradient.
 
     A watched module that took no part in the loss has a zero gradient: stored as zeros, with a
-    one-time warning naming it. Nothing captured at all is an error (no backward in the block).
+    one-time warning naming it (``factored=False``: a query block's dense widths). Nothing captured at all is an error (no backward in the block).
     """
     if not batch:
         raise RuntimeError(
@@ -240,7 +287,10 @@ def module_blocks(
             "gradients are stored as zeros (they did not take part in the loss)",
             stacklevel=4,
         )
-    return [batch[m] if m in batch else torch.zeros(n, p.width) for m, p in projections.items()]
+    return [
+        batch[m] if m in batch else torch.zeros(n, p.width if factored else p.dense_width)
+        for m, p in projections.items()
+    ]
 
 
 def refuse_left_out(

@@ -153,6 +153,7 @@ def projections_from_store(
             m["r_out"],
             tensors.get(f"{m['name']}/p_in"),
             tensors.get(f"{m['name']}/p_out"),
+            m.get("factors"),
         )
     if tensors_hash(tensors) != store.meta.get("projection_sha256"):
         raise ValueError(f"{path}: projections.safetensors does not match meta.json's sha256")

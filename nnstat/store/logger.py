@@ -307,8 +307,9 @@ class StoreLogger:
                 elif old[key] is None:
                     self.meta[key] = None  # recorded as unknown: the key stays (revision 3)
             # the store keeps its identity and the revision it was created in: this pass
-            # cannot vouch for what an older writer left (content hashes of its shards)
-            for key in ("store_id", "format_revision"):
+            # cannot vouch for what an older writer left (content hashes of its shards); the
+            # factors' captured energy of earlier passes stays (this pass's is merged in)
+            for key in ("store_id", "format_revision", "factor_energy"):
                 if key in old:
                     self.meta[key] = old[key]
                 else:

@@ -20,6 +20,7 @@ import torch
 
 from nnstat import __version__
 from nnstat.store import files
+from nnstat.store.factored import factored_width, merge_energy
 from nnstat.store.integrity import tensors_hash
 from nnstat.store.projection import ModuleProjection, layout, projection_tensors
 from nnstat.store.shards import STORE_DTYPES
@@ -27,9 +28,10 @@ from nnstat.store.shards import STORE_DTYPES
 FORMAT_VERSION = 1
 #: the revision of format 1 a new store is written in (``meta.json``'s ``format_revision``):
 #: 2 (no ``format_revision``, ``"shard_logs": true``) added the commit logs; 3 a ``store_id``
-#: and each shard's content hash in its log. An older revision still opens, with the checks
-#: its files allow.
-FORMAT_REVISION = 3
+#: and each shard's content hash in its log; 4 factored modules (``"factors": c`` in a module's
+#: entry, :mod:`nnstat.store.factored`) and ``factor_energy``. An older revision still opens,
+#: with the checks its files allow.
+FORMAT_REVISION = 4
 #: the revision from which meta.json always holds each key (its value may be ``null``): a
 #: store of that revision or later without it was edited, and is refused (:func:`read_meta`)
 #: rather than read unchecked as an older store
@@ -39,6 +41,7 @@ REQUIRED_SINCE = {
     "params_sha256": 3,
     "model_sha256": 3,
     "store_id": 3,
+    "factor_energy": 4,
 }
 #: what each key of :data:`REQUIRED_SINCE` vouches for (named in the error when it is missing)
 VOUCHES_FOR = {
@@ -47,6 +50,7 @@ VOUCHES_FOR = {
     "params_sha256": "the weights of the watched modules",
     "model_sha256": "the weights of the whole model",
     "store_id": "the files saved for this store (viewer/examples.json)",
+    "factor_energy": "the energy the factored rows kept",
 }
 
 
@@ -183,13 +187,23 @@ def _module_problems(modules: list, width: int | None, projection: Any) -> list[
         end = m["offset"] + m["width"]
         r_in, r_out = m["r_in"], m.get("r_out")
         flat = known and not REGISTRY[kind].outer  # a flat gradient (layernorm)
+        factors = m.get("factors")
+        if factors is not None and (not _int(factors, 1) or flat or not _int(r_out, 1)):
+            problems.append(f"{at}: factors {factors!r} must be a positive int of a Kronecker kind")
+            continue
         if not _int(r_in, 1) or (r_out is not None or not flat) and not _int(r_out, 1):
             problems.append(
                 f"{at}: r_in {r_in!r} / r_out {r_out!r} must be positive ints"
                 + (" (r_out null)" if flat else "")
             )
             continue
-        if m["width"] != r_in * (r_out or 1):
+        if factors is not None:
+            if m["width"] != factored_width(factors, r_out, r_in):
+                problems.append(
+                    f"{at}: width {m['width']} != factors * (r_out + r_in) = "
+                    f"{factored_width(factors, r_out, r_in)}"
+                )
+        elif m["width"] != r_in * (r_out or 1):
             problems.append(f"{at}: width {m['width']} != r_out * r_in = {(r_out or 1) * r_in}")
         for side, r in (("in", r_in), ("out", r_out)):
             d = m.get(f"d_{side}")
@@ -251,6 +265,8 @@ def build_meta(
         "skipped_rows": 0,
         "params_sha256": params_sha256,
         "statistics_sha256": statistics_sha256,
+        # per factored module {rows, mean, min} of the energy kept (record_factor_energy)
+        "factor_energy": {},
     }
 
 
@@ -307,4 +323,31 @@ def record_statistics_hash(
     if not isinstance(meta, dict):
         raise ValueError(f"{meta_path}: expected a JSON object, got {type(meta).__name__}")
     meta["statistics_sha256"] = statistics_hash(path) if saved is None else tensors_hash(saved)
+    files.atomic_write_json(meta_path, meta)
+
+
+def record_factor_energy(path: Path, rank: int, energy: Mapping[str, Mapping[str, float]]) -> None:
+    """Rank 0: merge a pass's captured energy of factored rows
+    (:meth:`~nnstat.store.factored.EnergyTally.summary`: module → ``{rows, mean, min}``) into
+    meta.json's ``factor_energy`` (rank 0's rows: the other ranks' are not gathered).
+
+    Args:
+        path: the store's directory.
+        rank: this process's rank (only rank 0 writes).
+        energy: the pass's record.
+
+    Example:
+        >>> import tempfile; d = Path(tempfile.mkdtemp())
+        >>> files.atomic_write_json(d / "meta.json", {"factor_energy": {}})
+        >>> record_factor_energy(d, 0, {"fc": {"rows": 2, "mean": 0.9, "min": 0.8}})
+        >>> files.read_json(d / "meta.json")["factor_energy"]["fc"]["min"]
+        0.8
+    """
+    meta_path = Path(path) / files.META_FILE
+    if rank != 0 or not energy or not meta_path.exists():
+        return
+    meta = files.read_json(meta_path)
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path}: expected a JSON object, got {type(meta).__name__}")
+    meta["factor_energy"] = merge_energy(meta.get("factor_energy"), energy)
     files.atomic_write_json(meta_path, meta)

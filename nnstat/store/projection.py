@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nnstat.store.factored import factored_width, worth_factoring
+
 PROJECTION_INITS = ("random", "pca")
 
 
@@ -49,10 +51,21 @@ class ModuleProjection:
     r_out: int | None
     p_in: torch.Tensor | None
     p_out: torch.Tensor | None
+    #: factor pairs per row when the store keeps this module factored (:mod:`.factored`)
+    factors: int | None = None
 
     @property
     def width(self) -> int:
         """Columns this module takes in a stored row."""
+        if self.factors:
+            assert self.r_out is not None
+            return factored_width(self.factors, self.r_out, self.r_in)
+        return self.dense_width
+
+    @property
+    def dense_width(self) -> int:
+        """Columns of this module's dense row (``r_out * r_in``): a query log's, or a store's
+        without ``factors``."""
         return self.r_in * (self.r_out or 1)
 
 
@@ -172,8 +185,11 @@ def build_projections(
     init: str = "random",
     seed: int = 0,
     statistics: Mapping[str, torch.Tensor] | None = None,
+    factors: int | None = None,
 ) -> dict[str, ModuleProjection]:
-    """One :class:`ModuleProjection` per module, in ``specs`` order.
+    """One :class:`ModuleProjection` per module, in ``specs`` order; with ``factors`` the
+    Kronecker modules whose factors are narrower than their dense rows are stored factored
+    (:func:`~nnstat.store.factored.worth_factoring`).
 
     Example:
         >>> specs = [module_shape("fc", torch.nn.Linear(4, 2))]
@@ -190,8 +206,13 @@ def build_projections(
                 "init='pca' needs the forward/backward covariances of a previous statistics pass "
                 "(run a pass with statistic 'kfac' and finalize() first); none found"
             )
-        return {s.name: pca_projection(s, rank, statistics) for s in specs}
-    return {s.name: random_projection(s, rank, seed) for s in specs}
+        out = {s.name: pca_projection(s, rank, statistics) for s in specs}
+    else:
+        out = {s.name: random_projection(s, rank, seed) for s in specs}
+    for p in out.values():
+        if worth_factoring(factors, p.r_out, p.r_in):
+            p.factors = factors
+    return out
 
 
 def projection_tensors(projections: Mapping[str, ModuleProjection]) -> dict[str, torch.Tensor]:
@@ -224,6 +245,8 @@ def layout(projections: Mapping[str, ModuleProjection]) -> list[dict[str, Any]]:
                 "width": p.width,
             }
         )
+        if p.factors:  # only then: a dense store's meta.json is unchanged
+            rows[-1]["factors"] = p.factors
         offset += p.width
     return rows
 
@@ -280,6 +303,26 @@ def row_factors(cap: Any, proj: ModuleProjection) -> tuple[torch.Tensor, torch.T
     p_in, p_out = _kernels(proj, _device(cap))
     assert p_out is not None
     return cap.row_factors(p_in, p_out)
+
+
+def projected_factors(cap: Any, proj: ModuleProjection) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(P_out δ_t, P_in x_t)`` per position, ``[N, T, r_out]`` and ``[N, T, r_in]``: the
+    factors whose summed outer products are :func:`project_capture`'s rows (a Kronecker kind).
+
+    Example:
+        >>> import nnstat
+        >>> lin = torch.nn.Linear(6, 5)
+        >>> engine = nnstat.CaptureEngine(); _ = engine.watch(lin); caps = []
+        >>> engine.add_consumer(caps.append)
+        >>> with engine.batch():
+        ...     lin(torch.randn(3, 6)).sum().backward()
+        >>> proj = random_projection(module_shape("model", lin), rank=2)
+        >>> [tuple(t.shape) for t in projected_factors(caps[0], proj)]
+        [(3, 1, 2), (3, 1, 2)]
+    """
+    p_in, p_out = _kernels(proj, _device(cap))
+    assert p_out is not None
+    return cap.projected_factors(p_in, p_out)
 
 
 def _device(cap: Any) -> torch.device:

@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from nnstat.store.commits import Shard, check_content, check_ids, committed_shards, log_path
+from nnstat.store.factored import unfactor
 from nnstat.store.files import (
     META_FILE,
     PROJECTIONS_FILE,
@@ -57,10 +58,13 @@ def _module_entry(meta: dict[str, Any], name: str) -> dict[str, Any]:
 def module_view(meta: dict[str, Any], rows: torch.Tensor, name: str) -> torch.Tensor:
     """A module's slice of ``rows`` ``[b, row_width]`` reshaped to ``[b, r_out, r_in]``.
 
-    Kinds without a Kronecker structure (layernorm) come back as ``[b, 1, r]``.
+    Kinds without a Kronecker structure (layernorm) come back as ``[b, 1, r]``; a module
+    stored as factors comes back dense (:func:`~nnstat.store.factored.unfactor`).
     """
     m = _module_entry(meta, name)
     block = rows[:, m["offset"] : m["offset"] + m["width"]]
+    if m.get("factors"):  # stored as factors: the dense matrix Uᵀ V
+        block = unfactor(block, int(m["factors"]), int(m["r_out"]), int(m["r_in"]))
     return block.reshape(rows.shape[0], m.get("r_out") or 1, m["r_in"])
 
 

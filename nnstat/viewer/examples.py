@@ -55,6 +55,7 @@ from safetensors.torch import save as st_save
 from nnstat.influence.row_layout import check_compatible
 from nnstat.influence.sources import all_finite
 from nnstat.store import GradientLog, GradientStore
+from nnstat.store.factored import dense_layout
 from nnstat.store.files import atomic_write_bytes, read_json
 from nnstat.store.ids import ids_digest
 
@@ -401,9 +402,10 @@ def save_queries(log: GradientLog, store_dir: str | Path, name: str = "queries")
     rows = log.rows.detach().to("cpu", torch.float32).contiguous()
     if rows.ndim != 2 or rows.shape[0] != len(log.ids):
         raise ValueError(f"log.rows {tuple(rows.shape)} does not match {len(log.ids)} ids")
-    if rows.shape[1] != store.row_width:
+    width = dense_layout(store.meta)["row_width"]  # a factored store's queries are dense
+    if rows.shape[1] != width:
         raise ValueError(
-            f"log rows are {rows.shape[1]} wide, the store's {store.row_width}: not the same run"
+            f"log rows are {rows.shape[1]} wide, the store's {width}: not the same run"
         )
     check_compatible(log.meta, store.meta)  # raises naming what differs (projection, modules)
     ids = [i.item() if isinstance(i, np.generic) else i for i in log.ids]

@@ -126,7 +126,8 @@ def test_json_roundtrip_without_pickle():
 
 # ------------------------------------------------------------------ setup(...) with a RunConfig
 ALL_KEYS = (
-    "log, save, statistic, loss_reduction, param_grads, nonfinite, dtype, rank, max_factor_dim, "
+    "log, save, statistic, loss_reduction, param_grads, nonfinite, dtype, rank, factors, "
+    "max_factor_dim, "
     "shard_rows, queue_size, on_stored_id, size_budget_bytes, num_samples"
 )
 

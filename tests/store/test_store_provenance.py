@@ -94,7 +94,7 @@ def test_a_store_logged_before_content_hashes_opens_and_verifies_nothing(tmp_pat
 def test_every_hash_key_of_the_format_revision_is_required(tmp_path, key):
     path = _store(tmp_path, "p")
     meta = read_json(path / "meta.json")
-    assert meta["format_revision"] == 3 and key in meta
+    assert meta["format_revision"] == 4 and key in meta
     del meta[key]
     atomic_write_json(path / "meta.json", meta)
     with pytest.raises(ValueError, match=rf"meta\.json: .*records no {key}"):
