@@ -10,6 +10,8 @@ a cold store's disk reads overlap its scoring without a thread or a copy).
 device scores block ``k``; the main thread copies each buffer to the device with
 ``non_blocking=True`` on a side stream, and the scoring stream waits for that copy's event, so
 disk reads, host-to-device copies and scoring overlap. Rows already on the device pass through.
+`stream_to` does the same for a source whose store holds factored rows (``factors=c``): the
+rows travel as stored, 4-8x fewer bytes than dense, and are multiplied out on the device.
 
 The thread is a `nnstat.background.worker.Reader` and the host buffers a
 `nnstat.background.transfer.HostBuffers` pool, handed back with the event of the device copy
@@ -26,7 +28,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -157,3 +159,45 @@ def read_ahead(
                 reader.done()
     finally:
         reader.close()
+
+
+def stream_to(
+    source: RowSource,
+    blocks_of: Callable[[RowSource], Iterator[Block]],
+    device: torch.device | str,
+    max_rows: int = 0,
+) -> Iterator[Block]:
+    """`read_ahead` of ``blocks_of(source)`` with the rows dense on ``device``.
+
+    A store of factored rows (`StoreSource.factored`) is read as stored (`StoreSource.stored_rows`):
+    the host buffers and the host-to-device copy carry the stored bytes, and each block is
+    multiplied out on ``device`` (`StoreSource.dense`: one batched product per factored module).
+
+    Args:
+        source: the training rows.
+        blocks_of: cuts a source into blocks (`units`, or this rank's share of them).
+        device: where the rows are scored.
+        max_rows: rows of the largest block (sizes the host buffers once).
+
+    Returns:
+        ``(key, ids, dense rows on device)`` blocks, valid until the next is requested.
+
+    Example:
+        >>> from nnstat.influence.sources import TensorSource
+        >>> src = TensorSource(torch.ones(3, 2))
+        >>> [rows.shape[0] for _, _, rows in stream_to(src, lambda s: units(s, 2), "cpu")]
+        [2, 1]
+    """
+    if not getattr(source, "factored", False):
+        return read_ahead(blocks_of(source), device, max_rows)
+    return _densified(source, read_ahead(blocks_of(source.stored_rows()), device, max_rows))
+
+
+def _densified(source: Any, blocks: Iterator[Block]) -> Iterator[Block]:
+    try:
+        for key, ids, rows in blocks:
+            yield key, ids, source.dense(rows)
+    finally:
+        close = getattr(blocks, "close", None)
+        if close is not None:
+            close()  # stops the reader thread now, not when the generator is collected

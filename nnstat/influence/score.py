@@ -39,7 +39,7 @@ from nnstat.distributed import rank_world
 from .cache import default_preconditioner, fitted, has_kfac_statistics, has_stored_ekfac
 from .modes import MODES, check_mode, m_norms, normalise, raw_scores
 from .ondevice import stream_scores, stream_self_influence
-from .pipeline import Block, read_ahead, units
+from .pipeline import Block, stream_to, units
 from .precondition import PRECONDITIONERS, Preconditioner
 from .refine import Refinement, refine_queries
 from .result import InfluenceResult, SelfInfluenceResult, TopKInfluence
@@ -311,11 +311,13 @@ def _on_device(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKI
         args = (job.q_pre.cpu(), q_norm, rows, ids, job.pre, job.damping, job.mode)
         _score_block(*args, None, not t.finite, False, t, shard)
 
-    blocks = _my_units(t, job.batch_size)
+    blocks = stream_to(
+        t, lambda s: _my_units(s, job.batch_size), job.q_pre.device, max_rows=job.batch_size
+    )
     got = stream_scores(
         job.q_pre,
         job.q_norm,
-        read_ahead(blocks, job.q_pre.device, max_rows=job.batch_size),
+        blocks,
         job.pre,
         job.damping,
         job.mode,
@@ -544,7 +546,7 @@ def _self_on_device(
         if d.finite and (err := nonfinite_error(d, shard, ids, rows)) is not None:
             raise err
 
-    blocks = read_ahead(units(d, batch_size), dev, max_rows=batch_size)
+    blocks = stream_to(d, lambda s: units(s, batch_size), dev, max_rows=batch_size)
     verify = _recheck(d, batch_size, check, one_process=True)
     return stream_self_influence(blocks, pre, damping, len(d), dev, verify, bar.update)
 
