@@ -400,3 +400,33 @@ def test_the_device_branch_copies_the_stored_factored_bytes(tmp_path, monkeypatc
     compute_self_influence(fpath, preconditioner="identity", batch_size=BATCH)
     # every block crosses to the device as stored: BATCH float32 rows of the stored width
     assert staged and set(staged) == {BATCH * stored_width * 4}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_scoring_of_a_factored_store_copies_the_stored_bytes(tmp_path, monkeypatch):
+    from nnstat.influence import pipeline
+
+    x, xq = _data(N, 5), _data(3, 5, seed=2)
+    fpath, flog = _log(tmp_path, "f", x, xq, factors=2)
+    copied: list[tuple[int, int]] = []
+    copy = pipeline._DeviceCopies.copy
+
+    def counting(self, rows):
+        copied.append((rows.shape[1], rows.element_size()))
+        return copy(self, rows)
+
+    monkeypatch.setattr(pipeline._DeviceCopies, "copy", counting)
+    kw = {"preconditioner": "kfac", "damping": 1e-3, "batch_size": BATCH}
+    for top_k in (None, 3):
+        a = compute_influence_all(flog, fpath, top_k=top_k, **kw)
+        b = compute_influence_all(flog, fpath, top_k=top_k, device="cuda", **kw)
+        if top_k is None:
+            torch.testing.assert_close(b.scores, a.scores, rtol=1e-4, atol=1e-4)
+        else:
+            assert b.helpful_ids == a.helpful_ids
+    sa = compute_self_influence(fpath, **kw)
+    sb = compute_self_influence(fpath, device="cuda", **kw)
+    torch.testing.assert_close(sb.scores, sa.scores, rtol=1e-4, atol=1e-4)
+    # every training block crossed to the GPU as stored: float32 rows of the stored width
+    assert copied and set(copied) == {(GradientStore(fpath).row_width, 4)}
