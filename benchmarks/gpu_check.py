@@ -121,6 +121,8 @@ CUDA_FILES = [
     "tests/describe/test_segments.py",
     "tests/influence/test_scoring_device.py",
     "tests/influence/test_refine_device.py",
+    # a factored store scored on the device: the copy carries the stored bytes
+    "tests/store/test_store_factored.py",
 ]
 # seconds for the whole check (the caps of `parts` sum to at most this: one device call with
 # time to run it again)
