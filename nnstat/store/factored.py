@@ -190,6 +190,9 @@ class EnergyTally:
     """Per-module captured energy over the rows of a pass: mean and min, kept on the rows'
     device (no host read until :meth:`summary`).
 
+    Running totals, not a list per block: a pass of millions of rows keeps one sum and one
+    minimum per module (a list would hold two small device tensors per module per block).
+
     Example:
         >>> tally = EnergyTally()
         >>> tally.add("fc", torch.tensor([1.0, 0.5]))
@@ -198,26 +201,29 @@ class EnergyTally:
     """
 
     def __init__(self) -> None:
-        self._sums: dict[str, list[torch.Tensor]] = {}
+        self._sum: dict[str, torch.Tensor] = {}  # float64 on the rows' device
+        self._min: dict[str, torch.Tensor] = {}
+        self._rows: dict[str, int] = {}  # known on the host: no read
 
     def add(self, name: str, energy: torch.Tensor) -> None:
         """Count one block's ``[N]`` energies of module ``name``."""
-        if energy.numel():
-            e = energy.detach()
-            self._sums.setdefault(name, []).append(torch.stack([e.sum(), e.min()]))
-            self._sums[name].append(torch.tensor(float(e.numel())))
+        if not energy.numel():
+            return
+        e = energy.detach()
+        total, low = e.sum(dtype=torch.float64), e.min()
+        if name in self._sum:
+            self._sum[name].add_(total)
+            self._min[name] = torch.minimum(self._min[name], low)
+        else:
+            self._sum[name], self._min[name] = total, low
+        self._rows[name] = self._rows.get(name, 0) + e.numel()
 
     def summary(self) -> dict[str, dict[str, float]]:
         """``{module: {rows, mean, min}}`` of everything added (one host read per module)."""
         out = {}
-        for name, parts in self._sums.items():
-            pairs = torch.stack([p.cpu() for p in parts[0::2]]).double()
-            rows = sum(float(p) for p in parts[1::2])
-            out[name] = {
-                "rows": int(rows),
-                "mean": float(pairs[:, 0].sum() / rows),
-                "min": float(pairs[:, 1].min()),
-            }
+        for name, rows in self._rows.items():
+            total, low = torch.stack([self._sum[name], self._min[name].double()]).tolist()
+            out[name] = {"rows": rows, "mean": total / rows, "min": low}
         return out
 
 
