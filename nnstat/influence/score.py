@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from nnstat.distributed import rank_world
 
 from .cache import default_preconditioner, fitted, has_kfac_statistics, has_stored_ekfac
+from .factored_scores import FactoredScores
 from .modes import MODES, check_mode, m_norms, normalise, raw_scores
 from .ondevice import stream_scores, stream_self_influence
 from .pipeline import Block, stream_to, units
@@ -170,13 +171,20 @@ def _score_block(
     query_major: bool = False,
     source: RowSource | None = None,
     shard: Any = None,
+    factored: FactoredScores | None = None,
 ) -> torch.Tensor:
     """The host branch's scores of a block (see `modes.raw_scores` for the layouts).
 
+    With ``factored`` (its queries are ``q_pre``) ``rows`` are a factored store's rows as stored,
+    scored without their dense form; the modes other than ``dot`` densify them for the norms.
+
     Non-finite rows are always an error naming their file (``shard`` of ``source``); with
     ``check_finite`` non-finite scores of finite rows (float32 overflow) are one too."""
-    rows = rows.to(torch.float32)
-    scores = raw_scores(q_pre, rows, out, query_major)
+    if factored is not None:
+        scores = factored(rows, out, query_major)
+    else:
+        rows = rows.to(torch.float32)
+        scores = raw_scores(q_pre, rows, out, query_major)
     # NaN and Inf in a row reach every score of that row (times zero too), so checking the
     # [b, n_test] scores stands in for checking the [b, row_width] rows at 1/row_width the cost
     if not all_finite(scores):
@@ -186,6 +194,8 @@ def _score_block(
             bad_rows = ~torch.isfinite(scores.T if query_major else scores)
             bad = bad_rows.any(1).nonzero().flatten()[:5].tolist()
             raise ValueError(f"training rows {[ids[i] for i in bad]} contain NaN/Inf values")
+    if factored is not None and mode != "dot":
+        rows = source.dense(rows)  # the norms of the training rows need their dense form
     return normalise(scores, q_norm, rows, pre, damping, mode, query_major)
 
 
@@ -374,7 +384,10 @@ def _on_host(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKInf
     units: list[tuple[tuple, list, torch.Tensor]] = []
     filled = 0
     strict, major, shards = not t.finite, top is not None, _shards(t)
-    for unit, ids, rows in _my_units(t, batch_size):
+    # a factored store's blocks come as stored and are scored without their dense form
+    factored = FactoredScores(job.q_pre, t.meta["modules"]) if _factored(t) else None
+    blocks = _my_units(t.stored_rows() if factored is not None else t, batch_size)
+    for unit, ids, rows in blocks:
         if buffer is not None:
             out = buffer[filled : filled + len(ids)]
         elif scratch is not None and len(ids) == batch_size:
@@ -383,7 +396,7 @@ def _on_host(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKInf
             out = None
         shard = None if shards is None else shards[unit[0]]
         args = (job.q_pre, job.q_norm, rows, ids, job.pre, job.damping, job.mode)
-        scores = _score_block(*args, out, strict, major, t, shard)
+        scores = _score_block(*args, out, strict, major, t, shard, factored)
         if top is not None:
             top.update(scores, ids)
         elif buffer is None:
@@ -399,6 +412,11 @@ def _on_host(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKInf
         # transposed view of the train-major buffer: packing it would cost another full pass
         return InfluenceResult(buffer.T, job.test_ids, list(t.ids), job.meta)
     return _gathered(units, job.test_ids, job.meta)
+
+
+def _factored(t: RowSource) -> bool:
+    """Whether ``t`` is a store of factored rows that can hand them out as stored."""
+    return bool(getattr(t, "factored", False)) and hasattr(t, "stored_rows")
 
 
 class _TopK:

@@ -28,7 +28,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -164,10 +166,188 @@ def dense_layout(meta: Mapping[str, Any]) -> dict[str, Any]:
     return {"modules": modules, "row_width": sum(int(m["width"]) for m in modules)}
 
 
-def densify(rows: torch.Tensor, modules: Sequence[Mapping[str, Any]]) -> torch.Tensor:
+@dataclass(frozen=True)
+class FactorGroup:
+    """The factored modules of one shape ``(c, r_out, r_in)`` in a row layout, in row order:
+    one batched product densifies all of them (:meth:`products`), not one call per module.
+
+    Example:
+        >>> g = factor_plan([{"offset": 0, "width": 14, "r_out": 3, "r_in": 4, "factors": 2}])
+        >>> g.groups[0].modules, g.groups[0].dense_span
+        (1, (0, 12))
+    """
+
+    c: int
+    r_out: int
+    r_in: int
+    stored: tuple[int, ...]  # each module's offset in the stored row
+    dense: tuple[int, ...]  # each module's offset in the dense row (dense_modules)
+    # long column indices per device, made on first use (a CUDA block needs them there)
+    _index: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    @property
+    def modules(self) -> int:
+        """Modules in the group (``K``)."""
+        return len(self.stored)
+
+    @property
+    def width(self) -> int:
+        """Stored columns of one module: ``c * (r_out + r_in)``."""
+        return factored_width(self.c, self.r_out, self.r_in)
+
+    @property
+    def dense_width(self) -> int:
+        """Dense columns of the whole group: ``K * r_out * r_in``."""
+        return self.modules * self.r_out * self.r_in
+
+    @property
+    def stored_span(self) -> tuple[int, int] | None:
+        """``(start, stop)`` when the modules are adjacent in the stored row, else ``None``."""
+        return _span(self.stored, self.width)
+
+    @property
+    def dense_span(self) -> tuple[int, int] | None:
+        """``(start, stop)`` when the modules are adjacent in the dense row, else ``None``."""
+        return _span(self.dense, self.r_out * self.r_in)
+
+    def index(self, which: str, device: torch.device) -> torch.Tensor:
+        """Long column indices on ``device``: ``"stored"`` (the modules' factor columns, module
+        by module) or ``"dense"`` (their dense columns)."""
+        key = (which, str(device))
+        if key not in self._index:
+            starts, w = (self.stored, self.width) if which == "stored" else (self.dense, None)
+            w = w or self.r_out * self.r_in
+            cols = torch.cat([torch.arange(s, s + w) for s in starts])
+            self._index[key] = cols.to(device)
+        return self._index[key]
+
+    def factors(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``U`` ``[N * K, c, r_out]`` and ``V`` ``[N * K, c, r_in]`` of stored ``rows``
+        (row-major: row ``n``'s module ``k`` is entry ``n * K + k``); views where the layout
+        allows, one gather of the factor columns where the modules are not adjacent."""
+        n, k, c = rows.shape[0], self.modules, self.c
+        span = self.stored_span
+        if span is not None:
+            x = rows[:, span[0] : span[1]]
+        else:
+            x = rows.index_select(1, self.index("stored", rows.device))
+        x = x.to(torch.float32).unflatten(1, (k, self.width))
+        u = x[..., : c * self.r_out].reshape(n * k, c, self.r_out)
+        v = x[..., c * self.r_out :].reshape(n * k, c, self.r_in)
+        return u, v
+
+    def products(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The group's dense columns ``[N, K * r_out * r_in]`` (module by module, ``vec(UᵀV)``
+        each) of stored ``rows``: one ``bmm``, into ``out`` (contiguous) when given."""
+        u, v = self.factors(rows)
+        if out is not None:
+            torch.bmm(u.transpose(1, 2), v, out=out.view(-1, self.r_out, self.r_in))
+            return out
+        return torch.bmm(u.transpose(1, 2), v).view(rows.shape[0], self.dense_width)
+
+
+def _span(starts: tuple[int, ...], width: int) -> tuple[int, int] | None:
+    adjacent = all(b - a == width for a, b in zip(starts, starts[1:], strict=False))
+    return (starts[0], starts[-1] + width) if adjacent else None
+
+
+@dataclass(frozen=True)
+class FactorPlan:
+    """Where a row layout's modules are stored and where they go in its dense rows: the
+    factored modules grouped by shape (:class:`FactorGroup`), the plain ones (stored dense) as
+    column runs ``(stored offset, dense offset, width)``. Made once per layout (cached).
+
+    Example:
+        >>> mods = [{"offset": 0, "width": 3, "r_out": 2, "r_in": 1, "factors": 1},
+        ...         {"offset": 3, "width": 1, "r_out": None, "r_in": 1}]
+        >>> plan = factor_plan(mods)
+        >>> len(plan.groups), plan.plain, plan.dense_width
+        (1, ((3, 2, 1),), 3)
+    """
+
+    groups: tuple[FactorGroup, ...]
+    plain: tuple[tuple[int, int, int], ...]
+    stored_width: int
+    dense_width: int
+    _index: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def plain_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Long indices of the plain columns on ``device``: ``(stored, dense)``."""
+        key = str(device)
+        if key not in self._index:
+            stored = [torch.arange(s, s + w) for s, _, w in self.plain] or [torch.zeros(0)]
+            dense = [torch.arange(d, d + w) for _, d, w in self.plain] or [torch.zeros(0)]
+            self._index[key] = (
+                torch.cat(stored).long().to(device),
+                torch.cat(dense).long().to(device),
+            )
+        return self._index[key]
+
+
+def factor_plan(modules: Sequence[Mapping[str, Any]]) -> FactorPlan:
+    """The :class:`FactorPlan` of meta.json's ``modules`` (cached per layout).
+
+    Args:
+        modules: meta.json's ``modules`` (``offset``, ``width``, ``r_out``, ``r_in`` and, for a
+            factored module, ``factors``).
+
+    Returns:
+        The plan; its groups list each shape once, in the order first met.
+
+    Example:
+        >>> mods = [{"offset": 14 * k, "width": 14, "r_out": 3, "r_in": 4, "factors": 2}
+        ...         for k in range(3)]
+        >>> [(g.modules, g.stored_span) for g in factor_plan(mods).groups]
+        [(3, (0, 42))]
+    """
+    key = tuple(
+        (int(m["offset"]), int(m["width"]), m.get("r_out"), int(m.get("r_in") or 0),
+         int(m.get("factors") or 0))  # fmt: skip
+        for m in modules
+    )
+    return _plan(key)
+
+
+@functools.lru_cache(maxsize=32)
+def _plan(key: tuple) -> FactorPlan:
+    shapes: dict[tuple[int, int, int], tuple[list[int], list[int]]] = {}
+    plain: list[list[int]] = []
+    dense = 0
+    for offset, width, r_out, r_in, c in key:
+        if c:
+            stored, at = shapes.setdefault((c, int(r_out), r_in), ([], []))
+            stored.append(offset)
+            at.append(dense)
+            dense += int(r_out) * r_in
+            continue
+        if plain and plain[-1][0] + plain[-1][2] == offset and plain[-1][1] + plain[-1][2] == dense:
+            plain[-1][2] += width  # adjacent in both rows: one run
+        else:
+            plain.append([offset, dense, width])
+        dense += width
+    groups = tuple(
+        FactorGroup(c, r_out, r_in, tuple(s), tuple(d))
+        for (c, r_out, r_in), (s, d) in shapes.items()
+    )
+    stored = max((o + w for o, w, *_ in key), default=0)
+    return FactorPlan(groups, tuple(tuple(p) for p in plain), stored, dense)
+
+
+def densify(
+    rows: torch.Tensor, modules: Sequence[Mapping[str, Any]], out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Stored rows ``[N, row_width]`` of a store whose ``modules`` (meta.json) may be factored,
     as float32 dense rows (the layout of :func:`dense_modules`). A block at a time: the dense
-    form is a transient of the reader, never stored.
+    form is a transient of the reader, never stored. One batched product per shape of factored
+    module (:func:`factor_plan`), written in place: no per-module product, no concatenation.
+
+    Args:
+        rows: ``[N, stored row width]`` rows as the shards hold them, on any device.
+        modules: meta.json's ``modules``.
+        out: an optional contiguous float32 ``[N, dense width]`` to write into.
+
+    Returns:
+        float32 ``[N, dense width]`` on ``rows``' device (``out`` when given).
 
     Example:
         >>> mods = [{"name": "a", "offset": 0, "width": 3, "r_out": 2, "r_in": 1, "factors": 1},
@@ -175,15 +355,25 @@ def densify(rows: torch.Tensor, modules: Sequence[Mapping[str, Any]]) -> torch.T
         >>> densify(torch.tensor([[1.0, 2.0, 3.0, 5.0]]), mods).tolist()
         [[3.0, 6.0, 5.0]]
     """
-    parts = []
-    for m in modules:
-        cols = rows[:, int(m["offset"]) : int(m["offset"]) + int(m["width"])]
-        c = m.get("factors")
-        if c:
-            parts.append(unfactor(cols, int(c), int(m["r_out"]), int(m["r_in"])))
+    plan = factor_plan(modules)
+    n = rows.shape[0]
+    if out is None:
+        out = torch.empty(n, plan.dense_width, dtype=torch.float32, device=rows.device)
+    for g in plan.groups:
+        span = g.dense_span
+        if span == (0, plan.dense_width):  # the whole dense row: the product writes it
+            g.products(rows, out)
+        elif span is not None:
+            out[:, span[0] : span[1]] = g.products(rows)
         else:
-            parts.append(cols.to(torch.float32))
-    return torch.cat(parts, dim=1) if parts else rows.to(torch.float32)
+            out.index_copy_(1, g.index("dense", rows.device), g.products(rows))
+    if len(plan.plain) > 2:  # many runs (norm layers between the linears): one gather
+        stored, dense = plan.plain_index(rows.device)
+        out.index_copy_(1, dense, rows.index_select(1, stored).to(torch.float32))
+        return out
+    for stored, dense, width in plan.plain:
+        out[:, dense : dense + width] = rows[:, stored : stored + width]
+    return out
 
 
 class EnergyTally:

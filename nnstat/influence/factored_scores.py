@@ -1,0 +1,167 @@
+"""Scores of dense queries against stored factored rows, without the block's dense rows.
+
+A factored module keeps a training row's ``G = Uᵀ V`` (``c`` pairs, :mod:`nnstat.store.factored`);
+a query ``Q`` (preconditioned, dense: the preconditioners make it full rank) scores
+``⟨Q, G⟩ = Σ_j u_jᵀ Q v_j``. Two routes, per shape of module, by their multiply-adds per row:
+
+* **densify** a chunk of rows (``c · r_out · r_in``, shared by every query) and score it with one
+  GEMM (``n_q · r_out · r_in``): ``(c + n_q) · r_out · r_in``. The chunk is sized so that its
+  dense rows stay in cache (:data:`SCRATCH_BYTES`): they are written, read once by the GEMM and
+  overwritten, never sent to memory as a whole block.
+* **direct**: ``Q V_jᵀ`` for every pair, one GEMM of all queries, then the ``u_j`` dots:
+  ``n_q · c · (r_out · r_in + r_out)``, cheaper only for one query (or ``c = 1`` with fewer
+  queries than ``r_out``), see :func:`direct_is_cheaper`.
+
+Neither reaches fewer multiply-adds than the dense store's ``n_q · r_out · r_in`` per row:
+factored rows save bytes, not arithmetic (:doc:`docs/benchmarks.md <benchmarks>`).
+
+Example:
+    >>> from nnstat.store.factored import densify
+    >>> mods = [{"offset": 0, "width": 14, "r_out": 3, "r_in": 4, "factors": 2}]
+    >>> rows, q = torch.randn(5, 14), torch.randn(2, 12)
+    >>> scores = FactoredScores(q, mods)(rows)
+    >>> torch.allclose(scores, densify(rows, mods) @ q.T, atol=1e-5)
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from nnstat.store.factored import FactorGroup, factor_plan
+
+__all__ = ["SCRATCH_BYTES", "FactoredScores", "direct_is_cheaper"]
+
+#: bytes of one chunk's dense rows (or of the direct route's ``Q Vᵀ``): a core's L2 cache; on
+#: the 2-core CPU the benchmark ran on, 32-128 rows of rank-64 modules scored alike and a whole
+#: 512-row block (16 MiB, out of cache) 15-25% slower
+SCRATCH_BYTES = 2 << 20
+#: fewest rows per chunk: below this the GEMM's fixed cost per call dominates
+MIN_CHUNK = 16
+
+
+def direct_is_cheaper(n_queries: int, c: int, r_out: int, r_in: int) -> bool:
+    """Whether contracting the factors directly, ``Σ_j u_jᵀ (Q v_j)``, takes fewer multiply-adds
+    per row than multiplying the row out and scoring it densely.
+
+    Args:
+        n_queries: queries scored at once.
+        c: factor pairs per row.
+        r_out: rows of each module's matrix.
+        r_in: its columns.
+
+    Returns:
+        ``n_q · c · (r_out · r_in + r_out) < (c + n_q) · r_out · r_in``.
+
+    Example:
+        >>> direct_is_cheaper(1, 8, 64, 64), direct_is_cheaper(2, 8, 64, 64)
+        (True, False)
+    """
+    return n_queries * c * (r_out * r_in + r_out) < (c + n_queries) * r_out * r_in
+
+
+class FactoredScores:
+    """``q @ densify(rows).T`` of stored rows whose ``modules`` (meta.json) may be factored, made
+    once per query set and applied to each block (the signature of
+    :func:`nnstat.influence.modes.raw_scores`).
+
+    Args:
+        q: ``[n_q, dense row width]`` float32 queries (preconditioned), on the scoring device.
+        modules: the training store's meta.json ``modules`` (stored layout).
+
+    Example:
+        >>> mods = [{"offset": 0, "width": 3, "r_out": 2, "r_in": 1, "factors": 1},
+        ...         {"offset": 3, "width": 1, "r_out": None, "r_in": 1}]
+        >>> FactoredScores(torch.tensor([[1.0, 0.0, 2.0]]), mods)(
+        ...     torch.tensor([[1.0, 2.0, 3.0, 5.0]])).tolist()
+        [[13.0]]
+    """
+
+    def __init__(self, q: torch.Tensor, modules: Sequence[Mapping[str, Any]]) -> None:
+        self.plan = factor_plan(modules)
+        if q.shape[1] != self.plan.dense_width:
+            raise ValueError(
+                f"queries have {q.shape[1]} columns, the store's dense rows "
+                f"{self.plan.dense_width}: score queries logged with the store's configuration"
+            )
+        n_q = q.shape[0]
+        self.n_queries = n_q
+        self._parts: list[tuple[FactorGroup, bool, torch.Tensor, int]] = []
+        for g in self.plan.groups:
+            span = g.dense_span
+            if span is not None:
+                qg = q[:, span[0] : span[1]]
+            else:
+                qg = q.index_select(1, g.index("dense", q.device))
+            direct = direct_is_cheaper(n_q, g.c, g.r_out, g.r_in)
+            if direct:  # [K, r_in, n_q * r_out]: one GEMM per module gives Q v_j for all q
+                shape = (n_q, g.modules, g.r_out, g.r_in)
+                qg = qg.reshape(shape).permute(1, 3, 0, 2).reshape(g.modules, g.r_in, -1)
+                per_row = g.modules * g.c * n_q * g.r_out * 4
+            else:  # the GEMM reads the transpose as it is
+                qg = qg.contiguous()
+                per_row = g.dense_width * 4
+            chunk = max(MIN_CHUNK, SCRATCH_BYTES // max(per_row, 1))
+            self._parts.append((g, direct, qg, chunk))
+        self._plain_q = None
+        if self.plan.plain:
+            self._plain_q = q.index_select(1, self.plan.plain_index(q.device)[1])
+        # one chunk's dense rows, reused by every block (a fresh tensor per block would be
+        # page-faulted in again each time)
+        self._scratch: torch.Tensor | None = None
+
+    def __call__(
+        self, rows: torch.Tensor, out: torch.Tensor | None = None, query_major: bool = False
+    ) -> torch.Tensor:
+        """Scores of a block of stored ``rows`` ``[b, stored width]``: ``[b, n_q]``, or
+        ``[n_q, b]`` with ``query_major`` (into ``out`` when given, as `raw_scores`)."""
+        n = rows.shape[0]
+        res = out if out is not None and not query_major else None
+        if res is None:
+            res = torch.empty(n, self.n_queries, dtype=torch.float32, device=rows.device)
+        first = True
+        if self._plain_q is not None:
+            stored, _ = self.plan.plain_index(rows.device)
+            plain = rows.index_select(1, stored).to(torch.float32)
+            torch.mm(plain, self._plain_q.T, out=res)
+            first = False
+        for g, direct, qg, chunk in self._parts:
+            for s in range(0, n, chunk):
+                e = min(n, s + chunk)
+                if direct:
+                    got = _direct(g, rows[s:e], qg)
+                    res[s:e] = got if first else res[s:e] + got
+                    continue
+                dense = g.products(rows[s:e], self._chunk(e - s, g.dense_width, rows.device))
+                if first:
+                    torch.mm(dense, qg.T, out=res[s:e])
+                else:
+                    res[s:e].addmm_(dense, qg.T)
+            first = False
+        if first:  # no module at all
+            res.zero_()
+        if not query_major:
+            return res
+        if out is not None:
+            return out.copy_(res.T)
+        return res.T.contiguous()
+
+    def _chunk(self, n: int, width: int, device: torch.device) -> torch.Tensor:
+        """A contiguous ``[n, width]`` float32 view of the reused scratch buffer."""
+        s = self._scratch
+        if s is None or s.numel() < n * width or s.device != device:
+            s = self._scratch = torch.empty(n * width, dtype=torch.float32, device=device)
+        return s[: n * width].view(n, width)
+
+
+def _direct(g: FactorGroup, rows: torch.Tensor, qd: torch.Tensor) -> torch.Tensor:
+    """``[b, n_q]``: ``Σ_k Σ_j u_kjᵀ Q_k v_kj`` of a chunk, ``qd`` the queries as
+    ``[K, r_in, n_q * r_out]``."""
+    n, k, c = rows.shape[0], g.modules, g.c
+    u, v = g.factors(rows)
+    v = v.view(n, k, c, g.r_in).transpose(0, 1).reshape(k, n * c, g.r_in)
+    qv = torch.bmm(v, qd).view(k, n, c, -1, g.r_out)  # [K, b, c, n_q, r_out]: Q v_j
+    return torch.einsum("knjqo,nkjo->nq", qv, u.view(n, k, c, g.r_out))
