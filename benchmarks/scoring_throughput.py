@@ -12,19 +12,25 @@ width`` per call).
     .venv/bin/python benchmarks/scoring_throughput.py --rows 200000 --width 512 --queries 64
     .venv/bin/python benchmarks/scoring_throughput.py --device cuda   # < 1 min on an H100
 
-``--factored 64:8,256:8`` compares instead stores of factored rows (``factors=c``: ``c`` pairs
-``[c, r]`` per module of two ``r x r`` modules) with the dense store of ``--dense-rank``: bytes
-per row and nnstat's CPU scoring time (identity and raw, all pairs), next to the two contractions
-that never form the training side's dense matrices (plain torch, rows in memory): factored
-queries ``sum((U_a U_bᵀ) ∘ (V_a V_bᵀ))`` and dense queries ``Σ_j U_b,j · (Q V_b,jᵀ)``.
+``--factored 64:8,64:4`` compares instead stores of factored rows (``factors=c``: ``c`` pairs
+``[c, r]`` per module of two ``r x r`` modules, random rows, random K-FAC factors) with the dense
+store of ``--dense-rank``: bytes per row and nnstat's CPU scoring time, all pairs, per
+preconditioner (``--preconditioners``; the fits are cached, so a pass is the queries'
+preconditioning plus the scoring) and for a single query (the direct contraction), rows in the
+page cache. ``--cold-rows N`` adds stores of ``N`` rows scored right after their shard files
+were dropped from the page cache (``posix_fadvise(DONTNEED)``, no root needed), so the pass
+reads them from the disk: rows/s and stored bytes read per second, dense and factored side by
+side (``--dir``: a directory on a disk; tmpfs cannot be evicted).
 
-    .venv/bin/python benchmarks/scoring_throughput.py --rows 50000 --factored 64:8,64:4,256:8
+    .venv/bin/python benchmarks/scoring_throughput.py --rows 4000 --queries 32 --repeat 3 \
+        --factored 64:8,64:4 --cold-rows 40000 --dir .
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import tempfile
 import time
@@ -35,6 +41,7 @@ import torch
 
 from nnstat.influence import compute_influence_all
 from nnstat.store import GradientLog, GradientStore, StoreWriter
+from nnstat.store.factored import dense_layout
 
 
 def _write_store(root: Path, rows: int, width: int, shard_rows: int) -> dict:
@@ -64,7 +71,10 @@ def _write_store(root: Path, rows: int, width: int, shard_rows: int) -> dict:
 
 
 def _write_factored(root: Path, rows: int, r: int, c: int | None, gen) -> dict:
-    """A store of two ``r x r`` modules, dense rows (``c`` None) or ``c`` factor pairs each."""
+    """A store of two ``r x r`` modules, dense rows (``c`` None) or ``c`` factor pairs each, with
+    K-FAC factors (random, symmetric positive definite) so that ``kfac``/``ekfac`` fit."""
+    from safetensors.torch import save_file
+
     modules, offset = [], 0
     for name in ("fc1", "fc2"):
         w = r * r if c is None else c * 2 * r
@@ -79,88 +89,153 @@ def _write_factored(root: Path, rows: int, r: int, c: int | None, gen) -> dict:
         n = min(8192, rows - start)
         writer.put(list(range(start, start + n)), torch.randn(n, offset, generator=gen))
     writer.close()
+    stats = {}
+    for name in ("fc1", "fc2"):
+        for side in ("forward", "backward"):
+            a = torch.randn(r, 4 * r, generator=gen)
+            stats[f"{name}/{side}/covariance"] = a @ a.T / (4 * r)
+    save_file(stats, str(root / "statistics.safetensors"))
     return meta
+
+
+def _evict(root: Path) -> None:
+    """Drop a store's shard files from the page cache (flushed first: only clean pages go), so
+    the next pass reads them from the disk. No root needed."""
+    for path in sorted((root / "shards").glob("*")):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _stored_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in (root / "shards").glob("*.npy"))
+
+
+def _configs(args) -> list[tuple[int, int | None]]:
+    return [(args.dense_rank, None)] + [
+        tuple(int(v) for v in p.split(":")) for p in args.factored.split(",") if p
+    ]
+
+
+def _name(r: int, c: int | None) -> str:
+    return f"dense rank {r}" if c is None else f"factored rank {r}, c = {c}"
+
+
+def _rounds(methods: dict, repeat: int) -> dict:
+    """Interleaved rounds (a new seeded order each): every method sees the same load."""
+    times = {k: [] for k in methods}
+    for rnd in range(repeat):
+        keys = list(methods)
+        random.Random(rnd).shuffle(keys)
+        for k in keys:
+            times[k].append(methods[k]())
+    return times
 
 
 def factored_main(args) -> None:
     """Dense rank ``--dense-rank`` against each ``rank:c`` of ``--factored`` (see the module's
-    docstring); interleaved rounds, the ratio to the dense store taken within each round."""
-    from nnstat.store.factored import split
-
+    docstring): rows in the page cache, then (``--cold-rows``) read from the disk."""
     gen = torch.Generator().manual_seed(0)
-    configs = [(args.dense_rank, None)] + [
-        tuple(int(v) for v in p.split(":")) for p in args.factored.split(",") if p
-    ]
+    kinds = [k for k in args.preconditioners.split(",") if k]
     methods, info = {}, {}
-    with tempfile.TemporaryDirectory() as d:
-        for r, c in configs:
-            name = f"dense rank {r}" if c is None else f"factored rank {r}, c = {c}"
-            meta = _write_factored(Path(d) / name.replace(" ", "_"), args.rows, r, c, gen)
-            store = GradientStore(Path(d) / name.replace(" ", "_"))
-            q = torch.randn(args.queries, meta["row_width"], generator=gen)
-            log = GradientLog(list(range(args.queries)), q, meta)
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        for r, c in _configs(args):
+            name = _name(r, c)
+            root = Path(d) / name.replace(" ", "_").replace(",", "")
+            meta = _write_factored(root, args.rows, r, c, gen)
+            store = GradientStore(root)
+            dense_width = 2 * r * r
+            q = torch.randn(args.queries, dense_width, generator=gen)
+            log = GradientLog(list(range(args.queries)), q, {**meta, **dense_layout(meta)})
+            one = GradientLog([0], q[:1].clone(), log.meta)
             info[name] = meta["row_width"] * 4
             # raw fits a dense covariance per module: (r²)² entries, too large past rank 64
-            for kind in ("identity", "raw") if r <= 64 else ("identity",):
-                compute_influence_all(log, store, preconditioner=kind, damping=0.1, progress=False)
+            for kind in [k for k in kinds if k != "raw" or r <= 64]:
+                for label, queries in ((f"nnstat {kind}", log), (f"nnstat {kind}, 1 query", one)):
+                    if queries is one and kind != "identity":
+                        continue
+                    kw = {"preconditioner": kind, "damping": 0.1, "progress": False}
+                    compute_influence_all(queries, store, **kw)  # the fit, cached
 
-                def score(kind=kind, log=log, store=store):
-                    compute_influence_all(
-                        log, store, preconditioner=kind, damping=0.1, progress=False
-                    )
+                    def score(queries=queries, store=store, kw=kw):
+                        compute_influence_all(queries, store, **kw)
 
-                methods[(name, f"nnstat {kind}, all pairs")] = lambda f=score: _timed(f, CPU)
-            rows = torch.cat([torch.from_numpy(np.load(p)) for p in store.shards])
+                    methods[(name, label)] = lambda f=score: _timed(f, CPU)
             if c is None:
+                rows = torch.cat([torch.from_numpy(np.load(p)) for p in store.shards])
                 methods[(name, "torch Q @ Tᵀ (rows in memory)")] = lambda q=q, rows=rows: _timed(
                     lambda: q @ rows.T, CPU
                 )
-                continue
-            half = meta["row_width"] // 2
-            ub, vb = split(rows[:, :half], c, r, r)  # module fc1 (fc2 costs the same)
-            ua, va = split(q[:, :half], c, r, r)
-            dense_q = torch.randn(args.queries, r, r, generator=gen)
-
-            def factor_factor(ua=ua, va=va, ub=ub, vb=vb):
-                # [nq, c, N, c] Gram products of U and of V, their product summed over pairs
-                uu = torch.einsum("qir,njr->qnij", ua, ub)
-                vv = torch.einsum("qir,njr->qnij", va, vb)
-                return (uu * vv).sum((2, 3))
-
-            def dense_query(q=dense_q, ub=ub, vb=vb):
-                qv = torch.einsum("qoi,nci->qnco", q, vb)  # Q V_jᵀ for every row and pair
-                return (qv * ub[None]).sum((2, 3))
-
-            # one module of two: twice the time is the row's
-            methods[(name, "torch factored queries, sum((UaUbᵀ)∘(VaVbᵀ)), x2 modules")] = (
-                lambda f=factor_factor: 2 * _timed(f, CPU)
-            )
-            if r <= 64:  # c · r² per pair and query: past rank 64 it dwarfs the rest
-                methods[(name, "torch dense queries, Σ_j U_j·(Q V_jᵀ), x2 modules")] = (
-                    lambda f=dense_query: 2 * _timed(f, CPU)
-                )
-        times = {k: [] for k in methods}
-        for rnd in range(args.repeat):
-            keys = list(methods)
-            random.Random(rnd).shuffle(keys)
-            for k in keys:
-                times[k].append(methods[k]())
-    dense = f"dense rank {args.dense_rank}"
-    print(
-        f"\n{args.rows} train rows, {args.queries} queries, two r x r modules, CPU, torch "
-        f"{torch.__version__}, threads {torch.get_num_threads()}, {args.repeat} interleaved "
-        "rounds (median)\n"
-    )
-    print("| store | bytes per row | method | seconds | dense rank's time / this |")
-    print("| --- | ---: | --- | ---: | ---: |")
-    for (name, method), ts in times.items():
-        base = times.get((dense, method))
-        if base is None:  # the torch contractions: against torch's dense product
-            base = times[(dense, "torch Q @ Tᵀ (rows in memory)")]
-        ratio = float(np.median(np.array(base) / np.array(ts)))
+        times = _rounds(methods, args.repeat)
+        dense = _name(args.dense_rank, None)
         print(
-            f"| {name} | {info[name]:,} ({info[dense] / info[name]:.1f}x fewer) | {method} | "
-            f"{float(np.median(ts)):.4f} | {ratio:.2f}x |",
+            f"\n{args.rows} train rows, {args.queries} queries, two r x r modules, CPU, torch "
+            f"{torch.__version__}, threads {torch.get_num_threads()}, {args.repeat} interleaved "
+            "rounds (median), rows in the page cache\n"
+        )
+        print("| store | bytes per row | method | seconds | rows / s | dense rank's time / this |")
+        print("| --- | ---: | --- | ---: | ---: | ---: |")
+        for (name, method), ts in times.items():
+            base = np.array(times.get((dense, method), ts))
+            t = float(np.median(ts))
+            ratio = float(np.median(base / np.array(ts)))
+            fewer = info[dense] / info[name]
+            print(
+                f"| {name} | {info[name]:,} ({fewer:.1f}x fewer) | {method} | {t:.4f} | "
+                f"{args.rows / t:,.0f} | {ratio:.2f}x |",
+                flush=True,
+            )
+        if args.cold_rows:
+            _cold(args, Path(d), gen)
+
+
+def _cold(args, d: Path, gen) -> None:
+    """Each store of ``--cold-rows`` rows scored (identity, all pairs) right after its files were
+    dropped from the page cache, and again warm; interleaved rounds."""
+    methods, info = {}, {}
+    for r, c in _configs(args):
+        if r > 64:  # the larger stores of equal storage: compute-bound, see the warm table
+            continue
+        name = _name(r, c)
+        root = d / ("cold_" + name.replace(" ", "_").replace(",", ""))
+        meta = _write_factored(root, args.cold_rows, r, c, gen)
+        store = GradientStore(root)
+        q = torch.randn(args.queries, 2 * r * r, generator=gen)
+        log = GradientLog(list(range(args.queries)), q, {**meta, **dense_layout(meta)})
+        info[name] = (meta["row_width"] * 4, _stored_bytes(root))
+        kw = {"preconditioner": "identity", "progress": False}
+        compute_influence_all(log, store, **kw)
+
+        def cold(root=root, log=log, store=store, kw=kw):
+            _evict(root)
+            return _timed(lambda: compute_influence_all(log, store, **kw), CPU)
+
+        methods[(name, "cold")] = cold
+        methods[(name, "warm")] = lambda log=log, store=store, kw=kw: _timed(
+            lambda: compute_influence_all(log, store, **kw), CPU
+        )
+    times = _rounds(methods, args.repeat)
+    dense = _name(args.dense_rank, None)
+    print(
+        f"\n{args.cold_rows} train rows, {args.queries} queries, identity, all pairs; cold: the "
+        f"store's files dropped from the page cache before each pass ({args.repeat} interleaved "
+        "rounds, median)\n"
+    )
+    print(
+        "| store | bytes per row | read | seconds | rows / s | stored MB read / s "
+        "| dense rank's time / this |"
+    )
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    for (name, how), ts in times.items():
+        t = float(np.median(ts))
+        per_row, total = info[name]
+        ratio = float(np.median(np.array(times[(dense, how)]) / np.array(ts)))
+        print(
+            f"| {name} | {per_row:,} | {how} | {t:.3f} | {args.cold_rows / t:,.0f} | "
+            f"{total / t / 1e6:,.0f} | {ratio:.2f}x |",
             flush=True,
         )
 
@@ -192,6 +267,11 @@ def main() -> None:
     )
     ap.add_argument("--factored", default="", help="rank:c pairs: factored stores (see above)")
     ap.add_argument("--dense-rank", type=int, default=64, help="the dense store --factored beats")
+    ap.add_argument("--preconditioners", default="identity,raw,kfac,ekfac", help="with --factored")
+    ap.add_argument(
+        "--cold-rows", type=int, default=0, help="with --factored: stores scored cold (see above)"
+    )
+    ap.add_argument("--dir", default=None, help="where the stores are written (a disk, not tmpfs)")
     args = ap.parse_args()
     if args.factored:
         factored_main(args)

@@ -35,10 +35,11 @@ from nnstat.store.factored import FactorGroup, factor_plan
 
 __all__ = ["SCRATCH_BYTES", "FactoredScores", "direct_is_cheaper"]
 
-#: bytes of one chunk's dense rows (or of the direct route's ``Q Vᵀ``): a core's L2 cache; on
-#: the 2-core CPU the benchmark ran on, 32-128 rows of rank-64 modules scored alike and a whole
-#: 512-row block (16 MiB, out of cache) 15-25% slower
-SCRATCH_BYTES = 2 << 20
+#: bytes of one chunk's dense rows (or of the direct route's ``Q Vᵀ``): in cache, and large
+#: enough that the calls per block stay few (each is a barrier of the thread pool). On the
+#: 2-core CPU the benchmark ran on, chunks of 32-128 rank-64 rows (1-4 MiB) scored alike; a
+#: whole 512-row block (16 MiB) 15-25% slower
+SCRATCH_BYTES = 4 << 20
 #: fewest rows per chunk: below this the GEMM's fixed cost per call dominates
 MIN_CHUNK = 16
 
@@ -100,7 +101,8 @@ class FactoredScores:
             if direct:  # [K, r_in, n_q * r_out]: one GEMM per module gives Q v_j for all q
                 shape = (n_q, g.modules, g.r_out, g.r_in)
                 qg = qg.reshape(shape).permute(1, 3, 0, 2).reshape(g.modules, g.r_in, -1)
-                per_row = g.modules * g.c * n_q * g.r_out * 4
+                # its transients per row: V's copy, Q V_jᵀ and its product with U
+                per_row = 4 * g.modules * g.c * (2 * n_q * g.r_out + g.r_in + g.r_out)
             else:  # the GEMM reads the transpose as it is
                 qg = qg.contiguous()
                 per_row = g.dense_width * 4
@@ -159,9 +161,15 @@ class FactoredScores:
 
 def _direct(g: FactorGroup, rows: torch.Tensor, qd: torch.Tensor) -> torch.Tensor:
     """``[b, n_q]``: ``Σ_k Σ_j u_kjᵀ Q_k v_kj`` of a chunk, ``qd`` the queries as
-    ``[K, r_in, n_q * r_out]``."""
-    n, k, c = rows.shape[0], g.modules, g.c
-    u, v = g.factors(rows)
-    v = v.view(n, k, c, g.r_in).transpose(0, 1).reshape(k, n * c, g.r_in)
-    qv = torch.bmm(v, qd).view(k, n, c, -1, g.r_out)  # [K, b, c, n_q, r_out]: Q v_j
-    return torch.einsum("knjqo,nkjo->nq", qv, u.view(n, k, c, g.r_out))
+    ``[K, r_in, n_q * r_out]``. Only one query or ``c = 1`` take this route
+    (:func:`direct_is_cheaper`), the two cases whose last contraction needs no copy."""
+    n, k, c, r_out = rows.shape[0], g.modules, g.c, g.r_out
+    n_q = qd.shape[2] // r_out
+    x = g.block(rows)  # [b, K, c (r_out + r_in)]
+    v = x[..., c * r_out :].transpose(0, 1).reshape(k, n * c, g.r_in)
+    qv = torch.bmm(v, qd)  # [K, b c, n_q r_out]: Q_k v_kj for every row, pair and query
+    u = x[..., : c * r_out].transpose(0, 1)  # [K, b, c r_out]
+    if n_q == 1:
+        return (qv.view(k, n, c * r_out) * u).sum(2).sum(0).unsqueeze(1)
+    qv = qv.view(k * n, c, n_q, r_out).transpose(1, 2).reshape(k * n, n_q, c * r_out)
+    return torch.bmm(qv, u.reshape(k * n, c * r_out, 1)).view(k, n, n_q).sum(0)

@@ -221,17 +221,21 @@ class FactorGroup:
             self._index[key] = cols.to(device)
         return self._index[key]
 
-    def factors(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 ``U`` ``[N * K, c, r_out]`` and ``V`` ``[N * K, c, r_in]`` of stored ``rows``
-        (row-major: row ``n``'s module ``k`` is entry ``n * K + k``); views where the layout
-        allows, one gather of the factor columns where the modules are not adjacent."""
-        n, k, c = rows.shape[0], self.modules, self.c
+    def block(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 ``[N, K, c * (r_out + r_in)]``: each module's stored columns of ``rows``, a
+        view where the modules are adjacent, one gather of their columns where not."""
         span = self.stored_span
         if span is not None:
             x = rows[:, span[0] : span[1]]
         else:
             x = rows.index_select(1, self.index("stored", rows.device))
-        x = x.to(torch.float32).unflatten(1, (k, self.width))
+        return x.to(torch.float32).unflatten(1, (self.modules, self.width))
+
+    def factors(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``U`` ``[N * K, c, r_out]`` and ``V`` ``[N * K, c, r_in]`` of stored ``rows``
+        (row-major: row ``n``'s module ``k`` is entry ``n * K + k``)."""
+        n, k, c = rows.shape[0], self.modules, self.c
+        x = self.block(rows)
         u = x[..., : c * self.r_out].reshape(n * k, c, self.r_out)
         v = x[..., c * self.r_out :].reshape(n * k, c, self.r_in)
         return u, v
