@@ -272,7 +272,10 @@ def main() -> None:
         "--cold-rows", type=int, default=0, help="with --factored: stores scored cold (see above)"
     )
     ap.add_argument("--dir", default=None, help="where the stores are written (a disk, not tmpfs)")
+    ap.add_argument("--threads", type=int, default=0, help="torch's CPU threads (0: its default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.factored:
         factored_main(args)
         return

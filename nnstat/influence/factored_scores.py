@@ -10,7 +10,7 @@ a query ``Q`` (preconditioned, dense: the preconditioners make it full rank) sco
   overwritten, never sent to memory as a whole block.
 * **direct**: ``Q V_jᵀ`` for every pair, one GEMM of all queries, then the ``u_j`` dots:
   ``n_q · c · (r_out · r_in + r_out)``, cheaper only for one query (or ``c = 1`` with fewer
-  queries than ``r_out``), see :func:`direct_is_cheaper`.
+  queries than ``r_in``), see :func:`direct_is_cheaper`.
 
 Neither reaches fewer multiply-adds than the dense store's ``n_q · r_out · r_in`` per row:
 factored rows save bytes, not arithmetic (:doc:`docs/benchmarks.md <benchmarks>`).
