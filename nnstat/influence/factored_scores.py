@@ -33,7 +33,7 @@ import torch
 
 from nnstat.store.factored import FactorGroup, factor_plan
 
-__all__ = ["SCRATCH_BYTES", "FactoredScores", "direct_is_cheaper"]
+__all__ = ["SCRATCH_BYTES", "FactoredScores", "direct_is_cheaper", "scores_as_stored"]
 
 #: bytes of one chunk's dense rows (or of the direct route's ``Q Vᵀ``): in cache, and large
 #: enough that the calls per block stay few (each is a barrier of the thread pool). On the
@@ -62,6 +62,27 @@ def direct_is_cheaper(n_queries: int, c: int, r_out: int, r_in: int) -> bool:
         (True, False)
     """
     return n_queries * c * (r_out * r_in + r_out) < (c + n_queries) * r_out * r_in
+
+
+def scores_as_stored(q: torch.Tensor, source: Any) -> FactoredScores | None:
+    """The :class:`FactoredScores` of queries ``q`` for ``source``'s blocks as stored
+    (``source.stored_rows()``), or ``None`` when ``source`` is not a store of factored rows.
+
+    Args:
+        q: ``[n_q, dense row width]`` preconditioned queries.
+        source: the training rows (a `RowSource`).
+
+    Returns:
+        The scorer, or ``None`` (score ``source``'s dense blocks as they come).
+
+    Example:
+        >>> from nnstat.influence.sources import TensorSource
+        >>> scores_as_stored(torch.ones(1, 2), TensorSource(torch.ones(3, 2))) is None
+        True
+    """
+    if not getattr(source, "factored", False) or not hasattr(source, "stored_rows"):
+        return None
+    return FactoredScores(q, source.meta["modules"])
 
 
 class FactoredScores:

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from nnstat.distributed import rank_world
 
 from .cache import default_preconditioner, fitted, has_kfac_statistics, has_stored_ekfac
-from .factored_scores import FactoredScores
+from .factored_scores import FactoredScores, scores_as_stored
 from .modes import MODES, check_mode, m_norms, normalise, raw_scores
 from .ondevice import stream_scores, stream_self_influence
 from .pipeline import Block, stream_to, units
@@ -385,7 +385,7 @@ def _on_host(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKInf
     filled = 0
     strict, major, shards = not t.finite, top is not None, _shards(t)
     # a factored store's blocks come as stored and are scored without their dense form
-    factored = FactoredScores(job.q_pre, t.meta["modules"]) if _factored(t) else None
+    factored = scores_as_stored(job.q_pre, t)
     blocks = _my_units(t.stored_rows() if factored is not None else t, batch_size)
     for unit, ids, rows in blocks:
         if buffer is not None:
@@ -412,11 +412,6 @@ def _on_host(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKInf
         # transposed view of the train-major buffer: packing it would cost another full pass
         return InfluenceResult(buffer.T, job.test_ids, list(t.ids), job.meta)
     return _gathered(units, job.test_ids, job.meta)
-
-
-def _factored(t: RowSource) -> bool:
-    """Whether ``t`` is a store of factored rows that can hand them out as stored."""
-    return bool(getattr(t, "factored", False)) and hasattr(t, "stored_rows")
 
 
 class _TopK:
