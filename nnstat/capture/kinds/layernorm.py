@@ -39,7 +39,12 @@ def saved_tensor_hooks_active() -> bool:
     """Whether saved-tensor hooks are active (activation checkpointing, offloading): then a
     saved tensor is not read in the forward (True too for a torch that cannot tell)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is None or top(False) is not None
+    if top is None:  # a torch without the getter cannot tell: compute the statistics
+        return True
+    try:
+        return top(False) is not None
+    except (TypeError, RuntimeError):  # another signature, or a stack it cannot read: as above
+        return True
 
 
 class LayerNormKind(Kind):
@@ -71,10 +76,13 @@ class LayerNormKind(Kind):
         subclass's transformed input, not autocast's copy) and no saved-tensor hooks are
         active: no kernel (see the module docstring)."""
         node = output.grad_fn
-        if type(node).__name__ != "NativeLayerNormBackward0" or saved_tensor_hooks_active():
+        if type(node).__name__ != "NativeLayerNormBackward0" or type(x) is not torch.Tensor:
+            return  # another op made the output, or a subclass input (its own storage rules)
+        if saved_tensor_hooks_active():
             return
         saved = node._saved_input
-        if (saved.data_ptr(), saved.shape, saved.stride()) != (x.data_ptr(), x.shape, x.stride()):
+        where = (saved.data_ptr(), saved.shape, saved.stride(), saved.dtype)
+        if type(saved) is not torch.Tensor or where != (x.data_ptr(), x.shape, x.stride(), x.dtype):
             return
         setattr(x, STATS, (node._saved_result1, node._saved_result2))
 
