@@ -129,3 +129,28 @@ def test_gradients_compute_the_statistics_when_autograd_s_cannot_be_taken(case):
     # x̂ of 2x + 1 is x̂ of x with eps = 0: the capture's rows (the input) give the same gradient
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-4, msg=k)
+
+
+def test_a_bfloat16_layer_s_16_bit_statistics_are_not_used():
+    """A bfloat16 LayerNorm on the CPU saves a bfloat16 mean and ``1/std``: the capture computes
+    them in float32 from its input instead, so the gradient is ``Σ_t b∘x̂`` with ``x̂`` of the
+    input in float32 (as torch's ``layer_norm`` in float32 gives it), for the captured ``b``."""
+    torch.manual_seed(0)
+    ln = nn.LayerNorm(D).to(torch.bfloat16)
+    with torch.no_grad():
+        ln.weight.normal_(), ln.bias.normal_()
+    x = (40 + 3 * torch.randn(N, T, D)).to(torch.bfloat16)
+    assert ln(x).grad_fn._saved_result1.dtype == torch.bfloat16  # what the capture refuses
+    engine, caps = CaptureEngine(), []
+    engine.watch(ln)
+    engine.add_consumer(caps.append)
+    with engine.batch():
+        ln(x).float().square().sum().backward()
+    (cap,) = caps
+    with Ops() as ops:
+        got = cap.per_sample_grads_by_param()
+    assert ops.names["var_mean"] == 1, ops.names
+    xh = F.layer_norm(x.float().double(), (D,), eps=ln.eps)
+    b = cap.backward.double()
+    torch.testing.assert_close(got["weight"].double(), (b * xh).sum(1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got["bias"].double(), b.sum(1), rtol=1e-5, atol=1e-5)

@@ -10,9 +10,9 @@ products (the rows ``μr`` and ``1`` give the centring and the bias in one read 
 passes over ``[N, T, D]`` tensors (read ``x`` and ``b``, write and read ``b∘x``, read ``b``),
 where forming ``x̂`` took seven. ``μ`` and ``r`` are the ones autograd saved for the layer's
 own backward, taken in the forward hook when the output is ``layer_norm``'s result from the
-very input the capture keeps and no saved-tensor hooks are active (activation checkpointing,
-offloading: unpacking there would recompute or copy); otherwise they are computed, one more
-read of ``x``. GPT-2 small has 25 LayerNorms of 12.6 MB per pass at batch 8 x 512.
+very input the capture keeps, in float32 or float64, and no saved-tensor hooks are active
+(activation checkpointing, offloading: unpacking there would recompute or copy); otherwise
+they are computed in float32, one more read of ``x``. GPT-2 small has 25 LayerNorms of 12.6 MB per pass at batch 8 x 512.
 Rounding: the two sums are ``|μ|/σ`` times their difference, so the float32 error grows with
 ``|μ|/σ`` as forming ``x̂`` does (``x - μ`` carries ``μ``'s rounding), about 10x larger
 (2e-7 of the largest entry at ``|μ|/σ ~ 0``, 7e-6 at 13, 3e-4 at 1000, against 1e-7, 8e-7,
@@ -73,8 +73,8 @@ class LayerNormKind(Kind):
     def keep_forward_stats(self, x: torch.Tensor, output: torch.Tensor) -> None:
         """Keep autograd's saved mean and ``1/std`` of ``x`` by ``x`` when ``output`` is
         ``layer_norm``'s result from ``x`` itself (same storage, shape and strides: not a
-        subclass's transformed input, not autocast's copy) and no saved-tensor hooks are
-        active: no kernel (see the module docstring)."""
+        subclass's transformed input, not autocast's copy), they are float32 or float64 and no
+        saved-tensor hooks are active: no kernel (see the module docstring)."""
         node = output.grad_fn
         if type(node).__name__ != "NativeLayerNormBackward0" or type(x) is not torch.Tensor:
             return  # another op made the output, or a subclass input (its own storage rules)
@@ -84,7 +84,10 @@ class LayerNormKind(Kind):
         where = (saved.data_ptr(), saved.shape, saved.stride(), saved.dtype)
         if type(saved) is not torch.Tensor or where != (x.data_ptr(), x.shape, x.stride(), x.dtype):
             return
-        setattr(x, STATS, (node._saved_result1, node._saved_result2))
+        stats = (node._saved_result1, node._saved_result2)
+        if all(s.dtype in (torch.float32, torch.float64) for s in stats):
+            # not a 16-bit mean (a bfloat16 layer on the CPU saves them so): the rows are float32
+            setattr(x, STATS, stats)
 
     def forward_rows(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The input ``[N, T, D]`` as it is: :meth:`normalised` makes ``x̂`` when needed (with
