@@ -231,15 +231,16 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self._placed:
             self._place_from_caller()
+        trainer = self._trainer or _on_stack(_is_trainer)
         self.hooks.configure(
             int(getattr(args, "gradient_accumulation_steps", 1) or 1),
             getattr(args, "per_device_train_batch_size", None),
             int(getattr(args, "world_size", 1) or 1),
+            # the model as the Trainer wrapped it for training (DDP), before this event
+            wrapped=getattr(trainer, "model_wrapped", None),
         )
-        if self.options.noise_scale:
-            trainer = self._trainer or _on_stack(_is_trainer)
-            if trainer is not None:
-                self._guard_clipping(trainer)
+        if self.options.noise_scale and trainer is not None:
+            self._guard_clipping(trainer)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any):
         if model is not None:

@@ -99,6 +99,7 @@ class NNStatCallback(StatsCallbackBase, Callback):
                 int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
                 _batch_size(batch),
                 int(getattr(trainer, "world_size", 1) or 1),
+                wrapped=getattr(getattr(trainer, "strategy", None), "model", None),
             )
         if self.options.noise_scale and self._stepped:
             # Lightning clears gradients inside its closure, after the forward pass; the
