@@ -1,0 +1,171 @@
+"""The callbacks' noise scale under DDP (2 gloo processes): each rank's gradient against the
+all-reduced one, from the communication hook, by default; checked against per-sample gradients
+of every rank's shard (torch.func) at the weights of each step."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+import nnstat
+from nnstat.integrations._hooks import StatsOptions, StepStats
+
+B, WORLD = 8, 2
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + step)
+    return torch.randn(WORLD * B, 6, generator=g), torch.randint(0, 3, (WORLD * B,), generator=g)
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def _run(hooks: StepStats, ddp: nn.Module, opt, rank: int, steps: list[str], record: list):
+    """Optimizer steps through the callbacks' driver; ``"plain"``: one backward of the rank's
+    B samples; ``"no_sync"``: two micro-batches of B / 2, the first under ``no_sync()``;
+    ``"sync_both"``: the same without ``no_sync()`` (two synchronised backwards)."""
+    model = ddp.module
+    for step, kind in enumerate(steps):
+        x, y = _data(len(record))
+        record.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        shard = slice(rank * B, (rank + 1) * B)
+        x, y = x[shard], y[shard]
+        if kind == "plain":
+            hooks.begin_batch(model)
+            _loss(ddp, x, y).backward()
+        else:
+            for k in range(2):
+                quiet = ddp.no_sync() if kind == "no_sync" and k == 0 else contextlib.nullcontext()
+                hooks.begin_batch(model)
+                half = slice(k * B // 2, (k + 1) * B // 2)
+                with quiet:
+                    (_loss(ddp, x[half], y[half]) / 2).backward()
+        hooks.before_step(model, opt, log=False)
+        opt.step()
+        hooks.after_step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _driver(rank: int, out_dir: str) -> None:
+    from _ledger import host_reads
+
+    from nnstat.background.transfer import LocalCopy
+
+    ddp = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=1e-4)  # several buckets
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    record: list = []
+    out: dict = {}
+    # the default under DDP without accumulation: the hook, every step
+    auto = StepStats(StatsOptions(noise_scale_window=10))
+    auto.configure(1, B, WORLD, wrapped=ddp)
+    out["auto_method"] = auto.method
+    reads: list[str] = []
+    LocalCopy.ready = False  # copies held back as on a GPU
+    with host_reads(reads):
+        _run(auto, ddp, opt, rank, ["plain", "plain"], record)
+    LocalCopy.ready = True
+    out["reads"] = reads
+    out["auto"] = auto.gns.state_dict()
+    auto.close()
+    # forced under accumulation: B_small = the rank's samples of the step; the same DDP model
+    # (its hook is re-pointed); a step synchronised twice is left out, with a warning
+    forced = StepStats(StatsOptions(noise_scale_window=10, noise_scale_method="ddp"))
+    forced.configure(2, B // 2, WORLD, wrapped=ddp)
+    out["forced_method"] = forced.method
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run(forced, ddp, opt, rank, ["no_sync", "sync_both", "no_sync"], record)
+    out["warnings"] = [str(w.message) for w in caught]
+    out["forced"] = forced.gns.state_dict()
+    forced.close()
+    # closed: the hook stays (DDP cannot drop it) and only averages
+    x, y = _data(99)
+    ddp.zero_grad()
+    _loss(ddp, x[rank * B : (rank + 1) * B], y[rank * B : (rank + 1) * B]).backward()
+    out["after_close"] = torch.cat([p.grad.reshape(-1) for p in ddp.module.parameters()]).tolist()
+    out["record"] = [{k: v.tolist() for k, v in state.items()} for state in record]
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def _worker(rank: int, port: int, out_dir: str, job) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        job(rank, out_dir)
+        gc.collect()  # the DDP reducer (which holds the group) goes before the group
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _per_sample(state: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Every sample's gradient at ``state`` (torch.func), flattened, float64: ``(n, P)``."""
+    model = _model()
+    model.load_state_dict({k: torch.tensor(v) for k, v in state.items()})
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, xi, yi):
+        return nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
+
+    per = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    return torch.cat([g.reshape(len(x), -1) for g in per.values()], 1).double()
+
+
+def _reference(record: list, steps: list[int]) -> dict:
+    """The windowed state of a NoiseScale fed ``mean_r |g_r|^2`` (each rank's shard mean) and
+    ``|G|^2`` (all 2B samples) at the weights of each step in ``steps``."""
+    ref = nnstat.NoiseScale(window=10)
+    for step in steps:
+        x, y = _data(step)
+        per = _per_sample(record[step], x, y)
+        local = [per[r * B : (r + 1) * B].mean(0) for r in range(WORLD)]
+        small = float(torch.stack([g.pow(2).sum() for g in local]).mean())
+        ref.update(small, float(per.mean(0).pow(2).sum()), B, WORLD * B)
+    return ref.state_dict()["stats"][""]
+
+
+@pytest.mark.timeout(120)
+def test_step_driver_under_ddp_defaults_to_the_hook_and_matches_per_sample_gradients(tmp_path):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), _driver), nprocs=WORLD, join=True)
+    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for got in runs:
+        assert got["auto_method"] == "ddp" and got["forced_method"] == "ddp"
+        assert got["reads"] == []  # nothing read back inside the steps
+        record = got["record"]
+        assert len(record) == 5 and record == runs[0]["record"]
+        # plain steps 0, 1; accumulated steps 2 and 4 (step 3 synchronised twice: left out)
+        for key, steps in (("auto", [0, 1]), ("forced", [2, 4])):
+            state, expected = got[key]["stats"][""], _reference(record, steps)
+            assert got[key]["n_updates"] == len(steps)
+            assert state["nums"] == pytest.approx(expected["nums"], rel=1e-5)
+            assert state["dens"] == pytest.approx(expected["dens"], rel=1e-5)
+        assert len(got["warnings"]) == 1
+        assert "synchronised the gradients 2 times" in got["warnings"][0]
+    # after close() the hook averages exactly as DDP does: the same gradient on both ranks
+    assert runs[0]["after_close"] == pytest.approx(runs[1]["after_close"], rel=1e-6)
