@@ -169,3 +169,82 @@ def test_step_driver_under_ddp_defaults_to_the_hook_and_matches_per_sample_gradi
         assert "synchronised the gradients 2 times" in got["warnings"][0]
     # after close() the hook averages exactly as DDP does: the same gradient on both ranks
     assert runs[0]["after_close"] == pytest.approx(runs[1]["after_close"], rel=1e-6)
+
+
+class _Points(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        x, y = _data(1000)
+        self.x, self.y = x.repeat(4, 1), y.repeat(4)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class _Classifier(nn.Module):
+    """``_model()`` behind the Trainer's calling convention (loss: the batch mean)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict:
+        return {"loss": nn.functional.cross_entropy(self.net(x), labels)}
+
+
+def _hf_trainer(rank: int, port: int, out_dir: str) -> None:
+    """One rank of a 2-process HF Trainer run (accelerate sets up gloo from the environment)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
+    os.environ.update(LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    import transformers
+
+    from nnstat.integrations.huggingface import NNStatCallback
+
+    model, seen = _Classifier(), []
+
+    def record(module, args, kwargs):  # the weights and the rank's inputs of every forward
+        state = {k: v.tolist() for k, v in module.net.state_dict().items()}
+        seen.append({"state": state, "x": kwargs["x"].tolist(), "y": kwargs["labels"].tolist()})
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    cb = NNStatCallback(stats=["l2"], groups=["weight"], noise_scale_window=10)
+    args = transformers.TrainingArguments(
+        output_dir=out_dir, report_to="none", use_cpu=True, save_strategy="no",
+        disable_tqdm=True, per_device_train_batch_size=B, max_steps=3, logging_steps=1,
+        learning_rate=0.1, ddp_backend="gloo",
+    )  # fmt: skip  (max_grad_norm: the Trainer's 1.0, which clips after the hook measured)
+    trainer = transformers.Trainer(model, args, train_dataset=_Points(), callbacks=[cb])
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "noise_scale/trace_sigma" in h]
+    out = {"method": cb.hooks.method, "wrapped": type(trainer.model_wrapped).__name__}
+    with open(os.path.join(out_dir, f"hf{rank}.json"), "w") as f:
+        json.dump({**out, "logs": logs, "seen": seen}, f)
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_hf_trainer_under_ddp_defaults_to_the_hook(tmp_path):
+    pytest.importorskip("transformers")
+    mp.spawn(_hf_trainer, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    runs = [json.loads((tmp_path / f"hf{r}.json").read_text()) for r in range(WORLD)]
+    ref = nnstat.NoiseScale(window=10)
+    assert len(runs[0]["logs"]) == len(runs[0]["seen"]) == 3
+    for step, seen in enumerate(zip(*(run["seen"] for run in runs), strict=True)):
+        assert seen[0]["state"] == seen[1]["state"]  # the ranks hold the same weights
+        x = torch.tensor([p for s in seen for p in s["x"]])
+        y = torch.tensor([t for s in seen for t in s["y"]])
+        per = _per_sample(seen[0]["state"], x, y)
+        local = [per[r * B : (r + 1) * B].mean(0) for r in range(WORLD)]
+        small = float(torch.stack([g.pow(2).sum() for g in local]).mean())
+        ref.update(small, float(per.mean(0).pow(2).sum()), B, WORLD * B)
+        for run in runs:
+            assert run["method"] == "ddp" and run["wrapped"] == "DistributedDataParallel"
+            got = run["logs"][step]
+            assert got["step"] == step + 1
+            assert got["noise_scale/grad_sq_norm"] == pytest.approx(ref.grad_sq_norm, rel=1e-4)
+            assert got["noise_scale/trace_sigma"] == pytest.approx(ref.trace_sigma, rel=1e-4)
