@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from nnstat.integrations._hooks import StatsOptions, StepStats
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import nnstat
-from nnstat.integrations._hooks import StatsOptions, StepStats
 
 B, WORLD = 8, 2
 
@@ -43,7 +43,7 @@ def _run(hooks: StepStats, ddp: nn.Module, opt, rank: int, steps: list[str], rec
     B samples; ``"no_sync"``: two micro-batches of B / 2, the first under ``no_sync()``;
     ``"sync_both"``: the same without ``no_sync()`` (two synchronised backwards)."""
     model = ddp.module
-    for step, kind in enumerate(steps):
+    for kind in steps:
         x, y = _data(len(record))
         record.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         shard = slice(rank * B, (rank + 1) * B)
@@ -200,7 +200,6 @@ def _hf_trainer(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
     import transformers
-
     from nnstat.integrations.huggingface import NNStatCallback
 
     model, seen = _Classifier(), []
@@ -212,9 +211,16 @@ def _hf_trainer(rank: int, port: int, out_dir: str) -> None:
     model.register_forward_pre_hook(record, with_kwargs=True)
     cb = NNStatCallback(stats=["l2"], groups=["weight"], noise_scale_window=10)
     args = transformers.TrainingArguments(
-        output_dir=out_dir, report_to="none", use_cpu=True, save_strategy="no",
-        disable_tqdm=True, per_device_train_batch_size=B, max_steps=3, logging_steps=1,
-        learning_rate=0.1, ddp_backend="gloo",
+        output_dir=out_dir,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        per_device_train_batch_size=B,
+        max_steps=3,
+        logging_steps=1,
+        learning_rate=0.1,
+        ddp_backend="gloo",
     )  # fmt: skip  (max_grad_norm: the Trainer's 1.0, which clips after the hook measured)
     trainer = transformers.Trainer(model, args, train_dataset=_Points(), callbacks=[cb])
     trainer.train()
@@ -245,6 +251,74 @@ def test_hf_trainer_under_ddp_defaults_to_the_hook(tmp_path):
         for run in runs:
             assert run["method"] == "ddp" and run["wrapped"] == "DistributedDataParallel"
             got = run["logs"][step]
+            assert got["step"] == step + 1
+            assert got["noise_scale/grad_sq_norm"] == pytest.approx(ref.grad_sq_norm, rel=1e-4)
+            assert got["noise_scale/trace_sigma"] == pytest.approx(ref.trace_sigma, rel=1e-4)
+
+
+def _lightning(rank: int, port: int, out_dir: str) -> None:
+    """One rank of a 2-process Lightning ``strategy="ddp"`` run (the processes are ours)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
+    os.environ.update(LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), NODE_RANK="0")
+    torch.set_num_threads(1)
+    import lightning as L
+    from nnstat.integrations.lightning import NNStatCallback
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model()
+
+        def training_step(self, batch, batch_idx):
+            return _loss(self.net, *batch)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module, seen = Module(), []
+
+    def record(net, args):  # the weights and the rank's inputs of every forward
+        state = {k: v.tolist() for k, v in net.state_dict().items()}
+        seen.append({"state": state, "x": args[0].tolist()})
+
+    module.net.register_forward_pre_hook(record)
+    x, y = _Points().x, _Points().y
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=B)
+    cb = NNStatCallback(stats=["l2"], groups=["weight"], every=1, noise_scale_window=10)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, strategy="ddp", max_steps=3, callbacks=[cb],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    methods = []
+    cb.on_train_start = lambda tr, pl: methods.append(type(tr.strategy.model).__name__)
+    trainer.fit(module, loader)
+    out = {"method": cb.hooks.method, "wrapped": methods, "history": cb.history, "seen": seen}
+    with open(os.path.join(out_dir, f"pl{rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+@pytest.mark.timeout(180)
+def test_lightning_ddp_defaults_to_the_hook(tmp_path):
+    pytest.importorskip("lightning")
+    mp.spawn(_lightning, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    runs = [json.loads((tmp_path / f"pl{r}.json").read_text()) for r in range(WORLD)]
+    points = {
+        tuple(p): label for p, label in zip(_Points().x.tolist(), _Points().y.tolist(), strict=True)
+    }
+    ref = nnstat.NoiseScale(window=10)
+    assert [len(run["history"]) for run in runs] == [3, 3]
+    for step, seen in enumerate(zip(*(run["seen"] for run in runs), strict=True)):
+        assert seen[0]["state"] == seen[1]["state"]
+        x = torch.tensor([p for s in seen for p in s["x"]])
+        y = torch.tensor([points[tuple(p)] for s in seen for p in s["x"]])
+        per = _per_sample(seen[0]["state"], x, y)
+        local = [per[r * B : (r + 1) * B].mean(0) for r in range(WORLD)]
+        small = float(torch.stack([g.pow(2).sum() for g in local]).mean())
+        ref.update(small, float(per.mean(0).pow(2).sum()), B, WORLD * B)
+        for run in runs:
+            assert run["method"] == "ddp" and run["wrapped"] == ["DistributedDataParallel"]
+            got = run["history"][step]
             assert got["step"] == step + 1
             assert got["noise_scale/grad_sq_norm"] == pytest.approx(ref.grad_sq_norm, rel=1e-4)
             assert got["noise_scale/trace_sigma"] == pytest.approx(ref.trace_sigma, rel=1e-4)
