@@ -42,19 +42,19 @@ def exact_b_simple(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return float((flat - g).pow(2).sum(1).mean()) / float(g.pow(2).sum())
 
 
-def _problem(seed: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+def _problem(seed: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Generator]:
+    """The MLP, its 512 points and the generator that drew them (it draws the batches next)."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(512, 6, generator=gen)
     y = (x[:, 0] + 0.5 * torch.randn(512, generator=gen) > 0).long() + (x[:, 1] > 1).long()
-    return model, x, y
+    return model, x, y, gen
 
 
 def compare(k: int, b: int, steps: int, seed: int) -> dict[str, tuple[float, float, float]]:
     """``{estimator: (value, low, high)}`` plus ``"exact"`` for one (K, b)."""
-    model, x, y = _problem(seed)
-    gen = torch.Generator().manual_seed(seed + 2)
+    model, x, y, gen = _problem(seed)
     per_sample, micro_gns = nnstat.NoiseScale(window=steps * k), nnstat.NoiseScale(window=steps)
     per_sample.watch(model)
     micro = micro_gns.watch_microbatches(model, micro_batch_size=b)
@@ -80,7 +80,7 @@ def _ddp_rank(rank: int, port: int, b: int, steps: int, seed: int, out: str) -> 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    model, x, y = _problem(seed)
+    model, x, y, _ = _problem(seed)
     gen = torch.Generator().manual_seed(seed + 10 + rank)  # each rank its own draws
     per_sample, hook_gns = nnstat.NoiseScale(window=steps), nnstat.NoiseScale(window=steps)
     per_sample.watch(model)
@@ -137,7 +137,7 @@ def compare_ddp(b: int, steps: int, seed: int) -> dict[str, tuple[float, ...]]:
     both = {key: stats[0][key] + stats[1][key] for key in ("nums", "dens")}
     pooled.load_state_dict({**ranks[0]["per_sample_state"], "window": 2 * steps,
                             "stats": {"": both}})  # fmt: skip
-    model, x, y = _problem(seed)
+    model, x, y, _ = _problem(seed)
     t = ranks[0]["time"]
     return {
         "exact": (exact_b_simple(model, x, y), float("nan"), float("nan")),

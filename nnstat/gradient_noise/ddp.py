@@ -12,6 +12,7 @@ and `DDPNoiseScaleState.detach` turns it back into DDP's plain averaging.
 """
 
 import functools
+import math
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -307,4 +308,13 @@ class DDPStepNorms:
 
 
 def _whole_model(b_small: int, b_big: int, v: list[float]) -> Any:
+    if not all(math.isfinite(x) for x in v):
+        # an fp16 step whose loss scale overflowed (the GradScaler skips it): not a gradient
+        warnings.warn(
+            "nnstat: the DDP noise scale left out a step with non-finite gradients (a mixed-"
+            "precision overflow the GradScaler skips)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
     return [], v[:1], v[1:], b_small, b_big

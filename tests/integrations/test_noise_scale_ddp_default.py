@@ -41,16 +41,18 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _run(hooks: StepStats, ddp: nn.Module, opt, rank: int, steps: list[str], record: list):
     """Optimizer steps through the callbacks' driver; ``"plain"``: one backward of the rank's
     B samples; ``"no_sync"``: two micro-batches of B / 2, the first under ``no_sync()``;
-    ``"sync_both"``: the same without ``no_sync()`` (two synchronised backwards)."""
+    ``"sync_both"``: the same without ``no_sync()`` (two synchronised backwards);
+    ``"overflow"``: one backward of an infinite loss (as a mixed-precision overflow), no
+    update."""
     model = ddp.module
     for kind in steps:
         x, y = _data(len(record))
         record.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         shard = slice(rank * B, (rank + 1) * B)
         x, y = x[shard], y[shard]
-        if kind == "plain":
+        if kind in ("plain", "overflow"):
             hooks.begin_batch(model)
-            _loss(ddp, x, y).backward()
+            (_loss(ddp, x, y) * (float("inf") if kind == "overflow" else 1.0)).backward()
         else:
             for k in range(2):
                 quiet = ddp.no_sync() if kind == "no_sync" and k == 0 else contextlib.nullcontext()
@@ -59,13 +61,15 @@ def _run(hooks: StepStats, ddp: nn.Module, opt, rank: int, steps: list[str], rec
                 with quiet:
                     (_loss(ddp, x[half], y[half]) / 2).backward()
         hooks.before_step(model, opt, log=False)
-        opt.step()
+        if kind != "overflow":
+            opt.step()
         hooks.after_step()
         opt.zero_grad(set_to_none=True)
 
 
 def _driver(rank: int, out_dir: str) -> None:
     from _ledger import host_reads
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from nnstat.background.transfer import LocalCopy
 
@@ -86,13 +90,14 @@ def _driver(rank: int, out_dir: str) -> None:
     out["auto"] = auto.gns.state_dict()
     auto.close()
     # forced under accumulation: B_small = the rank's samples of the step; the same DDP model
-    # (its hook is re-pointed); a step synchronised twice is left out, with a warning
+    # (its hook is re-pointed); a step synchronised twice and one with non-finite gradients are
+    # left out, with a warning each
     forced = StepStats(StatsOptions(noise_scale_window=10, noise_scale_method="ddp"))
     forced.configure(2, B // 2, WORLD, wrapped=ddp)
     out["forced_method"] = forced.method
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _run(forced, ddp, opt, rank, ["no_sync", "sync_both", "no_sync"], record)
+        _run(forced, ddp, opt, rank, ["no_sync", "sync_both", "overflow", "no_sync"], record)
     out["warnings"] = [str(w.message) for w in caught]
     out["forced"] = forced.gns.state_dict()
     forced.close()
@@ -101,6 +106,23 @@ def _driver(rank: int, out_dir: str) -> None:
     ddp.zero_grad()
     _loss(ddp, x[rank * B : (rank + 1) * B], y[rank * B : (rank + 1) * B]).backward()
     out["after_close"] = torch.cat([p.grad.reshape(-1) for p in ddp.module.parameters()]).tolist()
+    # a DDP model that has its own communication hook cannot take the noise scale's: "auto"
+    # warns and measures per-sample norms, a forced "ddp" is refused
+    other = nn.parallel.DistributedDataParallel(_model())
+    other.register_comm_hook(None, default_hooks.allreduce_hook)
+    fallback = StepStats(StatsOptions())
+    fallback.configure(1, B, WORLD, wrapped=other)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fallback.begin_batch(other.module)
+    out["fallback"] = [fallback.method, [str(w.message) for w in caught]]
+    fallback.close()
+    refused = StepStats(StatsOptions(noise_scale_method="ddp"))
+    refused.configure(1, B, WORLD, wrapped=other)
+    try:
+        refused.begin_batch(other.module)
+    except RuntimeError as e:
+        out["refused"] = str(e)
     out["record"] = [{k: v.tolist() for k, v in state.items()} for state in record]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
@@ -158,15 +180,20 @@ def test_step_driver_under_ddp_defaults_to_the_hook_and_matches_per_sample_gradi
         assert got["auto_method"] == "ddp" and got["forced_method"] == "ddp"
         assert got["reads"] == []  # nothing read back inside the steps
         record = got["record"]
-        assert len(record) == 5 and record == runs[0]["record"]
-        # plain steps 0, 1; accumulated steps 2 and 4 (step 3 synchronised twice: left out)
-        for key, steps in (("auto", [0, 1]), ("forced", [2, 4])):
+        assert len(record) == 6 and record == runs[0]["record"]
+        # plain steps 0, 1; accumulated steps 2 and 5 (3 synchronised twice, 4 overflowed)
+        for key, steps in (("auto", [0, 1]), ("forced", [2, 5])):
             state, expected = got[key]["stats"][""], _reference(record, steps)
             assert got[key]["n_updates"] == len(steps)
             assert state["nums"] == pytest.approx(expected["nums"], rel=1e-5)
             assert state["dens"] == pytest.approx(expected["dens"], rel=1e-5)
-        assert len(got["warnings"]) == 1
+        assert len(got["warnings"]) == 2
         assert "synchronised the gradients 2 times" in got["warnings"][0]
+        assert "non-finite gradients" in got["warnings"][1]
+        method, caught = got["fallback"]
+        assert method == "per_sample" and len(caught) == 1
+        assert "already has a communication hook" in caught[0] and "per-sample" in caught[0]
+        assert "already has a communication hook" in got["refused"]
     # after close() the hook averages exactly as DDP does: the same gradient on both ranks
     assert runs[0]["after_close"] == pytest.approx(runs[1]["after_close"], rel=1e-6)
 
