@@ -12,7 +12,8 @@ where forming ``x̂`` took seven. ``μ`` and ``r`` are the ones autograd saved f
 own backward, taken in the forward hook when the output is ``layer_norm``'s result from the
 very input the capture keeps, in float32 or float64, and no saved-tensor hooks are active
 (activation checkpointing, offloading: unpacking there would recompute or copy); otherwise
-they are computed in float32, one more read of ``x``. GPT-2 small has 25 LayerNorms of 12.6 MB per pass at batch 8 x 512.
+they are computed in float32, one more read of ``x``. GPT-2 small has 25 LayerNorms of
+12.6 MB per pass at batch 8 x 512.
 Rounding: the two sums are ``|μ|/σ`` times their difference, so the float32 error grows with
 ``|μ|/σ`` as forming ``x̂`` does (``x - μ`` carries ``μ``'s rounding), about 10x larger
 (2e-7 of the largest entry at ``|μ|/σ ~ 0``, 7e-6 at 13, 3e-4 at 1000, against 1e-7, 8e-7,

@@ -5,9 +5,9 @@ a sum of outer products. Captured: ``torch.nn.RMSNorm`` (with ``elementwise_affi
 transformers' ``LlamaRMSNorm`` (``weight * x̂`` in the input dtype, ``x̂`` computed in float32
 with ``variance_epsilon``). As for LayerNorm, the capture keeps the input; the per-sample
 gradient is ``Σ_t r_t (b_t∘x_t)`` (``r``: each position's ``1/rms``, one read of the input)
-without ``x̂``, which the forward stream recomputes when asked for it. Other RMSNorm classes are left to the usual skip-with-a-warning:
-variants differ (Gemma's ``(1 + weight)``, T5's without the cast), and a look-alike matched by
-name could be logged with the wrong ``x̂``.
+without ``x̂``, which the forward stream recomputes when asked for it. Other RMSNorm classes
+are left to the usual skip-with-a-warning: variants differ (Gemma's ``(1 + weight)``, T5's
+without the cast), and a look-alike matched by name could be logged with the wrong ``x̂``.
 """
 
 from __future__ import annotations
