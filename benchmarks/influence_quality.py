@@ -15,10 +15,12 @@ Gauss-Newton matrix (solved in the store's logged space; default damping = the m
 of that curvature, plus λ = wd and a damping sweep, other preconditioners at k = 5 and the Fisher
 source of its preconditioner when nnstat has the ``fisher`` field), `exact` influence (CG on
 Hessian-vector products) next to the influence from the explicitly built Hessian and GGN; LogIX
-K-FAC and EK-FAC and Kronfluence EK-FAC at their defaults and at nnstat's damping values.
-Reported per task x training x store projection: LDS (mean ± s.e. over queries), Spearman
-against exact influence over all query x train pairs, cost. Markdown tables on stdout, all
-numbers in the ``--out`` JSON.
+K-FAC and EK-FAC and Kronfluence EK-FAC at their defaults and at nnstat's damping values; LogIX's
+LoGra (``--peers logra``: its LoRA projection at ``--logra-rank``, its own initialisation) with
+its raw, K-FAC and EK-FAC. Reported per task x training x store projection: LDS (mean ± s.e.
+over queries), Spearman against exact influence over all query x train pairs, cost, bytes per
+stored row (nnstat stores, dense or factored by ``--factors``, and LoGra's). Markdown tables on
+stdout, all numbers in the ``--out`` JSON.
 
 ``--quick`` keeps: nnstat identity / raw / kfac / ekfac at their default damping; refine
 k = 1, 2, 5, 10 at the default damping (Hessian and GGN), k = 5 and 10 at λ = wd (Hessian),
@@ -29,6 +31,8 @@ damping sweep; Kronfluence EK-FAC at its heuristic and its default.
     .venv/bin/python benchmarks/influence_quality.py --no-peers --tasks logreg --train lbfgs
     .venv/bin/python benchmarks/influence_quality.py --quick --ranks none,8 --out /tmp/iq.json
     .venv/bin/python benchmarks/influence_quality.py --tasks lm --out /tmp/iq_lm.json
+    .venv/bin/python benchmarks/influence_quality.py --tasks lm --lm-d 128 --lm-mlp 256 \
+        --no-exact --quick --peers logra --ranks 64 --factors 64:4,64:8,256:11
 
 ``--tasks lm`` has its own defaults (`TASK_DEFAULTS`: Adam then L-BFGS in float64, wd = 1e-2,
 150 training windows, only the rows of its table, ``--lean``); flags given override them. Its
@@ -36,6 +40,8 @@ exact reference is the explicitly built Hessian (``nnstat.influence.exact`` is n
 λ = wd through a pseudo-inverse where ``H + wd·I`` is singular only along the flat directions of
 the model's continuous symmetries (rotations of the residual stream and of each head's q/k and
 v/out spaces, which leave loss and L2 unchanged and to which every gradient is orthogonal).
+``--no-exact`` skips that reference (a model whose Hessian does not fit in memory): no exact row
+and no Spearman column, τ from the per-example gradients, the LDS and every method unchanged.
 """
 
 from __future__ import annotations
@@ -1080,8 +1086,9 @@ def bench_setting(task: Task, method: str, args, root: Path) -> list[dict[str, A
     # the first of the ranks
     stores = [(rank, None, None) for rank in args.ranks]
     stores += [(args.ranks[0], nn.Linear, None)] if args.lean else []
-    # factored rows (--factors): each "rank:c" pair, of the modules the dense stores cover
-    stores += [(rank, None, c) for rank, c in args.factors]
+    # factored rows (--factors): each "rank:c" pair, of the modules the dense stores cover or
+    # ("rank:c:linear") of the nn.Linear modules only
+    stores += [(rank, nn.Linear if linear else None, c) for rank, c, linear in args.factors]
     for rank, types, factors in stores:
         project = f"{task.name}_{method}_" + ("full" if rank is None else f"rank{rank}")
         project += ("_linear" if types else "") + (f"_c{factors}" if factors else "")
@@ -1452,6 +1459,15 @@ def print_doc_tables(summary: list[dict[str, Any]]) -> None:
 
 
 # ------------------------------------------------------------------------------ main
+def parse_factors(spec: str) -> tuple[int, int, bool]:
+    """``"64:4"`` -> ``(64, 4, False)``; ``"64:4:linear"`` -> ``(64, 4, True)`` (the store of
+    the nn.Linear modules only)."""
+    parts = spec.strip().split(":")
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "linear"):
+        raise ValueError(f"--factors: {spec!r} is not rank:c or rank:c:linear")
+    return int(parts[0]), int(parts[1]), len(parts) == 3
+
+
 def main() -> None:
     from _lm_task import add_arguments as add_lm_arguments
 
@@ -1472,7 +1488,8 @@ def main() -> None:
     ap.add_argument(
         "--factors",
         default="",
-        help="factored stores as rank:c pairs, e.g. 64:8,256:8 (nnstat.setup(factors=c))",
+        help="factored stores as rank:c pairs, e.g. 64:8,256:8 (nnstat.setup(factors=c)); "
+        "rank:c:linear for one of the nn.Linear modules only",
     )
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument(
@@ -1498,7 +1515,7 @@ def main() -> None:
     ap.add_argument("--counterfactual-repeats", type=int, default=3)
     add_lm_arguments(ap)
     args = ap.parse_args()
-    args.factors = [tuple(int(v) for v in p.split(":")) for p in args.factors.split(",") if p]
+    args.factors = [parse_factors(p) for p in args.factors.split(",") if p]
     args.peers = set() if args.no_peers else {p.strip() for p in args.peers.split(",") if p}
     unknown = args.peers - {"logix", "logra", "kronfluence"}
     if unknown:
