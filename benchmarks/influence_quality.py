@@ -47,6 +47,7 @@ and no Spearman column, τ from the per-example gradients, the LDS and every met
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -341,13 +342,18 @@ def logix_scores(
     at rank ``min(lora_rank, in, out)``, ``B`` zero, and logs ``B``'s gradient, the projected
     ``rank × rank`` one). ``relative_dampings``: more dampings, as multiples of the mean
     eigenvalue of the logged rows' covariance (the store's scale, which a projection changes).
+    The projection is drawn from torch's generator seeded with 0 (LogIX's own init takes the
+    global generator, which data loaders also draw from): the same draw in every run.
     """
     from logix import LogIX, LogIXScheduler
     from logix.config import LoRAConfig
 
     cwd = os.getcwd()
     os.chdir(root)
+    stack = contextlib.ExitStack()
     try:
+        stack.enter_context(torch.random.fork_rng())
+        torch.manual_seed(0)
         Path("config.yaml").write_text("logging:\n  flush_threshold: 1000000000\n")
         run = LogIX(project=project, config="config.yaml")
         if lora_rank is not None:
@@ -395,14 +401,14 @@ def logix_scores(
         for damping in dampings:
             for k, v in saved.items():
                 run.state.ekfac_eigval_state[k] = v.clone()
-            # raw: LogIX inverts the covariance at the first damping it is given and keeps that
-            # inverse for every later call: drop it so each damping is applied
-            vars(run.state).pop("covariance_inverse_state", None)
+            if hessian == "raw":  # LogIX inverts at the first damping and keeps that inverse
+                run.state.covariance_inverse(damping=damping)
             res = run.influence.compute_influence_all(qlog, loader, damping=damping)
             order = [res["tgt_ids"].index(str(i)) for i in range(len(x))]
             out.append(res["influence"][:, order].float())
         return out, info
     finally:
+        stack.close()
         os.chdir(cwd)
 
 
@@ -850,8 +856,9 @@ def no_reference_rows(proto, task: Task) -> Board:
 
 def logra_rows(common: Board, base, task: Task, method: str, root: Path, rank: int) -> None:
     """LogIX's LoGra at ``rank`` (its LoRA projection, its own initialisation) with each of its
-    scheduler's curvatures: its default damping and 0.1 and 1 x its rows' mean eigenvalue."""
-    labels = ("default (0.1 × mean eigenvalue of the first module)", "0.1τ_store", "τ_store")
+    scheduler's curvatures: its default damping and 0.1, 1 and 10 x τ_s, its rows' mean
+    eigenvalue."""
+    labels = ("default (0.1 × mean eigenvalue of the first module)", "0.1τ_s", "τ_s", "10τ_s")
     for hessian in ("raw", "kfac", "ekfac"):
         t = time.perf_counter()
         try:
@@ -865,7 +872,7 @@ def logra_rows(common: Board, base, task: Task, method: str, root: Path, rank: i
                 [None],
                 task.loss,
                 lora_rank=rank,
-                relative_dampings=(0.1, 1.0),
+                relative_dampings=(0.1, 1.0, 10.0),
             )
         except Exception as e:
             traceback.print_exc()
