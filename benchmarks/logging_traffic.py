@@ -3,9 +3,10 @@
 The model is built on ``meta`` (no memory, no arithmetic: seconds on any machine), so this
 measures the work an accelerator would be given, not time: aten ops (kernel launches), bytes
 that ops read and write (operands plus results: an upper bound on memory traffic, since a cache
-may serve some operands) and GEMM FLOPs, of a plain forward+backward and of the same pass with
-nnstat: ``--workload logging`` inside ``run(data_id=...)`` with rank-64 projections of every
-supported module (the logging workload of `benchmarks/gpu_check.py`);
+may serve some operands; an ``out=`` tensor counts as written, not read) and GEMM FLOPs, of a
+plain forward+backward and of the same pass with nnstat: ``--workload logging`` inside
+``run(data_id=...)`` with rank-64 projections of every supported module (the logging workload
+of `benchmarks/gpu_check.py`);
 ``--workload noise`` inside ``NoiseScale.batch()`` (per-sample gradient norms of every
 module). The tables list what nnstat adds: in all (ops, bytes moved, bytes allocated: the
 outputs of ops that are neither views nor in-place/``out=``), per nnstat module that issued the
@@ -85,7 +86,9 @@ class Traffic(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func.is_view:
             return out
-        operands = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        # an ``out=`` tensor is written, not read: counted once, as a result
+        read = {k: v for k, v in kwargs.items() if k != "out"}
+        operands = [t for t in tree_flatten((args, read))[0] if isinstance(t, torch.Tensor)]
         moved = sum(t.numel() * t.element_size() for t in operands)
         moved += sum(
             t.numel() * t.element_size()

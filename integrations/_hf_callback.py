@@ -87,12 +87,17 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
     gradient (``B_small = per_device_train_batch_size``) with the accumulated one (``B_big`` =
     that times the accumulation steps and the world size) at every optimizer step: one
     multi-tensor norm per micro-batch, nothing read back, no per-sample work
-    (`nnstat.NoiseScale.watch_microbatches`). Without accumulation it uses per-sample gradient
+    (`nnstat.NoiseScale.watch_microbatches`). Under DDP without accumulation it compares each
+    rank's gradient (``B_small = per_device_train_batch_size``, taken by a communication hook on
+    ``trainer.model_wrapped`` before the all-reduce) with the all-reduced one (``B_big`` = that
+    times the world size) at every optimizer step: one norm per bucket, nothing read back. On
+    one process without accumulation it uses per-sample gradient
     norms (B_small = 1) of one micro-batch in ``noise_scale_every`` (default
     `NOISE_SCALE_EVERY` = 8: the per-sample capture runs inside backward and is the expensive
     part; ``1`` measures every micro-batch), starting with the first micro-batch after the one
-    that probes which modules qualify. Both estimate the same ``B_simple``; force one with
-    ``noise_scale_method="per_sample"`` or ``"micro_batch"``. Either assumes the model's loss
+    that probes which modules qualify. All estimate the same ``B_simple``; force one with
+    ``noise_scale_method="per_sample"``, ``"micro_batch"`` or ``"ddp"`` (one that cannot work
+    in the run's setting is refused at ``on_train_begin``). Each assumes the model's loss
     is a mean over the batch (the HF default). Set ``noise_scale=False`` to skip it.
 
     Args:
@@ -102,7 +107,8 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
         exclude: regex of parameter names to leave out.
         every: log every this many optimizer steps; ``None``: ``TrainingArguments.logging_steps``.
         noise_scale: also stream ``noise_scale/b_simple``.
-        noise_scale_method: ``"auto"``, ``"per_sample"`` or ``"micro_batch"`` (above).
+        noise_scale_method: ``"auto"``, ``"per_sample"``, ``"micro_batch"`` or ``"ddp"``
+            (above).
         noise_scale_beta: EMA factor of the noise-scale averages.
         noise_scale_filter: regex of module names for the noise scale; ``None``: every
             supported module whose parameters are not shared with another module.
@@ -231,15 +237,16 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self._placed:
             self._place_from_caller()
+        trainer = self._trainer or _on_stack(_is_trainer)
         self.hooks.configure(
             int(getattr(args, "gradient_accumulation_steps", 1) or 1),
             getattr(args, "per_device_train_batch_size", None),
             int(getattr(args, "world_size", 1) or 1),
+            # the model as the Trainer wrapped it for training (DDP), before this event
+            wrapped=getattr(trainer, "model_wrapped", None),
         )
-        if self.options.noise_scale:
-            trainer = self._trainer or _on_stack(_is_trainer)
-            if trainer is not None:
-                self._guard_clipping(trainer)
+        if self.options.noise_scale and trainer is not None:
+            self._guard_clipping(trainer)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any):
         if model is not None:

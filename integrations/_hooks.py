@@ -30,15 +30,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from nnstat.integrations._noise_method import NOISE_SCALE_METHODS, choose_method
+from nnstat.integrations._probe import ModuleProbe
 from torch import nn
 
-__all__ = [
-    "ModuleProbe",
-    "StatsCallbackBase",
-    "StatsOptions",
-    "StepStats",
-    "shared_parameter_modules",
-]
+__all__ = ["StatsCallbackBase", "StatsOptions", "StepStats"]
 
 
 @dataclass
@@ -57,9 +53,12 @@ class StatsOptions:
         noise_scale_method: how: ``"per_sample"`` (per-sample gradient norms, B_small = 1, on
             one micro-batch in ``noise_scale_every``), ``"micro_batch"`` (gradient
             accumulation's micro-batches against their sum, every step: one multi-tensor norm
-            per micro-batch, no per-sample work; needs 2 or more micro-batches per step) or
-            ``"auto"`` (the default): ``"micro_batch"`` where the framework accumulates
-            gradients, else ``"per_sample"``.
+            per micro-batch, no per-sample work; needs 2 or more micro-batches per step),
+            ``"ddp"`` (each rank's gradient against the all-reduced one, from a DDP
+            communication hook: one norm per bucket, no per-sample work; needs DDP on 2 or
+            more processes) or ``"auto"`` (the default): ``"micro_batch"`` where the framework
+            accumulates gradients, else ``"ddp"`` under DDP, else ``"per_sample"`` (see
+            ``nnstat.integrations._noise_method``).
         noise_scale_beta: EMA factor of the noise-scale averages.
         noise_scale_window: average the last this many observations instead (a sliding mean,
             in place of the EMA), which also logs a 95% bootstrap interval of ``b_simple`` as
@@ -102,105 +101,6 @@ class StatsOptions:
             )
 
 
-#: values of ``StatsOptions.noise_scale_method``
-NOISE_SCALE_METHODS = ("auto", "per_sample", "micro_batch")
-
-
-def _names_regex(names: Sequence[str]) -> str:
-    import re
-
-    return "^(?:" + "|".join(re.escape(n) for n in names) + ")$"
-
-
-def shared_parameter_modules(model: nn.Module) -> set[str]:
-    """Names of modules owning a parameter that another module also owns (tied weights).
-
-    Example:
-        >>> m = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
-        >>> m[1].weight = m[0].weight
-        >>> sorted(shared_parameter_modules(m))
-        ['0', '1']
-    """
-    owners: dict[int, list[str]] = {}
-    for name, module in model.named_modules():
-        for p in module.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(name)
-    return {n for users in owners.values() if len(users) > 1 for n in users}
-
-
-class ModuleProbe:
-    """Watch every supported module for one forward/backward and record the batch dimension
-    each saw, to leave out modules whose per-sample gradients are undefined: inputs broadcast
-    over the batch that the engine could not expand (GPT-2's position embedding, fed ``[1, T]``,
-    is expanded and kept) or, with ``unshared=True``, tied weights (one gradient from two
-    modules).
-
-    Example:
-        >>> model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
-        >>> probe = ModuleProbe(model)
-        >>> with probe:
-        ...     model(torch.randn(4, 2)).sum().backward()
-        >>> probe.regex()
-        '^(?:0|1)$'
-    """
-
-    def __init__(self, model: nn.Module, name_filter: Any = None, unshared: bool = False) -> None:
-        from nnstat.capture.engine import CaptureEngine
-
-        self.engine = CaptureEngine()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # unsupported modules are reported by the real watch
-            names = self.engine.watch(model, name_filter=name_filter)
-        self.excluded: dict[str, str] = {}
-        if unshared:
-            tied = shared_parameter_modules(model) & set(names)
-            self.excluded.update({n: "its parameters are shared with another module" for n in tied})
-        self.names = names
-        self.seen: dict[str, int] = {}
-        self.engine.add_consumer(self._record)
-        self._ctx: Any = None
-
-    def _record(self, cap: Any) -> None:
-        self.seen[cap.name] = int(cap.backward.shape[0])
-
-    def __enter__(self) -> ModuleProbe:
-        # samples="input": a module fed an input the batch shares (position ids [1, T]) is
-        # captured per sample through an expansion of its output, so it is kept
-        self._ctx = self.engine.batch(loss_reduction="sum", samples="input")
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        ctx, self._ctx = self._ctx, None
-        try:
-            if ctx is not None:
-                ctx.__exit__(*exc)
-        finally:
-            for name, why in self.engine.left_out.items():
-                self.excluded.setdefault(name, why)
-            self.engine.unwatch()
-
-    def keep(self) -> list[str]:
-        """Modules with well-defined per-sample gradients, in watch order."""
-        if not self.seen:
-            raise RuntimeError("the probe captured nothing: run a forward and backward inside it")
-        sizes = list(self.seen.values())
-        batch = max(set(sizes), key=lambda n: (sizes.count(n), n))
-        for name, n in self.seen.items():
-            if n != batch:
-                self.excluded.setdefault(
-                    name, f"it sees a batch of {n}, not {batch} (input broadcast over the batch)"
-                )
-        keep = [n for n in self.names if n in self.seen and n not in self.excluded]
-        if not keep:
-            raise ValueError(f"no module has per-sample gradients: {self.excluded}")
-        return keep
-
-    def regex(self) -> str:
-        """A ``name_filter`` selecting exactly :meth:`keep`."""
-        return _names_regex(self.keep())
-
-
 class _Abandoned(Exception):
     """Unwinds a capture block that is closed without being measured."""
 
@@ -227,9 +127,12 @@ class StepStats:
         #: modules left out of the noise scale, with the reason
         self.excluded: dict[str, str] = {}
         self._micro = 0
-        #: the noise scale's estimator: "per_sample" or "micro_batch" (`configure` resolves "auto")
+        #: the noise scale's estimator: "per_sample", "micro_batch" or "ddp" (`configure`
+        #: resolves "auto")
         self.method = {"auto": "per_sample"}.get(method := self.options.noise_scale_method, method)
         self._micro_feed: Any = None  # MicroBatchNorms of the micro_batch method
+        self._ddp: Any = None  # the DistributedDataParallel model, for the ddp method
+        self._ddp_feed: Any = None  # its DDPStepNorms
         self._micro_batch_size: int | None = None
         self._ranks = 1
         self._tracker: Any = None
@@ -238,14 +141,35 @@ class StepStats:
         self._delivered: list[tuple[int, dict[str, Any]]] = []
 
     # ------------------------------------------------------------------ noise scale
-    def configure(self, accumulation_steps: int, micro_batch_size: int | None, ranks: int = 1):
+    def configure(
+        self,
+        accumulation_steps: int,
+        micro_batch_size: int | None,
+        ranks: int = 1,
+        wrapped: Any = None,
+    ) -> None:
         """What the framework runs: ``accumulation_steps`` micro-batches of
         ``micro_batch_size`` samples per optimizer step on each of ``ranks`` processes (whose
-        gradients it averages at the step). ``noise_scale_method="auto"`` picks
-        ``"micro_batch"`` when ``accumulation_steps > 1``, else ``"per_sample"``."""
-        if self.options.noise_scale_method == "auto":
-            self.method = "micro_batch" if accumulation_steps > 1 else "per_sample"
+        gradients it averages at the step), ``wrapped`` being the model as the framework wraps
+        it (a ``DistributedDataParallel`` under DDP). The estimator is chosen once, before the
+        first batch: ``"auto"`` picks ``"micro_batch"`` when ``accumulation_steps > 1``, else
+        ``"ddp"`` under DDP, else ``"per_sample"``.
+
+        Raises:
+            ValueError: a forced ``noise_scale_method`` that cannot work in this setting.
+        """
         self._micro_batch_size, self._ranks = micro_batch_size, int(ranks)
+        if self._gns_model is None and self.options.noise_scale:  # not started yet
+            from nnstat.gradient_noise.ddp import find_ddp
+
+            self._ddp = find_ddp(wrapped)
+            self.method = choose_method(
+                self.options.noise_scale_method,
+                int(accumulation_steps),
+                self._ranks,
+                self._ddp,
+                micro_batch_size,
+            )
 
     def begin_batch(self, model: nn.Module) -> None:
         """Before the forward pass of a micro-batch: start capturing per-sample norms.
@@ -254,6 +178,9 @@ class StepStats:
         :class:`ModuleProbe`); the noise scale watches those from the next one on.
         """
         if not self.options.noise_scale or not model.training:
+            return
+        if self.method == "ddp" and self._start_ddp(model):
+            self._ddp_feed.count(self._micro_batch_size)
             return
         if self.method == "micro_batch":
             if self._gns_model is not model:  # hooks on every parameter: no probe needed
@@ -278,10 +205,36 @@ class StepStats:
             self._gns_ctx = self.gns.batch()
             self._gns_ctx.__enter__()
 
+    def _start_ddp(self, model: nn.Module) -> bool:
+        """The DDP hook feeds the noise scale (registered on the first batch; re-pointed when
+        the model carries it already); ``False`` when ``"auto"`` had to fall back to per-sample
+        norms (the model has another communication hook)."""
+        if self._gns_model is model:
+            return True
+        from nnstat.gradient_noise.ddp import DDPStepNorms
+
+        self._close_noise_scale()
+        gns = self._new_gns()
+        try:
+            self._ddp_feed = DDPStepNorms(self._ddp, gns.add_staged)
+        except RuntimeError as e:
+            if self.options.noise_scale_method == "ddp":
+                raise
+            warnings.warn(
+                f"nnstat: {e}. The noise scale uses per-sample norms instead.", stacklevel=3
+            )
+            self.method = "per_sample"
+            return False
+        self.gns, self._gns_model = gns, model
+        return True
+
     @property
     def capture_open(self) -> bool:
         """Whether a noise-scale capture is open (its backward not yet folded in), or, with the
-        micro-batch method, micro-batches wait for the step's measurement."""
+        micro-batch method, micro-batches wait for the step's measurement (never with the
+        DDP method: its hook measured the gradients before any clipping)."""
+        if self._ddp_feed is not None:
+            return False
         if self._micro_feed is not None:
             return self._micro_feed.pending > 0
         return self._gns_ctx is not None and not isinstance(self._gns_ctx, ModuleProbe)
@@ -356,9 +309,12 @@ class StepStats:
         (frameworks without an after-backward event); ``False`` when the framework reports every
         backward, so a block still open had none (a skipped batch) and is discarded.
         ``clipped``: ``.grad`` was clipped since the last backward; the micro-batch method's
-        step is then discarded (else measured here, see `before_clip`).
+        step is then discarded (else measured here, see `before_clip`). The DDP method's step
+        is measured here whatever the clipping (its hook saw the gradients as all-reduced).
         """
-        if self._micro_feed is not None:
+        if self._ddp_feed is not None:
+            self._ddp_feed.end_step()
+        elif self._micro_feed is not None:
             if clipped:
                 self._micro_feed.discard()
             else:
@@ -441,9 +397,11 @@ class StepStats:
         self._abandon()
         if self.gns is not None:
             self.gns.unwatch()  # the micro-batch hooks too
+        if self._ddp_feed is not None:
+            self._ddp_feed.close()  # DDP keeps the hook, which then only averages
         self.gns = None
         self._gns_model = None
-        self._micro_feed = None
+        self._micro_feed = self._ddp_feed = None
 
     def close(self) -> None:
         """End of training: deliver every step still on its way (then in `collect`), remove

@@ -147,7 +147,7 @@ def probe_filter(
         >>> probe_filter(m, torch.randn(2, 3), lambda b: m(b).sum())
         '^(?:model)$'
     """
-    from nnstat.integrations._hooks import ModuleProbe
+    from nnstat.integrations._probe import ModuleProbe
 
     if type_filter is not None:
         return name_filter

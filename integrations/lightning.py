@@ -57,9 +57,12 @@ class NNStatCallback(StatsCallbackBase, Callback):
     ``noise_scale=False`` to skip it) compares, with ``accumulate_grad_batches > 1``, each
     micro-batch's gradient with the accumulated one at every optimizer step (``B_small`` = the
     micro-batch's samples, the first tensor's leading dimension; one multi-tensor norm per
-    micro-batch, no per-sample work: `nnstat.NoiseScale.watch_microbatches`), and otherwise
-    uses per-sample gradient norms (B_small = 1); ``noise_scale_method="per_sample"`` or
-    ``"micro_batch"`` forces one.
+    micro-batch, no per-sample work: `nnstat.NoiseScale.watch_microbatches`), under DDP without
+    accumulation each rank's gradient with the all-reduced one (a communication hook on
+    ``trainer.strategy.model``: ``B_small`` = the rank's batch, ``B_big`` = that times the
+    world size), and otherwise uses per-sample gradient norms (B_small = 1);
+    ``noise_scale_method="per_sample"``, ``"micro_batch"`` or ``"ddp"`` forces one (refused
+    at the first batch where it cannot work).
 
     Args:
         stats: statistics per tracked tensor (see ``nnstat.describe``).
@@ -68,8 +71,9 @@ class NNStatCallback(StatsCallbackBase, Callback):
         exclude: regex of parameter names to leave out.
         every: log every this many optimizer steps; ``None``: ``trainer.log_every_n_steps``.
         noise_scale: also stream ``noise_scale/b_simple``.
-        noise_scale_method: ``"auto"`` (micro-batches under gradient accumulation, else
-            per-sample norms), ``"per_sample"`` or ``"micro_batch"``.
+        noise_scale_method: ``"auto"`` (micro-batches under gradient accumulation, else the
+            DDP hook under DDP, else per-sample norms), ``"per_sample"``, ``"micro_batch"`` or
+            ``"ddp"``.
         noise_scale_beta: EMA factor of the noise-scale averages.
         noise_scale_filter: regex of module names for the noise scale; ``None``: every
             supported module whose parameters are not shared with another module.
@@ -99,6 +103,7 @@ class NNStatCallback(StatsCallbackBase, Callback):
                 int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
                 _batch_size(batch),
                 int(getattr(trainer, "world_size", 1) or 1),
+                wrapped=getattr(getattr(trainer, "strategy", None), "model", None),
             )
         if self.options.noise_scale and self._stepped:
             # Lightning clears gradients inside its closure, after the forward pass; the

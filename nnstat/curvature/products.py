@@ -118,14 +118,25 @@ def slice_batch(batch: Any, lo: int, hi: int, n: int | None = None) -> Any:
         ([[2, 3]], torch.Size([]))
     """
     n = batch_len(batch) if n is None else n
+    return map_tensors(batch, lambda t: t[lo:hi] if t.dim() and t.shape[0] == n else t)
+
+
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``batch`` with ``fn`` applied to every tensor in it (in dicts, lists, tuples and
+    namedtuples, which keep their types); anything else as it is.
+
+    Example:
+        >>> map_tensors({"x": torch.zeros(2), "n": 3}, lambda t: t + 1)
+        {'x': tensor([1., 1.]), 'n': 3}
+    """
     if isinstance(batch, torch.Tensor):
-        return batch[lo:hi] if batch.dim() and batch.shape[0] == n else batch
+        return fn(batch)
     if isinstance(batch, Mapping):
-        return type(batch)({k: slice_batch(v, lo, hi, n) for k, v in batch.items()})  # type: ignore
+        return type(batch)({k: map_tensors(v, fn) for k, v in batch.items()})  # type: ignore
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(slice_batch(v, lo, hi, n) for v in batch))
+        return type(batch)(*(map_tensors(v, fn) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(slice_batch(v, lo, hi, n) for v in batch)
+        return type(batch)(map_tensors(v, fn) for v in batch)
     return batch
 
 

@@ -20,7 +20,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from nnstat.curvature.products import (
     graph_hvp,
     iter_batches,
     looks_reduced_by,
+    map_tensors,
     output_logits,
     slice_batch,
     sum_weight,
@@ -55,15 +56,9 @@ def to_device(batch: Any, device: torch.device | None) -> Any:
     """
     if device is None:
         return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=batch.is_pinned()) if batch.device != device else batch
-    if isinstance(batch, Mapping):
-        return type(batch)({k: to_device(v, device) for k, v in batch.items()})  # type: ignore
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(to_device(v, device) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
+    return map_tensors(
+        batch, lambda t: t.to(device, non_blocking=t.is_pinned()) if t.device != device else t
+    )
 
 
 Transform = Callable[[torch.Tensor], torch.Tensor]

@@ -20,6 +20,7 @@ from nnstat.gradient_noise.batches import BatchSource
 from nnstat.gradient_noise.critical import CriticalBatchSize, critical_batch_size, steps_to_target
 from nnstat.gradient_noise.ddp import (
     DDPNoiseScaleState,
+    DDPStepNorms,
     noise_scale_comm_hook,
     register_noise_scale_hook,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "BatchSource",
     "CriticalBatchSize",
     "DDPNoiseScaleState",
+    "DDPStepNorms",
     "HessianNoiseScale",
     "LayerNoiseScale",
     "NoiseScale",

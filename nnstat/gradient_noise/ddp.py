@@ -5,9 +5,16 @@ rank's local gradient bucket to the bucket and averages both in the same collect
 rank gets ``mean_r |G_r|^2`` (``B_small`` = per-rank batch) and ``|G|^2`` of the averaged
 gradient (``B_big`` = global batch) with no extra communication round and no read back: the
 norms are staged on the device for the tracker's one non-blocking copy.
+
+DDP takes one communication hook per model and has no way to remove it: the state is kept on
+the model (`registered_state`), so registering again re-points the same hook at a new tracker,
+and `DDPNoiseScaleState.detach` turns it back into DDP's plain averaging.
 """
 
+import functools
+import math
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -15,7 +22,11 @@ import torch
 import torch.distributed as dist
 
 from nnstat.distributed import is_distributed
+from nnstat.gradient_noise.batches import norm_dtype, sq_norms
 from nnstat.gradient_noise.microbatch import StagedPairs
+
+#: attribute of a DDP model holding the `DDPNoiseScaleState` of its noise-scale hook
+STATE_ATTR = "_nnstat_noise_scale_state"
 
 
 class StagedUpdates(Protocol):
@@ -34,7 +45,7 @@ class DDPNoiseScaleState:
     norms are summed on the device and staged at the last bucket: the hook reads nothing back.
     """
 
-    tracker: StagedUpdates
+    tracker: StagedUpdates | None
     local_batch_size: int
     process_group: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -50,9 +61,18 @@ class DDPNoiseScaleState:
                 return
             staged, self._sums = self._sums, None
             self._done, self._total = 0, None
+        if self.tracker is None:
+            return
         world = dist.get_world_size(self.process_group)
         b = self.local_batch_size
         self.tracker.add_staged(StagedPairs(staged, lambda v: ([], v[:1], v[1:], b, b * world)))
+
+    def detach(self) -> None:
+        """Stop feeding the tracker: the hook then averages the gradients as DDP's default
+        all-reduce does (DDP cannot remove a communication hook)."""
+        self.tracker = None
+        with self._lock:
+            self._sums, self._done, self._total = None, 0, None
 
 
 def noise_scale_comm_hook(
@@ -68,11 +88,15 @@ def noise_scale_comm_hook(
     group = state.process_group
     world = dist.get_world_size(group)
     buf = bucket.buffer()
+    if state.tracker is None:  # detached: DDP's own averaging
+        fut = dist.all_reduce(buf.div_(world), group=group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
     # Half-precision buckets are reduced in float32 so the appended squared norm keeps its range.
     comm_dtype = buf.dtype if buf.dtype in (torch.float32, torch.float64) else torch.float32
     packed = torch.empty(buf.numel() + 1, dtype=comm_dtype, device=buf.device)
     packed[:-1].copy_(buf.reshape(-1))
-    packed[-1] = buf.detach().double().pow(2).sum()
+    # one multi-tensor norm per bucket (float32 accumulation for float32 and half buckets)
+    packed[-1:].copy_(sq_norms([buf.detach()], norm_dtype([buf])))
     packed.div_(world)
     if bucket.is_last():
         with state._lock:
@@ -83,7 +107,8 @@ def noise_scale_comm_hook(
         reduced = f.value()[0]
         grads = reduced[:-1]
         # (mean_r |G_r|^2, |G|^2) of this bucket, left on the device
-        state._bucket_done(torch.stack([reduced[-1].double(), grads.double().pow(2).sum()]))
+        big = sq_norms([grads], norm_dtype([grads]))
+        state._bucket_done(torch.cat([reduced[-1:].to(big.dtype), big]).double())
         return grads.to(buf.dtype).reshape(buf.shape)
 
     return fut.then(finish)
@@ -92,7 +117,30 @@ def noise_scale_comm_hook(
 def register_noise_scale_hook(
     ddp_model: Any, tracker: StagedUpdates, local_batch_size: int, process_group: Any = None
 ) -> DDPNoiseScaleState:
-    """Register :func:`noise_scale_comm_hook` on a ``DistributedDataParallel`` model."""
+    """Register :func:`noise_scale_comm_hook` on a ``DistributedDataParallel`` model.
+
+    A model that already carries this hook (an earlier registration, e.g. a second
+    ``trainer.train()``) keeps it: its state is re-pointed at ``tracker``.
+
+    Args:
+        ddp_model: the ``DistributedDataParallel`` model.
+        tracker: what the hook feeds (`nnstat.NoiseScale`, or anything with ``add_staged``).
+        local_batch_size: samples per rank behind each synchronised gradient.
+        process_group: the group to all-reduce over; ``None``: the default group.
+
+    Returns:
+        The hook's `DDPNoiseScaleState`.
+
+    Raises:
+        RuntimeError: torch.distributed not initialised, or the model already has another
+            communication hook (DDP takes one).
+        TypeError: not a ``DistributedDataParallel`` model.
+        ValueError: ``local_batch_size`` below 1 or fewer than 2 processes.
+
+    Example::
+
+        state = register_noise_scale_hook(ddp_model, nnstat.NoiseScale(), local_batch_size=32)
+    """
     if not is_distributed():
         raise RuntimeError("torch.distributed is not initialised; call init_process_group first")
     if not hasattr(ddp_model, "register_comm_hook"):
@@ -104,6 +152,169 @@ def register_noise_scale_hook(
             "the DDP noise scale needs at least 2 processes (b_big = world size x per-rank batch "
             "must exceed b_small)"
         )
+    state = registered_state(ddp_model)
+    if state is not None:
+        if state.process_group is not process_group:
+            raise RuntimeError(
+                "this DDP model's noise-scale hook all-reduces over another process group; DDP "
+                "takes one communication hook, so pass the group it was registered with"
+            )
+        state.tracker, state.local_batch_size = tracker, int(local_batch_size)
+        return state
+    if getattr(ddp_model, "_comm_hooks", None):
+        raise RuntimeError(
+            "this DDP model already has a communication hook (DDP takes one); the noise scale's "
+            "hook replaces DDP's all-reduce, so it cannot be added: register it instead of the "
+            "other hook, or use the per-sample noise scale (NoiseScale.watch)"
+        )
     state = DDPNoiseScaleState(tracker, int(local_batch_size), process_group)
-    ddp_model.register_comm_hook(state, noise_scale_comm_hook)
+    try:
+        ddp_model.register_comm_hook(state, noise_scale_comm_hook)
+    except RuntimeError as e:  # a built-in hook (register_builtin_comm_hook) is not listed
+        raise RuntimeError(
+            f"could not register the noise scale's DDP communication hook ({e}); DDP takes one "
+            "hook per model: drop the other one, or use the per-sample noise scale"
+        ) from e
+    setattr(ddp_model, STATE_ATTR, state)
     return state
+
+
+def registered_state(ddp_model: Any) -> DDPNoiseScaleState | None:
+    """The state of the noise-scale hook registered on ``ddp_model``, if any.
+
+    Example:
+        >>> registered_state(torch.nn.Linear(2, 1)) is None
+        True
+    """
+    state = getattr(ddp_model, STATE_ATTR, None)
+    return state if isinstance(state, DDPNoiseScaleState) else None
+
+
+def find_ddp(model: Any) -> torch.nn.parallel.DistributedDataParallel | None:
+    """The ``DistributedDataParallel`` that ``model`` is or compiles (``torch.compile``'s
+    ``_orig_mod``); ``None`` if there is none (one process, FSDP, DeepSpeed...).
+
+    Example:
+        >>> find_ddp(torch.nn.Linear(2, 1)) is None
+        True
+    """
+    for _ in range(4):
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return model
+        model = getattr(model, "_orig_mod", None)
+        if model is None:
+            return None
+    return None
+
+
+class DDPStepNorms:
+    """The DDP hook's observations, one per optimizer step, with the step's local samples
+    counted by the training loop: what the HF and Lightning callbacks use.
+
+    ``B_small`` is the samples this rank's gradient averages at the synchronised backward (the
+    sum of the `count` calls since the last `end_step`: with gradient accumulation under
+    ``no_sync()``, every micro-batch of the step), ``B_big`` that times the world size. A step
+    whose gradients were synchronised more than once (accumulation without ``no_sync()``) is
+    left out with a warning: the later buckets then hold the earlier averaged gradients plus
+    the local one, not a local gradient.
+
+    Args:
+        ddp_model: the ``DistributedDataParallel`` model (its noise-scale hook is registered,
+            or re-pointed here if it already has one).
+        sink: receives each step's `StagedPairs` (e.g. `nnstat.NoiseScale.add_staged`).
+        process_group: the group to all-reduce over; ``None``: the default group.
+
+    Raises:
+        RuntimeError / TypeError / ValueError: as `register_noise_scale_hook`.
+
+    Example::
+
+        feed = DDPStepNorms(ddp_model, gns.add_staged)
+        for x, y in loader:
+            feed.count(len(x))
+            loss_fn(ddp_model(x), y).backward()
+            feed.end_step()  # before clipping is fine too: the hook saw the raw gradients
+            opt.step(); opt.zero_grad()
+    """
+
+    def __init__(self, ddp_model: Any, sink: Any, process_group: Any = None) -> None:
+        self.sink = sink
+        self._lock = threading.Lock()
+        self._staged: list[torch.Tensor] = []
+        self._samples = 0
+        self._warned = False
+        self.state = register_noise_scale_hook(ddp_model, self, 1, process_group)
+
+    def add_staged(self, staged: StagedPairs) -> None:
+        """Called by the hook at the end of each synchronised backward (maybe on the
+        communication thread): keep its two squared norms for `end_step`."""
+        with self._lock:
+            self._staged.append(staged.values)
+
+    def count(self, samples: int) -> None:
+        """A micro-batch of ``samples`` local samples is about to run its forward."""
+        self._samples += int(samples)
+
+    @property
+    def pending(self) -> int:
+        """Synchronised backwards seen since the last `end_step`."""
+        return len(self._staged)
+
+    def discard(self) -> None:
+        """Forget the step so far (nothing is staged)."""
+        with self._lock:
+            self._staged, self._samples = [], 0
+
+    def end_step(self) -> bool:
+        """The optimizer step: hand its observation to the sink.
+
+        Returns:
+            Whether one was staged (``False``: no synchronised backward, or more than one).
+
+        Raises:
+            ValueError: no samples counted for a step that synchronised its gradients.
+        """
+        with self._lock:
+            staged, samples = self._staged, self._samples
+            self._staged, self._samples = [], 0
+        if len(staged) != 1:
+            if len(staged) > 1 and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"nnstat: DDP synchronised the gradients {len(staged)} times in one "
+                    "optimizer step (gradient accumulation without no_sync()), so the hook saw "
+                    "no purely local gradient: such steps are left out of the DDP noise scale. "
+                    "Accumulate under ddp_model.no_sync(), or use the micro-batch noise scale "
+                    "(warned once)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return False
+        if samples < 1:
+            raise ValueError(
+                "DDPStepNorms.end_step: no samples counted for this step; call count(samples) "
+                "before each micro-batch's forward"
+            )
+        world = dist.get_world_size(self.state.process_group)
+        self.sink(StagedPairs(staged[0], functools.partial(_whole_model, samples, samples * world)))
+        return True
+
+    def close(self) -> None:
+        """Stop feeding (the hook stays registered, DDP cannot remove it, and then only
+        averages the gradients)."""
+        if self.state.tracker is self:  # not re-pointed at a newer feed since
+            self.state.detach()
+        self.discard()
+
+
+def _whole_model(b_small: int, b_big: int, v: list[float]) -> Any:
+    if not all(math.isfinite(x) for x in v):
+        # an fp16 step whose loss scale overflowed (the GradScaler skips it): not a gradient
+        warnings.warn(
+            "nnstat: the DDP noise scale left out a step with non-finite gradients (a mixed-"
+            "precision overflow the GradScaler skips)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    return [], v[:1], v[1:], b_small, b_big

@@ -14,30 +14,14 @@ Example:
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 from .precondition import Preconditioner, stored_ekfac_factor
 from .sources import RowSource
 
-
-@dataclass
-class _FitCache:
-    limit: int = 8
-    entries: OrderedDict = field(default_factory=OrderedDict)
-
-    def get(self, source: RowSource, kind: str, batch_size: int) -> Preconditioner:
-        key = (source.fingerprint, kind)
-        if key in self.entries:
-            self.entries.move_to_end(key)
-            return self.entries[key]
-        pre = Preconditioner.fit(source, kind, batch_size)
-        self.entries[key] = pre
-        while len(self.entries) > self.limit:
-            self.entries.popitem(last=False)
-        return pre
-
-
-_CACHE = _FitCache()
+#: fitted preconditioners by (source fingerprint, kind), least recently used first
+_CACHE: OrderedDict[tuple, Preconditioner] = OrderedDict()
+#: how many `_CACHE` keeps
+CACHE_LIMIT = 8
 
 
 def fitted(source: RowSource, kind: str, batch_size: int = 4096) -> Preconditioner:
@@ -50,12 +34,20 @@ def fitted(source: RowSource, kind: str, batch_size: int = 4096) -> Precondition
         >>> fitted(src, "raw") is fitted(src, "raw")
         True
     """
-    return _CACHE.get(source, kind, batch_size)
+    key = (source.fingerprint, kind)
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key]
+    pre = Preconditioner.fit(source, kind, batch_size)
+    _CACHE[key] = pre
+    while len(_CACHE) > CACHE_LIMIT:
+        _CACHE.popitem(last=False)
+    return pre
 
 
 def clear_cache() -> None:
     """Forget every fitted preconditioner (e.g. after appending rows to an in-memory log)."""
-    _CACHE.entries.clear()
+    _CACHE.clear()
 
 
 def has_kfac_statistics(source: RowSource) -> bool:

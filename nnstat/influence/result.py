@@ -121,7 +121,7 @@ class InfluenceResult:
         return pd.DataFrame(
             {
                 "test_id": np.repeat(_objects(self.test_ids), n_train),
-                "train_id": _tile(self.train_ids, n_test),
+                "train_id": np.tile(_objects(self.train_ids), n_test),
                 "score": self.scores.detach().cpu().numpy().reshape(-1),
             }
         )
@@ -133,10 +133,6 @@ def _objects(values: list) -> np.ndarray:
     for i, v in enumerate(values):
         out[i] = v
     return out
-
-
-def _tile(values: list, times: int) -> np.ndarray:
-    return np.tile(_objects(values), times)
 
 
 @dataclass

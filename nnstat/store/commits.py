@@ -22,8 +22,8 @@ Stores written before the log existed (no ``rank{r}.log``, and meta.json without
 
 Example:
     >>> import tempfile; d = Path(tempfile.mkdtemp())
-    >>> append_commit(d, 0, "rank0-00000", 3); read_log(log_path(d, 0))
-    ({'rank0-00000': 3}, False)
+    >>> append_commit(d, 0, "rank0-00000", 3); parse_log(log_path(d, 0)).rows
+    {'rank0-00000': 3}
 """
 
 from __future__ import annotations
@@ -76,13 +76,6 @@ class LogEntries(NamedTuple):
 def log_path(shard_dir: Path, rank: int) -> Path:
     """The commit log of ``rank`` in ``shard_dir``."""
     return Path(shard_dir) / f"rank{rank}.log"
-
-
-def read_log(path: Path) -> tuple[dict[str, int], bool]:
-    """``({stem: rows}, torn)`` of a commit log; ``torn``: its last line was cut short (a crash
-    mid-append: that shard is not logged). A damaged line is a ``ValueError`` naming the file."""
-    entries = parse_log(path)
-    return entries.rows, entries.torn
 
 
 def parse_log(path: Path, rank: int | None = None) -> LogEntries:

@@ -160,9 +160,9 @@ def load_npy(path: Path, mmap_mode: str | None = "r") -> np.ndarray:
         raise ValueError(f"{path}: cannot read the array ({e})") from e
 
 
-def load_safetensors(path: Path, missing_ok: bool = True) -> dict[str, torch.Tensor]:
-    """The tensors of the safetensors file at ``path`` (``{}`` when absent and ``missing_ok``);
-    a damaged file is a ``ValueError`` naming it (safetensors' own error does not).
+def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file at ``path`` (``{}`` when absent); a damaged file is a
+    ``ValueError`` naming it (safetensors' own error does not).
 
     Example:
         >>> import tempfile; p = Path(tempfile.mkdtemp()) / "x.safetensors"
@@ -172,9 +172,7 @@ def load_safetensors(path: Path, missing_ok: bool = True) -> dict[str, torch.Ten
     """
     path = Path(path)
     if not path.exists():
-        if missing_ok:
-            return {}
-        raise FileNotFoundError(f"{path}: no such file")
+        return {}
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 

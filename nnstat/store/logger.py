@@ -117,7 +117,7 @@ def filter_nonfinite(
     # sum NaN/Inf (an overflowing sum of finite entries only sends us to the exact check below)
     if all(math.isfinite(float(b.sum())) and _below(b, limit) for b in blocks):
         return ids, rows, 0
-    finite = torch.stack([_rows_ok(b, limit) for b in blocks]).all(dim=0)
+    finite = torch.stack([row_flags(b, dtype) for b in blocks]).all(dim=0)
     if bool(finite.all()):
         return ids, rows, 0
     bad = [ids[j] for j in (~finite).nonzero().flatten().tolist()]
@@ -164,11 +164,6 @@ def _below(block: torch.Tensor, limit: float) -> bool:
         return True
     lo, hi = torch.stack(torch.aminmax(block)).tolist()
     return max(-lo, hi) < limit  # NaN compares False
-
-
-def _rows_ok(block: torch.Tensor, limit: float) -> torch.Tensor:
-    ok = torch.isfinite(block).all(dim=1)
-    return ok if limit == math.inf else ok & (block.abs() < limit).all(dim=1)
 
 
 def check_resumable(old: dict[str, Any], new: dict[str, Any], path: Path) -> None:

@@ -275,7 +275,7 @@ def project_capture(
         g = cap.per_sample_grad()
         rows = g.reshape(g.shape[0], -1)
         return rows if out is None else out.copy_(rows)
-    p_in, p_out = _kernels(proj, _device(cap))
+    p_in, p_out = _kernels(proj, cap.device)
     if proj.spec.d_out is None:
         return cap.project(p_in, out=out)
     return cap.project(p_in, p_out, out=out)
@@ -300,7 +300,7 @@ def row_factors(cap: Any, proj: ModuleProjection) -> tuple[torch.Tensor, torch.T
     """
     if (proj.p_in is None and proj.p_out is None) or proj.spec.d_out is None:
         return None
-    p_in, p_out = _kernels(proj, _device(cap))
+    p_in, p_out = _kernels(proj, cap.device)
     assert p_out is not None
     return cap.row_factors(p_in, p_out)
 
@@ -320,14 +320,9 @@ def projected_factors(cap: Any, proj: ModuleProjection) -> tuple[torch.Tensor, t
         >>> [tuple(t.shape) for t in projected_factors(caps[0], proj)]
         [(3, 1, 2), (3, 1, 2)]
     """
-    p_in, p_out = _kernels(proj, _device(cap))
+    p_in, p_out = _kernels(proj, cap.device)
     assert p_out is not None
     return cap.projected_factors(p_in, p_out)
-
-
-def _device(cap: Any) -> torch.device:
-    """The device of a capture's tensors (its output gradients), without building them."""
-    return cap.device
 
 
 def _kernels(

@@ -374,6 +374,18 @@ def read_query_ids(folder: str | Path) -> list:
     return list(_read_query_json(Path(folder))["ids"])
 
 
+def check_set_name(name: str) -> None:
+    """Refuse a saved set's ``name`` (a folder name) that is not letters, digits, ``-_.``.
+
+    Example:
+        >>> check_set_name("../up")
+        Traceback (most recent call last):
+        ValueError: name must be letters, digits, '-', '_' or '.', got '../up'
+    """
+    if not name or not all(c.isalnum() or c in "-_." for c in name) or name in (".", ".."):
+        raise ValueError(f"name must be letters, digits, '-', '_' or '.', got {name!r}")
+
+
 def save_queries(log: GradientLog, store_dir: str | Path, name: str = "queries") -> Path:
     """Write a query log beside the store it is scored against; returns the query set folder.
 
@@ -396,8 +408,7 @@ def save_queries(log: GradientLog, store_dir: str | Path, name: str = "queries")
     """
     if not isinstance(log, GradientLog):
         raise TypeError(f"save_queries takes a GradientLog (nnstat.get_log()), got {type(log)}")
-    if not name or not all(c.isalnum() or c in "-_." for c in name) or name in (".", ".."):
-        raise ValueError(f"name must be letters, digits, '-', '_' or '.', got {name!r}")
+    check_set_name(name)
     store = GradientStore(store_dir)
     rows = log.rows.detach().to("cpu", torch.float32).contiguous()
     if rows.ndim != 2 or rows.shape[0] != len(log.ids):

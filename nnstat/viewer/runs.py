@@ -43,15 +43,6 @@ MAX_BINS = 4096
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
-def _value(v: Any) -> float | None:
-    """A finite float, or None for the non-finite strings (a gap); anything else is refused."""
-    if isinstance(v, str) and v in _NONFINITE:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise Refused(f"value must be a number or NaN/Infinity string, got {json.dumps(v)[:60]}")
-    return float(v) if math.isfinite(v) else None
-
-
 def _hist(v: dict[str, Any]) -> dict[str, Any]:
     h = v.get("hist")
     if not isinstance(h, dict):
@@ -74,7 +65,8 @@ def _hist(v: dict[str, Any]) -> dict[str, Any]:
 
 
 def _float(v: Any) -> float:
-    """A number or a non-finite string as a float (the histogram check refuses non-finite)."""
+    """A number or a non-finite string as a float; anything else is refused (a scalar's
+    non-finite value becomes NaN, the histogram check refuses non-finite edges and counts)."""
     if isinstance(v, str) and v in _NONFINITE:
         return _NONFINITE[v]
     if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -138,8 +130,8 @@ def load_run(root: Path, folder: Path, report: Callable[[Path, str], None]) -> d
                 if isinstance(v, dict):
                     metrics[key] = _hist(v)
                 else:  # NaN marks "logged, not finite", apart from "not logged" (absent)
-                    value = _value(v)
-                    metrics[key] = math.nan if value is None else value
+                    value = _float(v)
+                    metrics[key] = value if math.isfinite(value) else math.nan
         except Refused as exc:
             report(path, f"line {number}: {exc}; the line is skipped")
             continue

@@ -49,6 +49,7 @@ from nnstat.store.files import atomic_write_bytes, read_json
 from nnstat.store.ids import ids_digest
 from nnstat.viewer.examples import (
     VIEWER_DIR,
+    check_set_name,
     ids_match,
     query_sets,
     read_query_ids,
@@ -109,11 +110,6 @@ def json_plain(value: Any, where: str) -> Any:
     raise TypeError(f"save_scores: {where} holds a {type(value).__name__}, not JSON")
 
 
-def _check_name(name: str) -> None:
-    if not name or not all(c.isalnum() or c in "-_." for c in name) or name in (".", ".."):
-        raise ValueError(f"name must be letters, digits, '-', '_' or '.', got {name!r}")
-
-
 def _query_folder(store_dir: Path, queries: str) -> Path:
     for q in query_sets(store_dir):
         if q.name == queries:
@@ -149,7 +145,7 @@ def save_scores(
     Example:
         >>> save_scores("runs/digits", "refined", res, queries="misclassified")  # doctest: +SKIP
     """
-    _check_name(name)
+    check_set_name(name)
     folder = Path(store_dir)
     store = GradientStore(folder)
     test_ids = [i.item() if isinstance(i, np.generic) else i for i in result.test_ids]
@@ -254,7 +250,7 @@ def load_scores(store_dir: str | Path, name: str) -> SavedScores:
 
     Raises ``ValueError`` naming the file when it is damaged or bound to other ids than the
     store (or its query set) holds now, ``FileNotFoundError`` when none was saved."""
-    _check_name(name)
+    check_set_name(name)
     folder = Path(store_dir)
     path = folder / VIEWER_DIR / SCORES_DIR / name / SCORES_JSON
     if not path.is_file():

@@ -431,7 +431,7 @@ def test_per_sample_noise_scale_norms_include_a_shared_position_embedding():
 
 
 def test_framework_probe_keeps_a_shared_position_embedding():
-    from nnstat.integrations._hooks import ModuleProbe
+    from nnstat.integrations._probe import ModuleProbe
 
     model = tiny_gpt2()
     probe = ModuleProbe(model, unshared=True)

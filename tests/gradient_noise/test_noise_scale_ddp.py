@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import json
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import nnstat
 
@@ -199,3 +201,80 @@ def test_micro_batches_under_ddp_no_sync_match_a_single_process_reference(tmp_pa
 def test_register_ddp_needs_distributed():
     with pytest.raises(RuntimeError, match="not initialised"):
         nnstat.NoiseScale().register_ddp(nn.Linear(2, 1), local_batch_size=4)
+
+
+def _mlp(layers: int) -> nn.Module:
+    torch.manual_seed(0)
+    mods: list[nn.Module] = [nn.Linear(6, 8), nn.Tanh()]
+    for _ in range(layers - 1):
+        mods += [nn.Linear(8, 8), nn.Tanh()]
+    return nn.Sequential(*mods, nn.Linear(8, 2))
+
+
+class _Ops(TorchDispatchMode):
+    """Counts aten ops (of this thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func._schema.name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_ops(rank: int, out_dir: str) -> None:
+    """aten ops of one step (one bucket) with the noise-scale feed and with DDP's Python
+    all-reduce hook (the same reducer path without the noise scale), for 4 and 14 tensors. The
+    all-reduce is made to finish before it returns, so the hooks' continuations run inline, on
+    this thread, where the counter sees them."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from nnstat.gradient_noise.ddp import DDPStepNorms
+
+    all_reduce = dist.all_reduce
+
+    def blocking(*args, **kwargs):
+        work = all_reduce(*args, **kwargs)
+        work.wait()
+        return work
+
+    dist.all_reduce = blocking
+    x, y = torch.randn(B, 6), torch.zeros(B, dtype=torch.long)
+    ops = {}
+    for layers in (1, 6):
+        for feed_on in (False, True):
+            ddp = nn.parallel.DistributedDataParallel(_mlp(layers))
+            gns = nnstat.NoiseScale(beta=0.9)
+            if feed_on:
+                feed = DDPStepNorms(ddp, gns.add_staged)
+            else:
+                ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+            for it in range(3):  # the third: buckets rebuilt, everything warm
+                counter = _Ops()
+                with counter if it == 2 else contextlib.nullcontext():
+                    if feed_on:
+                        feed.count(B)
+                    nn.functional.cross_entropy(ddp(x), y).backward()
+                    if feed_on:
+                        assert feed.end_step()
+                ddp.zero_grad(set_to_none=True)
+            ops[f"{layers}/{feed_on}"] = dict(counter.ops)
+            assert gns.n_updates == (3 if feed_on else 0)
+    dist.all_reduce = all_reduce
+    with open(os.path.join(out_dir, f"ops{rank}.json"), "w") as f:
+        json.dump(ops, f)
+
+
+@pytest.mark.timeout(120)
+def test_ddp_feed_adds_the_same_ops_for_4_and_14_tensors(tmp_path):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), _count_ops), nprocs=WORLD, join=True)
+    ops = json.loads((tmp_path / "ops0.json").read_text())
+    added = {}
+    for layers in (1, 6):
+        diff = collections.Counter(ops[f"{layers}/True"])
+        diff.subtract(ops[f"{layers}/False"])
+        added[layers] = {k: v for k, v in diff.items() if v}
+    assert added[1] == added[6]  # per bucket, not per tensor
+    # the local and the all-reduced bucket's norms: one multi-tensor norm each
+    assert added[1]["aten::_foreach_norm"] == 2

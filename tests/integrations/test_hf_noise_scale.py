@@ -205,14 +205,22 @@ def test_the_estimator_can_be_forced_either_way(tmp_path):
         disable_tqdm=True, per_device_train_batch_size=N // 2, max_steps=2, logging_steps=1,
     )  # fmt: skip
     for accumulation, method, chosen in [(2, "per_sample", "per_sample"), (1, "auto", "per_sample"),
-                                         (1, "micro_batch", "micro_batch")]:  # fmt: skip
+                                         (2, "micro_batch", "micro_batch")]:  # fmt: skip
         cb = NNStatCallback(stats=["l2"], groups=["weight"], noise_scale_method=method)
         targs = transformers.TrainingArguments(gradient_accumulation_steps=accumulation, **args)
         trainer = transformers.Trainer(_model(), targs, train_dataset=Tokens(4 * N), callbacks=[cb])
         trainer.train()
         assert cb.hooks.method == chosen
-        # one micro-batch per step gives the micro-batch estimator nothing to compare
-        has = any("noise_scale/b_simple" in h for h in trainer.state.log_history)
-        assert has == (accumulation == 2 or chosen == "per_sample")
+        assert any("noise_scale/b_simple" in h for h in trainer.state.log_history)
+    # one micro-batch per step gives the micro-batch estimator nothing to compare, and one
+    # process no DDP gradients: forcing either is refused before the first step
+    for method, match in [("micro_batch", "needs gradient accumulation"),
+                          ("ddp", "on 1 process")]:  # fmt: skip
+        cb = NNStatCallback(stats=["l2"], groups=["weight"], noise_scale_method=method)
+        targs = transformers.TrainingArguments(gradient_accumulation_steps=1, **args)
+        trainer = transformers.Trainer(_model(), targs, train_dataset=Tokens(4 * N), callbacks=[cb])
+        with pytest.raises(ValueError, match=match):
+            trainer.train()
+        assert trainer.state.global_step == 0
     with pytest.raises(ValueError, match="noise_scale_method"):
         NNStatCallback(noise_scale_method="microbatch")

@@ -13,9 +13,12 @@ import nnstat
 
 
 def read_log(path):
-    from nnstat.store.commits import read_log
+    """``({stem: rows}, torn)`` of a commit log; ``torn``: its last line was cut short (a crash
+    mid-append: that shard is not logged). A damaged line is a ``ValueError`` naming the file."""
+    from nnstat.store.commits import parse_log
 
-    return read_log(path)
+    entries = parse_log(path)
+    return entries.rows, entries.torn
 
 
 SCRIPT = r"""

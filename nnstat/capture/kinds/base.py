@@ -91,6 +91,8 @@ class Kind(str):
     plain: ClassVar[bool] = False
     #: a tie may join this kind; its matrix form is the weight (False) or its transpose (True)
     tie_transposed: ClassVar[bool | None] = None
+    #: the engine calls :meth:`keep_forward_stats` with each call's input and output
+    forward_stats: ClassVar[bool] = False
 
     def __new__(cls) -> Kind:
         return super().__new__(cls, cls.name)
@@ -134,6 +136,10 @@ class Kind(str):
                 f"{type(module).__name__}: expected input [N, ..., d_in], got {tuple(x.shape)}"
             )
         return x.detach().float().reshape(x.shape[0], -1, x.shape[-1])
+
+    def keep_forward_stats(self, x: torch.Tensor, output: torch.Tensor) -> None:
+        """With :attr:`forward_stats`: keep what the call's autograd node already computed
+        from its (detached) input ``x`` beside ``x``, for :meth:`forward_rows` (no kernel)."""
 
     def backward_rows(self, module: nn.Module, g: torch.Tensor) -> tuple[torch.Tensor, tuple]:
         """Matrix-form output gradients ``[N, T, d_out]`` and the positional shape."""

@@ -3,10 +3,11 @@
 As for LayerNorm (whose kind this extends), the gradient is elementwise, ``G_i = Σ_t b∘x̂``, not
 a sum of outer products. Captured: ``torch.nn.RMSNorm`` (with ``elementwise_affine``) and
 transformers' ``LlamaRMSNorm`` (``weight * x̂`` in the input dtype, ``x̂`` computed in float32
-with ``variance_epsilon``). As for LayerNorm, the capture keeps the input and ``x̂`` is
-recomputed where a product needs it. Other RMSNorm classes are left to the usual skip-with-a-warning:
-variants differ (Gemma's ``(1 + weight)``, T5's without the cast), and a look-alike matched by
-name could be logged with the wrong ``x̂``.
+with ``variance_epsilon``). As for LayerNorm, the capture keeps the input; the per-sample
+gradient is ``Σ_t r_t (b_t∘x_t)`` (``r``: each position's ``1/rms``, one read of the input)
+without ``x̂``, which the forward stream recomputes when asked for it. Other RMSNorm classes
+are left to the usual skip-with-a-warning: variants differ (Gemma's ``(1 + weight)``, T5's
+without the cast), and a look-alike matched by name could be logged with the wrong ``x̂``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class RMSNormKind(LayerNormKind):
     """``[D]``: the weight's gradient, flat over the weight's shape (RMSNorm has no bias)."""
 
     name = "rmsnorm"
+    forward_stats = False  # its forward saves no mean and 1/rms for the capture to reuse
     modules: ClassVar[tuple[type, ...]] = (nn.RMSNorm,)  # torch >= 2.4
 
     def matches(self, module: nn.Module) -> bool:
@@ -68,6 +70,13 @@ class RMSNormKind(LayerNormKind):
         if masked and c._keep is not None:
             xh.mul_(c._keep.unsqueeze(-1))
         return xh
+
+    def stats(self, c: Rows) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """No mean (RMSNorm does not centre) and each position's ``1/sqrt(mean(x²) + eps)``,
+        ``[N, T]``, from one read of the input (a norm, not a squared copy)."""
+        a = c._a
+        ms = torch.linalg.vector_norm(a, dim=-1).square_().div_(a.shape[-1])
+        return None, ms.add_(self.eps(c.module)).rsqrt_()
 
     def backward_rows(self, module: nn.Module, g: torch.Tensor) -> tuple[torch.Tensor, tuple]:
         g = g.detach().float()

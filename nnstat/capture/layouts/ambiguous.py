@@ -67,20 +67,15 @@ class SampleRows(torch.Tensor):
             return _check(func, args, kwargs)
 
 
-def check_rows(
-    output: torch.Tensor, guard: BroadcastGuard, axis: int = 0, guards: tuple = ()
-) -> SampleRows:
-    """``output`` as a :class:`SampleRows` whose rows (one per sample) lie along ``axis``.
+def check_rows(output: torch.Tensor, guard: BroadcastGuard) -> SampleRows:
+    """``output`` as a :class:`SampleRows` whose rows (one per sample) lie along dim 0.
 
     Example:
         >>> g = BroadcastGuard("m", 2, "the model input", lambda n, why: None)
         >>> check_rows(torch.zeros(2, 3), g)._nnstat_axis
         0
     """
-    out = output.as_subclass(SampleRows)
-    out._nnstat_axis = axis
-    out._nnstat_guards = (*guards, guard)
-    return out
+    return _rewrap(output, 0, (guard,))
 
 
 def add_check_guard(t: SampleRows, guard: BroadcastGuard) -> SampleRows:

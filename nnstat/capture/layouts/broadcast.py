@@ -45,6 +45,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -218,15 +219,34 @@ def _unexpanded(x: Any) -> Any:
     return x
 
 
-def _original(func: Any, args: tuple, kwargs: dict) -> Any:
-    """The call as the model makes it without nnstat: every tracked tensor unexpanded."""
-    return func(*_unexpanded(args), **{k: _unexpanded(v) for k, v in kwargs.items()})
+@dataclass
+class _Use:
+    """One call that reads tracked tensors: ``func(*args, **kwargs)``, its name, the tracked
+    tensors ``found`` among the arguments, their guards and the batch they were expanded to."""
 
+    func: Any
+    name: str
+    args: tuple
+    kwargs: dict
+    found: list[BroadcastOutput]
 
-def _refuse(found: list[BroadcastOutput], op: str, detail: str = "") -> None:
-    for t in found:
-        for g in t._nnstat_guards:
-            g.refuse(op, detail)
+    def __post_init__(self) -> None:
+        self.guards = tuple(g for t in self.found for g in t._nnstat_guards)
+        self.batch = self.guards[0].batch
+
+    def run(self) -> Any:
+        """The call on the expanded tensors."""
+        return self.func(*self.args, **self.kwargs)
+
+    def original(self) -> Any:
+        """The call as the model makes it without nnstat: every tracked tensor unexpanded."""
+        kwargs = {k: _unexpanded(v) for k, v in self.kwargs.items()}
+        return self.func(*_unexpanded(self.args), **kwargs)
+
+    def refuse(self, detail: str = "") -> None:
+        """Every guard's module left out of capture: this use is not a broadcast."""
+        for g in self.guards:
+            g.refuse(self.name, detail)
 
 
 def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -234,11 +254,10 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     name = getattr(func, "__name__", repr(func))
     if not found:
         return func(*args, **kwargs)
-    guards = tuple(g for t in found for g in t._nnstat_guards)
-    batch = guards[0].batch
+    use = _Use(func, name, args, kwargs, found)
     if "out" in kwargs:
-        _refuse(found, name, " with out=")
-        return _original(func, args, kwargs)
+        use.refuse(" with out=")
+        return use.original()
     if (
         name in INPLACE_COMBINE
         or name in _INPLACE_OTHER
@@ -250,140 +269,108 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
             and isinstance(target, torch.Tensor)
             and not isinstance(target, BroadcastOutput)
             and all(t.dim() == target.dim() for t in found)
-            and target.shape[0] == batch
+            and target.shape[0] == use.batch
         ):
             # the target already holds every sample's row: it receives the same values
-            return func(*args, **kwargs)
-        _refuse(found, name, " (in place)")
-        return _original(func, args, kwargs)
+            return use.run()
+        use.refuse(" (in place)")
+        return use.original()
     if name in COMBINE:
-        return _combine(func, name, args, kwargs, found, guards, batch)
+        return _combine(use)
     if name in ROWWISE:
-        return _rowwise(func, name, args, kwargs, found, guards, batch)
+        return _rowwise(use)
     if name in RESHAPE or (name == "__getitem__" and inserts_only(args)):
-        return _reshape(func, name, args, kwargs, found, guards, batch)
+        return _reshape(use)
     if name in PERMUTE:
-        return _permute(func, name, args, kwargs, found, guards, batch)
+        return _permute(use)
     if name == "detach":  # no gradient flows through it: nothing to check
-        return _original(func, args, kwargs)
-    result = _original(func, args, kwargs)
+        return use.original()
+    result = use.original()
     if _holds_tensor(result):
-        _refuse(found, name)
+        use.refuse()
     return result  # a metadata read (shape, dtype, ...): the unexpanded output's answer
 
 
-def _combine(
-    func: Any,
-    name: str,
-    args: tuple,
-    kwargs: dict,
-    found: list[BroadcastOutput],
-    guards: tuple[BroadcastGuard, ...],
-    batch: int,
-) -> Any:
+def _combine(use: _Use) -> Any:
     try:
-        result = func(*args, **kwargs)
+        result = use.run()
         shapes = [
             x._nnstat_orig.shape if isinstance(x, BroadcastOutput) else x.shape
-            for x in [*args, *kwargs.values()]
+            for x in [*use.args, *use.kwargs.values()]
             if isinstance(x, torch.Tensor)
         ]
         ref = tuple(torch.broadcast_shapes(*shapes))
     except (RuntimeError, TypeError, ValueError) as e:
-        _refuse(found, name, f" (expanded, it fails: {e})")
-        return _original(func, args, kwargs)
+        use.refuse(f" (expanded, it fails: {e})")
+        return use.original()
     # the batch dimension of every expanded operand must land on the result's dim 0 (an
     # operand with more leading dimensions would broadcast it against another axis)
     if (
         isinstance(result, torch.Tensor)
         and result.dim()
-        and all(t.dim() == result.dim() for t in found)
-        and result.shape[0] == batch
+        and all(t.dim() == result.dim() for t in use.found)
+        and result.shape[0] == use.batch
     ):
         shape = tuple(result.shape)
         if shape == ref:  # a partner of batch B: the values the model computes without nnstat
             return result
-        if per_sample_rows(ref, batch, shape):  # still one shared row for every sample
-            return _wrap(result, _original(func, args, kwargs), guards)
-    _refuse(found, name)
-    return _original(func, args, kwargs)
+        if per_sample_rows(ref, use.batch, shape):  # still one shared row for every sample
+            return _wrap(result, use.original(), use.guards)
+    use.refuse()
+    return use.original()
 
 
-def _rowwise(
-    func: Any,
-    name: str,
-    args: tuple,
-    kwargs: dict,
-    found: list[BroadcastOutput],
-    guards: tuple[BroadcastGuard, ...],
-    batch: int,
-) -> Any:
-    if name == "dropout" and _dropout_active(args, kwargs):
+def _rowwise(use: _Use) -> Any:
+    if use.name == "dropout" and _dropout_active(use.args, use.kwargs):
         # B independent masks where the model draws one: other values, so not ours to expand
-        _refuse(found, name, " (training mode, p > 0)")
-        return _original(func, args, kwargs)
-    result = func(*args, **kwargs)
-    if any(result is t for t in found):  # .to() that changes nothing returns its input
+        use.refuse(" (training mode, p > 0)")
+        return use.original()
+    result = use.run()
+    if any(result is t for t in use.found):  # .to() that changes nothing returns its input
         return result
-    if isinstance(result, torch.Tensor) and result.dim() == found[0].dim():
-        orig = _original(func, args, kwargs)
-        if isinstance(orig, torch.Tensor) and per_sample_rows(orig.shape, batch, result.shape):
-            return _wrap(result, orig, guards)
-    _refuse(found, name)
-    return _original(func, args, kwargs)
+    if isinstance(result, torch.Tensor) and result.dim() == use.found[0].dim():
+        orig = use.original()
+        if isinstance(orig, torch.Tensor) and per_sample_rows(orig.shape, use.batch, result.shape):
+            return _wrap(result, orig, use.guards)
+    use.refuse()
+    return use.original()
 
 
-def _reshape(
-    func: Any,
-    name: str,
-    args: tuple,
-    kwargs: dict,
-    found: list[BroadcastOutput],
-    guards: tuple[BroadcastGuard, ...],
-    batch: int,
-) -> Any:
+def _reshape(use: _Use) -> Any:
     """A view of the shared tensor's values in another shape (``view``, ``unsqueeze``,
     ``pos[None]``): each sample's row is reshaped alike. A leading dimension of size 1 in the
     model's result is its batch slot, so ``pos[None]`` of a ``[T, d]`` output stays ``[B, T, d]``
     and broadcasts against ``[B, T, d]`` as the model's ``[1, T, d]`` does."""
-    orig = _original(func, args, kwargs)
-    t = args[0] if args else None
+    orig = use.original()
+    t = use.args[0] if use.args else None
     if (
-        len(found) == 1
-        and t is found[0]
+        len(use.found) == 1
+        and t is use.found[0]
         and isinstance(orig, torch.Tensor)
         and orig.numel() == t._nnstat_orig.numel()
     ):
         shape = tuple(orig.shape)
         rows = shape[1:] if shape and shape[0] == 1 else shape
-        return _wrap(t._nnstat_expanded.reshape(batch, *rows), orig, guards)
-    _refuse(found, name)
+        return _wrap(t._nnstat_expanded.reshape(use.batch, *rows), orig, use.guards)
+    use.refuse()
     return orig
 
 
-def _permute(
-    func: Any,
-    name: str,
-    args: tuple,
-    kwargs: dict,
-    found: list[BroadcastOutput],
-    guards: tuple[BroadcastGuard, ...],
-    batch: int,
-) -> Any:
+def _permute(use: _Use) -> Any:
     """``permute`` / ``transpose`` of the shared tensor (a ``[T, T, heads]`` relative-position
     table turned ``[heads, T, T]``): the same axes move in every sample's row; a batch slot of
     size 1 must stay in front."""
-    orig = _original(func, args, kwargs)
-    t = args[0] if args else None
-    if len(found) == 1 and t is found[0] and isinstance(orig, torch.Tensor):
+    orig = use.original()
+    t = use.args[0] if use.args else None
+    if len(use.found) == 1 and t is use.found[0] and isinstance(orig, torch.Tensor):
         lead = t.dim() - t._nnstat_orig.dim()  # 1: the model's tensor has no batch dimension
-        order = axis_order(name, args, kwargs, t._nnstat_orig.dim())
+        order = axis_order(use.name, use.args, use.kwargs, t._nnstat_orig.dim())
         if order is not None and (lead or order[0] == 0):
             order = [0, *(d + 1 for d in order)] if lead else order
             result = t._nnstat_expanded.permute(order)
-            if per_sample_rows(orig.shape, batch, tuple(result.shape)):
-                return _wrap(result, orig, guards)
-    _refuse(found, name)
+            if per_sample_rows(orig.shape, use.batch, tuple(result.shape)):
+                return _wrap(result, orig, use.guards)
+    use.refuse()
     return orig
 
 
