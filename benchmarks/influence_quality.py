@@ -15,10 +15,12 @@ Gauss-Newton matrix (solved in the store's logged space; default damping = the m
 of that curvature, plus λ = wd and a damping sweep, other preconditioners at k = 5 and the Fisher
 source of its preconditioner when nnstat has the ``fisher`` field), `exact` influence (CG on
 Hessian-vector products) next to the influence from the explicitly built Hessian and GGN; LogIX
-K-FAC and EK-FAC and Kronfluence EK-FAC at their defaults and at nnstat's damping values.
-Reported per task x training x store projection: LDS (mean ± s.e. over queries), Spearman
-against exact influence over all query x train pairs, cost. Markdown tables on stdout, all
-numbers in the ``--out`` JSON.
+K-FAC and EK-FAC and Kronfluence EK-FAC at their defaults and at nnstat's damping values; LogIX's
+LoGra (``--peers logra``: its LoRA projection at ``--logra-rank``, its own initialisation) with
+its raw, K-FAC and EK-FAC. Reported per task x training x store projection: LDS (mean ± s.e.
+over queries), Spearman against exact influence over all query x train pairs, cost, bytes per
+stored row (nnstat stores, dense or factored by ``--factors``, and LoGra's). Markdown tables on
+stdout, all numbers in the ``--out`` JSON.
 
 ``--quick`` keeps: nnstat identity / raw / kfac / ekfac at their default damping; refine
 k = 1, 2, 5, 10 at the default damping (Hessian and GGN), k = 5 and 10 at λ = wd (Hessian),
@@ -29,6 +31,8 @@ damping sweep; Kronfluence EK-FAC at its heuristic and its default.
     .venv/bin/python benchmarks/influence_quality.py --no-peers --tasks logreg --train lbfgs
     .venv/bin/python benchmarks/influence_quality.py --quick --ranks none,8 --out /tmp/iq.json
     .venv/bin/python benchmarks/influence_quality.py --tasks lm --out /tmp/iq_lm.json
+    .venv/bin/python benchmarks/influence_quality.py --tasks lm --lm-d 128 --lm-mlp 256 \
+        --no-exact --quick --peers logra --ranks 64 --factors 64:4,64:8,256:11
 
 ``--tasks lm`` has its own defaults (`TASK_DEFAULTS`: Adam then L-BFGS in float64, wd = 1e-2,
 150 training windows, only the rows of its table, ``--lean``); flags given override them. Its
@@ -36,11 +40,14 @@ exact reference is the explicitly built Hessian (``nnstat.influence.exact`` is n
 λ = wd through a pseudo-inverse where ``H + wd·I`` is singular only along the flat directions of
 the model's continuous symmetries (rotations of the residual stream and of each head's q/k and
 v/out spaces, which leave loss and L2 unchanged and to which every gradient is orthogonal).
+``--no-exact`` skips that reference (a model whose Hessian does not fit in memory): no exact row
+and no Spearman column, τ from the per-example gradients, the LDS and every method unchanged.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -70,6 +77,7 @@ from nnstat.influence import (
     lds_per_query,
     run_lds_protocol,
 )
+from nnstat.store.shards import STORE_DTYPES
 
 CE = nn.functional.cross_entropy
 HAS_FISHER = "fisher" in {f.name for f in dataclasses.fields(Refinement)}
@@ -313,16 +321,43 @@ def mean_eigenvalue(loader) -> float:
 
 
 # ------------------------------------------------------------------------------ peers
-def logix_scores(model, train, query, root: Path, project: str, hessian: str, dampings, loss=CE):
-    """LogIX 0.1.1 K-FAC or EK-FAC (its scheduler's passes); one score matrix per damping.
-    LogIX watches ``nn.Linear`` / ``nn.Conv2d`` only (and skips their bias)."""
+def logix_scores(
+    model,
+    train,
+    query,
+    root: Path,
+    project: str,
+    hessian: str,
+    dampings,
+    loss=CE,
+    lora_rank: int | None = None,
+    relative_dampings: tuple[float, ...] = (),
+) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """LogIX 0.1.1 raw, K-FAC or EK-FAC (its scheduler's passes); one score matrix per damping,
+    and ``{"bytes_per_row", "columns"}`` of the rows it logs. LogIX watches ``nn.Linear`` /
+    ``nn.Conv2d`` only (and skips their bias).
+
+    ``lora_rank``: LoGra, LogIX's gradient projection (``LogIXScheduler(lora="random")``: its
+    ``add_lora`` inserts ``C·B·A`` next to every watched module, ``A`` and ``C`` Kaiming-uniform
+    at rank ``min(lora_rank, in, out)``, ``B`` zero, and logs ``B``'s gradient, the projected
+    ``rank × rank`` one). ``relative_dampings``: more dampings, as multiples of the mean
+    eigenvalue of the logged rows' covariance (the store's scale, which a projection changes).
+    The projection is drawn from torch's generator seeded with 0 (LogIX's own init takes the
+    global generator, which data loaders also draw from): the same draw in every run.
+    """
     from logix import LogIX, LogIXScheduler
+    from logix.config import LoRAConfig
 
     cwd = os.getcwd()
     os.chdir(root)
+    stack = contextlib.ExitStack()
     try:
+        stack.enter_context(torch.random.fork_rng())
+        torch.manual_seed(0)
         Path("config.yaml").write_text("logging:\n  flush_threshold: 1000000000\n")
         run = LogIX(project=project, config="config.yaml")
+        if lora_rank is not None:
+            run.set_lora_config(LoRAConfig(rank=lora_rank))
         for m in model.modules():
             if isinstance(m, nn.Conv2d):
                 # LogIX's patch extraction transposes its input in place, which breaks autograd
@@ -330,7 +365,8 @@ def logix_scores(model, train, query, root: Path, project: str, hessian: str, da
                 m.register_forward_pre_hook(lambda mod, a: (a[0].clone(), *a[1:]))
         run.watch(model)
         x, y = train
-        for _ in LogIXScheduler(run, hessian=hessian, save="grad"):
+        lora = "none" if lora_rank is None else "random"
+        for _ in LogIXScheduler(run, lora=lora, hessian=hessian, save="grad"):
             for i in range(0, len(x), 100):
                 ids = [str(j) for j in range(i, min(i + 100, len(x)))]
                 with run(data_id=ids):
@@ -346,17 +382,33 @@ def logix_scores(model, train, query, root: Path, project: str, hessian: str, da
             loss(model(query[0]), query[1], reduction="sum").backward()
         qlog = run.get_log()
         model.zero_grad()
+        grads = [g["grad"] for g in qlog[1].values()]
+        info = {
+            "bytes_per_row": sum(g[0].numel() * g.element_size() for g in grads),
+            "columns": sum(g[0].numel() for g in grads),
+        }
+        if relative_dampings:  # the mean eigenvalue of the logged rows' covariance
+            total, n = 0.0, 0
+            for _, log in loader:
+                total += sum(float(m["grad"].double().square().sum()) for m in log.values())
+                n += len(next(iter(log.values()))["grad"])
+            info["tau_store"] = total / n / info["columns"]
+            dampings = [*dampings, *(r * info["tau_store"] for r in relative_dampings)]
+        info["dampings"] = list(dampings)
         # precondition_kfac adds the damping to the EK-FAC eigenvalues in place: restore them
         saved = {k: v.clone() for k, v in getattr(run.state, "ekfac_eigval_state", {}).items()}
         out = []
         for damping in dampings:
             for k, v in saved.items():
                 run.state.ekfac_eigval_state[k] = v.clone()
+            if hessian == "raw":  # LogIX inverts at the first damping and keeps that inverse
+                run.state.covariance_inverse(damping=damping)
             res = run.influence.compute_influence_all(qlog, loader, damping=damping)
             order = [res["tgt_ids"].index(str(i)) for i in range(len(x))]
             out.append(res["influence"][:, order].float())
-        return out
+        return out, info
     finally:
+        stack.close()
         os.chdir(cwd)
 
 
@@ -536,7 +588,8 @@ def bench_store(board: Board, ctx: dict[str, Any], log, loader, args, projected:
     board.rows.append({"method": "_meta", "tau_store": tau, "tau_full": tau_full, "gamma": gamma})
     print(
         f"  (store mean eigenvalue τ = {tau:.3g}; full space: τ = {tau_full:.3g}, "
-        f"GGN mean eigenvalue γ = {gamma:.3g}, wd = {wd:g})"
+        f"GGN mean eigenvalue γ = {'not estimated' if gamma is None else f'{gamma:.3g}'}, "
+        f"wd = {wd:g})"
     )
     for kind in ("identity", "raw", "kfac", "ekfac"):
         board.run(
@@ -776,6 +829,76 @@ def lean_reference_rows(ex: Explicit, proto, system, explicit_ref, wd: float, se
     return common
 
 
+def full_mean_eigenvalue(model: nn.Module, task: Task) -> float:
+    """τ of the unprojected parameters without building a Hessian: ``E‖g_i‖² / P`` over the
+    training examples, each ``g_i`` the float64 gradient of its own loss (as `Explicit`'s)."""
+    m64 = copy.deepcopy(model).double()
+    x, y = task.train
+    total = 0.0
+    for i in range(len(x)):
+        m64.zero_grad()
+        xi = x[i : i + 1].double() if x.is_floating_point() else x[i : i + 1]
+        task.loss(m64(xi), y[i : i + 1]).backward()
+        total += float(sum(p.grad.square().sum() for p in m64.parameters()))
+    return total / len(x) / sum(p.numel() for p in m64.parameters())
+
+
+def no_reference_rows(proto, task: Task) -> Board:
+    """The shared rows of a run without the exact reference (``--no-exact``): that row marked
+    not run (no Spearman column), and random scores, the floor."""
+    common = Board(proto, None)
+    common.add("exact: not run (--no-exact)", None, status="not run", group="exact")
+    gen = torch.Generator().manual_seed(0)
+    shape = (len(task.query[0]), len(task.train[0]))
+    common.add("random scores", torch.randn(shape, generator=gen), group="baseline")
+    return common
+
+
+def logra_rows(common: Board, base, task: Task, method: str, root: Path, rank: int) -> None:
+    """LogIX's LoGra at ``rank`` (its LoRA projection, its own initialisation) with each of its
+    scheduler's curvatures: its default damping and 0.1, 1 and 10 x τ_s, its rows' mean
+    eigenvalue."""
+    labels = ("default (0.1 × mean eigenvalue of the first module)", "0.1τ_s", "τ_s", "10τ_s")
+    for hessian in ("raw", "kfac", "ekfac"):
+        t = time.perf_counter()
+        try:
+            out, info = logix_scores(
+                copy.deepcopy(base),
+                task.train,
+                task.query,
+                root,
+                f"logra_{task.name}_{method}_{hessian}",
+                hessian,
+                [None],
+                task.loss,
+                lora_rank=rank,
+                relative_dampings=(0.1, 1.0, 10.0),
+            )
+        except Exception as e:
+            traceback.print_exc()
+            common.add(f"LogIX LoGra {hessian}", None, status=f"failed: {e}", group="peer")
+            continue
+        secs = (time.perf_counter() - t) / len(out)
+        for label, lam, s in zip(labels, info["dampings"], out, strict=True):
+            common.add(
+                f"LogIX 0.1.1 LoGra rank {rank} {hessian.upper()}, λ = {label}",
+                s,
+                seconds=secs,
+                group="peer",
+                peer="logra",
+                preconditioner=hessian,
+                damping=lam,
+                bytes_per_row=info["bytes_per_row"],
+                columns=info["columns"],
+                note=f"{info['bytes_per_row']:,} bytes per row",
+            )
+
+
+def store_bytes(store) -> int:
+    """Bytes per stored row of an nnstat store (its columns x its dtype's size)."""
+    return store.row_width * np.dtype(STORE_DTYPES[store.dtype][0]).itemsize
+
+
 def bench_setting(task: Task, method: str, args, root: Path) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     train_fn = trainer(task, method, args)
@@ -804,14 +927,21 @@ def bench_setting(task: Task, method: str, args, root: Path) -> list[dict[str, A
     t_proto = time.perf_counter() - t
 
     t = time.perf_counter()
-    ex = Explicit(base, task.train, task.query, task.loss)
+    if args.no_exact and not (args.quick or args.lean):
+        raise ValueError("--no-exact: the full method set needs γ and λ_exact; add --quick")
+    if args.no_exact:  # no Hessian: τ from per-example gradients, no γ, λ_exact = wd
+        ex, tau_full, gamma = None, full_mean_eigenvalue(base, task), None
+        lam_min = lam_max = float("nan")
+        system = {"kind": "none", "lambda": args.wd, "lambda_heuristic": args.wd}
+    else:
+        ex = Explicit(base, task.train, task.query, task.loss)
+        lam_min, lam_max = float(ex.evals.min()), float(ex.evals.max())
+        system = reference_system(ex, args.wd)
+        tau_full = float(ex.g_train.square().sum(1).mean()) / ex.g_train.shape[1]
+        # lean runs estimate the GGN's trace (32 probes) rather than build it
+        gamma = ex.ggn_mean_eigenvalue(probes=32 if args.lean else 0)
     t_explicit = time.perf_counter() - t
-    lam_min = float(ex.evals.min())
-    system = reference_system(ex, args.wd)
     lam_ref, lam_heur = system["lambda"], system["lambda_heuristic"]
-    tau_full = float(ex.g_train.square().sum(1).mean()) / ex.g_train.shape[1]
-    # lean runs estimate the GGN's trace (32 probes) rather than build it
-    gamma = ex.ggn_mean_eigenvalue(probes=32 if args.lean else 0)
     header = {
         "task": task.name,
         "describe": task.describe,
@@ -834,8 +964,8 @@ def bench_setting(task: Task, method: str, args, root: Path) -> list[dict[str, A
         "protocol_seconds": t_proto,
         "explicit_seconds": t_explicit,
         "hessian_eig_min": lam_min,
-        "hessian_eig_max": float(ex.evals.max()),
-        "hessian_eig_mean": float(ex.evals.mean()),
+        "hessian_eig_max": lam_max,
+        "hessian_eig_mean": None if ex is None else float(ex.evals.mean()),
         "ggn_eig_mean": gamma,
         "lambda_heuristic": lam_heur,
         "lambda_exact": lam_ref,
@@ -849,39 +979,50 @@ def bench_setting(task: Task, method: str, args, root: Path) -> list[dict[str, A
         "peers": peer_versions(),
         **task.info,
     }
-    rule = {"pinv": "wd, pseudo-inverse", "solve": "wd" if lam_ref == args.wd else "heuristic"}
+    rule = {
+        "pinv": "wd, pseudo-inverse",
+        "solve": "wd" if lam_ref == args.wd else "heuristic",
+        "none": "not built (--no-exact)",
+    }
     print(
         f"\n### {task.describe}, {method} ({n_params} parameters)\n\n"
         f"train {t_train:.1f} s, ‖∇objective‖ = {gnorm:.2e} (LDS retrainings: median "
         f"{header['retrain_grad_norm_median']:.1e}, max {header['retrain_grad_norm_max']:.1e}), "
         f"loss train {loss_train:.3f} / query {loss_query:.3f}, accuracy train {acc_train:.3f} / "
         f"query {acc_query:.3f}; LDS protocol {t_proto:.0f} s (m = {args.m}); explicit "
-        f"{t_explicit:.0f} s; Hessian eigenvalues [{lam_min:.3g}, {float(ex.evals.max()):.3g}], "
+        f"{t_explicit:.0f} s; Hessian eigenvalues [{lam_min:.3g}, {lam_max:.3g}], "
         f"λ_exact = {lam_ref:.3g} ({rule[system['kind']]}), λ_heur = {lam_heur:.3g}; "
         f"reference system {system}\n",
         flush=True,
     )
     results = []
-    if system["kind"] == "pinv":
-        explicit_ref = ex.pinv_scores(lam_ref, system["tol"])
+    if ex is None:
+        common = no_reference_rows(proto, task)
     else:
-        explicit_ref = ex.scores(ex.hessian, lam_ref)
-    if args.lean:
-        linear = module_mask(base, nn.Linear)
-        common = lean_reference_rows(ex, proto, system, explicit_ref, args.wd, t_explicit, linear)
-    else:
-        common = reference_rows(ex, proto, system, explicit_ref, base, task, args)
-        header["exact_vs_explicit_spearman"] = common.rows[0].pop("_explicit_spearman")
-    if not args.no_peers:
-        sweep = damping_sweep(tau_full, gamma, args.wd)
-        if args.quick or args.lean:  # a small sweep: the best peer setting is still searched for
-            sweep = {k: sweep[k] for k in ("0.1τ", "τ", "0.1γ", "wd")}
+        if system["kind"] == "pinv":
+            explicit_ref = ex.pinv_scores(lam_ref, system["tol"])
+        else:
+            explicit_ref = ex.scores(ex.hessian, lam_ref)
+        if args.lean:
+            linear = module_mask(base, nn.Linear)
+            common = lean_reference_rows(
+                ex, proto, system, explicit_ref, args.wd, t_explicit, linear
+            )
+        else:
+            common = reference_rows(ex, proto, system, explicit_ref, base, task, args)
+            header["exact_vs_explicit_spearman"] = common.rows[0].pop("_explicit_spearman")
+    sweep = damping_sweep(tau_full, gamma, args.wd)
+    if args.quick or args.lean:  # a small sweep: the best peer setting is still searched for
+        sweep = {k: sweep[k] for k in ("0.1τ", "τ", "0.1γ", "wd") if k in sweep}
+    if "logra" in args.peers:
+        logra_rows(common, base, task, method, root, args.logra_rank)
+    if "logix" in args.peers:
         for hessian in ("kfac", "ekfac"):
             dampings = [None, *sweep.values()]
             labels = ["default (0.1 × mean eigenvalue of the first module)", *sweep]
             t = time.perf_counter()
             try:
-                out = logix_scores(
+                out, _ = logix_scores(
                     copy.deepcopy(base),
                     task.train,
                     task.query,
@@ -905,6 +1046,7 @@ def bench_setting(task: Task, method: str, args, root: Path) -> list[dict[str, A
                     peer="logix",
                     damping=lam,
                 )
+    if "kronfluence" in args.peers:
         short = args.quick or args.lean
         dampings = [1e-8, None, *([] if short else sweep.values())]
         labels = [
@@ -947,11 +1089,13 @@ def bench_setting(task: Task, method: str, args, root: Path) -> list[dict[str, A
         "gamma": gamma,
         "loss": task.loss,
     }
-    # lean runs add a store of the nn.Linear modules only: what LogIX and Kronfluence cover
+    # lean runs add a store of the nn.Linear modules only (what LogIX and Kronfluence cover) at
+    # the first of the ranks
     stores = [(rank, None, None) for rank in args.ranks]
-    stores += [(None, nn.Linear, None)] if args.lean else []
-    # factored rows (--factors): each "rank:c" pair, of the modules the dense stores cover
-    stores += [(rank, None, c) for rank, c in args.factors]
+    stores += [(args.ranks[0], nn.Linear, None)] if args.lean else []
+    # factored rows (--factors): each "rank:c" pair, of the modules the dense stores cover or
+    # ("rank:c:linear") of the nn.Linear modules only
+    stores += [(rank, nn.Linear if linear else None, c) for rank, c, linear in args.factors]
     for rank, types, factors in stores:
         project = f"{task.name}_{method}_" + ("full" if rank is None else f"rank{rank}")
         project += ("_linear" if types else "") + (f"_c{factors}" if factors else "")
@@ -971,15 +1115,27 @@ def bench_setting(task: Task, method: str, args, root: Path) -> list[dict[str, A
         t_log = time.perf_counter() - t
         label = "unprojected" if rank is None else f"rank {rank} per side ({args.proj_init})"
         label += ", nn.Linear modules only" if types else ""
-        if factors:
-            width = loader.dataset.store.row_width
-            label += f", factored c = {factors} ({width} columns per row)"
-        else:
-            label += f" ({loader.dataset.store.row_width} columns per row)"
+        store = loader.dataset.store
+        width, nbytes = store.row_width, store_bytes(store)
+        label += f", factored c = {factors}" if factors else ""
+        label += f" ({width} columns, {nbytes:,} bytes per row)"
         print(f"\n#### nnstat store: {label} (logging {t_log:.1f} s)\n", flush=True)
         board = Board(proto, common.reference)
         bench_store(board, ctx, log, loader, args, projected=rank is not None)
-        entry = {**header, "projection": label, "logging_seconds": t_log, "rows": board.rows}
+        entry = {
+            **header,
+            "projection": label,
+            "store": {
+                "rank": rank,
+                "factors": factors,
+                "linear_only": types is not None,
+                "columns": width,
+                "bytes_per_row": nbytes,
+                "factor_energy": store.meta.get("factor_energy"),
+            },
+            "logging_seconds": t_log,
+            "rows": board.rows,
+        }
         if rank is None and types is None and args.counterfactual:
             entry["counterfactual"] = counterfactual_check(
                 train_fn, base, task, query_losses, log, loader, args
@@ -1184,6 +1340,91 @@ def print_summary(summary: list[dict[str, Any]]) -> None:
         )
 
 
+def storage_table(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per task x training, one row per store (nnstat's, and LogIX's LoGra): bytes per row, the
+    factor against the first dense nnstat store of all modules, LDS of raw / K-FAC / EK-FAC at
+    the default damping and refine k=5 (nnstat), LoGra's best over its dampings."""
+    out = []
+    for res in results:
+        rows = res["rows"]
+        if res["projection"].startswith("shared"):
+            logra = [r for r in rows if r.get("peer") == "logra"]
+            if logra:
+                best = {
+                    kind: _best(logra, lambda r, kind=kind: r.get("preconditioner") == kind)
+                    for kind in ("raw", "kfac", "ekfac")
+                }
+                out.append(
+                    {
+                        "task": res["task"],
+                        "train": res["train"],
+                        "store": logra[0]["method"].split(" RAW")[0].split(" KFAC")[0],
+                        "bytes_per_row": logra[0]["bytes_per_row"],
+                        "lds": {
+                            k: None if r is None else [r["lds"], r["sem"]] for k, r in best.items()
+                        },
+                        "damping": {
+                            k: None if r is None else r["method"].split("λ = ")[1]
+                            for k, r in best.items()
+                        },
+                    }
+                )
+            continue
+        if "store" not in res:
+            continue
+        lds = {}
+        for key, method in (
+            ("raw", "nnstat raw (default damping)"),
+            ("kfac", "nnstat kfac (default damping)"),
+            ("ekfac", "nnstat ekfac (default damping)"),
+            ("refine5", "refine k=5, default"),
+        ):
+            r = _one(rows, method)
+            lds[key] = None if r is None or r["lds"] is None else [r["lds"], r["sem"]]
+        out.append(
+            {
+                "task": res["task"],
+                "train": res["train"],
+                "store": store_name(res["store"]),
+                "bytes_per_row": res["store"]["bytes_per_row"],
+                "dense_all": res["store"]["factors"] is None and not res["store"]["linear_only"],
+                "factor_energy": res["store"]["factor_energy"],
+                "lds": lds,
+            }
+        )
+    return out
+
+
+def store_name(store: dict[str, Any]) -> str:
+    """``nnstat rank 64, factored c = 4`` from an entry's ``store``."""
+    name = "nnstat " + ("unprojected" if store["rank"] is None else f"rank {store['rank']}")
+    name += ", nn.Linear modules only" if store["linear_only"] else ""
+    return name + (f", factored c = {store['factors']}" if store["factors"] else "")
+
+
+def print_storage_table(table: list[dict[str, Any]]) -> None:
+    """`storage_table` as markdown, one table per task x training."""
+
+    def f(x):
+        return "–" if x is None else f"{x[0]:.3f} ± {x[1]:.3f}"
+
+    for key in dict.fromkeys((t["task"], t["train"]) for t in table):
+        rows = [t for t in table if (t["task"], t["train"]) == key]
+        dense = next((t["bytes_per_row"] for t in rows if t.get("dense_all")), None)
+        print(f"\n## Storage and LDS, {key[0]} / {key[1]} (LoGra: best of its dampings)\n")
+        print("| store | bytes per row | vs dense | raw | K-FAC | EK-FAC | refine k=5 |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for t in rows:
+            ratio = "" if dense is None else dense / t["bytes_per_row"]
+            if ratio:
+                ratio = f"{ratio:.2g}× fewer" if ratio >= 1 else f"{1 / ratio:.2g}× more"
+            lds = t["lds"]
+            print(
+                f"| {t['store']} | {t['bytes_per_row']:,} | {ratio} | {f(lds['raw'])} | "
+                f"{f(lds['kfac'])} | {f(lds['ekfac'])} | {f(lds.get('refine5'))} |"
+            )
+
+
 def print_doc_tables(summary: list[dict[str, Any]]) -> None:
     """One table per store projection: the columns of docs/benchmarks.md."""
 
@@ -1191,7 +1432,7 @@ def print_doc_tables(summary: list[dict[str, Any]]) -> None:
         if x is None:
             return "–"
         if isinstance(x, str):
-            return "indefinite" if x == "indefinite" else "failed"
+            return x if x in ("indefinite", "not run") else "failed"
         return f"{x[0]:.3f} ± {x[1]:.3f}"
 
     for proj in dict.fromkeys(s["projection"] for s in summary):
@@ -1225,6 +1466,15 @@ def print_doc_tables(summary: list[dict[str, Any]]) -> None:
 
 
 # ------------------------------------------------------------------------------ main
+def parse_factors(spec: str) -> tuple[int, int, bool]:
+    """``"64:4"`` -> ``(64, 4, False)``; ``"64:4:linear"`` -> ``(64, 4, True)`` (the store of
+    the nn.Linear modules only)."""
+    parts = spec.strip().split(":")
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "linear"):
+        raise ValueError(f"--factors: {spec!r} is not rank:c or rank:c:linear")
+    return int(parts[0]), int(parts[1]), len(parts) == 3
+
+
 def main() -> None:
     from _lm_task import add_arguments as add_lm_arguments
 
@@ -1245,10 +1495,22 @@ def main() -> None:
     ap.add_argument(
         "--factors",
         default="",
-        help="factored stores as rank:c pairs, e.g. 64:8,256:8 (nnstat.setup(factors=c))",
+        help="factored stores as rank:c pairs, e.g. 64:8,256:8 (nnstat.setup(factors=c)); "
+        "rank:c:linear for one of the nn.Linear modules only",
     )
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
-    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument(
+        "--peers",
+        default="logix,logra,kronfluence",
+        help="of logix (its K-FAC/EK-FAC, unprojected), logra (LogIX's LoGra), kronfluence",
+    )
+    ap.add_argument("--no-peers", action="store_true", help="--peers ''")
+    ap.add_argument("--logra-rank", type=int, default=64, help="rank of LogIX's LoGra")
+    ap.add_argument(
+        "--no-exact",
+        action="store_true",
+        help="no explicit Hessian (models too large for it): no exact row, no Spearman",
+    )
     ap.add_argument("--quick", action="store_true", help="only the methods of the docs' tables")
     ap.add_argument(
         "--lean", action="store_true", default=None, help="only the rows of the transformer table"
@@ -1260,7 +1522,11 @@ def main() -> None:
     ap.add_argument("--counterfactual-repeats", type=int, default=3)
     add_lm_arguments(ap)
     args = ap.parse_args()
-    args.factors = [tuple(int(v) for v in p.split(":")) for p in args.factors.split(",") if p]
+    args.factors = [parse_factors(p) for p in args.factors.split(",") if p]
+    args.peers = set() if args.no_peers else {p.strip() for p in args.peers.split(",") if p}
+    unknown = args.peers - {"logix", "logra", "kronfluence"}
+    if unknown:
+        ap.error(f"--peers: unknown {sorted(unknown)}; choose of logix, logra, kronfluence")
     torch.set_num_threads(args.threads)
     print(f"nnstat refinement `fisher` field: {'yes' if HAS_FISHER else 'not yet'}")
     config = {k: v for k, v in vars(args).items() if k != "out"}
@@ -1281,9 +1547,12 @@ def main() -> None:
     summary = summarize(results)
     print_summary(summary)
     print_doc_tables(summary)
+    storage = storage_table(results)
+    print_storage_table(storage)
     if args.out is not None:
         payload = {"config": config, "has_fisher": HAS_FISHER, "results": results}
         payload["summary"] = summary
+        payload["storage"] = storage
         args.out.write_text(json.dumps(payload, indent=1, default=str))
     print(f"total {time.perf_counter() - start:.0f} s")
 
