@@ -4,7 +4,7 @@ logged pass's ops read and write beyond the plain forward+backward (an ``out=`` 
 as written, not read), bytes it allocates beyond it (new op outputs), host reads in the step,
 and tensors at least the size of the logits.
 
-It adds 7.3 GB moved, 0.44 GB allocated and no host read; itemised in docs/benchmarks.md:
+It adds 7.3 GB moved, 0.44 GB allocated and no host read; itemised in docs/store.md:
 each watched module's captured rows read once by its projection (3.6 GB with the tied head's
 logits gradient), the weights guard's one checksum of every weight per block (2.0 GB: a cat
 of each dtype group's words, then two reductions of them) and LayerNorm's per-sample
