@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from nnstat.integrations._noise_method import NOISE_SCALE_METHODS, choose_method
+from nnstat.integrations._noise_method import check_method, choose_method
 from nnstat.integrations._probe import ModuleProbe
 from torch import nn
 
@@ -94,11 +94,7 @@ class StatsOptions:
             raise ValueError(f"noise_scale_window must be an int >= 2 or None, got {window!r}")
         if not 0.0 <= self.noise_scale_beta < 1.0:
             raise ValueError(f"noise_scale_beta must be in [0, 1), got {self.noise_scale_beta}")
-        if self.noise_scale_method not in NOISE_SCALE_METHODS:
-            raise ValueError(
-                f"noise_scale_method must be one of {NOISE_SCALE_METHODS}, got "
-                f"{self.noise_scale_method!r}"
-            )
+        check_method(self.noise_scale_method)
 
 
 class _Abandoned(Exception):

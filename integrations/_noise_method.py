@@ -24,6 +24,24 @@ from typing import Any
 NOISE_SCALE_METHODS = ("auto", "per_sample", "micro_batch", "ddp")
 
 
+def check_method(requested: str) -> None:
+    """Refuse a ``noise_scale_method`` that is not one of `NOISE_SCALE_METHODS`.
+
+    Args:
+        requested: the callback's ``noise_scale_method``.
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+
+    Example:
+        >>> check_method("auto")
+    """
+    if requested not in NOISE_SCALE_METHODS:
+        raise ValueError(
+            f"noise_scale_method must be one of {NOISE_SCALE_METHODS}, got {requested!r}"
+        )
+
+
 def choose_method(
     requested: str, accumulation_steps: int, ranks: int, ddp: Any, micro_batch_size: int | None
 ) -> str:
@@ -46,10 +64,7 @@ def choose_method(
         >>> choose_method("auto", 1, 1, None, 8), choose_method("auto", 4, 2, None, 8)
         ('per_sample', 'micro_batch')
     """
-    if requested not in NOISE_SCALE_METHODS:
-        raise ValueError(
-            f"noise_scale_method must be one of {NOISE_SCALE_METHODS}, got {requested!r}"
-        )
+    check_method(requested)
     ddp_ok = ddp is not None and ranks > 1 and micro_batch_size is not None
     if requested == "auto":
         if accumulation_steps > 1:
