@@ -305,8 +305,13 @@ def factor_plan(modules: Sequence[Mapping[str, Any]]) -> FactorPlan:
         [(3, (0, 42))]
     """
     key = tuple(
-        (int(m["offset"]), int(m["width"]), m.get("r_out"), int(m.get("r_in") or 0),
-         int(m.get("factors") or 0))  # fmt: skip
+        (
+            int(m["offset"]),
+            int(m["width"]),
+            m.get("r_out"),
+            int(m.get("r_in") or 0),
+            int(m.get("factors") or 0),
+        )
         for m in modules
     )
     return _plan(key)
