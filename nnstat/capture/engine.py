@@ -432,8 +432,7 @@ class CaptureEngine(LayoutHooks):
                 else:
                     replaced = wrapped  # rows per sample, checked at their first uses
         x = x.detach()
-        if w.kind.forward_stats:  # LayerNorm: autograd's own mean and 1/std of x, kept by x
-            w.kind.keep_forward_stats(x, output)
+        w.kind.keep_forward_stats(x, output)  # LayerNorm: autograd's own mean and 1/std of x
         # the input travels in the closure, so a recomputed forward (activation checkpointing)
         # pairs with its own backward and a forward whose output never gets a gradient is dropped
         hook = partial(self._on_output_grad, module, x, ctx)

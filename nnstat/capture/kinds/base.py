@@ -91,8 +91,6 @@ class Kind(str):
     plain: ClassVar[bool] = False
     #: a tie may join this kind; its matrix form is the weight (False) or its transpose (True)
     tie_transposed: ClassVar[bool | None] = None
-    #: the engine calls :meth:`keep_forward_stats` with each call's input and output
-    forward_stats: ClassVar[bool] = False
 
     def __new__(cls) -> Kind:
         return super().__new__(cls, cls.name)
@@ -138,8 +136,9 @@ class Kind(str):
         return x.detach().float().reshape(x.shape[0], -1, x.shape[-1])
 
     def keep_forward_stats(self, x: torch.Tensor, output: torch.Tensor) -> None:
-        """With :attr:`forward_stats`: keep what the call's autograd node already computed
-        from its (detached) input ``x`` beside ``x``, for :meth:`forward_rows` (no kernel)."""
+        """Called by the engine with each call's (detached) input ``x`` and output: keep what
+        the call's autograd node already computed from ``x`` beside it, for
+        :meth:`forward_rows` (no kernel). Nothing for most kinds."""
 
     def backward_rows(self, module: nn.Module, g: torch.Tensor) -> tuple[torch.Tensor, tuple]:
         """Matrix-form output gradients ``[N, T, d_out]`` and the positional shape."""

@@ -69,8 +69,6 @@ class LayerNormKind(Kind):
     def logged_dims(self, module: nn.Module) -> tuple[int, int | None]:
         return self.dims(module)[0] * (1 + self.has_bias(module)), None
 
-    forward_stats = True
-
     def keep_forward_stats(self, x: torch.Tensor, output: torch.Tensor) -> None:
         """Keep autograd's saved mean and ``1/std`` of ``x`` by ``x`` when ``output`` is
         ``layer_norm``'s result from ``x`` itself (same storage, shape and strides: not a

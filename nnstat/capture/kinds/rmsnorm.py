@@ -29,7 +29,6 @@ class RMSNormKind(LayerNormKind):
     """``[D]``: the weight's gradient, flat over the weight's shape (RMSNorm has no bias)."""
 
     name = "rmsnorm"
-    forward_stats = False  # its forward saves no mean and 1/rms for the capture to reuse
     modules: ClassVar[tuple[type, ...]] = (nn.RMSNorm,)  # torch >= 2.4
 
     def matches(self, module: nn.Module) -> bool:
@@ -70,6 +69,10 @@ class RMSNormKind(LayerNormKind):
         if masked and c._keep is not None:
             xh.mul_(c._keep.unsqueeze(-1))
         return xh
+
+    def keep_forward_stats(self, x: torch.Tensor, output: torch.Tensor) -> None:
+        """Nothing: RMSNorm's forward saves no mean and ``1/rms`` for the capture to reuse
+        (:meth:`stats` computes ``1/rms`` from the input)."""
 
     def stats(self, c: Rows) -> tuple[torch.Tensor | None, torch.Tensor]:
         """No mean (RMSNorm does not centre) and each position's ``1/sqrt(mean(x²) + eps)``,
