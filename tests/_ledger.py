@@ -3,10 +3,12 @@
 ``host_reads``: ``bool``/``float``/``int``/``item``/``tolist``/``numpy``/``cpu`` are recorded on
 CPU tensors, where they still run; on a GPU each would wait for the queue to drain.
 :class:`DeviceLedger`: the same at the aten level, for code run on the ``meta`` device.
+:class:`Kernels`: the aten ops that launch work on the device, by name.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 
@@ -115,3 +117,26 @@ class DeviceLedger(TorchDispatchMode):
             elif dst.device.type != "cpu" and source.device.type == "cpu" and source.dim():
                 self.to_device += 1
         return func(*args, **kwargs)
+
+
+#: ops that launch no kernel (views, metadata, allocation)
+NO_KERNEL = {
+    "aten::detach", "aten::view", "aten::_unsafe_view", "aten::alias", "aten::t",
+    "aten::expand", "aten::as_strided", "aten::slice", "aten::select", "aten::unsqueeze",
+    "aten::squeeze", "aten::reshape", "aten::_reshape_alias", "aten::permute",
+    "aten::transpose", "aten::split", "aten::split_with_sizes", "aten::unbind", "aten::empty",
+    "aten::empty_like", "aten::empty_strided", "aten::lift_fresh",
+}  # fmt: skip
+
+
+class Kernels(TorchDispatchMode):
+    """Counts the aten ops that launch work on the device (``ops``: by schema name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name not in NO_KERNEL:
+            self.ops[func._schema.name] += 1
+        return func(*args, **(kwargs or {}))

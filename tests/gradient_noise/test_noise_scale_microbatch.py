@@ -17,10 +17,9 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from _ledger import DeviceLedger, host_reads
+from _ledger import DeviceLedger, Kernels, host_reads
 from torch import nn
 from torch.func import functional_call, grad, vmap
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import nnstat
 from nnstat.background.transfer import LocalCopy
@@ -243,28 +242,6 @@ def test_no_host_read_inside_the_step():
     assert gns.n_updates == 3 and math.isfinite(gns.value)
 
 
-_NO_KERNEL = {
-    "aten::detach", "aten::view", "aten::_unsafe_view", "aten::alias", "aten::t",
-    "aten::expand", "aten::as_strided", "aten::slice", "aten::select", "aten::unsqueeze",
-    "aten::squeeze", "aten::reshape", "aten::_reshape_alias", "aten::permute",
-    "aten::transpose", "aten::split", "aten::split_with_sizes", "aten::unbind", "aten::empty",
-    "aten::empty_like", "aten::empty_strided", "aten::lift_fresh",
-}  # fmt: skip
-
-
-class _Kernels(TorchDispatchMode):
-    """Counts the aten ops that launch work on the device."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._schema.name not in _NO_KERNEL:
-            self.ops[func._schema.name] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _meta_step(layers: int, watched: bool, k: int = 3) -> tuple[collections.Counter, tuple]:
     """Kernels and ledger counts of one optimizer step's k micro-batches on ``meta``."""
     with torch.device("meta"):
@@ -272,7 +249,7 @@ def _meta_step(layers: int, watched: bool, k: int = 3) -> tuple[collections.Coun
         x, y = torch.randn(8, 6), torch.zeros(8, dtype=torch.long)
     gns = nnstat.NoiseScale(beta=0.9)
     micro = gns.watch_microbatches(model, micro_batch_size=8) if watched else None
-    kernels, ledger = _Kernels(), DeviceLedger()
+    kernels, ledger = Kernels(), DeviceLedger()
     with warnings.catch_warnings(), ledger, kernels:
         warnings.simplefilter("ignore")
         for _ in range(k):

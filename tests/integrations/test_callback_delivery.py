@@ -20,36 +20,13 @@ import warnings
 
 import pytest
 import torch
-from _ledger import DeviceLedger
+from _ledger import DeviceLedger, Kernels
 from nnstat.integrations._hooks import StatsOptions, StepStats
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import nnstat
 from nnstat.background.transfer import LocalCopy
 from nnstat.tracker import tracker as tracker_module
-
-# ops that launch no kernel (views, metadata, allocation)
-_NO_KERNEL = {
-    "aten::detach", "aten::view", "aten::_unsafe_view", "aten::alias", "aten::t",
-    "aten::expand", "aten::as_strided", "aten::slice", "aten::select", "aten::unsqueeze",
-    "aten::squeeze", "aten::reshape", "aten::_reshape_alias", "aten::permute",
-    "aten::transpose", "aten::split", "aten::split_with_sizes", "aten::unbind", "aten::empty",
-    "aten::empty_like", "aten::empty_strided", "aten::lift_fresh",
-}  # fmt: skip
-
-
-class _Kernels(TorchDispatchMode):
-    """Counts the aten ops that launch work on the device."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._schema.name not in _NO_KERNEL:
-            self.ops[func._schema.name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 class _Waits:
@@ -107,7 +84,7 @@ def _drive_hf_hooks(cb, model, opt, steps: int, logging_steps: int):
     seen = collections.defaultdict(list)
 
     def hook(logging, name, **kw):
-        kernels, ledger = _Kernels(), DeviceLedger()
+        kernels, ledger = Kernels(), DeviceLedger()
         with ledger, kernels:
             getattr(cb, name)(args, state, control, model=model, optimizer=opt, **kw)
         seen[(logging, name)].append((dict(kernels.ops), ledger.counts()))
