@@ -11,7 +11,19 @@ queries stay exact and the preconditioners (identity, K-FAC from the statistics,
 on the dense store, so every difference from the dense row is the truncation's. Modules the store
 keeps dense under ``factors=c`` (``worth_factoring``) stay dense here too.
 
+Per-module counts (what ``factors={module: c}`` stores): ``--alloc`` takes hand-made mappings
+(``'*=1,tok=6,pos=6,head=6'``), ``--budgets`` bytes per row that an energy-greedy allocation
+fills (one pair per module, then the pair with the most mean kept energy per added column;
+energy measured on the first ``--energy-rows`` rows, the logger's first block, and on all), and
+``--keep`` the fewest pairs keeping a mean energy per module. Every row prints its bytes per
+row and, besides each LDS (mean ± s.e. over the queries), its paired difference to the dense
+rows (mean ± s.e. over the queries of the per-query difference: the same retrainings and
+queries, so far less noisy than either LDS). ``--task mlp|cnn`` runs the digits tasks
+(L-BFGS, as ``influence_quality.py --train lbfgs``).
+
     .venv/bin/python benchmarks/factored_truncation.py --factors 2,4 --per-module
+    .venv/bin/python benchmarks/factored_truncation.py --lm-d 128 --lm-mlp 256 --factors 4 \
+        --alloc '*=1,tok=6,pos=6,head=6' --budgets 10944
 """
 
 from __future__ import annotations

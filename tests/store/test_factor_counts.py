@@ -140,3 +140,21 @@ def test_a_mixed_store_scores_as_numpys_per_module_truncation_of_the_dense_rows(
     # and the truncation mattered: the dense store's scores are farther from it
     plain = compute_influence_all(dlog, dpath, preconditioner=pre, damping=1e-3).scores
     assert np.abs(plain.double().numpy() - ref).max() / scale > 1e-3
+
+
+def test_a_store_resumes_under_its_mapping_and_refuses_another(tmp_path):
+    def log(ids, factors):
+        model = _model()
+        run = nnstat.init(project="p", root_dir=tmp_path)
+        nnstat.setup({"save": "grad", "rank": RANK, "factors": factors})
+        nnstat.watch(model)
+        with run(data_id=ids):
+            model(_data(len(ids), ids[0])).square().sum().backward()
+        nnstat.finalize()
+        nnstat.unwatch()
+
+    log([0, 1, 2], {"0": 1, "*": 3})
+    log([3, 4], {"*": 3, "0": 1})  # the same counts per module
+    assert len(GradientStore(tmp_path / "p")) == 5
+    with pytest.raises(ValueError, match=r"cannot resume .* modules\[0\]\.factors: 1 -> 2"):
+        log([5, 6], {"0": 2, "*": 3})
