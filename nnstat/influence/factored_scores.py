@@ -98,7 +98,9 @@ def chunk_rows(n: int, stored_width: int, per_row: int, budget: int | None = Non
     return max(MIN_CHUNK, budget // max(per_row, 1))
 
 
-def scores_as_stored(q: torch.Tensor, source: Any, per_block: bool = False) -> FactoredScores | None:
+def scores_as_stored(
+    q: torch.Tensor, source: Any, per_block: bool = False
+) -> FactoredScores | None:
     """The :class:`FactoredScores` of queries ``q`` for ``source``'s blocks as stored
     (``source.stored_rows()``), or ``None`` when ``source`` is not a store of factored rows.
 

@@ -244,9 +244,7 @@ class _Largest(Kernels):
 
 @pytest.mark.parametrize("n_q", [1, 4])  # one query: the direct contraction
 @pytest.mark.parametrize("top_k", [None, 3])
-def test_ops_per_block_on_meta_do_not_grow_with_modules_and_no_op_makes_a_dense_block(
-    n_q, top_k
-):
+def test_ops_per_block_on_meta_do_not_grow_with_modules_and_no_op_makes_a_dense_block(n_q, top_k):
     per_block, n = {}, 64
     for k in (2, 6):
         counted = {}
