@@ -38,7 +38,7 @@ import torch
 
 from nnstat.background.transfer import host_empty
 
-from .factored_scores import FactoredScores, chunk_rows
+from .factored_scores import chunk_rows, scores_as_stored
 from .modes import normalise, raw_scores
 from .pipeline import Block
 from .topk import merge_topk
@@ -140,17 +140,17 @@ def stream_scores(
     n_rows: int | None,
     verify: Callable[[list[tuple]], None],
     progress: Callable[[int], Any] | None = None,
-    factored: FactoredScores | None = None,
-    dense: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    source: Any = None,
 ) -> Streamed:
     """Score every block of ``blocks`` against the preconditioned queries ``q_pre`` (on their
     device); ``n_rows``: the rows ``blocks`` will yield, for one all-pairs buffer (``None``:
     unknown, one piece per block). ``verify`` gets the keys of the blocks with non-finite scores
     before any result is read back, and raises where they must be refused.
 
-    With ``factored`` (made of ``q_pre``) the blocks hold a factored store's rows as stored and
-    are scored by it; ``dense`` multiplies them out, a chunk at a time, for the norms of the
-    modes other than ``dot``."""
+    ``source`` (the training rows' `RowSource`, optional): where it is a store of factored rows,
+    its blocks come as stored (`pipeline.stream_to`) and are scored by `FactoredScores` with
+    chunks sized from each block; ``source.dense`` multiplies them out, a chunk at a time, for
+    the norms of the modes other than ``dot``."""
     device, n_test = q_pre.device, q_pre.shape[0]
     out = Streamed()
     sums: list[torch.Tensor] = []
@@ -160,6 +160,8 @@ def stream_scores(
         hi, lo = (empty_v, empty_p), (empty_v, empty_p)
     buffer = _all_pairs_buffer(n_rows, n_test, device) if not top_k and n_rows else None
     seen, width = 0, q_pre.shape[1]
+    factored = scores_as_stored(q_pre, source, per_block=True)
+    dense = source.dense if factored is not None else None
     for key, ids, rows in blocks:
         b = len(ids)
         target = buffer[seen : seen + b] if buffer is not None and buffer.device == device else None
@@ -208,13 +210,15 @@ def stream_self_influence(
     device: torch.device,
     verify: Callable[[list[tuple]], None],
     progress: Callable[[int], Any] | None = None,
-    dense: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    dense_width: int = 0,
+    source: Any = None,
 ) -> tuple[list, torch.Tensor]:
     """``(ids, g_iᵀ M g_i)`` of every row of ``blocks`` computed on ``device``, read back once;
-    ``verify`` gets the keys of the blocks with non-finite values first. With ``dense`` the
-    blocks hold rows as stored (``dense_width`` columns once multiplied out), multiplied out a
-    chunk at a time (`dense_chunks`)."""
+    ``verify`` gets the keys of the blocks with non-finite values first. Where ``source`` is a
+    store of factored rows its blocks come as stored (`pipeline.stream_to`) and are multiplied
+    out a chunk at a time (`dense_chunks`)."""
+    dense, dense_width = None, 0
+    if getattr(source, "factored", False):
+        dense, dense_width = source.dense, max(m.stop for m in source.layout)
     values = torch.empty(n_rows, device=device)
     units: list[tuple[tuple, list]] = []
     seen = 0

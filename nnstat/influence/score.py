@@ -321,9 +321,6 @@ def _on_device(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKI
         args = (job.q_pre.cpu(), q_norm, rows, ids, job.pre, job.damping, job.mode)
         _score_block(*args, None, not t.finite, False, t, shard)
 
-    # a factored store's blocks cross to the device as stored and are scored there without a
-    # dense block: the CPU branch's `FactoredScores`, its chunks sized from each block
-    factored = scores_as_stored(job.q_pre, t, per_block=True)
     blocks = stream_to(
         t, lambda s: _my_units(s, job.batch_size), job.q_pre.device, max_rows=job.batch_size
     )
@@ -338,8 +335,7 @@ def _on_device(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKI
         len(t) if world == 1 else None,
         _recheck(t, job.batch_size, check),
         bar.update,
-        factored,
-        t.dense if factored is not None else None,
+        t,  # a factored store's blocks: scored as stored (`FactoredScores`)
     )
     if got.top is not None:
         # one process: the blocks came in the source's row order, so positions index its ids
@@ -566,11 +562,7 @@ def _self_on_device(
 
     blocks = stream_to(d, lambda s: units(s, batch_size), dev, max_rows=batch_size)
     verify = _recheck(d, batch_size, check, one_process=True)
-    # a factored store's blocks come as stored: multiplied out on the device a chunk at a time
-    dense = d.dense if getattr(d, "factored", False) else None
-    width = max(m.stop for m in d.layout)
-    args = (blocks, pre, damping, len(d), dev, verify, bar.update)
-    return stream_self_influence(*args, dense=dense, dense_width=width)
+    return stream_self_influence(blocks, pre, damping, len(d), dev, verify, bar.update, d)
 
 
 def _quiet(progress: bool | None) -> bool | None:

@@ -154,7 +154,7 @@ class StoreSource:
         self.ids = list(store.ids)
         self.root = Path(_store_root(store))
         # factored rows (meta's modules with "factors") are densified a block at a time, on the
-        # host unless a view from `stored_rows` hands them out as stored (for a device to densify)
+        # host unless a view from `stored_rows` hands them out as stored (for a device to score)
         self._factored = self.meta["modules"] if is_factored(self.meta) else None
         self._host_dense = True
         try:

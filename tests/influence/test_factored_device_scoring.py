@@ -17,13 +17,12 @@ from _ledger import DeviceLedger, Kernels, host_reads
 
 from nnstat.background.transfer import HostBuffers
 from nnstat.influence import compute_influence_all, compute_self_influence, pipeline, score
-from nnstat.influence.factored_scores import FactoredScores
 from nnstat.influence.ondevice import stream_scores
 from nnstat.influence.precondition import Preconditioner
 from nnstat.influence.refine.memory import Allocations
 from nnstat.influence.sources import StoreSource
 from nnstat.store import GradientLog, GradientStore, StoreWriter
-from nnstat.store.factored import dense_layout
+from nnstat.store.factored import dense_layout, densify
 
 # two shapes of factored module (one of them three times, not adjacent) between plain modules;
 # every factored module is smaller stored than dense (3.5x in all)
@@ -220,10 +219,24 @@ def _blocks(n_blocks, k, n, device, seed=0):
     return mods, [(key, ids, rows.to(device)) for key, ids, rows in blocks]
 
 
+class _Factored:
+    """What the device branch reads of a store of factored rows (`StoreSource`)."""
+
+    factored = True
+
+    def __init__(self, mods: list[dict]) -> None:
+        self.meta = {"modules": mods}
+
+    def stored_rows(self) -> _Factored:
+        return self
+
+    def dense(self, rows: torch.Tensor) -> torch.Tensor:
+        return densify(rows, self.meta["modules"])
+
+
 def _stream(mods, blocks, q, top_k, n_rows=None):
-    factored = FactoredScores(q, mods, per_block=True)
     pre = Preconditioner("identity", [], {})
-    kw = dict(top_k=top_k, n_rows=n_rows, verify=lambda bad: None, factored=factored)
+    kw = dict(top_k=top_k, n_rows=n_rows, verify=lambda bad: None, source=_Factored(mods))
     return stream_scores(q, None, iter(blocks), pre, None, "dot", **kw)
 
 
