@@ -189,6 +189,22 @@ def test_device_branch_on_factored_rows_equals_the_cpu_branch(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("top_k", [None, 3])
+def test_a_nonfinite_factor_is_refused_naming_its_shard(tmp_path, device_branch, top_k):
+    root, meta, _ = _store(tmp_path / "s")
+    store = GradientStore(root)
+    array = np.load(store.shards[1], mmap_mode="r+")
+    array[7, 3] = np.nan  # a U entry of row 60 + 7 = id 67
+    array.flush()
+    del array
+    log, _ = _queries(meta, 3)
+    pattern = r"00001\.npy: rows of ids \[67\] hold NaN/Inf"
+    with pytest.raises(ValueError, match=pattern):
+        compute_influence_all(log, root, preconditioner="identity", top_k=top_k, batch_size=BLOCK)
+    with pytest.raises(ValueError, match=pattern):
+        compute_self_influence(root, preconditioner="identity", batch_size=BLOCK)
+
+
+@pytest.mark.parametrize("top_k", [None, 3])
 def test_device_branch_on_factored_rows_reads_the_host_once_per_call(
     tmp_path, device_branch, top_k
 ):
