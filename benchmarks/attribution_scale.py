@@ -395,8 +395,8 @@ def write_factored_store(
     root: Path, rows: int, modules: int, rank: int = 64, factors: int = 8, seed: int = 0
 ) -> dict:
     """A store of ``rows`` random factored rows (``modules`` linear modules of ``rank x rank``,
-    ``factors`` pairs each: the layout ``factors=c`` logging writes; scoring time does not depend
-    on the values) in ``root``; returns its meta."""
+    ``factors`` pairs each: the layout ``factors=c`` logging writes) in ``root``; returns its
+    meta."""
     from nnstat.store import StoreWriter
 
     width = factors * 2 * rank
@@ -409,10 +409,12 @@ def write_factored_store(
     root.mkdir(parents=True, exist_ok=True)
     (root / "meta.json").write_text(json.dumps(meta))
     writer = StoreWriter(root / "shards", row_width=modules * width, shard_rows=25_000)
-    gen = torch.Generator().manual_seed(seed)
+    # one random block written again and again: drawing 100,000 rows would cost more than
+    # scoring them, and the time to score does not depend on the values
+    block = torch.randn(4096, modules * width, generator=torch.Generator().manual_seed(seed))
     for lo in range(0, rows, 4096):
         n = min(4096, rows - lo)
-        writer.put(list(range(lo, lo + n)), torch.randn(n, modules * width, generator=gen))
+        writer.put(list(range(lo, lo + n)), block[:n])
     writer.close()
     return meta
 
