@@ -5,7 +5,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -49,6 +51,33 @@ def _train(rank: int, out_dir: str) -> None:
         opt.zero_grad()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
+
+
+def _skip_overflow(rank: int, out_dir: str) -> None:
+    """`_train`'s steps through the hook, once as they are and once with an overflowed step
+    (an infinite loss, as a float16 overflow; no update, as the GradScaler skips it) before
+    step 1."""
+    runs = {}
+    for overflow in (False, True):
+        ddp = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=1e-4)
+        gns = nnstat.NoiseScale(window=10)
+        gns.register_ddp(ddp, local_batch_size=B)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+        steps = [0, "overflow", 1, 2] if overflow else list(range(STEPS))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in steps:
+                x, y = _data(1 if step == "overflow" else step)
+                sl = slice(rank * B, (rank + 1) * B)
+                loss = nn.functional.cross_entropy(ddp(x[sl]), y[sl])
+                (loss * math.inf if step == "overflow" else loss).backward()
+                if step != "overflow":
+                    opt.step()
+                opt.zero_grad()
+        messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        runs[str(overflow)] = {"state": gns.state_dict(), "warnings": messages}
+    with open(os.path.join(out_dir, f"overflow{rank}.json"), "w") as f:
+        json.dump(runs, f)
 
 
 def _count_reads(rank: int, out_dir: str) -> None:
@@ -131,6 +160,20 @@ def test_ddp_hook_matches_single_process(tmp_path):
             ):
                 p.grad = g.reshape(p.shape).clone()
         opt.step()
+
+
+@pytest.mark.timeout(120)
+def test_ddp_hook_leaves_a_non_finite_step_out_with_a_warning(tmp_path):
+    """The estimate with the overflowed step is that of the same run without it (which
+    `test_ddp_hook_matches_single_process` checks against a single-process reference)."""
+    spawn(_skip_overflow, str(tmp_path), world=WORLD)
+    for r in range(WORLD):
+        got = json.loads((tmp_path / f"overflow{r}.json").read_text())
+        assert got["True"]["state"] == got["False"]["state"]
+        assert got["True"]["state"]["n_updates"] == STEPS
+        assert got["False"]["warnings"] == []
+        assert len(got["True"]["warnings"]) == 1
+        assert "non-finite gradients" in got["True"]["warnings"][0]
 
 
 @pytest.mark.timeout(120)
