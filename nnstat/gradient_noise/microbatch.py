@@ -68,7 +68,8 @@ class StagedPairs:
         if not all(map(math.isfinite, values)):
             warnings.warn(
                 "nnstat: the noise scale left out an optimizer step with non-finite gradients "
-                "(NaN/Inf: a mixed-precision overflow, which the GradScaler skips)",
+                "(NaN/Inf: a mixed-precision overflow, which the GradScaler skips, or a NaN "
+                "from the loss or the data)",
                 RuntimeWarning,
                 stacklevel=2,
             )
