@@ -120,4 +120,3 @@ def factors_for(factors: FactorsSetting, names: Sequence[str]) -> dict[str, int 
             continue
         out[name] = next((v for k, v in factors.items() if fnmatch.fnmatchcase(name, k)), None)
     return out
-
