@@ -41,8 +41,9 @@ from _lm_task import add_arguments
 
 from nnstat.influence import as_source, run_lds_protocol
 from nnstat.influence.lds import lds_per_query
-from nnstat.influence.precondition import KronFactor, Preconditioner
+from nnstat.influence.precondition import KronFactor, Preconditioner, fit_from_rows
 from nnstat.influence.row_layout import ModuleSpec
+from nnstat.influence.sources import TensorSource
 from nnstat.store.factored import factored_width, worth_factoring
 
 
@@ -184,6 +185,27 @@ def parse_allocation(spec: str, layout: list[ModuleSpec]) -> dict[str, int | Non
     return out
 
 
+def refit(
+    pres: Mapping[str, Preconditioner], rows: torch.Tensor, layout: list[ModuleSpec]
+) -> dict[str, Preconditioner]:
+    """``pres`` as a store of ``rows`` fits them: identity and K-FAC (from the statistics) as
+    they are; ``raw`` and EK-FAC's eigenvalue corrections (where the statistics do not hold
+    them, e.g. a projected module) refitted on ``rows``, as ``Preconditioner.fit`` does on a
+    factored store's (densified) rows."""
+    source = TensorSource(rows.float(), layout=layout)
+    out = {k: p for k, p in pres.items() if k in ("identity", "kfac")}
+    if "raw" in pres:
+        out["raw"] = Preconditioner("raw", layout, fit_from_rows(source, layout, {}, 4096))
+    ekfac = pres["ekfac"]
+    factors = {n: f for n, f in ekfac.factors.items() if ekfac.origin.get(n) == "statistics"}
+    todo = {n: pres["kfac"].factors[n] for n, o in ekfac.origin.items() if o == "statistics+rows"}
+    dense = [m for m in layout if not m.kronecker]
+    factors.update(fit_from_rows(source, dense, todo, 4096))  # type: ignore[arg-type]
+    out["ekfac"] = Preconditioner("ekfac", layout, factors)
+    out["ekfac"].origin = dict(ekfac.origin)
+    return {k: out[k] for k in pres}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--task", choices=["lm", "mlp", "cnn"], default="lm")
@@ -199,6 +221,7 @@ def main() -> None:
     ap.add_argument("--keep", default="", help="energies: the fewest pairs keeping each")
     ap.add_argument("--energy-rows", type=int, default=32, help="rows the energy is measured on")
     ap.add_argument("--no-kfac-metric", action="store_true", help="skip the K-FAC-metric rows")
+    ap.add_argument("--raw", action="store_true", help="also raw (refitted per row set)")
     ap.add_argument("--m", type=int, default=50, help="LDS subsets")
     ap.add_argument("--n-query", type=int, default=40)
     ap.add_argument("--hidden", type=int, default=24, help="mlp: hidden width")
@@ -232,8 +255,8 @@ def main() -> None:
         order = torch.as_tensor(np.argsort([int(i) for i in ids]))
         train_rows = torch.cat(blocks)[order].double()
         layout = list(source.layout)
-        pres = {k: Preconditioner.fit(source, k) for k in ("identity", "kfac", "ekfac")}
-    queries = {k: p.apply(log.rows, damping=None).double() for k, p in pres.items()}
+        kinds = ("identity", "raw", "kfac", "ekfac") if args.raw else ("identity", "kfac", "ekfac")
+        pres = {k: Preconditioner.fit(source, k) for k in kinds}
     names = [m.name for m in layout if m.kronecker]
     print("modules (r_out x r_in):", ", ".join(f"{m.name} {m.r_out}x{m.r_in}" for m in layout))
     Alloc = int | dict[str, int | None] | None
@@ -258,9 +281,14 @@ def main() -> None:
 
     dense_cols = stored_columns(layout, None)
     base = {}
+    heads = [
+        {"identity": "identity", "raw": "raw", "kfac": "K-FAC", "ekfac": "EK-FAC"}[k] for k in pres
+    ]
     print(
-        "\n| training rows | factors per module | bytes per row | vs dense | identity | K-FAC | "
-        "EK-FAC | Δ identity | Δ K-FAC | Δ EK-FAC |\n| --- | --- |" + " ---: |" * 8
+        "\n| training rows | factors per module | bytes per row | vs dense | "
+        + " | ".join(heads + [f"Δ {h}" for h in heads])
+        + " |\n| --- | --- |"
+        + " ---: |" * (2 + 2 * len(heads))
     )
     for label, c, only, whiten in variants:
         rows = train_rows
@@ -272,7 +300,9 @@ def main() -> None:
         else:
             per = "dense" if c is None else f"all {c}"
         cells, deltas = [], []
-        for k, q in queries.items():
+        fitted = pres if c is None else refit(pres, rows, layout)
+        for k, p in fitted.items():
+            q = p.apply(log.rows, damping=None).double()
             scores = (q @ rows.T).float()
             lds, sem, _ = iq.lds_summary(scores, proto)
             per_q = lds_per_query(scores, proto.subset_masks, proto.subset_losses)
