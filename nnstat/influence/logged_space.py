@@ -20,7 +20,14 @@ from nnstat.curvature.products import ParamLayout, captured_example_grads
 from nnstat.store.integrity import params_hash
 
 from .cache import default_preconditioner, fitted
-from .precondition import Preconditioner, fit_from_rows, kfac_factor, stored_ekfac_factor
+from .precondition import (
+    Preconditioner,
+    fit_from_rows,
+    kfac_factor,
+    stored_ekfac_factor,
+    warn_without_statistics,
+    without_statistics,
+)
 from .row_layout import ModuleSpec
 from .sources import RowSource
 
@@ -261,12 +268,14 @@ def logged_preconditioner(
     if stats is None or kind in ("identity", "raw"):
         return fitted(source, kind, batch_size)
     projections = source.projections()
+    missing = without_statistics(source.layout, stats)
+    warn_without_statistics(missing)
     factors: dict[str, Any] = {}
     for m in source.layout:
-        if m.kronecker:
+        if m.kronecker and m.name not in missing:
             f = stored_ekfac_factor(m, stats, projections) if kind == "ekfac" else None
             factors[m.name] = f if f is not None else kfac_factor(m, stats, projections)
-    dense = [m for m in source.layout if not m.kronecker]
+    dense = [m for m in source.layout if m.name not in factors]
     if dense:
         factors.update(fit_from_rows(source, dense, {}, batch_size))
     return Preconditioner(kind, list(source.layout), factors)
