@@ -223,6 +223,8 @@ class PerSampleNorms:
                     norm_in.append(p.grad if old is None else p.grad - old)
                     owner.append(j)
         loss = [] if self._loss is None else [self._loss.to(torch.float64)]
+        # a sparse .grad (nn.Embedding(sparse=True)): the norm of its coalesced values
+        norm_in = [g.coalesce().values() if g.is_sparse else g for g in norm_in]
         with torch.no_grad():  # .grad may carry a graph (create_graph=True): build none
             parts = [*(torch._foreach_norm(norm_in) if norm_in else ()), *scalars, *loss]
             vector = torch.stack(parts)

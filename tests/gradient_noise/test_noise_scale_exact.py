@@ -128,3 +128,29 @@ def test_per_sample_streaming_leaves_frozen_parameters_out_of_both_sides():
     n, small, big = len(g), g.pow(2).sum(1).mean(), g.mean(0).pow(2).sum()
     assert gns.trace_sigma == pytest.approx(((small - big) / (1 - 1 / n)).item(), rel=1e-4)
     assert gns.grad_sq_norm == pytest.approx(((n * big - small) / (n - 1)).item(), rel=1e-4)
+
+
+def test_per_sample_streaming_reads_a_sparse_embedding_gradient():
+    """nn.Embedding(sparse=True): the batch gradient's norm comes from the sparse .grad (its
+    coalesced values), equal to the dense embedding's per torch.func per-sample gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(12, 3))
+    x, y = torch.randint(0, 10, (6, 3)), torch.randint(0, 3, (6,))
+    gns = nnstat.NoiseScale()
+    gns.watch(model)
+    with gns.batch():
+        nn.functional.cross_entropy(model(x), y).backward()
+    gns.unwatch()
+    assert model[0].weight.grad.is_sparse
+
+    def loss(p, xi, yi):
+        return nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
+
+    model[0].sparse = False  # torch.func differentiates the same lookup densely
+    per = vmap(grad(loss), in_dims=(None, 0, 0))(
+        {k: p.detach() for k, p in model.named_parameters()}, x, y
+    )
+    g = torch.cat([v.flatten(1) for v in per.values()], 1).double()
+    n, small, big = len(g), g.pow(2).sum(1).mean(), g.mean(0).pow(2).sum()
+    assert gns.trace_sigma == pytest.approx(((small - big) / (1 - 1 / n)).item(), rel=1e-4)
+    assert gns.grad_sq_norm == pytest.approx(((n * big - small) / (n - 1)).item(), rel=1e-4)
