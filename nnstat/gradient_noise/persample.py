@@ -19,6 +19,7 @@ from torch import nn
 from nnstat.capture.capture import ModuleCapture, modules_by_size
 from nnstat.capture.norms import sq_norm_sums
 from nnstat.distributed import rank_world
+from nnstat.gradient_noise.batches import norm_view
 
 
 @dataclass(eq=False)
@@ -223,8 +224,7 @@ class PerSampleNorms:
                     norm_in.append(p.grad if old is None else p.grad - old)
                     owner.append(j)
         loss = [] if self._loss is None else [self._loss.to(torch.float64)]
-        # a sparse .grad (nn.Embedding(sparse=True)): the norm of its coalesced values
-        norm_in = [g.coalesce().values() if g.is_sparse else g for g in norm_in]
+        norm_in = [norm_view(g) for g in norm_in]  # a sparse .grad: its coalesced values
         with torch.no_grad():  # .grad may carry a graph (create_graph=True): build none
             parts = [*(torch._foreach_norm(norm_in) if norm_in else ()), *scalars, *loss]
             vector = torch.stack(parts)

@@ -154,3 +154,25 @@ def test_per_sample_streaming_reads_a_sparse_embedding_gradient():
     n, small, big = len(g), g.pow(2).sum(1).mean(), g.mean(0).pow(2).sum()
     assert gns.trace_sigma == pytest.approx(((small - big) / (1 - 1 / n)).item(), rel=1e-4)
     assert gns.grad_sq_norm == pytest.approx(((n * big - small) / (n - 1)).item(), rel=1e-4)
+
+
+@pytest.mark.parametrize("method", ["two_batch", "fit"])
+def test_one_shot_estimators_read_sparse_embedding_gradients(method):
+    """The batch-gradient estimators on nn.Embedding(sparse=True) equal those of the same
+    model with a dense lookup (same weights, same batches)."""
+    import copy
+
+    torch.manual_seed(0)
+    sparse = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(12, 3))
+    dense = copy.deepcopy(sparse)
+    dense[0].sparse = False
+    data = (torch.randint(0, 10, (64, 3)), torch.randint(0, 3, (64,)))
+    got, ref = (
+        nnstat.noise_scale(
+            m, nn.functional.cross_entropy, data, small_batch=4, big_batch=16, n_estimates=4,
+            method=method,
+        )  # fmt: skip
+        for m in (sparse, dense)
+    )
+    assert got.trace_sigma == pytest.approx(ref.trace_sigma, rel=1e-5)
+    assert got.grad_sq_norm == pytest.approx(ref.grad_sq_norm, rel=1e-5)
