@@ -18,6 +18,7 @@ is read back inside the step.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +41,10 @@ class StagedPairs:
     is the one vector to read back; `resolve` turns its host values into `Pairs` (``None``: the
     observation is dropped, with a warning saying why).
 
+    Every feed of two-batch norms (gradient accumulation's micro-batches, the DDP hook) stages
+    one of these, so the check that drops a step with non-finite norms lives here, once, on
+    the values the tracker reads anyway: the step itself reads nothing.
+
     Example:
         >>> s = StagedPairs(torch.tensor([3.0, 2.0]), lambda v: ([], v[:1], v[1:], 1, 4))
         >>> s.resolve(s.values.tolist())
@@ -50,7 +55,25 @@ class StagedPairs:
     combine: Callable[[list[float]], Pairs | None]
 
     def resolve(self, values: list[float]) -> Pairs | None:
-        """`Pairs` from the host values of `values` (``None``: dropped)."""
+        """`Pairs` from the host values of `values`.
+
+        Args:
+            values: `values` read back to the host, as floats.
+
+        Returns:
+            The observation, or ``None`` when it is dropped with a ``RuntimeWarning``: a
+            non-finite norm (NaN/Inf gradients, e.g. a mixed-precision overflow that the
+            GradScaler skips: not a gradient the optimizer applies), or what `combine` refuses.
+        """
+        if not all(map(math.isfinite, values)):
+            warnings.warn(
+                "nnstat: the noise scale left out an optimizer step with non-finite gradients "
+                "(NaN/Inf: a mixed-precision overflow, which the GradScaler skips, or a NaN "
+                "from the loss or the data)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
         return self.combine(values)
 
 

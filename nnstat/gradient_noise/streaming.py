@@ -316,6 +316,8 @@ class NoiseScale:
         gradients are final (before clipping), adds ``mean_k |g_k|^2`` against the accumulated
         gradient's ``|G|^2`` (``B_big`` = all the step's samples), per module. Nothing beyond
         one multi-tensor norm per micro-batch runs, and nothing is read back inside the step.
+        A step whose gradients hold NaN/Inf (one the GradScaler skips) is left out, with a
+        ``RuntimeWarning`` when its norms arrive.
 
         Args:
             model: the network (every parameter that requires a gradient).

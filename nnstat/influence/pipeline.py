@@ -11,7 +11,8 @@ device scores block ``k``; the main thread copies each buffer to the device with
 ``non_blocking=True`` on a side stream, and the scoring stream waits for that copy's event, so
 disk reads, host-to-device copies and scoring overlap. Rows already on the device pass through.
 `stream_to` does the same for a source whose store holds factored rows (``factors=c``): the
-rows travel as stored, 4-8x fewer bytes than dense, and are multiplied out on the device.
+rows travel as stored, 4-8x fewer bytes than dense, and stay factored on the device, where the
+scoring contracts them chunk by chunk (`nnstat.influence.ondevice`).
 
 The thread is a `nnstat.background.worker.Reader` and the host buffers a
 `nnstat.background.transfer.HostBuffers` pool, handed back with the event of the device copy
@@ -167,11 +168,12 @@ def stream_to(
     device: torch.device | str,
     max_rows: int = 0,
 ) -> Iterator[Block]:
-    """`read_ahead` of ``blocks_of(source)`` with the rows dense on ``device``.
+    """`read_ahead` of ``blocks_of(source)`` with the rows on ``device`` as stored.
 
     A store of factored rows (`StoreSource.factored`) is read as stored (`StoreSource.stored_rows`):
-    the host buffers and the host-to-device copy carry the stored bytes, and each block is
-    multiplied out on ``device`` (`StoreSource.dense`: one batched product per factored module).
+    the host buffers and the host-to-device copy carry the stored bytes, and the blocks stay
+    factored on ``device`` (the consumer scores them with `FactoredScores`, or multiplies a chunk
+    out at a time with `StoreSource.dense`).
 
     Args:
         source: the training rows.
@@ -180,7 +182,7 @@ def stream_to(
         max_rows: rows of the largest block (sizes the host buffers once).
 
     Returns:
-        ``(key, ids, dense rows on device)`` blocks, valid until the next is requested.
+        ``(key, ids, rows on device as stored)`` blocks, valid until the next is requested.
 
     Example:
         >>> from nnstat.influence.sources import TensorSource
@@ -188,16 +190,6 @@ def stream_to(
         >>> [rows.shape[0] for _, _, rows in stream_to(src, lambda s: units(s, 2), "cpu")]
         [2, 1]
     """
-    if not getattr(source, "factored", False):
-        return read_ahead(blocks_of(source), device, max_rows)
-    return _densified(source, read_ahead(blocks_of(source.stored_rows()), device, max_rows))
-
-
-def _densified(source: Any, blocks: Iterator[Block]) -> Iterator[Block]:
-    try:
-        for key, ids, rows in blocks:
-            yield key, ids, source.dense(rows)
-    finally:
-        close = getattr(blocks, "close", None)
-        if close is not None:
-            close()  # stops the reader thread now, not when the generator is collected
+    if getattr(source, "factored", False):
+        source = source.stored_rows()
+    return read_ahead(blocks_of(source), device, max_rows)

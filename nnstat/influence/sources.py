@@ -154,7 +154,7 @@ class StoreSource:
         self.ids = list(store.ids)
         self.root = Path(_store_root(store))
         # factored rows (meta's modules with "factors") are densified a block at a time, on the
-        # host unless a view from `stored_rows` hands them out as stored (for a device to densify)
+        # host unless a view from `stored_rows` hands them out as stored (for a device to score)
         self._factored = self.meta["modules"] if is_factored(self.meta) else None
         self._host_dense = True
         try:
@@ -224,8 +224,8 @@ class StoreSource:
     def stored_rows(self) -> StoreSource:
         """A view of this source whose blocks (`iter_blocks`, `iter_shard_blocks`) are the rows
         as stored: factored modules are not multiplied out, so the device branch of scoring
-        copies the stored bytes (4-8x fewer than the dense ones) and densifies on the device
-        with `dense`.
+        copies the stored bytes (4-8x fewer than the dense ones) and scores them there as
+        stored (`FactoredScores`; `dense` multiplies a chunk out where norms need it).
 
         Returns:
             A shallow copy sharing the store, ids and fingerprint.
