@@ -130,19 +130,26 @@ class LoggedSpace:
         """Module ``s``'s matrix form of ``flat`` ``[k, P]``, or of its parts (one
         ``[k, *shape]`` tensor per parameter, in `layout` order)."""
         if isinstance(flat, torch.Tensor):
-            k = flat.shape[0]
+            k, like = flat.shape[0], flat
             params = {
                 key: flat[:, off : off + n].reshape(k, *shape) for key, _, shape, off, n in s.params
             }
         else:
             first = self._first[id(s)]
             params = {p[0]: flat[first + i] for i, p in enumerate(s.params)}
+            k, like = len(flat[0]), flat[0]
+        for key, p in s.module.named_parameters(recurse=False):
+            # a frozen parameter is not in the space (no curvature is taken in its directions)
+            if key not in params:
+                params[key] = like.new_zeros(k, *p.shape)
         return s.kind.matrix_from_params(s.module, params)
 
     def write(self, out: torch.Tensor, s: _Slot, mat: torch.Tensor) -> None:
+        offsets = {key: (off, n) for key, _, _, off, n in s.params}
         for key, value in s.kind.grads_by_param(s.module, mat).items():
-            _, _, _, off, n = next(p for p in s.params if p[0] == key)
-            out[:, off : off + n] = value.reshape(len(value), n)
+            if key in offsets:  # a frozen parameter's part is dropped (see `matrix`)
+                off, n = offsets[key]
+                out[:, off : off + n] = value.reshape(len(value), n)
 
     def project(self, flat: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         """``vec(P_out X P_inᵀ)`` of every module: flat parameters (or their parts, see
