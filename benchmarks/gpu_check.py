@@ -123,6 +123,8 @@ CUDA_FILES = [
     "tests/influence/test_refine_device.py",
     # a factored store scored on the device: the copy carries the stored bytes
     "tests/store/test_store_factored.py",
+    # a 16-bit store scored on the device: the copy carries 2 bytes a value, widened there
+    "tests/influence/test_stored_dtype_device.py",
 ]
 # seconds for the whole check (the caps of `parts` sum to at most this: one device call with
 # time to run it again)

@@ -308,4 +308,5 @@ class DDPStepNorms:
 
 def _whole_model(b_small: int, b_big: int, v: list[float]) -> Any:
     # a step with non-finite norms never gets here: `StagedPairs.resolve` drops it
+    # (`maths.finite_step`)
     return [], v[:1], v[1:], b_small, b_big

@@ -18,7 +18,6 @@ is read back inside the step.
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from nnstat.gradient_noise.batches import norm_dtype, sq_norms
+from nnstat.gradient_noise.maths import finite_step
 
 __all__ = ["MicroBatchNorms", "Pairs", "StagedPairs"]
 
@@ -42,8 +42,9 @@ class StagedPairs:
     observation is dropped, with a warning saying why).
 
     Every feed of two-batch norms (gradient accumulation's micro-batches, the DDP hook) stages
-    one of these, so the check that drops a step with non-finite norms lives here, once, on
-    the values the tracker reads anyway: the step itself reads nothing.
+    one of these; a step with non-finite norms is dropped by
+    `nnstat.gradient_noise.maths.finite_step` (the check the per-sample feed's `StagedNorms`
+    shares), on the values the tracker reads anyway: the step itself reads nothing.
 
     Example:
         >>> s = StagedPairs(torch.tensor([3.0, 2.0]), lambda v: ([], v[:1], v[1:], 1, 4))
@@ -65,16 +66,7 @@ class StagedPairs:
             non-finite norm (NaN/Inf gradients, e.g. a mixed-precision overflow that the
             GradScaler skips: not a gradient the optimizer applies), or what `combine` refuses.
         """
-        if not all(map(math.isfinite, values)):
-            warnings.warn(
-                "nnstat: the noise scale left out an optimizer step with non-finite gradients "
-                "(NaN/Inf: a mixed-precision overflow, which the GradScaler skips, or a NaN "
-                "from the loss or the data)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return None
-        return self.combine(values)
+        return self.combine(values) if finite_step(values) else None
 
 
 def module_names(names: list[str]) -> tuple[list[str], list[int]]:

@@ -20,25 +20,58 @@ from nnstat.capture.capture import ModuleCapture, modules_by_size
 from nnstat.capture.norms import sq_norm_sums
 from nnstat.distributed import rank_world
 from nnstat.gradient_noise.batches import norm_view
+from nnstat.gradient_noise.maths import finite_step
 
 
 @dataclass(eq=False)
 class StagedNorms:
     """A captured batch whose squared norms are still on the device: `values` is the one
-    vector to read back; `resolve` turns its values into ``(names, small, big, n)``."""
+    vector to read back; `resolve` turns its values into ``(names, small, big, n)``.
+
+    A batch whose norms hold NaN/Inf is left out with a warning where a training loop feeds
+    it (`nnstat.NoiseScale.batch`: a step the GradScaler skips for an overflow), by the check
+    every hooked feed shares (`nnstat.gradient_noise.maths.finite_step`), and refused with
+    ``strict`` where it is a measurement of its own (`nnstat.noise_scale`: bad data or weights).
+
+    Example:
+        >>> s = StagedNorms(["0"], 4, torch.tensor([3.0, 2.0]), lambda v: (v[:1], v[1:]))
+        >>> s.resolve(s.values.tolist())
+        (['0'], [3.0], [2.0], 4)
+    """
 
     names: list[str]
     n: int
     values: torch.Tensor
     combine: Callable[[list[float]], tuple[list[float], list[float]]]
 
-    def resolve(self, values: list[float]) -> tuple[list[str], list[float], list[float], int]:
-        """``(module names, mean_i |g_i|^2, |G_B|^2, n)`` from the host values of `values`."""
+    def resolve(
+        self, values: list[float], strict: bool = False
+    ) -> tuple[list[str], list[float], list[float], int] | None:
+        """``(module names, mean_i |g_i|^2, |G_B|^2, n)`` from the host values of `values`.
+
+        Args:
+            values: `values` read back to the host, as floats.
+            strict: raise for non-finite norms instead of leaving the batch out.
+
+        Returns:
+            The batch's norms, or ``None`` (not ``strict``) when it is left out with a
+            ``RuntimeWarning``: a NaN/Inf value (a mixed-precision overflow, or a NaN from the
+            loss or the data).
+
+        Raises:
+            ValueError: with ``strict``, a non-finite loss (given to `PerSampleNorms.check_loss`)
+                or non-finite norms, naming the first module that holds them.
+        """
+        if not strict and not finite_step(values):
+            return None
         small, big = self.combine(values)
         if not math.isfinite(sum(small) + sum(big)):  # all >= 0: NaN/Inf survive the sum
             for k, s_, b_ in zip(self.names, small, big, strict=True):
                 if not (math.isfinite(s_) and math.isfinite(b_)):
-                    raise ValueError(f"gradient norms of {k!r} contain NaN or Inf")
+                    raise ValueError(
+                        f"gradient norms of {k!r} contain NaN or Inf: check the data, the "
+                        "model's weights and the loss's gradient (e.g. sqrt or log at 0)"
+                    )
         return self.names, small, big, self.n
 
 
@@ -152,9 +185,12 @@ class PerSampleNorms:
         self._caps = []
 
     def end(self) -> tuple[list[str], list[float], list[float], int]:
-        """Close the batch: ``(module names, mean_i |g_i|^2, |G_B|^2, n)`` per module."""
+        """Close the batch: ``(module names, mean_i |g_i|^2, |G_B|^2, n)`` per module, read
+        back at once (a measurement: NaN/Inf norms or loss raise, see `StagedNorms.resolve`)."""
         staged = self.end_staged()
-        return staged.resolve(staged.values.tolist())
+        resolved = staged.resolve(staged.values.tolist(), strict=True)
+        assert resolved is not None  # strict: raises rather than leaving the batch out
+        return resolved
 
     def end_staged(self) -> StagedNorms:
         """Close the batch, its norms left on the device (`StagedNorms`: one vector to read)."""

@@ -387,7 +387,7 @@ def _on_host(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKInf
     strict, major, shards = not t.finite, top is not None, _shards(t)
     # a factored store's blocks come as stored and are scored without their dense form
     factored = scores_as_stored(job.q_pre, t)
-    blocks = _my_units(t.stored_rows() if factored is not None else t, batch_size)
+    blocks = _my_units(t.stored_rows(widen=True) if factored is not None else t, batch_size)
     for unit, ids, rows in blocks:
         if buffer is not None:
             out = buffer[filled : filled + len(ids)]
