@@ -7,7 +7,8 @@ backward (no per-sample gradient is kept) and we read the batch gradient from ``
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from torch import nn
 from nnstat.capture.capture import ModuleCapture, modules_by_size
 from nnstat.capture.norms import sq_norm_sums
 from nnstat.distributed import rank_world
+from nnstat.gradient_noise.batches import norm_view
 from nnstat.gradient_noise.maths import finite_step
 
 
@@ -89,10 +91,27 @@ class PerSampleNorms:
         from nnstat.capture.engine import CaptureEngine
 
         self.engine = CaptureEngine()
-        self.names = self.engine.watch(model, name_filter=name_filter, type_filter=type_filter)
-        if not self.names:
-            raise ValueError("the capture engine found no supported module to watch in the model")
+        names = self.engine.watch(model, name_filter=name_filter, type_filter=type_filter)
         modules = self.engine.watched  # name -> module (the root module is named "model")
+        # the batch gradient is read from .grad, which frozen parameters do not have: a module
+        # whose per-sample norms would count them (all or some of its parameters frozen) would
+        # make the two sides of the estimate disagree; its captures are ignored
+        self.names, partly = trainable_modules(names, modules)
+        if partly:
+            warnings.warn(
+                f"per-sample noise scale: modules {partly} have frozen (requires_grad=False) "
+                "and trainable parameters; their per-sample norms would count the frozen ones, "
+                "so they are left out of the estimate (freeze or unfreeze them whole)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        if not self.names:
+            raise ValueError(
+                "the capture engine found no supported module with trainable parameters to "
+                "watch in the model (modules whose parameters have requires_grad=False are "
+                "left out)"
+            )
+        self._kept = set(self.names)
         self.params: dict[str, list[nn.Parameter]] = {
             n: [p for p in modules[n].parameters(recurse=False) if p.requires_grad]
             for n in self.names
@@ -114,6 +133,7 @@ class PerSampleNorms:
         return {id(p) for ps in self.params.values() for p in ps}
 
     def on_backward(self, caps: list[ModuleCapture]) -> None:
+        caps = [cap for cap in caps if cap.name in self._kept]
         for cap in caps:
             if cap.name in self._seen:
                 raise RuntimeError(
@@ -240,6 +260,7 @@ class PerSampleNorms:
                     norm_in.append(p.grad if old is None else p.grad - old)
                     owner.append(j)
         loss = [] if self._loss is None else [self._loss.to(torch.float64)]
+        norm_in = [norm_view(g) for g in norm_in]  # a sparse .grad: its coalesced values
         with torch.no_grad():  # .grad may carry a graph (create_graph=True): build none
             parts = [*(torch._foreach_norm(norm_in) if norm_in else ()), *scalars, *loss]
             vector = torch.stack(parts)
@@ -266,6 +287,28 @@ class PerSampleNorms:
 
     def close(self) -> None:
         self.engine.unwatch()
+
+
+def trainable_modules(
+    names: Sequence[str], modules: Mapping[str, nn.Module]
+) -> tuple[list[str], list[str]]:
+    """The watched modules whose parameters all train, and those with frozen and trainable
+    parameters mixed (modules with every parameter frozen are in neither).
+
+    Example:
+        >>> m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 1))
+        >>> _ = m[0].requires_grad_(False), m[1].weight.requires_grad_(False)
+        >>> trainable_modules(["0", "1", "2"], {"0": m[0], "1": m[1], "2": m[2]})
+        (['2'], ['1'])
+    """
+    kept, partly = [], []
+    for n in names:
+        flags = {p.requires_grad for p in modules[n].parameters(recurse=False)}
+        if flags == {True}:
+            kept.append(n)
+        elif flags == {True, False}:
+            partly.append(n)
+    return kept, partly
 
 
 def batch_grad_sq(cap: Any) -> torch.Tensor:

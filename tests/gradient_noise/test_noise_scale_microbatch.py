@@ -360,3 +360,42 @@ def test_meta_ops_grow_with_micro_batches_not_tensors_and_read_nothing():
         "aten::_foreach_norm": norms, "aten::stack": norms, "aten::pow": norms, "aten::cat": 2,
         "aten::_to_copy": 1,
     }  # fmt: skip
+
+
+def test_sparse_embedding_gradients_are_measured():
+    """nn.Embedding(sparse=True) brings sparse gradients to the hooks and to .grad: their norms
+    are those of the dense gradients (autograd on the dense twin of the lookup)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(12, 3))
+    x, y = torch.randint(0, 10, (6, 3)), torch.randint(0, 3, (6,))
+    k, b = 3, 2
+    gns = nnstat.NoiseScale()
+    micro = gns.watch_microbatches(model, micro_batch_size=b, accumulation="sum")
+    for i in range(k):
+        nn.functional.cross_entropy(
+            model(x[i * b : (i + 1) * b]), y[i * b : (i + 1) * b]
+        ).backward()
+    assert model[0].weight.grad.is_sparse
+    assert micro.end_step()
+    gns.unwatch()
+    model[0].sparse = False
+    means = [
+        torch.cat(
+            [
+                g.flatten()
+                for g in torch.autograd.grad(
+                    nn.functional.cross_entropy(
+                        model(x[i * b : (i + 1) * b]), y[i * b : (i + 1) * b]
+                    ),
+                    list(model.parameters()),
+                )
+            ]
+        ).double()
+        for i in range(k)
+    ]
+    stack = torch.stack(means)
+    g_sq, trace = two_batch(
+        float(stack.pow(2).sum(1).mean()), float(stack.mean(0).pow(2).sum()), b, k * b
+    )
+    assert gns.grad_sq_norm == pytest.approx(g_sq, rel=1e-4)
+    assert gns.trace_sigma == pytest.approx(trace, rel=1e-4)
