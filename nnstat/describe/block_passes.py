@@ -165,6 +165,15 @@ def run_passes(passes: Sequence[BlockPass]) -> list[Any]:
     holds, a scheduler slice when the OS preempted it). Each block still writes its own slot,
     so the results are those of running the passes one by one, bit for bit.
 
+    Args:
+        passes: prepared passes (`BlockPass`), e.g. `nnstat.describe.numpy_blocks`' ``*_pass``.
+
+    Returns:
+        Each pass' ``finish()``, in the order of `passes`.
+
+    Raises:
+        Exception: the first failure of a block (on either thread), once no block is running.
+
     Example:
         >>> x, sums, maxima = np.arange(6.0), np.zeros(3), np.zeros(2)
         >>> def sum_of(k, lane):

@@ -161,6 +161,9 @@ def weight_update_pass(
     passes (`run_passes`). Tensors the numpy blocks do not take (half precision, other
     devices) are reduced now, with torch ops (and refreshed now if `refresh`).
 
+    Raises:
+        ValueError: the lists differ in length, or a pair in shape.
+
     Example:
         >>> w, prev = [torch.tensor([3.0, -4.0])], [torch.tensor([3.0, -5.0])]
         >>> run_passes([weight_update_pass(w, prev)])[0].tolist()
@@ -377,6 +380,9 @@ def block_partials(
 def norm_partials_pass(tensors: Sequence[torch.Tensor], stats: tuple[str, ...]) -> BlockPass:
     """`block_partials` of statistics that need no moment pass (`partials.NORM_STATS`) as a
     `BlockPass` (its result is ``(rows, eps)``), to run with other passes (`run_passes`).
+
+    Raises:
+        ValueError: `stats` need the moment pass (use `block_partials`).
 
     Example:
         >>> (rows, _), = run_passes([norm_partials_pass([torch.tensor([3.0, -4.0])], ("l2",))])

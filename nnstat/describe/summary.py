@@ -170,6 +170,17 @@ def summarize_pass(tensors: Sequence[torch.Tensor], stats: tuple[str, ...]) -> B
     its result is that table) to run with other passes in one (`block_passes.run_passes`):
     plain CPU tensors whose statistics need no moment pass. None otherwise (call `summarize`).
 
+    Args:
+        tensors: the tensors, one row each.
+        stats: statistic names (`STAT_NAMES`).
+
+    Returns:
+        The pass, or None where `summarize` takes another path (no tensors, a tensor off the
+        CPU or a DTensor, statistics that need the moment pass).
+
+    Raises:
+        ValueError: an unknown statistic name.
+
     Example:
         >>> from nnstat.describe.block_passes import run_passes
         >>> x = [torch.tensor([3.0, -4.0])]
