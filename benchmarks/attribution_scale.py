@@ -10,7 +10,12 @@ through the public API, scores ``--queries`` query sequences against the store, 
 passes); it prints tokens/s, peak device memory (``torch.cuda.max_memory_allocated``) and
 seconds per stage. LogIX logs the same model and batches in the same run when ``logix`` is
 importable (its LoRA logging, as in ``benchmarks/scale.py``); else the table says it was
-skipped. ``--gpt2-refine`` then runs the 12-layer GPT-2 refinement row of
+skipped. Then the scoring target: ``--queries`` queries scored through
+``compute_influence_all(..., device=...)`` against a ``--score-rows``-row store of factored rows
+(``--score-modules`` modules of the factored run's shape, rank 64 x 64 at c = 8: 4 KiB a module
+a row), its seconds against the host-to-device copy bound of its bytes (one plain ``copy_`` of
+as many bytes from pinned host memory, timed in the same run), and their ratio (target:
+>= 0.5). ``--gpt2-refine`` then runs the 12-layer GPT-2 refinement row of
 ``benchmarks/scale_influence.py`` (its own process and table).
 
     # the whole workload (1,024 sequences x 1,024 tokens)
@@ -22,6 +27,8 @@ skipped. ``--gpt2-refine`` then runs the 12-layer GPT-2 refinement row of
     # a dry run of the whole flow on a CPU (a 2-layer model of the same modules)
     .venv/bin/python benchmarks/attribution_scale.py --device cpu --tiny --n 8 --seq 32 \
         --queries 4 --refine-queries 2 --batch 4
+    # the scoring target only (100,000 factored rows, 64 queries, against the copy bound)
+    python3 benchmarks/attribution_scale.py --device cuda --score-only
     # the memory plan only, on `meta` (no device, no memory): runs anywhere
     .venv/bin/python benchmarks/attribution_scale.py --plan-only --batch 4
 
@@ -381,6 +388,116 @@ def score_and_refine(model, train, query, root: str, args) -> dict:
     return out
 
 
+# ---------------------------------------------------------------- scoring against the copy bound
+
+
+def write_factored_store(
+    root: Path, rows: int, modules: int, rank: int = 64, factors: int = 8, seed: int = 0
+) -> dict:
+    """A store of ``rows`` random factored rows (``modules`` linear modules of ``rank x rank``,
+    ``factors`` pairs each: the layout ``factors=c`` logging writes) in ``root``; returns its
+    meta."""
+    from nnstat.store import StoreWriter
+
+    width = factors * 2 * rank
+    mods = [
+        {"name": f"layer{k}", "kind": "linear", "offset": k * width, "width": width,
+         "r_out": rank, "r_in": rank, "factors": factors}
+        for k in range(modules)
+    ]  # fmt: skip
+    meta = {"format_version": 1, "row_width": modules * width, "dtype": "float32", "modules": mods}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "meta.json").write_text(json.dumps(meta))
+    writer = StoreWriter(root / "shards", row_width=modules * width, shard_rows=25_000)
+    # one random block written again and again: drawing 100,000 rows would cost more than
+    # scoring them, and the time to score does not depend on the values
+    block = torch.randn(4096, modules * width, generator=torch.Generator().manual_seed(seed))
+    for lo in range(0, rows, 4096):
+        n = min(4096, rows - lo)
+        writer.put(list(range(lo, lo + n)), block[:n])
+    writer.close()
+    return meta
+
+
+def copy_seconds(nbytes: int, device: str, repeat: int = 3) -> float:
+    """The fastest of ``repeat`` plain copies of ``nbytes`` from pinned host memory to ``device``
+    (one ``copy_``, synchronised): the bound of bytes that cross the bus once. On a CPU: one
+    copy between two host buffers."""
+    cuda = device.startswith("cuda")
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    src.fill_(1)  # touched: no page faults in the timed copies
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(repeat):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=cuda)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def score_against_copy_bound(root: Path, queries: int, device: str) -> dict:
+    """Score ``queries`` random queries against the factored store at ``root`` through the
+    public API (``compute_influence_all(..., device=device)``, all pairs, ``identity``: the
+    rows, not a fit, are timed) after one untimed call (the page cache, the device's start-up,
+    the pinned buffers); its seconds, the stored bytes that crossed to the device, the copy
+    bound of those bytes (`copy_seconds`) and the ratio of the two (1: at the bound)."""
+    from nnstat.influence import compute_influence_all
+    from nnstat.store import GradientLog, GradientStore
+    from nnstat.store.factored import dense_layout
+
+    store = GradientStore(root)
+    dense = dense_layout(store.meta)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(queries, dense["row_width"], generator=gen)
+    log = GradientLog(list(range(queries)), q, {**store.meta, **dense})
+    kw = {"preconditioner": "identity", "device": device, "progress": False}
+    compute_influence_all(log, store, **kw)
+    _sync(device)
+    start = time.perf_counter()
+    res = compute_influence_all(log, store, **kw)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    nbytes = len(store) * store.row_width * 4
+    bound = copy_seconds(nbytes, device)
+    m = store.meta["modules"][0]
+    return {
+        "store": f"{len(store.meta['modules'])} modules, rank {m['r_out']}, c = {m['factors']}",
+        "rows": len(store),
+        "queries": queries,
+        "bytes": nbytes,
+        "seconds": seconds,
+        "copy_seconds": bound,
+        "ratio": bound / seconds,
+        "result": res,
+        "query_rows": q,
+    }
+
+
+def score_table(r: dict) -> str:
+    """The scoring target's markdown table (of `score_against_copy_bound`)."""
+    head = "| store | queries | GiB stored | score s | GB/s | pinned H2D copy s | of the bound |"
+    row = (
+        f"| {r['rows']:,} factored rows ({r['store']}) | {r['queries']} "
+        f"| {r['bytes'] / 2**30:.2f} | {r['seconds']:.3f} | {r['bytes'] / r['seconds'] / 1e9:.2f} "
+        f"| {r['copy_seconds']:.3f} | {r['ratio']:.0%} |"
+    )
+    return "\n".join([head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: |", row])
+
+
+def run_scoring(args) -> None:
+    """The scoring target's stage (its own temporary store)."""
+    print(f"\n# Scoring {args.queries} queries against a factored store (target: >= 50% of the")
+    print("# host-to-device copy bound of its bytes)")
+    with tempfile.TemporaryDirectory() as root:
+        start = time.perf_counter()
+        write_factored_store(Path(root) / "train", args.score_rows, args.score_modules)
+        print(f"# store written in {time.perf_counter() - start:.1f} s", flush=True)
+        r = score_against_copy_bound(Path(root) / "train", args.queries, args.device)
+    print(score_table(r), flush=True)
+
+
 def _row(name: str, stage: str, r: dict, tokens: int | None) -> str:
     tps = f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else ""
     full = f"{tokens / r['tokens_per_s']:,.0f}" if tokens and "tokens_per_s" in r else ""
@@ -444,16 +561,22 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model: a dry run on a CPU")
     ap.add_argument("--plan-only", action="store_true", help="print the memory plan on meta")
     ap.add_argument("--quick", action="store_true", help="16 x 256 tokens, 8 queries, 2 refined")
+    ap.add_argument("--score-rows", type=int, default=100_000, help="rows of the scored store")
+    ap.add_argument("--score-modules", type=int, default=8, help="its modules (4 KiB a row each)")
+    ap.add_argument("--score-only", action="store_true", help="the scoring target alone")
     args = ap.parse_args()
     if args.quick:
         args.n, args.seq, args.queries, args.refine_queries = 16, 256, 8, 2
+        args.score_rows = 20_000
     if args.plan_only:
         plan = memory_plan(llama_config(), args.batch, args.seq)
         print(json.dumps(asdict(plan) | {"total": plan.total}))
         print(plan.table())
         return
     torch.backends.cuda.matmul.allow_tf32 = True
-    run_gpu(args)
+    if not args.score_only:
+        run_gpu(args)
+    run_scoring(args)
 
 
 if __name__ == "__main__":

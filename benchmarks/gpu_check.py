@@ -123,6 +123,8 @@ CUDA_FILES = [
     "tests/influence/test_refine_device.py",
     # a factored store scored on the device: the copy carries the stored bytes
     "tests/store/test_store_factored.py",
+    # a 16-bit store scored on the device: the copy carries 2 bytes a value, widened there
+    "tests/influence/test_stored_dtype_device.py",
 ]
 # seconds for the whole check (the caps of `parts` sum to at most this: one device call with
 # time to run it again)
@@ -137,6 +139,10 @@ def parts(args: argparse.Namespace) -> list[Part]:
     # blocks of 8 steps: the block's closing flush (once per run in training) is amortised
     scale += ["--steps", "1" if q else "8"]
     quick = ["--quick"] if q else []
+    # the ~1B Llama's stages, then its scoring target: 64 queries against 100,000 factored rows,
+    # timed against the host-to-device copy bound of their bytes
+    attribution = ["--n", "16", "--queries", "64", "--refine-steps", "1"]
+    attribution += ["--score-rows", "100000"]
     return [
         # the installed nnstat: the callbacks' test imports nnstat.integrations
         Part("cuda", ["suite", *CUDA_FILES], 55),
@@ -167,7 +173,7 @@ def parts(args: argparse.Namespace) -> list[Part]:
             # refinement row is the `refine` part's
             "attribution",
             [PY, "benchmarks/attribution_scale.py", "--device", DEV]
-            + (["--quick"] if q else ["--n", "16", "--queries", "64", "--refine-steps", "1"]),
+            + (["--quick"] if q else attribution),
             90,
         ),
         # last: it only needs to pass, and it may use what the budget has left

@@ -33,6 +33,8 @@ from nnstat.integrations._logpass import (
     refinement,
 )
 
+from nnstat.curvature.products import batch_len
+
 __all__ = ["NNStatArguments", "patch_trainer"]
 
 _DATA_IDS = ("index", "hash")
@@ -165,6 +167,7 @@ def patch_trainer(trainer_cls: type) -> type:
             super().__init__(*args, **kwargs)
             self.nnstat_args = nnstat_args
             self.nnstat_run: Any = None
+            self._nnstat_honours_items: bool | None = None  # see _nnstat_sums_items
             self.nnstat_callback: Any = None
             if nnstat_args.track:
                 from nnstat.integrations._hf_callback import watch_trainer
@@ -199,20 +202,34 @@ def patch_trainer(trainer_cls: type) -> type:
 
         def _nnstat_sum_loss(self, inputs: dict[str, Any]) -> torch.Tensor:
             inputs = self._prepare_inputs(inputs)
-            n = (
-                int(inputs[self.nnstat_args.input_key].shape[0])
-                if (self.nnstat_args.input_key in inputs)
-                else None
-            )
-            if "labels" in inputs and getattr(self, "model_accepts_loss_kwargs", False):
+            if "labels" in inputs and self._nnstat_sums_items(inputs):
                 loss = self.compute_loss(self.model, inputs, num_items_in_batch=1)
                 if getattr(self.args, "average_tokens_across_devices", False):
                     # compute_loss multiplies by the process count in that case
                     loss = loss / max(1, self.accelerator.num_processes)
                 return loss
-            if n is None:
-                raise KeyError(f"input_key {self.nnstat_args.input_key!r} not in the batch")
-            return self.compute_loss(self.model, inputs) * n
+            return self.compute_loss(self.model, inputs) * self._nnstat_batch_len(inputs)
+
+        def _nnstat_sums_items(self, inputs: dict[str, Any]) -> bool:
+            """Whether the model's loss divides by ``num_items_in_batch`` (then ``1`` makes it
+            the sum). The Trainer's ``model_accepts_loss_kwargs`` only says that ``forward``
+            takes ``**kwargs``: BERT's and T5's losses take them and still average, so the
+            first batch is asked once (in eval mode, no graph): a loss that honours it halves
+            when ``num_items_in_batch`` doubles."""
+            if not getattr(self, "model_accepts_loss_kwargs", False):
+                return False
+            if self._nnstat_honours_items is None:
+                with torch.no_grad():
+                    one = self.compute_loss(self.model, inputs, num_items_in_batch=1)
+                    two = self.compute_loss(self.model, inputs, num_items_in_batch=2)
+                self._nnstat_honours_items = bool(torch.isclose(one, 2 * two, rtol=1e-4))
+            return self._nnstat_honours_items
+
+        def _nnstat_batch_len(self, batch: Any) -> int:
+            """Samples in ``batch``: dim 0 of its ``input_key`` tensor, else of its first
+            tensor (``pixel_values`` of a vision model)."""
+            key = self.nnstat_args.input_key
+            return int(batch[key].shape[0]) if key in batch else batch_len(batch)
 
         def _nnstat_data(self, loader: Any) -> PassData:
             a = self.nnstat_args
@@ -222,8 +239,14 @@ def patch_trainer(trainer_cls: type) -> type:
                     # asked for explicitly: a 1-D integer tensor alone would be taken as ids
                     from nnstat.store.ids import content_ids
 
+                    if a.input_key not in batch:
+                        raise KeyError(
+                            f"data_id='hash' hashes the batch's {a.input_key!r}, which it "
+                            f"does not hold (keys: {sorted(batch)}); pass "
+                            "NNStatArguments(input_key=<the model's input>)"
+                        )
                     return content_ids(batch[a.input_key])
-                return list(range(start, start + int(batch[a.input_key].shape[0])))
+                return list(range(start, start + self._nnstat_batch_len(batch)))
 
             def mask_fn(batch: Any) -> Any:
                 return None if a.mask_key is None else batch.get(a.mask_key)

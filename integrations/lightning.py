@@ -93,6 +93,36 @@ class NNStatCallback(StatsCallbackBase, Callback):
     def _init_state(self) -> None:
         self.history: list[dict[str, Any]] = []
         self._stepped = True
+        self._scaler: Any = None  # the AMP GradScaler whose unscale_ is wrapped
+
+    # ---------------------------------------------------------------- loss scaling
+    # Under 16-bit AMP Lightning unscales .grad (GradScaler.unscale_) before
+    # on_before_optimizer_step, while the micro-batch estimator measured every micro-batch's
+    # gradient scaled, in its backward: |.grad|^2 read after the unscale lacks their scale
+    # squared (|G|^2 negative, b_simple inf on every step). The step is measured right before
+    # the unscale instead, where .grad carries the same scale as its micro-batches.
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        plugin = getattr(trainer, "precision_plugin", None)
+        scaler = getattr(plugin, "scaler", None)
+        unscale = getattr(scaler, "unscale_", None)
+        if not self.options.noise_scale or unscale is None or self._scaler is scaler:
+            return
+        self._unguard_unscale()
+        hooks = self.hooks
+
+        def unscale_(*args: Any, **kwargs: Any) -> Any:
+            hooks.before_clip()  # .grad as the backwards left it, scaled
+            return unscale(*args, **kwargs)
+
+        unscale_._nnstat_owner = self  # type: ignore[attr-defined]
+        scaler.unscale_ = unscale_
+        self._scaler = scaler
+
+    def _unguard_unscale(self) -> None:
+        scaler, self._scaler = self._scaler, None
+        wrapped = vars(scaler).get("unscale_") if scaler is not None else None
+        if getattr(wrapped, "_nnstat_owner", None) is self:
+            del scaler.unscale_  # the class's method again
 
     def _every(self, trainer: Any) -> int:
         return self.options.every or int(getattr(trainer, "log_every_n_steps", 50) or 50)
@@ -138,6 +168,7 @@ class NNStatCallback(StatsCallbackBase, Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         try:
+            self._unguard_unscale()
             self.hooks.close()  # delivers every step still on its way
         finally:
             self._log_ready(trainer)

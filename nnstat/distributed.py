@@ -205,20 +205,25 @@ def fsdp1_view(local: torch.Tensor, info: tuple[int, Any, Any]) -> torch.Tensor:
 
 def fsdp1_whole(t: torch.Tensor, param: Any, shards: dict[int, tuple[int, Any, Any]]) -> Any:
     """`t` (a tensor belonging to `param`) as a DTensor of the whole when `param` is an FSDP1
-    slice listed in `shards` (from `fsdp1_shards`); unchanged otherwise."""
+    slice listed in `shards` (from `fsdp1_shards`); a sparse `t` (an optimizer state of a
+    sparse gradient) dense; unchanged otherwise."""
     info = shards.get(id(param))
-    return t if info is None else fsdp1_view(t, info)
+    if info is None:
+        return t.to_dense() if t.is_sparse else t
+    return fsdp1_view(t, info)
 
 
 def fsdp1_grad(param: Any, shards: dict[int, tuple[int, Any, Any]]) -> torch.Tensor | None:
     """``param.grad``, for an FSDP1 slice as a DTensor of the whole gradient.
 
     A rank holding no slice of the parameter gets an empty local gradient once the backward ran
-    (the flat parameter has a gradient), so every rank lists the same tensors.
+    (the flat parameter has a gradient), so every rank lists the same tensors. A sparse
+    gradient (``nn.Embedding(sparse=True)``) comes back dense, a copy of the parameter's size:
+    the statistics are those of the whole gradient, zeros included.
     """
     info = shards.get(id(param))
     if info is None:
-        return param.grad
+        return None if param.grad is None else fsdp1_whole(param.grad, param, shards)
     g = param.grad
     if g is None and param.numel() == 0 and info[2].grad is not None:
         g = param.detach()

@@ -45,6 +45,15 @@ def test_the_caps_fit_the_default_budget(gpu_check, quick):
     assert all(p.cap >= 15 for p in parts)  # run_part skips a part with less
 
 
+def test_the_attribution_part_scores_64_queries_against_100000_factored_rows(gpu_check):
+    (part,) = [
+        p for p in gpu_check.parts(argparse.Namespace(quick=False)) if p.name == "attribution"
+    ]
+    cmd = " ".join(part.argv)
+    assert "benchmarks/attribution_scale.py" in cmd
+    assert "--queries 64" in cmd and "--score-rows 100000" in cmd
+
+
 def test_the_cuda_part_holds_every_cuda_test(gpu_check):
     """Every file with a test that runs on the GPU (marked ``cuda``, or choosing its device by
     ``torch.cuda.is_available()``) is in the `cuda` part: none of them runs in the suite's

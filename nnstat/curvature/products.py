@@ -231,20 +231,23 @@ def batched_grad(
     outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]
 ) -> list[torch.Tensor]:
     """``[∂(Σ outputs·v_k)/∂inputs for every k]`` stacked: ``vs`` carry a leading ``[k]``."""
+    k = len(vs[0])
     try:
-        return list(
-            torch.autograd.grad(
-                outputs,
-                inputs,
-                grad_outputs=vs,
-                is_grads_batched=True,
-                retain_graph=True,
-                allow_unused=True,
-                materialize_grads=True,
-            )
+        grads = torch.autograd.grad(
+            outputs,
+            inputs,
+            grad_outputs=vs,
+            is_grads_batched=True,
+            retain_graph=True,
+            allow_unused=True,
         )
+        # an input the outputs do not depend on: zeros with the [k] (materialize_grads=True
+        # would give them without it)
+        return [
+            x.new_zeros((k, *x.shape)) if g is None else g
+            for g, x in zip(grads, inputs, strict=True)
+        ]
     except RuntimeError:  # an operator without a batching rule: one vector at a time
-        k = len(vs[0])
         rows = [
             torch.autograd.grad(
                 outputs,
@@ -285,7 +288,12 @@ def ggn_graph(z: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[torch.Te
     part of the GGN product that does not depend on the vectors, built once per batch
     (`ggn_apply` multiplies)."""
     u = torch.zeros_like(z, requires_grad=True)
-    return u, list(torch.autograd.grad(z, params, grad_outputs=u, create_graph=True))
+    # a parameter ``z`` does not depend on (unused in the forward) gets a zero that `ggn_apply`
+    # leaves out
+    jtu = torch.autograd.grad(
+        z, params, grad_outputs=u, create_graph=True, allow_unused=True, materialize_grads=True
+    )
+    return u, list(jtu)
 
 
 def ggn_apply(
@@ -298,7 +306,10 @@ def ggn_apply(
 ) -> list[torch.Tensor]:
     """``Jᵀ H_L J v_k`` from `ggn_graph`'s ``(u, Jᵀu)``: ``J v`` is the derivative of
     ``u ↦ Jᵀu`` in direction ``v``, ``H_L`` the derivative of ``gz = ∂loss/∂z``."""
-    jv = batched_grad(jtu, [u], vs)[0]  # [k, *z.shape]
+    live = [(t, v) for t, v in zip(jtu, vs, strict=True) if t.requires_grad]
+    if not live:
+        return [v.new_zeros(v.shape[:1] + p.shape) for p, v in zip(params, vs, strict=True)]
+    jv = batched_grad([t for t, _ in live], [u], [v for _, v in live])[0]  # [k, *z.shape]
     hjv = batched_grad([gz], [z], [jv])[0]
     return batched_grad([z], params, [hjv])
 

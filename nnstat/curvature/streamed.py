@@ -338,7 +338,11 @@ class BatchLossCurvature(StreamedCurvature):
         w = sum_weight(batch_len(batch), self.reduction)
         if self.kind == "hessian":
             loss = w * self.batch_loss(batch)
-            return torch.autograd.grad(loss, self.params, create_graph=True)
+            # a parameter the loss does not use (a watched module unused in the forward): a
+            # zero gradient, which `graph_hvp` leaves out of the products
+            return torch.autograd.grad(
+                loss, self.params, create_graph=True, allow_unused=True, materialize_grads=True
+            )
         seen: list[Any] = []
         handles = [
             m.register_forward_hook(lambda m, a, out: seen.append(out))

@@ -223,6 +223,19 @@ def _np_pairs(
     return BlockPass(len(starts), one, lambda: _per_tensor(res, spans))
 
 
+def sum_sq(b: torch.Tensor) -> torch.Tensor:
+    """``sum(b^2)`` of one block, accumulated and returned in `partials.work_dtype` (a half
+    precision dot product returns its sum rounded to that precision: 0.4% off in bfloat16).
+
+    Example:
+        >>> sum_sq(torch.tensor([3.0, 4.0], dtype=torch.bfloat16)).dtype
+        torch.float32
+    """
+    if b.dtype in (torch.float32, torch.float64):
+        return torch.dot(b, b)
+    return torch.linalg.vector_norm(b, dtype=pr.work_dtype(b.dtype)).square()
+
+
 def _torch_pair(w: torch.Tensor, p: torch.Tensor, ws: Workspace, refresh: bool) -> torch.Tensor:
     """One row of `weight_update_norms` with torch ops (accelerators, half precision)."""
     n = w.numel()
@@ -233,7 +246,7 @@ def _torch_pair(w: torch.Tensor, p: torch.Tensor, ws: Workspace, refresh: bool) 
         wb, pb = w[start : start + block], p[start : start + block]
         d = d_buf[: wb.numel()]
         torch.sub(wb, pb, out=d)
-        dw, dd = torch.dot(wb, wb), torch.dot(d, d)
+        dw, dd = sum_sq(wb), sum_sq(d)
         # amin + amax are faster than the one aminmax kernel on CPU
         parts.append(torch.stack([dw, wb.amin(), wb.amax(), dd, d.amin(), d.amax()]))
         # one cheap check per block: NaN/Inf (or float32 overflow) makes a sum non-finite;
@@ -364,8 +377,10 @@ def block_partials(
         [[25.0, 4.0]]
     """
     flat = [t.detach().reshape(-1) for t in tensors]
-    flat = [t if t.is_floating_point() else t.to(torch.float32) for t in flat]
     eps = torch.tensor([pr.eps_of(t.dtype) for t in flat], dtype=torch.float64)
+    # reduced in float32 (`partials.work_dtype`, as the moment pass does): a bfloat16 dot
+    # product or norm returns its sum rounded to bfloat16 (up to 0.4% off), integers have none
+    flat = [t.to(pr.work_dtype(t.dtype)) for t in flat]
     need = set(stats)
     if need - pr.NORM_STATS:
         # one blocked pass gives every statistic (l2, l1, abs_max included)

@@ -137,7 +137,8 @@ def mean_grads(
     # one host read per batch, whatever the number of tensors: an inf-norm is NaN/Inf exactly
     # when its tensor holds one (on a GPU a read per tensor would stall every parameter)
     loss = loss.detach()
-    maxima = [m.to(loss.device, torch.float64) for m in torch._foreach_norm(out, math.inf)]
+    views = [norm_view(g) for g in out]
+    maxima = [m.to(loss.device, torch.float64) for m in torch._foreach_norm(views, math.inf)]
     if not bool(torch.isfinite(torch.stack([loss.double(), *maxima])).all()):
         if not math.isfinite(float(loss)):
             raise ValueError(f"loss_fn returned a non-finite loss ({float(loss)})")
@@ -158,7 +159,19 @@ def sq_norms(grads: Sequence[torch.Tensor], dtype: torch.dtype = torch.float64) 
     """
     if not grads:
         return torch.zeros(0, dtype=dtype)
-    return torch.stack(torch._foreach_norm(list(grads), 2, dtype=dtype)).square()
+    grads = [norm_view(g) for g in grads]
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=dtype)).square()
+
+
+def norm_view(g: torch.Tensor) -> torch.Tensor:
+    """A tensor with the norm of ``g``: ``g`` itself, or for a sparse gradient
+    (``nn.Embedding(sparse=True)``), which the norm kernels do not take, its coalesced values.
+
+    Example:
+        >>> norm_view(torch.tensor([3.0, 0.0, 4.0]).to_sparse()).tolist()  # without the zero
+        [3.0, 4.0]
+    """
+    return g.coalesce().values() if g.is_sparse else g
 
 
 def norm_dtype(grads: Sequence[torch.Tensor]) -> torch.dtype:

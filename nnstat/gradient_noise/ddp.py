@@ -12,7 +12,6 @@ and `DDPNoiseScaleState.detach` turns it back into DDP's plain averaging.
 """
 
 import functools
-import math
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -65,7 +64,7 @@ class DDPNoiseScaleState:
             return
         world = dist.get_world_size(self.process_group)
         b = self.local_batch_size
-        self.tracker.add_staged(StagedPairs(staged, lambda v: ([], v[:1], v[1:], b, b * world)))
+        self.tracker.add_staged(StagedPairs(staged, functools.partial(_whole_model, b, b * world)))
 
     def detach(self) -> None:
         """Stop feeding the tracker: the hook then averages the gradients as DDP's default
@@ -308,13 +307,6 @@ class DDPStepNorms:
 
 
 def _whole_model(b_small: int, b_big: int, v: list[float]) -> Any:
-    if not all(math.isfinite(x) for x in v):
-        # an fp16 step whose loss scale overflowed (the GradScaler skips it): not a gradient
-        warnings.warn(
-            "nnstat: the DDP noise scale left out a step with non-finite gradients (a mixed-"
-            "precision overflow the GradScaler skips)",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
+    # a step with non-finite norms never gets here: `StagedPairs.resolve` drops it
+    # (`maths.finite_step`)
     return [], v[:1], v[1:], b_small, b_big

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,6 +204,39 @@ def doubling_ladder(small: int, big: int) -> list[int]:
     if sizes[-1] != big:
         sizes.append(int(big))
     return sizes
+
+
+def finite_step(values: Sequence[float]) -> bool:
+    """Whether a staged training step's squared norms, read back to the host, are all finite;
+    when not, a ``RuntimeWarning`` says that the step is left out of the noise scale.
+
+    The one check of every hooked feed (per-sample capture, micro-batches, DDP hook): NaN/Inf
+    gradients there come from a mixed-precision overflow (a step the GradScaler skips, so no
+    update the optimizer applies) or a NaN from the loss or the data, and training goes on.
+    It runs on the values the tracker reads anyway, so the step itself reads nothing. A
+    direct `nnstat.NoiseScale.update` with non-finite values still raises: that is input.
+
+    Args:
+        values: the step's staged values, as host floats.
+
+    Returns:
+        ``True`` when every value is finite (the caller adds the step), else ``False`` (after
+        the warning; the caller leaves the step out).
+
+    Example:
+        >>> finite_step([4.0, 1.5])
+        True
+    """
+    if all(map(math.isfinite, values)):
+        return True
+    warnings.warn(
+        "nnstat: the noise scale left out an optimizer step with non-finite gradients "
+        "(NaN/Inf: a mixed-precision overflow, which the GradScaler skips, or a NaN "
+        "from the loss or the data)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return False
 
 
 def warn_if_noise(g_sq: float) -> None:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from nnstat.gradient_noise.batches import norm_dtype, sq_norms
+from nnstat.gradient_noise.maths import finite_step
 
 __all__ = ["MicroBatchNorms", "Pairs", "StagedPairs"]
 
@@ -40,6 +41,11 @@ class StagedPairs:
     is the one vector to read back; `resolve` turns its host values into `Pairs` (``None``: the
     observation is dropped, with a warning saying why).
 
+    Every feed of two-batch norms (gradient accumulation's micro-batches, the DDP hook) stages
+    one of these; a step with non-finite norms is dropped by
+    `nnstat.gradient_noise.maths.finite_step` (the check the per-sample feed's `StagedNorms`
+    shares), on the values the tracker reads anyway: the step itself reads nothing.
+
     Example:
         >>> s = StagedPairs(torch.tensor([3.0, 2.0]), lambda v: ([], v[:1], v[1:], 1, 4))
         >>> s.resolve(s.values.tolist())
@@ -50,8 +56,17 @@ class StagedPairs:
     combine: Callable[[list[float]], Pairs | None]
 
     def resolve(self, values: list[float]) -> Pairs | None:
-        """`Pairs` from the host values of `values` (``None``: dropped)."""
-        return self.combine(values)
+        """`Pairs` from the host values of `values`.
+
+        Args:
+            values: `values` read back to the host, as floats.
+
+        Returns:
+            The observation, or ``None`` when it is dropped with a ``RuntimeWarning``: a
+            non-finite norm (NaN/Inf gradients, e.g. a mixed-precision overflow that the
+            GradScaler skips: not a gradient the optimizer applies), or what `combine` refuses.
+        """
+        return self.combine(values) if finite_step(values) else None
 
 
 def module_names(names: list[str]) -> tuple[list[str], list[int]]:

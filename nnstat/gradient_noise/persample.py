@@ -7,7 +7,8 @@ backward (no per-sample gradient is kept) and we read the batch gradient from ``
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -18,25 +19,59 @@ from torch import nn
 from nnstat.capture.capture import ModuleCapture, modules_by_size
 from nnstat.capture.norms import sq_norm_sums
 from nnstat.distributed import rank_world
+from nnstat.gradient_noise.batches import norm_view
+from nnstat.gradient_noise.maths import finite_step
 
 
 @dataclass(eq=False)
 class StagedNorms:
     """A captured batch whose squared norms are still on the device: `values` is the one
-    vector to read back; `resolve` turns its values into ``(names, small, big, n)``."""
+    vector to read back; `resolve` turns its values into ``(names, small, big, n)``.
+
+    A batch whose norms hold NaN/Inf is left out with a warning where a training loop feeds
+    it (`nnstat.NoiseScale.batch`: a step the GradScaler skips for an overflow), by the check
+    every hooked feed shares (`nnstat.gradient_noise.maths.finite_step`), and refused with
+    ``strict`` where it is a measurement of its own (`nnstat.noise_scale`: bad data or weights).
+
+    Example:
+        >>> s = StagedNorms(["0"], 4, torch.tensor([3.0, 2.0]), lambda v: (v[:1], v[1:]))
+        >>> s.resolve(s.values.tolist())
+        (['0'], [3.0], [2.0], 4)
+    """
 
     names: list[str]
     n: int
     values: torch.Tensor
     combine: Callable[[list[float]], tuple[list[float], list[float]]]
 
-    def resolve(self, values: list[float]) -> tuple[list[str], list[float], list[float], int]:
-        """``(module names, mean_i |g_i|^2, |G_B|^2, n)`` from the host values of `values`."""
+    def resolve(
+        self, values: list[float], strict: bool = False
+    ) -> tuple[list[str], list[float], list[float], int] | None:
+        """``(module names, mean_i |g_i|^2, |G_B|^2, n)`` from the host values of `values`.
+
+        Args:
+            values: `values` read back to the host, as floats.
+            strict: raise for non-finite norms instead of leaving the batch out.
+
+        Returns:
+            The batch's norms, or ``None`` (not ``strict``) when it is left out with a
+            ``RuntimeWarning``: a NaN/Inf value (a mixed-precision overflow, or a NaN from the
+            loss or the data).
+
+        Raises:
+            ValueError: with ``strict``, a non-finite loss (given to `PerSampleNorms.check_loss`)
+                or non-finite norms, naming the first module that holds them.
+        """
+        if not strict and not finite_step(values):
+            return None
         small, big = self.combine(values)
         if not math.isfinite(sum(small) + sum(big)):  # all >= 0: NaN/Inf survive the sum
             for k, s_, b_ in zip(self.names, small, big, strict=True):
                 if not (math.isfinite(s_) and math.isfinite(b_)):
-                    raise ValueError(f"gradient norms of {k!r} contain NaN or Inf")
+                    raise ValueError(
+                        f"gradient norms of {k!r} contain NaN or Inf: check the data, the "
+                        "model's weights and the loss's gradient (e.g. sqrt or log at 0)"
+                    )
         return self.names, small, big, self.n
 
 
@@ -56,10 +91,27 @@ class PerSampleNorms:
         from nnstat.capture.engine import CaptureEngine
 
         self.engine = CaptureEngine()
-        self.names = self.engine.watch(model, name_filter=name_filter, type_filter=type_filter)
-        if not self.names:
-            raise ValueError("the capture engine found no supported module to watch in the model")
+        names = self.engine.watch(model, name_filter=name_filter, type_filter=type_filter)
         modules = self.engine.watched  # name -> module (the root module is named "model")
+        # the batch gradient is read from .grad, which frozen parameters do not have: a module
+        # whose per-sample norms would count them (all or some of its parameters frozen) would
+        # make the two sides of the estimate disagree; its captures are ignored
+        self.names, partly = trainable_modules(names, modules)
+        if partly:
+            warnings.warn(
+                f"per-sample noise scale: modules {partly} have frozen (requires_grad=False) "
+                "and trainable parameters; their per-sample norms would count the frozen ones, "
+                "so they are left out of the estimate (freeze or unfreeze them whole)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        if not self.names:
+            raise ValueError(
+                "the capture engine found no supported module with trainable parameters to "
+                "watch in the model (modules whose parameters have requires_grad=False are "
+                "left out)"
+            )
+        self._kept = set(self.names)
         self.params: dict[str, list[nn.Parameter]] = {
             n: [p for p in modules[n].parameters(recurse=False) if p.requires_grad]
             for n in self.names
@@ -81,6 +133,7 @@ class PerSampleNorms:
         return {id(p) for ps in self.params.values() for p in ps}
 
     def on_backward(self, caps: list[ModuleCapture]) -> None:
+        caps = [cap for cap in caps if cap.name in self._kept]
         for cap in caps:
             if cap.name in self._seen:
                 raise RuntimeError(
@@ -132,9 +185,12 @@ class PerSampleNorms:
         self._caps = []
 
     def end(self) -> tuple[list[str], list[float], list[float], int]:
-        """Close the batch: ``(module names, mean_i |g_i|^2, |G_B|^2, n)`` per module."""
+        """Close the batch: ``(module names, mean_i |g_i|^2, |G_B|^2, n)`` per module, read
+        back at once (a measurement: NaN/Inf norms or loss raise, see `StagedNorms.resolve`)."""
         staged = self.end_staged()
-        return staged.resolve(staged.values.tolist())
+        resolved = staged.resolve(staged.values.tolist(), strict=True)
+        assert resolved is not None  # strict: raises rather than leaving the batch out
+        return resolved
 
     def end_staged(self) -> StagedNorms:
         """Close the batch, its norms left on the device (`StagedNorms`: one vector to read)."""
@@ -204,6 +260,7 @@ class PerSampleNorms:
                     norm_in.append(p.grad if old is None else p.grad - old)
                     owner.append(j)
         loss = [] if self._loss is None else [self._loss.to(torch.float64)]
+        norm_in = [norm_view(g) for g in norm_in]  # a sparse .grad: its coalesced values
         with torch.no_grad():  # .grad may carry a graph (create_graph=True): build none
             parts = [*(torch._foreach_norm(norm_in) if norm_in else ()), *scalars, *loss]
             vector = torch.stack(parts)
@@ -230,6 +287,28 @@ class PerSampleNorms:
 
     def close(self) -> None:
         self.engine.unwatch()
+
+
+def trainable_modules(
+    names: Sequence[str], modules: Mapping[str, nn.Module]
+) -> tuple[list[str], list[str]]:
+    """The watched modules whose parameters all train, and those with frozen and trainable
+    parameters mixed (modules with every parameter frozen are in neither).
+
+    Example:
+        >>> m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 1))
+        >>> _ = m[0].requires_grad_(False), m[1].weight.requires_grad_(False)
+        >>> trainable_modules(["0", "1", "2"], {"0": m[0], "1": m[1], "2": m[2]})
+        (['2'], ['1'])
+    """
+    kept, partly = [], []
+    for n in names:
+        flags = {p.requires_grad for p in modules[n].parameters(recurse=False)}
+        if flags == {True}:
+            kept.append(n)
+        elif flags == {True, False}:
+            partly.append(n)
+    return kept, partly
 
 
 def batch_grad_sq(cap: Any) -> torch.Tensor:

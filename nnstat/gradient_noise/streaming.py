@@ -101,9 +101,12 @@ class NoiseScale:
     On a GPU ``batch()`` reads nothing back: its norms start for the host in one non-blocking
     copy (`nnstat.background.transfer`) and join the averages once they have arrived (checked
     at the next ``batch()``, without waiting). Reading a value (``value``, ``to_dict()``,
-    ``n_updates``, ...) waits for every batch so far; a batch's NaN/Inf error is raised there
-    or at a later ``batch()``. ``as_provider()`` gives a Tracker each step's values without
-    waiting: they are filled in when the Tracker delivers that step.
+    ``n_updates``, ...) waits for every batch so far. ``as_provider()`` gives a Tracker each
+    step's values without waiting: they are filled in when the Tracker delivers that step.
+
+    A hooked feed's step (``batch()``, ``watch_microbatches``, ``register_ddp``) whose norms
+    hold NaN/Inf (an overflow the GradScaler skips, a NaN in the loss or data) is left out with
+    a ``RuntimeWarning`` when they arrive; NaN/Inf given to ``update`` raise (input).
 
     Args:
         beta: EMA factor of the two averages (default 0.99 when no ``window`` is given).
@@ -156,7 +159,9 @@ class NoiseScale:
         """Add one observation: squared norms of the mean gradient at two batch sizes.
 
         Pass floats for the whole model, or dicts ``layer -> squared norm`` (same keys) to also
-        track every layer; the model total is then the sum over the layers.
+        track every layer; the model total is then the sum over the layers. Non-finite values
+        raise (they are the caller's input, unlike a hooked feed's overflowed step, which is
+        left out with a warning): skip the call for a step the GradScaler skips.
 
         Args:
             g_small_sq: ``|g|^2`` of the mean gradient over ``b_small`` samples.
@@ -276,8 +281,9 @@ class NoiseScale:
 
         Raises:
             RuntimeError: no watched model (call `watch` first).
-            ValueError: an unknown ``loss_reduction``; (at a later read or ``batch()``) a
-                batch whose norms hold NaN/Inf.
+            ValueError: an unknown ``loss_reduction``. (A batch whose norms hold NaN/Inf is
+                left out with a ``RuntimeWarning`` when they arrive: a later read or
+                ``batch()`` on a GPU.)
 
         Example (training loop)::
 
@@ -316,6 +322,8 @@ class NoiseScale:
         gradients are final (before clipping), adds ``mean_k |g_k|^2`` against the accumulated
         gradient's ``|G|^2`` (``B_big`` = all the step's samples), per module. Nothing beyond
         one multi-tensor norm per micro-batch runs, and nothing is read back inside the step.
+        A step whose gradients hold NaN/Inf (one the GradScaler skips) is left out, with a
+        ``RuntimeWarning`` when its norms arrive.
 
         Args:
             model: the network (every parameter that requires a gradient).
@@ -367,8 +375,10 @@ class NoiseScale:
 
     def _complete(self, entry: InFlight) -> None:
         (values,) = entry.copy.wait()
+        # either kind leaves a step with NaN/Inf norms out, with a warning (`finite_step`)
         if isinstance(entry.work, StagedNorms):
-            self._add_captured(*entry.work.resolve(values.tolist()))
+            if (norms := entry.work.resolve(values.tolist())) is not None:
+                self._add_captured(*norms)
         elif (pairs := entry.work.resolve(values.tolist())) is not None:
             names, small, big, b_small, b_big = pairs
             check_batch_sizes(b_small, b_big)

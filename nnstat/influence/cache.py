@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from .precondition import Preconditioner, stored_ekfac_factor
+from .precondition import Preconditioner, stored_ekfac_factor, without_statistics
 from .sources import RowSource
 
 #: fitted preconditioners by (source fingerprint, kind), least recently used first
@@ -53,7 +53,8 @@ def clear_cache() -> None:
 def has_kfac_statistics(source: RowSource) -> bool:
     """True when the statistics pass saved both K-FAC factors of every Kronecker module."""
     stats = source.statistics()
-    kron = [m for m in source.layout if m.kronecker]
+    missing = without_statistics(source.layout, stats)  # fitted from their (zero) rows
+    kron = [m for m in source.layout if m.kronecker and m.name not in missing]
     return bool(kron) and all(
         any(f"{m.name}/{side}/{stat}" in stats for stat in ("covariance", "projected_covariance"))
         for m in kron
@@ -64,7 +65,8 @@ def has_kfac_statistics(source: RowSource) -> bool:
 def has_stored_ekfac(source: RowSource) -> bool:
     """True when every Kronecker module has a usable EK-FAC factor in the saved statistics."""
     stats, projections = source.statistics(), source.projections()
-    kron = [m for m in source.layout if m.kronecker]
+    missing = without_statistics(source.layout, stats)
+    kron = [m for m in source.layout if m.kronecker and m.name not in missing]
     return bool(kron) and all(stored_ekfac_factor(m, stats, projections) for m in kron)
 
 

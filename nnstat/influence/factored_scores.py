@@ -5,9 +5,13 @@ a query ``Q`` (preconditioned, dense: the preconditioners make it full rank) sco
 ``⟨Q, G⟩ = Σ_j u_jᵀ Q v_j``. Two routes, per shape of module, by their multiply-adds per row:
 
 * **densify** a chunk of rows (``c · r_out · r_in``, shared by every query) and score it with one
-  GEMM (``n_q · r_out · r_in``): ``(c + n_q) · r_out · r_in``. The chunk is sized so that its
-  dense rows stay in cache (:data:`SCRATCH_BYTES`): they are written, read once by the GEMM and
-  overwritten, never sent to memory as a whole block.
+  GEMM (``n_q · r_out · r_in``): ``(c + n_q) · r_out · r_in``. On the CPU the chunk is sized so
+  that its dense rows stay in cache (:data:`SCRATCH_BYTES`): they are written, read once by the
+  GEMM and overwritten, never sent to memory as a whole block. On a device (the scoring's device
+  branch, ``per_block=True``) it is sized from the block: a chunk's dense rows take no more
+  than the block's stored rows in float32 (:func:`chunk_rows`), so device memory per block stays
+  within twice its stored bytes, whatever the model, and the chunks per block do not grow with
+  the modules of a shape.
 * **direct**: ``Q V_jᵀ`` for every pair, one GEMM of all queries, then the ``u_j`` dots:
   ``n_q · c · (r_out · r_in + r_out)``, cheaper only for one query (or ``c = 1`` with fewer
   queries than ``r_in``), see :func:`direct_is_cheaper`.
@@ -33,7 +37,13 @@ import torch
 
 from nnstat.store.factored import FactorGroup, factor_plan
 
-__all__ = ["SCRATCH_BYTES", "FactoredScores", "direct_is_cheaper", "scores_as_stored"]
+__all__ = [
+    "SCRATCH_BYTES",
+    "FactoredScores",
+    "chunk_rows",
+    "direct_is_cheaper",
+    "scores_as_stored",
+]
 
 #: bytes of one chunk's dense rows (or of the direct route's ``Q Vᵀ``): in cache, and large
 #: enough that the calls per block stay few (each is a barrier of the thread pool). On the
@@ -64,13 +74,41 @@ def direct_is_cheaper(n_queries: int, c: int, r_out: int, r_in: int) -> bool:
     return n_queries * c * (r_out * r_in + r_out) < (c + n_queries) * r_out * r_in
 
 
-def scores_as_stored(q: torch.Tensor, source: Any) -> FactoredScores | None:
+def chunk_rows(n: int, stored_width: int, per_row: int, budget: int | None = None) -> int:
+    """Rows per chunk of a block of ``n`` stored rows whose transients take ``per_row`` bytes a
+    row: within ``budget`` bytes, or (``None``) within the block's stored rows in float32
+    (``n * stored_width * 4``: what a device holds for the block anyway); at least
+    :data:`MIN_CHUNK`.
+
+    Args:
+        n: rows in the block.
+        stored_width: columns of a stored row.
+        per_row: bytes of a chunk's transients per row (its dense rows, say).
+        budget: bytes of one chunk's transients; ``None``: sized from the block.
+
+    Returns:
+        The rows of one chunk (``n`` or more: one chunk).
+
+    Example:
+        >>> chunk_rows(512, 1024, 4 * 8192), chunk_rows(512, 1024, 4 * 8192, budget=1 << 20)
+        (64, 32)
+    """
+    if budget is None:
+        budget = n * stored_width * 4
+    return max(MIN_CHUNK, budget // max(per_row, 1))
+
+
+def scores_as_stored(
+    q: torch.Tensor, source: Any, per_block: bool = False
+) -> FactoredScores | None:
     """The :class:`FactoredScores` of queries ``q`` for ``source``'s blocks as stored
     (``source.stored_rows()``), or ``None`` when ``source`` is not a store of factored rows.
 
     Args:
         q: ``[n_q, dense row width]`` preconditioned queries.
         source: the training rows (a `RowSource`).
+        per_block: chunks sized from each block, not from a CPU's cache (a device's chunks,
+            :class:`FactoredScores`).
 
     Returns:
         The scorer, or ``None`` (score ``source``'s dense blocks as they come).
@@ -82,7 +120,7 @@ def scores_as_stored(q: torch.Tensor, source: Any) -> FactoredScores | None:
     """
     if not getattr(source, "factored", False) or not hasattr(source, "stored_rows"):
         return None
-    return FactoredScores(q, source.meta["modules"])
+    return FactoredScores(q, source.meta["modules"], per_block)
 
 
 class FactoredScores:
@@ -93,6 +131,10 @@ class FactoredScores:
     Args:
         q: ``[n_q, dense row width]`` float32 queries (preconditioned), on the scoring device.
         modules: the training store's meta.json ``modules`` (stored layout).
+        per_block: size each block's chunks from the block: a chunk's dense rows (or the direct
+            route's transients) no larger than the block's stored rows in float32
+            (:func:`chunk_rows`: a device's memory per block stays bounded, and its chunks per
+            block few). Default: :data:`SCRATCH_BYTES`, a CPU's cache.
 
     Example:
         >>> mods = [{"offset": 0, "width": 3, "r_out": 2, "r_in": 1, "factors": 1},
@@ -102,8 +144,14 @@ class FactoredScores:
         [[13.0]]
     """
 
-    def __init__(self, q: torch.Tensor, modules: Sequence[Mapping[str, Any]]) -> None:
+    def __init__(
+        self,
+        q: torch.Tensor,
+        modules: Sequence[Mapping[str, Any]],
+        per_block: bool = False,
+    ) -> None:
         self.plan = factor_plan(modules)
+        self.per_block = per_block
         if q.shape[1] != self.plan.dense_width:
             raise ValueError(
                 f"queries have {q.shape[1]} columns, the store's dense rows "
@@ -127,8 +175,7 @@ class FactoredScores:
             else:  # the GEMM reads the transpose as it is
                 qg = qg.contiguous()
                 per_row = g.dense_width * 4
-            chunk = max(MIN_CHUNK, SCRATCH_BYTES // max(per_row, 1))
-            self._parts.append((g, direct, qg, chunk))
+            self._parts.append((g, direct, qg, per_row))
         self._plain_q = None
         if self.plan.plain:
             self._plain_q = q.index_select(1, self.plan.plain_index(q.device)[1])
@@ -146,12 +193,14 @@ class FactoredScores:
         if res is None:
             res = torch.empty(n, self.n_queries, dtype=torch.float32, device=rows.device)
         first = True
+        budget = None if self.per_block else SCRATCH_BYTES
         if self._plain_q is not None:
             stored, _ = self.plan.plain_index(rows.device)
             plain = rows.index_select(1, stored).to(torch.float32)
             torch.mm(plain, self._plain_q.T, out=res)
             first = False
-        for g, direct, qg, chunk in self._parts:
+        for g, direct, qg, per_row in self._parts:
+            chunk = chunk_rows(n, rows.shape[1], per_row, budget)
             for s in range(0, n, chunk):
                 e = min(n, s + chunk)
                 if direct:

@@ -20,7 +20,14 @@ from nnstat.curvature.products import ParamLayout, captured_example_grads
 from nnstat.store.integrity import params_hash
 
 from .cache import default_preconditioner, fitted
-from .precondition import Preconditioner, fit_from_rows, kfac_factor, stored_ekfac_factor
+from .precondition import (
+    Preconditioner,
+    fit_from_rows,
+    kfac_factor,
+    stored_ekfac_factor,
+    warn_without_statistics,
+    without_statistics,
+)
 from .row_layout import ModuleSpec
 from .sources import RowSource
 
@@ -123,19 +130,26 @@ class LoggedSpace:
         """Module ``s``'s matrix form of ``flat`` ``[k, P]``, or of its parts (one
         ``[k, *shape]`` tensor per parameter, in `layout` order)."""
         if isinstance(flat, torch.Tensor):
-            k = flat.shape[0]
+            k, like = flat.shape[0], flat
             params = {
                 key: flat[:, off : off + n].reshape(k, *shape) for key, _, shape, off, n in s.params
             }
         else:
             first = self._first[id(s)]
             params = {p[0]: flat[first + i] for i, p in enumerate(s.params)}
+            k, like = len(flat[0]), flat[0]
+        for key, p in s.module.named_parameters(recurse=False):
+            # a frozen parameter is not in the space (no curvature is taken in its directions)
+            if key not in params:
+                params[key] = like.new_zeros(k, *p.shape)
         return s.kind.matrix_from_params(s.module, params)
 
     def write(self, out: torch.Tensor, s: _Slot, mat: torch.Tensor) -> None:
+        offsets = {key: (off, n) for key, _, _, off, n in s.params}
         for key, value in s.kind.grads_by_param(s.module, mat).items():
-            _, _, _, off, n = next(p for p in s.params if p[0] == key)
-            out[:, off : off + n] = value.reshape(len(value), n)
+            if key in offsets:  # a frozen parameter's part is dropped (see `matrix`)
+                off, n = offsets[key]
+                out[:, off : off + n] = value.reshape(len(value), n)
 
     def project(self, flat: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         """``vec(P_out X P_inᵀ)`` of every module: flat parameters (or their parts, see
@@ -261,12 +275,14 @@ def logged_preconditioner(
     if stats is None or kind in ("identity", "raw"):
         return fitted(source, kind, batch_size)
     projections = source.projections()
+    missing = without_statistics(source.layout, stats)
+    warn_without_statistics(missing)
     factors: dict[str, Any] = {}
     for m in source.layout:
-        if m.kronecker:
+        if m.kronecker and m.name not in missing:
             f = stored_ekfac_factor(m, stats, projections) if kind == "ekfac" else None
             factors[m.name] = f if f is not None else kfac_factor(m, stats, projections)
-    dense = [m for m in source.layout if not m.kronecker]
+    dense = [m for m in source.layout if m.name not in factors]
     if dense:
         factors.update(fit_from_rows(source, dense, {}, batch_size))
     return Preconditioner(kind, list(source.layout), factors)

@@ -9,6 +9,12 @@ as they are made, without waiting). A block whose sum is not finite is handed to
 CPU branch's checks, which name the shard: `nnstat.influence.score`) before any result is
 returned.
 
+A store of factored rows arrives as stored (the host-to-device copy carries the factors, not the
+dense rows) and is scored by the CPU branch's `FactoredScores` (``per_block=True``): chunk by
+chunk, each chunk's dense rows (or, for one query, the direct contraction's transients) no larger
+than the block's stored rows, so no dense block is ever held. The modes with norms and
+self-influence multiply the rows out a chunk of the same bound at a time (`dense_chunks`).
+
 Example:
     >>> from nnstat.influence.precondition import Preconditioner
     >>> from nnstat.influence.pipeline import read_ahead
@@ -32,9 +38,13 @@ import torch
 
 from nnstat.background.transfer import host_empty
 
+from .factored_scores import chunk_rows, scores_as_stored
 from .modes import normalise, raw_scores
 from .pipeline import Block
 from .topk import merge_topk
+
+#: dense transients per row of a chunk whose norms are taken: the rows, ``M`` applied, a product
+NORM_TRANSIENTS = 3
 
 
 @dataclass
@@ -63,6 +73,54 @@ def _all_pairs_buffer(n_rows: int, n_test: int, device: torch.device) -> torch.T
     return host_empty(n_rows * n_test, pin=True, fallback=True).view(n_rows, n_test)
 
 
+def dense_chunks(
+    rows: torch.Tensor, dense: Callable[[torch.Tensor], torch.Tensor] | None, dense_width: int
+) -> Iterator[tuple[slice, torch.Tensor]]:
+    """``(rows' slice, its dense float32 rows)`` chunk by chunk: ``rows`` whole where ``dense`` is
+    ``None`` (dense already), else chunks whose dense transients take no more than ``rows``
+    (:func:`chunk_rows`).
+
+    Args:
+        rows: ``[b, stored width]`` rows of a block.
+        dense: multiplies stored rows out (`StoreSource.dense`), or ``None``.
+        dense_width: columns of a dense row.
+
+    Returns:
+        An iterator of ``(slice of the block, float32 dense rows of that slice)``.
+
+    Example:
+        >>> [(s.start, s.stop) for s, _ in dense_chunks(torch.ones(40, 2), lambda r: r, 8)]
+        [(0, 16), (16, 32), (32, 40)]
+    """
+    n = rows.shape[0]
+    if dense is None:
+        yield slice(0, n), rows.to(torch.float32)
+        return
+    chunk = chunk_rows(n, rows.shape[1], NORM_TRANSIENTS * dense_width * 4)
+    for s in range(0, n, chunk):
+        yield slice(s, min(n, s + chunk)), dense(rows[s : s + chunk])
+
+
+def _normalised(
+    scores: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    rows: torch.Tensor,
+    dense: Callable[[torch.Tensor], torch.Tensor] | None,
+    dense_width: int,
+    norms: tuple[Any, float | None, str],
+    query_major: bool,
+) -> torch.Tensor:
+    """`normalise` of a block's scores, chunk by chunk of `dense_chunks` (it works in place,
+    row by row: a chunk's columns, or rows, of ``scores`` are normalised as a whole block's)."""
+    pre, damping, mode = norms
+    if mode == "dot":
+        return scores
+    for part, chunk in dense_chunks(rows, dense, dense_width):
+        sub = scores[:, part] if query_major else scores[part]
+        normalise(sub, q_norm, chunk, pre, damping, mode, query_major=query_major)
+    return scores
+
+
 def _bad_units(sums: list[torch.Tensor], units: list[tuple[tuple, list]]) -> list[tuple]:
     """Keys of the blocks whose score sum is NaN/Inf (one host read for all of them)."""
     if not sums:
@@ -82,11 +140,17 @@ def stream_scores(
     n_rows: int | None,
     verify: Callable[[list[tuple]], None],
     progress: Callable[[int], Any] | None = None,
+    source: Any = None,
 ) -> Streamed:
     """Score every block of ``blocks`` against the preconditioned queries ``q_pre`` (on their
     device); ``n_rows``: the rows ``blocks`` will yield, for one all-pairs buffer (``None``:
     unknown, one piece per block). ``verify`` gets the keys of the blocks with non-finite scores
-    before any result is read back, and raises where they must be refused."""
+    before any result is read back, and raises where they must be refused.
+
+    ``source`` (the training rows' `RowSource`, optional): where it is a store of factored rows,
+    its blocks come as stored (`pipeline.stream_to`) and are scored by `FactoredScores` with
+    chunks sized from each block; ``source.dense`` multiplies them out, a chunk at a time, for
+    the norms of the modes other than ``dot``."""
     device, n_test = q_pre.device, q_pre.shape[0]
     out = Streamed()
     sums: list[torch.Tensor] = []
@@ -95,12 +159,18 @@ def stream_scores(
         empty_p = torch.empty(n_test, 0, dtype=torch.long, device=device)
         hi, lo = (empty_v, empty_p), (empty_v, empty_p)
     buffer = _all_pairs_buffer(n_rows, n_test, device) if not top_k and n_rows else None
-    seen = 0
+    seen, width = 0, q_pre.shape[1]
+    factored = scores_as_stored(q_pre, source, per_block=True)
+    dense = source.dense if factored is not None else None
     for key, ids, rows in blocks:
         b = len(ids)
         target = buffer[seen : seen + b] if buffer is not None and buffer.device == device else None
-        scores = raw_scores(q_pre, rows, target, query_major=bool(top_k))
-        scores = normalise(scores, q_norm, rows, pre, damping, mode, query_major=bool(top_k))
+        if factored is not None:
+            scores = factored(rows, target, query_major=bool(top_k))
+        else:
+            scores = raw_scores(q_pre, rows, target, query_major=bool(top_k))
+        norms = (pre, damping, mode)
+        scores = _normalised(scores, q_norm, rows, dense, width, norms, bool(top_k))
         sums.append(scores.sum())
         if top_k:
             hi = merge_topk(*hi, scores, seen, top_k, largest=True)
@@ -140,15 +210,22 @@ def stream_self_influence(
     device: torch.device,
     verify: Callable[[list[tuple]], None],
     progress: Callable[[int], Any] | None = None,
+    source: Any = None,
 ) -> tuple[list, torch.Tensor]:
     """``(ids, g_iᵀ M g_i)`` of every row of ``blocks`` computed on ``device``, read back once;
-    ``verify`` gets the keys of the blocks with non-finite values first."""
+    ``verify`` gets the keys of the blocks with non-finite values first. Where ``source`` is a
+    store of factored rows its blocks come as stored (`pipeline.stream_to`) and are multiplied
+    out a chunk at a time (`dense_chunks`)."""
+    dense, dense_width = None, 0
+    if getattr(source, "factored", False):
+        dense, dense_width = source.dense, max(m.stop for m in source.layout)
     values = torch.empty(n_rows, device=device)
     units: list[tuple[tuple, list]] = []
     seen = 0
     for key, ids, rows in blocks:
-        rows = rows.to(torch.float32)
-        torch.sum(pre.apply(rows, damping) * rows, 1, out=values[seen : seen + len(ids)])
+        for part, chunk in dense_chunks(rows, dense, dense_width):
+            own = values[seen + part.start : seen + part.stop]
+            torch.sum(pre.apply(chunk, damping) * chunk, 1, out=own)
         units.append((key, ids))
         seen += len(ids)
         if progress is not None:

@@ -40,6 +40,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -192,6 +193,37 @@ def _stat(stats: Mapping[str, torch.Tensor], module: str, stream: str) -> torch.
             "preconditioner='raw'"
         )
     return stats[key].to(torch.float64)
+
+
+def without_statistics(layout: list[ModuleSpec], stats: Mapping[str, torch.Tensor]) -> list[str]:
+    """Kronecker modules of ``layout`` that have no statistic at all while others have some:
+    watched modules that received no gradient in the statistics pass (unused in the forward,
+    or frozen with nothing trainable before them), whose stored rows are zeros. Their blocks
+    are fitted from the rows (``raw``); with no statistics anywhere this is empty, and K-FAC
+    refuses as before (the run collected none).
+
+    Example:
+        >>> st = {"fc/forward/covariance": torch.eye(3), "fc/backward/covariance": torch.eye(2)}
+        >>> without_statistics([ModuleSpec("fc", 0, 2, 3), ModuleSpec("unused", 6, 2, 3)], st)
+        ['unused']
+    """
+    have = {k.split("/")[0] for k in stats}
+    kron = [m.name for m in layout if m.kronecker]
+    missing = [name for name in kron if name not in have]
+    return missing if len(missing) < len(kron) else []
+
+
+def warn_without_statistics(missing: list[str]) -> None:
+    """One warning naming the modules `without_statistics` fits from their rows."""
+    if missing:
+        warnings.warn(
+            f"modules {missing} have no K-FAC statistics (they received no gradient in the "
+            "statistics pass: unused in the forward, or frozen with nothing trainable before "
+            "them; their stored rows are zeros): their blocks use the 'raw' preconditioner of "
+            "their rows. Watch the model with a name_filter that leaves them out to drop them",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _project(cov: torch.Tensor, proj: torch.Tensor | None, module: str, side: str) -> torch.Tensor:
@@ -432,14 +464,22 @@ class Preconditioner:
         if kind == "raw":
             return cls(kind, layout, fit_from_rows(source, layout, {}, batch_size))
         stats, projections = source.statistics(), source.projections()
-        kron = {m.name: kfac_factor(m, stats, projections) for m in layout if m.kronecker}
-        dense = [m for m in layout if not m.kronecker]
+        missing = without_statistics(layout, stats)
+        warn_without_statistics(missing)
+        kron = {
+            m.name: kfac_factor(m, stats, projections)
+            for m in layout
+            if m.kronecker and m.name not in missing
+        }
+        dense = [m for m in layout if m.name not in kron]
         if kind == "kfac":
             factors: dict[str, DenseFactor | LowRankFactor | KronFactor] = dict(kron)
             if dense:
                 factors.update(fit_from_rows(source, dense, {}, batch_size))
             return cls(kind, layout, factors)
-        stored = {m.name: stored_ekfac_factor(m, stats, projections) for m in layout if m.kronecker}
+        stored = {
+            m.name: stored_ekfac_factor(m, stats, projections) for m in layout if m.name in kron
+        }
         factors = {name: f for name, f in stored.items() if f is not None}
         todo = {name: f for name, f in kron.items() if stored.get(name) is None}
         if dense or todo:
@@ -447,7 +487,9 @@ class Preconditioner:
         pre = cls(kind, layout, factors)
         pre.origin = {
             m.name: (
-                "rows" if not m.kronecker else "statistics+rows" if m.name in todo else "statistics"
+                "rows"
+                if m.name not in kron
+                else "statistics+rows" if m.name in todo else "statistics"
             )
             for m in layout
         }

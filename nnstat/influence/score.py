@@ -335,6 +335,7 @@ def _on_device(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKI
         len(t) if world == 1 else None,
         _recheck(t, job.batch_size, check),
         bar.update,
+        t,  # a factored store's blocks: scored as stored (`FactoredScores`)
     )
     if got.top is not None:
         # one process: the blocks came in the source's row order, so positions index its ids
@@ -386,7 +387,7 @@ def _on_host(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKInf
     strict, major, shards = not t.finite, top is not None, _shards(t)
     # a factored store's blocks come as stored and are scored without their dense form
     factored = scores_as_stored(job.q_pre, t)
-    blocks = _my_units(t.stored_rows() if factored is not None else t, batch_size)
+    blocks = _my_units(t.stored_rows(widen=True) if factored is not None else t, batch_size)
     for unit, ids, rows in blocks:
         if buffer is not None:
             out = buffer[filled : filled + len(ids)]
@@ -561,7 +562,7 @@ def _self_on_device(
 
     blocks = stream_to(d, lambda s: units(s, batch_size), dev, max_rows=batch_size)
     verify = _recheck(d, batch_size, check, one_process=True)
-    return stream_self_influence(blocks, pre, damping, len(d), dev, verify, bar.update)
+    return stream_self_influence(blocks, pre, damping, len(d), dev, verify, bar.update, d)
 
 
 def _quiet(progress: bool | None) -> bool | None:

@@ -23,11 +23,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from nnstat.store.factored import densify, is_factored
 from nnstat.store.files import PROJECTIONS_FILE, STATISTICS_FILE, load_safetensors
 from nnstat.store.lazy import LazyStatistics
+from nnstat.store.shards import STORE_DTYPES
 
 from .row_layout import ModuleSpec, layout_from_meta, row_width, validate_layout
 
@@ -154,9 +156,12 @@ class StoreSource:
         self.ids = list(store.ids)
         self.root = Path(_store_root(store))
         # factored rows (meta's modules with "factors") are densified a block at a time, on the
-        # host unless a view from `stored_rows` hands them out as stored (for a device to densify)
+        # host unless a view from `stored_rows` hands them out as stored (for a device to score)
         self._factored = self.meta["modules"] if is_factored(self.meta) else None
         self._host_dense = True
+        # 16-bit rows are widened to float32 on the host unless a `stored_rows` view hands them
+        # out as stored (the device widens them after the copy: half the bytes cross)
+        self._host_float32 = True
         try:
             self.layout = layout_from_meta(self.meta)
             width = int(getattr(store, "row_width", row_width(self.layout)))
@@ -194,12 +199,27 @@ class StoreSource:
             # calls finite (the streaming score loop checks its scores instead)
             if self.finite and not all_finite(rows):
                 raise self.nonfinite_error(self.shard_at(start, rows), list(ids), rows)
-            yield list(ids), self._dense(rows)
+            # the store's reader decodes to float32; a `stored_rows` view narrows them back
+            # (exact: they were stored in that dtype). Only a store without shard files, or
+            # more ranks than shards, reads this way on the device branch.
+            yield list(ids), self._handed_out(rows)
             start += len(ids)
 
-    def _dense(self, rows: torch.Tensor) -> torch.Tensor:
+    def _handed_out(self, rows: torch.Tensor) -> torch.Tensor:
         """A block of stored rows as this source hands them out (see `stored_rows`)."""
+        rows = rows.to(torch.float32 if self._host_float32 else self.stored_dtype)
         return rows if not self._host_dense else self.dense(rows)
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        """The torch dtype of the rows as the shards hold them (``meta.json``'s ``dtype``).
+
+        Example:
+            >>> # StoreSource(GradientStore(path_of_a_float16_store)).stored_dtype
+            >>> # torch.float16
+        """
+        name = getattr(self.store, "dtype", None) or self.meta.get("dtype", "float32")
+        return STORE_DTYPES[name][1] if name in STORE_DTYPES else torch.float32
 
     @property
     def factored(self) -> bool:
@@ -221,20 +241,28 @@ class StoreSource:
         """
         return rows if self._factored is None else densify(rows, self._factored)
 
-    def stored_rows(self) -> StoreSource:
+    def stored_rows(self, widen: bool = False) -> StoreSource:
         """A view of this source whose blocks (`iter_blocks`, `iter_shard_blocks`) are the rows
-        as stored: factored modules are not multiplied out, so the device branch of scoring
-        copies the stored bytes (4-8x fewer than the dense ones) and densifies on the device
-        with `dense`.
+        as stored: factored modules are not multiplied out and 16-bit rows (``dtype`` float16
+        or bfloat16) keep their dtype, so the device branch of scoring copies the stored bytes
+        (4-8x fewer than the dense ones for factored rows, half of float32 for 16-bit ones),
+        widens them to float32 on the device (`pipeline.read_ahead`) and scores them there as
+        stored (`FactoredScores`; `dense` multiplies a chunk out where norms need it).
+
+        Args:
+            widen: 16-bit rows widened to float32 on the host all the same (the CPU branch
+                scores factored rows as stored, in float32).
 
         Returns:
-            A shallow copy sharing the store, ids and fingerprint.
+            A shallow copy sharing the store, ids and fingerprint; its blocks are read-only
+            views of the shards' memory maps where the store has them.
 
         Example:
             >>> # blocks = units(src.stored_rows(), 512); dense = src.dense(rows.to("cuda"))
         """
         view = copy.copy(self)
         view._host_dense = False
+        view._host_float32 = widen
         return view
 
     def shard_at(self, start: int, rows: torch.Tensor) -> Any:
@@ -278,17 +306,17 @@ class StoreSource:
         if shard is None:
             yield from self.iter_blocks(batch_size)
             return
-        mapped = self._mapped_float32(shard)
+        mapped = self._mapped(shard)
         if mapped is not None:
             ids = self.store.ids
             start = self.store._starts[shard] if hasattr(self.store, "_starts") else None
             if start is not None:
                 for lo in range(0, len(mapped), batch_size):
                     hi = min(lo + batch_size, len(mapped))
-                    yield ids[start + lo : start + hi], self._dense(mapped[lo:hi])
+                    yield ids[start + lo : start + hi], self._handed_out(mapped[lo:hi])
                 return
         for ids, rows in self.store.iter_shard_blocks(shard, batch_size):
-            yield list(ids), self._dense(torch.as_tensor(rows, dtype=torch.float32))
+            yield list(ids), self._handed_out(torch.as_tensor(rows, dtype=torch.float32))
 
     def prefetch(self, shard: Any) -> None:
         """Ask the OS to read ``shard`` (an entry of `iter_shards`) ahead, if the store can."""
@@ -296,10 +324,13 @@ class StoreSource:
         if hint is not None and isinstance(shard, int):
             hint(shard)
 
-    def _mapped_float32(self, shard: Any) -> torch.Tensor | None:
-        """A float32 shard as a read-only tensor over its memory map: scoring only reads it, so
-        the copy the generic reader makes (to hand out writable rows) is skipped."""
-        if getattr(self.store, "dtype", None) != "float32" or not isinstance(shard, int):
+    def _mapped(self, shard: Any) -> torch.Tensor | None:
+        """A shard as a read-only tensor of its stored dtype over its memory map: scoring only
+        reads it, so the copy the generic reader makes (to hand out writable float32 rows) is
+        skipped (16-bit rows are widened block by block, or not at all by a `stored_rows`
+        view)."""
+        dtype = getattr(self.store, "dtype", None)
+        if dtype not in STORE_DTYPES or not isinstance(shard, int):
             return None
         getter = getattr(self.store, "shard_array", None)
         if getter is None:
@@ -307,6 +338,8 @@ class StoreSource:
         array = getter(shard)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "non-writable array": never written
+            if dtype == "bfloat16":  # numpy holds the raw 16-bit patterns (uint16)
+                return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
             return torch.from_numpy(array)
 
     def statistics(self) -> Mapping[str, torch.Tensor]:

@@ -4,12 +4,10 @@ result on the union of the data, for K-FAC factors, raw covariance and both EK-F
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _dist import spawn
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -52,27 +50,16 @@ CONFIGS = {
 }
 
 
-def worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        x, y = data()
-        lo, hi = SPLITS[rank]
-        for name, cfg in CONFIGS.items():
-            state = collect(x[lo:hi], y[lo:hi], cfg)
-            save_file(state, os.path.join(out_dir, f"{name}-rank{rank}.safetensors"))
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def worker(rank, out_dir):
+    x, y = data()
+    lo, hi = SPLITS[rank]
+    for name, cfg in CONFIGS.items():
+        state = collect(x[lo:hi], y[lo:hi], cfg)
+        save_file(state, os.path.join(out_dir, f"{name}-rank{rank}.safetensors"))
 
 
 def test_two_gloo_ranks_equal_single_process_on_union(tmp_path):
-    mp.spawn(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(worker, str(tmp_path), world=2)
     x, y = data()
     for name, cfg in CONFIGS.items():
         want = collect(x, y, cfg)

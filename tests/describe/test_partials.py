@@ -105,3 +105,25 @@ def test_unknown_partial_columns_are_refused_by_name():
     one = torch.ones(1, dtype=torch.float64)
     with pytest.raises(ValueError, match="sumsq"):
         partials.from_columns(one, sumsq=one)
+
+
+@pytest.mark.parametrize("stats", [("l2", "rms", "abs_max", "nonfinite"), ("l2",)])
+def test_half_precision_norms_on_the_cpu_path_are_not_rounded_to_their_dtype(stats):
+    """A bfloat16 dot product or norm returns its sum in bfloat16 (up to 0.4% off): the CPU
+    norm passes (the Tracker's default statistics, weight/update norms) reduce in float32."""
+    import nnstat
+    from nnstat.describe.numpy_blocks import weight_update_norms
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(200, 50).bfloat16()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    got = nnstat.get_grad(model).describe_layers(stats=list(stats))
+    for name, p in model.named_parameters():
+        ref = p.grad.double().norm().item()  # the exact norm of the bfloat16 values
+        assert got[f"{name}/l2"] == pytest.approx(ref, rel=1e-5)
+    w, prev = model.weight.detach().reshape(-1), torch.randn(10_000).bfloat16()[: 200 * 50]
+    row = weight_update_norms([w], [prev])[0]
+    assert row[0].item() == pytest.approx(w.double().square().sum().item(), rel=1e-5)
+    diff = w - prev  # the difference in bfloat16, as the pass forms it
+    assert row[4].item() == pytest.approx(diff.double().square().sum().item(), rel=1e-5)

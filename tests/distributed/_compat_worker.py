@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 
@@ -223,27 +222,17 @@ def _noise_scale(kind: str, rank: int, x, y, out_dir: str) -> None:
         json.dump({"value": gns.value, "grad_sq_norm": gns.grad_sq_norm}, f)
 
 
-def worker(rank: int, world: int, port: int, kind: str, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        x, y = data()
-        lo, hi = SPLITS[rank]
-        x, y = x[lo:hi], y[lo:hi]
-        _netdict_and_tracker(kind, rank, x, y, out_dir)
-        m = model()
-        train, inner = wrap(kind, m)
-        state = collect_ekfac(train, x, y, inner)
-        save_file(state, os.path.join(out_dir, f"ekfac-rank{rank}.safetensors"))
-        _store_and_influence(kind, rank, x, y, out_dir)
-        _recorder(kind, rank, x, y, out_dir)
-        _noise_scale(kind, rank, x, y, out_dir)
-        # Tear down only once both ranks are done, and after the DDP/FSDP wrappers (whose C++
-        # reducers hold the process group) are collected: destroying the group under a live
-        # reducer aborted a rank at exit ("terminate called without an active exception").
-        del train, inner, m
-        gc.collect()
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def worker(rank: int, kind: str, out_dir: str) -> None:
+    """One rank's whole workflow, run by ``_dist.spawn`` inside its process group (torn down
+    once both ranks are done and the wrappers, which hold the group, are collected)."""
+    x, y = data()
+    lo, hi = SPLITS[rank]
+    x, y = x[lo:hi], y[lo:hi]
+    _netdict_and_tracker(kind, rank, x, y, out_dir)
+    m = model()
+    train, inner = wrap(kind, m)
+    state = collect_ekfac(train, x, y, inner)
+    save_file(state, os.path.join(out_dir, f"ekfac-rank{rank}.safetensors"))
+    _store_and_influence(kind, rank, x, y, out_dir)
+    _recorder(kind, rank, x, y, out_dir)
+    _noise_scale(kind, rank, x, y, out_dir)

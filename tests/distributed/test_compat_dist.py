@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import numpy as np
 import pytest
 import scipy.stats
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from _compat_worker import LR, MOMENTUM, SPLITS, STATS, WORLD, data, model, worker
+from _dist import spawn
 from safetensors.torch import load_file
 from torch.func import functional_call, grad, vmap
 
@@ -30,12 +29,6 @@ WRAPPERS = ("ddp", "fsdp2", "fsdp1", "hsdp")
 pytestmark = pytest.mark.timeout(300)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     cache: dict[str, str] = {}
@@ -43,7 +36,7 @@ def spawned(tmp_path_factory):
     def get(kind: str) -> str:
         if kind not in cache:
             out = tmp_path_factory.mktemp(kind)
-            mp.spawn(worker, args=(WORLD, _free_port(), kind, str(out)), nprocs=WORLD, join=True)
+            spawn(worker, kind, str(out), world=WORLD)
             cache[kind] = str(out)
         return cache[kind]
 

@@ -342,6 +342,27 @@ def _correlated_pairs(rng, n):
     return num, den
 
 
+def test_per_sample_measurement_refuses_non_finite_losses_and_gradients():
+    """`nnstat.noise_scale` is a measurement of its own: NaN/Inf there is bad data, weights or
+    loss, refused with the cause named (a training loop's overflowed step is left out instead,
+    see the streaming tracker's tests)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    bad = x.clone()
+    bad[3] = math.nan
+    with pytest.raises(ValueError, match=r"non-finite loss \(nan\)"):
+        nnstat.noise_scale(
+            model, nn.functional.cross_entropy, (bad, y), method="per_sample", big_batch=32
+        )
+
+    def nan_gradient(out, target):  # a finite loss whose gradient is NaN (sqrt at 0)
+        return nn.functional.cross_entropy(out, target) + (out * 0).sqrt().sum() * 0
+
+    with pytest.raises(ValueError, match="gradient norms of '0' contain NaN or Inf.*sqrt"):
+        nnstat.noise_scale(model, nan_gradient, (x, y), method="per_sample", big_batch=8)
+
+
 def test_ratio_of_means_stderr_and_interval_match_numpy_references():
     rng = np.random.default_rng(11)
     num, den = _correlated_pairs(rng, 60)

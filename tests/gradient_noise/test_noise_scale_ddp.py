@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import gc
 import json
+import math
 import os
-import socket
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _dist import spawn
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -51,6 +51,33 @@ def _train(rank: int, out_dir: str) -> None:
         opt.zero_grad()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
+
+
+def _skip_overflow(rank: int, out_dir: str) -> None:
+    """`_train`'s steps through the hook, once as they are and once with an overflowed step
+    (an infinite loss, as a float16 overflow; no update, as the GradScaler skips it) before
+    step 1."""
+    runs = {}
+    for overflow in (False, True):
+        ddp = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=1e-4)
+        gns = nnstat.NoiseScale(window=10)
+        gns.register_ddp(ddp, local_batch_size=B)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+        steps = [0, "overflow", 1, 2] if overflow else list(range(STEPS))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in steps:
+                x, y = _data(1 if step == "overflow" else step)
+                sl = slice(rank * B, (rank + 1) * B)
+                loss = nn.functional.cross_entropy(ddp(x[sl]), y[sl])
+                (loss * math.inf if step == "overflow" else loss).backward()
+                if step != "overflow":
+                    opt.step()
+                opt.zero_grad()
+        messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        runs[str(overflow)] = {"state": gns.state_dict(), "warnings": messages}
+    with open(os.path.join(out_dir, f"overflow{rank}.json"), "w") as f:
+        json.dump(runs, f)
 
 
 def _count_reads(rank: int, out_dir: str) -> None:
@@ -94,30 +121,9 @@ def _accumulate(rank: int, out_dir: str) -> None:
         json.dump(gns.state_dict(), f)
 
 
-def _worker(rank: int, port: int, out_dir: str, job=_train) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        job(rank, out_dir)
-        # tear down once both ranks are done and the DDP reducer (which holds the group) is
-        # gone: destroying the group under a live reducer aborted a rank at exit (SIGABRT,
-        # "terminate called without an active exception", seen once in CI)
-        gc.collect()
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(120)
 def test_ddp_hook_matches_single_process(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_train, str(tmp_path), world=WORLD)
     runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
     model = _model()
@@ -157,8 +163,22 @@ def test_ddp_hook_matches_single_process(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_ddp_hook_leaves_a_non_finite_step_out_with_a_warning(tmp_path):
+    """The estimate with the overflowed step is that of the same run without it (which
+    `test_ddp_hook_matches_single_process` checks against a single-process reference)."""
+    spawn(_skip_overflow, str(tmp_path), world=WORLD)
+    for r in range(WORLD):
+        got = json.loads((tmp_path / f"overflow{r}.json").read_text())
+        assert got["True"]["state"] == got["False"]["state"]
+        assert got["True"]["state"]["n_updates"] == STEPS
+        assert got["False"]["warnings"] == []
+        assert len(got["True"]["warnings"]) == 1
+        assert "non-finite gradients" in got["True"]["warnings"][0]
+
+
+@pytest.mark.timeout(120)
 def test_ddp_hook_reads_nothing_back_inside_the_step(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), _count_reads), nprocs=WORLD, join=True)
+    spawn(_count_reads, str(tmp_path), world=WORLD)
     for r in range(WORLD):
         got = json.loads((tmp_path / f"reads{r}.json").read_text())
         assert got == {"reads": [], "n_updates": STEPS}
@@ -168,7 +188,7 @@ def test_ddp_hook_reads_nothing_back_inside_the_step(tmp_path):
 def test_micro_batches_under_ddp_no_sync_match_a_single_process_reference(tmp_path):
     """Each rank: its own micro-batches' gradients (local, before the all-reduce) against the
     all-reduced step gradient (B_big = ranks x micro-batches x samples)."""
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), _accumulate), nprocs=WORLD, join=True)
+    spawn(_accumulate, str(tmp_path), world=WORLD)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     refs = [nnstat.NoiseScale(window=10) for _ in range(WORLD)]
@@ -268,7 +288,7 @@ def _count_ops(rank: int, out_dir: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_ddp_feed_adds_the_same_ops_for_4_and_14_tensors(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), _count_ops), nprocs=WORLD, join=True)
+    spawn(_count_ops, str(tmp_path), world=WORLD)
     ops = json.loads((tmp_path / "ops0.json").read_text())
     added = {}
     for layers in (1, 6):

@@ -91,3 +91,88 @@ def test_per_sample_values_are_exact(problem):
     small = [{k: float(v[idx].pow(2).sum(1).mean()) for k, v in per.items()} for idx in draws]
     big = [_sq_mean(per, idx) for idx in draws]
     _check(res, small, big, 1, {m: [f"{m}.weight", f"{m}.bias"] for m in ("0", "2")})
+
+
+def test_per_sample_streaming_leaves_frozen_parameters_out_of_both_sides():
+    """A frozen layer has per-sample gradients (its input needs a gradient) but no .grad: it
+    is left out, and one with a frozen weight beside a trainable bias is left out with a
+    warning, so tr(Σ) and |G|² cover the same parameters (torch.func per-sample grads)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 6),
+        nn.Tanh(),
+        nn.Linear(6, 6),
+        nn.Tanh(),
+        nn.Linear(6, 5),
+        nn.Tanh(),
+        nn.Linear(5, 3),
+    )
+    model[2].requires_grad_(False)  # frozen between trainable layers
+    model[4].weight.requires_grad_(False)  # frozen weight, trainable bias
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    gns = nnstat.NoiseScale()
+    with pytest.warns(RuntimeWarning, match=r"\['4'\] have frozen"):
+        assert gns.watch(model) == ["0", "6"]
+    with gns.batch(loss_reduction="sum"):
+        nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    gns.unwatch()
+
+    params = {k: p.detach() for k, p in model.named_parameters()}
+
+    def loss(p, xi, yi):
+        return nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
+
+    per = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    g = torch.cat([per[k].flatten(1) for k in ("0.weight", "0.bias", "6.weight", "6.bias")], 1)
+    g = g.double()
+    n, small, big = len(g), g.pow(2).sum(1).mean(), g.mean(0).pow(2).sum()
+    assert gns.trace_sigma == pytest.approx(((small - big) / (1 - 1 / n)).item(), rel=1e-4)
+    assert gns.grad_sq_norm == pytest.approx(((n * big - small) / (n - 1)).item(), rel=1e-4)
+
+
+def test_per_sample_streaming_reads_a_sparse_embedding_gradient():
+    """nn.Embedding(sparse=True): the batch gradient's norm comes from the sparse .grad (its
+    coalesced values), equal to the dense embedding's per torch.func per-sample gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(12, 3))
+    x, y = torch.randint(0, 10, (6, 3)), torch.randint(0, 3, (6,))
+    gns = nnstat.NoiseScale()
+    gns.watch(model)
+    with gns.batch():
+        nn.functional.cross_entropy(model(x), y).backward()
+    gns.unwatch()
+    assert model[0].weight.grad.is_sparse
+
+    def loss(p, xi, yi):
+        return nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
+
+    model[0].sparse = False  # torch.func differentiates the same lookup densely
+    per = vmap(grad(loss), in_dims=(None, 0, 0))(
+        {k: p.detach() for k, p in model.named_parameters()}, x, y
+    )
+    g = torch.cat([v.flatten(1) for v in per.values()], 1).double()
+    n, small, big = len(g), g.pow(2).sum(1).mean(), g.mean(0).pow(2).sum()
+    assert gns.trace_sigma == pytest.approx(((small - big) / (1 - 1 / n)).item(), rel=1e-4)
+    assert gns.grad_sq_norm == pytest.approx(((n * big - small) / (n - 1)).item(), rel=1e-4)
+
+
+@pytest.mark.parametrize("method", ["two_batch", "fit"])
+def test_one_shot_estimators_read_sparse_embedding_gradients(method):
+    """The batch-gradient estimators on nn.Embedding(sparse=True) equal those of the same
+    model with a dense lookup (same weights, same batches)."""
+    import copy
+
+    torch.manual_seed(0)
+    sparse = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(12, 3))
+    dense = copy.deepcopy(sparse)
+    dense[0].sparse = False
+    data = (torch.randint(0, 10, (64, 3)), torch.randint(0, 3, (64,)))
+    got, ref = (
+        nnstat.noise_scale(
+            m, nn.functional.cross_entropy, data, small_batch=4, big_batch=16, n_estimates=4,
+            method=method,
+        )  # fmt: skip
+        for m in (sparse, dense)
+    )
+    assert got.trace_sigma == pytest.approx(ref.trace_sigma, rel=1e-5)
+    assert got.grad_sq_norm == pytest.approx(ref.grad_sq_norm, rel=1e-5)

@@ -48,6 +48,45 @@ def _data(n: int = 64, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 6, generator=gen), torch.randint(0, 3, (n,), generator=gen)
 
 
+def _micro_pairs(model: nn.Module, x, y, idx: list) -> tuple[dict[str, float], dict[str, float]]:
+    """The reference: each micro-batch's mean gradient on its own (``torch.autograd.grad``,
+    before any backward), reduced per layer to ``mean_k |g_k|^2`` and ``|mean_k g_k|^2``."""
+    k = len(idx)
+    means = [
+        torch.autograd.grad(
+            nn.functional.cross_entropy(model(x[i]), y[i]), list(model.parameters())
+        )
+        for i in idx
+    ]
+    names = [n for n, _ in model.named_parameters()]
+    small, big = collections.defaultdict(float), collections.defaultdict(float)
+    for j, name in enumerate(names):
+        layer = name.rpartition(".")[0]
+        stack = torch.stack([m[j].double() for m in means])
+        small[layer] += float(stack.pow(2).sum()) / k
+        big[layer] += float(stack.mean(0).pow(2).sum())
+    return dict(small), dict(big)
+
+
+def _assert_steps(state: dict, expected: list, b: int, k: int, factors: list | None = None):
+    """The tracker's per-step ``dens``/``nums`` (a window holding every step) are the
+    two-batch estimates of `expected`'s pairs (times ``factors``, one per step, if given)."""
+    for step, (small, big) in enumerate(expected):
+        pairs = {layer: (small[layer], big[layer]) for layer in small}
+        pairs[""] = (sum(small.values()), sum(big.values()))
+        for layer, (s_sq, b_sq) in pairs.items():
+            if factors is not None:
+                s_sq, b_sq = s_sq * factors[step], b_sq * factors[step]
+            g_sq, trace = two_batch(s_sq, b_sq, b, k * b)
+            # the norms accumulate in float32: each input within ~1e-6 of its own size,
+            # carried through the two-batch formula's differences
+            g_tol = 1e-6 * (k * b * b_sq + b * s_sq) / (k * b - b)
+            t_tol = 1e-6 * (s_sq + b_sq) / (1 / b - 1 / (k * b))
+            assert state[layer]["dens"][step] == pytest.approx(g_sq, abs=g_tol)
+            assert state[layer]["nums"][step] == pytest.approx(trace, abs=t_tol)
+    assert all(len(state[layer]["dens"]) == len(expected) for layer in state)
+
+
 @pytest.mark.parametrize("accumulation", ["mean", "sum"])
 def test_each_step_is_the_two_batch_estimate_of_its_micro_batch_gradients(accumulation):
     model, (x, y) = _mlp(), _data()
@@ -59,42 +98,89 @@ def test_each_step_is_the_two_batch_estimate_of_its_micro_batch_gradients(accumu
     expected: list[tuple[dict[str, float], dict[str, float]]] = []
     for _ in range(4):
         idx = [torch.randint(0, 64, (b,), generator=gen) for _ in range(k)]
-        # the reference: each micro-batch's mean gradient on its own, before any backward
-        means = [
-            torch.autograd.grad(
-                nn.functional.cross_entropy(model(x[i]), y[i]), list(model.parameters())
-            )
-            for i in idx
-        ]
-        names = [n for n, _ in model.named_parameters()]
-        small, big = collections.defaultdict(float), collections.defaultdict(float)
-        for j, name in enumerate(names):
-            layer = name.rpartition(".")[0]
-            stack = torch.stack([m[j].double() for m in means])
-            small[layer] += float(stack.pow(2).sum()) / k
-            big[layer] += float(stack.mean(0).pow(2).sum())
-        expected.append((dict(small), dict(big)))
+        expected.append(_micro_pairs(model, x, y, idx))
         for i in idx:
             loss = nn.functional.cross_entropy(model(x[i]), y[i])
             (loss / k if accumulation == "mean" else loss).backward()
         assert micro.end_step()
         opt.step()
         opt.zero_grad()
-    state = gns.state_dict()["stats"]
-    for step, (small, big) in enumerate(expected):
-        pairs = {layer: (small[layer], big[layer]) for layer in small}
-        pairs[""] = (sum(small.values()), sum(big.values()))
-        for layer, (s_sq, b_sq) in pairs.items():
-            g_sq, trace = two_batch(s_sq, b_sq, b, k * b)
-            # the norms accumulate in float32: each input within ~1e-6 of its own size,
-            # carried through the two-batch formula's differences
-            g_tol = 1e-6 * (k * b * b_sq + b * s_sq) / (k * b - b)
-            t_tol = 1e-6 * (s_sq + b_sq) / (1 / b - 1 / (k * b))
-            assert state[layer]["dens"][step] == pytest.approx(g_sq, abs=g_tol)
-            assert state[layer]["nums"][step] == pytest.approx(trace, abs=t_tol)
+    _assert_steps(gns.state_dict()["stats"], expected, b, k)
     assert sorted(gns.layer_values()) == ["0", "2"]
     gns.unwatch()
     assert all(not p._backward_hooks for p in model.parameters())
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_micro_batch_leaves_its_step_out_with_a_warning(bad):
+    """A micro-batch whose gradients hold NaN/Inf (a mixed-precision overflow, a step the
+    GradScaler skips): its step is left out with a warning, and the estimate is that of the
+    same run without it (the other steps' reference pairs, nothing else averaged)."""
+    model, (x, y) = _mlp(), _data()
+    k, b, skipped = 3, 5, 2
+    gns = nnstat.NoiseScale(window=10)
+    micro = gns.watch_microbatches(model, micro_batch_size=b)
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    gen = torch.Generator().manual_seed(2)
+    expected: list[tuple[dict[str, float], dict[str, float]]] = []
+    for step in range(5):
+        idx = [torch.randint(0, 64, (b,), generator=gen) for _ in range(k)]
+        if step != skipped:
+            expected.append(_micro_pairs(model, x, y, idx))
+        for j, i in enumerate(idx):
+            loss = nn.functional.cross_entropy(model(x[i]), y[i]) / k
+            (loss * bad if (step, j) == (skipped, 1) else loss).backward()
+        # on CPU the step's norms arrive at once; on a GPU the warning comes at a later read
+        warns = pytest.warns(RuntimeWarning, match="non-finite gradients")
+        with warns if step == skipped else _no_warning():
+            assert micro.end_step()
+        if step != skipped:  # what the GradScaler does: no update from that step
+            opt.step()
+        opt.zero_grad()
+    assert gns.n_updates == len(expected)
+    _assert_steps(gns.state_dict()["stats"], expected, b, k)
+    assert math.isfinite(gns.value)
+
+
+def test_the_callbacks_driver_leaves_a_grad_scaler_skipped_step_out():
+    """The HF and Lightning callbacks' driver under gradient accumulation (the micro-batch
+    estimator) with a real GradScaler: the step it skips for an overflow is left out with a
+    warning and not counted; the others are measured on the scaled gradients (the scale
+    squared on ``|G|^2`` and ``tr(Sigma)``, the scale of their own step)."""
+    from nnstat.integrations._hooks import StatsOptions, StepStats
+
+    model, (x, y) = _mlp(), _data()
+    k, b, skipped = 2, 6, 1
+    hooks = StepStats(StatsOptions(stats=["l2"], groups=["weight"], noise_scale_window=10))
+    hooks.configure(accumulation_steps=k, micro_batch_size=b)
+    assert hooks.method == "micro_batch"
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=1000)
+    gen = torch.Generator().manual_seed(3)
+    expected, factors = [], []
+    for step in range(4):
+        idx = [torch.randint(0, 64, (b,), generator=gen) for _ in range(k)]
+        if step != skipped:
+            expected.append(_micro_pairs(model, x, y, idx))
+            factors.append(scaler.get_scale() ** 2)
+        for j, i in enumerate(idx):
+            hooks.begin_batch(model)
+            loss = nn.functional.cross_entropy(model(x[i]), y[i]) / k
+            if (step, j) == (skipped, 0):
+                loss = loss * math.inf  # an fp16 overflow, as the scaler sees it
+            scaler.scale(loss).backward()
+        warns = pytest.warns(RuntimeWarning, match="non-finite gradients")
+        with warns if step == skipped else _no_warning():
+            hooks.before_step(model, opt, log=False)
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        assert (scaler.get_scale() < scale) == (step == skipped)  # the scaler skipped it
+        hooks.after_step()
+        opt.zero_grad(set_to_none=True)
+    assert hooks.gns.n_updates == len(expected) == 3
+    _assert_steps(hooks.gns.state_dict()["stats"], expected, b, k, factors)
+    hooks.close()
 
 
 def test_unbiased_for_linear_regression_closed_form():
@@ -274,3 +360,42 @@ def test_meta_ops_grow_with_micro_batches_not_tensors_and_read_nothing():
         "aten::_foreach_norm": norms, "aten::stack": norms, "aten::pow": norms, "aten::cat": 2,
         "aten::_to_copy": 1,
     }  # fmt: skip
+
+
+def test_sparse_embedding_gradients_are_measured():
+    """nn.Embedding(sparse=True) brings sparse gradients to the hooks and to .grad: their norms
+    are those of the dense gradients (autograd on the dense twin of the lookup)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(12, 3))
+    x, y = torch.randint(0, 10, (6, 3)), torch.randint(0, 3, (6,))
+    k, b = 3, 2
+    gns = nnstat.NoiseScale()
+    micro = gns.watch_microbatches(model, micro_batch_size=b, accumulation="sum")
+    for i in range(k):
+        nn.functional.cross_entropy(
+            model(x[i * b : (i + 1) * b]), y[i * b : (i + 1) * b]
+        ).backward()
+    assert model[0].weight.grad.is_sparse
+    assert micro.end_step()
+    gns.unwatch()
+    model[0].sparse = False
+    means = [
+        torch.cat(
+            [
+                g.flatten()
+                for g in torch.autograd.grad(
+                    nn.functional.cross_entropy(
+                        model(x[i * b : (i + 1) * b]), y[i * b : (i + 1) * b]
+                    ),
+                    list(model.parameters()),
+                )
+            ]
+        ).double()
+        for i in range(k)
+    ]
+    stack = torch.stack(means)
+    g_sq, trace = two_batch(
+        float(stack.pow(2).sum(1).mean()), float(stack.mean(0).pow(2).sum()), b, k * b
+    )
+    assert gns.grad_sq_norm == pytest.approx(g_sq, rel=1e-4)
+    assert gns.trace_sigma == pytest.approx(trace, rel=1e-4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -210,22 +211,62 @@ def test_tracker_batch_that_raises_leaves_no_stale_capture():
 
 
 def test_nonfinite_or_negative_norms_are_named():
+    """Norms handed to ``update`` are the caller's input: NaN/Inf or negative ones raise."""
     gns = nnstat.NoiseScale(window=3)
     with pytest.raises(ValueError, match="layer 'b'.*finite and >= 0"):
         gns.update({"a": 1.0, "b": -0.5}, {"a": 0.5, "b": 0.1}, 2, 8)
     with pytest.raises(ValueError, match="layer 'a'.*g_big_sq=inf"):
         gns.update({"a": 1.0, "b": 0.5}, {"a": math.inf, "b": 0.1}, 2, 8)
     assert gns.n_updates == 0
+
+
+def _assert_per_sample_steps(state: dict, expected: list, n: int, factors: list | None = None):
+    """The tracker's per-step ``dens``/``nums`` (a window holding every step) are the
+    two-batch estimates (``B_small = 1``, ``B_big = n``) of `expected`'s `_reference` pairs,
+    times ``factors`` (one per step: a loss scale squared) if given."""
+    for step, (small, big) in enumerate(expected):
+        f = 1.0 if factors is None else factors[step]
+        pairs = {mod: (small[mod] * f, big[mod] * f) for mod in small}
+        pairs[""] = (sum(small.values()) * f, sum(big.values()) * f)
+        for mod, (s_sq, b_sq) in pairs.items():
+            g_sq, trace = two_batch(s_sq, b_sq, 1, n)
+            # float32 norms: each input within ~1e-6 of its size, through the differences
+            g_tol, t_tol = 1e-5 * (n * b_sq + s_sq) / (n - 1), 1e-5 * (s_sq + b_sq) * n / (n - 1)
+            assert state[mod]["dens"][step] == pytest.approx(g_sq, abs=g_tol)
+            assert state[mod]["nums"][step] == pytest.approx(trace, abs=t_tol)
+    assert all(len(state[mod]["dens"]) == len(expected) for mod in state)
+
+
+def test_a_batch_with_non_finite_norms_is_left_out_with_a_warning():
+    """A NaN in one sample reaches every layer's norms: the batch is left out with a warning
+    (training goes on), and the tracker holds the run without it, batch for batch the
+    torch.func reference of the other batches."""
     torch.manual_seed(4)
     model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
-    gns.watch(model)
-    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
-    x[3, 1] = math.nan  # one sample's NaN reaches every layer's norms
-    with pytest.raises(ValueError, match="gradient norms of '0' contain NaN or Inf"):
-        with gns.batch():
-            nn.functional.cross_entropy(model(x), y).backward()
-    assert gns.n_updates == 0
-    gns.unwatch()
+    batches = [(torch.randn(8, 4), torch.randint(0, 3, (8,))) for _ in range(3)]
+    batches[1][0][3, 1] = math.nan
+
+    def run(which: list[int]) -> nnstat.NoiseScale:
+        gns = nnstat.NoiseScale(window=3)
+        gns.watch(model)
+        for i in which:
+            x, y = batches[i]
+            model.zero_grad(set_to_none=True)  # what a skipped step leaves: no stale NaN
+            warns = pytest.warns(RuntimeWarning, match="non-finite gradients")
+            with warns if i == 1 else warnings.catch_warnings():
+                if i != 1:
+                    warnings.simplefilter("error")
+                with gns.batch():
+                    nn.functional.cross_entropy(model(x), y).backward()
+        gns.unwatch()
+        return gns
+
+    gns, without = run([0, 1, 2]), run([0, 2])
+    assert gns.n_updates == 2
+    assert gns.state_dict() == without.state_dict()
+    expected = [_reference(model, *batches[i]) for i in (0, 2)]
+    _assert_per_sample_steps(gns.state_dict()["stats"], expected, 8)
+    assert math.isfinite(gns.value)
 
 
 def test_per_sample_method_agrees_with_two_batch():
@@ -257,3 +298,65 @@ def test_provider_feeds_tracker():
     metrics = tracker.step()
     assert metrics["noise_scale/b_simple"] == pytest.approx(gns.value)
     assert metrics["noise_scale/weight/b_simple"] == pytest.approx(gns.value)
+
+
+def test_the_callbacks_driver_leaves_a_grad_scaler_skipped_per_sample_step_out():
+    """The HF and Lightning callbacks' driver with one process and no accumulation (the
+    per-sample estimator), called in the HF Trainer's order around a real GradScaler: the step
+    it skips for an overflow is left out with a warning and not counted, training goes on,
+    and the other steps are the torch.func reference times their own scale squared (the
+    per-sample and batch gradients were both measured scaled, before ``unscale_``); each
+    logged step carries the noise scale as of that step."""
+    from nnstat.integrations._hooks import StatsOptions, StepStats
+
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    n, skipped = 8, 3
+    hooks = StepStats(StatsOptions(stats=["l2"], groups=["weight"], noise_scale_window=10))
+    hooks.configure(accumulation_steps=1, micro_batch_size=n)
+    assert hooks.method == "per_sample"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=1000)
+    gen = torch.Generator().manual_seed(6)
+    expected, factors, counted = [], [], []
+    for step in range(6):
+        x, y = torch.randn(n, 4, generator=gen), torch.randint(0, 3, (n,), generator=gen)
+        if step not in (0, skipped):  # the first batch only probes which modules to watch
+            expected.append(_reference(model, x, y))
+            factors.append(scaler.get_scale() ** 2)
+        counted.append(len(expected))
+        hooks.begin_batch(model)  # on_step_begin
+        loss = nn.functional.cross_entropy(model(x), y)
+        if step == skipped:
+            loss = loss * math.inf  # an fp16 overflow, as the scaler sees it
+        scaler.scale(loss).backward()
+        warns = pytest.warns(RuntimeWarning, match="non-finite gradients")
+        with warns if step == skipped else warnings.catch_warnings():
+            if step != skipped:
+                warnings.simplefilter("error")
+            hooks.before_clip()  # inside accelerator.clip_grad_norm_, before its unscale_
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        hooks.before_step(model, opt, log=True)  # on_pre_optimizer_step
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        assert (scaler.get_scale() < scale) == (step == skipped)  # the scaler skipped it
+        hooks.after_step(step)  # on_optimizer_step
+        opt.zero_grad(set_to_none=True)
+    assert hooks.gns.n_updates == len(expected) == 4
+    stats = hooks.gns.state_dict()["stats"]
+    _assert_per_sample_steps(stats, expected, n, factors)
+    logged = dict(hooks.collect(wait=True))
+    assert sorted(logged) == list(range(6))
+    assert not any(k.startswith("noise_scale/") for k in logged[0])  # nothing measured yet
+    for step in range(1, 6):  # the window's means over the steps counted by then
+        k = counted[step]
+        for key, what in (("grad_sq_norm", "dens"), ("trace_sigma", "nums")):
+            mean = sum(stats[""][what][:k]) / k
+            assert logged[step][f"noise_scale/{key}"] == pytest.approx(mean, rel=1e-12)
+    noise = {
+        s: {k: v for k, v in m.items() if k.startswith("noise_scale/")} for s, m in logged.items()
+    }
+    assert noise[skipped] == noise[skipped - 1]  # the skipped step added nothing
+    hooks.close()

@@ -260,3 +260,48 @@ def test_tiny_llama_logged_scored_and_refined_on_the_cpu(bench, tmp_path):
     assert err < 1e-3, err
     unrefined = (ekfac.scores.double() - exact).abs().max() / exact.abs().max()
     assert unrefined > 10 * err  # the check can tell refined from EK-FAC scores
+
+
+def test_the_scoring_target_times_the_device_branch_against_a_copy_of_the_same_bytes(
+    bench, tmp_path, monkeypatch
+):
+    """The GPU part's scoring target on a small store, with the device branch switched on (the
+    branch a GPU takes): the bytes that cross to the device are the stored (factored) ones, the
+    copy bound is timed on exactly those bytes, and the scores are the dense float64 ones."""
+    import numpy as np
+
+    from nnstat.influence import score
+
+    crossed: list[int] = []
+    stream_to = score.stream_to
+
+    def counting(*args, **kwargs):
+        for block in stream_to(*args, **kwargs):
+            crossed.append(block[2].numel() * block[2].element_size())
+            yield block
+
+    monkeypatch.setattr(score, "_device_branch", lambda device: True)
+    monkeypatch.setattr(score, "stream_to", counting)
+    copies: list[int] = []
+    copy_seconds = bench.copy_seconds
+    monkeypatch.setattr(
+        bench, "copy_seconds", lambda n, d, repeat=3: copies.append(n) or copy_seconds(n, d, repeat)
+    )
+    root = tmp_path / "train"
+    meta = bench.write_factored_store(root, rows=300, modules=3, rank=8, factors=2)
+    r = bench.score_against_copy_bound(root, queries=4, device="cpu")
+    stored = np.concatenate([np.load(p) for p in GradientStore(root).shards])
+    assert stored.shape == (300, 3 * 2 * (8 + 8)) and r["rows"] == 300
+    # the stored bytes crossed, once per call (an untimed call, then the timed one)
+    assert r["bytes"] == stored.nbytes and sum(crossed) == 2 * stored.nbytes
+    assert copies == [stored.nbytes]  # the bound: a copy of the same bytes
+    assert r["ratio"] == r["copy_seconds"] / r["seconds"] and r["seconds"] > 0
+    # the scores: every module multiplied out by numpy, in float64
+    per_module = stored.reshape(300, 3, 32).astype(np.float64)  # [U (2 x 8), V (2 x 8)] each
+    u, v = per_module[..., :16].reshape(300, 3, 2, 8), per_module[..., 16:].reshape(300, 3, 2, 8)
+    dense = np.einsum("nkjo,nkji->nkoi", u, v).reshape(300, -1)
+    want = r["query_rows"].double().numpy() @ dense.T
+    np.testing.assert_allclose(r["result"].scores.double().numpy(), want, rtol=1e-4, atol=1e-4)
+    assert [m["factors"] for m in meta["modules"]] == [2, 2, 2]
+    table = bench.score_table(r)
+    assert "| 300 factored rows (3 modules, rank 8, c = 2) | 4 |" in table

@@ -4,8 +4,7 @@ returns exactly the single-process result."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from _dist import spawn
 
 from nnstat.influence import ModuleSpec, TensorSource, compute_influence_all
 
@@ -19,30 +18,26 @@ def _sources():
     return query, train
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        query, train = _sources()
-        full = compute_influence_all(query, train, preconditioner="raw", damping=0.1, batch_size=4)
-        top = compute_influence_all(
-            query, train, preconditioner="raw", damping=0.1, top_k=4, batch_size=4
-        )
-        torch.save(
-            {
-                "scores": full.scores,
-                "train_ids": full.train_ids,
-                "helpful_ids": top.helpful_ids,
-                "harmful_ids": top.harmful_ids,
-                "helpful_scores": top.helpful_scores,
-            },
-            f"{out_dir}/rank{rank}.pt",
-        )
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, out_dir: str) -> None:
+    query, train = _sources()
+    full = compute_influence_all(query, train, preconditioner="raw", damping=0.1, batch_size=4)
+    top = compute_influence_all(
+        query, train, preconditioner="raw", damping=0.1, top_k=4, batch_size=4
+    )
+    torch.save(
+        {
+            "scores": full.scores,
+            "train_ids": full.train_ids,
+            "helpful_ids": top.helpful_ids,
+            "harmful_ids": top.harmful_ids,
+            "helpful_scores": top.helpful_scores,
+        },
+        f"{out_dir}/rank{rank}.pt",
+    )
 
 
 def test_distributed_split_and_gather_equals_single_process(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, str(tmp_path), world=2)
     query, train = _sources()
     full = compute_influence_all(query, train, preconditioner="raw", damping=0.1, progress=False)
     top = full.top_k(4)

@@ -520,3 +520,44 @@ def test_default_damping_is_raised_past_negative_hessian_curvature(tmp_path, sol
     ref = _reference(model, store, log, train, query, h, info["damping"])
     err = (res.scores.double() - ref).abs().max() / ref.abs().max()
     assert err < 1e-5, err
+
+
+class _FrozenAndUnused(nn.Sequential):
+    """A frozen layer between trainable ones and a watched Linear the forward never calls."""
+
+    def __init__(self):
+        super().__init__(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3))
+        self[2].requires_grad_(False)
+        self.unused = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self[4](self[3](self[2](self[1](self[0](x)))))
+
+
+def test_refinement_with_frozen_and_unused_modules_is_the_trainable_parameters_solution(tmp_path):
+    """Frozen parameters are outside the refined space (no curvature in their directions) and
+    an unused module's parameters have none: the explicit curvature restricted to the
+    trainable parameters gives the same scores."""
+    torch.manual_seed(0)
+    model = _FrozenAndUnused()
+    _, train, query = _setup()
+    with pytest.warns(UserWarning, match="received no gradient"):
+        store, log = _log(tmp_path, "p", model, train, query)
+    c = _explicit_hessian(model, train)
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    starts = dict(
+        zip(sizes, torch.tensor([0, *sizes.values()]).cumsum(0).tolist()[:-1], strict=True)
+    )
+    space = _Flat(model, as_source(store), torch.float64)
+    assert "2.weight" not in space.names and "unused.weight" in space.names
+    idx = torch.cat([torch.arange(starts[n], starts[n] + sizes[n]) for n in space.names])
+    c = c[idx][:, idx]
+    lam = 0.05 + max(0.0, -float(torch.linalg.eigvalsh(c).min()))
+    ref = _reference(model, store, log, train, query, c, lam)
+    refine = Refinement(
+        model, LOSS, train, steps=len(idx) + 5, curvature="hessian", damping=lam,
+        dtype=torch.float64, batch_size=12,
+    )  # fmt: skip
+    with pytest.warns(RuntimeWarning, match="no K-FAC statistics"):
+        res = compute_influence_all(log, store, refine=refine)
+    assert (res.scores.double() - ref).abs().max() / ref.abs().max() < 1e-5

@@ -3,6 +3,8 @@ against torch.func per-sample gradients and explicitly built K-FAC factors."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pandas as pd
 import pytest
 import torch
@@ -198,8 +200,24 @@ def test_cli_writes_top_k_and_full_tables(logged, tmp_path, capsys):
     assert "no gradient store" in capsys.readouterr().err
 
 
-def test_stored_ekfac_statistics_are_used_and_match_explicit(tmp_path):
+class _WithUnused(nn.Sequential):
+    """The Sequential plus a watched Linear that never takes part in the forward."""
+
+    def __init__(self, model):
+        super().__init__(*model)
+        self.unused = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self[2](self[1](self[0](x)))
+
+
+@pytest.mark.parametrize("unused", [False, True], ids=["all_used", "unused_module"])
+def test_stored_ekfac_statistics_are_used_and_match_explicit(tmp_path, unused):
+    """A watched module that got no gradient (its rows are zeros, no statistics) is fitted
+    from its rows with a warning; the other modules keep their EK-FAC factors."""
     model, train, query = _model_and_data()
+    if unused:
+        model = _WithUnused(model)
     run = nnstat.init(project="ekfac", root_dir=tmp_path)
     nnstat.setup({"log": "grad", "save": "grad", "statistic": "ekfac"})
     nnstat.watch(model)
@@ -217,8 +235,15 @@ def test_stored_ekfac_statistics_are_used_and_match_explicit(tmp_path):
     model.zero_grad()
     log = nnstat.get_log()
     nnstat.unwatch()
-    res = compute_influence_all(log, loader, preconditioner="ekfac", damping=1e-2, progress=False)
-    assert fitted(as_source(loader), "ekfac").origin == {"0": "statistics", "2": "statistics"}
+    origin = {"0": "statistics", "2": "statistics"} | ({"unused": "rows"} if unused else {})
+    with (
+        pytest.warns(RuntimeWarning, match=r"\['unused'\] have no K-FAC")
+        if unused
+        else nullcontext()
+    ):
+        res = compute_influence_all(log, loader, damping=1e-2, progress=False)  # default: ekfac
+    assert res.meta["preconditioner"] == "ekfac"
+    assert fitted(as_source(loader), "ekfac").origin == origin
     gt, gq = _grads(model, train), _grads(model, query)
     factors = _kfac_factors(model, *train)
     expected = torch.zeros(4, N_TRAIN, dtype=torch.float64)

@@ -3,6 +3,9 @@ noise scale against torch.func per-sample gradients, influence against the plain
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -10,6 +13,7 @@ from torch.func import functional_call, grad, vmap
 
 L = pytest.importorskip("lightning")
 
+from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
 from nnstat.integrations.lightning import (  # noqa: E402
     NNStatCallback,
     extract_log,
@@ -295,3 +299,52 @@ def test_gradient_accumulation_defaults_to_the_micro_batch_estimator(tmp_path):
     for h in history:
         assert h["noise_scale/b_simple"] == pytest.approx(ref.values[h["step"]], rel=1e-4)
     assert {"noise_scale/net.0/b_simple", "noise_scale/net.2/b_simple"} <= set(history[0])
+
+
+class _ScaledFloat32(MixedPrecision):
+    """Lightning's 16-bit AMP plugin with a real GradScaler (the loss scaled for backward,
+    ``.grad`` unscaled before ``on_before_optimizer_step``, an overflowed step skipped), its
+    forward left in float32 so that the float32 reference holds to 1e-4."""
+
+    def autocast_context_manager(self):
+        return contextlib.nullcontext()
+
+
+class _OverflowAt(Tiny):
+    """``Tiny`` whose loss is infinite on one batch (as a float16 overflow)."""
+
+    def __init__(self, batch_idx: int) -> None:
+        super().__init__()
+        self.overflow = batch_idx
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * math.inf if batch_idx == self.overflow else loss
+
+
+def test_micro_batches_under_a_grad_scaler_match_and_skipped_steps_are_left_out(tmp_path):
+    """Every micro-batch is measured scaled, in its backward; the step's ``.grad`` must be read
+    before Lightning unscales it (else ``b_simple`` is inf on every step). The step the
+    scaler skips (an overflow in its first micro-batch) is left out with a warning: the
+    logged value then stays the previous step's (beta = 0: the last observation)."""
+    cb = NNStatCallback(stats=["l2"], groups=["weight"], every=1, noise_scale_beta=0.0)
+    ref, kept = _MicroReference(), []
+    keep = L.Callback()  # the noise scale as of the last batch (close() drops it)
+    keep.on_train_batch_end = lambda trainer, module, *args: kept.append(cb.hooks.gns)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    loader = torch.utils.data.DataLoader(_data(), batch_size=8, shuffle=False)
+    trainer = _trainer(
+        tmp_path, [ref, cb, keep], max_steps=3, accumulate_grad_batches=2, logger=False,
+        plugins=[_ScaledFloat32("16-mixed", "cpu", scaler=scaler)],
+    )  # fmt: skip
+    with pytest.warns(RuntimeWarning, match="non-finite gradients"):
+        trainer.fit(_OverflowAt(batch_idx=2), loader)  # step 2's first micro-batch
+    assert scaler.get_scale() == 2.0**9  # the scaler found the overflow and skipped step 2
+    assert cb.hooks.method == "micro_batch"
+    history = [h for h in cb.history if "noise_scale/b_simple" in h]
+    assert [h["step"] for h in history] == [1, 2, 3]
+    expected = [ref.values[1], ref.values[1], ref.values[3]]
+    for h, value in zip(history, expected, strict=True):
+        assert math.isfinite(value) and h["noise_scale/b_simple"] == pytest.approx(value, rel=1e-4)
+    assert kept[-1].n_updates == 2
+    assert "unscale_" not in vars(scaler)  # the scaler is left as it was

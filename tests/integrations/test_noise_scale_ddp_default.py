@@ -8,13 +8,12 @@ import contextlib
 import gc
 import json
 import os
-import socket
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _dist import spawn, spawn_launched
 from nnstat.integrations._hooks import StatsOptions, StepStats
 from torch import nn
 from torch.func import functional_call, grad, vmap
@@ -128,24 +127,6 @@ def _driver(rank: int, out_dir: str) -> None:
         json.dump(out, f)
 
 
-def _worker(rank: int, port: int, out_dir: str, job) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        job(rank, out_dir)
-        gc.collect()  # the DDP reducer (which holds the group) goes before the group
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _per_sample(state: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Every sample's gradient at ``state`` (torch.func), flattened, float64: ``(n, P)``."""
     model = _model()
@@ -174,7 +155,7 @@ def _reference(record: list, steps: list[int]) -> dict:
 
 @pytest.mark.timeout(120)
 def test_step_driver_under_ddp_defaults_to_the_hook_and_matches_per_sample_gradients(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), _driver), nprocs=WORLD, join=True)
+    spawn(_driver, str(tmp_path), world=WORLD)
     runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for got in runs:
         assert got["auto_method"] == "ddp" and got["forced_method"] == "ddp"
@@ -221,11 +202,8 @@ class _Classifier(nn.Module):
         return {"loss": nn.functional.cross_entropy(self.net(x), labels)}
 
 
-def _hf_trainer(rank: int, port: int, out_dir: str) -> None:
+def _hf_trainer(rank: int, out_dir: str) -> None:
     """One rank of a 2-process HF Trainer run (accelerate sets up gloo from the environment)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
-    os.environ.update(LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
-    torch.set_num_threads(1)
     import transformers
     from nnstat.integrations.huggingface import NNStatCallback
 
@@ -263,7 +241,7 @@ def _hf_trainer(rank: int, port: int, out_dir: str) -> None:
 @pytest.mark.timeout(180)
 def test_hf_trainer_under_ddp_defaults_to_the_hook(tmp_path):
     pytest.importorskip("transformers")
-    mp.spawn(_hf_trainer, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_launched(_hf_trainer, str(tmp_path), world=WORLD)
     runs = [json.loads((tmp_path / f"hf{r}.json").read_text()) for r in range(WORLD)]
     ref = nnstat.NoiseScale(window=10)
     assert len(runs[0]["logs"]) == len(runs[0]["seen"]) == 3
@@ -283,11 +261,8 @@ def test_hf_trainer_under_ddp_defaults_to_the_hook(tmp_path):
             assert got["noise_scale/trace_sigma"] == pytest.approx(ref.trace_sigma, rel=1e-4)
 
 
-def _lightning(rank: int, port: int, out_dir: str) -> None:
+def _lightning(rank: int, out_dir: str) -> None:
     """One rank of a 2-process Lightning ``strategy="ddp"`` run (the processes are ours)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
-    os.environ.update(LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), NODE_RANK="0")
-    torch.set_num_threads(1)
     import lightning as L
     from nnstat.integrations.lightning import NNStatCallback
 
@@ -328,7 +303,7 @@ def _lightning(rank: int, port: int, out_dir: str) -> None:
 @pytest.mark.timeout(180)
 def test_lightning_ddp_defaults_to_the_hook(tmp_path):
     pytest.importorskip("lightning")
-    mp.spawn(_lightning, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_launched(_lightning, str(tmp_path), world=WORLD)
     runs = [json.loads((tmp_path / f"pl{r}.json").read_text()) for r in range(WORLD)]
     points = {
         tuple(p): label for p, label in zip(_Points().x.tolist(), _Points().y.tolist(), strict=True)

@@ -305,3 +305,33 @@ def test_copies_of_mixed_dtypes_are_independent_snapshots_of_their_own_storage(t
     assert len(storages) == 3 * 4  # saving one entry saves only that entry
     W.save(tmp_path / "w.safetensors")
     assert list(nnstat.NetDict.load(tmp_path / "w.safetensors")) == list(W)
+
+
+def test_sparse_gradients_and_their_optimizer_states_are_described_dense():
+    """nn.Embedding(sparse=True) gives a sparse .grad (and SGD a sparse momentum buffer):
+    get_grad, get_optimizer_state and the Tracker describe the whole tensor, zeros included."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(12, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    steps = []
+    tracker = nnstat.Tracker(model, opt, stats=None, sinks=[lambda m, s: steps.append(m)])
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randint(0, 10, (3, 3))).pow(2).sum().backward()
+        opt.step()
+        tracker.step()
+    tracker.close()
+    grad, buf = model[0].weight.grad, opt.state[model[0].weight]["momentum_buffer"]
+    assert grad.is_sparse and buf.is_sparse
+    for group, got, ref in (
+        ("grad", nnstat.get_grad(model).describe_layers(), grad.to_dense()),
+        ("momentum_buffer", nnstat.get_optimizer_state(model, opt, "momentum_buffer"), None),
+    ):
+        ref = buf.to_dense() if ref is None else ref
+        if not isinstance(got, dict):
+            got = got.describe_layers()
+        x = ref.double().numpy().ravel()
+        expect = {"l2": np.linalg.norm(x), "mean": x.mean(), "sparsity": (x == 0).mean()}
+        for stat, value in expect.items():
+            assert got[f"0.weight/{stat}"] == pytest.approx(value, rel=1e-6, abs=1e-9)
+            assert steps[-1][f"{group}/0.weight/{stat}"] == pytest.approx(value, rel=1e-6, abs=1e-9)

@@ -1,11 +1,7 @@
 """Under torch.distributed each rank writes its own shards; the store reads the union."""
 
-import os
-import socket
-import subprocess
-import sys
-
 import torch
+from _dist import launch
 
 import nnstat
 
@@ -81,36 +77,10 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp_path, source):
     script = tmp_path / "ddp.py"
     script.write_text(source)
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE="2",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), str(tmp_path)],
-                env=env,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    for p in procs:
-        _, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err
+    launch(str(script), str(tmp_path), world=2)
 
 
 def test_two_gloo_ranks_write_their_own_shards(tmp_path):

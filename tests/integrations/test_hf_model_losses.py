@@ -1,0 +1,75 @@
+"""The patched Trainer on models other than GPT-2: a BERT classifier (whose loss takes
+``**kwargs`` but still averages over the batch) and a ViT (no ``input_ids``). Each stored row
+is its sample's own gradient: identity self-influence = the squared norm of the per-sample
+gradient of the watched modules, from a per-sample autograd loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from nnstat.integrations.huggingface import NNStatArguments, patch_trainer  # noqa: E402
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, columns: dict) -> None:
+        self.columns = columns
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values())))
+
+    def __getitem__(self, i: int) -> dict:
+        return {k: v[i] for k, v in self.columns.items()}
+
+
+def _bert():
+    cfg = transformers.BertConfig(
+        vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=8, num_labels=3, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    ids = torch.randint(1, 20, (6, 5))
+    mask = torch.ones(6, 5, dtype=torch.long)
+    mask[0, 3:] = 0  # a padded sequence
+    cols = {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 3, (6,))}
+    return transformers.BertForSequenceClassification(cfg), cols
+
+
+def _vit():
+    cfg = transformers.ViTConfig(
+        image_size=4, patch_size=2, num_channels=1, hidden_size=8, num_hidden_layers=1,
+        num_attention_heads=2, intermediate_size=16, num_labels=3, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    cols = {"pixel_values": torch.randn(6, 1, 4, 4), "labels": torch.randint(0, 3, (6,))}
+    return transformers.ViTForImageClassification(cfg), cols
+
+
+@pytest.mark.parametrize("build", [_bert, _vit], ids=["bert", "vit"])
+def test_patched_trainer_stores_each_samples_own_gradient(tmp_path, build):
+    torch.manual_seed(0)
+    model, cols = build()
+    args = transformers.TrainingArguments(
+        str(tmp_path / "out"), report_to="none", use_cpu=True, per_device_eval_batch_size=4
+    )
+    nargs = NNStatArguments(
+        "hf", root_dir=str(tmp_path), lora=False, progress=False, track=False,
+        config={"log": "grad", "save": "grad", "statistic": "none"},
+    )  # fmt: skip
+    trainer = patch_trainer(transformers.Trainer)(
+        nnstat_args=nargs, model=model, args=args, train_dataset=Rows(cols)
+    )
+    run = trainer.extract_log()  # batches of 4 and 2: a mean would scale them differently
+    got = trainer.self_influence(preconditioner="identity").scores
+
+    params = [p for m in run.engine.watched.values() for p in m.parameters(recurse=False)]
+    assert len(params) > 10
+    model.eval()
+    ref = []
+    for i in range(6):
+        model.zero_grad()
+        model(**{k: v[i : i + 1] for k, v in cols.items()}).loss.backward()
+        ref.append(sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None))
+    torch.testing.assert_close(got.double(), torch.stack(ref), rtol=1e-4, atol=1e-8)
