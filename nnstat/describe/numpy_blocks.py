@@ -376,11 +376,7 @@ def block_partials(
         >>> rows[:, [pr.SQ, pr.AMAX]].tolist()
         [[25.0, 4.0]]
     """
-    flat = [t.detach().reshape(-1) for t in tensors]
-    eps = torch.tensor([pr.eps_of(t.dtype) for t in flat], dtype=torch.float64)
-    # reduced in float32 (`partials.work_dtype`, as the moment pass does): a bfloat16 dot
-    # product or norm returns its sum rounded to bfloat16 (up to 0.4% off), integers have none
-    flat = [t.to(pr.work_dtype(t.dtype)) for t in flat]
+    flat, eps = _flat_work(tensors)
     need = set(stats)
     if need - pr.NORM_STATS:
         # one blocked pass gives every statistic (l2, l1, abs_max included)
@@ -407,10 +403,17 @@ def norm_partials_pass(tensors: Sequence[torch.Tensor], stats: tuple[str, ...]) 
     need = set(stats)
     if need - pr.NORM_STATS:
         raise ValueError(f"{sorted(need - pr.NORM_STATS)} need the moment pass: block_partials")
+    return _norm_partials_pass(*_flat_work(tensors), need)
+
+
+def _flat_work(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`tensors` flat in the dtype they are reduced in, and each one's epsilon (of its own
+    dtype, for the constant rule)."""
     flat = [t.detach().reshape(-1) for t in tensors]
-    flat = [t if t.is_floating_point() else t.to(torch.float32) for t in flat]
     eps = torch.tensor([pr.eps_of(t.dtype) for t in flat], dtype=torch.float64)
-    return _norm_partials_pass(flat, eps, need)
+    # reduced in float32 (`partials.work_dtype`, as the moment pass does): a bfloat16 dot
+    # product or norm returns its sum rounded to bfloat16 (up to 0.4% off), integers have none
+    return [t.to(pr.work_dtype(t.dtype)) for t in flat], eps
 
 
 def _norm_partials_pass(flat: list[torch.Tensor], eps: torch.Tensor, need: set[str]) -> BlockPass:
