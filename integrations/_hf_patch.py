@@ -39,6 +39,83 @@ __all__ = ["NNStatArguments", "patch_trainer"]
 
 _DATA_IDS = ("index", "hash")
 
+_MEAN_WARNING = (
+    "nnstat: the model's loss ignores num_items_in_batch and is no cross-entropy averaged over "
+    "the label tokens (labels != -100), so each sample's summed loss is taken as the batch's "
+    "mean loss × batch size; if samples hold different numbers of label tokens, every row of a "
+    "batch is then scaled by a factor that differs between batches and scores across batches "
+    "are distorted. Fix: give the Trainer a compute_loss_func that divides the summed loss by "
+    "its num_items_in_batch argument (nnstat passes 1), or use a model whose loss accepts "
+    "num_items_in_batch."
+)
+
+
+def label_count(labels: torch.Tensor, shift: bool) -> torch.Tensor:
+    """Label tokens a mean token loss averages over: those not ``-100``, after dropping each
+    sequence's first label when ``shift`` (HF causal LMs predict token ``t+1`` at ``t``).
+
+    Args:
+        labels: integer labels, ``(batch, ...)``.
+        shift: whether the loss shifts the labels by one token.
+
+    Returns:
+        A 0-d integer tensor (no host read).
+
+    Example:
+        >>> int(label_count(torch.tensor([[1, 2, -100], [3, -100, -100]]), shift=False))
+        3
+    """
+    return (labels[..., 1:] if shift else labels).ne(-100).sum()
+
+
+def _summed_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, shift: bool
+) -> torch.Tensor | None:
+    """Cross-entropy of ``logits`` summed over the labels not ``-100`` (``None`` where the
+    logits do not fit the labels that way)."""
+    if shift:
+        if labels.ndim < 2 or logits.ndim < 3:
+            return None
+        logits, labels = logits[..., :-1, :], labels[..., 1:]
+    if labels.is_floating_point() or logits.shape[:-1] != labels.shape:
+        return None
+    flat = logits.reshape(-1, logits.shape[-1]).double()
+    return torch.nn.functional.cross_entropy(
+        flat, labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+
+
+def label_shift(
+    loss: torch.Tensor, logits: torch.Tensor | None, labels: torch.Tensor
+) -> bool | None:
+    """Which labels a mean cross-entropy ``loss`` averaged over: ``False`` the labels as given
+    (BERT's masked LM, T5), ``True`` labels shifted by one token (HF causal LMs), ``None``
+    neither (a custom loss, or no logits): the summed cross-entropy rebuilt from ``logits``
+    must equal ``loss × label_count(labels, shift)``.
+
+    Args:
+        loss: the batch's mean loss (0-d).
+        logits: the model's logits, ``labels.shape + (classes,)`` (one longer when shifted).
+        labels: the batch's integer labels, ``-100`` ignored.
+
+    Returns:
+        ``False``, ``True`` or ``None``.
+
+    Example:
+        >>> logits, labels = torch.randn(2, 3, 5), torch.tensor([[1, -100, 2], [4, 0, -100]])
+        >>> label_shift(torch.nn.functional.cross_entropy(logits.mT, labels), logits, labels)
+        False
+    """
+    if logits is None:
+        return None
+    for shift in (False, True):
+        total = _summed_cross_entropy(logits, labels, shift)
+        if total is not None:
+            mean_times_count = loss.double() * label_count(labels, shift)
+            if bool(torch.isclose(mean_times_count, total, rtol=1e-4)):
+                return shift
+    return None
+
 
 @dataclass
 class NNStatArguments:
@@ -126,8 +203,9 @@ def patch_trainer(trainer_cls: type) -> type:
     ``self_influence()``.
 
     Per-sample losses are each sample's **summed** token losses (``num_items_in_batch=1`` for
-    models that take it; ``mean × batch size`` otherwise), so scores match the plain API with a
-    ``reduction="sum"`` loss. The passes run the model in eval mode, batch size
+    models that take it; otherwise the mean × the label tokens it averaged over, ``labels !=
+    -100``, shifted or not as the first batch's logits show; mean × batch size, with a warning,
+    for a loss that is neither), so scores match the plain API with a ``reduction="sum"`` loss. The passes run the model in eval mode, batch size
     ``per_device_eval_batch_size``, in dataset order.
 
     Args:
@@ -168,6 +246,7 @@ def patch_trainer(trainer_cls: type) -> type:
             self.nnstat_args = nnstat_args
             self.nnstat_run: Any = None
             self._nnstat_honours_items: bool | None = None  # see _nnstat_sums_items
+            self._nnstat_shift: bool | str | None = None  # see _nnstat_mean_count
             self.nnstat_callback: Any = None
             if nnstat_args.track:
                 from nnstat.integrations._hf_callback import watch_trainer
@@ -202,28 +281,49 @@ def patch_trainer(trainer_cls: type) -> type:
 
         def _nnstat_sum_loss(self, inputs: dict[str, Any]) -> torch.Tensor:
             inputs = self._prepare_inputs(inputs)
-            if "labels" in inputs and self._nnstat_sums_items(inputs):
-                loss = self.compute_loss(self.model, inputs, num_items_in_batch=1)
+            if "labels" not in inputs:
+                return self.compute_loss(self.model, inputs) * self._nnstat_batch_len(inputs)
+            if self._nnstat_sums_items(inputs):
+                # copies: compute_loss pops "labels" when it has a compute_loss_func
+                loss = self.compute_loss(self.model, dict(inputs), num_items_in_batch=1)
                 if getattr(self.args, "average_tokens_across_devices", False):
                     # compute_loss multiplies by the process count in that case
                     loss = loss / max(1, self.accelerator.num_processes)
                 return loss
-            return self.compute_loss(self.model, inputs) * self._nnstat_batch_len(inputs)
+            return self.compute_loss(self.model, dict(inputs)) * self._nnstat_mean_count(inputs)
 
         def _nnstat_sums_items(self, inputs: dict[str, Any]) -> bool:
             """Whether the model's loss divides by ``num_items_in_batch`` (then ``1`` makes it
             the sum). The Trainer's ``model_accepts_loss_kwargs`` only says that ``forward``
             takes ``**kwargs``: BERT's and T5's losses take them and still average, so the
             first batch is asked once (in eval mode, no graph): a loss that honours it halves
-            when ``num_items_in_batch`` doubles."""
-            if not getattr(self, "model_accepts_loss_kwargs", False):
+            when ``num_items_in_batch`` doubles. A ``compute_loss_func`` is always passed it."""
+            takes_items = getattr(self, "model_accepts_loss_kwargs", False)
+            if not (takes_items or getattr(self, "compute_loss_func", None) is not None):
                 return False
             if self._nnstat_honours_items is None:
                 with torch.no_grad():
-                    one = self.compute_loss(self.model, inputs, num_items_in_batch=1)
-                    two = self.compute_loss(self.model, inputs, num_items_in_batch=2)
+                    one = self.compute_loss(self.model, dict(inputs), num_items_in_batch=1)
+                    two = self.compute_loss(self.model, dict(inputs), num_items_in_batch=2)
                 self._nnstat_honours_items = bool(torch.isclose(one, 2 * two, rtol=1e-4))
             return self._nnstat_honours_items
+
+        def _nnstat_mean_count(self, inputs: dict[str, Any]) -> torch.Tensor | int:
+            """The number of terms a loss that averages (ignores ``num_items_in_batch``) is the
+            mean of, so that mean × count is the batch's summed token loss: its label tokens
+            (``labels != -100``, after a causal LM's one-token shift), or the batch size when
+            the first batch's loss is no cross-entropy over them (see `label_shift`)."""
+            if self._nnstat_shift is None:
+                with torch.no_grad():
+                    loss, outputs = self.compute_loss(self.model, dict(inputs), return_outputs=True)
+                logits = outputs.get("logits") if isinstance(outputs, dict) else None
+                shift = label_shift(loss, logits, inputs["labels"])
+                if shift is None and inputs["labels"].ndim > 1:
+                    warnings.warn(_MEAN_WARNING, stacklevel=4)
+                self._nnstat_shift = "batch" if shift is None else shift
+            if self._nnstat_shift == "batch":
+                return self._nnstat_batch_len(inputs)
+            return label_count(inputs["labels"], self._nnstat_shift)
 
         def _nnstat_batch_len(self, batch: Any) -> int:
             """Samples in ``batch``: dim 0 of its ``input_key`` tensor, else of its first

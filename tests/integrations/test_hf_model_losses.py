@@ -5,6 +5,8 @@ gradient of the watched modules, from a per-sample autograd loop."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -71,5 +73,88 @@ def test_patched_trainer_stores_each_samples_own_gradient(tmp_path, build):
     for i in range(6):
         model.zero_grad()
         model(**{k: v[i : i + 1] for k, v in cols.items()}).loss.backward()
+        ref.append(sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None))
+    torch.testing.assert_close(got.double(), torch.stack(ref), rtol=1e-4, atol=1e-8)
+
+
+# Token-level losses: each sample holds a different number of -100 labels, and the batches of 4
+# and 2 hold different numbers of label tokens, so a mean × batch size would scale each batch's
+# rows by its own factor. The reference sums each sample's token cross-entropies from its logits.
+def _bert_mlm():
+    cfg = transformers.BertConfig(
+        vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=8, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    ids = torch.randint(1, 20, (6, 6))
+    labels = torch.full((6, 6), -100)
+    for i, positions in enumerate([[0], [1, 2, 4], [5], [0, 1, 2, 3, 5], [2, 3], [1, 2, 3, 4]]):
+        labels[i, positions] = torch.randint(1, 20, (len(positions),))
+    cols = {"input_ids": ids, "attention_mask": torch.ones(6, 6, dtype=torch.long)}
+    return transformers.BertForMaskedLM(cfg), cols | {"labels": labels}, False
+
+
+def _t5():
+    cfg = transformers.T5Config(
+        vocab_size=20, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    labels = torch.randint(1, 20, (6, 6))
+    for i, n in enumerate([1, 5, 2, 6, 3, 4]):  # valid decoder tokens, then -100 padding
+        labels[i, n:] = -100
+    cols = {"input_ids": torch.randint(1, 20, (6, 6)), "attention_mask": torch.ones(6, 6)}
+    return transformers.T5ForConditionalGeneration(cfg), cols | {"labels": labels}, False
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(
+        vocab_size=20, n_positions=8, n_embd=8, n_layer=1, n_head=2, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    ids = torch.randint(1, 20, (6, 6))
+    mask = torch.ones(6, 6, dtype=torch.long)
+    for i, n in enumerate([2, 6, 3, 5, 6, 4]):  # right padding, labelled -100
+        mask[i, n:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    cols = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return transformers.GPT2LMHeadModel(cfg), cols, True
+
+
+def _summed_token_loss(model, sample: dict, shift: bool) -> torch.Tensor:
+    logits, labels = model(**sample).logits, sample["labels"]
+    if shift:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+
+
+@pytest.mark.parametrize("build", [_bert_mlm, _t5, _gpt2], ids=["bert-mlm", "t5", "gpt2"])
+def test_patched_trainer_rows_are_summed_token_loss_gradients(tmp_path, build):
+    torch.manual_seed(0)
+    model, cols, shift = build()
+    args = transformers.TrainingArguments(
+        str(tmp_path / "out"), report_to="none", use_cpu=True, per_device_eval_batch_size=4
+    )
+    nargs = NNStatArguments(
+        "hf", root_dir=str(tmp_path), lora=False, progress=False, track=False,
+        config={"log": "grad", "save": "grad", "statistic": "none"},
+    )  # fmt: skip
+    trainer = patch_trainer(transformers.Trainer)(
+        nnstat_args=nargs, model=model, args=args, train_dataset=Rows(cols)
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = trainer.extract_log()
+    assert not [w for w in caught if "batch size" in str(w.message)]  # the layout is recognised
+    got = trainer.self_influence(preconditioner="identity").scores
+
+    params = [p for m in run.engine.watched.values() for p in m.parameters(recurse=False)]
+    assert len(params) > 5
+    model.eval()
+    ref = []
+    for i in range(6):
+        model.zero_grad()
+        _summed_token_loss(model, {k: v[i : i + 1] for k, v in cols.items()}, shift).backward()
         ref.append(sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None))
     torch.testing.assert_close(got.double(), torch.stack(ref), rtol=1e-4, atol=1e-8)
