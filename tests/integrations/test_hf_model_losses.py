@@ -1,7 +1,9 @@
 """The patched Trainer on models other than GPT-2: a BERT classifier (whose loss takes
-``**kwargs`` but still averages over the batch) and a ViT (no ``input_ids``). Each stored row
-is its sample's own gradient: identity self-influence = the squared norm of the per-sample
-gradient of the watched modules, from a per-sample autograd loop."""
+``**kwargs`` but still averages over the batch), a ViT (no ``input_ids``), and token losses
+(BERT's masked LM and T5 average over their label tokens, GPT-2 divides by
+``num_items_in_batch``). Each stored row is its sample's own gradient of its summed loss:
+identity self-influence = the squared norm of the per-sample gradient of the watched modules,
+from a per-sample autograd loop."""
 
 from __future__ import annotations
 
@@ -157,4 +159,77 @@ def test_patched_trainer_rows_are_summed_token_loss_gradients(tmp_path, build):
         model.zero_grad()
         _summed_token_loss(model, {k: v[i : i + 1] for k, v in cols.items()}, shift).backward()
         ref.append(sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None))
+    torch.testing.assert_close(got.double(), torch.stack(ref), rtol=1e-4, atol=1e-8)
+
+
+def _token_ce(outputs, labels, num_items_in_batch=None):
+    """A compute_loss_func summing the token cross-entropies, divided by num_items_in_batch."""
+    logits = outputs["logits"]
+    total = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    return total / (1 if num_items_in_batch is None else num_items_in_batch)
+
+
+def _smoothed_mean(outputs, labels, num_items_in_batch=None):
+    """A custom mean loss that ignores num_items_in_batch and is no plain cross-entropy."""
+    logits = outputs["logits"]
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), label_smoothing=0.1
+    )
+
+
+def _trainer_with_loss(tmp_path, loss_func):
+    torch.manual_seed(0)
+    model, cols, _ = _bert_mlm()
+    args = transformers.TrainingArguments(
+        str(tmp_path / "out"), report_to="none", use_cpu=True, per_device_eval_batch_size=4
+    )
+    nargs = NNStatArguments(
+        "hf", root_dir=str(tmp_path), lora=False, progress=False, track=False,
+        config={"log": "grad", "save": "grad", "statistic": "none"},
+    )  # fmt: skip
+    trainer = patch_trainer(transformers.Trainer)(
+        nnstat_args=nargs, model=model, args=args, train_dataset=Rows(cols),
+        compute_loss_func=loss_func,
+    )  # fmt: skip
+    return trainer, model, cols
+
+
+def test_compute_loss_func_dividing_by_num_items_gives_summed_rows(tmp_path):
+    trainer, model, cols = _trainer_with_loss(tmp_path, _token_ce)
+    run = trainer.extract_log()
+    got = trainer.self_influence(preconditioner="identity").scores
+    params = [p for m in run.engine.watched.values() for p in m.parameters(recurse=False)]
+    model.eval()
+    ref = []
+    for i in range(6):
+        model.zero_grad()
+        _summed_token_loss(model, {k: v[i : i + 1] for k, v in cols.items()}, False).backward()
+        ref.append(sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None))
+    torch.testing.assert_close(got.double(), torch.stack(ref), rtol=1e-4, atol=1e-8)
+
+
+def test_unrecognised_mean_loss_warns_once_and_scales_by_batch_size(tmp_path):
+    trainer, model, cols = _trainer_with_loss(tmp_path, _smoothed_mean)
+    with pytest.warns(UserWarning, match="compute_loss_func") as caught:
+        run = trainer.extract_log()  # two batches, one warning
+    assert len([w for w in caught if "compute_loss_func" in str(w.message)]) == 1
+    got = trainer.self_influence(preconditioner="identity").scores
+    params = [p for m in run.engine.watched.values() for p in m.parameters(recurse=False)]
+    model.eval()
+    ref = []
+    for start, stop in ((0, 4), (4, 6)):  # the documented fallback: batch mean × batch size
+        for i in range(start, stop):
+            model.zero_grad()
+            batch = {k: v[start:stop] for k, v in cols.items()}
+            logits = model(**batch).logits
+            own = torch.nn.functional.cross_entropy(
+                logits[i - start].reshape(-1, logits.shape[-1]),
+                batch["labels"][i - start].reshape(-1),
+                label_smoothing=0.1,
+                reduction="sum",
+            )
+            (own * (stop - start) / batch["labels"].ne(-100).sum()).backward()
+            ref.append(sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None))
     torch.testing.assert_close(got.double(), torch.stack(ref), rtol=1e-4, atol=1e-8)
