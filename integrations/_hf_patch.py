@@ -317,8 +317,10 @@ def patch_trainer(trainer_cls: type) -> type:
                 with torch.no_grad():
                     loss, outputs = self.compute_loss(self.model, dict(inputs), return_outputs=True)
                 logits = outputs.get("logits") if isinstance(outputs, dict) else None
-                shift = label_shift(loss, logits, inputs["labels"])
-                if shift is None and inputs["labels"].ndim > 1:
+                labels = inputs["labels"]
+                shift = label_shift(loss, logits, labels)
+                # integer labels per token may hold -100s: counts differ between samples
+                if shift is None and labels.ndim > 1 and not labels.is_floating_point():
                     warnings.warn(_MEAN_WARNING, stacklevel=4)
                 self._nnstat_shift = "batch" if shift is None else shift
             if self._nnstat_shift == "batch":
