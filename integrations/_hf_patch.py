@@ -205,8 +205,9 @@ def patch_trainer(trainer_cls: type) -> type:
     Per-sample losses are each sample's **summed** token losses (``num_items_in_batch=1`` for
     models that take it; otherwise the mean × the label tokens it averaged over, ``labels !=
     -100``, shifted or not as the first batch's logits show; mean × batch size, with a warning,
-    for a loss that is neither), so scores match the plain API with a ``reduction="sum"`` loss. The passes run the model in eval mode, batch size
-    ``per_device_eval_batch_size``, in dataset order.
+    for a loss that is neither), so scores match the plain API with a ``reduction="sum"`` loss.
+    The passes run the model in eval mode, batch size ``per_device_eval_batch_size``, in dataset
+    order.
 
     Args:
         trainer_cls: a ``transformers.Trainer`` subclass.
