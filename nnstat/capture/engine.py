@@ -455,8 +455,8 @@ class CaptureEngine(LayoutHooks):
     def _on_output_grad(
         self, module: nn.Module, x: torch.Tensor, ctx: BatchContext, grad: torch.Tensor
     ) -> None:
-        if grad.requires_grad:  # create_graph=True: keep no graph alive through captures
-            grad = grad.detach()
+        if torch.is_grad_enabled():  # a backward with create_graph=True
+            raise RuntimeError(_create_graph_refusal(self._watched[module].name))
         with self._lock:
             calls = self._pending.get(module)
             if calls is None:
@@ -492,6 +492,21 @@ class CaptureEngine(LayoutHooks):
                 consumer(cap)
         for batch_consumer in self._backward_consumers:
             batch_consumer(caps)
+
+
+def _create_graph_refusal(name: str) -> str:
+    # such a backward builds a graph through the gradient (gradient penalty, MAML, an input-
+    # gradient regulariser): a later backward of a loss holding that gradient reaches the
+    # weights through it, not through the layer's output, so no capture of either backward is
+    # a product of layer inputs and output gradients; capturing it would be silently wrong
+    return (
+        f"nnstat capture: a backward with create_graph=True reached watched module {name!r} "
+        "inside a capture block (engine.batch, run(...), NoiseScale.batch, the Recorder). The "
+        "per-sample gradients of a loss that differentiates through a gradient (a gradient "
+        "penalty, a double backward) are not products of layer inputs and output gradients. "
+        "Fix: compute the create_graph gradient outside the block, or capture the loss without "
+        "the gradient term (a separate logging pass)."
+    )
 
 
 def _as_list(x: Any) -> list:

@@ -113,6 +113,32 @@ def test_activation_checkpointing_same_grads_no_double_count(reentrant):
             torch.testing.assert_close(g, ref[f"{name}.{p}"], rtol=1e-4, atol=1e-5)
 
 
+def test_create_graph_backward_is_refused_and_the_next_batch_is_exact():
+    # a gradient penalty reaches the weights through the gradient's own graph, not through the
+    # layer outputs: captured as before, its rows were silently wrong (the sum of both backwards)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(10, 6), torch.randint(0, 3, (10,))
+    engine = CaptureEngine()
+    engine.watch(model)
+    caps = collect(engine)
+    xin = x.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match=r"create_graph=True reached watched module '2'.*Fix"):
+        with engine.batch():
+            loss = F.cross_entropy(model(xin), y, reduction="sum")
+            (gx,) = torch.autograd.grad(loss, xin, create_graph=True)
+            (loss + gx.pow(2).sum()).backward()
+    assert caps == {}
+    model.zero_grad()
+    with engine.batch():
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+    ref = ref_grads(model, x, y)
+    for name, got in caps.items():
+        for p, g in got.items():
+            torch.testing.assert_close(g, ref[f"{name}.{p}"], rtol=1e-4, atol=1e-5)
+    assert sorted(caps) == ["0", "2"]
+
+
 def test_watching_changes_nothing_and_unwatch_removes_everything():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2))
