@@ -28,7 +28,7 @@ from nnstat.describe import Description, summarize, validate_stats
 from nnstat.describe.sharded import norms_sharded, summarize_sharded
 from nnstat.distributed import any_dtensor
 
-__all__ = ["NetDict", "select_names"]
+__all__ = ["NetDict", "check_same_params", "select_names"]
 
 
 def select_names(
@@ -45,6 +45,45 @@ def select_names(
     return [
         n for n in names if (inc is None or inc.search(n)) and (exc is None or not exc.search(n))
     ]
+
+
+def check_same_params(
+    named: Sequence[tuple[str, torch.Tensor]],
+    names: Sequence[str],
+    params: Sequence[torch.Tensor],
+    owner: str,
+    fix: str,
+) -> None:
+    """Raise if the model's parameters ``named`` are no longer the tensors ``owner`` holds.
+
+    A module replaced after ``owner`` took the parameters (``model.fc = nn.Linear(...)``)
+    leaves it reading the old, detached tensors: every number about them would describe a
+    layer the model no longer has. In-place changes (``.to(dtype)``, ``.half()``, a moved
+    device, ``load_state_dict``) keep the same tensors and pass.
+
+    Args:
+        named: the model's current ``(name, parameter)`` pairs.
+        names: the names ``owner`` took, as it took them.
+        params: the parameters ``owner`` took, in the order of ``names``.
+        owner: who holds them, for the message (``"Tracker"``).
+        fix: what to call after changing the model, for the message.
+
+    Raises:
+        ValueError: a name is gone or now names another tensor.
+
+    Example:
+        >>> m = torch.nn.Linear(2, 1)
+        >>> check_same_params(list(m.named_parameters()), ["weight"], [m.weight], "T", "")
+    """
+    now = dict(named)
+    changed = [n for n, p in zip(names, params, strict=True) if now.get(n) is not p]
+    if changed:
+        shown = f"{changed[:5]}{' ...' if len(changed) > 5 else ''}"
+        raise ValueError(
+            f"{owner}: {len(changed)} parameter(s) it took from the model are no longer the "
+            f"model's: {shown} (a module or parameter was replaced, or removed, afterwards), so "
+            f"its numbers would describe tensors the model no longer uses. {fix}"
+        )
 
 
 class NetDict(Mapping[str, torch.Tensor]):

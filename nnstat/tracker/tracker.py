@@ -44,7 +44,7 @@ from nnstat.distributed import (
     fsdp1_whole,
     local_tensor,
 )
-from nnstat.netdict import select_names
+from nnstat.netdict import check_same_params, select_names
 from nnstat.tracker.compute import (
     StepPlan,
     assemble,
@@ -413,6 +413,16 @@ class Tracker:
                 )
                 self._stale = False
             return None
+        if not self._fsdp1:  # FSDP1 wrappers name their flat slices; checked by fsdp1_shards
+            check_same_params(
+                [(clean_name(n), p) for n, p in self.model.named_parameters()],
+                self.names,
+                self.params,
+                "Tracker",
+                "Build a new Tracker after changing the model (tracker.close(); "
+                "nnstat.Tracker(model, optimizer, ...)), and a new optimizer if it holds the old "
+                "parameters.",
+            )
         on_cpu = _on_cpu(self.params)
         plan = self._plan(refresh)
         plan.skip_update = not stepped or self._stale
