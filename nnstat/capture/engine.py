@@ -84,6 +84,9 @@ class CaptureEngine(LayoutHooks):
         self._lock = threading.Lock()
         self._flush_queued = False
         self._roots: list[nn.Module] = []
+        # (parent, key, child) on the way from each root to each watched module: a module
+        # replaced after watch() (model.fc = nn.Linear(...)) is found at the next batch
+        self._edges: dict[tuple[int, str], tuple[nn.Module, str, nn.Module, str]] = {}
         self._keep_input = False
         self.model_input: torch.Tensor | None = None
         # the latest call of a watched root inside the block: its first tensor sizes the batch
@@ -195,6 +198,8 @@ class CaptureEngine(LayoutHooks):
                     self._handles.append(attn.register_forward_hook(hook, with_kwargs=True))
                 continue
             self._handles.append(w.module.register_forward_hook(partial(self._on_forward, w)))
+        for w in selected:
+            self._edges.update(path_edges(model, w.name))
         if selected and not any(model is r for r in self._roots):
             self._roots.append(model)
             self._handles.append(
@@ -211,6 +216,7 @@ class CaptureEngine(LayoutHooks):
         self._attention.clear()
         self._tied.clear()
         self._roots.clear()
+        self._edges.clear()
         self._left_out.clear()
         self._root_call = None
         with self._lock:
@@ -337,6 +343,15 @@ class CaptureEngine(LayoutHooks):
             )
         if self._ctx is not None:
             raise RuntimeError("engine.batch(...) blocks cannot be nested")
+        for parent, key, child, path in self._edges.values():
+            if parent._modules.get(key) is not child:
+                raise RuntimeError(
+                    f"nnstat capture: watched module {path!r} was replaced or removed after "
+                    "watch() (e.g. model.fc = nn.Linear(...)): the hooks are on the old module, "
+                    "so the model's new one would not be captured. Call unwatch() and "
+                    "watch(model) again after changing the model (nnstat.unwatch(); "
+                    "nnstat.watch(model), or gns.unwatch(); gns.watch(model))."
+                )
         self._ctx = ctx
 
     def _abort(self) -> None:
@@ -507,6 +522,27 @@ def _create_graph_refusal(name: str) -> str:
         "Fix: compute the create_graph gradient outside the block, or capture the loss without "
         "the gradient term (a separate logging pass)."
     )
+
+
+def path_edges(
+    model: nn.Module, name: str
+) -> dict[tuple[int, str], tuple[nn.Module, str, nn.Module, str]]:
+    """The ``(parent, key, child, path)`` steps from ``model`` down to its submodule ``name``
+    (``"model"``: the root itself, no step), keyed by ``(id(parent), key)``.
+
+    Example:
+        >>> net = nn.Sequential(nn.Sequential(nn.Linear(1, 1)))
+        >>> [(key, path) for _, key, _, path in path_edges(net, "0.0").values()]
+        [('0', '0'), ('0', '0.0')]
+    """
+    edges = {}
+    parent, path = model, []
+    for key in [] if name == "model" else name.split("."):
+        child = parent._modules[key]
+        path.append(key)
+        edges[(id(parent), key)] = (parent, key, child, ".".join(path))
+        parent = child
+    return edges
 
 
 def _as_list(x: Any) -> list:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -137,6 +138,30 @@ def test_create_graph_backward_is_refused_and_the_next_batch_is_exact():
         for p, g in got.items():
             torch.testing.assert_close(g, ref[f"{name}.{p}"], rtol=1e-4, atol=1e-5)
     assert sorted(caps) == ["0", "2"]
+
+
+def test_a_watched_module_replaced_after_watch_is_refused_until_watched_again():
+    # the hooks stayed on the old module: the new layer was silently missing from every batch
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(6, 8), nn.Tanh())
+    model = nn.Sequential(OrderedDict(body=body, head=nn.Linear(8, 3)))
+    x, y = torch.randn(10, 6), torch.randint(0, 3, (10,))
+    engine = CaptureEngine()
+    engine.watch(model)
+    model.body = nn.Sequential(nn.Linear(6, 8), nn.Tanh())  # the parent of a watched module
+    with pytest.raises(RuntimeError, match=r"watched module 'body' was replaced.*watch\(model\)"):
+        with engine.batch():
+            pass
+    engine.unwatch()
+    engine.watch(model)
+    caps = collect(engine)
+    with engine.batch():
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+    ref = ref_grads(model, x, y)
+    assert sorted(caps) == ["body.0", "head"]
+    for name, got in caps.items():
+        for p, g in got.items():
+            torch.testing.assert_close(g, ref[f"{name}.{p}"], rtol=1e-4, atol=1e-5)
 
 
 def test_watching_changes_nothing_and_unwatch_removes_everything():
