@@ -253,6 +253,34 @@ def test_unsupported_module_with_parameters_raises_when_selected():
     assert len(w) == 1 and "GRU" in str(w[0].message) and "BatchNorm1d" in str(w[0].message)
 
 
+@pytest.mark.parametrize("how", ["weight_norm", "spectral_norm", "hook_weight_norm"])
+def test_a_parametrized_weight_is_left_out_naming_the_fix(how):
+    # its capture was the gradient of the computed weight, not of original0/original1: the
+    # per-sample noise scale mixed it with those parameters' .grad (layer 0 came out inf)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.nn.utils.weight_norm is deprecated
+        if how == "hook_weight_norm":
+            torch.nn.utils.weight_norm(model[0])
+        else:
+            getattr(torch.nn.utils.parametrizations, how)(model[0])
+    model.eval()  # spectral_norm: no power iteration, the same weight in every forward
+    with pytest.raises(UnsupportedModuleError, match=r"0 \(.*Linear\): its \['weight'\].*remove"):
+        CaptureEngine().watch(model, name_filter="^0$")
+    engine = CaptureEngine()
+    with pytest.warns(UserWarning, match=r"computed from other parameters"):
+        assert engine.watch(model) == ["2"]
+    caps = collect(engine)
+    x, y = torch.randn(10, 6), torch.randint(0, 3, (10,))
+    with engine.batch():
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+    ref = ref_grads(model, x, y)
+    assert sorted(caps) == ["2"]
+    for p, g in caps["2"].items():
+        torch.testing.assert_close(g, ref[f"2.{p}"], rtol=1e-4, atol=1e-5)
+
+
 def test_batch_validates_arguments():
     engine = CaptureEngine()
     with pytest.raises(ValueError, match="batch_size"):
