@@ -515,12 +515,13 @@ def _create_graph_refusal(name: str) -> str:
     # weights through it, not through the layer's output, so no capture of either backward is
     # a product of layer inputs and output gradients; capturing it would be silently wrong
     return (
-        f"nnstat capture: a backward with create_graph=True reached watched module {name!r} "
-        "inside a capture block (engine.batch, run(...), NoiseScale.batch, the Recorder). The "
+        "nnstat capture: a backward with create_graph=True (or under torch.func.grad/vjp) "
+        f"reached watched module {name!r} inside a capture block (engine.batch, run(...), "
+        "NoiseScale.batch, the Recorder). The "
         "per-sample gradients of a loss that differentiates through a gradient (a gradient "
         "penalty, a double backward) are not products of layer inputs and output gradients. "
-        "Fix: compute the create_graph gradient outside the block, or capture the loss without "
-        "the gradient term (a separate logging pass)."
+        "Fix: compute the create_graph (or torch.func) gradient outside the block, or capture "
+        "the loss without the gradient term (a separate logging pass)."
     )
 
 

@@ -124,7 +124,7 @@ def test_create_graph_backward_is_refused_and_the_next_batch_is_exact():
     engine.watch(model)
     caps = collect(engine)
     xin = x.clone().requires_grad_()
-    with pytest.raises(RuntimeError, match=r"create_graph=True reached watched module '2'.*Fix"):
+    with pytest.raises(RuntimeError, match=r"create_graph=True.*reached watched module .2.*Fix"):
         with engine.batch():
             loss = F.cross_entropy(model(xin), y, reduction="sum")
             (gx,) = torch.autograd.grad(loss, xin, create_graph=True)
