@@ -370,8 +370,9 @@ class CaptureEngine(LayoutHooks):
     @contextmanager
     def recording_model_input(self) -> Iterator[None]:
         """Inside this block, `model_input` becomes the first tensor passed to the watched
-        model's first call (positional arguments first, then keywords, inside lists, tuples and
-        dicts), or stays ``None``. Used to hash a batch's samples (``data_id="hash"``).
+        model's first call (positional arguments first, then keywords, inside lists, tuples,
+        dicts and dataclasses), or stays ``None``. Used to hash a batch's samples
+        (``data_id="hash"``).
 
         Example:
             >>> import torch

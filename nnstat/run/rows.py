@@ -325,8 +325,9 @@ def input_ids(x: torch.Tensor | None, batch: Mapping[str, torch.Tensor], model: 
     if x is None:
         raise RuntimeError(
             'data_id="hash" hashes the first tensor passed to the watched model, but '
-            f"{model}.forward was not called inside this run(...) "
-            "block; pass the ids (data_id=[...]) instead"
+            f"{model}.forward was not called inside this run(...) block, or was called with "
+            "no tensor (in lists, tuples, dicts or dataclasses) among its arguments; pass the "
+            "ids (data_id=[...]) instead"
         )
     n = next(iter(batch.values())).shape[0] if batch else None
     if x.dim() == 0 or (n is not None and x.shape[0] != n):
