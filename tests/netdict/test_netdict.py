@@ -217,6 +217,16 @@ def test_unknown_state_key_names_the_existing_ones():
     assert isinstance(err.value, nnstat.UnknownStateKeyError)
 
 
+def test_a_state_the_optimizer_never_keeps_is_not_blamed_on_a_missing_step():
+    # SGD without momentum keeps no state even after its steps: "call step() first" misled
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step(model, opt)
+    assert not any(opt.state.values())
+    with pytest.raises(nnstat.UnknownStateKeyError, match=r"empty.*SGD without momentum"):
+        nnstat.get_optimizer_state(model, opt, "momentum_buffer")
+
+
 def test_get_grad_missing_gradients():
     model = make_model()
     with pytest.raises(ValueError, match="no parameter has a gradient yet"):
