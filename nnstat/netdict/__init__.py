@@ -23,12 +23,12 @@ from nnstat.netdict.getters import (
     get_weight,
     optimizer_state_keys,
 )
-from nnstat.netdict.netdict import NetDict, check_same_params, select_names
+from nnstat.netdict.netdict import NetDict, SameParams, select_names
 
 __all__ = [
     "NetDict",
+    "SameParams",
     "UnknownStateKeyError",
-    "check_same_params",
     "compute_stats",
     "get_grad",
     "get_optimizer_state",

@@ -11,6 +11,7 @@ from torch import nn
 import nnstat
 from nnstat import NetDict
 from nnstat.describe import STAT_NAMES
+from nnstat.netdict import SameParams
 
 
 class Block(nn.Module):
@@ -345,3 +346,17 @@ def test_sparse_gradients_and_their_optimizer_states_are_described_dense():
         for stat, value in expect.items():
             assert got[f"0.weight/{stat}"] == pytest.approx(value, rel=1e-6, abs=1e-9)
             assert steps[-1][f"{group}/0.weight/{stat}"] == pytest.approx(value, rel=1e-6, abs=1e-9)
+
+
+def test_same_params_passes_in_place_changes_and_moved_containers_and_names_replacements():
+    inner = nn.Linear(3, 2)
+    model = nn.Sequential(nn.Sequential(inner), nn.Linear(2, 2))
+    names = [n for n, _ in model.named_parameters()]
+    same = SameParams(model, names, list(model.parameters()), "Owner", "the fix")
+    model.double()  # in place: the same tensors
+    same.check()
+    model[0] = nn.Sequential(inner)  # a new container around the same layer
+    same.check()
+    model[1] = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"^Owner: 2 .*\['1\.weight', '1\.bias'\].*the fix$"):
+        same.check()
