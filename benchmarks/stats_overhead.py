@@ -22,8 +22,10 @@ The Tracker runs with its default (``background=None``: background statistics at
 thread, else synchronous), with background statistics (step t's reductions on a worker thread
 while step t+1 trains; its CPU time counts, since the process's CPU time covers every thread)
 and synchronously (with two or more torch threads this thread and the worker share every
-blocked pass block by block; the "one thread" variant keeps them on this thread alone, and
-"split by tasks" gives each thread whole tasks instead of shared blocks).
+blocked pass block by block, all tasks' blocks in one pass; the "one thread" variant keeps
+them on this thread alone, "split by tasks" gives each thread whole tasks instead of shared
+blocks, and "a shared pass per task" shares each task's pass on its own: one hand-over to the
+worker and one wait for it per task instead of one per step).
 
 Run:  WANDB_MODE=offline .venv/bin/python benchmarks/stats_overhead.py [--steps 4 --rounds 12]
       [--threads 1] [--batch 256] [--no-peers]
@@ -47,7 +49,8 @@ import torch
 from torch import nn
 
 import nnstat
-import nnstat.tracker.tracker as tracker_module
+import nnstat.tracker.inline as inline_module
+from nnstat.tracker.compute import tasks
 
 
 def make(width: int, depth: int, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -131,24 +134,30 @@ def variants(
 
     out["floor: read the 5 groups once (dot products + snapshot copy)"] = read_once
 
-    def tracked(label: str, unsplit: bool = False, by_tasks: bool = False, **kw) -> None:
+    def tracked(label: str, unsplit: bool = False, executor: str = "", **kw) -> None:
         m, o = make(args.width, args.depth)
         t = nnstat.Tracker(m, o, **kw)
         if unsplit:  # synchronous statistics on this thread alone
-            t._split_ok = lambda on_cpu: False
+            t._inline.split_ok = lambda on_cpu: False
 
         def step() -> None:
             train_step(m, o, X, y)
-            if not by_tasks:
+            if not executor:
                 t.step()
                 return
-            # two threads, whole tasks per thread instead of shared blocks
-            shares = tracker_module.shares_blocks
-            tracker_module.shares_blocks = lambda plan: False
+            # two threads sharing the work otherwise: "by tasks" gives each thread whole tasks,
+            # "pass per task" shares each task's blocked pass (one hand-over and one wait per
+            # task) instead of one pass over every task's blocks
+            name = "shares_blocks" if executor == "by tasks" else "one_pass"
+            real = getattr(inline_module, name)
+            if executor == "by tasks":
+                setattr(inline_module, name, lambda plan: False)
+            else:
+                setattr(inline_module, name, lambda plan, ws: {k: f() for k, f in tasks(plan, ws)})
             try:
                 t.step()
             finally:
-                tracker_module.shares_blocks = shares
+                setattr(inline_module, name, real)
 
         out[label] = step
         flushes[label] = t.flush
@@ -165,7 +174,12 @@ def variants(
         )
         tracked(
             "nnstat Tracker, default stats (synchronous, split by tasks)",
-            by_tasks=True,
+            executor="by tasks",
+            background=False,
+        )
+        tracked(
+            "nnstat Tracker, default stats (synchronous, a shared pass per task)",
+            executor="pass per task",
             background=False,
         )
     tracked(

@@ -15,8 +15,9 @@ subtraction and a copy.
 On CPU (float32/float64) the block reductions are numpy calls on views of the same memory: they
 cost less per call than torch's and return scalars, so nothing is stacked per block. Each
 block's result goes to its own slot and the slots are combined per tensor in block order, so
-two threads can share a pass block by block (`share_blocks`: the Tracker's two-thread
-synchronous path) with the numbers of one thread, bit for bit. Blocks holding NaN/Inf (or whose
+two threads can share a pass block by block (`nnstat.describe.block_passes.share_blocks`: the
+Tracker's two-thread synchronous path) with the numbers of one thread, bit for bit. Each pass
+also comes as a `BlockPass` (``*_pass``), so that several run as one (`run_passes`). Blocks holding NaN/Inf (or whose
 float32 sum of squares overflows) are reduced exactly in float64 over their finite elements on
 the spot, before the snapshot block is overwritten, so the result is exact without keeping the
 old snapshot around.
@@ -32,27 +33,26 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import itertools
 import math
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from nnstat.describe import moments
 from nnstat.describe import partials as pr
+from nnstat.describe.block_passes import BlockPass, run_passes
 from nnstat.describe.moments import Workspace
 
 __all__ = [
     "weight_update_norms",
+    "weight_update_pass",
     "LIGHT_STATS",
     "light_rows",
     "block_partials",
-    "share_blocks",
+    "norm_partials_pass",
     "sumsq_min_max",
+    "sumsq_min_max_pass",
 ]
 
 #: Statistics the weight/update norm pass (`weight_update_norms`, `light_rows`) can produce.
@@ -63,112 +63,6 @@ LIGHT_STATS = frozenset({"numel", "l2", "rms", "abs_max", "nonfinite"})
 #: fast); each block's float32 dot product costs ~5e-8 relative error in the sum of squares
 #: (float64 accumulation would cost 5x).
 BLOCK = 1 << 17
-
-
-#: ``submit(fn)``: runs ``fn()`` on a second thread (see `share_blocks`); None: this thread only
-Submit = Callable[[Callable[[], None]], object]
-_SECOND: contextvars.ContextVar[Submit | None] = contextvars.ContextVar(
-    "nnstat_blocks_second_thread", default=None
-)
-
-
-@contextlib.contextmanager
-def share_blocks(submit: Submit) -> Iterator[None]:
-    """Inside the block, the numpy passes of this module called from this thread hand out
-    their blocks to this thread and to the thread `submit` runs a function on, one at a time.
-
-    Both threads take the next free block until none is left, so they finish together whatever
-    the sizes of the tensors and however the OS shares the cores (a split by tasks left one
-    thread waiting for the other's weight/update pass). Every block's result is stored in its
-    own slot and the slots are combined in block order afterwards, so the numbers are bit for
-    bit those of one thread. A call returns once every block it handed out is done, without
-    waiting for `submit`'s thread to start (it may be busy: this thread then does them all).
-    numpy's reductions release the GIL, so the two threads run at once.
-
-    Example:
-        >>> import threading
-        >>> def submit(fn):
-        ...     threading.Thread(target=fn).start()
-        >>> with share_blocks(submit):
-        ...     sumsq_min_max([torch.tensor([3.0, -4.0])]).tolist()
-        [[25.0, -4.0, 3.0]]
-    """
-    token = _SECOND.set(submit)
-    try:
-        yield
-    finally:
-        _SECOND.reset(token)
-
-
-class _Blocks:
-    """Blocks ``0..n-1`` handed out one at a time to the threads calling `work`.
-
-    The next block comes from an `itertools.count` (one call, atomic under the GIL): no lock
-    per block, so the two threads contend only for the GIL. `busy` is held by the second
-    thread (lane 1) while it works, so the caller can wait for its last block."""
-
-    def __init__(self, n: int, fn: Callable[[int, int], None]) -> None:
-        self.n, self.fn = n, fn
-        self.taken = itertools.count()
-        self.stopped = False
-        self.error: BaseException | None = None
-        self.busy = threading.Lock()
-
-    def work(self, lane: int) -> None:
-        """Run ``fn(k, lane)`` on free blocks until none is left (or one failed)."""
-        with np.errstate(over="ignore", invalid="ignore"):
-            if lane == 0:
-                self._work(lane)
-                return
-            with self.busy:
-                self._work(lane)
-
-    def _work(self, lane: int) -> None:
-        fn, n, taken = self.fn, self.n, self.taken
-        while not self.stopped:
-            k = next(taken)
-            if k >= n:
-                return
-            try:
-                fn(k, lane)
-            except BaseException as e:  # re-raised by the calling thread in `_run_blocks`
-                if self.error is None:
-                    self.error = e
-                self.stopped = True
-
-    def stop_and_wait(self) -> None:
-        """Hand out no more blocks; return once every block handed out is done."""
-        self.stopped = True
-        with self.busy:  # the second thread's last block (it sees `stopped` after it)
-            pass
-        self.fn = _nothing  # a helper job still queued need not keep the tensors alive
-
-
-def _nothing(k: int, lane: int) -> None:
-    return None
-
-
-def _run_blocks(n: int, fn: Callable[[int, int], None]) -> None:
-    """``fn(k, lane)`` for every block ``k < n``: on this thread (lane 0) and, inside
-    `share_blocks`, on the second thread too (lane 1); re-raises the first failure.
-
-    Overflow/NaN are detected and handled per block by `fn`, so numpy need not warn about them
-    (its error state is per thread: set on both)."""
-    submit = _SECOND.get()
-    if submit is None or n < 2:
-        with np.errstate(over="ignore", invalid="ignore"):
-            for k in range(n):
-                fn(k, 0)
-        return
-    blocks = _Blocks(n, fn)
-    submit(lambda: blocks.work(1))
-    try:
-        blocks.work(0)
-    finally:
-        # never return while the other thread still reads (or refreshes) the caller's tensors
-        blocks.stop_and_wait()
-    if blocks.error is not None:
-        raise blocks.error
 
 
 # the ufuncs' reductions themselves: ``ndarray.min`` adds a Python wrapper per call
@@ -212,6 +106,8 @@ def _per_tensor(res: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
     block order: a few segment reductions for all tensors, not a few per tensor. It is
     `partials.merge` restricted to the norm columns (sums and extrema: no moments to shift),
     over blocks of unequal counts per tensor, in numpy."""
+    if not spans:
+        return np.empty((0, res.shape[1]))
     first = np.array([a for a, _ in spans], dtype=np.intp)
     out = np.empty((len(spans), res.shape[1]))
     for lo in range(0, res.shape[1], 4):
@@ -252,6 +148,27 @@ def weight_update_norms(
     `current` is copied over the block of `previous` it was just compared with, so `previous`
     ends up equal to `current`; otherwise `previous` is left untouched.
     """
+    return run_passes([weight_update_pass(current, previous, refresh, workspace)])[0]
+
+
+def weight_update_pass(
+    current: Sequence[torch.Tensor],
+    previous: Sequence[torch.Tensor],
+    refresh: bool = False,
+    workspace: Workspace | None = None,
+) -> BlockPass:
+    """`weight_update_norms` as a `BlockPass` (its result is that table), to run with other
+    passes (`run_passes`). Tensors the numpy blocks do not take (half precision, other
+    devices) are reduced now, with torch ops (and refreshed now if `refresh`).
+
+    Raises:
+        ValueError: the lists differ in length, or a pair in shape.
+
+    Example:
+        >>> w, prev = [torch.tensor([3.0, -4.0])], [torch.tensor([3.0, -5.0])]
+        >>> run_passes([weight_update_pass(w, prev)])[0].tolist()
+        [[25.0, -4.0, 3.0, 0.0, 1.0, 0.0, 1.0, 0.0]]
+    """
     if len(current) != len(previous):
         raise ValueError("current and previous must have the same number of tensors")
     ws = workspace or Workspace()
@@ -268,20 +185,24 @@ def weight_update_norms(
             on_numpy.append((i, w, p))
         else:
             rows[i] = _torch_pair(w, p, ws, refresh)
-    if on_numpy:
-        # every tensor's blocks in one pass, so two threads can share them (`share_blocks`)
-        found = _np_pairs([w for _, w, _ in on_numpy], [p for _, _, p in on_numpy], ws, refresh)
+    # every tensor's blocks in one pass, so two threads can share them
+    numpy_pass = _np_pairs([w for _, w, _ in on_numpy], [p for _, _, p in on_numpy], ws, refresh)
+
+    def finish(found: np.ndarray) -> torch.Tensor:
         for (i, _, _), row in zip(on_numpy, torch.from_numpy(found), strict=True):
             rows[i] = row
-    if not rows:
-        return torch.zeros((0, 8), dtype=torch.float64)
-    return torch.stack(rows)
+        if not rows:
+            return torch.zeros((0, 8), dtype=torch.float64)
+        return torch.stack(rows)
+
+    return numpy_pass.then(finish)
 
 
 def _np_pairs(
     current: list[torch.Tensor], previous: list[torch.Tensor], ws: Workspace, refresh: bool
-) -> np.ndarray:
-    """`weight_update_norms`' rows of flat CPU float32/float64 pairs, block by block."""
+) -> BlockPass:
+    """`weight_update_norms`' rows of flat CPU float32/float64 pairs, block by block (the
+    pass' result: ``[len(current), 8]``)."""
     spans, starts = _spans([w.numel() for w in current], BLOCK)
     owner = [i for i, (a, b) in enumerate(spans) for _ in range(a, b)]
     ws_np, ps_np = [w.numpy() for w in current], [p.numpy() for p in previous]
@@ -299,8 +220,7 @@ def _np_pairs(
         wb, pb = ws_np[i][s : s + BLOCK], ps_np[i][s : s + BLOCK]
         res[k] = _np_pair(wb, pb, dts[i][lane][: wb.size], refresh)
 
-    _run_blocks(len(starts), one)
-    return _per_tensor(res, spans)
+    return BlockPass(len(starts), one, lambda: _per_tensor(res, spans))
 
 
 def sum_sq(b: torch.Tensor) -> torch.Tensor:
@@ -381,6 +301,17 @@ def sumsq_min_max(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         >>> sumsq_min_max([torch.tensor([3.0, -4.0])]).tolist()
         [[25.0, -4.0, 3.0]]
     """
+    return run_passes([sumsq_min_max_pass(tensors)])[0]
+
+
+def sumsq_min_max_pass(tensors: Sequence[torch.Tensor]) -> BlockPass:
+    """`sumsq_min_max` as a `BlockPass` (its result is that table), to run with other passes
+    (`run_passes`); tensors the numpy blocks do not take are reduced now, with torch ops.
+
+    Example:
+        >>> run_passes([sumsq_min_max_pass([torch.tensor([3.0, -4.0])])])[0].tolist()
+        [[25.0, -4.0, 3.0]]
+    """
     rows: list[torch.Tensor | None] = []
     on_numpy: list[tuple[int, torch.Tensor]] = []
     for i, t in enumerate(tensors):
@@ -400,22 +331,26 @@ def sumsq_min_max(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
             parts.append(torch.stack([torch.dot(b, b), b.amin(), b.amax()]))
         r = torch.stack(parts).to(torch.float64)
         rows[i] = torch.stack([r[:, 0].sum(), r[:, 1].min(), r[:, 2].max()])
-    if on_numpy:
-        found = _np_norm_rows([x for _, x in on_numpy])
-        # non-finite blocks give their finite part here; callers detect non-finite values
-        # from the sum of squares, so keep NaN there for them (they recompute exactly)
-        found[found[:, 3] > 0, 0] = math.nan
-        if len(on_numpy) == len(tensors):  # the common case: the table as it is, no row loop
-            return torch.from_numpy(np.ascontiguousarray(found[:, :3]))
-        for (i, _), row in zip(on_numpy, torch.from_numpy(found[:, :3]), strict=True):
-            rows[i] = row
-    dev = rows[0].device if rows else torch.device("cpu")
-    return torch.stack([r.to(device=dev, dtype=torch.float64) for r in rows])
+    numpy_pass = _np_norm_rows([x for _, x in on_numpy])
+
+    def finish(found: np.ndarray) -> torch.Tensor:
+        if on_numpy:
+            # non-finite blocks give their finite part here; callers detect non-finite values
+            # from the sum of squares, so keep NaN there for them (they recompute exactly)
+            found[found[:, 3] > 0, 0] = math.nan
+            if len(on_numpy) == len(tensors):  # the common case: the table as it is, no row loop
+                return torch.from_numpy(np.ascontiguousarray(found[:, :3]))
+            for (i, _), row in zip(on_numpy, torch.from_numpy(found[:, :3]), strict=True):
+                rows[i] = row
+        dev = rows[0].device if rows else torch.device("cpu")
+        return torch.stack([r.to(device=dev, dtype=torch.float64) for r in rows])
+
+    return numpy_pass.then(finish)
 
 
-def _np_norm_rows(tensors: list[torch.Tensor]) -> np.ndarray:
+def _np_norm_rows(tensors: list[torch.Tensor]) -> BlockPass:
     """``[sumsq, min, max, nonfinite]`` of flat CPU float32/float64 tensors, block by block
-    (all tensors' blocks in one pass, so two threads can share them: `share_blocks`)."""
+    (all tensors' blocks in one pass, so two threads can share them)."""
     spans, starts = _spans([x.numel() for x in tensors], BLOCK)
     owner = [i for i, (a, b) in enumerate(spans) for _ in range(a, b)]
     arrays = [x.numpy() for x in tensors]
@@ -425,8 +360,7 @@ def _np_norm_rows(tensors: list[torch.Tensor]) -> np.ndarray:
         s = starts[k]
         res[k] = _np_norms(arrays[owner[k]][s : s + BLOCK])
 
-    _run_blocks(len(starts), one)
-    return _per_tensor(res, spans)
+    return BlockPass(len(starts), one, lambda: _per_tensor(res, spans))
 
 
 def block_partials(
@@ -442,11 +376,7 @@ def block_partials(
         >>> rows[:, [pr.SQ, pr.AMAX]].tolist()
         [[25.0, 4.0]]
     """
-    flat = [t.detach().reshape(-1) for t in tensors]
-    eps = torch.tensor([pr.eps_of(t.dtype) for t in flat], dtype=torch.float64)
-    # reduced in float32 (`partials.work_dtype`, as the moment pass does): a bfloat16 dot
-    # product or norm returns its sum rounded to bfloat16 (up to 0.4% off), integers have none
-    flat = [t.to(pr.work_dtype(t.dtype)) for t in flat]
+    flat, eps = _flat_work(tensors)
     need = set(stats)
     if need - pr.NORM_STATS:
         # one blocked pass gives every statistic (l2, l1, abs_max included)
@@ -455,15 +385,56 @@ def block_partials(
             torch.stack([moments.moment_row(x.to(pr.work_dtype(x.dtype)), ws) for x in flat]),
             eps,
         )
+    return run_passes([_norm_partials_pass(flat, eps, need)])[0]
+
+
+def norm_partials_pass(tensors: Sequence[torch.Tensor], stats: tuple[str, ...]) -> BlockPass:
+    """`block_partials` of statistics that need no moment pass (`partials.NORM_STATS`) as a
+    `BlockPass` (its result is ``(rows, eps)``), to run with other passes (`run_passes`).
+
+    Raises:
+        ValueError: `stats` need the moment pass (use `block_partials`).
+
+    Example:
+        >>> (rows, _), = run_passes([norm_partials_pass([torch.tensor([3.0, -4.0])], ("l2",))])
+        >>> rows[:, pr.SQ].tolist()
+        [25.0]
+    """
+    need = set(stats)
+    if need - pr.NORM_STATS:
+        raise ValueError(f"{sorted(need - pr.NORM_STATS)} need the moment pass: block_partials")
+    return _norm_partials_pass(*_flat_work(tensors), need)
+
+
+def _flat_work(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`tensors` flat in the dtype they are reduced in, and each one's epsilon (of its own
+    dtype, for the constant rule)."""
+    flat = [t.detach().reshape(-1) for t in tensors]
+    eps = torch.tensor([pr.eps_of(t.dtype) for t in flat], dtype=torch.float64)
+    # reduced in float32 (`partials.work_dtype`, as the moment pass does): a bfloat16 dot
+    # product or norm returns its sum rounded to bfloat16 (up to 0.4% off), integers have none
+    return [t.to(pr.work_dtype(t.dtype)) for t in flat], eps
+
+
+def _norm_partials_pass(flat: list[torch.Tensor], eps: torch.Tensor, need: set[str]) -> BlockPass:
     n_vec = torch.tensor([float(t.numel()) for t in flat], dtype=torch.float64)
-    cols: dict[str, torch.Tensor] = {}
+
+    def finish(smm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        cols: dict[str, torch.Tensor] = {}
+        if smm is not None:
+            cols |= {"sq": smm[:, 0], "amax": torch.maximum(smm[:, 2], -smm[:, 1])}
+        else:
+            cols["sq"] = torch.stack(torch._foreach_norm(flat, 2)).to(torch.float64).square()
+        if need & {"l1", "abs_mean"}:
+            cols["l1"] = torch.stack(torch._foreach_norm(flat, 1)).to(torch.float64)
+        return pr.from_columns(n_vec, **cols), eps
+
     if "abs_max" in need:
         # one blocked read gives l2 and abs_max (the inf-norm kernel is slow on CPU);
         # empty tensors are recomputed by repair_table anyway
-        smm = sumsq_min_max(flat)
-        cols |= {"sq": smm[:, 0], "amax": torch.maximum(smm[:, 2], -smm[:, 1])}
-    else:
-        cols["sq"] = torch.stack(torch._foreach_norm(flat, 2)).to(torch.float64).square()
-    if need & {"l1", "abs_mean"}:
-        cols["l1"] = torch.stack(torch._foreach_norm(flat, 1)).to(torch.float64)
-    return pr.from_columns(n_vec, **cols), eps
+        return sumsq_min_max_pass(flat).then(finish)
+    return BlockPass(0, _no_blocks, lambda: finish(None))
+
+
+def _no_blocks(k: int, lane: int) -> None:
+    raise AssertionError("a pass of no blocks has no block to reduce")

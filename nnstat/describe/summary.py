@@ -28,8 +28,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from nnstat.describe import partials as pr
+from nnstat.describe.block_passes import BlockPass
 from nnstat.describe.core import partial_table, to_repair
 from nnstat.describe.moments import Workspace
+from nnstat.describe.numpy_blocks import norm_partials_pass
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -38,6 +40,7 @@ __all__ = [
     "STAT_NAMES",
     "DEFAULT_STATS",
     "summarize",
+    "summarize_pass",
     "validate_stats",
     "Description",
     "cpu_single_thread",
@@ -160,6 +163,50 @@ def _summarize(
         return summarize_sharded(tensors, stats)
     # the single host transfer of the common case
     return repair_table(device_table(tensors, stats, workspace).cpu(), tensors, stats)
+
+
+def summarize_pass(tensors: Sequence[torch.Tensor], stats: tuple[str, ...]) -> BlockPass | None:
+    """``summarize(tensors, stats)`` as a blocked pass (`nnstat.describe.block_passes.BlockPass`,
+    its result is that table) to run with other passes in one (`block_passes.run_passes`):
+    plain CPU tensors whose statistics need no moment pass. None otherwise (call `summarize`).
+
+    Args:
+        tensors: the tensors, one row each.
+        stats: statistic names (`STAT_NAMES`).
+
+    Returns:
+        The pass, or None where `summarize` takes another path (no tensors, a tensor off the
+        CPU or a DTensor, statistics that need the moment pass).
+
+    Raises:
+        ValueError: an unknown statistic name.
+
+    Example:
+        >>> from nnstat.describe.block_passes import run_passes
+        >>> x = [torch.tensor([3.0, -4.0])]
+        >>> run_passes([summarize_pass(x, ("l2", "abs_max"))])[0].tolist()
+        [[5.0, 4.0]]
+    """
+    from nnstat.distributed import any_dtensor
+
+    stats = validate_stats(stats)
+    tensors = list(tensors)
+    if (
+        not tensors
+        or set(stats) - pr.NORM_STATS
+        or not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tensors)
+        or any_dtensor(tensors)
+    ):
+        return None
+    with cpu_single_thread():
+        blocked = norm_partials_pass(tensors, stats)
+
+    def table(partial: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        # what `summarize` does with `partial_table`'s rows (`device_table`, then the repair)
+        with cpu_single_thread():
+            return repair_table(pr.probe_table(*partial, stats).cpu(), tensors, stats)
+
+    return blocked.then(table)
 
 
 def device_table(

@@ -27,6 +27,7 @@ import torch
 
 from nnstat.background.transfer import flatten_parts, split_parts
 from nnstat.describe import Workspace, partials, summarize
+from nnstat.describe.block_passes import run_passes
 from nnstat.describe.histogram import (
     HIST_SUMMARY,
     bin_counts,
@@ -36,9 +37,14 @@ from nnstat.describe.histogram import (
     sample_for_histogram,
 )
 from nnstat.describe.moments import pair_ok
-from nnstat.describe.numpy_blocks import LIGHT_STATS, light_rows, weight_update_norms
+from nnstat.describe.numpy_blocks import (
+    LIGHT_STATS,
+    light_rows,
+    weight_update_norms,
+    weight_update_pass,
+)
 from nnstat.describe.ratios import ratio_from_norms
-from nnstat.describe.summary import pair_tables, repair_table
+from nnstat.describe.summary import pair_tables, repair_table, summarize_pass
 from nnstat.describe.torch_segments import HistSpec, segment_tables
 from nnstat.distributed import local_tensor
 
@@ -46,6 +52,7 @@ __all__ = [
     "StepPlan",
     "tasks",
     "shares_blocks",
+    "one_pass",
     "assemble",
     "device_results",
     "stage",
@@ -159,8 +166,43 @@ def shares_blocks(plan: StepPlan) -> bool:
     """Whether every task of `plan` is one of `nnstat.describe.numpy_blocks`'s blocked passes on CPU
     tensors (the default statistics: weights paired with their update, the other groups'
     norms with ``abs_max``), so that two threads can share each task's blocks
-    (`nnstat.describe.numpy_blocks.share_blocks`) rather than split the tasks."""
+    (`nnstat.describe.block_passes.share_blocks`) rather than split the tasks."""
     return plan.paired and not plan.histograms and "abs_max" in plan.computed
+
+
+def one_pass(plan: StepPlan, workspaces: dict[str, Workspace] | None = None) -> dict[str, Any]:
+    """The results of every task of a `shares_blocks` plan (``{key: fn() for key, fn in
+    tasks(plan)}``, bit for bit) from ONE blocked pass over the blocks of every group and of
+    the weights with their update (`nnstat.describe.block_passes.run_passes`).
+
+    Inside `nnstat.describe.block_passes.share_blocks` this thread and the second one share
+    that pass: the step hands the second thread one job and waits for it once, where the tasks
+    run in turn would hand over and wait once per task. A group the blocked passes do not take
+    (not on the CPU, say) is summarized on its own first.
+    """
+    assert plan.weights is not None and plan.prev is not None, "shares_blocks plans pair them"
+    ws = workspaces if workspaces is not None else {}
+    computed = plan.computed
+    out: dict[str, Any] = {}
+    keys, passes = [], []
+    for group, _names, tensors in plan.groups:
+        key = f"group:{group}"
+        blocked = summarize_pass(tensors, computed)
+        if blocked is None:
+            out[key] = (
+                summarize(tensors, computed, workspace=ws.setdefault(key, Workspace())),
+                None,
+            )
+        else:
+            keys.append(key)
+            passes.append(blocked.then(lambda table: (table, None)))
+    keys.append("update")
+    update_ws = ws.setdefault("update", Workspace())
+    passes.append(weight_update_pass(plan.weights, plan.prev, plan.refresh, update_ws))
+    out.update(zip(keys, run_passes(passes), strict=True))
+    return {f"group:{group}": out[f"group:{group}"] for group, _, _ in plan.groups} | {
+        "update": out["update"]
+    }
 
 
 #: Task key of the weights reduced together with their update (`pair_tables`).

@@ -1,8 +1,10 @@
 """The Tracker's inline executor: a logged step's statistics computed inside ``step()``.
 
 On CPU the tasks run on the training thread; with two or more torch threads they are shared
-with the statistics worker (`split_run`: training keeps both cores busy, so there is no idle
-core to hide background statistics on, and the step waits less). Sharded parameters (FSDP1,
+with the statistics worker (training keeps both cores busy, so there is no idle core to hide
+background statistics on, and the step waits less): the default statistics as ONE blocked pass
+over every task's blocks (`nnstat.tracker.compute.one_pass`), other statistics task by task
+(`split_run`). Sharded parameters (FSDP1,
 DTensor) run their tasks in order (their collectives keep one order on every rank); a
 synchronous accelerator step queues every reduction on the device and reads them in ONE
 transfer (`nnstat.tracker.compute.device_results`).
@@ -26,9 +28,9 @@ import torch
 
 from nnstat.background import submit
 from nnstat.describe import cpu_single_thread
-from nnstat.describe.numpy_blocks import share_blocks
+from nnstat.describe.block_passes import share_blocks
 from nnstat.distributed import any_dtensor
-from nnstat.tracker.compute import StepPlan, device_results, shares_blocks
+from nnstat.tracker.compute import StepPlan, device_results, one_pass, shares_blocks
 
 __all__ = ["InlineSteps", "split_run", "task_costs"]
 
@@ -66,8 +68,13 @@ class InlineSteps:
         blocks = shares_blocks(plan)
         split = (blocks or len(todo) > 1) and self.split_ok(on_cpu)
         with cpu_single_thread() if on_cpu else contextlib.nullcontext():
+            if split and blocks:
+                # the blocks of every task in one pass shared with the worker: one hand-over
+                # and one wait per step (`one_pass`), not one per task
+                with share_blocks(submit):
+                    return one_pass(plan, workspaces)
             if split:
-                return split_run(todo, task_costs(plan, todo), blocks)
+                return split_run(todo, task_costs(plan, todo))
             if on_cpu or self.fsdp1 or any_dtensor(self.params):
                 return {k: fn() for k, fn in todo}
             # accelerators, synchronous: every reduction queued on the device, one transfer
@@ -82,26 +89,18 @@ def task_costs(plan: StepPlan, todo: list[tuple[str, Any]]) -> list[float]:
     return [numel[k] if k in numel else 2.0 * weights for k, _ in todo]
 
 
-def split_run(
-    todo: list[tuple[str, Any]], costs: list[float], blocks: bool = False
-) -> dict[str, Any]:
+def split_run(todo: list[tuple[str, Any]], costs: list[float]) -> dict[str, Any]:
     """Run independent tasks on this thread and on the statistics worker at once; returns
     ``{key: fn()}`` once both are done (the same numbers as running them in order).
 
-    `blocks`: every task is a blocked numpy pass of `nnstat.describe.numpy_blocks` (the default
-    statistics, `nnstat.tracker.compute.shares_blocks`): the tasks run in order and both
-    threads share each one block by block, so they finish together (a split by tasks would
-    leave this thread alone with the weight/update pass, the longest). Otherwise each task runs whole on one thread, split by
-    `costs` (longest first onto the less loaded side); the worker's share is submitted first,
-    so both sides start at once.
+    Each task runs whole on one thread, split by `costs` (longest first onto the less loaded
+    side); the worker's share is submitted first, so both sides start at once. (The default
+    statistics' blocked passes are shared block by block instead: `one_pass`.)
 
     Example:
         >>> split_run([("a", lambda: 1), ("b", lambda: 2)], [1.0, 1.0])
         {'a': 1, 'b': 2}
     """
-    if blocks:
-        with share_blocks(submit):
-            return {k: fn() for k, fn in todo}
     order = sorted(range(len(todo)), key=lambda i: -costs[i])
     mine: list[int] = []
     theirs: list[int] = []

@@ -81,7 +81,7 @@ class Tracker:
     in-place gradients are read synchronously, a version check guards the rest); ``False`` is
     synchronous; ``None`` (default) picks background when training runs on one torch thread,
     with an optimizer, outside ``torch.distributed``; with more, the step's passes are shared
-    by this thread and a worker (`nnstat.describe.numpy_blocks.share_blocks`), bit-identically. In
+    by this thread and a worker (`nnstat.describe.block_passes.share_blocks`), bit-identically. In
     background mode `step` returns a `StepMetrics` mapping that waits on first read, sinks get
     step ``t`` at the next `step`/`flush`/`close` (or exit), and step ``t``'s gradients stay
     referenced until the next optimizer step. On a GPU ``None``/``True`` deliver without a

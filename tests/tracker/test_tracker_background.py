@@ -280,7 +280,7 @@ def test_background_option_policy_and_errors():
 @pytest.mark.parametrize(
     "kw, jobs",
     [
-        ({}, 4),  # each blocked pass shared: 3 groups and the weight/update pass
+        ({}, 1),  # one blocked pass shared: the 3 groups' blocks and the weight/update pairs
         ({"groups": ["weight", "update"]}, 1),  # a single task is shared too
         ({"stats": None, "histograms": True, "bins": 8}, 1),  # whole tasks split
     ],
@@ -288,9 +288,9 @@ def test_background_option_policy_and_errors():
 def test_two_threads_split_the_synchronous_statistics_with_the_worker(monkeypatch, kw, jobs):
     """With two torch threads the synchronous statistics run on this thread and the worker at
     once (both cores: training leaves none idle to hide them behind); the numbers are those of
-    the tasks run one after the other, bit for bit. The default statistics share each blocked
-    pass block by block (one worker job per pass), other statistics split the tasks (one worker
-    job per step)."""
+    the tasks run one after the other, bit for bit. The default statistics share one blocked
+    pass over every group and the weight/update pairs block by block (one worker job, so one
+    wait for it, per step), other statistics split the tasks (one worker job per step)."""
     import nnstat.tracker.inline as background
 
     submitted = []
@@ -311,6 +311,46 @@ def test_two_threads_split_the_synchronous_statistics_with_the_worker(monkeypatc
             assert sorted(a) == sorted(b) and all(same(a[k], b[k]) for k in b)
     finally:
         torch.set_num_threads(n)
+
+
+def test_one_pass_gives_the_tasks_results_bit_for_bit():
+    """`compute.one_pass` (the two-thread default statistics: every group's blocks and the
+    weight/update pairs in one pass shared with the worker) returns what the tasks give run
+    one after the other, bit for bit, with NaN/Inf, float64, bfloat16 (torch blocks) and empty
+    tensors in the groups, and refreshes the snapshot the same way."""
+    from nnstat.describe.block_passes import share_blocks
+    from nnstat.tracker.compute import StepPlan, one_pass, tasks
+
+    g = torch.Generator().manual_seed(5)
+    w = [torch.randn(300_000, generator=g), torch.randn(40, 7, generator=g, dtype=torch.float64)]
+    prev = [t + 0.01 * torch.randn(t.shape, generator=g, dtype=t.dtype) for t in w]
+    grads = [torch.randn(t.shape, generator=g, dtype=t.dtype) for t in w]
+    grads[0][123_456] = math.nan
+    states = [torch.randn(200_000, generator=g).bfloat16(), torch.zeros(0)]
+    names = ["a", "b"]
+    stats = ("l2", "rms", "abs_max", "nonfinite")
+
+    def plan(snapshot):
+        groups = [("grad", names, grads), ("exp_avg", names, states)]
+        return StepPlan(
+            names, stats, paired=True, weights=w, prev=snapshot, refresh=True, groups=groups
+        )
+
+    snap_a, snap_b = [p.clone() for p in prev], [p.clone() for p in prev]
+    want = {k: fn() for k, fn in tasks(plan(snap_a))}
+    with share_blocks(submit):
+        got = one_pass(plan(snap_b))
+    assert list(got) == list(want)
+    exact = {"rtol": 0, "atol": 0, "equal_nan": True}
+    for k in want:
+        if k == "update":
+            torch.testing.assert_close(got[k], want[k], **exact)
+        else:
+            torch.testing.assert_close(got[k][0], want[k][0], **exact)
+            assert got[k][1] is None and want[k][1] is None
+    assert want["group:grad"][0][0, 3] == 1  # the NaN is counted, the rest over finite values
+    assert all(torch.equal(a, b) for a, b in zip(snap_a, snap_b, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(snap_b, w, strict=True))
 
 
 class Wrapped(torch.optim.Optimizer):
