@@ -147,8 +147,8 @@ def test_optimizer_with_some_parameters_warns_naming_the_others():
 
 def test_a_module_replaced_after_construction_is_refused_and_in_place_casts_are_not():
     # the Tracker held the old layer: it logged the replaced weights' norms as the model's
-    model, opt = setup()
-    tracker = nnstat.Tracker(model, opt, stats=["l2"], groups=["weight"])
+    model, _ = setup()
+    tracker = nnstat.Tracker(model, stats=["l2"], groups=["weight"])
     model.double()  # in place: the same parameters, now float64
     got = tracker.step()
     for name, p in model.named_parameters():
