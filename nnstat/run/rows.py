@@ -336,4 +336,13 @@ def input_ids(x: torch.Tensor | None, batch: Mapping[str, torch.Tensor], model: 
             f"is not a batch of the {n} samples captured; pass the ids (data_id=[...]) or "
             "the tensor to hash (data_id=tensor) instead"
         )
-    return content_ids(x)
+    ids = content_ids(x)
+    if len(set(ids)) < len(ids):
+        raise ValueError(
+            f'data_id="hash": {len(ids) - len(set(ids))} of the {len(ids)} rows of the model\'s '
+            f"first input (shape {tuple(x.shape)}, {x.dtype}) repeat an earlier row, so their "
+            "hashes do too; when that tensor is not what tells the samples apart (a mask, "
+            "padding, a constant), pass the ids (data_id=[...]) or the tensor to hash "
+            "(data_id=tensor) instead"
+        )
+    return ids

@@ -191,6 +191,35 @@ def test_hashing_finds_the_input_inside_a_dataclass_batch(tmp_path):
         torch.testing.assert_close(rows[i, :, :-1], inner[2].weight.grad, rtol=1e-4, atol=1e-6)
 
 
+def test_hashing_a_first_input_with_repeated_rows_names_the_tensor_and_the_fix(tmp_path):
+    # a mask passed first hashed to one id per batch: "duplicate data ids" named no cause
+    inner, x, y = make()
+
+    class MaskFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, mask, features):
+            return self.inner(features * mask)
+
+    model = MaskFirst()
+    run = nnstat.init(project="mask", root_dir=tmp_path)
+    nnstat.setup({"statistic": "none"})
+    nnstat.watch(model)
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    with pytest.raises(
+        ValueError, match=r"3 of the 4 rows .*\(shape \(4, 5\), torch.bool\).*data_id=\["
+    ):
+        with run(data_id="hash"):
+            nn.functional.cross_entropy(model(mask, x[:4]), y[:4], reduction="sum").backward()
+    with run(data_id=[0, 1, 2, 3]):  # the fix: ids of the samples; the refused block left none
+        nn.functional.cross_entropy(model(mask, x[:4]), y[:4], reduction="sum").backward()
+    nnstat.finalize()
+    nnstat.unwatch()
+    assert nnstat.GradientStore(run.path).ids == [0, 1, 2, 3]
+
+
 # ------------------------------------------------------- 2. one model per store
 
 
