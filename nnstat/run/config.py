@@ -31,6 +31,7 @@ from nnstat.curvature.passes import (
     preset_of,
     statistic_json,
 )
+from nnstat.store.factor_counts import FactorsSetting, check_factors
 from nnstat.store.logger import NONFINITE_POLICIES, ON_STORED_ID, StoreSettings
 from nnstat.store.shards import STORE_DTYPES
 
@@ -62,7 +63,9 @@ class RunConfig:
         factors: store each Kronecker module's projected per-sample gradient as this many
             factor pairs (``G ≈ Uᵀ V``, ``U`` ``[c, r_out]``, ``V`` ``[c, r_in]``; exact when a
             sample has at most ``c`` positions, a truncated SVD otherwise) instead of its
-            ``r_out * r_in`` entries; needs ``rank`` (``None``: dense rows).
+            ``r_out * r_in`` entries; one count, or ``{module name or fnmatch pattern: count
+            or None}`` (:mod:`nnstat.store.factor_counts`; unmatched modules dense); needs
+            ``rank`` (``None``: dense rows).
         max_factor_dim: largest dense K-FAC factor (``None``: ``MAX_FACTOR_DIM``, 16384); a
             larger one is kept in the logged space of its side's projection, else diagonal.
         shard_rows: rows per store shard file (``None``: about 64 MiB per shard).
@@ -100,7 +103,7 @@ class RunConfig:
     nonfinite: str = "error"
     dtype: str = "float32"
     rank: int | None = None
-    factors: int | None = None
+    factors: FactorsSetting = None
     max_factor_dim: int | None = None
     shard_rows: int | None = None
     queue_size: int = 16
@@ -122,7 +125,7 @@ class RunConfig:
         if not isinstance(self.param_grads, bool):
             raise ValueError(f"param_grads must be True or False, got {self.param_grads!r}")
         _check_int("rank", self.rank, minimum=1, optional=True)
-        _check_int("factors", self.factors, minimum=1, optional=True)
+        set_(self, "factors", check_factors(self.factors))
         if self.factors is not None and self.rank is None:
             raise ValueError(
                 f"factors={self.factors} factors the projected rows, but rank is None (no "

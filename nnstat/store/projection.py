@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nnstat.store.factor_counts import FactorsSetting, factors_for
 from nnstat.store.factored import factored_width, worth_factoring
 
 PROJECTION_INITS = ("random", "pca")
@@ -185,11 +186,16 @@ def build_projections(
     init: str = "random",
     seed: int = 0,
     statistics: Mapping[str, torch.Tensor] | None = None,
-    factors: int | None = None,
+    factors: FactorsSetting = None,
 ) -> dict[str, ModuleProjection]:
-    """One :class:`ModuleProjection` per module, in ``specs`` order; with ``factors`` the
-    Kronecker modules whose factors are narrower than their dense rows are stored factored
+    """One :class:`ModuleProjection` per module, in ``specs`` order; with ``factors`` (one count,
+    or one per module: :func:`~nnstat.store.factor_counts.factors_for`) the Kronecker modules
+    whose factors are narrower than their dense rows are stored factored
     (:func:`~nnstat.store.factored.worth_factoring`).
+
+    Raises:
+        ValueError: an unknown ``init``, ``init="pca"`` without statistics, or a ``factors``
+            mapping key that matches no module.
 
     Example:
         >>> specs = [module_shape("fc", torch.nn.Linear(4, 2))]
@@ -209,9 +215,10 @@ def build_projections(
         out = {s.name: pca_projection(s, rank, statistics) for s in specs}
     else:
         out = {s.name: random_projection(s, rank, seed) for s in specs}
-    for p in out.values():
-        if worth_factoring(factors, p.r_out, p.r_in):
-            p.factors = factors
+    counts = factors_for(factors, list(out))
+    for name, p in out.items():
+        if worth_factoring(counts[name], p.r_out, p.r_in):
+            p.factors = counts[name]
     return out
 
 

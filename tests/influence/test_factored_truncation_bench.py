@@ -81,3 +81,39 @@ def test_kfac_metric_truncation_is_the_best_rank_c_there(bench):
             for x in (got[i].numpy(), other)
         ]
         assert errors[0] < errors[1]
+
+
+def test_per_module_counts_truncate_each_module_to_its_own_rank(bench):
+    gen = torch.Generator().manual_seed(2)
+    n, t = 4, 9
+    flat = ModuleSpec("n", 72, 1, 3, kind="layernorm", flat_width=3)
+    layout = [ModuleSpec("a", 0, 6, 5), ModuleSpec("b", 30, 6, 7), flat]
+    counts = {"a": 1, "b": 3}
+    blocks, expected = [], []
+    for m in layout[:2]:
+        bp = torch.randn(n, t, m.r_out, generator=gen)
+        ap = torch.randn(n, t, m.r_in, generator=gen)
+        blocks.append(torch.bmm(bp.transpose(1, 2), ap).reshape(n, -1))
+        rows, _ = factor_rows(bp, ap, counts[m.name])
+        expected.append(unfactor(rows, counts[m.name], m.r_out, m.r_in))
+    flat = torch.randn(n, 3, generator=gen)
+    out = bench.truncate(torch.cat([*blocks, flat], 1).double(), layout, counts)
+    torch.testing.assert_close(out.float(), torch.cat([*expected, flat], 1), rtol=1e-4, atol=1e-4)
+    # columns: a 1 * (6 + 5) = 11, b 3 * (6 + 7) = 39 (< 42 dense), the flat module its 3
+    assert bench.stored_columns(layout, counts) == 11 + 39 + 3
+    assert bench.stored_columns(layout, {"a": 1}) == 11 + 42 + 3  # b unnamed: dense
+    assert bench.stored_columns(layout, None) == 30 + 42 + 3
+    assert bench.stored_columns(layout, 3) == 30 + 39 + 3  # a: 3 * 11 = 33 >= 30, dense
+
+
+def test_the_energy_greedy_allocation_buys_the_best_energy_per_column(bench):
+    layout = [ModuleSpec("a", 0, 8, 8), ModuleSpec("b", 64, 2, 30)]  # a pair: 16 or 32 cols
+    # kept energy after c = 0, 1, 2, ... pairs
+    curves = {"a": np.array([0, 0.5, 0.9, 0.95, 1, 1, 1, 1, 1]), "b": np.array([0, 0.8, 1.0])}
+    # from one pair each (16 + 32 = 48 columns): a's 2nd pair +0.4 / 16, b's next step is its
+    # dense row (60 columns, +28: +0.2 / 28); a 3rd pair +0.05 / 16
+    assert bench.greedy_allocation(layout, curves, 64) == {"a": 2, "b": 1}
+    assert bench.greedy_allocation(layout, curves, 92) == {"a": 2, "b": None}
+    assert bench.greedy_allocation(layout, curves, 47) == {"a": 1, "b": 1}  # nothing fits
+    # >= 0.9 kept: a 2 pairs; b 2 pairs (64 columns) are no narrower than its 60: dense
+    assert bench.threshold_allocation(layout, curves, 0.9) == {"a": 2, "b": None}
