@@ -7,7 +7,7 @@ per module call; these functions turn one backward's calls into the capture cons
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 import torch
@@ -191,7 +191,8 @@ def reshaped(hook: Callable[[torch.Tensor], None], shape: torch.Size, grad: torc
 
 def first_tensor(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor | None:
     """The first tensor of a call's arguments: positional ones first, then keyword ones in call
-    order, looking inside lists, tuples and dicts (a batch dict passed as one argument)."""
+    order, looking inside lists, tuples, dicts (a batch dict passed as one argument) and
+    dataclass instances (their fields in order)."""
     todo: list[Any] = [*args, *kwargs.values()]
     while todo:
         x = todo.pop(0)
@@ -201,4 +202,6 @@ def first_tensor(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor | None:
             todo[:0] = list(x.values())
         elif isinstance(x, list | tuple):
             todo[:0] = list(x)
+        elif is_dataclass(x) and not isinstance(x, type):
+            todo[:0] = [getattr(x, f.name) for f in fields(x)]
     return None

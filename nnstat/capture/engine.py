@@ -84,6 +84,9 @@ class CaptureEngine(LayoutHooks):
         self._lock = threading.Lock()
         self._flush_queued = False
         self._roots: list[nn.Module] = []
+        # (parent, key, child) on the way from each root to each watched module: a module
+        # replaced after watch() (model.fc = nn.Linear(...)) is found at the next batch
+        self._edges: dict[tuple[int, str], tuple[nn.Module, str, nn.Module, str]] = {}
         self._keep_input = False
         self.model_input: torch.Tensor | None = None
         # the latest call of a watched root inside the block: its first tensor sizes the batch
@@ -195,6 +198,8 @@ class CaptureEngine(LayoutHooks):
                     self._handles.append(attn.register_forward_hook(hook, with_kwargs=True))
                 continue
             self._handles.append(w.module.register_forward_hook(partial(self._on_forward, w)))
+        for w in selected:
+            self._edges.update(path_edges(model, w.name))
         if selected and not any(model is r for r in self._roots):
             self._roots.append(model)
             self._handles.append(
@@ -211,6 +216,7 @@ class CaptureEngine(LayoutHooks):
         self._attention.clear()
         self._tied.clear()
         self._roots.clear()
+        self._edges.clear()
         self._left_out.clear()
         self._root_call = None
         with self._lock:
@@ -337,6 +343,15 @@ class CaptureEngine(LayoutHooks):
             )
         if self._ctx is not None:
             raise RuntimeError("engine.batch(...) blocks cannot be nested")
+        for parent, key, child, path in self._edges.values():
+            if parent._modules.get(key) is not child:
+                raise RuntimeError(
+                    f"nnstat capture: watched module {path!r} was replaced or removed after "
+                    "watch() (e.g. model.fc = nn.Linear(...)): the hooks are on the old module, "
+                    "so the model's new one would not be captured. Call unwatch() and "
+                    "watch(model) again after changing the model (nnstat.unwatch(); "
+                    "nnstat.watch(model), or gns.unwatch(); gns.watch(model))."
+                )
         self._ctx = ctx
 
     def _abort(self) -> None:
@@ -355,8 +370,9 @@ class CaptureEngine(LayoutHooks):
     @contextmanager
     def recording_model_input(self) -> Iterator[None]:
         """Inside this block, `model_input` becomes the first tensor passed to the watched
-        model's first call (positional arguments first, then keywords, inside lists, tuples and
-        dicts), or stays ``None``. Used to hash a batch's samples (``data_id="hash"``).
+        model's first call (positional arguments first, then keywords, inside lists, tuples,
+        dicts and dataclasses), or stays ``None``. Used to hash a batch's samples
+        (``data_id="hash"``).
 
         Example:
             >>> import torch
@@ -455,8 +471,8 @@ class CaptureEngine(LayoutHooks):
     def _on_output_grad(
         self, module: nn.Module, x: torch.Tensor, ctx: BatchContext, grad: torch.Tensor
     ) -> None:
-        if grad.requires_grad:  # create_graph=True: keep no graph alive through captures
-            grad = grad.detach()
+        if torch.is_grad_enabled():  # a backward with create_graph=True
+            raise RuntimeError(_create_graph_refusal(self._watched[module].name))
         with self._lock:
             calls = self._pending.get(module)
             if calls is None:
@@ -492,6 +508,43 @@ class CaptureEngine(LayoutHooks):
                 consumer(cap)
         for batch_consumer in self._backward_consumers:
             batch_consumer(caps)
+
+
+def _create_graph_refusal(name: str) -> str:
+    # such a backward builds a graph through the gradient (gradient penalty, MAML, an input-
+    # gradient regulariser): a later backward of a loss holding that gradient reaches the
+    # weights through it, not through the layer's output, so no capture of either backward is
+    # a product of layer inputs and output gradients; capturing it would be silently wrong
+    return (
+        "nnstat capture: a backward with create_graph=True (or under torch.func.grad/vjp) "
+        f"reached watched module {name!r} inside a capture block (engine.batch, run(...), "
+        "NoiseScale.batch, the Recorder). The "
+        "per-sample gradients of a loss that differentiates through a gradient (a gradient "
+        "penalty, a double backward) are not products of layer inputs and output gradients. "
+        "Fix: compute the create_graph (or torch.func) gradient outside the block, or capture "
+        "the loss without the gradient term (a separate logging pass)."
+    )
+
+
+def path_edges(
+    model: nn.Module, name: str
+) -> dict[tuple[int, str], tuple[nn.Module, str, nn.Module, str]]:
+    """The ``(parent, key, child, path)`` steps from ``model`` down to its submodule ``name``
+    (``"model"``: the root itself, no step), keyed by ``(id(parent), key)``.
+
+    Example:
+        >>> net = nn.Sequential(nn.Sequential(nn.Linear(1, 1)))
+        >>> [(key, path) for _, key, _, path in path_edges(net, "0.0").values()]
+        [('0', '0'), ('0', '0.0')]
+    """
+    edges = {}
+    parent, path = model, []
+    for key in [] if name == "model" else name.split("."):
+        child = parent._modules[key]
+        path.append(key)
+        edges[(id(parent), key)] = (parent, key, child, ".".join(path))
+        parent = child
+    return edges
 
 
 def _as_list(x: Any) -> list:

@@ -27,6 +27,7 @@ from torch import nn
 
 from nnstat.gradient_noise.batches import norm_dtype, sq_norms
 from nnstat.gradient_noise.maths import finite_step
+from nnstat.netdict import SameParams
 
 __all__ = ["MicroBatchNorms", "Pairs", "StagedPairs"]
 
@@ -135,6 +136,15 @@ class MicroBatchNorms:
             raise ValueError(f"ranks must be a positive int (processes averaged), got {ranks!r}")
         self.ranks = ranks
         self.params = [p for _, p in named]
+        # end_step checks that the model's parameters are still these (the hooked ones)
+        self._same = SameParams(
+            model,
+            [n for n, _ in named],
+            self.params,
+            "NoiseScale.watch_microbatches",
+            "Watch again after changing the model (gns.unwatch(); gns.watch_microbatches(model, "
+            "...)).",
+        )
         self.names, self._owner = module_names([n for n, _ in named])
         self._fresh: list[int] = []  # parameters whose .grad this backward creates
         self._stash: list[tuple[int, torch.Tensor]] = []  # the others: the gradient it adds
@@ -201,6 +211,7 @@ class MicroBatchNorms:
         """
         micro, dirty = self._micro, self._dirty
         self.discard()
+        self._same.check()
         k = len(micro)
         if k < 2:
             return False

@@ -207,7 +207,11 @@ class PerSampleNorms:
                 "batch(batch_size=N), or leave the module out with name_filter"
             )
         if n < 2:
-            raise ValueError(f"per-sample noise scale needs a batch of at least 2 samples, got {n}")
+            raise ValueError(
+                f"per-sample noise scale needs a batch of at least 2 samples, got {n}: for a "
+                "last batch smaller than that, use DataLoader(..., drop_last=True) or run that "
+                "step outside gns.batch()"
+            )
         flat = () if self._local_big else self._flat
         values, combine = self._stage(caps, n, flat, self._before, self._local_big)
         return StagedNorms([c.name for c in caps], n, values, combine)

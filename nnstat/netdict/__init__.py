@@ -23,10 +23,11 @@ from nnstat.netdict.getters import (
     get_weight,
     optimizer_state_keys,
 )
-from nnstat.netdict.netdict import NetDict, select_names
+from nnstat.netdict.netdict import NetDict, SameParams, select_names
 
 __all__ = [
     "NetDict",
+    "SameParams",
     "UnknownStateKeyError",
     "compute_stats",
     "get_grad",

@@ -56,8 +56,9 @@ class UnknownStateKeyError(KeyError):
             msg = f"unknown optimizer state key {key!r}; {optimizer} state holds {self.existing}{hint}"
         else:
             msg = (
-                f"unknown optimizer state key {key!r}: the {optimizer} state is empty "
-                "(call optimizer.step() at least once first)"
+                f"unknown optimizer state key {key!r}: the {optimizer} state is empty (call "
+                "optimizer.step() at least once first; some settings keep no state at all, "
+                "e.g. SGD without momentum)"
             )
         super().__init__(msg)
         self.message = msg

@@ -325,8 +325,9 @@ def input_ids(x: torch.Tensor | None, batch: Mapping[str, torch.Tensor], model: 
     if x is None:
         raise RuntimeError(
             'data_id="hash" hashes the first tensor passed to the watched model, but '
-            f"{model}.forward was not called inside this run(...) "
-            "block; pass the ids (data_id=[...]) instead"
+            f"{model}.forward was not called inside this run(...) block, or was called with "
+            "no tensor (in lists, tuples, dicts or dataclasses) among its arguments; pass the "
+            "ids (data_id=[...]) instead"
         )
     n = next(iter(batch.values())).shape[0] if batch else None
     if x.dim() == 0 or (n is not None and x.shape[0] != n):
@@ -335,4 +336,13 @@ def input_ids(x: torch.Tensor | None, batch: Mapping[str, torch.Tensor], model: 
             f"is not a batch of the {n} samples captured; pass the ids (data_id=[...]) or "
             "the tensor to hash (data_id=tensor) instead"
         )
-    return content_ids(x)
+    ids = content_ids(x)
+    if len(set(ids)) < len(ids):
+        raise ValueError(
+            f'data_id="hash": {len(ids) - len(set(ids))} of the {len(ids)} rows of the model\'s '
+            f"first input (shape {tuple(x.shape)}, {x.dtype}) repeat an earlier row, so their "
+            "hashes do too; when that tensor is not what tells the samples apart (a mask, "
+            "padding, a constant), pass the ids (data_id=[...]) or the tensor to hash "
+            "(data_id=tensor) instead"
+        )
+    return ids

@@ -1,7 +1,8 @@
 """Guards of the Tracker against silent misuse, and how it raises several collected errors.
 
 `check_owned` refuses an optimizer built from other tensors (and warns when it holds only some
-of the tracked parameters); `StepOrder` counts ``optimizer.step()`` calls and warns (once) when
+of the tracked parameters); `REPLACED_FIX` words the refusal of a module replaced afterwards
+(`nnstat.netdict.SameParams`); `StepOrder` counts ``optimizer.step()`` calls and warns (once) when
 ``tracker.step()`` comes before it; `first_error` raises the first of several errors (sinks, flushes)
 with the others named in its notes and printed, so none is lost.
 
@@ -24,7 +25,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepOrder", "check_owned", "first_error"]
+from nnstat.distributed import clean_name
+
+__all__ = ["REPLACED_FIX", "StepOrder", "check_owned", "first_error"]
+
+#: `nnstat.netdict.SameParams`'s owner, fix and name map for the Tracker: a tracked module
+#: replaced after construction is refused at the next logged step
+REPLACED_FIX = (
+    "Tracker",
+    "Build a new Tracker after changing the model (tracker.close(); nnstat.Tracker(model, "
+    "optimizer, ...)), and a new optimizer if it holds the old parameters.",
+    clean_name,
+)
 
 
 def check_owned(names: list[str], params: list[torch.Tensor], optimizer: Any) -> None:

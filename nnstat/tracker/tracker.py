@@ -44,7 +44,7 @@ from nnstat.distributed import (
     fsdp1_whole,
     local_tensor,
 )
-from nnstat.netdict import select_names
+from nnstat.netdict import SameParams, select_names
 from nnstat.tracker.compute import (
     StepPlan,
     assemble,
@@ -52,7 +52,7 @@ from nnstat.tracker.compute import (
     tasks,
 )
 from nnstat.tracker.delivery import DeviceSteps
-from nnstat.tracker.guards import StepOrder, check_owned, first_error
+from nnstat.tracker.guards import REPLACED_FIX, StepOrder, check_owned, first_error
 from nnstat.tracker.inline import InlineSteps
 from nnstat.tracker.pending import PENDING, StepMetrics, register_atexit
 from nnstat.tracker.sinks import Sink, Sinks
@@ -190,6 +190,9 @@ class Tracker:
         if optimizer is not None:
             check_owned(self.names, self.params, optimizer)
         self._fsdp1 = bool(fsdp1_shards(model))
+        # a module replaced afterwards (model.fc = nn.Linear(...)) is refused at the next logged
+        # step; FSDP1 wrappers name flat slices of their own, kept by fsdp1_shards
+        self._same = None if self._fsdp1 else SameParams(model, names, self.params, *REPLACED_FIX)
         # the executors of a logged step: inline (synchronous), the device-deferred copy to the
         # host and (below, with the snapshot) the CPU worker thread
         self._inline = InlineSteps(self.params, self._fsdp1)
@@ -413,6 +416,8 @@ class Tracker:
                 )
                 self._stale = False
             return None
+        if self._same is not None:
+            self._same.check()
         on_cpu = _on_cpu(self.params)
         plan = self._plan(refresh)
         plan.skip_update = not stepped or self._stale

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -113,6 +114,56 @@ def test_activation_checkpointing_same_grads_no_double_count(reentrant):
             torch.testing.assert_close(g, ref[f"{name}.{p}"], rtol=1e-4, atol=1e-5)
 
 
+def test_create_graph_backward_is_refused_and_the_next_batch_is_exact():
+    # a gradient penalty reaches the weights through the gradient's own graph, not through the
+    # layer outputs: captured as before, its rows were silently wrong (the sum of both backwards)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(10, 6), torch.randint(0, 3, (10,))
+    engine = CaptureEngine()
+    engine.watch(model)
+    caps = collect(engine)
+    xin = x.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match=r"create_graph=True.*reached watched module .2.*Fix"):
+        with engine.batch():
+            loss = F.cross_entropy(model(xin), y, reduction="sum")
+            (gx,) = torch.autograd.grad(loss, xin, create_graph=True)
+            (loss + gx.pow(2).sum()).backward()
+    assert caps == {}
+    model.zero_grad()
+    with engine.batch():
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+    ref = ref_grads(model, x, y)
+    for name, got in caps.items():
+        for p, g in got.items():
+            torch.testing.assert_close(g, ref[f"{name}.{p}"], rtol=1e-4, atol=1e-5)
+    assert sorted(caps) == ["0", "2"]
+
+
+def test_a_watched_module_replaced_after_watch_is_refused_until_watched_again():
+    # the hooks stayed on the old module: the new layer was silently missing from every batch
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(6, 8), nn.Tanh())
+    model = nn.Sequential(OrderedDict(body=body, head=nn.Linear(8, 3)))
+    x, y = torch.randn(10, 6), torch.randint(0, 3, (10,))
+    engine = CaptureEngine()
+    engine.watch(model)
+    model.body = nn.Sequential(nn.Linear(6, 8), nn.Tanh())  # the parent of a watched module
+    with pytest.raises(RuntimeError, match=r"watched module 'body' was replaced.*watch\(model\)"):
+        with engine.batch():
+            pass
+    engine.unwatch()
+    engine.watch(model)
+    caps = collect(engine)
+    with engine.batch():
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+    ref = ref_grads(model, x, y)
+    assert sorted(caps) == ["body.0", "head"]
+    for name, got in caps.items():
+        for p, g in got.items():
+            torch.testing.assert_close(g, ref[f"{name}.{p}"], rtol=1e-4, atol=1e-5)
+
+
 def test_watching_changes_nothing_and_unwatch_removes_everything():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2))
@@ -200,6 +251,34 @@ def test_unsupported_module_with_parameters_raises_when_selected():
         warnings.simplefilter("always")
         assert CaptureEngine().watch(model) == ["0"]
     assert len(w) == 1 and "GRU" in str(w[0].message) and "BatchNorm1d" in str(w[0].message)
+
+
+@pytest.mark.parametrize("how", ["weight_norm", "spectral_norm", "hook_weight_norm"])
+def test_a_parametrized_weight_is_left_out_naming_the_fix(how):
+    # its capture was the gradient of the computed weight, not of original0/original1: the
+    # per-sample noise scale mixed it with those parameters' .grad (layer 0 came out inf)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.nn.utils.weight_norm is deprecated
+        if how == "hook_weight_norm":
+            torch.nn.utils.weight_norm(model[0])
+        else:
+            getattr(torch.nn.utils.parametrizations, how)(model[0])
+    model.eval()  # spectral_norm: no power iteration, the same weight in every forward
+    with pytest.raises(UnsupportedModuleError, match=r"0 \(.*Linear\): its \['weight'\].*remove"):
+        CaptureEngine().watch(model, name_filter="^0$")
+    engine = CaptureEngine()
+    with pytest.warns(UserWarning, match=r"computed from other parameters"):
+        assert engine.watch(model) == ["2"]
+    caps = collect(engine)
+    x, y = torch.randn(10, 6), torch.randint(0, 3, (10,))
+    with engine.batch():
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+    ref = ref_grads(model, x, y)
+    assert sorted(caps) == ["2"]
+    for p, g in caps["2"].items():
+        torch.testing.assert_close(g, ref[f"2.{p}"], rtol=1e-4, atol=1e-5)
 
 
 def test_batch_validates_arguments():

@@ -295,6 +295,32 @@ def _no_warning():
         yield
 
 
+def test_a_layer_replaced_after_watching_is_refused_and_watching_again_is_exact():
+    # the new layer's parameters carried no hook: the step's norms silently left it out
+    model, (x, y) = _mlp(), _data()
+    k, b = 2, 8
+    gns = nnstat.NoiseScale(window=5)
+    micro = gns.watch_microbatches(model, micro_batch_size=b)
+    model[2] = nn.Linear(6, 3)
+    for j in range(k):
+        nn.functional.cross_entropy(
+            model(x[b * j : b * (j + 1)]), y[b * j : b * (j + 1)]
+        ).backward()
+    with pytest.raises(ValueError, match=r"\['2\.weight', '2\.bias'\].*gns\.unwatch\(\)"):
+        micro.end_step()
+    gns.unwatch()
+    model.zero_grad()
+    gns = nnstat.NoiseScale(window=5)
+    micro = gns.watch_microbatches(model, micro_batch_size=b)
+    idx = [torch.arange(b * j, b * (j + 1)) for j in range(k)]
+    expected = [_micro_pairs(model, x, y, idx)]
+    for i in idx:
+        (nn.functional.cross_entropy(model(x[i]), y[i]) / k).backward()
+    assert micro.end_step()
+    _assert_steps(gns.state_dict()["stats"], expected, b, k)
+    gns.unwatch()
+
+
 def test_bad_arguments_name_the_fix():
     model = _mlp()
     with pytest.raises(ValueError, match="accumulation"):

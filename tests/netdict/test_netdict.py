@@ -11,6 +11,7 @@ from torch import nn
 import nnstat
 from nnstat import NetDict
 from nnstat.describe import STAT_NAMES
+from nnstat.netdict import SameParams
 
 
 class Block(nn.Module):
@@ -217,6 +218,16 @@ def test_unknown_state_key_names_the_existing_ones():
     assert isinstance(err.value, nnstat.UnknownStateKeyError)
 
 
+def test_a_state_the_optimizer_never_keeps_is_not_blamed_on_a_missing_step():
+    # SGD without momentum keeps no state even after its steps: "call step() first" misled
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step(model, opt)
+    assert not any(opt.state.values())
+    with pytest.raises(nnstat.UnknownStateKeyError, match=r"empty.*SGD without momentum"):
+        nnstat.get_optimizer_state(model, opt, "momentum_buffer")
+
+
 def test_get_grad_missing_gradients():
     model = make_model()
     with pytest.raises(ValueError, match="no parameter has a gradient yet"):
@@ -335,3 +346,17 @@ def test_sparse_gradients_and_their_optimizer_states_are_described_dense():
         for stat, value in expect.items():
             assert got[f"0.weight/{stat}"] == pytest.approx(value, rel=1e-6, abs=1e-9)
             assert steps[-1][f"{group}/0.weight/{stat}"] == pytest.approx(value, rel=1e-6, abs=1e-9)
+
+
+def test_same_params_passes_in_place_changes_and_moved_containers_and_names_replacements():
+    inner = nn.Linear(3, 2)
+    model = nn.Sequential(nn.Sequential(inner), nn.Linear(2, 2))
+    names = [n for n, _ in model.named_parameters()]
+    same = SameParams(model, names, list(model.parameters()), "Owner", "the fix")
+    model.double()  # in place: the same tensors
+    same.check()
+    model[0] = nn.Sequential(inner)  # a new container around the same layer
+    same.check()
+    model[1] = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"^Owner: 2 .*\['1\.weight', '1\.bias'\].*the fix$"):
+        same.check()

@@ -3,6 +3,7 @@ from one model, one writer per rank, no crash window, errors that name their cau
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -154,6 +155,69 @@ def test_hashing_is_asked_for_and_hashes_the_model_input(tmp_path):
     nnstat.finalize()
     nnstat.unwatch()
     assert nnstat.GradientStore(run.path).ids == [sha1_id(r) for r in x[:4]]
+
+
+@dataclasses.dataclass
+class Batch:
+    features: torch.Tensor
+
+
+class TakesDataclass(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return self.inner(batch.features)
+
+
+def test_hashing_finds_the_input_inside_a_dataclass_batch(tmp_path):
+    # a dataclass batch was searched for no tensor: the error said forward was never called
+    inner, x, y = make()
+    model = TakesDataclass(inner)
+    run = nnstat.init(project="dc", root_dir=tmp_path)
+    nnstat.setup({"statistic": "none", "rank": None})
+    nnstat.watch(model)
+    with run(data_id="hash"):
+        nn.functional.cross_entropy(model(Batch(x[:4])), y[:4], reduction="sum").backward()
+    nnstat.finalize()
+    nnstat.unwatch()
+    store = nnstat.GradientStore(run.path)
+    assert store.ids == [sha1_id(r) for r in x[:4]]
+    rows = store.module_view(store.rows(0, 4), "inner.2")  # [4, 3, 6 + 1]: weight, bias
+    for i in range(4):
+        inner.zero_grad()
+        sum_loss(inner, x[i : i + 1], y[i : i + 1]).backward()
+        torch.testing.assert_close(rows[i, :, :-1], inner[2].weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_hashing_a_first_input_with_repeated_rows_names_the_tensor_and_the_fix(tmp_path):
+    # a mask passed first hashed to one id per batch: "duplicate data ids" named no cause
+    inner, x, y = make()
+
+    class MaskFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, mask, features):
+            return self.inner(features * mask)
+
+    model = MaskFirst()
+    run = nnstat.init(project="mask", root_dir=tmp_path)
+    nnstat.setup({"statistic": "none"})
+    nnstat.watch(model)
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    with pytest.raises(
+        ValueError, match=r"3 of the 4 rows .*\(shape \(4, 5\), torch.bool\).*data_id=\["
+    ):
+        with run(data_id="hash"):
+            nn.functional.cross_entropy(model(mask, x[:4]), y[:4], reduction="sum").backward()
+    with run(data_id=[0, 1, 2, 3]):  # the fix: ids of the samples; the refused block left none
+        nn.functional.cross_entropy(model(mask, x[:4]), y[:4], reduction="sum").backward()
+    nnstat.finalize()
+    nnstat.unwatch()
+    assert nnstat.GradientStore(run.path).ids == [0, 1, 2, 3]
 
 
 # ------------------------------------------------------- 2. one model per store

@@ -145,6 +145,27 @@ def test_optimizer_with_some_parameters_warns_naming_the_others():
         nnstat.Tracker(model, opt)
 
 
+def test_a_module_replaced_after_construction_is_refused_and_in_place_casts_are_not():
+    # the Tracker held the old layer: it logged the replaced weights' norms as the model's
+    model, _ = setup()
+    tracker = nnstat.Tracker(model, stats=["l2"], groups=["weight"])
+    model.double()  # in place: the same parameters, now float64
+    got = tracker.step()
+    for name, p in model.named_parameters():
+        assert got[f"weight/{name}/l2"] == pytest.approx(np.linalg.norm(p.detach().numpy()))
+    model[2] = nn.Linear(7, 3)
+    with pytest.raises(
+        ValueError, match=r"^Tracker: .*\['2\.weight', '2\.bias'\].*new Tracker"
+    ) as e:
+        tracker.step()
+    assert "replaced" in str(e.value)
+    tracker.close()
+    fresh = nnstat.Tracker(model, stats=["l2"], groups=["weight"])
+    got = fresh.step()
+    assert got["weight/2.weight/l2"] == pytest.approx(np.linalg.norm(model[2].weight.detach()))
+    fresh.close()
+
+
 def test_framework_driver_falls_back_to_no_optimizer_states_for_flat_copies():
     # DeepSpeed ZeRO / master weights: the optimizer steps flat fp32 copies of the parameters
     model, _ = setup()

@@ -330,6 +330,9 @@ def kind_of(
     """``(capture kind or None, why not)``; ``attn``: the ``nn.MultiheadAttention`` that holds
     ``module`` (its ``out_proj`` is captured through it, anything else inside it is not);
     ``seq_first``: the name of the sequence-first transformer layer that holds it."""
+    reparam = reparametrized(module)
+    if reparam is not None:
+        return None, reparam
     if seq_first is not None and attn is None and not isinstance(module, nn.MultiheadAttention):
         return None, (
             f"it is inside the transformer layer {seq_first!r}, built with batch_first=False: "
@@ -345,3 +348,50 @@ def kind_of(
     if module is not attn.out_proj:
         return None, "it is inside nn.MultiheadAttention, which never calls its forward"
     return "linear", ""
+
+
+def reparametrized(module: nn.Module) -> str | None:
+    """Why ``module`` cannot be captured when its weight is computed from other parameters
+    (``torch.nn.utils.parametrize``: ``parametrizations.weight_norm``, ``spectral_norm``,
+    ``orthogonal``; the older hook-based ``weight_norm`` / ``spectral_norm``), else ``None``.
+
+    A capture gives per-sample gradients of the weight the layer computes with, not of the
+    parameters that train (``original0``/``original1``, ``weight_g``/``weight_v``): their norms
+    differ once training moves away from the initialisation, and the noise scale, which reads
+    those parameters' ``.grad``, would mix the two spaces.
+
+    Example:
+        >>> layer = torch.nn.utils.parametrizations.weight_norm(nn.Linear(2, 2))
+        >>> "remove_parametrizations" in reparametrized(layer)
+        True
+        >>> reparametrized(nn.Linear(2, 2)) is None
+        True
+    """
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    if isinstance(module, parametrize.ParametrizationList):
+        return (
+            "it holds the parameters of a parametrized tensor (torch.nn.utils.parametrize) of "
+            "the module above it, which is left out with it"
+        )
+    names = list(getattr(module, "parametrizations", {}) or {})
+    old = [
+        h.name
+        for h in module._forward_pre_hooks.values()
+        if isinstance(h, (WeightNorm, SpectralNorm))
+    ]
+    if not (parametrize.is_parametrized(module) or old):
+        return None
+    fix = (
+        f"torch.nn.utils.parametrize.remove_parametrizations(module, {names[0]!r})"
+        if names
+        else f"torch.nn.utils.remove_weight_norm / remove_spectral_norm(module, {old[0]!r})"
+    )
+    return (
+        f"its {(names or old)!r} is computed from other parameters (weight_norm, spectral_norm "
+        "or another parametrization), so per-sample gradients of the layer's weight are not "
+        f"those of the parameters that train; capture it after {fix} (e.g. for a logging pass "
+        "on the trained model), or leave it out (name_filter)"
+    )
