@@ -1,0 +1,42 @@
+"""The scoring calls refuse a bad damping, top_k or batch_size up front, naming the argument."""
+
+import numpy as np
+import pytest
+import torch
+
+from nnstat.influence import TensorSource, compute_influence_all, compute_self_influence
+
+
+def _pair():
+    g = torch.Generator().manual_seed(0)
+    return TensorSource(torch.randn(2, 5, generator=g)), TensorSource(
+        torch.randn(12, 5, generator=g)
+    )
+
+
+@pytest.mark.parametrize("damping", [float("nan"), -1.0, float("inf"), "0.1", True])
+@pytest.mark.parametrize("preconditioner", ["identity", "raw"])
+def test_bad_damping_is_refused_whatever_the_preconditioner(damping, preconditioner):
+    query, train = _pair()
+    with pytest.raises(ValueError, match="damping must be a finite number >= 0"):
+        compute_influence_all(query, train, preconditioner=preconditioner, damping=damping)
+    with pytest.raises(ValueError, match="damping must be a finite number >= 0"):
+        compute_self_influence(train, preconditioner=preconditioner, damping=damping)
+
+
+@pytest.mark.parametrize("name,value", [("top_k", 2.5), ("top_k", True), ("batch_size", 0)])
+def test_bad_count_is_refused_naming_it(name, value):
+    query, train = _pair()
+    with pytest.raises(ValueError, match=f"{name} must be an integer >= 1"):
+        compute_influence_all(query, train, **{name: value})
+    if name == "batch_size":
+        with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+            compute_self_influence(train, batch_size=value)
+
+
+def test_integer_damping_is_the_direct_solve():
+    query, train = _pair()
+    got = compute_influence_all(query, train, preconditioner="raw", damping=1, progress=False)
+    t, q = train.rows.double().numpy(), query.rows.double().numpy()
+    want = q @ np.linalg.solve(t.T @ t / len(t) + np.eye(5), t.T)
+    np.testing.assert_allclose(got.scores.numpy(), want, rtol=1e-5, atol=1e-6)
