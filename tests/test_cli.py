@@ -102,6 +102,7 @@ def test_view_missing_folder_and_unwritable_export(recorder_root, tmp_path, caps
         ([], "--query is required (or --self)"),
         (["--self", "--query", "{store}"], "--self takes no --query"),
         (["--self", "--top-k", "3"], "--self takes no --top-k"),
+        (["--self", "--mode", "cosine"], "--self takes no --mode"),
     ],
 )
 def test_influence_argument_errors(fake_store, capsys, argv, message) -> None:
