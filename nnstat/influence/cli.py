@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
             return usage_error(parser, f"{label}: {path} is not a gradient store (no {META_FILE})")
     if args.out is not None and Path(args.out).suffix not in OUT_SUFFIXES:
         return usage_error(parser, f"--out must end in .parquet or .csv, got {args.out!r}")
+    if args.out is not None and not Path(args.out).parent.is_dir():
+        # before any work: found only after scoring, it cost the whole run
+        return usage_error(parser, f"--out: directory {Path(args.out).parent} does not exist")
     if args.self_influence:
         # self-influence is g_iᵀ M g_i: a --mode would be ignored, so it is refused
         for flag, given in (
