@@ -65,7 +65,7 @@ def check_count(name: str, value: Any) -> int:
     """
     integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if not integral or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1 (or None), got {value!r}")
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     return int(value)
 
 

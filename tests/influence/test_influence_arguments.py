@@ -40,3 +40,20 @@ def test_integer_damping_is_the_direct_solve():
     t, q = train.rows.double().numpy(), query.rows.double().numpy()
     want = q @ np.linalg.solve(t.T @ t / len(t) + np.eye(5), t.T)
     np.testing.assert_allclose(got.scores.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [0, 2.5, True])
+def test_result_top_k_refuses_a_k_that_is_not_a_positive_integer(k):
+    query, train = _pair()
+    res = compute_influence_all(query, train, preconditioner="identity", progress=False)
+    with pytest.raises(ValueError, match="k must be an integer >= 1"):
+        res.top_k(k)
+
+
+def test_result_top_k_beyond_the_rows_is_every_row_sorted():
+    query, train = _pair()
+    res = compute_influence_all(query, train, preconditioner="identity", progress=False)
+    want = (query.rows.double() @ train.rows.double().T).numpy()
+    top = res.top_k(50)
+    np.testing.assert_allclose(top.helpful_scores.numpy(), -np.sort(-want, 1), rtol=1e-6)
+    np.testing.assert_allclose(top.harmful_scores.numpy(), np.sort(want, 1), rtol=1e-6)
