@@ -35,15 +35,21 @@ def check_damping(damping: Any) -> float:
         ValueError: ``damping`` is not a finite real number ``>= 0``.
 
     Example:
-        >>> check_damping(0)
-        0.0
+        >>> import torch
+        >>> check_damping(0), check_damping(torch.tensor(0.5))
+        (0.0, 0.5)
     """
-    real = isinstance(damping, numbers.Real) and not isinstance(damping, bool)
-    if not real or not math.isfinite(float(damping)) or float(damping) < 0:
+    value = math.nan  # a string or a bool is refused, not converted
+    if not isinstance(damping, (bool, str, bytes)):
+        try:  # a Python or numpy number, or a one-element tensor
+            value = float(damping)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    if not math.isfinite(value) or value < 0:
         raise ValueError(
             f"damping must be a finite number >= 0 (or None for the default), got {damping!r}"
         )
-    return float(damping)
+    return value
 
 
 def check_count(name: str, value: Any) -> int:

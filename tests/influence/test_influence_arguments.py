@@ -57,3 +57,11 @@ def test_result_top_k_beyond_the_rows_is_every_row_sorted():
     top = res.top_k(50)
     np.testing.assert_allclose(top.helpful_scores.numpy(), -np.sort(-want, 1), rtol=1e-6)
     np.testing.assert_allclose(top.harmful_scores.numpy(), np.sort(want, 1), rtol=1e-6)
+
+
+def test_a_numpy_or_tensor_damping_is_its_value():
+    query, train = _pair()
+    want = compute_influence_all(query, train, preconditioner="raw", damping=0.5).scores
+    for damping in (np.float64(0.5), torch.tensor(0.5)):
+        got = compute_influence_all(query, train, preconditioner="raw", damping=damping).scores
+        torch.testing.assert_close(got, want)
