@@ -29,6 +29,7 @@ import torch
 from nnstat.store.factored import densify, is_factored
 from nnstat.store.files import PROJECTIONS_FILE, STATISTICS_FILE, load_safetensors
 from nnstat.store.lazy import LazyStatistics
+from nnstat.store.meta import statistics_coverage
 from nnstat.store.shards import STORE_DTYPES
 
 from .row_layout import ModuleSpec, layout_from_meta, row_width, validate_layout
@@ -145,6 +146,34 @@ class TensorSource:
 
     def projections(self) -> dict[str, torch.Tensor]:
         return self._projections
+
+
+def check_statistics_coverage(meta: Mapping[str, Any], ids: Sequence[Any], root: Path) -> None:
+    """Refuse a store whose saved statistics (K-FAC/EK-FAC factors) did not see all of its rows
+    (:func:`~nnstat.store.meta.statistics_coverage`): a preconditioner built from them would
+    use the curvature of part of the data only. Stores that record no coverage pass.
+
+    Args:
+        meta: the store's meta.json.
+        ids: the store's ids.
+        root: the store's directory (named in the error).
+
+    Raises:
+        ValueError: the statistics cover fewer rows than the store holds.
+
+    Example:
+        >>> check_statistics_coverage({}, [0, 1], Path("store"))  # no coverage recorded
+    """
+    cov = statistics_coverage(meta, ids)
+    if cov is not None and cov[0] < cov[1]:
+        raise ValueError(
+            f"{root}: the saved statistics (statistics.safetensors) cover {cov[0]} of the "
+            f"store's {cov[1]} rows (rows were added by a later pass whose statistics replaced "
+            "them); a kfac/ekfac preconditioner would use the curvature of part of the data. "
+            "Log the statistics again over all the data (a pass with the same configuration "
+            "over the whole dataset: ids already stored are skipped, the statistics see every "
+            'batch), or score with preconditioner="raw" or "identity"'
+        )
 
 
 class StoreSource:
@@ -357,6 +386,8 @@ class StoreSource:
                 loaded = dict(stats() if callable(stats) else {})
             # the forms statistics.json records (dense, diagonal, projected) must be the tensors'
             check_saved_forms(loaded, self.root)
+            if len(loaded):
+                check_statistics_coverage(self.meta, self.ids, self.root)
             self._statistics = loaded
         return self._statistics
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from nnstat.distributed import rank_world
 from nnstat.store.errors import StoreWriteError, add_note
 from nnstat.store.files import (
     META_FILE,
@@ -30,8 +31,9 @@ from nnstat.store.integrity import tensors_hash
 from nnstat.store.lazy import LazyStatistics
 from nnstat.store.lock import WriterLock
 from nnstat.store.logger import StoreLogger
-from nnstat.store.meta import record_statistics_hash
+from nnstat.store.meta import record_statistics_hash, statistics_coverage_record
 from nnstat.store.projection import ModuleProjection, ModuleShape
+from nnstat.store.writer import stored_ids
 
 
 def save_statistics(collector: Any, path: Path, rank: int) -> dict[str, torch.Tensor]:
@@ -184,6 +186,16 @@ def close_after_failure(logger: StoreLogger, error: BaseException) -> None:
         add_note(error, f"closing the store failed too: {also!r}")
 
 
+def pass_coverage(logger: StoreLogger | None, path: Path) -> dict[str, Any] | None:
+    """The rows of the store at ``path`` (flushed) that a statistics pass saw: the ids its
+    ``logger`` was given, stored or skipped as already stored
+    (:func:`~nnstat.store.meta.statistics_coverage_record`). ``None`` (unknown) for a pass
+    that logged no rows, or under ``torch.distributed`` (rank 0 sees its own ids only)."""
+    if logger is None or rank_world()[1] > 1:
+        return None
+    return statistics_coverage_record(logger.seen, stored_ids(Path(path) / SHARD_DIR))
+
+
 def close_pass(
     logger: StoreLogger | None,
     collector: Any,
@@ -216,7 +228,7 @@ def close_pass(
     if collector is not None:
         try:
             saved = save_statistics(collector, path, rank)
-            record_statistics_hash(path, rank, saved=saved)
+            record_statistics_hash(path, rank, saved=saved, coverage=pass_coverage(logger, path))
         except BaseException as e:
             if error is None:
                 raise

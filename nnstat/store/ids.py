@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +132,23 @@ def ids_digest(ids: Sequence[DataId]) -> str:
         False
     """
     return hashlib.sha256(json.dumps(list(ids), separators=(",", ":")).encode()).hexdigest()
+
+
+def ids_set_digest(ids: Iterable[DataId]) -> str:
+    """:func:`ids_digest` of a set of ids, whatever their order (ints first, then strings, each
+    sorted): what meta.json records of the rows a statistics pass saw.
+
+    Args:
+        ids: the ids (repeats count once).
+
+    Returns:
+        64 hex digits.
+
+    Example:
+        >>> ids_set_digest([1, "a", 0]) == ids_set_digest(["a", 0, 1, 1])
+        True
+    """
+    return ids_digest(sorted(set(ids), key=lambda i: (isinstance(i, str), i)))
 
 
 def duplicate_ids(ids: list) -> list:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence, Set
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch
 from nnstat import __version__
 from nnstat.store import files
 from nnstat.store.factored import factored_width, merge_energy
+from nnstat.store.ids import DataId, ids_set_digest
 from nnstat.store.integrity import tensors_hash
 from nnstat.store.projection import ModuleProjection, layout, projection_tensors
 from nnstat.store.shards import STORE_DTYPES
@@ -310,12 +311,17 @@ def statistics_hash(path: Path) -> str | None:
 
 
 def record_statistics_hash(
-    path: Path, rank: int, saved: Mapping[str, torch.Tensor] | None = None
+    path: Path,
+    rank: int,
+    saved: Mapping[str, torch.Tensor] | None = None,
+    coverage: dict[str, Any] | None | bool = False,
 ) -> None:
     """Rank 0: put the hash of the statistics just saved into meta.json (when the store has
     one), so meta.json always names the statistics that go with its rows. ``saved``: the
     tensors just written, hashed as they are in memory (the same names, dtypes, shapes and
-    bytes as the file) instead of reading the whole file back (1.3 GB for GPT-2 small)."""
+    bytes as the file) instead of reading the whole file back (1.3 GB for GPT-2 small).
+    ``coverage``: the rows these statistics cover (:func:`statistics_coverage_record`;
+    ``None``: unknown), recorded as ``statistics_coverage``; ``False`` leaves it as it is."""
     meta_path = Path(path) / files.META_FILE
     if rank != 0 or not meta_path.exists():
         return
@@ -323,7 +329,56 @@ def record_statistics_hash(
     if not isinstance(meta, dict):
         raise ValueError(f"{meta_path}: expected a JSON object, got {type(meta).__name__}")
     meta["statistics_sha256"] = statistics_hash(path) if saved is None else tensors_hash(saved)
+    if coverage is not False:
+        meta["statistics_coverage"] = coverage
     files.atomic_write_json(meta_path, meta)
+
+
+def statistics_coverage_record(seen: Set[DataId], store_ids: Set[DataId]) -> dict[str, Any]:
+    """What meta.json's ``statistics_coverage`` records of the ids a statistics pass saw
+    (``seen``, stored or skipped as already stored) against the store's rows once the pass is
+    flushed (``store_ids``): how many of those rows the statistics cover, and digests to tell
+    later whether the store still holds just those rows (:func:`statistics_coverage`).
+
+    Example:
+        >>> statistics_coverage_record({2, 3}, {0, 1, 2, 3})["rows"]
+        2
+    """
+    return {
+        "rows": len(store_ids & seen),
+        "of": len(store_ids),
+        "store_ids_sha256": ids_set_digest(store_ids),
+        "ids_sha256": ids_set_digest(seen),
+    }
+
+
+def statistics_coverage(meta: Mapping[str, Any], ids: Sequence[DataId]) -> tuple[int, int] | None:
+    """``(rows the saved statistics cover, rows of the store)`` for a store with ``ids`` and
+    ``meta``; ``None`` when meta.json records no coverage (a store written before it was
+    recorded, a statistics pass that logged no rows, or one under ``torch.distributed``).
+
+    Rows are only ever added to a store: rows added after the statistics were saved count as
+    not covered, unless the statistics pass saw exactly the ids the store now holds.
+
+    Args:
+        meta: the store's meta.json.
+        ids: the store's ids now.
+
+    Returns:
+        ``(covered, total)``, or ``None`` when unknown.
+
+    Example:
+        >>> rec = statistics_coverage_record({2, 3}, {0, 1, 2, 3})
+        >>> statistics_coverage({"statistics_coverage": rec}, [0, 1, 2, 3])
+        (2, 4)
+    """
+    cov = meta.get("statistics_coverage")
+    if not isinstance(cov, Mapping):
+        return None
+    digest = ids_set_digest(ids)
+    if digest == cov.get("ids_sha256"):
+        return len(ids), len(ids)
+    return min(int(cov.get("rows", 0)), len(ids)), len(ids)
 
 
 def record_factor_energy(path: Path, rank: int, energy: Mapping[str, Mapping[str, float]]) -> None:
