@@ -295,7 +295,9 @@ class NetDict(Mapping[str, torch.Tensor]):
             # sharded layers: norms of the local shards reduced across ranks, never gathered
             return dict(zip(self._data, norms_sharded(list(self._data.values()), p), strict=True))
         tensors = [t.detach().reshape(-1) for t in self._data.values()]
-        tensors = [t if t.is_floating_point() else t.float() for t in tensors]
+        # complex layers keep their dtype: ``_foreach_norm`` takes the modulus, ``.float()`` would
+        # drop the imaginary part
+        tensors = [t if t.is_floating_point() or t.is_complex() else t.float() for t in tensors]
         norms = torch._foreach_norm(tensors, p)
         values = torch.stack([n.to(tensors[0].device, torch.float64) for n in norms]).tolist()
         return dict(zip(self._data, values, strict=True))
