@@ -118,7 +118,13 @@ class Recorder:
 
     # ---- setup -------------------------------------------------------------------------
     def track_module(self, module: torch.nn.Module, prefix: str = "") -> None:
-        """Record ``module``'s parameters (values and ``.grad``) and its parameter counts."""
+        """Record ``module``'s parameters (values and ``.grad``) and its parameter counts.
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.Module`` (e.g. the optimizer).
+        """
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"track_module expects an nn.Module, got {type(module).__name__}")
         for name, p in module.named_parameters():
             self._params[f"{prefix}{clean_name(name)}"] = p
         # FSDP1 wrapper: its parameters are flat per-rank slices, described as whole tensors
