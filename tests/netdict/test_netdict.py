@@ -371,3 +371,12 @@ def test_complex_layer_norm_is_the_modulus_norm_and_describe_refuses_complex():
     for call in (nd.describe, nd.describe_layers):
         with pytest.raises(TypeError, match=r"complex64.*nd\.abs\(\)"):
             call()
+
+
+def test_load_of_a_damaged_safetensors_file_names_the_file(tmp_path):
+    path = tmp_path / "w.safetensors"
+    NetDict({"a.b": torch.arange(3.0)}).save(path)
+    assert torch.equal(NetDict.load(path)["a.b"], torch.arange(3.0))
+    path.write_bytes(path.read_bytes()[:20])  # cut short
+    with pytest.raises(ValueError, match=r"w\.safetensors: not a readable safetensors file"):
+        NetDict.load(path)
