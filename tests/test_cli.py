@@ -99,9 +99,11 @@ def test_view_missing_folder_and_unwritable_export(recorder_root, tmp_path, caps
             "(choose from 'identity', 'raw', 'kfac', 'ekfac')",
         ),
         (["--out", "scores.xlsx"], "--out must end in .parquet or .csv, got 'scores.xlsx'"),
+        (["--out", "/no/such/dir/s.csv"], "--out: directory /no/such/dir does not exist"),
         ([], "--query is required (or --self)"),
         (["--self", "--query", "{store}"], "--self takes no --query"),
         (["--self", "--top-k", "3"], "--self takes no --top-k"),
+        (["--self", "--mode", "cosine"], "--self takes no --mode"),
     ],
 )
 def test_influence_argument_errors(fake_store, capsys, argv, message) -> None:

@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
         "--top-k", type=_positive_int, default=None, help="keep only k helpful + k harmful"
     )
     p.add_argument("--out", default=None, help="output file (.parquet or .csv)")
-    p.add_argument("--mode", choices=MODES, default="dot")
+    p.add_argument("--mode", choices=MODES, default=None, help="default: dot (not with --self)")
     p.add_argument("--preconditioner", choices=PRECONDITIONERS, default=None)
     p.add_argument(
         "--damping", type=_damping, default=None, help=">= 0 (default: 0.1 x mean eigenvalue)"
@@ -119,8 +119,16 @@ def main(argv: list[str] | None = None) -> int:
             return usage_error(parser, f"{label}: {path} is not a gradient store (no {META_FILE})")
     if args.out is not None and Path(args.out).suffix not in OUT_SUFFIXES:
         return usage_error(parser, f"--out must end in .parquet or .csv, got {args.out!r}")
+    if args.out is not None and not Path(args.out).parent.is_dir():
+        # before any work: found only after scoring, it cost the whole run
+        return usage_error(parser, f"--out: directory {Path(args.out).parent} does not exist")
     if args.self_influence:
-        for flag, given in (("--query", args.query), ("--top-k", args.top_k)):
+        # self-influence is g_iᵀ M g_i: a --mode would be ignored, so it is refused
+        for flag, given in (
+            ("--query", args.query),
+            ("--top-k", args.top_k),
+            ("--mode", args.mode),
+        ):
             if given is not None:
                 return usage_error(parser, f"--self takes no {flag}")
     elif args.query is None:
@@ -149,7 +157,7 @@ def _score(args: argparse.Namespace) -> None:
     res = compute_influence_all(
         args.query,
         args.store,
-        mode=args.mode,
+        mode=args.mode or "dot",
         preconditioner=args.preconditioner,
         damping=args.damping,
         top_k=args.top_k,

@@ -30,7 +30,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +39,7 @@ import torch
 from nnstat.curvature.products import Batch, FunctionalLoss, ParamLayout, iter_batches
 from nnstat.curvature.streamed import kept_curvature
 
+from .arguments import check_damping
 from .damped_solve import (
     DAMPING_RAISE,
     DampedOperator,
@@ -156,9 +156,7 @@ def exact(
         raise ValueError(f"indefinite must be one of {list(INDEFINITE)}, got {indefinite!r}")
     if solver not in (None, "block", "cg"):
         raise ValueError(f"solver must be None, 'block' or 'cg', got {solver!r}")
-    damping = float(damping)
-    if not math.isfinite(damping) or damping < 0:
-        raise ValueError(f"damping must be a finite number >= 0, got {damping}")
+    damping = check_damping(damping)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     if not names:
         raise ValueError("the model has no trainable parameters")

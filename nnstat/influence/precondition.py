@@ -48,6 +48,7 @@ import torch
 
 from nnstat.curvature.operations import factor_eig, rotate
 
+from .arguments import check_damping
 from .row_layout import ModuleSpec
 from .sources import RowSource
 from .woodbury import gram_eig, symmetric_eig, woodbury_apply, woodbury_core
@@ -68,10 +69,7 @@ def resolve_damping(damping: float | None, evals: torch.Tensor) -> float:
         0.2
     """
     if damping is not None:
-        damping = float(damping)
-        if not damping >= 0 or damping != damping or damping == float("inf"):
-            raise ValueError(f"damping must be a finite number >= 0, got {damping}")
-        return damping
+        return check_damping(damping)
     value = DAMPING_HEURISTIC * float(evals.mean()) if evals.numel() else 0.0
     # an all-zero module (dead layer) still needs a positive damping to be invertible
     return value if value > 0 else 1e-12

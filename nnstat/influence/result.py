@@ -19,6 +19,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from .arguments import check_count
+
 
 @dataclass
 class TopKInfluence:
@@ -68,9 +70,7 @@ def top_k_from_scores(
         >>> top_k_from_scores(torch.tensor([[0.0, 5.0]]), [0], ["a", "b"], 1).helpful_ids
         [['b']]
     """
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    k = min(k, scores.shape[1])
+    k = min(check_count("k", k), scores.shape[1])
     scores = scores.contiguous()  # top-k along a contiguous dimension is several times faster
     hv, hi = torch.topk(scores, k, dim=1, largest=True)
     lv, li = torch.topk(scores, k, dim=1, largest=False)

@@ -36,9 +36,10 @@ from tqdm.auto import tqdm
 
 from nnstat.distributed import rank_world
 
+from .arguments import check_scoring_args
 from .cache import default_preconditioner, fitted, has_kfac_statistics, has_stored_ekfac
 from .factored_scores import FactoredScores, scores_as_stored
-from .modes import MODES, check_mode, m_norms, normalise, raw_scores
+from .modes import MODES, m_norms, normalise, raw_scores
 from .ondevice import stream_scores, stream_self_influence
 from .pipeline import Block, stream_to, units
 from .precondition import PRECONDITIONERS, Preconditioner
@@ -261,9 +262,7 @@ def compute_influence_all(
         >>> compute_influence_all(query, train, top_k=3).helpful_scores.shape
         torch.Size([2, 3])
     """
-    check_mode(mode)
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    check_scoring_args(damping, top_k, batch_size, mode)
     q, t = as_source(query), as_source(train)
     dev = scoring_device(device, q)
     if not batch_size:
@@ -512,6 +511,7 @@ def compute_self_influence(
         >>> compute_self_influence(TensorSource(torch.randn(10, 4))).scores.shape
         torch.Size([10])
     """
+    check_scoring_args(damping, batch_size=batch_size)
     d = as_source(data)
     t = d if train is None else as_source(train)
     batch_size = batch_size or auto_batch_size(max(m.stop for m in t.layout))

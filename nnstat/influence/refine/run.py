@@ -79,6 +79,25 @@ class Setup:
     plan: Plan
 
 
+def refined_damping(refine: Refinement, damping: float | None) -> float | None:
+    """The one ``λ`` of a refined solve: ``Refinement(damping=)`` or the scoring call's.
+
+    Both name the same damping (of the system and of its preconditioner), so two different
+    values are refused rather than one silently ignored.
+
+    Raises:
+        ValueError: both are given and differ.
+    """
+    if refine.damping is None:
+        return damping
+    if damping is not None and float(damping) != float(refine.damping):
+        raise ValueError(
+            f"damping={damping} was passed with Refinement(damping={refine.damping}): both "
+            "are the damping of the refined solve; pass one of them (or the same value)"
+        )
+    return refine.damping
+
+
 def setup(
     refine: Refinement,
     query: RowSource,
@@ -89,6 +108,7 @@ def setup(
     query_data: Any,
 ) -> Setup:
     """Build what `refine_queries` solves with (`Setup`); the checks of weights and queries."""
+    lam = refined_damping(refine, damping)
     device = next((p.device for p in refine.model.parameters()), torch.device("cpu"))
     flat = LoggedSpace(refine.model, train, refine.dtype, device)
     ids, q_rows = all_rows(query, batch_size)
@@ -99,7 +119,6 @@ def setup(
         grads = query_grads(refine, flat, curv, query_data)
         check_against_rows(flat, grads, q_rows, ids, query.meta or {})
     pre, refit = preconditioner_of(refine, train, flat, kind, batch_size)
-    lam = refine.damping if refine.damping is not None else damping
     plan = plan_for(refine, curv, flat, pre, len(q_rows), q_rows.shape[1], lam is None, refit)
     return Setup(device, flat, ids, q_rows, curv, pre, refit, lam, plan)
 
