@@ -74,12 +74,13 @@ def _encode(key: str, value: Any) -> Any:
         return int(value)
     if isinstance(value, numbers.Real):
         return _number(float(value))
-    # torch / numpy scalars without importing either
+    # torch / numpy scalars without importing either, encoded as the Python number they hold
+    # (a complex one is refused below, naming the key)
     if hasattr(value, "item") and callable(getattr(value, "numel", None)):
         if value.numel() == 1:
-            return _number(float(value.item()))
+            return _encode(key, value.item())
     elif hasattr(value, "item") and getattr(value, "size", None) == 1:
-        return _number(float(value.item()))
+        return _encode(key, value.item())
     raise TypeError(
         f"JsonlLogger cannot log {key!r} of type {type(value).__name__} "
         "(expected a number, a one-element tensor/array or nnstat.describe.Histogram)"

@@ -85,7 +85,11 @@ class TensorBoardSink:
                 )
             elif isinstance(value, numbers.Real) and not isinstance(value, bool):
                 self.writer.add_scalar(key, float(value), global_step=step)
-            elif hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1:
+            elif (
+                hasattr(value, "item")
+                and getattr(value, "numel", lambda: 0)() == 1
+                and not isinstance(value.item(), complex)  # refused below, naming the key
+            ):
                 self.writer.add_scalar(key, float(value.item()), global_step=step)
             else:
                 raise TypeError(

@@ -154,7 +154,10 @@ class CaptureEngine(LayoutHooks):
             UnsupportedModuleError: a filter selects a module the engine cannot capture (an
                 unsupported kind, or a layer of a sequence-first transformer).
             ValueError: a module of that name is already watched.
+            TypeError: ``model`` is not an ``nn.Module`` (e.g. the optimizer).
         """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"watch() expects the model (an nn.Module), got {type(model).__name__}")
         explicit = name_filter is not None or type_filter is not None
         names = _as_list(name_filter)
         types = _as_list(type_filter)

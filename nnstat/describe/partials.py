@@ -63,10 +63,18 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype data of `dtype` is reduced in: float64 for float64 data, float32 otherwise
     (lower precisions are reduced in float32).
 
+    Raises:
+        TypeError: complex data (a real reduction would drop the imaginary part).
+
     Example:
         >>> work_dtype(torch.bfloat16), work_dtype(torch.float64)
         (torch.float32, torch.float64)
     """
+    if dtype.is_complex:
+        raise TypeError(
+            f"cannot describe {dtype} data: describe its magnitude (`nd.abs()`) or its real "
+            "and imaginary parts (`nd.apply(torch.view_as_real)`)"
+        )
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 

@@ -131,6 +131,21 @@ def main(argv: list[str] | None = None) -> int:
         ):
             if given is not None:
                 return usage_error(parser, f"--self takes no {flag}")
+    elif args.query is None:
+        return usage_error(parser, "--query is required (or --self)")
+    try:
+        _score(args)
+    except (OSError, ValueError) as e:
+        # a damaged or mismatched store: the message names the file and the fix, which a
+        # traceback through the scoring code would bury
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _score(args: argparse.Namespace) -> None:
+    """Score and write the table the parsed, checked ``args`` ask for."""
+    if args.self_influence:
         res = compute_self_influence(
             args.store,
             preconditioner=args.preconditioner,
@@ -138,9 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=args.batch_size,
         )
         _write(res.to_frame(), args.out)
-        return 0
-    if args.query is None:
-        return usage_error(parser, "--query is required (or --self)")
+        return
     res = compute_influence_all(
         args.query,
         args.store,
@@ -151,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=args.batch_size,
     )
     _write(res.to_frame(), args.out)
-    return 0
 
 
 if __name__ == "__main__":

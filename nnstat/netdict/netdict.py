@@ -295,7 +295,9 @@ class NetDict(Mapping[str, torch.Tensor]):
             # sharded layers: norms of the local shards reduced across ranks, never gathered
             return dict(zip(self._data, norms_sharded(list(self._data.values()), p), strict=True))
         tensors = [t.detach().reshape(-1) for t in self._data.values()]
-        tensors = [t if t.is_floating_point() else t.float() for t in tensors]
+        # complex layers keep their dtype: ``_foreach_norm`` takes the modulus, ``.float()`` would
+        # drop the imaginary part
+        tensors = [t if t.is_floating_point() or t.is_complex() else t.float() for t in tensors]
         norms = torch._foreach_norm(tensors, p)
         values = torch.stack([n.to(tensors[0].device, torch.float64) for n in norms]).tolist()
         return dict(zip(self._data, values, strict=True))
@@ -462,16 +464,22 @@ class NetDict(Mapping[str, torch.Tensor]):
             The NetDict, in the saved layer order.
 
         Raises:
-            ValueError: the file does not hold a dict of tensors.
+            ValueError: the file does not hold a dict of tensors, or is damaged.
         """
         path = Path(path)
         if path.suffix == ".safetensors":
-            from safetensors import safe_open
+            from safetensors import SafetensorError, safe_open
 
-            with safe_open(str(path), framework="pt", device=str(device)) as f:
-                order = (f.metadata() or {}).get("nnstat.order")
-                keys = order.split("\n") if order else list(f.keys())
-                return cls({k: f.get_tensor(k) for k in keys})
+            try:
+                with safe_open(str(path), framework="pt", device=str(device)) as f:
+                    order = (f.metadata() or {}).get("nnstat.order")
+                    keys = order.split("\n") if order else list(f.keys())
+                    return cls({k: f.get_tensor(k) for k in keys})
+            except SafetensorError as e:
+                raise ValueError(
+                    f"{path}: not a readable safetensors file ({e}); it is damaged or was cut "
+                    "short: save the NetDict again"
+                ) from e
         data = torch.load(path, map_location=device, weights_only=True)
         if not isinstance(data, Mapping):
             raise ValueError(f"{path} does not hold a dict of tensors")

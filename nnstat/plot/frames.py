@@ -24,13 +24,24 @@ STEP_KEYS = ("step", "_step", "global_step", "trainer/global_step")
 def to_numpy(x: Any) -> np.ndarray:
     """A float64 numpy copy of a tensor, array or nested sequence.
 
+    Raises:
+        TypeError: complex values (a float copy would drop the imaginary part).
+
     Example:
         >>> to_numpy([1, 2]).dtype
         dtype('float64')
     """
     if hasattr(x, "detach"):
-        x = x.detach().float().cpu().numpy()
-    return np.asarray(x, dtype=np.float64)
+        x = x.detach()
+        # numpy has no bfloat16; a complex tensor stays complex to be refused below
+        x = (x if x.is_complex() else x.float()).cpu().numpy()
+    x = np.asarray(x)
+    if np.iscomplexobj(x):
+        raise TypeError(
+            f"cannot plot complex values ({x.dtype}): pass their magnitude (x.abs()) or the real "
+            "or imaginary part (x.real, x.imag)"
+        )
+    return x.astype(np.float64)
 
 
 def metrics_frame(history: Any) -> pd.DataFrame:

@@ -24,7 +24,14 @@ from nnstat.recorder.batch import Batch, GradHook, Iteration
 from nnstat.recorder.graph import ROLES
 from nnstat.recorder.reduce import COL, STAT_NAMES, device_stats, fix_nonfinite, light_stats
 from nnstat.recorder.schedule import Schedule, make_schedule, schedule_json
-from nnstat.recorder.stepdata import RowSet, Selection, finalize_step, kpi_records, split_raw
+from nnstat.recorder.stepdata import (
+    RowSet,
+    Selection,
+    check_kpi,
+    finalize_step,
+    kpi_records,
+    split_raw,
+)
 from nnstat.recorder.storage import TrialWriter
 
 log = logging.getLogger("nnstat.recorder")
@@ -111,7 +118,13 @@ class Recorder:
 
     # ---- setup -------------------------------------------------------------------------
     def track_module(self, module: torch.nn.Module, prefix: str = "") -> None:
-        """Record ``module``'s parameters (values and ``.grad``) and its parameter counts."""
+        """Record ``module``'s parameters (values and ``.grad``) and its parameter counts.
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.Module`` (e.g. the optimizer).
+        """
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"track_module expects an nn.Module, got {type(module).__name__}")
         for name, p in module.named_parameters():
             self._params[f"{prefix}{clean_name(name)}"] = p
         # FSDP1 wrapper: its parameters are flat per-rank slices, described as whole tensors
@@ -238,7 +251,7 @@ class Recorder:
         Raises:
             RuntimeError: called outside `start_batch`/`finish_batch`.
             ValueError: an unknown role, or a name registered twice.
-            TypeError: ``tensor`` is not a tensor.
+            TypeError: ``tensor`` is not a tensor, or is complex.
         """
         b = self._batch
         if b is None:
@@ -249,6 +262,11 @@ class Recorder:
             raise ValueError(f"unknown role {role!r}; valid roles are {list(ROLES)}")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"register_tensor({name!r}) needs a torch.Tensor, got {type(tensor)}")
+        if tensor.is_complex():
+            raise TypeError(
+                f"register_tensor({name!r}): complex tensors ({tensor.dtype}) have no real "
+                "statistics; register tensor.abs() or torch.view_as_real(tensor)"
+            )
         if b.current is None and not b.iterations:
             self.start_iteration()
         # after finish_iteration (e.g. the loss of a multi-pass model) the last pass owns it
@@ -286,8 +304,21 @@ class Recorder:
 
         Tensors are kept on device and converted in one transfer when the buffer is written
         (at recorded steps, every 256 steps and at `close`), so no step waits on a sync.
+
+        Args:
+            name: the KPI's name.
+            value: a real number or a one-element real tensor.
+
+        Raises:
+            RuntimeError: called outside `start_batch`/`finish_batch`.
+            TypeError: ``value`` is not a real number or tensor.
+            ValueError: a tensor with more than one element.
+
+        Example:
+            >>> rec.record_kpi("loss", loss.detach())  # doctest: +SKIP
         """
         b = self._require_batch("record_kpi")
+        check_kpi(str(name), value)
         b.kpis[str(name)] = value
 
     def add_note(self, text: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -229,16 +230,42 @@ def split_raw(flat: np.ndarray, raw: dict[str, torch.Tensor]) -> dict[str, torch
     return out
 
 
+def check_kpi(name: str, value: Any) -> None:
+    """Refuse a KPI value `kpi_records` cannot write: it must be a real number or a one-element
+    real tensor (checked from metadata only: no device sync).
+
+    Args:
+        name: the KPI's name, for the message.
+        value: the value passed to `Recorder.record_kpi`.
+
+    Raises:
+        TypeError: not a real number or tensor.
+        ValueError: a tensor with more than one element.
+
+    Example:
+        >>> check_kpi("loss", torch.ones(2))
+        Traceback (most recent call last):
+        ...
+        ValueError: KPI 'loss' must be a scalar, got a tensor of shape (2,); pass a reduction such as loss.mean()
+    """
+    if isinstance(value, torch.Tensor):
+        if value.is_complex():
+            raise TypeError(f"KPI {name!r} must be real, got a {value.dtype} tensor")
+        if value.numel() != 1:
+            raise ValueError(
+                f"KPI {name!r} must be a scalar, got a tensor of shape {tuple(value.shape)}; "
+                "pass a reduction such as loss.mean()"
+            )
+    elif isinstance(value, complex) or not isinstance(value, numbers.Real):
+        raise TypeError(f"KPI {name!r} must be a real number or a scalar tensor, got {value!r}")
+
+
 def kpi_records(log: list[tuple[str, int, dict[str, Any]]]) -> list[dict[str, Any]]:
     """``[{"type", "step", "kpis"}]`` with tensor values moved to the host, one transfer per device."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for _, _, kpis in log:
         for v in kpis.values():
             if isinstance(v, torch.Tensor):
-                if v.numel() != 1:
-                    raise ValueError(
-                        f"a KPI must be a scalar, got a tensor of shape {tuple(v.shape)}"
-                    )
                 by_device.setdefault(v.device, []).append(v.detach().reshape(()).double())
     host = {d: iter(torch.stack(ts).cpu().tolist()) for d, ts in by_device.items()}
     out = []

@@ -29,6 +29,29 @@ class Sink(Protocol):
     def log(self, metrics: dict[str, Any], step: int) -> None: ...
 
 
+def sink_list(sinks: Any) -> list[Any]:
+    """The ``sinks=`` argument as a list, refusing one sink passed bare (not in a list).
+
+    Args:
+        sinks: a sequence of sinks.
+
+    Returns:
+        The sinks, in order.
+
+    Raises:
+        TypeError: `sinks` is a single sink or not iterable.
+
+    Example:
+        >>> sink_list((print,))
+        [<built-in function print>]
+    """
+    if isinstance(sinks, (str, bytes)) or not hasattr(sinks, "__iter__") or hasattr(sinks, "log"):
+        raise TypeError(
+            f"sinks must be a list of sinks, got {sinks!r}; pass sinks=[...] around a single one"
+        )
+    return list(sinks)
+
+
 class Sinks:
     """A Tracker's sinks: `log` hands a step to each, `raise_errors` raises what failed."""
 

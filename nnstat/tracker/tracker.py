@@ -55,7 +55,7 @@ from nnstat.tracker.delivery import DeviceSteps
 from nnstat.tracker.guards import REPLACED_FIX, StepOrder, check_owned, first_error
 from nnstat.tracker.inline import InlineSteps
 from nnstat.tracker.pending import PENDING, StepMetrics, register_atexit
-from nnstat.tracker.sinks import Sink, Sinks
+from nnstat.tracker.sinks import Sink, Sinks, sink_list
 from nnstat.tracker.worker import WorkerSteps, hook_target
 
 __all__ = ["Tracker", "Sink", "GROUPS", "StepMetrics"]
@@ -198,7 +198,7 @@ class Tracker:
         self._inline = InlineSteps(self.params, self._fsdp1)
         self._device = DeviceSteps()
         self._sinks = Sinks()
-        for s in sinks:
+        for s in sink_list(sinks):
             self.add_sink(s)
         self._providers: list[Callable[[], Mapping[str, Any]]] = []
         self._calls = 0

@@ -34,6 +34,10 @@ ITERATION_KEY = re.compile(r"[0-9]{1,6}")
 STREAMS = ("forward", "gradient")
 # the page builds one <option> per iteration; a forged count must not freeze the browser
 MAX_ITERATIONS = 100_000
+# raw values the page embeds in all trials together (each one a JSON number, ~20 bytes, and a
+# Python float while the bundle is built): a trial recorded with a large raw_max_numel would
+# otherwise take tens of GB to open; past it, raw values are left out and reported once
+RAW_VALUE_BUDGET = 2_000_000
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "infinity": math.inf}
 
 
@@ -227,14 +231,32 @@ def _anomaly(value: Any, i: int) -> dict[str, Any]:
     return out
 
 
-def _values(root: Path, path: Path) -> dict[str, Any]:
-    if not path.exists():
-        return {}
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+class _RawBudget:
+    """Raw values the page may still embed (`RAW_VALUE_BUDGET` across every trial)."""
+
+    def __init__(self) -> None:
+        self.left = RAW_VALUE_BUDGET
+        self.reported = False
+
+
+def _values(root: Path, path: Path, budget: _RawBudget) -> dict[str, Any]:
+    if not path.exists() or (budget.reported and budget.left <= 0):
+        return {}  # the first step past the budget said that later raw values are left out
+    from safetensors import SafetensorError, safe_open
 
     try:
-        tensors = load_file(str(inside(root, path)))
+        # the header gives every shape: the values are read only when they fit the budget
+        with safe_open(str(inside(root, path)), framework="pt") as fh:
+            keys = list(fh.keys())
+            total = sum(math.prod(fh.get_slice(k).get_shape()) for k in keys)
+            if total > budget.left:
+                budget.left, budget.reported = 0, True
+                raise Refused(
+                    f"{total:,} raw values would take the page past its {RAW_VALUE_BUDGET:,}-value "
+                    "limit (record fewer with a smaller raw_max_numel), nor are later steps'"
+                )
+            budget.left -= total
+            tensors = {k: fh.get_tensor(k) for k in keys}
     except SafetensorError as exc:
         raise Refused(f"not a safetensors file ({exc})") from exc
     out = {}
@@ -253,6 +275,7 @@ def _step(
     stat_names: list[str],
     graphs: _Graphs,
     report: Callable[[Path, str], None],
+    budget: _RawBudget,
 ) -> dict[str, Any]:
     steps = tdir / "steps"
     meta = _dict(_read_json(root, steps / f"{stem}.json"), "the step record")
@@ -297,7 +320,7 @@ def _step(
             f"{list(expected)} (rows x stat names)"
         )
     try:
-        values = _values(root, steps / f"{stem}.values.safetensors")
+        values = _values(root, steps / f"{stem}.values.safetensors", budget)
     except (Refused, OSError) as exc:
         report(steps / f"{stem}.values.safetensors", f"{exc}; raw values are not shown")
         values = {}
@@ -392,7 +415,7 @@ def _load_trials(
     root: Path, trial_dirs: list[Path], report: Callable[[Path, str], None]
 ) -> dict[str, Any]:
     """Trials, recorded steps (rows + statistics), graphs, notes, KPIs and anomalies."""
-    trials, graphs, stat_names = [], _Graphs(), None
+    trials, graphs, stat_names, budget = [], _Graphs(), None, _RawBudget()
     for tdir in trial_dirs:
         rel = tdir.relative_to(root).as_posix() if tdir != root else tdir.name
         try:
@@ -429,7 +452,7 @@ def _load_trials(
             step_files = []
         for path in step_files:
             try:
-                steps.append(_step(root, tdir, path.name[:-5], names, graphs, report))
+                steps.append(_step(root, tdir, path.name[:-5], names, graphs, report, budget))
             except (Refused, OSError) as exc:
                 report(path, f"{exc}; the step is not shown")
         steps.sort(key=lambda s: (s["type_of_execution"], s["step"]))

@@ -257,3 +257,19 @@ def test_stored_ekfac_statistics_are_used_and_match_explicit(tmp_path, unused):
     torch.testing.assert_close(
         res.scores.double(), expected, rtol=2e-3, atol=1e-3 * expected.abs().max().item()
     )
+
+
+def test_cli_reports_a_damaged_store_in_one_error_line(logged, tmp_path, capsys):
+    import shutil
+
+    path = logged[-1]
+    damaged = tmp_path / "damaged"
+    shutil.copytree(path, damaged)
+    (damaged / "meta.json").write_text("{cut short")
+    capsys.readouterr()
+    assert cli_main([str(damaged), "--self"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("nnstat influence: error: ")
+    assert f"{damaged / 'meta.json'}: not valid JSON" in err[0] and "restore it" in err[0]
+    assert cli_main([str(path), "--query", str(damaged)]) == 1
+    assert "meta.json: not valid JSON" in capsys.readouterr().err

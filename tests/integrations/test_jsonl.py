@@ -163,3 +163,14 @@ def test_the_viewer_refuses_what_read_jsonl_refuses(tmp_path, bad, message):
     assert len(reported) == 1 and message in reported[0]
     _, problems = read_jsonl(tmp_path / "run")
     assert len(problems) == 1 and message in problems[0]
+
+
+def test_complex_scalars_are_refused_naming_the_key_and_real_scalars_keep_their_value(tmp_path):
+    with JsonlLogger(tmp_path) as log:
+        for value in (torch.tensor(1 + 2j), np.complex64(1 + 2j), 3j):
+            with pytest.raises(TypeError, match="cannot log 'z' of type complex"):
+                log.log({"z": value}, step=0)
+        log.log({"t": torch.tensor([0.25]), "n": np.float32(1.5), "b": torch.tensor(True)}, step=1)
+    rows, problems = read_jsonl(tmp_path)
+    assert problems == [] and [r["step"] for r in rows] == [1]
+    assert rows[0]["metrics"] == {"t": 0.25, "n": 1.5, "b": 1}

@@ -64,6 +64,8 @@ def test_tensorboard_rejects_unloggable_values(tmp_path):
     sink = TensorBoardSink(tmp_path)
     with pytest.raises(TypeError, match="cannot log 'bad'"):
         sink.log({"bad": "text"}, step=0)
+    with pytest.raises(TypeError, match="cannot log 'z' of type Tensor"):
+        sink.log({"z": torch.tensor(1 + 2j)}, step=0)
     sink.close()
 
 

@@ -360,3 +360,23 @@ def test_same_params_passes_in_place_changes_and_moved_containers_and_names_repl
     model[1] = nn.Linear(2, 2)
     with pytest.raises(ValueError, match=r"^Owner: 2 .*\['1\.weight', '1\.bias'\].*the fix$"):
         same.check()
+
+
+def test_complex_layer_norm_is_the_modulus_norm_and_describe_refuses_complex():
+    z = torch.tensor([1 + 1j, 2 - 1j, -3j])
+    nd = NetDict({"z": z, "r": torch.tensor([2.0])})
+    want = np.linalg.norm(np.concatenate([z.numpy(), [2.0]]))
+    assert nd.norm(2) == pytest.approx(want, rel=1e-6)
+    assert nd.layer_norms(1)["z"] == pytest.approx(np.abs(z.numpy()).sum(), rel=1e-6)
+    for call in (nd.describe, nd.describe_layers):
+        with pytest.raises(TypeError, match=r"complex64.*nd\.abs\(\)"):
+            call()
+
+
+def test_load_of_a_damaged_safetensors_file_names_the_file(tmp_path):
+    path = tmp_path / "w.safetensors"
+    NetDict({"a.b": torch.arange(3.0)}).save(path)
+    assert torch.equal(NetDict.load(path)["a.b"], torch.arange(3.0))
+    path.write_bytes(path.read_bytes()[:20])  # cut short
+    with pytest.raises(ValueError, match=r"w\.safetensors: not a readable safetensors file"):
+        NetDict.load(path)

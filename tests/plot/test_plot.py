@@ -343,3 +343,16 @@ def test_noise_scale_band_reaches_the_top_when_unbounded():
     top = band.get_paths()[0].vertices[:, 1].max()
     assert top > fig.axes[0].get_ylim()[1]  # drawn past the visible top
     assert "no upper bound" in fig.axes[0].get_legend().get_texts()[0].get_text()
+
+
+def test_complex_values_are_refused_and_bfloat16_is_plotted():
+    from nnstat import NetDict
+    from nnstat.plot.frames import to_numpy
+
+    z = NetDict({"z": torch.ones(3, 3, dtype=torch.complex64)})
+    with pytest.raises(TypeError, match=r"complex64.*x\.abs\(\)"):
+        nplt.weight_heatmap(z, "z")
+    with pytest.raises(TypeError, match="complex128"):
+        to_numpy(np.array([1 + 2j, 3.0]))
+    b = torch.tensor([0.5, -1.25, 3.0], dtype=torch.bfloat16)
+    np.testing.assert_array_equal(to_numpy(b), b.float().numpy().astype(np.float64))

@@ -346,3 +346,20 @@ def test_bad_input_is_named(tmp_path) -> None:
         Rule("nonfinite", stream="grad")
     with pytest.raises(ValueError, match="plain folder name"):
         Recorder(tmp_path, group="../escape")
+
+
+def test_bad_kpi_and_complex_tensor_are_refused_at_the_call_naming_them(tmp_path):
+    rec = Recorder(tmp_path, group="g", trial="t", every=1)
+    rec.start_batch(0)
+    with pytest.raises(TypeError, match=r"register_tensor\('z'\).*complex64.*abs\(\)"):
+        rec.register_tensor("z", torch.ones(2, dtype=torch.complex64))
+    with pytest.raises(TypeError, match="KPI 'acc' must be a real number"):
+        rec.record_kpi("acc", "0.5")
+    with pytest.raises(ValueError, match=r"KPI 'loss' must be a scalar.*\(3,\)"):
+        rec.record_kpi("loss", torch.ones(3))
+    rec.record_kpi("loss", torch.tensor([0.25]))
+    rec.record_kpi("n", np.int64(7))
+    rec.finish_batch()
+    rec.close()  # nothing refused is left behind to fail here
+    (record,) = read_kpis(tmp_path / "g" / "t")
+    assert record["kpis"] == {"loss": 0.25, "n": 7.0}

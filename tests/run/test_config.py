@@ -258,3 +258,18 @@ def test_deprecated_statistics_package_forwards_run_config():
     assert "RunConfig" in old.__all__ and "RunConfig" in dir(old)
     assert old.Mean is nnstat.curvature.Mean
     assert not hasattr(nnstat.curvature, "RunConfig")  # curvature does not import upward
+
+
+def test_watch_and_track_module_refuse_a_non_module_naming_its_type(tmp_path):
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    nnstat.init(project="p", root_dir=tmp_path)
+    with pytest.raises(TypeError, match=r"watch\(\) expects the model \(an nn.Module\), got SGD"):
+        nnstat.watch(opt)
+    with pytest.raises(TypeError, match="got SGD"):
+        nnstat.NoiseScale().watch(opt)
+    rec = nnstat.Recorder(tmp_path / "rec", group="g", trial="t")
+    with pytest.raises(TypeError, match="track_module expects an nn.Module, got SGD"):
+        rec.track_module(opt)
+    rec.close()
+    assert nnstat.watch(model) == ["model"]  # the model itself is still accepted

@@ -141,6 +141,9 @@ def test_sinks_objects_close_and_bad_arguments():
     assert sink.rows == [10] and sink.closed
     with pytest.raises(TypeError, match="log"):
         nnstat.Tracker(model, sinks=[42])
+    for single in (sink, print):  # one sink not in a list
+        with pytest.raises(TypeError, match=r"sinks must be a list.*sinks=\[\.\.\.\]"):
+            nnstat.Tracker(model, sinks=single)
     with pytest.raises(ValueError, match="valid groups"):
         nnstat.Tracker(model, groups=["weights"])
     with pytest.raises(ValueError, match="every"):

@@ -328,3 +328,30 @@ def test_served_page_refresh_shows_steps_written_meanwhile(browser, tmp_path) ->
         srv.shutdown()
         srv.server_close()
     rec.close()
+
+
+def test_raw_values_past_the_page_budget_are_left_out_and_reported_once(tmp_path, monkeypatch):
+    import nnstat.viewer.bundle as bundle_mod
+    from nnstat.recorder import Recorder
+
+    # 3 steps of 2 x 30 raw values each; the budget holds the first two steps
+    monkeypatch.setattr(bundle_mod, "RAW_VALUE_BUDGET", 130)
+    rec = Recorder(tmp_path, group="g", trial="t", every=1, raw_max_numel=64)
+    xs = []
+    for step in range(3):
+        rec.start_batch(step)
+        xs.append(torch.randn(5, 6))
+        rec.register_tensor("x", xs[-1])
+        rec.register_tensor("y", xs[-1] * 2)
+        rec.finish_batch()
+    rec.close()
+    bundle = bundle_mod.load_bundle(tmp_path / "g")
+    (trial,) = bundle["trials"]
+    values = [s["values"] for s in trial["steps"]]
+    for x, v in zip(xs[:2], values[:2], strict=True):
+        assert v["0/forward/x"]["data"] == pytest.approx(x.reshape(-1).double().tolist())
+        assert v["0/forward/y"]["shape"] == [5, 6]
+    assert values[2] == {}
+    (problem,) = bundle["problems"]
+    assert problem["file"].endswith("train-000000002.values.safetensors")
+    assert "60 raw values would take the page past its 130-value limit" in problem["message"]
