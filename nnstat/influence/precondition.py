@@ -412,7 +412,12 @@ def fit_from_rows(
                 sq[name] += (rotate(grads, f.q_out, f.q_in, transpose=True) ** 2).sum(0)
             n += b
         if n == 0:
-            raise ValueError("cannot fit a preconditioner on an empty log")
+            root = getattr(source, "root", None)
+            where = f"the store {root}" if root is not None else "the in-memory log"
+            raise ValueError(
+                f"cannot fit a preconditioner on an empty log: {where} holds no rows; log rows "
+                "into it first (a logging pass with save='grad' over the training data)"
+            )
         if n != n_rows:
             raise RuntimeError(f"the training log yielded {n} rows, expected {n_rows}")
         for name, cov in covs.items():

@@ -267,3 +267,12 @@ def test_cuda_training_rows_already_on_the_device_pass_through():
     torch.testing.assert_close(b.helpful_scores, a.helpful_scores, rtol=1e-4, atol=1e-4)
     assert b.helpful_ids == a.helpful_ids and b.harmful_ids == a.harmful_ids
     assert len(syncs) <= 4, syncs  # two TensorSources' finiteness checks, the flags, the results
+
+
+def test_self_influence_on_an_empty_log_names_the_store_and_the_fix(tmp_path):
+    root = _store(tmp_path / "empty", n=0)
+    with pytest.raises(ValueError, match="empty log") as err:
+        compute_self_influence(str(root))
+    assert str(root) in str(err.value) and "log rows" in str(err.value)
+    with pytest.raises(ValueError, match="in-memory log holds no rows; log rows"):
+        compute_self_influence(_q(torch.zeros(0, WIDTH)))
