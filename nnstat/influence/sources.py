@@ -28,6 +28,7 @@ import torch
 
 from nnstat.store.factored import densify, is_factored
 from nnstat.store.files import PROJECTIONS_FILE, STATISTICS_FILE, load_safetensors
+from nnstat.store.ids import duplicate_ids
 from nnstat.store.lazy import LazyStatistics
 from nnstat.store.meta import statistics_coverage
 from nnstat.store.shards import STORE_DTYPES
@@ -86,6 +87,10 @@ class TensorSource:
     ``statistics`` uses the store's keys (``"{module}/forward/covariance"`` …) and
     ``projections`` the keys ``"{module}/p_in"``, ``"{module}/p_out"``.
 
+    Raises:
+        ValueError: ``rows`` not 2-D, NaN/Inf in them, ``ids`` of another length than the rows
+            or holding a repeated id (named in the message), or a layout that does not fit.
+
     Example:
         >>> import torch
         >>> len(TensorSource(torch.zeros(5, 6), layout=[ModuleSpec("fc", 0, 2, 3)]))
@@ -109,6 +114,13 @@ class TensorSource:
         self.ids = list(range(len(rows))) if ids is None else list(ids)
         if len(self.ids) != len(rows):
             raise ValueError(f"{len(self.ids)} ids for {len(rows)} rows")
+        # refused as the store refuses them: results name rows by id, a repeat is ambiguous
+        if dup := duplicate_ids(self.ids):
+            raise ValueError(
+                f"duplicate ids in TensorSource: {list(dict.fromkeys(dup))[:5]} ({len(dup)} "
+                "repeats); ids name the rows of influence results and must be unique: pass unique "
+                "ids, e.g. the rows' positions (ids=None)"
+            )
         self.meta = dict(meta or {})
         if layout is None:
             layout = (

@@ -348,3 +348,13 @@ def test_top_k_chunked_modes_match_full_matrix(mode):
     assert top.helpful_ids == want.indices.tolist()
     low = torch.topk(full.scores, 3, dim=1, largest=False)
     assert top.harmful_ids == low.indices.tolist()
+
+
+def test_tensor_source_refuses_duplicate_ids_naming_them():
+    rows = torch.randn(6, 4)
+    with pytest.raises(
+        ValueError, match=r"duplicate ids in TensorSource: \['b', 'c'\].*unique"
+    ) as e:
+        TensorSource(rows, ids=["a", "b", "b", "c", "c", "c"])
+    assert "3 repeats" in str(e.value) and "positions" in str(e.value)
+    assert TensorSource(rows, ids=list("abcdef")).ids == list("abcdef")  # unique ids still pass
