@@ -14,6 +14,11 @@ The run's whole configuration (these keys plus capture and store keys) is
 :class:`nnstat.run.RunConfig`, which calls the parsers here; the statistics collector calls
 them too, so both refuse the same values with the same messages.
 
+:func:`check_keys` is the one check of configuration keys (an unknown one is named with the
+valid ones): the dict forms call it, and :func:`keyword_checked` makes a configuration
+dataclass (``RunConfig``, the recorder's ``Schedule`` and ``Rule``, ``Refinement``) give the
+same message for an unknown keyword argument.
+
 Example:
     >>> spec = parse_statistic("ekfac")
     >>> [p.name for p in plan_passes(spec, grad_only(), grad_only())]
@@ -24,9 +29,10 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+import functools
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 from nnstat.curvature.operations import (
     EKFAC,
@@ -72,6 +78,75 @@ def check_choice(key: str, value: Any, valid: tuple[str, ...]) -> None:
     """``ValueError`` naming ``key`` and the valid values unless ``value`` is one of them."""
     if value not in valid:
         raise ValueError(f"unknown {key} {value!r}; valid: {', '.join(valid)}")
+
+
+def check_keys(
+    what: str, keys: Iterable[str], valid: Iterable[str], error: type[Exception] = ValueError
+) -> None:
+    """Refuse the first of ``keys`` not in ``valid``, naming it and listing the valid keys (the
+    one check of configuration keys: dict forms and, through `keyword_checked`, keyword forms).
+
+    Args:
+        what: what the keys configure, for the message (``"configuration"``, ``"schedule"``).
+        keys: the keys given.
+        valid: the accepted keys, in the order the message lists them; names starting with
+            ``_`` are accepted but not listed (a dataclass's private fields).
+        error: the exception type (``TypeError`` for keyword arguments, as Python's own).
+
+    Raises:
+        ValueError: (or ``error``) an unknown key, named with every valid one.
+
+    Example:
+        >>> check_keys("schedule", ["evry"], ["every", "start"])
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown schedule key 'evry'; valid keys: every, start
+    """
+    valid = tuple(valid)
+    for k in keys:
+        if k not in valid:
+            shown = ", ".join(v for v in valid if not v.startswith("_"))
+            raise error(f"unknown {what} key {k!r}; valid keys: {shown}")
+
+
+C = TypeVar("C", bound=type)
+
+
+def keyword_checked(what: str) -> Callable[[C], C]:
+    """Class decorator (above ``@dataclass``): an unknown keyword argument to the dataclass's
+    ``__init__`` raises `check_keys`'s ``TypeError``, naming the valid keys, where Python's own
+    names only the bad one. The class stays a plain dataclass.
+
+    Args:
+        what: what the class configures, for the message.
+
+    Returns:
+        The decorator, which returns the class with its ``__init__`` wrapped.
+
+    Example:
+        >>> @keyword_checked("point")
+        ... @dataclass
+        ... class Point:
+        ...     x: int = 0
+        >>> Point(y=1)
+        Traceback (most recent call last):
+        ...
+        TypeError: unknown point key 'y'; valid keys: x
+    """
+
+    def decorate(cls: C) -> C:
+        init = cls.__init__
+        valid = tuple(f.name for f in fields(cls) if f.init)
+
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            check_keys(what, kwargs, valid, error=TypeError)
+            init(self, *args, **kwargs)
+
+        cls.__init__ = __init__  # type: ignore[misc]
+        return cls
+
+    return decorate
 
 
 def parse_streams(key: str, value: Any) -> dict[str, bool]:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from nnstat.curvature.passes import keyword_checked
 from nnstat.recorder.reduce import COL
 
 KINDS: tuple[str, ...] = ("nonfinite", "abs_max_above", "norm_below", "norm_ratio_above")
@@ -26,6 +27,7 @@ class NonFiniteError(FloatingPointError):
     """Raised (with ``on_nonfinite="raise"``) after a step with NaN/Inf has been recorded."""
 
 
+@keyword_checked("rule")
 @dataclass(frozen=True)
 class Rule:
     """One anomaly rule over the batch statistics of matching tensors.

@@ -6,7 +6,10 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from nnstat.curvature.passes import check_keys, keyword_checked
 
+
+@keyword_checked("schedule")
 @dataclass(frozen=True)
 class Schedule:
     """Recording rule of one ``type_of_execution``.
@@ -80,10 +83,7 @@ def make_schedule(spec: Schedule | dict | int | None) -> Schedule:
     if isinstance(spec, int):
         return Schedule(every=spec)
     if isinstance(spec, dict):
-        valid = sorted(f.name for f in fields(Schedule) if not f.name.startswith("_"))
-        unknown = sorted(set(spec) - set(valid))
-        if unknown:
-            raise ValueError(f"unknown schedule keys {unknown}; valid keys are {valid}")
+        check_keys("schedule", spec, (f.name for f in fields(Schedule)))
         return Schedule(**spec)
     raise TypeError(f"schedule must be a Schedule, dict, int or None, got {type(spec).__name__}")
 

@@ -23,7 +23,9 @@ from nnstat.curvature.passes import (
     PassSpec,
     StatisticSpec,
     check_choice,
+    check_keys,
     grad_only,
+    keyword_checked,
     parse_max_factor_dim,
     parse_statistic,
     parse_streams,
@@ -44,6 +46,7 @@ OPERATIONAL_KEYS = ("shard_rows", "queue_size", "on_stored_id", "size_budget_byt
 _NOT_RECORDED = ("param_grads", "max_factor_dim", *OPERATIONAL_KEYS)
 
 
+@keyword_checked("configuration")
 @dataclass(frozen=True)
 class RunConfig:
     """Validated configuration of a run (frozen: every value passed the checks of
@@ -77,6 +80,8 @@ class RunConfig:
     Raises:
         ValueError: (construction, :meth:`from_any`, :meth:`update`) an unknown key or an
             invalid value, named in the message.
+        TypeError: an unknown keyword argument, named with every valid key (the dict forms'
+            message).
 
     Example:
         >>> cfg = RunConfig.from_any({"log": "grad", "save": "grad", "statistic": "ekfac"})
@@ -155,10 +160,7 @@ class RunConfig:
             raise TypeError(
                 f"configuration must be a dict or RunConfig, got {type(config).__name__}"
             )
-        valid = cls.keys()
-        for k in config:
-            if k not in valid:
-                raise ValueError(f"unknown configuration key {k!r}; valid keys: {', '.join(valid)}")
+        check_keys("configuration", config, cls.keys())
         return cls(**dict(config))
 
     def update(self, config: Mapping[str, Any]) -> RunConfig:

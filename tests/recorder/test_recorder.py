@@ -225,8 +225,11 @@ def test_schedules_backoff_fixed_steps_and_retroactive(tmp_path) -> None:
         t, k = t + min(8, round(2 * 2.0**k)), k + 1
     assert [t for t in range(60) if s.is_scheduled(t)] == sorted(set(gaps) | {5})
     assert [t for t in range(10) if Schedule(every=3).is_scheduled(t)] == [0, 3, 6, 9]
-    with pytest.raises(ValueError, match="valid keys are"):
+    with pytest.raises(ValueError) as bad_key:
         make_schedule({"evry": 3})
+    assert str(bad_key.value) == (
+        "unknown schedule key 'evry'; valid keys: every, backoff, max_every, start, steps, retroactive"
+    )
     torch.manual_seed(0)
     model = MLP()
     rec = Recorder(

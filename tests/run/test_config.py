@@ -12,6 +12,9 @@ from torch import nn
 
 import nnstat
 from nnstat.curvature import EKFAC, KFAC, Covariance, Mean, StatisticsCollector
+from nnstat.influence import Refinement
+from nnstat.recorder import Rule, Schedule
+from nnstat.recorder.schedule import make_schedule
 from nnstat.run.config import RunConfig
 
 
@@ -273,3 +276,43 @@ def test_watch_and_track_module_refuse_a_non_module_naming_its_type(tmp_path):
         rec.track_module(opt)
     rec.close()
     assert nnstat.watch(model) == ["model"]  # the model itself is still accepted
+
+
+def _public_init_fields(cls) -> str:
+    return ", ".join(f.name for f in dataclasses.fields(cls) if f.init and f.name[0] != "_")
+
+
+@pytest.mark.parametrize(
+    "cls, what, given",
+    [
+        (RunConfig, "configuration", {"statistic": "kfac"}),
+        (Schedule, "schedule", {"every": 5}),
+        (Rule, "rule", {"kind": "nonfinite"}),
+        (
+            Refinement,
+            "refinement",
+            {"model": nn.Linear(2, 1), "loss_fn": nn.MSELoss(), "train_data": (torch.ones(1, 2),)},
+        ),
+    ],
+)
+def test_unknown_keyword_argument_names_the_valid_keys(cls, what, given):
+    with pytest.raises(TypeError) as info:
+        cls(**given, bogus_key=1)
+    expected = f"unknown {what} key 'bogus_key'; valid keys: {_public_init_fields(cls)}"
+    assert str(info.value) == expected
+    assert isinstance(cls(**given), cls)  # known keys still construct
+
+
+@pytest.mark.parametrize(
+    "dict_form, keyword_form",
+    [
+        (lambda: RunConfig.from_any({"shard_size": 4}), lambda: RunConfig(shard_size=4)),
+        (lambda: make_schedule({"evry": 4}), lambda: Schedule(evry=4)),
+    ],
+)
+def test_keyword_and_dict_forms_refuse_an_unknown_key_with_one_message(dict_form, keyword_form):
+    with pytest.raises(ValueError) as from_dict:
+        dict_form()
+    with pytest.raises(TypeError) as from_keywords:
+        keyword_form()
+    assert str(from_dict.value) == str(from_keywords.value)

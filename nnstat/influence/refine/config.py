@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nnstat.curvature.passes import keyword_checked
+
 from ..precondition import resolve_damping
 
 CURVATURES = ("hessian", "ggn")
@@ -17,6 +19,7 @@ SOLVERS = ("block", "cg")
 REFINE_PRECONDITIONERS = ("ekfac", "kfac", "raw", "identity")
 
 
+@keyword_checked("refinement")
 @dataclass
 class Refinement:
     """How to refine influence scores with exact curvature (pass as ``refine=`` to
