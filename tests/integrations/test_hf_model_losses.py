@@ -28,6 +28,31 @@ class Rows(torch.utils.data.Dataset):
         return {k: v[i] for k, v in self.columns.items()}
 
 
+def _patched(tmp_path, model, cols: dict, **trainer_kwargs):
+    """The patched Trainer logging per-sample gradients of ``cols`` (batches of 4 and 2)."""
+    args = transformers.TrainingArguments(
+        str(tmp_path / "out"), report_to="none", use_cpu=True, per_device_eval_batch_size=4
+    )
+    nargs = NNStatArguments(
+        "hf", root_dir=str(tmp_path), lora=False, progress=False, track=False,
+        config={"log": "grad", "save": "grad", "statistic": "none"},
+    )  # fmt: skip
+    return patch_trainer(transformers.Trainer)(
+        nnstat_args=nargs, model=model, args=args, train_dataset=Rows(cols), **trainer_kwargs
+    )
+
+
+def _watched_params(run) -> list:
+    return [p for m in run.engine.watched.values() for p in m.parameters(recurse=False)]
+
+
+def _squared_norm(model, params: list, loss: torch.Tensor) -> torch.Tensor:
+    """The squared norm of ``loss``'s gradient over ``params`` (the reference per sample)."""
+    model.zero_grad()
+    loss.backward()
+    return sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None)
+
+
 def _bert():
     cfg = transformers.BertConfig(
         vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
@@ -55,27 +80,17 @@ def _vit():
 def test_patched_trainer_stores_each_samples_own_gradient(tmp_path, build):
     torch.manual_seed(0)
     model, cols = build()
-    args = transformers.TrainingArguments(
-        str(tmp_path / "out"), report_to="none", use_cpu=True, per_device_eval_batch_size=4
-    )
-    nargs = NNStatArguments(
-        "hf", root_dir=str(tmp_path), lora=False, progress=False, track=False,
-        config={"log": "grad", "save": "grad", "statistic": "none"},
-    )  # fmt: skip
-    trainer = patch_trainer(transformers.Trainer)(
-        nnstat_args=nargs, model=model, args=args, train_dataset=Rows(cols)
-    )
+    trainer = _patched(tmp_path, model, cols)
     run = trainer.extract_log()  # batches of 4 and 2: a mean would scale them differently
     got = trainer.self_influence(preconditioner="identity").scores
 
-    params = [p for m in run.engine.watched.values() for p in m.parameters(recurse=False)]
+    params = _watched_params(run)
     assert len(params) > 10
     model.eval()
-    ref = []
-    for i in range(6):
-        model.zero_grad()
-        model(**{k: v[i : i + 1] for k, v in cols.items()}).loss.backward()
-        ref.append(sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None))
+    ref = [
+        _squared_norm(model, params, model(**{k: v[i : i + 1] for k, v in cols.items()}).loss)
+        for i in range(6)
+    ]
     torch.testing.assert_close(got.double(), torch.stack(ref), rtol=1e-4, atol=1e-8)
 
 
@@ -135,30 +150,24 @@ def _summed_token_loss(model, sample: dict, shift: bool) -> torch.Tensor:
 def test_patched_trainer_rows_are_summed_token_loss_gradients(tmp_path, build):
     torch.manual_seed(0)
     model, cols, shift = build()
-    args = transformers.TrainingArguments(
-        str(tmp_path / "out"), report_to="none", use_cpu=True, per_device_eval_batch_size=4
-    )
-    nargs = NNStatArguments(
-        "hf", root_dir=str(tmp_path), lora=False, progress=False, track=False,
-        config={"log": "grad", "save": "grad", "statistic": "none"},
-    )  # fmt: skip
-    trainer = patch_trainer(transformers.Trainer)(
-        nnstat_args=nargs, model=model, args=args, train_dataset=Rows(cols)
-    )
+    trainer = _patched(tmp_path, model, cols)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run = trainer.extract_log()
     assert not [w for w in caught if "batch size" in str(w.message)]  # the layout is recognised
     got = trainer.self_influence(preconditioner="identity").scores
 
-    params = [p for m in run.engine.watched.values() for p in m.parameters(recurse=False)]
+    params = _watched_params(run)
     assert len(params) > 5
     model.eval()
-    ref = []
-    for i in range(6):
-        model.zero_grad()
-        _summed_token_loss(model, {k: v[i : i + 1] for k, v in cols.items()}, shift).backward()
-        ref.append(sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None))
+    ref = [
+        _squared_norm(
+            model,
+            params,
+            _summed_token_loss(model, {k: v[i : i + 1] for k, v in cols.items()}, shift),
+        )
+        for i in range(6)
+    ]
     torch.testing.assert_close(got.double(), torch.stack(ref), rtol=1e-4, atol=1e-8)
 
 
@@ -182,31 +191,23 @@ def _smoothed_mean(outputs, labels, num_items_in_batch=None):
 def _trainer_with_loss(tmp_path, loss_func):
     torch.manual_seed(0)
     model, cols, _ = _bert_mlm()
-    args = transformers.TrainingArguments(
-        str(tmp_path / "out"), report_to="none", use_cpu=True, per_device_eval_batch_size=4
-    )
-    nargs = NNStatArguments(
-        "hf", root_dir=str(tmp_path), lora=False, progress=False, track=False,
-        config={"log": "grad", "save": "grad", "statistic": "none"},
-    )  # fmt: skip
-    trainer = patch_trainer(transformers.Trainer)(
-        nnstat_args=nargs, model=model, args=args, train_dataset=Rows(cols),
-        compute_loss_func=loss_func,
-    )  # fmt: skip
-    return trainer, model, cols
+    return _patched(tmp_path, model, cols, compute_loss_func=loss_func), model, cols
 
 
 def test_compute_loss_func_dividing_by_num_items_gives_summed_rows(tmp_path):
     trainer, model, cols = _trainer_with_loss(tmp_path, _token_ce)
     run = trainer.extract_log()
     got = trainer.self_influence(preconditioner="identity").scores
-    params = [p for m in run.engine.watched.values() for p in m.parameters(recurse=False)]
+    params = _watched_params(run)
     model.eval()
-    ref = []
-    for i in range(6):
-        model.zero_grad()
-        _summed_token_loss(model, {k: v[i : i + 1] for k, v in cols.items()}, False).backward()
-        ref.append(sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None))
+    ref = [
+        _squared_norm(
+            model,
+            params,
+            _summed_token_loss(model, {k: v[i : i + 1] for k, v in cols.items()}, False),
+        )
+        for i in range(6)
+    ]
     torch.testing.assert_close(got.double(), torch.stack(ref), rtol=1e-4, atol=1e-8)
 
 
@@ -216,12 +217,11 @@ def test_unrecognised_mean_loss_warns_once_and_scales_by_batch_size(tmp_path):
         run = trainer.extract_log()  # two batches, one warning
     assert len([w for w in caught if "compute_loss_func" in str(w.message)]) == 1
     got = trainer.self_influence(preconditioner="identity").scores
-    params = [p for m in run.engine.watched.values() for p in m.parameters(recurse=False)]
+    params = _watched_params(run)
     model.eval()
     ref = []
     for start, stop in ((0, 4), (4, 6)):  # the documented fallback: batch mean × batch size
         for i in range(start, stop):
-            model.zero_grad()
             batch = {k: v[start:stop] for k, v in cols.items()}
             logits = model(**batch).logits
             own = torch.nn.functional.cross_entropy(
@@ -230,6 +230,6 @@ def test_unrecognised_mean_loss_warns_once_and_scales_by_batch_size(tmp_path):
                 label_smoothing=0.1,
                 reduction="sum",
             )
-            (own * (stop - start) / batch["labels"].ne(-100).sum()).backward()
-            ref.append(sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None))
+            scale = (stop - start) / batch["labels"].ne(-100).sum()
+            ref.append(_squared_norm(model, params, own * scale))
     torch.testing.assert_close(got.double(), torch.stack(ref), rtol=1e-4, atol=1e-8)
