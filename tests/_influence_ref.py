@@ -3,6 +3,7 @@ Hessians/Fishers of a tiny MLP (a few hundred parameters)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
@@ -82,3 +83,19 @@ def full_hessian(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Te
         return nn.functional.cross_entropy(functional_call(model, p, (x,)), y)
 
     return torch.autograd.functional.hessian(f, theta, vectorize=True)
+
+
+def mode_scores(q: np.ndarray, t: np.ndarray, m: np.ndarray, mode: str) -> np.ndarray:
+    """Scores ``[n_q, n_t]`` of queries ``q`` and training rows ``t`` under the metric ``m``
+    (the preconditioner's inverse curvature) from the definitions of each mode: ``dot``
+    ``qᵀMt``, ``relatif`` over ``√(tᵀMt)``, ``cosine`` over both norms, ``l2`` minus the squared
+    M-distance."""
+    dot = q @ m @ t.T
+    qn, tn = np.einsum("ij,jk,ik->i", q, m, q), np.einsum("ij,jk,ik->i", t, m, t)
+    if mode == "dot":
+        return dot
+    if mode == "relatif":
+        return dot / np.sqrt(tn)[None]
+    if mode == "cosine":
+        return dot / np.sqrt(qn)[:, None] / np.sqrt(tn)[None]
+    return -(qn[:, None] - 2 * dot + tn[None])

@@ -13,6 +13,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from _factored_ref import dense_numpy, factored_modules
+from _influence_ref import mode_scores
 from _ledger import DeviceLedger, Kernels, host_reads
 
 from nnstat.background.transfer import HostBuffers
@@ -31,37 +33,8 @@ SPEC = [("f", 2, 16, 12), ("p", 5), ("f", 1, 8, 10), ("f", 2, 16, 12), ("f", 2, 
 N, BLOCK, DAMPING = 150, 48, 1.0
 
 
-def _modules(spec=SPEC) -> list[dict]:
-    mods, off = [], 0
-    for i, s in enumerate(spec):
-        if s[0] == "f":
-            c, r_out, r_in = s[1:]
-            w = c * (r_out + r_in)
-            mods.append({"name": f"m{i}", "kind": "linear", "offset": off, "width": w,
-                         "r_out": r_out, "r_in": r_in, "factors": c})  # fmt: skip
-        else:
-            w = s[1]
-            mods.append({"name": f"m{i}", "kind": "layernorm", "offset": off, "width": w,
-                         "r_out": None, "r_in": w})  # fmt: skip
-        off += w
-    return mods
-
-
-def _dense_numpy(rows: np.ndarray, mods: list[dict]) -> np.ndarray:
-    """float64 dense rows: each factored module ``Σ_j u_j v_jᵀ`` by ``einsum``."""
-    parts = []
-    for m in mods:
-        x = rows[:, m["offset"] : m["offset"] + m["width"]].astype(np.float64)
-        if m.get("factors"):
-            c, r_out, r_in = m["factors"], m["r_out"], m["r_in"]
-            u, v = x[:, : c * r_out].reshape(-1, c, r_out), x[:, c * r_out :].reshape(-1, c, r_in)
-            x = np.einsum("njo,nji->noi", u, v).reshape(len(x), -1)
-        parts.append(x)
-    return np.concatenate(parts, 1)
-
-
 def _store(root, n=N, shard_rows=60, seed=0):
-    mods = _modules()
+    mods = factored_modules(SPEC)
     width = sum(m["width"] for m in mods)
     meta = {"format_version": 1, "row_width": width, "dtype": "float32", "modules": mods}
     root.mkdir(parents=True, exist_ok=True)
@@ -88,15 +61,7 @@ def _reference(q, t, mode, kind, mods=()):
         for mod in mods:
             s = slice(mod["offset"], mod["offset"] + mod["width"])
             m[s, s] = np.linalg.inv(t[:, s].T @ t[:, s] / len(t) + DAMPING * np.eye(mod["width"]))
-    dot = q @ m @ t.T
-    qn, tn = np.einsum("ij,jk,ik->i", q, m, q), np.einsum("ij,jk,ik->i", t, m, t)
-    if mode == "dot":
-        return dot
-    if mode == "relatif":
-        return dot / np.sqrt(tn)[None]
-    if mode == "cosine":
-        return dot / np.sqrt(qn)[:, None] / np.sqrt(tn)[None]
-    return -(qn[:, None] - 2 * dot + tn[None])
+    return mode_scores(q, t, m, mode)
 
 
 @pytest.fixture()
@@ -127,7 +92,7 @@ def test_device_branch_scores_factored_rows_as_numpy_without_a_dense_block(
 ):
     dense_calls, staged = device_branch
     root, meta, stored = _store(tmp_path / "s")
-    t = _dense_numpy(stored, meta["modules"])
+    t = dense_numpy(stored, meta["modules"])
     log, q = _queries(meta, n_q)
     ref = _reference(q, t, mode, kind, dense_layout(meta)["modules"])
     kw = dict(mode=mode, preconditioner=kind, damping=DAMPING, batch_size=BLOCK, progress=False)
@@ -157,7 +122,7 @@ def test_device_branch_self_influence_of_factored_rows_is_numpy_a_chunk_at_a_tim
 ):
     dense_calls, staged = device_branch
     root, meta, stored = _store(tmp_path / "s")
-    t = _dense_numpy(stored, meta["modules"])
+    t = dense_numpy(stored, meta["modules"])
     kw = dict(preconditioner="raw", damping=DAMPING, batch_size=BLOCK, progress=False)
     compute_self_influence(root, **kw)  # fits ``raw`` (dense rows, on the host): cached
     dense_calls.clear(), staged.clear()
@@ -227,7 +192,7 @@ def _blocks(n_blocks, k, n, device, seed=0):
     """``n_blocks`` blocks of ``n`` stored rows of ``k`` modules of one shape (c=2, 16 x 16:
     64 stored columns, 256 dense) and one plain module of 4 columns."""
     spec = [("f", 2, 16, 16)] * k + [("p", 4)]
-    mods = _modules(spec)
+    mods = factored_modules(spec)
     width = sum(m["width"] for m in mods)
     g = torch.Generator().manual_seed(seed)
     blocks = [((0, b), list(range(b * n, (b + 1) * n)), torch.randn(n, width, generator=g))
@@ -311,5 +276,5 @@ def test_memory_per_block_on_cpu_tensors_stays_within_twice_the_stored_block(n_q
     # a dense block would have been 4 times the stored one
     assert n * (k * 256 + 4) * 4 > 3.5 * stored_block
     rows = np.concatenate([b[2].numpy() for b in blocks])
-    want = _dense_numpy(rows, mods) @ q.double().numpy().T
+    want = dense_numpy(rows, mods) @ q.double().numpy().T
     np.testing.assert_allclose(got.scores.double().numpy(), want, rtol=1e-4, atol=1e-4)

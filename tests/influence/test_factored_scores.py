@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _factored_ref import dense_numpy, factored_modules
 
 import nnstat.influence.factored_scores as fs
 from nnstat.influence import compute_influence_all
@@ -19,39 +20,8 @@ SPEC = [("f", 2, 3, 4), ("p", 5), ("f", 1, 4, 6), ("f", 2, 3, 4), ("f", 2, 3, 4)
         ("f", 1, 4, 6), ("p", 3), ("p", 1), ("f", 2, 3, 4)]  # fmt: skip
 
 
-def _modules(spec=SPEC) -> list[dict]:
-    mods, off = [], 0
-    for i, s in enumerate(spec):
-        if s[0] == "f":
-            c, r_out, r_in = s[1:]
-            w = c * (r_out + r_in)
-            mods.append({"name": f"m{i}", "offset": off, "width": w, "r_out": r_out,
-                         "r_in": r_in, "factors": c})  # fmt: skip
-        else:
-            w = s[1]
-            mods.append({"name": f"m{i}", "kind": "layernorm", "offset": off, "width": w,
-                         "r_out": None, "r_in": w})  # fmt: skip
-        off += w
-    return mods
-
-
-def _dense_numpy(rows: torch.Tensor, mods: list[dict]) -> np.ndarray:
-    """float64 dense rows, module by module: ``Σ_j u_j v_jᵀ`` by numpy, plain columns as stored."""
-    r = rows.double().numpy()
-    parts = []
-    for m in mods:
-        x = r[:, m["offset"] : m["offset"] + m["width"]]
-        if m.get("factors"):
-            c, r_out, r_in = m["factors"], m["r_out"], m["r_in"]
-            u, v = x[:, : c * r_out].reshape(-1, c, r_out), x[:, c * r_out :].reshape(-1, c, r_in)
-            x = np.stack([sum(np.outer(u[n, j], v[n, j]) for j in range(c)).ravel()
-                          for n in range(len(r))])  # fmt: skip
-        parts.append(x)
-    return np.concatenate(parts, 1)
-
-
 def test_the_plan_groups_modules_by_shape():
-    plan = factor_plan(_modules())
+    plan = factor_plan(factored_modules(SPEC))
     assert [(g.c, g.r_out, g.r_in, g.modules) for g in plan.groups] == [(2, 3, 4, 4), (1, 4, 6, 2)]
     assert plan.groups[0].stored_span is None and len(plan.plain) == 3
     assert plan.dense_width == 4 * 12 + 2 * 24 + 5 + 2 + 3 + 1
@@ -59,9 +29,9 @@ def test_the_plan_groups_modules_by_shape():
 
 @pytest.mark.parametrize("spec", [SPEC, [("f", 2, 3, 4)] * 3, [("f", 2, 3, 4), ("p", 5)]])
 def test_grouped_densify_is_numpy_per_module(spec):
-    mods = _modules(spec)
+    mods = factored_modules(spec)
     rows = torch.randn(9, sum(m["width"] for m in mods), generator=torch.Generator().manual_seed(0))
-    want = _dense_numpy(rows, mods)
+    want = dense_numpy(rows, mods)
     np.testing.assert_allclose(densify(rows, mods).double().numpy(), want, rtol=1e-5, atol=1e-5)
     out = torch.full((9, want.shape[1]), float("nan"))
     assert densify(rows, mods, out) is out
@@ -75,10 +45,10 @@ def test_factored_scores_are_numpy_on_every_route(monkeypatch, route, n_q):
     monkeypatch.setattr(fs, "SCRATCH_BYTES", 1)
     if route != "auto":
         monkeypatch.setattr(fs, "direct_is_cheaper", lambda *a: route == "direct")
-    mods = _modules()
+    mods = factored_modules(SPEC)
     g = torch.Generator().manual_seed(n_q)
     rows = torch.randn(37, sum(m["width"] for m in mods), generator=g)
-    dense = _dense_numpy(rows, mods)
+    dense = dense_numpy(rows, mods)
     q = torch.randn(n_q, dense.shape[1], generator=g)
     want = dense @ q.double().numpy().T  # [rows, queries]
     score = FactoredScores(q, mods)
@@ -109,7 +79,7 @@ def test_the_direct_route_is_taken_where_it_costs_fewer_multiply_adds():
 
 def test_mismatched_queries_are_refused():
     with pytest.raises(ValueError, match="queries have 5 columns"):
-        FactoredScores(torch.zeros(2, 5), _modules())
+        FactoredScores(torch.zeros(2, 5), factored_modules(SPEC))
 
 
 def test_the_host_branch_scores_a_factored_store_as_stored(tmp_path, monkeypatch):
@@ -117,7 +87,7 @@ def test_the_host_branch_scores_a_factored_store_as_stored(tmp_path, monkeypatch
     from nnstat.store import GradientLog, GradientStore, StoreWriter
     from nnstat.store.factored import dense_layout
 
-    mods = _modules([("f", 2, 3, 4), ("p", 5), ("f", 2, 3, 4)])
+    mods = factored_modules([("f", 2, 3, 4), ("p", 5), ("f", 2, 3, 4)])
     width = sum(m["width"] for m in mods)
     meta = {"format_version": 1, "row_width": width, "dtype": "float32", "modules": mods}
     (tmp_path / "meta.json").write_text(__import__("json").dumps(meta))
@@ -126,7 +96,7 @@ def test_the_host_branch_scores_a_factored_store_as_stored(tmp_path, monkeypatch
     writer = StoreWriter(tmp_path / "shards", row_width=width, shard_rows=20)
     writer.put(list(range(50)), rows)
     writer.close()
-    dense = _dense_numpy(rows, mods)
+    dense = dense_numpy(rows, mods)
     q = torch.randn(4, dense.shape[1], generator=g)
     log = GradientLog(list(range(4)), q, {**meta, **dense_layout(meta)})
     calls = []

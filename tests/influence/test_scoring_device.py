@@ -15,6 +15,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from _influence_ref import mode_scores
 from _ledger import host_reads
 
 from nnstat.influence import compute_influence_all, compute_self_influence, score
@@ -66,15 +67,7 @@ def _reference(q, t, mode, kind):
     m = np.eye(WIDTH)
     if kind == "raw":
         m = np.linalg.inv(t.T @ t / len(t) + DAMPING * np.eye(WIDTH))
-    dot = q @ m @ t.T
-    qn, tn = np.einsum("ij,jk,ik->i", q, m, q), np.einsum("ij,jk,ik->i", t, m, t)
-    if mode == "dot":
-        return dot
-    if mode == "relatif":
-        return dot / np.sqrt(tn)[None]
-    if mode == "cosine":
-        return dot / np.sqrt(qn)[:, None] / np.sqrt(tn)[None]
-    return -(qn[:, None] - 2 * dot + tn[None])
+    return mode_scores(q, t, m, mode)
 
 
 @pytest.fixture()
