@@ -140,3 +140,22 @@ class Kernels(TorchDispatchMode):
         if func._schema.name not in NO_KERNEL:
             self.ops[func._schema.name] += 1
         return func(*args, **(kwargs or {}))
+
+
+def device_branch_staging(monkeypatch, on: bool = True) -> list[tuple[int, torch.dtype]]:
+    """Scoring's device branch switched ``on`` (run on the CPU, as a GPU would take it); returns
+    the list each host staging buffer the reader takes (what is copied to the device) is added
+    to, as ``(bytes, dtype)``."""
+    from nnstat.background.transfer import HostBuffers
+    from nnstat.influence import pipeline, score
+
+    staged: list[tuple[int, torch.dtype]] = []
+
+    class Counting(HostBuffers):
+        def take(self, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            staged.append((n * torch.empty(0, dtype=dtype).element_size(), dtype))
+            return super().take(n, dtype)
+
+    monkeypatch.setattr(score, "_device_branch", lambda device: on)
+    monkeypatch.setattr(pipeline, "HostBuffers", Counting)
+    return staged

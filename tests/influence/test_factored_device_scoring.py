@@ -15,10 +15,9 @@ import pytest
 import torch
 from _factored_ref import dense_numpy, factored_modules
 from _influence_ref import mode_scores
-from _ledger import DeviceLedger, Kernels, host_reads
+from _ledger import DeviceLedger, Kernels, device_branch_staging, host_reads
 
-from nnstat.background.transfer import HostBuffers
-from nnstat.influence import compute_influence_all, compute_self_influence, pipeline, score
+from nnstat.influence import compute_influence_all, compute_self_influence, score
 from nnstat.influence.ondevice import stream_scores
 from nnstat.influence.precondition import Preconditioner
 from nnstat.influence.refine.memory import Allocations
@@ -66,19 +65,11 @@ def _reference(q, t, mode, kind, mods=()):
 
 @pytest.fixture()
 def device_branch(monkeypatch):
-    """The device branch on the CPU; returns ``(rows of every StoreSource.dense call, bytes of
-    every host staging buffer the reader fills: what crosses to the device)``."""
+    """The device branch on the CPU; returns ``(rows of every StoreSource.dense call, (bytes,
+    dtype) of every host staging buffer the reader fills: what crosses to the device)``."""
     dense_calls: list[int] = []
-    staged: list[int] = []
+    staged = device_branch_staging(monkeypatch)
     real = StoreSource.dense
-
-    class Counting(HostBuffers):
-        def take(self, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            staged.append(n * torch.empty(0, dtype=dtype).element_size())
-            return super().take(n, dtype)
-
-    monkeypatch.setattr(score, "_device_branch", lambda device: True)
-    monkeypatch.setattr(pipeline, "HostBuffers", Counting)
     monkeypatch.setattr(StoreSource, "dense", lambda s, r: dense_calls.append(len(r)) or real(s, r))
     return dense_calls, staged
 
@@ -114,7 +105,7 @@ def test_device_branch_scores_factored_rows_as_numpy_without_a_dense_block(
     else:
         assert dense_calls and max(dense_calls) < BLOCK and sum(dense_calls) == 2 * N
     # every block crossed as stored: float32 rows of the stored width
-    assert set(staged) == {BLOCK * stored.shape[1] * 4}
+    assert set(staged) == {(BLOCK * stored.shape[1] * 4, torch.float32)}
 
 
 def test_device_branch_self_influence_of_factored_rows_is_numpy_a_chunk_at_a_time(
@@ -131,7 +122,7 @@ def test_device_branch_self_influence_of_factored_rows_is_numpy_a_chunk_at_a_tim
     np.testing.assert_allclose(got.scores.double().numpy(), want, rtol=2e-4, atol=2e-4)
     assert got.ids == list(range(N))
     # the blocks cross as stored and are multiplied out a chunk at a time, never whole
-    assert set(staged) == {BLOCK * stored.shape[1] * 4}
+    assert set(staged) == {(BLOCK * stored.shape[1] * 4, torch.float32)}
     assert max(dense_calls) < BLOCK and sum(dense_calls) == N
 
 

@@ -13,11 +13,10 @@ import json
 import numpy as np
 import pytest
 import torch
-from _ledger import host_reads
+from _ledger import device_branch_staging, host_reads
 
 import nnstat
-from nnstat.background.transfer import HostBuffers
-from nnstat.influence import compute_influence_all, compute_self_influence, pipeline, score
+from nnstat.influence import compute_influence_all, compute_self_influence, pipeline
 from nnstat.influence.pipeline import read_ahead, units
 from nnstat.influence.row_layout import ModuleSpec
 from nnstat.influence.sources import StoreSource, TensorSource
@@ -55,21 +54,6 @@ def _numpy_rows(root, dtype):
 def _q():
     rows = torch.randn(5, WIDTH, generator=torch.Generator().manual_seed(1))
     return TensorSource(rows, layout=[ModuleSpec("fc", 0, 3, 4)])
-
-
-def _staging(monkeypatch, on: bool) -> list[tuple[int, torch.dtype]]:
-    """Scoring's device branch switched ``on`` (on the CPU); returns the list each host staging
-    buffer the reader takes (what is copied to the device) is added to, as (bytes, dtype)."""
-    staged: list[tuple[int, torch.dtype]] = []
-
-    class Counting(HostBuffers):
-        def take(self, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            staged.append((n * torch.empty(0, dtype=dtype).element_size(), dtype))
-            return super().take(n, dtype)
-
-    monkeypatch.setattr(score, "_device_branch", lambda device: on)
-    monkeypatch.setattr(pipeline, "HostBuffers", Counting)
-    return staged
 
 
 def test_staging_dtype_keeps_a_narrower_float_and_converts_the_rest():
@@ -129,11 +113,11 @@ def test_the_device_branch_scores_a_16bit_store_from_its_stored_bytes(tmp_path, 
     root = _store(tmp_path / "s", dtype)
     rows, q = _numpy_rows(root, dtype), _q()
     kw = dict(preconditioner="raw", damping=DAMPING, batch_size=BATCH)
-    _staging(monkeypatch, False)
+    device_branch_staging(monkeypatch, False)
     host = {m: compute_influence_all(q, root, mode=m, **kw) for m in ("dot", "cosine")}
     host_top = compute_influence_all(q, root, top_k=3, **kw)
     host_self = compute_self_influence(root, **kw)
-    staged = _staging(monkeypatch, True)
+    staged = device_branch_staging(monkeypatch, True)
     for mode, want in host.items():
         got = compute_influence_all(q, root, mode=mode, **kw)
         # float32 maths on the same widened rows: the CPU branch's scores bit for bit
@@ -187,10 +171,10 @@ def test_a_factored_16bit_store_crosses_as_stored_and_scores_as_the_cpu_branch(
     store = GradientStore(path)
     assert store.dtype == "float16" and store.row_width * 2 == log.meta["row_width"]
     kw = dict(preconditioner="kfac", damping=1e-3, batch_size=BATCH)
-    _staging(monkeypatch, False)
+    device_branch_staging(monkeypatch, False)
     host = compute_influence_all(log, path, **kw)
     host_top = compute_influence_all(log, path, top_k=3, **kw)
-    staged = _staging(monkeypatch, True)
+    staged = device_branch_staging(monkeypatch, True)
     got = compute_influence_all(log, path, **kw)
     top = compute_influence_all(log, path, top_k=3, **kw)
     scale = host.scores.abs().max().item()

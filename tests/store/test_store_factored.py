@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _ledger import device_branch_staging
 from torch import nn
 
 import nnstat
@@ -348,34 +349,16 @@ def test_refinement_and_the_viewer_read_a_factored_store_as_the_dense_one(tmp_pa
 
 
 # ------------------------------------------------------------------ the device branch of scoring
-def _device_branch(monkeypatch, on: bool) -> list[int]:
-    """Scoring's device branch switched ``on`` (run on the CPU); returns the list the bytes of
-    every host staging buffer the reader fills (what is copied to the device) are added to."""
-    from nnstat.background.transfer import HostBuffers
-    from nnstat.influence import pipeline, score
-
-    staged: list[int] = []
-
-    class Counting(HostBuffers):
-        def take(self, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            staged.append(n * torch.empty(0, dtype=dtype).element_size())
-            return super().take(n, dtype)
-
-    monkeypatch.setattr(score, "_device_branch", lambda device: on)
-    monkeypatch.setattr(pipeline, "HostBuffers", Counting)
-    return staged
-
-
 @pytest.mark.parametrize("pre", ["identity", "raw", "kfac"])
 def test_the_device_branch_scores_a_factored_store_as_the_host_branch(tmp_path, monkeypatch, pre):
     x, xq = _data(N, 5), _data(3, 5, seed=2)
     fpath, flog = _log(tmp_path, "f", x, xq, factors=2)  # T > c: truncated factors
     kw = {"preconditioner": pre, "damping": 1e-3, "batch_size": 5}
-    _device_branch(monkeypatch, False)
+    device_branch_staging(monkeypatch, False)
     host = {m: compute_influence_all(flog, fpath, mode=m, **kw) for m in ("dot", "relatif")}
     host_top = compute_influence_all(flog, fpath, top_k=3, **kw)
     host_own = compute_self_influence(fpath, **kw)
-    staged = _device_branch(monkeypatch, True)
+    staged = device_branch_staging(monkeypatch, True)
     for mode, ref in host.items():
         got = compute_influence_all(flog, fpath, mode=mode, **kw)
         assert got.train_ids == ref.train_ids
@@ -395,11 +378,11 @@ def test_the_device_branch_copies_the_stored_factored_bytes(tmp_path, monkeypatc
     store = GradientStore(fpath)
     stored_width, dense_width = store.row_width, flog.meta["row_width"]
     assert 2 * stored_width == dense_width  # factored (c=2, r=8): half the dense bytes
-    staged = _device_branch(monkeypatch, True)
+    staged = device_branch_staging(monkeypatch, True)
     compute_influence_all(flog, fpath, preconditioner="identity", batch_size=BATCH)
     compute_self_influence(fpath, preconditioner="identity", batch_size=BATCH)
     # every block crosses to the device as stored: BATCH float32 rows of the stored width
-    assert staged and set(staged) == {BATCH * stored_width * 4}
+    assert staged and set(staged) == {(BATCH * stored_width * 4, torch.float32)}
 
 
 @pytest.mark.cuda
