@@ -203,24 +203,12 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
     # closes right before the Trainer's clip, inside `accelerator.clip_grad_norm_`.
     def _guard_clipping(self, trainer: Any) -> None:
         accelerator = getattr(trainer, "accelerator", None)
-        clip = getattr(accelerator, "clip_grad_norm_", None)
-        if clip is None or getattr(clip, "_nnstat_owner", None) is self:
-            return
-        hooks = self.hooks
-
-        def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
-            hooks.before_clip()  # .grad as the backward left it
-            return clip(*args, **kwargs)
-
-        clip_grad_norm_._nnstat_owner = self  # type: ignore[attr-defined]
-        accelerator.clip_grad_norm_ = clip_grad_norm_
-        self._guarded = accelerator
+        if self._measure_before(accelerator, "clip_grad_norm_"):
+            self._guarded = accelerator
 
     def _unguard_clipping(self) -> None:
         accelerator, self._guarded = self._guarded, None
-        clip = getattr(accelerator, "clip_grad_norm_", None)
-        if getattr(clip, "_nnstat_owner", None) is self:
-            del accelerator.clip_grad_norm_  # the class's method again
+        self._unmeasure(accelerator, "clip_grad_norm_")
 
     def _warn_clipped(self) -> None:
         if not self._warned_clipped:

@@ -473,3 +473,27 @@ class StatsCallbackBase:
 
     def _init_state(self) -> None:
         """Framework-specific attributes; subclasses override."""
+
+    def _measure_before(self, obj: Any, name: str) -> bool:
+        """Wrap ``obj``'s method ``name`` on the instance so that the step is measured
+        (:meth:`StepStats.before_clip`, ``.grad`` as the backwards left it) right before the
+        framework's call that changes ``.grad`` (a clip, an AMP unscale). Returns whether it
+        was wrapped now (``False``: no such method, or wrapped by this callback already)."""
+        method = getattr(obj, name, None)
+        if method is None or getattr(method, "_nnstat_owner", None) is self:
+            return False
+        before = self.hooks.before_clip
+
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            before()
+            return method(*args, **kwargs)
+
+        measured._nnstat_owner = self  # type: ignore[attr-defined]
+        setattr(obj, name, measured)
+        return True
+
+    def _unmeasure(self, obj: Any, name: str) -> None:
+        """Undo :meth:`_measure_before` (the class's method again) if this callback wrapped it."""
+        wrapped = vars(obj).get(name) if obj is not None else None
+        if getattr(wrapped, "_nnstat_owner", None) is self:
+            delattr(obj, name)

@@ -108,21 +108,12 @@ class NNStatCallback(StatsCallbackBase, Callback):
         if not self.options.noise_scale or unscale is None or self._scaler is scaler:
             return
         self._unguard_unscale()
-        hooks = self.hooks
-
-        def unscale_(*args: Any, **kwargs: Any) -> Any:
-            hooks.before_clip()  # .grad as the backwards left it, scaled
-            return unscale(*args, **kwargs)
-
-        unscale_._nnstat_owner = self  # type: ignore[attr-defined]
-        scaler.unscale_ = unscale_
+        self._measure_before(scaler, "unscale_")  # .grad as the backwards left it, scaled
         self._scaler = scaler
 
     def _unguard_unscale(self) -> None:
         scaler, self._scaler = self._scaler, None
-        wrapped = vars(scaler).get("unscale_") if scaler is not None else None
-        if getattr(wrapped, "_nnstat_owner", None) is self:
-            del scaler.unscale_  # the class's method again
+        self._unmeasure(scaler, "unscale_")
 
     def _every(self, trainer: Any) -> int:
         return self.options.every or int(getattr(trainer, "log_every_n_steps", 50) or 50)
