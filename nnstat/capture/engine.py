@@ -172,8 +172,8 @@ class CaptureEngine(LayoutHooks):
                 continue
             if types and not any(_type_matches(module, t) for t in types):
                 continue
-            parent = next((m for p, m in mha.items() if name.startswith(p + ".")), None)
-            layer = next((p for p in seq_first if name.startswith(p + ".")), None)
+            parent = next((m for p, m in mha.items() if _inside(name, p)), None)
+            layer = next((p or "model" for p in seq_first if _inside(name, p)), None)
             kind, why = kind_of(module, parent, layer)
             if kind is None:
                 unsupported.append(f"{name or '<root>'} ({type(module).__name__}): {why}")
@@ -548,6 +548,12 @@ def path_edges(
         edges[(id(parent), key)] = (parent, key, child, ".".join(path))
         parent = child
     return edges
+
+
+def _inside(name: str, prefix: str) -> bool:
+    """Whether module ``name`` lies inside module ``prefix`` (``""``: the root, which holds
+    every other module: a root ``TransformerEncoderLayer(batch_first=False)`` too)."""
+    return name.startswith(prefix + ".") if prefix else name != ""
 
 
 def _as_list(x: Any) -> list:
