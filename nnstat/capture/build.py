@@ -1,7 +1,8 @@
 """Building a :class:`ModuleCapture` from a module's hooked calls (the capture engine's helpers).
 
 Split from ``engine.py``: the hooks there collect ``(input, output gradient, batch context)``
-per module call; these functions turn one backward's calls into the capture consumers receive.
+per module call; these functions turn one backward's calls into the capture consumers receive
+(and ``path_edges`` finds a watched module's place in its model, to notice it was replaced).
 """
 
 from __future__ import annotations
@@ -205,3 +206,24 @@ def first_tensor(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor | None:
         elif is_dataclass(x) and not isinstance(x, type):
             todo[:0] = [getattr(x, f.name) for f in fields(x)]
     return None
+
+
+def path_edges(
+    model: nn.Module, name: str
+) -> dict[tuple[int, str], tuple[nn.Module, str, nn.Module, str]]:
+    """The ``(parent, key, child, path)`` steps from ``model`` down to its submodule ``name``
+    (``"model"``: the root itself, no step), keyed by ``(id(parent), key)``.
+
+    Example:
+        >>> net = nn.Sequential(nn.Sequential(nn.Linear(1, 1)))
+        >>> [(key, path) for _, key, _, path in path_edges(net, "0.0").values()]
+        [('0', '0'), ('0', '0.0')]
+    """
+    edges = {}
+    parent, path = model, []
+    for key in [] if name == "model" else name.split("."):
+        child = parent._modules[key]
+        path.append(key)
+        edges[(id(parent), key)] = (parent, key, child, ".".join(path))
+        parent = child
+    return edges

@@ -28,12 +28,14 @@ from nnstat.capture.build import (
     check_batch_args,
     first_tensor,
     hook_target,
+    path_edges,
     reshaped,
 )
 from nnstat.capture.capture import ModuleCapture
 from nnstat.capture.layouts.ambiguous import SampleRows, add_check_guard
 from nnstat.capture.layouts.broadcast import BroadcastOutput, add_guard
-from nnstat.capture.layouts.hooks import LayoutHooks, kind_of, sequence_first_layers
+from nnstat.capture.layouts.foreign import ForeignUses
+from nnstat.capture.layouts.hooks import LayoutHooks, enclosing, kind_of, sequence_first_layers
 
 __all__ = ["LOSS_REDUCTIONS", "CaptureConsumer", "CaptureEngine", "UnsupportedModuleError"]
 
@@ -97,6 +99,8 @@ class CaptureEngine(LayoutHooks):
         self._attention: set[nn.Module] = set()
         # owner -> the other modules sharing its parameters (captured into the owner: tied.py)
         self._tied: dict[nn.Module, list[nn.Module]] = {}
+        # calls recorded for the one check of parameters used outside their module (foreign.py)
+        self._foreign: ForeignUses | None = None
 
     # ---------------------------------------------------------------- selection
     @property
@@ -172,8 +176,8 @@ class CaptureEngine(LayoutHooks):
                 continue
             if types and not any(_type_matches(module, t) for t in types):
                 continue
-            parent = next((m for p, m in mha.items() if _inside(name, p)), None)
-            layer = next((p or "model" for p in seq_first if _inside(name, p)), None)
+            parent = next((m for p, m in mha.items() if enclosing(name, [p])), None)
+            layer = enclosing(name, seq_first)
             kind, why = kind_of(module, parent, layer)
             if kind is None:
                 unsupported.append(f"{name or '<root>'} ({type(module).__name__}): {why}")
@@ -208,6 +212,9 @@ class CaptureEngine(LayoutHooks):
             self._handles.append(
                 model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)
             )
+            self._handles.append(model.register_forward_hook(self._on_model_output))
+        if selected:
+            self._foreign = ForeignUses()  # armed again: the new modules are not checked yet
         return [w.name for w in selected if w.tied_to is None]
 
     def unwatch(self) -> None:
@@ -218,6 +225,7 @@ class CaptureEngine(LayoutHooks):
         self._watched.clear()
         self._attention.clear()
         self._tied.clear()
+        self._foreign = None
         self._roots.clear()
         self._edges.clear()
         self._left_out.clear()
@@ -395,6 +403,8 @@ class CaptureEngine(LayoutHooks):
     def _on_model_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._ctx is not None:
             self._root_call = (args, kwargs)
+            if self._foreign is not None:
+                self._foreign.clear()
         if self._keep_input and self.model_input is None:
             t = first_tensor(args, kwargs)
             if t is not None:
@@ -456,6 +466,8 @@ class CaptureEngine(LayoutHooks):
         # pairs with its own backward and a forward whose output never gets a gradient is dropped
         hook = partial(self._on_output_grad, module, x, ctx)
         target = hook_target(output) if output._is_view() else output
+        if self._foreign is not None:  # what the model reads and what is hooked: this call's
+            self._foreign.call(module, (*inputs, x), (output, replaced, target))
         if target is not output:
             hook = partial(reshaped, hook, output.shape)
         fresh = type(target) is torch.Tensor and target._backward_hooks is None
@@ -527,33 +539,6 @@ def _create_graph_refusal(name: str) -> str:
         "Fix: compute the create_graph (or torch.func) gradient outside the block, or capture "
         "the loss without the gradient term (a separate logging pass)."
     )
-
-
-def path_edges(
-    model: nn.Module, name: str
-) -> dict[tuple[int, str], tuple[nn.Module, str, nn.Module, str]]:
-    """The ``(parent, key, child, path)`` steps from ``model`` down to its submodule ``name``
-    (``"model"``: the root itself, no step), keyed by ``(id(parent), key)``.
-
-    Example:
-        >>> net = nn.Sequential(nn.Sequential(nn.Linear(1, 1)))
-        >>> [(key, path) for _, key, _, path in path_edges(net, "0.0").values()]
-        [('0', '0'), ('0', '0.0')]
-    """
-    edges = {}
-    parent, path = model, []
-    for key in [] if name == "model" else name.split("."):
-        child = parent._modules[key]
-        path.append(key)
-        edges[(id(parent), key)] = (parent, key, child, ".".join(path))
-        parent = child
-    return edges
-
-
-def _inside(name: str, prefix: str) -> bool:
-    """Whether module ``name`` lies inside module ``prefix`` (``""``: the root, which holds
-    every other module: a root ``TransformerEncoderLayer(batch_first=False)`` too)."""
-    return name.startswith(prefix + ".") if prefix else name != ""
 
 
 def _as_list(x: Any) -> list:

@@ -22,7 +22,7 @@ Example:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -37,9 +37,10 @@ from nnstat.capture.kinds.attention import unsupported_reason as attention_unsup
 from nnstat.capture.layouts.ambiguous import FIX as AMBIGUOUS_FIX
 from nnstat.capture.layouts.ambiguous import check_rows
 from nnstat.capture.layouts.broadcast import BroadcastGuard, expand
+from nnstat.capture.layouts.foreign import ForeignUses, graph_roots
 from nnstat.capture.layouts.tied import merge, owner_index, tie_groups, unsupported_tie
 
-__all__ = ["LayoutHooks", "sequence_first_layers"]
+__all__ = ["LayoutHooks", "enclosing", "sequence_first_layers"]
 
 
 class LayoutHooks:
@@ -58,6 +59,7 @@ class LayoutHooks:
     _root_call: tuple[tuple, dict] | None
     _forward_consumers: list
     _tied: dict[nn.Module, list[nn.Module]]
+    _foreign: ForeignUses | None
     _on_output_grad: Callable[..., None]  # CaptureEngine's: records one call's rows
 
     def _select_ties(
@@ -136,6 +138,8 @@ class LayoutHooks:
             query = args[0] if args else kwargs.get("query")
             for fn in self._forward_consumers:
                 fn(w.name, attn, query, out)
+        if self._foreign is not None:
+            self._foreign.call(attn, [*args, *kwargs.values()], output)
         if not isinstance(out, torch.Tensor) or not torch.is_grad_enabled():
             return None
         names = [
@@ -169,6 +173,45 @@ class LayoutHooks:
         call = attention_call(attn, args, kwargs)
         out.register_hook(partial(self._on_output_grad, attn, call, ctx))
         return replaced
+
+    def _on_model_output(self, model: nn.Module, args: tuple, output: Any) -> None:
+        """Forward hook of a watched model: once, at the end of the first forward inside a
+        block that builds a graph, leave out the modules whose parameters the forward also
+        uses outside them (foreign.py)."""
+        check = self._foreign
+        if self._ctx is None or check is None or not torch.is_grad_enabled():
+            return
+        roots = graph_roots(output)
+        if not roots or torch.compiler.is_compiling():
+            return
+        self._foreign = None
+        owners: dict[int, list[nn.Module]] = {}
+        names: dict[int, list[tuple[Watched, str]]] = {}
+        for w in self._watched.values():
+            for pname, p in w.module.named_parameters(recurse=False):
+                owners.setdefault(id(p), []).append(w.via if w.via is not None else w.module)
+                names.setdefault(id(p), []).append((w, pname))
+        found = check.users(roots, {k: tuple(v) for k, v in owners.items()})
+        check.clear()
+        for pid, users in found.items():
+            where = sorted(
+                (
+                    "in the model's forward outside every watched module"
+                    if m is None
+                    else f"inside {self._watched[m].name!r}" if m in self._watched else "elsewhere"
+                )
+                for m in users
+            )
+            for w, pname in names[pid]:
+                self._leave_out(
+                    w.name,
+                    f"its parameter {pname!r} also gets gradient outside the module's own "
+                    f"forward ({', '.join(where)}), e.g. an output layer tied by hand, "
+                    "F.linear(h, emb.weight) or h @ emb.weight.T: a capture holds only the share "
+                    "through the module's output, so its per-sample gradients would be wrong",
+                    fix="use the parameter through a module there (head = nn.Linear(d, vocab, "
+                    "bias=False); head.weight = emb.weight: nnstat captures such a tie whole)",
+                )
 
     def _attention_weights_used(self, names: list[str], grad: torch.Tensor) -> None:
         for n in names:
@@ -306,6 +349,20 @@ def _names(names: list[str], limit: int = 4) -> str:
     """``'a', 'b' and 3 more`` for messages."""
     shown = ", ".join(repr(n) for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def enclosing(name: str, holders: Iterable[str]) -> str | None:
+    """The first of ``holders`` (module names) that holds module ``name``; the root (``""``)
+    holds every other module, and is returned as ``"model"``, the engine's name for it.
+
+    Example:
+        >>> enclosing("enc.linear1", ["dec", "enc"]), enclosing("linear1", [""])
+        ('enc', 'model')
+    """
+    for h in holders:
+        if name.startswith(h + ".") if h else name != "":
+            return h or "model"
+    return None
 
 
 def sequence_first_layers(model: nn.Module) -> dict[str, nn.Module]:
