@@ -101,6 +101,7 @@ class CaptureEngine(LayoutHooks):
         self._tied: dict[nn.Module, list[nn.Module]] = {}
         # calls recorded for the one check of parameters used outside their module (foreign.py)
         self._foreign: ForeignUses | None = None
+        self._warned_rows = False
 
     # ---------------------------------------------------------------- selection
     @property
@@ -517,7 +518,7 @@ class CaptureEngine(LayoutHooks):
             caps = self._merge_tied(caps)
         ctx = next(iter(pending.values()))[0][2]
         if caps and (ctx.samples is not None or ctx.mask is not None):
-            caps = self._drop_unbroadcast(caps)
+            caps = self._rows_not_samples(self._drop_unbroadcast(caps), ctx)
         for cap in caps:
             for consumer in self._consumers:
                 consumer(cap)

@@ -60,6 +60,7 @@ class LayoutHooks:
     _forward_consumers: list
     _tied: dict[nn.Module, list[nn.Module]]
     _foreign: ForeignUses | None
+    _warned_rows: bool  # _rows_not_samples warned (once per engine)
     _on_output_grad: Callable[..., None]  # CaptureEngine's: records one call's rows
 
     def _select_ties(
@@ -343,6 +344,33 @@ class LayoutHooks:
                     "compiled; its gradient is the batch's sum, not a sample's",
                 )
         return [c for c in caps if c.num_samples != 1]
+
+    def _rows_not_samples(
+        self, caps: list[ModuleCapture], ctx: BatchContext
+    ) -> list[ModuleCapture]:
+        """Warn once when every module saw ``n`` rows but the block holds another number of
+        samples: a model that flattens its samples (``x.view(-1, d)``, ``[B*T, d]``) or works
+        sequence-first (``[T, B, d]``) inside gives rows that are positions, not samples, and
+        every module agrees, so no other check sees it. Only a warning: a model whose first
+        input is not batch-major has the same shapes with correct rows."""
+        sizes = {c.num_samples for c in caps}
+        batch, source = self._block_batch(ctx)
+        n = next(iter(sizes)) if len(sizes) == 1 else None
+        if n is None or batch is None or n in (0, 1, batch) or self._warned_rows:
+            return caps
+        self._warned_rows = True
+        warnings.warn(
+            f"nnstat: the watched modules ({_names([c.name for c in caps])}) each saw {n} rows "
+            f"in dim 0 where the block holds {batch} samples ({source}), so their per-sample "
+            "gradients, norms and rows are per row, not per sample: the model flattens its "
+            "samples ([B*T, ...], x.view(-1, d)) or runs sequence-first ([T, B, ...]) inside. "
+            "Keep the batch in dim 0 of every watched module's input (apply layers to "
+            "[B, T, d]; torch's transformer layers and attention: batch_first=True). If the "
+            "rows are the samples (the model's first input is not batch-major), give their "
+            "number instead: NoiseScale.batch(batch_size=n), run(data_id=[...]) (warned once)",
+            stacklevel=3,
+        )
+        return caps
 
 
 def _names(names: list[str], limit: int = 4) -> str:
