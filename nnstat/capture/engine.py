@@ -35,7 +35,13 @@ from nnstat.capture.capture import ModuleCapture
 from nnstat.capture.layouts.ambiguous import SampleRows, add_check_guard
 from nnstat.capture.layouts.broadcast import BroadcastOutput, add_guard
 from nnstat.capture.layouts.foreign import ForeignUses
-from nnstat.capture.layouts.hooks import LayoutHooks, enclosing, kind_of, sequence_first_layers
+from nnstat.capture.layouts.hooks import (
+    LayoutHooks,
+    batch_coupled,
+    enclosing,
+    kind_of,
+    sequence_first_layers,
+)
 
 __all__ = ["LOSS_REDUCTIONS", "CaptureConsumer", "CaptureEngine", "UnsupportedModuleError"]
 
@@ -102,6 +108,7 @@ class CaptureEngine(LayoutHooks):
         # calls recorded for the one check of parameters used outside their module (foreign.py)
         self._foreign: ForeignUses | None = None
         self._warned_rows = False
+        self._batch_norms: list[tuple[str, nn.Module]] = []
 
     # ---------------------------------------------------------------- selection
     @property
@@ -214,6 +221,7 @@ class CaptureEngine(LayoutHooks):
                 model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)
             )
             self._handles.append(model.register_forward_hook(self._on_model_output))
+            self._batch_norms += batch_coupled(model)
         if selected:
             self._foreign = ForeignUses()  # armed again: the new modules are not checked yet
         return [w.name for w in selected if w.tied_to is None]
@@ -227,6 +235,7 @@ class CaptureEngine(LayoutHooks):
         self._attention.clear()
         self._tied.clear()
         self._foreign = None
+        self._batch_norms = []
         self._roots.clear()
         self._edges.clear()
         self._left_out.clear()

@@ -372,3 +372,50 @@ def test_forward_consumers_see_values_also_under_no_grad():
     with engine.batch():
         model(x)
     assert len(fwd.seen) == 2
+
+
+def test_batch_statistics_are_reported_and_eval_mode_matches_torch_func():
+    """A BatchNorm in training mode makes every sample's output depend on the others: the
+    captures of the modules that feed it were each sample's share of the batch loss's gradient
+    (the convolution's 19-52% off the gradient of each sample's own loss on this batch) without
+    a word. Now the first block warns, naming the layer and model.eval(); in eval mode the
+    captures match torch.func."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.Flatten(), nn.Linear(27, 4))
+    x, y = torch.randn(6, 2, 5, 5), torch.randint(0, 4, (6,))
+    engine = CaptureEngine()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the BatchNorm's own parameters: not watched
+        engine.watch(model)
+    with pytest.warns(UserWarning, match=r"BatchNorm layers '1' \(BatchNorm2d\).*model\.eval"):
+        with engine.batch():
+            F.cross_entropy(model(x), y, reduction="sum").backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per engine
+        with engine.batch():
+            F.cross_entropy(model(x), y, reduction="sum").backward()
+    engine.unwatch()
+    model.eval()
+    engine = CaptureEngine()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine.watch(model)
+    caps = collect(engine)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # running statistics: per sample, nothing to report
+        with engine.batch():
+            F.cross_entropy(model(x), y, reduction="sum").backward()
+    ref = ref_grads(model, x, y)
+    assert set(caps) == {"0", "3"}
+    for name, got in caps.items():
+        for p, g in got.items():
+            torch.testing.assert_close(g, ref[f"{name}.{p}"], rtol=1e-4, atol=1e-5)
+    engine.unwatch()
+    model[1] = nn.BatchNorm2d(3, track_running_stats=False).eval()  # batch statistics in eval
+    engine = CaptureEngine()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine.watch(model)
+    with pytest.warns(UserWarning, match="BatchNorm layers '1'"), engine.batch():
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+    engine.unwatch()

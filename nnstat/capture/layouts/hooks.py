@@ -40,7 +40,7 @@ from nnstat.capture.layouts.broadcast import BroadcastGuard, expand
 from nnstat.capture.layouts.foreign import ForeignUses, graph_roots
 from nnstat.capture.layouts.tied import merge, owner_index, tie_groups, unsupported_tie
 
-__all__ = ["LayoutHooks", "enclosing", "sequence_first_layers"]
+__all__ = ["LayoutHooks", "batch_coupled", "enclosing", "sequence_first_layers"]
 
 
 class LayoutHooks:
@@ -61,6 +61,7 @@ class LayoutHooks:
     _tied: dict[nn.Module, list[nn.Module]]
     _foreign: ForeignUses | None
     _warned_rows: bool  # _rows_not_samples warned (once per engine)
+    _batch_norms: list[tuple[str, nn.Module]]  # batch_coupled() of the roots, until warned
     _on_output_grad: Callable[..., None]  # CaptureEngine's: records one call's rows
 
     def _select_ties(
@@ -179,8 +180,12 @@ class LayoutHooks:
         """Forward hook of a watched model: once, at the end of the first forward inside a
         block that builds a graph, leave out the modules whose parameters the forward also
         uses outside them (foreign.py)."""
+        if self._ctx is None:
+            return
+        if self._batch_norms:
+            self._warn_batch_statistics()
         check = self._foreign
-        if self._ctx is None or check is None or not torch.is_grad_enabled():
+        if check is None or not torch.is_grad_enabled():
             return
         roots = graph_roots(output)
         if not roots or torch.compiler.is_compiling():
@@ -213,6 +218,30 @@ class LayoutHooks:
                     fix="use the parameter through a module there (head = nn.Linear(d, vocab, "
                     "bias=False); head.weight = emb.weight: nnstat captures such a tie whole)",
                 )
+
+    def _warn_batch_statistics(self) -> None:
+        """Warn once when a BatchNorm of the watched model normalized with the batch's own
+        statistics in this block (training mode, or no running statistics)."""
+        coupled = [
+            (n, m)
+            for n, m in self._batch_norms
+            if m.training or getattr(m, "running_mean", 0) is None
+        ]
+        if not coupled:
+            return
+        self._batch_norms = []
+        warnings.warn(
+            f"nnstat: the BatchNorm layers {_names([n for n, _ in coupled])} "
+            f"({type(coupled[0][1]).__name__}) "
+            "normalize with the batch's own statistics (training mode), so every sample's "
+            "output depends on the other samples: the captured per-sample gradients of the "
+            "watched modules that feed them (rows, norms, the per-sample noise scale, "
+            "statistics) are each sample's share of the batch loss's gradient, not the "
+            "gradient of its own loss. "
+            "Capture in model.eval() (running statistics: a logging pass), or use GroupNorm "
+            "or LayerNorm (per sample) (warned once)",
+            stacklevel=3,
+        )
 
     def _attention_weights_used(self, names: list[str], grad: torch.Tensor) -> None:
         for n in names:
@@ -391,6 +420,18 @@ def enclosing(name: str, holders: Iterable[str]) -> str | None:
         if name.startswith(h + ".") if h else name != "":
             return h or "model"
     return None
+
+
+def batch_coupled(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The BatchNorm layers of ``model`` by name (``SyncBatchNorm`` and the lazy ones too):
+    in training mode each normalizes with statistics of the whole batch.
+
+    Example:
+        >>> [n for n, _ in batch_coupled(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))]
+        ['1']
+    """
+    norms = nn.modules.batchnorm._BatchNorm
+    return [(n or "model", m) for n, m in model.named_modules() if isinstance(m, norms)]
 
 
 def sequence_first_layers(model: nn.Module) -> dict[str, nn.Module]:
