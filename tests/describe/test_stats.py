@@ -311,3 +311,15 @@ def test_blocked_sumsq_min_max(monkeypatch, use_numpy):
     bad[150] = float("nan")
     # a non-finite element leaves a non-finite sum of squares: callers recompute exactly
     assert math.isnan(sf.sumsq_min_max([bad])[0, 0].item())
+
+
+def test_a_meta_tensor_is_refused_naming_it_and_the_fix():
+    """A model built on the meta device failed in torch's read back ("Cannot copy out of meta
+    tensor; no data!"), naming neither the tensor nor the fix."""
+    import nnstat
+
+    with pytest.raises(ValueError, match=r"tensor 0 of 2 is on the meta device.*to_empty"):
+        summarize([torch.ones(3, device="meta"), torch.ones(2, device="meta")], ["l2"])
+    model = torch.nn.Linear(3, 2).to("meta")
+    with pytest.raises(ValueError, match="meta device"):
+        nnstat.get_weight(model).describe_layers()
