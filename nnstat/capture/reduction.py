@@ -125,6 +125,17 @@ class MeanLossProbe(TorchFunctionMode):
                 return what
         return None
 
+    def mean_over_positions(self, n: int) -> tuple[str, int] | None:
+        """``(what, rows)`` when :meth:`mean_over_batch` found a mean over ``rows``, a multiple
+        of the ``n`` samples larger than ``n``: the positions of every sample (tokens of
+        ``logits.view(-1, V)``), so each sample's term weighs ``1 / rows`` (``1 / counted``
+        with ``ignore_index``), not ``1 / n``; else ``None``."""
+        what = self.mean_over_batch(n)
+        if what is None:
+            return None
+        rows = next(r for w, r, g in self.means if w == what and g and r % n == 0)
+        return (what, rows) if rows > n else None
+
     def sum_over_batch(self, n: int) -> str | None:
         """What summed over the batch of ``n`` samples and reached the loss with a weight
         ``|c| > 1 / sqrt(n)`` per sample's term, when nothing averaged over the batch

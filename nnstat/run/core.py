@@ -303,7 +303,8 @@ class Run(PassEnd):
         batch = block.rows
         if probe is not None and batch:
             self._probe_reduction = False
-            warn_mean_loss(probe, next(iter(batch.values())).shape[0], self._warned_once)
+            n = next(iter(batch.values())).shape[0]
+            warn_mean_loss(probe, n, self._warned_once, self.config.loss_reduction)
         assert self._projections is not None
         refuse_left_out(self.engine.left_out, self._projections, ids, batch)
         with self._writer_errors():
