@@ -32,6 +32,7 @@ from nnstat.capture.build import (
     reshaped,
 )
 from nnstat.capture.capture import ModuleCapture
+from nnstat.capture.kinds import supported_modules
 from nnstat.capture.layouts.ambiguous import SampleRows, add_check_guard
 from nnstat.capture.layouts.broadcast import BroadcastOutput, add_guard
 from nnstat.capture.layouts.foreign import ForeignUses
@@ -196,6 +197,7 @@ class CaptureEngine(LayoutHooks):
         selected = self._select_ties(model, selected, unsupported)
         if unsupported:
             msg = "cannot capture per-sample gradients of: " + "; ".join(unsupported)
+            msg += f" (the module types with a rule: {supported_modules()})"
             if explicit:
                 raise UnsupportedModuleError(msg)
             warnings.warn(msg + " (skipped; they are not watched)", stacklevel=2)

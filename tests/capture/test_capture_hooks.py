@@ -253,6 +253,30 @@ def test_unsupported_module_with_parameters_raises_when_selected():
     assert len(w) == 1 and "GRU" in str(w[0].message) and "BatchNorm1d" in str(w[0].message)
 
 
+@pytest.mark.parametrize(
+    "layer",
+    [
+        nn.LSTM(3, 3),
+        nn.GRU(3, 3, batch_first=True),
+        nn.EmbeddingBag(5, 3),
+        nn.Bilinear(3, 3, 2),
+        nn.Conv3d(2, 2, 2),
+        nn.ConvTranspose2d(2, 2, 2),
+        nn.GroupNorm(1, 3),
+        nn.InstanceNorm2d(3, affine=True),
+    ],
+    ids=lambda m: type(m).__name__,
+)
+def test_an_unsupported_layer_is_named_with_the_supported_module_types(layer):
+    name = type(layer).__name__
+    with pytest.raises(UnsupportedModuleError) as err:
+        CaptureEngine().watch(nn.Sequential(nn.Linear(3, 3), layer), name_filter="^1$")
+    msg = str(err.value)
+    assert f"1 ({name})" in msg
+    for supported in ("Linear", "Conv1d/Conv2d", "Embedding", "MultiheadAttention", "LayerNorm"):
+        assert supported in msg.split("with a rule:")[1]
+
+
 @pytest.mark.parametrize("how", ["weight_norm", "spectral_norm", "hook_weight_norm"])
 def test_a_parametrized_weight_is_left_out_naming_the_fix(how):
     # its capture was the gradient of the computed weight, not of original0/original1: the

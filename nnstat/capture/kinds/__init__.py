@@ -25,7 +25,14 @@ from nnstat.capture.kinds import layernorm, rmsnorm  # noqa: F401
 
 # isort: on
 
-__all__ = ["REGISTRY", "Kind", "detect_kind", "kind_named", "unsupported_reason"]
+__all__ = [
+    "REGISTRY",
+    "Kind",
+    "detect_kind",
+    "kind_named",
+    "supported_modules",
+    "unsupported_reason",
+]
 
 
 def _matching(module: nn.Module) -> Kind | None:
@@ -60,3 +67,16 @@ def unsupported_reason(module: nn.Module) -> str:
     if kind is None:
         return "no per-sample gradient rule for this module type"
     return kind.unsupported(module) or "supported"
+
+
+def supported_modules() -> str:
+    """The module types some kind captures, for messages about the others.
+
+    Returns:
+        Their names in registration order, comma-separated.
+
+    Example:
+        >>> supported_modules().split(", ")[:2]
+        ['Linear', 'Conv1d/Conv2d']
+    """
+    return ", ".join(k.label or "/".join(c.__name__ for c in k.modules) for k in REGISTRY.values())
