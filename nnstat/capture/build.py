@@ -2,7 +2,8 @@
 
 Split from ``engine.py``: the hooks there collect ``(input, output gradient, batch context)``
 per module call; these functions turn one backward's calls into the capture consumers receive
-(and ``path_edges`` finds a watched module's place in its model, to notice it was replaced).
+(``path_edges`` finds a watched module's place in its model, to notice it was replaced;
+``create_graph_refusal`` says why a double backward is not captured).
 """
 
 from __future__ import annotations
@@ -227,3 +228,20 @@ def path_edges(
         edges[(id(parent), key)] = (parent, key, child, ".".join(path))
         parent = child
     return edges
+
+
+def create_graph_refusal(name: str) -> str:
+    """The engine's refusal of a ``create_graph=True`` backward reaching watched module ``name``."""
+    # such a backward builds a graph through the gradient (gradient penalty, MAML, an input-
+    # gradient regulariser): a later backward of a loss holding that gradient reaches the
+    # weights through it, not through the layer's output, so no capture of either backward is
+    # a product of layer inputs and output gradients; capturing it would be silently wrong
+    return (
+        "nnstat capture: a backward with create_graph=True (or under torch.func.grad/vjp) "
+        f"reached watched module {name!r} inside a capture block (engine.batch, run(...), "
+        "NoiseScale.batch, the Recorder). The "
+        "per-sample gradients of a loss that differentiates through a gradient (a gradient "
+        "penalty, a double backward) are not products of layer inputs and output gradients. "
+        "Fix: compute the create_graph (or torch.func) gradient outside the block, or capture "
+        "the loss without the gradient term (a separate logging pass)."
+    )

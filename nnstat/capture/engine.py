@@ -26,6 +26,7 @@ from nnstat.capture.build import (
     Watched,
     build_capture,
     check_batch_args,
+    create_graph_refusal,
     first_tensor,
     hook_target,
     path_edges,
@@ -212,9 +213,13 @@ class CaptureEngine(LayoutHooks):
                 if attn not in self._attention:
                     self._attention.add(attn)
                     hook = partial(self._on_attention, attn)
-                    self._handles.append(attn.register_forward_hook(hook, with_kwargs=True))
+                    hook = attn.register_forward_hook(hook, with_kwargs=True, prepend=True)
+                    self._handles.append(hook)
                 continue
-            self._handles.append(w.module.register_forward_hook(partial(self._on_forward, w)))
+            # first of the module's hooks: a user's hook may change the output (o * 2), and the
+            # capture needs the gradient of the module's own output
+            hook = w.module.register_forward_hook(partial(self._on_forward, w), prepend=True)
+            self._handles.append(hook)
         for w in selected:
             self._edges.update(path_edges(model, w.name))
         if selected and not any(model is r for r in self._roots):
@@ -499,7 +504,7 @@ class CaptureEngine(LayoutHooks):
         self, module: nn.Module, x: torch.Tensor, ctx: BatchContext, grad: torch.Tensor
     ) -> None:
         if torch.is_grad_enabled():  # a backward with create_graph=True
-            raise RuntimeError(_create_graph_refusal(self._watched[module].name))
+            raise RuntimeError(create_graph_refusal(self._watched[module].name))
         with self._lock:
             calls = self._pending.get(module)
             if calls is None:
@@ -535,22 +540,6 @@ class CaptureEngine(LayoutHooks):
                 consumer(cap)
         for batch_consumer in self._backward_consumers:
             batch_consumer(caps)
-
-
-def _create_graph_refusal(name: str) -> str:
-    # such a backward builds a graph through the gradient (gradient penalty, MAML, an input-
-    # gradient regulariser): a later backward of a loss holding that gradient reaches the
-    # weights through it, not through the layer's output, so no capture of either backward is
-    # a product of layer inputs and output gradients; capturing it would be silently wrong
-    return (
-        "nnstat capture: a backward with create_graph=True (or under torch.func.grad/vjp) "
-        f"reached watched module {name!r} inside a capture block (engine.batch, run(...), "
-        "NoiseScale.batch, the Recorder). The "
-        "per-sample gradients of a loss that differentiates through a gradient (a gradient "
-        "penalty, a double backward) are not products of layer inputs and output gradients. "
-        "Fix: compute the create_graph (or torch.func) gradient outside the block, or capture "
-        "the loss without the gradient term (a separate logging pass)."
-    )
 
 
 def _as_list(x: Any) -> list:

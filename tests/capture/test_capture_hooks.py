@@ -443,3 +443,37 @@ def test_batch_statistics_are_reported_and_eval_mode_matches_torch_func():
     with pytest.warns(UserWarning, match="BatchNorm layers '1'"), engine.batch():
         F.cross_entropy(model(x), y, reduction="sum").backward()
     engine.unwatch()
+
+
+def test_a_users_forward_hook_that_changes_the_output_does_not_change_the_capture():
+    """A hook registered before watch() that returns a new output (``o * 2 + 0.1``: activation
+    steering, a quantisation stub) ran before the capture's, which then took the gradient of
+    the changed output as the module's: half the true per-sample gradient here, silently. The
+    capture's hook now runs first, on the module's own output (attention modules too)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model[0].register_forward_hook(lambda module, inp, out: out * 2.0 + 0.1)
+    attn = nn.MultiheadAttention(6, 2, batch_first=True)
+    attn.register_forward_hook(lambda module, inp, out: (out[0] * 3.0, out[1]))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.mlp = attn, model
+
+        def forward(self, x):
+            return self.mlp(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+    net = Net()
+    x, y = torch.randn(5, 4, 6), torch.randint(0, 3, (5,))
+    ref = ref_grads(net, x, y)
+    engine = CaptureEngine()
+    engine.watch(net)
+    caps = collect(engine)
+    with engine.batch():
+        F.cross_entropy(net(x), y, reduction="sum").backward()
+    engine.unwatch()
+    assert set(caps) == {"attn", "attn.out_proj", "mlp.0", "mlp.2"}
+    for name, got in caps.items():
+        for p, g in got.items():
+            torch.testing.assert_close(g, ref[f"{name}.{p}"], rtol=1e-4, atol=1e-5)
