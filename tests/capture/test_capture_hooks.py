@@ -277,6 +277,14 @@ def test_an_unsupported_layer_is_named_with_the_supported_module_types(layer):
         assert supported in msg.split("with a rule:")[1]
 
 
+def test_a_scripted_model_is_refused_naming_the_eager_one():
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2)))
+    with pytest.raises(UnsupportedModuleError, match=r"0 \(RecursiveScriptModule\): a TorchScript"):
+        CaptureEngine().watch(scripted, name_filter="0")
+    with pytest.warns(UserWarning, match="watch the eager model"):
+        assert CaptureEngine().watch(scripted) == []
+
+
 @pytest.mark.parametrize("how", ["weight_norm", "spectral_norm", "hook_weight_norm"])
 def test_a_parametrized_weight_is_left_out_naming_the_fix(how):
     # its capture was the gradient of the computed weight, not of original0/original1: the

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from nnstat.capture.kinds.base import REGISTRY, Kind, kind_named
@@ -64,6 +65,11 @@ def unsupported_reason(module: nn.Module) -> str:
         ``module`` can be captured).
     """
     kind = _matching(module)
+    if kind is None and isinstance(module, torch.jit.ScriptModule):
+        return (
+            "a TorchScript module (torch.jit.script/trace) runs without Python hooks: watch "
+            "the eager model (before scripting it)"
+        )
     if kind is None:
         return "no per-sample gradient rule for this module type"
     return kind.unsupported(module) or "supported"
