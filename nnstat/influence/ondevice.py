@@ -38,7 +38,8 @@ import torch
 
 from nnstat.background.transfer import host_empty
 
-from .factored_scores import chunk_rows, scores_as_stored
+from .factored_queries import self_influence_as_stored, self_influence_view
+from .factored_scores import StoredQueries, chunk_rows, scores_as_stored
 from .modes import normalise, raw_scores
 from .pipeline import Block
 from .topk import merge_topk
@@ -141,6 +142,7 @@ def stream_scores(
     verify: Callable[[list[tuple]], None],
     progress: Callable[[int], Any] | None = None,
     source: Any = None,
+    queries: StoredQueries | None = None,
 ) -> Streamed:
     """Score every block of ``blocks`` against the preconditioned queries ``q_pre`` (on their
     device); ``n_rows``: the rows ``blocks`` will yield, for one all-pairs buffer (``None``:
@@ -150,7 +152,8 @@ def stream_scores(
     ``source`` (the training rows' `RowSource`, optional): where it is a store of factored rows,
     its blocks come as stored (`pipeline.stream_to`) and are scored by `FactoredScores` with
     chunks sized from each block; ``source.dense`` multiplies them out, a chunk at a time, for
-    the norms of the modes other than ``dot``."""
+    the norms of the modes other than ``dot``. ``queries``: the queries as factors
+    (`factored_queries.stored_queries`), for the modules both sides store as factors."""
     device, n_test = q_pre.device, q_pre.shape[0]
     out = Streamed()
     sums: list[torch.Tensor] = []
@@ -160,7 +163,7 @@ def stream_scores(
         hi, lo = (empty_v, empty_p), (empty_v, empty_p)
     buffer = _all_pairs_buffer(n_rows, n_test, device) if not top_k and n_rows else None
     seen, width = 0, q_pre.shape[1]
-    factored = scores_as_stored(q_pre, source, per_block=True)
+    factored = scores_as_stored(q_pre, source, per_block=True, queries=queries)
     dense = source.dense if factored is not None else None
     for key, ids, rows in blocks:
         b = len(ids)
@@ -215,17 +218,23 @@ def stream_self_influence(
     """``(ids, g_iᵀ M g_i)`` of every row of ``blocks`` computed on ``device``, read back once;
     ``verify`` gets the keys of the blocks with non-finite values first. Where ``source`` is a
     store of factored rows its blocks come as stored (`pipeline.stream_to`) and are multiplied
-    out a chunk at a time (`dense_chunks`)."""
+    out a chunk at a time (`dense_chunks`), or under ``identity`` not at all
+    (`factored_queries.self_influence_as_stored`)."""
     dense, dense_width = None, 0
     if getattr(source, "factored", False):
         dense, dense_width = source.dense, max(m.stop for m in source.layout)
+    # identity: ``‖g‖²`` of the factors as stored, no chunk multiplied out
+    as_stored = dense is not None and self_influence_view(source, pre) is not None
     values = torch.empty(n_rows, device=device)
     units: list[tuple[tuple, list]] = []
     seen = 0
     for key, ids, rows in blocks:
-        for part, chunk in dense_chunks(rows, dense, dense_width):
-            own = values[seen + part.start : seen + part.stop]
-            torch.sum(pre.apply(chunk, damping) * chunk, 1, out=own)
+        if as_stored:
+            values[seen : seen + len(ids)] = self_influence_as_stored(rows, source.meta["modules"])
+        else:
+            for part, chunk in dense_chunks(rows, dense, dense_width):
+                own = values[seen + part.start : seen + part.stop]
+                torch.sum(pre.apply(chunk, damping) * chunk, 1, out=own)
         units.append((key, ids))
         seen += len(ids)
         if progress is not None:

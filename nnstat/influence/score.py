@@ -37,7 +37,8 @@ from nnstat.distributed import rank_world
 
 from .arguments import check_scoring_args
 from .cache import default_preconditioner, fitted, has_kfac_statistics, has_stored_ekfac
-from .factored_scores import FactoredScores, scores_as_stored
+from .factored_queries import self_influence_as_stored, self_influence_view, stored_queries
+from .factored_scores import FactoredScores, StoredQueries, scores_as_stored
 from .modes import MODES, m_norms, normalise, raw_scores
 from .ondevice import stream_scores, stream_self_influence
 from .pipeline import Block, stream_to, units
@@ -279,6 +280,7 @@ def compute_influence_all(
         )
         q_pre = q_pre.to(dev, torch.float32)
         pre, q_norm = Preconditioner("identity", list(t.layout), {}), None  # dot mode: unused
+        queries = None  # refined queries are full rank
         meta = {"mode": mode, **_refined_meta(refine, damping, report, t)}
     else:
         q, t, pre = _prepare(q, t, preconditioner, batch_size)
@@ -287,7 +289,9 @@ def compute_influence_all(
         q_pre = pre.apply(q_rows, damping)
         q_norm = m_norms(q_rows, q_pre) if mode != "dot" else None
         meta = {"mode": mode, **_unrefined_meta(pre, damping, refine)}
-    job = _Scoring(q_pre, q_norm, pre, damping, mode, top_k, batch_size, test_ids, meta)
+        # queries logged as factors, where the preconditioner keeps them factors
+        queries = stored_queries(q, pre, damping, batch_size, dev)
+    job = _Scoring(q_pre, q_norm, pre, damping, mode, top_k, batch_size, test_ids, meta, queries)
     rank, _ = _dist()
     disable = True if rank != 0 else _quiet(progress)
     with tqdm(total=len(t), desc="influence", unit="row", disable=disable) as bar:
@@ -308,6 +312,7 @@ class _Scoring:
     batch_size: int
     test_ids: list
     meta: dict
+    queries: StoredQueries | None = None  # the queries as factors (`stored_queries`)
 
 
 def _on_device(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKInfluence:
@@ -334,6 +339,7 @@ def _on_device(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKI
         _recheck(t, job.batch_size, check),
         bar.update,
         t,  # a factored store's blocks: scored as stored (`FactoredScores`)
+        job.queries,
     )
     if got.top is not None:
         # one process: the blocks came in the source's row order, so positions index its ids
@@ -384,7 +390,7 @@ def _on_host(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKInf
     filled = 0
     strict, major, shards = not t.finite, top is not None, _shards(t)
     # a factored store's blocks come as stored and are scored without their dense form
-    factored = scores_as_stored(job.q_pre, t)
+    factored = scores_as_stored(job.q_pre, t, queries=job.queries)
     blocks = _my_units(t.stored_rows(widen=True) if factored is not None else t, batch_size)
     for unit, ids, rows in blocks:
         if buffer is not None:
@@ -477,10 +483,14 @@ def compute_self_influence(
             ids, values = _self_on_device(d, pre, damping, batch_size, dev, bar)
         else:
             ids, parts = [], []
-            for b_ids, rows in d.iter_blocks(batch_size):
+            stored = self_influence_view(d, pre)  # factored rows: never multiplied out
+            for b_ids, rows in (stored or d).iter_blocks(batch_size):
                 rows = rows.to(torch.float32)
                 ids.extend(b_ids)
-                parts.append((pre.apply(rows, damping) * rows).sum(1))
+                if stored is not None:
+                    parts.append(self_influence_as_stored(rows, d.meta["modules"]))
+                else:
+                    parts.append((pre.apply(rows, damping) * rows).sum(1))
                 bar.update(len(b_ids))
             values = torch.cat(parts) if parts else torch.empty(0)
     if not ids:

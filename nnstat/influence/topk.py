@@ -139,7 +139,9 @@ class RunningTopK:
     def finish(self, test_ids: list, meta: dict, gather: Any = None) -> TopKInfluence:
         """The result, over every rank's candidates (``gather``: one object per rank, in rank
         order, e.g. ``all_gather_object``; ``None``: this process only)."""
-        parts = (gather or (lambda obj: [obj]))((self.hi_v, self._named(self.hi_i), self.lo_v, self._named(self.lo_i)))
+        parts = (gather or (lambda obj: [obj]))(
+            (self.hi_v, self._named(self.hi_i), self.lo_v, self._named(self.lo_i))
+        )
         hi_v = torch.cat([p[0] for p in parts], 1)
         lo_v = torch.cat([p[2] for p in parts], 1)
         if hi_v.shape[1] == 0:
