@@ -220,7 +220,7 @@ class FactoredScores:
         n_q = q.shape[0]
         self.n_queries = n_q
         self._parts: list[tuple[FactorGroup, bool, torch.Tensor, int]] = []
-        # the factors route: (training modules, U_q and V_q as [K, n_q c_q, r], per-row bytes)
+        # the factors route: (training modules, U_q and V_q as [K, c_q n_q, r], per-row bytes)
         self._pairs: list[tuple[FactorGroup, torch.Tensor, torch.Tensor, int]] = []
         by_query_c = _query_factors(queries, self.plan.dense_width)
         for g in self.plan.groups:
@@ -362,11 +362,13 @@ def _factors_part(
     g: FactorGroup, q_group: FactorGroup, q_rows: torch.Tensor
 ) -> tuple[FactorGroup, torch.Tensor, torch.Tensor, int]:
     """``(g, U_q, V_q, transient bytes per row)`` of the factors route: the queries' factors of
-    the modules of ``g`` as ``[K, n_q c_q, r_out]`` and ``[K, n_q c_q, r_in]``."""
+    the modules of ``g`` as ``[K, c_q n_q, r_out]`` and ``[K, c_q n_q, r_in]``, pair-major (the
+    products' sum over the pairs then reduces a middle dimension: a strided reduction over
+    the queries' pairs took half the pass)."""
     n_q, k, c_q = q_rows.shape[0], g.modules, q_group.c
     u, v = q_group.factors(q_rows)  # [n_q K, c_q, r]
-    uq = u.view(n_q, k, c_q, g.r_out).transpose(0, 1).reshape(k, n_q * c_q, g.r_out)
-    vq = v.view(n_q, k, c_q, g.r_in).transpose(0, 1).reshape(k, n_q * c_q, g.r_in)
+    uq = u.view(n_q, k, c_q, g.r_out).permute(1, 2, 0, 3).reshape(k, c_q * n_q, g.r_out)
+    vq = v.view(n_q, k, c_q, g.r_in).permute(1, 2, 0, 3).reshape(k, c_q * n_q, g.r_in)
     # per row: the copies of U and V, the two products of every pair
     per_row = 4 * k * g.c * (g.r_out + g.r_in + 2 * n_q * c_q)
     return g, uq, vq, per_row
@@ -382,6 +384,7 @@ def _pair_scores(
     x = g.block(rows)  # [b, K, c (r_out + r_in)]
     u = x[..., : c * g.r_out].transpose(0, 1).reshape(k, n * c, g.r_out)
     v = x[..., c * g.r_out :].transpose(0, 1).reshape(k, n * c, g.r_in)
-    prod = torch.bmm(u, uq.transpose(1, 2))  # [K, b c, n_q c_q]
+    prod = torch.bmm(u, uq.transpose(1, 2))  # [K, b c, c_q n_q]
     prod.mul_(torch.bmm(v, vq.transpose(1, 2)))
-    return prod.view(k, n, c, n_q, -1).sum((0, 2, 4))
+    # the modules' sum, then the pairs' (a middle dimension: reduced along the queries)
+    return prod.view(k, -1).sum(0).view(n, -1, n_q).sum(1)
