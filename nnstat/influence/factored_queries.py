@@ -37,6 +37,7 @@ from .sources import LogSource, RowSource, StoreSource, all_rows
 
 __all__ = [
     "factors_preserved",
+    "norm_parts_as_stored",
     "self_influence_as_stored",
     "self_influence_view",
     "stored_queries",
@@ -175,7 +176,7 @@ def self_influence_view(source: Any, pre: Preconditioner) -> RowSource | None:
 
 
 def self_influence_as_stored(
-    rows: torch.Tensor, modules: Sequence[Mapping[str, Any]]
+    rows: torch.Tensor, modules: Sequence[Mapping[str, Any]], dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """``‖g‖²`` (self-influence under ``identity``) of stored rows whose ``modules`` may be
     factored, without their dense form: ``Σ_{i,j} (u_i · u_j)(v_i · v_j)`` per factored module
@@ -185,9 +186,10 @@ def self_influence_as_stored(
     Args:
         rows: ``[b, stored width]`` rows as stored, on any device.
         modules: the store's meta.json modules.
+        dtype: of the products and sums (float64: no float32 row's norm under- or overflows).
 
     Returns:
-        float32 ``[b]`` on ``rows``' device.
+        ``[b]`` of ``dtype`` on ``rows``' device.
 
     Example:
         >>> mods = [{"offset": 0, "width": 3, "r_out": 2, "r_in": 1, "factors": 1},
@@ -198,13 +200,43 @@ def self_influence_as_stored(
     plan = factor_plan(modules)
     n = rows.shape[0]
     if plan.plain:
-        plain = rows.index_select(1, plan.plain_index(rows.device)[0]).to(torch.float32)
+        plain = rows.index_select(1, plan.plain_index(rows.device)[0]).to(dtype)
         out = plain.square().sum(1)
     else:
-        out = torch.zeros(n, dtype=torch.float32, device=rows.device)
+        out = torch.zeros(n, dtype=dtype, device=rows.device)
     for g in plan.groups:
-        u, v = g.factors(rows)  # [b K, c, r]
+        u, v = (f.to(dtype) for f in g.factors(rows))  # [b K, c, r]
         gram = torch.bmm(u, u.transpose(1, 2))
         gram.mul_(torch.bmm(v, v.transpose(1, 2)))
         out.add_(gram.view(n, -1).sum(1))
     return out
+
+
+def norm_parts_as_stored(
+    rows: torch.Tensor, modules: Sequence[Mapping[str, Any]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each stored row's ``‖g‖`` (the norm under ``identity``) from its factors, in
+    `modes.m_norm_parts`' form ``(scale, unit)``: ``scale`` the float32 norm, ``unit`` 1.
+
+    The squares are summed in float64 (:func:`self_influence_as_stored`), where no float32
+    row's norm under- or overflows, so the norm needs no scaling by the row's largest entry
+    (which the factors do not give). The floor is on the norm: a row whose norm is below
+    float32's smallest normal number has ``scale`` 0 (numerically zero, it scores 0).
+
+    Args:
+        rows: ``[b, stored width]`` rows as stored, on any device.
+        modules: the store's meta.json modules.
+
+    Returns:
+        ``(scale, unit)``, float32 ``[b]`` each.
+
+    Example:
+        >>> mods = [{"offset": 0, "width": 3, "r_out": 2, "r_in": 1, "factors": 1}]
+        >>> scale, unit = norm_parts_as_stored(torch.tensor([[3e-20, 4e-20, 1e-10]]), mods)
+        >>> f"{scale.item():.3g}", unit.tolist()
+        ('5e-30', [1.0])
+    """
+    norm = self_influence_as_stored(rows, modules, torch.float64).sqrt()
+    tiny = torch.finfo(torch.float32).tiny
+    scale = torch.where(norm >= tiny, norm, torch.zeros_like(norm)).to(torch.float32)
+    return scale, torch.ones_like(scale)

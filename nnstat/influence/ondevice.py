@@ -38,7 +38,7 @@ import torch
 
 from nnstat.background.transfer import host_empty
 
-from .factored_queries import self_influence_as_stored, self_influence_view
+from .factored_queries import norm_parts_as_stored, self_influence_as_stored, self_influence_view
 from .factored_scores import StoredQueries, chunk_rows, scores_as_stored
 from .modes import normalise, raw_scores
 from .pipeline import Block
@@ -110,12 +110,18 @@ def _normalised(
     dense_width: int,
     norms: tuple[Any, float | None, str],
     query_major: bool,
+    modules: Any = None,
 ) -> torch.Tensor:
     """`normalise` of a block's scores, chunk by chunk of `dense_chunks` (it works in place,
-    row by row: a chunk's columns, or rows, of ``scores`` are normalised as a whole block's)."""
+    row by row: a chunk's columns, or rows, of ``scores`` are normalised as a whole block's);
+    under ``identity`` a factored block's norms come from its factors (``modules``: the
+    store's meta.json modules), and no chunk is multiplied out."""
     pre, damping, mode = norms
     if mode == "dot":
         return scores
+    if dense is not None and pre.kind == "identity":  # ‖g‖ from the factors: no dense chunk
+        t_parts = norm_parts_as_stored(rows, modules)
+        return normalise(scores, q_norm, rows, pre, damping, mode, query_major, t_parts)
     for part, chunk in dense_chunks(rows, dense, dense_width):
         sub = scores[:, part] if query_major else scores[part]
         normalise(sub, q_norm, chunk, pre, damping, mode, query_major=query_major)
@@ -165,6 +171,7 @@ def stream_scores(
     seen, width = 0, q_pre.shape[1]
     factored = scores_as_stored(q_pre, source, per_block=True, queries=queries)
     dense = source.dense if factored is not None else None
+    modules = source.meta["modules"] if factored is not None else None
     for key, ids, rows in blocks:
         b = len(ids)
         target = buffer[seen : seen + b] if buffer is not None and buffer.device == device else None
@@ -173,7 +180,7 @@ def stream_scores(
         else:
             scores = raw_scores(q_pre, rows, target, query_major=bool(top_k))
         norms = (pre, damping, mode)
-        scores = _normalised(scores, q_norm, rows, dense, width, norms, bool(top_k))
+        scores = _normalised(scores, q_norm, rows, dense, width, norms, bool(top_k), modules)
         sums.append(scores.sum())
         if top_k:
             hi = merge_topk(*hi, scores, seen, top_k, largest=True)

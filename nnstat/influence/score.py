@@ -37,7 +37,12 @@ from nnstat.distributed import rank_world
 
 from .arguments import check_scoring_args
 from .cache import default_preconditioner, fitted, has_kfac_statistics, has_stored_ekfac
-from .factored_queries import self_influence_as_stored, self_influence_view, stored_queries
+from .factored_queries import (
+    norm_parts_as_stored,
+    self_influence_as_stored,
+    self_influence_view,
+    stored_queries,
+)
 from .factored_scores import FactoredScores, StoredQueries, scores_as_stored
 from .modes import MODES, m_norms, normalise, raw_scores
 from .ondevice import stream_scores, stream_self_influence
@@ -195,9 +200,12 @@ def _score_block(
             bad_rows = ~torch.isfinite(scores.T if query_major else scores)
             bad = bad_rows.any(1).nonzero().flatten()[:5].tolist()
             raise ValueError(f"training rows {[ids[i] for i in bad]} contain NaN/Inf values")
-    if factored is not None and mode != "dot":
+    t_parts = None  # the training rows' norms, where they come from the factors
+    if factored is not None and mode != "dot" and pre.kind == "identity":
+        t_parts = norm_parts_as_stored(rows, source.meta["modules"])
+    elif factored is not None and mode != "dot":
         rows = source.dense(rows)  # the norms of the training rows need their dense form
-    return normalise(scores, q_norm, rows, pre, damping, mode, query_major)
+    return normalise(scores, q_norm, rows, pre, damping, mode, query_major, t_parts)
 
 
 def _shards(t: RowSource, one_process: bool = False) -> list | None:

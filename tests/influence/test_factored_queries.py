@@ -212,9 +212,42 @@ def test_factored_queries_score_as_numpy(
     # the dense queries' route
     factored = kind == "identity" or damping == 0
     assert (sum(pairs) == 2 * 2 * N) if factored else not pairs, pairs
-    # dot: no training row multiplied out; RelatIF's norms multiply them out, as for dense
-    # queries
-    assert bool(dense) == (mode != "dot")
+    # no training row multiplied out, except for K-FAC's norms (RelatIF): identity's come from
+    # the factors (`norm_parts_as_stored`)
+    assert bool(dense) == (mode != "dot" and kind == "kfac")
+
+
+@pytest.mark.parametrize("branch", ["host", "device"])
+@pytest.mark.parametrize("mode", ["relatif", "cosine", "l2"])
+def test_identity_norms_from_factors_neither_underflow_nor_divide_by_zero(
+    tmp_path, spies, monkeypatch, branch, mode
+):
+    _, dense = spies
+    device_branch_staging(monkeypatch, on=branch == "device")
+    mods = _modules(TRAIN)
+    width = sum(m["width"] for m in mods)
+    meta = {"format_version": 1, "row_width": width, "dtype": "float32", "modules": mods}
+    root = tmp_path / "train"
+    root.mkdir()
+    (root / "meta.json").write_text(json.dumps(meta))
+    rows = torch.randn(N, width, generator=torch.Generator().manual_seed(4))
+    rows[:10] *= 1e-15  # dense entries ~1e-30: their squares underflow float32
+    rows[10] = 0.0  # numerically zero: scores 0, never first
+    writer = StoreWriter(root / "shards", row_width=width, shard_rows=30)
+    writer.put(list(range(N)), rows)
+    writer.close()
+    t = dense_numpy(rows, mods)
+    q = torch.randn(N_Q, t.shape[1], generator=torch.Generator().manual_seed(5))
+    log = GradientLog(list(range(N_Q)), q, {**meta, **dense_layout(meta)})
+    got = compute_influence_all(log, root, mode=mode, preconditioner="identity", batch_size=BLOCK)
+    with np.errstate(invalid="ignore"):
+        ref = np.nan_to_num(mode_scores(q.double().numpy(), t, np.eye(t.shape[1]), mode))
+    scores = got.scores.double().numpy()
+    np.testing.assert_allclose(scores, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
+    if mode != "l2":  # the tiny rows' normalised scores are of order one, the zero row's 0
+        np.testing.assert_allclose(scores[:, :10], ref[:, :10], rtol=2e-4)
+        assert np.abs(ref[:, :10]).min() > 1e-6 and (scores[:, 10] == 0).all()
+    assert dense == []  # the norms came from the factors
 
 
 @pytest.mark.parametrize("branch", ["host", "device"])
