@@ -231,7 +231,9 @@ def test_identity_norms_from_factors_neither_underflow_nor_divide_by_zero(
     root.mkdir()
     (root / "meta.json").write_text(json.dumps(meta))
     rows = torch.randn(N, width, generator=torch.Generator().manual_seed(4))
-    rows[:10] *= 1e-15  # dense entries ~1e-30: their squares underflow float32
+    ln = next(m for m in mods if m["name"] == "ln")
+    rows[:10] *= 1e-15  # factors ~1e-15, so dense entries ~1e-30: their squares underflow
+    rows[:10, ln["offset"] : ln["offset"] + ln["width"]] *= 1e-15  # the plain columns too
     rows[10] = 0.0  # numerically zero: scores 0, never first
     writer = StoreWriter(root / "shards", row_width=width, shard_rows=30)
     writer.put(list(range(N)), rows)
