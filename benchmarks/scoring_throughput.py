@@ -29,10 +29,12 @@ side (``--dir``: a directory on a disk; tmpfs cannot be evicted).
 the store's own layout, as queries logged into a factored store), which the preconditioners that
 keep them factored (identity; K-FAC at damping 0) score by their factors
 (`nnstat.influence.factored_scores.cheapest_route`); the dense store keeps dense queries. A
-preconditioner ``kind@damping`` (``kfac@0``) sets its damping (default 0.1).
+preconditioner ``kind@damping`` (``kfac@0``) sets its damping (default 0.1), ``kind/mode``
+(``identity/relatif``) the scoring mode (default ``dot``).
 
     .venv/bin/python benchmarks/scoring_throughput.py --rows 8000 --queries 32 --repeat 5 \
-        --factored 64:1,64:2,64:4 --factored-queries --preconditioners identity,kfac,kfac@0
+        --factored 64:1,64:2,64:4 --factored-queries \
+        --preconditioners identity,kfac,kfac@0,identity/relatif
 """
 
 from __future__ import annotations
@@ -167,12 +169,13 @@ def factored_main(args) -> None:
             info[name] = meta["row_width"] * 4
             # raw fits a dense covariance per module: (r²)² entries, too large past rank 64
             for spec in [k for k in kinds if not k.startswith("raw") or r <= 64]:
-                kind, _, damping = spec.partition("@")
+                spec_kind, _, mode = spec.partition("/")
+                kind, _, damping = spec_kind.partition("@")
                 for label, queries in ((f"nnstat {spec}", log), (f"nnstat {spec}, 1 query", one)):
-                    if queries is one and kind != "identity":
+                    if queries is one and spec != "identity":
                         continue
                     kw = {"preconditioner": kind, "damping": float(damping or 0.1)}
-                    kw["progress"] = False
+                    kw.update(progress=False, mode=mode or "dot")
                     compute_influence_all(queries, store, **kw)  # the fit, cached
 
                     def score(queries=queries, store=store, kw=kw):
@@ -297,7 +300,7 @@ def main() -> None:
     ap.add_argument(
         "--preconditioners",
         default="identity,raw,kfac,ekfac",
-        help="with --factored; kind@damping sets the damping (default 0.1)",
+        help="with --factored; kind@damping sets the damping (default 0.1), kind/mode the mode",
     )
     ap.add_argument(
         "--factored-queries",
