@@ -32,7 +32,7 @@ import torch
 from nnstat.store.factored import factor_plan, is_factored
 
 from .factored_scores import StoredQueries
-from .precondition import KronFactor, Preconditioner
+from .precondition import KronFactor, Preconditioner, damped_inverse
 from .sources import LogSource, RowSource, StoreSource, all_rows
 
 __all__ = [
@@ -74,18 +74,15 @@ def factors_preserved(
 
 
 def _side_inverse(f: KronFactor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(S⁻¹, A⁻¹)`` float64 of an undamped K-FAC factor, whose ``eig`` is ``outer(s, a)``:
+    """``(S⁻¹, A⁻¹)`` (float32) of an undamped K-FAC factor, whose ``eig`` is ``outer(s, a)``:
     ``s_x a_y = eig[x, 0] eig[0, y] / eig[0, 0]`` (every entry positive at damping 0, else the
     preconditioner refused it as singular)."""
     eig = f.eig.to(torch.float64)
     s, a = eig[:, 0], eig[0, :] / eig[0, 0]
     out = []
     for q, lam in ((f.q_out, s), (f.q_in, a)):
-        if q is None:  # a diagonal factor: its eigenbasis is the identity
-            out.append(torch.diag(1.0 / lam))
-        else:
-            q = q.to(torch.float64)
-            out.append((q / lam) @ q.T)
+        basis = torch.eye(len(lam), dtype=torch.float64) if q is None else q.to(torch.float64)
+        out.append(damped_inverse(lam, basis, 0.0))
     return out[0], out[1]
 
 
@@ -102,8 +99,8 @@ def _preconditioned(
             continue
         c, r_out, r_in, at = int(m["factors"]), int(m["r_out"]), int(m["r_in"]), int(m["offset"])
         s_inv, a_inv = _side_inverse(pre.factors[m["name"]])
-        u = rows[:, at : at + c * r_out].reshape(-1, r_out).double() @ s_inv
-        v = rows[:, at + c * r_out : at + m["width"]].reshape(-1, r_in).double() @ a_inv
+        u = rows[:, at : at + c * r_out].reshape(-1, r_out) @ s_inv
+        v = rows[:, at + c * r_out : at + m["width"]].reshape(-1, r_in) @ a_inv
         rows[:, at : at + c * r_out] = u.reshape(len(rows), -1).to(rows.dtype)
         rows[:, at + c * r_out : at + m["width"]] = v.reshape(len(rows), -1).to(rows.dtype)
     return rows

@@ -218,6 +218,25 @@ def test_factored_queries_score_as_numpy(
 
 
 @pytest.mark.parametrize("branch", ["host", "device"])
+def test_factored_queries_against_a_dense_store_are_multiplied_out(
+    stores, spies, monkeypatch, branch
+):
+    root, _, (q_meta, q_rows, q), _ = stores
+    pairs, _ = spies
+    device_branch_staging(monkeypatch, on=branch == "device")
+    # the training store dense: every module as r_out x r_in columns (no factors)
+    dense_spec = [s if s[0] == "ln" else (s[0], None, *s[2:]) for s in TRAIN]
+    t_meta, t_rows = _store(root / "dense", dense_spec, N, 2)
+    t = dense_numpy(t_rows, t_meta["modules"])
+    got = compute_influence_all(root / "query", root / "dense", preconditioner="identity",
+                                batch_size=BLOCK, progress=False)  # fmt: skip
+    ref = q @ t.T
+    np.testing.assert_allclose(got.scores.double().numpy(), ref, rtol=2e-4,
+                               atol=2e-4 * np.abs(ref).max())  # fmt: skip
+    assert pairs == []  # no factors on the training side: the queries were multiplied out
+
+
+@pytest.mark.parametrize("branch", ["host", "device"])
 @pytest.mark.parametrize("mode", ["relatif", "cosine", "l2"])
 def test_identity_norms_from_factors_neither_underflow_nor_divide_by_zero(
     tmp_path, spies, monkeypatch, branch, mode
