@@ -257,7 +257,10 @@ class FactoredScores:
             for s in range(0, n, chunk):
                 e = min(n, s + chunk)
                 got = _pair_scores(g, rows[s:e], uq, vq, self.n_queries)
-                res[s:e].copy_(got) if first else res[s:e].add_(got)
+                if first:
+                    res[s:e].copy_(got)
+                else:
+                    res[s:e].add_(got)
             first = False
         for g, direct, qg, per_row in self._parts:
             chunk = chunk_rows(n, rows.shape[1], per_row, budget)

@@ -492,7 +492,7 @@ def compute_self_influence(
         else:
             ids, parts = [], []
             stored = self_influence_view(d, pre)  # factored rows: never multiplied out
-            for b_ids, rows in (stored or d).iter_blocks(batch_size):
+            for b_ids, rows in (d if stored is None else stored).iter_blocks(batch_size):
                 rows = rows.to(torch.float32)
                 ids.extend(b_ids)
                 if stored is not None:
