@@ -225,10 +225,11 @@ class FactoredScores:
         by_query_c = _query_factors(queries, self.plan.dense_width)
         for g in self.plan.groups:
             for c_q, sub, q_group in _split(g, by_query_c):
-                if cheapest_route(n_q, g.c, g.r_out, g.r_in, c_q) == "factors":
+                route = cheapest_route(n_q, g.c, g.r_out, g.r_in, c_q)
+                if route == "factors":
                     self._pairs.append(_factors_part(sub, q_group, queries[0].to(q.device)))
                 else:
-                    self._parts.append(_dense_part(sub, q, n_q))
+                    self._parts.append(_dense_part(sub, q, n_q, route == "direct"))
         self._plain_q = None
         if self.plan.plain:
             self._plain_q = q.index_select(1, self.plan.plain_index(q.device)[1])
@@ -308,15 +309,14 @@ def _direct(g: FactorGroup, rows: torch.Tensor, qd: torch.Tensor) -> torch.Tenso
     return torch.bmm(qv, u.reshape(k * n, c * r_out, 1)).view(k, n, n_q).sum(0)
 
 
-def _dense_part(g: FactorGroup, q: torch.Tensor, n_q: int) -> tuple:
+def _dense_part(g: FactorGroup, q: torch.Tensor, n_q: int, direct: bool) -> tuple:
     """``(g, direct, its queries' columns, transient bytes per row)``: the dense queries' route
-    for the modules of ``g`` (:func:`direct_is_cheaper`)."""
+    for the modules of ``g``, ``direct`` or densify (:func:`cheapest_route`)."""
     span = g.dense_span
     if span is not None:
         qg = q[:, span[0] : span[1]]
     else:
         qg = q.index_select(1, g.index("dense", q.device))
-    direct = direct_is_cheaper(n_q, g.c, g.r_out, g.r_in)
     if direct:  # [K, r_in, n_q * r_out]: one GEMM per module gives Q v_j for all q
         shape = (n_q, g.modules, g.r_out, g.r_in)
         qg = qg.reshape(shape).permute(1, 3, 0, 2).reshape(g.modules, g.r_in, -1)
