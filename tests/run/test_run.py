@@ -337,3 +337,17 @@ def test_setup_rank_is_the_default_projection(tmp_path):
     store = nnstat.GradientStore(run.path)
     assert [(m["r_out"], m["r_in"]) for m in store.modules] == [(2, 2), (2, 2)]
     assert store.meta["projection"]["rank"] == 2 and store.projections()
+
+
+def test_every_store_file_gets_the_umask_mode_statistics_too(tmp_path, umask_027):
+    model, x, y = make()
+    run = nnstat.init(project="modes", root_dir=tmp_path / "logs")
+    nnstat.setup({"statistic": "ekfac"})
+    nnstat.watch(model)
+    nnstat.add_projection(rank=2)
+    for _ in run.schedule():
+        step(run, model, x, y, ids=list(range(24)))
+    names = {p.name for p in run.path.rglob("*")}
+    assert {"statistics.safetensors", "statistics.json", "meta.json"} <= names
+    assert not any(".tmp" in n for n in names)
+    assert umask_027(run.path) == {}
