@@ -104,6 +104,7 @@ class Run(PassEnd):
         # each run(...) block's rows, assembled in place in the writer's reused buffers
         self._rows = BatchRows()
         self._next_auto_id = 0
+        self._pass_ids = store_io.PassIds()  # what a statistics pass saw: its coverage
         self._eval_ids: list[Any] = []
         self._eval_rows: list[torch.Tensor] = []
         self._eval_seen: set[Any] = set()
@@ -320,6 +321,7 @@ class Run(PassEnd):
         project, stats = self._batch_flags
         if stats and self._collector is not None:
             self._collector.on_capture(cap)
+            self._pass_ids.samples = cap.num_samples  # auto ids of a pass storing no rows
         if project:
             in_place = self.mode == "log" and self._logger is not None
             self._rows.add(cap, self._logger.writer if in_place else None)
@@ -334,6 +336,7 @@ class Run(PassEnd):
         is raised at the next block or at finalize())."""
         if not (self.mode == "eval" or self._saving()):
             self._guard.confirm(same)
+            self._pass_ids.note(ids)  # a statistics pass storing no rows: the ids it saw
             return
         assert self._projections is not None
         batch, rowbuf, factors = block.rows, block.buffer, block.factors
