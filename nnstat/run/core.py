@@ -108,7 +108,6 @@ class Run(PassEnd):
         self._eval_ids: list[Any] = []
         self._eval_rows: list[torch.Tensor] = []
         self._eval_seen: set[Any] = set()
-        self._warned_missing: set[str] = set()
         self._atexit = False
         # SIGTERM/SIGINT while a pass is open: its rows are committed, then the signal goes on
         self._on_signal = CommitOnSignal(functools.partial(self._flush_at_exit, "a signal"))
@@ -340,7 +339,8 @@ class Run(PassEnd):
             return
         assert self._projections is not None
         batch, rowbuf, factors = block.rows, block.buffer, block.factors
-        cols = module_blocks(batch, self._projections, self._warned_missing, self.mode != "eval")
+        warned = self.engine.no_gradient_warned  # one warning with the engine's (capture/build.py)
+        cols = module_blocks(batch, self._projections, warned, self.mode != "eval")
         n = cols[0].shape[0]
         if rowbuf is not None:
             for name, col in zip(self._projections, cols, strict=True):
