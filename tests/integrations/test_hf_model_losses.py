@@ -247,11 +247,22 @@ class _SmoothedTrainer(transformers.Trainer):
         return (loss, outputs) if return_outputs else loss
 
 
+class _SmoothedMLM(transformers.BertForMaskedLM):
+    """A model whose own loss is the custom mean loss."""
+
+    def forward(self, input_ids, attention_mask, labels=None):
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask)
+        if labels is not None:
+            out["loss"] = _smoothed_mean(out, labels)
+        return out
+
+
 @pytest.mark.parametrize(
     "source, named",
     [
         ("compute_loss_func", "the Trainer's compute_loss_func"),
         ("override", "_SmoothedTrainer.compute_loss"),
+        ("model", "the model's loss (_SmoothedMLM.forward)"),
     ],
 )
 def test_the_mean_loss_warning_says_what_was_assumed_and_the_fix(tmp_path, source, named):
@@ -259,8 +270,13 @@ def test_the_mean_loss_warning_says_what_was_assumed_and_the_fix(tmp_path, sourc
     model, cols, _ = _bert_mlm()
     if source == "compute_loss_func":
         trainer = _patched(tmp_path, model, cols, compute_loss_func=_smoothed_mean)
-    else:
+    elif source == "override":
         trainer = _patched(tmp_path, model, cols, base=_SmoothedTrainer)
+    else:
+        smoothed = _SmoothedMLM(model.config)
+        smoothed.load_state_dict(model.state_dict())
+        model = smoothed
+        trainer = _patched(tmp_path, model, cols)
     with pytest.warns(UserWarning, match="num_items_in_batch") as caught:
         trainer.extract_log()
     (message,) = [str(w.message) for w in caught if "label tokens" in str(w.message)]
