@@ -86,6 +86,8 @@ class PassEnd:
                 error,
                 seen=lambda logged: self._pass_ids.end_pass(logged, first),
             )
+            if collector is None:
+                self._pass_ids.discard()
             energy, self._rows.energy = self._rows.energy, EnergyTally()
             if logger is not None:
                 record_factor_energy(self.path, self.rank, energy.summary())

@@ -223,8 +223,12 @@ class PassIds:
         a pass that stored rows; ``first``: the pass begins a round); starts the next pass."""
         seen = self.pass_ids if logger_seen is None else set(logger_seen)
         self._round = seen if first else self._round & seen
-        self.pass_ids, self._next_auto = set(), 0
+        self.discard()
         return self._round
+
+    def discard(self) -> None:
+        """Forget the ids of a pass that saved no statistics (nothing they could cover)."""
+        self.pass_ids, self._next_auto = set(), 0
 
 
 def pass_coverage(seen: set | None, path: Path) -> dict[str, Any] | None:
