@@ -31,6 +31,7 @@ from nnstat.capture.build import (
     hook_target,
     path_edges,
     reshaped,
+    warn_without_gradient,
 )
 from nnstat.capture.capture import ModuleCapture
 from nnstat.capture.kinds import supported_modules
@@ -111,6 +112,7 @@ class CaptureEngine(LayoutHooks):
         self._foreign: ForeignUses | None = None
         self._warned_rows = False
         self._batch_norms: list[tuple[str, nn.Module]] = []
+        self.no_gradient_warned: set[str] = set()  # warned once each (build.py), the store too
 
     # ---------------------------------------------------------------- selection
     @property
@@ -535,6 +537,9 @@ class CaptureEngine(LayoutHooks):
         ctx = next(iter(pending.values()))[0][2]
         if caps and (ctx.samples is not None or ctx.mask is not None):
             caps = self._rows_not_samples(self._drop_unbroadcast(caps), ctx)
+        # a module left out has had its own warning
+        got = {c.name for c in caps} | left_out.keys()
+        warn_without_gradient([n for n in self.watched if n not in got], self.no_gradient_warned)
         for cap in caps:
             for consumer in self._consumers:
                 consumer(cap)

@@ -96,8 +96,10 @@ class MeanLossProbe(TorchFunctionMode):
     Costs Python dispatch on every torch call inside the block: use it on one block per pass.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, declared: str = "sum") -> None:
         super().__init__()
+        #: the reduction the caller was told the loss uses (its warnings depend on it)
+        self.declared = declared
         # (what, first dimension of the averaged tensor, gradients the scalar received)
         self.means: list[tuple[str, int, list[float]]] = []
         self.sums: list[tuple[str, int, list[float]]] = []

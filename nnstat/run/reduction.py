@@ -35,17 +35,16 @@ def reduction_probe(
     warned = "mean loss" if loss_reduction == "sum" else "position mean"
     if not active or compiled or not first_block or warned in warned_once:
         return None
-    return MeanLossProbe()
+    return MeanLossProbe(loss_reduction)
 
 
-def warn_mean_loss(
-    probe: MeanLossProbe, n: int, warned_once: set[str], loss_reduction: str = "sum"
-) -> None:
+def warn_mean_loss(probe: MeanLossProbe, n: int, warned_once: set[str]) -> None:
     """Warn (once: ``"mean loss"`` joins ``warned_once``) when ``probe`` saw the loss of a block
-    of ``n`` samples use a mean over the batch under ``loss_reduction="sum"``, or (once:
-    ``"position mean"``) a mean over the positions of the samples (tokens) under ``"mean"``
-    (call it from ``Run.__call__``: the warning points at the user's ``with run(...)``)."""
-    if loss_reduction == "mean":
+    of ``n`` samples use a mean over the batch under ``loss_reduction="sum"`` (the probe's
+    ``declared``), or (once: ``"position mean"``) a mean over the positions of the samples
+    (tokens) under ``"mean"`` (call it from ``Run.__call__``: the warning points at the user's
+    ``with run(...)``)."""
+    if probe.declared == "mean":
         warn_position_mean(probe, n, warned_once)
         return
     what = probe.mean_over_batch(n)
