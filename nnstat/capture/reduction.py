@@ -107,7 +107,13 @@ class MeanLossProbe(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if isinstance(out, torch.Tensor) and out.dim() == 0 and out.requires_grad:
+        # a meta scalar has no gradient value to read: nothing to tell (op-counting runs)
+        if (
+            isinstance(out, torch.Tensor)
+            and out.dim() == 0
+            and out.requires_grad
+            and not out.is_meta
+        ):
             found = _reduction(func, args, kwargs)
             if found is not None and found[2].dim() >= 1 and found[2].numel() > 1:
                 grads: list[float] = []
