@@ -177,9 +177,10 @@ class LayoutHooks:
         return replaced
 
     def _on_model_output(self, model: nn.Module, args: tuple, output: Any) -> None:
-        """Forward hook of a watched model: once, at the end of the first forward inside a
-        block that builds a graph, leave out the modules whose parameters the forward also
-        uses outside them (foreign.py)."""
+        """Forward hook of a watched model, inside a block: warn once about a BatchNorm that
+        used batch statistics, and once, at the end of the first forward that builds a graph,
+        leave out the modules whose parameters the forward also uses outside them
+        (foreign.py)."""
         if self._ctx is None:
             return
         if self._batch_norms:
