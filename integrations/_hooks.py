@@ -130,6 +130,7 @@ class StepStats:
         self._ddp: Any = None  # the DistributedDataParallel model, for the ddp method
         self._ddp_feed: Any = None  # its DDPStepNorms
         self._micro_batch_size: int | None = None
+        self._sizes: list[int | None] = []  # each micro-batch's size since the last step
         self._ranks = 1
         self._tracker: Any = None
         self._built_for: tuple[Any, Any] = (None, None)  # (model, optimizer) of the Tracker
@@ -184,6 +185,7 @@ class StepStats:
                 self._gns_model = model
                 self.gns = self._new_gns()
                 self._micro_feed = self.gns.watch_microbatches(model, ranks=self._ranks)
+            self._sizes.append(self._micro_batch_size)  # `configure` gave this batch's size
             return
         if self._gns_ctx is not None:  # a batch whose backward never came (e.g. skipped)
             self._abandon()
@@ -251,10 +253,30 @@ class StepStats:
         """The step's gradients are final and not yet clipped: measure what the noise scale
         reads from ``.grad`` (the open capture; the micro-batch method's step)."""
         if self._micro_feed is not None:
+            sizes, self._sizes = self._sizes, []
             if self._micro_feed.pending:
-                self._micro_feed.end_step(self._micro_batch_size)
+                self._end_micro_step(sizes)
         elif self.capture_open:
             self.end_backward()
+
+    def _end_micro_step(self, sizes: list[int | None]) -> None:
+        """Measure the micro-batch method's step: with micro-batches of unequal sizes (a
+        smaller last batch of the epoch) each one's size, else the one size (an observation
+        with one size for unequal micro-batches would bias ``trace_sigma``)."""
+        feed = self._micro_feed
+        if len(set(sizes)) <= 1 or None in sizes:
+            feed.end_step(self._micro_batch_size)
+        elif len(sizes) == feed.pending:
+            feed.end_step(sizes)
+        else:
+            feed.discard()
+            warnings.warn(
+                f"nnstat: this step's micro-batches had unequal sizes {sizes}, but "
+                f"{feed.pending} backward passes ran: the step is left out of the noise scale "
+                "(its batch sizes are unknown). Use drop_last=True or one backward per batch.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def end_backward(self) -> None:
         """After the backward pass of a micro-batch: fold its norms into the estimate."""
@@ -313,6 +335,7 @@ class StepStats:
         elif self._micro_feed is not None:
             if clipped:
                 self._micro_feed.discard()
+                self._sizes = []
             else:
                 self.before_clip()
         elif measure_open_batch:

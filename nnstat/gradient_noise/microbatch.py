@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +29,7 @@ from nnstat.gradient_noise.batches import norm_dtype, sq_norms
 from nnstat.gradient_noise.maths import finite_step
 from nnstat.netdict import SameParams
 
-__all__ = ["MicroBatchNorms", "Pairs", "StagedPairs"]
+__all__ = ["MicroBatchNorms", "Pairs", "StagedPairs", "step_batch_size"]
 
 #: ``(layer names, |G_small|^2 per layer, |G_big|^2 per layer, b_small, b_big)``; no names: the
 #: two lists hold the whole model's value only
@@ -196,18 +196,38 @@ class MicroBatchNorms:
         before they could be measured)."""
         self._micro, self._dirty = [], None
 
-    def end_step(self, micro_batch_size: int | None = None) -> bool:
+    def end_step(self, micro_batch_size: int | Sequence[int] | None = None) -> bool:
         """The step's gradients are final (before clipping): stage its observation for the sink.
 
+        Micro-batches of unequal sizes (a smaller last one, ``drop_last=False``) need their
+        sizes, one per backward in order: each micro-batch's loss is then the mean over its
+        own samples, and the two batch sizes of the observation are the harmonic mean ``H``
+        of the sizes and ``ranks x K x H`` (``E|g_k|^2 = |G|^2 + tr(Sigma)/b_k``: the
+        harmonic mean is what keeps both estimates unbiased; with DDP, other ranks are assumed
+        to have the same sizes). A single size for unequal micro-batches biases
+        ``trace_sigma``.
+
         Args:
-            micro_batch_size: samples per micro-batch; ``None``: the constructor's.
+            micro_batch_size: samples per micro-batch (an int), or the size of each of the
+                step's micro-batches (a sequence, one per backward); ``None``: the
+                constructor's.
 
         Returns:
             Whether an observation was staged (``False`` with fewer than 2 micro-batches: one
             batch size only; nothing is kept).
 
         Raises:
-            ValueError: no micro-batch size given anywhere, or one below 1.
+            ValueError: no micro-batch size given anywhere, one below 1, or a sequence whose
+                length is not the step's number of micro-batches.
+
+        Example:
+            >>> model, seen = nn.Linear(3, 1), []
+            >>> micro = MicroBatchNorms(model, seen.append)
+            >>> for b in (4, 2):  # a smaller last micro-batch
+            ...     model(torch.randn(b, 3)).pow(2).mean().div(2).backward()
+            >>> micro.end_step([4, 2]), seen[0].resolve(seen[0].values.tolist())[3:]
+            (True, (2.6666666666666665, 5.333333333333333))
+            >>> micro.close()
         """
         micro, dirty = self._micro, self._dirty
         self.discard()
@@ -215,7 +235,7 @@ class MicroBatchNorms:
         k = len(micro)
         if k < 2:
             return False
-        b = _batch_size(micro_batch_size or self.micro_batch_size, allow_none=False)
+        b = step_batch_size(micro_batch_size or self.micro_batch_size, k)
         present = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
         with torch.no_grad():
             grads = [g for _, g in present]
@@ -230,7 +250,7 @@ class MicroBatchNorms:
         return True
 
     def _combine(
-        self, which: list[list[int]], dirty: bool, k: int, b: int, scale: float, v: list[float]
+        self, which: list[list[int]], dirty: bool, k: int, b: float, scale: float, v: list[float]
     ) -> Pairs | None:
         n = len(self.names)
         small, big = [0.0] * n, [0.0] * n
@@ -261,6 +281,30 @@ class MicroBatchNorms:
             h.remove()
         self._handles = []
         self.discard()
+
+
+def step_batch_size(value: int | Sequence[int] | None, k: int) -> float:
+    """The small batch size of a step of ``k`` micro-batches: ``value`` itself (an int), or the
+    harmonic mean of the sizes of a sequence of ``k`` (unequal micro-batches: the size at which
+    ``E|g|^2 = |G|^2 + tr(Sigma)/b`` holds for their mean squared norm).
+
+    Example:
+        >>> step_batch_size(8, 3), step_batch_size([8, 8, 4], 3)
+        (8, 6.0)
+    """
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        sizes = [_batch_size(v, allow_none=False) for v in value]
+        if len(sizes) != k:
+            raise ValueError(
+                f"micro_batch_size holds {len(sizes)} sizes but the step had {k} micro-batches "
+                "(backward passes); pass one size per micro-batch, in order"
+            )
+        if len(set(sizes)) == 1:
+            return sizes[0]
+        return k / sum(1.0 / s for s in sizes)
+    size = _batch_size(value, allow_none=False)
+    assert size is not None
+    return size
 
 
 def _batch_size(value: int | None, allow_none: bool) -> int | None:

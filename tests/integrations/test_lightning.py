@@ -348,3 +348,35 @@ def test_micro_batches_under_a_grad_scaler_match_and_skipped_steps_are_left_out(
         assert math.isfinite(value) and h["noise_scale/b_simple"] == pytest.approx(value, rel=1e-4)
     assert kept[-1].n_updates == 2
     assert "unscale_" not in vars(scaler)  # the scaler is left as it was
+
+
+def test_a_smaller_last_micro_batch_is_measured_at_its_own_size(tmp_path):
+    """20 points in batches of 8, 8 and 4, three per optimizer step: the step's observation
+    takes each micro-batch's size (the harmonic mean ``H`` and ``3H`` as its batch sizes, the
+    sizes at which the two-batch estimates stay unbiased), not one size for all three."""
+    from nnstat.gradient_noise.maths import two_batch
+
+    class Sized(_MicroReference):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            super().on_train_batch_start(trainer, module, batch, batch_idx)
+            self.sizes.append(len(batch[0]))
+
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            g, self.means = torch.stack(self.means), []
+            sizes, self.sizes = self.sizes, []
+            h = len(sizes) / sum(1 / b for b in sizes)
+            small, big = float(g.pow(2).sum(1).mean()), float(g.mean(0).pow(2).sum())
+            g_sq, trace = two_batch(small, big, h, h * len(sizes))
+            self.values[trainer.global_step + 1] = trace / g_sq
+
+    cb = NNStatCallback(stats=["l2"], groups=["weight"], every=1, noise_scale_beta=0.0)
+    ref = Sized()
+    ref.sizes = []
+    loader = torch.utils.data.DataLoader(_data(20), batch_size=8, shuffle=False)
+    trainer = _trainer(tmp_path, [ref, cb], max_epochs=2, accumulate_grad_batches=3, logger=False)
+    trainer.fit(Tiny(), loader)
+    assert cb.hooks.method == "micro_batch"
+    history = [h for h in cb.history if "noise_scale/b_simple" in h]
+    assert [h["step"] for h in history] == [1, 2]
+    for h in history:
+        assert h["noise_scale/b_simple"] == pytest.approx(ref.values[h["step"]], rel=1e-4)
