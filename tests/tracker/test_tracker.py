@@ -62,6 +62,50 @@ def test_default_step_matches_references(background):
     assert not any(k.startswith("step/") for k in metrics)  # Adam's scalar step is not a layer stat
 
 
+class _Scaled(nn.Module):
+    """A linear map times a learnt 0-d scale (a parameter whose shape is a scalar's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.scale = nn.Linear(5, 3), nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.scale * self.fc(x)
+
+
+@pytest.mark.parametrize("background", [True, False])
+@pytest.mark.parametrize("opt_cls", [torch.optim.Adafactor, torch.optim.Adam])
+def test_every_state_tensor_is_logged_whatever_its_shape_and_no_step_counter(opt_cls, background):
+    """Adafactor keeps factored second moments (``row_var`` ``[3, 1]``, ``col_var`` ``[1, 5]``)
+    for a matrix, ``variance`` for a vector: each is a state of its own shape, logged against
+    numpy. Adam's ``step`` counter is a scalar, like a 0-d parameter itself: not a layer
+    statistic, while that parameter's ``exp_avg`` is."""
+    model = _Scaled()
+    opt = opt_cls(model.parameters(), lr=0.05)
+    tracker = nnstat.Tracker(model, opt, stats=["l2", "abs_max"], background=background)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(8, 5)).pow(2).mean().backward()
+        opt.step()
+        metrics = tracker.step()
+    metrics = dict(metrics)
+    tracker.close()
+    logged = set()
+    for n, p in model.named_parameters():
+        for key, v in opt.state[p].items():
+            if key == "step":
+                continue
+            logged.add(key)
+            assert metrics[f"{key}/{n}/l2"] == pytest.approx(l2(v), rel=1e-6), (key, n)
+            assert metrics[f"{key}/{n}/abs_max"] == pytest.approx(float(v.abs().max()), rel=1e-6)
+    groups = {k.split("/")[0] for k in metrics}
+    assert logged <= groups and "step" not in groups
+    expected = {"row_var", "col_var", "variance"} if opt_cls is torch.optim.Adafactor else set()
+    assert expected <= logged
+    assert ("exp_avg/scale/l2" in metrics) == (opt_cls is torch.optim.Adam)
+
+
 def test_every_n_and_update_over_one_step_with_signed_stats():
     model, opt = setup(torch.optim.SGD, momentum=0.9)
     tracker = nnstat.Tracker(model, opt, every=3, stats=["mean", "min", "max", "skew", "l2"])
