@@ -131,6 +131,7 @@ class StepStats:
         self._ddp_feed: Any = None  # its DDPStepNorms
         self._micro_batch_size: int | None = None
         self._sizes: list[int | None] = []  # each micro-batch's size since the last step
+        self._accumulation = "mean"  # how the framework adds the micro-batch losses up
         self._ranks = 1
         self._tracker: Any = None
         self._built_for: tuple[Any, Any] = (None, None)  # (model, optimizer) of the Tracker
@@ -144,18 +145,22 @@ class StepStats:
         micro_batch_size: int | None,
         ranks: int = 1,
         wrapped: Any = None,
+        accumulation: str = "mean",
     ) -> None:
         """What the framework runs: ``accumulation_steps`` micro-batches of
         ``micro_batch_size`` samples per optimizer step on each of ``ranks`` processes (whose
         gradients it averages at the step), ``wrapped`` being the model as the framework wraps
         it (a ``DistributedDataParallel`` under DDP). The estimator is chosen once, before the
         first batch: ``"auto"`` picks ``"micro_batch"`` when ``accumulation_steps > 1``, else
-        ``"ddp"`` under DDP, else ``"per_sample"``.
+        ``"ddp"`` under DDP, else ``"per_sample"``. ``accumulation``: how the micro-batch
+        losses add up to the step's (`nnstat.NoiseScale.watch_microbatches`: ``"mean"``, each
+        divided by their number; ``"items"``, each summed loss divided by the step's samples).
 
         Raises:
             ValueError: a forced ``noise_scale_method`` that cannot work in this setting.
         """
         self._micro_batch_size, self._ranks = micro_batch_size, int(ranks)
+        self._accumulation = accumulation
         if self._gns_model is None and self.options.noise_scale:  # not started yet
             from nnstat.gradient_noise.ddp import find_ddp
 
@@ -184,7 +189,9 @@ class StepStats:
                 self._close_noise_scale()
                 self._gns_model = model
                 self.gns = self._new_gns()
-                self._micro_feed = self.gns.watch_microbatches(model, ranks=self._ranks)
+                self._micro_feed = self.gns.watch_microbatches(
+                    model, ranks=self._ranks, accumulation=self._accumulation
+                )
             self._sizes.append(self._micro_batch_size)  # `configure` gave this batch's size
             return
         if self._gns_ctx is not None:  # a batch whose backward never came (e.g. skipped)
@@ -258,6 +265,14 @@ class StepStats:
                 self._end_micro_step(sizes)
         elif self.capture_open:
             self.end_backward()
+
+    def note_batch(self, batch: Any) -> None:
+        """The size of the micro-batch whose forward runs now (its first tensor's leading
+        dimension), for frameworks whose batch events carry no batch (HF's Trainer): the
+        micro-batch method measures a smaller last batch at its own size."""
+        size = batch_size(batch)
+        if self._micro_feed is not None and self._sizes and size is not None:
+            self._sizes[-1] = size
 
     def _end_micro_step(self, sizes: list[int | None]) -> None:
         """Measure the micro-batch method's step: with micro-batches of unequal sizes (a
@@ -429,6 +444,21 @@ class StepStats:
             self._close_tracker()
         finally:
             self._close_noise_scale()
+
+
+def batch_size(batch: Any) -> int | None:
+    """The leading dimension of the batch's first tensor (its samples), if any.
+
+    Example:
+        >>> batch_size({"input_ids": torch.zeros(4, 7)}), batch_size(["text"])
+        (4, None)
+    """
+    from torch.utils._pytree import tree_leaves
+
+    for leaf in tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return None
 
 
 def _holds_any(optimizer: Any, model: nn.Module) -> bool:

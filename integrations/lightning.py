@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback
-from nnstat.integrations._hooks import StatsCallbackBase
+from nnstat.integrations._hooks import StatsCallbackBase, batch_size
 from nnstat.integrations._logpass import (
     PassData,
     build_config,
@@ -122,7 +122,7 @@ class NNStatCallback(StatsCallbackBase, Callback):
         if self.options.noise_scale:
             self.hooks.configure(
                 int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
-                _batch_size(batch),
+                batch_size(batch),
                 int(getattr(trainer, "world_size", 1) or 1),
                 wrapped=getattr(getattr(trainer, "strategy", None), "model", None),
             )
@@ -166,16 +166,6 @@ class NNStatCallback(StatsCallbackBase, Callback):
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self.on_train_end(trainer, pl_module)
-
-
-def _batch_size(batch: Any) -> int | None:
-    """The leading dimension of the batch's first tensor (its samples), if any."""
-    from torch.utils._pytree import tree_leaves
-
-    for leaf in tree_leaves(batch):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    return None
 
 
 # ------------------------------------------------------------------ influence helpers

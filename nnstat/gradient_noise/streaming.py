@@ -328,8 +328,10 @@ class NoiseScale:
         Args:
             model: the network (every parameter that requires a gradient).
             micro_batch_size: samples per micro-batch (or pass it to ``end_step``).
-            accumulation: ``"mean"``: micro-batch losses divided by their number (HF, Lightning);
-                ``"sum"``: added as they are.
+            accumulation: ``"mean"``: micro-batch losses divided by their number (Lightning;
+                HF for a model whose loss ignores ``num_items_in_batch``); ``"sum"``: added as
+                they are; ``"items"``: each micro-batch's summed loss divided by the step's
+                samples (HF's ``num_items_in_batch``). They differ for unequal micro-batches.
             ranks: DDP processes the step's ``.grad`` averages over (accumulating under
                 ``no_sync()``; ``B_big`` = ranks x all micro-batches' samples).
 
