@@ -369,7 +369,12 @@ class StepStats:
         self._close_tracker()
         from nnstat.tracker import Tracker
 
-        opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        # a torch optimizer, or a view of several with their `state` and `param_groups`
+        # (Lightning's `Optimizers`)
+        torch_like = isinstance(getattr(optimizer, "state", None), Mapping) and isinstance(
+            getattr(optimizer, "param_groups", None), list
+        )
+        opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) or torch_like else None
         if opt is not None and not _holds_any(opt, model):
             # DeepSpeed ZeRO and master-weight optimizers step flat fp32 copies: the Tracker
             # would reject them, and their states cannot be matched to layers anyway
