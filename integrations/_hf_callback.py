@@ -248,15 +248,17 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
         if module.training and torch.is_grad_enabled():
             self.hooks.note_batch((args, kwargs))
 
+    # The Trainer calls model.train() inside training_step, after these events: after an
+    # evaluation between steps the model is still in eval mode here, yet the batch trains
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any):
         if model is not None:
-            self.hooks.begin_batch(model)
+            self.hooks.begin_batch(model, training=True)
 
     def on_substep_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any):
         # gradient accumulation: one noise-scale observation per micro-batch
         self.hooks.end_backward()
         if model is not None:
-            self.hooks.begin_batch(model)
+            self.hooks.begin_batch(model, training=True)
 
     def _logs_step(self, args: Any, state: Any, step: int) -> bool:
         if self.options.every is not None:

@@ -173,13 +173,17 @@ class StepStats:
                 micro_batch_size,
             )
 
-    def begin_batch(self, model: nn.Module) -> None:
+    def begin_batch(self, model: nn.Module, training: bool | None = None) -> None:
         """Before the forward pass of a micro-batch: start capturing per-sample norms.
 
         The first micro-batch only probes which modules have per-sample gradients (see
         :class:`ModuleProbe`); the noise scale watches those from the next one on.
+        ``training``: whether this batch trains (``None``: ``model.training``); a framework
+        whose event comes before it switches the model back to train mode (HF's Trainer, after
+        an evaluation between steps) says so, else that micro-batch would be left out (and
+        under DDP its samples not counted).
         """
-        if not self.options.noise_scale or not model.training:
+        if not self.options.noise_scale or not (model.training if training is None else training):
             return
         if self.method == "ddp" and self._start_ddp(model):
             self._ddp_feed.count(self._micro_batch_size)

@@ -266,3 +266,33 @@ def test_a_smaller_last_micro_batch_is_measured_at_its_own_size(tmp_path):
         assert h["noise_scale/b_simple"] == pytest.approx(trace / g_sq, rel=1e-4)
         # the Trainer counts labels after the shift, the reference each sample's T tokens
         assert h["noise_scale/trace_sigma"] == pytest.approx(trace * ((T - 1) / T) ** 2, rel=1e-4)
+
+
+def test_an_evaluation_between_steps_leaves_the_next_step_measured(tmp_path):
+    """The Trainer switches the model back to train mode inside ``training_step``, after
+    ``on_step_begin``: an evaluation after every step left the model in eval mode at that
+    event, and the noise scale skipped every batch (no ``noise_scale/`` key at all). Each
+    step after the probe is measured, against per-sample gradients computed independently."""
+    model = _model()
+    record = _Record(model)
+    cb = NNStatCallback(stats=["l2"], groups=["weight"], noise_scale_every=1, noise_scale_beta=0.0)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, save_strategy="no",
+        disable_tqdm=True, seed=0, per_device_train_batch_size=N, max_steps=3, logging_steps=1,
+        learning_rate=1e-2, max_grad_norm=0.0, eval_strategy="steps", eval_steps=1,
+        per_device_eval_batch_size=N,
+    )  # fmt: skip
+    trainer = transformers.Trainer(
+        model, args, train_dataset=Tokens(3 * N), eval_dataset=Tokens(N), callbacks=[cb]
+    )
+    trainer.train()
+    assert sum("eval_loss" in h for h in trainer.state.log_history) == 3
+    logged = {h["step"]: h for h in trainer.state.log_history if "noise_scale/b_simple" in h}
+    assert sorted(logged) == [2, 3]  # the first micro-batch probes which modules qualify
+    modules = sorted(
+        k.split("/")[1] for k in logged[2] if k.startswith("noise_scale/") and k.count("/") == 2
+    )
+    for step, h in logged.items():
+        state, x = record.states[step - 1]
+        g_sq, trace = _reference(model, state, x, modules)
+        assert h["noise_scale/b_simple"] == pytest.approx(trace / g_sq, rel=1e-4)
