@@ -129,9 +129,7 @@ class MicroBatchNorms:
         ranks: int = 1,
     ) -> None:
         if accumulation not in ("mean", "sum", "items"):
-            raise ValueError(
-                f"accumulation must be 'mean', 'sum' or 'items', got {accumulation!r}"
-            )
+            raise ValueError(f"accumulation must be 'mean', 'sum' or 'items', got {accumulation!r}")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no parameter that requires a gradient")

@@ -311,3 +311,16 @@ def test_blocked_sumsq_min_max(monkeypatch, use_numpy):
     bad[150] = float("nan")
     # a non-finite element leaves a non-finite sum of squares: callers recompute exactly
     assert math.isnan(sf.sumsq_min_max([bad])[0, 0].item())
+
+
+def test_statistics_of_a_model_on_meta_name_the_device_and_the_fix():
+    """Parameters built on ``meta`` by mistake hold no values: the statistics say so and how to
+    fix it (torch's own error, "Cannot copy out of meta tensor", names neither)."""
+    from nnstat.netdict import get_weight
+
+    weights = get_weight(torch.nn.Linear(3, 2, device="meta"))
+    for describe in (weights.describe, weights.describe_layers):
+        with pytest.raises(
+            RuntimeError, match="on the meta device and have no values.*build the model on a real"
+        ):
+            describe()
