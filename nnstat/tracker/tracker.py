@@ -49,6 +49,7 @@ from nnstat.tracker.compute import (
     StepPlan,
     assemble,
     by_dtype,
+    snapshot_of,
     tasks,
 )
 from nnstat.tracker.delivery import DeviceSteps
@@ -209,7 +210,7 @@ class Tracker:
         # the update of the first logged step is measured from the weights at construction
         self._prev: list[torch.Tensor] | None = None
         if "update" in self.groups:
-            self._prev = [p.detach().clone() for p in self.params]
+            self._prev = snapshot_of(self.params)  # contiguous: refreshed in flat blocks
         self._worker = WorkerSteps(
             background, optimizer, self.names, self.params, self._prev, self._fsdp1
         )

@@ -106,6 +106,49 @@ def test_every_state_tensor_is_logged_whatever_its_shape_and_no_step_counter(opt
     assert ("exp_avg/scale/l2" in metrics) == (opt_cls is torch.optim.Adam)
 
 
+class _Strided(nn.Module):
+    """Parameters whose storage is not in their logical order: a transposed matrix, every
+    second row of one, and a permuted 3-d tensor, with a contiguous one beside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.t = nn.Parameter(torch.randn(6, 4).t())
+        self.rows = nn.Parameter(torch.randn(8, 3)[::2])
+        self.perm = nn.Parameter(torch.randn(3, 5, 2).permute(2, 0, 1))
+        self.plain = nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, x):
+        return (
+            (x @ self.t).sum() + (x @ self.plain).pow(2).sum() * self.rows.sum() + self.perm.sum()
+        )
+
+
+@pytest.mark.parametrize("background", [True, False])
+@pytest.mark.parametrize("stats", [None, ("l2", "rms", "abs_max", "nonfinite")])
+def test_non_contiguous_parameters_match_numpy_every_step(stats, background):
+    """The default statistics reduce weights and updates in one blocked pass over flat views,
+    refreshing the snapshot block by block; a snapshot copied with the parameter's strides had
+    a flat view that was a copy, so the refresh was lost and every later update was measured
+    from the first weights. Each step's update against numpy, over three steps."""
+    model = _Strided()
+    assert not any(p.is_contiguous() for n, p in model.named_parameters() if n != "plain")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
+    tracker = nnstat.Tracker(model, opt, stats=stats, background=background)
+    for _ in range(3):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.zero_grad()
+        model(torch.randn(5, 4)).backward()
+        opt.step()
+        metrics = dict(tracker.step())
+        for n, p in model.named_parameters():
+            for group, t in (("weight", p), ("grad", p.grad), ("update", p.detach() - before[n])):
+                a = t.detach().double().numpy().ravel()
+                assert metrics[f"{group}/{n}/l2"] == pytest.approx(np.linalg.norm(a), rel=1e-5)
+                assert metrics[f"{group}/{n}/abs_max"] == pytest.approx(np.abs(a).max(), rel=1e-5)
+    tracker.close()
+
+
 def test_every_n_and_update_over_one_step_with_signed_stats():
     model, opt = setup(torch.optim.SGD, momentum=0.9)
     tracker = nnstat.Tracker(model, opt, every=3, stats=["mean", "min", "max", "skew", "l2"])
