@@ -281,7 +281,8 @@ class NoiseScale:
 
         Raises:
             RuntimeError: no watched model (call `watch` first).
-            ValueError: an unknown ``loss_reduction``. (A batch whose norms hold NaN/Inf is
+            ValueError: an unknown ``loss_reduction``; at the block's end, a ``batch_size``
+                other than the samples the watched modules saw. (A batch whose norms hold NaN/Inf is
                 left out with a ``RuntimeWarning`` when they arrive: a later read or
                 ``batch()`` on a GPU.)
 
