@@ -39,15 +39,33 @@ __all__ = ["NNStatArguments", "patch_trainer"]
 
 _DATA_IDS = ("index", "hash")
 
-_MEAN_WARNING = (
-    "nnstat: the model's loss ignores num_items_in_batch and is no cross-entropy averaged over "
-    "the label tokens (labels != -100), so each sample's summed loss is taken as the batch's "
-    "mean loss × batch size; if samples hold different numbers of label tokens, every row of a "
-    "batch is then scaled by a factor that differs between batches and scores across batches "
-    "are distorted. Fix: give the Trainer a compute_loss_func that divides the summed loss by "
-    "its num_items_in_batch argument (nnstat passes 1), or use a model whose loss accepts "
-    "num_items_in_batch."
-)
+
+def mean_loss_warning(source: str, loss: float, labels: torch.Tensor, samples: int) -> str:
+    """The warning of a per-token mean loss nnstat cannot take apart: it names where the loss
+    comes from (``source``), what was assumed (the first batch's ``loss`` a mean over its
+    ``samples`` samples, so a row is the gradient of mean × batch size) with the label tokens
+    each sample holds, what that does to the scores and the fix.
+
+    Example:
+        >>> labels = torch.tensor([[1, -100, -100], [1, 2, 3]])
+        >>> message = mean_loss_warning("the model's loss", 2.0, labels, 2)
+        >>> "(the first batch: 2 × 2). Its samples hold 1, 3 label tokens" in message
+        True
+    """
+    tokens = labels.ne(-100).flatten(1).sum(1).tolist()
+    shown = ", ".join(map(str, tokens[:8])) + (", ..." if len(tokens) > 8 else "")
+    return (
+        f"nnstat: {source} ignores num_items_in_batch and is no cross-entropy averaged over the "
+        "label tokens (labels != -100, shifted by one for a causal LM or not); so nnstat "
+        f"assumed a mean over the batch's samples: each sample's summed loss is taken as the "
+        f"batch's mean loss × its batch size (the first batch: {loss:.6g} × {samples}). Its "
+        f"samples hold {shown} label tokens: where that number differs between samples, every "
+        "row of a batch is scaled by batch size / label tokens, a factor that differs between "
+        "batches, and scores across batches are distorted. Fix: make the loss divide its summed "
+        "token losses by its num_items_in_batch argument (nnstat passes 1 and gets the sum): "
+        "Trainer(..., compute_loss_func=lambda outputs, labels, num_items_in_batch: "
+        "summed_loss(outputs, labels) / num_items_in_batch), or use a model whose loss does"
+    )
 
 
 def label_count(labels: torch.Tensor, shift: bool) -> torch.Tensor:
@@ -322,11 +340,26 @@ def patch_trainer(trainer_cls: type) -> type:
                 shift = label_shift(loss, logits, labels)
                 # integer labels per token may hold -100s: counts differ between samples
                 if shift is None and labels.ndim > 1 and not labels.is_floating_point():
-                    warnings.warn(_MEAN_WARNING, stacklevel=4)
+                    message = mean_loss_warning(
+                        self._nnstat_loss_source(),
+                        float(loss),
+                        labels,
+                        self._nnstat_batch_len(inputs),
+                    )
+                    warnings.warn(message, stacklevel=4)
                 self._nnstat_shift = "batch" if shift is None else shift
             if self._nnstat_shift == "batch":
                 return self._nnstat_batch_len(inputs)
             return label_count(inputs["labels"], self._nnstat_shift)
+
+        def _nnstat_loss_source(self) -> str:
+            """Where the Trainer's loss comes from, as a warning names it."""
+            if getattr(self, "compute_loss_func", None) is not None:
+                return "the Trainer's compute_loss_func"
+            owner = next(c for c in type(self).__mro__ if "compute_loss" in vars(c))
+            if owner is not Trainer:
+                return f"{owner.__name__}.compute_loss"
+            return f"the model's loss ({type(self.model).__name__}.forward)"
 
         def _nnstat_batch_len(self, batch: Any) -> int:
             """Samples in ``batch``: dim 0 of its ``input_key`` tensor, else of its first

@@ -63,6 +63,8 @@ class ModuleProbe:
             tied = shared_parameter_modules(model) & set(names)
             self.excluded.update({n: "its parameters are shared with another module" for n in tied})
         self.names = names
+        # a module without gradient is what the probe finds out (it is not kept): no warning
+        self.engine.no_gradient_warned.update(names)
         self.seen: dict[str, int] = {}
         self.engine.add_consumer(self._record)
         self._ctx: Any = None

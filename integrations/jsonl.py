@@ -42,8 +42,9 @@ from typing import Any
 
 from nnstat.integrations._owners import FlushOwners
 
-from nnstat.describe import Histogram
+from nnstat.describe import Histogram, metric_scalar
 from nnstat.describe.hist_record import check_histogram
+from nnstat.describe.scalars import held_item
 
 __all__ = ["FORMAT_VERSION", "METRICS_FILE", "JsonlLogger", "read_jsonl"]
 
@@ -70,19 +71,12 @@ def _encode(key: str, value: Any) -> Any:
                 },
             }
         }
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, numbers.Real):
-        return _number(float(value))
-    # torch / numpy scalars without importing either, encoded as the Python number they hold
-    # (a complex one is refused below, naming the key)
-    if hasattr(value, "item") and callable(getattr(value, "numel", None)):
-        if value.numel() == 1:
-            return _encode(key, value.item())
-    elif hasattr(value, "item") and getattr(value, "size", None) == 1:
-        return _encode(key, value.item())
+    number = metric_scalar(value)
+    if number is not None:
+        return number if isinstance(number, int) else _number(number)
+    held = held_item(value)  # a one-element complex tensor is refused as "complex"
     raise TypeError(
-        f"JsonlLogger cannot log {key!r} of type {type(value).__name__} "
+        f"JsonlLogger cannot log {key!r} of type {type(value if held is None else held).__name__} "
         "(expected a number, a one-element tensor/array or nnstat.describe.Histogram)"
     )
 

@@ -12,14 +12,13 @@ Example:
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from nnstat.integrations._owners import FlushOwners
 
-from nnstat.describe import Histogram
+from nnstat.describe import Histogram, metric_scalar
 
 __all__ = ["TensorBoardSink"]
 
@@ -28,7 +27,8 @@ class TensorBoardSink:
     """Write a Tracker's flat metrics dict to TensorBoard event files.
 
     Numbers go through ``add_scalar`` (one tag per key, so all layers share one run — unlike
-    ``add_scalars``, which opens a run per key); `nnstat.describe.Histogram` values through
+    ``add_scalars``, which opens a run per key), bools as 0/1 like every sink
+    (`nnstat.describe.metric_scalar`); `nnstat.describe.Histogram` values through
     ``add_histogram_raw`` (already binned on device, no copy of the tensor to the host).
 
     Args:
@@ -88,18 +88,14 @@ class TensorBoardSink:
                     bucket_counts=value.counts.tolist(),
                     global_step=step,
                 )
-            elif isinstance(value, numbers.Real) and not isinstance(value, bool):
-                self.writer.add_scalar(key, float(value), global_step=step)
-            elif (
-                hasattr(value, "item")
-                and getattr(value, "numel", lambda: 0)() == 1
-                and not isinstance(value.item(), complex)  # refused below, naming the key
-            ):
-                self.writer.add_scalar(key, float(value.item()), global_step=step)
+            elif (number := metric_scalar(value)) is not None:
+                # a bool is 0/1, as in the JSON Lines and W&B sinks
+                self.writer.add_scalar(key, float(number), global_step=step)
             else:
                 raise TypeError(
                     f"TensorBoardSink cannot log {key!r} of type {type(value).__name__} "
-                    "(expected a number or nnstat.describe.Histogram)"
+                    "(expected a number, a bool, a one-element tensor/array or "
+                    "nnstat.describe.Histogram)"
                 )
 
     def flush(self) -> None:

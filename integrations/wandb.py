@@ -17,13 +17,15 @@ from typing import Any
 
 from nnstat.integrations._owners import FlushOwners
 
-from nnstat.describe import Histogram
+from nnstat.describe import Histogram, metric_scalar
 
 __all__ = ["WandbSink", "to_wandb"]
 
 
 def to_wandb(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Replace every `nnstat.describe.Histogram` by a ``wandb.Histogram`` (other values unchanged).
+    """Replace every `nnstat.describe.Histogram` by a ``wandb.Histogram`` and every scalar by the
+    number the other sinks log (`nnstat.describe.metric_scalar`: a bool is 0/1, as in the JSON
+    Lines and TensorBoard files, not W&B's boolean); other values (W&B media, tables) unchanged.
 
     Args:
         metrics: a Tracker's metrics dict.
@@ -41,7 +43,8 @@ def to_wandb(metrics: dict[str, Any]) -> dict[str, Any]:
         if isinstance(v, Histogram):
             out[k] = wandb.Histogram(np_histogram=(v.counts, v.edges))
         else:
-            out[k] = v
+            number = metric_scalar(v)
+            out[k] = v if number is None else number
     return out
 
 

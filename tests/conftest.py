@@ -1,9 +1,11 @@
 """Shared fixtures."""
 
 import os
+import stat
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,3 +61,30 @@ def run_python(tmp_path):
         return subprocess.run([sys.executable, *args], **kw)
 
     return run
+
+
+@pytest.fixture
+def umask_027(tmp_path):
+    """Run a test under umask 027 (not the usual 022, so a file created with a fixed mode
+    stands out); yields ``files_with_other_modes(root)``: ``{relative path: mode}`` of each
+    file under ``root`` whose mode is not the one a file created with ``open()`` gets."""
+    old = os.umask(0o027)
+    try:
+        reference = tmp_path / "umask-reference"
+        reference.write_bytes(b"")
+        expected = stat.S_IMODE(reference.stat().st_mode)
+        reference.unlink()
+        assert expected == 0o640
+
+        def files_with_other_modes(root):
+            root = Path(root)
+            modes = {
+                str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode) for p in root.rglob("*")
+            }
+            return {
+                p: oct(m) for p, m in modes.items() if not (root / p).is_dir() and m != expected
+            }
+
+        yield files_with_other_modes
+    finally:
+        os.umask(old)

@@ -6,7 +6,8 @@ per module call; these functions turn one backward's calls into the capture cons
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
@@ -205,3 +206,31 @@ def first_tensor(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor | None:
         elif is_dataclass(x) and not isinstance(x, type):
             todo[:0] = [getattr(x, f.name) for f in fields(x)]
     return None
+
+
+def warn_without_gradient(names: Iterable[str], warned: set[str], stacklevel: int = 2) -> None:
+    """Warn once per module (``warned``: the names warned about so far, updated) that watched
+    modules ``names`` received no gradient: the engine hands their consumers nothing for that
+    backward, and a gradient store keeps zeros for them. One warning for the engine and the
+    store alike (the store passes its engine's ``warned``), so a user reads it once.
+
+    Example:
+        >>> import warnings
+        >>> warned = set()
+        >>> with warnings.catch_warnings(record=True) as seen:
+        ...     warnings.simplefilter("always")
+        ...     warn_without_gradient(["head"], warned); warn_without_gradient(["head"], warned)
+        >>> len(seen), warned
+        (1, {'head'})
+    """
+    new = [n for n in names if n not in warned]
+    if not new:
+        return
+    warned.update(new)
+    warnings.warn(
+        f"watched modules {new} received no gradient in a backward (they did not take part in "
+        "the loss, or neither their parameters nor their inputs require grad): no capture "
+        "reached the consumers for them, and a gradient store keeps their per-sample gradients "
+        "as zeros. If that is expected, watch with a name_filter that excludes them",
+        stacklevel=stacklevel + 1,
+    )

@@ -29,6 +29,7 @@ from nnstat.capture.build import (
     first_tensor,
     hook_target,
     reshaped,
+    warn_without_gradient,
 )
 from nnstat.capture.capture import ModuleCapture
 from nnstat.capture.layouts.ambiguous import SampleRows, add_check_guard
@@ -97,6 +98,7 @@ class CaptureEngine(LayoutHooks):
         self._attention: set[nn.Module] = set()
         # owner -> the other modules sharing its parameters (captured into the owner: tied.py)
         self._tied: dict[nn.Module, list[nn.Module]] = {}
+        self.no_gradient_warned: set[str] = set()  # warned once each (build.py), the store too
 
     # ---------------------------------------------------------------- selection
     @property
@@ -506,6 +508,9 @@ class CaptureEngine(LayoutHooks):
         ctx = next(iter(pending.values()))[0][2]
         if caps and (ctx.samples is not None or ctx.mask is not None):
             caps = self._drop_unbroadcast(caps)
+        # a module left out has had its own warning
+        got = {c.name for c in caps} | left_out.keys()
+        warn_without_gradient([n for n in self.watched if n not in got], self.no_gradient_warned)
         for cap in caps:
             for consumer in self._consumers:
                 consumer(cap)

@@ -298,7 +298,7 @@ class StatisticsCollector:
         root = Path(path)
         root.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.contiguous() for k, v in self._state.items()}
-        save_file(tensors, str(root / TENSORS_FILE))
+        save_tensors_file(tensors, root / TENSORS_FILE)
         meta = {
             "config": {
                 "log": dict(self._log),
@@ -338,6 +338,41 @@ class StatisticsCollector:
                 info["form"], int(info["size"]), info.get("reason", ""), p
             )
         return col
+
+
+def save_tensors_file(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Save ``tensors`` as a safetensors file at ``path``, atomically (a temporary file renamed
+    over it), with the mode any new file of the process gets (``0o666`` less the umask).
+
+    safetensors' ``save_file`` streams the tensors to disk (``save`` would hold a second copy
+    of them in memory, gigabytes of K-FAC factors) but creates its file ``0600``: the mode is
+    taken from a file created the ordinary way at the temporary name, which ``save_file`` then
+    replaces.
+
+    Args:
+        tensors: contiguous tensors by name.
+        path: the file to write (replaced when it exists).
+
+    Example:
+        >>> import tempfile
+        >>> p = Path(tempfile.mkdtemp()) / "t.safetensors"
+        >>> save_tensors_file({"a": torch.zeros(2)}, p); sorted(load_file(str(p)))
+        ['a']
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            mode = os.fstat(fd).st_mode & 0o777  # the umask (or a default ACL) applied
+        finally:
+            os.close(fd)
+        save_file(dict(tensors), str(tmp))
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _config_values(config: Any) -> dict[str, Any]:

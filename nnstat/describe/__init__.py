@@ -17,7 +17,7 @@ Example:
 from nnstat.describe.histogram import DEFAULT_MAX_ELEMENTS, HIST_SUMMARY, Histogram, histograms
 from nnstat.describe.moments import Workspace
 from nnstat.describe.ratios import ratio_from_norms
-from nnstat.describe.scalars import as_float
+from nnstat.describe.scalars import as_float, metric_scalar
 from nnstat.describe.summary import (
     DEFAULT_STATS,
     SIGNED_STATS,
@@ -40,6 +40,7 @@ __all__ = [
     "as_float",
     "cpu_single_thread",
     "histograms",
+    "metric_scalar",
     "ratio_from_norms",
     "summarize",
     "validate_stats",

@@ -160,15 +160,18 @@ class TensorSource:
         return self._projections
 
 
-def check_statistics_coverage(meta: Mapping[str, Any], ids: Sequence[Any], root: Path) -> None:
+def check_statistics_coverage(
+    meta: Mapping[str, Any], ids: Sequence[Any], root: Path | str
+) -> None:
     """Refuse a store whose saved statistics (K-FAC/EK-FAC factors) did not see all of its rows
     (:func:`~nnstat.store.meta.statistics_coverage`): a preconditioner built from them would
-    use the curvature of part of the data only. Stores that record no coverage pass.
+    use the curvature of part of the data only. Stores that record no coverage pass; so do
+    query logs (``get_log()`` records none).
 
     Args:
-        meta: the store's meta.json.
-        ids: the store's ids.
-        root: the store's directory (named in the error).
+        meta: the store's meta.json (or a `GradientLog`'s meta, a copy of it).
+        ids: the store's ids (the log's).
+        root: the store's directory, or what the rows are (named in the error).
 
     Raises:
         ValueError: the statistics cover fewer rows than the store holds.
@@ -443,6 +446,17 @@ class LogSource(TensorSource):
         stats = stats() if callable(stats) else stats
         self._statistics = stats if isinstance(stats, Mapping) else dict(stats or {})
         self.log = log
+        self._coverage_checked = False
+
+    def statistics(self) -> Mapping[str, torch.Tensor]:
+        # a store's rows loaded in memory (GradientStore.load()) carry its meta.json: the same
+        # refusal as the store's own, read from disk
+        if not self._coverage_checked and len(self._statistics):
+            check_statistics_coverage(
+                self.meta, self.ids, "this GradientLog (GradientStore.load() of a store)"
+            )
+            self._coverage_checked = True
+        return self._statistics
 
 
 def as_source(obj: Any) -> RowSource:

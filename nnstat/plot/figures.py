@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from nnstat.plot.canvas import new_figure
-from nnstat.plot.frames import matrix_2d, metrics_frame, select_layers, to_numpy
+from nnstat.plot.frames import (
+    matrix_2d,
+    metrics_frame,
+    no_finite_error,
+    nonfinite_note,
+    select_layers,
+    to_numpy,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -61,6 +68,12 @@ def histogram(
     with ``layer`` naming the parameter (several names overlay their histograms). NaN/Inf are
     left out of the bins and counted in the legend.
 
+    Raises:
+        ValueError: no value of the chosen layers is finite (the message names the layers, their
+            NaN and Inf counts, and how to find the step that produced them); ``layer`` missing
+            for a mapping of several layers.
+        KeyError: ``layer`` is not in the mapping.
+
     Example:
         >>> import torch
         >>> fig = histogram({"fc.weight": torch.randn(64, 32)}, "fc.weight")
@@ -71,7 +84,8 @@ def histogram(
     picked = [_pick(data, name) for name in names]
     finite_all = np.concatenate([v[np.isfinite(v)].ravel() for v, _ in picked])
     if finite_all.size == 0:
-        raise ValueError("no finite value to histogram")
+        everything = np.concatenate([v.ravel() for v, _ in picked])
+        raise no_finite_error(everything, [name for _, name in picked])
     edges = np.histogram_bin_edges(finite_all, bins=bins)
     for values, name in picked:
         flat = values.ravel()
@@ -79,8 +93,11 @@ def histogram(
         bad = flat.size - finite.size
         label = (
             f"{name or 'values'}  n={flat.size:,}  mean={finite.mean():.3g}  std={finite.std():.3g}"
+            if finite.size
+            # an overlaid layer with nothing to draw says why rather than "mean=nan"
+            else f"{name or 'values'}  no finite value ({nonfinite_note(flat)})"
         )
-        if bad:
+        if bad and finite.size:
             label += f"  nonfinite={bad}"
         style = "stepfilled" if len(picked) == 1 else "step"
         ax.hist(finite, bins=edges, histtype=style, alpha=0.75, linewidth=1.5, label=label)
@@ -110,11 +127,18 @@ def weight_heatmap(
     symmetric around zero. Conv kernels are flattened per output channel; matrices larger than
     ``max_size`` on a side are block-averaged.
 
+    Raises:
+        ValueError: the layer holds no finite value (the message names it and how to find the
+            step that produced the NaN/Inf).
+
     Example:
         >>> import torch
         >>> fig = weight_heatmap(torch.nn.Linear(20, 10).weight)
     """
     values, name = _pick(data, layer)
+    if not np.isfinite(values).any():
+        # an all-blank image would look like a drawing bug, not like a diverged layer
+        raise no_finite_error(values, [name])
     original = values.shape
     mat = matrix_2d(values, max_size)
     limit = float(np.nanmax(np.abs(mat))) if np.isfinite(mat).any() else 1.0

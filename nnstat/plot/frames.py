@@ -44,6 +44,43 @@ def to_numpy(x: Any) -> np.ndarray:
     return x.astype(np.float64)
 
 
+def nonfinite_note(values: np.ndarray) -> str:
+    """How many of ``values`` are NaN and how many are +-Inf, in words.
+
+    Example:
+        >>> nonfinite_note(np.array([np.nan, np.inf, -np.inf, 1.0]))
+        '1 NaN, 2 Inf of 4 values'
+    """
+    n_nan = int(np.isnan(values).sum())
+    n_inf = int(np.isinf(values).sum())
+    return f"{n_nan:,} NaN, {n_inf:,} Inf of {values.size:,} values"
+
+
+def no_finite_error(values: np.ndarray, names: Sequence[str]) -> ValueError:
+    """The error of a figure asked to draw layers that hold no finite value: it names each
+    layer, says how many of its values are NaN and Inf, and how to find where they came from.
+
+    ``names`` are the layers drawn (``""`` for data passed without a name).
+
+    Example:
+        >>> str(no_finite_error(np.array([np.nan, np.inf]), ["fc.weight"])).split(":")[0]
+        "layer 'fc.weight' holds no finite value"
+    """
+    named = [n for n in names if n]
+    what = (
+        ("layer " if len(named) == 1 else "layers ") + ", ".join(repr(n) for n in named)
+        if named
+        else "the data"
+    )
+    return ValueError(
+        f"{what} holds no finite value: {nonfinite_note(values)}, nothing to plot. The values "
+        "diverged (or were never set); to find the first step and tensor that went non-finite, "
+        "read the 'nonfinite' statistic the Tracker logs per layer by default, or record the run with nnstat.Recorder(..., rules=[nnstat.recorder.nonfinite()]), whose "
+        "steps name the first offender; then lower the learning rate, clip the gradients or "
+        "fix the input that produced them there"
+    )
+
+
 def metrics_frame(history: Any) -> pd.DataFrame:
     """A wide frame (index: step, one column per metric key) from a metric history.
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from nnstat.plot.canvas import new_figure
-from nnstat.plot.frames import to_numpy
+from nnstat.plot.frames import no_finite_error, to_numpy
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -44,6 +44,10 @@ def receptive_fields(
     with its unit index. The tiles are one mosaic image in one axes (a hundred axes would take
     seconds to lay out).
 
+    Raises:
+        ValueError: ``weight`` is not ``[units, H*W]``, ``order`` is unknown, or no weight is
+            finite (the message counts the NaN and Inf and says how to find their source).
+
     Example:
         >>> import torch
         >>> fig = receptive_fields(torch.randn(10, 16), image_shape=(4, 4), ncols=5)
@@ -58,6 +62,8 @@ def receptive_fields(
         )
     if order not in ("norm", "index"):
         raise ValueError(f"order must be 'norm' or 'index', got {order!r}")
+    if not np.isfinite(w).any():
+        raise no_finite_error(w, [])
     units = np.arange(w.shape[0])
     if order == "norm":
         units = np.argsort(-np.linalg.norm(w, axis=1), kind="stable")

@@ -103,11 +103,12 @@ class TrialWriter:
             np.save(fh, np.ascontiguousarray(stats, dtype=np.float32), allow_pickle=False)
         os.replace(tmp, steps / f"{stem}.npy")
         if values:
-            from safetensors.torch import save_file
+            from safetensors.torch import save
 
-            tmp = steps / f".{stem}.values.tmp{os.getpid()}"
-            save_file({k: v.contiguous() for k, v in values.items()}, str(tmp))
-            os.replace(tmp, steps / f"{stem}.values.safetensors")
+            # bytes through the same temporary file as the other files (so the same umask
+            # mode: safetensors' save_file creates its file 0600); raw values are small tensors
+            blob = save({k: v.contiguous() for k, v in values.items()})
+            _atomic_write(steps / f"{stem}.values.safetensors", blob)
         _atomic_write(steps / f"{stem}.json", _dumps(meta))
 
     def append_kpis(self, records: list[dict[str, Any]]) -> None:

@@ -104,10 +104,10 @@ class Run(PassEnd):
         # each run(...) block's rows, assembled in place in the writer's reused buffers
         self._rows = BatchRows()
         self._next_auto_id = 0
+        self._pass_ids = store_io.PassIds()  # what a statistics pass saw: its coverage
         self._eval_ids: list[Any] = []
         self._eval_rows: list[torch.Tensor] = []
         self._eval_seen: set[Any] = set()
-        self._warned_missing: set[str] = set()
         self._atexit = False
         # SIGTERM/SIGINT while a pass is open: its rows are committed, then the signal goes on
         self._on_signal = CommitOnSignal(functools.partial(self._flush_at_exit, "a signal"))
@@ -320,6 +320,7 @@ class Run(PassEnd):
         project, stats = self._batch_flags
         if stats and self._collector is not None:
             self._collector.on_capture(cap)
+            self._pass_ids.samples = cap.num_samples  # auto ids of a pass storing no rows
         if project:
             in_place = self.mode == "log" and self._logger is not None
             self._rows.add(cap, self._logger.writer if in_place else None)
@@ -334,10 +335,12 @@ class Run(PassEnd):
         is raised at the next block or at finalize())."""
         if not (self.mode == "eval" or self._saving()):
             self._guard.confirm(same)
+            self._pass_ids.note(ids)  # a statistics pass storing no rows: the ids it saw
             return
         assert self._projections is not None
         batch, rowbuf, factors = block.rows, block.buffer, block.factors
-        cols = module_blocks(batch, self._projections, self._warned_missing, self.mode != "eval")
+        warned = self.engine.no_gradient_warned  # one warning with the engine's (capture/build.py)
+        cols = module_blocks(batch, self._projections, warned, self.mode != "eval")
         n = cols[0].shape[0]
         if rowbuf is not None:
             for name, col in zip(self._projections, cols, strict=True):

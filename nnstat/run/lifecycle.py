@@ -45,6 +45,7 @@ class PassEnd:
     _flushed_early: bool
     _next_auto_id: int
     _rows: Any
+    _pass_ids: store_io.PassIds
 
     def _stats_on(self) -> bool:  # pragma: no cover - Run's
         raise NotImplementedError
@@ -75,8 +76,18 @@ class PassEnd:
         self._pass_params, self._probe_reduction = None, True
         self._guard.reset()
         error, self._writer_error = self._writer_error, None
+        first = self._pass == 0  # a round's first pass: its statistics start afresh
         try:
-            saved = store_io.close_pass(logger, collector, self.path, self.rank, error)
+            saved = store_io.close_pass(
+                logger,
+                collector,
+                self.path,
+                self.rank,
+                error,
+                seen=lambda logged: self._pass_ids.end_pass(logged, first),
+            )
+            if collector is None:
+                self._pass_ids.discard()
             energy, self._rows.energy = self._rows.energy, EnergyTally()
             if logger is not None:
                 record_factor_energy(self.path, self.rank, energy.summary())

@@ -21,12 +21,12 @@ Example:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
 
+from nnstat.capture.build import warn_without_gradient
 from nnstat.capture.capture import modules_by_size
 from nnstat.store import outer
 from nnstat.store.factored import EnergyTally, factor_rows
@@ -271,7 +271,9 @@ def module_blocks(
     """One ``[N, width]`` block per module in layout order; zeros for modules without gradient.
 
     A watched module that took no part in the loss has a zero gradient: stored as zeros, with a
-    one-time warning naming it (``factored=False``: a query block's dense widths). Nothing captured at all is an error (no backward in the block).
+    one-time warning naming it (``warned``: the engine's, which gave it already when a backward
+    of the block left the module out; ``factored=False``: a query block's dense widths).
+    Nothing captured at all is an error (no backward in the block).
     """
     if not batch:
         raise RuntimeError(
@@ -279,14 +281,7 @@ def module_blocks(
             "(and make sure the loss depends on a watched module)"
         )
     n = next(iter(batch.values())).shape[0]
-    new = [m for m in projections if m not in batch and m not in warned]
-    if new:
-        warned.update(new)
-        warnings.warn(
-            f"watched modules {new} received no gradient in a batch; their per-sample "
-            "gradients are stored as zeros (they did not take part in the loss)",
-            stacklevel=4,
-        )
+    warn_without_gradient([m for m in projections if m not in batch], warned, stacklevel=4)
     return [
         batch[m] if m in batch else torch.zeros(n, p.width if factored else p.dense_width)
         for m, p in projections.items()

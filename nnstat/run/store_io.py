@@ -12,7 +12,7 @@ Example:
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -186,14 +186,67 @@ def close_after_failure(logger: StoreLogger, error: BaseException) -> None:
         add_note(error, f"closing the store failed too: {also!r}")
 
 
-def pass_coverage(logger: StoreLogger | None, path: Path) -> dict[str, Any] | None:
-    """The rows of the store at ``path`` (flushed) that a statistics pass saw: the ids its
-    ``logger`` was given, stored or skipped as already stored
-    (:func:`~nnstat.store.meta.statistics_coverage_record`). ``None`` (unknown) for a pass
-    that logged no rows, or under ``torch.distributed`` (rank 0 sees its own ids only)."""
-    if logger is None or rank_world()[1] > 1:
+class PassIds:
+    """The data ids the statistics of a schedule round saw, for the coverage its passes record.
+
+    A pass that stores rows has its logger's ids (stored, or skipped as already stored); a
+    statistics pass that stores none (EK-FAC's ``factors`` pass, ``save=None``) notes each
+    block's ids here (`note`), a block without ``data_id`` numbered 0, 1, ... like the rows a
+    pass stores without ids. The statistics saved at a pass's end hold every pass of the round
+    so far (the EK-FAC factors and their eigenvalues), so they cover the ids all of them saw.
+
+    Example:
+        >>> ids = PassIds()
+        >>> ids.note([3, 4]); ids.samples = 2; ids.note(None)
+        >>> sorted(ids.end_pass(None, first=True))
+        [0, 1, 3, 4]
+        >>> sorted(ids.end_pass({1, 3}, first=False))  # the round's second pass saw 1 and 3
+        [1, 3]
+    """
+
+    def __init__(self) -> None:
+        self.pass_ids: set[Any] = set()
+        self.samples = 0  # the batch size of the last captured block (set by the Run's hook)
+        self._next_auto = 0
+        self._round: set[Any] = set()
+
+    def note(self, ids: list | None) -> None:
+        """A block of a statistics pass that stores no rows saw ``ids`` (``None``: the next
+        `samples` automatic ids)."""
+        if ids is None:
+            ids = list(range(self._next_auto, self._next_auto + self.samples))
+            self._next_auto += self.samples
+        self.pass_ids.update(ids)
+
+    def end_pass(self, logger_seen: set | None, first: bool) -> set[Any]:
+        """The ids the round's statistics cover once this pass ends (``logger_seen``: the ids of
+        a pass that stored rows; ``first``: the pass begins a round); starts the next pass."""
+        seen = self.pass_ids if logger_seen is None else set(logger_seen)
+        self._round = seen if first else self._round & seen
+        self.discard()
+        return self._round
+
+    def discard(self) -> None:
+        """Forget the ids of a pass that saved no statistics (nothing they could cover)."""
+        self.pass_ids, self._next_auto = set(), 0
+
+
+def pass_coverage(seen: set | None, path: Path) -> dict[str, Any] | None:
+    """The rows of the store at ``path`` (flushed) that the saved statistics cover: ``seen``
+    (`PassIds.end_pass`), gathered from every rank under ``torch.distributed`` (a collective:
+    every rank calls it) against the store's ids
+    (:func:`~nnstat.store.meta.statistics_coverage_record`); ``None`` (unknown) without ids."""
+    if seen is None:
         return None
-    return statistics_coverage_record(logger.seen, stored_ids(Path(path) / SHARD_DIR))
+    world = rank_world()[1]
+    if world > 1:
+        import torch.distributed as dist
+
+        # each rank saw its own part of the data; ids are ints and strings
+        parts: list[Any] = [None] * world
+        dist.all_gather_object(parts, list(seen))
+        seen = set().union(*parts)
+    return statistics_coverage_record(seen, stored_ids(Path(path) / SHARD_DIR))
 
 
 def close_pass(
@@ -202,8 +255,10 @@ def close_pass(
     path: Path,
     rank: int,
     error: BaseException | None = None,
+    seen: Callable[[set | None], set | None] = lambda logged: logged,
 ) -> dict[str, torch.Tensor] | None:
-    """End a logging pass: flush the store, then save the statistics (and record their hash).
+    """End a logging pass: flush the store, then save the statistics (and record their hash
+    and the store rows they cover).
 
     Args:
         logger: the pass's open logger (``None``: no rows logged, or flushed already).
@@ -211,6 +266,8 @@ def close_pass(
         path: the project directory.
         rank: this process's rank.
         error: a writer failure seen earlier in the pass, raised at the end.
+        seen: the ids the saved statistics cover, given the logger's ids (``None`` without a
+            logger): `PassIds.end_pass`.
 
     Returns:
         The saved statistics' state (``None`` without a collector).
@@ -227,8 +284,10 @@ def close_pass(
         error = e
     if collector is not None:
         try:
+            # gathered before rank 0 saves, next to the statistics' own all-reduce
+            covered = pass_coverage(seen(None if logger is None else logger.seen), path)
             saved = save_statistics(collector, path, rank)
-            record_statistics_hash(path, rank, saved=saved, coverage=pass_coverage(logger, path))
+            record_statistics_hash(path, rank, saved=saved, coverage=covered)
         except BaseException as e:
             if error is None:
                 raise

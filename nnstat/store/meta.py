@@ -355,7 +355,7 @@ def statistics_coverage_record(seen: Set[DataId], store_ids: Set[DataId]) -> dic
 def statistics_coverage(meta: Mapping[str, Any], ids: Sequence[DataId]) -> tuple[int, int] | None:
     """``(rows the saved statistics cover, rows of the store)`` for a store with ``ids`` and
     ``meta``; ``None`` when meta.json records no coverage (a store written before it was
-    recorded, a statistics pass that logged no rows, or one under ``torch.distributed``).
+    recorded).
 
     Rows are only ever added to a store: rows added after the statistics were saved count as
     not covered, unless the statistics pass saw exactly the ids the store now holds.

@@ -372,3 +372,61 @@ def test_forward_consumers_see_values_also_under_no_grad():
     with engine.batch():
         model(x)
     assert len(fwd.seen) == 2
+
+
+class _WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(3, 2)
+        self.frozen = nn.Linear(3, 3).requires_grad_(False)  # its input needs no grad either
+        self.unused = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.used(self.frozen(x))
+
+
+def test_a_watched_module_without_gradient_is_warned_about_once_naming_it():
+    torch.manual_seed(0)
+    model, x = _WithUnused(), torch.randn(4, 3)
+    engine = CaptureEngine()
+    assert engine.watch(model) == ["used", "frozen", "unused"]
+    seen: list[str] = []
+    grads: dict[str, torch.Tensor] = {}
+
+    def consumer(cap):
+        seen.append(cap.name)
+        grads[cap.name] = cap.per_sample_grads_by_param()["weight"]
+
+    engine.add_consumer(consumer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # two backwards: still one warning
+            with engine.batch():
+                model(x).pow(2).sum().backward()
+    engine.unwatch()
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert len(messages) == 1, messages
+    assert "['frozen', 'unused'] received no gradient" in messages[0]
+    assert "name_filter" in messages[0]
+    assert seen == ["used", "used"]
+    # what was captured is exact: torch.func per-sample gradients of the used layer
+    params = {k: v.detach() for k, v in model.used.named_parameters()}
+
+    def loss(p, xi):
+        return functional_call(model.used, p, (model.frozen(xi[None]),)).pow(2).sum()
+
+    ref = vmap(grad(loss), in_dims=(None, 0))(params, x)["weight"]
+    torch.testing.assert_close(grads["used"], ref)
+
+
+def test_the_framework_probe_leaves_out_a_module_without_gradient_without_warning():
+    # the probe finds such modules out (the noise scale then watches the others): no warning
+    from nnstat.integrations._probe import ModuleProbe
+
+    model = _WithUnused()
+    probe = ModuleProbe(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with probe:
+            model(torch.randn(4, 3)).sum().backward()
+    assert probe.keep() == ["used"]

@@ -5,8 +5,11 @@ against explicitly built K-FAC factors."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from _dist import spawn
 from _influence_ref import layer_grads
 from torch import nn
 
@@ -17,12 +20,17 @@ from nnstat.store import files
 N, BATCH, LAM = 40, 10, 1e-2
 
 
-@pytest.fixture(scope="module")
-def data():
+def _data():
+    """The model, N training samples and 4 queries (the same in every process)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
     x, y = torch.randn(N + 4, 6), torch.randint(0, 3, (N + 4,))
     return model, (x[:N], y[:N]), (x[N:], y[N:])
+
+
+@pytest.fixture(scope="module")
+def data():
+    return _data()
 
 
 def _loss(model, x, y):
@@ -118,3 +126,85 @@ def test_store_recording_no_coverage_scores_as_before(tmp_path, data):
     res = compute_influence_all(log, path, preconditioner="kfac", damping=LAM, progress=False)
     # the statistics of the last pass only, as such a store always held
     _check(res.scores, _kfac_reference(model, train, query, slice(N // 2, N)))
+
+
+def _statistics_pass(root, model, train, lo, hi, ids=True, statistic="kfac"):
+    """A statistics pass that stores no rows (``save=None``) over the samples ``lo..hi``,
+    given their ids, or none (``ids=False``: numbered 0, 1, ... as rows stored without ids)."""
+    run = nnstat.init(project="store", root_dir=root)
+    nnstat.setup({"log": "grad", "save": None, "statistic": statistic})
+    nnstat.watch(model)
+    x, y = train
+    for _ in run.schedule():
+        for s in range(lo, hi, BATCH):
+            with run(data_id=list(range(s, s + BATCH)) if ids else None):
+                _loss(model, x[s : s + BATCH], y[s : s + BATCH]).backward()
+            model.zero_grad()
+    nnstat.unwatch()
+
+
+@pytest.mark.parametrize("ids", [True, False], ids=["data_id", "no data_id"])
+def test_a_statistics_pass_storing_no_rows_records_what_it_covers(tmp_path, data, ids):
+    model, train, query = data
+    path = _log(tmp_path, "store", model, train, 0, N)
+    log = _query_log(tmp_path, model, query)
+    _statistics_pass(tmp_path, model, train, 0, N // 2, ids)  # its statistics replace the store's
+    with pytest.raises(ValueError, match=r"cover 20 of the store's 40 rows"):
+        compute_influence_all(log, path, preconditioner="kfac", damping=LAM, progress=False)
+    _statistics_pass(tmp_path, model, train, 0, N, ids)  # again over every row
+    res = compute_influence_all(log, path, preconditioner="kfac", damping=LAM, progress=False)
+    _check(res.scores, _kfac_reference(model, train, query, slice(0, N)))
+
+
+def test_ekfac_statistics_cover_the_ids_both_passes_saw(tmp_path, data):
+    # the eigenvalues pass sees every row, the factors pass (its eigenbases) only half of them
+    model, train, query = data
+    run = nnstat.init(project="store", root_dir=tmp_path)
+    nnstat.setup({"log": "grad", "save": "grad", "statistic": "ekfac"})
+    nnstat.watch(model)
+    x, y = train
+    for spec in run.schedule():
+        for s in range(0, N // 2 if spec.name == "factors" else N, BATCH):
+            with run(data_id=list(range(s, s + BATCH))):
+                _loss(model, x[s : s + BATCH], y[s : s + BATCH]).backward()
+            model.zero_grad()
+    nnstat.unwatch()
+    log = _query_log(tmp_path, model, query)
+    for kind in ("kfac", "ekfac"):
+        with pytest.raises(ValueError, match=r"cover 20 of the store's 40 rows"):
+            compute_influence_all(log, run.path, preconditioner=kind, damping=LAM, progress=False)
+
+
+def _ranks_log(rank, root, lo, hi):
+    """Rank ``rank`` of two logs its half of the ids ``lo..hi`` (K-FAC all-reduced)."""
+    model, train, _ = _data()
+    half = (hi - lo) // 2
+    _log(Path(root), "store", model, train, lo + rank * half, lo + (rank + 1) * half)
+
+
+def test_coverage_under_torch_distributed_counts_every_ranks_rows(tmp_path, data):
+    model, train, query = data
+    spawn(_ranks_log, str(tmp_path), 0, N // 2)
+    path = tmp_path / "store"
+    meta = files.read_json(path / "meta.json")
+    assert {k: meta["statistics_coverage"][k] for k in ("rows", "of")} == {"rows": 20, "of": 20}
+    log = _query_log(tmp_path, model, query)
+    res = compute_influence_all(log, path, preconditioner="kfac", damping=LAM, progress=False)
+    half = (train[0][: N // 2], train[1][: N // 2])
+    _check(res.scores, _kfac_reference(model, half, query, slice(0, N // 2)))
+    spawn(_ranks_log, str(tmp_path), N // 2, N)  # new rows, whose statistics replace the first
+    with pytest.raises(ValueError, match=r"cover 20 of the store's 40 rows"):
+        compute_influence_all(log, path, preconditioner="kfac", damping=LAM, progress=False)
+
+
+def test_a_store_loaded_in_memory_is_refused_as_the_store_is(tmp_path, data):
+    model, train, query = data
+    _log(tmp_path, "store", model, train, 0, N // 2)
+    path = _log(tmp_path, "store", model, train, N // 2, N)
+    log = _query_log(tmp_path, model, query)
+    loaded = nnstat.GradientStore(path).load()
+    for kind in ("kfac", "ekfac", None):  # None: the default, ekfac here
+        with pytest.raises(ValueError, match=r"GradientLog.*cover 20 of the store's 40 rows"):
+            compute_influence_all(log, loaded, preconditioner=kind, damping=LAM, progress=False)
+    raw = compute_influence_all(log, loaded, preconditioner="raw", damping=LAM, progress=False)
+    assert raw.train_ids == list(range(N))

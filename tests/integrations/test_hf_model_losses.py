@@ -7,6 +7,7 @@ from a per-sample autograd loop."""
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -28,8 +29,9 @@ class Rows(torch.utils.data.Dataset):
         return {k: v[i] for k, v in self.columns.items()}
 
 
-def _patched(tmp_path, model, cols: dict, **trainer_kwargs):
-    """The patched Trainer logging per-sample gradients of ``cols`` (batches of 4 and 2)."""
+def _patched(tmp_path, model, cols: dict, base=None, **trainer_kwargs):
+    """The patched Trainer (``base``: the Trainer class patched) logging per-sample gradients of
+    ``cols`` (batches of 4 and 2)."""
     args = transformers.TrainingArguments(
         str(tmp_path / "out"), report_to="none", use_cpu=True, per_device_eval_batch_size=4
     )
@@ -37,7 +39,7 @@ def _patched(tmp_path, model, cols: dict, **trainer_kwargs):
         "hf", root_dir=str(tmp_path), lora=False, progress=False, track=False,
         config={"log": "grad", "save": "grad", "statistic": "none"},
     )  # fmt: skip
-    return patch_trainer(transformers.Trainer)(
+    return patch_trainer(base or transformers.Trainer)(
         nnstat_args=nargs, model=model, args=args, train_dataset=Rows(cols), **trainer_kwargs
     )
 
@@ -233,3 +235,60 @@ def test_unrecognised_mean_loss_warns_once_and_scales_by_batch_size(tmp_path):
             scale = (stop - start) / batch["labels"].ne(-100).sum()
             ref.append(_squared_norm(model, params, own * scale))
     torch.testing.assert_close(got.double(), torch.stack(ref), rtol=1e-4, atol=1e-8)
+
+
+class _SmoothedTrainer(transformers.Trainer):
+    """A Trainer whose own compute_loss is the custom mean loss."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        loss = _smoothed_mean(outputs, labels)
+        return (loss, outputs) if return_outputs else loss
+
+
+class _SmoothedMLM(transformers.BertForMaskedLM):
+    """A model whose own loss is the custom mean loss."""
+
+    def forward(self, input_ids, attention_mask, labels=None):
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask)
+        if labels is not None:
+            out["loss"] = _smoothed_mean(out, labels)
+        return out
+
+
+@pytest.mark.parametrize(
+    "source, named",
+    [
+        ("compute_loss_func", "the Trainer's compute_loss_func"),
+        ("override", "_SmoothedTrainer.compute_loss"),
+        ("model", "the model's loss (_SmoothedMLM.forward)"),
+    ],
+)
+def test_the_mean_loss_warning_says_what_was_assumed_and_the_fix(tmp_path, source, named):
+    torch.manual_seed(0)
+    model, cols, _ = _bert_mlm()
+    if source == "compute_loss_func":
+        trainer = _patched(tmp_path, model, cols, compute_loss_func=_smoothed_mean)
+    elif source == "override":
+        trainer = _patched(tmp_path, model, cols, base=_SmoothedTrainer)
+    else:
+        smoothed = _SmoothedMLM(model.config)
+        smoothed.load_state_dict(model.state_dict())
+        model = smoothed
+        trainer = _patched(tmp_path, model, cols)
+    with pytest.warns(UserWarning, match="num_items_in_batch") as caught:
+        trainer.extract_log()
+    (message,) = [str(w.message) for w in caught if "label tokens" in str(w.message)]
+    assert message.startswith(f"nnstat: {named} ignores num_items_in_batch")
+    # what was assumed, with the first batch's numbers: its loss (recomputed here) × 4 samples
+    model.eval()
+    batch = {k: v[:4] for k, v in cols.items()}
+    with torch.no_grad():
+        first = float(_smoothed_mean(model(**batch), batch["labels"]))
+    assumed = re.search(r"the first batch: (\S+) × (\d+)\)", message)
+    assert float(assumed[1]) == pytest.approx(first, rel=1e-5) and assumed[2] == "4"
+    counts = ", ".join(str(n) for n in batch["labels"].ne(-100).sum(1).tolist())
+    assert counts == "1, 3, 1, 5" and f"samples hold {counts} label tokens" in message
+    assert "compute_loss_func=lambda outputs, labels, num_items_in_batch: " in message
+    assert "/ num_items_in_batch" in message

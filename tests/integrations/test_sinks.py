@@ -323,3 +323,55 @@ def test_each_sink_gets_its_own_histogram_arrays():
     for key, (counts, edges) in seen[-1].items():
         assert counts.sum() > 0 and edges[-1] > edges[0], key  # before: the first sink's zeros
         np.testing.assert_array_equal(counts, metrics[key].counts)  # step()'s value, unchanged
+
+
+# one history with a bool of each kind (Python, NumPy, torch); the reference is Python's own
+# bool -> number conversion
+BOOL_STEPS = [
+    {"flag": True, "np_flag": np.bool_(False), "t_flag": torch.tensor([True]), "x": 0.5},
+    {"flag": False, "np_flag": np.bool_(True), "t_flag": torch.tensor(False), "x": 1.5},
+]
+BOOL_EXPECTED = {
+    k: [m[k] if k == "x" else float(bool(m[k])) for m in BOOL_STEPS] for k in BOOL_STEPS[0]
+}
+
+
+def test_tensorboard_jsonl_and_frames_log_a_bool_as_0_or_1(tmp_path):
+    from nnstat.integrations.jsonl import JsonlLogger, read_jsonl
+    from nnstat.integrations.tensorboard import TensorBoardSink
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    from nnstat.plot.frames import metrics_frame
+
+    tb = TensorBoardSink(tmp_path / "tb")
+    with JsonlLogger(tmp_path / "jsonl") as jsonl:
+        for step, metrics in enumerate(BOOL_STEPS):
+            tb.log(metrics, step)
+            jsonl.log(metrics, step)
+    tb.close()
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={SCALARS: 0})
+    acc.Reload()
+    assert {k: [e.value for e in acc.Scalars(k)] for k in BOOL_EXPECTED} == BOOL_EXPECTED
+    rows, problems = read_jsonl(tmp_path / "jsonl")
+    assert problems == []
+    assert {k: [r["metrics"][k] for r in rows] for k in BOOL_EXPECTED} == BOOL_EXPECTED
+    frame = metrics_frame(BOOL_STEPS)  # the plots' pandas frame of a history
+    assert {k: frame[k].tolist() for k in BOOL_EXPECTED} == BOOL_EXPECTED
+
+
+@needs_wandb
+def test_wandb_logs_a_bool_as_0_or_1(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    from nnstat.integrations.wandb import WandbSink
+
+    sink = WandbSink(project="nnstat-tests", dir=str(tmp_path))
+    try:
+        for step, metrics in enumerate(BOOL_STEPS):
+            sink.log(metrics, step)
+            summary = sink.run.summary._as_dict()
+            logged = {k: summary[k] for k in BOOL_EXPECTED}
+            assert logged == {k: v[step] for k, v in BOOL_EXPECTED.items()}
+            assert not any(isinstance(v, bool) for v in logged.values())  # W&B keeps a bool
+    finally:
+        sink.close()

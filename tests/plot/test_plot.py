@@ -356,3 +356,22 @@ def test_complex_values_are_refused_and_bfloat16_is_plotted():
         to_numpy(np.array([1 + 2j, 3.0]))
     b = torch.tensor([0.5, -1.25, 3.0], dtype=torch.bfloat16)
     np.testing.assert_array_equal(to_numpy(b), b.float().numpy().astype(np.float64))
+
+
+def test_a_layer_with_no_finite_value_is_named_with_its_counts_and_the_way_to_find_it():
+    bad = torch.tensor([float("nan")] * 3 + [float("inf"), float("-inf")])
+    weights = {"fc1.weight": torch.ones(4), "fc2.weight": bad}
+    counts = r"3 NaN, 2 Inf of 5 values"
+    for draw in (nplt.histogram, nplt.weight_heatmap):
+        with pytest.raises(ValueError, match=r"layer 'fc2\.weight' holds no finite value") as e:
+            draw(weights, "fc2.weight")
+        assert counts in str(e.value) and "'nonfinite'" in str(e.value)
+        assert "Recorder" in str(e.value)
+    with pytest.raises(ValueError, match=r"layers 'fc2\.weight', 'fc3\.weight'.*6 NaN, 4 Inf"):
+        nplt.histogram({**weights, "fc3.weight": bad}, ["fc2.weight", "fc3.weight"])
+    with pytest.raises(ValueError, match=r"the data holds no finite value: 4 NaN, 0 Inf"):
+        nplt.receptive_fields(torch.full((1, 4), float("nan")), image_shape=(2, 2))
+    # overlaid with a finite layer, the empty one is drawn as nothing and its legend says why
+    fig = nplt.histogram(weights, ["fc1.weight", "fc2.weight"])
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert legend[1] == f"fc2.weight  no finite value ({counts})"

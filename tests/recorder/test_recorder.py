@@ -366,3 +366,17 @@ def test_bad_kpi_and_complex_tensor_are_refused_at_the_call_naming_them(tmp_path
     rec.close()  # nothing refused is left behind to fail here
     (record,) = read_kpis(tmp_path / "g" / "t")
     assert record["kpis"] == {"loss": 0.25, "n": 7.0}
+
+
+def test_every_recorded_file_gets_the_umask_mode_raw_values_too(tmp_path, umask_027) -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    rec = Recorder(tmp_path / "rec", group="g", every=1, raw_max_numel=20)
+    rec.track_module(model)
+    one_step(rec, model, x, y, 0)
+    rec.add_note("a note")
+    rec.close()
+    written = {p.name for p in (rec.path / "steps").iterdir()}
+    assert "train-000000000.values.safetensors" in written and not any(".tmp" in n for n in written)
+    assert umask_027(rec.path) == {}

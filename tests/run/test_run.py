@@ -337,3 +337,38 @@ def test_setup_rank_is_the_default_projection(tmp_path):
     store = nnstat.GradientStore(run.path)
     assert [(m["r_out"], m["r_in"]) for m in store.modules] == [(2, 2), (2, 2)]
     assert store.meta["projection"]["rank"] == 2 and store.projections()
+
+
+def test_every_store_file_gets_the_umask_mode_statistics_too(tmp_path, umask_027):
+    model, x, y = make()
+    run = nnstat.init(project="modes", root_dir=tmp_path / "logs")
+    nnstat.setup({"statistic": "ekfac"})
+    nnstat.watch(model)
+    nnstat.add_projection(rank=2)
+    for _ in run.schedule():
+        step(run, model, x, y, ids=list(range(24)))
+    names = {p.name for p in run.path.rglob("*")}
+    assert {"statistics.safetensors", "statistics.json", "meta.json"} <= names
+    assert not any(".tmp" in n for n in names)
+    assert umask_027(run.path) == {}
+
+
+def test_a_module_without_gradient_is_warned_about_once_and_stored_as_zeros(tmp_path):
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"used": nn.Linear(5, 3), "unused": nn.Linear(5, 3)})
+    x = torch.randn(6, 5)
+    run = nnstat.init(project="p", root_dir=tmp_path)
+    nnstat.setup({"statistic": "none"})
+    nnstat.watch(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for lo in (0, 3):
+            with run(data_id=list(range(lo, lo + 3))):
+                model["used"](x[lo : lo + 3]).pow(2).sum().backward()
+        nnstat.finalize()
+    messages = [str(w.message) for w in caught if "no gradient" in str(w.message)]
+    assert len(messages) == 1 and "['unused']" in messages[0] and "zeros" in messages[0]
+    store = nnstat.GradientStore(run.path)
+    rows = store.rows(0, len(store))
+    assert torch.count_nonzero(store.module_view(rows, "unused")) == 0
+    assert torch.count_nonzero(store.module_view(rows, "used")) > 0
