@@ -238,10 +238,11 @@ def optimizer_state_keys(optimizer: torch.optim.Optimizer) -> list[str]:
 
 def layer_state_keys(optimizer: Any, params: Sequence[torch.Tensor]) -> list[str]:
     """Keys of the per-parameter states of ``params`` worth a layer statistic: tensors with one
-    or more dimensions, whatever their shape (Adafactor's factored ``row_var`` ``[m, 1]`` and
-    ``col_var`` ``[1, n]``), not scalar counters (Adam's ``step``), even where a 0-d parameter
-    makes a scalar the parameter's shape. A key some parameter holds with dimensions counts for
-    every parameter holding it (a 0-d parameter's ``exp_avg`` too).
+    or more dimensions and at most the parameter's elements, whatever their shape (Adafactor's
+    factored ``row_var`` ``[m, 1]`` and ``col_var`` ``[1, n]``); not scalar counters (Adam's
+    ``step``), even where a 0-d parameter makes a scalar the parameter's shape, nor a state of
+    the whole model kept under one parameter (L-BFGS's flat direction ``d``). A key some
+    parameter holds so counts for every parameter holding it (a 0-d parameter's ``exp_avg``).
 
     Args:
         optimizer: the optimizer (anything whose ``.state`` maps parameters to state dicts).
@@ -259,7 +260,7 @@ def layer_state_keys(optimizer: Any, params: Sequence[torch.Tensor]) -> list[str
     keys: dict[str, None] = {}
     for p in params:
         for k, v in optimizer.state.get(p, {}).items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() <= p.numel():
                 keys[k] = None
     return list(keys)
 

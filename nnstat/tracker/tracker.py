@@ -107,9 +107,9 @@ class Tracker:
         sinks: objects with ``log(metrics, step)`` (or callables) receiving each logged step.
         include: regex (``re.search``) of parameter names to track; ``exclude``: to leave out.
         groups: which of ``weight``, ``grad``, ``optimizer``, ``update`` to log.
-        state_keys: optimizer state keys to log; ``None``: every state tensor with one or more
-            dimensions (whatever its shape: Adafactor's factored ``row_var``/``col_var``; not
-            scalar counters such as ``step``).
+        state_keys: optimizer state keys to log; ``None``: every per-parameter state tensor
+            (`nnstat.netdict.layer_state_keys`: Adafactor's factored ``row_var``/``col_var``
+            too; no scalar counter such as ``step``).
         background: ``True``, ``False`` or ``None`` (auto), as described above.
 
     Raises:

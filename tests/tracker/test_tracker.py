@@ -149,6 +149,31 @@ def test_non_contiguous_parameters_match_numpy_every_step(stats, background):
     tracker.close()
 
 
+def test_lbfgs_whole_model_state_is_not_a_layer_statistic():
+    """L-BFGS keeps its flat direction and gradient of the whole model under the first
+    parameter: neither is that layer's state, so no group is made of them."""
+    model, opt = setup(torch.optim.LBFGS, history_size=3, max_iter=2)
+    x, y = torch.randn(16, 5), torch.randint(0, 3, (16,))
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    tracker = nnstat.Tracker(model, opt, stats=["l2"], background=False)
+    opt.step(closure)
+    metrics = dict(tracker.step())
+    tracker.close()
+    first = next(iter(opt.state.values()))
+    flat = [k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() == 1]
+    assert "d" in flat
+    assert not {k.split("/")[0] for k in metrics} & set(flat)
+    assert {k.split("/")[0] for k in metrics} == {
+        "weight", "grad", "update", "trust_ratio", "update_ratio"
+    }  # fmt: skip
+
+
 def test_every_n_and_update_over_one_step_with_signed_stats():
     model, opt = setup(torch.optim.SGD, momentum=0.9)
     tracker = nnstat.Tracker(model, opt, every=3, stats=["mean", "min", "max", "skew", "l2"])
