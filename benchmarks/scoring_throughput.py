@@ -24,6 +24,17 @@ side (``--dir``: a directory on a disk; tmpfs cannot be evicted).
 
     .venv/bin/python benchmarks/scoring_throughput.py --rows 4000 --queries 32 --repeat 3 \
         --factored 64:8,64:4 --cold-rows 40000 --dir .
+
+``--factored-queries`` gives the factored stores queries stored as factors too (random rows of
+the store's own layout, as queries logged into a factored store), which the preconditioners that
+keep them factored (identity; K-FAC at damping 0) score by their factors
+(`nnstat.influence.factored_scores.cheapest_route`); the dense store keeps dense queries. A
+preconditioner ``kind@damping`` (``kfac@0``) sets its damping (default 0.1), ``kind/mode``
+(``identity/relatif``) the scoring mode (default ``dot``).
+
+    .venv/bin/python benchmarks/scoring_throughput.py --rows 8000 --queries 32 --repeat 5 \
+        --factored 64:1,64:2,64:4 --factored-queries \
+        --preconditioners identity,kfac,kfac@0,identity/relatif
 """
 
 from __future__ import annotations
@@ -151,14 +162,20 @@ def factored_main(args) -> None:
             dense_width = 2 * r * r
             q = torch.randn(args.queries, dense_width, generator=gen)
             log = GradientLog(list(range(args.queries)), q, {**meta, **dense_layout(meta)})
+            if args.factored_queries and c is not None:  # the queries as factors, c pairs
+                q = torch.randn(args.queries, meta["row_width"], generator=gen)
+                log = GradientLog(list(range(args.queries)), q, meta)
             one = GradientLog([0], q[:1].clone(), log.meta)
             info[name] = meta["row_width"] * 4
             # raw fits a dense covariance per module: (r²)² entries, too large past rank 64
-            for kind in [k for k in kinds if k != "raw" or r <= 64]:
-                for label, queries in ((f"nnstat {kind}", log), (f"nnstat {kind}, 1 query", one)):
-                    if queries is one and kind != "identity":
+            for spec in [k for k in kinds if not k.startswith("raw") or r <= 64]:
+                spec_kind, _, mode = spec.partition("/")
+                kind, _, damping = spec_kind.partition("@")
+                for label, queries in ((f"nnstat {spec}", log), (f"nnstat {spec}, 1 query", one)):
+                    if queries is one and spec != "identity":
                         continue
-                    kw = {"preconditioner": kind, "damping": 0.1, "progress": False}
+                    kw = {"preconditioner": kind, "damping": float(damping or 0.1)}
+                    kw.update(progress=False, mode=mode or "dot")
                     compute_influence_all(queries, store, **kw)  # the fit, cached
 
                     def score(queries=queries, store=store, kw=kw):
@@ -179,8 +196,9 @@ def factored_main(args) -> None:
             times.update(_rounds({k: f for k, f in methods.items() if k[1] == label}, args.repeat))
         times = {k: times[k] for k in methods}
         dense = _name(args.dense_rank, None)
+        queries = "factored queries (c pairs)" if args.factored_queries else "dense queries"
         print(
-            f"\n{args.rows} train rows, {args.queries} queries, two r x r modules, CPU, torch "
+            f"\n{args.rows} train rows, {args.queries} {queries}, two r x r modules, CPU, torch "
             f"{torch.__version__}, threads {torch.get_num_threads()}, {args.repeat} interleaved "
             "rounds (median), rows in the page cache\n"
         )
@@ -279,7 +297,16 @@ def main() -> None:
     )
     ap.add_argument("--factored", default="", help="rank:c pairs: factored stores (see above)")
     ap.add_argument("--dense-rank", type=int, default=64, help="the dense store --factored beats")
-    ap.add_argument("--preconditioners", default="identity,raw,kfac,ekfac", help="with --factored")
+    ap.add_argument(
+        "--preconditioners",
+        default="identity,raw,kfac,ekfac",
+        help="with --factored; kind@damping sets the damping (default 0.1), kind/mode the mode",
+    )
+    ap.add_argument(
+        "--factored-queries",
+        action="store_true",
+        help="with --factored: the factored stores' queries stored as factors too",
+    )
     ap.add_argument(
         "--cold-rows", type=int, default=0, help="with --factored: stores scored cold (see above)"
     )

@@ -1,8 +1,11 @@
-"""Scores of dense queries against stored factored rows, without the block's dense rows.
+"""Scores of queries against stored factored rows, without the block's dense rows.
 
-A factored module keeps a training row's ``G = Uᵀ V`` (``c`` pairs, :mod:`nnstat.store.factored`);
-a query ``Q`` (preconditioned, dense: the preconditioners make it full rank) scores
-``⟨Q, G⟩ = Σ_j u_jᵀ Q v_j``. Two routes, per shape of module, by their multiply-adds per row:
+A factored module keeps a training row's ``G = Uᵀ V`` (``c`` pairs, :mod:`nnstat.store.factored`).
+A dense query ``Q`` (preconditioned) scores ``⟨Q, G⟩ = Σ_j u_jᵀ Q v_j``; a query that is itself
+factored, ``Q = U_qᵀ V_q`` (``c_q`` pairs: queries logged into a factored store, scored with a
+preconditioner that keeps the factored form, :mod:`nnstat.influence.factored_queries`), scores
+``Σ_{i,j} (u_qi · u_j)(v_qi · v_j)``. Three routes, chosen per module shape by their
+multiply-adds per row (:func:`cheapest_route`):
 
 * **densify** a chunk of rows (``c · r_out · r_in``, shared by every query) and score it with one
   GEMM (``n_q · r_out · r_in``): ``(c + n_q) · r_out · r_in``. On the CPU the chunk is sized so
@@ -15,9 +18,15 @@ a query ``Q`` (preconditioned, dense: the preconditioners make it full rank) sco
 * **direct**: ``Q V_jᵀ`` for every pair, one GEMM of all queries, then the ``u_j`` dots:
   ``n_q · c · (r_out · r_in + r_out)``, cheaper only for one query (or ``c = 1`` with fewer
   queries than ``r_in``), see :func:`direct_is_cheaper`.
+* **factors** (factored queries only): two GEMMs over all pairs, ``[b c, r_out] × [r_out, n_q
+  c_q]`` and the same for ``V``, their elementwise product summed over the ``c × c_q`` pairs:
+  ``n_q · c_q · c · (r_out + r_in + 1)``; at rank 64 and ``c = c_q = 1``, 129 against the dense
+  store's 4,096 per query.
 
-Neither reaches fewer multiply-adds than the dense store's ``n_q · r_out · r_in`` per row:
-factored rows save bytes, not arithmetic (:doc:`docs/benchmarks.md <benchmarks>`).
+With dense queries no route reaches fewer multiply-adds than the dense store's
+``n_q · r_out · r_in`` per row (factored rows then save bytes, not arithmetic); with factored
+queries the factors route does while ``c · c_q · (r_out + r_in + 1) < r_out · r_in``
+(:doc:`docs/benchmarks.md <benchmarks>`).
 
 Example:
     >>> from nnstat.store.factored import densify
@@ -25,6 +34,10 @@ Example:
     >>> rows, q = torch.randn(5, 14), torch.randn(2, 12)
     >>> scores = FactoredScores(q, mods)(rows)
     >>> torch.allclose(scores, densify(rows, mods) @ q.T, atol=1e-5)
+    True
+    >>> q_rows = torch.randn(2, 14)  # the queries as factors, the same layout
+    >>> scores = FactoredScores(densify(q_rows, mods), mods, queries=(q_rows, mods))(rows)
+    >>> torch.allclose(scores, densify(rows, mods) @ densify(q_rows, mods).T, atol=1e-4)
     True
 """
 
@@ -37,9 +50,13 @@ import torch
 
 from nnstat.store.factored import FactorGroup, factor_plan
 
+#: queries stored as factors: ``[n_q, stored width]`` float32 rows and their meta.json modules
+StoredQueries = tuple[torch.Tensor, Sequence[Mapping[str, Any]]]
+
 __all__ = [
     "SCRATCH_BYTES",
     "FactoredScores",
+    "cheapest_route",
     "chunk_rows",
     "direct_is_cheaper",
     "scores_as_stored",
@@ -74,6 +91,39 @@ def direct_is_cheaper(n_queries: int, c: int, r_out: int, r_in: int) -> bool:
     return n_queries * c * (r_out * r_in + r_out) < (c + n_queries) * r_out * r_in
 
 
+def cheapest_route(
+    n_queries: int, c: int, r_out: int, r_in: int, query_c: int | None = None
+) -> str:
+    """The route of least multiply-adds per stored row for one shape of factored module:
+    ``"densify"``, ``"direct"`` (dense queries, :func:`direct_is_cheaper`) or, for queries
+    stored as ``query_c`` factor pairs, ``"factors"`` when
+    ``n_q · c_q · c · (r_out + r_in + 1)`` is below the dense queries' route.
+
+    Args:
+        n_queries: queries scored at once.
+        c: factor pairs per stored row.
+        r_out: rows of each module's matrix.
+        r_in: its columns.
+        query_c: factor pairs per query; ``None``: dense queries.
+
+    Returns:
+        The route's name.
+
+    Example:
+        >>> cheapest_route(32, 4, 64, 64), cheapest_route(32, 4, 64, 64, query_c=4)
+        ('densify', 'factors')
+        >>> cheapest_route(32, 8, 8, 8, query_c=8)  # small modules, many pairs: not worth it
+        'densify'
+    """
+    if direct_is_cheaper(n_queries, c, r_out, r_in):
+        route, cost = "direct", n_queries * c * (r_out * r_in + r_out)
+    else:
+        route, cost = "densify", (c + n_queries) * r_out * r_in
+    if query_c and n_queries * query_c * c * (r_out + r_in + 1) < cost:
+        return "factors"
+    return route
+
+
 def chunk_rows(n: int, stored_width: int, per_row: int, budget: int | None = None) -> int:
     """Rows per chunk of a block of ``n`` stored rows whose transients take ``per_row`` bytes a
     row: within ``budget`` bytes, or (``None``) within the block's stored rows in float32
@@ -99,7 +149,7 @@ def chunk_rows(n: int, stored_width: int, per_row: int, budget: int | None = Non
 
 
 def scores_as_stored(
-    q: torch.Tensor, source: Any, per_block: bool = False
+    q: torch.Tensor, source: Any, per_block: bool = False, queries: StoredQueries | None = None
 ) -> FactoredScores | None:
     """The :class:`FactoredScores` of queries ``q`` for ``source``'s blocks as stored
     (``source.stored_rows()``), or ``None`` when ``source`` is not a store of factored rows.
@@ -109,6 +159,8 @@ def scores_as_stored(
         source: the training rows (a `RowSource`).
         per_block: chunks sized from each block, not from a CPU's cache (a device's chunks,
             :class:`FactoredScores`).
+        queries: the same queries as factors (``(stored rows, meta.json modules)``,
+            preconditioned: `factored_queries.stored_queries`), or ``None``.
 
     Returns:
         The scorer, or ``None`` (score ``source``'s dense blocks as they come).
@@ -120,7 +172,7 @@ def scores_as_stored(
     """
     if not getattr(source, "factored", False) or not hasattr(source, "stored_rows"):
         return None
-    return FactoredScores(q, source.meta["modules"], per_block)
+    return FactoredScores(q, source.meta["modules"], per_block, queries)
 
 
 class FactoredScores:
@@ -135,6 +187,13 @@ class FactoredScores:
             route's transients) no larger than the block's stored rows in float32
             (:func:`chunk_rows`: a device's memory per block stays bounded, and its chunks per
             block few). Default: :data:`SCRATCH_BYTES`, a CPU's cache.
+        queries: the queries ``q`` as factors (stored rows on ``q``'s device and their
+            meta.json modules, with ``q``'s dense layout): the modules both sides store as
+            factors take the factors route where it is the cheapest (:func:`cheapest_route`);
+            ``q`` still scores the plain columns and the other modules.
+
+    Raises:
+        ValueError: ``q`` or ``queries`` do not have the store's dense layout.
 
     Example:
         >>> mods = [{"offset": 0, "width": 3, "r_out": 2, "r_in": 1, "factors": 1},
@@ -149,6 +208,7 @@ class FactoredScores:
         q: torch.Tensor,
         modules: Sequence[Mapping[str, Any]],
         per_block: bool = False,
+        queries: StoredQueries | None = None,
     ) -> None:
         self.plan = factor_plan(modules)
         self.per_block = per_block
@@ -160,22 +220,16 @@ class FactoredScores:
         n_q = q.shape[0]
         self.n_queries = n_q
         self._parts: list[tuple[FactorGroup, bool, torch.Tensor, int]] = []
+        # the factors route: (training modules, U_q and V_q as [K, c_q n_q, r], per-row bytes)
+        self._pairs: list[tuple[FactorGroup, torch.Tensor, torch.Tensor, int]] = []
+        by_query_c = _query_factors(queries, self.plan.dense_width)
         for g in self.plan.groups:
-            span = g.dense_span
-            if span is not None:
-                qg = q[:, span[0] : span[1]]
-            else:
-                qg = q.index_select(1, g.index("dense", q.device))
-            direct = direct_is_cheaper(n_q, g.c, g.r_out, g.r_in)
-            if direct:  # [K, r_in, n_q * r_out]: one GEMM per module gives Q v_j for all q
-                shape = (n_q, g.modules, g.r_out, g.r_in)
-                qg = qg.reshape(shape).permute(1, 3, 0, 2).reshape(g.modules, g.r_in, -1)
-                # its transients per row: V's copy, Q V_jᵀ and its product with U
-                per_row = 4 * g.modules * g.c * (2 * n_q * g.r_out + g.r_in + g.r_out)
-            else:  # the GEMM reads the transpose as it is
-                qg = qg.contiguous()
-                per_row = g.dense_width * 4
-            self._parts.append((g, direct, qg, per_row))
+            for c_q, sub, q_group in _split(g, by_query_c):
+                route = cheapest_route(n_q, g.c, g.r_out, g.r_in, c_q)
+                if route == "factors":
+                    self._pairs.append(_factors_part(sub, q_group, queries[0].to(q.device)))
+                else:
+                    self._parts.append(_dense_part(sub, q, n_q, route == "direct"))
         self._plain_q = None
         if self.plan.plain:
             self._plain_q = q.index_select(1, self.plan.plain_index(q.device)[1])
@@ -198,6 +252,16 @@ class FactoredScores:
             stored, _ = self.plan.plain_index(rows.device)
             plain = rows.index_select(1, stored).to(torch.float32)
             torch.mm(plain, self._plain_q.T, out=res)
+            first = False
+        for g, uq, vq, per_row in self._pairs:
+            chunk = chunk_rows(n, rows.shape[1], per_row, budget)
+            for s in range(0, n, chunk):
+                e = min(n, s + chunk)
+                got = _pair_scores(g, rows[s:e], uq, vq, self.n_queries)
+                if first:
+                    res[s:e].copy_(got)
+                else:
+                    res[s:e].add_(got)
             first = False
         for g, direct, qg, per_row in self._parts:
             chunk = chunk_rows(n, rows.shape[1], per_row, budget)
@@ -243,3 +307,87 @@ def _direct(g: FactorGroup, rows: torch.Tensor, qd: torch.Tensor) -> torch.Tenso
         return (qv.view(k, n, c * r_out) * u).sum(2).sum(0).unsqueeze(1)
     qv = qv.view(k * n, c, n_q, r_out).transpose(1, 2).reshape(k * n, n_q, c * r_out)
     return torch.bmm(qv, u.reshape(k * n, c * r_out, 1)).view(k, n, n_q).sum(0)
+
+
+def _dense_part(g: FactorGroup, q: torch.Tensor, n_q: int, direct: bool) -> tuple:
+    """``(g, direct, its queries' columns, transient bytes per row)``: the dense queries' route
+    for the modules of ``g``, ``direct`` or densify (:func:`cheapest_route`)."""
+    span = g.dense_span
+    if span is not None:
+        qg = q[:, span[0] : span[1]]
+    else:
+        qg = q.index_select(1, g.index("dense", q.device))
+    if direct:  # [K, r_in, n_q * r_out]: one GEMM per module gives Q v_j for all q
+        shape = (n_q, g.modules, g.r_out, g.r_in)
+        qg = qg.reshape(shape).permute(1, 3, 0, 2).reshape(g.modules, g.r_in, -1)
+        # its transients per row: V's copy, Q V_jᵀ and its product with U
+        per_row = 4 * g.modules * g.c * (2 * n_q * g.r_out + g.r_in + g.r_out)
+    else:  # the GEMM reads the transpose as it is
+        qg = qg.contiguous()
+        per_row = g.dense_width * 4
+    return g, direct, qg, per_row
+
+
+def _query_factors(queries: StoredQueries | None, dense_width: int) -> dict[int, tuple[int, int]]:
+    """``{dense offset: (c_q, stored offset)}`` of the modules the queries store as factors."""
+    if queries is None:
+        return {}
+    plan = factor_plan(queries[1])
+    if plan.dense_width != dense_width or queries[0].shape[1] != plan.stored_width:
+        raise ValueError(
+            f"factored queries of {queries[0].shape[1]} stored columns ({plan.dense_width} "
+            f"dense) for a store of {dense_width} dense columns: score queries logged with the "
+            "store's configuration"
+        )
+    return {d: (qg.c, s) for qg in plan.groups for s, d in zip(qg.stored, qg.dense, strict=True)}
+
+
+def _split(
+    g: FactorGroup, by_query_c: Mapping[int, tuple[int, int]]
+) -> list[tuple[int | None, FactorGroup, FactorGroup | None]]:
+    """The modules of ``g`` by the queries' factor pairs for them: ``(c_q, the training
+    modules, the queries' modules)``, ``c_q`` ``None`` (no query group) where the queries are
+    dense. ``g`` itself where every module has the same ``c_q``."""
+    parts: dict[int, list[tuple[int, int, int]]] = {}
+    for s, d in zip(g.stored, g.dense, strict=True):
+        c_q, q_at = by_query_c.get(d, (0, -1))
+        parts.setdefault(c_q, []).append((s, d, q_at))
+    out = []
+    for c_q, mods in parts.items():
+        stored, dense, q_at = (tuple(x) for x in zip(*mods, strict=True))
+        sub = g if len(parts) == 1 else FactorGroup(g.c, g.r_out, g.r_in, stored, dense)
+        q_group = FactorGroup(c_q, g.r_out, g.r_in, q_at, dense) if c_q else None
+        out.append((c_q or None, sub, q_group))
+    return out
+
+
+def _factors_part(
+    g: FactorGroup, q_group: FactorGroup, q_rows: torch.Tensor
+) -> tuple[FactorGroup, torch.Tensor, torch.Tensor, int]:
+    """``(g, U_q, V_q, transient bytes per row)`` of the factors route: the queries' factors of
+    the modules of ``g`` as ``[K, c_q n_q, r_out]`` and ``[K, c_q n_q, r_in]``, pair-major (the
+    products' sum over the pairs then reduces a middle dimension: a strided reduction over
+    the queries' pairs took half the pass)."""
+    n_q, k, c_q = q_rows.shape[0], g.modules, q_group.c
+    u, v = q_group.factors(q_rows)  # [n_q K, c_q, r]
+    uq = u.view(n_q, k, c_q, g.r_out).permute(1, 2, 0, 3).reshape(k, c_q * n_q, g.r_out)
+    vq = v.view(n_q, k, c_q, g.r_in).permute(1, 2, 0, 3).reshape(k, c_q * n_q, g.r_in)
+    # per row: the copies of U and V, the two products of every pair
+    per_row = 4 * k * g.c * (g.r_out + g.r_in + 2 * n_q * c_q)
+    return g, uq, vq, per_row
+
+
+def _pair_scores(
+    g: FactorGroup, rows: torch.Tensor, uq: torch.Tensor, vq: torch.Tensor, n_q: int
+) -> torch.Tensor:
+    """``[b, n_q]``: ``Σ_k Σ_{i,j} (u_qi · u_j)(v_qi · v_j)`` of a chunk of stored rows: one
+    batched GEMM for the ``U`` sides of every module, one for the ``V`` sides, their product
+    summed over the modules and both sides' pairs (ops per chunk: not per module)."""
+    n, k, c = rows.shape[0], g.modules, g.c
+    x = g.block(rows)  # [b, K, c (r_out + r_in)]
+    u = x[..., : c * g.r_out].transpose(0, 1).reshape(k, n * c, g.r_out)
+    v = x[..., c * g.r_out :].transpose(0, 1).reshape(k, n * c, g.r_in)
+    prod = torch.bmm(u, uq.transpose(1, 2))  # [K, b c, c_q n_q]
+    prod.mul_(torch.bmm(v, vq.transpose(1, 2)))
+    # the modules' sum, then the pairs' (a middle dimension: reduced along the queries)
+    return prod.view(k, -1).sum(0).view(n, -1, n_q).sum(1)

@@ -65,9 +65,13 @@ def normalise(
     damping: float | None,
     mode: str,
     query_major: bool = False,
+    t_parts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``mode``'s scores from the ``dot`` ones of `raw_scores` (in place); ``q_norm`` holds the
-    queries' ``‖g_q‖_M`` (:func:`m_norms`) and ``pre`` applies ``M`` to the rows.
+    queries' ``‖g_q‖_M`` (:func:`m_norms`) and ``pre`` applies ``M`` to the rows, unless
+    ``t_parts`` gives the rows' ``‖g_i‖_M`` already as ``(scale, unit)`` (:func:`m_norm_parts`'
+    form; ``rows`` are then not read: factored rows' norms from their factors,
+    `factored_queries.norm_parts_as_stored`).
 
     ``relatif`` and ``cosine`` divide by norms computed where they cannot underflow
     (:func:`m_norm_parts`); a numerically zero training row (or query, for ``cosine``) scores
@@ -82,13 +86,15 @@ def normalise(
     """
     if mode == "dot":
         return scores
-    rows = rows.to(torch.float32)
-    applied = pre.apply(rows, damping)
+    if t_parts is None:
+        rows = rows.to(torch.float32)
+        applied = pre.apply(rows, damping)
     if mode == "l2":
-        t_norm = (applied * rows).sum(1)  # g_iᵀ M g_i
+        # g_iᵀ M g_i
+        t_norm = (applied * rows).sum(1) if t_parts is None else (t_parts[0] * t_parts[1]).square()
         tn, qn = _oriented(t_norm, q_norm.square(), query_major)
         return scores.mul_(2).sub_(tn).sub_(qn)
-    scale, unit = m_norm_parts(rows, applied)
+    scale, unit = m_norm_parts(rows, applied) if t_parts is None else t_parts
     ok = (scale > 0) & (unit > 0)  # the floor: a numerically zero row scores 0
     one = torch.ones_like(scale)
     # two divisions, never by their product: a row of 1e-29 has a norm of 1e-29, its dot

@@ -38,7 +38,8 @@ import torch
 
 from nnstat.background.transfer import host_empty
 
-from .factored_scores import chunk_rows, scores_as_stored
+from .factored_queries import norm_parts_as_stored, self_influence_as_stored, self_influence_view
+from .factored_scores import StoredQueries, chunk_rows, scores_as_stored
 from .modes import normalise, raw_scores
 from .pipeline import Block
 from .topk import merge_topk
@@ -109,12 +110,18 @@ def _normalised(
     dense_width: int,
     norms: tuple[Any, float | None, str],
     query_major: bool,
+    modules: Any = None,
 ) -> torch.Tensor:
     """`normalise` of a block's scores, chunk by chunk of `dense_chunks` (it works in place,
-    row by row: a chunk's columns, or rows, of ``scores`` are normalised as a whole block's)."""
+    row by row: a chunk's columns, or rows, of ``scores`` are normalised as a whole block's);
+    under ``identity`` a factored block's norms come from its factors (``modules``: the
+    store's meta.json modules), and no chunk is multiplied out."""
     pre, damping, mode = norms
     if mode == "dot":
         return scores
+    if dense is not None and pre.kind == "identity":  # ‖g‖ from the factors: no dense chunk
+        t_parts = norm_parts_as_stored(rows, modules)
+        return normalise(scores, q_norm, rows, pre, damping, mode, query_major, t_parts)
     for part, chunk in dense_chunks(rows, dense, dense_width):
         sub = scores[:, part] if query_major else scores[part]
         normalise(sub, q_norm, chunk, pre, damping, mode, query_major=query_major)
@@ -141,6 +148,7 @@ def stream_scores(
     verify: Callable[[list[tuple]], None],
     progress: Callable[[int], Any] | None = None,
     source: Any = None,
+    queries: StoredQueries | None = None,
 ) -> Streamed:
     """Score every block of ``blocks`` against the preconditioned queries ``q_pre`` (on their
     device); ``n_rows``: the rows ``blocks`` will yield, for one all-pairs buffer (``None``:
@@ -150,7 +158,8 @@ def stream_scores(
     ``source`` (the training rows' `RowSource`, optional): where it is a store of factored rows,
     its blocks come as stored (`pipeline.stream_to`) and are scored by `FactoredScores` with
     chunks sized from each block; ``source.dense`` multiplies them out, a chunk at a time, for
-    the norms of the modes other than ``dot``."""
+    the norms of the modes other than ``dot``. ``queries``: the queries as factors
+    (`factored_queries.stored_queries`), for the modules both sides store as factors."""
     device, n_test = q_pre.device, q_pre.shape[0]
     out = Streamed()
     sums: list[torch.Tensor] = []
@@ -160,8 +169,9 @@ def stream_scores(
         hi, lo = (empty_v, empty_p), (empty_v, empty_p)
     buffer = _all_pairs_buffer(n_rows, n_test, device) if not top_k and n_rows else None
     seen, width = 0, q_pre.shape[1]
-    factored = scores_as_stored(q_pre, source, per_block=True)
+    factored = scores_as_stored(q_pre, source, per_block=True, queries=queries)
     dense = source.dense if factored is not None else None
+    modules = source.meta["modules"] if factored is not None else None
     for key, ids, rows in blocks:
         b = len(ids)
         target = buffer[seen : seen + b] if buffer is not None and buffer.device == device else None
@@ -170,7 +180,7 @@ def stream_scores(
         else:
             scores = raw_scores(q_pre, rows, target, query_major=bool(top_k))
         norms = (pre, damping, mode)
-        scores = _normalised(scores, q_norm, rows, dense, width, norms, bool(top_k))
+        scores = _normalised(scores, q_norm, rows, dense, width, norms, bool(top_k), modules)
         sums.append(scores.sum())
         if top_k:
             hi = merge_topk(*hi, scores, seen, top_k, largest=True)
@@ -215,17 +225,23 @@ def stream_self_influence(
     """``(ids, g_iᵀ M g_i)`` of every row of ``blocks`` computed on ``device``, read back once;
     ``verify`` gets the keys of the blocks with non-finite values first. Where ``source`` is a
     store of factored rows its blocks come as stored (`pipeline.stream_to`) and are multiplied
-    out a chunk at a time (`dense_chunks`)."""
+    out a chunk at a time (`dense_chunks`), or under ``identity`` not at all
+    (`factored_queries.self_influence_as_stored`)."""
     dense, dense_width = None, 0
     if getattr(source, "factored", False):
         dense, dense_width = source.dense, max(m.stop for m in source.layout)
+    # identity: ``‖g‖²`` of the factors as stored, no chunk multiplied out
+    as_stored = dense is not None and self_influence_view(source, pre) is not None
     values = torch.empty(n_rows, device=device)
     units: list[tuple[tuple, list]] = []
     seen = 0
     for key, ids, rows in blocks:
-        for part, chunk in dense_chunks(rows, dense, dense_width):
-            own = values[seen + part.start : seen + part.stop]
-            torch.sum(pre.apply(chunk, damping) * chunk, 1, out=own)
+        if as_stored:
+            values[seen : seen + len(ids)] = self_influence_as_stored(rows, source.meta["modules"])
+        else:
+            for part, chunk in dense_chunks(rows, dense, dense_width):
+                own = values[seen + part.start : seen + part.stop]
+                torch.sum(pre.apply(chunk, damping) * chunk, 1, out=own)
         units.append((key, ids))
         seen += len(ids)
         if progress is not None:

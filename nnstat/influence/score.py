@@ -30,7 +30,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -38,7 +37,13 @@ from nnstat.distributed import rank_world
 
 from .arguments import check_scoring_args
 from .cache import default_preconditioner, fitted, has_kfac_statistics, has_stored_ekfac
-from .factored_scores import FactoredScores, scores_as_stored
+from .factored_queries import (
+    norm_parts_as_stored,
+    self_influence_as_stored,
+    self_influence_view,
+    stored_queries,
+)
+from .factored_scores import FactoredScores, StoredQueries, scores_as_stored
 from .modes import MODES, m_norms, normalise, raw_scores
 from .ondevice import stream_scores, stream_self_influence
 from .pipeline import Block, stream_to, units
@@ -55,7 +60,7 @@ from .sources import (
     describe,
     nonfinite_error,
 )
-from .topk import block_candidates
+from .topk import RunningTopK
 
 __all__ = ["MODES", "auto_batch_size", "compute_influence_all", "compute_self_influence"]
 
@@ -195,9 +200,12 @@ def _score_block(
             bad_rows = ~torch.isfinite(scores.T if query_major else scores)
             bad = bad_rows.any(1).nonzero().flatten()[:5].tolist()
             raise ValueError(f"training rows {[ids[i] for i in bad]} contain NaN/Inf values")
-    if factored is not None and mode != "dot":
+    t_parts = None  # the training rows' norms, where they come from the factors
+    if factored is not None and mode != "dot" and pre.kind == "identity":
+        t_parts = norm_parts_as_stored(rows, source.meta["modules"])
+    elif factored is not None and mode != "dot":
         rows = source.dense(rows)  # the norms of the training rows need their dense form
-    return normalise(scores, q_norm, rows, pre, damping, mode, query_major)
+    return normalise(scores, q_norm, rows, pre, damping, mode, query_major, t_parts)
 
 
 def _shards(t: RowSource, one_process: bool = False) -> list | None:
@@ -280,6 +288,7 @@ def compute_influence_all(
         )
         q_pre = q_pre.to(dev, torch.float32)
         pre, q_norm = Preconditioner("identity", list(t.layout), {}), None  # dot mode: unused
+        queries = None  # refined queries are full rank
         meta = {"mode": mode, **_refined_meta(refine, damping, report, t)}
     else:
         q, t, pre = _prepare(q, t, preconditioner, batch_size)
@@ -288,7 +297,9 @@ def compute_influence_all(
         q_pre = pre.apply(q_rows, damping)
         q_norm = m_norms(q_rows, q_pre) if mode != "dot" else None
         meta = {"mode": mode, **_unrefined_meta(pre, damping, refine)}
-    job = _Scoring(q_pre, q_norm, pre, damping, mode, top_k, batch_size, test_ids, meta)
+        # queries logged as factors, where the preconditioner keeps them factors
+        queries = stored_queries(q, pre, damping, batch_size, dev)
+    job = _Scoring(q_pre, q_norm, pre, damping, mode, top_k, batch_size, test_ids, meta, queries)
     rank, _ = _dist()
     disable = True if rank != 0 else _quiet(progress)
     with tqdm(total=len(t), desc="influence", unit="row", disable=disable) as bar:
@@ -309,6 +320,7 @@ class _Scoring:
     batch_size: int
     test_ids: list
     meta: dict
+    queries: StoredQueries | None = None  # the queries as factors (`stored_queries`)
 
 
 def _on_device(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKInfluence:
@@ -335,16 +347,17 @@ def _on_device(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKI
         _recheck(t, job.batch_size, check),
         bar.update,
         t,  # a factored store's blocks: scored as stored (`FactoredScores`)
+        job.queries,
     )
     if got.top is not None:
         # one process: the blocks came in the source's row order, so positions index its ids
         ids = t.ids if world == 1 else [i for _, unit_ids in got.units for i in unit_ids]
         hi_v, hi_p, lo_v, lo_p = got.top  # on the host already: named without reading again
         if world > 1 or not ids:
-            top = _TopK(job.top_k or 1, len(job.test_ids))
+            top = RunningTopK(job.top_k or 1, len(job.test_ids))
             top.ids, top.hi_v, top.lo_v = ids, torch.tensor(hi_v), torch.tensor(lo_v)
             top.hi_i, top.lo_i = torch.tensor(hi_p).long(), torch.tensor(lo_p).long()
-            return top.finish(job.test_ids, job.meta)
+            return top.finish(job.test_ids, job.meta, _gather)
         return TopKInfluence(
             list(job.test_ids),
             torch.tensor(hi_v),
@@ -375,7 +388,7 @@ def _on_host(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKInf
     block. No reader thread: on the CPU it would only add a hand-off per block."""
     _, world = _dist()
     n_test, batch_size = len(job.test_ids), job.batch_size
-    top: _TopK | None = _TopK(job.top_k, n_test) if job.top_k else None
+    top: RunningTopK | None = RunningTopK(job.top_k, n_test) if job.top_k else None
     # single process: one preallocated [n_train, n_test] buffer, each block written in place
     buffer = torch.empty(len(t), n_test) if top is None and world == 1 else None
     # top-k: every block's scores go to one reused buffer (a fresh multi-MB tensor per block
@@ -385,7 +398,7 @@ def _on_host(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKInf
     filled = 0
     strict, major, shards = not t.finite, top is not None, _shards(t)
     # a factored store's blocks come as stored and are scored without their dense form
-    factored = scores_as_stored(job.q_pre, t)
+    factored = scores_as_stored(job.q_pre, t, queries=job.queries)
     blocks = _my_units(t.stored_rows(widen=True) if factored is not None else t, batch_size)
     for unit, ids, rows in blocks:
         if buffer is not None:
@@ -404,7 +417,7 @@ def _on_host(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKInf
         filled += len(ids)
         bar.update(len(ids))
     if top is not None:
-        return top.finish(job.test_ids, job.meta)
+        return top.finish(job.test_ids, job.meta, _gather)
     if buffer is not None:
         if filled != len(t):
             raise RuntimeError(f"the training log yielded {filled} rows, expected {len(t)}")
@@ -412,61 +425,6 @@ def _on_host(job: _Scoring, t: RowSource, bar: Any) -> InfluenceResult | TopKInf
         # transposed view of the train-major buffer: packing it would cost another full pass
         return InfluenceResult(buffer.T, job.test_ids, list(t.ids), job.meta)
     return _gathered(units, job.test_ids, job.meta)
-
-
-class _TopK:
-    """Running top-k (largest and smallest) per query; holds ``n_test × 2k`` scores plus the
-    processed ids, never the score matrix."""
-
-    def __init__(self, k: int, n_test: int) -> None:
-        self.k = k
-        self.ids: list = []
-        self.hi_v = torch.empty(n_test, 0)
-        self.lo_v = torch.empty(n_test, 0)
-        self.hi_i = torch.empty(n_test, 0, dtype=torch.long)
-        self.lo_i = torch.empty(n_test, 0, dtype=torch.long)
-
-    def _merge(self, vals, pos, cand_v, cand_rows, offset, largest):
-        # small arrays: numpy keeps this off the intra-op thread pool (see block_candidates)
-        cand_v = np.concatenate([vals.numpy(), cand_v.numpy()], 1)
-        cand_i = np.concatenate([pos.numpy(), cand_rows.numpy() + offset], 1)
-        kk = min(self.k, cand_v.shape[1])
-        if kk < cand_v.shape[1]:
-            j = np.argpartition(-cand_v if largest else cand_v, kk - 1, axis=1)[:, :kk]
-            cand_v = np.take_along_axis(cand_v, j, 1)
-            cand_i = np.take_along_axis(cand_i, j, 1)
-        return torch.from_numpy(cand_v), torch.from_numpy(cand_i)
-
-    def update(self, scores: torch.Tensor, block_ids: list) -> None:
-        """Merge a query-major block of scores ``[n_test, b]`` (columns = ``block_ids``)."""
-        offset = len(self.ids)
-        self.ids.extend(block_ids)
-        hv, hr, lv, lr = block_candidates(scores, self.k)
-        self.hi_v, self.hi_i = self._merge(self.hi_v, self.hi_i, hv, hr, offset, True)
-        self.lo_v, self.lo_i = self._merge(self.lo_v, self.lo_i, lv, lr, offset, False)
-
-    def _named(self, pos: torch.Tensor) -> list[list]:
-        return [[self.ids[j] for j in row] for row in pos.tolist()]
-
-    def finish(self, test_ids: list, meta: dict) -> TopKInfluence:
-        parts = _gather((self.hi_v, self._named(self.hi_i), self.lo_v, self._named(self.lo_i)))
-        hi_v = torch.cat([p[0] for p in parts], 1)
-        lo_v = torch.cat([p[2] for p in parts], 1)
-        if hi_v.shape[1] == 0:
-            raise ValueError("the training log is empty")
-        hi_ids = [sum((p[1][r] for p in parts), []) for r in range(len(test_ids))]
-        lo_ids = [sum((p[3][r] for p in parts), []) for r in range(len(test_ids))]
-        kk = min(self.k, hi_v.shape[1])
-        hv, hi = torch.topk(hi_v, kk, dim=1, largest=True)
-        lv, li = torch.topk(lo_v, kk, dim=1, largest=False)
-        return TopKInfluence(
-            list(test_ids),
-            hv,
-            [[hi_ids[r][j] for j in row] for r, row in enumerate(hi.tolist())],
-            lv,
-            [[lo_ids[r][j] for j in row] for r, row in enumerate(li.tolist())],
-            meta,
-        )
 
 
 def _self_default(data: RowSource, train: RowSource, no_train: bool) -> str:
@@ -533,10 +491,14 @@ def compute_self_influence(
             ids, values = _self_on_device(d, pre, damping, batch_size, dev, bar)
         else:
             ids, parts = [], []
-            for b_ids, rows in d.iter_blocks(batch_size):
+            stored = self_influence_view(d, pre)  # factored rows: never multiplied out
+            for b_ids, rows in (d if stored is None else stored).iter_blocks(batch_size):
                 rows = rows.to(torch.float32)
                 ids.extend(b_ids)
-                parts.append((pre.apply(rows, damping) * rows).sum(1))
+                if stored is not None:
+                    parts.append(self_influence_as_stored(rows, d.meta["modules"]))
+                else:
+                    parts.append((pre.apply(rows, damping) * rows).sum(1))
                 bar.update(len(b_ids))
             values = torch.cat(parts) if parts else torch.empty(0)
     if not ids:

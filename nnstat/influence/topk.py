@@ -9,8 +9,12 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
+
+from .result import TopKInfluence
 
 #: rows per chunk of the top-k pre-selection (see `block_candidates`)
 TOPK_CHUNK = 64
@@ -89,3 +93,69 @@ def merge_topk(
         vals, j = torch.topk(vals, k, dim=1, largest=largest)
         pos = pos.gather(1, j)
     return vals, pos
+
+
+class RunningTopK:
+    """Running top-k (largest and smallest) per query; holds ``n_test × 2k`` scores plus the
+    processed ids, never the score matrix (the host branch's selection).
+
+    Example:
+        >>> top = RunningTopK(1, 2)
+        >>> top.update(torch.tensor([[1.0, 3.0], [2.0, 0.0]]), ["a", "b"])
+        >>> top.finish(["q0", "q1"], {}).helpful_ids
+        [['b'], ['a']]
+    """
+
+    def __init__(self, k: int, n_test: int) -> None:
+        self.k = k
+        self.ids: list = []
+        self.hi_v = torch.empty(n_test, 0)
+        self.lo_v = torch.empty(n_test, 0)
+        self.hi_i = torch.empty(n_test, 0, dtype=torch.long)
+        self.lo_i = torch.empty(n_test, 0, dtype=torch.long)
+
+    def _merge(self, vals, pos, cand_v, cand_rows, offset, largest):
+        # small arrays: numpy keeps this off the intra-op thread pool (see block_candidates)
+        cand_v = np.concatenate([vals.numpy(), cand_v.numpy()], 1)
+        cand_i = np.concatenate([pos.numpy(), cand_rows.numpy() + offset], 1)
+        kk = min(self.k, cand_v.shape[1])
+        if kk < cand_v.shape[1]:
+            j = np.argpartition(-cand_v if largest else cand_v, kk - 1, axis=1)[:, :kk]
+            cand_v = np.take_along_axis(cand_v, j, 1)
+            cand_i = np.take_along_axis(cand_i, j, 1)
+        return torch.from_numpy(cand_v), torch.from_numpy(cand_i)
+
+    def update(self, scores: torch.Tensor, block_ids: list) -> None:
+        """Merge a query-major block of scores ``[n_test, b]`` (columns = ``block_ids``)."""
+        offset = len(self.ids)
+        self.ids.extend(block_ids)
+        hv, hr, lv, lr = block_candidates(scores, self.k)
+        self.hi_v, self.hi_i = self._merge(self.hi_v, self.hi_i, hv, hr, offset, True)
+        self.lo_v, self.lo_i = self._merge(self.lo_v, self.lo_i, lv, lr, offset, False)
+
+    def _named(self, pos: torch.Tensor) -> list[list]:
+        return [[self.ids[j] for j in row] for row in pos.tolist()]
+
+    def finish(self, test_ids: list, meta: dict, gather: Any = None) -> TopKInfluence:
+        """The result, over every rank's candidates (``gather``: one object per rank, in rank
+        order, e.g. ``all_gather_object``; ``None``: this process only)."""
+        parts = (gather or (lambda obj: [obj]))(
+            (self.hi_v, self._named(self.hi_i), self.lo_v, self._named(self.lo_i))
+        )
+        hi_v = torch.cat([p[0] for p in parts], 1)
+        lo_v = torch.cat([p[2] for p in parts], 1)
+        if hi_v.shape[1] == 0:
+            raise ValueError("the training log is empty")
+        hi_ids = [sum((p[1][r] for p in parts), []) for r in range(len(test_ids))]
+        lo_ids = [sum((p[3][r] for p in parts), []) for r in range(len(test_ids))]
+        kk = min(self.k, hi_v.shape[1])
+        hv, hi = torch.topk(hi_v, kk, dim=1, largest=True)
+        lv, li = torch.topk(lo_v, kk, dim=1, largest=False)
+        return TopKInfluence(
+            list(test_ids),
+            hv,
+            [[hi_ids[r][j] for j in row] for r, row in enumerate(hi.tolist())],
+            lv,
+            [[lo_ids[r][j] for j in row] for r, row in enumerate(li.tolist())],
+            meta,
+        )

@@ -98,9 +98,10 @@ def test_device_branch_scores_factored_rows_as_numpy_without_a_dense_block(
     assert top.helpful_ids == [row[:3].tolist() for row in order]
     assert top.harmful_ids == [row[::-1][:3].tolist() for row in order]
     np.testing.assert_allclose(top.helpful_scores.double().numpy(), -np.sort(-ref)[:, :3], **tol)
-    # dot: no row was multiplied out outside the scorer; the norms: a chunk at a time, never a
-    # whole block (blocks of 48 rows, 3.5x denser dense: chunks of at most 16 rows)
-    if mode == "dot":
+    # dot: no row was multiplied out outside the scorer, nor for identity's norms (from the
+    # factors); raw's norms: a chunk at a time, never a whole block (blocks of 48 rows, 3.5x
+    # denser dense: chunks of at most 16 rows)
+    if mode == "dot" or kind == "identity":
         assert dense_calls == []
     else:
         assert dense_calls and max(dense_calls) < BLOCK and sum(dense_calls) == 2 * N
