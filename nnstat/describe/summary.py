@@ -135,18 +135,6 @@ def summarize(
     population (biased) versions. ``nonfinite`` counts NaN/Inf; the other statistics except
     ``numel`` use only the finite elements.
 
-    Args:
-        tensors: the tensors (any devices, dtypes and shapes; DTensor shards reduced per rank).
-        stats: statistic names (``STAT_NAMES``), one name, or None for the defaults.
-        workspace: reused scratch buffers for a caller that summarizes every step.
-
-    Returns:
-        The ``[len(tensors), len(stats)]`` float64 CPU table.
-
-    Raises:
-        TypeError: an item is not a tensor.
-        ValueError: an unknown statistic, or a tensor on the meta device (no values).
-
     Example:
         >>> summarize([torch.tensor([3.0, -4.0])], ["l2", "abs_max", "mean"]).tolist()
         [[5.0, 4.0, -0.5]]
@@ -177,14 +165,13 @@ def _summarize(
     table = device_table(tensors, stats, workspace)
     try:
         host = table.cpu()
-    except NotImplementedError as e:  # torch's "Cannot copy out of meta tensor; no data!"
+    except NotImplementedError as e:  # torch's "Cannot copy out of meta tensor"
         if not table.is_meta:
             raise
-        i = next(i for i, t in enumerate(tensors) if t.is_meta)
-        raise ValueError(
-            f"summarize: tensor {i} of {len(tensors)} is on the meta device, which holds no "
-            "values (a model built under torch.device('meta') or with empty weights): "
-            "materialise it first (model.to_empty(device=...) and load its weights)"
+        raise RuntimeError(
+            "the tensors are on the meta device and have no values to describe: build the "
+            "model on a real device (or load its weights) to compute its statistics; on meta "
+            "they count operations only"
         ) from e
     return repair_table(host, tensors, stats)
 

@@ -26,6 +26,7 @@ from nnstat.gradient_noise.batches import (
     BatchSource,
     LossFn,
     batch_loss,
+    check_mean_loss,
     mean_grads,
     sq_norms,
     to_host,
@@ -224,8 +225,9 @@ def noise_scale(
 
     Raises:
         ValueError: ``small_batch >= big_batch``, ``per_sample`` with ``big_batch < 2``, an
-            unknown ``method``, mismatched data, a non-scalar or non-finite loss, a model on
-            the meta device.
+            unknown ``method``, mismatched data, a non-scalar or non-finite loss, a loss
+            that sums over the batch (``reduction="sum"``: the estimates need its mean), or a
+            model on the meta device.
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -257,6 +259,7 @@ def noise_scale(
     gen = torch.Generator().manual_seed(seed)
     names = [n for n, _ in params_named]
     params = [p for _, p in params_named]
+    check_mean_loss(model, loss_fn, src)
 
     if method == "two_batch":
         check_batch_sizes(small_batch, big_batch)
