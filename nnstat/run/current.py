@@ -17,12 +17,13 @@ Example:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from nnstat.run.config import RunConfig
 from nnstat.run.core import Run
@@ -103,17 +104,27 @@ def setup(config: RunConfig | Mapping[str, Any]) -> Run:
     Raises:
         ValueError: an unknown key or an invalid value, named in the message.
         RuntimeError: no current run (call :func:`init` first).
+
+    Example:
+        >>> import tempfile
+        >>> _ = init(project="doc", root_dir=tempfile.mkdtemp())
+        >>> setup({"log": "grad", "save": "grad", "statistic": "kfac"}).config.loss_reduction
+        'sum'
     """
     return current_run().setup(config)
 
 
-def watch(model: nn.Module, name_filter: Any = None, type_filter: Any = None) -> list[str]:
+def watch(
+    model: nn.Module,
+    name_filter: str | Iterable[str] | None = None,
+    type_filter: type | str | Iterable[type | str] | None = None,
+) -> list[str]:
     """:meth:`Run.watch` on the current run.
 
     Args:
         model: the network whose supported modules are watched.
         name_filter: regex (or list of regexes) of module names to keep; ``None``: all.
-        type_filter: module class (or tuple of classes) to keep; ``None``: all supported.
+        type_filter: module classes or class names to keep; ``None``: all supported.
 
     Returns:
         The names of the watched modules.
@@ -121,6 +132,18 @@ def watch(model: nn.Module, name_filter: Any = None, type_filter: Any = None) ->
     Raises:
         RuntimeError: no current run (call :func:`init` first), or a logging pass is open
             (call :func:`finalize` first).
+        ValueError: a filter selects a module that cannot be captured, or one already watched.
+        TypeError: ``model`` is not an ``nn.Module``.
+
+    Example:
+        >>> import tempfile
+        >>> model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+        >>> _ = init(project="doc", root_dir=tempfile.mkdtemp())
+        >>> watch(model)
+        ['0', '2']
+        >>> _ = init(project="doc", root_dir=tempfile.mkdtemp())
+        >>> watch(model, name_filter="^2$")  # only the last layer
+        ['2']
     """
     return current_run().watch(model, name_filter=name_filter, type_filter=type_filter)
 
@@ -151,6 +174,13 @@ def add_projection(rank: int | None = 64, init: str = "random", seed: int = 0) -
         RuntimeError: no current run (call :func:`init` first), no watched model, or a
             logging pass is open.
         ValueError: ``init="pca"`` without a statistics pass, or an invalid ``rank``/``init``.
+
+    Example:
+        >>> import tempfile
+        >>> _ = init(project="doc", root_dir=tempfile.mkdtemp())
+        >>> _ = watch(nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 2)))
+        >>> add_projection(rank=4)  # each row: 4 x 4 per layer, min(4, dim) per side
+        {'0': (4, 4), '2': (2, 4)}
     """
     return current_run().add_projection(rank=rank, init=init, seed=seed)
 
@@ -171,6 +201,17 @@ def finalize() -> None:
     Raises:
         RuntimeError: no current run (call :func:`init` first).
         Exception: the store writer's error (disk full, a failed write), re-raised here.
+
+    Example:
+        >>> import tempfile
+        >>> model = nn.Linear(4, 2)
+        >>> run = init(project="doc", root_dir=tempfile.mkdtemp())
+        >>> _ = setup({"log": "grad", "save": "grad"}), watch(model)
+        >>> with run(data_id=["a", "b"]):
+        ...     model(torch.randn(2, 4)).sum().backward()
+        >>> finalize()  # the rows are on disk now
+        >>> [ids for ids, rows in build_log_dataloader()]
+        [['a', 'b']]
     """
     current_run().finalize()
 
@@ -184,6 +225,12 @@ def eval() -> Run:  # noqa: A001 - the seed's API name
     Raises:
         RuntimeError: no current run (call :func:`init` first), or a logging pass is open
             (call :func:`finalize` first).
+
+    Example:
+        >>> import tempfile
+        >>> _ = init(project="doc", root_dir=tempfile.mkdtemp())
+        >>> eval()  # doctest: +ELLIPSIS
+        Run(project='doc', path='...', mode='eval')
     """
     return current_run().eval()
 
@@ -198,11 +245,22 @@ def get_log() -> GradientLog:
     Raises:
         RuntimeError: no current run (call :func:`init` first), the run is not in eval mode,
             or nothing was captured.
+
+    Example:
+        >>> import tempfile
+        >>> model = nn.Linear(4, 2)
+        >>> run = init(project="doc", root_dir=tempfile.mkdtemp())
+        >>> _ = watch(model), eval()
+        >>> with run(data_id=["q0", "q1"]):
+        ...     model(torch.randn(2, 4)).sum().backward()
+        >>> log = get_log()  # the query rows, in memory: score them with nnstat.influence
+        >>> log.ids, tuple(log.rows.shape)
+        (['q0', 'q1'], (2, 10))
     """
     return current_run().get_log()
 
 
-def build_log_dataloader(batch_size: int = 1024, num_workers: int = 0) -> Any:
+def build_log_dataloader(batch_size: int = 1024, num_workers: int = 0) -> DataLoader:
     """:meth:`Run.build_log_dataloader` on the current run.
 
     Args:
@@ -215,5 +273,16 @@ def build_log_dataloader(batch_size: int = 1024, num_workers: int = 0) -> Any:
     Raises:
         RuntimeError: no current run (call :func:`init` first), or a logging pass is open
             (call :func:`finalize` first).
+
+    Example:
+        >>> import tempfile
+        >>> model = nn.Linear(4, 2)
+        >>> run = init(project="doc", root_dir=tempfile.mkdtemp())
+        >>> _ = watch(model)
+        >>> with run(data_id=[0, 1, 2]):
+        ...     model(torch.randn(3, 4)).sum().backward()
+        >>> finalize()
+        >>> [(ids, tuple(rows.shape)) for ids, rows in build_log_dataloader(batch_size=2)]
+        [([0, 1], (2, 10)), ([2], (1, 10))]
     """
     return current_run().build_log_dataloader(batch_size=batch_size, num_workers=num_workers)
