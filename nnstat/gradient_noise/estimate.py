@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from nnstat.capture.layouts.hooks import batch_coupled
 from nnstat.gradient_noise.batches import (
     BatchSource,
     LossFn,
@@ -42,7 +43,7 @@ from nnstat.gradient_noise.maths import (
 )
 from nnstat.gradient_noise.result import LayerNoiseScale, NoiseScaleResult
 
-__all__ = ["noise_scale"]
+__all__ = ["noise_scale", "warn_batch_statistics"]
 
 Method = Literal["two_batch", "per_sample", "fit"]
 _METHODS = ("two_batch", "per_sample", "fit")
@@ -181,6 +182,32 @@ def _per_sample(
     return small, big, names
 
 
+def warn_batch_statistics(model: nn.Module, method: str) -> None:
+    """Warn when a BatchNorm of ``model`` is in training mode: it normalizes each chunk with
+    that chunk's own statistics, so the small and big batches' gradients are gradients of
+    different functions and ``|G_small|^2 - |G_big|^2`` no longer measures ``tr(Sigma)``.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_batch_statistics(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), "fit")
+        >>> "'1'" in str(caught[0].message)
+        True
+    """
+    coupled = [n for n, m in batch_coupled(model) if m.training]
+    if coupled:
+        warnings.warn(
+            f"noise_scale(method={method!r}): the BatchNorm layers {coupled} are in training "
+            "mode, so each batch is normalized with its own statistics and a sample's "
+            "gradient depends on the batch size: the estimate is not the noise scale of the "
+            "model's loss. Measure in model.eval() (running statistics), or use GroupNorm or "
+            "LayerNorm (per sample)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 def noise_scale(
     model: nn.Module,
     loss_fn: LossFn,
@@ -229,6 +256,10 @@ def noise_scale(
             that sums over the batch (``reduction="sum"``: the estimates need its mean), or a
             model on the meta device.
 
+    Warns:
+        RuntimeWarning: a BatchNorm in training mode (``two_batch``, ``fit``: measure in
+            ``model.eval()``), or ``|G|^2 <= 0`` (``b_simple`` inf).
+
     Example:
         >>> _ = torch.manual_seed(0)
         >>> model = nn.Linear(4, 1)
@@ -260,6 +291,8 @@ def noise_scale(
     names = [n for n, _ in params_named]
     params = [p for _, p in params_named]
     check_mean_loss(model, loss_fn, src)
+    if method != "per_sample":  # per_sample's capture engine warns about them itself
+        warn_batch_statistics(model, method)
 
     if method == "two_batch":
         check_batch_sizes(small_batch, big_batch)

@@ -545,3 +545,41 @@ def test_the_streaming_noise_scale_on_meta_says_so_when_read():
     with pytest.raises(RuntimeError, match="meta device has no values to deliver"):
         gns.to_dict()
     gns.unwatch()
+
+
+@pytest.mark.parametrize("method", ["two_batch", "fit"])
+def test_batchnorm_in_training_mode_is_reported_for_the_batch_size_methods(method):
+    """A train-mode BatchNorm makes a chunk's gradient depend on the chunk's size (checked
+    here with autograd), which the estimators assume it does not: the measurement warns,
+    naming the layer and model.eval(); in eval mode it does not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    x, y = torch.randn(64, 4), torch.randn(64, 1)
+
+    def mean_grad(xb, yb):
+        model.zero_grad()
+        nn.functional.mse_loss(model(xb), yb).backward()
+        return model[0].weight.grad.clone()
+
+    for training, same in ((True, False), (False, True)):
+        model.train(training)
+        big = mean_grad(x[:16], y[:16])
+        chunks = torch.stack([mean_grad(x[i : i + 4], y[i : i + 4]) for i in range(0, 16, 4)])
+        assert torch.allclose(chunks.mean(0), big, atol=1e-6) is same
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            nnstat.noise_scale(
+                model,
+                nn.functional.mse_loss,
+                (x, y),
+                method=method,
+                small_batch=4,
+                big_batch=16,
+                n_estimates=2,
+            )
+        messages = [str(w.message) for w in caught if "BatchNorm" in str(w.message)]
+        if training:
+            assert len(messages) == 1 and "['1']" in messages[0]
+            assert "model.eval()" in messages[0]
+        else:
+            assert messages == []
