@@ -284,15 +284,20 @@ STEPS = [
 def _parse(argv: list[str]) -> DemoConfig:
     quick = os.environ.get("NNSTAT_DEMO_QUICK", "") not in ("", "0")
     p = argparse.ArgumentParser(prog="nnstat demo", description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=12 if quick else DemoConfig.epochs)
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=12 if quick else DemoConfig.epochs,
+        help="training epochs (default: %(default)s)",
+    )
     p.add_argument(
         "--log-dir",
         type=Path,
         default=DemoConfig.log_dir,
         help="run folder; a re-run replaces what the demo wrote there (default: %(default)s)",
     )
-    p.add_argument("--no-wandb", action="store_true", help="do not log to W&B (offline)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-wandb", action="store_true", help="do not write the (offline) W&B run")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     a = p.parse_args(argv)
     if a.epochs < 1:
         p.error("--epochs must be >= 1")
