@@ -125,6 +125,15 @@ def test_influence_store_paths_are_checked_before_any_work(fake_store, tmp_path,
         assert_usage_error(code, err, INFLUENCE_USAGE, f"nnstat influence: error: {message}")
 
 
+def test_a_folder_holding_stores_names_them(fake_store, tmp_path, capsys) -> None:
+    """`nnstat influence nnstat_logs --self` (the root_dir, not the project): the error lists
+    the stores below it."""
+    root = fake_store.parent
+    code, err = run(["influence", str(root), "--self"], capsys)
+    message = f"STORE: {root} is not a gradient store (no meta.json); stores in it: {fake_store}"
+    assert_usage_error(code, err, INFLUENCE_USAGE, f"nnstat influence: error: {message}")
+
+
 def test_top_level_usage_errors(capsys) -> None:
     code, err = run([], capsys)
     assert code == 2 and err[0] == "usage: nnstat <command> [options]"

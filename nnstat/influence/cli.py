@@ -101,6 +101,22 @@ def usage_error(parser: argparse.ArgumentParser, message: str) -> int:
     return 2
 
 
+def stores_below(folder: Path, limit: int = 5) -> str:
+    """The hint for a folder that is not a store but holds some (a ``root_dir`` given for its
+    project): ``"; stores in it: a, b"``, else ``""``.
+
+    Example:
+        >>> stores_below(Path("/no/such/folder"))
+        ''
+    """
+    found = sorted(m.parent for m in folder.glob(f"*/{META_FILE}"))
+    found += sorted(m.parent for m in folder.glob(f"*/*/{META_FILE}"))
+    if not found:
+        return ""
+    more = f", ... ({len(found)} in all)" if len(found) > limit else ""
+    return "; stores in it: " + ", ".join(str(f) for f in found[:limit]) + more
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``nnstat influence`` command; returns the exit status.
 
@@ -116,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             return usage_error(parser, f"{label}: no gradient store at {path}")
         # checked here, before any work, so a typo costs no scoring time
         if not (Path(path) / META_FILE).is_file():
-            return usage_error(parser, f"{label}: {path} is not a gradient store (no {META_FILE})")
+            message = f"{label}: {path} is not a gradient store (no {META_FILE})"
+            return usage_error(parser, message + stores_below(Path(path)))
     if args.out is not None and Path(args.out).suffix not in OUT_SUFFIXES:
         return usage_error(parser, f"--out must end in .parquet or .csv, got {args.out!r}")
     if args.out is not None and not Path(args.out).parent.is_dir():

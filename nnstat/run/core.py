@@ -413,7 +413,7 @@ class Run(PassEnd):
             if self._pass != i:
                 raise RuntimeError("finalize() was called inside a schedule() loop")
             yield spec
-            self.finalize()
+            self.finalize_scheduled()
 
     def eval(self) -> Run:
         """Analysis mode: capture projected gradients in memory (for :meth:`get_log`), save nothing.

@@ -26,8 +26,30 @@ from nnstat.store.logger import StoreLogger
 from nnstat.store.meta import record_factor_energy
 
 
+def next_pass_message(path: Path, passes: list[Any], done: int) -> str:
+    """The warning after pass ``done`` of a configuration that has more: a user who ran one
+    loop and ``finalize()`` (as with ``kfac``) would otherwise find no rows in the store.
+
+    Example:
+        >>> from nnstat.run import RunConfig
+        >>> passes = RunConfig(log="grad", save="grad", statistic="ekfac").passes()
+        >>> print(next_pass_message(Path("logs/p"), passes, 1))  # doctest: +ELLIPSIS
+        finalize(): pass 1 of 2 ('factors') of logs/p is done; ... the next loop over the data is pass 2 ('eigenvalues'), which stores the rows: ...
+    """
+    stores = "which stores the rows" if passes[done].save.get("grad") else "which stores no rows"
+    later = any(p.save.get("grad") for p in passes[:done])
+    return (
+        f"finalize(): pass {done} of {len(passes)} ({passes[done - 1].name!r}) of {path} is done; "
+        f"{'' if later else 'the store holds no rows yet: '}the next loop over the data is "
+        f"pass {done + 1} ({passes[done].name!r}), {stores}: run the logging loop again with the "
+        "same weights, or loop over run.schedule(), which runs every pass and finalizes each"
+    )
+
+
 class PassEnd:
     """Ending a logging pass (see the module docstring); the state is the ``Run``'s."""
+
+    _scheduled = False  # inside schedule(): it runs the passes left, no warning about them
 
     path: Path
     rank: int
@@ -104,7 +126,19 @@ class PassEnd:
             return
         # the next loop is the next pass (EK-FAC: factors, then eigenvalues); after the last,
         # a new round starts
-        self._pass = (self._pass + 1) % len(self.config.passes())
+        passes = self.config.passes()
+        self._pass = (self._pass + 1) % len(passes)
+        if self._pass and not self._scheduled:
+            warnings.warn(next_pass_message(self.path, passes, self._pass), stacklevel=3)
+
+    def finalize_scheduled(self) -> None:
+        """:meth:`finalize` as ``schedule()`` calls it between passes: without the warning
+        that the configuration has a pass left (the schedule runs it)."""
+        self._scheduled = True
+        try:
+            self.finalize()
+        finally:
+            self._scheduled = False
 
     def _flush_at_exit(self, why: str = "exit") -> None:
         """A pass never finalize()d: its rows are flushed at exit or on SIGTERM/SIGINT (whole

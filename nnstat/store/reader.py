@@ -107,6 +107,24 @@ class GradientLog:
         return module_view(self.meta, self.rows if rows is None else rows, name)
 
 
+def missing_meta_message(path: Path) -> str:
+    """Why ``path`` (without ``meta.json``) is not a store, with the fix when it holds the
+    statistics of a pass that stored no rows (EK-FAC's first pass, ``factors``).
+
+    Example:
+        >>> missing_meta_message(Path("nowhere"))
+        'nowhere is not a gradient store: no meta.json'
+    """
+    message = f"{path} is not a gradient store: no {META_FILE}"
+    if (path / STATISTICS_FILE).exists():
+        message += (
+            f" (it holds {STATISTICS_FILE} only: a statistics pass stored no rows, such as "
+            "EK-FAC's first pass, 'factors'. Run the logging loop again for the next pass, "
+            "which stores the rows, or loop over run.schedule(), which runs every pass)"
+        )
+    return message
+
+
 class GradientStore:
     """Read-only view of a store directory (all ranks' complete shards).
 
@@ -130,7 +148,7 @@ class GradientStore:
         self.path = Path(path)
         meta_path = self.path / META_FILE
         if not meta_path.exists():
-            raise FileNotFoundError(f"{self.path} is not a gradient store: no {META_FILE}")
+            raise FileNotFoundError(missing_meta_message(self.path))
         self.meta: dict[str, Any] = _read_meta(meta_path)
         self.dtype: str = self.meta.get("dtype", "float32")
         self.row_width: int = self.meta["row_width"]

@@ -250,6 +250,41 @@ def test_ekfac_schedule_runs_two_passes_and_logs_in_the_second(tmp_path):
     assert {"0/ekfac/eigenvalues", "2/ekfac/eigenvalues"} <= set(store.statistics())
 
 
+def test_ekfac_by_hand_says_a_pass_is_left_and_matches_the_schedule(tmp_path):
+    """One loop + finalize() under "ekfac" (as with "kfac") stores no rows: finalize() warns
+    that pass 2 is left, the store's error names the fix, and the second loop gives the rows
+    and eigenvalues schedule() gives."""
+    model, x, y = make()
+    stores = {}
+    for how in ("schedule", "by hand"):
+        run = nnstat.init(project=how.replace(" ", "_"), root_dir=tmp_path)
+        nnstat.setup({"log": "grad", "save": "grad", "statistic": "ekfac"})
+        nnstat.watch(model)
+        nnstat.add_projection(rank=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if how == "schedule":
+                for _ in run.schedule():
+                    step(run, model, x, y, ids=list(range(24)))
+            else:
+                step(run, model, x, y, ids=list(range(24)))
+                nnstat.finalize()
+                left = [str(w.message) for w in caught if "pass 1 of 2" in str(w.message)]
+                assert len(left) == 1 and "'eigenvalues'" in left[0]
+                assert "run.schedule()" in left[0]
+                with pytest.raises(FileNotFoundError, match=r"EK-FAC's first pass.*schedule\(\)"):
+                    nnstat.build_log_dataloader()
+                step(run, model, x, y, ids=list(range(24)))
+                nnstat.finalize()
+        assert not [w for w in caught if "is done;" in str(w.message)][(how == "by hand") :]
+        stores[how] = nnstat.GradientStore(run.path)
+    a, b = stores["schedule"], stores["by hand"]
+    assert a.ids == b.ids == list(range(24))
+    torch.testing.assert_close(b.load().rows, a.load().rows)
+    for key in ("0/ekfac/eigenvalues", "2/ekfac/eigenvalues"):
+        torch.testing.assert_close(b.statistics()[key], a.statistics()[key])
+
+
 def test_param_grads_false_gives_same_rows_and_leaves_grads_untouched(tmp_path, rows_formed_in):
     rows = {}
     for pg in (True, False):
