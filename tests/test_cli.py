@@ -71,7 +71,7 @@ def test_view_missing_folder_and_unwritable_export(recorder_root, tmp_path, caps
     missing = tmp_path / "missing"
     code, err = run(["view", str(missing)], capsys)
     assert_usage_error(
-        code, err, VIEW_USAGE, f"nnstat view: error: recorder folder {missing} does not exist"
+        code, err, VIEW_USAGE, f"nnstat view: error: folder {missing} does not exist"
     )
     out = tmp_path / "no-such-dir" / "report.html"
     code, err = run(["view", str(recorder_root), "--export", str(out)], capsys)

@@ -390,7 +390,7 @@ def load_bundle(root: str | Path) -> dict[str, Any]:
     """
     root = Path(root)
     if not root.is_dir():
-        raise FileNotFoundError(f"recorder folder {root} does not exist")
+        raise FileNotFoundError(f"folder {root} does not exist")
     problems: list[dict[str, str]] = []
 
     def report(path: Path, message: str) -> None:

@@ -299,7 +299,7 @@ def test_api_data_says_why_when_the_folder_is_gone(tmp_path) -> None:
             urllib.request.urlopen(url + "api/data")
         assert err.value.code == 500
         assert err.value.read().decode() == (
-            f"cannot read {tmp_path / 'g'}: recorder folder {tmp_path / 'g'} does not exist"
+            f"cannot read {tmp_path / 'g'}: folder {tmp_path / 'g'} does not exist"
         )
     finally:
         srv.shutdown()
