@@ -85,7 +85,22 @@ def init(
 
 
 def current_run() -> Run:
-    """The run :func:`init` created last."""
+    """The run :func:`init` created last.
+
+    Returns:
+        The current :class:`Run`.
+
+    Raises:
+        RuntimeError: no run yet (call :func:`init` first).
+
+    Example:
+        >>> import tempfile
+        >>> current_run() is init(project="doc", root_dir=tempfile.mkdtemp())
+        False
+        >>> run = init(project="doc", root_dir=tempfile.mkdtemp())
+        >>> current_run() is run
+        True
+    """
     if _CURRENT is None:
         raise RuntimeError("no current run: call nnstat.init(project=...) first")
     return _CURRENT
@@ -153,6 +168,15 @@ def unwatch() -> None:
 
     Raises:
         RuntimeError: no current run (call :func:`init` first).
+
+    Example:
+        >>> import tempfile
+        >>> model = nn.Linear(4, 2)
+        >>> _ = init(project="doc", root_dir=tempfile.mkdtemp())
+        >>> _ = watch(model)
+        >>> unwatch()  # every hook removed: the model can be watched afresh
+        >>> watch(model)
+        ['model']
     """
     current_run().unwatch()
 
@@ -186,12 +210,39 @@ def add_projection(rank: int | None = 64, init: str = "random", seed: int = 0) -
 
 
 def run(data_id: Any = None, mask: torch.Tensor | None = None) -> Any:
-    """``with nnstat.run(data_id=ids):`` on the current run."""
+    """``with nnstat.run(data_id=ids):`` on the current run: the block whose backward is
+    logged (``data_id``: one id per sample; ``mask``: which positions count, for sequences).
+
+    Example:
+        >>> import tempfile
+        >>> model = nn.Linear(4, 2)
+        >>> _ = init(project="doc", root_dir=tempfile.mkdtemp())
+        >>> _ = setup({"log": "grad", "save": "grad"}), watch(model)
+        >>> with run(data_id=[7, 8]):
+        ...     model(torch.randn(2, 4)).sum().backward()
+        >>> finalize()
+        >>> [ids for ids, _ in build_log_dataloader()]
+        [[7, 8]]
+    """
     return current_run()(data_id=data_id, mask=mask)
 
 
 def schedule() -> Iterator[int]:
-    """:meth:`Run.schedule` on the current run."""
+    """:meth:`Run.schedule` on the current run: one loop per pass the configuration needs
+    (EK-FAC: ``factors``, then ``eigenvalues`` with the rows), each finalized.
+
+    Example:
+        >>> import tempfile
+        >>> model = nn.Linear(4, 2)
+        >>> r = init(project="doc", root_dir=tempfile.mkdtemp())
+        >>> _ = setup({"log": "grad", "save": "grad", "statistic": "ekfac"}), watch(model)
+        >>> for spec in schedule():
+        ...     with r(data_id=[0, 1]):
+        ...         model(torch.randn(2, 4)).sum().backward()
+        ...     print(spec.name)
+        factors
+        eigenvalues
+    """
     return current_run().schedule()
 
 
