@@ -107,9 +107,16 @@ class BatchSource:
             items = [self._dataset[i] for i in order]
             collated = self._collate(items)
             if not isinstance(collated, Sequence) or len(collated) != 2:
+                hint = (
+                    f" (got a dict with keys {sorted(collated)}: pass (inputs, targets) with "
+                    "inputs a dict of batched tensors, called as model(**inputs), e.g. "
+                    '({"input_ids": ids}, ids) for a language model)'
+                    if isinstance(collated, Mapping)
+                    else ""
+                )
                 raise ValueError(
                     "each dataset item must be an (input, target) pair so that "
-                    "loss_fn(model(input), target) can be computed"
+                    "loss_fn(model(input), target) can be computed" + hint
                 )
             x, y = collated
         return to_device(x, self.device), to_device(y, self.device)

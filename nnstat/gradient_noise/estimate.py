@@ -229,8 +229,9 @@ def noise_scale(
     Args:
         model: the network (its mode is left as is; parameters and ``.grad`` are not changed).
         loss_fn: ``loss_fn(model(inputs), targets)`` returning the batch MEAN loss.
-        data: a map-style ``Dataset``, a ``DataLoader`` over one, or an ``(inputs, targets)``
-            tuple. Batches are drawn with replacement, so the estimates are unbiased for the
+        data: a map-style ``Dataset`` of ``(input, target)`` items, a ``DataLoader`` over
+            one, or an ``(inputs, targets)`` tuple; a dict of batched tensors as ``inputs``
+            calls ``model(**inputs)`` (HF models: ``({"input_ids": ids}, ids)``). Batches are drawn with replacement, so the estimates are unbiased for the
             whole data set's ``G`` and ``Sigma``.
         method: ``"two_batch"`` (each big batch split into small chunks), ``"per_sample"``
             (``B_small = 1`` from per-sample norms of the capture engine, batches of

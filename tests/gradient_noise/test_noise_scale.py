@@ -583,3 +583,33 @@ def test_batchnorm_in_training_mode_is_reported_for_the_batch_size_methods(metho
             assert "model.eval()" in messages[0]
         else:
             assert messages == []
+
+
+def test_a_dataset_of_dicts_is_refused_naming_the_form_that_works():
+    """HF-style dict items cannot be split into (input, target): the error names the keys and
+    the (inputs dict, targets) form, which then gives the same estimate as plain tensors."""
+
+    class Keyword(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 1)
+
+        def forward(self, features):
+            return self.fc(features)
+
+    torch.manual_seed(0)
+    model, x, y = Keyword(), torch.randn(64, 3), torch.randn(64, 1)
+
+    class Dicts(torch.utils.data.Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            return {"features": x[i], "labels": y[i]}
+
+    with pytest.raises(ValueError, match=r"\['features', 'labels'\].*model\(\*\*inputs\)"):
+        nnstat.noise_scale(model, nn.functional.mse_loss, Dicts(), small_batch=4, big_batch=16)
+    kw = dict(small_batch=4, big_batch=16, n_estimates=4)
+    as_dict = nnstat.noise_scale(model, nn.functional.mse_loss, ({"features": x}, y), **kw)
+    plain = nnstat.noise_scale(model.fc, nn.functional.mse_loss, (x, y), **kw)
+    assert as_dict.b_simple == pytest.approx(plain.b_simple, rel=1e-9)
