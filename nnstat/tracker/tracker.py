@@ -312,8 +312,8 @@ class Tracker:
             missing = [n for n, g in zip(self.names, grads, strict=True) if g is None]
             if missing and not self._warned_grad:
                 warnings.warn(
-                    f"Tracker: {len(missing)} parameter(s) have no gradient at this step and are "
-                    f"left out of grad/ (warned once): {missing[:5]}",
+                    f"Tracker: {len(missing)} parameter(s) have no gradient at this step (frozen, "
+                    f"or unused by the loss) and are left out of grad/ (warned once): {missing[:5]}",
                     stacklevel=4,
                 )
                 self._warned_grad = True
