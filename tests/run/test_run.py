@@ -250,6 +250,21 @@ def test_ekfac_schedule_runs_two_passes_and_logs_in_the_second(tmp_path):
     assert {"0/ekfac/eigenvalues", "2/ekfac/eigenvalues"} <= set(store.statistics())
 
 
+def test_a_short_data_id_is_named_as_the_likely_cause(tmp_path):
+    """3 ids for a batch of 4 whose model input has 4 rows: the rows-vs-samples warning says
+    the count given is off (not only "the model flattens its samples"), and the block raises."""
+    model, x, y = make()
+    run = nnstat.init(project="p", root_dir=tmp_path)
+    nnstat.watch(model)
+    with pytest.warns(UserWarning, match="rows in dim 0") as seen:
+        with pytest.raises(ValueError, match="data_id has 3 entries but the batch had 4"):
+            step(run, model, x[:4], y[:4], ids=[0, 1, 2])
+    msg = next(str(w.message) for w in seen if "rows in dim 0" in str(w.message))
+    assert "the model's first input also has 4 rows" in msg
+    assert "one run(data_id=...) entry per sample" in msg
+    nnstat.finalize()
+
+
 def test_ekfac_by_hand_says_a_pass_is_left_and_matches_the_schedule(tmp_path):
     """One loop + finalize() under "ekfac" (as with "kfac") stores no rows: finalize() warns
     that pass 2 is left, the store's error names the fix, and the second loop gives the rows

@@ -389,11 +389,21 @@ class LayoutHooks:
         if n is None or batch is None or n in (0, 1, batch) or self._warned_rows:
             return caps
         self._warned_rows = True
+        first = first_tensor(*self._root_call) if self._root_call is not None else None
+        given = isinstance(ctx.samples, int) and first is not None and first.dim() > 0
+        check = (
+            f"the model's first input also has {n} rows in dim 0: if those are the samples, "
+            "the count given is off (one run(data_id=...) entry per sample, or "
+            f"batch(batch_size={n})); if not, "
+            if given and len(first) == n
+            else ""
+        )
         warnings.warn(
             f"nnstat: the watched modules ({_names([c.name for c in caps])}) each saw {n} rows "
-            f"in dim 0 where the block holds {batch} samples ({source}), so their per-sample "
-            "gradients, norms and rows are per row, not per sample: the model flattens its "
-            "samples ([B*T, ...], x.view(-1, d)) or runs sequence-first ([T, B, ...]) inside. "
+            f"in dim 0 where the block holds {batch} samples ({source}): {check}their "
+            "per-sample gradients, norms and rows are per row, not per sample: the model "
+            "flattens its samples ([B*T, ...], x.view(-1, d)) or runs sequence-first "
+            "([T, B, ...]) inside. "
             "Keep the batch in dim 0 of every watched module's input (apply layers to "
             "[B, T, d]; torch's transformer layers and attention: batch_first=True). If the "
             "rows are the samples (the model's first input is not batch-major), give their "
