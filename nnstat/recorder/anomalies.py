@@ -69,22 +69,42 @@ class Rule:
 
 
 def nonfinite(pattern: str = "", stream: str = "both") -> Rule:
-    """Any NaN/Inf. Example: ``Recorder(root, rules=[nonfinite()])``."""
+    """Any NaN/Inf in a tensor whose name matches ``pattern`` (regex; ``""``: every tensor).
+
+    Example:
+        >>> nonfinite(pattern="^loss$")  # Recorder(root, rules=[nonfinite()])
+        Rule(kind='nonfinite', threshold=0.0, pattern='^loss$', stream='both', name=None)
+    """
     return Rule("nonfinite", 0.0, pattern, stream)
 
 
 def abs_max_above(k: float, pattern: str = "", stream: str = "forward") -> Rule:
-    """Largest absolute value above ``k``. Example: ``abs_max_above(10, pattern="loss")``."""
+    """Largest absolute value above ``k`` (forward values by default).
+
+    Example:
+        >>> abs_max_above(10, pattern="loss")
+        Rule(kind='abs_max_above', threshold=10.0, pattern='loss', stream='forward', name=None)
+    """
     return Rule("abs_max_above", float(k), pattern, stream)
 
 
 def grad_norm_below(eps: float, pattern: str = "") -> Rule:
-    """Vanishing gradient: gradient norm below ``eps``. Example: ``grad_norm_below(1e-6)``."""
+    """Vanishing gradient: gradient norm below ``eps``.
+
+    Example:
+        >>> grad_norm_below(1e-6)
+        Rule(kind='norm_below', threshold=1e-06, pattern='', stream='gradient', name=None)
+    """
     return Rule("norm_below", float(eps), pattern, "gradient")
 
 
 def norm_ratio_above(k: float, pattern: str = "", stream: str = "gradient") -> Rule:
-    """Exploding: norm grew more than ``k``-fold since the previous evaluated step."""
+    """Exploding: norm grew more than ``k``-fold since the previous evaluated step.
+
+    Example:
+        >>> norm_ratio_above(100, pattern="^fc")
+        Rule(kind='norm_ratio_above', threshold=100.0, pattern='^fc', stream='gradient', name=None)
+    """
     return Rule("norm_ratio_above", float(k), pattern, stream)
 
 
