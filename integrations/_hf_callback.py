@@ -239,9 +239,10 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
         if self.options.noise_scale and trainer is not None:
             self._guard_clipping(trainer)
         model = kwargs.get("model")
-        if self.hooks.method == "micro_batch" and model is not None and self._sizer is None:
+        measured_per_batch = self.hooks.method in ("micro_batch", "ddp")
+        if measured_per_batch and model is not None and self._sizer is None:
             # the Trainer's events carry no batch: each training forward says its size (a
-            # smaller last micro-batch is measured at its own size)
+            # smaller last micro-batch, or a rank's smaller last batch, is measured at its size)
             self._sizer = model.register_forward_pre_hook(self._note_batch, with_kwargs=True)
 
     def _note_batch(self, module: Any, args: tuple, kwargs: dict) -> None:

@@ -132,6 +132,7 @@ class StepStats:
         self._micro_batch_size: int | None = None
         self._sizes: list[int | None] = []  # each micro-batch's size since the last step
         self._accumulation = "mean"  # how the framework adds the micro-batch losses up
+        self._divisor: int | None = None  # what it divides them by, if not the step's number
         self._ranks = 1
         self._tracker: Any = None
         self._built_for: tuple[Any, Any] = (None, None)  # (model, optimizer) of the Tracker
@@ -146,6 +147,7 @@ class StepStats:
         ranks: int = 1,
         wrapped: Any = None,
         accumulation: str = "mean",
+        fixed_divisor: bool = False,
     ) -> None:
         """What the framework runs: ``accumulation_steps`` micro-batches of
         ``micro_batch_size`` samples per optimizer step on each of ``ranks`` processes (whose
@@ -155,12 +157,15 @@ class StepStats:
         ``"ddp"`` under DDP, else ``"per_sample"``. ``accumulation``: how the micro-batch
         losses add up to the step's (`nnstat.NoiseScale.watch_microbatches`: ``"mean"``, each
         divided by their number; ``"items"``, each summed loss divided by the step's samples).
+        ``fixed_divisor``: each loss is divided by ``accumulation_steps`` even in a step of
+        fewer micro-batches (Lightning's last step of an epoch), not by the step's number.
 
         Raises:
             ValueError: a forced ``noise_scale_method`` that cannot work in this setting.
         """
         self._micro_batch_size, self._ranks = micro_batch_size, int(ranks)
         self._accumulation = accumulation
+        self._divisor = int(accumulation_steps) if fixed_divisor else None
         if self._gns_model is None and self.options.noise_scale:  # not started yet
             from nnstat.gradient_noise.ddp import find_ddp
 
@@ -273,20 +278,28 @@ class StepStats:
     def note_batch(self, batch: Any) -> None:
         """The size of the micro-batch whose forward runs now (its first tensor's leading
         dimension), for frameworks whose batch events carry no batch (HF's Trainer): the
-        micro-batch method measures a smaller last batch at its own size."""
+        micro-batch method measures a smaller last batch at its own size, the DDP method
+        counts it at its own size (ranks of unequal batches)."""
         size = batch_size(batch)
-        if self._micro_feed is not None and self._sizes and size is not None:
+        if size is None:
+            return
+        if self._micro_feed is not None and self._sizes:
             self._sizes[-1] = size
+        elif self._ddp_feed is not None and self._ddp_feed.counted:
+            self._ddp_feed.recount(size)
 
     def _end_micro_step(self, sizes: list[int | None]) -> None:
         """Measure the micro-batch method's step: with micro-batches of unequal sizes (a
         smaller last batch of the epoch) each one's size, else the one size (an observation
         with one size for unequal micro-batches would bias ``trace_sigma``)."""
         feed = self._micro_feed
+        # a step of more backwards than the loop divides by (manual optimization) did not
+        # divide by it: the step's own number then
+        divisor = self._divisor if (self._divisor or 0) >= feed.pending else None
         if len(set(sizes)) <= 1 or None in sizes:
-            feed.end_step(self._micro_batch_size)
+            feed.end_step(self._micro_batch_size, divisor)
         elif len(sizes) == feed.pending:
-            feed.end_step(sizes)
+            feed.end_step(sizes, divisor)
         else:
             feed.discard()
             warnings.warn(

@@ -127,6 +127,9 @@ class NNStatCallback(StatsCallbackBase, Callback):
                 batch_size(batch),
                 int(getattr(trainer, "world_size", 1) or 1),
                 wrapped=getattr(getattr(trainer, "strategy", None), "model", None),
+                # Lightning divides every loss by accumulate_grad_batches, also in the shorter
+                # last step of an epoch (measured on Lightning 2.6)
+                fixed_divisor=True,
             )
         if self.options.noise_scale and self._stepped:
             # Lightning clears gradients inside its closure, after the forward pass; the
