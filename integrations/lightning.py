@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback
-from nnstat.integrations._hooks import StatsCallbackBase, batch_size
+from nnstat.integrations._callback_base import StatsCallbackBase
+from nnstat.integrations._hooks import batch_size
 from nnstat.integrations._logpass import (
     PassData,
     build_config,
