@@ -212,9 +212,11 @@ class StepStats:
             self._close_noise_scale()
             self._gns_model = model
             # a resumed run watches the modules its checkpoint's run probed (no probe batch)
-            name_filter = self.options.noise_scale_filter or (self._restored or {}).get("filter")
+            restored = self._restored or {}
+            restored = restored if restored.get("method") == self.method else {}
+            name_filter = self.options.noise_scale_filter or restored.get("filter")
             if name_filter is not None:
-                self.excluded = dict((self._restored or {}).get("excluded", self.excluded))
+                self.excluded = dict(restored.get("excluded", self.excluded))
                 self._start_gns(model, name_filter)
             else:
                 self._gns_ctx = ModuleProbe(model, unshared=True)
@@ -268,8 +270,8 @@ class StepStats:
         else:
             gns = NoiseScale(window=window)
         restored, self._restored = self._restored, None
-        if restored is not None:
-            restore_into(gns, restored, self.method)
+        if restored is not None and restore_into(gns, restored, self.method):
+            self._micro = int(restored.get("micro", self._micro))  # the per-sample cadence
         return gns
 
     def noise_scale_state(self) -> dict[str, Any] | None:
@@ -288,13 +290,10 @@ class StepStats:
 
     def restore_noise_scale(self, state: Mapping[str, Any]) -> None:
         """Continue from `noise_scale_state` (a resumed run): the estimator built at the next
-        batch starts from its averages (`restore_into` says why it may not)."""
+        batch starts from its averages, cadence and watched modules (`restore_into` says why
+        it may not: another estimator or averaging)."""
         self._close_noise_scale()
         self._restored = dict(state)
-        if state.get("method") == self.method:  # else `restore_into` warns, probed afresh
-            self._micro = int(state.get("micro", self._micro))
-        else:
-            self._restored.pop("filter", None)
 
     def _start_gns(self, model: nn.Module, name_filter: str) -> None:
         self._gns_filter = name_filter

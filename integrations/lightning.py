@@ -175,6 +175,18 @@ class NNStatCallback(StatsCallbackBase, Callback):
             for logger in getattr(trainer, "loggers", []) or []:
                 logger.log_metrics(metrics, step=step)
 
+    # ---------------------------------------------------------------- checkpoints
+    # The noise scale's state (JSON types only: averages, estimator, watched modules, cadence)
+    # rides in Lightning's checkpoint as this callback's state, so `fit(ckpt_path=...)`
+    # continues it instead of starting afresh.
+    def state_dict(self) -> dict[str, Any]:
+        state = self.hooks.noise_scale_state() if self.options.noise_scale else None
+        return {} if state is None else {"noise_scale": state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.options.noise_scale and "noise_scale" in state_dict:
+            self.hooks.restore_noise_scale(state_dict["noise_scale"])
+
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         try:
             self._unguard_unscale()

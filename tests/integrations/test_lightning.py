@@ -475,3 +475,35 @@ def test_manual_optimization_with_two_optimizers_logs_each_batchs_whole_update(t
         avg = adam.state[after[name]]["exp_avg"]
         assert last[f"exp_avg/{name}/l2"] == pytest.approx(float(avg.norm()), rel=1e-5)
     assert not any(after[n] in sgd.state for n in ("net.2.weight", "net.2.bias"))
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])  # per-sample norms; micro-batches
+def test_a_resumed_fit_continues_the_noise_scale_of_the_uninterrupted_fit(tmp_path, accumulation):
+    """2 epochs, resumed from the first epoch's checkpoint: the noise scale logged in the
+    second epoch equals the uninterrupted fit's (its state rides in the checkpoint as the
+    callback's, JSON types only), where it used to start afresh."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(root, resume=None, max_epochs=2):
+        cb = NNStatCallback(stats=["l2"], groups=["weight"], every=1)
+        saver = ModelCheckpoint(dirpath=str(root), save_top_k=-1, every_n_epochs=1)
+        loader = torch.utils.data.DataLoader(_data(32), batch_size=8, shuffle=False)
+        trainer = _trainer(
+            root, [cb, saver], max_epochs=max_epochs, accumulate_grad_batches=accumulation,
+            logger=False, enable_checkpointing=True,
+        )  # fmt: skip
+        trainer.fit(Tiny(), loader, ckpt_path=resume)
+        return {h["step"]: h for h in cb.history if "noise_scale/b_simple" in h}
+
+    whole = fit(tmp_path / "a")
+    first = sorted((tmp_path / "a").glob("epoch=0*.ckpt"))
+    assert len(first) == 1
+    state = torch.load(first[0], weights_only=True)["callbacks"]
+    assert any("noise_scale" in v for v in state.values())
+    resumed = fit(tmp_path / "b", resume=str(first[0]))
+    per_epoch = 4 // accumulation
+    assert sorted(resumed) == [per_epoch + s for s in range(1, per_epoch + 1)]
+    keys = ["noise_scale/b_simple", "noise_scale/grad_sq_norm", "noise_scale/trace_sigma"]
+    for step, h in resumed.items():
+        for key in keys:
+            assert h[key] == pytest.approx(whole[step][key], rel=1e-6), (step, key)
