@@ -27,7 +27,7 @@ import nnstat.influence.lowrank_queries as lq
 from nnstat.influence import compute_influence_all, score
 from nnstat.influence.lowrank_queries import lowrank_queries, numerical_ranks, worth_trying
 from nnstat.influence.precondition import Preconditioner
-from nnstat.store import GradientLog, StoreWriter
+from nnstat.store import GradientLog, GradientStore, StoreWriter
 from nnstat.store.factored import dense_layout
 
 EPS = float(np.finfo(np.float32).eps)
@@ -312,3 +312,39 @@ def test_the_device_branch_reads_the_host_once_more_per_call_for_the_ranks(
     # per call: the query log's finiteness, the ranks, the blocks' flags, the results
     assert counts[0] == counts[1] and len(counts[1]) <= 4, counts
     assert routes[1][-1] == {"m0": 1, "m1": None, "m2": 1, "m3": 1, "m4": 1}
+
+
+def test_an_mlps_eval_log_against_its_factored_store_takes_the_factors_route(tmp_path, routes):
+    import nnstat
+
+    pairs, calls = routes
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 10))
+    g = torch.Generator().manual_seed(1)
+    x, xq = torch.randn(40, 12, generator=g), torch.randn(5, 12, generator=g)
+    run = nnstat.init(project="mlp", root_dir=tmp_path)
+    nnstat.setup({"log": "grad", "save": "grad", "statistic": "kfac", "rank": 8, "factors": 1})
+    nnstat.watch(model)
+    for s in range(0, 40, 8):
+        with run(data_id=list(range(s, s + 8))):
+            model(x[s : s + 8]).square().sum().backward()
+        model.zero_grad()
+    nnstat.finalize()
+    nnstat.eval()  # one position per sample: each query's projected gradient has rank 1
+    with run(data_id=[f"q{i}" for i in range(5)]):
+        model(xq).square().sum().backward()
+    model.zero_grad()
+    log = nnstat.get_log()
+    nnstat.unwatch()
+    assert all("factors" not in m for m in log.meta["modules"])  # logged dense
+    got = compute_influence_all(log, tmp_path / "mlp", preconditioner="identity", progress=False)
+    store = score.as_source(tmp_path / "mlp")
+    mods = [m for m in store.meta["modules"] if m.get("factors")]
+    shapes = {(m["factors"], m["r_out"], m["r_in"]) for m in mods}  # one call per shape
+    assert len(mods) == 2 and calls == [{m["name"]: 1 for m in mods}]
+    assert sum(pairs) == 40 * len(shapes)
+    stored = np.concatenate([np.load(p) for p in GradientStore(tmp_path / "mlp").shards])
+    t = dense_numpy(stored, store.meta["modules"])
+    q = log.rows.double().numpy()
+    ref = q @ t.T
+    assert (np.abs(got.scores.double().numpy() - ref) <= _rounding(q, t)).all()
