@@ -40,7 +40,9 @@ preconditioner ``kind@damping`` (``kfac@0``) sets its damping (default 0.1), ``k
 MLP's per-sample gradients, logged the usual way: dense), identity, all pairs: as nnstat scores
 them (factored exactly on the query side, `nnstat.influence.lowrank_queries`: the factors route),
 on the dense queries' route (the singular values never taken), and the same queries logged as
-their factors (one pair: the factors route without the query side's SVD).
+their factors (one pair: the factors route without the query side's SVD); and dense queries of
+full rank (a sequence model's: the singular values taken, the dense route kept) against the
+dense route alone.
 
     .venv/bin/python benchmarks/scoring_throughput.py --rows 40000 --queries 32 --repeat 5 \
         --factored 64:1,64:4 --rank-one-queries --threads 1
@@ -157,6 +159,16 @@ def rank_one_main(args) -> None:
             methods[(name, "the same, on the dense route")] = lambda log=log, store=store: _timed(
                 lambda: dense_route(log, store), CPU
             )
+            full = GradientLog(list(range(n_q)), torch.randn(n_q, 2 * r * r, generator=gen),
+                               log.meta)  # fmt: skip
+            methods[(name, "dense queries of full rank (a sequence model's)")] = (
+                lambda log=full, store=store: _timed(
+                    lambda: compute_influence_all(log, store, **kw), CPU
+                )
+            )
+            methods[(name, "full rank, on the dense route")] = lambda log=full, store=store: _timed(
+                lambda: dense_route(log, store), CPU
+            )
             methods[(name, "the same queries stored as factors (c_q = 1)")] = (
                 lambda log=factors, store=store: _timed(
                     lambda: compute_influence_all(log, store, **kw), CPU
@@ -171,7 +183,12 @@ def rank_one_main(args) -> None:
     print("| store | queries | seconds | rows / s | dense route's time / this |")
     print("| --- | --- | ---: | ---: | ---: |")
     for (name, method), ts in times.items():
-        base = np.array(times[(name, "the same, on the dense route")])
+        dense = (
+            "full rank, on the dense route"
+            if "full rank" in method
+            else "the same, on the dense route"
+        )
+        base = np.array(times[(name, dense)])
         t = float(np.median(ts))
         ratio = float(np.median(base / np.array(ts)))
         print(f"| {name} | {method} | {t:.4f} | {args.rows / t:,.0f} | {ratio:.2f}x |", flush=True)
