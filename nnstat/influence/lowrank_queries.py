@@ -56,6 +56,7 @@ from .factored_scores import StoredQueries, cheapest_route
 from .precondition import Preconditioner
 
 __all__ = [
+    "SVD_BYTES",
     "SVD_CALL",
     "SVD_COST",
     "SVD_SHARE",
@@ -69,6 +70,8 @@ __all__ = [
 SVD_COST = 20
 #: fixed cost of one small matrix's ``svdvals``, in multiply-adds (~10 µs on one CPU thread)
 SVD_CALL = 200_000
+#: bytes of one chunk of queries' float64 matrices and their SVD's transients
+SVD_BYTES = 256 << 20
 #: the largest share of a shape's dense scoring that its queries' singular values may cost: what
 #: queries of high rank (a sequence model's) pay at most for finding out that they keep the dense
 #: route
@@ -165,49 +168,80 @@ def lowrank_queries(
     tried = [g for g in plan.groups if worth_trying(n_q, n_rows, g.c, g.r_out, g.r_in)]
     if not tried:
         return None
-    mats = [_matrices(q_pre, g) for g in tried]
-    parts = [numerical_ranks(m.nan_to_num(0.0, 0.0, 0.0).flatten(0, 1)) for m in mats]
-    ranks = [r.view(n_q, g.modules).amax(0) for r, g in zip(parts, tried, strict=True)]
-    finite = torch.stack([m.isfinite().all() for m in mats]).all().long().view(1)
-    got = torch.cat([*ranks, finite]).tolist()  # the one host read
+    ranks, finite = [], []
+    for g in tried:
+        r, ok = _ranks(q_pre, g)
+        ranks.append(r)
+        finite.append(ok)
+    flag = torch.stack(finite).all().long().view(1)
+    got = torch.cat([*ranks, flag]).tolist()  # the one host read
     if not got[-1]:  # NaN/Inf: the dense route scores them as the training rows' checks expect
         return None
     factored: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # dense offset: (U, V)
     at = 0
-    for g, m in zip(tried, mats, strict=True):
+    for g in tried:
         k_mods = [max(1, k) for k in got[at : at + g.modules]]
         at += g.modules
-        factored.update(_factored_modules(g, m, k_mods, n_q))
+        factored.update(_factored_modules(q_pre, g, k_mods))
     if not factored:
         return None
     return _query_rows(q_pre, modules, factored)
 
 
-def _matrices(q_pre: torch.Tensor, g: FactorGroup) -> torch.Tensor:
-    """``[n_q, K, r_out, r_in]``: the queries' matrices of the modules of ``g``."""
-    cols = q_pre.index_select(1, g.index("dense", q_pre.device))
-    return cols.view(q_pre.shape[0], g.modules, g.r_out, g.r_in)
+def _query_chunks(n_q: int, modules: int, r_out: int, r_in: int) -> list[slice]:
+    """Slices of the queries whose float64 matrices of ``modules`` modules (and their SVD's
+    transients: about four copies) take at most :data:`SVD_BYTES`."""
+    step = max(1, SVD_BYTES // (4 * 8 * modules * r_out * r_in))
+    return [slice(s, min(n_q, s + step)) for s in range(0, n_q, step)]
+
+
+def _matrices(
+    q_pre: torch.Tensor, g: FactorGroup, modules: Sequence[int] | None = None
+) -> torch.Tensor:
+    """float64 ``[n_q K, r_out, r_in]``: the queries' matrices of the modules of ``g`` (of its
+    ``modules``, indices into the group, when given), query-major."""
+    index = g.index("dense", q_pre.device)
+    if modules is not None:
+        index = index.view(g.modules, -1)[list(modules)].flatten()
+    cols = q_pre.index_select(1, index).to(torch.float64)
+    return cols.view(-1, g.r_out, g.r_in)
+
+
+def _ranks(q_pre: torch.Tensor, g: FactorGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([K] largest numerical rank over the queries per module of g, all finite)``, on
+    ``q_pre``'s device, the queries a chunk at a time (:func:`_query_chunks`)."""
+    n_q, k = q_pre.shape[0], g.modules
+    ranks = torch.zeros(k, dtype=torch.long, device=q_pre.device)
+    finite = torch.ones((), dtype=torch.bool, device=q_pre.device)
+    for part in _query_chunks(n_q, k, g.r_out, g.r_in):
+        mats = _matrices(q_pre[part], g)
+        finite = finite & mats.isfinite().all()
+        got = numerical_ranks(mats.nan_to_num(0.0, 0.0, 0.0))
+        ranks = torch.maximum(ranks, got.view(-1, k).amax(0))
+    return ranks, finite
 
 
 def _factored_modules(
-    g: FactorGroup, mats: torch.Tensor, ranks: Sequence[int], n_q: int
+    q_pre: torch.Tensor, g: FactorGroup, ranks: Sequence[int]
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """``{dense offset: (U [n_q, c_q, r_out], V [n_q, c_q, r_in])}`` of the modules of ``g``
     whose rank makes the factors route the cheapest: those of rank at most the largest ``k`` for
     which it is (the route's cost grows with ``c_q``), all with that group's largest such rank
     as ``c_q`` (one group of the factors route per shape; the extra pairs are the next singular
     triplets, below the tolerance: more exact, not less)."""
+    n_q = q_pre.shape[0]
     fits = [k for k in ranks if cheapest_route(n_q, g.c, g.r_out, g.r_in, query_c=k) == "factors"]
     if not fits:
         return {}
     c_q = max(fits)
     chosen = [j for j, k in enumerate(ranks) if k <= c_q]
-    sub = mats[:, chosen].to(torch.float64).flatten(0, 1)  # [n_q Kc, r_out, r_in]
-    left, s, vh = torch.linalg.svd(sub, full_matrices=False)
-    u = (left[..., :c_q] * s[:, None, :c_q]).transpose(1, 2).to(torch.float32)
-    v = vh[:, :c_q].to(torch.float32)
-    u = u.view(n_q, len(chosen), c_q, g.r_out)
-    v = v.view(n_q, len(chosen), c_q, g.r_in)
+    us, vs = [], []
+    for part in _query_chunks(n_q, len(chosen), g.r_out, g.r_in):
+        left, s, vh = torch.linalg.svd(_matrices(q_pre[part], g, chosen), full_matrices=False)
+        u = (left[..., :c_q] * s[:, None, :c_q]).transpose(1, 2)
+        us.append(u.to(torch.float32).view(-1, len(chosen), c_q, g.r_out))
+        vs.append(vh[:, :c_q].to(torch.float32).view(-1, len(chosen), c_q, g.r_in))
+    u, v = torch.cat(us), torch.cat(vs)
     return {g.dense[j]: (u[:, i], v[:, i]) for i, j in enumerate(chosen)}
 
 

@@ -213,11 +213,14 @@ def test_a_sequence_models_queries_keep_the_dense_route(store, routes, monkeypat
     assert (np.abs(got.scores.double().numpy() - ref) <= _rounding(q, t)).all()
 
 
+@pytest.mark.parametrize("chunks", ["all queries at once", "a query a chunk"])
 @pytest.mark.parametrize("branch", ["host", "device"])
-def test_modules_of_low_and_high_rank_in_one_pass(store, routes, monkeypatch, branch):
+def test_modules_of_low_and_high_rank_in_one_pass(store, routes, monkeypatch, branch, chunks):
     root, meta, t, _ = store
     pairs, calls = routes
     device_branch_staging(monkeypatch, on=branch == "device")
+    if chunks == "a query a chunk":
+        monkeypatch.setattr(lq, "SVD_BYTES", 1)
     # 16 x 16: m0 rank 2 and m3 rank 5 by 5 pairs each (one group: the largest rank the factors
     # route takes), m4 rank 9 dense; 12 x 10: m2 rank 3 (its largest)
     log, q = _queries(meta, [2, 3, 5, 9])
