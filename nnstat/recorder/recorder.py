@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,11 @@ class Recorder:
         self._modules: list[dict[str, Any]] = []
         self._batch: Batch | None = None
         self._kpi_log: list[tuple[str, int, dict[str, Any]]] = []
+        # KPIs are buffered (one host transfer per flush, not per step): a script ended by an
+        # exception (Ctrl-C's KeyboardInterrupt) or a recorder dropped without close() still
+        # writes them, at exit or when collected. The finalizer holds the writer and the buffer
+        # (one list, emptied in place), never the recorder.
+        self._flush_at_exit = weakref.finalize(self, _write_kpis, self.writer, self._kpi_log)
         self._prev: tuple[tuple, torch.Tensor] | None = None
         self._mask_cache: dict[tuple, Selection] = {}
         self.last_record: dict[str, Any] | None = None
@@ -430,10 +436,7 @@ class Recorder:
 
     def flush_kpis(self) -> None:
         """Append buffered KPIs to ``kpis.jsonl`` (tensor values: one transfer per device)."""
-        if not self._kpi_log:
-            return
-        log_, self._kpi_log = self._kpi_log, []
-        self.writer.append_kpis(kpi_records(log_))
+        _write_kpis(self.writer, self._kpi_log)
 
     def _selection(self, rows: RowSet) -> Selection:
         """Batch-level rows some rule applies to, with the rule x row mask (cached by layout)."""
@@ -463,3 +466,12 @@ class Recorder:
                 prev = torch.cat([old, old.new_full((1,), float("nan"))])[idx]
         self._prev = (keys, now)
         return prev
+
+
+def _write_kpis(writer: TrialWriter, kpi_log: list[tuple[str, int, dict[str, Any]]]) -> None:
+    # empties the buffer in place first: a failed write is raised, never written twice
+    if not kpi_log:
+        return
+    log_ = kpi_log[:]
+    kpi_log.clear()
+    writer.append_kpis(kpi_records(log_))
