@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import signal
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from nnstat.recorder import Recorder, read_step_meta, read_step_stats
 from nnstat.recorder.storage import read_kpis
 
 SCRIPT = r"""
-import json, sys, torch, nnstat
+import json, os, signal, sys, time, torch, nnstat
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 2)
 rec = nnstat.Recorder(sys.argv[1], group="g", trial="t", every=1000, overwrite=True)
@@ -26,10 +27,21 @@ for step in range(50):
     loss.backward()
     rec.record_kpi("loss", loss.detach())
     rec.finish_batch()
-    print(json.dumps([step, float(loss)]), flush=True)
-    if step == 40:
-        raise KeyboardInterrupt  # Ctrl-C: the script ends without rec.close()
+    print(json.dumps([step, float(loss.detach())]), flush=True)
+    if step == 40:  # the script ends without rec.close()
+        if sys.argv[2] == "raise":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), getattr(signal, sys.argv[2]))
+        time.sleep(30)
+        print("not reached", flush=True)
 """
+
+
+def _default_signals() -> None:
+    """The child starts with the signals at their defaults (a test run under ``nohup`` inherits
+    SIGHUP ignored, and nnstat leaves an ignored signal so)."""
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _steps(rec: Recorder, n: int) -> list[float]:
@@ -46,18 +58,38 @@ def _steps(rec: Recorder, n: int) -> list[float]:
     return losses
 
 
-def test_kpis_of_a_script_stopped_by_an_exception_are_written(tmp_path) -> None:
+@pytest.mark.parametrize(
+    "how, returncode",
+    [("raise", None), ("SIGTERM", -signal.SIGTERM), ("SIGHUP", -signal.SIGHUP), ("SIGINT", None)],
+)
+def test_kpis_of_a_script_stopped_early_are_written(tmp_path, how, returncode) -> None:
     script = tmp_path / "rec.py"
     script.write_text(SCRIPT)
     proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120
+        [sys.executable, str(script), str(tmp_path), how],
+        capture_output=True,
+        preexec_fn=_default_signals,
+        text=True,
+        timeout=120,
     )
-    assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr  # the error propagates
+    assert "not reached" not in proc.stdout
+    if returncode is None:  # Python's KeyboardInterrupt (raised, or SIGINT's handler) ends it
+        assert "KeyboardInterrupt" in proc.stderr and proc.returncode != 0, proc.stderr
+    else:  # killed by the signal, as without nnstat, after the KPIs were written
+        assert proc.returncode == returncode, proc.stderr
     printed = [json.loads(line) for line in proc.stdout.splitlines()]
     kpis = read_kpis(tmp_path / "g" / "t")
     # every step's KPI, not only those flushed by a recorded step (step 0)
     assert [r["step"] for r in kpis] == [s for s, _ in printed] == list(range(41))
     assert [r["kpis"]["loss"] for r in kpis] == pytest.approx([v for _, v in printed])
+
+
+def test_close_puts_the_signal_handlers_back(tmp_path) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    rec = Recorder(tmp_path, every=1000)
+    assert signal.getsignal(signal.SIGTERM) != before
+    rec.close()
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 def test_kpis_of_a_recorder_dropped_without_close_are_written(tmp_path) -> None:
