@@ -10,6 +10,7 @@ import sys
 import warnings
 from typing import Any
 
+import torch
 from nnstat.integrations._hooks import StatsCallbackBase
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
@@ -148,6 +149,7 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
         self._warned_clipped = False
         self._trainer: Any = None  # set by watch_trainer; else found on the stack
         self._guarded: Any = None  # the accelerator whose clip_grad_norm_ is wrapped
+        self._sizer: Any = None  # the forward pre-hook noting each micro-batch's size
 
     # ---------------------------------------------------------------- placement
     def place(self, handler: CallbackHandler) -> None:
@@ -232,19 +234,31 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
             int(getattr(args, "world_size", 1) or 1),
             # the model as the Trainer wrapped it for training (DDP), before this event
             wrapped=getattr(trainer, "model_wrapped", None),
+            accumulation="items" if _scales_for_accumulation(trainer) else "mean",
         )
         if self.options.noise_scale and trainer is not None:
             self._guard_clipping(trainer)
+        model = kwargs.get("model")
+        if self.hooks.method == "micro_batch" and model is not None and self._sizer is None:
+            # the Trainer's events carry no batch: each training forward says its size (a
+            # smaller last micro-batch is measured at its own size)
+            self._sizer = model.register_forward_pre_hook(self._note_batch, with_kwargs=True)
 
+    def _note_batch(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if module.training and torch.is_grad_enabled():
+            self.hooks.note_batch((args, kwargs))
+
+    # The Trainer calls model.train() inside training_step, after these events: after an
+    # evaluation between steps the model is still in eval mode here, yet the batch trains
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any):
         if model is not None:
-            self.hooks.begin_batch(model)
+            self.hooks.begin_batch(model, training=True)
 
     def on_substep_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any):
         # gradient accumulation: one noise-scale observation per micro-batch
         self.hooks.end_backward()
         if model is not None:
-            self.hooks.begin_batch(model)
+            self.hooks.begin_batch(model, training=True)
 
     def _logs_step(self, args: Any, state: Any, step: int) -> bool:
         if self.options.every is not None:
@@ -318,10 +332,26 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._unguard_clipping()
+        if self._sizer is not None:
+            self._sizer.remove()
+            self._sizer = None
         try:
             self.hooks.close()  # delivers every step still on its way
         finally:
             self._hand_over(state, None, wait=True)
+
+
+def _scales_for_accumulation(trainer: Any) -> bool:
+    """Whether the Trainer divides each micro-batch's summed loss by the step's items
+    (``num_items_in_batch``: a model that takes loss kwargs, or a ``compute_loss_func``)
+    rather than its mean loss by the accumulation steps; the two differ for unequal
+    micro-batches (`nnstat.NoiseScale.watch_microbatches`'s ``"items"`` and ``"mean"``)."""
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled is not None:
+        return bool(scaled)
+    return bool(getattr(trainer, "model_accepts_loss_kwargs", False)) or (
+        getattr(trainer, "compute_loss_func", None) is not None
+    )
 
 
 def watch_trainer(

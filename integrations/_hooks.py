@@ -130,6 +130,8 @@ class StepStats:
         self._ddp: Any = None  # the DistributedDataParallel model, for the ddp method
         self._ddp_feed: Any = None  # its DDPStepNorms
         self._micro_batch_size: int | None = None
+        self._sizes: list[int | None] = []  # each micro-batch's size since the last step
+        self._accumulation = "mean"  # how the framework adds the micro-batch losses up
         self._ranks = 1
         self._tracker: Any = None
         self._built_for: tuple[Any, Any] = (None, None)  # (model, optimizer) of the Tracker
@@ -143,18 +145,22 @@ class StepStats:
         micro_batch_size: int | None,
         ranks: int = 1,
         wrapped: Any = None,
+        accumulation: str = "mean",
     ) -> None:
         """What the framework runs: ``accumulation_steps`` micro-batches of
         ``micro_batch_size`` samples per optimizer step on each of ``ranks`` processes (whose
         gradients it averages at the step), ``wrapped`` being the model as the framework wraps
         it (a ``DistributedDataParallel`` under DDP). The estimator is chosen once, before the
         first batch: ``"auto"`` picks ``"micro_batch"`` when ``accumulation_steps > 1``, else
-        ``"ddp"`` under DDP, else ``"per_sample"``.
+        ``"ddp"`` under DDP, else ``"per_sample"``. ``accumulation``: how the micro-batch
+        losses add up to the step's (`nnstat.NoiseScale.watch_microbatches`: ``"mean"``, each
+        divided by their number; ``"items"``, each summed loss divided by the step's samples).
 
         Raises:
             ValueError: a forced ``noise_scale_method`` that cannot work in this setting.
         """
         self._micro_batch_size, self._ranks = micro_batch_size, int(ranks)
+        self._accumulation = accumulation
         if self._gns_model is None and self.options.noise_scale:  # not started yet
             from nnstat.gradient_noise.ddp import find_ddp
 
@@ -167,13 +173,17 @@ class StepStats:
                 micro_batch_size,
             )
 
-    def begin_batch(self, model: nn.Module) -> None:
+    def begin_batch(self, model: nn.Module, training: bool | None = None) -> None:
         """Before the forward pass of a micro-batch: start capturing per-sample norms.
 
         The first micro-batch only probes which modules have per-sample gradients (see
         :class:`ModuleProbe`); the noise scale watches those from the next one on.
+        ``training``: whether this batch trains (``None``: ``model.training``); a framework
+        whose event comes before it switches the model back to train mode (HF's Trainer, after
+        an evaluation between steps) says so, else that micro-batch would be left out (and
+        under DDP its samples not counted).
         """
-        if not self.options.noise_scale or not model.training:
+        if not self.options.noise_scale or not (model.training if training is None else training):
             return
         if self.method == "ddp" and self._start_ddp(model):
             self._ddp_feed.count(self._micro_batch_size)
@@ -183,7 +193,10 @@ class StepStats:
                 self._close_noise_scale()
                 self._gns_model = model
                 self.gns = self._new_gns()
-                self._micro_feed = self.gns.watch_microbatches(model, ranks=self._ranks)
+                self._micro_feed = self.gns.watch_microbatches(
+                    model, ranks=self._ranks, accumulation=self._accumulation
+                )
+            self._sizes.append(self._micro_batch_size)  # `configure` gave this batch's size
             return
         if self._gns_ctx is not None:  # a batch whose backward never came (e.g. skipped)
             self._abandon()
@@ -251,10 +264,38 @@ class StepStats:
         """The step's gradients are final and not yet clipped: measure what the noise scale
         reads from ``.grad`` (the open capture; the micro-batch method's step)."""
         if self._micro_feed is not None:
+            sizes, self._sizes = self._sizes, []
             if self._micro_feed.pending:
-                self._micro_feed.end_step(self._micro_batch_size)
+                self._end_micro_step(sizes)
         elif self.capture_open:
             self.end_backward()
+
+    def note_batch(self, batch: Any) -> None:
+        """The size of the micro-batch whose forward runs now (its first tensor's leading
+        dimension), for frameworks whose batch events carry no batch (HF's Trainer): the
+        micro-batch method measures a smaller last batch at its own size."""
+        size = batch_size(batch)
+        if self._micro_feed is not None and self._sizes and size is not None:
+            self._sizes[-1] = size
+
+    def _end_micro_step(self, sizes: list[int | None]) -> None:
+        """Measure the micro-batch method's step: with micro-batches of unequal sizes (a
+        smaller last batch of the epoch) each one's size, else the one size (an observation
+        with one size for unequal micro-batches would bias ``trace_sigma``)."""
+        feed = self._micro_feed
+        if len(set(sizes)) <= 1 or None in sizes:
+            feed.end_step(self._micro_batch_size)
+        elif len(sizes) == feed.pending:
+            feed.end_step(sizes)
+        else:
+            feed.discard()
+            warnings.warn(
+                f"nnstat: this step's micro-batches had unequal sizes {sizes}, but "
+                f"{feed.pending} backward passes ran: the step is left out of the noise scale "
+                "(its batch sizes are unknown). Use drop_last=True or one backward per batch.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def end_backward(self) -> None:
         """After the backward pass of a micro-batch: fold its norms into the estimate."""
@@ -313,6 +354,7 @@ class StepStats:
         elif self._micro_feed is not None:
             if clipped:
                 self._micro_feed.discard()
+                self._sizes = []
             else:
                 self.before_clip()
         elif measure_open_batch:
@@ -331,7 +373,12 @@ class StepStats:
         self._close_tracker()
         from nnstat.tracker import Tracker
 
-        opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        # a torch optimizer, or a view of several with their `state` and `param_groups`
+        # (Lightning's `Optimizers`)
+        torch_like = isinstance(getattr(optimizer, "state", None), Mapping) and isinstance(
+            getattr(optimizer, "param_groups", None), list
+        )
+        opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) or torch_like else None
         if opt is not None and not _holds_any(opt, model):
             # DeepSpeed ZeRO and master-weight optimizers step flat fp32 copies: the Tracker
             # would reject them, and their states cannot be matched to layers anyway
@@ -406,6 +453,21 @@ class StepStats:
             self._close_tracker()
         finally:
             self._close_noise_scale()
+
+
+def batch_size(batch: Any) -> int | None:
+    """The leading dimension of the batch's first tensor (its samples), if any.
+
+    Example:
+        >>> batch_size({"input_ids": torch.zeros(4, 7)}), batch_size(["text"])
+        (4, None)
+    """
+    from torch.utils._pytree import tree_leaves
+
+    for leaf in tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return None
 
 
 def _holds_any(optimizer: Any, model: nn.Module) -> bool:

@@ -18,13 +18,13 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback
-from nnstat.integrations._hooks import StatsCallbackBase
+from nnstat.integrations._hooks import StatsCallbackBase, batch_size
 from nnstat.integrations._logpass import (
     PassData,
     build_config,
@@ -93,7 +93,9 @@ class NNStatCallback(StatsCallbackBase, Callback):
     def _init_state(self) -> None:
         self.history: list[dict[str, Any]] = []
         self._stepped = True
+        self._batch_stepped = False  # an optimizer stepped since this batch began
         self._scaler: Any = None  # the AMP GradScaler whose unscale_ is wrapped
+        self._merged: Any = None  # the trainer's optimizers as one (several: manual optimization)
 
     # ---------------------------------------------------------------- loss scaling
     # Under 16-bit AMP Lightning unscales .grad (GradScaler.unscale_) before
@@ -122,7 +124,7 @@ class NNStatCallback(StatsCallbackBase, Callback):
         if self.options.noise_scale:
             self.hooks.configure(
                 int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
-                _batch_size(batch),
+                batch_size(batch),
                 int(getattr(trainer, "world_size", 1) or 1),
                 wrapped=getattr(getattr(trainer, "strategy", None), "model", None),
             )
@@ -132,6 +134,7 @@ class NNStatCallback(StatsCallbackBase, Callback):
             # previous step's gradients (which Lightning is about to drop) are dropped now
             pl_module.zero_grad(set_to_none=True)
             self._stepped = False
+        self._batch_stepped = False
         self.hooks.begin_batch(pl_module)
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
@@ -142,6 +145,17 @@ class NNStatCallback(StatsCallbackBase, Callback):
         # keep the device busy (at the batch's start it idles after Lightning's own log read)
         self._log_ready(trainer)
         self._stepped = True
+        if self._batch_stepped:
+            # a second optimizer of this batch (manual optimization): the snapshot taken before
+            # the batch's first step covers it, so the batch's update is every optimizer's
+            # (a snapshot per optimizer made the others' parameters look unchanged)
+            return
+        self._batch_stepped = True
+        optimizers = list(getattr(trainer, "optimizers", None) or [])
+        if len(optimizers) > 1:
+            if self._merged is None or self._merged.optimizers != optimizers:
+                self._merged = Optimizers(optimizers)
+            optimizer = self._merged
         log = (trainer.global_step + 1) % self._every(trainer) == 0
         # every backward was reported by on_after_backward: a capture still open saw none
         self.hooks.before_step(pl_module, optimizer, log, measure_open_batch=False)
@@ -166,16 +180,6 @@ class NNStatCallback(StatsCallbackBase, Callback):
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self.on_train_end(trainer, pl_module)
-
-
-def _batch_size(batch: Any) -> int | None:
-    """The leading dimension of the batch's first tensor (its samples), if any."""
-    from torch.utils._pytree import tree_leaves
-
-    for leaf in tree_leaves(batch):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    return None
 
 
 # ------------------------------------------------------------------ influence helpers
@@ -468,3 +472,51 @@ def self_influence(
     log = _query(run, module, dataloader, loss_fn, ids_fn, progress)
     with _quiet_logging(module), eval_mode(module):
         return compute_self_influence(log, run.path, refine=refined, **options)
+
+
+class Optimizers:
+    """Several optimizers as one for the Tracker (a GAN's generator and discriminator under
+    manual optimization): their per-parameter states and parameter groups together, so one
+    Tracker logs every optimizer's states and the batch's update of every parameter.
+
+    Example:
+        >>> a, b = torch.nn.Linear(2, 1), torch.nn.Linear(1, 1)
+        >>> both = Optimizers([torch.optim.SGD(a.parameters()), torch.optim.Adam(b.parameters())])
+        >>> len(both.param_groups)
+        2
+    """
+
+    def __init__(self, optimizers: list[Any]) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def state(self) -> Mapping[Any, Any]:
+        """Every optimizer's ``state`` as one read-only mapping (parameter -> its state)."""
+        return _States([opt.state for opt in self.optimizers])
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Every optimizer's parameter groups, in order."""
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+
+class _States(Mapping):
+    """Read-only view of several ``optimizer.state`` dicts. Looked up with ``in`` first: a
+    torch optimizer's state is a ``defaultdict``, which a plain ``[]`` (a ``ChainMap``'s
+    lookup) would fill with an empty state for the other optimizers' parameters."""
+
+    def __init__(self, states: list[Mapping[Any, Any]]) -> None:
+        self._states = states
+
+    def __getitem__(self, key: Any) -> Any:
+        for state in self._states:
+            if key in state:
+                return state[key]
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[Any]:
+        for state in self._states:
+            yield from state
+
+    def __len__(self) -> int:
+        return sum(len(state) for state in self._states)

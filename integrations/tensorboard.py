@@ -69,6 +69,11 @@ class TensorBoardSink:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Write every scalar and histogram in `metrics` at `step`."""
         for key, value in metrics.items():
+            if not isinstance(key, str):  # TensorBoard's own error names neither key nor sink
+                raise TypeError(
+                    f"TensorBoardSink: metric keys must be strings (TensorBoard tags), got "
+                    f"{key!r} of type {type(key).__name__}"
+                )
             if isinstance(value, Histogram):
                 if value.num <= 0:
                     continue  # TensorBoard rejects empty histograms

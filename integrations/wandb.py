@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -85,6 +86,7 @@ class WandbSink:
             )
         self.run = run
         self._owners = FlushOwners()
+        self._warned_step = False
 
     def attach(self, flush: Callable[[], None]) -> None:
         """Call ``flush`` (a Tracker's) before the run finishes (see ``_owners``).
@@ -110,7 +112,22 @@ class WandbSink:
         self.run.finish = finish_after_flush
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        """``run.log(metrics, step=step)`` with histograms converted."""
+        """``run.log(metrics, step=step)`` with histograms converted.
+
+        W&B ignores a row whose step is below the run's current step (one past the last
+        committed), with a line on its own console only: that step's metrics would be lost
+        unseen (a Tracker restarted at step 0 on a resumed run), so it warns once.
+        """
+        current = getattr(self.run, "step", None)
+        if isinstance(current, int) and step < current and not self._warned_step:
+            self._warned_step = True
+            warnings.warn(
+                f"WandbSink: W&B drops the metrics of step {step}: the run is at step "
+                f"{current} and its steps must increase (warned once). After resuming a run, "
+                "continue its step count: tracker.step(step=global_step).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         # commit now so the summary reflects this step without waiting for the next one
         self.run.log(to_wandb(metrics), step=step, commit=True)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -101,6 +102,8 @@ class MeanLossProbe(TorchFunctionMode):
         # (what, first dimension of the averaged tensor, gradients the scalar received)
         self.means: list[tuple[str, int, list[float]]] = []
         self.sums: list[tuple[str, int, list[float]]] = []
+        # every such scalar (weakly: an id could be reused), its kind, what and first dimension
+        self._scalars: list[tuple[weakref.ref, str, str, int]] = []
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
@@ -111,8 +114,29 @@ class MeanLossProbe(TorchFunctionMode):
                 grads: list[float] = []
                 seen = self.means if found[0] == "mean" else self.sums
                 seen.append((found[1], int(found[2].shape[0]), grads))
+                self._scalars.append((weakref.ref(out), found[0], found[1], found[2].shape[0]))
                 out.register_hook(lambda g, grads=grads: grads.append(float(g)))
         return out
+
+    def made_by(self, loss: torch.Tensor, n: int) -> tuple[str, str] | None:
+        """``("mean" | "sum", what)`` when ``loss`` itself is the scalar of a mean or a sum over
+        a batch of ``n`` samples (its first dimension a multiple of ``n``), else ``None``. Read
+        from the forward alone (no backward, no host read), so it sees only a loss returned
+        as that reduction made it (``x.sum()``, ``reduction="sum"``), not one scaled after.
+
+        Example:
+            >>> x = torch.randn(8, 3, requires_grad=True)
+            >>> with MeanLossProbe() as probe:
+            ...     summed, halved = x.pow(2).sum(), x.pow(2).sum() / 8
+            >>> probe.made_by(summed, 8), probe.made_by(halved, 8)
+            (('sum', 'sum'), None)
+        """
+        if n < 2:
+            return None
+        for ref, kind, what, rows in self._scalars:
+            if ref() is loss and rows % n == 0:
+                return kind, what
+        return None
 
     def mean_over_batch(self, n: int) -> str | None:
         """What averaged over the batch of ``n`` samples and reached the loss with a weight

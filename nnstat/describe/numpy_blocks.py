@@ -162,7 +162,8 @@ def weight_update_pass(
     devices) are reduced now, with torch ops (and refreshed now if `refresh`).
 
     Raises:
-        ValueError: the lists differ in length, or a pair in shape.
+        ValueError: the lists differ in length, a pair in shape, or (``refresh``) a tensor of
+            `previous` is not contiguous.
 
     Example:
         >>> w, prev = [torch.tensor([3.0, -4.0])], [torch.tensor([3.0, -5.0])]
@@ -177,6 +178,9 @@ def weight_update_pass(
     for i, (w, p) in enumerate(zip(current, previous, strict=True)):
         if w.shape != p.shape:
             raise ValueError(f"tensor {i}: shapes {tuple(w.shape)} and {tuple(p.shape)} differ")
+        if refresh and not p.is_contiguous():
+            # its flat view would be a copy, and the refresh written into that copy lost
+            raise ValueError(f"tensor {i}: previous must be contiguous to be refreshed in place")
         w, p = w.detach().reshape(-1), p.reshape(-1)
         rows.append(None)
         if w.numel() == 0:

@@ -162,7 +162,18 @@ def _summarize(
         # sharded parameters (FSDP fully_shard): local shards reduced across ranks, no gather
         return summarize_sharded(tensors, stats)
     # the single host transfer of the common case
-    return repair_table(device_table(tensors, stats, workspace).cpu(), tensors, stats)
+    table = device_table(tensors, stats, workspace)
+    try:
+        host = table.cpu()
+    except NotImplementedError as e:  # torch's "Cannot copy out of meta tensor"
+        if not table.is_meta:
+            raise
+        raise RuntimeError(
+            "the tensors are on the meta device and have no values to describe: build the "
+            "model on a real device (or load its weights) to compute its statistics; on meta "
+            "they count operations only"
+        ) from e
+    return repair_table(host, tensors, stats)
 
 
 def summarize_pass(tensors: Sequence[torch.Tensor], stats: tuple[str, ...]) -> BlockPass | None:

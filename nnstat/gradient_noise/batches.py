@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
+from nnstat.capture.reduction import MeanLossProbe
 from nnstat.curvature.streamed import to_device
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -90,11 +91,20 @@ class BatchSource:
 
     def batch(self, idx: torch.Tensor) -> tuple[Any, Any]:
         """The ``(inputs, targets)`` batch of the given sample indices, on the device."""
+        return self._take(idx)
+
+    def head(self, n: int) -> tuple[Any, Any]:
+        """The batch of the first ``n`` samples (no index tensor, so nothing is read back)."""
+        return self._take(slice(0, n))
+
+    def _take(self, idx: torch.Tensor | slice) -> tuple[Any, Any]:
         if self._tensors is not None:
             x, y = (_index(t, idx) for t in self._tensors)
         else:
             assert self._dataset is not None
-            items = [self._dataset[i] for i in idx.tolist()]  # one read, not one per sample
+            # one read, not one per sample
+            order = range(idx.stop)[idx] if isinstance(idx, slice) else idx.tolist()
+            items = [self._dataset[i] for i in order]
             collated = self._collate(items)
             if not isinstance(collated, Sequence) or len(collated) != 2:
                 raise ValueError(
@@ -105,7 +115,7 @@ class BatchSource:
         return to_device(x, self.device), to_device(y, self.device)
 
 
-def _index(obj: Any, idx: torch.Tensor) -> Any:
+def _index(obj: Any, idx: torch.Tensor | slice) -> Any:
     if isinstance(obj, Mapping):
         return type(obj)({k: v[idx] for k, v in obj.items()})
     return obj[idx]
@@ -123,6 +133,37 @@ def batch_loss(model: nn.Module, loss_fn: LossFn, batch: tuple[Any, Any]) -> tor
             "reduction='mean'"
         )
     return loss  # finiteness: checked with the gradients, in one host read (`mean_grads`)
+
+
+def check_mean_loss(model: nn.Module, loss_fn: LossFn, src: BatchSource) -> None:
+    """Refuse a ``loss_fn`` that sums over the batch, read from the loss itself
+    (`nnstat.capture.reduction.MeanLossProbe.made_by`) in a forward of the data's first 8
+    samples: every estimator takes the gradient of a batch mean, and a sum scales
+    ``trace_sigma`` and ``grad_sq_norm`` by the batch size squared (``b_simple`` would be
+    unaffected, so nothing else shows it).
+
+    Args:
+        model: the network.
+        loss_fn: ``loss_fn(model(inputs), targets)``.
+        src: the data.
+
+    Raises:
+        ValueError: the loss is a sum over the batch.
+
+    Example:
+        >>> model, src = nn.Linear(2, 1), BatchSource((torch.randn(8, 2), torch.randn(8, 1)))
+        >>> check_mean_loss(model, nn.functional.mse_loss, src)
+    """
+    n = min(len(src), 8)
+    with MeanLossProbe() as probe:  # a forward only: no backward, nothing read back
+        loss = batch_loss(model, loss_fn, src.head(n))
+    made = probe.made_by(loss, n)
+    if made is not None and made[0] == "sum":
+        raise ValueError(
+            f"loss_fn returns a sum over the batch ({made[1]}), but the noise scale needs the "
+            "batch MEAN loss: trace_sigma and grad_sq_norm would come out scaled by the batch "
+            "size squared. Use reduction='mean' (or divide the sum by the batch size)."
+        )
 
 
 def mean_grads(

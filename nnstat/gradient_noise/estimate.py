@@ -26,6 +26,7 @@ from nnstat.gradient_noise.batches import (
     BatchSource,
     LossFn,
     batch_loss,
+    check_mean_loss,
     mean_grads,
     sq_norms,
     to_host,
@@ -224,7 +225,8 @@ def noise_scale(
 
     Raises:
         ValueError: ``small_batch >= big_batch``, ``per_sample`` with ``big_batch < 2``, an
-            unknown ``method``, mismatched data, a non-scalar or non-finite loss.
+            unknown ``method``, mismatched data, a non-scalar or non-finite loss, or a loss
+            that sums over the batch (``reduction="sum"``: the estimates need its mean).
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -249,6 +251,7 @@ def noise_scale(
     gen = torch.Generator().manual_seed(seed)
     names = [n for n, _ in params_named]
     params = [p for _, p in params_named]
+    check_mean_loss(model, loss_fn, src)
 
     if method == "two_batch":
         check_batch_sizes(small_batch, big_batch)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +29,7 @@ from nnstat.gradient_noise.batches import norm_dtype, sq_norms
 from nnstat.gradient_noise.maths import finite_step
 from nnstat.netdict import SameParams
 
-__all__ = ["MicroBatchNorms", "Pairs", "StagedPairs"]
+__all__ = ["MicroBatchNorms", "Pairs", "StagedPairs", "pair_sizes", "step_sizes"]
 
 #: ``(layer names, |G_small|^2 per layer, |G_big|^2 per layer, b_small, b_big)``; no names: the
 #: two lists hold the whole model's value only
@@ -98,7 +98,10 @@ class MicroBatchNorms:
         accumulation: how the micro-batch losses add up to the step's: ``"mean"`` (each divided
             by the number of micro-batches, as HF's Trainer and Lightning do: ``.grad`` is the
             step's mean gradient) or ``"sum"`` (``.grad`` is the sum of the micro-batch means).
-            Only ``grad_sq_norm`` and ``trace_sigma`` depend on it, not ``b_simple``.
+            Only ``grad_sq_norm`` and ``trace_sigma`` depend on it, not ``b_simple``; or
+            ``"items"``: each micro-batch's loss is the sum over its samples divided by the
+            step's total (HF's ``num_items_in_batch``), so ``.grad`` is the mean over all the
+            step's samples. The three differ only for micro-batches of unequal sizes.
         ranks: processes whose gradients ``.grad`` averages at the step (DDP with
             accumulation under ``no_sync()``: each rank's micro-batches are its own, the step's
             ``.grad`` the all-reduced one, ``B_big = ranks x K x b``); 1 without DDP.
@@ -125,8 +128,8 @@ class MicroBatchNorms:
         accumulation: str = "mean",
         ranks: int = 1,
     ) -> None:
-        if accumulation not in ("mean", "sum"):
-            raise ValueError(f"accumulation must be 'mean' or 'sum', got {accumulation!r}")
+        if accumulation not in ("mean", "sum", "items"):
+            raise ValueError(f"accumulation must be 'mean', 'sum' or 'items', got {accumulation!r}")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no parameter that requires a gradient")
@@ -196,18 +199,38 @@ class MicroBatchNorms:
         before they could be measured)."""
         self._micro, self._dirty = [], None
 
-    def end_step(self, micro_batch_size: int | None = None) -> bool:
+    def end_step(self, micro_batch_size: int | Sequence[int] | None = None) -> bool:
         """The step's gradients are final (before clipping): stage its observation for the sink.
 
+        Micro-batches of unequal sizes (a smaller last one, ``drop_last=False``) need their
+        sizes, one per backward in order. The observation's two batch sizes are then those at
+        which ``E|g|^2 = |G|^2 + tr(Sigma)/B`` holds for its two squared norms: the harmonic
+        mean ``H`` of the sizes for the micro-batches' mean, and for the step's gradient
+        ``K x H`` (``accumulation="mean"``/``"sum"``: micro-batches weighted equally) or the
+        step's samples (``"items"``); times ``ranks`` under DDP (other ranks assumed to have
+        the same sizes). A single size for unequal micro-batches biases ``trace_sigma``.
+
         Args:
-            micro_batch_size: samples per micro-batch; ``None``: the constructor's.
+            micro_batch_size: samples per micro-batch (an int), or the size of each of the
+                step's micro-batches (a sequence, one per backward); ``None``: the
+                constructor's.
 
         Returns:
             Whether an observation was staged (``False`` with fewer than 2 micro-batches: one
             batch size only; nothing is kept).
 
         Raises:
-            ValueError: no micro-batch size given anywhere, or one below 1.
+            ValueError: no micro-batch size given anywhere, one below 1, or a sequence whose
+                length is not the step's number of micro-batches.
+
+        Example:
+            >>> model, seen = nn.Linear(3, 1), []
+            >>> micro = MicroBatchNorms(model, seen.append)
+            >>> for b in (4, 2):  # a smaller last micro-batch
+            ...     model(torch.randn(b, 3)).pow(2).mean().div(2).backward()
+            >>> micro.end_step([4, 2]), seen[0].resolve(seen[0].values.tolist())[3:]
+            (True, (2.6666666666666665, 5.333333333333333))
+            >>> micro.close()
         """
         micro, dirty = self._micro, self._dirty
         self.discard()
@@ -215,7 +238,7 @@ class MicroBatchNorms:
         k = len(micro)
         if k < 2:
             return False
-        b = _batch_size(micro_batch_size or self.micro_batch_size, allow_none=False)
+        sizes = step_sizes(micro_batch_size or self.micro_batch_size, k)
         present = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
         with torch.no_grad():
             grads = [g for _, g in present]
@@ -224,21 +247,31 @@ class MicroBatchNorms:
                 parts.append(dirty[1])
             values = torch.cat([t.to(parts[-1].device) for t in parts])
         which = [idx for idx, _ in micro] + [[i for i, _ in present]]
-        scale = 1.0 / k if self.accumulation == "mean" else 1.0  # g_k = scale x its mean
-        combine = functools.partial(self._combine, which, dirty is not None, k, b, scale)
+        # g_k = weight x micro-batch k's mean gradient, as its backward brings it
+        weights = {
+            "mean": [1.0 / k] * k,
+            "sum": [1.0] * k,
+            "items": [b / sum(sizes) for b in sizes],
+        }[self.accumulation]
+        combine = functools.partial(self._combine, which, dirty is not None, sizes, weights)
         self.sink(StagedPairs(values, combine))
         return True
 
     def _combine(
-        self, which: list[list[int]], dirty: bool, k: int, b: int, scale: float, v: list[float]
+        self,
+        which: list[list[int]],
+        dirty: bool,
+        sizes: list[int],
+        weights: list[float],
+        v: list[float],
     ) -> Pairs | None:
-        n = len(self.names)
+        n, k = len(self.names), len(sizes)
         small, big = [0.0] * n, [0.0] * n
         pos = 0
         for m, idx in enumerate(which):
-            into = big if m == k else small
+            into, unweight = (big, 1.0) if m == k else (small, 1.0 / weights[m] ** 2)
             for i in idx:
-                into[self._owner[i]] += v[pos]
+                into[self._owner[i]] += v[pos] * unweight
                 pos += 1
         if dirty and any(x != 0 for x in v[pos:]):
             warnings.warn(
@@ -250,10 +283,12 @@ class MicroBatchNorms:
             )
             return None
         seen = sorted({self._owner[i] for i in which[-1]})
+        total = sum(weights)
         # mean_k |mean gradient of micro-batch k|^2 and |mean gradient of the step|^2
-        small_sq = [small[j] / (k * scale * scale) for j in seen]
-        big_sq = [big[j] / (k * k * scale * scale) for j in seen]
-        return [self.names[j] for j in seen], small_sq, big_sq, b, self.ranks * k * b
+        small_sq = [small[j] / k for j in seen]
+        big_sq = [big[j] / (total * total) for j in seen]
+        b_small, b_big = pair_sizes(sizes, weights)
+        return [self.names[j] for j in seen], small_sq, big_sq, b_small, self.ranks * b_big
 
     def close(self) -> None:
         """Remove the hooks (the model is left as before)."""
@@ -261,6 +296,46 @@ class MicroBatchNorms:
             h.remove()
         self._handles = []
         self.discard()
+
+
+def step_sizes(value: int | Sequence[int] | None, k: int) -> list[int]:
+    """The sizes of a step's ``k`` micro-batches: ``value`` for each (an int), or a sequence
+    of ``k`` sizes as given.
+
+    Raises:
+        ValueError: a size below 1 or missing, or a sequence of another length than ``k``.
+
+    Example:
+        >>> step_sizes(8, 3), step_sizes([8, 8, 4], 3)
+        ([8, 8, 8], [8, 8, 4])
+    """
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        sizes = [_batch_size(v, allow_none=False) for v in value]
+        if len(sizes) != k:
+            raise ValueError(
+                f"micro_batch_size holds {len(sizes)} sizes but the step had {k} micro-batches "
+                "(backward passes); pass one size per micro-batch, in order"
+            )
+        return sizes  # type: ignore[return-value]
+    return [_batch_size(value, allow_none=False)] * k  # type: ignore[list-item]
+
+
+def pair_sizes(sizes: Sequence[int], weights: Sequence[float]) -> tuple[float, float]:
+    """The two batch sizes of a step whose micro-batch ``m`` has ``sizes[m]`` samples and
+    enters the step's gradient with weight ``weights[m]`` (``g = sum_m w_m g_m``): with
+    ``E|g_m|^2 = |G|^2 + tr(Sigma)/b_m``, the micro-batches' mean squared norm has the
+    harmonic mean of the sizes, the step's normalised gradient ``(sum w)^2 / sum(w^2/b)``.
+
+    Example:
+        >>> pair_sizes([8, 8], [0.5, 0.5]), pair_sizes([8, 8, 4], [0.25, 0.25, 0.5])
+        ((8, 16), (6.0, 12.8))
+    """
+    k = len(sizes)
+    if len(set(sizes)) == 1 and len(set(weights)) == 1:
+        return sizes[0], k * sizes[0]  # exact integers for the common case
+    small = k / sum(1.0 / b for b in sizes)
+    big = sum(weights) ** 2 / sum(w * w / b for w, b in zip(weights, sizes, strict=True))
+    return small, big
 
 
 def _batch_size(value: int | None, allow_none: bool) -> int | None:

@@ -125,6 +125,7 @@ class PerSampleNorms:
         self._before: list[torch.Tensor | None] = []
         self._accumulating = False  # .grad held values before this batch
         self._sum = False  # this batch's loss is a sum over its samples
+        self._batch_size: int | None = None  # the batch size this batch was told
         self._loss: torch.Tensor | None = None  # checked in the batch's one host read
         self.last: tuple[dict[str, float], dict[str, float], int] = ({}, {}, 0)
 
@@ -162,6 +163,7 @@ class PerSampleNorms:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self._sum = loss_reduction == "sum"
+        self._batch_size = batch_size
         self._caps, self._seen, self._loss = [], set(), None
         self._local_big = rank_world()[1] > 1
         # .grad snapshots so gradient accumulation does not disturb the batch gradient; after
@@ -205,6 +207,14 @@ class PerSampleNorms:
                 f"watched modules saw different batch sizes in one batch ({seen}); a module "
                 "fed an input the batch shares is expanded when the batch size is known: pass "
                 "batch(batch_size=N), or leave the module out with name_filter"
+            )
+        if self._batch_size is not None and self._batch_size != n:
+            # the mean loss's per-sample gradients would be scaled by batch_size / n: |G|^2
+            # and tr(Sigma) off, often |G|^2 < 0
+            raise ValueError(
+                f"batch(batch_size={self._batch_size}) but the watched modules saw {n} samples "
+                "in this block: pass the block's number of samples, or batch_size=None (each "
+                "module's batch dimension)"
             )
         if n < 2:
             raise ValueError(

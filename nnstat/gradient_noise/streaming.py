@@ -281,7 +281,8 @@ class NoiseScale:
 
         Raises:
             RuntimeError: no watched model (call `watch` first).
-            ValueError: an unknown ``loss_reduction``. (A batch whose norms hold NaN/Inf is
+            ValueError: an unknown ``loss_reduction``; at the block's end, a ``batch_size``
+                other than the samples the watched modules saw. (A batch whose norms hold NaN/Inf is
                 left out with a ``RuntimeWarning`` when they arrive: a later read or
                 ``batch()`` on a GPU.)
 
@@ -328,8 +329,10 @@ class NoiseScale:
         Args:
             model: the network (every parameter that requires a gradient).
             micro_batch_size: samples per micro-batch (or pass it to ``end_step``).
-            accumulation: ``"mean"``: micro-batch losses divided by their number (HF, Lightning);
-                ``"sum"``: added as they are.
+            accumulation: ``"mean"``: micro-batch losses divided by their number (Lightning;
+                HF for a model whose loss ignores ``num_items_in_batch``); ``"sum"``: added as
+                they are; ``"items"``: each micro-batch's summed loss divided by the step's
+                samples (HF's ``num_items_in_batch``). They differ for unequal micro-batches.
             ranks: DDP processes the step's ``.grad`` averages over (accumulating under
                 ``no_sync()``; ``B_big`` = ranks x all micro-batches' samples).
 

@@ -21,6 +21,7 @@ from nnstat.netdict.getters import (
     get_optimizer_state,
     get_update,
     get_weight,
+    layer_state_keys,
     optimizer_state_keys,
 )
 from nnstat.netdict.netdict import NetDict, SameParams, select_names
@@ -34,6 +35,7 @@ __all__ = [
     "get_optimizer_state",
     "get_update",
     "get_weight",
+    "layer_state_keys",
     "optimizer_state_keys",
     "select_names",
     "trust_ratio",

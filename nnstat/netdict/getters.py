@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,6 +32,7 @@ __all__ = [
     "get_update",
     "compute_stats",
     "optimizer_state_keys",
+    "layer_state_keys",
 ]
 
 
@@ -230,6 +232,35 @@ def optimizer_state_keys(optimizer: torch.optim.Optimizer) -> list[str]:
     for state in optimizer.state.values():
         for k, v in state.items():
             if isinstance(v, torch.Tensor):
+                keys[k] = None
+    return list(keys)
+
+
+def layer_state_keys(optimizer: Any, params: Sequence[torch.Tensor]) -> list[str]:
+    """Keys of the per-parameter states of ``params`` worth a layer statistic: tensors with one
+    or more dimensions and at most the parameter's elements, whatever their shape (Adafactor's
+    factored ``row_var`` ``[m, 1]`` and ``col_var`` ``[1, n]``); not scalar counters (Adam's
+    ``step``), even where a 0-d parameter makes a scalar the parameter's shape, nor a state of
+    the whole model kept under one parameter (L-BFGS's flat direction ``d``). A key some
+    parameter holds so counts for every parameter holding it (a 0-d parameter's ``exp_avg``).
+
+    Args:
+        optimizer: the optimizer (anything whose ``.state`` maps parameters to state dicts).
+        params: the parameters to look at.
+
+    Returns:
+        The keys, in the order first met.
+
+    Example:
+        >>> m = torch.nn.Linear(3, 2); opt = torch.optim.Adafactor(m.parameters())
+        >>> m(torch.ones(1, 3)).sum().backward(); opt.step()
+        >>> layer_state_keys(opt, list(m.parameters()))
+        ['row_var', 'col_var', 'variance']
+    """
+    keys: dict[str, None] = {}
+    for p in params:
+        for k, v in optimizer.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() <= p.numel():
                 keys[k] = None
     return list(keys)
 

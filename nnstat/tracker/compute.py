@@ -57,6 +57,7 @@ __all__ = [
     "device_results",
     "stage",
     "finish",
+    "snapshot_of",
     "to_host",
 ]
 
@@ -259,6 +260,25 @@ class Staged:
         default_factory=dict
     )
     paired: tuple[int, int] | None = None
+
+
+def snapshot_of(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The copy of the weights the Tracker measures updates from: contiguous whatever the
+    parameters' layout (a transposed or strided parameter), because the blocked passes refresh
+    it through flat views, and the flat view of a non-contiguous copy is a new tensor: the
+    refresh would be lost and every later update measured from stale weights.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.randn(3, 2).t())
+        >>> snap = snapshot_of([w])[0]
+        >>> snap.is_contiguous(), torch.equal(snap, w.detach())
+        (True, True)
+    """
+    out = []
+    for p in params:
+        t = p.detach()
+        out.append(t.clone() if t.is_contiguous() else t.contiguous())
+    return out
 
 
 def by_dtype(*lists: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], ...]]:

@@ -44,11 +44,12 @@ from nnstat.distributed import (
     fsdp1_whole,
     local_tensor,
 )
-from nnstat.netdict import SameParams, select_names
+from nnstat.netdict import SameParams, layer_state_keys, select_names
 from nnstat.tracker.compute import (
     StepPlan,
     assemble,
     by_dtype,
+    snapshot_of,
     tasks,
 )
 from nnstat.tracker.delivery import DeviceSteps
@@ -106,7 +107,9 @@ class Tracker:
         sinks: objects with ``log(metrics, step)`` (or callables) receiving each logged step.
         include: regex (``re.search``) of parameter names to track; ``exclude``: to leave out.
         groups: which of ``weight``, ``grad``, ``optimizer``, ``update`` to log.
-        state_keys: optimizer state keys to log; ``None``: every state tensor.
+        state_keys: optimizer state keys to log; ``None``: every per-parameter state tensor
+            (`nnstat.netdict.layer_state_keys`: Adafactor's factored ``row_var``/``col_var``
+            too; no scalar counter such as ``step``).
         background: ``True``, ``False`` or ``None`` (auto), as described above.
 
     Raises:
@@ -207,7 +210,7 @@ class Tracker:
         # the update of the first logged step is measured from the weights at construction
         self._prev: list[torch.Tensor] | None = None
         if "update" in self.groups:
-            self._prev = [p.detach().clone() for p in self.params]
+            self._prev = snapshot_of(self.params)  # contiguous: refreshed in flat blocks
         self._worker = WorkerSteps(
             background, optimizer, self.names, self.params, self._prev, self._fsdp1
         )
@@ -289,13 +292,7 @@ class Tracker:
     def _state_keys(self) -> tuple[str, ...]:
         if self.state_keys is not None:
             return self.state_keys
-        keys: dict[str, None] = {}
-        for p in self.params:
-            for k, v in self.optimizer.state.get(p, {}).items():
-                # per-parameter states only (Adam's scalar "step" is not a layer statistic)
-                if isinstance(v, torch.Tensor) and v.shape == p.shape:
-                    keys[k] = None
-        return tuple(keys)
+        return tuple(layer_state_keys(self.optimizer, self.params))
 
     def _collect(self, weights: bool = True) -> list[tuple[str, list[str], list[torch.Tensor]]]:
         """``(group, names, tensors)`` of every group but updates."""

@@ -311,3 +311,30 @@ def test_blocked_sumsq_min_max(monkeypatch, use_numpy):
     bad[150] = float("nan")
     # a non-finite element leaves a non-finite sum of squares: callers recompute exactly
     assert math.isnan(sf.sumsq_min_max([bad])[0, 0].item())
+
+
+def test_statistics_of_a_model_on_meta_name_the_device_and_the_fix():
+    """Parameters built on ``meta`` by mistake hold no values: the statistics say so and how to
+    fix it (torch's own error, "Cannot copy out of meta tensor", names neither)."""
+    from nnstat.netdict import get_weight
+
+    weights = get_weight(torch.nn.Linear(3, 2, device="meta"))
+    for describe in (weights.describe, weights.describe_layers):
+        with pytest.raises(
+            RuntimeError, match="on the meta device and have no values.*build the model on a real"
+        ):
+            describe()
+
+
+def test_weight_update_pass_refuses_to_refresh_a_non_contiguous_snapshot():
+    """Refreshing writes through a flat view, which for a non-contiguous tensor is a copy:
+    the refresh would be lost without a word. Without refresh the pair is read correctly."""
+    from nnstat.describe.block_passes import run_passes
+    from nnstat.describe.numpy_blocks import weight_update_pass
+
+    w = torch.randn(4, 3)
+    prev = torch.randn(3, 4).t()
+    with pytest.raises(ValueError, match="previous must be contiguous"):
+        weight_update_pass([w], [prev], refresh=True)
+    row = run_passes([weight_update_pass([w], [prev])])[0][0]
+    assert float(row[4]) == pytest.approx(float((w - prev).double().pow(2).sum()), rel=1e-6)

@@ -310,6 +310,33 @@ def test_bad_input():
         nnstat.noise_scale(model, loss, (x, y), n_estimates=0)
 
 
+@pytest.mark.parametrize("method", ["two_batch", "per_sample", "fit"])
+def test_a_loss_summed_over_the_batch_is_refused_naming_the_fix(method):
+    """A sum loss leaves ``b_simple`` as it is but scales ``trace_sigma`` and ``grad_sq_norm``
+    by the batch size squared, which nothing else would show: refused. A mean written as a sum
+    divided by the batch size, and a sum over features inside a batch mean, are means."""
+    model = nn.Linear(3, 2)
+    x, y = torch.randn(32, 3), torch.randn(32, 2)
+    kw = dict(method=method, small_batch=2, big_batch=8, n_estimates=2)
+
+    def summed(o, t):
+        return nn.functional.mse_loss(o, t, reduction="sum")
+
+    with pytest.raises(ValueError, match=r"sum over the batch \(mse_loss\(reduction='sum'\)\).*"
+                       r"reduction='mean'"):  # fmt: skip
+        nnstat.noise_scale(model, summed, (x, y), **kw)
+    with pytest.raises(ValueError, match="sum over the batch"):
+        nnstat.noise_scale(model, lambda o, t: (o - t).pow(2).sum(), (x, y), **kw)
+    means = [
+        lambda o, t: (o - t).pow(2).sum() / len(o),
+        lambda o, t: (o - t).pow(2).sum(1).mean(),
+        nn.functional.mse_loss,
+    ]
+    for loss in means:
+        r = nnstat.noise_scale(model, loss, (x, y), **kw)
+        assert math.isfinite(r.trace_sigma)
+
+
 # -- uncertainty outputs against independent references ----------------------------------------
 
 

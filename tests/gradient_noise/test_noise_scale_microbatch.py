@@ -425,3 +425,51 @@ def test_sparse_embedding_gradients_are_measured():
     )
     assert gns.grad_sq_norm == pytest.approx(g_sq, rel=1e-4)
     assert gns.trace_sigma == pytest.approx(trace, rel=1e-4)
+
+
+@pytest.mark.parametrize("accumulation", ["mean", "sum", "items"])
+def test_unequal_micro_batches_are_exact_in_expectation_with_their_sizes(accumulation):
+    """A smaller last micro-batch (``drop_last=False``): every draw with replacement of
+    micro-batches of 2 and 1 samples from 5 points, enumerated (the exact expectation), gives
+    the data's exact ``|G|^2`` and ``tr(Sigma)`` (torch.func per-sample gradients) when
+    ``end_step`` is given each micro-batch's size, whichever way the micro-batch losses add up
+    (each mean / K, each mean, each sum / all the step's samples); one size for both biases
+    ``tr(Sigma)``."""
+    import itertools
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, generator=gen, dtype=torch.float64)
+    y = torch.randn(5, 1, generator=gen, dtype=torch.float64)
+    model = nn.Linear(3, 1).double()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p, xi, yi):
+        return (functional_call(model, p, (xi[None],)) - yi[None]).pow(2).mean()
+
+    g = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
+    flat = torch.cat([v.reshape(5, -1) for v in g.values()], 1)
+    mean = flat.mean(0)
+    g_sq, trace = float(mean @ mean), float((flat - mean).pow(2).sum(1).mean())
+    # how the step's loss weights micro-batch k's summed loss over its b samples
+    weight = {"mean": lambda b: 1 / (2 * b), "sum": lambda b: 1 / b, "items": lambda b: 1 / 3}
+
+    def expectation(sizes_given):
+        gns = nnstat.NoiseScale(window=10**6)
+        micro = gns.watch_microbatches(model, accumulation=accumulation)
+        for draw in itertools.product(range(5), repeat=3):
+            model.zero_grad(set_to_none=True)
+            for idx in (list(draw[:2]), list(draw[2:])):  # micro-batches of 2 and 1
+                loss = (model(x[idx]) - y[idx]).pow(2).sum() * weight[accumulation](len(idx))
+                loss.backward()
+            assert micro.end_step(sizes_given)
+        return gns.grad_sq_norm, gns.trace_sigma
+
+    assert expectation([2, 1]) == pytest.approx((g_sq, trace), rel=1e-9)
+    one_size = expectation(2)
+    assert one_size[1] != pytest.approx(trace, rel=0.1)  # the bias of one size
+    assert expectation((2, 2)) == one_size  # equal sizes given one by one: the same
+    micro = nnstat.NoiseScale().watch_microbatches(model)
+    for _ in range(2):
+        model(x).sum().backward()
+    with pytest.raises(ValueError, match="holds 3 sizes but the step had 2 micro-batches"):
+        micro.end_step([2, 2, 1])

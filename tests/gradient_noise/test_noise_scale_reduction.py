@@ -114,3 +114,21 @@ def test_probe_tells_means_from_sums():
             loss().backward()
         got_mean, got_sum = probe.mean_over_batch(16), probe.sum_over_batch(16)
         assert (got_mean is None, got_sum is None) == (mean is None, total is None), i
+
+
+def test_a_batch_size_other_than_the_blocks_samples_is_refused():
+    """``batch(batch_size=32)`` on a block of 16 samples scaled every per-sample gradient of
+    the mean loss by 2 (|G|^2 came out negative): refused, naming both numbers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    x, y = torch.randn(16, 4), torch.randn(16, 2)
+    gns = nnstat.NoiseScale(window=10)
+    gns.watch(model)
+    with pytest.raises(ValueError, match=r"batch_size=32\) but the watched modules saw 16"):
+        with gns.batch(batch_size=32):
+            nn.functional.mse_loss(model(x), y).backward()
+    model.zero_grad()
+    with gns.batch(batch_size=16):  # the right number, and the capture still works after
+        nn.functional.mse_loss(model(x), y).backward()
+    assert gns.n_updates == 1 and gns.trace_sigma > 0
+    gns.unwatch()

@@ -224,3 +224,75 @@ def test_the_estimator_can_be_forced_either_way(tmp_path):
         assert trainer.state.global_step == 0
     with pytest.raises(ValueError, match="noise_scale_method"):
         NNStatCallback(noise_scale_method="microbatch")
+
+
+def test_a_smaller_last_micro_batch_is_measured_at_its_own_size(tmp_path):
+    """10 sequences in micro-batches of 4, 4 and 2 per optimizer step: the Trainer divides
+    each micro-batch's summed token losses by the step's label count (``num_items_in_batch``),
+    so the step's gradient is the mean over its 10 samples while each micro-batch's is
+    weighted by its size. The callback takes each training forward's batch size; the
+    reference solves ``E|g|^2 = |G|^2 + tr(Sigma)/B`` for the micro-batches' mean squared
+    norm (the harmonic mean of 4, 4, 2) and the step's (10 samples), from each micro-batch's
+    own gradient computed independently at the step's weights."""
+    model = _model()
+    record = _Record(model)
+    cb = NNStatCallback(stats=["l2"], groups=["weight"], noise_scale_beta=0.0)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, save_strategy="no",
+        disable_tqdm=True, seed=0, per_device_train_batch_size=4, gradient_accumulation_steps=3,
+        num_train_epochs=2, logging_steps=1, learning_rate=1e-2, max_grad_norm=0.0,
+    )  # fmt: skip
+    trainer = transformers.Trainer(model, args, train_dataset=Tokens(10), callbacks=[cb])
+    trainer.train()
+    assert cb.hooks.method == "micro_batch"
+    logged = {h["step"]: h for h in trainer.state.log_history if "noise_scale/b_simple" in h}
+    assert sorted(logged) == [1, 2]
+    for step, h in logged.items():
+        forwards = record.states[3 * (step - 1) : 3 * step]
+        ref = _model()
+        ref.load_state_dict(forwards[0][0])
+        params = list(ref.parameters())
+        g, sizes = [], []
+        for _, x in forwards:
+            grads = torch.autograd.grad(ref(input_ids=x, labels=x).loss, params)
+            g.append(torch.cat([v.double().flatten() for v in grads]))
+            sizes.append(len(x))
+        assert sizes == [4, 4, 2]
+        g, w = torch.stack(g), torch.tensor(sizes, dtype=torch.float64) / sum(sizes)
+        small, big = float(g.pow(2).sum(1).mean()), float((w[:, None] * g).sum(0).pow(2).sum())
+        b_small, b_big = 3 / sum(1 / b for b in sizes), sum(sizes)
+        g_sq = (b_big * big - b_small * small) / (b_big - b_small)
+        trace = (small - big) / (1 / b_small - 1 / b_big)
+        assert h["noise_scale/b_simple"] == pytest.approx(trace / g_sq, rel=1e-4)
+        # the Trainer counts labels after the shift, the reference each sample's T tokens
+        assert h["noise_scale/trace_sigma"] == pytest.approx(trace * ((T - 1) / T) ** 2, rel=1e-4)
+
+
+def test_an_evaluation_between_steps_leaves_the_next_step_measured(tmp_path):
+    """The Trainer switches the model back to train mode inside ``training_step``, after
+    ``on_step_begin``: an evaluation after every step left the model in eval mode at that
+    event, and the noise scale skipped every batch (no ``noise_scale/`` key at all). Each
+    step after the probe is measured, against per-sample gradients computed independently."""
+    model = _model()
+    record = _Record(model)
+    cb = NNStatCallback(stats=["l2"], groups=["weight"], noise_scale_every=1, noise_scale_beta=0.0)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, save_strategy="no",
+        disable_tqdm=True, seed=0, per_device_train_batch_size=N, max_steps=3, logging_steps=1,
+        learning_rate=1e-2, max_grad_norm=0.0, eval_strategy="steps", eval_steps=1,
+        per_device_eval_batch_size=N,
+    )  # fmt: skip
+    trainer = transformers.Trainer(
+        model, args, train_dataset=Tokens(3 * N), eval_dataset=Tokens(N), callbacks=[cb]
+    )
+    trainer.train()
+    assert sum("eval_loss" in h for h in trainer.state.log_history) == 3
+    logged = {h["step"]: h for h in trainer.state.log_history if "noise_scale/b_simple" in h}
+    assert sorted(logged) == [2, 3]  # the first micro-batch probes which modules qualify
+    modules = sorted(
+        k.split("/")[1] for k in logged[2] if k.startswith("noise_scale/") and k.count("/") == 2
+    )
+    for step, h in logged.items():
+        state, x = record.states[step - 1]
+        g_sq, trace = _reference(model, state, x, modules)
+        assert h["noise_scale/b_simple"] == pytest.approx(trace / g_sq, rel=1e-4)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 
 import pytest
 import torch
@@ -348,3 +349,94 @@ def test_micro_batches_under_a_grad_scaler_match_and_skipped_steps_are_left_out(
         assert math.isfinite(value) and h["noise_scale/b_simple"] == pytest.approx(value, rel=1e-4)
     assert kept[-1].n_updates == 2
     assert "unscale_" not in vars(scaler)  # the scaler is left as it was
+
+
+def test_a_smaller_last_micro_batch_is_measured_at_its_own_size(tmp_path):
+    """20 points in batches of 8, 8 and 4, three per optimizer step: the step's observation
+    takes each micro-batch's size (the harmonic mean ``H`` and ``3H`` as its batch sizes, the
+    sizes at which the two-batch estimates stay unbiased), not one size for all three."""
+    from nnstat.gradient_noise.maths import two_batch
+
+    class Sized(_MicroReference):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            super().on_train_batch_start(trainer, module, batch, batch_idx)
+            self.sizes.append(len(batch[0]))
+
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            g, self.means = torch.stack(self.means), []
+            sizes, self.sizes = self.sizes, []
+            h = len(sizes) / sum(1 / b for b in sizes)
+            small, big = float(g.pow(2).sum(1).mean()), float(g.mean(0).pow(2).sum())
+            g_sq, trace = two_batch(small, big, h, h * len(sizes))
+            self.values[trainer.global_step + 1] = trace / g_sq
+
+    cb = NNStatCallback(stats=["l2"], groups=["weight"], every=1, noise_scale_beta=0.0)
+    ref = Sized()
+    ref.sizes = []
+    loader = torch.utils.data.DataLoader(_data(20), batch_size=8, shuffle=False)
+    trainer = _trainer(tmp_path, [ref, cb], max_epochs=2, accumulate_grad_batches=3, logger=False)
+    trainer.fit(Tiny(), loader)
+    assert cb.hooks.method == "micro_batch"
+    history = [h for h in cb.history if "noise_scale/b_simple" in h]
+    assert [h["step"] for h in history] == [1, 2]
+    for h in history:
+        assert h["noise_scale/b_simple"] == pytest.approx(ref.values[h["step"]], rel=1e-4)
+
+
+class _TwoOptimizers(Tiny):
+    """Manual optimization with two optimizers (as a GAN's generator and discriminator): SGD
+    with momentum on the first layer, Adam on the second, both stepped in every batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        first, second = self.optimizers()
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward(loss)
+        first.step()
+        second.step()
+        return loss
+
+    def configure_optimizers(self):
+        return [
+            torch.optim.SGD(self.net[0].parameters(), lr=0.1, momentum=0.9),
+            torch.optim.Adam(self.net[2].parameters(), lr=0.01),
+        ]
+
+
+def test_manual_optimization_with_two_optimizers_logs_each_batchs_whole_update(tmp_path):
+    """Each optimizer's step is one Lightning step; the batch's update is every optimizer's
+    (a snapshot before the second optimizer made the first one's parameters look unchanged:
+    update 0, trust ratio inf), and both optimizers' states are logged."""
+    weights: dict[int, dict[str, torch.Tensor]] = {}
+
+    class Weights(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            weights[batch_idx] = {k: v.detach().clone() for k, v in module.named_parameters()}
+
+    cb = NNStatCallback(stats=["l2"], every=1, noise_scale=False)
+    module = _TwoOptimizers()
+    loader = torch.utils.data.DataLoader(_data(), batch_size=8, shuffle=False)
+    trainer = _trainer(tmp_path, [Weights(), cb], max_steps=6, logger=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Tracker: the optimizer does not hold")
+        trainer.fit(module, loader)
+    assert [h["step"] for h in cb.history] == [2, 4, 6]  # two optimizer steps per batch
+    last = cb.history[-1]
+    after = dict(module.named_parameters())
+    sgd, adam = trainer.optimizers
+    for name, before in weights[2].items():
+        moved = float((after[name].detach() - before).double().norm())
+        assert moved > 0 and last[f"update/{name}/l2"] == pytest.approx(moved, rel=1e-5)
+    for name in ("net.0.weight", "net.0.bias"):
+        buf = sgd.state[after[name]]["momentum_buffer"]
+        assert last[f"momentum_buffer/{name}/l2"] == pytest.approx(float(buf.norm()), rel=1e-5)
+    for name in ("net.2.weight", "net.2.bias"):
+        avg = adam.state[after[name]]["exp_avg"]
+        assert last[f"exp_avg/{name}/l2"] == pytest.approx(float(avg.norm()), rel=1e-5)
+    assert not any(after[n] in sgd.state for n in ("net.2.weight", "net.2.bias"))

@@ -1,6 +1,7 @@
 """TensorBoard and W&B sinks, read back from event files and the offline run's summary."""
 
 import importlib.util
+import warnings
 
 import numpy as np
 import pytest
@@ -66,7 +67,36 @@ def test_tensorboard_rejects_unloggable_values(tmp_path):
         sink.log({"bad": "text"}, step=0)
     with pytest.raises(TypeError, match="cannot log 'z' of type Tensor"):
         sink.log({"z": torch.tensor(1 + 2j)}, step=0)
+    with pytest.raises(TypeError, match="metric keys must be strings.*got 3 of type int"):
+        sink.log({3: 1.0}, step=0)
     sink.close()
+
+
+@needs_wandb
+def test_wandb_warns_once_when_a_step_goes_back_and_would_be_dropped(tmp_path, monkeypatch):
+    """W&B ignores rows below the run's current step (a Tracker counting from 0 again on a
+    resumed run) with a line on its console only; the sink warns, and the summary shows the
+    row really was dropped."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    from nnstat.integrations.wandb import WandbSink
+
+    sink = WandbSink(project="nnstat-tests", dir=str(tmp_path))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            sink.log({"a": 1.0}, step=5)
+        with pytest.warns(
+            RuntimeWarning, match="drops the metrics of step 2: the run is at step 6"
+        ):
+            sink.log({"a": 2.0}, step=2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once
+            sink.log({"a": 3.0}, step=5)
+            sink.log({"a": 4.0}, step=7)
+        assert sink.run.summary._as_dict()["a"] == 4.0
+    finally:
+        sink.close()
 
 
 @needs_wandb

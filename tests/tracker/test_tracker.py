@@ -62,6 +62,118 @@ def test_default_step_matches_references(background):
     assert not any(k.startswith("step/") for k in metrics)  # Adam's scalar step is not a layer stat
 
 
+class _Scaled(nn.Module):
+    """A linear map times a learnt 0-d scale (a parameter whose shape is a scalar's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.scale = nn.Linear(5, 3), nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.scale * self.fc(x)
+
+
+@pytest.mark.parametrize("background", [True, False])
+@pytest.mark.parametrize("opt_cls", [torch.optim.Adafactor, torch.optim.Adam])
+def test_every_state_tensor_is_logged_whatever_its_shape_and_no_step_counter(opt_cls, background):
+    """Adafactor keeps factored second moments (``row_var`` ``[3, 1]``, ``col_var`` ``[1, 5]``)
+    for a matrix, ``variance`` for a vector: each is a state of its own shape, logged against
+    numpy. Adam's ``step`` counter is a scalar, like a 0-d parameter itself: not a layer
+    statistic, while that parameter's ``exp_avg`` is."""
+    model = _Scaled()
+    opt = opt_cls(model.parameters(), lr=0.05)
+    tracker = nnstat.Tracker(model, opt, stats=["l2", "abs_max"], background=background)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(8, 5)).pow(2).mean().backward()
+        opt.step()
+        metrics = tracker.step()
+    metrics = dict(metrics)
+    tracker.close()
+    logged = set()
+    for n, p in model.named_parameters():
+        for key, v in opt.state[p].items():
+            if key == "step":
+                continue
+            logged.add(key)
+            assert metrics[f"{key}/{n}/l2"] == pytest.approx(l2(v), rel=1e-6), (key, n)
+            assert metrics[f"{key}/{n}/abs_max"] == pytest.approx(float(v.abs().max()), rel=1e-6)
+    groups = {k.split("/")[0] for k in metrics}
+    assert logged <= groups and "step" not in groups
+    expected = {"row_var", "col_var", "variance"} if opt_cls is torch.optim.Adafactor else set()
+    assert expected <= logged
+    assert ("exp_avg/scale/l2" in metrics) == (opt_cls is torch.optim.Adam)
+
+
+class _Strided(nn.Module):
+    """Parameters whose storage is not in their logical order: a transposed matrix, every
+    second row of one, and a permuted 3-d tensor, with a contiguous one beside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.t = nn.Parameter(torch.randn(6, 4).t())
+        self.rows = nn.Parameter(torch.randn(8, 3)[::2])
+        self.perm = nn.Parameter(torch.randn(3, 5, 2).permute(2, 0, 1))
+        self.plain = nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, x):
+        return (
+            (x @ self.t).sum() + (x @ self.plain).pow(2).sum() * self.rows.sum() + self.perm.sum()
+        )
+
+
+@pytest.mark.parametrize("background", [True, False])
+@pytest.mark.parametrize("stats", [None, ("l2", "rms", "abs_max", "nonfinite")])
+def test_non_contiguous_parameters_match_numpy_every_step(stats, background):
+    """The default statistics reduce weights and updates in one blocked pass over flat views,
+    refreshing the snapshot block by block; a snapshot copied with the parameter's strides had
+    a flat view that was a copy, so the refresh was lost and every later update was measured
+    from the first weights. Each step's update against numpy, over three steps."""
+    model = _Strided()
+    assert not any(p.is_contiguous() for n, p in model.named_parameters() if n != "plain")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
+    tracker = nnstat.Tracker(model, opt, stats=stats, background=background)
+    for _ in range(3):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.zero_grad()
+        model(torch.randn(5, 4)).backward()
+        opt.step()
+        metrics = dict(tracker.step())
+        for n, p in model.named_parameters():
+            for group, t in (("weight", p), ("grad", p.grad), ("update", p.detach() - before[n])):
+                a = t.detach().double().numpy().ravel()
+                assert metrics[f"{group}/{n}/l2"] == pytest.approx(np.linalg.norm(a), rel=1e-5)
+                assert metrics[f"{group}/{n}/abs_max"] == pytest.approx(np.abs(a).max(), rel=1e-5)
+    tracker.close()
+
+
+def test_lbfgs_whole_model_state_is_not_a_layer_statistic():
+    """L-BFGS keeps its flat direction and gradient of the whole model under the first
+    parameter: neither is that layer's state, so no group is made of them."""
+    model, opt = setup(torch.optim.LBFGS, history_size=3, max_iter=2)
+    x, y = torch.randn(16, 5), torch.randint(0, 3, (16,))
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    tracker = nnstat.Tracker(model, opt, stats=["l2"], background=False)
+    opt.step(closure)
+    metrics = dict(tracker.step())
+    tracker.close()
+    first = next(iter(opt.state.values()))
+    flat = [k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() == 1]
+    assert "d" in flat
+    assert not {k.split("/")[0] for k in metrics} & set(flat)
+    assert {k.split("/")[0] for k in metrics} == {
+        "weight", "grad", "update", "trust_ratio", "update_ratio"
+    }  # fmt: skip
+
+
 def test_every_n_and_update_over_one_step_with_signed_stats():
     model, opt = setup(torch.optim.SGD, momentum=0.9)
     tracker = nnstat.Tracker(model, opt, every=3, stats=["mean", "min", "max", "skew", "l2"])
