@@ -1,7 +1,9 @@
 """Building a :class:`ModuleCapture` from a module's hooked calls (the capture engine's helpers).
 
 Split from ``engine.py``: the hooks there collect ``(input, output gradient, batch context)``
-per module call; these functions turn one backward's calls into the capture consumers receive.
+per module call; these functions turn one backward's calls into the capture consumers receive
+(``path_edges`` finds a watched module's place in its model, to notice it was replaced;
+``create_graph_refusal`` says why a double backward is not captured).
 """
 
 from __future__ import annotations
@@ -233,4 +235,42 @@ def warn_without_gradient(names: Iterable[str], warned: set[str], stacklevel: in
         "reached the consumers for them, and a gradient store keeps their per-sample gradients "
         "as zeros. If that is expected, watch with a name_filter that excludes them",
         stacklevel=stacklevel + 1,
+    )
+
+
+def path_edges(
+    model: nn.Module, name: str
+) -> dict[tuple[int, str], tuple[nn.Module, str, nn.Module, str]]:
+    """The ``(parent, key, child, path)`` steps from ``model`` down to its submodule ``name``
+    (``"model"``: the root itself, no step), keyed by ``(id(parent), key)``.
+
+    Example:
+        >>> net = nn.Sequential(nn.Sequential(nn.Linear(1, 1)))
+        >>> [(key, path) for _, key, _, path in path_edges(net, "0.0").values()]
+        [('0', '0'), ('0', '0.0')]
+    """
+    edges = {}
+    parent, path = model, []
+    for key in [] if name == "model" else name.split("."):
+        child = parent._modules[key]
+        path.append(key)
+        edges[(id(parent), key)] = (parent, key, child, ".".join(path))
+        parent = child
+    return edges
+
+
+def create_graph_refusal(name: str) -> str:
+    """The engine's refusal of a ``create_graph=True`` backward reaching watched module ``name``."""
+    # such a backward builds a graph through the gradient (gradient penalty, MAML, an input-
+    # gradient regulariser): a later backward of a loss holding that gradient reaches the
+    # weights through it, not through the layer's output, so no capture of either backward is
+    # a product of layer inputs and output gradients; capturing it would be silently wrong
+    return (
+        "nnstat capture: a backward with create_graph=True (or under torch.func.grad/vjp) "
+        f"reached watched module {name!r} inside a capture block (engine.batch, run(...), "
+        "NoiseScale.batch, the Recorder). The "
+        "per-sample gradients of a loss that differentiates through a gradient (a gradient "
+        "penalty, a double backward) are not products of layer inputs and output gradients. "
+        "Fix: compute the create_graph (or torch.func) gradient outside the block, or capture "
+        "the loss without the gradient term (a separate logging pass)."
     )

@@ -26,15 +26,25 @@ from nnstat.capture.build import (
     Watched,
     build_capture,
     check_batch_args,
+    create_graph_refusal,
     first_tensor,
     hook_target,
+    path_edges,
     reshaped,
     warn_without_gradient,
 )
 from nnstat.capture.capture import ModuleCapture
+from nnstat.capture.kinds import supported_modules
 from nnstat.capture.layouts.ambiguous import SampleRows, add_check_guard
 from nnstat.capture.layouts.broadcast import BroadcastOutput, add_guard
-from nnstat.capture.layouts.hooks import LayoutHooks, kind_of, sequence_first_layers
+from nnstat.capture.layouts.foreign import ForeignUses
+from nnstat.capture.layouts.hooks import (
+    LayoutHooks,
+    batch_coupled,
+    enclosing,
+    kind_of,
+    sequence_first_layers,
+)
 
 __all__ = ["LOSS_REDUCTIONS", "CaptureConsumer", "CaptureEngine", "UnsupportedModuleError"]
 
@@ -98,6 +108,10 @@ class CaptureEngine(LayoutHooks):
         self._attention: set[nn.Module] = set()
         # owner -> the other modules sharing its parameters (captured into the owner: tied.py)
         self._tied: dict[nn.Module, list[nn.Module]] = {}
+        # calls recorded for the one check of parameters used outside their module (foreign.py)
+        self._foreign: ForeignUses | None = None
+        self._warned_rows = False
+        self._batch_norms: list[tuple[str, nn.Module]] = []
         self.no_gradient_warned: set[str] = set()  # warned once each (build.py), the store too
 
     # ---------------------------------------------------------------- selection
@@ -174,8 +188,8 @@ class CaptureEngine(LayoutHooks):
                 continue
             if types and not any(_type_matches(module, t) for t in types):
                 continue
-            parent = next((m for p, m in mha.items() if name.startswith(p + ".")), None)
-            layer = next((p for p in seq_first if name.startswith(p + ".")), None)
+            parent = next((m for p, m in mha.items() if enclosing(name, [p])), None)
+            layer = enclosing(name, seq_first)
             kind, why = kind_of(module, parent, layer)
             if kind is None:
                 unsupported.append(f"{name or '<root>'} ({type(module).__name__}): {why}")
@@ -186,6 +200,7 @@ class CaptureEngine(LayoutHooks):
         selected = self._select_ties(model, selected, unsupported)
         if unsupported:
             msg = "cannot capture per-sample gradients of: " + "; ".join(unsupported)
+            msg += f" (the module types with a rule: {supported_modules()})"
             if explicit:
                 raise UnsupportedModuleError(msg)
             warnings.warn(msg + " (skipped; they are not watched)", stacklevel=2)
@@ -200,9 +215,13 @@ class CaptureEngine(LayoutHooks):
                 if attn not in self._attention:
                     self._attention.add(attn)
                     hook = partial(self._on_attention, attn)
-                    self._handles.append(attn.register_forward_hook(hook, with_kwargs=True))
+                    hook = attn.register_forward_hook(hook, with_kwargs=True, prepend=True)
+                    self._handles.append(hook)
                 continue
-            self._handles.append(w.module.register_forward_hook(partial(self._on_forward, w)))
+            # first of the module's hooks: a user's hook may change the output (o * 2), and the
+            # capture needs the gradient of the module's own output
+            hook = w.module.register_forward_hook(partial(self._on_forward, w), prepend=True)
+            self._handles.append(hook)
         for w in selected:
             self._edges.update(path_edges(model, w.name))
         if selected and not any(model is r for r in self._roots):
@@ -210,6 +229,10 @@ class CaptureEngine(LayoutHooks):
             self._handles.append(
                 model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)
             )
+            self._handles.append(model.register_forward_hook(self._on_model_output))
+            self._batch_norms += batch_coupled(model)
+        if selected:
+            self._foreign = ForeignUses()  # armed again: the new modules are not checked yet
         return [w.name for w in selected if w.tied_to is None]
 
     def unwatch(self) -> None:
@@ -220,6 +243,8 @@ class CaptureEngine(LayoutHooks):
         self._watched.clear()
         self._attention.clear()
         self._tied.clear()
+        self._foreign = None
+        self._batch_norms = []
         self._roots.clear()
         self._edges.clear()
         self._left_out.clear()
@@ -397,6 +422,8 @@ class CaptureEngine(LayoutHooks):
     def _on_model_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._ctx is not None:
             self._root_call = (args, kwargs)
+            if self._foreign is not None:
+                self._foreign.clear()
         if self._keep_input and self.model_input is None:
             t = first_tensor(args, kwargs)
             if t is not None:
@@ -458,6 +485,8 @@ class CaptureEngine(LayoutHooks):
         # pairs with its own backward and a forward whose output never gets a gradient is dropped
         hook = partial(self._on_output_grad, module, x, ctx)
         target = hook_target(output) if output._is_view() else output
+        if self._foreign is not None:  # what the model reads and what is hooked: this call's
+            self._foreign.call(module, (*inputs, x), (output, replaced, target))
         if target is not output:
             hook = partial(reshaped, hook, output.shape)
         fresh = type(target) is torch.Tensor and target._backward_hooks is None
@@ -477,7 +506,7 @@ class CaptureEngine(LayoutHooks):
         self, module: nn.Module, x: torch.Tensor, ctx: BatchContext, grad: torch.Tensor
     ) -> None:
         if torch.is_grad_enabled():  # a backward with create_graph=True
-            raise RuntimeError(_create_graph_refusal(self._watched[module].name))
+            raise RuntimeError(create_graph_refusal(self._watched[module].name))
         with self._lock:
             calls = self._pending.get(module)
             if calls is None:
@@ -507,7 +536,7 @@ class CaptureEngine(LayoutHooks):
             caps = self._merge_tied(caps)
         ctx = next(iter(pending.values()))[0][2]
         if caps and (ctx.samples is not None or ctx.mask is not None):
-            caps = self._drop_unbroadcast(caps)
+            caps = self._rows_not_samples(self._drop_unbroadcast(caps), ctx)
         # a module left out has had its own warning
         got = {c.name for c in caps} | left_out.keys()
         warn_without_gradient([n for n in self.watched if n not in got], self.no_gradient_warned)
@@ -516,43 +545,6 @@ class CaptureEngine(LayoutHooks):
                 consumer(cap)
         for batch_consumer in self._backward_consumers:
             batch_consumer(caps)
-
-
-def _create_graph_refusal(name: str) -> str:
-    # such a backward builds a graph through the gradient (gradient penalty, MAML, an input-
-    # gradient regulariser): a later backward of a loss holding that gradient reaches the
-    # weights through it, not through the layer's output, so no capture of either backward is
-    # a product of layer inputs and output gradients; capturing it would be silently wrong
-    return (
-        "nnstat capture: a backward with create_graph=True (or under torch.func.grad/vjp) "
-        f"reached watched module {name!r} inside a capture block (engine.batch, run(...), "
-        "NoiseScale.batch, the Recorder). The "
-        "per-sample gradients of a loss that differentiates through a gradient (a gradient "
-        "penalty, a double backward) are not products of layer inputs and output gradients. "
-        "Fix: compute the create_graph (or torch.func) gradient outside the block, or capture "
-        "the loss without the gradient term (a separate logging pass)."
-    )
-
-
-def path_edges(
-    model: nn.Module, name: str
-) -> dict[tuple[int, str], tuple[nn.Module, str, nn.Module, str]]:
-    """The ``(parent, key, child, path)`` steps from ``model`` down to its submodule ``name``
-    (``"model"``: the root itself, no step), keyed by ``(id(parent), key)``.
-
-    Example:
-        >>> net = nn.Sequential(nn.Sequential(nn.Linear(1, 1)))
-        >>> [(key, path) for _, key, _, path in path_edges(net, "0.0").values()]
-        [('0', '0'), ('0', '0.0')]
-    """
-    edges = {}
-    parent, path = model, []
-    for key in [] if name == "model" else name.split("."):
-        child = parent._modules[key]
-        path.append(key)
-        edges[(id(parent), key)] = (parent, key, child, ".".join(path))
-        parent = child
-    return edges
 
 
 def _as_list(x: Any) -> list:

@@ -97,8 +97,10 @@ class MeanLossProbe(TorchFunctionMode):
     Costs Python dispatch on every torch call inside the block: use it on one block per pass.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, declared: str = "sum") -> None:
         super().__init__()
+        #: the reduction the caller was told the loss uses (its warnings depend on it)
+        self.declared = declared
         # (what, first dimension of the averaged tensor, gradients the scalar received)
         self.means: list[tuple[str, int, list[float]]] = []
         self.sums: list[tuple[str, int, list[float]]] = []
@@ -108,7 +110,13 @@ class MeanLossProbe(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if isinstance(out, torch.Tensor) and out.dim() == 0 and out.requires_grad:
+        # a meta scalar has no gradient value to read: nothing to tell (op-counting runs)
+        if (
+            isinstance(out, torch.Tensor)
+            and out.dim() == 0
+            and out.requires_grad
+            and not out.is_meta
+        ):
             found = _reduction(func, args, kwargs)
             if found is not None and found[2].dim() >= 1 and found[2].numel() > 1:
                 grads: list[float] = []
@@ -148,6 +156,17 @@ class MeanLossProbe(TorchFunctionMode):
             if grads and rows % n == 0 and c != 0 and abs(c) * 2 <= n:
                 return what
         return None
+
+    def mean_over_positions(self, n: int) -> tuple[str, int] | None:
+        """``(what, rows)`` when :meth:`mean_over_batch` found a mean over ``rows``, a multiple
+        of the ``n`` samples larger than ``n``: the positions of every sample (tokens of
+        ``logits.view(-1, V)``), so each sample's term weighs ``1 / rows`` (``1 / counted``
+        with ``ignore_index``), not ``1 / n``; else ``None``."""
+        what = self.mean_over_batch(n)
+        if what is None:
+            return None
+        rows = next(r for w, r, g in self.means if w == what and g and r % n == 0)
+        return (what, rows) if rows > n else None
 
     def sum_over_batch(self, n: int) -> str | None:
         """What summed over the batch of ``n`` samples and reached the loss with a weight

@@ -225,8 +225,9 @@ def noise_scale(
 
     Raises:
         ValueError: ``small_batch >= big_batch``, ``per_sample`` with ``big_batch < 2``, an
-            unknown ``method``, mismatched data, a non-scalar or non-finite loss, or a loss
-            that sums over the batch (``reduction="sum"``: the estimates need its mean).
+            unknown ``method``, mismatched data, a non-scalar or non-finite loss, a loss
+            that sums over the batch (``reduction="sum"``: the estimates need its mean), or a
+            model on the meta device.
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -246,6 +247,13 @@ def noise_scale(
     params_named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not params_named:
         raise ValueError("the model has no trainable parameters")
+    meta = next((n for n, p in params_named if p.is_meta), None)
+    if meta is not None:  # a measurement reads values: it would fail in torch's .item()
+        raise ValueError(
+            f"noise_scale: the model's parameter {meta!r} is on the meta device, which holds no "
+            "values (a model built under torch.device('meta') or with empty weights): "
+            "materialise it first (model.to_empty(device=...) and load its weights)"
+        )
     device = params_named[0][1].device
     src = BatchSource(data, device)
     gen = torch.Generator().manual_seed(seed)

@@ -307,10 +307,12 @@ def refuse_left_out(
     reasons = "; ".join(f"{m!r}: {why}" for m, why in left.items())
     raise ValueError(
         f"nnstat: watched modules were left out of capture in this run(...) block, so its "
-        f"rows are not stored ({reasons}). Give that input the batch dimension (GPT-2 and "
-        "similar: position_ids=torch.arange(T).expand(B, T)), or nnstat.unwatch() and "
-        "watch the model again with a name_filter that excludes them (in a new project, "
-        "or with overwrite=True)"
+        f"rows are not stored ({reasons}). Remove the cause (an input the batch shares: give it "
+        "the batch dimension, GPT-2 and similar: position_ids=torch.arange(T).expand(B, T); a "
+        "parameter used outside its module: use it through a module, head = nn.Linear(d, "
+        "vocab, bias=False); head.weight = emb.weight), or nnstat.unwatch() and watch the "
+        "model again with a name_filter that excludes them (in a new project, or with "
+        "overwrite=True)"
     )
 
 

@@ -141,6 +141,20 @@ def test_conv1d_variants(kw):
     assert_matches(caps, reference_grads(model, ce_sum, x, y))
 
 
+@pytest.mark.parametrize("conv", [nn.Conv1d(3, 4, 3), nn.Conv2d(3, 4, 3)], ids=["1d", "2d"])
+def test_an_unbatched_conv_input_is_refused_naming_the_fix(conv):
+    """torch accepts ``[C, *spatial]``; the capture failed inside ``F.unfold`` or with an
+    IndexError, naming neither the layer nor the fix."""
+    engine = CaptureEngine()
+    engine.watch(nn.Sequential(conv))
+    engine.add_consumer(lambda cap: cap.per_sample_grad())
+    x = torch.randn(3, 10) if isinstance(conv, nn.Conv1d) else torch.randn(3, 6, 6)
+    with pytest.raises(ValueError, match=r"Conv[12]d: expected a batched input .*x\[None\]"):
+        with engine.batch():
+            conv(x).sum().backward()
+    engine.unwatch()
+
+
 def test_hf_conv1d_gpt2_style():
     from transformers.pytorch_utils import Conv1D
 

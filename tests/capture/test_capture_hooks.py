@@ -253,6 +253,38 @@ def test_unsupported_module_with_parameters_raises_when_selected():
     assert len(w) == 1 and "GRU" in str(w[0].message) and "BatchNorm1d" in str(w[0].message)
 
 
+@pytest.mark.parametrize(
+    "layer",
+    [
+        nn.LSTM(3, 3),
+        nn.GRU(3, 3, batch_first=True),
+        nn.EmbeddingBag(5, 3),
+        nn.Bilinear(3, 3, 2),
+        nn.Conv3d(2, 2, 2),
+        nn.ConvTranspose2d(2, 2, 2),
+        nn.GroupNorm(1, 3),
+        nn.InstanceNorm2d(3, affine=True),
+    ],
+    ids=lambda m: type(m).__name__,
+)
+def test_an_unsupported_layer_is_named_with_the_supported_module_types(layer):
+    name = type(layer).__name__
+    with pytest.raises(UnsupportedModuleError) as err:
+        CaptureEngine().watch(nn.Sequential(nn.Linear(3, 3), layer), name_filter="^1$")
+    msg = str(err.value)
+    assert f"1 ({name})" in msg
+    for supported in ("Linear", "Conv1d/Conv2d", "Embedding", "MultiheadAttention", "LayerNorm"):
+        assert supported in msg.split("with a rule:")[1]
+
+
+def test_a_scripted_model_is_refused_naming_the_eager_one():
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2)))
+    with pytest.raises(UnsupportedModuleError, match=r"0 \(RecursiveScriptModule\): a TorchScript"):
+        CaptureEngine().watch(scripted, name_filter="0")
+    with pytest.warns(UserWarning, match="watch the eager model"):
+        assert CaptureEngine().watch(scripted) == []
+
+
 @pytest.mark.parametrize("how", ["weight_norm", "spectral_norm", "hook_weight_norm"])
 def test_a_parametrized_weight_is_left_out_naming_the_fix(how):
     # its capture was the gradient of the computed weight, not of original0/original1: the
@@ -372,6 +404,87 @@ def test_forward_consumers_see_values_also_under_no_grad():
     with engine.batch():
         model(x)
     assert len(fwd.seen) == 2
+
+
+def test_batch_statistics_are_reported_and_eval_mode_matches_torch_func():
+    """A BatchNorm in training mode makes every sample's output depend on the others: the
+    captures of the modules that feed it were each sample's share of the batch loss's gradient
+    (the convolution's 19-52% off the gradient of each sample's own loss on this batch) without
+    a word. Now the first block warns, naming the layer and model.eval(); in eval mode the
+    captures match torch.func."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.Flatten(), nn.Linear(27, 4))
+    x, y = torch.randn(6, 2, 5, 5), torch.randint(0, 4, (6,))
+    engine = CaptureEngine()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the BatchNorm's own parameters: not watched
+        engine.watch(model)
+    with pytest.warns(UserWarning, match=r"BatchNorm layers '1' \(BatchNorm2d\).*model\.eval"):
+        with engine.batch():
+            F.cross_entropy(model(x), y, reduction="sum").backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per engine
+        with engine.batch():
+            F.cross_entropy(model(x), y, reduction="sum").backward()
+    engine.unwatch()
+    model.eval()
+    engine = CaptureEngine()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine.watch(model)
+    caps = collect(engine)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # running statistics: per sample, nothing to report
+        with engine.batch():
+            F.cross_entropy(model(x), y, reduction="sum").backward()
+    ref = ref_grads(model, x, y)
+    assert set(caps) == {"0", "3"}
+    for name, got in caps.items():
+        for p, g in got.items():
+            torch.testing.assert_close(g, ref[f"{name}.{p}"], rtol=1e-4, atol=1e-5)
+    engine.unwatch()
+    model[1] = nn.BatchNorm2d(3, track_running_stats=False).eval()  # batch statistics in eval
+    engine = CaptureEngine()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine.watch(model)
+    with pytest.warns(UserWarning, match="BatchNorm layers '1'"), engine.batch():
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+    engine.unwatch()
+
+
+def test_a_users_forward_hook_that_changes_the_output_does_not_change_the_capture():
+    """A hook registered before watch() that returns a new output (``o * 2 + 0.1``: activation
+    steering, a quantisation stub) ran before the capture's, which then took the gradient of
+    the changed output as the module's: half the true per-sample gradient here, silently. The
+    capture's hook now runs first, on the module's own output (attention modules too)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model[0].register_forward_hook(lambda module, inp, out: out * 2.0 + 0.1)
+    attn = nn.MultiheadAttention(6, 2, batch_first=True)
+    attn.register_forward_hook(lambda module, inp, out: (out[0] * 3.0, out[1]))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.mlp = attn, model
+
+        def forward(self, x):
+            return self.mlp(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+    net = Net()
+    x, y = torch.randn(5, 4, 6), torch.randint(0, 3, (5,))
+    ref = ref_grads(net, x, y)
+    engine = CaptureEngine()
+    engine.watch(net)
+    caps = collect(engine)
+    with engine.batch():
+        F.cross_entropy(net(x), y, reduction="sum").backward()
+    engine.unwatch()
+    assert set(caps) == {"attn", "attn.out_proj", "mlp.0", "mlp.2"}
+    for name, got in caps.items():
+        for p, g in got.items():
+            torch.testing.assert_close(g, ref[f"{name}.{p}"], rtol=1e-4, atol=1e-5)
 
 
 class _WithUnused(nn.Module):

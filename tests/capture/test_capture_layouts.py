@@ -497,3 +497,35 @@ def test_torch_transformer_layer_batch_first_or_sequence_first(batch_first):
     names, caps, warned = capture(model, ids)
     assert warned == []
     assert_matches(caps, reference(model, ids), names)
+
+
+def test_a_sequence_first_transformer_layer_passed_as_the_model_is_refused_too():
+    """The layer as the watched model itself (its modules' names have no ``"enc."`` prefix):
+    its Linears and LayerNorms see ``[T, B, E]``; captured, they gave T "samples" whose rows
+    were positions, not samples (B = 4, T = 5: per-sample gradients of shape [5, ...]). They
+    are skipped with the warning naming the layer; its attention still matches torch.func."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(D, H, 16, dropout=0.0).double()
+    x, y = torch.randn(5, 4, D, dtype=torch.float64), torch.randn(5, 4, D, dtype=torch.float64)
+    engine = CaptureEngine()
+    with pytest.warns(UserWarning, match=r"'model', built with batch_first=False") as seen:
+        names = engine.watch(layer)
+    assert names == ["self_attn", "self_attn.out_proj"]
+    assert all(f"{m} (" in str(seen[0].message) for m in ("linear1", "linear2", "norm1", "norm2"))
+    with pytest.raises(UnsupportedModuleError, match="batch_first=True"):
+        CaptureEngine().watch(layer, name_filter="linear1")
+    caps = {}
+    engine.add_consumer(lambda c: caps.setdefault(c.name, c.per_sample_grads_by_param()))
+    with engine.batch():
+        F.mse_loss(layer(x), y, reduction="sum").backward()
+    engine.unwatch()
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+
+    def one(p, xi, yi):  # sample i: column i of the sequence-first tensors
+        return F.mse_loss(functional_call(layer, p, (xi[:, None],)), yi[:, None], reduction="sum")
+
+    ref = vmap(grad(one), in_dims=(None, 1, 1))(params, x, y)
+    assert set(caps) == {"self_attn", "self_attn.out_proj"}
+    for name, grads in caps.items():
+        for p, g in grads.items():
+            torch.testing.assert_close(g, ref[f"{name}.{p}"].float(), rtol=1e-5, atol=1e-6)

@@ -523,3 +523,25 @@ def test_progress_bar_on_request_silent_by_default_and_results_unchanged(capsys,
     err = capsys.readouterr().err
     assert f"noise scale ({method})" in err and "/5 [" in err
     assert shown.b_simple == quiet.b_simple
+
+
+def test_a_model_on_the_meta_device_is_refused_naming_the_parameter():
+    # it failed inside torch ("Tensor.item() cannot be called on meta tensors")
+    model = nn.Linear(4, 3).to("meta")
+    data = (torch.randn(64, 4), torch.randint(0, 3, (64,)))
+    with pytest.raises(ValueError, match=r"parameter 'weight' is on the meta device.*to_empty"):
+        nnstat.noise_scale(model, nn.functional.cross_entropy, data, small_batch=4, big_batch=16)
+
+
+def test_the_streaming_noise_scale_on_meta_says_so_when_read():
+    # its first batch's loss check failed inside the backward ("Tensor.item() cannot be called
+    # on meta tensors"); a meta model runs (operation counting) and refuses only its values
+    model = nn.Linear(4, 3).to("meta")
+    gns = nnstat.NoiseScale()
+    gns.watch(model)
+    x, y = torch.randn(5, 4, device="meta"), torch.randint(0, 3, (5,), device="meta")
+    with gns.batch():
+        nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="meta device has no values to deliver"):
+        gns.to_dict()
+    gns.unwatch()

@@ -12,6 +12,7 @@ host read inside the block.
 from __future__ import annotations
 
 import collections
+import warnings
 
 import pytest
 import torch
@@ -96,6 +97,52 @@ def test_capture_sums_match_per_sample_norms_of_each_path(masked):
         )
         want = float(cap.per_sample_grad().double().square().sum())
         assert total == pytest.approx(want, rel=1e-5)
+
+
+class Inside(nn.Module):
+    """``Seq``'s layers on ``[B, T, 64]`` sequences laid out inside as ``"batch"``-first, as
+    ``"flat"`` rows ``[B*T, 64]`` or ``"seq"``-first ``[T, B, 64]``."""
+
+    def __init__(self, layout: str) -> None:
+        super().__init__()
+        self.seq, self.layout = Seq(True), layout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout == "flat":
+            return self.seq(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:2], -1)
+        if self.layout == "seq":
+            return self.seq(x.transpose(0, 1)).transpose(0, 1)
+        return self.seq(x)
+
+
+@pytest.mark.parametrize("layout", ["flat", "seq"])
+def test_rows_that_are_positions_not_samples_are_reported(layout):
+    """Every module agrees on 24 ("flat") or 4 ("seq") rows for 6 sequences: no module check
+    sees it, and the per-sample norms were per position (B_simple 25.0 against 6.9 of the
+    sequences on one such batch), without a word. Now a warning names the modules, both
+    counts and the fix; batch-first, the same layers match torch.func over the sequences."""
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 4, 64), torch.randn(6, 4, 8)
+    model = Inside(layout)
+    norms = PerSampleNorms(model)
+    with pytest.warns(UserWarning, match="rows in dim 0 where the block holds 6 samples") as seen:
+        with norms.batch(loss_reduction="sum"):
+            (model(x) - y).square().sum().backward()
+    msg = str(next(w.message for w in seen if "rows in dim 0" in str(w.message)))
+    assert f"each saw {24 if layout == 'flat' else 4} rows" in msg
+    assert "'seq.wide', 'seq.narrow'" in msg and "batch_first=True" in msg
+    norms.close()
+    model.layout = "batch"
+    norms = PerSampleNorms(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # rows are the samples: nothing to report
+        with norms.batch(loss_reduction="sum"):
+            (model(x) - y).square().sum().backward()
+    ref_small, ref_big = _reference(model.seq, x, y)
+    for name in ("wide", "narrow"):  # the reference's loss is the mean over 4·8 positions
+        assert norms.last[0][f"seq.{name}"] == pytest.approx(ref_small[name] * 32**2, rel=1e-4)
+        assert norms.last[1][f"seq.{name}"] == pytest.approx(ref_big[name] * 32**2, rel=1e-4)
+    norms.close()
 
 
 D, T, N = 768, 512, 8  # GPT-2 small's width, sequence length and batch

@@ -560,6 +560,56 @@ def test_a_mean_loss_under_loss_reduction_sum_is_warned_about(tmp_path, loss, re
         assert "setup({'loss_reduction': 'mean'})" in said[0] and "8 samples" in said[0]
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_token_mean_loss_is_warned_about_under_either_reduction(tmp_path, reduction):
+    """An LM loss averaged over the tokens (cross_entropy(logits.view(-1, V), ...), 13 counted
+    of 20 with ignore_index). Under loss_reduction="mean" each row was 5/13 of its sequence's
+    own (summed) gradient, a factor that follows the tokens counted in each batch, without a
+    word; now it is warned about. Under "sum" the warning no longer suggests "mean" (which
+    would leave that factor)."""
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    V = 7
+    model = nn.Sequential(nn.Embedding(V, 6), nn.Linear(6, V))
+    ids = torch.randint(0, V, (5, 4))
+    tgt = ids.roll(1, 1)
+    tgt[:, 0], tgt[1, 1:3] = -100, -100  # 13 tokens counted
+
+    def token_mean(logits, t):
+        return nn.functional.cross_entropy(logits.reshape(-1, V), t.reshape(-1))
+
+    run = nnstat.init(project="lm", root_dir=tmp_path)
+    nnstat.setup({"statistic": "none", "loss_reduction": reduction})
+    nnstat.watch(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with run(data_id=list(range(5))):
+            token_mean(model(ids), tgt).backward()
+    nnstat.finalize()
+    nnstat.unwatch()
+    said = [str(w.message) for w in caught if "loss_reduction" in str(w.message)]
+    assert len(said) == 1, said
+    if reduction == "mean":
+        assert "a mean over 20 rows" in said[0] and "4 per sample" in said[0]
+        assert "reduction='sum'" in said[0] and "loss_reduction='sum'" in said[0]
+    else:
+        assert "setup({'loss_reduction': 'mean'})" not in said[0] and "positions" in said[0]
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def own(p, x, t):  # the sequence's own loss: its tokens summed
+        out = functional_call(model, p, (x[None],)).reshape(-1, V)
+        return nn.functional.cross_entropy(out, t.reshape(-1), reduction="sum")
+
+    ref = vmap(grad(own), in_dims=(None, 0, 0))(params, ids, tgt)
+    store = nnstat.GradientStore(run.path)
+    spec = next(m for m in store.modules if m["name"] == "1")
+    rows = store.rows(0, 5)[:, spec["offset"] : spec["offset"] + spec["width"]]
+    want = torch.cat([ref["1.weight"], ref["1.bias"][:, :, None]], 2).reshape(5, -1)
+    scale = 5 / 13 if reduction == "mean" else 1 / 13  # the factor the warning reports
+    torch.testing.assert_close(rows, want * scale, rtol=1e-4, atol=1e-6)
+
+
 def test_a_filesystem_without_locks_is_written_with_a_warning(tmp_path, monkeypatch):
     import errno
     import fcntl

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from nnstat.capture.kinds.base import REGISTRY, Kind, kind_named
@@ -25,7 +26,14 @@ from nnstat.capture.kinds import layernorm, rmsnorm  # noqa: F401
 
 # isort: on
 
-__all__ = ["REGISTRY", "Kind", "detect_kind", "kind_named", "unsupported_reason"]
+__all__ = [
+    "REGISTRY",
+    "Kind",
+    "detect_kind",
+    "kind_named",
+    "supported_modules",
+    "unsupported_reason",
+]
 
 
 def _matching(module: nn.Module) -> Kind | None:
@@ -57,6 +65,24 @@ def unsupported_reason(module: nn.Module) -> str:
         ``module`` can be captured).
     """
     kind = _matching(module)
+    if kind is None and isinstance(module, torch.jit.ScriptModule):
+        return (
+            "a TorchScript module (torch.jit.script/trace) runs without Python hooks: watch "
+            "the eager model (before scripting it)"
+        )
     if kind is None:
         return "no per-sample gradient rule for this module type"
     return kind.unsupported(module) or "supported"
+
+
+def supported_modules() -> str:
+    """The module types some kind captures, for messages about the others.
+
+    Returns:
+        Their names in registration order, comma-separated.
+
+    Example:
+        >>> supported_modules().split(", ")[:2]
+        ['Linear', 'Conv1d/Conv2d']
+    """
+    return ", ".join(k.label or "/".join(c.__name__ for c in k.modules) for k in REGISTRY.values())

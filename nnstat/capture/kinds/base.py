@@ -91,6 +91,8 @@ class Kind(str):
     plain: ClassVar[bool] = False
     #: a tie may join this kind; its matrix form is the weight (False) or its transpose (True)
     tie_transposed: ClassVar[bool | None] = None
+    #: how messages name the modules it captures (default: the ``modules`` classes)
+    label: ClassVar[str] = ""
 
     def __new__(cls) -> Kind:
         return super().__new__(cls, cls.name)

@@ -51,6 +51,14 @@ class ConvKind(Kind):
         return math.prod(_weight_shape(module)[1:]) + self.has_bias(module), module.out_channels
 
     def forward_rows(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        batched = 3 if isinstance(module, nn.Conv1d) else 4
+        if x.dim() != batched:  # torch accepts an unbatched [C, *spatial]: no sample dimension
+            shape = "[N, C, L]" if batched == 3 else "[N, C, H, W]"
+            raise ValueError(
+                f"{type(module).__name__}: expected a batched input {shape}, got "
+                f"{tuple(x.shape)}; an unbatched input has no sample dimension: give it one "
+                "(x[None], or a batch of inputs)"
+            )
         n = x.shape[0]
         cols = _unfold(module, x.detach().float())
         g = module.groups

@@ -31,6 +31,7 @@ class HFConv1DKind(Kind):
     """``[nf, nx(+1)]``: the transpose of its ``(nx, nf)`` weight (bias = last column)."""
 
     name = "conv1d_hf"
+    label = "transformers' Conv1D"
     plain = True
     tie_transposed = True
 

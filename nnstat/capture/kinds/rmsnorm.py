@@ -29,6 +29,7 @@ class RMSNormKind(LayerNormKind):
     """``[D]``: the weight's gradient, flat over the weight's shape (RMSNorm has no bias)."""
 
     name = "rmsnorm"
+    label = "RMSNorm/LlamaRMSNorm"
     modules: ClassVar[tuple[type, ...]] = (nn.RMSNorm,)  # torch >= 2.4
 
     def matches(self, module: nn.Module) -> bool:

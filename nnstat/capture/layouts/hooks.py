@@ -22,7 +22,7 @@ Example:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -37,9 +37,10 @@ from nnstat.capture.kinds.attention import unsupported_reason as attention_unsup
 from nnstat.capture.layouts.ambiguous import FIX as AMBIGUOUS_FIX
 from nnstat.capture.layouts.ambiguous import check_rows
 from nnstat.capture.layouts.broadcast import BroadcastGuard, expand
+from nnstat.capture.layouts.foreign import ForeignUses, graph_roots
 from nnstat.capture.layouts.tied import merge, owner_index, tie_groups, unsupported_tie
 
-__all__ = ["LayoutHooks", "sequence_first_layers"]
+__all__ = ["LayoutHooks", "batch_coupled", "enclosing", "sequence_first_layers"]
 
 
 class LayoutHooks:
@@ -58,6 +59,9 @@ class LayoutHooks:
     _root_call: tuple[tuple, dict] | None
     _forward_consumers: list
     _tied: dict[nn.Module, list[nn.Module]]
+    _foreign: ForeignUses | None
+    _warned_rows: bool  # _rows_not_samples warned (once per engine)
+    _batch_norms: list[tuple[str, nn.Module]]  # batch_coupled() of the roots, until warned
     _on_output_grad: Callable[..., None]  # CaptureEngine's: records one call's rows
 
     def _select_ties(
@@ -136,6 +140,8 @@ class LayoutHooks:
             query = args[0] if args else kwargs.get("query")
             for fn in self._forward_consumers:
                 fn(w.name, attn, query, out)
+        if self._foreign is not None:
+            self._foreign.call(attn, [*args, *kwargs.values()], output)
         if not isinstance(out, torch.Tensor) or not torch.is_grad_enabled():
             return None
         names = [
@@ -169,6 +175,74 @@ class LayoutHooks:
         call = attention_call(attn, args, kwargs)
         out.register_hook(partial(self._on_output_grad, attn, call, ctx))
         return replaced
+
+    def _on_model_output(self, model: nn.Module, args: tuple, output: Any) -> None:
+        """Forward hook of a watched model, inside a block: warn once about a BatchNorm that
+        used batch statistics, and once, at the end of the first forward that builds a graph,
+        leave out the modules whose parameters the forward also uses outside them
+        (foreign.py)."""
+        if self._ctx is None:
+            return
+        if self._batch_norms:
+            self._warn_batch_statistics()
+        check = self._foreign
+        if check is None or not torch.is_grad_enabled():
+            return
+        roots = graph_roots(output)
+        if not roots or torch.compiler.is_compiling():
+            return
+        self._foreign = None
+        owners: dict[int, list[nn.Module]] = {}
+        names: dict[int, list[tuple[Watched, str]]] = {}
+        for w in self._watched.values():
+            for pname, p in w.module.named_parameters(recurse=False):
+                owners.setdefault(id(p), []).append(w.via if w.via is not None else w.module)
+                names.setdefault(id(p), []).append((w, pname))
+        found = check.users(roots, {k: tuple(v) for k, v in owners.items()})
+        check.clear()
+        for pid, users in found.items():
+            where = sorted(
+                (
+                    "in the model's forward outside every watched module"
+                    if m is None
+                    else f"inside {self._watched[m].name!r}" if m in self._watched else "elsewhere"
+                )
+                for m in users
+            )
+            for w, pname in names[pid]:
+                self._leave_out(
+                    w.name,
+                    f"its parameter {pname!r} also gets gradient outside the module's own "
+                    f"forward ({', '.join(where)}), e.g. an output layer tied by hand, "
+                    "F.linear(h, emb.weight) or h @ emb.weight.T: a capture holds only the share "
+                    "through the module's output, so its per-sample gradients would be wrong",
+                    fix="use the parameter through a module there (head = nn.Linear(d, vocab, "
+                    "bias=False); head.weight = emb.weight: nnstat captures such a tie whole)",
+                )
+
+    def _warn_batch_statistics(self) -> None:
+        """Warn once when a BatchNorm of the watched model normalized with the batch's own
+        statistics in this block (training mode, or no running statistics)."""
+        coupled = [
+            (n, m)
+            for n, m in self._batch_norms
+            if m.training or getattr(m, "running_mean", 0) is None
+        ]
+        if not coupled:
+            return
+        self._batch_norms = []
+        warnings.warn(
+            f"nnstat: the BatchNorm layers {_names([n for n, _ in coupled])} "
+            f"({type(coupled[0][1]).__name__}) "
+            "normalize with the batch's own statistics (training mode), so every sample's "
+            "output depends on the other samples: the captured per-sample gradients of the "
+            "watched modules that feed them (rows, norms, the per-sample noise scale, "
+            "statistics) are each sample's share of the batch loss's gradient, not the "
+            "gradient of its own loss. "
+            "Capture in model.eval() (running statistics: a logging pass), or use GroupNorm "
+            "or LayerNorm (per sample) (warned once)",
+            stacklevel=3,
+        )
 
     def _attention_weights_used(self, names: list[str], grad: torch.Tensor) -> None:
         for n in names:
@@ -301,11 +375,64 @@ class LayoutHooks:
                 )
         return [c for c in caps if c.num_samples != 1]
 
+    def _rows_not_samples(
+        self, caps: list[ModuleCapture], ctx: BatchContext
+    ) -> list[ModuleCapture]:
+        """Warn once when every module saw ``n`` rows but the block holds another number of
+        samples: a model that flattens its samples (``x.view(-1, d)``, ``[B*T, d]``) or works
+        sequence-first (``[T, B, d]``) inside gives rows that are positions, not samples, and
+        every module agrees, so no other check sees it. Only a warning: a model whose first
+        input is not batch-major has the same shapes with correct rows."""
+        sizes = {c.num_samples for c in caps}
+        batch, source = self._block_batch(ctx)
+        n = next(iter(sizes)) if len(sizes) == 1 else None
+        if n is None or batch is None or n in (0, 1, batch) or self._warned_rows:
+            return caps
+        self._warned_rows = True
+        warnings.warn(
+            f"nnstat: the watched modules ({_names([c.name for c in caps])}) each saw {n} rows "
+            f"in dim 0 where the block holds {batch} samples ({source}), so their per-sample "
+            "gradients, norms and rows are per row, not per sample: the model flattens its "
+            "samples ([B*T, ...], x.view(-1, d)) or runs sequence-first ([T, B, ...]) inside. "
+            "Keep the batch in dim 0 of every watched module's input (apply layers to "
+            "[B, T, d]; torch's transformer layers and attention: batch_first=True). If the "
+            "rows are the samples (the model's first input is not batch-major), give their "
+            "number instead: NoiseScale.batch(batch_size=n), run(data_id=[...]) (warned once)",
+            stacklevel=3,
+        )
+        return caps
+
 
 def _names(names: list[str], limit: int = 4) -> str:
     """``'a', 'b' and 3 more`` for messages."""
     shown = ", ".join(repr(n) for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def enclosing(name: str, holders: Iterable[str]) -> str | None:
+    """The first of ``holders`` (module names) that holds module ``name``; the root (``""``)
+    holds every other module, and is returned as ``"model"``, the engine's name for it.
+
+    Example:
+        >>> enclosing("enc.linear1", ["dec", "enc"]), enclosing("linear1", [""])
+        ('enc', 'model')
+    """
+    for h in holders:
+        if name.startswith(h + ".") if h else name != "":
+            return h or "model"
+    return None
+
+
+def batch_coupled(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The BatchNorm layers of ``model`` by name (``SyncBatchNorm`` and the lazy ones too):
+    in training mode each normalizes with statistics of the whole batch.
+
+    Example:
+        >>> [n for n, _ in batch_coupled(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))]
+        ['1']
+    """
+    norms = nn.modules.batchnorm._BatchNorm
+    return [(n or "model", m) for n, m in model.named_modules() if isinstance(m, norms)]
 
 
 def sequence_first_layers(model: nn.Module) -> dict[str, nn.Module]:
