@@ -35,6 +35,17 @@ preconditioner ``kind@damping`` (``kfac@0``) sets its damping (default 0.1), ``k
     .venv/bin/python benchmarks/scoring_throughput.py --rows 8000 --queries 32 --repeat 5 \
         --factored 64:1,64:2,64:4 --factored-queries \
         --preconditioners identity,kfac,kfac@0,identity/relatif
+
+``--rank-one-queries`` scores each factored store with dense queries of rank 1 per module (an
+MLP's per-sample gradients, logged the usual way: dense), identity, all pairs: as nnstat scores
+them (factored exactly on the query side, `nnstat.influence.lowrank_queries`: the factors route),
+on the dense queries' route (the singular values never taken), and the same queries logged as
+their factors (one pair: the factors route without the query side's SVD); and dense queries of
+full rank (a sequence model's: the singular values taken, the dense route kept) against the
+dense route alone.
+
+    .venv/bin/python benchmarks/scoring_throughput.py --rows 40000 --queries 32 --repeat 5 \
+        --factored 64:1,64:4 --rank-one-queries --threads 1
 """
 
 from __future__ import annotations
@@ -108,6 +119,79 @@ def _write_factored(root: Path, rows: int, r: int, c: int | None, gen) -> dict:
             stats[f"{name}/{side}/covariance"] = a @ a.T / (4 * r)
     save_file(stats, str(root / "statistics.safetensors"))
     return meta
+
+
+def rank_one_main(args) -> None:
+    """Each factored store of ``--factored`` against dense rank-1 queries (see the module's
+    docstring): their exact factors, the dense route, the same queries stored as factors."""
+    import nnstat.influence.lowrank_queries as lq
+
+    gen = torch.Generator().manual_seed(0)
+    methods, n_q = {}, args.queries
+    kw = dict(preconditioner="identity", progress=False)
+
+    def dense_route(log, store):
+        share, lq.SVD_SHARE = lq.SVD_SHARE, 0.0  # the singular values never worth taking
+        try:
+            compute_influence_all(log, store, **kw)
+        finally:
+            lq.SVD_SHARE = share
+
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        for r, c in _configs(args)[1:]:
+            name = _name(r, c)
+            root = Path(d) / name.replace(" ", "_").replace(",", "")
+            meta = _write_factored(root, args.rows, r, c, gen)
+            store = GradientStore(root)
+            u, v = torch.randn(n_q, 2, r, generator=gen), torch.randn(n_q, 2, r, generator=gen)
+            dense = (u[..., :, None] * v[..., None, :]).reshape(n_q, -1)  # per module u vᵀ
+            log = GradientLog(list(range(n_q)), dense, {**meta, **dense_layout(meta)})
+            one = {**meta, "modules": [{**m, "factors": 1, "width": 2 * r, "offset": 2 * r * i}
+                                       for i, m in enumerate(meta["modules"])]}  # fmt: skip
+            pairs = torch.cat([u[:, 0], v[:, 0], u[:, 1], v[:, 1]], 1)
+            factors = GradientLog(list(range(n_q)), pairs, {**one, "row_width": 4 * r})
+            compute_influence_all(log, store, **kw)  # the page cache warmed
+            methods[(name, "dense queries of rank 1 (nnstat: exact factors)")] = (
+                lambda log=log, store=store: _timed(
+                    lambda: compute_influence_all(log, store, **kw), CPU
+                )
+            )
+            methods[(name, "the same, on the dense route")] = lambda log=log, store=store: _timed(
+                lambda: dense_route(log, store), CPU
+            )
+            full = GradientLog(list(range(n_q)), torch.randn(n_q, 2 * r * r, generator=gen),
+                               log.meta)  # fmt: skip
+            methods[(name, "dense queries of full rank (a sequence model's)")] = (
+                lambda log=full, store=store: _timed(
+                    lambda: compute_influence_all(log, store, **kw), CPU
+                )
+            )
+            methods[(name, "full rank, on the dense route")] = lambda log=full, store=store: _timed(
+                lambda: dense_route(log, store), CPU
+            )
+            methods[(name, "the same queries stored as factors (c_q = 1)")] = (
+                lambda log=factors, store=store: _timed(
+                    lambda: compute_influence_all(log, store, **kw), CPU
+                )
+            )
+        times = _rounds(methods, args.repeat)
+    print(
+        f"\n{args.rows} train rows, {n_q} dense queries of rank 1 per module, two r x r modules, "
+        f"identity, all pairs, CPU, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+        f"{args.repeat} interleaved rounds (median)\n"
+    )
+    print("| store | queries | seconds | rows / s | dense route's time / this |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for (name, method), ts in times.items():
+        dense = (
+            "full rank, on the dense route"
+            if "full rank" in method
+            else "the same, on the dense route"
+        )
+        base = np.array(times[(name, dense)])
+        t = float(np.median(ts))
+        ratio = float(np.median(base / np.array(ts)))
+        print(f"| {name} | {method} | {t:.4f} | {args.rows / t:,.0f} | {ratio:.2f}x |", flush=True)
 
 
 def _evict(root: Path) -> None:
@@ -308,6 +392,11 @@ def main() -> None:
         help="with --factored: the factored stores' queries stored as factors too",
     )
     ap.add_argument(
+        "--rank-one-queries",
+        action="store_true",
+        help="with --factored: dense queries of rank 1 against the factored stores (see above)",
+    )
+    ap.add_argument(
         "--cold-rows", type=int, default=0, help="with --factored: stores scored cold (see above)"
     )
     ap.add_argument("--dir", default=None, help="where the stores are written (a disk, not tmpfs)")
@@ -315,6 +404,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.factored and args.rank_one_queries:
+        rank_one_main(args)
+        return
     if args.factored:
         factored_main(args)
         return

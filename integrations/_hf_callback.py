@@ -6,12 +6,13 @@ Example:
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from typing import Any
 
 import torch
-from nnstat.integrations._hooks import StatsCallbackBase
+from nnstat.integrations._callback_base import StatsCallbackBase
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
@@ -238,11 +239,43 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
         )
         if self.options.noise_scale and trainer is not None:
             self._guard_clipping(trainer)
+        if self.options.noise_scale and state.global_step > 0:
+            self._resume_noise_scale(args, state)
         model = kwargs.get("model")
-        if self.hooks.method == "micro_batch" and model is not None and self._sizer is None:
+        measured_per_batch = self.hooks.method in ("micro_batch", "ddp")
+        if measured_per_batch and model is not None and self._sizer is None:
             # the Trainer's events carry no batch: each training forward says its size (a
-            # smaller last micro-batch is measured at its own size)
+            # smaller last micro-batch, or a rank's smaller last batch, is measured at its size)
             self._sizer = model.register_forward_pre_hook(self._note_batch, with_kwargs=True)
+
+    # ---------------------------------------------------------------- checkpoints
+    # The noise scale's averages go into each checkpoint the Trainer saves (a JSON file per
+    # process, `_noise_checkpoint`), and come back when training resumes from one, so that a
+    # resumed run's estimate is the uninterrupted run's.
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        saved = self.hooks.noise_scale_state() if self.options.noise_scale else None
+        if saved is None:
+            return
+        from nnstat.integrations._noise_checkpoint import save_state
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        world = int(getattr(args, "world_size", 1) or 1)
+        save_state(folder, saved, state.global_step, int(args.process_index), world)
+
+    def _resume_noise_scale(self, args: Any, state: Any) -> None:
+        from nnstat.integrations._noise_checkpoint import load_state
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        # the folder the Trainer resumes from: its training loop's argument, else the
+        # output folder's checkpoint of the restored step
+        folder = _on_stack_local("resume_from_checkpoint") or os.path.join(
+            args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        )
+        world = int(getattr(args, "world_size", 1) or 1)
+        saved = load_state(folder, state.global_step, int(args.process_index), world)
+        if saved is not None:
+            self.hooks.restore_noise_scale(saved)
 
     def _note_batch(self, module: Any, args: tuple, kwargs: dict) -> None:
         if module.training and torch.is_grad_enabled():
@@ -386,6 +419,20 @@ def _is_trainer(obj: Any) -> bool:
     from transformers import Trainer
 
     return isinstance(obj, Trainer)
+
+
+def _on_stack_local(name: str, depth: int = 8) -> str | None:
+    """The first callers' local variable ``name`` that is a path to a folder (the Trainer's
+    training loop's ``resume_from_checkpoint``, resolved from ``True`` to the last one)."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        value = frame.f_locals.get(name)
+        if isinstance(value, str) and os.path.isdir(value):
+            return value
+        frame = frame.f_back
+    return None
 
 
 def _on_stack(match: Any, depth: int = 8) -> Any:

@@ -27,14 +27,15 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
+from nnstat.integrations._noise_checkpoint import restore_into
 from nnstat.integrations._noise_method import check_method, choose_method
 from nnstat.integrations._probe import ModuleProbe
 from torch import nn
 
-__all__ = ["StatsCallbackBase", "StatsOptions", "StepStats"]
+__all__ = ["StatsOptions", "StepStats", "batch_size"]
 
 
 @dataclass
@@ -132,7 +133,10 @@ class StepStats:
         self._micro_batch_size: int | None = None
         self._sizes: list[int | None] = []  # each micro-batch's size since the last step
         self._accumulation = "mean"  # how the framework adds the micro-batch losses up
+        self._divisor: int | None = None  # what it divides them by, if not the step's number
         self._ranks = 1
+        self._gns_filter: str | None = None  # the modules the per-sample capture watches
+        self._restored: dict[str, Any] | None = None  # `restore_noise_scale`, not yet applied
         self._tracker: Any = None
         self._built_for: tuple[Any, Any] = (None, None)  # (model, optimizer) of the Tracker
         self._log = False  # before_step saw a logging step; after_step measures it
@@ -146,6 +150,7 @@ class StepStats:
         ranks: int = 1,
         wrapped: Any = None,
         accumulation: str = "mean",
+        fixed_divisor: bool = False,
     ) -> None:
         """What the framework runs: ``accumulation_steps`` micro-batches of
         ``micro_batch_size`` samples per optimizer step on each of ``ranks`` processes (whose
@@ -155,12 +160,15 @@ class StepStats:
         ``"ddp"`` under DDP, else ``"per_sample"``. ``accumulation``: how the micro-batch
         losses add up to the step's (`nnstat.NoiseScale.watch_microbatches`: ``"mean"``, each
         divided by their number; ``"items"``, each summed loss divided by the step's samples).
+        ``fixed_divisor``: each loss is divided by ``accumulation_steps`` even in a step of
+        fewer micro-batches (Lightning's last step of an epoch), not by the step's number.
 
         Raises:
             ValueError: a forced ``noise_scale_method`` that cannot work in this setting.
         """
         self._micro_batch_size, self._ranks = micro_batch_size, int(ranks)
         self._accumulation = accumulation
+        self._divisor = int(accumulation_steps) if fixed_divisor else None
         if self._gns_model is None and self.options.noise_scale:  # not started yet
             from nnstat.gradient_noise.ddp import find_ddp
 
@@ -203,8 +211,13 @@ class StepStats:
         if self._gns_model is not model:
             self._close_noise_scale()
             self._gns_model = model
-            if self.options.noise_scale_filter is not None:
-                self._start_gns(model, self.options.noise_scale_filter)
+            # a resumed run watches the modules its checkpoint's run probed (no probe batch)
+            restored = self._restored or {}
+            restored = restored if restored.get("method") == self.method else {}
+            name_filter = self.options.noise_scale_filter or restored.get("filter")
+            if name_filter is not None:
+                self.excluded = dict(restored.get("excluded", self.excluded))
+                self._start_gns(model, name_filter)
             else:
                 self._gns_ctx = ModuleProbe(model, unshared=True)
                 self._gns_ctx.__enter__()
@@ -253,10 +266,37 @@ class StepStats:
 
         window = self.options.noise_scale_window
         if window is None:
-            return NoiseScale(beta=self.options.noise_scale_beta)
-        return NoiseScale(window=window)
+            gns = NoiseScale(beta=self.options.noise_scale_beta)
+        else:
+            gns = NoiseScale(window=window)
+        restored, self._restored = self._restored, None
+        if restored is not None and restore_into(gns, restored, self.method):
+            self._micro = int(restored.get("micro", self._micro))  # the per-sample cadence
+        return gns
+
+    def noise_scale_state(self) -> dict[str, Any] | None:
+        """The noise scale's state for a checkpoint (JSON-serialisable; waits for the steps
+        on their way): its averages, estimator, watched modules and cadence; ``None`` before
+        its estimator exists."""
+        if self.gns is None:
+            return None
+        return {
+            "method": self.method,
+            "noise_scale": self.gns.state_dict(),
+            "filter": self._gns_filter,
+            "excluded": dict(self.excluded),
+            "micro": self._micro,
+        }
+
+    def restore_noise_scale(self, state: Mapping[str, Any]) -> None:
+        """Continue from `noise_scale_state` (a resumed run): the estimator built at the next
+        batch starts from its averages, cadence and watched modules (`restore_into` says why
+        it may not: another estimator or averaging)."""
+        self._close_noise_scale()
+        self._restored = dict(state)
 
     def _start_gns(self, model: nn.Module, name_filter: str) -> None:
+        self._gns_filter = name_filter
         self.gns = self._new_gns()
         self.gns.watch(model, name_filter=name_filter)
 
@@ -273,20 +313,28 @@ class StepStats:
     def note_batch(self, batch: Any) -> None:
         """The size of the micro-batch whose forward runs now (its first tensor's leading
         dimension), for frameworks whose batch events carry no batch (HF's Trainer): the
-        micro-batch method measures a smaller last batch at its own size."""
+        micro-batch method measures a smaller last batch at its own size, the DDP method
+        counts it at its own size (ranks of unequal batches)."""
         size = batch_size(batch)
-        if self._micro_feed is not None and self._sizes and size is not None:
+        if size is None:
+            return
+        if self._micro_feed is not None and self._sizes:
             self._sizes[-1] = size
+        elif self._ddp_feed is not None and self._ddp_feed.counted:
+            self._ddp_feed.recount(size)
 
     def _end_micro_step(self, sizes: list[int | None]) -> None:
         """Measure the micro-batch method's step: with micro-batches of unequal sizes (a
         smaller last batch of the epoch) each one's size, else the one size (an observation
         with one size for unequal micro-batches would bias ``trace_sigma``)."""
         feed = self._micro_feed
+        # a step of more backwards than the loop divides by (manual optimization) did not
+        # divide by it: the step's own number then
+        divisor = self._divisor if (self._divisor or 0) >= feed.pending else None
         if len(set(sizes)) <= 1 or None in sizes:
-            feed.end_step(self._micro_batch_size)
+            feed.end_step(self._micro_batch_size, divisor)
         elif len(sizes) == feed.pending:
-            feed.end_step(sizes)
+            feed.end_step(sizes, divisor)
         else:
             feed.discard()
             warnings.warn(
@@ -479,83 +527,3 @@ def _holds_any(optimizer: Any, model: nn.Module) -> bool:
     owned = {id(p) for g in groups if isinstance(g, dict) for p in g.get("params", ())}
     trainable = [p for p in model.parameters() if p.requires_grad]
     return not trainable or any(id(p) in owned for p in trainable)
-
-
-class StatsCallbackBase:
-    """The constructor the HuggingFace and Lightning ``NNStatCallback`` share.
-
-    It validates the options (see :class:`StatsOptions`), builds the :class:`StepStats` driver
-    and then calls :meth:`_init_state` for the framework's own bookkeeping.
-    ``noise_scale_every=None`` (the default) takes the class's `default_noise_scale_every`, so a
-    subclass changes that default without repeating this signature.
-
-    Example:
-        >>> cb = StatsCallbackBase(stats=["l2"], noise_scale=False)
-        >>> cb.options.stats, type(cb.hooks).__name__, cb.options.noise_scale_every
-        (['l2'], 'StepStats', 1)
-    """
-
-    #: ``noise_scale_every`` when the constructor gets ``None``: every micro-batch (Lightning)
-    default_noise_scale_every: ClassVar[int] = 1
-
-    def __init__(
-        self,
-        *,
-        stats: Sequence[str] | str | None = ("l2", "rms", "abs_max", "nonfinite"),
-        groups: Sequence[str] = ("weight", "grad", "optimizer", "update"),
-        include: str | None = None,
-        exclude: str | None = None,
-        every: int | None = None,
-        noise_scale: bool = True,
-        noise_scale_method: str = "auto",
-        noise_scale_beta: float = 0.9,
-        noise_scale_filter: str | None = None,
-        noise_scale_every: int | None = None,
-        noise_scale_window: int | None = None,
-    ) -> None:
-        from nnstat.describe import validate_stats
-
-        if noise_scale_every is None:
-            noise_scale_every = self.default_noise_scale_every
-        self.options = StatsOptions(
-            stats=list(validate_stats(stats)),
-            groups=list(groups),
-            include=include,
-            exclude=exclude,
-            every=every,
-            noise_scale=noise_scale,
-            noise_scale_method=noise_scale_method,
-            noise_scale_beta=noise_scale_beta,
-            noise_scale_filter=noise_scale_filter,
-            noise_scale_every=noise_scale_every,
-            noise_scale_window=noise_scale_window,
-        )
-        self.hooks = StepStats(self.options)
-        self._init_state()
-
-    def _init_state(self) -> None:
-        """Framework-specific attributes; subclasses override."""
-
-    def _measure_before(self, obj: Any, name: str) -> bool:
-        """Wrap ``obj``'s method ``name`` on the instance so that the step is measured
-        (:meth:`StepStats.before_clip`, ``.grad`` as the backwards left it) right before the
-        framework's call that changes ``.grad`` (a clip, an AMP unscale). Returns whether it
-        was wrapped now (``False``: no such method, or wrapped by this callback already)."""
-        method = getattr(obj, name, None)
-        if method is None or getattr(method, "_nnstat_owner", None) is self:
-            return False
-        before = self.hooks.before_clip
-
-        def measured(*args: Any, **kwargs: Any) -> Any:
-            before()
-            return method(*args, **kwargs)
-
-        measured._nnstat_owner = self  # type: ignore[attr-defined]
-        setattr(obj, name, measured)
-        return True
-
-    def _unmeasure(self, obj: Any, name: str) -> None:
-        """Undo :meth:`_measure_before` (the class's method again) if this callback wrapped it."""
-        wrapped = vars(obj).get(name) if obj is not None else None
-        if getattr(wrapped, "_nnstat_owner", None) is self:
-            delattr(obj, name)

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback
-from nnstat.integrations._hooks import StatsCallbackBase, batch_size
+from nnstat.integrations._callback_base import StatsCallbackBase
+from nnstat.integrations._hooks import batch_size
 from nnstat.integrations._logpass import (
     PassData,
     build_config,
@@ -127,6 +128,9 @@ class NNStatCallback(StatsCallbackBase, Callback):
                 batch_size(batch),
                 int(getattr(trainer, "world_size", 1) or 1),
                 wrapped=getattr(getattr(trainer, "strategy", None), "model", None),
+                # Lightning divides every loss by accumulate_grad_batches, also in the shorter
+                # last step of an epoch (measured on Lightning 2.6)
+                fixed_divisor=True,
             )
         if self.options.noise_scale and self._stepped:
             # Lightning clears gradients inside its closure, after the forward pass; the
@@ -170,6 +174,18 @@ class NNStatCallback(StatsCallbackBase, Callback):
             self.history.append({**metrics, "step": step})
             for logger in getattr(trainer, "loggers", []) or []:
                 logger.log_metrics(metrics, step=step)
+
+    # ---------------------------------------------------------------- checkpoints
+    # The noise scale's state (JSON types only: averages, estimator, watched modules, cadence)
+    # rides in Lightning's checkpoint as this callback's state, so `fit(ckpt_path=...)`
+    # continues it instead of starting afresh.
+    def state_dict(self) -> dict[str, Any]:
+        state = self.hooks.noise_scale_state() if self.options.noise_scale else None
+        return {} if state is None else {"noise_scale": state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.options.noise_scale and "noise_scale" in state_dict:
+            self.hooks.restore_noise_scale(state_dict["noise_scale"])
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         try:

@@ -1,10 +1,18 @@
 """Noise scale for free under DDP: local gradient (per-rank batch) vs all-reduced gradient.
 
 A communication hook replaces DDP's default all-reduce: it appends the squared norm of the
-rank's local gradient bucket to the bucket and averages both in the same collective, so every
-rank gets ``mean_r |G_r|^2`` (``B_small`` = per-rank batch) and ``|G|^2`` of the averaged
-gradient (``B_big`` = global batch) with no extra communication round and no read back: the
-norms are staged on the device for the tracker's one non-blocking copy.
+rank's local gradient bucket and the inverse of the rank's batch size to the bucket and averages
+them in the same collective, so every rank gets ``mean_r |G_r|^2``, ``|G|^2`` of the averaged
+gradient and ``mean_r 1/b_r`` with no extra communication round and no read back: the values
+are staged on the device for the tracker's one non-blocking copy.
+
+Ranks of unequal batch sizes ``b_r`` (a smaller last batch, ``drop_last=False``): DDP averages
+the ranks' mean gradients equally, ``G = mean_r G_r``, so with ``E|G_r|^2 = |G|^2 + tr/b_r``
+
+    E mean_r |G_r|^2 = |G|^2 + tr(Sigma) / H,   E |G|^2 = |G|^2 + tr(Sigma) / (R H)
+
+with ``H = 1 / mean_r(1/b_r)`` the harmonic mean of the ranks' sizes: ``B_small = H`` and
+``B_big = R H`` keep both estimates unbiased (`pair_sizes`), on every rank alike.
 
 DDP takes one communication hook per model and has no way to remove it: the state is kept on
 the model (`registered_state`), so registering again re-points the same hook at a new tracker,
@@ -22,7 +30,7 @@ import torch.distributed as dist
 
 from nnstat.distributed import is_distributed
 from nnstat.gradient_noise.batches import norm_dtype, sq_norms
-from nnstat.gradient_noise.microbatch import StagedPairs
+from nnstat.gradient_noise.microbatch import StagedPairs, integral
 
 #: attribute of a DDP model holding the `DDPNoiseScaleState` of its noise-scale hook
 STATE_ATTR = "_nnstat_noise_scale_state"
@@ -39,9 +47,10 @@ class StagedUpdates(Protocol):
 class DDPNoiseScaleState:
     """State of :func:`noise_scale_comm_hook`; set ``local_batch_size`` if it changes.
 
-    ``local_batch_size`` is the number of samples per rank behind the synchronised gradient, and
-    the loss must be their mean (DDP averages gradients across ranks). The buckets' squared
-    norms are summed on the device and staged at the last bucket: the hook reads nothing back.
+    ``local_batch_size`` is the number of samples this rank's synchronised gradient averages
+    (the loss must be their mean; DDP averages gradients across ranks); ranks may differ, the
+    hook all-reduces their sizes with the gradients. The buckets' squared norms are summed on
+    the device and staged at the last bucket: the hook reads nothing back.
     """
 
     tracker: StagedUpdates | None
@@ -58,13 +67,14 @@ class DDPNoiseScaleState:
             self._done += 1
             if self._total is None or self._done < self._total:
                 return
-            staged, self._sums = self._sums, None
+            staged, self._sums, buckets = self._sums, None, self._total
             self._done, self._total = 0, None
         if self.tracker is None:
             return
         world = dist.get_world_size(self.process_group)
-        b = self.local_batch_size
-        self.tracker.add_staged(StagedPairs(staged, functools.partial(_whole_model, b, b * world)))
+        self.tracker.add_staged(
+            StagedPairs(staged, functools.partial(_whole_model, world, buckets))
+        )
 
     def detach(self) -> None:
         """Stop feeding the tracker: the hook then averages the gradients as DDP's default
@@ -92,10 +102,14 @@ def noise_scale_comm_hook(
         return fut.then(lambda f: f.value()[0])
     # Half-precision buckets are reduced in float32 so the appended squared norm keeps its range.
     comm_dtype = buf.dtype if buf.dtype in (torch.float32, torch.float64) else torch.float32
-    packed = torch.empty(buf.numel() + 1, dtype=comm_dtype, device=buf.device)
-    packed[:-1].copy_(buf.reshape(-1))
+    # [gradients, |G_r|^2, 1/b_r]: the ranks' sizes travel in the same collective (a fill from
+    # a host scalar, nothing read back), so unequal per-rank batches are known on every rank
+    packed = torch.full(
+        (buf.numel() + 2,), 1.0 / state.local_batch_size, dtype=comm_dtype, device=buf.device
+    )
+    packed[:-2].copy_(buf.reshape(-1))
     # one multi-tensor norm per bucket (float32 accumulation for float32 and half buckets)
-    packed[-1:].copy_(sq_norms([buf.detach()], norm_dtype([buf])))
+    packed[-2:-1].copy_(sq_norms([buf.detach()], norm_dtype([buf])))
     packed.div_(world)
     if bucket.is_last():
         with state._lock:
@@ -104,10 +118,10 @@ def noise_scale_comm_hook(
 
     def finish(f: torch.futures.Future[Any]) -> torch.Tensor:
         reduced = f.value()[0]
-        grads = reduced[:-1]
-        # (mean_r |G_r|^2, |G|^2) of this bucket, left on the device
+        grads = reduced[:-2]
+        # (mean_r |G_r|^2, |G|^2, mean_r 1/b_r) of this bucket, left on the device
         big = sq_norms([grads], norm_dtype([grads]))
-        state._bucket_done(torch.cat([reduced[-1:].to(big.dtype), big]).double())
+        state._bucket_done(torch.cat([reduced[-2:-1].to(big.dtype), big, reduced[-1:]]).double())
         return grads.to(buf.dtype).reshape(buf.shape)
 
     return fut.then(finish)
@@ -124,7 +138,8 @@ def register_noise_scale_hook(
     Args:
         ddp_model: the ``DistributedDataParallel`` model.
         tracker: what the hook feeds (`nnstat.NoiseScale`, or anything with ``add_staged``).
-        local_batch_size: samples per rank behind each synchronised gradient.
+        local_batch_size: samples per rank behind each synchronised gradient (this rank's: other
+            ranks may have others; set ``state.local_batch_size`` when it changes).
         process_group: the group to all-reduce over; ``None``: the default group.
 
     Returns:
@@ -210,9 +225,11 @@ class DDPStepNorms:
     """The DDP hook's observations, one per optimizer step, with the step's local samples
     counted by the training loop: what the HF and Lightning callbacks use.
 
-    ``B_small`` is the samples this rank's gradient averages at the synchronised backward (the
+    This rank's batch is the samples its gradient averages at the synchronised backward (the
     sum of the `count` calls since the last `end_step`: with gradient accumulation under
-    ``no_sync()``, every micro-batch of the step), ``B_big`` that times the world size. A step
+    ``no_sync()``, every micro-batch of the step); ranks of unequal batches (a smaller last
+    batch) give ``B_small`` = the harmonic mean ``H`` of their sizes and ``B_big = world x H``,
+    all-reduced with the gradients (see the module's docstring). A step
     whose gradients were synchronised more than once (accumulation without ``no_sync()``) is
     left out with a warning: the later buckets then hold the earlier averaged gradients plus
     the local one, not a local gradient.
@@ -239,8 +256,8 @@ class DDPStepNorms:
     def __init__(self, ddp_model: Any, sink: Any, process_group: Any = None) -> None:
         self.sink = sink
         self._lock = threading.Lock()
-        self._staged: list[torch.Tensor] = []
-        self._samples = 0
+        self._staged: list[StagedPairs] = []
+        self._samples = self._last = 0
         self._warned = False
         self.state = register_noise_scale_hook(ddp_model, self, 1, process_group)
 
@@ -248,11 +265,25 @@ class DDPStepNorms:
         """Called by the hook at the end of each synchronised backward (maybe on the
         communication thread): keep its two squared norms for `end_step`."""
         with self._lock:
-            self._staged.append(staged.values)
+            self._staged.append(staged)
 
     def count(self, samples: int) -> None:
         """A micro-batch of ``samples`` local samples is about to run its forward."""
-        self._samples += int(samples)
+        self._last = int(samples)
+        self._samples += self._last
+        if self.state.tracker is self:  # what the hook all-reduces at the synchronised backward
+            self.state.local_batch_size = max(self._samples, 1)
+
+    @property
+    def counted(self) -> bool:
+        """Whether a micro-batch was counted since the last `end_step`."""
+        return self._samples > 0
+
+    def recount(self, samples: int) -> None:
+        """The micro-batch last counted has ``samples`` samples after all (a framework that
+        counts before it sees the batch: HF's Trainer, corrected by its forward)."""
+        self._samples -= self._last
+        self.count(samples)
 
     @property
     def pending(self) -> int:
@@ -262,7 +293,7 @@ class DDPStepNorms:
     def discard(self) -> None:
         """Forget the step so far (nothing is staged)."""
         with self._lock:
-            self._staged, self._samples = [], 0
+            self._staged, self._samples, self._last = [], 0, 0
 
     def end_step(self) -> bool:
         """The optimizer step: hand its observation to the sink.
@@ -275,7 +306,7 @@ class DDPStepNorms:
         """
         with self._lock:
             staged, samples = self._staged, self._samples
-            self._staged, self._samples = [], 0
+            self._staged, self._samples, self._last = [], 0, 0
         if len(staged) != 1:
             if len(staged) > 1 and not self._warned:
                 self._warned = True
@@ -294,8 +325,7 @@ class DDPStepNorms:
                 "DDPStepNorms.end_step: no samples counted for this step; call count(samples) "
                 "before each micro-batch's forward"
             )
-        world = dist.get_world_size(self.state.process_group)
-        self.sink(StagedPairs(staged[0], functools.partial(_whole_model, samples, samples * world)))
+        self.sink(staged[0])  # its sizes came with the gradients, from every rank
         return True
 
     def close(self) -> None:
@@ -306,7 +336,10 @@ class DDPStepNorms:
         self.discard()
 
 
-def _whole_model(b_small: int, b_big: int, v: list[float]) -> Any:
+def _whole_model(world: int, buckets: int, v: list[float]) -> Any:
     # a step with non-finite norms never gets here: `StagedPairs.resolve` drops it
-    # (`maths.finite_step`)
-    return [], v[:1], v[1:], b_small, b_big
+    # (`maths.finite_step`). v = (mean_r |G_r|^2, |G|^2, buckets x mean_r 1/b_r): B_small is
+    # the harmonic mean of the ranks' sizes, B_big the world size times it (exact integers
+    # when the ranks' sizes are equal)
+    h = integral(buckets / v[2])
+    return [], v[:1], v[1:2], h, world * h

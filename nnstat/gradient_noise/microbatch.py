@@ -29,7 +29,7 @@ from nnstat.gradient_noise.batches import norm_dtype, sq_norms
 from nnstat.gradient_noise.maths import finite_step
 from nnstat.netdict import SameParams
 
-__all__ = ["MicroBatchNorms", "Pairs", "StagedPairs", "pair_sizes", "step_sizes"]
+__all__ = ["MicroBatchNorms", "Pairs", "StagedPairs", "integral", "pair_sizes", "step_sizes"]
 
 #: ``(layer names, |G_small|^2 per layer, |G_big|^2 per layer, b_small, b_big)``; no names: the
 #: two lists hold the whole model's value only
@@ -199,7 +199,9 @@ class MicroBatchNorms:
         before they could be measured)."""
         self._micro, self._dirty = [], None
 
-    def end_step(self, micro_batch_size: int | Sequence[int] | None = None) -> bool:
+    def end_step(
+        self, micro_batch_size: int | Sequence[int] | None = None, divisor: int | None = None
+    ) -> bool:
         """The step's gradients are final (before clipping): stage its observation for the sink.
 
         Micro-batches of unequal sizes (a smaller last one, ``drop_last=False``) need their
@@ -210,18 +212,26 @@ class MicroBatchNorms:
         step's samples (``"items"``); times ``ranks`` under DDP (other ranks assumed to have
         the same sizes). A single size for unequal micro-batches biases ``trace_sigma``.
 
+        A loop that divides each loss by a fixed number of micro-batches even when the step
+        ran fewer (Lightning's ``accumulate_grad_batches`` at the end of an epoch) passes that
+        number as ``divisor``: ``.grad`` is then ``k/divisor`` times the mean gradient, and
+        without it ``trace_sigma`` and ``grad_sq_norm`` would be ``(k/divisor)^2`` too small.
+
         Args:
             micro_batch_size: samples per micro-batch (an int), or the size of each of the
                 step's micro-batches (a sequence, one per backward); ``None``: the
                 constructor's.
+            divisor: with ``accumulation="mean"``, the number each micro-batch's loss was
+                divided by; ``None``: the step's number of micro-batches.
 
         Returns:
             Whether an observation was staged (``False`` with fewer than 2 micro-batches: one
             batch size only; nothing is kept).
 
         Raises:
-            ValueError: no micro-batch size given anywhere, one below 1, or a sequence whose
-                length is not the step's number of micro-batches.
+            ValueError: no micro-batch size given anywhere, one below 1, a sequence whose
+                length is not the step's number of micro-batches, or a ``divisor`` below the
+                step's micro-batches or without ``accumulation="mean"``.
 
         Example:
             >>> model, seen = nn.Linear(3, 1), []
@@ -239,6 +249,12 @@ class MicroBatchNorms:
         if k < 2:
             return False
         sizes = step_sizes(micro_batch_size or self.micro_batch_size, k)
+        if divisor is not None and (self.accumulation != "mean" or divisor < k):
+            raise ValueError(
+                f"divisor={divisor!r} needs accumulation='mean' (got {self.accumulation!r}) and "
+                f"at least the step's {k} micro-batches: it is what each micro-batch's mean "
+                "loss was divided by"
+            )
         present = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
         with torch.no_grad():
             grads = [g for _, g in present]
@@ -249,7 +265,7 @@ class MicroBatchNorms:
         which = [idx for idx, _ in micro] + [[i for i, _ in present]]
         # g_k = weight x micro-batch k's mean gradient, as its backward brings it
         weights = {
-            "mean": [1.0 / k] * k,
+            "mean": [1.0 / (divisor or k)] * k,
             "sum": [1.0] * k,
             "items": [b / sum(sizes) for b in sizes],
         }[self.accumulation]
@@ -336,6 +352,19 @@ def pair_sizes(sizes: Sequence[int], weights: Sequence[float]) -> tuple[float, f
     small = k / sum(1.0 / b for b in sizes)
     big = sum(weights) ** 2 / sum(w * w / b for w, b in zip(weights, sizes, strict=True))
     return small, big
+
+
+def integral(size: float) -> float:
+    """A batch size computed in floating point (a harmonic mean of sizes read back from the
+    device), as the integer it is when it is one up to rounding (equal sizes: ``1/(1/3)``
+    through float32 is not 3.0), else as it is.
+
+    Example:
+        >>> integral(1 / (1 / 3 + 1e-9)), integral(2.6666666666666665)
+        (3, 2.6666666666666665)
+    """
+    near = round(size)
+    return near if near >= 1 and abs(size - near) <= 1e-6 * size else size
 
 
 def _batch_size(value: int | None, allow_none: bool) -> int | None:

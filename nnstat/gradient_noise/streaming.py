@@ -409,7 +409,10 @@ class NoiseScale:
         loss must be the mean over the rank's samples. With gradient accumulation under
         ``no_sync()``, average the micro-batch losses (divide each by their number) and pass
         the samples per rank per optimizer step. Whole-model values only (no per-layer split).
-        The returned state's ``local_batch_size`` can be changed between steps.
+        The returned state's ``local_batch_size`` can be changed between steps, and ranks may
+        differ (a smaller last batch on one rank): the ranks' sizes are all-reduced with the
+        gradients, and the step is taken at their harmonic mean ``H`` and ``world x H``, which
+        keeps both estimates unbiased (DDP averages the ranks' mean gradients equally).
 
         Args:
             ddp_model: the ``DistributedDataParallel`` model.

@@ -44,6 +44,7 @@ from .factored_queries import (
     stored_queries,
 )
 from .factored_scores import FactoredScores, StoredQueries, scores_as_stored
+from .lowrank_queries import lowrank_queries
 from .modes import MODES, m_norms, normalise, raw_scores
 from .ondevice import stream_scores, stream_self_influence
 from .pipeline import Block, stream_to, units
@@ -299,6 +300,8 @@ def compute_influence_all(
         meta = {"mode": mode, **_unrefined_meta(pre, damping, refine)}
         # queries logged as factors, where the preconditioner keeps them factors
         queries = stored_queries(q, pre, damping, batch_size, dev)
+        if queries is None:  # dense queries of low rank: factored exactly where it pays
+            queries = lowrank_queries(q_pre, t, pre, damping)
     job = _Scoring(q_pre, q_norm, pre, damping, mode, top_k, batch_size, test_ids, meta, queries)
     rank, _ = _dist()
     disable = True if rank != 0 else _quiet(progress)

@@ -161,24 +161,39 @@ class TensorSource:
 
 
 def check_statistics_coverage(
-    meta: Mapping[str, Any], ids: Sequence[Any], root: Path | str
+    meta: Mapping[str, Any], ids: Sequence[Any], root: Path | str, saved: bool = True
 ) -> None:
     """Refuse a store whose saved statistics (K-FAC/EK-FAC factors) did not see all of its rows
     (:func:`~nnstat.store.meta.statistics_coverage`): a preconditioner built from them would
-    use the curvature of part of the data only. Stores that record no coverage pass; so do
-    query logs (``get_log()`` records none).
+    use the curvature of part of the data only; and a store whose configuration collects K-FAC
+    factors but that saved none (``saved=False``: its pass was killed or never finalized), which
+    the default preconditioner would otherwise score as ``raw``. Stores that record no
+    coverage pass; so do query logs (``get_log()`` records none).
 
     Args:
         meta: the store's meta.json (or a `GradientLog`'s meta, a copy of it).
         ids: the store's ids (the log's).
         root: the store's directory, or what the rows are (named in the error).
+        saved: whether any statistics were saved.
 
     Raises:
-        ValueError: the statistics cover fewer rows than the store holds.
+        ValueError: the statistics cover fewer rows than the store holds, or were not saved.
 
     Example:
         >>> check_statistics_coverage({}, [0, 1], Path("store"))  # no coverage recorded
     """
+    if not saved:
+        run = (meta.get("config") or {}).get("run") or {}
+        asked = run.get("statistic") if isinstance(run, Mapping) else None
+        if isinstance(asked, Mapping) and ids and "Covariance" in (asked.get("forward") or []):
+            raise ValueError(
+                f"{root}: its configuration collects K-FAC statistics, but none were saved "
+                "(no statistics.safetensors: the statistics pass was killed, or never reached "
+                "finalize()); its rows are whole. Run the pass again with the same configuration "
+                "over the whole dataset (ids already stored are skipped, the statistics see every "
+                'batch), or score with preconditioner="raw" or "identity" explicitly'
+            )
+        return
     cov = statistics_coverage(meta, ids)
     if cov is not None and cov[0] < cov[1]:
         raise ValueError(
@@ -401,8 +416,7 @@ class StoreSource:
                 loaded = dict(stats() if callable(stats) else {})
             # the forms statistics.json records (dense, diagonal, projected) must be the tensors'
             check_saved_forms(loaded, self.root)
-            if len(loaded):
-                check_statistics_coverage(self.meta, self.ids, self.root)
+            check_statistics_coverage(self.meta, self.ids, self.root, saved=len(loaded) > 0)
             self._statistics = loaded
         return self._statistics
 

@@ -8,8 +8,10 @@ device pass (`reduce.segment_stats`) with one host transfer.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nnstat.background.signals import CommitOnSignal
 from nnstat.describe import as_float
 from nnstat.distributed import clean_name, fsdp1_shards
 from nnstat.recorder.anomalies import NonFiniteError, Rule, evaluate_rules
@@ -108,6 +111,14 @@ class Recorder:
         self._modules: list[dict[str, Any]] = []
         self._batch: Batch | None = None
         self._kpi_log: list[tuple[str, int, dict[str, Any]]] = []
+        # KPIs are buffered (one host transfer per flush, not per step): a script ended by an
+        # exception, by SIGTERM/SIGINT/SIGHUP (a scheduler, Ctrl-C), or a recorder dropped
+        # without close() still writes them, at exit, on the signal or when collected. Both
+        # hold the writer and the buffer (one list, emptied in place), never the recorder.
+        flush = functools.partial(_write_kpis, self.writer, self._kpi_log)
+        self._flush_at_exit = weakref.finalize(self, flush)
+        self._on_signal = CommitOnSignal(flush)
+        self._on_signal.install()
         self._prev: tuple[tuple, torch.Tensor] | None = None
         self._mask_cache: dict[tuple, Selection] = {}
         self.last_record: dict[str, Any] | None = None
@@ -175,8 +186,10 @@ class Recorder:
         return names
 
     def close(self) -> None:
-        """Write buffered KPIs and remove the capture engine's hooks (`track_activations`)."""
+        """Write buffered KPIs, remove the capture engine's hooks (`track_activations`) and the
+        signal handlers that write the KPIs on SIGTERM/SIGINT/SIGHUP."""
         self.flush_kpis()
+        self._on_signal.restore()
         if self._engine is not None:
             self._engine.unwatch()
             self._engine = None
@@ -430,10 +443,8 @@ class Recorder:
 
     def flush_kpis(self) -> None:
         """Append buffered KPIs to ``kpis.jsonl`` (tensor values: one transfer per device)."""
-        if not self._kpi_log:
-            return
-        log_, self._kpi_log = self._kpi_log, []
-        self.writer.append_kpis(kpi_records(log_))
+        with self._on_signal.hold():  # a signal waits for the lines being written
+            _write_kpis(self.writer, self._kpi_log)
 
     def _selection(self, rows: RowSet) -> Selection:
         """Batch-level rows some rule applies to, with the rule x row mask (cached by layout)."""
@@ -463,3 +474,12 @@ class Recorder:
                 prev = torch.cat([old, old.new_full((1,), float("nan"))])[idx]
         self._prev = (keys, now)
         return prev
+
+
+def _write_kpis(writer: TrialWriter, kpi_log: list[tuple[str, int, dict[str, Any]]]) -> None:
+    # empties the buffer in place first: a failed write is raised, never written twice
+    if not kpi_log:
+        return
+    log_ = kpi_log[:]
+    kpi_log.clear()
+    writer.append_kpis(kpi_records(log_))

@@ -14,7 +14,8 @@
 ```
 Every step file is written under a temporary name and renamed; a step's JSON is written last, so
 a reader that lists ``steps/*.json`` while training runs only sees complete steps. The ``.jsonl``
-logs are appended one line per record; readers ignore a partly written last line.
+logs are appended one line per record; readers ignore a partly written last line and refuse a
+damaged complete one, naming it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nnstat.store.files import load_safetensors, read_json
+from nnstat.store.files import load_npy, load_safetensors, read_json
 
 FORMAT_VERSION = 1
 _OWN = ("trial.json", "notes.jsonl", "kpis.jsonl", "graphs", "steps")
@@ -157,7 +158,7 @@ def read_step_stats(trial: Path, stem: str) -> np.ndarray:
     Example:
         >>> read_step_stats(Path("runs/recorder/g/baseline"), "train-000000100")  # doctest: +SKIP
     """
-    return np.load(Path(trial) / "steps" / f"{stem}.npy", allow_pickle=False)
+    return load_npy(Path(trial) / "steps" / f"{stem}.npy", mmap_mode=None)
 
 
 def read_step_values(trial: Path, stem: str) -> dict[str, torch.Tensor]:
@@ -172,17 +173,30 @@ def read_step_values(trial: Path, stem: str) -> dict[str, torch.Tensor]:
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
+    lines = path.read_bytes().split(b"\n")
+    # text after the last newline is the line being appended right now (or cut short by a kill):
+    # left out. A complete line that is not JSON is damage, and skipping it (or everything after
+    # it) would return fewer records than were written without saying so
+    lines.pop()
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # the writer is appending this line right now
+            out.append(json.loads(line.decode("utf-8")))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(
+                f"{path}: line {number} is not JSON ({e}); the file is damaged: repair or delete "
+                "that line to read the other records"
+            ) from e
     return out
 
 
 def read_kpis(trial: Path) -> list[dict[str, Any]]:
     """Every step's KPIs (recorded or not); a partly written last line is ignored.
+
+    Raises:
+        ValueError: a complete line of ``kpis.jsonl`` is not JSON (naming the file and line).
 
     Example:
         >>> [r["kpis"]["loss"] for r in read_kpis(Path("runs/recorder/g/t"))][:2]  # doctest: +SKIP

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nnstat.background.signals import CommitOnSignal
 from nnstat.curvature import StatisticsCollector
 from nnstat.distributed import rank_world
 from nnstat.run import store_io
@@ -41,7 +42,6 @@ from nnstat.run.rows import (
     module_blocks,
     refuse_left_out,
 )
-from nnstat.run.signals import CommitOnSignal
 from nnstat.run.weights import BlockGuard, Models, enclosing, model_fingerprint
 from nnstat.store.errors import StoreWriteError
 from nnstat.store.factored import EnergyTally, dense_layout
@@ -213,7 +213,7 @@ class Run(PassEnd):
         consecutive ints. ``mask``: ``[N]`` or ``[N, positions]`` (nonzero = keep).
 
         SIGTERM/SIGINT/SIGHUP inside the block are held until it ends (its rows complete), then
-        handled (:mod:`nnstat.run.signals`).
+        handled (:mod:`nnstat.background.signals`).
 
         Raises:
             RuntimeError: no watched model, nothing captured in the block, or the store

@@ -1,5 +1,5 @@
 """How a logging pass of a :class:`~nnstat.run.core.Run` ends: ``finalize()``, a signal or the
-interpreter's exit without it (:mod:`nnstat.run.signals`), or a writer failure.
+interpreter's exit without it (:mod:`nnstat.background.signals`), or a writer failure.
 
 :class:`PassEnd` is a part of ``Run`` (its base class), kept apart because these paths share
 one concern: the open pass's rows reach the disk whichever way the pass ends.
@@ -18,8 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from nnstat.background.signals import CommitOnSignal
 from nnstat.run import store_io
-from nnstat.run.signals import CommitOnSignal
 from nnstat.store.errors import StoreWriteError
 from nnstat.store.factored import EnergyTally
 from nnstat.store.logger import StoreLogger

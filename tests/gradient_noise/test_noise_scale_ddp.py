@@ -298,3 +298,70 @@ def test_ddp_feed_adds_the_same_ops_for_4_and_14_tensors(tmp_path):
     assert added[1] == added[6]  # per bucket, not per tensor
     # the local and the all-reduced bucket's norms: one multi-tensor norm each
     assert added[1]["aten::_foreach_norm"] == 2
+
+
+_SIZES = (2, 1)  # per-rank batch sizes: rank 1 has the smaller last batch of an epoch
+
+
+def _unequal_data() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, generator=gen, dtype=torch.float64)
+    return x, torch.randn(4, 1, generator=gen, dtype=torch.float64)
+
+
+def _unequal_ranks(rank: int, out_dir: str) -> None:
+    """Every draw with replacement of rank 0's 2 and rank 1's 1 points from 4 (the exact
+    expectation), at fixed weights, through `register_ddp` (this rank's size in the state) and
+    through `DDPStepNorms` (the samples counted by the loop, as the callbacks do)."""
+    import itertools
+
+    from nnstat.gradient_noise.ddp import DDPStepNorms
+
+    x, y = _unequal_data()
+    out = {}
+    for feed_kind in ("register_ddp", "step_norms"):
+        torch.manual_seed(0)
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(3, 1).double(), bucket_cap_mb=1e-4)
+        gns = nnstat.NoiseScale(window=10**6)
+        if feed_kind == "register_ddp":
+            gns.register_ddp(ddp, local_batch_size=_SIZES[rank])
+        else:
+            feed = DDPStepNorms(ddp, gns.add_staged)
+        for draw in itertools.product(range(4), repeat=sum(_SIZES)):
+            idx = list(draw[: _SIZES[0]]) if rank == 0 else list(draw[_SIZES[0] :])
+            if feed_kind == "step_norms":
+                feed.count(len(idx))
+            (ddp(x[idx]) - y[idx]).pow(2).mean().backward()
+            if feed_kind == "step_norms":
+                assert feed.end_step()
+            ddp.zero_grad(set_to_none=True)
+        out[feed_kind] = [gns.grad_sq_norm, gns.trace_sigma, gns.n_updates]
+    with open(os.path.join(out_dir, f"unequal{rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+@pytest.mark.timeout(120)
+def test_ddp_ranks_of_unequal_batch_sizes_are_exact_in_expectation(tmp_path):
+    """DDP averages the ranks' mean gradients equally: with ranks of 2 and 1 samples, every
+    draw enumerated gives, on both ranks, the data's exact ``|G|^2`` and ``tr(Sigma)``
+    (torch.func per-sample gradients); each rank using its own size biases both."""
+    from torch.func import functional_call, grad, vmap
+
+    spawn(_unequal_ranks, str(tmp_path), world=WORLD)
+    x, y = _unequal_data()
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1).double()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p, xi, yi):
+        return (functional_call(model, p, (xi[None],)) - yi[None]).pow(2).mean()
+
+    g = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
+    flat = torch.cat([v.reshape(4, -1) for v in g.values()], 1)
+    mean = flat.mean(0)
+    g_sq, trace = float(mean @ mean), float((flat - mean).pow(2).sum(1).mean())
+    for r in range(WORLD):
+        got = json.loads((tmp_path / f"unequal{r}.json").read_text())
+        for feed_kind in ("register_ddp", "step_norms"):
+            assert got[feed_kind][2] == 4 ** sum(_SIZES)
+            assert got[feed_kind][:2] == pytest.approx([g_sq, trace], rel=1e-9)

@@ -473,3 +473,44 @@ def test_unequal_micro_batches_are_exact_in_expectation_with_their_sizes(accumul
         model(x).sum().backward()
     with pytest.raises(ValueError, match="holds 3 sizes but the step had 2 micro-batches"):
         micro.end_step([2, 2, 1])
+
+
+def test_a_step_of_fewer_micro_batches_than_the_divisor_is_exact_with_the_divisor():
+    """Two micro-batches of 2 samples whose mean losses are each divided by 3 (Lightning's
+    ``accumulate_grad_batches=3`` in an epoch's shorter last step): every draw from 4 points
+    enumerated gives the data's exact ``|G|^2`` and ``tr(Sigma)`` (torch.func per-sample
+    gradients) with ``divisor=3``; without it both are (2/3)^2 of them."""
+    import itertools
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 3, generator=gen, dtype=torch.float64)
+    y = torch.randn(4, 1, generator=gen, dtype=torch.float64)
+    model = nn.Linear(3, 1).double()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p, xi, yi):
+        return (functional_call(model, p, (xi[None],)) - yi[None]).pow(2).mean()
+
+    g = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
+    flat = torch.cat([v.reshape(4, -1) for v in g.values()], 1)
+    mean = flat.mean(0)
+    g_sq, trace = float(mean @ mean), float((flat - mean).pow(2).sum(1).mean())
+
+    def expectation(divisor):
+        gns = nnstat.NoiseScale(window=10**6)
+        micro = gns.watch_microbatches(model, micro_batch_size=2)
+        for draw in itertools.product(range(4), repeat=4):
+            model.zero_grad(set_to_none=True)
+            for idx in (list(draw[:2]), list(draw[2:])):
+                ((model(x[idx]) - y[idx]).pow(2).mean() / 3).backward()
+            assert micro.end_step(divisor=divisor)
+        micro.close()
+        return gns.grad_sq_norm, gns.trace_sigma
+
+    assert expectation(3) == pytest.approx((g_sq, trace), rel=1e-9)
+    assert expectation(None) == pytest.approx((g_sq * 4 / 9, trace * 4 / 9), rel=1e-9)
+    micro = nnstat.NoiseScale().watch_microbatches(model, micro_batch_size=2)
+    for _ in range(2):
+        model(x).sum().backward()
+    with pytest.raises(ValueError, match="at least the step's 2 micro-batches"):
+        micro.end_step(divisor=1)

@@ -5,6 +5,8 @@ against explicitly built K-FAC factors."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -208,3 +210,40 @@ def test_a_store_loaded_in_memory_is_refused_as_the_store_is(tmp_path, data):
             compute_influence_all(log, loaded, preconditioner=kind, damping=LAM, progress=False)
     raw = compute_influence_all(log, loaded, preconditioner="raw", damping=LAM, progress=False)
     assert raw.train_ids == list(range(N))
+
+
+UNFINALIZED = r"""
+import sys, torch, nnstat
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+x, y = torch.randn(44, 6), torch.randint(0, 3, (44,))
+run = nnstat.init(project="store", root_dir=sys.argv[1])
+nnstat.setup({"log": "grad", "save": "grad", "statistic": "kfac"})
+nnstat.watch(model)
+for s in range(0, 40, 10):
+    with run(data_id=list(range(s, s + 10))):
+        nn.functional.cross_entropy(model(x[s : s + 10]), y[s : s + 10], reduction="sum").backward()
+    model.zero_grad()
+# the script ends (an exception, SIGTERM, Ctrl-C) before finalize(): rows flushed, no statistics
+"""
+
+
+def test_a_store_whose_statistics_pass_never_finished_refuses_kfac_and_the_default(tmp_path, data):
+    model, train, query = data
+    script = tmp_path / "log.py"
+    script.write_text(UNFINALIZED)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True)
+    assert proc.returncode == 0, proc.stderr.decode()
+    path = tmp_path / "store"
+    assert len(nnstat.GradientStore(path)) == N and not (path / files.STATISTICS_FILE).exists()
+    log = _query_log(tmp_path, model, query)
+    for preconditioner in (None, "kfac", "ekfac"):  # None: the default, which was raw
+        with pytest.raises(ValueError, match="none were saved") as err:
+            compute_influence_all(log, path, preconditioner=preconditioner, progress=False)
+        assert str(path) in str(err.value) and "Run the pass again" in str(err.value)
+    raw = compute_influence_all(log, path, preconditioner="raw", damping=LAM, progress=False)
+    assert raw.meta["preconditioner"] == "raw"
+    path = _log(tmp_path, "store", model, train, 0, N)  # the fix: ids skipped, statistics saved
+    res = compute_influence_all(log, path, damping=LAM, preconditioner="kfac", progress=False)
+    _check(res.scores, _kfac_reference(model, train, query, slice(0, N)))

@@ -296,3 +296,35 @@ def test_an_evaluation_between_steps_leaves_the_next_step_measured(tmp_path):
         state, x = record.states[step - 1]
         g_sq, trace = _reference(model, state, x, modules)
         assert h["noise_scale/b_simple"] == pytest.approx(trace / g_sq, rel=1e-4)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])  # per-sample norms; micro-batches
+def test_a_resumed_run_continues_the_noise_scale_of_the_uninterrupted_run(tmp_path, accumulation):
+    """4 steps saved at step 2, then resumed from that checkpoint (into another output
+    folder): the noise scale logged at steps 3 and 4 equals the uninterrupted run's (its
+    averages travel in the checkpoint as JSON), where it used to start afresh."""
+    import json
+    import os
+
+    def run(out: str, resume: str | None = None) -> dict[int, dict]:
+        cb = NNStatCallback(stats=["l2"], groups=["weight"], noise_scale_every=1)
+        args = transformers.TrainingArguments(
+            output_dir=out, report_to="none", use_cpu=True, save_strategy="steps",
+            save_steps=2, disable_tqdm=True, seed=0, per_device_train_batch_size=N // 2,
+            max_steps=4, logging_steps=1, learning_rate=1e-2, max_grad_norm=0.0,
+            gradient_accumulation_steps=accumulation,
+        )  # fmt: skip
+        trainer = transformers.Trainer(_model(), args, train_dataset=Tokens(4 * N), callbacks=[cb])
+        trainer.train(resume_from_checkpoint=resume)
+        return {h["step"]: h for h in trainer.state.log_history if "noise_scale/b_simple" in h}
+
+    whole = run(str(tmp_path / "a"))
+    checkpoint = str(tmp_path / "a" / "checkpoint-2")
+    saved = json.loads(open(os.path.join(checkpoint, "nnstat_noise_scale.json")).read())
+    assert saved["step"] == 2 and saved["state"]["noise_scale"]["n_updates"] >= 1
+    resumed = run(str(tmp_path / "b"), resume=checkpoint)
+    assert {3, 4} <= set(resumed)  # (step 2 is in the checkpoint's log history)
+    keys = ["noise_scale/b_simple", "noise_scale/grad_sq_norm", "noise_scale/trace_sigma"]
+    for step in (3, 4):
+        for key in keys:
+            assert resumed[step][key] == pytest.approx(whole[step][key], rel=1e-6), (step, key)

@@ -383,6 +383,41 @@ def test_a_smaller_last_micro_batch_is_measured_at_its_own_size(tmp_path):
         assert h["noise_scale/b_simple"] == pytest.approx(ref.values[h["step"]], rel=1e-4)
 
 
+def test_the_shorter_last_accumulation_step_of_an_epoch_is_measured_at_its_scale(tmp_path):
+    """Lightning divides every micro-batch's loss by ``accumulate_grad_batches`` (3), also in
+    an epoch's last step of 2 micro-batches (20 points in batches of 4), so that step's
+    ``.grad`` is 2/3 of the mean gradient: its ``grad_sq_norm`` and ``trace_sigma`` equal the
+    per-sample reference's, as the full steps' do (not 4/9 of them)."""
+    from nnstat.gradient_noise.maths import two_batch
+
+    class Scaled(_MicroReference):
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            g = torch.stack(self.means)
+            grad = torch.cat([p.grad.double().flatten() for p in module.parameters()])
+            self.scale = float(grad.norm() / g.mean(0).norm())  # what Lightning's .grad holds
+            small, big = float(g.pow(2).sum(1).mean()), float(g.mean(0).pow(2).sum())
+            self.pairs[trainer.global_step + 1] = two_batch(small, big, self.b, self.b * len(g))
+            self.scales[trainer.global_step + 1] = (len(g), self.scale)
+            super().on_before_optimizer_step(trainer, module, optimizer)
+
+    cb = NNStatCallback(stats=["l2"], groups=["weight"], every=1, noise_scale_beta=0.0)
+    ref = Scaled()
+    ref.pairs, ref.scales = {}, {}
+    loader = torch.utils.data.DataLoader(_data(20), batch_size=4, shuffle=False)
+    trainer = _trainer(tmp_path, [ref, cb], max_epochs=2, accumulate_grad_batches=3, logger=False)
+    trainer.fit(Tiny(), loader)
+    # the installed Lightning's scaling, which the correction assumes
+    assert ref.scales[2][0] == 2 and ref.scales[2][1] == pytest.approx(2 / 3, rel=1e-5)
+    assert ref.scales[1] == (3, pytest.approx(1.0, rel=1e-5))
+    history = [h for h in cb.history if "noise_scale/b_simple" in h]
+    assert [h["step"] for h in history] == [1, 2, 3, 4]
+    for h in history:
+        g_sq, trace = ref.pairs[h["step"]]
+        assert h["noise_scale/grad_sq_norm"] == pytest.approx(g_sq, rel=1e-4)
+        assert h["noise_scale/trace_sigma"] == pytest.approx(trace, rel=1e-4)
+        assert h["noise_scale/b_simple"] == pytest.approx(ref.values[h["step"]], rel=1e-4)
+
+
 class _TwoOptimizers(Tiny):
     """Manual optimization with two optimizers (as a GAN's generator and discriminator): SGD
     with momentum on the first layer, Adam on the second, both stepped in every batch."""
@@ -440,3 +475,35 @@ def test_manual_optimization_with_two_optimizers_logs_each_batchs_whole_update(t
         avg = adam.state[after[name]]["exp_avg"]
         assert last[f"exp_avg/{name}/l2"] == pytest.approx(float(avg.norm()), rel=1e-5)
     assert not any(after[n] in sgd.state for n in ("net.2.weight", "net.2.bias"))
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])  # per-sample norms; micro-batches
+def test_a_resumed_fit_continues_the_noise_scale_of_the_uninterrupted_fit(tmp_path, accumulation):
+    """2 epochs, resumed from the first epoch's checkpoint: the noise scale logged in the
+    second epoch equals the uninterrupted fit's (its state rides in the checkpoint as the
+    callback's, JSON types only), where it used to start afresh."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(root, resume=None, max_epochs=2):
+        cb = NNStatCallback(stats=["l2"], groups=["weight"], every=1)
+        saver = ModelCheckpoint(dirpath=str(root), save_top_k=-1, every_n_epochs=1)
+        loader = torch.utils.data.DataLoader(_data(32), batch_size=8, shuffle=False)
+        trainer = _trainer(
+            root, [cb, saver], max_epochs=max_epochs, accumulate_grad_batches=accumulation,
+            logger=False, enable_checkpointing=True,
+        )  # fmt: skip
+        trainer.fit(Tiny(), loader, ckpt_path=resume)
+        return {h["step"]: h for h in cb.history if "noise_scale/b_simple" in h}
+
+    whole = fit(tmp_path / "a")
+    first = sorted((tmp_path / "a").glob("epoch=0*.ckpt"))
+    assert len(first) == 1
+    state = torch.load(first[0], weights_only=True)["callbacks"]
+    assert any("noise_scale" in v for v in state.values())
+    resumed = fit(tmp_path / "b", resume=str(first[0]))
+    per_epoch = 4 // accumulation
+    assert sorted(resumed) == [per_epoch + s for s in range(1, per_epoch + 1)]
+    keys = ["noise_scale/b_simple", "noise_scale/grad_sq_norm", "noise_scale/trace_sigma"]
+    for step, h in resumed.items():
+        for key in keys:
+            assert h[key] == pytest.approx(whole[step][key], rel=1e-6), (step, key)

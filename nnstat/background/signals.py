@@ -1,6 +1,6 @@
-"""Committing a logging pass when the process is told to stop: schedulers (SLURM, Kubernetes)
-stop a job with SIGTERM, a user with Ctrl-C (SIGINT), a closed terminal with SIGHUP, and none
-of them runs ``finalize()``.
+"""Flushing what is buffered (a logging pass's open shard, a Recorder's KPIs) when the process
+is told to stop: schedulers (SLURM, Kubernetes) stop a job with SIGTERM, a user with Ctrl-C
+(SIGINT), a closed terminal with SIGHUP, and none of them runs ``finalize()`` or ``close()``.
 
 While a pass is open, :class:`CommitOnSignal` handles SIGTERM, SIGINT and SIGHUP. A signal
 that arrives inside a ``run(...)`` block or inside ``finalize()`` is held until that section
