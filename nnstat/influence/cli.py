@@ -58,7 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default=None, help="output file (.parquet or .csv)")
     p.add_argument("--mode", choices=MODES, default=None, help="default: dot (not with --self)")
-    p.add_argument("--preconditioner", choices=PRECONDITIONERS, default=None)
+    p.add_argument(
+        "--preconditioner",
+        choices=PRECONDITIONERS,
+        default=None,
+        help="default: ekfac when the store holds K-FAC statistics, else raw",
+    )
     p.add_argument(
         "--damping", type=_damping, default=None, help=">= 0 (default: 0.1 x mean eigenvalue)"
     )
