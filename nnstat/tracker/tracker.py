@@ -39,12 +39,12 @@ from nnstat.describe.numpy_blocks import LIGHT_STATS
 from nnstat.distributed import (
     any_dtensor,
     clean_name,
-    fsdp1_grad,
     fsdp1_shards,
     fsdp1_whole,
     local_tensor,
 )
-from nnstat.netdict import SameParams, layer_state_keys, select_names
+from nnstat.netdict import SameParams, select_names
+from nnstat.tracker.collect import collect
 from nnstat.tracker.compute import (
     StepPlan,
     assemble,
@@ -289,51 +289,25 @@ class Tracker:
         self._arrived(wait=False)
         self._sinks.raise_errors()
 
-    def _state_keys(self) -> tuple[str, ...]:
-        if self.state_keys is not None:
-            return self.state_keys
-        return tuple(layer_state_keys(self.optimizer, self.params))
-
     def _collect(self, weights: bool = True) -> list[tuple[str, list[str], list[torch.Tensor]]]:
-        """``(group, names, tensors)`` of every group but updates."""
-        out: list[tuple[str, list[str], list[torch.Tensor]]] = []
-        # FSDP1: flat per-rank slices become DTensors of the whole (reduced, never gathered)
-        shards = fsdp1_shards(self.model) if self._fsdp1 else {}
-        if weights and "weight" in self.groups:
-            out.append(
-                (
-                    "weight",
-                    list(self.names),
-                    [fsdp1_whole(p.detach(), p, shards) for p in self.params],
-                )
+        """``(group, names, tensors)`` of every group but updates (`nnstat.tracker.collect`)."""
+        out, missing = collect(
+            self.model,
+            self.names,
+            self.params,
+            self.optimizer,
+            self.groups,
+            self.state_keys,
+            self._fsdp1,
+            weights,
+        )
+        if missing and not self._warned_grad:
+            warnings.warn(
+                f"Tracker: {len(missing)} parameter(s) have no gradient at this step and are "
+                f"left out of grad/ (warned once): {missing[:5]}",
+                stacklevel=4,
             )
-        if "grad" in self.groups:
-            grads = [fsdp1_grad(p, shards) for p in self.params]
-            missing = [n for n, g in zip(self.names, grads, strict=True) if g is None]
-            if missing and not self._warned_grad:
-                warnings.warn(
-                    f"Tracker: {len(missing)} parameter(s) have no gradient at this step and are "
-                    f"left out of grad/ (warned once): {missing[:5]}",
-                    stacklevel=4,
-                )
-                self._warned_grad = True
-            kept = [
-                (n, g.detach()) for n, g in zip(self.names, grads, strict=True) if g is not None
-            ]
-            if kept:
-                out.append(("grad", [n for n, _ in kept], [g for _, g in kept]))
-        if "optimizer" in self.groups:
-            for key in self._state_keys():
-                names, tensors = [], []
-                for n, p in zip(self.names, self.params, strict=True):
-                    v = self.optimizer.state.get(p, {}).get(key)
-                    if v is None and id(p) in shards and p.numel() == 0:
-                        v = p.detach()  # FSDP1: no slice of this parameter on this rank
-                    if isinstance(v, torch.Tensor):
-                        names.append(n)
-                        tensors.append(fsdp1_whole(v.detach(), p, shards))
-                if names:
-                    out.append((key, names, tensors))
+            self._warned_grad = True
         return out
 
     def _plan(self, refresh: bool) -> StepPlan:
