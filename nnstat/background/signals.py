@@ -56,6 +56,12 @@ class CommitOnSignal:
     def installed(self) -> bool:
         return bool(self._previous)
 
+    @property
+    def holding(self) -> bool:
+        """Whether a :meth:`hold` section is running (a flush called now would cut into it: a
+        second signal of a kind already held is delivered at once)."""
+        return self._depth > 0
+
     def install(self) -> None:
         """Handle the signals (idempotent; a no-op outside the main thread)."""
         if self._previous or threading.current_thread() is not threading.main_thread():

@@ -1,6 +1,6 @@
 # size: one class, the Tracker's public surface (construction, snapshot, step, poll, flush,
-# close) with each method's Args/Raises and example; the work lives in compute, inline, worker,
-# delivery and sinks beside it.
+# close) with each method's Args/Raises and example; the work lives in collect, compute, inline,
+# worker, delivery and sinks beside it.
 """Tracker: one line in a training loop logs weight/grad/optimizer-state/update statistics.
 
 Each logged step reduces every tracked tensor (blocked passes, `nnstat.tracker.compute`;
@@ -55,7 +55,7 @@ from nnstat.tracker.compute import (
 from nnstat.tracker.delivery import DeviceSteps
 from nnstat.tracker.guards import REPLACED_FIX, StepOrder, check_owned, first_error
 from nnstat.tracker.inline import InlineSteps
-from nnstat.tracker.pending import PENDING, StepMetrics, register_atexit
+from nnstat.tracker.pending import PENDING, StepMetrics, on_signal, register_atexit
 from nnstat.tracker.sinks import Sink, Sinks, sink_list
 from nnstat.tracker.worker import WorkerSteps, hook_target
 
@@ -222,6 +222,11 @@ class Tracker:
         # refresh it, so it no longer holds weights
         self._snapped = False
         self._stale = False
+        # SIGTERM/SIGINT/SIGHUP flush the steps on their way (`pending.on_signal`); a signal
+        # arriving while a step is being built or delivered (the `hold` sections of step,
+        # snapshot, poll, flush, a read, the pre-hook) waits for its end: no half-built step
+        self._on_signal = on_signal(self)
+        self._worker.hold = self._on_signal.hold
 
     # -- wiring ---------------------------------------------------------------------------
     def add_sink(self, sink: Any) -> None:
@@ -263,14 +268,15 @@ class Tracker:
             >>> round(t.step()["update/bias/l2"], 6)
             0.1
         """
-        self._finish_pending()  # a background step still reads (and rewrites) the snapshot
-        self._order.mark()  # "no optimizer.step() since" counts from here
-        if self._prev is not None:
-            prev = [local_tensor(t) for t in self._prev]
-            # per dtype: a multi-tensor kernel takes its fast path on one dtype only
-            for dst, src in by_dtype(prev, [local_tensor(p.detach()) for p in self.params]):
-                torch._foreach_copy_(dst, src)
-            self._snapped, self._stale = True, False
+        with self._on_signal.hold():
+            self._finish_pending()  # a background step still reads (and rewrites) the snapshot
+            self._order.mark()  # "no optimizer.step() since" counts from here
+            if self._prev is not None:
+                prev = [local_tensor(t) for t in self._prev]
+                # per dtype: a multi-tensor kernel takes its fast path on one dtype only
+                for dst, src in by_dtype(prev, [local_tensor(p.detach()) for p in self.params]):
+                    torch._foreach_copy_(dst, src)
+                self._snapped, self._stale = True, False
 
     def poll(self) -> None:
         """Hand the logged steps that are ready to the sinks without waiting for any: device
@@ -284,10 +290,11 @@ class Tracker:
             >>> _ = t.step(); t.poll(); seen
             [0]
         """
-        if self._worker.ready():
-            self._finish_pending()
-        self._arrived(wait=False)
-        self._sinks.raise_errors()
+        with self._on_signal.hold():
+            if self._worker.ready():
+                self._finish_pending()
+            self._arrived(wait=False)
+            self._sinks.raise_errors()
 
     def _collect(self, weights: bool = True) -> list[tuple[str, list[str], list[torch.Tensor]]]:
         """``(group, names, tensors)`` of every group but updates (`nnstat.tracker.collect`)."""
@@ -362,18 +369,19 @@ class Tracker:
             >>> sorted(t.step()), t.step()
             (['weight/bias/l2', 'weight/weight/l2'], None)
         """
-        call = self._calls
-        self._calls += 1
-        step = call if step is None else step
-        stepped = self._order.stepped(call, has_update=self._prev is not None)
-        self._finish_pending()
-        self._arrived(wait=False)  # device steps whose copy has arrived (polled, no wait)
-        try:
-            return self._step(call, step, stepped)
-        finally:
-            # a sink that failed on the previous step (delivered just now) is raised after this
-            # step was scheduled, so neither it nor the other sinks lose this one
-            self._sinks.raise_errors()
+        with self._on_signal.hold():
+            call = self._calls
+            self._calls += 1
+            step = call if step is None else step
+            stepped = self._order.stepped(call, has_update=self._prev is not None)
+            self._finish_pending()
+            self._arrived(wait=False)  # device steps whose copy has arrived (polled, no wait)
+            try:
+                return self._step(call, step, stepped)
+            finally:
+                # a sink that failed on the previous step (delivered just now) is raised after
+                # this step was scheduled, so neither it nor the other sinks lose this one
+                self._sinks.raise_errors()
 
     def _step(self, call: int, step: int, stepped: bool) -> Mapping[str, Any] | None:
         refresh = self._prev is not None and not self._snapped and (call + 1) % self.every == 0
@@ -471,13 +479,14 @@ class Tracker:
 
     def _settle(self, handle: StepMetrics) -> None:
         """Wait for the step of `handle` (a read of it) and hand it to the sinks."""
-        if self._worker.holds(handle):
-            self._finish_pending()
-        elif self._device.holds(handle):
-            self._arrived(wait=True, upto=handle)
-        else:
-            return
-        self._sinks.raise_errors()  # the sinks just got this step: their errors
+        with self._on_signal.hold():
+            if self._worker.holds(handle):
+                self._finish_pending()
+            elif self._device.holds(handle):
+                self._arrived(wait=True, upto=handle)
+            else:
+                return
+            self._sinks.raise_errors()  # the sinks just got this step: their errors
 
     @property
     def _sync_only(self) -> bool:
@@ -502,10 +511,11 @@ class Tracker:
             self._track_pending()
 
     def _track_pending(self) -> None:
-        """Keep this Tracker in the flush at exit while a step is on its way."""
+        """Keep this Tracker in the flush at exit (and on a signal) while a step is on its way."""
         if self._worker.pending is not None or len(self._device.inflight):
             PENDING.add(self)
             register_atexit()
+            self._on_signal.install()
         else:
             PENDING.discard(self)
 
@@ -529,12 +539,14 @@ class Tracker:
             >>> _ = t.step(); t.flush(); seen
             [0]
         """
-        self._finish_pending()
-        self._arrived(wait=True)
-        self._sinks.raise_errors()
+        with self._on_signal.hold():
+            self._finish_pending()
+            self._arrived(wait=True)
+            self._sinks.raise_errors()
 
     def close(self) -> None:
-        """Flush, remove the optimizer hooks and close every sink that has a ``close()``.
+        """Flush, remove the optimizer hooks and the signal handler, and close every sink that
+        has a ``close()``.
 
         Raises:
             Exception: the first error of flushing or of a sink's ``close``, raised once every
@@ -545,13 +557,15 @@ class Tracker:
             ...     _ = t.step()
         """
         errors: list[tuple[str, BaseException]] = []
-        try:
-            self.flush()
-        except BaseException as e:  # raised below, once every sink is closed
-            errors.append(("flushing the Tracker failed", e))
-        self._worker.close()
-        self._order.close()
-        self._sinks.close(errors)
+        with self._on_signal.hold():  # a signal waits until every sink is closed
+            try:
+                self.flush()
+            except BaseException as e:  # raised below, once every sink is closed
+                errors.append(("flushing the Tracker failed", e))
+            self._worker.close()
+            self._order.close()
+            self._sinks.close(errors)
+            self._on_signal.restore()
         if errors:
             raise first_error(errors, "every sink was closed")
 
