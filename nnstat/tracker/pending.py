@@ -5,8 +5,8 @@ A logged step whose statistics are still on their way (reduced by the worker thr
 `StepMetrics` that waits on first read. Its Tracker stays in `PENDING` until the step is
 delivered: pending steps are flushed at exit (a forked child forgets its parent's); if that
 fails, the errors are printed and the process exits with status 120 (CPython's status for a
-failed finalization) instead of 0. `drop_keys` removes the statistics of tensors that changed
-in place before their step was read.
+failed finalization) instead of 0. SIGTERM/SIGINT/SIGHUP flush them too (`on_signal`).
+`drop_keys` removes the statistics of tensors that changed in place before their step was read.
 
 Example:
     >>> metrics = {"weight/fc/l2": 1.0, "trust_ratio/fc": 2.0, "grad/fc/l2": 3.0}
