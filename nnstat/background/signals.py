@@ -1,6 +1,7 @@
-"""Flushing what is buffered (a logging pass's open shard, a Recorder's KPIs) when the process
-is told to stop: schedulers (SLURM, Kubernetes) stop a job with SIGTERM, a user with Ctrl-C
-(SIGINT), a closed terminal with SIGHUP, and none of them runs ``finalize()`` or ``close()``.
+"""Flushing what is buffered (a logging pass's open shard, a Recorder's KPIs, a Tracker's steps
+on their way to the sinks) when the process is told to stop: schedulers (SLURM, Kubernetes)
+stop a job with SIGTERM, a user with Ctrl-C (SIGINT), a closed terminal with SIGHUP, and none
+of them runs ``finalize()`` or ``close()``.
 
 While a pass is open, :class:`CommitOnSignal` handles SIGTERM, SIGINT and SIGHUP. A signal
 that arrives inside a ``run(...)`` block or inside ``finalize()`` is held until that section
@@ -55,6 +56,12 @@ class CommitOnSignal:
     @property
     def installed(self) -> bool:
         return bool(self._previous)
+
+    @property
+    def holding(self) -> bool:
+        """Whether a :meth:`hold` section is running (a flush called now would cut into it: a
+        second signal of a kind already held is delivered at once)."""
+        return self._depth > 0
 
     def install(self) -> None:
         """Handle the signals (idempotent; a no-op outside the main thread)."""

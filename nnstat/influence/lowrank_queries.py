@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from nnstat.store.factored import FactorGroup, factor_plan
+from nnstat.store.factored import FactorGroup, factor_plan, leading_pairs
 
 from .factored_queries import factors_preserved
 from .factored_scores import StoredQueries, cheapest_route
@@ -237,10 +237,9 @@ def _factored_modules(
     chosen = [j for j, k in enumerate(ranks) if k <= c_q]
     us, vs = [], []
     for part in _query_chunks(n_q, len(chosen), g.r_out, g.r_in):
-        left, s, vh = torch.linalg.svd(_matrices(q_pre[part], g, chosen), full_matrices=False)
-        u = (left[..., :c_q] * s[:, None, :c_q]).transpose(1, 2)
+        u, v, _ = leading_pairs(_matrices(q_pre[part], g, chosen), c_q)
         us.append(u.to(torch.float32).view(-1, len(chosen), c_q, g.r_out))
-        vs.append(vh[:, :c_q].to(torch.float32).view(-1, len(chosen), c_q, g.r_in))
+        vs.append(v.to(torch.float32).view(-1, len(chosen), c_q, g.r_in))
     u, v = torch.cat(us), torch.cat(vs)
     return {g.dense[j]: (u[:, i], v[:, i]) for i, j in enumerate(chosen)}
 

@@ -58,6 +58,28 @@ def worth_factoring(c: int | None, r_out: int | None, r_in: int) -> bool:
     return c is not None and r_out is not None and factored_width(c, r_out, r_in) < r_out * r_in
 
 
+def leading_pairs(g: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``k`` leading singular pairs of each matrix of ``g``, as factors: ``U`` (left vectors
+    scaled by their singular values) and ``V`` (right vectors), so that ``Uᵀ V`` is the best
+    rank-``k`` approximation of each matrix; with every singular value.
+
+    Args:
+        g: ``[B, r_out, r_in]`` matrices (computed in their dtype and on their device).
+        k: pairs to keep (fewer when a matrix has fewer singular values).
+
+    Returns:
+        ``(U [B, k, r_out], V [B, k, r_in], σ [B, min(r_out, r_in)])``.
+
+    Example:
+        >>> g = torch.tensor([[[3.0, 0.0], [0.0, 1.0]]])
+        >>> u, v, s = leading_pairs(g, 1); (u.transpose(1, 2) @ v).abs().tolist(), s.tolist()
+        ([[[3.0, 0.0], [0.0, 0.0]]], [[3.0, 1.0]])
+    """
+    left, s, vh = torch.linalg.svd(g, full_matrices=False)
+    k = min(k, s.shape[-1])
+    return (left[..., :k] * s[..., None, :k]).transpose(-1, -2), vh[..., :k, :], s
+
+
 def factor_rows(bp: torch.Tensor, ap: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Factored rows of ``G_n = bp[n]ᵀ ap[n]`` and the energy each keeps.
 
@@ -82,11 +104,8 @@ def factor_rows(bp: torch.Tensor, ap: torch.Tensor, c: int) -> tuple[torch.Tenso
         u, v = bp, ap
         energy = torch.ones(n, dtype=torch.float32, device=bp.device)
     else:
-        g = torch.bmm(bp.transpose(1, 2), ap)
-        left, s, vh = torch.linalg.svd(g, full_matrices=False)
-        k = min(c, s.shape[1])
-        u = (left[:, :, :k] * s[:, None, :k]).transpose(1, 2)
-        v = vh[:, :k, :]
+        u, v, s = leading_pairs(torch.bmm(bp.transpose(1, 2), ap), c)
+        k = u.shape[1]
         sq = s.square()
         total = sq.sum(1)
         kept = sq[:, :k].sum(1)

@@ -5,8 +5,8 @@ A logged step whose statistics are still on their way (reduced by the worker thr
 `StepMetrics` that waits on first read. Its Tracker stays in `PENDING` until the step is
 delivered: pending steps are flushed at exit (a forked child forgets its parent's); if that
 fails, the errors are printed and the process exits with status 120 (CPython's status for a
-failed finalization) instead of 0. `drop_keys` removes the statistics of tensors that changed
-in place before their step was read.
+failed finalization) instead of 0. SIGTERM/SIGINT/SIGHUP flush them too (`on_signal`).
+`drop_keys` removes the statistics of tensors that changed in place before their step was read.
 
 Example:
     >>> metrics = {"weight/fc/l2": 1.0, "trust_ratio/fc": 2.0, "grad/fc/l2": 3.0}
@@ -20,12 +20,14 @@ import atexit
 import os
 import sys
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from nnstat.background.deferred import Deferred
+from nnstat.background.signals import CommitOnSignal
 
-__all__ = ["PENDING", "StepMetrics", "drop_keys", "register_atexit"]
+__all__ = ["PENDING", "StepMetrics", "drop_keys", "on_signal", "register_atexit"]
 
 
 class StepMetrics(Deferred):
@@ -93,6 +95,26 @@ def _forget_pending() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pending)
+
+
+def on_signal(tracker: Any) -> CommitOnSignal:
+    """The flush of `tracker`'s steps on their way on SIGTERM/SIGINT/SIGHUP (the shared handler,
+    `nnstat.background.signals`): installed while a step is on its way, removed by ``close()``.
+
+    It holds the Tracker weakly (never keeps it alive; removed when it is collected). A signal
+    inside one of its `hold` sections (a step being built) waits for its end; a second one
+    arriving there ends the process without a flush, which would deliver a half-built step.
+    """
+    ref = weakref.ref(tracker)
+
+    def flush() -> None:
+        live = ref()
+        if live is not None and not guard.holding:
+            live.flush()
+
+    guard = CommitOnSignal(flush)
+    weakref.finalize(tracker, guard.restore)
+    return guard
 
 
 def register_atexit() -> None:

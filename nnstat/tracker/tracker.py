@@ -1,6 +1,6 @@
 # size: one class, the Tracker's public surface (construction, snapshot, step, poll, flush,
-# close) with each method's Args/Raises and example; the work lives in compute, inline, worker,
-# delivery and sinks beside it.
+# close) with each method's Args/Raises and example; the work lives in collect, compute, inline,
+# worker, delivery and sinks beside it.
 """Tracker: one line in a training loop logs weight/grad/optimizer-state/update statistics.
 
 Each logged step reduces every tracked tensor (blocked passes, `nnstat.tracker.compute`;
@@ -39,12 +39,12 @@ from nnstat.describe.numpy_blocks import LIGHT_STATS
 from nnstat.distributed import (
     any_dtensor,
     clean_name,
-    fsdp1_grad,
     fsdp1_shards,
     fsdp1_whole,
     local_tensor,
 )
-from nnstat.netdict import SameParams, layer_state_keys, select_names
+from nnstat.netdict import SameParams, select_names
+from nnstat.tracker.collect import collect
 from nnstat.tracker.compute import (
     StepPlan,
     assemble,
@@ -55,7 +55,7 @@ from nnstat.tracker.compute import (
 from nnstat.tracker.delivery import DeviceSteps
 from nnstat.tracker.guards import REPLACED_FIX, StepOrder, check_owned, first_error
 from nnstat.tracker.inline import InlineSteps
-from nnstat.tracker.pending import PENDING, StepMetrics, register_atexit
+from nnstat.tracker.pending import PENDING, StepMetrics, on_signal, register_atexit
 from nnstat.tracker.sinks import Sink, Sinks, sink_list
 from nnstat.tracker.worker import WorkerSteps, hook_target
 
@@ -222,6 +222,11 @@ class Tracker:
         # refresh it, so it no longer holds weights
         self._snapped = False
         self._stale = False
+        # SIGTERM/SIGINT/SIGHUP flush the steps on their way (`pending.on_signal`); a signal
+        # arriving while a step is being built or delivered (the `hold` sections of step,
+        # snapshot, poll, flush, a read, the pre-hook) waits for its end: no half-built step
+        self._on_signal = on_signal(self)
+        self._worker.hold = self._on_signal.hold
 
     # -- wiring ---------------------------------------------------------------------------
     def add_sink(self, sink: Any) -> None:
@@ -263,14 +268,15 @@ class Tracker:
             >>> round(t.step()["update/bias/l2"], 6)
             0.1
         """
-        self._finish_pending()  # a background step still reads (and rewrites) the snapshot
-        self._order.mark()  # "no optimizer.step() since" counts from here
-        if self._prev is not None:
-            prev = [local_tensor(t) for t in self._prev]
-            # per dtype: a multi-tensor kernel takes its fast path on one dtype only
-            for dst, src in by_dtype(prev, [local_tensor(p.detach()) for p in self.params]):
-                torch._foreach_copy_(dst, src)
-            self._snapped, self._stale = True, False
+        with self._on_signal.hold():
+            self._finish_pending()  # a background step still reads (and rewrites) the snapshot
+            self._order.mark()  # "no optimizer.step() since" counts from here
+            if self._prev is not None:
+                prev = [local_tensor(t) for t in self._prev]
+                # per dtype: a multi-tensor kernel takes its fast path on one dtype only
+                for dst, src in by_dtype(prev, [local_tensor(p.detach()) for p in self.params]):
+                    torch._foreach_copy_(dst, src)
+                self._snapped, self._stale = True, False
 
     def poll(self) -> None:
         """Hand the logged steps that are ready to the sinks without waiting for any: device
@@ -284,56 +290,31 @@ class Tracker:
             >>> _ = t.step(); t.poll(); seen
             [0]
         """
-        if self._worker.ready():
-            self._finish_pending()
-        self._arrived(wait=False)
-        self._sinks.raise_errors()
-
-    def _state_keys(self) -> tuple[str, ...]:
-        if self.state_keys is not None:
-            return self.state_keys
-        return tuple(layer_state_keys(self.optimizer, self.params))
+        with self._on_signal.hold():
+            if self._worker.ready():
+                self._finish_pending()
+            self._arrived(wait=False)
+            self._sinks.raise_errors()
 
     def _collect(self, weights: bool = True) -> list[tuple[str, list[str], list[torch.Tensor]]]:
-        """``(group, names, tensors)`` of every group but updates."""
-        out: list[tuple[str, list[str], list[torch.Tensor]]] = []
-        # FSDP1: flat per-rank slices become DTensors of the whole (reduced, never gathered)
-        shards = fsdp1_shards(self.model) if self._fsdp1 else {}
-        if weights and "weight" in self.groups:
-            out.append(
-                (
-                    "weight",
-                    list(self.names),
-                    [fsdp1_whole(p.detach(), p, shards) for p in self.params],
-                )
+        """``(group, names, tensors)`` of every group but updates (`nnstat.tracker.collect`)."""
+        out, missing = collect(
+            self.model,
+            self.names,
+            self.params,
+            self.optimizer,
+            self.groups,
+            self.state_keys,
+            self._fsdp1,
+            weights,
+        )
+        if missing and not self._warned_grad:
+            warnings.warn(
+                f"Tracker: {len(missing)} parameter(s) have no gradient at this step (frozen, "
+                f"or unused by the loss) and are left out of grad/ (warned once): {missing[:5]}",
+                stacklevel=4,
             )
-        if "grad" in self.groups:
-            grads = [fsdp1_grad(p, shards) for p in self.params]
-            missing = [n for n, g in zip(self.names, grads, strict=True) if g is None]
-            if missing and not self._warned_grad:
-                warnings.warn(
-                    f"Tracker: {len(missing)} parameter(s) have no gradient at this step (frozen, "
-                    f"or unused by the loss) and are left out of grad/ (warned once): {missing[:5]}",
-                    stacklevel=4,
-                )
-                self._warned_grad = True
-            kept = [
-                (n, g.detach()) for n, g in zip(self.names, grads, strict=True) if g is not None
-            ]
-            if kept:
-                out.append(("grad", [n for n, _ in kept], [g for _, g in kept]))
-        if "optimizer" in self.groups:
-            for key in self._state_keys():
-                names, tensors = [], []
-                for n, p in zip(self.names, self.params, strict=True):
-                    v = self.optimizer.state.get(p, {}).get(key)
-                    if v is None and id(p) in shards and p.numel() == 0:
-                        v = p.detach()  # FSDP1: no slice of this parameter on this rank
-                    if isinstance(v, torch.Tensor):
-                        names.append(n)
-                        tensors.append(fsdp1_whole(v.detach(), p, shards))
-                if names:
-                    out.append((key, names, tensors))
+            self._warned_grad = True
         return out
 
     def _plan(self, refresh: bool) -> StepPlan:
@@ -388,18 +369,19 @@ class Tracker:
             >>> sorted(t.step()), t.step()
             (['weight/bias/l2', 'weight/weight/l2'], None)
         """
-        call = self._calls
-        self._calls += 1
-        step = call if step is None else step
-        stepped = self._order.stepped(call, has_update=self._prev is not None)
-        self._finish_pending()
-        self._arrived(wait=False)  # device steps whose copy has arrived (polled, no wait)
-        try:
-            return self._step(call, step, stepped)
-        finally:
-            # a sink that failed on the previous step (delivered just now) is raised after this
-            # step was scheduled, so neither it nor the other sinks lose this one
-            self._sinks.raise_errors()
+        with self._on_signal.hold():
+            call = self._calls
+            self._calls += 1
+            step = call if step is None else step
+            stepped = self._order.stepped(call, has_update=self._prev is not None)
+            self._finish_pending()
+            self._arrived(wait=False)  # device steps whose copy has arrived (polled, no wait)
+            try:
+                return self._step(call, step, stepped)
+            finally:
+                # a sink that failed on the previous step (delivered just now) is raised after
+                # this step was scheduled, so neither it nor the other sinks lose this one
+                self._sinks.raise_errors()
 
     def _step(self, call: int, step: int, stepped: bool) -> Mapping[str, Any] | None:
         refresh = self._prev is not None and not self._snapped and (call + 1) % self.every == 0
@@ -497,13 +479,14 @@ class Tracker:
 
     def _settle(self, handle: StepMetrics) -> None:
         """Wait for the step of `handle` (a read of it) and hand it to the sinks."""
-        if self._worker.holds(handle):
-            self._finish_pending()
-        elif self._device.holds(handle):
-            self._arrived(wait=True, upto=handle)
-        else:
-            return
-        self._sinks.raise_errors()  # the sinks just got this step: their errors
+        with self._on_signal.hold():
+            if self._worker.holds(handle):
+                self._finish_pending()
+            elif self._device.holds(handle):
+                self._arrived(wait=True, upto=handle)
+            else:
+                return
+            self._sinks.raise_errors()  # the sinks just got this step: their errors
 
     @property
     def _sync_only(self) -> bool:
@@ -528,10 +511,11 @@ class Tracker:
             self._track_pending()
 
     def _track_pending(self) -> None:
-        """Keep this Tracker in the flush at exit while a step is on its way."""
+        """Keep this Tracker in the flush at exit (and on a signal) while a step is on its way."""
         if self._worker.pending is not None or len(self._device.inflight):
             PENDING.add(self)
             register_atexit()
+            self._on_signal.install()
         else:
             PENDING.discard(self)
 
@@ -555,12 +539,14 @@ class Tracker:
             >>> _ = t.step(); t.flush(); seen
             [0]
         """
-        self._finish_pending()
-        self._arrived(wait=True)
-        self._sinks.raise_errors()
+        with self._on_signal.hold():
+            self._finish_pending()
+            self._arrived(wait=True)
+            self._sinks.raise_errors()
 
     def close(self) -> None:
-        """Flush, remove the optimizer hooks and close every sink that has a ``close()``.
+        """Flush, remove the optimizer hooks and the signal handler, and close every sink that
+        has a ``close()``.
 
         Raises:
             Exception: the first error of flushing or of a sink's ``close``, raised once every
@@ -571,13 +557,15 @@ class Tracker:
             ...     _ = t.step()
         """
         errors: list[tuple[str, BaseException]] = []
-        try:
-            self.flush()
-        except BaseException as e:  # raised below, once every sink is closed
-            errors.append(("flushing the Tracker failed", e))
-        self._worker.close()
-        self._order.close()
-        self._sinks.close(errors)
+        with self._on_signal.hold():  # a signal waits until every sink is closed
+            try:
+                self.flush()
+            except BaseException as e:  # raised below, once every sink is closed
+                errors.append(("flushing the Tracker failed", e))
+            self._worker.close()
+            self._order.close()
+            self._sinks.close(errors)
+            self._on_signal.restore()
         if errors:
             raise first_error(errors, "every sink was closed")
 

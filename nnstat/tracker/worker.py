@@ -36,10 +36,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 import weakref
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +87,9 @@ class WorkerSteps:
         self.pending: Pending | None = None
         self.torn = False
         self._hook: Any = None
+        # the Tracker's signal guard (`CommitOnSignal.hold`): a flush on SIGTERM must not cut
+        # into the pre-hook's check of what the worker read
+        self.hold: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
         self._grad_storages: list[weakref.ref] | None = None
 
     def usable(self, on_cpu: bool) -> bool:
@@ -151,7 +156,8 @@ class WorkerSteps:
             def wait_for_statistics(optimizer: Any, args: Any, kwargs: Any) -> None:
                 steps = ref()
                 if steps is not None and steps.pending is not None:
-                    steps.join(steps.pending, whole=False)
+                    with steps.hold():
+                        steps.join(steps.pending, whole=False)
 
             self._hook = hook_target(self.optimizer).register_step_pre_hook(wait_for_statistics)
         guard = threading.Event()
