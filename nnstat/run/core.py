@@ -302,7 +302,6 @@ class Run(PassEnd):
             block = self._rows.end()
         batch = block.rows
         if probe is not None and batch:
-            self._probe_reduction = False
             warn_mean_loss(probe, next(iter(batch.values())).shape[0], self._warned_once)
         assert self._projections is not None
         refuse_left_out(self.engine.left_out, self._projections, ids, batch)
@@ -311,6 +310,7 @@ class Run(PassEnd):
                 ids = input_ids(self.engine.model_input, batch, type(self.model).__name__)
                 keep = self._admit(ids)
             self._complete(block, ids, keep, same)
+        self._probe_reduction &= probe is None or not batch  # checked by a completed block
         if self.mode == "log" and self._pass_params is not None:
             self._guard.record(self._covered)
 

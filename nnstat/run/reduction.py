@@ -5,7 +5,7 @@ The store's rows are per-sample gradients of **each sample's own loss**. With th
 that averages over the batch makes every row ``g_i / N`` (and a short last batch
 ``g_i / N_last``): influence scores come out scaled per batch, silently. The gradients alone
 cannot tell; the loss can: :class:`nnstat.capture.reduction.MeanLossProbe` (in the capture
-layer, as the noise scale uses it too) watches the first block of each pass.
+layer, as the noise scale uses it too) watches the first completed block of each pass.
 
 Example:
     >>> import torch

@@ -560,6 +560,27 @@ def test_a_mean_loss_under_loss_reduction_sum_is_warned_about(tmp_path, loss, re
         assert "setup({'loss_reduction': 'mean'})" in said[0] and "8 samples" in said[0]
 
 
+def test_a_failed_first_block_leaves_the_mean_loss_check_to_the_next_block(tmp_path):
+    """The first block (a summed loss) is refused (data_id names 7 of its 8 samples): the
+    loss check counts only for a block that completed, so the next block's loss, a mean over
+    the batch under loss_reduction="sum", is still warned about."""
+    model, x, y = make()
+    run = nnstat.init(project="m", root_dir=tmp_path)
+    nnstat.setup({"statistic": "none"})
+    nnstat.watch(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="data_id has 7 entries but the batch had 8"):
+            with run(data_id=list(range(7))):
+                sum_loss(model, x[:8], y[:8]).backward()
+        with run(data_id=list(range(8, 16))):
+            nn.functional.cross_entropy(model(x[8:16]), y[8:16]).backward()
+    nnstat.finalize()
+    nnstat.unwatch()
+    said = [str(w.message) for w in caught if "loss_reduction" in str(w.message)]
+    assert len(said) == 1 and "8 samples" in said[0], said
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_a_token_mean_loss_is_warned_about_under_either_reduction(tmp_path, reduction):
     """An LM loss averaged over the tokens (cross_entropy(logits.view(-1, V), ...), 13 counted
