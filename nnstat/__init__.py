@@ -50,6 +50,7 @@ _EXPORTS: dict[str, str] = {
     "add_projection": "nnstat.run",
     "finalize": "nnstat.run",
     "eval": "nnstat.run",
+    "train": "nnstat.run",
     "get_log": "nnstat.run",
     "build_log_dataloader": "nnstat.run",
     "GradientStore": "nnstat.store",

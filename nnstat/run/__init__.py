@@ -39,6 +39,7 @@ from nnstat.run.current import (
     run,
     schedule,
     setup,
+    train,
     unwatch,
     watch,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "run",
     "schedule",
     "setup",
+    "train",
     "unwatch",
     "watch",
 ]

@@ -40,6 +40,7 @@ __all__ = [
     "schedule",
     "finalize",
     "eval",
+    "train",
     "get_log",
     "build_log_dataloader",
 ]
@@ -284,6 +285,25 @@ def eval() -> Run:  # noqa: A001 - the seed's API name
         Run(project='doc', path='...', mode='eval')
     """
     return current_run().eval()
+
+
+def train() -> Run:
+    """:meth:`Run.train` on the current run: back to logging mode (the opposite of :func:`eval`).
+
+    Returns:
+        The current run, in logging mode: its next ``run(...)`` blocks are saved to the store
+        (and feed the statistics) as before :func:`eval`.
+
+    Raises:
+        RuntimeError: no current run (call :func:`init` first).
+
+    Example:
+        >>> import tempfile
+        >>> _ = init(project="doc", root_dir=tempfile.mkdtemp())
+        >>> eval().mode, train().mode
+        ('eval', 'log')
+    """
+    return current_run().train()
 
 
 def get_log() -> GradientLog:

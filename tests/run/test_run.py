@@ -233,6 +233,37 @@ def test_eval_log_matches_store_and_new_process_reuses_projection(tmp_path):
     assert not (run.path / "shards" / "rank0-00001.npy").exists()  # eval wrote nothing
 
 
+def test_train_switches_the_current_run_back_to_logging_rows_to_the_store(tmp_path):
+    """nnstat.train() after nnstat.eval(): the next blocks are saved again, each row its
+    sample's own gradient (torch.func), and the query block before it saved nothing."""
+    from torch.func import functional_call, grad, vmap
+
+    model, x, y = make()
+    run = nnstat.init(project="p", root_dir=tmp_path)
+    nnstat.setup({"statistic": "none"})
+    nnstat.watch(model)
+    nnstat.eval()
+    step(run, model, x[:4], y[:4], ids=["q0", "q1", "q2", "q3"])
+    log = nnstat.get_log()
+    assert nnstat.train() is run and run.mode == "log"
+    step(run, model, x[:8], y[:8], ids=list(range(8)))
+    nnstat.finalize()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def own(p, xi, yi):
+        return nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
+
+    ref = vmap(grad(own), in_dims=(None, 0, 0))(params, x[:8], y[:8])
+    want = torch.cat(
+        [torch.cat([ref[f"{m}.weight"], ref[f"{m}.bias"][:, :, None]], 2).flatten(1) for m in "02"],
+        1,
+    )
+    store = nnstat.GradientStore(run.path)
+    assert store.ids == list(range(8))  # the queries were not saved
+    torch.testing.assert_close(store.rows(0, 8), want, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(log.rows, want[:4], rtol=1e-4, atol=1e-6)
+
+
 def test_ekfac_schedule_runs_two_passes_and_logs_in_the_second(tmp_path):
     model, x, y = make()
     run = nnstat.init(project="e", root_dir=tmp_path)
