@@ -41,6 +41,11 @@ class CriticalBatchSize:
     ``t/z`` for the few degrees of freedom behind the spread. A resample whose fitted ``S_min``
     is <= 0 counts as ``B_crit = inf`` (steps still fall as ``1/B`` over the whole sweep), one
     whose ``E_min`` is <= 0 as ``B_crit = 0``.
+
+    Example:
+        >>> r = critical_batch_size({b: 50 + 6000 / b for b in (16, 32, 64, 128, 256)}, n_boot=50)
+        >>> round(r.b_crit), round(r.predicted_steps(120), 6)  # S_min + E_min / 120
+        (120, 100.0)
     """
 
     s_min: float

@@ -103,6 +103,15 @@ class StoreWriter:
 
     Raises:
         StoreLockedError: another writer of the same rank is writing into ``shard_dir``.
+
+    Example:
+        >>> import tempfile, numpy as np, torch
+        >>> w = StoreWriter(Path(tempfile.mkdtemp()), row_width=2, shard_rows=4)
+        >>> w.put(["a", "b"], torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+        >>> w.close()  # flushes the last (short) shard, raises what the thread met: rows written
+        2
+        >>> [(p.name, np.load(p).tolist()) for _, _, p, _ in list_shards(w.shard_dir)]
+        [('rank0-00000.npy', [[1.0, 2.0], [3.0, 4.0]])]
     """
 
     def __init__(

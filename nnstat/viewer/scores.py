@@ -74,7 +74,19 @@ _FIX = "save the scores again with nnstat.viewer.save_scores"
 @dataclass
 class SavedScores:
     """Scores saved by :func:`save_scores`: ``result`` (an `InfluenceResult` or a
-    `TopKInfluence`, train ids = the store's), its ``meta``, and what they are for."""
+    `TopKInfluence`, train ids = the store's), its ``meta``, and what they are for.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from nnstat.influence import InfluenceResult
+        >>> from nnstat.viewer.examples import tiny_store
+        >>> store = tiny_store(tempfile.mkdtemp(), [0, 1])
+        >>> r = InfluenceResult(torch.tensor([[2.0, 1.0]]), [1], [0, 1], {"mode": "dot"})
+        >>> _ = save_scores(store, "by_hand", r, label="dot, by hand")
+        >>> saved = load_scores(store, "by_hand")
+        >>> saved.name, saved.label, saved.queries, saved.test_ids, saved.meta["mode"]
+        ('by_hand', 'dot, by hand', '', [1], 'dot')
+    """
 
     name: str
     label: str
@@ -246,10 +258,33 @@ def score_sets(store_dir: str | Path) -> list[Path]:
 
 
 def load_scores(store_dir: str | Path, name: str) -> SavedScores:
-    """The scores saved under ``name`` beside a store (`save_scores`).
+    """The scores saved under ``name`` beside a store (:func:`save_scores`).
 
-    Raises ``ValueError`` naming the file when it is damaged or bound to other ids than the
-    store (or its query set) holds now, ``FileNotFoundError`` when none was saved."""
+    Args:
+        store_dir: the gradient store's directory.
+        name: the name the scores were saved under.
+
+    Returns:
+        A :class:`SavedScores`: the result, its label, its query set and its file.
+
+    Raises:
+        ValueError: the file is damaged, or bound to other ids than the store (or its query
+            set) holds now; the message names the file and the fix.
+        FileNotFoundError: no scores were saved under ``name``.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from nnstat.influence import InfluenceResult
+        >>> from nnstat.viewer.examples import tiny_store
+        >>> store = tiny_store(tempfile.mkdtemp(), ["a", "b"])
+        >>> r = InfluenceResult(torch.tensor([[0.5, -1.0]]), ["b"], ["a", "b"], {"mode": "dot"})
+        >>> _ = save_scores(store, "mine", r)
+        >>> load_scores(store, "mine").result.top_k(1).helpful_ids
+        [['a']]
+        >>> load_scores(store, "other")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        FileNotFoundError: no scores 'other' saved beside ...
+    """
     check_set_name(name)
     folder = Path(store_dir)
     path = folder / VIEWER_DIR / SCORES_DIR / name / SCORES_JSON
