@@ -82,7 +82,15 @@ QUERY_ROWS = "rows.safetensors"
 @dataclass
 class Examples:
     """Examples saved for a store or query set: ``ids`` and, aligned with them, optional
-    ``images`` (float32 ``[n, H, W]`` or ``[n, H, W, C]``), ``labels`` and ``texts``."""
+    ``images`` (float32 ``[n, H, W]`` or ``[n, H, W, C]``), ``labels`` and ``texts``.
+
+    Example:
+        >>> import tempfile
+        >>> store = tiny_store(tempfile.mkdtemp(), [4, 9])
+        >>> _ = save_examples(store, [4, 9], texts=["four", "nine"])
+        >>> load_examples(store)
+        Examples(ids=[4, 9], images=None, labels=None, texts=['four', 'nine'])
+    """
 
     ids: list
     images: torch.Tensor | None = None
@@ -441,7 +449,31 @@ def _nonfinite(rows: torch.Tensor, ids: list) -> str:
 
 
 def load_queries(folder: str | Path) -> GradientLog:
-    """The `GradientLog` saved by `save_queries` (``ValueError`` naming the file when damaged)."""
+    """The `GradientLog` saved by :func:`save_queries` in ``folder``.
+
+    Args:
+        folder: the query set's folder (what :func:`save_queries` returned).
+
+    Returns:
+        The query log: its ids, rows (float32) and meta.
+
+    Raises:
+        ValueError: a file of the query set is missing or damaged (the message names it).
+
+    Example:
+        >>> import tempfile, torch
+        >>> from nnstat.store import GradientLog
+        >>> store = tiny_store(tempfile.mkdtemp(), [0, 1])
+        >>> log = GradientLog(["q0", "q1"], torch.eye(2), GradientStore(store).meta)
+        >>> q = save_queries(log, store, name="two")
+        >>> back = load_queries(q)
+        >>> back.ids, back.rows.tolist()
+        (['q0', 'q1'], [[1.0, 0.0], [0.0, 1.0]])
+        >>> (q / "rows.safetensors").unlink()
+        >>> load_queries(q)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: .../rows.safetensors: cannot read the query rows (...)
+    """
     folder = Path(folder)
     rec = _read_query_json(folder)
     path = folder / QUERY_ROWS
