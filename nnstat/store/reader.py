@@ -60,6 +60,11 @@ def module_view(meta: dict[str, Any], rows: torch.Tensor, name: str) -> torch.Te
 
     Kinds without a Kronecker structure (layernorm) come back as ``[b, 1, r]``; a module
     stored as factors comes back dense (:func:`~nnstat.store.factored.unfactor`).
+
+    Example:
+        >>> meta = {"modules": [{"name": "fc", "offset": 1, "width": 6, "r_out": 2, "r_in": 3}]}
+        >>> module_view(meta, torch.arange(14.0).reshape(2, 7), "fc")[1].tolist()  # 2nd row
+        [[8.0, 9.0, 10.0], [11.0, 12.0, 13.0]]
     """
     m = _module_entry(meta, name)
     block = rows[:, m["offset"] : m["offset"] + m["width"]]
@@ -486,7 +491,22 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 class LogBlockDataset(Dataset):
-    """Map-style dataset whose item ``i`` is the ``i``-th block ``(ids, rows)`` of a store."""
+    """Map-style dataset whose item ``i`` is the ``i``-th block ``(ids, rows)`` of a store.
+
+    Example:
+        >>> import tempfile
+        >>> from nnstat.store.files import atomic_write_json
+        >>> from nnstat.store.writer import StoreWriter
+        >>> d = Path(tempfile.mkdtemp())
+        >>> atomic_write_json(d / "meta.json", {"format_version": 1, "row_width": 1,
+        ...     "dtype": "float32", "modules": [{"name": "b", "offset": 0, "width": 1,
+        ...     "r_out": 1, "r_in": 1}]})
+        >>> w = StoreWriter(d / "shards", row_width=1); w.put([5, 6, 7], torch.ones(3, 1))
+        >>> _ = w.close()
+        >>> blocks = LogBlockDataset(GradientStore(d), batch_size=2)
+        >>> len(blocks), blocks[1][0], tuple(blocks[0][1].shape)  # the last block is short
+        (2, [7], (2, 1))
+    """
 
     def __init__(self, store: GradientStore, batch_size: int) -> None:
         if batch_size < 1:
