@@ -55,6 +55,11 @@ class PassSpec:
 
     ``kfac`` marks K-FAC semantics: modules without Kronecker structure (layernorm) then get
     their full gradient covariance instead of forward/backward factors.
+
+    Example:
+        >>> p = PassSpec("log", parse_statistic("none"), grad_only(), grad_only())
+        >>> p.name, p.save["grad"], any(p.statistic.values()), p.kfac
+        ('log', True, False, False)
     """
 
     name: str
@@ -199,6 +204,13 @@ def parse_statistic(value: Any) -> StatisticSpec:
 
     Idempotent: a parsed spec parses to itself (and the names :func:`statistic_json` writes
     parse back to the classes).
+
+    Example:
+        >>> spec = parse_statistic("kfac")
+        >>> {stream: [c.__name__ for c in spec[stream]] for stream in spec}
+        {'forward': ['Covariance'], 'backward': ['Covariance'], 'grad': ['KFAC']}
+        >>> parse_statistic(spec) == spec and parse_statistic(None) == parse_statistic("none")
+        True
     """
     if value is None:
         value = "none"
@@ -253,7 +265,15 @@ def plan_passes(
     statistic: StatisticSpec, log: Mapping[str, bool], save: Mapping[str, bool]
 ) -> list[PassSpec]:
     """The passes over the data that ``statistic`` needs, in order, given the streams each
-    batch extracts (``log``) and stores (``save``); all three as the parsers return them."""
+    batch extracts (``log``) and stores (``save``); all three as the parsers return them.
+
+    Example:
+        >>> [p.name for p in plan_passes(parse_statistic("kfac"), grad_only(), grad_only())]
+        ['statistics']
+        >>> passes = plan_passes(parse_statistic("ekfac"), grad_only(), grad_only())
+        >>> [(p.name, p.save["grad"]) for p in passes]  # the rows are saved in the second pass
+        [('factors', False), ('eigenvalues', True)]
+    """
     grad = list(statistic.get("grad", ()))
     kfac = KFAC in grad or EKFAC in grad
     fwd, bwd = list(statistic.get("forward", ())), list(statistic.get("backward", ()))

@@ -19,7 +19,12 @@ import torch
 
 
 def as_float(value: float | torch.Tensor) -> float:
-    """``float(value)``, detaching a tensor first (a 0-d or one-element tensor)."""
+    """``float(value)``, detaching a tensor first (a 0-d or one-element tensor).
+
+    Example:
+        >>> as_float(torch.tensor([0.5], requires_grad=True)), as_float(3)
+        (0.5, 3.0)
+    """
     return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
 
 

@@ -8,7 +8,14 @@ from typing import Any
 
 @dataclass(frozen=True)
 class LayerNoiseScale:
-    """Noise-scale estimates restricted to one parameter (or module, for ``per_sample``)."""
+    """Noise-scale estimates restricted to one parameter (or module, for ``per_sample``):
+    ``b_simple = trace_sigma / grad_sq_norm``, as in :class:`NoiseScaleResult`.
+
+    Example:
+        >>> layer = LayerNoiseScale(b_simple=4.0, grad_sq_norm=0.5, trace_sigma=2.0)
+        >>> layer.trace_sigma / layer.grad_sq_norm == layer.b_simple
+        True
+    """
 
     b_simple: float
     grad_sq_norm: float
