@@ -404,7 +404,13 @@ def _config_values(config: Any) -> dict[str, Any]:
 
 def spectrum_stats(m: torch.Tensor) -> dict[str, float]:
     """Trace, largest eigenvalue, condition number and effective rank of a PSD matrix (a 1-D
-    tensor is a diagonal factor: its entries are the eigenvalues)."""
+    tensor is a diagonal factor: its entries are the eigenvalues).
+
+    Example:
+        >>> s = spectrum_stats(torch.tensor([4.0, 1.0]))  # eigenvalues 4 and 1
+        >>> s["trace"], s["max_eig"], s["condition_number"], round(s["effective_rank"], 4)
+        (5.0, 4.0, 4.0, 1.6494)
+    """
     ev = m.double() if is_diagonal(m) else torch.linalg.eigvalsh(m.double())
     ev = ev.sort().values.clamp(min=0)
     top = float(ev[-1])

@@ -504,7 +504,13 @@ def ekfac_apply(
 ) -> torch.Tensor:
     """Precondition ``G`` in the eigenbasis: ``Q_S [(Q_Sᵀ G Q_A) / (Λ + damping)] Q_Aᵀ``.
 
-    ``None`` stands for an identity eigenbasis (a diagonal factor)."""
+    ``None`` stands for an identity eigenbasis (a diagonal factor).
+
+    Example:
+        >>> g = torch.tensor([[2.0, 4.0]])  # identity bases: G / (Λ + damping) entrywise
+        >>> ekfac_apply(g, None, None, torch.tensor([[1.0, 3.0]]), damping=1.0)
+        tensor([[1., 1.]])
+    """
     if damping < 0:
         raise ValueError(f"damping must be >= 0, got {damping}")
     dt = g.dtype

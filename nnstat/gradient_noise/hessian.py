@@ -23,7 +23,15 @@ from nnstat.gradient_noise.batches import LossFn
 
 @dataclass(frozen=True)
 class HessianNoiseScale:
-    """``b_noise = trace_h_sigma / g_h_g`` on ``n_samples`` samples."""
+    """``b_noise = trace_h_sigma / g_h_g`` on ``n_samples`` samples.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> x, y = torch.randn(32, 3), torch.randn(32, 1)
+        >>> r = hessian_noise_scale(nn.Linear(3, 1), nn.functional.mse_loss, x, y)
+        >>> r.n_samples, abs(r.b_noise - r.trace_h_sigma / r.g_h_g) < 1e-9 * r.b_noise
+        (32, True)
+    """
 
     b_noise: float
     trace_h_sigma: float

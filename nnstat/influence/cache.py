@@ -46,7 +46,17 @@ def fitted(source: RowSource, kind: str, batch_size: int = 4096) -> Precondition
 
 
 def clear_cache() -> None:
-    """Forget every fitted preconditioner (e.g. after appending rows to an in-memory log)."""
+    """Forget every fitted preconditioner (e.g. after appending rows to an in-memory log).
+
+    Example:
+        >>> import torch
+        >>> from nnstat.influence.sources import TensorSource
+        >>> src = TensorSource(torch.randn(8, 4))
+        >>> first = fitted(src, "raw")
+        >>> clear_cache()
+        >>> fitted(src, "raw") is first  # fitted again
+        False
+    """
     _CACHE.clear()
 
 

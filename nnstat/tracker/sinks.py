@@ -24,7 +24,19 @@ __all__ = ["Sink", "Sinks"]
 
 @runtime_checkable
 class Sink(Protocol):
-    """Anything with ``log(metrics, step)``; plain callables ``f(metrics, step)`` work too."""
+    """Anything with ``log(metrics, step)``; plain callables ``f(metrics, step)`` work too.
+
+    Example:
+        >>> class Printer:
+        ...     def log(self, metrics, step):
+        ...         print(step, metrics)
+        >>> sinks = Sinks()
+        >>> sinks.add(Printer())
+        >>> sinks.add(lambda metrics, step: print("callable got", sorted(metrics)))
+        >>> sinks.log({"loss": 0.5}, 3)
+        3 {'loss': 0.5}
+        callable got ['loss']
+    """
 
     def log(self, metrics: dict[str, Any], step: int) -> None: ...
 

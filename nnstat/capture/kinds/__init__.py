@@ -49,6 +49,10 @@ def detect_kind(module: nn.Module) -> Kind | None:
     Returns:
         The first registered kind that matches ``module`` and supports it, else None
         (:func:`unsupported_reason` says why).
+
+    Example:
+        >>> detect_kind(nn.Linear(2, 3)).name, detect_kind(nn.ReLU())
+        ('linear', None)
     """
     kind = _matching(module)
     return kind if kind is not None and kind.unsupported(module) is None else None
