@@ -54,7 +54,14 @@ _REGISTER_HOOK_DICT = "_register_hook_dict"
 
 
 class UnsupportedModuleError(ValueError):
-    """A module selected explicitly for capture has no per-sample gradient rule."""
+    """A module selected explicitly for capture has no per-sample gradient rule.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.GRU(2, 2))
+        >>> CaptureEngine().watch(model, type_filter="GRU")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        nnstat.capture.engine.UnsupportedModuleError: cannot capture ... of: 1 (GRU): no ...
+    """
 
 
 class CaptureConsumer(Protocol):

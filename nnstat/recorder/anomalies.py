@@ -24,7 +24,20 @@ STREAMS: tuple[str, ...] = ("forward", "gradient", "both")
 
 
 class NonFiniteError(FloatingPointError):
-    """Raised (with ``on_nonfinite="raise"``) after a step with NaN/Inf has been recorded."""
+    """Raised (with ``on_nonfinite="raise"``) after a step with NaN/Inf has been recorded.
+
+    Example:
+        >>> import tempfile, torch, nnstat
+        >>> model = torch.nn.Linear(3, 1)
+        >>> rec = nnstat.Recorder(tempfile.mkdtemp(), every=1, on_nonfinite="raise")
+        >>> rec.track_module(model)
+        >>> rec.start_batch(0)
+        >>> x = rec.register_tensor("x", torch.full((2, 3), float("nan")), role="input")
+        >>> rec.register_tensor("loss", model(x).pow(2).mean(), role="loss").backward()
+        >>> rec.finish_batch()  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        nnstat.recorder.anomalies.NonFiniteError: non-finite values at step 0 ...: x (forward, ...)
+    """
 
 
 @keyword_checked("rule")
