@@ -51,6 +51,17 @@ class DDPNoiseScaleState:
     (the loss must be their mean; DDP averages gradients across ranks); ranks may differ, the
     hook all-reduces their sizes with the gradients. The buckets' squared norms are summed on
     the device and staged at the last bucket: the hook reads nothing back.
+
+    Example:
+        >>> staged = []
+        >>> class Feed:  # what the hook feeds: anything with add_staged
+        ...     add_staged = staged.append
+        >>> state = DDPNoiseScaleState(Feed(), local_batch_size=32)
+        >>> state.local_batch_size, state.process_group  # None: the default process group
+        (32, None)
+        >>> state.detach()  # from now on the hook only averages the gradients, as DDP does
+        >>> state.tracker is None
+        True
     """
 
     tracker: StagedUpdates | None
@@ -154,6 +165,12 @@ def register_noise_scale_hook(
     Example::
 
         state = register_noise_scale_hook(ddp_model, nnstat.NoiseScale(), local_batch_size=32)
+
+    Outside ``torch.distributed`` it is refused:
+
+        >>> register_noise_scale_hook(torch.nn.Linear(2, 1), None, local_batch_size=32)
+        Traceback (most recent call last):
+        RuntimeError: torch.distributed is not initialised; call init_process_group first
     """
     if not is_distributed():
         raise RuntimeError("torch.distributed is not initialised; call init_process_group first")
