@@ -242,7 +242,12 @@ def factor_contribution(
 
 
 class Statistic:
-    """Base class: a running sum and a count per (module, stream), divided once at the end."""
+    """Base class: a running sum and a count per (module, stream), divided once at the end.
+
+    Example:
+        >>> [(c.__name__, c.key("fc", "forward")) for c in (Mean, Covariance)]
+        [('Mean', 'fc/forward/mean'), ('Covariance', 'fc/forward/covariance')]
+    """
 
     name: ClassVar[str] = ""
     streams: ClassVar[tuple[str, ...]] = STREAMS
