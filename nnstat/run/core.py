@@ -46,7 +46,7 @@ from nnstat.run.weights import BlockGuard, Models, enclosing, model_fingerprint
 from nnstat.store.errors import StoreWriteError
 from nnstat.store.factored import EnergyTally, dense_layout
 from nnstat.store.files import META_FILE
-from nnstat.store.ids import duplicate_ids, normalize_ids
+from nnstat.store.ids import duplicate_ids, ids_count_error, normalize_ids
 from nnstat.store.logger import StoreLogger, filter_nonfinite
 from nnstat.store.meta import build_meta, prepare_store
 from nnstat.store.projection import (
@@ -350,7 +350,7 @@ class Run(PassEnd):
             ids = list(range(self._next_auto_id, self._next_auto_id + n))
             keep = self._admit(ids)
         elif len(ids) != n:
-            raise ValueError(f"data_id has {len(ids)} entries but the batch had {n} samples")
+            raise ids_count_error(len(ids), n)
         self._next_auto_id += n
         if self.mode == "eval":
             if block.staged is not None:  # one copy, then checked on the host

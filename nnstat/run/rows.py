@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -30,7 +31,7 @@ from nnstat.capture.build import warn_without_gradient
 from nnstat.capture.capture import modules_by_size
 from nnstat.store import outer
 from nnstat.store.factored import EnergyTally, factor_rows
-from nnstat.store.ids import content_ids
+from nnstat.store.ids import content_ids, ids_count_error
 from nnstat.store.projection import (
     ModuleProjection,
     project_capture,
@@ -89,6 +90,7 @@ class BatchRows:
         self._all_outer = True
         self._factor = True  # factored modules stored as factors (begin's factor)
         self._sizes: dict[str, int] = {}  # module -> samples it saw in this block
+        self._summed_warned = False  # the warning for a block of several backward passes
         # captured energy of factored modules over the pass (the Run records it in meta.json)
         self.energy = EnergyTally()
 
@@ -139,6 +141,16 @@ class BatchRows:
         assert self._rows is not None
         proj = self._projections[cap.name]
         prev = self._rows.get(cap.name)
+        if prev is not None and cap.num_samples and not self._summed_warned:
+            self._summed_warned = True
+            warnings.warn(
+                f"nnstat: a run(...) block ran a second backward pass (module {cap.name!r}): "
+                "each stored row is the sum over the block's passes of the gradients of the "
+                "sample at its position. That is right when every pass is over the same "
+                "samples (two views, two loss terms); for passes over different samples, give "
+                "each its own run(...) block. Warned once per run",
+                stacklevel=2,
+            )
         factored = None
         if proj.factors and cap.num_samples and self._factor:
             factored = self._factored(cap, proj, prev)
@@ -303,7 +315,7 @@ def refuse_left_out(
     n = next(iter(batch.values())).shape[0] if batch else None
     if ids is not None and n is not None and n != len(ids):
         # the expansion was sized by data_id: that is the error to fix first
-        raise ValueError(f"data_id has {len(ids)} entries but the batch had {n} samples")
+        raise ids_count_error(len(ids), n)
     reasons = "; ".join(f"{m!r}: {why}" for m, why in left.items())
     raise ValueError(
         f"nnstat: watched modules were left out of capture in this run(...) block, so its "

@@ -102,8 +102,28 @@ def normalize_ids(data_id: Any, n: int | None = None) -> list[DataId]:
             f'tensor to hash, "hash" (in run(...)) or None; got {type(data_id).__name__}'
         )
     if n is not None and len(ids) != n:
-        raise ValueError(f"data_id has {len(ids)} entries but the batch has {n} samples")
+        raise ids_count_error(len(ids), n)
     return ids
+
+
+def ids_count_error(given: int, samples: int) -> ValueError:
+    """The error for a ``data_id`` of ``given`` entries where the batch has ``samples`` rows
+    (one message for every place that checks it).
+
+    Args:
+        given: entries of ``data_id``.
+        samples: samples the batch (or the block's capture) holds.
+
+    Returns:
+        The ``ValueError`` to raise.
+
+    Example:
+        >>> str(ids_count_error(3, 4))
+        'data_id has 3 entries but the batch has 4 samples: pass one id per sample'
+    """
+    return ValueError(
+        f"data_id has {given} entries but the batch has {samples} samples: pass one id per sample"
+    )
 
 
 def read_ids(ids_path: Path) -> list[DataId]:

@@ -288,11 +288,52 @@ def test_a_short_data_id_is_named_as_the_likely_cause(tmp_path):
     run = nnstat.init(project="p", root_dir=tmp_path)
     nnstat.watch(model)
     with pytest.warns(UserWarning, match="rows in dim 0") as seen:
-        with pytest.raises(ValueError, match="data_id has 3 entries but the batch had 4"):
+        with pytest.raises(ValueError, match="data_id has 3 entries but the batch has 4"):
             step(run, model, x[:4], y[:4], ids=[0, 1, 2])
     msg = next(str(w.message) for w in seen if "rows in dim 0" in str(w.message))
     assert "the model's first input also has 4 rows" in msg
     assert "one run(data_id=...) entry per sample" in msg
+    nnstat.finalize()
+
+
+def test_two_backward_passes_in_one_block_sum_per_position_and_warn_once(tmp_path):
+    """Two forward/backward passes of 4 samples inside one run(...) block: each stored row is
+    the sum of the two passes' per-sample gradients at its position (torch.func reference),
+    with one warning naming the fix for passes over different samples; one pass per block
+    does not warn."""
+    from torch.func import functional_call, grad, vmap
+
+    model, x, y = make()
+    run = nnstat.init(project="p", root_dir=tmp_path)
+    nnstat.watch(model)
+    with pytest.warns(UserWarning, match="second backward pass") as seen:
+        for ids, starts in (([0, 1, 2, 3], (0, 4)), ([4, 5, 6, 7], (8, 12))):
+            with run(data_id=ids):
+                for lo in starts:
+                    nn.functional.cross_entropy(
+                        model(x[lo : lo + 4]), y[lo : lo + 4], reduction="sum"
+                    ).backward()
+    assert sum("second backward pass" in str(w.message) for w in seen) == 1
+    assert "its own run(...) block" in str(seen[0].message)
+    nnstat.finalize()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, xi, yi):
+        out = functional_call(model, p, (xi[None],))
+        return nn.functional.cross_entropy(out, yi[None], reduction="sum")
+
+    g = vmap(grad(loss), in_dims=(None, 0, 0))(params, x[:16], y[:16])
+    per = torch.cat([g["2.weight"], g["2.bias"][:, :, None]], 2)  # [16, 3, 7]
+    want = torch.cat([per[0:4] + per[4:8], per[8:12] + per[12:16]])
+    log = nnstat.GradientStore(run.path).load()
+    assert log.ids == list(range(8))
+    torch.testing.assert_close(log.module_view("2"), want, rtol=1e-5, atol=1e-6)
+
+    run2 = nnstat.init(project="q", root_dir=tmp_path)
+    nnstat.watch(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(run2, model, x[:4], y[:4], ids=[0, 1, 2, 3])
     nnstat.finalize()
 
 

@@ -570,7 +570,7 @@ def test_a_failed_first_block_leaves_the_mean_loss_check_to_the_next_block(tmp_p
     nnstat.watch(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with pytest.raises(ValueError, match="data_id has 7 entries but the batch had 8"):
+        with pytest.raises(ValueError, match="data_id has 7 entries but the batch has 8"):
             with run(data_id=list(range(7))):
                 sum_loss(model, x[:8], y[:8]).backward()
         with run(data_id=list(range(8, 16))):
