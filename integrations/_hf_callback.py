@@ -396,7 +396,26 @@ def _label_items(args: Any, trainer: Any) -> str | None:
         getattr(args, "average_tokens_across_devices", False) and _scales_for_accumulation(trainer)
     ):
         return None
-    return "shifted" if getattr(trainer, "_loss_shifts_labels", False) else "all"
+    return "shifted" if _shifts_labels(trainer) else "all"
+
+
+def _shifts_labels(trainer: Any) -> bool:
+    """Whether the model's loss sums the labels after the first position (a causal LM): the
+    items it sums, whatever the Trainer divides by (a GPT-2 whose ``loss_type`` is unset is
+    counted over every label by some Trainer versions; that only scales every rank alike)."""
+    if getattr(trainer, "_loss_shifts_labels", False):
+        return True
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:  # an older transformers: no loss mapping to look at
+        return False
+    model = getattr(trainer, "model", None)
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):  # its labels are not shifted
+        return False
+    return getattr(type(model), "loss_function", None) is not None and (
+        getattr(model, "loss_function", None) is ForCausalLMLoss
+    )
 
 
 def watch_trainer(
