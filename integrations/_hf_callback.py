@@ -236,6 +236,7 @@ class NNStatCallback(StatsCallbackBase, TrainerCallback):
             # the model as the Trainer wrapped it for training (DDP), before this event
             wrapped=getattr(trainer, "model_wrapped", None),
             accumulation="items" if _scales_for_accumulation(trainer) else "mean",
+            label_items=_label_items(args, trainer),
         )
         if self.options.noise_scale and trainer is not None:
             self._guard_clipping(trainer)
@@ -384,6 +385,36 @@ def _scales_for_accumulation(trainer: Any) -> bool:
         return bool(scaled)
     return bool(getattr(trainer, "model_accepts_loss_kwargs", False)) or (
         getattr(trainer, "compute_loss_func", None) is not None
+    )
+
+
+def _label_items(args: Any, trainer: Any) -> str | None:
+    """How the Trainer counts the label tokens when each rank's loss is their sum divided by
+    the global count times the world size (``average_tokens_across_devices`` with
+    ``num_items_in_batch``): the DDP noise scale then weighs each rank by its count."""
+    if not (
+        getattr(args, "average_tokens_across_devices", False) and _scales_for_accumulation(trainer)
+    ):
+        return None
+    return "shifted" if _shifts_labels(trainer) else "all"
+
+
+def _shifts_labels(trainer: Any) -> bool:
+    """Whether the model's loss sums the labels after the first position (a causal LM): the
+    items it sums, whatever the Trainer divides by (a GPT-2 whose ``loss_type`` is unset is
+    counted over every label by some Trainer versions; that only scales every rank alike)."""
+    if getattr(trainer, "_loss_shifts_labels", False):
+        return True
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:  # an older transformers: no loss mapping to look at
+        return False
+    model = getattr(trainer, "model", None)
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):  # its labels are not shifted
+        return False
+    return getattr(type(model), "loss_function", None) is not None and (
+        getattr(model, "loss_function", None) is ForCausalLMLoss
     )
 
 

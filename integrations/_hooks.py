@@ -151,6 +151,7 @@ class StepStats:
         wrapped: Any = None,
         accumulation: str = "mean",
         fixed_divisor: bool = False,
+        label_items: str | None = None,
     ) -> None:
         """What the framework runs: ``accumulation_steps`` micro-batches of
         ``micro_batch_size`` samples per optimizer step on each of ``ranks`` processes (whose
@@ -162,6 +163,10 @@ class StepStats:
         divided by their number; ``"items"``, each summed loss divided by the step's samples).
         ``fixed_divisor``: each loss is divided by ``accumulation_steps`` even in a step of
         fewer micro-batches (Lightning's last step of an epoch), not by the step's number.
+        ``label_items``: under DDP, each rank's loss is its label tokens' sum divided by the
+        global count (HF's ``average_tokens_across_devices``): ``"all"`` counts the labels
+        other than -100, ``"shifted"`` those after the first position (causal LMs), for
+        `note_batch` (`nnstat.gradient_noise.ddp.DDPNoiseScaleState`'s ``local_items``).
 
         Raises:
             ValueError: a forced ``noise_scale_method`` that cannot work in this setting.
@@ -169,6 +174,7 @@ class StepStats:
         self._micro_batch_size, self._ranks = micro_batch_size, int(ranks)
         self._accumulation = accumulation
         self._divisor = int(accumulation_steps) if fixed_divisor else None
+        self._label_items = label_items
         if self._gns_model is None and self.options.noise_scale:  # not started yet
             from nnstat.gradient_noise.ddp import find_ddp
 
@@ -321,7 +327,7 @@ class StepStats:
         if self._micro_feed is not None and self._sizes:
             self._sizes[-1] = size
         elif self._ddp_feed is not None and self._ddp_feed.counted:
-            self._ddp_feed.recount(size)
+            self._ddp_feed.recount(size, label_items(batch, self._label_items))
 
     def _end_micro_step(self, sizes: list[int | None]) -> None:
         """Measure the micro-batch method's step: with micro-batches of unequal sizes (a
@@ -516,6 +522,26 @@ def batch_size(batch: Any) -> int | None:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             return int(leaf.shape[0])
     return None
+
+
+def label_items(batch: Any, rule: str | None) -> torch.Tensor | None:
+    """The label tokens the loss sums over (``shift_labels`` as given, else ``labels`` other
+    than -100, after the first position for ``rule="shifted"``), counted on the device;
+    ``None`` for ``rule=None`` or a batch without labels.
+
+    Example:
+        >>> labels = torch.tensor([[5, 6, -100], [7, -100, -100]])
+        >>> batch = ((), {"labels": labels})  # a forward's (args, kwargs)
+        >>> int(label_items(batch, "all")), int(label_items(batch, "shifted"))
+        (3, 1)
+    """
+    kwargs = batch[1] if isinstance(batch, tuple) and len(batch) == 2 else None
+    if rule is None or not isinstance(kwargs, dict):
+        return None
+    labels = kwargs.get("shift_labels")
+    if labels is None and isinstance(kwargs.get("labels"), torch.Tensor):
+        labels = kwargs["labels"][..., 1:] if rule == "shifted" else kwargs["labels"]
+    return None if labels is None else labels.ne(-100).sum()
 
 
 def _holds_any(optimizer: Any, model: nn.Module) -> bool:

@@ -14,6 +14,14 @@ the ranks' mean gradients equally, ``G = mean_r G_r``, so with ``E|G_r|^2 = |G|^
 with ``H = 1 / mean_r(1/b_r)`` the harmonic mean of the ranks' sizes: ``B_small = H`` and
 ``B_big = R H`` keep both estimates unbiased (`pair_sizes`), on every rank alike.
 
+Losses summed over items and divided by the global count (HF's ``num_items_in_batch`` with
+``average_tokens_across_devices``): rank r's gradient is ``w_r g_r`` with ``g_r`` the mean over
+its ``n_r`` items and ``w_r = n_r / mean_r n_r``, so ``E mean_r |w_r g_r|^2 = m |G|^2 +
+tr / mean(n)`` with ``m = mean(n^2) / mean(n)^2``, and ``E |G|^2 = |G|^2 + tr / (R mean(n))``.
+Each rank packs ``(n_r, n_r^2, n_r)`` (``local_items``, left on the device) where a mean loss
+packs ``(1, 1, 1/b_r)``: the local norm is divided by ``m``, ``B_small = mean(n^2) / mean(n)``
+and ``B_big = R mean(n)`` items (`_whole_model`).
+
 DDP takes one communication hook per model and has no way to remove it: the state is kept on
 the model (`registered_state`), so registering again re-points the same hook at a new tracker,
 and `DDPNoiseScaleState.detach` turns it back into DDP's plain averaging.
@@ -49,7 +57,10 @@ class DDPNoiseScaleState:
 
     ``local_batch_size`` is the number of samples this rank's synchronised gradient averages
     (the loss must be their mean; DDP averages gradients across ranks); ranks may differ, the
-    hook all-reduces their sizes with the gradients. The buckets' squared norms are summed on
+    hook all-reduces their sizes with the gradients. ``local_items``: set instead when each
+    rank's loss is its items' SUM divided by the global count (times the world size: HF's
+    ``num_items_in_batch`` with ``average_tokens_across_devices``): this rank's item count (an
+    int, or a tensor left on the device); the sizes are then counted in items. The buckets' squared norms are summed on
     the device and staged at the last bucket: the hook reads nothing back.
 
     Example:
@@ -67,6 +78,7 @@ class DDPNoiseScaleState:
     tracker: StagedUpdates | None
     local_batch_size: int
     process_group: Any = None
+    local_items: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _sums: torch.Tensor | None = None  # (local, global) squared norms of the buckets so far
     _done: int = 0
@@ -113,14 +125,14 @@ def noise_scale_comm_hook(
         return fut.then(lambda f: f.value()[0])
     # Half-precision buckets are reduced in float32 so the appended squared norm keeps its range.
     comm_dtype = buf.dtype if buf.dtype in (torch.float32, torch.float64) else torch.float32
-    # [gradients, |G_r|^2, 1/b_r]: the ranks' sizes travel in the same collective (a fill from
-    # a host scalar, nothing read back), so unequal per-rank batches are known on every rank
-    packed = torch.full(
-        (buf.numel() + 2,), 1.0 / state.local_batch_size, dtype=comm_dtype, device=buf.device
-    )
-    packed[:-2].copy_(buf.reshape(-1))
+    # [gradients, |G_r|^2, u_r, u_r^2, u_r^2/b_r]: the ranks' sizes and loss weights travel in
+    # the same collective (filled from the host or copied on the device, nothing read back), so
+    # unequal per-rank batches are known on every rank
+    packed = torch.ones(buf.numel() + 4, dtype=comm_dtype, device=buf.device)
+    packed[:-4].copy_(buf.reshape(-1))
     # one multi-tensor norm per bucket (float32 accumulation for float32 and half buckets)
-    packed[-2:-1].copy_(sq_norms([buf.detach()], norm_dtype([buf])))
+    packed[-4:-3].copy_(sq_norms([buf.detach()], norm_dtype([buf])))
+    pack_sizes(packed[-3:], state.local_batch_size, state.local_items)
     packed.div_(world)
     if bucket.is_last():
         with state._lock:
@@ -129,13 +141,35 @@ def noise_scale_comm_hook(
 
     def finish(f: torch.futures.Future[Any]) -> torch.Tensor:
         reduced = f.value()[0]
-        grads = reduced[:-2]
-        # (mean_r |G_r|^2, |G|^2, mean_r 1/b_r) of this bucket, left on the device
+        grads = reduced[:-4]
+        # (mean_r |G_r|^2, |G|^2, mean_r u_r, mean_r u_r^2, mean_r u_r^2/b_r) of this bucket,
+        # left on the device
         big = sq_norms([grads], norm_dtype([grads]))
-        state._bucket_done(torch.cat([reduced[-2:-1].to(big.dtype), big, reduced[-1:]]).double())
+        state._bucket_done(torch.cat([reduced[-4:-3].to(big.dtype), big, reduced[-3:]]).double())
         return grads.to(buf.dtype).reshape(buf.shape)
 
     return fut.then(finish)
+
+
+def pack_sizes(tail: torch.Tensor, batch_size: int, items: Any) -> None:
+    """Fill ``tail`` (3 values, on the device) with this rank's ``(u, u^2, u^2/b)``: ``(1, 1,
+    1/b)`` for a mean loss over ``batch_size`` samples, ``(n, n^2, n)`` for a loss summed over
+    ``items`` (``n``; a tensor stays on the device: nothing is read back) and divided by the
+    global count. Averaged over the ranks they give the sizes and the local norm's weight
+    (`_whole_model`).
+
+    Example:
+        >>> tail = torch.zeros(3); pack_sizes(tail, 4, None); tail.tolist()
+        [1.0, 1.0, 0.25]
+        >>> pack_sizes(tail, 4, torch.tensor(6)); tail.tolist()
+        [6.0, 36.0, 6.0]
+    """
+    if items is None:
+        tail[:2].fill_(1.0)
+        tail[2:].fill_(1.0 / batch_size)
+        return
+    n = torch.as_tensor(items, device=tail.device).to(tail.dtype).reshape(1)
+    tail.copy_(torch.cat([n, n * n, n]))
 
 
 def register_noise_scale_hook(
@@ -275,6 +309,7 @@ class DDPStepNorms:
         self._lock = threading.Lock()
         self._staged: list[StagedPairs] = []
         self._samples = self._last = 0
+        self._items: list[Any] = []  # each micro-batch's item count (None: a mean loss)
         self._warned = False
         self.state = register_noise_scale_hook(ddp_model, self, 1, process_group)
 
@@ -284,23 +319,44 @@ class DDPStepNorms:
         with self._lock:
             self._staged.append(staged)
 
-    def count(self, samples: int) -> None:
-        """A micro-batch of ``samples`` local samples is about to run its forward."""
+    def count(self, samples: int, items: Any = None) -> None:
+        """A micro-batch of ``samples`` local samples is about to run its forward; ``items``:
+        its item count when the loss is the items' sum divided by the global count (an int or
+        a tensor, left on the device; see `DDPNoiseScaleState`), for every micro-batch or none.
+
+        Raises:
+            ValueError: ``items`` given for some micro-batches of the step and not others.
+        """
         self._last = int(samples)
         self._samples += self._last
-        if self.state.tracker is self:  # what the hook all-reduces at the synchronised backward
-            self.state.local_batch_size = max(self._samples, 1)
+        self._items.append(items)
+        self._set_state()
+
+    def _set_state(self) -> None:
+        if self.state.tracker is not self:  # re-pointed at a newer feed since
+            return
+        # what the hook all-reduces at the synchronised backward
+        self.state.local_batch_size = max(self._samples, 1)
+        known = [n for n in self._items if n is not None]
+        if known and len(known) < len(self._items):
+            raise ValueError(
+                "DDPStepNorms.count: items given for some micro-batches of the step and not "
+                "others; pass items for every micro-batch (a loss summed over items) or none"
+            )
+        self.state.local_items = sum(known[1:], known[0]) if known else None
 
     @property
     def counted(self) -> bool:
         """Whether a micro-batch was counted since the last `end_step`."""
         return self._samples > 0
 
-    def recount(self, samples: int) -> None:
-        """The micro-batch last counted has ``samples`` samples after all (a framework that
-        counts before it sees the batch: HF's Trainer, corrected by its forward)."""
+    def recount(self, samples: int, items: Any = None) -> None:
+        """The micro-batch last counted has ``samples`` samples (and ``items`` items, as in
+        `count`) after all (a framework that counts before it sees the batch: HF's Trainer,
+        corrected by its forward)."""
         self._samples -= self._last
-        self.count(samples)
+        self._items = self._items[:-1]
+        self.count(samples, items)
 
     @property
     def pending(self) -> int:
@@ -310,7 +366,7 @@ class DDPStepNorms:
     def discard(self) -> None:
         """Forget the step so far (nothing is staged)."""
         with self._lock:
-            self._staged, self._samples, self._last = [], 0, 0
+            self._staged, self._samples, self._last, self._items = [], 0, 0, []
 
     def end_step(self) -> bool:
         """The optimizer step: hand its observation to the sink.
@@ -323,7 +379,7 @@ class DDPStepNorms:
         """
         with self._lock:
             staged, samples = self._staged, self._samples
-            self._staged, self._samples, self._last = [], 0, 0
+            self._staged, self._samples, self._last, self._items = [], 0, 0, []
         if len(staged) != 1:
             if len(staged) > 1 and not self._warned:
                 self._warned = True
@@ -355,8 +411,12 @@ class DDPStepNorms:
 
 def _whole_model(world: int, buckets: int, v: list[float]) -> Any:
     # a step with non-finite norms never gets here: `StagedPairs.resolve` drops it
-    # (`maths.finite_step`). v = (mean_r |G_r|^2, |G|^2, buckets x mean_r 1/b_r): B_small is
-    # the harmonic mean of the ranks' sizes, B_big the world size times it (exact integers
-    # when the ranks' sizes are equal)
-    h = integral(buckets / v[2])
-    return [], v[:1], v[1:2], h, world * h
+    # (`maths.finite_step`). v = (mean_r |G_r|^2, |G|^2, then buckets x mean_r of u_r, u_r^2,
+    # u_r^2/b_r). Rank r's gradient is w_r g_r, w_r = u_r / mean(u) (u = 1: a mean loss; u = n_r
+    # items: a summed loss over the global count), so E mean_r |w_r g_r|^2 = m |G|^2 + tr q with
+    # m = mean(u^2)/mean(u)^2, q = mean(u^2/b)/mean(u)^2, and E |G|^2 = |G|^2 + tr q / R: the
+    # local norm over m at B_small = m/q, B_big = R/q (u = 1: the harmonic mean H of the sizes
+    # and R H, exact integers when the ranks' sizes are equal)
+    mean_u, mean_u2, mean_q = v[2] / buckets, v[3] / buckets, v[4] / buckets
+    m = mean_u2 / mean_u**2
+    return [], [v[0] / m], v[1:2], integral(mean_u2 / mean_q), integral(world * mean_u**2 / mean_q)

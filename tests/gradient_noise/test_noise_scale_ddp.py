@@ -309,7 +309,7 @@ def _unequal_data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(4, 1, generator=gen, dtype=torch.float64)
 
 
-def _unequal_ranks(rank: int, out_dir: str) -> None:
+def _unequal_ranks(rank: int, out_dir: str, items: bool = False) -> None:
     """Every draw with replacement of rank 0's 2 and rank 1's 1 points from 4 (the exact
     expectation), at fixed weights, through `register_ddp` (this rank's size in the state) and
     through `DDPStepNorms` (the samples counted by the loop, as the callbacks do)."""
@@ -323,31 +323,32 @@ def _unequal_ranks(rank: int, out_dir: str) -> None:
         torch.manual_seed(0)
         ddp = nn.parallel.DistributedDataParallel(nn.Linear(3, 1).double(), bucket_cap_mb=1e-4)
         gns = nnstat.NoiseScale(window=10**6)
+        count = torch.tensor(_SIZES[rank]) if items else None  # a device count, not a host int
         if feed_kind == "register_ddp":
-            gns.register_ddp(ddp, local_batch_size=_SIZES[rank])
+            gns.register_ddp(ddp, local_batch_size=_SIZES[rank]).local_items = count
         else:
             feed = DDPStepNorms(ddp, gns.add_staged)
         for draw in itertools.product(range(4), repeat=sum(_SIZES)):
             idx = list(draw[: _SIZES[0]]) if rank == 0 else list(draw[_SIZES[0] :])
             if feed_kind == "step_norms":
-                feed.count(len(idx))
-            (ddp(x[idx]) - y[idx]).pow(2).mean().backward()
+                feed.count(len(idx), count)
+            residual = (ddp(x[idx]) - y[idx]).pow(2)
+            # HF's num_items_in_batch with average_tokens_across_devices: the items' sum over
+            # the global count, times the world size (DDP averages)
+            loss = residual.sum() * WORLD / sum(_SIZES) if items else residual.mean()
+            loss.backward()
             if feed_kind == "step_norms":
                 assert feed.end_step()
             ddp.zero_grad(set_to_none=True)
         out[feed_kind] = [gns.grad_sq_norm, gns.trace_sigma, gns.n_updates]
-    with open(os.path.join(out_dir, f"unequal{rank}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"unequal{rank}{'items' if items else ''}.json"), "w") as f:
         json.dump(out, f)
 
 
-@pytest.mark.timeout(120)
-def test_ddp_ranks_of_unequal_batch_sizes_are_exact_in_expectation(tmp_path):
-    """DDP averages the ranks' mean gradients equally: with ranks of 2 and 1 samples, every
-    draw enumerated gives, on both ranks, the data's exact ``|G|^2`` and ``tr(Sigma)``
-    (torch.func per-sample gradients); each rank using its own size biases both."""
+def _exact_unequal() -> tuple[float, float]:
+    """``|G|^2`` and ``tr(Sigma)`` of `_unequal_data` at the initial weights (torch.func)."""
     from torch.func import functional_call, grad, vmap
 
-    spawn(_unequal_ranks, str(tmp_path), world=WORLD)
     x, y = _unequal_data()
     torch.manual_seed(0)
     model = nn.Linear(3, 1).double()
@@ -359,9 +360,34 @@ def test_ddp_ranks_of_unequal_batch_sizes_are_exact_in_expectation(tmp_path):
     g = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
     flat = torch.cat([v.reshape(4, -1) for v in g.values()], 1)
     mean = flat.mean(0)
-    g_sq, trace = float(mean @ mean), float((flat - mean).pow(2).sum(1).mean())
+    return float(mean @ mean), float((flat - mean).pow(2).sum(1).mean())
+
+
+@pytest.mark.timeout(120)
+def test_ddp_ranks_of_unequal_batch_sizes_are_exact_in_expectation(tmp_path):
+    """DDP averages the ranks' mean gradients equally: with ranks of 2 and 1 samples, every
+    draw enumerated gives, on both ranks, the data's exact ``|G|^2`` and ``tr(Sigma)``
+    (torch.func per-sample gradients); each rank using its own size biases both."""
+    spawn(_unequal_ranks, str(tmp_path), world=WORLD)
+    g_sq, trace = _exact_unequal()
     for r in range(WORLD):
         got = json.loads((tmp_path / f"unequal{r}.json").read_text())
+        for feed_kind in ("register_ddp", "step_norms"):
+            assert got[feed_kind][2] == 4 ** sum(_SIZES)
+            assert got[feed_kind][:2] == pytest.approx([g_sq, trace], rel=1e-9)
+
+
+@pytest.mark.timeout(120)
+def test_ddp_ranks_summing_their_items_over_the_global_count_are_exact_in_expectation(tmp_path):
+    """Each rank's loss is its items' sum over the global count times the world size (HF's
+    ``average_tokens_across_devices``): rank r's gradient is ``R n_r / N`` times its items'
+    mean. With ranks of 2 and 1 items and their counts given (`DDPNoiseScaleState.local_items`,
+    `DDPStepNorms.count`), every draw enumerated gives the exact ``|G|^2`` and ``tr(Sigma)`` on
+    both ranks; weighing the ranks equally overstates ``tr(Sigma)``."""
+    spawn(_unequal_ranks, str(tmp_path), True, world=WORLD)
+    g_sq, trace = _exact_unequal()
+    for r in range(WORLD):
+        got = json.loads((tmp_path / f"unequal{r}items.json").read_text())
         for feed_kind in ("register_ddp", "step_norms"):
             assert got[feed_kind][2] == 4 ** sum(_SIZES)
             assert got[feed_kind][:2] == pytest.approx([g_sq, trace], rel=1e-9)

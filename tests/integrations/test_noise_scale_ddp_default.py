@@ -324,3 +324,166 @@ def test_lightning_ddp_defaults_to_the_hook(tmp_path):
             assert got["step"] == step + 1
             assert got["noise_scale/grad_sq_norm"] == pytest.approx(ref.grad_sq_norm, rel=1e-4)
             assert got["noise_scale/trace_sigma"] == pytest.approx(ref.trace_sigma, rel=1e-4)
+
+
+_VALID = [6, 1, 5, 1, 6, 1, 5, 1]  # label tokens per sequence; the rest is padding (-100)
+_C = [1.0, -2.0, 0.5]  # every label token's input: each token's gradient is this vector
+
+
+class _Padded(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return len(_VALID)
+
+    def __getitem__(self, i: int) -> dict:
+        labels = torch.full((6,), -100)
+        labels[: _VALID[i]] = 0
+        return {"x": torch.tensor(_C).repeat(6, 1), "labels": labels}
+
+
+class _TokenSum(nn.Module):
+    """A loss summed over the label tokens and divided by ``num_items_in_batch`` (the Trainer
+    then scales it by the world size under ``average_tokens_across_devices``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.zeros(3))
+
+    def forward(self, x, labels, num_items_in_batch=None, **kwargs) -> dict:
+        valid = labels != -100
+        total = num_items_in_batch if num_items_in_batch is not None else valid.sum()
+        return {"loss": ((x @ self.p) * valid).sum() / total}
+
+
+def _hf_token_counts(rank: int, out_dir: str) -> None:
+    """One rank of a 2-process HF Trainer step whose ranks hold different label-token counts."""
+    import transformers
+    from nnstat.integrations.huggingface import NNStatCallback
+
+    model, counts = _TokenSum(), []
+    model.register_forward_pre_hook(
+        lambda m, a, kw: counts.append(int(kw["labels"].ne(-100).sum())), with_kwargs=True
+    )
+    cb = NNStatCallback(stats=["l2"], groups=["weight"], noise_scale_window=10)
+    args = transformers.TrainingArguments(
+        output_dir=out_dir,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        per_device_train_batch_size=2,
+        max_steps=1,
+        logging_steps=1,
+        learning_rate=0.0,
+        ddp_backend="gloo",
+        average_tokens_across_devices=True,
+    )
+    trainer = transformers.Trainer(model, args, train_dataset=_Padded(), callbacks=[cb])
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "noise_scale/trace_sigma" in h]
+    with open(os.path.join(out_dir, f"tokens{rank}.json"), "w") as f:
+        json.dump({"method": cb.hooks.method, "logs": logs, "counts": counts}, f)
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_hf_trainer_ddp_weighs_ranks_by_their_label_tokens(tmp_path):
+    """HF's ``average_tokens_across_devices`` (the default) makes rank r's gradient ``R n_r/N``
+    times its tokens' mean: with every token's gradient the same vector ``c`` (no noise) and
+    ranks of different token counts, the callback gives ``|G|^2 = |c|^2`` and ``tr(Sigma) = 0``
+    (weighing the ranks equally reports noise that is not there)."""
+    pytest.importorskip("transformers")
+    spawn_launched(_hf_token_counts, str(tmp_path), world=WORLD)
+    runs = [json.loads((tmp_path / f"tokens{r}.json").read_text()) for r in range(WORLD)]
+    assert runs[0]["counts"] != runs[1]["counts"]  # the ranks' token counts differ
+    g_sq = float(torch.tensor(_C).pow(2).sum())
+    for run in runs:
+        assert run["method"] == "ddp" and len(run["logs"]) == 1
+        got = run["logs"][0]
+        assert got["noise_scale/grad_sq_norm"] == pytest.approx(g_sq, rel=1e-5)
+        assert abs(got["noise_scale/trace_sigma"]) <= 1e-5 * g_sq
+
+
+_LENS = [9, 2, 8, 3, 9, 2, 8, 3]  # label tokens per sequence of 10 (the rest: -100)
+
+
+def _tiny_gpt2() -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=8, vocab_size=17, n_positions=12,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+class _Sentences(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return len(_LENS)
+
+    def __getitem__(self, i: int) -> dict:
+        ids = torch.randint(0, 17, (10,), generator=torch.Generator().manual_seed(i))
+        labels = ids.clone()
+        labels[_LENS[i] :] = -100
+        return {"input_ids": ids, "labels": labels}
+
+
+def _hf_gpt2(rank: int, out_dir: str) -> None:
+    """One rank of a 2-process HF Trainer step of a tiny GPT-2 on padded sequences."""
+    import transformers
+    from nnstat.integrations.huggingface import NNStatCallback
+
+    model, seen = _tiny_gpt2(), []
+    model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append([kw["input_ids"].tolist(), kw["labels"].tolist()]),
+        with_kwargs=True,
+    )
+    cb = NNStatCallback(stats=["l2"], groups=["weight"], noise_scale_window=10)
+    args = transformers.TrainingArguments(
+        output_dir=out_dir, report_to="none", use_cpu=True, save_strategy="no",
+        disable_tqdm=True, per_device_train_batch_size=2, max_steps=1, logging_steps=1,
+        learning_rate=0.0, ddp_backend="gloo", max_grad_norm=0.0,
+    )  # fmt: skip
+    trainer = transformers.Trainer(model, args, train_dataset=_Sentences(), callbacks=[cb])
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "noise_scale/trace_sigma" in h]
+    with open(os.path.join(out_dir, f"gpt{rank}.json"), "w") as f:
+        json.dump({"logs": logs, "seen": seen}, f)
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_hf_trainer_ddp_gpt2_matches_the_estimator_from_each_ranks_gradient(tmp_path):
+    """A causal LM under ``average_tokens_across_devices``: the callback's values are those of
+    the estimator computed by hand from each rank's gradient (its shifted label tokens' summed
+    loss over the Trainer's global count, times the world size), the ranks weighed by their
+    token counts ``n_r``: the local norm over ``mean(n^2)/mean(n)^2``, ``B_small =
+    mean(n^2)/mean(n)``, ``B_big = R mean(n)`` tokens."""
+    pytest.importorskip("transformers")
+    spawn_launched(_hf_gpt2, str(tmp_path), world=WORLD)
+    runs = [json.loads((tmp_path / f"gpt{r}.json").read_text()) for r in range(WORLD)]
+    model = _tiny_gpt2().double()
+    batches = [[torch.tensor(t) for t in run["seen"][0]] for run in runs]
+    n = [float(labels[:, 1:].ne(-100).sum()) for _, labels in batches]  # what the loss sums
+    divisor = sum(float(labels.ne(-100).sum()) for _, labels in batches)  # the Trainer's count
+    local = []
+    for ids, labels in batches:
+        model.zero_grad()
+        logits = model(input_ids=ids).logits[:, :-1].reshape(-1, 17)
+        summed = nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1), reduction="sum")
+        (summed * WORLD / divisor).backward()
+        local.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    mean_n, mean_n2 = sum(n) / WORLD, sum(k * k for k in n) / WORLD
+    small = float(sum(g @ g for g in local)) / WORLD / (mean_n2 / mean_n**2)
+    big = float((sum(local) / WORLD).pow(2).sum())
+    ref = nnstat.NoiseScale(window=10)
+    ref.update(small, big, mean_n2 / mean_n, WORLD * mean_n)
+    assert n[0] != n[1]  # the ranks' token counts differ
+    for run in runs:
+        got = run["logs"][0]
+        assert got["noise_scale/grad_sq_norm"] == pytest.approx(ref.grad_sq_norm, rel=1e-4)
+        assert got["noise_scale/trace_sigma"] == pytest.approx(ref.trace_sigma, rel=1e-4)
