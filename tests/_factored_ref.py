@@ -38,3 +38,35 @@ def dense_numpy(rows: np.ndarray | torch.Tensor, mods: list[dict]) -> np.ndarray
             x = np.einsum("njo,nji->noi", u, v).reshape(len(x), -1)
         parts.append(x)
     return np.concatenate(parts, 1)
+
+
+def dense_modules(mods: list[dict]) -> list[dict]:
+    """The dense layout of ``mods`` (meta.json modules): each factored module's ``r_out · r_in``
+    columns, laid out in order, the others as they are."""
+    out, off = [], 0
+    for m in mods:
+        w = m["r_out"] * m["r_in"] if m.get("factors") else m["width"]
+        out.append({**{k: v for k, v in m.items() if k != "factors"}, "offset": off, "width": w})
+        off += w
+    return out
+
+
+def kfac_metric(
+    meta: dict, t: np.ndarray, kind: str, damping: float, stats: dict[str, torch.Tensor]
+) -> np.ndarray:
+    """float64 ``M`` on the dense rows ``t``: identity, or K-FAC ``(S ⊗ A + λI)⁻¹`` per Kronecker
+    module (``stats``' backward and forward covariances) and ``(TᵀT/n + λI)⁻¹`` for a plain
+    module such as LayerNorm (what nnstat's ``kfac`` fits)."""
+    m = np.eye(t.shape[1])
+    if kind == "identity":
+        return m
+    for mod in dense_modules(meta["modules"]):
+        s = slice(mod["offset"], mod["offset"] + mod["width"])
+        eye = np.eye(mod["width"])
+        if mod["r_out"] is None:
+            m[s, s] = np.linalg.inv(t[:, s].T @ t[:, s] / len(t) + damping * eye)
+        else:
+            sb = stats[f"{mod['name']}/backward/covariance"].double().numpy()
+            af = stats[f"{mod['name']}/forward/covariance"].double().numpy()
+            m[s, s] = np.linalg.inv(np.kron(sb, af) + damping * eye)  # row-major vec(G)
+    return m

@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from _factored_ref import dense_numpy
+from _factored_ref import dense_numpy, kfac_metric
 from _influence_ref import mode_scores
 from _ledger import DeviceLedger, Kernels, device_branch_staging, host_reads
 from safetensors.torch import save_file
@@ -76,24 +76,6 @@ def _kfac_statistics(seed=7):
             x = torch.randn(r, 3 * r, generator=g)
             stats[f"{name}/{side}/covariance"] = x @ x.T / (3 * r) + 0.2 * torch.eye(r)
     return stats
-
-
-def _metric(meta, t, kind, damping, stats):
-    """float64 ``M`` on the dense rows: identity, or K-FAC ``(S ⊗ A + λI)⁻¹`` per Kronecker
-    module and ``(TᵀT/n + λI)⁻¹`` for the LayerNorm (what nnstat's ``kfac`` fits)."""
-    m = np.eye(t.shape[1])
-    if kind == "identity":
-        return m
-    for mod in dense_layout(meta)["modules"]:
-        s = slice(mod["offset"], mod["offset"] + mod["width"])
-        eye = np.eye(mod["width"])
-        if mod["r_out"] is None:
-            m[s, s] = np.linalg.inv(t[:, s].T @ t[:, s] / len(t) + damping * eye)
-        else:
-            sb = stats[f"{mod['name']}/backward/covariance"].double().numpy()
-            af = stats[f"{mod['name']}/forward/covariance"].double().numpy()
-            m[s, s] = np.linalg.inv(np.kron(sb, af) + damping * eye)  # row-major vec(G)
-    return m
 
 
 @pytest.fixture()
@@ -195,7 +177,7 @@ def test_factored_queries_score_as_numpy(
     pairs, dense = spies
     device_branch_staging(monkeypatch, on=branch == "device")
     query = root / "query" if query_as == "store" else GradientLog(list(range(N_Q)), q_rows, q_meta)
-    ref = mode_scores(q, t, _metric(t_meta, t, kind, damping or 0.0, stats), mode)
+    ref = mode_scores(q, t, kfac_metric(t_meta, t, kind, damping or 0.0, stats), mode)
     kw = dict(preconditioner=kind, damping=damping, mode=mode, batch_size=BLOCK, progress=False)
     compute_influence_all(query, root / "train", **kw)  # fits K-FAC (the LayerNorm's rows): cached
     pairs.clear(), dense.clear()
@@ -286,7 +268,7 @@ def test_self_influence_of_factored_rows_under_identity_is_numpy_without_dense_r
     kfac = compute_self_influence(
         root / "train", preconditioner="kfac", damping=0.3, batch_size=BLOCK, progress=False
     )
-    want = np.einsum("ij,jk,ik->i", t, _metric(t_meta, t, "kfac", 0.3, stats), t)
+    want = np.einsum("ij,jk,ik->i", t, kfac_metric(t_meta, t, "kfac", 0.3, stats), t)
     np.testing.assert_allclose(kfac.scores.double().numpy(), want, rtol=2e-4)
     assert sum(dense) >= N
 

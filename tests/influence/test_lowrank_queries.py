@@ -17,7 +17,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from _factored_ref import dense_numpy, factored_modules
+from _factored_ref import dense_numpy, factored_modules, kfac_metric
 from _influence_ref import layer_grads, mode_scores, tiny_problem
 from _ledger import device_branch_staging, host_reads
 from safetensors.torch import save_file
@@ -59,24 +59,6 @@ def _kfac_statistics(mods, seed=7):
                 x = torch.randn(r, 3 * r, generator=g)
                 stats[f"{m['name']}/{side}/covariance"] = x @ x.T / (3 * r) + 0.2 * torch.eye(r)
     return stats
-
-
-def _metric(meta, t, kind, damping, stats):
-    """float64 ``M`` on the dense rows: identity, or K-FAC ``(S ⊗ A + λI)⁻¹`` per Kronecker
-    module and ``(TᵀT/n + λI)⁻¹`` for the LayerNorm (what nnstat's ``kfac`` fits)."""
-    m = np.eye(t.shape[1])
-    if kind == "identity":
-        return m
-    for mod in dense_layout(meta)["modules"]:
-        s = slice(mod["offset"], mod["offset"] + mod["width"])
-        eye = np.eye(mod["width"])
-        if mod["r_out"] is None:
-            m[s, s] = np.linalg.inv(t[:, s].T @ t[:, s] / len(t) + damping * eye)
-        else:
-            sb = stats[f"{mod['name']}/backward/covariance"].double().numpy()
-            af = stats[f"{mod['name']}/forward/covariance"].double().numpy()
-            m[s, s] = np.linalg.inv(np.kron(sb, af) + damping * eye)  # row-major vec(G)
-    return m
 
 
 def _queries(meta, ranks, n_q=N_Q, seed=1, sigma2=None):
@@ -269,7 +251,7 @@ def test_preconditioned_rank_one_queries_score_as_numpy(
     # K-FAC at damping 0 keeps rank 1 (S⁻¹ Q A⁻¹); damped, M(Q) has full rank: not even tried
     want = {"m0": 1, "m1": None, "m2": 1, "m3": 1, "m4": 1} if factored else {}
     assert calls == [want] and sum(pairs) == (2 * N if factored else 0)
-    ref = mode_scores(q, t, _metric(meta, t, kind, damping or 0.0, stats), mode)
+    ref = mode_scores(q, t, kfac_metric(meta, t, kind, damping or 0.0, stats), mode)
     tol = dict(rtol=2e-4, atol=2e-4 * np.abs(ref).max())
     np.testing.assert_allclose(full.scores.double().numpy(), ref, **tol)
     top = compute_influence_all(log, root, top_k=4, **kw)
