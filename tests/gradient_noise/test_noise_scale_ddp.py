@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import spawn
+from _noise_ref import population_noise
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -347,20 +348,9 @@ def _unequal_ranks(rank: int, out_dir: str, items: bool = False) -> None:
 
 def _exact_unequal() -> tuple[float, float]:
     """``|G|^2`` and ``tr(Sigma)`` of `_unequal_data` at the initial weights (torch.func)."""
-    from torch.func import functional_call, grad, vmap
-
     x, y = _unequal_data()
     torch.manual_seed(0)
-    model = nn.Linear(3, 1).double()
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def one(p, xi, yi):
-        return (functional_call(model, p, (xi[None],)) - yi[None]).pow(2).mean()
-
-    g = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
-    flat = torch.cat([v.reshape(4, -1) for v in g.values()], 1)
-    mean = flat.mean(0)
-    return float(mean @ mean), float((flat - mean).pow(2).sum(1).mean())
+    return population_noise(nn.Linear(3, 1).double(), x, y)
 
 
 @pytest.mark.timeout(120)

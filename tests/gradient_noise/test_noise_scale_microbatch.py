@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 from _ledger import DeviceLedger, Kernels, host_reads
+from _noise_ref import population_noise
 from torch import nn
-from torch.func import functional_call, grad, vmap
 
 import nnstat
 from nnstat.background.transfer import LocalCopy
@@ -218,16 +218,8 @@ def test_unbiased_for_linear_regression_closed_form():
 def _exact_b_simple(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     """B_simple of the empirical distribution (batches drawn with replacement): per-sample
     gradients of every data point by torch.func."""
-    params = {n: p.detach() for n, p in model.named_parameters()}
-
-    def loss(p, xi, yi):
-        return nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
-
-    per = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
-    flat = torch.cat([g.reshape(len(x), -1) for g in per.values()], 1).double()
-    g = flat.mean(0)
-    trace = float((flat - g).pow(2).sum(1).mean())
-    return trace / float(g.pow(2).sum())
+    g_sq, trace = population_noise(model, x, y, nn.functional.cross_entropy)
+    return trace / g_sq
 
 
 def test_agrees_with_the_per_sample_estimator_on_the_same_run():
@@ -441,15 +433,7 @@ def test_unequal_micro_batches_are_exact_in_expectation_with_their_sizes(accumul
     x = torch.randn(5, 3, generator=gen, dtype=torch.float64)
     y = torch.randn(5, 1, generator=gen, dtype=torch.float64)
     model = nn.Linear(3, 1).double()
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def one(p, xi, yi):
-        return (functional_call(model, p, (xi[None],)) - yi[None]).pow(2).mean()
-
-    g = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
-    flat = torch.cat([v.reshape(5, -1) for v in g.values()], 1)
-    mean = flat.mean(0)
-    g_sq, trace = float(mean @ mean), float((flat - mean).pow(2).sum(1).mean())
+    g_sq, trace = population_noise(model, x, y)
     # how the step's loss weights micro-batch k's summed loss over its b samples
     weight = {"mean": lambda b: 1 / (2 * b), "sum": lambda b: 1 / b, "items": lambda b: 1 / 3}
 
@@ -486,15 +470,7 @@ def test_a_step_of_fewer_micro_batches_than_the_divisor_is_exact_with_the_diviso
     x = torch.randn(4, 3, generator=gen, dtype=torch.float64)
     y = torch.randn(4, 1, generator=gen, dtype=torch.float64)
     model = nn.Linear(3, 1).double()
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def one(p, xi, yi):
-        return (functional_call(model, p, (xi[None],)) - yi[None]).pow(2).mean()
-
-    g = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
-    flat = torch.cat([v.reshape(4, -1) for v in g.values()], 1)
-    mean = flat.mean(0)
-    g_sq, trace = float(mean @ mean), float((flat - mean).pow(2).sum(1).mean())
+    g_sq, trace = population_noise(model, x, y)
 
     def expectation(divisor):
         gns = nnstat.NoiseScale(window=10**6)
