@@ -5,12 +5,11 @@ from __future__ import annotations
 import gc
 import json
 import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+from _child import run_script
 
 from nnstat.recorder import Recorder, read_step_meta, read_step_stats
 from nnstat.recorder.storage import read_kpis
@@ -37,13 +36,6 @@ for step in range(50):
 """
 
 
-def _default_signals() -> None:
-    """The child starts with the signals at their defaults (a test run under ``nohup`` inherits
-    SIGHUP ignored, and nnstat leaves an ignored signal so)."""
-    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
-
-
 def _steps(rec: Recorder, n: int) -> list[float]:
     model = torch.nn.Linear(4, 2)
     rec.track_module(model)
@@ -65,13 +57,7 @@ def _steps(rec: Recorder, n: int) -> list[float]:
 def test_kpis_of_a_script_stopped_early_are_written(tmp_path, how, returncode) -> None:
     script = tmp_path / "rec.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), how],
-        capture_output=True,
-        preexec_fn=_default_signals,
-        text=True,
-        timeout=120,
-    )
+    proc = run_script(script, str(tmp_path), how)
     assert "not reached" not in proc.stdout
     if returncode is None:  # Python's KeyboardInterrupt (raised, or SIGINT's handler) ends it
         assert "KeyboardInterrupt" in proc.stderr and proc.returncode != 0, proc.stderr

@@ -3,21 +3,12 @@ shard like a normal exit, then the signal goes on to the handler installed befor
 a block or inside finalize() is held until it ends; a graceful user handler keeps every row."""
 
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
+from _child import run_script
 
 import nnstat
-
-
-def _default_signals() -> None:
-    """The child starts with SIGINT/SIGHUP at their defaults: a test launched under ``nohup`` or
-    as a background job inherits them ignored, and nnstat rightly leaves an ignored signal so."""
-    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
-
 
 SCRIPT = r"""
 import os, signal, sys, time, torch
@@ -51,13 +42,7 @@ print("not reached", flush=True)
 def test_a_signal_without_finalize_keeps_every_row(tmp_path, how, returncode):
     script = tmp_path / "log.py"
     script.write_text(SCRIPT)
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), how],
-        capture_output=True,
-        preexec_fn=_default_signals,
-        text=True,
-        timeout=120,
-    )
+    done = run_script(script, str(tmp_path), how)
     assert "not reached" not in done.stdout, done.stderr
     if returncode is not None:
         assert done.returncode == returncode, done.stderr
@@ -124,13 +109,7 @@ print("stopped after", len(stop), "signal(s)", flush=True)
 def test_a_graceful_user_handler_finishes_the_step_and_keeps_every_row(tmp_path, where, rows):
     script = tmp_path / "log.py"
     script.write_text(GRACEFUL)
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), where],
-        capture_output=True,
-        preexec_fn=_default_signals,
-        text=True,
-        timeout=120,
-    )
+    done = run_script(script, str(tmp_path), where)
     # before: an AssertionError in the block after the flush, and the open shard lost
     assert done.returncode == 0, done.stderr
     assert "stopped after 1 signal(s)" in done.stdout
@@ -171,13 +150,7 @@ print("not reached", flush=True)
 def test_sigterm_during_finalize_keeps_the_open_shard(tmp_path):
     script = tmp_path / "log.py"
     script.write_text(FINALIZE)
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)],
-        capture_output=True,
-        preexec_fn=_default_signals,
-        text=True,
-        timeout=120,
-    )
+    done = run_script(script, str(tmp_path))
     assert "not reached" not in done.stdout
     assert done.returncode == -signal.SIGTERM, done.stderr  # still ends killed by SIGTERM
     store = nnstat.GradientStore(tmp_path / "p")
@@ -188,13 +161,7 @@ def test_sighup_without_finalize_keeps_every_row(tmp_path):
     script = tmp_path / "log.py"
     script.write_text(SCRIPT.replace("else signal.SIGTERM)", "else signal.SIGHUP)"))
     assert "else signal.SIGHUP)" in script.read_text()
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), "sighup"],
-        capture_output=True,
-        preexec_fn=_default_signals,
-        text=True,
-        timeout=120,
-    )
+    done = run_script(script, str(tmp_path), "sighup")
     assert done.returncode == -signal.SIGHUP, done.stderr
     assert "flushed at a signal" in done.stderr
     store = nnstat.GradientStore(tmp_path / "p")

@@ -6,10 +6,10 @@ then hands the signal on to the handler installed before; a signal arriving insi
 import json
 import signal
 import subprocess
-import sys
 
 import pytest
 import torch
+from _child import run_script
 
 import nnstat
 
@@ -75,23 +75,10 @@ print("not reached", flush=True)
 """
 
 
-def _default_signals() -> None:
-    """The child starts with SIGTERM/SIGINT/SIGHUP at their defaults (a test launched under
-    ``nohup`` inherits them ignored, and nnstat leaves an ignored signal so)."""
-    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
-
-
 def _run(tmp_path, mode: str, how: str, steps: int) -> tuple[subprocess.CompletedProcess, list]:
     script, out = tmp_path / "train.py", tmp_path / f"{mode}-{how}.jsonl"
     script.write_text(SCRIPT)
-    done = subprocess.run(
-        [sys.executable, str(script), str(out), mode, how, str(steps)],
-        capture_output=True,
-        preexec_fn=_default_signals,
-        text=True,
-        timeout=300,
-    )
+    done = run_script(script, str(out), mode, how, str(steps), timeout=300)
     assert "not reached" not in done.stdout and out.exists(), done.stderr
     return done, [json.loads(line) for line in out.read_text().splitlines()]
 
