@@ -142,6 +142,21 @@ class Kernels(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class LargestTensor(Kernels):
+    """`Kernels`, and the largest tensor any op makes (``largest``, bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
 def device_branch_staging(monkeypatch, on: bool = True) -> list[tuple[int, torch.dtype]]:
     """Scoring's device branch switched ``on`` (run on the CPU, as a GPU would take it); returns
     the list each host staging buffer the reader takes (what is copied to the device) is added

@@ -15,7 +15,7 @@ import pytest
 import torch
 from _factored_ref import dense_numpy, factored_modules
 from _influence_ref import mode_scores
-from _ledger import DeviceLedger, Kernels, device_branch_staging, host_reads
+from _ledger import DeviceLedger, LargestTensor, device_branch_staging, host_reads
 
 from nnstat.influence import compute_influence_all, compute_self_influence, score
 from nnstat.influence.ondevice import stream_scores
@@ -213,21 +213,6 @@ def _stream(mods, blocks, q, top_k, n_rows=None):
     return stream_scores(q, None, iter(blocks), pre, None, "dot", **kw)
 
 
-class _Largest(Kernels):
-    """`Kernels`, and the largest tensor any op makes (bytes)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel() * t.element_size())
-        return out
-
-
 @pytest.mark.parametrize("n_q", [1, 4])  # one query: the direct contraction
 @pytest.mark.parametrize("top_k", [None, 3])
 def test_ops_per_block_on_meta_do_not_grow_with_modules_and_no_op_makes_a_dense_block(n_q, top_k):
@@ -239,7 +224,7 @@ def test_ops_per_block_on_meta_do_not_grow_with_modules_and_no_op_makes_a_dense_
             q = torch.randn(n_q, k * 256 + 4, device="meta")
             with DeviceLedger():  # index tensors copied to meta once, then cached
                 _stream(mods, blocks, q, top_k)
-            with DeviceLedger() as ledger, _Largest() as ops:
+            with DeviceLedger() as ledger, LargestTensor() as ops:
                 _stream(mods, blocks, q, top_k)
             counted[n_blocks] = (sum(ops.ops.values()), ledger.counts())
             stored_block = n * blocks[0][2].shape[1] * 4

@@ -18,7 +18,7 @@ import pytest
 import torch
 from _factored_ref import dense_numpy, kfac_metric
 from _influence_ref import mode_scores
-from _ledger import DeviceLedger, Kernels, device_branch_staging, host_reads
+from _ledger import DeviceLedger, LargestTensor, device_branch_staging, host_reads
 from safetensors.torch import save_file
 
 import nnstat.influence.factored_scores as fs
@@ -304,21 +304,6 @@ class _Factored:
         raise AssertionError("a block was multiplied out")
 
 
-class _Largest(Kernels):
-    """`Kernels`, and the largest tensor any op makes (bytes)."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel() * t.element_size())
-        return out
-
-
 @pytest.mark.parametrize("mode", ["dot", "relatif"])  # relatif: identity's norms from factors
 @pytest.mark.parametrize("top_k", [None, 3])
 def test_factored_query_ops_per_block_on_meta_do_not_grow_with_modules(spies, top_k, mode):
@@ -345,7 +330,7 @@ def test_factored_query_ops_per_block_on_meta_do_not_grow_with_modules(spies, to
             with DeviceLedger():  # index tensors copied to meta once, then cached
                 run()
             pairs.clear()
-            with DeviceLedger() as ledger, _Largest() as ops:
+            with DeviceLedger() as ledger, LargestTensor() as ops:
                 run()
             assert sum(pairs) == n * n_blocks  # every row by the factors route
             counted[n_blocks] = (sum(ops.ops.values()), ledger.counts())
