@@ -148,6 +148,24 @@ def _summed_token_loss(model, sample: dict, shift: bool) -> torch.Tensor:
     )
 
 
+def _summed_token_self_influence(model, run, cols: dict, shift: bool) -> torch.Tensor:
+    """Each of the 6 samples' squared gradient norm of its summed token loss (identity
+    self-influence), by autograd one sample at a time over the run's watched parameters."""
+    params = _watched_params(run)
+    assert len(params) > 5
+    model.eval()
+    return torch.stack(
+        [
+            _squared_norm(
+                model,
+                params,
+                _summed_token_loss(model, {k: v[i : i + 1] for k, v in cols.items()}, shift),
+            )
+            for i in range(6)
+        ]
+    )
+
+
 @pytest.mark.parametrize("build", [_bert_mlm, _t5, _gpt2], ids=["bert-mlm", "t5", "gpt2"])
 def test_patched_trainer_rows_are_summed_token_loss_gradients(tmp_path, build):
     torch.manual_seed(0)
@@ -159,18 +177,8 @@ def test_patched_trainer_rows_are_summed_token_loss_gradients(tmp_path, build):
     assert not [w for w in caught if "batch size" in str(w.message)]  # the layout is recognised
     got = trainer.self_influence(preconditioner="identity").scores
 
-    params = _watched_params(run)
-    assert len(params) > 5
-    model.eval()
-    ref = [
-        _squared_norm(
-            model,
-            params,
-            _summed_token_loss(model, {k: v[i : i + 1] for k, v in cols.items()}, shift),
-        )
-        for i in range(6)
-    ]
-    torch.testing.assert_close(got.double(), torch.stack(ref), rtol=1e-4, atol=1e-8)
+    ref = _summed_token_self_influence(model, run, cols, shift)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-8)
 
 
 def _token_ce(outputs, labels, num_items_in_batch=None):
@@ -200,17 +208,8 @@ def test_compute_loss_func_dividing_by_num_items_gives_summed_rows(tmp_path):
     trainer, model, cols = _trainer_with_loss(tmp_path, _token_ce)
     run = trainer.extract_log()
     got = trainer.self_influence(preconditioner="identity").scores
-    params = _watched_params(run)
-    model.eval()
-    ref = [
-        _squared_norm(
-            model,
-            params,
-            _summed_token_loss(model, {k: v[i : i + 1] for k, v in cols.items()}, False),
-        )
-        for i in range(6)
-    ]
-    torch.testing.assert_close(got.double(), torch.stack(ref), rtol=1e-4, atol=1e-8)
+    ref = _summed_token_self_influence(model, run, cols, False)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-8)
 
 
 def test_unrecognised_mean_loss_warns_once_and_scales_by_batch_size(tmp_path):
