@@ -202,9 +202,28 @@ class _Classifier(nn.Module):
         return {"loss": nn.functional.cross_entropy(self.net(x), labels)}
 
 
+def _train_on_gloo(model, dataset, cb, out_dir: str, **args) -> tuple:
+    """Train ``model`` on ``dataset`` with the HF Trainer under gloo (CPU, nothing saved, a log
+    line every step, ``args`` on top); returns the trainer and its noise-scale log lines."""
+    import transformers
+
+    arguments = transformers.TrainingArguments(
+        output_dir=out_dir,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
+        ddp_backend="gloo",
+        **args,
+    )
+    trainer = transformers.Trainer(model, arguments, train_dataset=dataset, callbacks=[cb])
+    trainer.train()
+    return trainer, [h for h in trainer.state.log_history if "noise_scale/trace_sigma" in h]
+
+
 def _hf_trainer(rank: int, out_dir: str) -> None:
     """One rank of a 2-process HF Trainer run (accelerate sets up gloo from the environment)."""
-    import transformers
     from nnstat.integrations.huggingface import NNStatCallback
 
     model, seen = _Classifier(), []
@@ -215,21 +234,10 @@ def _hf_trainer(rank: int, out_dir: str) -> None:
 
     model.register_forward_pre_hook(record, with_kwargs=True)
     cb = NNStatCallback(stats=["l2"], groups=["weight"], noise_scale_window=10)
-    args = transformers.TrainingArguments(
-        output_dir=out_dir,
-        report_to="none",
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        per_device_train_batch_size=B,
-        max_steps=3,
-        logging_steps=1,
-        learning_rate=0.1,
-        ddp_backend="gloo",
-    )  # fmt: skip  (max_grad_norm: the Trainer's 1.0, which clips after the hook measured)
-    trainer = transformers.Trainer(model, args, train_dataset=_Points(), callbacks=[cb])
-    trainer.train()
-    logs = [h for h in trainer.state.log_history if "noise_scale/trace_sigma" in h]
+    # max_grad_norm: the Trainer's 1.0, which clips after the hook measured
+    trainer, logs = _train_on_gloo(
+        model, _Points(), cb, out_dir, per_device_train_batch_size=B, max_steps=3, learning_rate=0.1
+    )
     out = {"method": cb.hooks.method, "wrapped": type(trainer.model_wrapped).__name__}
     with open(os.path.join(out_dir, f"hf{rank}.json"), "w") as f:
         json.dump({**out, "logs": logs, "seen": seen}, f)
@@ -356,7 +364,6 @@ class _TokenSum(nn.Module):
 
 def _hf_token_counts(rank: int, out_dir: str) -> None:
     """One rank of a 2-process HF Trainer step whose ranks hold different label-token counts."""
-    import transformers
     from nnstat.integrations.huggingface import NNStatCallback
 
     model, counts = _TokenSum(), []
@@ -364,22 +371,10 @@ def _hf_token_counts(rank: int, out_dir: str) -> None:
         lambda m, a, kw: counts.append(int(kw["labels"].ne(-100).sum())), with_kwargs=True
     )
     cb = NNStatCallback(stats=["l2"], groups=["weight"], noise_scale_window=10)
-    args = transformers.TrainingArguments(
-        output_dir=out_dir,
-        report_to="none",
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        per_device_train_batch_size=2,
-        max_steps=1,
-        logging_steps=1,
-        learning_rate=0.0,
-        ddp_backend="gloo",
-        average_tokens_across_devices=True,
-    )
-    trainer = transformers.Trainer(model, args, train_dataset=_Padded(), callbacks=[cb])
-    trainer.train()
-    logs = [h for h in trainer.state.log_history if "noise_scale/trace_sigma" in h]
+    trainer, logs = _train_on_gloo(
+        model, _Padded(), cb, out_dir, per_device_train_batch_size=2, max_steps=1,
+        learning_rate=0.0, average_tokens_across_devices=True,
+    )  # fmt: skip
     with open(os.path.join(out_dir, f"tokens{rank}.json"), "w") as f:
         json.dump({"method": cb.hooks.method, "logs": logs, "counts": counts}, f)
     gc.collect()
@@ -432,7 +427,6 @@ class _Sentences(torch.utils.data.Dataset):
 
 def _hf_gpt2(rank: int, out_dir: str) -> None:
     """One rank of a 2-process HF Trainer step of a tiny GPT-2 on padded sequences."""
-    import transformers
     from nnstat.integrations.huggingface import NNStatCallback
 
     model, seen = _tiny_gpt2(), []
@@ -441,14 +435,10 @@ def _hf_gpt2(rank: int, out_dir: str) -> None:
         with_kwargs=True,
     )
     cb = NNStatCallback(stats=["l2"], groups=["weight"], noise_scale_window=10)
-    args = transformers.TrainingArguments(
-        output_dir=out_dir, report_to="none", use_cpu=True, save_strategy="no",
-        disable_tqdm=True, per_device_train_batch_size=2, max_steps=1, logging_steps=1,
-        learning_rate=0.0, ddp_backend="gloo", max_grad_norm=0.0,
+    trainer, logs = _train_on_gloo(
+        model, _Sentences(), cb, out_dir, per_device_train_batch_size=2, max_steps=1,
+        learning_rate=0.0, max_grad_norm=0.0,
     )  # fmt: skip
-    trainer = transformers.Trainer(model, args, train_dataset=_Sentences(), callbacks=[cb])
-    trainer.train()
-    logs = [h for h in trainer.state.log_history if "noise_scale/trace_sigma" in h]
     with open(os.path.join(out_dir, f"gpt{rank}.json"), "w") as f:
         json.dump({"logs": logs, "seen": seen}, f)
     gc.collect()
