@@ -455,26 +455,29 @@ def _is_trainer(obj: Any) -> bool:
 def _on_stack_local(name: str, depth: int = 8) -> str | None:
     """The first callers' local variable ``name`` that is a path to a folder (the Trainer's
     training loop's ``resume_from_checkpoint``, resolved from ``True`` to the last one)."""
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return None
-        value = frame.f_locals.get(name)
-        if isinstance(value, str) and os.path.isdir(value):
-            return value
-        frame = frame.f_back
-    return None
+    return _first_on_stack(
+        lambda f: v if isinstance(v := f.f_locals.get(name), str) and os.path.isdir(v) else None,
+        depth,
+    )
 
 
 def _on_stack(match: Any, depth: int = 8) -> Any:
     """The first ``self`` of the callers' frames (above this callback's own) that ``match``
     accepts: HF's CallbackHandler dispatching the event, the Trainer running the loop."""
-    frame = sys._getframe(2)
+    return _first_on_stack(
+        lambda f: o if (o := f.f_locals.get("self")) is not None and match(o) else None, depth
+    )
+
+
+def _first_on_stack(pick: Any, depth: int) -> Any:
+    """The first value ``pick(frame)`` gives that is not ``None``, over the ``depth`` frames
+    above the callback method that called `_on_stack` or `_on_stack_local`."""
+    frame = sys._getframe(3)  # 0: here, 1: _on_stack*, 2: the callback's method, 3: its caller
     for _ in range(depth):
         if frame is None:
             return None
-        owner = frame.f_locals.get("self")
-        if owner is not None and match(owner):
-            return owner
+        found = pick(frame)
+        if found is not None:
+            return found
         frame = frame.f_back
     return None
